@@ -1,0 +1,155 @@
+"""Metric names and buckets: part of the interface (DESIGN §7). Every service builds its
+metrics from here so dashboards, alerts and tests have one source of truth."""
+
+from __future__ import annotations
+
+PREFIX = "dhisparse:"
+
+# vLLM-style histogram buckets.
+TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+    160.0,
+    640.0,
+    2560.0,
+)
+TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+E2E_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+    1920.0,
+    7680.0,
+)
+# Allocation wait spans "admitted at once" to "waited for a slot for minutes".
+ALLOC_WAIT_BUCKETS = (
+    0.0005,
+    0.001,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+    5.0,
+    10.0,
+    20.0,
+    30.0,
+    60.0,
+    120.0,
+    300.0,
+)
+RECLAIM_LATENCY_BUCKETS = (
+    0.0001,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
+
+# --- shared by gateway and worker -------------------------------------------------------------
+NUM_REQUESTS_RUNNING = PREFIX + "num_requests_running"
+NUM_REQUESTS_WAITING = PREFIX + "num_requests_waiting"
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"
+TIME_PER_OUTPUT_TOKEN = PREFIX + "time_per_output_token_seconds"
+E2E_REQUEST_LATENCY = PREFIX + "e2e_request_latency_seconds"
+PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter (exported with _total)
+GENERATION_TOKENS = PREFIX + "generation_tokens"  # counter
+REQUEST_SUCCESS = PREFIX + "request_success"  # counter{finished_reason}
+
+# --- gateway: admission ---------------------------------------------------------------------
+ALLOCATION_WAIT = PREFIX + "allocation_wait_seconds"
+QUEUE_DEPTH = PREFIX + "admission_queue_depth"
+REQUESTS_REJECTED = PREFIX + "requests_rejected"  # counter{reason,status}
+ADMITTED_SESSIONS = PREFIX + "admitted_sessions"  # gauge{worker}
+ADMITTED_BYTES = PREFIX + "admitted_bytes"  # gauge{worker}
+FREE_CAPACITY_BYTES = PREFIX + "free_capacity_bytes"  # gauge{worker}
+
+# --- worker: KV hierarchy ---------------------------------------------------------------------
+KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge{class=required|optional|reserve|free}
+RECLAIM_EVENTS = PREFIX + "reclaim_events"  # counter
+RECLAIM_PAGES = PREFIX + "reclaim_pages"  # counter
+RECLAIM_LATENCY = PREFIX + "reclaim_latency_seconds"  # histogram
+REPOPULATED_PAGES = PREFIX + "repopulated_pages"  # counter
+RESOLVER_ROWS = PREFIX + "resolver_rows"  # counter{path=direct|hot|host}
+HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / generation_tokens rate
+PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
+
+# --- worker: speculative decoding (vLLM conventions) ----------------------------------------
+SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"
+SPEC_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens"
+SPEC_ACCEPTED_TOKENS = PREFIX + "spec_decode_num_accepted_tokens"
+SPEC_ACCEPTED_PER_POS = PREFIX + "spec_decode_num_accepted_tokens_per_pos"  # {position}
+SPEC_BLOCK_WIDTH = PREFIX + "spec_decode_block_width"  # gauge
+
+# --- kv_host_store ----------------------------------------------------------------------------
+HOST_STORE_USED_BYTES = PREFIX + "host_store_used_bytes"
+HOST_STORE_CAPACITY_BYTES = PREFIX + "host_store_capacity_bytes"
+HOST_STORE_DURABLE_BYTES = PREFIX + "host_store_durable_bytes"
+HOST_STORE_REGIONS = PREFIX + "host_store_regions"
+HOST_STORE_REQUESTS = PREFIX + "host_store_requests"
+HOST_STORE_REFUSED = PREFIX + "host_store_allocations_refused"  # counter

@@ -1,0 +1,137 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class ArenaRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ArenaInfo(_message.Message):
+    __slots__ = ("path", "capacity_bytes", "alignment", "store_id")
+    PATH_FIELD_NUMBER: _ClassVar[int]
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALIGNMENT_FIELD_NUMBER: _ClassVar[int]
+    STORE_ID_FIELD_NUMBER: _ClassVar[int]
+    path: str
+    capacity_bytes: int
+    alignment: int
+    store_id: str
+    def __init__(self, path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., alignment: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
+
+class AllocateRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "source", "num_rows", "row_bytes")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    source: int
+    num_rows: int
+    row_bytes: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+
+class RowRange(_message.Message):
+    __slots__ = ("start", "end")
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    end: int
+    def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
+
+class Region(_message.Message):
+    __slots__ = ("region_id", "request_id", "owner", "source", "offset", "num_rows", "row_bytes", "durable")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    request_id: str
+    owner: str
+    source: int
+    offset: int
+    num_rows: int
+    row_bytes: int
+    durable: _containers.RepeatedCompositeFieldContainer[RowRange]
+    def __init__(self, region_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ...) -> None: ...
+
+class MarkDurableRequest(_message.Message):
+    __slots__ = ("region_id", "owner", "start_row", "end_row")
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    START_ROW_FIELD_NUMBER: _ClassVar[int]
+    END_ROW_FIELD_NUMBER: _ClassVar[int]
+    region_id: str
+    owner: str
+    start_row: int
+    end_row: int
+    def __init__(self, region_id: _Optional[str] = ..., owner: _Optional[str] = ..., start_row: _Optional[int] = ..., end_row: _Optional[int] = ...) -> None: ...
+
+class MarkDurableResponse(_message.Message):
+    __slots__ = ("durable_rows",)
+    DURABLE_ROWS_FIELD_NUMBER: _ClassVar[int]
+    durable_rows: int
+    def __init__(self, durable_rows: _Optional[int] = ...) -> None: ...
+
+class LookupRequest(_message.Message):
+    __slots__ = ("request_id", "owner")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+
+class LookupResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("owner", "request_id", "region_id")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    request_id: str
+    region_id: str
+    def __init__(self, owner: _Optional[str] = ..., request_id: _Optional[str] = ..., region_id: _Optional[str] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released", "bytes_freed")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FREED_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    bytes_freed: int
+    def __init__(self, released: _Optional[int] = ..., bytes_freed: _Optional[int] = ...) -> None: ...
+
+class StatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StatsResponse(_message.Message):
+    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes")
+    CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    USED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    ALLOCATIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
+    LARGEST_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    capacity_bytes: int
+    used_bytes: int
+    regions: int
+    requests: int
+    durable_bytes: int
+    allocations_refused: int
+    largest_free_bytes: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,28 @@
+from __future__ import annotations
+
+from typing import Protocol
+
+
+class Tokenizer(Protocol):
+    """What the gateway and the worker need of a tokenizer.
+
+    ``encode`` recognises special-token strings (as rendered by the chat template) and maps
+    them to their ids; ordinary text never produces special ids.
+    """
+
+    vocab_size: int
+    bos_token_id: int | None
+    eos_token_id: int
+    pad_token_id: int | None
+    mask_token_id: int | None
+    chat_template: str
+
+    def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_text(self, token_id: int) -> str:
+        """The text of one token as shown in logprobs (may be a partial UTF-8 sequence)."""
+        ...
+
+    def is_special(self, token_id: int) -> bool: ...

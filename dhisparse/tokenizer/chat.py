@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jinja2
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+# The template of the built-in byte tokenizer. A model that ships a tokenizer_config.json with a
+# "chat_template" uses its own.
+DEFAULT_CHAT_TEMPLATE = (
+    "{% for m in messages %}"
+    "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+    "{{ raise_exception('unsupported role: ' ~ m['role']) }}"
+    "{% endif %}"
+    "<|{{ m['role'] }}|>{{ m['content'] }}<|end|>"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+
+class ChatTemplateError(ValueError):
+    """The messages cannot be rendered with the model's template (a client error)."""
+
+
+def _raise_exception(message: str) -> None:
+    raise ChatTemplateError(message)
+
+
+_ENV = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+_ENV.globals["raise_exception"] = _raise_exception
+
+
+def render_chat(
+    template: str,
+    messages: Sequence[Mapping[str, Any]],
+    add_generation_prompt: bool = True,
+    **kwargs: Any,
+) -> str:
+    """Renders a chat with a Jinja template the way Hugging Face tokenizers do."""
+    try:
+        compiled = _ENV.from_string(template)
+        return compiled.render(
+            messages=list(messages), add_generation_prompt=add_generation_prompt, **kwargs
+        )
+    except ChatTemplateError:
+        raise
+    except jinja2.TemplateError as e:
+        raise ChatTemplateError(f"chat template failed: {e}") from e

@@ -1,0 +1,1 @@
+"""The three dhisparse services: gateway, worker and kv_host_store."""

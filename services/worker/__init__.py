@@ -1,0 +1,1 @@
+"""The GPU worker: model, engine, KV hierarchy, kernels and the gRPC front."""

@@ -1,0 +1,154 @@
+"""Model configuration for the DSA-style decoder family.
+
+Topology vocabulary (DESIGN §2):
+
+- A *KV source* stores one row of ``d_kv`` elements per ``compress`` tokens (m). The first layer
+  that names a source is its *owner* and computes its rows; later layers naming the same source
+  are *consumers* of a shared source.
+- Every layer attends over rows selected by a top-k indexer. How it gets its selection:
+  ``producer``  runs its own lightning indexer over its source (a Reindex consumer when it is not
+                the owner);
+  ``follower``  uses the positions selected by ``leader`` (an index producer over a different
+                source with the same compression): shared indices, distinct payloads;
+  ``reuse``     inherits ``leader``'s selected-location vector (same source): no new selection
+                and no new resolution.
+- A source with ``window > 0`` adds a local sliding-window branch over the last ``window``
+  uncompressed token rows, attended jointly with the selected rows.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Literal
+
+IndexMode = Literal["producer", "follower", "reuse"]
+
+
+@dataclass(frozen=True)
+class SourceSpec:
+    compress: int = 1  # m tokens per stored row (1 = none)
+    window: int = 0  # local sliding-window branch over uncompressed tokens (0 = none)
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    source: int
+    index: IndexMode = "producer"
+    leader: int = -1  # follower: the index producer it follows; reuse: the layer it inherits from
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str
+    vocab_size: int
+    d_model: int
+    n_heads: int
+    d_latent: int  # MLA latent (kv_lora_rank): the value part of a stored row
+    d_rope: int  # decoupled RoPE key part of a stored row
+    d_ff: int
+    n_index_heads: int
+    d_index: int
+    index_topk: int  # k: rows each query attends to (besides the local window)
+    sources: tuple[SourceSpec, ...]
+    layers: tuple[LayerSpec, ...]
+    max_position: int = 65536
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    eos_token_id: int = 257
+    bos_token_id: int | None = 256
+    mask_token_id: int | None = 259
+    tie_embeddings: bool = True
+    dtype: str = "float32"
+    extra: dict = field(default_factory=dict)
+
+    # ---- derived -------------------------------------------------------------------------
+    @property
+    def d_kv(self) -> int:
+        """Elements per stored KV row (latent + rope), the MQA key width."""
+        return self.d_latent + self.d_rope
+
+    @property
+    def n_layers(self) -> int:
+        return len(self.layers)
+
+    def source_owner(self, source: int) -> int:
+        """The layer that computes and writes the rows of ``source``."""
+        for i, spec in enumerate(self.layers):
+            if spec.source == source:
+                return i
+        raise ValueError(f"source {source} is read by no layer")
+
+    def is_owner(self, layer: int) -> bool:
+        return self.source_owner(self.layers[layer].source) == layer
+
+    @property
+    def index_producers(self) -> tuple[int, ...]:
+        return tuple(i for i, s in enumerate(self.layers) if s.index == "producer")
+
+    def rows_for_tokens(self, source: int, num_tokens: int) -> int:
+        """Complete stored rows of ``source`` after ``num_tokens`` tokens (eq. 8)."""
+        return num_tokens // self.sources[source].compress
+
+    def validate(self) -> None:
+        if not self.layers:
+            raise ValueError("a model needs at least one layer")
+        if self.index_topk < 1:
+            raise ValueError("index_topk must be >= 1")
+        for s, src in enumerate(self.sources):
+            if src.compress < 1:
+                raise ValueError(f"source {s}: compress must be >= 1")
+            if src.window < 0:
+                raise ValueError(f"source {s}: window must be >= 0")
+            self.source_owner(s)
+        for i, spec in enumerate(self.layers):
+            if not 0 <= spec.source < len(self.sources):
+                raise ValueError(f"layer {i}: unknown source {spec.source}")
+            if spec.index == "producer":
+                continue
+            if not 0 <= spec.leader < i:
+                raise ValueError(f"layer {i}: leader must be an earlier layer, got {spec.leader}")
+            leader = self.layers[spec.leader]
+            if spec.index == "follower":
+                if leader.index != "producer":
+                    raise ValueError(f"layer {i}: follows layer {spec.leader}, not a producer")
+                ms = self.sources[spec.source].compress, self.sources[leader.source].compress
+                if ms[0] != ms[1]:
+                    raise ValueError(
+                        f"layer {i}: follower and leader sources differ in compression"
+                    )
+            elif spec.index == "reuse":
+                if leader.source != spec.source:
+                    raise ValueError(f"layer {i}: reuse needs the leader's source {leader.source}")
+                if self.is_owner(i):
+                    raise ValueError(f"layer {i}: a reuse consumer cannot own its source")
+            else:
+                raise ValueError(f"layer {i}: unknown index mode {spec.index!r}")
+
+    # ---- (de)serialisation -----------------------------------------------------------------
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["sources"] = [asdict(s) for s in self.sources]
+        d["layers"] = [asdict(s) for s in self.layers]
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> ModelConfig:
+        known = {f.name for f in fields(cls)}
+        unknown = set(d) - known
+        if unknown:
+            raise ValueError(f"unknown model config fields: {sorted(unknown)}")
+        d = dict(d)
+        d["sources"] = tuple(SourceSpec(**s) for s in d["sources"])
+        d["layers"] = tuple(LayerSpec(**s) for s in d["layers"])
+        cfg = cls(**d)
+        cfg.validate()
+        return cfg
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        return cls.from_dict(json.loads(Path(path).read_text()))
