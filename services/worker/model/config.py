@@ -101,6 +101,9 @@ class ModelConfig:
                 raise ValueError(f"source {s}: compress must be >= 1")
             if src.window < 0:
                 raise ValueError(f"source {s}: window must be >= 0")
+            if src.compress > 1 and src.window < 1:
+                # Until a group completes its tokens are visible only through the window.
+                raise ValueError(f"source {s}: a compressed source needs a local window")
             self.source_owner(s)
         for i, spec in enumerate(self.layers):
             if not 0 <= spec.source < len(self.sources):

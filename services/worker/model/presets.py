@@ -15,6 +15,8 @@ _COMMON = dict(
     d_index=32,
     index_topk=32,
     max_position=65536,
+    # Untied: with random weights a tied head predicts the input token back (a fixed point).
+    tie_embeddings=False,
 )
 
 

@@ -1,0 +1,132 @@
+"""``dhisparse plan``: size GPUs and host memory with the capacity model (no torch import)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import replace
+
+from dhisparse.capacity.builtin import (
+    default_deployment,
+    get_profile,
+    profile_from_model_dir,
+    profile_names,
+)
+from dhisparse.capacity.model import GIB, TB
+from dhisparse.capacity.plan import build_plan
+from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
+from dhisparse.capacity.report import render_json, render_table
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    src = parser.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", choices=profile_names(), help="built-in profile or preset")
+    src.add_argument("--model", metavar="DIR", help="model directory with the engine's config.json")
+    parser.add_argument("--context", type=int, required=True, help="tokens per session")
+    parser.add_argument("--json", action="store_true", help="print JSON (exact bytes)")
+
+    d = parser.add_argument_group("drafter (eqs. 9-11)")
+    d.add_argument("--drafter", help="a drafter of the profile (e.g. dflash2 for glm-5.3)")
+    d.add_argument("--draft-window", type=int, help="W: prior positions the drafter reads")
+    d.add_argument("--draft-k-max", type=int, help="K_max: largest verified block")
+    d.add_argument("--draft-row-bytes", type=int, help="draft K/V bytes per row, all layers")
+    d.add_argument("--draft-fixed-gib", type=float, help="drafter fixed GiB/GPU besides staging")
+
+    m = parser.add_argument_group("profile overrides")
+    m.add_argument("--hot-cache-rows", type=int, help="B: hot-cache rows per source")
+    m.add_argument("--top-k-rows", type=int, help="k: rows each query selects")
+    m.add_argument("--page-size", type=int, help="p: rows per page")
+    m.add_argument("--tail-pages", type=int, help="tail pages per source")
+    m.add_argument("--chi", type=int, help="χ: payload sources live at once")
+    m.add_argument(
+        "--kv-dtype-bytes",
+        type=int,
+        help="element bytes (presets and --model; default: the config dtype)",
+    )
+
+    g = parser.add_argument_group("deployment (defaults: the profile's reference deployment)")
+    g.add_argument("--pool-gib", type=float, help="per-GPU memory for required allocations")
+    g.add_argument("--gpus", type=int, help="GPUs, each with its own sessions, per host")
+    g.add_argument("--fixed-gib", type=float, help="other fixed per-GPU allocations")
+    g.add_argument("--slots", type=int, help="N: request slots per GPU (ring and staging)")
+    host = g.add_mutually_exclusive_group()
+    host.add_argument("--host-gib", type=float, help="host memory for backups, GiB")
+    host.add_argument("--host-tb", type=float, help="host memory for backups, TB")
+
+    e = parser.add_argument_group("speculation pays (eq. 13)")
+    e.add_argument("--tpot-ratio", type=float, help="TPOT_spec / TPOT_base")
+    e.add_argument("--concurrency", type=int, help="offered load (sessions) for the share kept")
+
+
+def main(args: argparse.Namespace) -> int:
+    try:
+        profile = _profile(args)
+        drafter = _drafter(args, profile)
+        deployment = _deployment(args)
+        plan = build_plan(
+            profile,
+            args.context,
+            drafter,
+            deployment,
+            tpot_ratio=args.tpot_ratio,
+            load=args.concurrency,
+        )
+    except (ValueError, OSError) as exc:
+        print(f"dhisparse plan: error: {exc}", file=sys.stderr)
+        return 2
+    sys.stdout.write(render_json(plan) + "\n" if args.json else render_table(plan))
+    return 0
+
+
+def _profile(args: argparse.Namespace) -> Profile:
+    if args.model:
+        profile = profile_from_model_dir(args.model, kv_dtype_bytes=args.kv_dtype_bytes)
+    else:
+        profile = get_profile(args.profile, kv_dtype_bytes=args.kv_dtype_bytes)
+    return profile.with_overrides(
+        hot_cache_rows=args.hot_cache_rows,
+        top_k=args.top_k_rows,
+        page_size=args.page_size,
+        tail_pages=args.tail_pages,
+        chi=args.chi,
+    )
+
+
+def _drafter(args: argparse.Namespace, profile: Profile) -> DrafterProfile | None:
+    changes = {
+        "window": args.draft_window,
+        "k_max": args.draft_k_max,
+        "row_bytes": args.draft_row_bytes,
+        "fixed_bytes": _bytes(args.draft_fixed_gib, GIB),
+    }
+    given = {k: v for k, v in changes.items() if v is not None}
+    if args.drafter:
+        return replace(profile.drafter(args.drafter), **given)
+    if not given:
+        return None
+    required = {
+        "window": "--draft-window",
+        "k_max": "--draft-k-max",
+        "row_bytes": "--draft-row-bytes",
+    }
+    missing = [flag for field, flag in required.items() if field not in given]
+    if missing:
+        raise ValueError(f"a custom drafter needs {', '.join(missing)} (or --drafter NAME)")
+    return DrafterProfile(name="custom", **given)
+
+
+def _deployment(args: argparse.Namespace) -> Deployment:
+    dep = default_deployment(args.profile) if args.profile else Deployment()
+    pool = _bytes(args.pool_gib, GIB)
+    return dep.with_overrides(
+        pool_bytes=pool,
+        gpus=args.gpus,
+        fixed_bytes=_bytes(args.fixed_gib, GIB),
+        slots=args.slots,
+        host_bytes=_bytes(args.host_gib, GIB) or _bytes(args.host_tb, TB),
+        note="" if pool is not None else None,  # a given pool is no longer the implied one
+    )
+
+
+def _bytes(value: float | None, unit: int) -> int | None:
+    return None if value is None else round(value * unit)

@@ -1,0 +1,204 @@
+"""Rendering a :class:`~dhisparse.capacity.plan.Plan` as a text table or JSON.
+
+GPU figures are in GiB (2^30 B), host figures in GB/TB (10^9/10^12 B), as the paper prints
+them. JSON carries exact bytes."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+
+from dhisparse.capacity.model import GIB, TB, ring_rows
+from dhisparse.capacity.plan import Plan
+from dhisparse.capacity.profile import Profile
+
+_W = 40  # label column
+_C = 13  # value columns
+_BINARY = (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10))
+_DECIMAL = (("TB", TB), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
+
+
+def render_json(plan: Plan) -> str:
+    return json.dumps(plan.as_dict(), indent=2)
+
+
+def render_table(plan: Plan) -> str:
+    lines = _header(plan)
+    lines += ["", *_session_rows(plan)]
+    if plan.slots is not None:
+        lines += ["", *_slot_rows(plan)]
+    if plan.admissions:
+        lines += ["", *_admission_rows(plan)]
+    lines += ["", *_host_rows(plan)]
+    if plan.speculation is not None:
+        lines += ["", *_speculation_rows(plan)]
+    return "\n".join(lines) + "\n"
+
+
+def _header(plan: Plan) -> list[str]:
+    p = plan.profile
+    drafter = f", drafter {plan.drafter.name}" if plan.drafter else ""
+    lines = [
+        f"dhisparse plan: {p.name} at {plan.context_tokens:,} tokens{drafter}",
+        f"  {p.description}" if p.description else "",
+        *(f"  KV sources   {_source(p, i)}" for i in range(len(p.sources))),
+        *(
+            f"  index keys   {g.count} producers × {g.key_bytes} B/row (m={g.compress})"
+            for g in p.indexers
+        ),
+        f"  k={p.top_k}  B={p.hot_cache_rows}  tail={_pages(p.tail_pages)}  "
+        f"p={p.page_size}  χ={p.chi}",
+    ]
+    if plan.drafter:
+        d = plan.drafter
+        fixed = f", fixed {_binary(d.fixed_bytes)}/GPU" if d.fixed_bytes else ""
+        lines.append(
+            f"  drafter      {d.name}: W={d.window}, K_max={d.k_max}, "
+            f"{d.row_bytes:,} B/row draft K/V{fixed} (besides ring and staging)"
+        )
+    if p.estimated:
+        lines.append(f"  estimates    {'; '.join(p.estimated)}")
+    return [line for line in lines if line]
+
+
+def _source(p: Profile, i: int) -> str:
+    s = p.sources[i]
+    window = f", window {s.window}" if s.window else ""
+    return f"{s.count} × {s.kind} {s.row_bytes} B/row (m={s.compress}{window})"
+
+
+def _session_rows(plan: Plan) -> list[str]:
+    resident, hierarchy = plan.base
+    unit = _binary_unit(resident.total)
+    row = _row_in(unit)
+    title = f"per-session GPU memory ({unit[0]})"
+    out = [f"{title:<{_W}}{'resident':>{_C}}{'hierarchy':>{_C}}"]
+    labels = (
+        ("history", "history on GPU"),
+        ("hot_cache", f"hot cache (B={plan.profile.hot_cache_rows} rows/source)"),
+        ("tail", f"tail ({_pages(plan.profile.tail_pages)}/source)"),
+        ("window", "local window"),
+        ("index_keys", "index keys"),
+        ("metadata", "metadata (page map)"),
+    )
+    for field, label in labels:
+        if getattr(resident, field) or getattr(hierarchy, field):
+            out.append(row(label, getattr(resident, field), getattr(hierarchy, field)))
+    out.append(row("total", resident.total, hierarchy.total) + f"   ratio {plan.ratio():.1f}×")
+    d = plan.drafter
+    if plan.spec and d is not None:
+        r, h = plan.spec
+        rd = ring_rows(d.window, d.k_max, plan.profile.page_size)
+        out.append(row(f"+ draft ring (R_d={rd} rows)", r.draft_ring, h.draft_ring))
+        out.append(row("+ staging share (χ·K_max·k·d_kv)", r.staging, h.staging))
+        if r.window != resident.window or h.window != hierarchy.window:
+            # local windows also cover the verified block
+            grow = (r.window - resident.window, h.window - hierarchy.window)
+            out.append(row("+ window for the block", *grow))
+        out.append(
+            row(f"total with {d.name}", r.total, h.total) + f"   ratio {plan.ratio(True):.1f}×"
+        )
+    return out
+
+
+def _slot_rows(plan: Plan) -> list[str]:
+    s = plan.slots
+    assert s is not None and plan.drafter is not None
+    chi, n_src = plan.profile.chi, plan.profile.payload_sources
+    name, size = _binary_unit(max(s.staging_bytes_per_source, s.fixed_bytes, s.ring_bytes))
+
+    def line(label: str, nbytes: int, note: str = "") -> str:
+        return f"  {label:<{_W - 2}}{nbytes / size:>{_C}.3f} {name}{note}"
+
+    return [
+        f"per GPU with {plan.drafter.name} (N = {s.slots} slots)",
+        line(
+            "draft ring N·R_d rows",
+            s.ring_bytes,
+            f"   φ(i,t) = i·{s.ring_rows} + (t mod {s.ring_rows})",
+        ),
+        line(f"staging, χ={chi} arenas", s.staging_bytes),
+        line(
+            f"staging, one arena per source ({n_src})",
+            s.staging_bytes_per_source,
+            f"   ÷{s.staging_reduction:.1f}",
+        ),
+        line("ring + staging per session", s.added_per_session),
+        line("fixed: drafter + staging", s.fixed_bytes),
+    ]
+
+
+def _admission_rows(plan: Plan) -> list[str]:
+    dep = plan.deployment
+    assert dep.pool_bytes is not None
+    gpus = f" × {dep.gpus} GPUs" if dep.gpus > 1 else ""
+    out = [f"sessions (pool {_binary(dep.pool_bytes)}/GPU{gpus}; per GPU (total))"]
+    if dep.note:
+        out.append(f"  {dep.note}")
+    out.append(f"{'':<{_W}}{'resident':>{_C}}{'hierarchy':>{_C}}")
+    for with_drafter in (False, True) if plan.drafter else (False,):
+        cells = []
+        for mode in ("resident", "hierarchy"):
+            a = plan.admitted(mode, with_drafter)
+            cells.append(f"{a.per_gpu} ({a.total})" if a else "-")
+        label = plan.drafter.name if with_drafter and plan.drafter else "no drafter"
+        out.append(f"  {label:<{_W - 2}}{cells[0]:>{_C}}{cells[1]:>{_C}}")
+    return out
+
+
+def _host_rows(plan: Plan) -> list[str]:
+    h = plan.host
+    out = [
+        "host backups (sparse-source rows; index keys stay on the GPU)",
+        f"  {'per session':<{_W - 2}}{_decimal(h.per_session):>{_C + 3}}",
+    ]
+    if h.sessions and h.bytes is not None:
+        out.append(f"  {f'{h.sessions} sessions':<{_W - 2}}{_decimal(h.bytes):>{_C + 3}}")
+    if h.capacity is not None and h.holds is not None:
+        label = f"a {_decimal(h.capacity, digits=3, strip=True)} host holds"
+        out.append(f"  {label:<{_W - 2}}{h.holds:>{_C}} sessions")
+    return out
+
+
+def _speculation_rows(plan: Plan) -> list[str]:
+    s = plan.speculation
+    assert s is not None
+    n_spec, n_base, load = s.n_spec, s.n_base, ""
+    if s.load is not None:
+        n_spec, n_base, load = min(s.load, n_spec), min(s.load, n_base), f" at load {s.load}"
+    out = [
+        "speculation pays (eq. 13) while N_spec/N_base > TPOT_spec/TPOT_base",
+        f"  share kept{load}: {n_spec}/{n_base} = {s.share:.2f}",
+    ]
+    if s.tpot_ratio is not None:
+        verdict = "pays" if s.pays else "does not pay"
+        out.append(f"  TPOT ratio {s.tpot_ratio:.2f}: speculation {verdict}")
+    return out
+
+
+def _pages(n: int) -> str:
+    return f"{n} page" if n == 1 else f"{n} pages"
+
+
+def _row_in(unit: tuple[str, int]) -> Callable[[str, int, int], str]:
+    def row(label: str, resident: int, hierarchy: int) -> str:
+        cells = (f"{b / unit[1]:.3f}" if b else "-" for b in (resident, hierarchy))
+        return f"  {label:<{_W - 2}}" + "".join(f"{c:>{_C}}" for c in cells)
+
+    return row
+
+
+def _binary_unit(nbytes: int) -> tuple[str, int]:
+    """The largest binary unit in which ``nbytes`` is at least 0.1 (GiB for paper sizes)."""
+    return next((u for u in _BINARY if nbytes >= u[1] // 10), _BINARY[-1])
+
+
+def _binary(nbytes: int) -> str:
+    name, size = _binary_unit(nbytes)
+    return f"{nbytes / size:.3f} {name}"
+
+
+def _decimal(nbytes: int, digits: int = 3, strip: bool = False) -> str:
+    name, size = next((u for u in _DECIMAL if nbytes >= u[1] // 10), _DECIMAL[-1])
+    value = f"{nbytes / size:.{digits}g}" if strip else f"{nbytes / size:.{digits}f}"
+    return f"{value} {name}"

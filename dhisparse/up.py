@@ -1,0 +1,203 @@
+"""``dhisparse up``: the whole local stack — kv-host-store, worker(s), gateway — as supervised
+child processes. A child that dies is restarted (as Kubernetes restarts a pod); Ctrl-C or
+SIGTERM stops them all."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Child:
+    name: str
+    argv: list[str]
+    port: int
+    proc: subprocess.Popen | None = None
+    restarts: int = 0
+    started: float = field(default=0.0)
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv, start_new_session=True)
+        self.started = time.monotonic()
+        print(f"[up] {self.name}: pid {self.proc.pid}: {' '.join(self.argv[3:])}", flush=True)
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if not self.alive():
+            return
+        assert self.proc is not None
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default="tiny-glm", help="preset name or model directory")
+    p.add_argument("--mode", default="resident", help="serving mode")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
+    p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--worker-port", type=int, default=50051, help="first worker's gRPC port")
+    p.add_argument("--kv-store-port", type=int, default=50061)
+    p.add_argument("--kv-store-capacity", default="1GiB", help="host arena size")
+    p.add_argument("--arena-path", default=f"/dev/shm/dhisparse-arena-{os.getuid()}")
+    p.add_argument("--kv-pool-mib", type=float, default=256.0)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--no-restart", action="store_true", help="stop the stack when a child dies")
+
+
+def _wait_port(host: str, port: int, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            with socket.create_connection((host, port), timeout=0.5):
+                return True
+        except OSError:
+            time.sleep(0.2)
+    return False
+
+
+def _wait_http(url: str, deadline: float) -> bool:
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(url, timeout=1.0) as r:
+                if r.status == 200:
+                    return True
+        except OSError:
+            pass
+        time.sleep(0.3)
+    return False
+
+
+def main(args: argparse.Namespace) -> int:
+    py = [sys.executable, "-m", "dhisparse.cli"]
+    store_addr = f"{args.host}:{args.kv_store_port}"
+    store = Child(
+        "kv-host-store",
+        [
+            *py,
+            "kv-host-store",
+            "--host",
+            args.host,
+            "--port",
+            str(args.kv_store_port),
+            "--capacity",
+            args.kv_store_capacity,
+            "--arena-path",
+            args.arena_path,
+        ],
+        args.kv_store_port,
+    )
+    workers = [
+        Child(
+            f"worker-{i}",
+            [
+                *py,
+                "worker",
+                "--host",
+                args.host,
+                "--port",
+                str(args.worker_port + i),
+                "--metrics-port",
+                str(9101 + 10 * i),
+                "--model",
+                args.model,
+                "--mode",
+                args.mode,
+                "--device",
+                args.device if args.device != "cuda" else f"cuda:{i}",
+                "--kv-pool-mib",
+                str(args.kv_pool_mib),
+                "--max-model-len",
+                str(args.max_model_len),
+                "--kv-store",
+                store_addr,
+                "--worker-id",
+                f"worker-{i}",
+            ],
+            args.worker_port + i,
+        )
+        for i in range(args.workers)
+    ]
+    worker_addrs = ",".join(f"{args.host}:{w.port}" for w in workers)
+    gateway = Child(
+        "gateway",
+        [
+            *py,
+            "gateway",
+            "--host",
+            args.host,
+            "--port",
+            str(args.port),
+            "--model",
+            args.model,
+            "--workers",
+            worker_addrs,
+        ],
+        args.port,
+    )
+    children = [store, *workers, gateway]
+    stopping = False
+
+    def _stop(signum: int, frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGINT, _stop)
+    signal.signal(signal.SIGTERM, _stop)
+    try:
+        store.start()
+        if not _wait_port(args.host, store.port, time.monotonic() + 60):
+            print("[up] kv-host-store did not come up", file=sys.stderr)
+            return 1
+        for w in workers:
+            w.start()
+        for w in workers:
+            if not _wait_port(args.host, w.port, time.monotonic() + 180):
+                print(f"[up] {w.name} did not come up", file=sys.stderr)
+                return 1
+        gateway.start()
+        if not _wait_http(f"http://{args.host}:{args.port}/health", time.monotonic() + 60):
+            print("[up] gateway did not become healthy", file=sys.stderr)
+            return 1
+        print(
+            f"\n[up] dhisparse is serving {args.model} at http://{args.host}:{args.port}/v1\n"
+            f"  curl http://{args.host}:{args.port}/v1/chat/completions "
+            "-H 'Content-Type: application/json' \\\n"
+            f'    -d \'{{"model": "{args.model}", "messages": [{{"role": "user", '
+            '"content": "Hello!"}], "max_tokens": 32, "stream": true}\'\n'
+            "[up] Ctrl-C stops the stack.\n",
+            flush=True,
+        )
+        while not stopping:
+            time.sleep(0.5)
+            for c in children:
+                if c.alive() or stopping:
+                    continue
+                code = c.proc.returncode if c.proc else None
+                if args.no_restart:
+                    print(f"[up] {c.name} exited ({code}); stopping", file=sys.stderr)
+                    return 1
+                c.restarts += 1
+                delay = min(30.0, 0.5 * 2 ** min(c.restarts, 6))
+                print(f"[up] {c.name} exited ({code}); restart #{c.restarts} in {delay:.1f}s")
+                time.sleep(delay)
+                c.start()
+        return 0
+    finally:
+        for c in reversed(children):
+            c.stop()
+        print("[up] stopped", flush=True)

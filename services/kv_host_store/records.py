@@ -1,0 +1,74 @@
+"""Plain records the store returns; the client returns the same ones (no protobuf types)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RowRange:
+    """Rows ``[start, end)`` of a region."""
+
+    start: int
+    end: int  # exclusive
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class Region:
+    """One request's rows of one KV source: ``num_rows * row_bytes`` contiguous arena bytes
+    starting at ``offset``. ``durable`` lists the rows holding complete, committed bytes,
+    merged and sorted."""
+
+    region_id: str
+    request_id: str
+    owner: str
+    source: int
+    offset: int  # byte offset in the arena, a multiple of the store's alignment
+    num_rows: int
+    row_bytes: int
+    durable: tuple[RowRange, ...] = ()
+
+    @property
+    def nbytes(self) -> int:
+        return self.num_rows * self.row_bytes
+
+    @property
+    def durable_rows(self) -> int:
+        return sum(r.rows for r in self.durable)
+
+    def row_offset(self, row: int) -> int:
+        """Arena byte offset of ``row`` of this region."""
+        if not 0 <= row < self.num_rows:
+            raise IndexError(f"row {row} outside region of {self.num_rows} rows")
+        return self.offset + row * self.row_bytes
+
+
+@dataclass(frozen=True)
+class ReleaseResult:
+    released: int  # regions freed
+    bytes_freed: int  # aligned bytes returned to the arena
+
+
+@dataclass(frozen=True)
+class StoreStats:
+    capacity_bytes: int
+    used_bytes: int  # aligned bytes held by live regions
+    regions: int
+    requests: int
+    durable_bytes: int  # durable rows * row_bytes over all regions
+    allocations_refused: int  # refused for capacity since the store started
+    largest_free_bytes: int  # the largest allocation that would succeed now
+
+
+@dataclass(frozen=True)
+class ArenaInfo:
+    """Where the arena lives, so a worker can map it."""
+
+    path: str
+    capacity_bytes: int
+    alignment: int
+    store_id: str  # changes when the store restarts with a fresh arena: remap and forget regions

@@ -1,0 +1,58 @@
+"""``dhisparse worker``: flags override ``DHISPARSE_WORKER_*`` settings."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+
+from services.worker.settings import WorkerSettings
+
+# flag -> settings field; every engine knob is a flag.
+_FLAGS: dict[str, tuple[type, str]] = {
+    "host": (str, "address to bind"),
+    "port": (int, "gRPC port"),
+    "metrics-port": (int, "Prometheus metrics port (0: off)"),
+    "worker-id": (str, "worker id (default host:port)"),
+    "served-model-name": (str, "model name reported to the gateway"),
+    "kv-store": (str, "host:port of the node's kv-host-store"),
+}
+
+
+def add_engine_arguments(p: argparse.ArgumentParser) -> None:
+    """The engine knobs shared by ``worker`` and ``generate``."""
+    p.add_argument("--model", help="preset name (tiny-glm, tiny-dsv4) or model directory")
+    p.add_argument("--device", help="cpu or cuda[:N]")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--seed", type=int, help="random-init seed for presets")
+    p.add_argument("--mode", help="serving mode: resident (baseline)")
+    p.add_argument("--kv-pool-mib", type=float, help="KV pool size in MiB")
+    p.add_argument("--page-size", type=int, help="rows per KV page")
+    p.add_argument("--max-num-seqs", type=int, help="request slots")
+    p.add_argument("--max-model-len", type=int, help="context limit in tokens")
+    p.add_argument("--max-prefill-tokens", type=int, help="prefill tokens per step")
+    p.add_argument("--top-k-rows", type=int, help="the indexer's k (rows attended per query)")
+
+
+def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
+    overrides = {
+        k: v for k, v in vars(args).items() if v is not None and k in WorkerSettings.model_fields
+    }
+    return WorkerSettings(**overrides)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    for flag, (typ, help_text) in _FLAGS.items():
+        p.add_argument(f"--{flag}", type=typ, help=help_text)
+    add_engine_arguments(p)
+    p.add_argument("--log-level", default="INFO")
+
+
+def main(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
+    )
+    from services.worker.server import serve
+
+    asyncio.run(serve(settings_from_args(args)))
+    return 0

@@ -1,0 +1,259 @@
+"""The engine: model + KV cache + scheduler + sampling, stepped by its owner (the worker's
+engine thread, or ``dhisparse generate``)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from dhisparse.tokenizer import Tokenizer, load_tokenizer
+from services.worker.engine.request import (
+    FinishReason,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    Status,
+    TokenLogprob,
+)
+from services.worker.engine.sampling import sample_token, token_logprob
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.stop import TextStream
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.model import DSAModel, load_model
+from services.worker.model.io import DTYPES
+from services.worker.model.presets import PRESETS
+
+
+@dataclass
+class EngineStats:
+    """Cumulative counters, read by metrics and benchmarks."""
+
+    prefill_tokens_computed: int = 0
+    decode_steps: int = 0
+    # (arrival, first token, finish, output tokens) of finished requests, drained by readers
+    finished: list[tuple[float, float | None, float, int]] = field(default_factory=list)
+
+    def drain_finished(self) -> list[tuple[float, float | None, float, int]]:
+        out, self.finished = self.finished, []
+        return out
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str = "tiny-glm"  # preset name or model directory
+    device: str = "cpu"
+    dtype: str | None = None  # default: the model config's
+    seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
+    mode: str = "resident"
+    kv_pool_mib: float = 256.0
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    max_prefill_tokens: int = 16384
+    top_k_rows: int | None = None  # override the indexer's k
+
+    def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
+        return KVCacheConfig(
+            mode=self.mode,
+            kv_pool_bytes=int(self.kv_pool_mib * (1 << 20)),
+            page_size=self.page_size,
+            max_slots=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            dtype=dtype,
+            device=self.device,
+        )
+
+
+class Engine:
+    def __init__(
+        self,
+        cfg: EngineConfig,
+        model: DSAModel | None = None,
+        tokenizer: Tokenizer | None = None,
+    ) -> None:
+        self.cfg = cfg
+        dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+        if model is None:
+            model = load_model(cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed)
+        if cfg.top_k_rows is not None:
+            model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
+        self.model = model
+        self.model_cfg = model.cfg
+        self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
+        self.device = torch.device(cfg.device)
+        self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype))
+        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+
+    # ---- requests ---------------------------------------------------------------------------
+    def add_request(
+        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+    ) -> Request:
+        """Queues a request; raises ValueError (a client error) for bad input."""
+        if request_id in self.requests:
+            raise ValueError(f"duplicate request id {request_id!r}")
+        self.validate_request(prompt_ids, params)
+        gen = None
+        if params.seed is not None:
+            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        text = TextStream(
+            self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
+        )
+        req = Request(request_id, list(prompt_ids), params, text, generator=gen)
+        self.requests[request_id] = req
+        self.scheduler.add(req)
+        return req
+
+    def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Checks that need no engine state (safe from any thread); raises ValueError."""
+        if not prompt_ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_cfg.vocab_size
+        if any(not 0 <= t < vocab for t in prompt_ids):
+            raise ValueError(f"prompt token ids must be in [0, {vocab})")
+        if len(prompt_ids) >= self.cfg.max_model_len:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
+                f"{self.cfg.max_model_len} tokens"
+            )
+        if len(prompt_ids) >= self.kv.tokens_capacity:
+            raise ValueError(
+                f"prompt of {len(prompt_ids)} tokens exceeds this worker's KV capacity of "
+                f"{self.kv.tokens_capacity} tokens"
+            )
+        params.validate(vocab)
+
+    def abort(self, request_id: str) -> RequestOutput | None:
+        req = self.requests.get(request_id)
+        if req is None:
+            return None
+        self._finish(req, FinishReason.ABORT, None)
+        return self._output(req, (), "", ())
+
+    def has_work(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_running(self) -> int:
+        return len(self.scheduler.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # ---- stepping ---------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Runs one scheduling round: prefill of newly admitted requests and one decode token
+        for each running request. Returns the outputs of requests that progressed."""
+        sched = self.scheduler.schedule()
+        outputs: list[RequestOutput] = []
+        if not (sched.prefill or sched.decode) and self.scheduler.waiting:
+            # Nothing runs and the head still cannot be admitted into an empty cache: it can
+            # never fit, so end it rather than wait forever.
+            head = self.scheduler.waiting[0]
+            self._finish(head, FinishReason.LENGTH, None)
+            outputs.append(self._output(head, (), head.text.finish(), ()))
+        if sched.prefill:
+            self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
+            outputs.extend(self._run(sched.prefill))
+        if sched.decode:
+            self.stats.decode_steps += 1
+            outputs.extend(self._run(sched.decode))
+        return outputs
+
+    @torch.no_grad()
+    def _run(self, reqs: list[Request]) -> list[RequestOutput]:
+        ids: list[int] = []
+        for r in reqs:
+            ids.extend(r.all_ids[r.num_computed :])
+        batch = ForwardBatch.build(
+            [r.slot for r in reqs],  # type: ignore[misc]
+            [r.num_computed for r in reqs],
+            [r.num_tokens - r.num_computed for r in reqs],
+            self.device,
+        )
+        tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(tokens, batch, self.kv)
+        logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
+        for r in reqs:
+            r.num_computed = r.num_tokens
+        return [self._append(r, logits[i]) for i, r in enumerate(reqs)]
+
+    def _append(self, req: Request, logits: torch.Tensor) -> RequestOutput:
+        p = req.params
+        if len(req.output_ids) < p.min_tokens:
+            banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [self.model_cfg.eos_token_id])
+            logits = logits.clone()
+            logits[banned] = float("-inf")
+        token = sample_token(logits, p, req.generator or self._default_gen)
+        lps: tuple[TokenLogprob, ...] = ()
+        if p.logprobs is not None:
+            lps = (token_logprob(logits, token, p.logprobs),)
+        if req.first_token_time is None:
+            req.first_token_time = time.monotonic()
+        req.output_ids.append(token)
+        finish, stop_reason, text = self._check_stop(req, token)
+        if finish is not None:
+            self._finish(req, finish, stop_reason)
+        return self._output(req, (token,), text, lps)
+
+    def _check_stop(
+        self, req: Request, token: int
+    ) -> tuple[FinishReason | None, str | int | None, str]:
+        p = req.params
+        if token == self.model_cfg.eos_token_id and not p.ignore_eos:
+            return FinishReason.STOP, None, req.text.finish()
+        if token in p.stop_token_ids:
+            return FinishReason.STOP, token, req.text.finish()
+        delta, stop = req.text.push(token)
+        if stop is not None:
+            return FinishReason.STOP, stop, delta
+        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
+            return FinishReason.LENGTH, None, delta + req.text.finish()
+        return None, None, delta
+
+    def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
+        req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        self.scheduler.remove(req)
+        self.requests.pop(req.request_id, None)
+        self.stats.finished.append(
+            (req.arrival, req.first_token_time, time.monotonic(), len(req.output_ids))
+        )
+
+    def _output(
+        self,
+        req: Request,
+        tokens: tuple[int, ...],
+        text: str,
+        logprobs: tuple[TokenLogprob, ...],
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=req.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finish_reason=req.finish_reason,
+            stop_reason=req.stop_reason,
+            prompt_tokens=len(req.prompt_ids),
+            completion_tokens=len(req.output_ids),
+            logprobs=logprobs,
+        )
+
+    # ---- offline ----------------------------------------------------------------------------
+    def generate(
+        self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]
+    ) -> list[Request]:
+        """Runs prompts as one continuous batch to completion; returns the finished requests
+        in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [
+            self.add_request(f"offline-{i}-{id(self)}", p, sp)
+            for i, (p, sp) in enumerate(zip(prompts, plist, strict=True))
+        ]
+        while self.has_work():
+            self.step()
+        return reqs

@@ -1,0 +1,89 @@
+"""Continuous batching: requests join and leave between steps.
+
+Policy only (what runs next); the engine executes it. Waiting requests are admitted FIFO while a
+slot and KV room exist; running requests that cannot grow by one token preempt the most recently
+admitted running request, which returns to the head of the queue and is recomputed later."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from services.worker.engine.request import Request, Status
+from services.worker.kv.cache import KVCache
+
+
+@dataclass
+class ScheduleOutput:
+    prefill: list[Request] = field(default_factory=list)  # compute all_ids[num_computed:]
+    decode: list[Request] = field(default_factory=list)  # compute the last token
+    preempted: list[Request] = field(default_factory=list)
+
+
+class Scheduler:
+    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int) -> None:
+        self.kv = kv
+        self.max_prefill_tokens = max_prefill_tokens
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
+
+    def add(self, req: Request) -> None:
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def remove(self, req: Request) -> None:
+        """Drops a request wherever it is and frees its slot and KV."""
+        if req in self.waiting:
+            self.waiting.remove(req)
+        if req in self.running:
+            self.running.remove(req)
+        self._free(req)
+
+    def _free(self, req: Request) -> None:
+        if req.slot is not None:
+            self.kv.release(req.slot)
+            self.free_slots.append(req.slot)
+            req.slot = None
+        req.num_computed = 0
+
+    def _preempt(self, victim: Request, out: ScheduleOutput) -> None:
+        self.running.remove(victim)
+        self._free(victim)
+        victim.status = Status.WAITING
+        self.waiting.appendleft(victim)
+        out.preempted.append(victim)
+
+    def schedule(self) -> ScheduleOutput:
+        out = ScheduleOutput()
+        # 1. Running requests each add one token this step.
+        for req in list(self.running):
+            if req not in self.running:
+                continue  # preempted below for an earlier request
+            assert req.slot is not None
+            while not self.kv.ensure(req.slot, req.num_tokens):
+                victim = self.running[-1]
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+            if req in self.running:
+                out.decode.append(req)
+        # 2. Admit waiting requests FIFO while a slot, KV room and prefill budget remain.
+        budget = self.max_prefill_tokens
+        while self.waiting and self.free_slots:
+            req = self.waiting[0]
+            n = req.num_tokens
+            if out.prefill and n > budget:
+                break
+            slot = self.free_slots[-1]
+            if not self.kv.ensure(slot, n):
+                break
+            self.free_slots.pop()
+            self.waiting.popleft()
+            req.slot, req.status, req.num_computed = slot, Status.RUNNING, 0
+            self.running.append(req)
+            out.prefill.append(req)
+            budget -= n
+        return out

@@ -1,0 +1,91 @@
+"""Paged row storage: a pool of fixed-size pages and per-slot page tables."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+class PagedRows:
+    """``num_pages`` pages of ``page_size`` rows of ``width`` elements, handed to engine slots.
+
+    A slot's row ``i`` lives at location ``page_table[slot, i // p] * p + i % p`` of ``data``.
+    Allocation is all-or-nothing (``ensure`` either covers the rows or changes nothing).
+    """
+
+    def __init__(
+        self,
+        num_pages: int,
+        page_size: int,
+        width: int,
+        max_slots: int,
+        max_rows_per_slot: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.page_size = page_size
+        self.width = width
+        self.num_pages = num_pages
+        self.data = torch.zeros(num_pages * page_size, width, dtype=dtype, device=device)
+        self.max_pages_per_slot = max(1, math.ceil(max_rows_per_slot / page_size))
+        self.page_table = torch.full(
+            (max_slots, self.max_pages_per_slot), -1, dtype=torch.int64, device=device
+        )
+        self._pages: list[list[int]] = [[] for _ in range(max_slots)]
+        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def num_free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_bytes(self) -> int:
+        return (self.num_pages - len(self._free)) * self.page_size * self.row_bytes
+
+    @property
+    def row_bytes(self) -> int:
+        return self.width * self.data.element_size()
+
+    def pages_needed(self, slot: int, num_rows: int) -> int:
+        return max(0, math.ceil(num_rows / self.page_size) - len(self._pages[slot]))
+
+    def ensure(self, slot: int, num_rows: int) -> bool:
+        """Makes rows ``0 .. num_rows-1`` of ``slot`` addressable; False if pages ran out."""
+        need = self.pages_needed(slot, num_rows)
+        if need == 0:
+            return True
+        held = len(self._pages[slot])
+        if need > len(self._free) or held + need > self.max_pages_per_slot:
+            return False
+        new = [self._free.pop() for _ in range(need)]
+        self._pages[slot].extend(new)
+        self.page_table[slot, held : held + need] = torch.tensor(new, dtype=torch.int64)
+        return True
+
+    def release(self, slot: int) -> int:
+        pages = self._pages[slot]
+        self._free.extend(reversed(pages))
+        n = len(pages)
+        self._pages[slot] = []
+        self.page_table[slot].fill_(-1)
+        return n
+
+    def locations(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """slots, rows: same shape; ``-1`` rows map to ``-1``."""
+        r = rows.clamp(min=0)
+        page = self.page_table[slots, r // self.page_size]
+        loc = page * self.page_size + r % self.page_size
+        return torch.where(rows >= 0, loc, torch.full_like(loc, -1))
+
+    def write(self, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
+        self.data[self.locations(slots, rows)] = values.to(self.data.dtype)
+
+    def gather_padded(self, slots: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``0 .. num_rows[i]-1`` of each slot, zero-padded: [R, max(num_rows), width]."""
+        lmax = int(num_rows.max()) if num_rows.numel() else 0
+        rows = torch.arange(lmax, device=slots.device).unsqueeze(0).expand(len(slots), lmax)
+        rows = torch.where(rows < num_rows.unsqueeze(1), rows, torch.full_like(rows, -1))
+        locs = self.locations(slots.unsqueeze(1).expand_as(rows), rows)
+        out = self.data[locs.clamp(min=0)]
+        return out.masked_fill((locs < 0).unsqueeze(-1), 0)

@@ -1,0 +1,73 @@
+"""Worker metrics (DESIGN §7), updated from the engine thread after every step."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from dhisparse import metrics as m
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import RequestOutput
+
+
+class WorkerMetrics:
+    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r, lbl = self.registry, ["model"]
+        self.model = model_name
+        self.running = Gauge(
+            m.NUM_REQUESTS_RUNNING, "Requests in the running batch", lbl, registry=r
+        )
+        self.waiting = Gauge(m.NUM_REQUESTS_WAITING, "Requests waiting for a slot", lbl, registry=r)
+        self.prompt_tokens = Counter(
+            m.PROMPT_TOKENS, "Prompt tokens of finished prefills", lbl, registry=r
+        )
+        self.generation_tokens = Counter(m.GENERATION_TOKENS, "Generated tokens", lbl, registry=r)
+        self.success = Counter(
+            m.REQUEST_SUCCESS, "Finished requests", [*lbl, "finished_reason"], registry=r
+        )
+        self.ttft = Histogram(
+            m.TIME_TO_FIRST_TOKEN, "Arrival to first token", lbl, buckets=m.TTFT_BUCKETS, registry=r
+        )
+        self.tpot = Histogram(
+            m.TIME_PER_OUTPUT_TOKEN,
+            "Mean time per output token after the first, per request",
+            lbl,
+            buckets=m.TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            m.E2E_REQUEST_LATENCY, "Arrival to finish", lbl, buckets=m.E2E_BUCKETS, registry=r
+        )
+        self.pool_bytes = Gauge(
+            m.KV_POOL_BYTES, "KV pool bytes by class (eq. 3)", [*lbl, "class"], registry=r
+        )
+        self.prefill_computed = Counter(
+            m.PREFILL_TOKENS_COMPUTED, "Prompt tokens whose KV was computed", lbl, registry=r
+        )
+
+        self._prefill_seen = 0
+
+    def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
+        md = self.model
+        computed = engine.stats.prefill_tokens_computed
+        self.prefill_computed.labels(md).inc(computed - self._prefill_seen)
+        self._prefill_seen = computed
+        self.running.labels(md).set(engine.num_running)
+        self.waiting.labels(md).set(engine.num_waiting)
+        mem = engine.kv.memory()
+        for cls in ("required", "optional", "reserve", "free"):
+            self.pool_bytes.labels(md, cls).set(getattr(mem, cls))
+        for out in outputs:
+            n = len(out.new_token_ids)
+            if n:
+                self.generation_tokens.labels(md).inc(n)
+            if out.completion_tokens == n and n:  # the request's first token
+                self.prompt_tokens.labels(md).inc(out.prompt_tokens)
+            if out.finished:
+                self.success.labels(md, out.finish_reason.value).inc()  # type: ignore[union-attr]
+        for arrival, first, done, ntok in engine.stats.drain_finished():
+            if first is not None:
+                self.ttft.labels(md).observe(first - arrival)
+                if ntok > 1:
+                    self.tpot.labels(md).observe((done - first) / (ntok - 1))
+            self.e2e.labels(md).observe(done - arrival)

@@ -1,0 +1,189 @@
+"""The DSA-style decoder: per layer, an indexer selects rows, the KV cache resolves them to
+locations, and sparse attention reads exactly those rows (eq. 1)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache
+from services.worker.kv.token_ring import ExtendedRows
+from services.worker.model.attention import MLAAttention
+from services.worker.model.config import ModelConfig
+from services.worker.model.indexer import LightningIndexer
+from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.ops import index_scores, select_topk, sparse_attention_ref
+
+# Prefill queries scored against a request's keys per block, bounding the [T, S] score matrix.
+_SCORE_BLOCK = 512
+
+
+@dataclass
+class LayerTrace:
+    """What one layer's attention consumed, for exactness checks."""
+
+    layer: int
+    selection: torch.Tensor  # [N, k] row positions
+    locations: torch.Tensor  # [N, k] pool locations
+    rows: torch.Tensor  # [N, k, d_kv] the gathered attention inputs (zero where padded)
+
+
+@dataclass
+class _Pass:
+    """State shared by the layers of one forward pass."""
+
+    ext: dict[int, ExtendedRows] = field(default_factory=dict)
+    new_rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
+        default_factory=dict
+    )
+    selection: dict[int, torch.Tensor] = field(default_factory=dict)
+    locations: dict[int, torch.Tensor] = field(default_factory=dict)
+
+
+class DSALayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.spec = cfg.layers[layer]
+        self.attn_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.attn = MLAAttention(cfg, layer)
+        self.indexer = LightningIndexer(cfg) if self.spec.index == "producer" else None
+        self.mlp_norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
+
+
+class DSAModel(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        cfg.validate()
+        self.cfg = cfg
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(DSALayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        trace: list[LayerTrace] | None = None,
+    ) -> torch.Tensor:
+        """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
+
+        Writes the new tokens' rows and index keys into ``kv`` as a side effect."""
+        h = self.embed(input_ids)
+        st = _Pass()
+        for i, layer in enumerate(self.layers):
+            h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
+            h = h + layer.mlp(layer.mlp_norm(h))
+        return self.norm(h)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., d_model] -> [..., vocab] fp32."""
+        w = self.embed.weight if self.lm_head is None else self.lm_head.weight
+        return hidden.float() @ w.float().t()
+
+    # ---- one layer --------------------------------------------------------------------------
+    def _attention(
+        self,
+        i: int,
+        layer: DSALayer,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        st: _Pass,
+        trace: list[LayerTrace] | None,
+    ) -> torch.Tensor:
+        spec = layer.spec
+        s = spec.source
+        src = self.cfg.sources[s]
+        if layer.attn.owner:
+            self._write_source(s, layer.attn, x, batch, kv, st)
+        if layer.indexer is not None:
+            slots, rows, values = st.new_rows[s]
+            if rows.numel():
+                kv.index_keys.write(i, slots, rows, layer.indexer.keys(values))
+            st.selection[i] = self._select(i, layer.indexer, x, batch, kv, src.compress)
+        else:  # follower (shared indices) or reuse (shared source): the leader's positions
+            st.selection[i] = st.selection[spec.leader]
+        if spec.index == "reuse":
+            locs = st.locations[spec.leader]  # inherited: no resolution
+        else:
+            locs = kv.payload.resolve(i, s, batch, st.selection[i])
+        st.locations[i] = locs
+        pool = kv.payload.pool(s)
+        if trace is not None:
+            rows = pool[locs.clamp(min=0)].masked_fill((locs < 0).unsqueeze(-1), 0)
+            trace.append(LayerTrace(i, st.selection[i], locs, rows))
+        win_pool = win_locs = None
+        if src.window > 0:
+            win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
+        q = layer.attn.queries(x, batch.positions)
+        o = sparse_attention_ref(
+            q, pool, locs, self.cfg.d_latent, layer.attn.scale, win_pool, win_locs
+        )
+        return layer.attn.output(o)
+
+    def _write_source(
+        self,
+        s: int,
+        attn: MLAAttention,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        st: _Pass,
+    ) -> None:
+        """Computes the chunk's rows of source ``s`` and stores the complete ones (eq. 8)."""
+        m = self.cfg.sources[s].compress
+        tok_rows = attn.token_rows(x, batch.positions)
+        if s in kv.rings:
+            st.ext[s] = kv.rings[s].extend(batch, tok_rows)
+        if m == 1:
+            slots, rows, values = batch.token_slot, batch.positions, tok_rows
+        else:
+            dev = tok_rows.device
+            lo = batch.starts_t // m
+            hi = (batch.starts_t + batch.cu_lens[1:] - batch.cu_lens[:-1]) // m
+            count = hi - lo
+            group_req = torch.repeat_interleave(torch.arange(len(count), device=dev), count)
+            first = torch.cumsum(count, 0) - count
+            rows = lo[group_req] + torch.arange(len(group_req), device=dev) - first[group_req]
+            pos = rows.unsqueeze(1) * m + torch.arange(m, device=dev).unsqueeze(0)
+            idx = st.ext[s].index(group_req.unsqueeze(1).expand_as(pos), pos)
+            values = attn.compress(st.ext[s].rows[idx]) if len(rows) else tok_rows[:0]
+            slots = batch.slots[group_req]
+        if rows.numel():
+            kv.payload.write_rows(s, slots, rows, values)
+        st.new_rows[s] = (slots, rows, values)
+
+    def _select(
+        self,
+        i: int,
+        indexer: LightningIndexer,
+        x: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        m: int,
+    ) -> torch.Tensor:
+        """[N, k] ordered top-k row positions per query token over its visible rows."""
+        k = self.cfg.index_topk
+        q, w = indexer.queries(x)
+        num_visible = (batch.positions + 1) // m  # complete rows at or before each query
+        if batch.is_decode:
+            keys = kv.index_keys.gather(i, batch.slots, num_visible)
+            return select_topk(index_scores(q, w, keys), num_visible, k)
+        out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
+        cu = batch.cu_lens.tolist()
+        for r in range(batch.num_requests):
+            a, b = cu[r], cu[r + 1]
+            keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b])[0]
+            for c in range(a, b, _SCORE_BLOCK):
+                e = min(b, c + _SCORE_BLOCK)
+                out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)
+        return out

@@ -1,0 +1,114 @@
+"""The worker's gRPC front. The servicer only translates messages; the engine does the work."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import signal
+
+import grpc
+from prometheus_client import start_http_server
+
+from dhisparse.rpc import worker_pb2 as pb
+from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.worker.async_engine import AsyncEngine, EngineDeadError
+from services.worker.convert import output_to_proto, sampling_from_proto
+from services.worker.engine.engine import Engine
+from services.worker.metrics import WorkerMetrics
+from services.worker.settings import WorkerSettings
+
+log = logging.getLogger(__name__)
+
+
+class WorkerServicer(pb_grpc.WorkerServicer):
+    def __init__(self, engine: AsyncEngine, worker_id: str, model_name: str) -> None:
+        self.engine = engine
+        self.worker_id = worker_id
+        self.model_name = model_name
+
+    async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if not request.request_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
+        params = sampling_from_proto(request.sampling)
+        tokenizer = self.engine.engine.tokenizer
+        try:
+            async for out in self.engine.generate(
+                request.request_id, list(request.prompt_token_ids), params
+            ):
+                yield output_to_proto(out, tokenizer)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
+        return pb.AbortResponse(found=self.engine.abort(request.request_id))
+
+    async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext):
+        eng = self.engine.engine
+        mem = eng.kv.memory()
+        return pb.LoadResponse(
+            worker_id=self.worker_id,
+            num_running=eng.num_running,
+            num_waiting=eng.num_waiting,
+            max_num_seqs=eng.cfg.max_num_seqs,
+            kv_capacity_bytes=mem.capacity,
+            kv_required_bytes=mem.required,
+            kv_optional_bytes=mem.optional,
+            kv_free_bytes=mem.free,
+            mode=eng.kv.mode,
+        )
+
+    async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
+        if self.engine.alive:
+            return pb.HealthResponse(ok=True, status="serving")
+        return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
+
+    async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
+        eng = self.engine.engine
+        return pb.ModelInfo(
+            model_name=self.model_name,
+            max_model_len=eng.cfg.max_model_len,
+            vocab_size=eng.model_cfg.vocab_size,
+            mode=eng.kv.mode,
+            config_json=json.dumps(eng.model_cfg.to_dict()),
+            worker_id=self.worker_id,
+        )
+
+
+async def start_server(
+    settings: WorkerSettings, engine: Engine | None = None
+) -> tuple[grpc.aio.Server, AsyncEngine]:
+    """Builds the engine (unless given) and starts gRPC (and metrics) serving."""
+    engine = engine or Engine(settings.engine_config())
+    model_name = settings.served_model_name or engine.model_cfg.name
+    metrics = WorkerMetrics(model_name)
+    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
+    worker_id = settings.resolved_worker_id()
+    server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    pb_grpc.add_WorkerServicer_to_server(
+        WorkerServicer(async_engine, worker_id, model_name), server
+    )
+    addr = f"{settings.host}:{settings.port}"
+    if server.add_insecure_port(addr) == 0:
+        async_engine.shutdown()
+        raise RuntimeError(f"cannot bind {addr}")
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+    await server.start()
+    log.info("worker %s serving %s (%s mode) on %s", worker_id, model_name, engine.kv.mode, addr)
+    return server, async_engine
+
+
+async def serve(settings: WorkerSettings) -> None:
+    """Serves until SIGTERM/SIGINT, then drains."""
+    server, async_engine = await start_server(settings)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("worker shutting down")
+    await server.stop(grace=5.0)
+    async_engine.shutdown()

@@ -1,0 +1,50 @@
+"""Worker settings from the environment (``DHISPARSE_WORKER_*``), overridable by flags."""
+
+from __future__ import annotations
+
+import socket
+
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+from services.worker.engine.engine import EngineConfig
+
+
+class WorkerSettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="DHISPARSE_WORKER_")
+
+    host: str = "127.0.0.1"
+    port: int = 50051
+    metrics_port: int = 9101  # 0: no metrics endpoint
+    worker_id: str = ""  # default: <hostname>:<port>
+    served_model_name: str = ""  # default: the model config's name
+    kv_store: str = ""  # host:port of the node's kv_host_store ("" = none)
+
+    model: str = "tiny-glm"
+    device: str = "cpu"
+    dtype: str | None = None
+    seed: int = 0
+    mode: str = "resident"
+    kv_pool_mib: float = 256.0
+    page_size: int = 16
+    max_num_seqs: int = 32
+    max_model_len: int = 4096
+    max_prefill_tokens: int = 16384
+    top_k_rows: int | None = None
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}:{self.port}"
+
+    def engine_config(self) -> EngineConfig:
+        return EngineConfig(
+            model=self.model,
+            device=self.device,
+            dtype=self.dtype,
+            seed=self.seed,
+            mode=self.mode,
+            kv_pool_mib=self.kv_pool_mib,
+            page_size=self.page_size,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len,
+            max_prefill_tokens=self.max_prefill_tokens,
+            top_k_rows=self.top_k_rows,
+        )

@@ -1,0 +1,40 @@
+"""Small builders shared by worker tests."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.model import DSAModel, LayerTrace, build_model, preset
+
+
+def make(name: str, seed: int = 0, **kv_kwargs) -> tuple[DSAModel, KVCache]:
+    cfg = preset(name)
+    model = build_model(cfg, seed=seed)
+    kv_kwargs.setdefault("max_slots", 4)
+    kv_kwargs.setdefault("max_model_len", 1024)
+    return model, KVCache(cfg, KVCacheConfig(**kv_kwargs))
+
+
+def random_tokens(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 256, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def run_chunks(
+    model: DSAModel,
+    kv: KVCache,
+    tokens: torch.Tensor,
+    chunks: list[int],
+    slot: int = 0,
+    trace: list[LayerTrace] | None = None,
+) -> torch.Tensor:
+    """Feeds ``tokens`` to one slot in chunks of the given sizes; returns all hidden states."""
+    assert sum(chunks) == len(tokens)
+    assert kv.ensure(slot, len(tokens))
+    out, start = [], 0
+    for n in chunks:
+        batch = ForwardBatch.build([slot], [start], [n], "cpu")
+        out.append(model(tokens[start : start + n], batch, kv, trace=trace))
+        start += n
+    return torch.cat(out)

@@ -1,0 +1,157 @@
+"""The engine in resident mode: continuous batching, sampling and stopping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.engine.engine import Engine
+from services.worker.engine.engine import EngineConfig as _EngineConfig
+from services.worker.engine.request import FinishReason, SamplingParams
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def EngineConfig(**kw) -> _EngineConfig:
+    """Small pools keep engine set-up cheap."""
+    kw.setdefault("kv_pool_mib", 8)
+    return _EngineConfig(**kw)
+
+
+def prompts(engine: Engine, n: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(n)
+    return [
+        torch.randint(0, 256, (int(torch.randint(5, 90, (1,), generator=g)),), generator=g).tolist()
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("model", ["tiny-glm", "tiny-dsv4"])
+def test_batched_decode_matches_each_request_alone(model: str) -> None:
+    engine = Engine(EngineConfig(model=model, max_num_seqs=8))
+    ps = prompts(engine, 6)
+    batched = engine.generate(ps, GREEDY)
+    for p, req in zip(ps, batched, strict=True):
+        alone = Engine(EngineConfig(model=model)).generate([p], GREEDY)[0]
+        assert req.output_ids == alone.output_ids
+        assert len(req.output_ids) == GREEDY.max_tokens
+        assert req.finish_reason is FinishReason.LENGTH
+
+
+def test_requests_join_and_leave_between_steps() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm", max_num_seqs=4))
+    ps = prompts(engine, 3)
+    short = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("a", ps[0], GREEDY)
+    engine.add_request("b", ps[1], short)
+    engine.step()
+    engine.step()
+    engine.add_request("c", ps[2], GREEDY)  # joins while a and b are decoding
+    seen: dict[str, list[int]] = {"a": [], "b": [], "c": []}
+    while engine.has_work():
+        for out in engine.step():
+            seen[out.request_id].extend(out.new_token_ids)
+    assert len(seen["b"]) == 3 - 2  # b finished early and left the batch
+    for rid, p in (("a", ps[0]), ("c", ps[2])):
+        alone = Engine(EngineConfig(model="tiny-glm")).generate([p], GREEDY)[0].output_ids
+        assert alone[-len(seen[rid]) :] == seen[rid]
+
+
+def test_preemption_recomputes_to_the_same_tokens() -> None:
+    # A pool too small for all requests at full length forces preemption and recompute.
+    cfg = EngineConfig(model="tiny-glm", max_num_seqs=4, kv_pool_mib=0.6, page_size=16)
+    engine = Engine(cfg)
+    g = torch.Generator().manual_seed(0)
+    ps = [torch.randint(0, 256, (60,), generator=g).tolist() for _ in range(4)]
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    assert engine.kv.tokens_capacity < 4 * 120
+    got = engine.generate(ps, params)
+    for p, req in zip(ps, got, strict=True):
+        assert (
+            req.output_ids
+            == Engine(EngineConfig(model="tiny-glm")).generate([p], params)[0].output_ids
+        )
+    assert engine.stats.prefill_tokens_computed > sum(len(p) for p in ps)  # someone was recomputed
+
+
+def test_seeded_sampling_is_reproducible_and_seed_dependent() -> None:
+    engine = Engine(EngineConfig(model="tiny-dsv4"))
+    p = prompts(engine, 1)[0]
+
+    def mk(seed: int) -> SamplingParams:
+        return SamplingParams(
+            temperature=1.0, top_p=0.9, top_k=50, seed=seed, max_tokens=20, ignore_eos=True
+        )
+
+    a, b, c = engine.generate([p, p, p], [mk(1), mk(1), mk(2)])
+    assert a.output_ids == b.output_ids
+    assert a.output_ids != c.output_ids
+
+
+def test_stop_string_cuts_text_and_finishes() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm"))
+    p = prompts(engine, 1)[0]
+    free = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True))[0]
+    text = free.text.detok.text
+    # A stop string of plain characters that first occurs a few characters in.
+    i = next(
+        i
+        for i in range(3, len(text) - 1)
+        if text[i : i + 2].isascii() and text[i : i + 2].isprintable()
+    )
+    stop = text[i : i + 2]
+    req = engine.generate([p], SamplingParams(temperature=0.0, max_tokens=20, stop=(stop,)))[0]
+    assert req.finish_reason is FinishReason.STOP and req.stop_reason == stop
+    assert req.text.detok.text[: req.text.emitted] == text[: text.index(stop)]
+
+
+def test_stop_token_ids_eos_and_min_tokens() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm"))
+    p = prompts(engine, 1)[0]
+    free = engine.generate([p], GREEDY)[0].output_ids
+    tok = free[3]
+    first = free.index(tok)
+    req = engine.generate(
+        [p], SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(tok,))
+    )[0]
+    assert req.output_ids == free[: first + 1] and req.stop_reason == tok
+    req = engine.generate(
+        [p],
+        SamplingParams(temperature=0.0, max_tokens=24, stop_token_ids=(tok,), min_tokens=first + 2),
+    )[0]
+    assert tok not in req.output_ids[: first + 2]
+
+
+def test_validation_errors_are_value_errors() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm", max_model_len=64))
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("x", [], GREEDY)
+    with pytest.raises(ValueError, match="context"):
+        engine.add_request("x", [1] * 64, GREEDY)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("x", [999], GREEDY)
+    with pytest.raises(ValueError, match="top_p"):
+        engine.add_request("x", [1], SamplingParams(top_p=0.0))
+    engine.add_request("x", [1, 2], GREEDY)
+    with pytest.raises(ValueError, match="duplicate"):
+        engine.add_request("x", [1, 2], GREEDY)
+
+
+def test_abort_frees_the_slot_and_kv() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm", max_num_seqs=2))
+    before = engine.kv.memory().free
+    engine.add_request("x", [1, 2, 3], GREEDY)
+    engine.step()
+    assert engine.kv.memory().free < before
+    out = engine.abort("x")
+    assert out is not None and out.finish_reason is FinishReason.ABORT
+    assert engine.kv.memory().free == before and not engine.has_work()
+    assert engine.abort("x") is None
+
+
+def test_context_limit_finishes_with_length() -> None:
+    engine = Engine(EngineConfig(model="tiny-glm", max_model_len=40))
+    req = engine.generate(
+        [[5] * 30], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    )[0]
+    assert req.finish_reason is FinishReason.LENGTH and req.num_tokens == 40

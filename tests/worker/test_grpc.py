@@ -1,0 +1,143 @@
+"""The worker's gRPC front on loopback: a real grpc.aio server around a real engine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from dhisparse.rpc import worker_pb2 as pb
+from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+from services.worker.server import start_server
+from services.worker.settings import WorkerSettings
+
+PROMPT = list(b"The sparse indexer picks rows; ")
+
+
+@pytest.fixture
+async def worker(port: int):
+    settings = WorkerSettings(port=port, metrics_port=0, worker_id="w0", kv_pool_mib=8)
+    server, engine = await start_server(settings)
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield pb_grpc.WorkerStub(channel), engine
+    finally:
+        await channel.close()
+        await server.stop(grace=None)
+        engine.shutdown()
+
+
+def greedy(n: int, **kw) -> pb.SamplingParams:
+    return pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True, **kw)
+
+
+async def test_generate_streams_the_engines_tokens(worker) -> None:
+    stub, _ = worker
+    ids: list[int] = []
+    text = ""
+    last = None
+    async for resp in stub.Generate(
+        pb.GenerateRequest(request_id="r1", prompt_token_ids=PROMPT, sampling=greedy(20))
+    ):
+        ids.extend(resp.token_ids)
+        text += resp.text
+        last = resp
+    assert last is not None and last.finish_reason == pb.FINISH_REASON_LENGTH
+    assert last.completion_tokens == 20 and last.prompt_tokens == len(PROMPT)
+    offline = Engine(EngineConfig(kv_pool_mib=8)).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    )[0]
+    assert ids == offline.output_ids
+    assert text == offline.text.detok.text
+
+
+async def test_concurrent_streams_and_logprobs(worker) -> None:
+    stub, _ = worker
+
+    async def one(i: int) -> list[pb.GenerateResponse]:
+        req = pb.GenerateRequest(
+            request_id=f"c{i}",
+            prompt_token_ids=PROMPT[i:],
+            sampling=greedy(8, want_logprobs=True, logprobs=3),
+        )
+        return [r async for r in stub.Generate(req)]
+
+    results = await asyncio.gather(*(one(i) for i in range(4)))
+    for resps in results:
+        lps = [lp for r in resps for lp in r.logprobs]
+        assert len(lps) == 8
+        for lp in lps:
+            assert len(lp.top) == 3 and lp.logprob <= 0
+            # Greedy: the sampled token is the most likely one.
+            assert lp.top[0].token_id == lp.token_id
+
+
+async def test_invalid_arguments_get_a_status_with_a_message(worker) -> None:
+    stub, _ = worker
+    cases = [
+        (
+            pb.GenerateRequest(request_id="", prompt_token_ids=PROMPT, sampling=greedy(4)),
+            "request_id",
+        ),
+        (pb.GenerateRequest(request_id="e1", prompt_token_ids=[], sampling=greedy(4)), "empty"),
+        (
+            pb.GenerateRequest(request_id="e2", prompt_token_ids=[10_000], sampling=greedy(4)),
+            "token ids",
+        ),
+        (
+            pb.GenerateRequest(request_id="e3", prompt_token_ids=PROMPT, sampling=greedy(0)),
+            "max_tokens",
+        ),
+        (
+            pb.GenerateRequest(
+                request_id="e4",
+                prompt_token_ids=PROMPT,
+                sampling=pb.SamplingParams(temperature=-1, max_tokens=3),
+            ),
+            "temperature",
+        ),
+    ]
+    for req, needle in cases:
+        with pytest.raises(grpc.aio.AioRpcError) as err:
+            async for _ in stub.Generate(req):
+                pass
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert needle in err.value.details()
+
+
+async def test_cancel_aborts_and_frees_capacity(worker) -> None:
+    stub, engine = worker
+    free_before = (await stub.GetLoad(pb.LoadRequest())).kv_free_bytes
+    call = stub.Generate(
+        pb.GenerateRequest(request_id="long", prompt_token_ids=PROMPT, sampling=greedy(10_00))
+    )
+    got = 0
+    async for resp in call:
+        got += len(resp.token_ids)
+        if got >= 3:
+            call.cancel()
+            break
+    for _ in range(100):
+        load = await stub.GetLoad(pb.LoadRequest())
+        if load.num_running == 0 and load.kv_free_bytes == free_before:
+            break
+        await asyncio.sleep(0.05)
+    assert load.num_running == 0 and load.num_waiting == 0
+    assert load.kv_free_bytes == free_before
+    assert "long" not in engine.engine.requests
+
+
+async def test_model_info_load_and_health(worker) -> None:
+    stub, _ = worker
+    info = await stub.GetModelInfo(pb.ModelInfoRequest())
+    assert info.model_name == "tiny-glm" and info.max_model_len == 4096 and info.mode == "resident"
+    assert '"index_topk"' in info.config_json and info.worker_id == "w0"
+    load = await stub.GetLoad(pb.LoadRequest())
+    assert load.max_num_seqs == 32 and load.kv_capacity_bytes == 8 << 20
+    assert load.kv_required_bytes + load.kv_free_bytes == load.kv_capacity_bytes
+    health = await stub.Health(pb.HealthRequest())
+    assert health.ok and health.status == "serving"
+    assert (await stub.Abort(pb.AbortRequest(request_id="nope"))).found is False
