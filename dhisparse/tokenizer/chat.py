@@ -6,9 +6,11 @@ from typing import Any
 import jinja2
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
-# The template of the built-in byte tokenizer. A model that ships a tokenizer_config.json with a
-# "chat_template" uses its own.
+# The template of the built-in byte tokenizer; like Hugging Face templates it places the BOS
+# itself (chat prompts are encoded without adding special tokens). A model that ships a
+# tokenizer_config.json with a "chat_template" uses its own.
 DEFAULT_CHAT_TEMPLATE = (
+    "<|bos|>"
     "{% for m in messages %}"
     "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
     "{{ raise_exception('unsupported role: ' ~ m['role']) }}"
@@ -38,6 +40,8 @@ def render_chat(
     **kwargs: Any,
 ) -> str:
     """Renders a chat with a Jinja template the way Hugging Face tokenizers do."""
+    if not template:
+        raise ChatTemplateError("this model has no chat template; use /v1/completions")
     try:
         compiled = _ENV.from_string(template)
         return compiled.render(

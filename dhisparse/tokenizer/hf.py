@@ -5,8 +5,6 @@ from pathlib import Path
 
 from tokenizers import Tokenizer as _HFTokenizer
 
-from dhisparse.tokenizer.chat import DEFAULT_CHAT_TEMPLATE
-
 
 class HFTokenizer:
     """A ``tokenizers`` tokenizer.json with the specials and chat template of
@@ -32,7 +30,7 @@ class HFTokenizer:
         self.eos_token_id = eos
         self.pad_token_id = _id("pad_token")
         self.mask_token_id = _id("mask_token")
-        self.chat_template = cfg.get("chat_template") or DEFAULT_CHAT_TEMPLATE
+        self.chat_template: str = cfg.get("chat_template") or ""
         self._special_ids = {
             i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
         }

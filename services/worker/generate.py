@@ -35,9 +35,11 @@ def main(args: argparse.Namespace) -> int:
     tok = engine.tokenizer
     prompts = []
     for text in args.prompt:
-        if args.chat:
-            text = render_chat(tok.chat_template, [{"role": "user", "content": text}])
-        prompts.append(tok.encode(text, add_bos=tok.bos_token_id is not None))
+        if args.chat:  # the template places the BOS itself
+            chat = render_chat(tok.chat_template, [{"role": "user", "content": text}])
+            prompts.append(tok.encode(chat))
+        else:
+            prompts.append(tok.encode(text, add_bos=tok.bos_token_id is not None))
     params = [
         SamplingParams(
             temperature=args.temperature,

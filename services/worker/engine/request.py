@@ -49,8 +49,8 @@ class SamplingParams:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise ValueError("seed must be in [0, 2^63)")
+        if self.seed is not None and not 0 <= self.seed < 2**64:
+            raise ValueError("seed must be in [0, 2^64)")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
         if bad:
             raise ValueError(f"stop_token_ids out of vocabulary: {bad}")

@@ -1,0 +1,131 @@
+"""The FastAPI app: routes, middleware, error handlers and the worker pool's lifetime."""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import BaseModel
+
+from dhisparse.tokenizer import load_tokenizer
+from services.gateway.chat import create_chat_completion
+from services.gateway.completions import create_completion
+from services.gateway.context import GatewayContext
+from services.gateway.errors import install_error_handlers
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.responses import ModelCard, ModelList
+from services.gateway.routing import Admission
+from services.gateway.settings import GatewaySettings
+from services.gateway.streaming import ClientDisconnected
+from services.gateway.worker_client import WorkerPool
+
+log = logging.getLogger(__name__)
+
+# nginx's "client closed request"; nobody reads it, but access logs show what happened.
+_CLIENT_CLOSED = 499
+
+
+def _log_ignored_fields(body: BaseModel, endpoint: str) -> None:
+    if body.model_extra:
+        log.warning(
+            "%s: the following fields were present in the request but ignored: %s",
+            endpoint,
+            sorted(body.model_extra),
+        )
+
+
+def create_app(
+    settings: GatewaySettings | None = None,
+    *,
+    admission: Admission | None = None,
+) -> FastAPI:
+    """The gateway app. The worker pool starts (first poll included) and stops with the app's
+    lifespan; ``admission`` replaces the default admit-at-once policy."""
+    settings = settings or GatewaySettings()
+    tokenizer = load_tokenizer(settings.tokenizer_dir())
+    pool = WorkerPool(
+        settings.workers,
+        admission=admission,
+        poll_interval_s=settings.health_interval_s,
+        max_retries=settings.max_retries,
+    )
+    ctx = GatewayContext(settings, tokenizer, pool, GatewayMetrics())
+    created = int(time.time())
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        await pool.start()
+        info = pool.model_info()
+        if info is None:
+            log.warning("no worker answered yet (%s); polling", ", ".join(settings.workers))
+        else:
+            log.info("serving %s (max_model_len %d)", ctx.served_model_name(), info.max_model_len)
+            if info.vocab_size and info.vocab_size != tokenizer.vocab_size:
+                log.warning(
+                    "tokenizer vocab %d differs from the model's %d: is --model the same as "
+                    "the workers'?",
+                    tokenizer.vocab_size,
+                    info.vocab_size,
+                )
+        try:
+            yield
+        finally:
+            await pool.close()
+
+    app = FastAPI(title="dhisparse gateway", lifespan=lifespan)
+    app.state.ctx = ctx
+    install_error_handlers(app)
+    # The last added runs first: auth, then the body limit.
+    app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
+    if settings.api_key:
+        app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        _log_ignored_fields(body, "chat/completions")
+        try:
+            return await create_chat_completion(body, request, ctx)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        _log_ignored_fields(body, "completions")
+        try:
+            return await create_completion(body, request, ctx)
+        except ClientDisconnected:
+            return Response(status_code=_CLIENT_CLOSED)
+
+    @app.get("/v1/models")
+    async def models() -> ModelList:
+        info = pool.model_info()
+        card = ModelCard(
+            id=ctx.served_model_name(),
+            created=created,
+            root=info.model_name if info else settings.model,
+            max_model_len=pool.max_model_len(),
+        )
+        return ModelList(data=[card])
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        """200 while at least one worker is healthy, else 503."""
+        workers = {s.address: "healthy" if s.healthy else "unhealthy" for s in pool.statuses()}
+        ok = pool.any_healthy
+        return JSONResponse(
+            {"status": "ok" if ok else "unavailable", "workers": workers},
+            status_code=200 if ok else 503,
+        )
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        body, content_type = ctx.metrics.render()
+        return Response(body, media_type=content_type)
+
+    return app

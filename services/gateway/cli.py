@@ -1,0 +1,52 @@
+"""``dhisparse gateway``: the OpenAI-compatible HTTP gateway. Flags override the
+``DHISPARSE_GATEWAY_*`` environment."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, help="port to listen on (default 8000)")
+    parser.add_argument(
+        "--workers",
+        help="comma-separated worker gRPC addresses host:port (default 127.0.0.1:50051)",
+    )
+    parser.add_argument(
+        "--model",
+        help="model preset (tiny-glm: byte tokenizer) or model directory with tokenizer.json",
+    )
+    parser.add_argument(
+        "--served-model-name", help="the model name clients use (default: the workers')"
+    )
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer <key>' on /v1")
+    parser.add_argument("--max-request-bytes", type=int, help="larger bodies get 413")
+    parser.add_argument(
+        "--default-max-tokens", type=int, help="max_tokens when a request gives none"
+    )
+    parser.add_argument("--max-n", type=int, help="largest n (choices per request)")
+    parser.add_argument("--log-level", help="debug, info, warning, error")
+
+
+def main(args: argparse.Namespace) -> int:
+    # Imported here so that `dhisparse --help` stays fast.
+    import uvicorn
+
+    from services.gateway.app import create_app
+    from services.gateway.settings import GatewaySettings
+
+    overrides = {k: v for k, v in vars(args).items() if v is not None}
+    settings = GatewaySettings(**overrides)
+    logging.basicConfig(
+        level=settings.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    uvicorn.run(
+        create_app(settings),
+        host=settings.host,
+        port=settings.port,
+        log_level=settings.log_level.lower(),
+    )
+    return 0

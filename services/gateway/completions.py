@@ -1,0 +1,135 @@
+"""``/v1/completions``: tokenize each prompt of the batch, fan out ``n`` worker requests per
+prompt (choice index = prompt index * n + i, as OpenAI numbers them), and answer with one
+``text_completion`` or a stream of them."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+
+from services.gateway.context import GatewayContext
+from services.gateway.errors import bad_request
+from services.gateway.fanout import ChoiceStream, collect, merge
+from services.gateway.generation import GenerationInput
+from services.gateway.preprocess import (
+    completion_prompt_ids,
+    completion_sampling,
+    resolve_max_tokens,
+)
+from services.gateway.protocol import CompletionRequest
+from services.gateway.responses import (
+    CompletionChoice,
+    CompletionResponse,
+    Usage,
+    completion_logprobs,
+    new_id,
+    now,
+)
+from services.gateway.streaming import cancel_on_disconnect, sse_response
+
+
+async def create_completion(
+    req: CompletionRequest, request: Request, ctx: GatewayContext
+) -> Response:
+    arrival = time.monotonic()
+    model = ctx.resolve_model(req.model)
+    limits = ctx.limits()
+    prompts = req.prompts()
+    if not prompts:
+        raise bad_request("prompt must not be empty", "prompt")
+    if len(prompts) * req.n > limits.max_n:
+        raise bad_request(
+            f"a batch of {len(prompts)} prompts with n={req.n} asks for more than "
+            f"{limits.max_n} choices",
+            "prompt",
+        )
+    response_id = new_id("cmpl")
+    inputs: list[GenerationInput] = []
+    prompt_tokens = 0
+    top: int | None = None
+    for p in prompts:
+        ids = completion_prompt_ids(ctx.tokenizer, p, limits.vocab_size)
+        prompt_tokens += len(ids)
+        max_tokens = resolve_max_tokens(len(ids), req.max_tokens, limits)
+        sampling = completion_sampling(req, max_tokens, limits)
+        top = sampling.top_logprobs if sampling.want_logprobs else None
+        for i in range(req.n):
+            inputs.append(
+                GenerationInput(f"{response_id}-{len(inputs)}", tuple(ids), sampling.for_choice(i))
+            )
+    streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
+    if req.stream:
+        chunks = completion_chunks(
+            response_id, model, streams, prompt_tokens, top, include_usage=req.include_usage
+        )
+        return sse_response(chunks)
+    results = await cancel_on_disconnect(request, collect(streams))
+    body = CompletionResponse(
+        id=response_id,
+        created=now(),
+        model=model,
+        choices=[
+            CompletionChoice(
+                index=r.index,
+                text=r.text,
+                logprobs=completion_logprobs(r.logprobs, top) if top is not None else None,
+                finish_reason=r.finish_reason or "abort",
+                stop_reason=r.stop_reason,
+            )
+            for r in results
+        ],
+        usage=Usage.of(prompt_tokens, sum(r.completion_tokens for r in results)),
+    )
+    return JSONResponse(body.model_dump())
+
+
+async def completion_chunks(
+    response_id: str,
+    model: str,
+    streams: Sequence[ChoiceStream],
+    prompt_tokens: int,
+    top_logprobs: int | None,
+    *,
+    include_usage: bool,
+) -> AsyncIterator[str]:
+    """Text deltas per choice; the one that ends a choice carries its ``finish_reason``. With
+    ``include_usage`` a last chunk with no choices carries the totals."""
+    created = now()
+    exclude = None if include_usage else {"usage"}
+    completion_tokens = [0] * len(streams)
+    text_len = [0] * len(streams)  # for the logprobs' text_offset
+    async for i, delta in merge(streams):
+        completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
+        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+            continue  # a token that is not yet readable text
+        logprobs = None
+        if top_logprobs is not None:
+            logprobs = completion_logprobs(delta.logprobs, top_logprobs, text_len[i])
+        text_len[i] += len(delta.text)
+        chunk = CompletionResponse(
+            id=response_id,
+            created=created,
+            model=model,
+            choices=[
+                CompletionChoice(
+                    index=i,
+                    text=delta.text,
+                    logprobs=logprobs,
+                    finish_reason=delta.finish_reason,
+                    stop_reason=delta.stop_reason,
+                )
+            ],
+        )
+        yield chunk.model_dump_json(exclude=exclude)
+    if include_usage:
+        final = CompletionResponse(
+            id=response_id,
+            created=created,
+            model=model,
+            choices=[],
+            usage=Usage.of(prompt_tokens, sum(completion_tokens)),
+        )
+        yield final.model_dump_json()

@@ -1,0 +1,65 @@
+"""What every endpoint shares: settings, tokenizer, worker pool, metrics; and the questions
+they ask of them (which model is served, what the limits are)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from dhisparse.tokenizer import Tokenizer
+from services.gateway.errors import model_not_found, service_unavailable
+from services.gateway.fanout import ChoiceStream, start_choices
+from services.gateway.generation import GenerationInput
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.preprocess import Limits
+from services.gateway.settings import GatewaySettings
+from services.gateway.worker_client import WorkerPool
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class GatewayContext:
+    settings: GatewaySettings
+    tokenizer: Tokenizer
+    pool: WorkerPool
+    metrics: GatewayMetrics
+
+    def served_model_name(self) -> str:
+        """The configured name, else the workers' model name, else the ``model`` setting (until
+        a worker has answered)."""
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        info = self.pool.model_info()
+        return info.model_name if info and info.model_name else self.settings.model
+
+    def resolve_model(self, requested: str | None) -> str:
+        """The served name for a request's ``model``: omitted means the served model; anything
+        else must match it (404 otherwise)."""
+        served = self.served_model_name()
+        if requested and requested != served:
+            raise model_not_found(requested)
+        return served
+
+    def limits(self) -> Limits:
+        """The limits requests are validated against; 503 while no worker has told us its
+        context length."""
+        max_model_len = self.pool.max_model_len()
+        info = self.pool.model_info()
+        if max_model_len is None or info is None:
+            raise service_unavailable("No worker is available yet", retry_after_s=1)
+        return Limits(
+            max_model_len=max_model_len,
+            vocab_size=info.vocab_size or self.tokenizer.vocab_size,
+            max_n=self.settings.max_n,
+            max_logprobs=self.settings.max_logprobs,
+            default_max_tokens=self.settings.default_max_tokens,
+        )
+
+    async def start(
+        self, inputs: Sequence[GenerationInput], model: str, arrival: float
+    ) -> list[ChoiceStream]:
+        """Starts the worker requests of one HTTP request; see ``fanout.start_choices``."""
+        trackers = [self.metrics.track(model, arrival) for _ in inputs]
+        return await start_choices(self.pool.generate, inputs, trackers)

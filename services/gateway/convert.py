@@ -1,0 +1,107 @@
+"""Protobuf <-> gateway dataclasses. The only module besides ``worker_client`` that sees
+``worker_pb2``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dhisparse.rpc import worker_pb2
+from services.gateway.generation import (
+    FinishReason,
+    GenerationDelta,
+    GenerationInput,
+    TokenLogprob,
+    TopLogprob,
+)
+
+_FINISH: dict[int, FinishReason | None] = {
+    worker_pb2.FINISH_REASON_UNSPECIFIED: None,
+    worker_pb2.FINISH_REASON_STOP: "stop",
+    worker_pb2.FINISH_REASON_LENGTH: "length",
+    worker_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    model_name: str
+    max_model_len: int
+    vocab_size: int
+    mode: str
+    worker_id: str
+
+
+@dataclass(frozen=True)
+class WorkerLoad:
+    worker_id: str
+    num_running: int
+    num_waiting: int
+    max_num_seqs: int
+    kv_capacity_bytes: int
+    kv_free_bytes: int
+    mode: str
+
+
+def generate_request(inp: GenerationInput) -> worker_pb2.GenerateRequest:
+    s = inp.sampling
+    sampling = worker_pb2.SamplingParams(
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop),
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.top_logprobs,
+        want_logprobs=s.want_logprobs,
+        include_stop_str_in_output=s.include_stop_str_in_output,
+        min_tokens=s.min_tokens,
+    )
+    if s.seed is not None:
+        sampling.seed = s.seed
+    return worker_pb2.GenerateRequest(
+        request_id=inp.request_id, prompt_token_ids=list(inp.prompt_token_ids), sampling=sampling
+    )
+
+
+def generation_delta(resp: worker_pb2.GenerateResponse) -> GenerationDelta:
+    return GenerationDelta(
+        token_ids=tuple(resp.token_ids),
+        text=resp.text,
+        finish_reason=_FINISH.get(resp.finish_reason, "abort"),
+        stop_reason=resp.stop_reason or None,
+        prompt_tokens=resp.prompt_tokens,
+        completion_tokens=resp.completion_tokens,
+        logprobs=tuple(
+            TokenLogprob(
+                token_id=lp.token_id,
+                token=lp.token,
+                logprob=lp.logprob,
+                top=tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top),
+            )
+            for lp in resp.logprobs
+        ),
+        cached_prompt_tokens=resp.cached_prompt_tokens,
+    )
+
+
+def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
+    return ModelInfo(
+        model_name=info.model_name,
+        max_model_len=info.max_model_len,
+        vocab_size=info.vocab_size,
+        mode=info.mode,
+        worker_id=info.worker_id,
+    )
+
+
+def worker_load(load: worker_pb2.LoadResponse) -> WorkerLoad:
+    return WorkerLoad(
+        worker_id=load.worker_id,
+        num_running=load.num_running,
+        num_waiting=load.num_waiting,
+        max_num_seqs=load.max_num_seqs,
+        kv_capacity_bytes=load.kv_capacity_bytes,
+        kv_free_bytes=load.kv_free_bytes,
+        mode=load.mode,
+    )

@@ -1,0 +1,119 @@
+"""The gateway's Prometheus metrics (names and buckets from ``dhisparse.metrics``), in a registry
+of its own so that several apps can live in one process (tests).
+
+Metrics count *worker requests*: a request with ``n`` choices is ``n`` of them, each with its own
+prefill, as vLLM v1 counts them. "Waiting" is a request that has no token yet (queued in the
+gateway or on the worker, or prefilling); "running" is one that is producing tokens.
+"""
+
+from __future__ import annotations
+
+import time
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
+
+from dhisparse import metrics as names
+from services.gateway.generation import GenerationDelta
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.running = Gauge(
+            names.NUM_REQUESTS_RUNNING, "Requests producing tokens.", ["model"], registry=r
+        )
+        self.waiting = Gauge(
+            names.NUM_REQUESTS_WAITING, "Requests with no token yet.", ["model"], registry=r
+        )
+        self.ttft = Histogram(
+            names.TIME_TO_FIRST_TOKEN,
+            "Time from the request's arrival at the gateway to its first token.",
+            ["model"],
+            buckets=names.TTFT_BUCKETS,
+            registry=r,
+        )
+        self.tpot = Histogram(
+            names.TIME_PER_OUTPUT_TOKEN,
+            "Time between consecutive output tokens (inter-token latency).",
+            ["model"],
+            buckets=names.TPOT_BUCKETS,
+            registry=r,
+        )
+        self.e2e = Histogram(
+            names.E2E_REQUEST_LATENCY,
+            "Time from the request's arrival to its last token.",
+            ["model"],
+            buckets=names.E2E_BUCKETS,
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            names.PROMPT_TOKENS, "Prompt tokens of the requests served.", ["model"], registry=r
+        )
+        self.generation_tokens = Counter(
+            names.GENERATION_TOKENS, "Tokens generated.", ["model"], registry=r
+        )
+        self.request_success = Counter(
+            names.REQUEST_SUCCESS,
+            "Requests finished, by finish reason.",
+            ["model", "finished_reason"],
+            registry=r,
+        )
+
+    def track(self, model: str, arrival: float | None = None) -> RequestTracker:
+        """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""
+        return RequestTracker(self, model, time.monotonic() if arrival is None else arrival)
+
+    def render(self) -> tuple[bytes, str]:
+        return generate_latest(self.registry), CONTENT_TYPE_LATEST
+
+
+class RequestTracker:
+    """One worker request from arrival to its end. ``finish`` is idempotent, so every exit
+    path (finished, failed, cancelled) may call it."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, arrival: float) -> None:
+        self.m = metrics
+        self.model = model
+        self.arrival = arrival
+        self.last_token_at: float | None = None
+        self.done = False
+        metrics.waiting.labels(model).inc()
+
+    def on_delta(self, delta: GenerationDelta) -> None:
+        n = len(delta.token_ids)
+        if self.done or n == 0:
+            return
+        t = time.monotonic()
+        if self.last_token_at is None:
+            self.m.waiting.labels(self.model).dec()
+            self.m.running.labels(self.model).inc()
+            self.m.ttft.labels(self.model).observe(t - self.arrival)
+            self.m.prompt_tokens.labels(self.model).inc(delta.prompt_tokens)
+            # The first delta's other tokens came out of the same step as the first one.
+        else:
+            # A step that emits k tokens (speculative decoding) spreads its time over them.
+            per_token = (t - self.last_token_at) / n
+            for _ in range(n):
+                self.m.tpot.labels(self.model).observe(per_token)
+        self.m.generation_tokens.labels(self.model).inc(n)
+        self.last_token_at = t
+
+    def finish(self, finished_reason: str | None) -> None:
+        """``finished_reason`` is stop/length/abort, or None for a failure (not counted as a
+        success)."""
+        if self.done:
+            return
+        self.done = True
+        gauge = self.m.waiting if self.last_token_at is None else self.m.running
+        gauge.labels(self.model).dec()
+        if finished_reason is not None:
+            self.m.request_success.labels(self.model, finished_reason).inc()
+            self.m.e2e.labels(self.model).observe(time.monotonic() - self.arrival)

@@ -1,0 +1,160 @@
+"""From a validated HTTP request to what the workers run: prompt token ids (the chat template
+rendered here, not on the worker), the completion budget checked against the context length,
+and the sampling parameters. Every failure is a client error (``APIError`` 400)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dhisparse.tokenizer import ChatTemplateError, Tokenizer, render_chat
+from services.gateway.errors import bad_request, context_overflow
+from services.gateway.generation import SEED_MODULUS, SamplingSpec
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+
+# Template variables the gateway sets itself; chat_template_kwargs may not override them.
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+
+
+@dataclass(frozen=True)
+class Limits:
+    """The server's side of validation."""
+
+    max_model_len: int
+    vocab_size: int
+    max_n: int = 16
+    max_logprobs: int = 20
+    default_max_tokens: int | None = None
+
+
+def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
+    """Messages as the chat template expects them: ``content`` a string. Text parts are joined
+    with newlines (vLLM's "string" content format); any other part type is refused."""
+    out: list[dict[str, Any]] = []
+    for i, m in enumerate(messages):
+        if m.content is None or isinstance(m.content, str):
+            content = m.content or ""
+        else:
+            texts: list[str] = []
+            for part in m.content:
+                if part.type != "text":
+                    raise bad_request(
+                        f"messages[{i}]: content part type {part.type!r} is not supported; "
+                        "this model accepts text only",
+                        "messages",
+                    )
+                if part.text is None:
+                    raise bad_request(f"messages[{i}]: a text part needs 'text'", "messages")
+                texts.append(part.text)
+            content = "\n".join(texts)
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.name is not None:
+            message["name"] = m.name
+        out.append(message)
+    return out
+
+
+def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
+    """Renders the model's chat template and tokenizes it. The template places any BOS itself,
+    so none is added here (vLLM's ``add_special_tokens=False`` for chat)."""
+    kwargs = {
+        k: v
+        for k, v in (req.chat_template_kwargs or {}).items()
+        if k not in _RESERVED_TEMPLATE_VARS
+    }
+    try:
+        text = render_chat(
+            tokenizer.chat_template,
+            chat_messages(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
+            **kwargs,
+        )
+    except ChatTemplateError as e:
+        raise bad_request(str(e), "messages") from e
+    return tokenizer.encode(text)
+
+
+def completion_prompt_ids(
+    tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int
+) -> list[int]:
+    """A text prompt is tokenized with BOS (as Hugging Face and vLLM do for completions); token
+    ids are passed through after a range check."""
+    if isinstance(prompt, str):
+        ids = tokenizer.encode(prompt, add_bos=True)
+    else:
+        bad = [t for t in prompt if not 0 <= t < vocab_size]
+        if bad:
+            raise bad_request(
+                f"prompt token id {bad[0]} is out of range [0, {vocab_size})", "prompt"
+            )
+        ids = list(prompt)
+    if not ids:
+        raise bad_request("prompt must not be empty", "prompt")
+    return ids
+
+
+def resolve_max_tokens(prompt_tokens: int, requested: int | None, limits: Limits) -> int:
+    """The completion budget. An explicit ``max_tokens`` must fit beside the prompt (vLLM's
+    400); without one the request gets what the context leaves, capped by the default."""
+    if requested is not None:
+        if prompt_tokens + requested > limits.max_model_len:
+            raise context_overflow(limits.max_model_len, prompt_tokens, requested)
+        return requested
+    room = limits.max_model_len - prompt_tokens
+    if room <= 0:
+        raise context_overflow(limits.max_model_len, prompt_tokens, None)
+    if limits.default_max_tokens is not None:
+        return min(room, limits.default_max_tokens)
+    return room
+
+
+def _check_n_and_stops(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+    if req.n > limits.max_n:
+        raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", "n")
+    for t in req.stop_token_ids or ():
+        if t >= limits.vocab_size:
+            raise bad_request(
+                f"stop token id {t} is out of range [0, {limits.vocab_size})", "stop_token_ids"
+            )
+
+
+def _sampling(
+    req: ChatCompletionRequest | CompletionRequest,
+    max_tokens: int,
+    want_logprobs: bool,
+    top_logprobs: int,
+    limits: Limits,
+    logprobs_param: str,
+) -> SamplingSpec:
+    _check_n_and_stops(req, limits)
+    if top_logprobs > limits.max_logprobs:
+        raise bad_request(
+            f"at most {limits.max_logprobs} logprobs per token may be requested, "
+            f"got {top_logprobs}",
+            logprobs_param,
+        )
+    return SamplingSpec(
+        max_tokens=max_tokens,
+        temperature=1.0 if req.temperature is None else req.temperature,
+        top_p=1.0 if req.top_p is None else req.top_p,
+        top_k=0 if req.top_k is None else req.top_k,
+        seed=None if req.seed is None else req.seed % SEED_MODULUS,
+        stop=tuple(req.stop_strings()),
+        stop_token_ids=tuple(req.stop_token_ids or ()),
+        ignore_eos=req.ignore_eos,
+        min_tokens=min(req.min_tokens, max_tokens),
+        want_logprobs=want_logprobs,
+        top_logprobs=top_logprobs,
+        include_stop_str_in_output=req.include_stop_str_in_output,
+    )
+
+
+def chat_sampling(req: ChatCompletionRequest, max_tokens: int, limits: Limits) -> SamplingSpec:
+    top = (req.top_logprobs or 0) if req.logprobs else 0
+    return _sampling(req, max_tokens, req.logprobs, top, limits, "top_logprobs")
+
+
+def completion_sampling(req: CompletionRequest, max_tokens: int, limits: Limits) -> SamplingSpec:
+    want = req.logprobs is not None
+    return _sampling(req, max_tokens, want, req.logprobs or 0, limits, "logprobs")

@@ -1,0 +1,178 @@
+"""Response bodies and stream chunks in the OpenAI shape (with vLLM's ``stop_reason`` extra),
+and the conversion of worker logprobs into the two OpenAI logprob formats."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Iterable
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+
+from services.gateway.generation import TokenLogprob
+
+
+def new_id(prefix: str) -> str:
+    """``chatcmpl-…`` / ``cmpl-…`` ids, unique per HTTP request."""
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Usage(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+
+    @classmethod
+    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+        return cls(
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt_tokens + completion_tokens,
+        )
+
+
+# --- chat -------------------------------------------------------------------------------------
+class ChatTopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class ChatTokenLogprob(ChatTopLogprob):
+    top_logprobs: list[ChatTopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    content: list[ChatTokenLogprob] | None = None
+
+
+class ChatResponseMessage(BaseModel):
+    role: Literal["assistant"] = "assistant"
+    content: str | None = None
+
+
+class ChatChoice(BaseModel):
+    index: int
+    message: ChatResponseMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int
+    model: str
+    choices: list[ChatChoice]
+    usage: Usage
+
+
+class DeltaMessage(BaseModel):
+    role: Literal["assistant"] | None = None
+    content: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}.
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ChatStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class ChatCompletionChunk(BaseModel):
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatStreamChoice]
+    usage: Usage | None = None
+
+
+def chat_logprobs(logprobs: Iterable[TokenLogprob], top: int) -> ChatLogprobs:
+    """OpenAI chat format: per token its logprob, UTF-8 bytes and ``top`` alternatives."""
+    return ChatLogprobs(
+        content=[
+            ChatTokenLogprob(
+                token=lp.token,
+                logprob=lp.logprob,
+                bytes=list(lp.token.encode("utf-8")),
+                top_logprobs=[
+                    ChatTopLogprob(token=t.token, logprob=t.logprob, bytes=list(t.token.encode()))
+                    for t in lp.top[:top]
+                ],
+            )
+            for lp in logprobs
+        ]
+    )
+
+
+# --- completions ------------------------------------------------------------------------------
+class CompletionLogprobs(BaseModel):
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: CompletionLogprobs | None = None
+    finish_reason: str | None = None
+    stop_reason: str | None = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+
+
+def completion_logprobs(
+    logprobs: Iterable[TokenLogprob], top: int, text_offset: int = 0
+) -> CompletionLogprobs:
+    """OpenAI legacy format. ``text_offset`` is where the first token starts in the choice's
+    text (for stream chunks after the first). As in vLLM, ``top_logprobs`` holds the sampled
+    token too."""
+    out = CompletionLogprobs()
+    offset = text_offset
+    for lp in logprobs:
+        out.tokens.append(lp.token)
+        out.token_logprobs.append(lp.logprob)
+        out.text_offset.append(offset)
+        offset += len(lp.token)
+        alternatives = {t.token: t.logprob for t in lp.top[:top]}
+        alternatives.setdefault(lp.token, lp.logprob)
+        out.top_logprobs.append(alternatives if top > 0 else None)
+    return out
+
+
+# --- models -----------------------------------------------------------------------------------
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "dhisparse"
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]

@@ -1,0 +1,55 @@
+"""Gateway settings, read from the environment (prefix ``DHISPARSE_GATEWAY_``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+class GatewaySettings(BaseSettings):
+    """Everything the gateway needs to start. ``DHISPARSE_GATEWAY_WORKERS`` takes a comma-separated
+    list (``10.0.0.1:50051,10.0.0.2:50051``); CLI flags override the environment."""
+
+    model_config = SettingsConfigDict(env_prefix="DHISPARSE_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535)
+    workers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1:50051"])
+    # A preset name (``tiny-glm``: the byte tokenizer) or a model directory (its tokenizer.json).
+    model: str = "tiny-glm"
+    # The name clients send as ``model``; by default the model name the workers report.
+    served_model_name: str | None = None
+    api_key: str | None = None
+    max_request_bytes: int = Field(4 * 1024 * 1024, ge=1)
+    # Used when a request gives no max_tokens; still capped by the context left after the prompt.
+    default_max_tokens: int | None = Field(None, ge=1)
+    max_n: int = Field(16, ge=1)
+    # Largest top-logprobs count per token, as vLLM's max_logprobs.
+    max_logprobs: int = Field(20, ge=0)
+    health_interval_s: float = Field(1.0, gt=0)
+    # A worker that fails before the first token is retried on another one, at most this often.
+    max_retries: int = Field(2, ge=0)
+    log_level: str = "info"
+
+    @field_validator("workers", mode="before")
+    @classmethod
+    def _split_workers(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = [w.strip() for w in v.split(",")]
+        if isinstance(v, list | tuple):
+            v = [w for w in v if w]
+            if not v:
+                raise ValueError("at least one worker address is required")
+            for w in v:
+                host, _, port = str(w).rpartition(":")
+                if not host or not port.isdigit():
+                    raise ValueError(f"worker address {w!r} is not host:port")
+        return v
+
+    def tokenizer_dir(self) -> Path | None:
+        """The directory to load the tokenizer from; None means the built-in byte tokenizer."""
+        path = Path(self.model)
+        return path if path.is_dir() else None

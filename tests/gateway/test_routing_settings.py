@@ -1,0 +1,94 @@
+"""Routing policy, settings and the CLI, without a server."""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+
+import pytest
+
+from services.gateway import GatewaySettings
+from services.gateway import cli as gateway_cli
+from services.gateway.routing import (
+    AdmissionJob,
+    ImmediateAdmission,
+    LeastLoadedRouter,
+    NoWorkerAvailable,
+    WorkerStatus,
+)
+
+from .conftest import DHISPARSE
+
+
+def ws(address: str, running: int = 0, healthy: bool = True, **kw: int) -> WorkerStatus:
+    return WorkerStatus(address=address, healthy=healthy, num_running=running, **kw)
+
+
+def test_least_loaded_healthy_worker_wins() -> None:
+    router = LeastLoadedRouter()
+    workers = [ws("a", 5), ws("b", 2, num_waiting=4), ws("c", 3), ws("d", 0, healthy=False)]
+    assert router.pick(workers, ()) == "c"
+    assert router.pick(workers, {"c"}) == "a"
+    assert router.pick([ws("d", healthy=False)], ()) is None
+
+
+def test_ties_rotate() -> None:
+    router = LeastLoadedRouter()
+    workers = [ws("a"), ws("b"), ws("c")]
+    assert {router.pick(workers, ()) for _ in range(3)} == {"a", "b", "c"}
+
+
+def test_load_estimate_counts_requests_since_the_poll() -> None:
+    # Polled with 2 running of which 1 was ours; since then we started 3 more.
+    assert ws("a", 2, in_flight=4, in_flight_at_poll=1).estimated_load == 5
+    # Ours finished since the poll.
+    assert ws("a", 2, in_flight=0, in_flight_at_poll=2).estimated_load == 0
+
+
+async def test_immediate_admission() -> None:
+    admission = ImmediateAdmission()
+    job = AdmissionJob("r", prompt_tokens=3, max_tokens=4)
+    lease = await admission.acquire(job, lambda: [ws("a", 1), ws("b")])
+    assert lease.worker == "b"
+    lease.release()
+    lease.release()  # idempotent
+    with pytest.raises(NoWorkerAvailable):
+        await admission.acquire(job, lambda: [ws("a")], exclude=["a"])
+
+
+def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DHISPARSE_GATEWAY_WORKERS", "10.0.0.1:1, 10.0.0.2:2")
+    monkeypatch.setenv("DHISPARSE_GATEWAY_PORT", "9000")
+    monkeypatch.setenv("DHISPARSE_GATEWAY_API_KEY", "k")
+    s = GatewaySettings()
+    assert s.workers == ["10.0.0.1:1", "10.0.0.2:2"]
+    assert (s.port, s.api_key, s.host) == (9000, "k", "127.0.0.1")
+    assert s.tokenizer_dir() is None  # a preset: the byte tokenizer
+    with pytest.raises(ValueError, match="host:port"):
+        GatewaySettings(workers="nope")  # type: ignore[arg-type]
+
+
+def test_cli_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("DHISPARSE_GATEWAY_PORT", "9000")
+    monkeypatch.setenv("DHISPARSE_GATEWAY_MAX_N", "3")
+    parser = argparse.ArgumentParser()
+    gateway_cli.add_arguments(parser)
+    args = parser.parse_args(["--port", "9100", "--workers", "h:1,h:2"])
+    captured: dict[str, object] = {}
+
+    def fake_run(app: object, **kw: object) -> None:
+        captured.update(kw, app=app)
+
+    monkeypatch.setattr("uvicorn.run", fake_run)
+    assert gateway_cli.main(args) == 0
+    assert captured["port"] == 9100
+    settings = captured["app"].state.ctx.settings  # type: ignore[attr-defined]
+    assert settings.workers == ["h:1", "h:2"]
+    assert settings.max_n == 3
+
+
+def test_dhisparse_gateway_help() -> None:
+    out = subprocess.run(
+        [str(DHISPARSE), "gateway", "--help"], capture_output=True, text=True, check=True
+    )
+    assert "--workers" in out.stdout and "--api-key" in out.stdout
