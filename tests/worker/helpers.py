@@ -31,10 +31,11 @@ def run_chunks(
 ) -> torch.Tensor:
     """Feeds ``tokens`` to one slot in chunks of the given sizes; returns all hidden states."""
     assert sum(chunks) == len(tokens)
-    assert kv.ensure(slot, len(tokens))
+    assert kv.admit(slot, f"req-{slot}", len(tokens), len(tokens))
     out, start = [], 0
     for n in chunks:
         batch = ForwardBatch.build([slot], [start], [n], "cpu")
         out.append(model(tokens[start : start + n], batch, kv, trace=trace))
         start += n
+        kv.commit(batch, [start])
     return torch.cat(out)

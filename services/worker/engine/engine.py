@@ -47,8 +47,12 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # default: the model config's
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
-    mode: str = "resident"
+    mode: str = "resident"  # resident | hisparse
     kv_pool_mib: float = 256.0
+    hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
+    host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
+    resolver: str = "torch"  # torch | triton
+    owner: str = "local"
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -62,6 +66,11 @@ class EngineConfig:
             page_size=self.page_size,
             max_slots=self.max_num_seqs,
             max_model_len=self.max_model_len,
+            hot_cache_rows=self.hot_cache_rows,
+            max_prefill_tokens=self.max_prefill_tokens,
+            host_arena_bytes=int(self.host_arena_mib * (1 << 20)),
+            owner=self.owner,
+            resolver=self.resolver,
             dtype=dtype,
             device=self.device,
         )
@@ -73,7 +82,10 @@ class Engine:
         cfg: EngineConfig,
         model: DSAModel | None = None,
         tokenizer: Tokenizer | None = None,
+        host: tuple | None = None,
     ) -> None:
+        """``host``: (region store, arena mapping) of the node's kv_host_store for the hierarchy
+        modes; without it they use a private arena."""
         self.cfg = cfg
         dtype = DTYPES[cfg.dtype] if cfg.dtype else None
         if model is None:
@@ -84,11 +96,17 @@ class Engine:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
         self.device = torch.device(cfg.device)
-        self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype))
-        self.scheduler = Scheduler(self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens)
+        self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len
+        )
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+
+    def close(self) -> None:
+        """Releases host-side resources (a private host arena)."""
+        self.kv.close()
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
@@ -180,6 +198,7 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
         hidden = self.model(tokens, batch, self.kv)
         logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
+        self.kv.commit(batch, [r.num_tokens for r in reqs])
         for r in reqs:
             r.num_computed = r.num_tokens
         return [self._append(r, logits[i]) for i, r in enumerate(reqs)]

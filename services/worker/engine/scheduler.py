@@ -21,8 +21,11 @@ class ScheduleOutput:
 
 
 class Scheduler:
-    def __init__(self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int) -> None:
+    def __init__(
+        self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int
+    ) -> None:
         self.kv = kv
+        self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -78,7 +81,8 @@ class Scheduler:
             if out.prefill and n > budget:
                 break
             slot = self.free_slots[-1]
-            if not self.kv.ensure(slot, n):
+            max_total = min(self.max_model_len, len(req.prompt_ids) + req.params.max_tokens)
+            if not self.kv.admit(slot, req.request_id, n, max(n, max_total)):
                 break
             self.free_slots.pop()
             self.waiting.popleft()

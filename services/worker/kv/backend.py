@@ -17,6 +17,24 @@ from services.worker.kv.batch import ForwardBatch
 class PayloadBackend(Protocol):
     mode: str
 
+    def begin(self, batch: ForwardBatch) -> None:
+        """Plans where this pass's new rows go; called before the model writes any."""
+        ...
+
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
+        their complete rows join the history (eq. 8). Rows beyond are never published."""
+        ...
+
+    def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
+        """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens; False if the
+        mode's own capacity (e.g. host backup) is exhausted."""
+        ...
+
+    def memory_bytes(self, admitted: int) -> tuple[int, int]:
+        """(bytes held by the admitted requests, fixed bytes of the mode)."""
+        ...
+
     def pool(self, source: int) -> torch.Tensor:
         """[S, d_kv] the device rows that ``resolve`` locations index."""
         ...

@@ -1,4 +1,5 @@
-"""The KV state of a worker: payload (mode-specific), index keys and token rings."""
+"""The KV state of a worker: payload (where rows live: the serving mode), index keys (always
+resident) and token rings (local windows and incomplete compression groups)."""
 
 from __future__ import annotations
 
@@ -7,12 +8,13 @@ from dataclasses import dataclass
 import torch
 
 from services.worker.kv.backend import PayloadBackend
+from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.index_keys import IndexKeys
 from services.worker.kv.resident import ResidentPayload
 from services.worker.kv.token_ring import TokenRing
 from services.worker.model.config import ModelConfig
 
-MODES = ("resident",)
+MODES = ("resident", "hisparse")
 
 
 @dataclass(frozen=True)
@@ -33,27 +35,37 @@ class KVCacheConfig:
     page_size: int = 16
     max_slots: int = 32
     max_model_len: int = 8192
-    ring_extra: int = 8  # verification block rows kept beyond window/group (K_max)
+    ring_extra: int = 8  # verification block rows kept beyond window/group/page (K_max)
+    hot_cache_rows: int | None = None  # B (hierarchy modes); default 2k
+    max_prefill_tokens: int = 16384  # sizes the hierarchy's prefill scratch
+    host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
+    owner: str = "local"  # worker id the host regions belong to
+    resolver: str = "torch"  # torch | triton
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
 
-def bytes_per_token(cfg: ModelConfig, elem_bytes: int) -> float:
-    """Device payload + index-key bytes one token adds in resident serving."""
-    payload = sum(cfg.d_kv * elem_bytes / s.compress for s in cfg.sources)
+def bytes_per_token(cfg: ModelConfig, elem_bytes: int, payload: bool) -> float:
+    """Device bytes one token adds: index keys, plus payload rows when they are resident."""
     keys = sum(
         cfg.d_index * elem_bytes / cfg.sources[cfg.layers[i].source].compress
         for i in cfg.index_producers
     )
-    return payload + keys
+    if not payload:
+        return keys
+    return keys + sum(cfg.d_kv * elem_bytes / s.compress for s in cfg.sources)
 
 
 class KVCache:
-    """Everything a worker keeps per slot for attention: ``payload`` (where rows live: the
-    mode), ``index_keys`` (always resident) and one ``TokenRing`` per source that has a local
-    window or compression."""
+    """Everything a worker keeps per slot for attention: ``payload`` (the mode), ``index_keys``
+    and one ``TokenRing`` per source that has a local window or compression.
 
-    def __init__(self, model_cfg: ModelConfig, cfg: KVCacheConfig) -> None:
+    ``host`` (hierarchy modes) is the host store: ``(RegionStore, ArenaMapping)``; without one a
+    private arena is created in this process."""
+
+    def __init__(
+        self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None = None
+    ) -> None:
         if cfg.mode not in MODES:
             raise ValueError(f"unknown serving mode {cfg.mode!r}; choose from {MODES}")
         self.model_cfg = model_cfg
@@ -66,12 +78,22 @@ class KVCache:
                 self.rings[s] = TokenRing(
                     cfg.max_slots, ring, model_cfg.d_kv, cfg.dtype, cfg.device
                 )
-        fixed = sum(r.nbytes for r in self.rings.values())
+        self._local_store = None
+        self.host_backups = None
+        if cfg.mode == "resident":
+            payload: PayloadBackend | None = None
+            fixed = 0
+        else:
+            payload = self._hierarchy(model_cfg, cfg, host)
+            fixed = payload.nbytes
+        fixed += sum(r.nbytes for r in self.rings.values())
         if fixed >= cfg.kv_pool_bytes:
             raise ValueError(
-                f"kv pool of {cfg.kv_pool_bytes} B cannot hold the token rings ({fixed} B)"
+                f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the fixed allocations of "
+                f"{cfg.max_slots} slots ({fixed} B): lower max_num_seqs or the hot cache"
             )
-        self.tokens_capacity = int((cfg.kv_pool_bytes - fixed) // bytes_per_token(model_cfg, esize))
+        per_token = bytes_per_token(model_cfg, esize, payload=payload is None)
+        self.tokens_capacity = int((cfg.kv_pool_bytes - fixed) // per_token)
         args = (
             self.tokens_capacity,
             cfg.page_size,
@@ -81,12 +103,46 @@ class KVCache:
             cfg.device,
         )
         self.index_keys = IndexKeys(model_cfg, *args)
-        self.payload: PayloadBackend = ResidentPayload(model_cfg, *args)
+        self.payload: PayloadBackend = payload or ResidentPayload(model_cfg, *args)
+        self._admitted: set[int] = set()
+
+    def _hierarchy(self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None):
+        from services.worker.kv.hierarchy.host import HostBackups, LocalHostStore
+        from services.worker.kv.hierarchy.payload import HiSparsePayload
+        from services.worker.kv.hierarchy.resolver import get_resolver
+
+        if host is None:
+            self._local_store = LocalHostStore(cfg.host_arena_bytes)
+            host = (self._local_store, self._local_store.mapping)
+        store, mapping = host
+        self.host_backups = HostBackups(
+            store,
+            mapping,
+            cfg.owner,
+            len(model_cfg.sources),
+            model_cfg.d_kv,
+            cfg.dtype,
+            cfg.max_slots,
+            cfg.device,
+        )
+        return HiSparsePayload(
+            model_cfg,
+            self.host_backups,
+            cfg.max_slots,
+            cfg.max_model_len,
+            cfg.hot_cache_rows or 2 * model_cfg.index_topk,
+            cfg.page_size + cfg.ring_extra,
+            max(cfg.max_prefill_tokens, cfg.max_model_len),
+            cfg.dtype,
+            cfg.device,
+            resolver=get_resolver(cfg.resolver, cfg.device),
+        )
 
     @property
     def mode(self) -> str:
         return self.payload.mode
 
+    # ---- slots ------------------------------------------------------------------------------
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
         return self.payload.can_ensure(slot, num_tokens) and self.index_keys.can_ensure(
             slot, num_tokens
@@ -100,15 +156,38 @@ class KVCache:
         assert ok
         return True
 
+    def admit(self, slot: int, request_id: str, num_tokens: int, max_tokens: int) -> bool:
+        """Sets up a new request in a free slot with room for ``num_tokens`` now and at most
+        ``max_tokens`` ever; False changes nothing."""
+        if not self.can_ensure(slot, num_tokens):
+            return False
+        if not self.payload.admit(slot, request_id, max_tokens):
+            return False
+        ok = self.ensure(slot, num_tokens)
+        assert ok
+        self._admitted.add(slot)
+        return True
+
     def release(self, slot: int) -> None:
+        self._admitted.discard(slot)
         self.payload.release(slot)
         self.index_keys.release(slot)
         for r in self.rings.values():
             r.clear(slot)
 
+    # ---- a forward pass ---------------------------------------------------------------------
+    def begin(self, batch: ForwardBatch) -> None:
+        self.payload.begin(batch)
+
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        self.payload.commit(batch, num_tokens)
+
+    # ---- accounting -------------------------------------------------------------------------
     def memory(self) -> MemoryUsage:
-        pools = [*self.payload.pools, *self.index_keys.pools.values()]  # type: ignore[attr-defined]
-        required = sum(r.nbytes for r in self.rings.values()) + sum(p.used_bytes for p in pools)
+        held, fixed = self.payload.memory_bytes(len(self._admitted))
+        keys = sum(p.used_bytes for p in self.index_keys.pools.values())
+        rings = sum(r.nbytes for r in self.rings.values())
+        required = held + fixed + keys + rings
         capacity = self.cfg.kv_pool_bytes
         return MemoryUsage(capacity, required, 0, 0, max(0, capacity - required))
 
@@ -116,3 +195,10 @@ class KVCache:
     def nbytes(self) -> int:
         rings = sum(r.nbytes for r in self.rings.values())
         return self.payload.nbytes + self.index_keys.nbytes + rings
+
+    def close(self) -> None:
+        if self.host_backups is not None:
+            self.host_backups.close()
+        if self._local_store is not None:
+            self._local_store.close()
+            self._local_store = None

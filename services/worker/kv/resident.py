@@ -42,6 +42,18 @@ class ResidentPayload:
     def pool(self, source: int) -> torch.Tensor:
         return self.pools[source].data
 
+    def begin(self, batch: ForwardBatch) -> None:
+        pass  # rows are written where they live
+
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        pass  # nothing to back up
+
+    def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
+        return True  # pages grow with ensure()
+
+    def memory_bytes(self, admitted: int) -> tuple[int, int]:
+        return sum(p.used_bytes for p in self.pools), 0
+
     def write_rows(
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:

@@ -76,7 +76,9 @@ class DSAModel(nn.Module):
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
-        Writes the new tokens' rows and index keys into ``kv`` as a side effect."""
+        Writes the new tokens' rows and index keys into ``kv`` as a side effect; the caller
+        then ``kv.commit``s the tokens that are final."""
+        kv.begin(batch)
         h = self.embed(input_ids)
         st = _Pass()
         for i, layer in enumerate(self.layers):

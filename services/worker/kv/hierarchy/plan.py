@@ -1,0 +1,89 @@
+"""Where each request's rows of the current forward pass live before they join the hierarchy.
+
+Per request and source, rows ``[chunk_lo, chunk_hi)`` are being written by this pass. They go
+to the slot's *tail ring* (T rows, row s at s mod T) when the chunk fits in it, else to the
+pass's *scratch* area (a long prefill). Rows resolve *directly* when they are in the chunk or
+still in the ring: ``s >= ring_lo``. Everything older comes from the hot cache or the host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class ChunkPlan:
+    """Per batch request (tensors [R] int64 on the device, lists on the host)."""
+
+    chunk_lo: torch.Tensor
+    chunk_hi: torch.Tensor
+    ring_lo: torch.Tensor  # rows >= ring_lo resolve directly (ring or scratch)
+    in_scratch: torch.Tensor  # bool
+    scratch_off: torch.Tensor  # first scratch row of the request's chunk
+    lo: list[int]
+    hi: list[int]
+    scratch: list[bool]
+    scratch_rows: int  # scratch rows this pass uses
+
+    @staticmethod
+    def build(
+        chunk_lo: list[int], chunk_hi: list[int], ring: int, device: torch.device | str
+    ) -> ChunkPlan:
+        scratch = [hi - lo > ring for lo, hi in zip(chunk_lo, chunk_hi, strict=True)]
+        offs, total = [], 0
+        for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True):
+            offs.append(total)
+            total += hi - lo if sc else 0
+        # A chunk in scratch leaves the ring as it was before the pass.
+        ring_lo = [
+            max(0, (lo if sc else hi) - ring)
+            for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True)
+        ]
+
+        def t(x: list) -> torch.Tensor:
+            return torch.tensor(x, dtype=torch.int64, device=device)
+
+        return ChunkPlan(
+            chunk_lo=t(chunk_lo),
+            chunk_hi=t(chunk_hi),
+            ring_lo=t(ring_lo),
+            in_scratch=torch.tensor(scratch, dtype=torch.bool, device=device),
+            scratch_off=t(offs),
+            lo=list(chunk_lo),
+            hi=list(chunk_hi),
+            scratch=scratch,
+            scratch_rows=total,
+        )
+
+
+@dataclass(frozen=True)
+class PoolLayout:
+    """Location space of a source's device pool: ``[hot | ring | scratch]``."""
+
+    max_slots: int
+    hot_entries: int  # B
+    ring: int  # T
+    scratch: int
+
+    @property
+    def ring_base(self) -> int:
+        return self.max_slots * self.hot_entries
+
+    @property
+    def scratch_base(self) -> int:
+        return self.ring_base + self.max_slots * self.ring
+
+    @property
+    def rows(self) -> int:
+        return self.scratch_base + self.scratch
+
+    def direct_locations(
+        self, rows: torch.Tensor, req: torch.Tensor, slots: torch.Tensor, plan: ChunkPlan
+    ) -> torch.Tensor:
+        """Locations of rows that resolve directly (undefined elsewhere). rows, req: same shape;
+        req indexes the batch, slots[req] the slot."""
+        in_chunk_scratch = plan.in_scratch[req] & (rows >= plan.chunk_lo[req])
+        scratch_loc = self.scratch_base + plan.scratch_off[req] + (rows - plan.chunk_lo[req])
+        ring_loc = self.ring_base + slots[req] * self.ring + rows.clamp(min=0) % self.ring
+        return torch.where(in_chunk_scratch, scratch_loc, ring_loc)

@@ -1,0 +1,15 @@
+"""Picks the resolver implementation: the torch reference or the fused Triton kernels."""
+
+from __future__ import annotations
+
+from services.worker.kv.hierarchy.resolver_ref import resolve_ref
+
+
+def get_resolver(name: str, device: str):
+    if name == "torch":
+        return resolve_ref
+    if name == "triton":
+        from services.worker.kv.hierarchy.resolver_triton import resolve_triton
+
+        return resolve_triton
+    raise ValueError(f"unknown resolver {name!r}; choose torch or triton")

@@ -1,0 +1,102 @@
+"""The resolver, plain torch: the reference the Triton kernel is checked against.
+
+For one source and the whole batch it turns selected row positions into pool locations:
+(1) rows in the chunk or the tail ring resolve directly; (2) the rest look up the hot cache —
+hits are stamped with this call's tick, which also protects them from eviction in this call;
+(3) misses take the least recently used unprotected entries (empty ones first, ties to the lower
+entry), evicting what those held, and are copied from the host backup; a request's queries
+(several when verifying a speculative block) are served in order, so a row missed by one query
+is copied once and hits for the next. Locations come back in selection order."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.kv.hierarchy.hot_cache import HotCache
+from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+
+INF = torch.iinfo(torch.int64).max
+
+
+class StagingOverflow(RuntimeError):
+    """A round's misses exceed the unprotected hot-cache entries (needs verification staging)."""
+
+
+@dataclass
+class Census:
+    """Selected entries by how they resolved, and distinct rows copied from the host."""
+
+    direct: int = 0
+    hot: int = 0
+    host: int = 0
+    copied: int = 0
+
+    def add(self, other: Census) -> None:
+        self.direct += other.direct
+        self.hot += other.hot
+        self.host += other.host
+        self.copied += other.copied
+
+
+def resolve_ref(
+    sel: torch.Tensor,
+    cu: list[int],
+    slots: torch.Tensor,
+    plan: ChunkPlan,
+    layout: PoolLayout,
+    hot: HotCache,
+    clock: int,
+    pool: torch.Tensor,
+    host: torch.Tensor,
+    host_base: torch.Tensor,
+) -> tuple[torch.Tensor, Census]:
+    """sel: [N, k] row positions (-1 pads) of the batch's query tokens, request r owning tokens
+    cu[r]..cu[r+1]; slots: [R]; pool: [P, d] device rows; host: flat typed host arena;
+    host_base: [max_slots] element offset of each slot's region for this source.
+    Returns locations [N, k] int64 (-1 kept) and the census; updates ``hot`` and ``pool``."""
+    d = pool.shape[1]
+    b_entries = hot.entries
+    entry_ids = torch.arange(b_entries, device=sel.device)
+    locs = torch.full_like(sel, -1)
+    census = Census()
+    for r in range(len(cu) - 1):
+        a, b = cu[r], cu[r + 1]
+        slot = int(slots[r])
+        rows = sel[a:b]
+        valid = rows >= 0
+        direct = valid & (rows >= plan.ring_lo[r])
+        cand = valid & ~direct
+        h = hot.map[slot, rows.clamp(min=0)].long()
+        hit = cand & (h >= 0)
+        hot.stamp[slot, h[hit]] = clock
+        census.direct += int(direct.sum())
+        census.hot += int(hit.sum())
+        census.host += int((cand & ~hit).sum())
+        for j in range(b - a):
+            miss = cand[j] & (hot.map[slot, rows[j].clamp(min=0)] < 0)
+            mrows = rows[j][miss]
+            if mrows.numel() == 0:
+                continue
+            stamp = hot.stamp[slot]
+            key = torch.where(stamp == clock, INF, stamp * b_entries + entry_ids)
+            victims = torch.sort(key).indices[: mrows.numel()]
+            if (key[victims] == INF).any():
+                raise StagingOverflow(
+                    f"{mrows.numel()} misses but only {int((key != INF).sum())} unprotected "
+                    f"hot-cache entries in slot {slot}"
+                )
+            old = hot.rows[slot, victims].long()
+            hot.map[slot, old[old >= 0]] = -1
+            hot.map[slot, mrows] = victims.to(hot.map.dtype)
+            hot.rows[slot, victims] = mrows.to(hot.rows.dtype)
+            hot.stamp[slot, victims] = clock
+            src = host_base[slot].item() + mrows.cpu().unsqueeze(1) * d + torch.arange(d)
+            pool[slot * b_entries + victims] = host[src].to(pool.device)
+            census.copied += mrows.numel()
+        req = torch.full_like(rows, r)
+        dloc = layout.direct_locations(rows, req, slots, plan)
+        hloc = slot * b_entries + hot.map[slot, rows.clamp(min=0)].long()
+        locs[a:b] = torch.where(direct, dloc, torch.where(valid, hloc, -1))
+    return locs, census
