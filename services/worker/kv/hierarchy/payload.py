@@ -16,7 +16,7 @@ from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.model.config import ModelConfig
 
-Resolver = Callable[..., tuple[torch.Tensor, Census]]
+Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
 class HiSparsePayload:
@@ -56,7 +56,7 @@ class HiSparsePayload:
             self.pools.append(torch.zeros(layout.rows, cfg.d_kv, dtype=dtype, device=device))
             self.hot.append(HotCache(max_slots, hot_cache_rows, max_model_len // m, device))
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
-        self.census = Census()
+        self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
         self._plans: list[ChunkPlan] = []
         self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
@@ -105,6 +105,11 @@ class HiSparsePayload:
             self._plans.append(plan)
         self._req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
 
+    @property
+    def census(self) -> Census:
+        """Selected rows resolved direct / hot / host, and rows copied (synchronises)."""
+        return Census.of(self._census)
+
     def pool(self, source: int) -> torch.Tensor:
         return self.pools[source]
 
@@ -121,12 +126,19 @@ class HiSparsePayload:
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> torch.Tensor:
+        plan = self._plans[source]
+        if plan.all_direct:  # nothing older than the ring: no hot scan, no host reads
+            valid = selection >= 0
+            req = batch.token_req.unsqueeze(1).expand_as(selection)
+            locs = self.layouts[source].direct_locations(selection, req, batch.slots, plan)
+            self._census[0] += valid.sum()
+            return torch.where(valid, locs, -1)
         hot = self.hot[source]
         locs, census = self.resolver(
             selection,
             batch.cu_lens.tolist(),
             batch.slots,
-            self._plans[source],
+            plan,
             self.layouts[source],
             hot,
             hot.tick(),
@@ -134,7 +146,7 @@ class HiSparsePayload:
             self.host.arena,
             self.host.base[:, source],
         )
-        self.census.add(census)
+        self._census += census
         return locs
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:

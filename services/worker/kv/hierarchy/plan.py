@@ -25,6 +25,7 @@ class ChunkPlan:
     hi: list[int]
     scratch: list[bool]
     scratch_rows: int  # scratch rows this pass uses
+    all_direct: bool  # every request's whole history is in its chunk or ring
 
     @staticmethod
     def build(
@@ -54,6 +55,7 @@ class ChunkPlan:
             hi=list(chunk_hi),
             scratch=scratch,
             scratch_rows=total,
+            all_direct=max(ring_lo) == 0,
         )
 
 

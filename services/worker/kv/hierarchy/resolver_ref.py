@@ -24,20 +24,21 @@ class StagingOverflow(RuntimeError):
     """A round's misses exceed the unprotected hot-cache entries (needs verification staging)."""
 
 
-@dataclass
+@dataclass(frozen=True)
 class Census:
-    """Selected entries by how they resolved, and distinct rows copied from the host."""
+    """Selected entries by how they resolved, and distinct rows copied from the host.
+
+    Resolvers return it as a [4] int64 device tensor (direct, hot, host, copied) so that
+    counting never synchronises; ``Census.of`` reads one."""
 
     direct: int = 0
     hot: int = 0
     host: int = 0
     copied: int = 0
 
-    def add(self, other: Census) -> None:
-        self.direct += other.direct
-        self.hot += other.hot
-        self.host += other.host
-        self.copied += other.copied
+    @staticmethod
+    def of(t: torch.Tensor) -> Census:
+        return Census(*(int(x) for x in t.tolist()))
 
 
 def resolve_ref(
@@ -51,16 +52,17 @@ def resolve_ref(
     pool: torch.Tensor,
     host: torch.Tensor,
     host_base: torch.Tensor,
-) -> tuple[torch.Tensor, Census]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """sel: [N, k] row positions (-1 pads) of the batch's query tokens, request r owning tokens
     cu[r]..cu[r+1]; slots: [R]; pool: [P, d] device rows; host: flat typed host arena;
     host_base: [max_slots] element offset of each slot's region for this source.
-    Returns locations [N, k] int64 (-1 kept) and the census; updates ``hot`` and ``pool``."""
+    Returns locations [N, k] int64 (-1 kept) and the census tensor; updates ``hot`` and
+    ``pool``."""
     d = pool.shape[1]
     b_entries = hot.entries
     entry_ids = torch.arange(b_entries, device=sel.device)
     locs = torch.full_like(sel, -1)
-    census = Census()
+    direct_n = hot_n = host_n = copied = 0
     for r in range(len(cu) - 1):
         a, b = cu[r], cu[r + 1]
         slot = int(slots[r])
@@ -71,9 +73,9 @@ def resolve_ref(
         h = hot.map[slot, rows.clamp(min=0)].long()
         hit = cand & (h >= 0)
         hot.stamp[slot, h[hit]] = clock
-        census.direct += int(direct.sum())
-        census.hot += int(hit.sum())
-        census.host += int((cand & ~hit).sum())
+        direct_n += int(direct.sum())
+        hot_n += int(hit.sum())
+        host_n += int((cand & ~hit).sum())
         for j in range(b - a):
             miss = cand[j] & (hot.map[slot, rows[j].clamp(min=0)] < 0)
             mrows = rows[j][miss]
@@ -94,9 +96,10 @@ def resolve_ref(
             hot.stamp[slot, victims] = clock
             src = host_base[slot].item() + mrows.cpu().unsqueeze(1) * d + torch.arange(d)
             pool[slot * b_entries + victims] = host[src].to(pool.device)
-            census.copied += mrows.numel()
+            copied += mrows.numel()
         req = torch.full_like(rows, r)
         dloc = layout.direct_locations(rows, req, slots, plan)
         hloc = slot * b_entries + hot.map[slot, rows.clamp(min=0)].long()
         locs[a:b] = torch.where(direct, dloc, torch.where(valid, hloc, -1))
-    return locs, census
+    census = torch.tensor([direct_n, hot_n, host_n, copied], dtype=torch.int64)
+    return locs, census.to(sel.device)

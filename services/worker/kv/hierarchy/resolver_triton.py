@@ -1,0 +1,234 @@
+"""The fused resolver as Triton kernels: one launch resolves the whole batch for one source,
+a second launch copies the misses from pinned host memory with a grid sized to the link.
+
+``_resolve_kernel`` runs one program per request: (1) tail/chunk rows resolve directly; (2) the
+hot cache is looked up through the dense reverse map, hits are stamped (protected); (3) per query
+in order, misses take the least recently used unprotected entries (one sort of B stamps) and are
+queued for copy; a row missed by an earlier query of the request is a hit for later ones, so
+each distinct row is copied once. ``_copy_rows_kernel`` then reads the queued rows straight
+from the host arena (a registered /dev/shm mapping under UVA on a GPU) into the hot cache.
+Semantics are exactly ``resolver_ref.resolve_ref``'s."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from services.worker.kv.hierarchy.host import HostPointer
+from services.worker.kv.hierarchy.hot_cache import HotCache
+from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
+
+_INF = 9223372036854775807
+
+
+@triton.jit
+def _resolve_kernel(
+    sel_ptr,  # [N, K] int64
+    stride_sel,
+    cu_ptr,  # [R + 1] int64
+    slots_ptr,  # [R] int64
+    ring_lo_ptr,  # [R] int64
+    chunk_lo_ptr,  # [R] int64
+    in_scr_ptr,  # [R] int8
+    scr_off_ptr,  # [R] int64
+    map_ptr,  # [max_slots, max_rows] int16 | int32
+    stride_map,
+    rows_ptr,  # [max_slots, B] int32
+    stamp_ptr,  # [max_slots, B] int64
+    host_base_ptr,  # [max_slots] int64 (strided)
+    stride_hb,
+    sorted_ptr,  # [R, BP] int64 scratch
+    locs_ptr,  # [N, K] int64 out
+    plan_src_ptr,  # [cap] int64 out: host element offset of each copy
+    plan_dst_ptr,  # [cap] int64 out: pool row of each copy
+    count_ptr,  # [1] int64: copies queued
+    census_ptr,  # [4] int64: direct, hot, host, overflow
+    clock,
+    K,
+    B,
+    RING,
+    RING_BASE,
+    SCRATCH_BASE,
+    D,
+    KP: tl.constexpr,
+    BP: tl.constexpr,
+):
+    r = tl.program_id(0)
+    slot = tl.load(slots_ptr + r)
+    a = tl.load(cu_ptr + r)
+    b = tl.load(cu_ptr + r + 1)
+    ring_lo = tl.load(ring_lo_ptr + r)
+    chunk_lo = tl.load(chunk_lo_ptr + r)
+    in_scr = tl.load(in_scr_ptr + r)
+    scr_off = tl.load(scr_off_ptr + r)
+    hbase = tl.load(host_base_ptr + slot * stride_hb)
+    map_row = map_ptr + slot * stride_map
+    rows_row = rows_ptr + slot * B
+    stamp_row = stamp_ptr + slot * B
+    offs_k = tl.arange(0, KP)
+    kmask = offs_k < K
+    offs_b = tl.arange(0, BP)
+    bmask = offs_b < B
+    now = tl.full([KP], clock, tl.int64)
+
+    # (1)+(2): direct rows, and hot hits stamped so that no miss of this call evicts them.
+    n_direct = tl.zeros([KP], tl.int64)
+    n_hot = tl.zeros([KP], tl.int64)
+    n_host = tl.zeros([KP], tl.int64)
+    for j in range(a, b):
+        s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
+        valid = s >= 0
+        direct = valid & (s >= ring_lo)
+        cand = valid & (s < ring_lo)
+        h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
+        hit = cand & (h >= 0)
+        tl.store(stamp_row + h, now, mask=hit)
+        n_direct += direct.to(tl.int64)
+        n_hot += hit.to(tl.int64)
+        n_host += (cand & (h < 0)).to(tl.int64)
+    tl.atomic_add(census_ptr + 0, tl.sum(n_direct))
+    tl.atomic_add(census_ptr + 1, tl.sum(n_hot))
+    tl.atomic_add(census_ptr + 2, tl.sum(n_host))
+    tl.debug_barrier()
+
+    # (3): misses, query by query, into the least recently used unprotected entries.
+    for j in range(a, b):
+        s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
+        cand = (s >= 0) & (s < ring_lo)
+        h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
+        miss = cand & (h < 0)
+        nmiss = tl.sum(miss.to(tl.int64))
+        if nmiss > 0:
+            st = tl.load(stamp_row + offs_b, mask=bmask, other=0)
+            key = tl.where(st == clock, _INF, st * B + offs_b)
+            key = tl.where(bmask, key, _INF)
+            tl.store(sorted_ptr + r * BP + offs_b, tl.sort(key))
+            tl.debug_barrier()
+            rank = tl.cumsum(miss.to(tl.int64), 0) - 1
+            vkey = tl.load(sorted_ptr + r * BP + rank, mask=miss, other=_INF)
+            ok = miss & (vkey != _INF)
+            tl.atomic_add(census_ptr + 3, tl.sum((miss & (vkey == _INF)).to(tl.int64)))
+            v = (vkey + B) % B  # key = stamp * B + entry with stamp >= -1
+            old = tl.load(rows_row + v, mask=ok, other=-1)
+            tl.store(map_row + old, tl.full([KP], -1, tl.int64).to(map_ptr.dtype.element_ty),
+                     mask=ok & (old >= 0))  # fmt: skip
+            tl.debug_barrier()
+            tl.store(map_row + s, v.to(map_ptr.dtype.element_ty), mask=ok)
+            tl.store(rows_row + v, s.to(tl.int32), mask=ok)
+            tl.store(stamp_row + v, now, mask=ok)
+            base = tl.atomic_add(count_ptr, nmiss)
+            tl.store(plan_src_ptr + base + rank, hbase + s * D, mask=ok)
+            tl.store(plan_dst_ptr + base + rank, slot * B + v, mask=ok)
+            tl.debug_barrier()
+    tl.debug_barrier()
+
+    # Locations in selection order.
+    for j in range(a, b):
+        s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
+        valid = s >= 0
+        direct = valid & (s >= ring_lo)
+        h = tl.load(map_row + s, mask=valid & ~direct, other=-1).to(tl.int64)
+        in_chunk_scr = (in_scr != 0) & (s >= chunk_lo)
+        dloc = tl.where(
+            in_chunk_scr,
+            SCRATCH_BASE + scr_off + (s - chunk_lo),
+            RING_BASE + slot * RING + s % RING,
+        )
+        loc = tl.where(direct, dloc, tl.where(valid, slot * B + h, -1))
+        tl.store(locs_ptr + j * stride_sel + offs_k, loc, mask=kmask)
+
+
+@triton.jit
+def _copy_rows_kernel(
+    host_ptr,  # flat host arena, KV dtype
+    pool_ptr,  # [P, D] device rows
+    stride_pool,
+    plan_src_ptr,
+    plan_dst_ptr,
+    count_ptr,
+    D,
+    ROWS: tl.constexpr,
+    DP: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    count = tl.load(count_ptr)
+    offs_r = tl.arange(0, ROWS)
+    offs_d = tl.arange(0, DP)
+    dmask = offs_d < D
+    for start in range(pid * ROWS, count, nprog * ROWS):
+        idx = start + offs_r
+        m = idx < count
+        src = tl.load(plan_src_ptr + idx, mask=m, other=0)
+        dst = tl.load(plan_dst_ptr + idx, mask=m, other=0)
+        mm = m[:, None] & dmask[None, :]
+        vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=mm)
+        tl.store(pool_ptr + dst[:, None] * stride_pool + offs_d[None, :], vals, mask=mm)
+
+
+def _copy_grid(device: torch.device, rows_per_program: int, max_rows: int) -> int:
+    """Persistent copy programs: enough to keep the PCIe link busy (measured: a handful of
+    programs starve it, past ~132 the grid barely matters), never more than the work."""
+    if device.type != "cuda":
+        return 1  # the interpreter runs programs one after another
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    return max(1, min(2 * sms, triton.cdiv(max_rows, rows_per_program)))
+
+
+_COPY_ROWS = 16
+
+
+def resolve_triton(
+    sel: torch.Tensor,
+    cu: list[int],
+    slots: torch.Tensor,
+    plan: ChunkPlan,
+    layout: PoolLayout,
+    hot: HotCache,
+    clock: int,
+    pool: torch.Tensor,
+    host: torch.Tensor,
+    host_base: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
+    arena view; the kernels read it directly."""
+    n, k = sel.shape
+    dev = sel.device
+    nreq = len(cu) - 1
+    b_entries = hot.entries
+    bp = triton.next_power_of_2(b_entries)
+    kp = triton.next_power_of_2(k)
+    d = pool.shape[1]
+    sel = sel.contiguous()
+    locs = torch.empty_like(sel)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
+    sorted_scratch = torch.empty(nreq, bp, dtype=torch.int64, device=dev)
+    cap = max(1, n * k)
+    plan_src = torch.empty(cap, dtype=torch.int64, device=dev)
+    plan_dst = torch.empty(cap, dtype=torch.int64, device=dev)
+    count = torch.zeros(1, dtype=torch.int64, device=dev)
+    census = torch.zeros(4, dtype=torch.int64, device=dev)
+    _resolve_kernel[(nreq,)](
+        sel, sel.stride(0), cu_t, slots, plan.ring_lo, plan.chunk_lo,
+        plan.in_scratch.to(torch.int8), plan.scratch_off,
+        hot.map, hot.map.stride(0), hot.rows, hot.stamp, host_base, host_base.stride(0),
+        sorted_scratch, locs, plan_src, plan_dst, count, census,
+        clock, k, b_entries, layout.ring, layout.ring_base, layout.scratch_base, d,
+        KP=kp, BP=bp, num_warps=8 if bp >= 2048 else 4,
+    )  # fmt: skip
+    host_arg = HostPointer(host) if pool.is_cuda else host
+    grid = _copy_grid(dev, _COPY_ROWS, cap)
+    _copy_rows_kernel[(grid,)](
+        host_arg, pool, pool.stride(0), plan_src, plan_dst, count, d,
+        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
+    )  # fmt: skip
+    if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
+        overflow = int(census[3])  # synchronises: only on the CPU or when checking
+        if overflow:
+            raise StagingOverflow(f"{overflow} misses found no unprotected hot-cache entry")
+    census[3] = count[0]
+    return locs, census
