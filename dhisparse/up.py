@@ -46,7 +46,7 @@ class Child:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-glm", help="preset name or model directory")
-    p.add_argument("--mode", default="resident", help="serving mode")
+    p.add_argument("--mode", default="resident", choices=["resident", "hisparse"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")

@@ -80,8 +80,19 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 async def start_server(
     settings: WorkerSettings, engine: Engine | None = None
 ) -> tuple[grpc.aio.Server, AsyncEngine]:
-    """Builds the engine (unless given) and starts gRPC (and metrics) serving."""
-    engine = engine or Engine(settings.engine_config())
+    """Builds the engine (unless given) and starts gRPC (and metrics) serving. In a hierarchy
+    mode with ``kv_store`` set, host backups go to the node's kv_host_store arena."""
+    if engine is None:
+        host = None
+        if settings.kv_store and settings.mode != "resident":
+            from services.kv_host_store.client import KVHostStoreClient
+
+            client = KVHostStoreClient(settings.kv_store)
+            client.wait_ready(timeout=30.0)
+            info, mapping = client.map_arena()
+            log.info("mapped host arena %s (%d bytes)", info.path, info.capacity_bytes)
+            host = (client, mapping)
+        engine = Engine(settings.engine_config(), host=host)
     model_name = settings.served_model_name or engine.model_cfg.name
     metrics = WorkerMetrics(model_name)
     async_engine = AsyncEngine(engine, on_step=metrics.on_step)

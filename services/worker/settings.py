@@ -25,6 +25,10 @@ class WorkerSettings(BaseSettings):
     seed: int = 0
     mode: str = "resident"
     kv_pool_mib: float = 256.0
+    hot_cache_rows: int | None = None
+    host_arena_mib: float = 256.0
+    resolver: str = "auto"
+    attention_backend: str = "auto"
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -42,6 +46,11 @@ class WorkerSettings(BaseSettings):
             seed=self.seed,
             mode=self.mode,
             kv_pool_mib=self.kv_pool_mib,
+            hot_cache_rows=self.hot_cache_rows,
+            host_arena_mib=self.host_arena_mib,
+            resolver=self.resolver,
+            attention_backend=self.attention_backend,
+            owner=self.resolved_worker_id(),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,

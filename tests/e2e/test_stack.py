@@ -12,12 +12,14 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
 from dhisparse.tokenizer import ByteTokenizer, render_chat
+from services.kv_host_store.client import KVHostStoreClient
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from tests.conftest import free_port
@@ -25,8 +27,17 @@ from tests.conftest import free_port
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory) -> Iterator[str]:
+@dataclass(frozen=True)
+class Stack:
+    base: str
+    store: str
+    mode: str
+
+
+@pytest.fixture(scope="module", params=["resident", "hisparse"])
+def stack(request, tmp_path_factory) -> Iterator[Stack]:
+    """The whole stack per serving mode; both must give the offline resident engine's text."""
+    mode = request.param
     http, worker, store = free_port(), free_port(), free_port()
     arena = f"/dev/shm/dhisparse-e2e-{os.getpid()}-{http}"
     log = tmp_path_factory.mktemp("stack") / "up.log"
@@ -34,7 +45,7 @@ def stack(tmp_path_factory) -> Iterator[str]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
              "--worker-port", str(worker), "--kv-store-port", str(store), "--arena-path", arena,
-             "--kv-pool-mib", "16", "--no-restart"],
+             "--kv-pool-mib", "64", "--mode", mode, "--no-restart"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base = f"http://127.0.0.1:{http}"
@@ -47,7 +58,7 @@ def stack(tmp_path_factory) -> Iterator[str]:
             time.sleep(0.3)
         else:
             pytest.fail(f"stack did not come up:\n{log.read_text()}")
-        yield base
+        yield Stack(base, f"127.0.0.1:{store}", mode)
     finally:
         children = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
         if proc.poll() is None:
@@ -71,16 +82,16 @@ def offline_greedy(max_tokens: int) -> str:
     return req.text.detok.text[: req.text.emitted]
 
 
-def test_all_three_services_are_up(stack: str) -> None:
-    assert httpx.get(f"{stack}/health").status_code == 200
-    models = httpx.get(f"{stack}/v1/models").json()
+def test_all_three_services_are_up(stack: Stack) -> None:
+    assert httpx.get(f"{stack.base}/health").status_code == 200
+    models = httpx.get(f"{stack.base}/v1/models").json()
     assert [m["id"] for m in models["data"]] == ["tiny-glm"]
 
 
-def test_chat_completion_matches_offline_engine(stack: str) -> None:
+def test_chat_completion_matches_offline_engine(stack: Stack) -> None:
     body = {"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
-    r = httpx.post(f"{stack}/v1/chat/completions", json=body, timeout=60)
+    r = httpx.post(f"{stack.base}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["object"] == "chat.completion"
@@ -89,11 +100,12 @@ def test_chat_completion_matches_offline_engine(stack: str) -> None:
     assert out["usage"]["completion_tokens"] == 24
 
 
-def test_streaming_chat_completion(stack: str) -> None:
+def test_streaming_chat_completion(stack: Stack) -> None:
     body = {"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
-    chunks, done = [], False
-    with httpx.stream("POST", f"{stack}/v1/chat/completions", json=body, timeout=60) as r:
+    chunks, done, regions = [], False, None
+    url = f"{stack.base}/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=60) as r, KVHostStoreClient(stack.store) as c:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         for line in r.iter_lines():
@@ -104,16 +116,19 @@ def test_streaming_chat_completion(stack: str) -> None:
                 done = True
                 break
             chunks.append(json.loads(line[6:]))
+            if len(chunks) == 3:  # mid-stream: the request's host backups are in the store
+                regions = c.stats().regions
     assert done
+    assert regions == (6 if stack.mode == "hisparse" else 0)  # one region per source
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
     assert len(chunks) > 3  # tokens arrived incrementally
 
 
-def test_client_error_is_a_400_with_openai_shape(stack: str) -> None:
+def test_client_error_is_a_400_with_openai_shape(stack: Stack) -> None:
     r = httpx.post(
-        f"{stack}/v1/chat/completions",
+        f"{stack.base}/v1/chat/completions",
         json={"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 100_000},
         timeout=30,
     )

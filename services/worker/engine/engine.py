@@ -51,8 +51,9 @@ class EngineConfig:
     kv_pool_mib: float = 256.0
     hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
     host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
-    resolver: str = "torch"  # torch | triton
-    owner: str = "local"
+    resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
+    attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
+    owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -70,10 +71,17 @@ class EngineConfig:
             max_prefill_tokens=self.max_prefill_tokens,
             host_arena_bytes=int(self.host_arena_mib * (1 << 20)),
             owner=self.owner,
-            resolver=self.resolver,
+            resolver=self._backend(self.resolver),
             dtype=dtype,
             device=self.device,
         )
+
+    def _backend(self, choice: str) -> str:
+        if choice == "auto":
+            return "triton" if self.device.startswith("cuda") else "torch"
+        if choice not in ("torch", "triton"):
+            raise ValueError(f"unknown backend {choice!r}; choose torch, triton or auto")
+        return choice
 
 
 class Engine:
@@ -92,6 +100,8 @@ class Engine:
             model = load_model(cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed)
         if cfg.top_k_rows is not None:
             model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
+        if cfg._backend(cfg.attention_backend) == "triton":
+            model.use_triton_attention()
         self.model = model
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)

@@ -21,6 +21,13 @@ class PayloadBackend(Protocol):
         """Plans where this pass's new rows go; called before the model writes any."""
         ...
 
+    def prefetch(
+        self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
+    ) -> None:
+        """May start resolving ``(layer, source)`` pairs for ``selection`` early; ``resolve``
+        for those layers then returns the result."""
+        ...
+
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
         their complete rows join the history (eq. 8). Rows beyond are never published."""

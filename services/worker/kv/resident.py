@@ -42,6 +42,11 @@ class ResidentPayload:
     def pool(self, source: int) -> torch.Tensor:
         return self.pools[source].data
 
+    def prefetch(
+        self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
+    ) -> None:
+        pass  # resolution is a page-table lookup
+
     def begin(self, batch: ForwardBatch) -> None:
         pass  # rows are written where they live
 

@@ -65,6 +65,17 @@ class DSAModel(nn.Module):
         self.lm_head = (
             None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
         )
+        # follower layers (and their sources) of each index producer, resolved together
+        self.followers: dict[int, list[tuple[int, int]]] = {}
+        for i, spec in enumerate(cfg.layers):
+            if spec.index == "follower":
+                self.followers.setdefault(spec.leader, []).append((i, spec.source))
+        self.attention_fn = sparse_attention_ref
+
+    def use_triton_attention(self) -> None:
+        from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+
+        self.attention_fn = sparse_attention_triton
 
     @torch.no_grad()
     def forward(
@@ -112,6 +123,8 @@ class DSAModel(nn.Module):
             if rows.numel():
                 kv.index_keys.write(i, slots, rows, layer.indexer.keys(values))
             st.selection[i] = self._select(i, layer.indexer, x, batch, kv, src.compress)
+            if i in self.followers:  # one selection starts every follower's transfer
+                kv.payload.prefetch(self.followers[i], batch, st.selection[i])
         else:  # follower (shared indices) or reuse (shared source): the leader's positions
             st.selection[i] = st.selection[spec.leader]
         if spec.index == "reuse":
@@ -127,7 +140,7 @@ class DSAModel(nn.Module):
         if src.window > 0:
             win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
         q = layer.attn.queries(x, batch.positions)
-        o = sparse_attention_ref(
+        o = self.attention_fn(
             q, pool, locs, self.cfg.d_latent, layer.attn.scale, win_pool, win_locs
         )
         return layer.attn.output(o)

@@ -60,6 +60,9 @@ class HiSparsePayload:
         self._batch: ForwardBatch | None = None
         self._plans: list[ChunkPlan] = []
         self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
+        # Follower resolutions started early, on a side stream on a GPU: layer -> (locs, event)
+        self._prefetched: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
     # ---- admission ------------------------------------------------------------------------
     def _rows(self, source: int, num_tokens: int) -> int:
@@ -91,6 +94,7 @@ class HiSparsePayload:
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         self._batch = batch
+        self._prefetched.clear()
         self._plans = []
         ends = batch.ends()
         for s, layout in enumerate(self.layouts):
@@ -123,9 +127,39 @@ class HiSparsePayload:
         )
         self.pools[source][locs] = values.to(self.pools[source].dtype)
 
+    def prefetch(
+        self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
+    ) -> None:
+        """Starts resolving ``(layer, source)`` pairs that share ``selection`` (the followers of
+        an index producer) so their host reads overlap the layers computed in between. On a
+        GPU they run on a side stream that first waits for everything issued so far: earlier
+        readers of those sources are done, and the selection is complete."""
+        if self._side is None:
+            for layer, source in layers:
+                self._prefetched[layer] = (self._resolve(source, batch, selection), None)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            for layer, source in layers:
+                locs = self._resolve(source, batch, selection)
+                locs.record_stream(main)
+                event = torch.cuda.Event()
+                event.record(self._side)
+                self._prefetched[layer] = (locs, event)
+
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> torch.Tensor:
+        done = self._prefetched.pop(layer, None)
+        if done is not None:
+            locs, event = done
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+            return locs
+        return self._resolve(source, batch, selection)
+
+    def _resolve(self, source: int, batch: ForwardBatch, selection: torch.Tensor) -> torch.Tensor:
         plan = self._plans[source]
         if plan.all_direct:  # nothing older than the ring: no hot scan, no host reads
             valid = selection >= 0

@@ -1,0 +1,54 @@
+"""The sparse attention kernel equals its torch reference (interpreter on the CPU; @gpu on the
+device), with padding, windows and shared rows."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.worker.ops.sparse_attention import sparse_attention_ref
+
+
+def case(seed: int, n: int, h: int, d: int, dv: int, k: int, w: int, device: str, dtype):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(n, h, d, generator=g).to(device, dtype)
+    pool = torch.randn(500, d, generator=g).to(device, dtype)
+    locs = torch.randint(0, 500, (n, k), generator=g)
+    locs[torch.rand(n, k, generator=g) < 0.2] = -1  # padding anywhere
+    locs[:, 0] = torch.randint(0, 500, (n,), generator=g)  # at least one valid row
+    win_pool = win_locs = None
+    if w:
+        win_pool = torch.randn(64, d, generator=g).to(device, dtype)
+        win_locs = torch.randint(0, 64, (n, w), generator=g)
+        win_locs[:, : w // 3] = -1  # the window's start lies before position 0
+        win_locs = win_locs.to(device)
+    return q, pool, locs.to(device), dv, d**-0.5, win_pool, win_locs
+
+
+@pytest.mark.parametrize(
+    ("seed", "n", "h", "d", "dv", "k", "w"),
+    [(0, 3, 4, 80, 64, 32, 0), (1, 2, 4, 80, 64, 16, 8), (2, 5, 20, 48, 32, 40, 0)],
+)
+def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w) -> None:
+    from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+
+    args = case(seed, n, h, d, dv, k, w, "cpu", torch.float32)
+    torch.testing.assert_close(
+        sparse_attention_triton(*args), sparse_attention_ref(*args), rtol=1e-4, atol=1e-5
+    )
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_triton_sparse_attention_on_gpu(dtype) -> None:
+    from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+
+    for seed, (n, h, d, dv, k, w) in enumerate(
+        [(64, 16, 576, 512, 2048, 0), (7, 4, 80, 64, 32, 8)]
+    ):
+        args = case(seed, n, h, d, dv, k, w, "cuda", dtype)
+        tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        torch.testing.assert_close(
+            sparse_attention_triton(*args).float(), sparse_attention_ref(*args).float(),
+            rtol=tol, atol=tol,
+        )  # fmt: skip
