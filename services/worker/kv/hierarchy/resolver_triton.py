@@ -12,6 +12,7 @@ Semantics are exactly ``resolver_ref.resolve_ref``'s."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -182,6 +183,66 @@ def _copy_grid(device: torch.device, rows_per_program: int, max_rows: int) -> in
 _COPY_ROWS = 16
 
 
+@dataclass
+class MissPlan:
+    """Rows to copy from the host, queued by the resolve kernel (``count`` on the device)."""
+
+    src: torch.Tensor  # [cap] int64 host element offsets
+    dst: torch.Tensor  # [cap] int64 pool rows
+    count: torch.Tensor  # [1] int64
+
+
+def launch_resolve(
+    sel: torch.Tensor,
+    cu: list[int],
+    slots: torch.Tensor,
+    plan: ChunkPlan,
+    layout: PoolLayout,
+    hot: HotCache,
+    clock: int,
+    host_base: torch.Tensor,
+    row_elems: int,
+) -> tuple[torch.Tensor, MissPlan, torch.Tensor]:
+    """The resolve kernel alone: locations [N, k], the miss plan, and census [4] (direct, hot,
+    host, overflow)."""
+    n, k = sel.shape
+    dev = sel.device
+    nreq = len(cu) - 1
+    b_entries = hot.entries
+    bp = triton.next_power_of_2(b_entries)
+    sel = sel.contiguous()
+    locs = torch.empty_like(sel)
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
+    sorted_scratch = torch.empty(nreq, bp, dtype=torch.int64, device=dev)
+    cap = max(1, n * k)
+    misses = MissPlan(
+        torch.empty(cap, dtype=torch.int64, device=dev),
+        torch.empty(cap, dtype=torch.int64, device=dev),
+        torch.zeros(1, dtype=torch.int64, device=dev),
+    )
+    census = torch.zeros(4, dtype=torch.int64, device=dev)
+    _resolve_kernel[(nreq,)](
+        sel, sel.stride(0), cu_t, slots, plan.ring_lo, plan.chunk_lo,
+        plan.in_scratch.to(torch.int8), plan.scratch_off,
+        hot.map, hot.map.stride(0), hot.rows, hot.stamp, host_base, host_base.stride(0),
+        sorted_scratch, locs, misses.src, misses.dst, misses.count, census,
+        clock, k, b_entries, layout.ring, layout.ring_base, layout.scratch_base, row_elems,
+        KP=triton.next_power_of_2(k), BP=bp, num_warps=8 if bp >= 2048 else 4,
+    )  # fmt: skip
+    return locs, misses, census
+
+
+def launch_copy(misses: MissPlan, pool: torch.Tensor, host: torch.Tensor) -> None:
+    """The copy kernel alone: queued rows from the host arena into the pool."""
+    d = pool.shape[1]
+    host_arg = HostPointer(host) if pool.is_cuda else host
+    grid = _copy_grid(pool.device, _COPY_ROWS, misses.src.numel())
+    _copy_rows_kernel[(grid,)](
+        host_arg, pool, pool.stride(0), misses.src, misses.dst, misses.count, d,
+        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
+    )  # fmt: skip
+
+
 def resolve_triton(
     sel: torch.Tensor,
     cu: list[int],
@@ -195,40 +256,14 @@ def resolve_triton(
     host_base: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
-    arena view; the kernels read it directly."""
-    n, k = sel.shape
-    dev = sel.device
-    nreq = len(cu) - 1
-    b_entries = hot.entries
-    bp = triton.next_power_of_2(b_entries)
-    kp = triton.next_power_of_2(k)
-    d = pool.shape[1]
-    sel = sel.contiguous()
-    locs = torch.empty_like(sel)
-    cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
-    sorted_scratch = torch.empty(nreq, bp, dtype=torch.int64, device=dev)
-    cap = max(1, n * k)
-    plan_src = torch.empty(cap, dtype=torch.int64, device=dev)
-    plan_dst = torch.empty(cap, dtype=torch.int64, device=dev)
-    count = torch.zeros(1, dtype=torch.int64, device=dev)
-    census = torch.zeros(4, dtype=torch.int64, device=dev)
-    _resolve_kernel[(nreq,)](
-        sel, sel.stride(0), cu_t, slots, plan.ring_lo, plan.chunk_lo,
-        plan.in_scratch.to(torch.int8), plan.scratch_off,
-        hot.map, hot.map.stride(0), hot.rows, hot.stamp, host_base, host_base.stride(0),
-        sorted_scratch, locs, plan_src, plan_dst, count, census,
-        clock, k, b_entries, layout.ring, layout.ring_base, layout.scratch_base, d,
-        KP=kp, BP=bp, num_warps=8 if bp >= 2048 else 4,
-    )  # fmt: skip
-    host_arg = HostPointer(host) if pool.is_cuda else host
-    grid = _copy_grid(dev, _COPY_ROWS, cap)
-    _copy_rows_kernel[(grid,)](
-        host_arg, pool, pool.stride(0), plan_src, plan_dst, count, d,
-        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
-    )  # fmt: skip
+    arena view; the copy kernel reads it directly."""
+    locs, misses, census = launch_resolve(
+        sel, cu, slots, plan, layout, hot, clock, host_base, pool.shape[1]
+    )
+    launch_copy(misses, pool, host)
     if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
         overflow = int(census[3])  # synchronises: only on the CPU or when checking
         if overflow:
             raise StagingOverflow(f"{overflow} misses found no unprotected hot-cache entry")
-    census[3] = count[0]
+    census[3] = misses.count[0]
     return locs, census

@@ -1,0 +1,261 @@
+"""Resolver benchmark (H200): latency vs batch and miss rate, host-recovery bandwidth, and
+all-hit resolution against a plain device gather of the same rows.
+
+    python bench/resolver.py --out docs/results/resolver.json
+
+One source, k selected rows per request, B hot-cache entries per request, rows of
+``--row-bytes`` (bf16). The host backups live in a /dev/shm arena registered with CUDA, as in
+serving (a pinned tensor if /dev/shm is too small; the JSON says which). Each request's misses
+are spread uniformly over its own contiguous region. Every timed run starts from the same hot
+cache state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.worker.kv.hierarchy.hot_cache import HotCache  # noqa: E402
+from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout  # noqa: E402
+from services.worker.kv.hierarchy.resolver_triton import launch_copy, launch_resolve  # noqa: E402
+
+RING = 72  # one 64-row page + an 8-row block, as the engine sizes the tail
+
+
+def host_arena(nbytes: int) -> tuple[torch.Tensor, str, object]:
+    """A registered /dev/shm arena, or pinned memory when /dev/shm is too small."""
+    shm = Path("/dev/shm")
+    if shm.exists() and shutil.disk_usage(shm).free > nbytes * 1.1:
+        from services.kv_host_store.arena import HostArena, map_arena
+
+        path = shm / f"dhisparse-bench-{os.getpid()}"
+        arena = HostArena.create(path, nbytes)
+        mapping = map_arena(path, nbytes)
+        t0 = time.perf_counter()
+        mapping.pin()
+        print(f"registered {nbytes / 2**30:.1f} GiB arena in {time.perf_counter() - t0:.1f} s")
+        return mapping.tensor, "dev-shm-registered", (arena, mapping)
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned-tensor", None
+
+
+def timed(fn, iters: int, setup=None) -> list[float]:
+    """Milliseconds per run, CUDA events, after one warm-up."""
+    out = []
+    for i in range(iters + 1):
+        if setup:
+            setup()
+        torch.cuda.synchronize()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        torch.cuda.synchronize()
+        if i:
+            out.append(a.elapsed_time(b))
+    return out
+
+
+def bulk_ceiling(host_u8: torch.Tensor, nbytes: int) -> float:
+    src = host_u8[:nbytes]
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    ms = statistics.median(timed(lambda: dst.copy_(src, non_blocking=True), 10))
+    return nbytes / ms / 1e6  # GB/s
+
+
+def run_case(
+    nreq: int, miss_rate: float, k: int, b: int, hist: int, d: int, host: torch.Tensor,
+    iters: int, g: torch.Generator,
+) -> dict:  # fmt: skip
+    dev = torch.device("cuda")
+    layout = PoolLayout(nreq, b, RING, scratch=1)
+    pool = torch.zeros(layout.rows, d, dtype=torch.bfloat16, device=dev)
+    hot = HotCache(nreq, b, hist, dev)
+    n_miss = round(k * miss_rate)
+    n_hit = k - n_miss
+    sel = torch.empty(nreq, k, dtype=torch.int64)
+    rows = torch.empty(nreq, b, dtype=torch.int64)
+    history = hist - RING  # rows old enough to need the hierarchy
+    for r in range(nreq):
+        perm = torch.randperm(history, generator=g)
+        rows[r] = perm[:b]
+        chosen = torch.cat([perm[:b][torch.randperm(b, generator=g)[:n_hit]], perm[b : b + n_miss]])
+        sel[r] = chosen[torch.randperm(k, generator=g)]
+    entries = torch.arange(b).expand(nreq, b)
+    hot.rows.copy_(rows.to(torch.int32))
+    hot.stamp.copy_(torch.randint(1, 1000, (nreq, b), generator=g))
+    hot.map.scatter_(1, rows.to(dev), entries.to(dev, hot.map.dtype))
+    saved = (hot.map.clone(), hot.rows.clone(), hot.stamp.clone())
+    sel = sel.to(dev)
+    slots = torch.arange(nreq, device=dev)
+    plan = ChunkPlan.build([hist - 1] * nreq, [hist] * nreq, RING, dev)
+    host_base = (torch.arange(nreq, dtype=torch.int64) * hist * d).to(dev)
+    cu = list(range(nreq + 1))
+    state: dict = {}
+
+    def restore() -> None:
+        hot.map.copy_(saved[0])
+        hot.rows.copy_(saved[1])
+        hot.stamp.copy_(saved[2])
+
+    def resolve_only() -> None:
+        state["r"] = launch_resolve(sel, cu, slots, plan, layout, hot, 10_000, host_base, d)
+
+    t_resolve = timed(resolve_only, iters, restore)
+    t_copy = timed(lambda: launch_copy(state["r"][1], pool, host), iters)
+
+    def both() -> None:
+        locs, misses, _ = launch_resolve(sel, cu, slots, plan, layout, hot, 10_000, host_base, d)
+        launch_copy(misses, pool, host)
+        state["locs"] = locs
+
+    t_total = timed(both, iters, restore)
+    locs = state["locs"]
+    copied = int(state["r"][1].count)
+    assert copied == nreq * n_miss, (copied, nreq * n_miss)
+    # Correctness: what attention would read equals the host backup, row for row.
+    check = torch.randint(0, nreq, (8,), generator=g)
+    for r in check.tolist():
+        got = pool[locs[r]].cpu()
+        base = r * hist * d
+        want = host[base : base + hist * d].view(hist, d)[sel[r].cpu()]
+        assert torch.equal(got, want), "resolved rows differ from the host backup"
+    flat = locs.flatten()
+    t_gather = timed(lambda: torch.index_select(pool, 0, flat), iters)
+    row_bytes = d * 2
+    med = statistics.median
+    return {
+        "batch": nreq,
+        "miss_rate": miss_rate,
+        "misses_per_step": copied,
+        "resolve_ms": med(t_resolve),
+        "copy_ms": med(t_copy),
+        "total_ms": med(t_total),
+        "plain_gather_ms": med(t_gather),
+        "copy_GBps": copied * row_bytes / med(t_copy) / 1e6 if copied else None,
+        "host_recovery_GBps": copied * row_bytes / med(t_total) / 1e6 if copied else None,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batches", default="1,4,16,64,128,256")
+    ap.add_argument("--miss-rates", default="0,0.0005,0.01,0.1")
+    ap.add_argument("--k", type=int, default=2048)
+    ap.add_argument("--hot-cache-rows", type=int, default=4096)
+    ap.add_argument("--row-bytes", type=int, default=576)
+    ap.add_argument("--history", type=int, default=32768, help="rows per request")
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--out", default="docs/results/resolver.json")
+    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    batches = [int(x) for x in args.batches.split(",")]
+    rates = [float(x) for x in args.miss_rates.split(",")]
+    d = args.row_bytes // 2
+    nbytes = max(batches) * args.history * args.row_bytes
+    host_u8, kind, keep = host_arena(nbytes)
+    host = host_u8[: nbytes - nbytes % 2].view(torch.bfloat16)
+    # Random bytes, generated on the device and copied down in chunks.
+    chunk = 1 << 28
+    for off in range(0, host.numel(), chunk):
+        n = min(chunk, host.numel() - off)
+        host[off : off + n].copy_(torch.randn(n, device="cuda", dtype=torch.bfloat16).cpu())
+    ceiling = bulk_ceiling(host_u8, min(nbytes, 1 << 30))
+    print(f"host arena: {kind}, {nbytes / 2**30:.2f} GiB; bulk host->device {ceiling:.1f} GB/s")
+    g = torch.Generator().manual_seed(0)
+    results = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    cases = [(b, r) for b in batches for r in rates]
+    for nreq, rate in tqdm(cases, desc="resolver"):
+        res = run_case(
+            nreq, rate, args.k, args.hot_cache_rows, args.history, d, host, args.iters, g
+        )
+        res["all_hit_over_gather"] = res["total_ms"] / res["plain_gather_ms"]
+        if res["host_recovery_GBps"]:
+            res["recovery_over_bulk"] = res["host_recovery_GBps"] / ceiling
+        results.append(res)
+    print(f"\n{'batch':>5} {'miss%':>6} {'misses':>7} {'resolve':>8} {'copy':>7} {'total':>7} "
+          f"{'gather':>7} {'copyGB/s':>9} {'%bulk':>6}")  # fmt: skip
+    for r in results:
+        gbps = r["host_recovery_GBps"]
+        print(f"{r['batch']:>5} {100 * r['miss_rate']:>6.2f} {r['misses_per_step']:>7} "
+              f"{r['resolve_ms']:>8.3f} {r['copy_ms']:>7.3f} {r['total_ms']:>7.3f} "
+              f"{r['plain_gather_ms']:>7.3f} {r['copy_GBps'] or 0:>9.1f} "
+              f"{(100 * gbps / ceiling) if gbps else 0:>6.1f}")  # fmt: skip
+    out = {
+        "machine": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "host_arena": kind,
+        "bulk_host_to_device_GBps": ceiling,
+        "k": args.k,
+        "hot_cache_rows": args.hot_cache_rows,
+        "row_bytes": args.row_bytes,
+        "history_rows": args.history,
+        "command": "python bench/resolver.py " + " ".join(sys.argv[1:]),
+        "results": results,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {args.out}")
+    if args.plot:
+        plot(out, args.plot)
+    if keep is not None:
+        arena, mapping = keep
+        mapping.close()
+        arena.close(remove=True)
+    return 0
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
+    rates = sorted({r["miss_rate"] for r in out["results"]})
+    for rate in rates:
+        rs = [r for r in out["results"] if r["miss_rate"] == rate]
+        a1.plot([r["batch"] for r in rs], [r["total_ms"] for r in rs], "o-",
+                label=f"{100 * rate:g}% miss")  # fmt: skip
+    rs0 = [r for r in out["results"] if r["miss_rate"] == 0]
+    a1.plot([r["batch"] for r in rs0], [r["plain_gather_ms"] for r in rs0], "k--",
+            label="plain device gather")  # fmt: skip
+    a1.set(xscale="log", yscale="log", xlabel="batch (requests)", ylabel="ms per resolve",
+           title=f"resolver, k={out['k']}, B={out['hot_cache_rows']}")  # fmt: skip
+    a1.legend(fontsize=8)
+    rs = [r for r in out["results"] if r["misses_per_step"]]
+    a2.scatter(
+        [r["misses_per_step"] for r in rs], [r["copy_GBps"] for r in rs], label="copy kernel"
+    )
+    a2.scatter([r["misses_per_step"] for r in rs], [r["host_recovery_GBps"] for r in rs],
+               label="resolve + copy")  # fmt: skip
+    a2.axhline(out["bulk_host_to_device_GBps"], color="k", ls="--", label="bulk pinned copy")
+    a2.axhline(0.8 * out["bulk_host_to_device_GBps"], color="gray", ls=":", label="80% of bulk")
+    a2.set(xscale="log", xlabel="rows missed per step", ylabel="GB/s",
+           title=f"host recovery ({out['machine']})")  # fmt: skip
+    a2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
