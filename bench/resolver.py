@@ -26,9 +26,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.worker.kv.hierarchy.hot_cache import HotCache  # noqa: E402
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout  # noqa: E402
-from services.worker.kv.hierarchy.resolver_triton import launch_copy, launch_resolve  # noqa: E402
+from services.worker.kv.hierarchy.hot_cache import HotCache
+from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.resolver_triton import launch_copy, launch_resolve
 
 RING = 72  # one 64-row page + an 8-row block, as the engine sizes the tail
 
