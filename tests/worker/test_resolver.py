@@ -45,7 +45,8 @@ class World:
 
 
 def run(world: World, fn, sel, cu, slots, plan, clock):
-    return fn(sel, cu, slots, plan, world.layout, world.hot, clock, world.pool, world.host,
+    cu_t = torch.tensor(cu, dtype=torch.int64, device=sel.device)
+    return fn(sel, cu_t, slots, plan, world.layout, world.hot, clock, world.pool, world.host,
               world.host_base)  # fmt: skip
 
 
@@ -81,7 +82,7 @@ def test_triton_resolver_equals_reference(seed: int) -> None:
         l2, c2 = run(tri, resolve_triton, sel, cu, slots, plan, clock)
         assert torch.equal(l1, l2)
         assert torch.equal(c1, c2), (c1, c2)
-        for name in ("map", "rows", "stamp"):
+        for name in ("map", "rows", "lru", "stamp"):
             assert torch.equal(getattr(ref.hot, name), getattr(tri.hot, name)), name
         assert torch.equal(ref.pool, tri.pool)
         # And both hand attention the right bytes.
@@ -163,5 +164,5 @@ def test_triton_resolver_on_gpu_equals_reference() -> None:
         torch.cuda.synchronize()
         assert torch.equal(l1, l2.cpu()) and torch.equal(c1, c2.cpu())
         assert torch.equal(ref.pool, tri.pool.cpu())
-        for name in ("map", "rows", "stamp"):
+        for name in ("map", "rows", "lru", "stamp"):
             assert torch.equal(getattr(ref.hot, name), getattr(tri.hot, name).cpu())

@@ -1,10 +1,16 @@
 """The hot cache of one KV source: B device rows per slot with LRU replacement.
 
-State per slot (all on the device, shared by the torch reference and the Triton resolver):
-``map[slot, row]`` -> hot-cache entry holding that row or -1 (a dense reverse map, so a lookup
-is one gather and hit detection never scans B); ``rows[slot, e]`` -> the row in entry e or -1;
-``stamp[slot, e]`` -> the resolver call that last used entry e (-1: empty). Entries with the
-smallest stamp are the least recently used; empty entries are used first."""
+State per slot (on the device, shared by the torch reference and the Triton resolver):
+
+- ``map[slot, row]``: the entry holding that row, or -1. A dense reverse map, so a lookup is
+  one gather and hit detection never scans B (2 bytes per row of history while B <= 32767).
+- ``rows[slot, e]``: the row held by entry e, or -1.
+- ``lru[slot, :]``: the entries from least to most recently used (empty entries first).
+- ``stamp[slot, e]``: the resolver call that last used entry e. Within a call, an entry stamped
+  with the call's tick is protected: it holds a row selected in this call.
+
+A call moves every entry it used to the most-recent end, keeping the relative order of the
+entries it did not touch, so victims are always the least recently used unselected rows."""
 
 from __future__ import annotations
 
@@ -19,12 +25,12 @@ class HotCache:
             raise ValueError("hot cache too large")
         self.entries = entries
         self.max_rows = max_rows
-        # int16 halves the reverse map when entries fit (B <= 32767), as they do in practice.
         map_dtype = torch.int16 if entries <= 32767 else torch.int32
         self.map = torch.full((max_slots, max_rows), -1, dtype=map_dtype, device=device)
         self.rows = torch.full((max_slots, entries), -1, dtype=torch.int32, device=device)
+        self.lru = torch.arange(entries, dtype=torch.int32, device=device).repeat(max_slots, 1)
         self.stamp = torch.full((max_slots, entries), -1, dtype=torch.int64, device=device)
-        self.clock = 0  # resolver calls so far; a call stamps what it uses with its own tick
+        self.clock = 0  # resolver calls so far
 
     def tick(self) -> int:
         self.clock += 1
@@ -33,10 +39,10 @@ class HotCache:
     def reset(self, slot: int) -> None:
         self.map[slot].fill_(-1)
         self.rows[slot].fill_(-1)
+        self.lru[slot] = torch.arange(self.entries, dtype=torch.int32, device=self.lru.device)
         self.stamp[slot].fill_(-1)
 
     @property
     def nbytes_per_slot(self) -> int:
-        return self.map.shape[1] * self.map.element_size() + self.entries * (
-            self.rows.element_size() + self.stamp.element_size()
-        )
+        per_entry = self.rows.element_size() + self.lru.element_size() + self.stamp.element_size()
+        return self.map.shape[1] * self.map.element_size() + self.entries * per_entry

@@ -170,7 +170,7 @@ class HiSparsePayload:
         hot = self.hot[source]
         locs, census = self.resolver(
             selection,
-            batch.cu_lens.tolist(),
+            batch.cu_lens,
             batch.slots,
             plan,
             self.layouts[source],

@@ -19,7 +19,7 @@ class ChunkPlan:
     chunk_lo: torch.Tensor
     chunk_hi: torch.Tensor
     ring_lo: torch.Tensor  # rows >= ring_lo resolve directly (ring or scratch)
-    in_scratch: torch.Tensor  # bool
+    in_scratch: torch.Tensor  # int8 (0/1), kernels read it directly
     scratch_off: torch.Tensor  # first scratch row of the request's chunk
     lo: list[int]
     hi: list[int]
@@ -49,7 +49,7 @@ class ChunkPlan:
             chunk_lo=t(chunk_lo),
             chunk_hi=t(chunk_hi),
             ring_lo=t(ring_lo),
-            in_scratch=torch.tensor(scratch, dtype=torch.bool, device=device),
+            in_scratch=torch.tensor(scratch, dtype=torch.int8, device=device),
             scratch_off=t(offs),
             lo=list(chunk_lo),
             hi=list(chunk_hi),
@@ -85,7 +85,7 @@ class PoolLayout:
     ) -> torch.Tensor:
         """Locations of rows that resolve directly (undefined elsewhere). rows, req: same shape;
         req indexes the batch, slots[req] the slot."""
-        in_chunk_scratch = plan.in_scratch[req] & (rows >= plan.chunk_lo[req])
+        in_chunk_scratch = (plan.in_scratch[req] != 0) & (rows >= plan.chunk_lo[req])
         scratch_loc = self.scratch_base + plan.scratch_off[req] + (rows - plan.chunk_lo[req])
         ring_loc = self.ring_base + slots[req] * self.ring + rows.clamp(min=0) % self.ring
         return torch.where(in_chunk_scratch, scratch_loc, ring_loc)

@@ -3,8 +3,8 @@
 For one source and the whole batch it turns selected row positions into pool locations:
 (1) rows in the chunk or the tail ring resolve directly; (2) the rest look up the hot cache —
 hits are stamped with this call's tick, which also protects them from eviction in this call;
-(3) misses take the least recently used unprotected entries (empty ones first, ties to the lower
-entry), evicting what those held, and are copied from the host backup; a request's queries
+(3) misses take the least recently used unprotected entries (empty ones first), evicting what
+those held, and are copied from the host backup; a request's queries
 (several when verifying a speculative block) are served in order, so a row missed by one query
 is copied once and hits for the next. Locations come back in selection order."""
 
@@ -16,8 +16,6 @@ import torch
 
 from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
-
-INF = torch.iinfo(torch.int64).max
 
 
 class StagingOverflow(RuntimeError):
@@ -43,7 +41,7 @@ class Census:
 
 def resolve_ref(
     sel: torch.Tensor,
-    cu: list[int],
+    cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
     layout: PoolLayout,
@@ -54,14 +52,14 @@ def resolve_ref(
     host_base: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """sel: [N, k] row positions (-1 pads) of the batch's query tokens, request r owning tokens
-    cu[r]..cu[r+1]; slots: [R]; pool: [P, d] device rows; host: flat typed host arena;
+    cu[r]..cu[r+1] (cu: [R + 1] int64); slots: [R]; pool: [P, d] device rows; host: flat typed host arena;
     host_base: [max_slots] element offset of each slot's region for this source.
     Returns locations [N, k] int64 (-1 kept) and the census tensor; updates ``hot`` and
     ``pool``."""
     d = pool.shape[1]
     b_entries = hot.entries
-    entry_ids = torch.arange(b_entries, device=sel.device)
     locs = torch.full_like(sel, -1)
+    cu = cu.tolist()
     direct_n = hot_n = host_n = copied = 0
     for r in range(len(cu) - 1):
         a, b = cu[r], cu[r + 1]
@@ -79,24 +77,32 @@ def resolve_ref(
         for j in range(b - a):
             miss = cand[j] & (hot.map[slot, rows[j].clamp(min=0)] < 0)
             mrows = rows[j][miss]
-            if mrows.numel() == 0:
+            m = mrows.numel()
+            if m == 0:
                 continue
-            stamp = hot.stamp[slot]
-            key = torch.where(stamp == clock, INF, stamp * b_entries + entry_ids)
-            victims = torch.sort(key).indices[: mrows.numel()]
-            if (key[victims] == INF).any():
+            lru = hot.lru[slot].long()
+            protected = hot.stamp[slot, lru] == clock
+            free = lru[~protected]
+            if free.numel() < m:
                 raise StagingOverflow(
-                    f"{mrows.numel()} misses but only {int((key != INF).sum())} unprotected "
-                    f"hot-cache entries in slot {slot}"
+                    f"{m} misses but only {free.numel()} unprotected hot-cache entries in slot "
+                    f"{slot}"
                 )
+            victims = free[:m]  # the least recently used unselected entries, in LRU order
             old = hot.rows[slot, victims].long()
             hot.map[slot, old[old >= 0]] = -1
             hot.map[slot, mrows] = victims.to(hot.map.dtype)
             hot.rows[slot, victims] = mrows.to(hot.rows.dtype)
             hot.stamp[slot, victims] = clock
+            # Untouched entries keep their order; used ones (earlier hits, then these) go last.
+            hot.lru[slot] = torch.cat([free[m:], lru[protected], victims]).to(hot.lru.dtype)
             src = host_base[slot].item() + mrows.cpu().unsqueeze(1) * d + torch.arange(d)
             pool[slot * b_entries + victims] = host[src].to(pool.device)
-            copied += mrows.numel()
+            copied += m
+        # Hits move to the most recent end too (in their LRU order).
+        lru = hot.lru[slot].long()
+        used = hot.stamp[slot, lru] == clock
+        hot.lru[slot] = torch.cat([lru[~used], lru[used]]).to(hot.lru.dtype)
         req = torch.full_like(rows, r)
         dloc = layout.direct_locations(rows, req, slots, plan)
         hloc = slot * b_entries + hot.map[slot, rows.clamp(min=0)].long()

@@ -3,7 +3,8 @@ a second launch copies the misses from pinned host memory with a grid sized to t
 
 ``_resolve_kernel`` runs one program per request: (1) tail/chunk rows resolve directly; (2) the
 hot cache is looked up through the dense reverse map, hits are stamped (protected); (3) per query
-in order, misses take the least recently used unprotected entries (one sort of B stamps) and are
+in order, misses take the least recently used unprotected entries (a prefix of the LRU list,
+found with one cumulative sum) and are
 queued for copy; a row missed by an earlier query of the request is a hit for later ones, so
 each distinct row is copied once. ``_copy_rows_kernel`` then reads the queued rows straight
 from the host arena (a registered /dev/shm mapping under UVA on a GPU) into the hot cache.
@@ -12,7 +13,6 @@ Semantics are exactly ``resolver_ref.resolve_ref``'s."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 
 import torch
 import triton
@@ -22,8 +22,6 @@ from services.worker.kv.hierarchy.host import HostPointer
 from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
 from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
-
-_INF = 9223372036854775807
 
 
 @triton.jit
@@ -39,15 +37,15 @@ def _resolve_kernel(
     map_ptr,  # [max_slots, max_rows] int16 | int32
     stride_map,
     rows_ptr,  # [max_slots, B] int32
+    lru_ptr,  # [max_slots, B] int32, entries from least to most recently used
     stamp_ptr,  # [max_slots, B] int64
     host_base_ptr,  # [max_slots] int64 (strided)
     stride_hb,
-    sorted_ptr,  # [R, BP] int64 scratch
+    victims_ptr,  # [R, BP] int32 scratch
     locs_ptr,  # [N, K] int64 out
     plan_src_ptr,  # [cap] int64 out: host element offset of each copy
     plan_dst_ptr,  # [cap] int64 out: pool row of each copy
-    count_ptr,  # [1] int64: copies queued
-    census_ptr,  # [4] int64: direct, hot, host, overflow
+    counters_ptr,  # [5] int64: direct, hot, host, copies queued, overflow
     clock,
     K,
     B,
@@ -69,14 +67,16 @@ def _resolve_kernel(
     hbase = tl.load(host_base_ptr + slot * stride_hb)
     map_row = map_ptr + slot * stride_map
     rows_row = rows_ptr + slot * B
+    lru_row = lru_ptr + slot * B
     stamp_row = stamp_ptr + slot * B
+    victims_row = victims_ptr + r * BP
     offs_k = tl.arange(0, KP)
     kmask = offs_k < K
     offs_b = tl.arange(0, BP)
     bmask = offs_b < B
     now = tl.full([KP], clock, tl.int64)
 
-    # (1)+(2): direct rows, and hot hits stamped so that no miss of this call evicts them.
+    # (1)+(2): direct rows, and hot hits stamped: protected from this call's evictions.
     n_direct = tl.zeros([KP], tl.int64)
     n_hot = tl.zeros([KP], tl.int64)
     n_host = tl.zeros([KP], tl.int64)
@@ -91,9 +91,9 @@ def _resolve_kernel(
         n_direct += direct.to(tl.int64)
         n_hot += hit.to(tl.int64)
         n_host += (cand & (h < 0)).to(tl.int64)
-    tl.atomic_add(census_ptr + 0, tl.sum(n_direct))
-    tl.atomic_add(census_ptr + 1, tl.sum(n_hot))
-    tl.atomic_add(census_ptr + 2, tl.sum(n_host))
+    tl.atomic_add(counters_ptr + 0, tl.sum(n_direct))
+    tl.atomic_add(counters_ptr + 1, tl.sum(n_hot))
+    tl.atomic_add(counters_ptr + 2, tl.sum(n_host))
     tl.debug_barrier()
 
     # (3): misses, query by query, into the least recently used unprotected entries.
@@ -102,29 +102,50 @@ def _resolve_kernel(
         cand = (s >= 0) & (s < ring_lo)
         h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
         miss = cand & (h < 0)
-        nmiss = tl.sum(miss.to(tl.int64))
+        nmiss = tl.sum(miss.to(tl.int32))
         if nmiss > 0:
-            st = tl.load(stamp_row + offs_b, mask=bmask, other=0)
-            key = tl.where(st == clock, _INF, st * B + offs_b)
-            key = tl.where(bmask, key, _INF)
-            tl.store(sorted_ptr + r * BP + offs_b, tl.sort(key))
+            lru = tl.load(lru_row + offs_b, mask=bmask, other=0)
+            prot = (tl.load(stamp_row + lru, mask=bmask, other=0) == clock) & bmask
+            free = (~prot) & bmask
+            frank = tl.cumsum(free.to(tl.int32), 0) - 1
+            nfree = tl.sum(free.to(tl.int32))
+            nprot = tl.sum(prot.to(tl.int32))
+            victim = free & (frank < nmiss)
+            ntake = tl.minimum(nmiss, nfree)
+            tl.store(victims_row + frank, lru, mask=victim)
+            prank = tl.cumsum(prot.to(tl.int32), 0) - 1
+            keep_n = nfree - ntake
+            newpos = tl.where(
+                victim, keep_n + nprot + frank, tl.where(prot, keep_n + prank, frank - ntake)
+            )
             tl.debug_barrier()
-            rank = tl.cumsum(miss.to(tl.int64), 0) - 1
-            vkey = tl.load(sorted_ptr + r * BP + rank, mask=miss, other=_INF)
-            ok = miss & (vkey != _INF)
-            tl.atomic_add(census_ptr + 3, tl.sum((miss & (vkey == _INF)).to(tl.int64)))
-            v = (vkey + B) % B  # key = stamp * B + entry with stamp >= -1
+            tl.store(lru_row + newpos, lru, mask=bmask)
+            rank = tl.cumsum(miss.to(tl.int32), 0) - 1
+            ok = miss & (rank < nfree)
+            tl.atomic_add(counters_ptr + 4, tl.sum((miss & (rank >= nfree)).to(tl.int64)))
+            v = tl.load(victims_row + rank, mask=ok, other=0).to(tl.int64)
             old = tl.load(rows_row + v, mask=ok, other=-1)
-            tl.store(map_row + old, tl.full([KP], -1, tl.int64).to(map_ptr.dtype.element_ty),
+            tl.store(map_row + old, tl.full([KP], -1, tl.int32).to(map_ptr.dtype.element_ty),
                      mask=ok & (old >= 0))  # fmt: skip
             tl.debug_barrier()
             tl.store(map_row + s, v.to(map_ptr.dtype.element_ty), mask=ok)
             tl.store(rows_row + v, s.to(tl.int32), mask=ok)
             tl.store(stamp_row + v, now, mask=ok)
-            base = tl.atomic_add(count_ptr, nmiss)
+            base = tl.atomic_add(counters_ptr + 3, tl.sum(ok.to(tl.int64)))
             tl.store(plan_src_ptr + base + rank, hbase + s * D, mask=ok)
             tl.store(plan_dst_ptr + base + rank, slot * B + v, mask=ok)
             tl.debug_barrier()
+
+    # Entries used by this call (hits included) move to the most recent end, in LRU order.
+    lru = tl.load(lru_row + offs_b, mask=bmask, other=0)
+    used = (tl.load(stamp_row + lru, mask=bmask, other=0) == clock) & bmask
+    unused = (~used) & bmask
+    n_unused = tl.sum(unused.to(tl.int32))
+    newpos = tl.where(
+        used, n_unused + tl.cumsum(used.to(tl.int32), 0) - 1, tl.cumsum(unused.to(tl.int32), 0) - 1
+    )
+    tl.debug_barrier()
+    tl.store(lru_row + newpos, lru, mask=bmask)
     tl.debug_barrier()
 
     # Locations in selection order.
@@ -183,18 +204,45 @@ def _copy_grid(device: torch.device, rows_per_program: int, max_rows: int) -> in
 _COPY_ROWS = 16
 
 
-@dataclass
-class MissPlan:
-    """Rows to copy from the host, queued by the resolve kernel (``count`` on the device)."""
+class Workspace:
+    """Buffers one resolver call needs, allocated once and reused (no allocation, zeroing
+    only the counters, no host-device copies per call: safe to capture in a CUDA graph)."""
 
-    src: torch.Tensor  # [cap] int64 host element offsets
-    dst: torch.Tensor  # [cap] int64 pool rows
-    count: torch.Tensor  # [1] int64
+    def __init__(self, max_tokens: int, k: int, max_reqs: int, entries: int, device) -> None:
+        self.bp = triton.next_power_of_2(entries)
+        self.victims = torch.empty(max_reqs, self.bp, dtype=torch.int32, device=device)
+        cap = max(1, max_tokens * k)
+        self.plan_src = torch.empty(cap, dtype=torch.int64, device=device)
+        self.plan_dst = torch.empty(cap, dtype=torch.int64, device=device)
+        # direct, hot, host, copies queued, overflow
+        self.counters = torch.zeros(5, dtype=torch.int64, device=device)
+
+    def fits(self, tokens: int, k: int, reqs: int, entries: int) -> bool:
+        return (
+            tokens * k <= self.plan_src.numel()
+            and reqs <= self.victims.shape[0]
+            and triton.next_power_of_2(entries) == self.bp
+        )
+
+
+_WORKSPACES: dict[tuple, Workspace] = {}
+
+
+def workspace_for(sel: torch.Tensor, nreq: int, entries: int) -> Workspace:
+    """A cached workspace big enough for this call (grown, never shrunk)."""
+    key = (sel.device, entries)
+    ws = _WORKSPACES.get(key)
+    if ws is None or not ws.fits(sel.shape[0], sel.shape[1], nreq, entries):
+        n = max(sel.shape[0], ws.plan_src.numel() // sel.shape[1] if ws else 0)
+        ws = Workspace(n, sel.shape[1], max(nreq, ws.victims.shape[0] if ws else 0), entries,
+                       sel.device)  # fmt: skip
+        _WORKSPACES[key] = ws
+    return ws
 
 
 def launch_resolve(
     sel: torch.Tensor,
-    cu: list[int],
+    cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
     layout: PoolLayout,
@@ -202,50 +250,38 @@ def launch_resolve(
     clock: int,
     host_base: torch.Tensor,
     row_elems: int,
-) -> tuple[torch.Tensor, MissPlan, torch.Tensor]:
-    """The resolve kernel alone: locations [N, k], the miss plan, and census [4] (direct, hot,
-    host, overflow)."""
-    n, k = sel.shape
-    dev = sel.device
-    nreq = len(cu) - 1
-    b_entries = hot.entries
-    bp = triton.next_power_of_2(b_entries)
+    ws: Workspace,
+) -> torch.Tensor:
+    """The resolve kernel alone: returns locations [N, k]; queues misses in ``ws``."""
+    k = sel.shape[1]
+    nreq = cu.numel() - 1
     sel = sel.contiguous()
     locs = torch.empty_like(sel)
-    cu_t = torch.tensor(cu, dtype=torch.int64, device=dev)
-    sorted_scratch = torch.empty(nreq, bp, dtype=torch.int64, device=dev)
-    cap = max(1, n * k)
-    misses = MissPlan(
-        torch.empty(cap, dtype=torch.int64, device=dev),
-        torch.empty(cap, dtype=torch.int64, device=dev),
-        torch.zeros(1, dtype=torch.int64, device=dev),
-    )
-    census = torch.zeros(4, dtype=torch.int64, device=dev)
+    ws.counters.zero_()
     _resolve_kernel[(nreq,)](
-        sel, sel.stride(0), cu_t, slots, plan.ring_lo, plan.chunk_lo,
-        plan.in_scratch.to(torch.int8), plan.scratch_off,
-        hot.map, hot.map.stride(0), hot.rows, hot.stamp, host_base, host_base.stride(0),
-        sorted_scratch, locs, misses.src, misses.dst, misses.count, census,
-        clock, k, b_entries, layout.ring, layout.ring_base, layout.scratch_base, row_elems,
-        KP=triton.next_power_of_2(k), BP=bp, num_warps=8 if bp >= 2048 else 4,
+        sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
+        plan.scratch_off, hot.map, hot.map.stride(0), hot.rows, hot.lru, hot.stamp, host_base,
+        host_base.stride(0), ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
+        clock, k, hot.entries, layout.ring, layout.ring_base, layout.scratch_base, row_elems,
+        KP=triton.next_power_of_2(k), BP=ws.bp, num_warps=8 if ws.bp >= 2048 else 4,
     )  # fmt: skip
-    return locs, misses, census
+    return locs
 
 
-def launch_copy(misses: MissPlan, pool: torch.Tensor, host: torch.Tensor) -> None:
+def launch_copy(ws: Workspace, pool: torch.Tensor, host: torch.Tensor) -> None:
     """The copy kernel alone: queued rows from the host arena into the pool."""
     d = pool.shape[1]
     host_arg = HostPointer(host) if pool.is_cuda else host
-    grid = _copy_grid(pool.device, _COPY_ROWS, misses.src.numel())
+    grid = _copy_grid(pool.device, _COPY_ROWS, ws.plan_src.numel())
     _copy_rows_kernel[(grid,)](
-        host_arg, pool, pool.stride(0), misses.src, misses.dst, misses.count, d,
+        host_arg, pool, pool.stride(0), ws.plan_src, ws.plan_dst, ws.counters[3:], d,
         ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
     )  # fmt: skip
 
 
 def resolve_triton(
     sel: torch.Tensor,
-    cu: list[int],
+    cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
     layout: PoolLayout,
@@ -257,13 +293,11 @@ def resolve_triton(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
     arena view; the copy kernel reads it directly."""
-    locs, misses, census = launch_resolve(
-        sel, cu, slots, plan, layout, hot, clock, host_base, pool.shape[1]
-    )
-    launch_copy(misses, pool, host)
+    ws = workspace_for(sel, cu.numel() - 1, hot.entries)
+    locs = launch_resolve(sel, cu, slots, plan, layout, hot, clock, host_base, pool.shape[1], ws)
+    launch_copy(ws, pool, host)
     if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
-        overflow = int(census[3])  # synchronises: only on the CPU or when checking
+        overflow = int(ws.counters[4])  # synchronises: only on the CPU or when checking
         if overflow:
             raise StagingOverflow(f"{overflow} misses found no unprotected hot-cache entry")
-    census[3] = misses.count[0]
-    return locs, census
+    return locs, ws.counters[:4].clone()
