@@ -46,5 +46,18 @@ format: $(STAMP)
 test: $(STAMP) proto-check lint
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
+# Container images (docker/*.Dockerfile), built from the repository root. Needs a Docker engine;
+# push with e.g. `make images IMAGE_PREFIX=registry.example.com/dhisparse/ IMAGE_TAG=0.1.0`.
+IMAGE_PREFIX ?= dhisparse-
+IMAGE_TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml)
+IMAGES := gateway worker kv-host-store
+DOCKER ?= docker
+
+images:
+	@$(DOCKER) info >/dev/null 2>&1 || { echo "make images: no Docker engine reachable ('$(DOCKER) info' failed)"; exit 1; }
+	for i in $(IMAGES); do \
+	  $(DOCKER) build -f docker/$$i.Dockerfile -t $(IMAGE_PREFIX)$$i:$(IMAGE_TAG) . || exit 1; \
+	done
+
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache *.egg-info

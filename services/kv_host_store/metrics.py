@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from wsgiref.simple_server import WSGIServer
+from http.server import ThreadingHTTPServer
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from dhisparse import metrics as names
+from dhisparse.metrics_server import serve_metrics
 from services.kv_host_store.store import HostStore
 
 
@@ -55,7 +56,7 @@ def build_registry(store: HostStore) -> CollectorRegistry:
 
 def start_metrics_server(
     registry: CollectorRegistry, host: str, port: int
-) -> tuple[WSGIServer, threading.Thread]:
+) -> tuple[ThreadingHTTPServer, threading.Thread]:
     """Serves ``/metrics`` on a daemon thread; ``port`` 0 picks a free one (see
     ``server.server_port``). Stop with ``server.shutdown(); server.server_close()``."""
-    return start_http_server(port, addr=host, registry=registry)
+    return serve_metrics(registry, host, port)

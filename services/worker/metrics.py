@@ -45,7 +45,17 @@ class WorkerMetrics:
             m.PREFILL_TOKENS_COMPUTED, "Prompt tokens whose KV was computed", lbl, registry=r
         )
 
+        self.resolver_rows = Counter(
+            m.RESOLVER_ROWS, "Selected rows by how they resolved", [*lbl, "path"], registry=r
+        )
+        self.host_read_bytes = Counter(
+            m.HOST_READ_BYTES, "Bytes read from host backups into the hot cache", lbl, registry=r
+        )
+        for path in ("direct", "hot", "host"):
+            self.resolver_rows.labels(model_name, path)
+        self.host_read_bytes.labels(model_name)
         self._prefill_seen = 0
+        self._census_seen = (0, 0, 0, 0)
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         md = self.model
@@ -57,6 +67,17 @@ class WorkerMetrics:
         mem = engine.kv.memory()
         for cls in ("required", "optional", "reserve", "free"):
             self.pool_bytes.labels(md, cls).set(getattr(mem, cls))
+        census = engine.kv.census()
+        if census is not None:
+            now = (census.direct, census.hot, census.host, census.copied)
+            for path, new, old in zip(
+                ("direct", "hot", "host"), now, self._census_seen, strict=False
+            ):
+                self.resolver_rows.labels(md, path).inc(new - old)
+            self.host_read_bytes.labels(md).inc(
+                (now[3] - self._census_seen[3]) * engine.kv.row_bytes
+            )
+            self._census_seen = now
         for out in outputs:
             n = len(out.new_token_ids)
             if n:

@@ -8,8 +8,8 @@ import logging
 import signal
 
 import grpc
-from prometheus_client import start_http_server
 
+from dhisparse.metrics_server import serve_metrics
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.worker.async_engine import AsyncEngine, EngineDeadError
@@ -106,7 +106,7 @@ async def start_server(
         async_engine.shutdown()
         raise RuntimeError(f"cannot bind {addr}")
     if settings.metrics_port:
-        start_http_server(settings.metrics_port, addr=settings.host, registry=metrics.registry)
+        serve_metrics(metrics.registry, settings.host, settings.metrics_port)
     await server.start()
     log.info("worker %s serving %s (%s mode) on %s", worker_id, model_name, engine.kv.mode, addr)
     return server, async_engine

@@ -191,6 +191,15 @@ class KVCache:
         capacity = self.cfg.kv_pool_bytes
         return MemoryUsage(capacity, required, 0, 0, max(0, capacity - required))
 
+    def census(self):
+        """Selected rows resolved direct / hot / host and rows copied from the host so far, or
+        None in resident serving (synchronises on a GPU)."""
+        return getattr(self.payload, "census", None)
+
+    @property
+    def row_bytes(self) -> int:
+        return self.model_cfg.d_kv * torch.empty((), dtype=self.cfg.dtype).element_size()
+
     @property
     def nbytes(self) -> int:
         rings = sum(r.nbytes for r in self.rings.values())

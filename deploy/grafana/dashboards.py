@@ -1,0 +1,650 @@
+"""Builds the Grafana dashboards (JSON) that the Helm chart ships, from the panel lists below.
+
+    python deploy/grafana/dashboards.py          # rewrite deploy/helm/dhisparse/dashboards/*.json
+    python deploy/grafana/dashboards.py --check  # fail if the committed JSON is stale
+
+The JSON files are the artifact (Grafana imports them, the chart's ConfigMap carries them);
+this file is their source. Conventions (DESIGN §7, docs/deploy.md):
+- metric names come from ``dhisparse/metrics.py``; counters are queried with ``_total``;
+- quantiles are ``histogram_quantile(q, sum by (le) (rate(x_bucket[$__rate_interval])))``;
+- ``$model`` filters every series that carries a ``model`` label;
+- series that both the gateway and the workers export (running/waiting, TTFT, TPOT, e2e,
+  tokens, finished requests) are told apart by the ``component`` label that the chart's
+  ServiceMonitors (or your scrape config) attach: gateway, worker, kv-host-store;
+- a panel over metrics that no service exports yet names the feature that will export them in
+  ``dhisparse_requires``; tests/deploy/test_dashboards_prometheus.py skips exactly those panels.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from grafana_json import RI, Dashboard, Panel, Row, Target, quantiles, render
+
+OUT_DIR = Path(__file__).resolve().parents[1] / "helm" / "dhisparse" / "dashboards"
+
+# Features whose metrics dhisparse/metrics.py names but no service exports yet; a panel that
+# needs one says so (Panel.requires), and the live test skips it.
+FEATURES = {
+    "admission": "gateway admission against the capacity ledger (DESIGN §1)",
+    "residency": "load-adaptive residency: reclaim and repopulation (DESIGN §4)",
+    "hierarchy": "serving over the KV hierarchy: resolver and host reads (DESIGN §3)",
+    "speculation": "speculative decoding over the hierarchy (DESIGN §5)",
+}
+
+M = 'model=~"$model"'
+GW = f'component="gateway", {M}'
+WK = f'component="worker", {M}'
+
+
+# --- the dashboards --------------------------------------------------------------------------
+
+OVERVIEW = Dashboard(
+    uid="dhisparse-overview",
+    title="dhisparse / Overview",
+    description="Latency as clients see it (gateway), load and throughput.",
+    rows=[
+        Row(
+            "Now",
+            [
+                Panel(
+                    "Requests running",
+                    "Requests producing tokens, at the gateways.",
+                    [Target(f"sum(dhisparse:num_requests_running{{{GW}}})")],
+                    kind="stat",
+                    width=6,
+                    height=4,
+                ),
+                Panel(
+                    "Requests waiting",
+                    "Requests with no token yet (queued, admitted but prefilling), at the gateways.",
+                    [Target(f"sum(dhisparse:num_requests_waiting{{{GW}}})")],
+                    kind="stat",
+                    width=6,
+                    height=4,
+                ),
+                Panel(
+                    "Generation throughput",
+                    "Tokens generated per second, all gateways.",
+                    [Target(f"sum(rate(dhisparse:generation_tokens_total{{{GW}}}{RI}))")],
+                    unit="short",
+                    kind="stat",
+                    width=6,
+                    height=4,
+                ),
+                Panel(
+                    "TTFT p99",
+                    "99th percentile time to first token at the gateways.",
+                    [
+                        Target(
+                            "histogram_quantile(0.99, sum by (le) (rate("
+                            f"dhisparse:time_to_first_token_seconds_bucket{{{GW}}}{RI})))"
+                        )
+                    ],
+                    unit="s",
+                    kind="stat",
+                    width=6,
+                    height=4,
+                ),
+            ],
+        ),
+        Row(
+            "Latency (gateway)",
+            [
+                Panel(
+                    "Time to first token",
+                    "Arrival at the gateway to the first token: includes allocation wait.",
+                    quantiles("dhisparse:time_to_first_token_seconds", GW),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Time per output token",
+                    "Time between consecutive output tokens.",
+                    quantiles("dhisparse:time_per_output_token_seconds", GW),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "End-to-end latency",
+                    "Arrival at the gateway to the last token, finished requests.",
+                    quantiles("dhisparse:e2e_request_latency_seconds", GW),
+                    unit="s",
+                    width=8,
+                ),
+            ],
+        ),
+        Row(
+            "Load and throughput",
+            [
+                Panel(
+                    "Running and waiting",
+                    "Requests running/waiting at the gateways and in the workers' schedulers.",
+                    [
+                        Target(
+                            f"sum by (component) (dhisparse:num_requests_running{{{M}}})",
+                            "{{component}} running",
+                        ),
+                        Target(
+                            f"sum by (component) (dhisparse:num_requests_waiting{{{M}}})",
+                            "{{component}} waiting",
+                        ),
+                    ],
+                ),
+                Panel(
+                    "Token throughput",
+                    "Prompt and generated tokens per second, at the gateways.",
+                    [
+                        Target(f"sum(rate(dhisparse:prompt_tokens_total{{{GW}}}{RI}))", "prompt"),
+                        Target(
+                            f"sum(rate(dhisparse:generation_tokens_total{{{GW}}}{RI}))",
+                            "generation",
+                        ),
+                    ],
+                ),
+                Panel(
+                    "Finished requests",
+                    "Requests finished per second, by finish reason.",
+                    [
+                        Target(
+                            "sum by (finished_reason) "
+                            f"(rate(dhisparse:request_success_total{{{GW}}}{RI}))",
+                            "{{finished_reason}}",
+                        )
+                    ],
+                    unit="reqps",
+                    stack=True,
+                ),
+                Panel(
+                    "Generation throughput per worker",
+                    "Tokens generated per second by each worker.",
+                    [
+                        Target(
+                            "sum by (instance) "
+                            f"(rate(dhisparse:generation_tokens_total{{{WK}}}{RI}))",
+                            "{{instance}}",
+                        )
+                    ],
+                ),
+            ],
+        ),
+        Row(
+            "Engine latency (workers)",
+            [
+                Panel(
+                    "Engine time to first token",
+                    "Arrival at the worker to its first token: the gateway's TTFT less routing"
+                    " and allocation wait.",
+                    quantiles("dhisparse:time_to_first_token_seconds", WK),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Engine time per output token",
+                    "Per-request mean time per output token after the first, in the workers.",
+                    quantiles("dhisparse:time_per_output_token_seconds", WK),
+                    unit="s",
+                    width=8,
+                ),
+                Panel(
+                    "Engine end-to-end latency",
+                    "Arrival at the worker to finish.",
+                    quantiles("dhisparse:e2e_request_latency_seconds", WK),
+                    unit="s",
+                    width=8,
+                ),
+            ],
+        ),
+    ],
+)
+
+ADMISSION = Dashboard(
+    uid="dhisparse-admission",
+    title="dhisparse / Admission",
+    description="Admission against the capacity ledger: allocation wait, queue, rejections, "
+    "capacity per worker.",
+    rows=[
+        Row(
+            "Wait and queue",
+            [
+                Panel(
+                    "Allocation wait",
+                    "Time a request waited in the gateway's queue for GPU capacity.",
+                    quantiles("dhisparse:allocation_wait_seconds", M),
+                    unit="s",
+                    requires="admission",
+                ),
+                Panel(
+                    "Admission queue depth",
+                    "Requests waiting for capacity, per gateway.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:admission_queue_depth{{{M}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    requires="admission",
+                ),
+            ],
+        ),
+        Row(
+            "Rejections",
+            [
+                Panel(
+                    "429 rate",
+                    "Requests refused with 429 (saturated), per second, by reason.",
+                    [
+                        Target(
+                            "sum by (reason) (rate(dhisparse:requests_rejected_total"
+                            f'{{status="429", {M}}}{RI}))',
+                            "{{reason}}",
+                        )
+                    ],
+                    unit="reqps",
+                    requires="admission",
+                ),
+                Panel(
+                    "503 rate",
+                    "Requests refused with 503 (queue deadline passed, no capacity), per second,"
+                    " by reason.",
+                    [
+                        Target(
+                            "sum by (reason) (rate(dhisparse:requests_rejected_total"
+                            f'{{status="503", {M}}}{RI}))',
+                            "{{reason}}",
+                        )
+                    ],
+                    unit="reqps",
+                    requires="admission",
+                ),
+            ],
+        ),
+        Row(
+            "Capacity per worker",
+            [
+                # Every gateway replica reports the same shared ledger: max, not sum.
+                Panel(
+                    "Free capacity",
+                    "GPU bytes still admissible on each worker (ledger view).",
+                    [
+                        Target(
+                            f"max by (worker) (dhisparse:free_capacity_bytes{{{M}}})",
+                            "{{worker}}",
+                        )
+                    ],
+                    unit="bytes",
+                    width=8,
+                    requires="admission",
+                ),
+                Panel(
+                    "Admitted sessions",
+                    "Sessions admitted on each worker.",
+                    [
+                        Target(
+                            f"max by (worker) (dhisparse:admitted_sessions{{{M}}})",
+                            "{{worker}}",
+                        )
+                    ],
+                    width=8,
+                    requires="admission",
+                ),
+                Panel(
+                    "Admitted bytes",
+                    "Required GPU bytes of the sessions admitted on each worker (eq. 3).",
+                    [
+                        Target(
+                            f"max by (worker) (dhisparse:admitted_bytes{{{M}}})",
+                            "{{worker}}",
+                        )
+                    ],
+                    unit="bytes",
+                    width=8,
+                    requires="admission",
+                ),
+            ],
+        ),
+    ],
+)
+
+KV = Dashboard(
+    uid="dhisparse-kv-hierarchy",
+    title="dhisparse / KV hierarchy",
+    description="KV pools by class (eq. 3), reclaim and repopulation (§4), the fused resolver's "
+    "census and host reads (§3).",
+    rows=[
+        Row(
+            "Pools",
+            [
+                Panel(
+                    "KV pool bytes by class",
+                    "Required, optional, reserve and free KV pool bytes, all workers.",
+                    [
+                        Target(
+                            f"sum by (class) (dhisparse:kv_pool_bytes{{{M}}})",
+                            "{{class}}",
+                        )
+                    ],
+                    unit="bytes",
+                    stack=True,
+                ),
+                Panel(
+                    "Free KV pool per worker",
+                    "Free KV pool bytes on each worker.",
+                    [
+                        Target(
+                            f'sum by (instance) (dhisparse:kv_pool_bytes{{class="free", {M}}})',
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Prefill tokens computed",
+                    "Prompt tokens whose KV the workers computed vs prompt tokens served: a"
+                    " session resumed from host backups is not recomputed.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:prefill_tokens_computed_total{{{M}}}{RI}))",
+                            "computed",
+                        ),
+                        Target(f"sum(rate(dhisparse:prompt_tokens_total{{{WK}}}{RI}))", "prompt"),
+                    ],
+                ),
+            ],
+        ),
+        Row(
+            "Reclaim and repopulation",
+            [
+                Panel(
+                    "Reclaim",
+                    "Reclaim events and optional pages reclaimed per second (eq. 4).",
+                    [
+                        Target(f"sum(rate(dhisparse:reclaim_events_total{{{M}}}{RI}))", "events/s"),
+                        Target(f"sum(rate(dhisparse:reclaim_pages_total{{{M}}}{RI}))", "pages/s"),
+                    ],
+                    width=8,
+                    requires="residency",
+                ),
+                Panel(
+                    "Reclaim latency",
+                    "Admission with a deficit to its pages being free.",
+                    quantiles("dhisparse:reclaim_latency_seconds", M),
+                    unit="s",
+                    width=8,
+                    requires="residency",
+                ),
+                Panel(
+                    "Pages repopulated",
+                    "Optional history pages refilled per second.",
+                    [Target(f"sum(rate(dhisparse:repopulated_pages_total{{{M}}}{RI}))", "pages/s")],
+                    width=8,
+                    requires="residency",
+                ),
+            ],
+        ),
+        Row(
+            "Resolver and host reads",
+            [
+                Panel(
+                    "Resolver census",
+                    "Selected rows per second resolved directly (tail, ready optional page), in"
+                    " the hot cache, or read from host memory.",
+                    [
+                        Target(
+                            f"sum by (path) (rate(dhisparse:resolver_rows_total{{{M}}}{RI}))",
+                            "{{path}}",
+                        )
+                    ],
+                    stack=True,
+                    width=8,
+                ),
+                Panel(
+                    "Resolver share",
+                    "Share of selected rows by resolution path.",
+                    [
+                        Target(
+                            f"sum by (path) (rate(dhisparse:resolver_rows_total{{{M}}}{RI}))"
+                            " / ignoring (path) group_left "
+                            f"sum(rate(dhisparse:resolver_rows_total{{{M}}}{RI}))",
+                            "{{path}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=8,
+                ),
+                Panel(
+                    "Host bytes per token",
+                    "Bytes read from host backups per generated token.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:host_read_bytes_total{{{M}}}{RI}))"
+                            f" / sum(rate(dhisparse:generation_tokens_total{{{WK}}}{RI}))",
+                            "bytes/token",
+                        )
+                    ],
+                    unit="bytes",
+                    width=8,
+                ),
+            ],
+        ),
+    ],
+)
+
+SPECULATION = Dashboard(
+    uid="dhisparse-speculation",
+    title="dhisparse / Speculative decoding",
+    description="Drafts, acceptance and the verification width in use (§5).",
+    rows=[
+        Row(
+            "Acceptance",
+            [
+                Panel(
+                    "Acceptance length",
+                    "Tokens emitted per verification round: 1 + accepted / drafts.",
+                    [
+                        Target(
+                            "1 + sum(rate(dhisparse:spec_decode_num_accepted_tokens_total"
+                            f"{{{M}}}{RI})) / sum(rate(dhisparse:spec_decode_num_drafts_total"
+                            f"{{{M}}}{RI}))",
+                            "acceptance length",
+                        )
+                    ],
+                    requires="speculation",
+                ),
+                Panel(
+                    "Acceptance rate",
+                    "Accepted draft tokens / proposed draft tokens.",
+                    [
+                        Target(
+                            "sum(rate(dhisparse:spec_decode_num_accepted_tokens_total"
+                            f"{{{M}}}{RI})) / sum(rate("
+                            f"dhisparse:spec_decode_num_draft_tokens_total{{{M}}}{RI}))",
+                            "acceptance rate",
+                        )
+                    ],
+                    unit="percentunit",
+                    requires="speculation",
+                ),
+                Panel(
+                    "Acceptance by position",
+                    "Share of drafts whose proposal at each position was accepted.",
+                    [
+                        Target(
+                            "sum by (position) (rate("
+                            f"dhisparse:spec_decode_num_accepted_tokens_per_pos_total{{{M}}}{RI}))"
+                            " / ignoring (position) group_left "
+                            f"sum(rate(dhisparse:spec_decode_num_drafts_total{{{M}}}{RI}))",
+                            "position {{position}}",
+                        )
+                    ],
+                    unit="percentunit",
+                    requires="speculation",
+                ),
+                Panel(
+                    "Block width in use",
+                    "Verification block width each worker uses now (narrows as load grows).",
+                    [
+                        Target(
+                            f"max by (instance) (dhisparse:spec_decode_block_width{{{M}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    requires="speculation",
+                ),
+            ],
+        ),
+        Row(
+            "Volume",
+            [
+                Panel(
+                    "Drafts and tokens",
+                    "Verification rounds, proposed and accepted draft tokens per second.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:spec_decode_num_drafts_total{{{M}}}{RI}))",
+                            "drafts",
+                        ),
+                        Target(
+                            f"sum(rate(dhisparse:spec_decode_num_draft_tokens_total{{{M}}}{RI}))",
+                            "draft tokens",
+                        ),
+                        Target(
+                            "sum(rate(dhisparse:spec_decode_num_accepted_tokens_total"
+                            f"{{{M}}}{RI}))",
+                            "accepted tokens",
+                        ),
+                    ],
+                    width=24,
+                    requires="speculation",
+                ),
+            ],
+        ),
+    ],
+)
+
+INST = 'instance=~"$instance"'
+HOST_STORE = Dashboard(
+    uid="dhisparse-host-store",
+    title="dhisparse / Host KV store",
+    description="Each node's host arena (pinned host backups): bytes used and capacity.",
+    model_var=False,
+    instance_var="dhisparse:host_store_capacity_bytes",
+    rows=[
+        Row(
+            "Arena",
+            [
+                Panel(
+                    "Bytes used and capacity",
+                    "Arena bytes held by live regions, and the arena size, per store.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_used_bytes{{{INST}}})",
+                            "{{instance}} used",
+                        ),
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_capacity_bytes{{{INST}}})",
+                            "{{instance}} capacity",
+                        ),
+                    ],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Arena used",
+                    "Used / capacity per store.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_used_bytes{{{INST}}})"
+                            " / sum by (instance) "
+                            f"(dhisparse:host_store_capacity_bytes{{{INST}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="percentunit",
+                ),
+                Panel(
+                    "Durable bytes",
+                    "Bytes of rows marked durable (complete host backups).",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_durable_bytes{{{INST}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="bytes",
+                ),
+                Panel(
+                    "Regions and requests",
+                    "Live regions and the requests holding them.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_regions{{{INST}}})",
+                            "{{instance}} regions",
+                        ),
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_requests{{{INST}}})",
+                            "{{instance}} requests",
+                        ),
+                    ],
+                ),
+                Panel(
+                    "Refused allocations",
+                    "Allocations refused per second because no contiguous range fit.",
+                    [
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_allocations_refused_total{{{INST}}}{RI}))",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="ops",
+                    width=24,
+                ),
+            ],
+        ),
+    ],
+)
+
+DASHBOARDS = {
+    "dhisparse-overview.json": OVERVIEW,
+    "dhisparse-admission.json": ADMISSION,
+    "dhisparse-kv-hierarchy.json": KV,
+    "dhisparse-speculation.json": SPECULATION,
+    "dhisparse-host-store.json": HOST_STORE,
+}
+
+
+def rendered() -> dict[str, str]:
+    return {
+        name: json.dumps(render(d, FEATURES), indent=2) + "\n" for name, d in DASHBOARDS.items()
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--check", action="store_true", help="fail if the committed JSON is stale")
+    args = ap.parse_args(argv)
+    want = rendered()
+    stale = sorted(
+        name
+        for name, text in want.items()
+        if not (OUT_DIR / name).exists() or (OUT_DIR / name).read_text() != text
+    )
+    extra = sorted(p.name for p in OUT_DIR.glob("*.json") if p.name not in want)
+    if args.check:
+        for name in stale:
+            print(f"stale: {OUT_DIR / name} (run python deploy/grafana/dashboards.py)")
+        for name in extra:
+            print(f"not generated here: {OUT_DIR / name}")
+        return 1 if stale or extra else 0
+    OUT_DIR.mkdir(parents=True, exist_ok=True)
+    for name in stale:
+        (OUT_DIR / name).write_text(want[name])
+        print(f"wrote {OUT_DIR / name}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
