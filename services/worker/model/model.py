@@ -84,17 +84,22 @@ class DSAModel(nn.Module):
         batch: ForwardBatch,
         kv: KVCache,
         trace: list[LayerTrace] | None = None,
+        features: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
         Writes the new tokens' rows and index keys into ``kv`` as a side effect; the caller
-        then ``kv.commit``s the tokens that are final."""
+        then ``kv.commit``s the tokens that are final. ``features``: for each layer index it
+        names, filled with that layer's output hidden states [N, d_model] (the target features
+        a DFlash-style drafter is conditioned on)."""
         kv.begin(batch)
         h = self.embed(input_ids)
         st = _Pass()
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
             h = h + layer.mlp(layer.mlp_norm(h))
+            if features is not None and i in features:
+                features[i] = h
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
