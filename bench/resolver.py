@@ -27,10 +27,12 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.geometry import SourceGeometry
+from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
 
-RING = 72  # one 64-row page + an 8-row block, as the engine sizes the tail
+PAGE = 64
+RING = 128  # one 64-row page plus a verification block, rounded to pages as the engine does
 
 
 def host_arena(nbytes: int) -> tuple[torch.Tensor, str, object]:
@@ -78,8 +80,12 @@ def run_case(
     iters: int, g: torch.Generator,
 ) -> dict:  # fmt: skip
     dev = torch.device("cuda")
-    layout = PoolLayout(nreq, b, RING, scratch=1)
-    pool = torch.zeros(layout.rows, d, dtype=torch.bfloat16, device=dev)
+    per = (b + RING) // PAGE
+    geo = SourceGeometry.create(nreq, PAGE, b, RING, nreq * per * PAGE, 1, hist, dev)
+    pages = torch.arange(nreq * per, dtype=torch.int32, device=dev).view(nreq, per)
+    geo.hot_pages.copy_(pages[:, : b // PAGE])
+    geo.tail_pages.copy_(pages[:, b // PAGE :])
+    pool = torch.zeros(nreq * per * PAGE + 1, d, dtype=torch.bfloat16, device=dev)
     hot = HotCache(nreq, b, hist, dev)
     n_miss = round(k * miss_rate)
     n_hit = k - n_miss
@@ -97,7 +103,10 @@ def run_case(
     hot.map.scatter_(1, rows.to(dev), entries.to(dev, hot.map.dtype))
     # The cached entries hold their rows' bytes, as after earlier steps' copies.
     host_rows = host[: nreq * hist * d].view(nreq, hist, d)
-    pool[: nreq * b] = host_rows[torch.arange(nreq).unsqueeze(1), rows].reshape(-1, d).to(dev)
+    hot_locs = geo.hot_loc(torch.arange(nreq, device=dev).unsqueeze(1), entries.to(dev))
+    pool[hot_locs.flatten()] = (
+        host_rows[torch.arange(nreq).unsqueeze(1), rows].reshape(-1, d).to(dev)
+    )
     saved = [t.clone() for t in (hot.map, hot.rows, hot.lru, hot.stamp)]
     sel = sel.to(dev)
     slots = torch.arange(nreq, device=dev)
@@ -112,7 +121,9 @@ def run_case(
             t.copy_(s)
 
     def resolve_only() -> None:
-        state["locs"] = launch_resolve(sel, cu, slots, plan, layout, hot, 10_000, host_base, d, ws)
+        state["locs"] = launch_resolve(
+            sel, cu, slots, plan, geo, hot, 10_000, host_base, d, ws, has_optional=False
+        )
 
     def copy_only() -> None:
         launch_copy(ws, pool, host)

@@ -12,16 +12,19 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel
 
 from dhisparse.tokenizer import load_tokenizer
+from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.context import GatewayContext
 from services.gateway.errors import install_error_handlers
+from services.gateway.ledger import Ledger, LocalLedger
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
 from services.gateway.responses import ModelCard, ModelList
 from services.gateway.routing import Admission
 from services.gateway.settings import GatewaySettings
+from services.gateway.sizing import SessionSizer
 from services.gateway.streaming import ClientDisconnected
 from services.gateway.worker_client import WorkerPool
 
@@ -40,22 +43,52 @@ def _log_ignored_fields(body: BaseModel, endpoint: str) -> None:
         )
 
 
+def memory_admission(settings: GatewaySettings, metrics: GatewayMetrics) -> MemoryAdmission:
+    """Admission by memory over the Redis ledger (``redis_url`` set) or an in-process one."""
+    ledger: Ledger
+    if settings.redis_url:
+        from services.gateway.redis_ledger import RedisLedger
+
+        ledger = RedisLedger(
+            settings.redis_url,
+            prefix=settings.ledger_prefix,
+            max_connections=settings.redis_max_connections,
+        )
+    else:
+        ledger = LocalLedger()
+    config = AdmissionConfig(
+        max_queue=settings.max_queue,
+        queue_deadline_s=settings.queue_deadline_s,
+        lease_ttl_s=settings.lease_ttl_s,
+        poll_s=settings.admission_poll_s,
+        worker_dead_after_s=settings.worker_dead_after_s,
+    )
+    return MemoryAdmission(
+        ledger,
+        config,
+        sizer=SessionSizer(page_size=settings.kv_page_size),
+        metrics=metrics,
+        served_model_name=settings.served_model_name,
+    )
+
+
 def create_app(
     settings: GatewaySettings | None = None,
     *,
     admission: Admission | None = None,
 ) -> FastAPI:
     """The gateway app. The worker pool starts (first poll included) and stops with the app's
-    lifespan; ``admission`` replaces the default admit-at-once policy."""
+    lifespan; ``admission`` replaces admission by memory (``memory_admission``)."""
     settings = settings or GatewaySettings()
     tokenizer = load_tokenizer(settings.tokenizer_dir())
+    metrics = GatewayMetrics()
     pool = WorkerPool(
         settings.workers,
-        admission=admission,
+        admission=admission or memory_admission(settings, metrics),
         poll_interval_s=settings.health_interval_s,
         max_retries=settings.max_retries,
     )
-    ctx = GatewayContext(settings, tokenizer, pool, GatewayMetrics())
+    ctx = GatewayContext(settings, tokenizer, pool, metrics)
     created = int(time.time())
 
     @asynccontextmanager

@@ -43,7 +43,7 @@ async def create_chat_completion(
     sampling = chat_sampling(req, max_tokens, limits)
     response_id = new_id("chatcmpl")
     inputs = [
-        GenerationInput(f"{response_id}-{i}", tuple(prompt_ids), sampling.for_choice(i))
+        GenerationInput(f"{response_id}-{i}", tuple(prompt_ids), sampling.for_choice(i), model)
         for i in range(req.n)
     ]
     streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))

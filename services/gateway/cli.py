@@ -27,6 +27,31 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--default-max-tokens", type=int, help="max_tokens when a request gives none"
     )
     parser.add_argument("--max-n", type=int, help="largest n (choices per request)")
+    parser.add_argument(
+        "--health-interval-s", type=float, help="seconds between polls of the workers (1)"
+    )
+    parser.add_argument(
+        "--redis-url",
+        help="Redis URL of the capacity ledger shared by gateway replicas (default: in-process)",
+    )
+    parser.add_argument("--ledger-prefix", help="prefix of the ledger's Redis keys")
+    parser.add_argument("--redis-max-connections", type=int, help="Redis connections (16)")
+    parser.add_argument("--lease-ttl-s", type=float, help="seconds an unrenewed lease lives (10)")
+    parser.add_argument(
+        "--max-queue", type=int, help="requests that may wait for capacity per model (256)"
+    )
+    parser.add_argument(
+        "--queue-deadline-s", type=float, help="seconds a request waits before a 503 (30)"
+    )
+    parser.add_argument(
+        "--admission-poll-s", type=float, help="seconds between a waiting request's tries"
+    )
+    parser.add_argument(
+        "--worker-dead-after-s",
+        type=float,
+        help="seconds unhealthy before a worker's leases are released (15)",
+    )
+    parser.add_argument("--kv-page-size", type=int, help="the workers' --page-size (16)")
     parser.add_argument("--log-level", help="debug, info, warning, error")
 
 

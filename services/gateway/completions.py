@@ -58,7 +58,9 @@ async def create_completion(
         top = sampling.top_logprobs if sampling.want_logprobs else None
         for i in range(req.n):
             inputs.append(
-                GenerationInput(f"{response_id}-{len(inputs)}", tuple(ids), sampling.for_choice(i))
+                GenerationInput(
+                    f"{response_id}-{len(inputs)}", tuple(ids), sampling.for_choice(i), model
+                )
             )
     streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
     if req.stream:

@@ -29,6 +29,7 @@ class ModelInfo:
     vocab_size: int
     mode: str
     worker_id: str
+    config_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,7 @@ def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
         vocab_size=info.vocab_size,
         mode=info.mode,
         worker_id=info.worker_id,
+        config_json=info.config_json,
     )
 
 

@@ -18,7 +18,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from services.gateway.routing import AdmissionRejected
+
 log = logging.getLogger(__name__)
+
+# Why admission turned a request away (queue-full, no-capacity, deadline, too-large, no-worker,
+# ledger-unavailable), as llm-d's x-llm-d-request-dropped-reason.
+REASON_HEADER = "x-dhisparse-reason"
 
 # Location parts pydantic adds for union members ("list[int]", "function-after[...]").
 _UNION_TAG = re.compile(r"^(str|int|float|bool|none|list\[.*\]|dict\[.*\]|[a-z-]+\[.*\])$")
@@ -98,6 +104,16 @@ def context_overflow(max_model_len: int, prompt_tokens: int, max_tokens: int | N
             "completion."
         )
     return APIError(400, message, param="messages")
+
+
+def admission_error(e: AdmissionRejected) -> APIError:
+    """429/503 with ``Retry-After`` and the reason header; 400 for a request too large for
+    every worker (vLLM's context-length shape)."""
+    headers = {REASON_HEADER: e.reason}
+    if e.retry_after_s is not None:
+        headers["Retry-After"] = str(e.retry_after_s)
+    param = "messages" if e.status == 400 else None
+    return APIError(e.status, e.message, param=param, headers=headers)
 
 
 def service_unavailable(message: str, retry_after_s: int | None = None) -> APIError:

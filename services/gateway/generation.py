@@ -44,6 +44,7 @@ class GenerationInput:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     sampling: SamplingSpec
+    model: str = ""  # the served model name (admission queues and metrics are per model)
 
 
 @dataclass(frozen=True)

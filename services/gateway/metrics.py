@@ -66,6 +66,44 @@ class GatewayMetrics:
             ["model", "finished_reason"],
             registry=r,
         )
+        # Admission (DESIGN §1): a worker request waits for capacity in the ledger.
+        self.allocation_wait = Histogram(
+            names.ALLOCATION_WAIT,
+            "Time from a worker request's admission attempt to its lease (0 when at once).",
+            ["model"],
+            buckets=names.ALLOC_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            names.QUEUE_DEPTH,
+            "Worker requests waiting for capacity in this gateway's admission queue.",
+            ["model"],
+            registry=r,
+        )
+        self.rejected = Counter(
+            names.REQUESTS_REJECTED,
+            "Worker requests admission turned away, by reason and HTTP status.",
+            ["model", "reason", "status"],
+            registry=r,
+        )
+        self.admitted_sessions = Gauge(
+            names.ADMITTED_SESSIONS,
+            "Leases the ledger holds on the worker (every gateway replica's).",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.admitted_bytes = Gauge(
+            names.ADMITTED_BYTES,
+            "KV bytes the ledger's leases hold on the worker.",
+            ["model", "worker"],
+            registry=r,
+        )
+        self.free_capacity = Gauge(
+            names.FREE_CAPACITY_BYTES,
+            "The worker's registered KV capacity not held by leases.",
+            ["model", "worker"],
+            registry=r,
+        )
 
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""

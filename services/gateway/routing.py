@@ -4,9 +4,9 @@ Two seams:
 - ``Router`` ranks healthy workers (least loaded here; prefix- or KV-aware later).
 - ``Admission`` decides *when* a request may start and on which worker, and hands out a ``Lease``
   that is released when the request ends. ``ImmediateAdmission`` admits at once through a
-  router. The memory-based admission of DESIGN §1 (a Redis or in-process capacity ledger and a
-  bounded wait queue ending in 429/503 + Retry-After) implements the same ``Admission``
-  protocol: it may wait inside ``acquire`` and raises ``AdmissionRejected`` past its deadline.
+  router; ``services.gateway.admission.MemoryAdmission`` admits by memory against a capacity
+  ledger (DESIGN §1), may wait inside ``acquire`` and raises ``AdmissionRejected`` when it gives
+  up (429 queue full, 503 deadline, 400 a request no worker could ever hold).
 """
 
 from __future__ import annotations
@@ -26,10 +26,14 @@ class WorkerStatus:
     num_running: int = 0
     num_waiting: int = 0
     max_num_seqs: int = 0
-    kv_capacity_bytes: int = 0
+    kv_capacity_bytes: int = 0  # admissible KV bytes (pool less fixed allocations)
     kv_free_bytes: int = 0
     in_flight: int = 0  # requests this gateway has open on the worker now
     in_flight_at_poll: int = 0  # ... when num_running/num_waiting were polled
+    model_name: str = ""
+    mode: str = ""  # resident | hisparse | adaptive
+    config_json: str = ""  # the model config, for the capacity model
+    admitted_bytes: int = 0  # held by leases in the admission ledger (every gateway's)
 
     @property
     def estimated_load(self) -> int:
@@ -39,15 +43,28 @@ class WorkerStatus:
         delta = self.in_flight - self.in_flight_at_poll
         return max(0, self.num_running + self.num_waiting + delta)
 
+    @property
+    def admitted_share(self) -> float:
+        """The share of the worker's capacity the ledger has handed out (0 without a ledger)."""
+        if self.kv_capacity_bytes <= 0:
+            return 0.0
+        return self.admitted_bytes / self.kv_capacity_bytes
+
 
 @dataclass(frozen=True)
 class AdmissionJob:
     """What admission may weigh: the request's size in tokens (the capacity model turns it into
-    required bytes)."""
+    required bytes) and the model whose queue it waits in."""
 
     request_id: str
     prompt_tokens: int
     max_tokens: int
+    model: str = ""
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens the session can reach: its KV is reserved for all of them."""
+        return self.prompt_tokens + self.max_tokens
 
 
 class NoWorkerAvailable(Exception):
@@ -55,19 +72,27 @@ class NoWorkerAvailable(Exception):
 
 
 class AdmissionRejected(Exception):
-    """Admission gave up: ``status`` is 429 (saturated) or 503 (waited past the deadline)."""
+    """Admission gave up. ``status``: 429 (queue full), 503 (waited past the deadline) or 400
+    (no worker could ever hold the request); ``reason`` is a short code for the
+    ``x-dhisparse-reason`` header and the rejection metric."""
 
-    def __init__(self, status: int, reason: str, retry_after_s: int | None = None) -> None:
-        super().__init__(reason)
+    def __init__(
+        self, status: int, message: str, *, reason: str, retry_after_s: int | None = None
+    ) -> None:
+        super().__init__(message)
         self.status = status
+        self.message = message
         self.reason = reason
         self.retry_after_s = retry_after_s
 
 
 class Router(Protocol):
+    def rank(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> list[str]:
+        """The addresses of the healthy workers not in ``exclude``, best first."""
+        ...
+
     def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
-        """The address of the worker to use among the healthy ones not in ``exclude``, or None
-        when there is none."""
+        """The best of ``rank``, or None when there is none."""
         ...
 
 
@@ -96,22 +121,43 @@ class Admission(Protocol):
         """
         ...
 
+    async def start(self) -> None:
+        """Starts background work (lease renewal); called once the event loop runs."""
+        ...
+
+    async def observe(self, workers: Sequence[WorkerStatus]) -> None:
+        """Called after every poll of the workers (capacity and health may have changed)."""
+        ...
+
+    async def close(self) -> None:
+        """Stops background work and gives back what is still held."""
+        ...
+
 
 class LeastLoadedRouter:
-    """The healthy worker with the smallest ``estimated_load``; ties rotate so that an idle
-    cluster still spreads requests."""
+    """Healthy workers by the share of their capacity the ledger has admitted, then by
+    ``estimated_load``; ties rotate so that an idle cluster still spreads requests."""
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
+    def rank(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> list[str]:
         candidates = [w for w in workers if w.healthy and w.address not in exclude]
-        if not candidates:
-            return None
         turn = next(self._turn)
         n = len(candidates)
-        best = min(range(n), key=lambda i: (candidates[i].estimated_load, (i - turn) % n))
-        return candidates[best].address
+        order = sorted(
+            range(n),
+            key=lambda i: (
+                candidates[i].admitted_share,
+                candidates[i].estimated_load,
+                (i - turn) % n,
+            ),
+        )
+        return [candidates[i].address for i in order]
+
+    def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
+        ranked = self.rank(workers, exclude)
+        return ranked[0] if ranked else None
 
 
 @dataclass
@@ -123,7 +169,7 @@ class _PlainLease:
 
 
 class ImmediateAdmission:
-    """Admits every request at once on the worker the router picks."""
+    """Admits every request at once on the worker the router picks (no memory accounting)."""
 
     def __init__(self, router: Router | None = None) -> None:
         self.router = router or LeastLoadedRouter()
@@ -138,3 +184,12 @@ class ImmediateAdmission:
         if address is None:
             raise NoWorkerAvailable("no healthy worker is available")
         return _PlainLease(address)
+
+    async def start(self) -> None:
+        pass
+
+    async def observe(self, workers: Sequence[WorkerStatus]) -> None:
+        pass
+
+    async def close(self) -> None:
+        pass

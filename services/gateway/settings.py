@@ -32,6 +32,26 @@ class GatewaySettings(BaseSettings):
     health_interval_s: float = Field(1.0, gt=0)
     # A worker that fails before the first token is retried on another one, at most this often.
     max_retries: int = Field(2, ge=0)
+    # --- admission by memory (DESIGN §1) ---
+    # The capacity ledger: a Redis URL (redis://[:password@]host:port/db) shared by every gateway
+    # replica; "" keeps it in this process (a single replica only).
+    redis_url: str = ""
+    # Prefix of the ledger's Redis keys: gateways sharing a prefix share capacity.
+    ledger_prefix: str = "dhisparse:ledger"
+    # Redis connections per gateway (past that, callers wait for one).
+    redis_max_connections: int = Field(16, ge=1)
+    # A lease not renewed for this long is reclaimed (its gateway died); renewed every third.
+    lease_ttl_s: float = Field(10.0, gt=0)
+    # Worker requests that may wait for capacity per model (0: none wait; 429 at once).
+    max_queue: int = Field(256, ge=0)
+    # How long a request waits for capacity before a 503.
+    queue_deadline_s: float = Field(30.0, gt=0)
+    # How often the head of a queue retries (other replicas' releases are seen no sooner).
+    admission_poll_s: float = Field(0.025, gt=0)
+    # A worker that no gateway has seen healthy for this long has its leases released.
+    worker_dead_after_s: float = Field(15.0, gt=0)
+    # Rows per KV page on the workers (their --page-size), for the capacity model.
+    kv_page_size: int = Field(16, ge=1)
     log_level: str = "info"
 
     @field_validator("workers", mode="before")

@@ -21,7 +21,13 @@ import grpc.aio
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from services.gateway import convert
 from services.gateway.convert import ModelInfo, WorkerLoad
-from services.gateway.errors import APIError, bad_request, service_unavailable
+from services.gateway.errors import (
+    REASON_HEADER,
+    APIError,
+    admission_error,
+    bad_request,
+    service_unavailable,
+)
 from services.gateway.generation import GenerationDelta, GenerationInput
 from services.gateway.routing import (
     Admission,
@@ -109,7 +115,7 @@ class WorkerClient:
             )
 
     def status(self) -> WorkerStatus:
-        load = self.load
+        load, model = self.load, self.model
         return WorkerStatus(
             address=self.address,
             healthy=self.healthy,
@@ -120,6 +126,9 @@ class WorkerClient:
             kv_free_bytes=load.kv_free_bytes if load else 0,
             in_flight=self.in_flight,
             in_flight_at_poll=self.in_flight_at_poll,
+            model_name=model.model_name if model else "",
+            mode=model.mode if model else "",
+            config_json=model.config_json if model else "",
         )
 
     async def close(self) -> None:
@@ -146,8 +155,9 @@ class WorkerPool:
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
-        """Opens the channels, polls once (so the gateway starts knowing who is up) and keeps
-        polling."""
+        """Starts admission, opens the channels, polls once (so the gateway starts knowing who
+        is up) and keeps polling."""
+        await self.admission.start()
         await self.poll_all()
         self._poller = asyncio.create_task(self._poll_forever(), name="worker-poller")
 
@@ -156,6 +166,7 @@ class WorkerPool:
             self._poller.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poller
+        await self.admission.close()
         await asyncio.gather(*(w.close() for w in self.workers.values()))
 
     async def poll_all(self) -> None:
@@ -163,6 +174,10 @@ class WorkerPool:
             w.open()
         timeout = max(0.5, self.poll_interval_s)
         await asyncio.gather(*(w.poll(timeout) for w in self.workers.values()))
+        try:
+            await self.admission.observe(self.statuses())
+        except Exception:
+            log.exception("admission could not take in the workers' state")
 
     async def _poll_forever(self) -> None:
         while True:
@@ -191,7 +206,9 @@ class WorkerPool:
         """The deltas of ``inp`` from a worker chosen by admission (see the module docstring
         for retries and cancellation). Raises ``APIError``: 400 when the worker refuses the
         parameters, 503 (with Retry-After) when no worker can take it, 429/503 from admission."""
-        job = AdmissionJob(inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens)
+        job = AdmissionJob(
+            inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens, inp.model
+        )
         request = convert.generate_request(inp)
         tried: list[str] = []
         last_error: str | None = None
@@ -199,14 +216,12 @@ class WorkerPool:
             try:
                 lease = await self.admission.acquire(job, self.statuses, exclude=tried)
             except AdmissionRejected as e:
-                raise APIError(
-                    e.status,
-                    e.reason,
-                    headers={"Retry-After": str(e.retry_after_s)} if e.retry_after_s else None,
-                ) from e
+                raise admission_error(e) from e
             except NoWorkerAvailable as e:
                 detail = f" (last failure: {last_error})" if last_error else ""
-                raise service_unavailable(f"No healthy worker is available{detail}", 1) from e
+                err = service_unavailable(f"No healthy worker is available{detail}", 1)
+                err.headers[REASON_HEADER] = "no-worker"
+                raise err from e
             worker = self.workers[lease.worker]
             tried.append(worker.address)
             worker.in_flight += 1

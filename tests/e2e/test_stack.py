@@ -45,7 +45,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
              "--worker-port", str(worker), "--kv-store-port", str(store), "--arena-path", arena,
-             "--kv-pool-mib", "64", "--mode", mode, "--no-restart"],
+             "--kv-pool-mib", "256", "--mode", mode, "--no-restart"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
     base = f"http://127.0.0.1:{http}"

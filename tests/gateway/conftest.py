@@ -1,17 +1,20 @@
 """Fixtures for the gateway: a real `dhisparse worker` process (tiny-glm on CPU), gateway apps
-driven in-process through httpx's ASGI transport, and a real `dhisparse gateway` process for the
-official openai client. Processes are started on free ports and stopped by PID."""
+driven in-process through httpx's ASGI transport, real `dhisparse gateway` processes for the
+official openai client and the multi-replica tests, and a real `redis-server` for the shared
+ledger. Processes are started on free ports and stopped by PID."""
 
 from __future__ import annotations
 
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,9 +24,12 @@ import grpc
 import httpx
 import pytest
 from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
 
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from services.gateway import GatewaySettings, create_app
+from services.gateway.ledger import Candidate
+from services.gateway.redis_ledger import RedisLedger
 
 DHISPARSE = Path(sys.executable).with_name("dhisparse")
 MODEL = "tiny-glm"
@@ -87,21 +93,31 @@ def _worker_healthy(address: str) -> bool:
         return False
 
 
-def start_worker(log: Path) -> WorkerProcess:
-    """Starts `dhisparse worker` (tiny-glm, CPU) on a free port; returns once Health says ok.
-    The caller stops it with ``kill_process``."""
+def launch_worker(log: Path, *args: str) -> WorkerProcess:
+    """Starts `dhisparse worker` (tiny-glm, CPU, then ``args``) on a free port without waiting
+    for it; see ``wait_worker``."""
     port = free_port()
     cmd = [str(DHISPARSE), "worker", "--model", MODEL, "--device", "cpu"]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0"]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    address = f"127.0.0.1:{port}"
+    return WorkerProcess(proc, f"127.0.0.1:{port}")
+
+
+def wait_worker(wp: WorkerProcess, log: Path) -> WorkerProcess:
+    """Returns once the worker's Health says ok; kills it if it never does."""
     try:
-        _wait_until(lambda: _worker_healthy(address), proc, log, "worker", timeout=180)
+        _wait_until(lambda: _worker_healthy(wp.address), wp.proc, log, "worker", timeout=180)
     except BaseException:
-        kill_process(proc)
+        kill_process(wp.proc)
         raise
-    return WorkerProcess(proc, address)
+    return wp
+
+
+def start_worker(log: Path, *args: str) -> WorkerProcess:
+    """Starts `dhisparse worker` (tiny-glm, CPU) on a free port; returns once Health says ok.
+    The caller stops it with ``kill_process``."""
+    return wait_worker(launch_worker(log, *args), log)
 
 
 @pytest.fixture(scope="session")
@@ -154,17 +170,24 @@ async def client(
 class GatewayProcess:
     proc: subprocess.Popen[bytes]
     base_url: str  # http://127.0.0.1:P
+    ledger_prefix: str = ""  # its Redis ledger's, if any
+
+    def metric(self, name: str, **labels: str) -> float | None:
+        """A sample of the gateway's /metrics."""
+        text = httpx.get(f"{self.base_url}/metrics", timeout=5).text
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                    return float(s.value)
+        return None
 
 
-@pytest.fixture(scope="module")
-def live_gateway(
-    worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[GatewayProcess]:
-    """`dhisparse gateway` as a real uvicorn server on a free port."""
+def start_gateway(workers: list[str], log: Path, *args: str) -> GatewayProcess:
+    """`dhisparse gateway` (then ``args``) as a real uvicorn server on a free port; returns once
+    /health says a worker is up. The caller stops it with ``kill_process``."""
     port = free_port()
-    log = tmp_path_factory.mktemp("gateway") / "gateway.log"
-    cmd = [str(DHISPARSE), "gateway", "--workers", worker.address, "--model", MODEL]
-    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    cmd = [str(DHISPARSE), "gateway", "--workers", ",".join(workers), "--model", MODEL]
+    cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
     base_url = f"http://127.0.0.1:{port}"
@@ -177,9 +200,79 @@ def live_gateway(
 
     try:
         _wait_until(healthy, proc, log, "gateway", timeout=60)
-        yield GatewayProcess(proc, base_url)
+    except BaseException:
+        kill_process(proc)
+        raise
+    prefix = args[args.index("--ledger-prefix") + 1] if "--ledger-prefix" in args else ""
+    return GatewayProcess(proc, base_url, prefix)
+
+
+@pytest.fixture(scope="module")
+def live_gateway(
+    worker: WorkerProcess, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[GatewayProcess]:
+    """`dhisparse gateway` as a real uvicorn server on a free port."""
+    gw = start_gateway([worker.address], tmp_path_factory.mktemp("gateway") / "gateway.log")
+    try:
+        yield gw
+    finally:
+        kill_process(gw.proc)
+
+
+# --- Redis and small workers for admission ------------------------------------------------------
+# A KV pool this small binds after a handful of short requests (tiny-glm, resident: ~2 KiB per
+# token, so about 480 tokens in all).
+SMALL_POOL_MIB = "1"
+
+
+@dataclass
+class RedisServer:
+    proc: subprocess.Popen[bytes]
+    url: str
+
+    def prefix(self) -> str:
+        """A fresh ledger prefix: gateways that share one share capacity."""
+        return f"test-{uuid.uuid4().hex[:8]}"
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    """A real `redis-server` on a free port, nothing persisted; killed by PID at the end."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed: run .ci/setup-tools")
+    port = free_port()
+    log = tmp_path_factory.mktemp("redis") / "redis.log"
+    cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+    cmd += ["--daemonize", "no"]
+    with log.open("wb") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+
+    def ready() -> bool:
+        try:
+            with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+                s.sendall(b"PING\r\n")
+                return s.recv(16).startswith(b"+PONG")
+        except OSError:
+            return False
+
+    try:
+        _wait_until(ready, proc, log, "redis-server", timeout=30)
+        yield RedisServer(proc, f"redis://127.0.0.1:{port}/0")
     finally:
         kill_process(proc)
+
+
+@pytest.fixture(scope="session")
+def small_workers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[list[WorkerProcess]]:
+    """Two real workers with a 1 MiB KV pool each, started side by side."""
+    logs = [tmp_path_factory.mktemp("small-worker") / "worker.log" for _ in range(2)]
+    procs = [launch_worker(log, "--kv-pool-mib", SMALL_POOL_MIB) for log in logs]
+    try:
+        yield [wait_worker(wp, log) for wp, log in zip(procs, logs, strict=True)]
+    finally:
+        for wp in procs:
+            kill_process(wp.proc)
 
 
 def sse_events(body: str) -> list[Any]:
@@ -192,3 +285,47 @@ def sse_events(body: str) -> list[Any]:
         assert frame.startswith("data: "), frame
         payloads.append(json.loads(frame[len("data: ") :]))
     return payloads
+
+
+# Admission knobs of the tight gateway: two may wait, for at most this long.
+TIGHT_QUEUE, TIGHT_DEADLINE_S = 2, 1.5
+
+
+@pytest.fixture(scope="session")
+def tight_gateway(
+    redis_server: RedisServer,
+    small_workers: list[WorkerProcess],
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[GatewayProcess]:
+    """A gateway on the first small worker with a ledger of its own (nothing else admits
+    there) and a tiny queue with a short deadline, for exact 429/503 checks."""
+    args = ["--redis-url", redis_server.url, "--ledger-prefix", redis_server.prefix()]
+    args += ["--max-queue", str(TIGHT_QUEUE), "--queue-deadline-s", str(TIGHT_DEADLINE_S)]
+    args += ["--health-interval-s", "0.5"]
+    log = tmp_path_factory.mktemp("tight-gateway") / "gateway.log"
+    gw = start_gateway([small_workers[0].address], log, *args)
+    try:
+        yield gw
+    finally:
+        kill_process(gw.proc)
+
+
+@contextlib.asynccontextmanager
+async def capacity_held(
+    redis_url: str, prefix: str, workers: list[str]
+) -> AsyncIterator[RedisLedger]:
+    """Takes all free capacity of ``workers`` in the ledger at ``prefix`` (as another gateway
+    replica would) and gives it back on exit."""
+    ledger = RedisLedger(redis_url, prefix=prefix)
+    held: list[str] = []
+    try:
+        for w in workers:
+            usage = (await ledger.usage([w]))[w]
+            got = await ledger.acquire(f"holder-{w}", [Candidate(w, usage.free_bytes)], 120)
+            assert got is not None and got.usage.free_bytes == 0, got
+            held.append(w)
+        yield ledger
+    finally:
+        for w in held:
+            await ledger.release(w, f"holder-{w}")
+        await ledger.close()

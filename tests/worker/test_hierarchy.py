@@ -111,7 +111,10 @@ def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (150, 33, 260, 90)]
     ref = Engine(EngineConfig(model=name, kv_pool_mib=16)).generate(prompts, params)
-    eng = Engine(EngineConfig(model=name, mode="hisparse", kv_pool_mib=64, host_arena_mib=32))
+    eng = Engine(
+        EngineConfig(model=name, mode="hisparse", kv_pool_mib=32, host_arena_mib=32, max_num_seqs=8,
+                     max_prefill_tokens=4096)
+    )  # fmt: skip
     got = eng.generate(prompts, params)
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert eng.kv.payload.census.host > 0

@@ -8,24 +8,44 @@ import copy
 import pytest
 import torch
 
+from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, StagingOverflow, resolve_ref
 
-SLOTS, B, MAX_ROWS, D, RING = 4, 64, 600, 8, 24
+SLOTS, B, MAX_ROWS, D, RING, P = 4, 64, 600, 8, 24, 8
+NUM_PAGES = 200
 
 
 class World:
-    """A pool, a hot cache and a host arena with every row's bytes known."""
+    """A page pool, a hot cache and a host arena with every row's bytes known. Hot-cache and
+    tail pages are scattered over the pool; with ``optional`` some history pages are ready
+    optional pages (holding their rows' bytes), as in adaptive serving."""
 
-    def __init__(self, seed: int, device: str = "cpu", k: int = 16) -> None:
+    def __init__(self, seed: int, device: str = "cpu", k: int = 16, optional: bool = False) -> None:
         g = torch.Generator().manual_seed(seed)
         self.k = k
-        self.layout = PoolLayout(SLOTS, B, RING, scratch=64)
-        self.pool = torch.zeros(self.layout.rows, D, device=device)
+        self.geo = SourceGeometry.create(SLOTS, P, B, RING, NUM_PAGES * P, 64, MAX_ROWS, device)
+        self.pool = torch.zeros(NUM_PAGES * P + 64, D, device=device)
         self.hot = HotCache(SLOTS, B, MAX_ROWS, device)
         self.host = torch.randn(SLOTS * MAX_ROWS * D, generator=g)
         self.host_base = (torch.arange(SLOTS, dtype=torch.int64) * MAX_ROWS * D).to(device)
+        pages = torch.randperm(NUM_PAGES, generator=g).to(torch.int32)
+        per = B // P + RING // P
+        for slot in range(SLOTS):
+            mine = pages[slot * per : (slot + 1) * per]
+            self.geo.hot_pages[slot] = mine[: B // P].to(device)
+            self.geo.tail_pages[slot] = mine[B // P :].to(device)
+        if optional:  # every third history page of each slot is resident and ready
+            free = pages[SLOTS * per :].tolist()
+            for slot in range(SLOTS):
+                for hp in range(0, MAX_ROWS // P, 3):
+                    page = free.pop()
+                    self.geo.opt_map[slot, hp] = page
+                    base = slot * MAX_ROWS * D + hp * P * D
+                    self.pool[page * P : page * P + P] = (
+                        self.host[base : base + P * D].view(P, D).to(device)
+                    )
         self.device = device
         self.g = g
 
@@ -46,7 +66,7 @@ class World:
 
 def run(world: World, fn, sel, cu, slots, plan, clock):
     cu_t = torch.tensor(cu, dtype=torch.int64, device=sel.device)
-    return fn(sel, cu_t, slots, plan, world.layout, world.hot, clock, world.pool, world.host,
+    return fn(sel, cu_t, slots, plan, world.geo, world.hot, clock, world.pool, world.host,
               world.host_base)  # fmt: skip
 
 
@@ -62,11 +82,11 @@ def expected_rows(world: World, sel: torch.Tensor, cu: list[int], slots: torch.T
     return out
 
 
-@pytest.mark.parametrize("seed", range(4))
-def test_triton_resolver_equals_reference(seed: int) -> None:
+@pytest.mark.parametrize(("seed", "optional"), [(0, False), (1, False), (2, True), (3, True)])
+def test_triton_resolver_equals_reference(seed: int, optional: bool) -> None:
     from services.worker.kv.hierarchy.resolver_triton import resolve_triton
 
-    ref, tri = World(seed), World(seed)
+    ref, tri = World(seed, optional=optional), World(seed, optional=optional)
     g = torch.Generator().manual_seed(100 + seed)
     for clock in range(1, 7):
         slots = torch.tensor([3, 0, 2])
@@ -135,7 +155,8 @@ def test_lru_victims_are_least_recent_unselected_and_selected_rows_survive() -> 
     for s in (100, 101, 102, 103):
         e = int(w.hot.map[0, s])
         assert int(w.hot.rows[0, e]) == s
-        assert torch.equal(w.pool[e], w.host[s * D : s * D + D])
+        loc = w.geo.hot_loc(torch.tensor(0), torch.tensor(e))
+        assert torch.equal(w.pool[loc], w.host[s * D : s * D + D])
 
 
 def test_overflow_needs_staging() -> None:

@@ -14,7 +14,7 @@ from services.worker.kv.resident import ResidentPayload
 from services.worker.kv.token_ring import TokenRing
 from services.worker.model.config import ModelConfig
 
-MODES = ("resident", "hisparse")
+MODES = ("resident", "hisparse", "adaptive")
 
 
 @dataclass(frozen=True)
@@ -80,63 +80,66 @@ class KVCache:
                 )
         self._local_store = None
         self.host_backups = None
+        rings = sum(r.nbytes for r in self.rings.values())
+        keys_per_token = bytes_per_token(model_cfg, esize, payload=False)
+        args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
         if cfg.mode == "resident":
-            payload: PayloadBackend | None = None
-            fixed = 0
+            per_token = bytes_per_token(model_cfg, esize, payload=True)
+            if rings >= cfg.kv_pool_bytes:
+                raise ValueError(f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the token rings")
+            self.tokens_capacity = int((cfg.kv_pool_bytes - rings) // per_token)
+            self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
+            self.payload: PayloadBackend = ResidentPayload(model_cfg, self.tokens_capacity, *args)
         else:
-            payload = self._hierarchy(model_cfg, cfg, host)
-            fixed = payload.nbytes
-        fixed += sum(r.nbytes for r in self.rings.values())
-        if fixed >= cfg.kv_pool_bytes:
-            raise ValueError(
-                f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the fixed allocations of "
-                f"{cfg.max_slots} slots ({fixed} B): lower max_num_seqs or the hot cache"
+            # Index keys for every slot at full length (or half the pool), then pages.
+            self.tokens_capacity = int(
+                min(cfg.max_slots * cfg.max_model_len, cfg.kv_pool_bytes // 2 // keys_per_token)
             )
-        per_token = bytes_per_token(model_cfg, esize, payload=payload is None)
-        self.tokens_capacity = int((cfg.kv_pool_bytes - fixed) // per_token)
-        args = (
-            self.tokens_capacity,
-            cfg.page_size,
-            cfg.max_slots,
-            cfg.max_model_len,
-            cfg.dtype,
-            cfg.device,
-        )
-        self.index_keys = IndexKeys(model_cfg, *args)
-        self.payload: PayloadBackend = payload or ResidentPayload(model_cfg, *args)
+            self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
+            self.payload = self._hierarchy(model_cfg, cfg, host, esize, rings)
         self._admitted: set[int] = set()
 
-    def _hierarchy(self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None):
+    def _hierarchy(
+        self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None, esize: int, rings: int
+    ) -> PayloadBackend:
         from services.worker.kv.hierarchy.host import HostBackups, LocalHostStore
-        from services.worker.kv.hierarchy.payload import HiSparsePayload
+        from services.worker.kv.hierarchy.payload import HierarchyPayload
         from services.worker.kv.hierarchy.resolver import get_resolver
 
+        p = cfg.page_size
+        hot_rows = -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
+        ring = -(-(p + cfg.ring_extra) // p) * p  # one page plus a verification block
+        scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
+        fixed = (
+            rings
+            + self.index_keys.nbytes
+            + HierarchyPayload.fixed_bytes(
+                model_cfg, cfg.max_slots, cfg.max_model_len, hot_rows, scratch_tokens, esize
+            )
+        )
+        page_bytes = p * model_cfg.d_kv * esize
+        num_pages = (cfg.kv_pool_bytes - fixed) // page_bytes
+        per_request = len(model_cfg.sources) * (hot_rows + ring) // p
+        if num_pages < per_request:
+            raise ValueError(
+                f"a KV pool of {cfg.kv_pool_bytes} B leaves {max(0, num_pages)} pages after fixed "
+                f"allocations of {fixed} B; one request needs {per_request} pages of "
+                f"{page_bytes} B (hot cache + tail): enlarge the pool or lower max_num_seqs, "
+                "max_model_len or the hot cache"
+            )
         if host is None:
             self._local_store = LocalHostStore(cfg.host_arena_bytes)
             host = (self._local_store, self._local_store.mapping)
         store, mapping = host
         self.host_backups = HostBackups(
-            store,
-            mapping,
-            cfg.owner,
-            len(model_cfg.sources),
-            model_cfg.d_kv,
-            cfg.dtype,
-            cfg.max_slots,
-            cfg.device,
-        )
-        return HiSparsePayload(
-            model_cfg,
-            self.host_backups,
-            cfg.max_slots,
-            cfg.max_model_len,
-            cfg.hot_cache_rows or 2 * model_cfg.index_topk,
-            cfg.page_size + cfg.ring_extra,
-            max(cfg.max_prefill_tokens, cfg.max_model_len),
-            cfg.dtype,
-            cfg.device,
-            resolver=get_resolver(cfg.resolver, cfg.device),
-        )
+            store, mapping, cfg.owner, len(model_cfg.sources), model_cfg.d_kv, cfg.dtype,
+            cfg.max_slots, cfg.device,
+        )  # fmt: skip
+        return HierarchyPayload(
+            model_cfg, self.host_backups, cfg.max_slots, cfg.max_model_len, p, hot_rows, ring,
+            scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
+            resolver=get_resolver(cfg.resolver, cfg.device), mode=cfg.mode,
+        )  # fmt: skip
 
     @property
     def mode(self) -> str:

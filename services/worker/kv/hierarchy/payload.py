@@ -1,6 +1,10 @@
-"""HiSparse serving: per request and source a tail ring and a fixed hot cache of B rows on the
-device, and a host backup of every committed row. Selection still runs over the whole history
-(index keys stay resident); the resolver supplies the selected rows."""
+"""Serving over the KV hierarchy (modes ``hisparse`` and ``adaptive``).
+
+Per admitted request and source: a tail ring and a fixed hot cache of B rows, both made of
+pages from one device page pool, and a host backup of every committed row. In ``adaptive``
+mode the same pool also holds *optional history*: pages of a request's imported history kept
+on the device while memory is spare (``residency.py``). Selection still runs over the whole
+history (index keys stay resident); the resolver supplies the selected rows."""
 
 from __future__ import annotations
 
@@ -10,52 +14,64 @@ import torch
 
 from services.kv_host_store.errors import CapacityExhausted
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.pages import PagePool
+from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.model.config import ModelConfig
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
-class HiSparsePayload:
-    mode = "hisparse"
-
+class HierarchyPayload:
     def __init__(
         self,
         cfg: ModelConfig,
         host: HostBackups,
         max_slots: int,
         max_model_len: int,
+        page: int,
         hot_cache_rows: int,
         ring_rows: int,
         scratch_tokens: int,
+        num_pages: int,
         dtype: torch.dtype,
         device: torch.device | str,
         resolver: Resolver = resolve_ref,
+        mode: str = "hisparse",
     ) -> None:
         if hot_cache_rows < cfg.index_topk:
             raise ValueError(
                 f"the hot cache (B={hot_cache_rows}) must hold one selection (k={cfg.index_topk})"
             )
+        self.mode = mode
         self.cfg = cfg
         self.host = host
         self.device = torch.device(device)
         self.resolver = resolver
+        self.page = page
         self.ring = ring_rows
-        self.layouts: list[PoolLayout] = []
-        self.pools: list[torch.Tensor] = []
+        self.num_sources = len(cfg.sources)
+        scratch = [scratch_tokens // s.compress + max_slots for s in cfg.sources]
+        base = num_pages * page
+        self.store = torch.zeros(base + sum(scratch), cfg.d_kv, dtype=dtype, device=device)
+        self.pages = PagePool(num_pages)
+        self.geo: list[SourceGeometry] = []
         self.hot: list[HotCache] = []
-        for src in cfg.sources:
-            m = src.compress
-            layout = PoolLayout(
-                max_slots, hot_cache_rows, ring_rows, scratch_tokens // m + max_slots
+        for s, src in enumerate(cfg.sources):
+            max_rows = max_model_len // src.compress
+            self.geo.append(
+                SourceGeometry.create(
+                    max_slots, page, hot_cache_rows, ring_rows, base, scratch[s], max_rows, device
+                )
             )
-            self.layouts.append(layout)
-            self.pools.append(torch.zeros(layout.rows, cfg.d_kv, dtype=dtype, device=device))
-            self.hot.append(HotCache(max_slots, hot_cache_rows, max_model_len // m, device))
+            self.hot.append(HotCache(max_slots, hot_cache_rows, max_rows, device))
+            base += scratch[s]
+        self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
+        self._held: dict[int, list[int]] = {}  # slot -> its hot-cache and tail pages
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
         self._plans: list[ChunkPlan] = []
@@ -64,30 +80,61 @@ class HiSparsePayload:
         self._prefetched: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
 
+    @staticmethod
+    def fixed_bytes(
+        cfg: ModelConfig,
+        max_slots: int,
+        max_model_len: int,
+        hot_cache_rows: int,
+        scratch_tokens: int,
+        elem_bytes: int,
+    ) -> int:
+        """Bytes besides the page pool: prefill scratch and hot-cache metadata for all slots."""
+        row = cfg.d_kv * elem_bytes
+        total = 0
+        for src in cfg.sources:
+            rows = max_model_len // src.compress
+            scratch = scratch_tokens // src.compress + max_slots
+            map_bytes = 2 if hot_cache_rows <= 32767 else 4
+            total += scratch * row + max_slots * (rows * map_bytes + hot_cache_rows * 16)
+        return total
+
     # ---- admission ------------------------------------------------------------------------
     def _rows(self, source: int, num_tokens: int) -> int:
         return self.cfg.rows_for_tokens(source, num_tokens)
 
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
-        return True  # hot cache and ring are fixed per slot
+        return True  # a slot's hot cache and ring are fixed; they were taken at admission
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
         return True
 
     def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
-        """Allocates the request's host regions (rows for ``max_tokens`` tokens)."""
+        """Takes the request's hot-cache and tail pages and its host regions (rows for
+        ``max_tokens`` tokens); False (nothing taken) when either is short."""
+        if self.pages.free < self.required_pages:
+            return False
         try:
             self.host.admit(
-                slot, request_id, [self._rows(s, max_tokens) for s in range(len(self.pools))]
+                slot, request_id, [self._rows(s, max_tokens) for s in range(self.num_sources)]
             )
         except CapacityExhausted:
             return False
-        for hot in self.hot:
+        held = self.pages.take(self.required_pages)
+        self._held[slot] = held
+        it = iter(held)
+        for geo, hot in zip(self.geo, self.hot, strict=True):
+            geo.clear(slot)
+            geo.hot_pages[slot] = torch.tensor([next(it) for _ in range(geo.hot_pages.shape[1])])
+            geo.tail_pages[slot] = torch.tensor([next(it) for _ in range(geo.tail_pages.shape[1])])
             hot.reset(slot)
-        self.committed[slot] = [0] * len(self.pools)
+        self.committed[slot] = [0] * self.num_sources
         return True
 
     def release(self, slot: int) -> None:
+        self.pages.give(self._held.pop(slot, []))
+        for geo in self.geo:
+            geo.clear(slot)
         self.host.release(slot)
         self.committed.pop(slot, None)
 
@@ -97,14 +144,14 @@ class HiSparsePayload:
         self._prefetched.clear()
         self._plans = []
         ends = batch.ends()
-        for s, layout in enumerate(self.layouts):
+        for s, geo in enumerate(self.geo):
             lo = [self._rows(s, a) for a in batch.starts]
             hi = [self._rows(s, e) for e in ends]
             plan = ChunkPlan.build(lo, hi, self.ring, self.device)
-            if plan.scratch_rows > layout.scratch:
+            if plan.scratch_rows > geo.scratch:
                 raise ValueError(
                     f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch "
-                    f"({layout.scratch} rows)"
+                    f"({geo.scratch} rows)"
                 )
             self._plans.append(plan)
         self._req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
@@ -115,17 +162,18 @@ class HiSparsePayload:
         return Census.of(self._census)
 
     def pool(self, source: int) -> torch.Tensor:
-        return self.pools[source]
+        return self.store
+
+    def chunk_locations(self, source: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Where this pass's rows of ``source`` (in its chunk) live: the ring or scratch."""
+        assert self._batch is not None, "begin() the pass first"
+        req = self._req_of_slot[slots]
+        return self.geo[source].direct(rows, req, self._batch.slots, self._plans[source])[1]
 
     def write_rows(
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:
-        assert self._batch is not None, "begin() the pass first"
-        req = self._req_of_slot[slots]
-        locs = self.layouts[source].direct_locations(
-            rows, req, self._batch.slots, self._plans[source]
-        )
-        self.pools[source][locs] = values.to(self.pools[source].dtype)
+        self.store[self.chunk_locations(source, slots, rows)] = values.to(self.store.dtype)
 
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
@@ -161,25 +209,18 @@ class HiSparsePayload:
 
     def _resolve(self, source: int, batch: ForwardBatch, selection: torch.Tensor) -> torch.Tensor:
         plan = self._plans[source]
+        geo = self.geo[source]
         if plan.all_direct:  # nothing older than the ring: no hot scan, no host reads
             valid = selection >= 0
             req = batch.token_req.unsqueeze(1).expand_as(selection)
-            locs = self.layouts[source].direct_locations(selection, req, batch.slots, plan)
+            _, locs = geo.direct(selection, req, batch.slots, plan)
             self._census[0] += valid.sum()
             return torch.where(valid, locs, -1)
         hot = self.hot[source]
         locs, census = self.resolver(
-            selection,
-            batch.cu_lens,
-            batch.slots,
-            plan,
-            self.layouts[source],
-            hot,
-            hot.tick(),
-            self.pools[source],
-            self.host.arena,
-            self.host.base[:, source],
-        )
+            selection, batch.cu_lens, batch.slots, plan, geo, hot, hot.tick(), self.store,
+            self.host.arena, self.host.base[:, source],
+        )  # fmt: skip
         self._census += census
         return locs
 
@@ -187,34 +228,33 @@ class HiSparsePayload:
         """The first ``num_tokens[r]`` tokens of each request are final: back up their complete
         rows written by this pass to the host, then keep the newest rows in the tail ring."""
         slots = batch.slots.tolist()
-        for s, (layout, plan) in enumerate(zip(self.layouts, self._plans, strict=True)):
-            pool = self.pools[s]
+        for s, (geo, plan) in enumerate(zip(self.geo, self._plans, strict=True)):
             for r, slot in enumerate(slots):
                 lo, new = plan.lo[r], self._rows(s, num_tokens[r])
                 if new <= lo:
                     continue
                 rows = torch.arange(lo, new, device=self.device)
                 req = torch.full_like(rows, r)
-                values = pool[layout.direct_locations(rows, req, batch.slots, plan)]
+                values = self.store[geo.direct(rows, req, batch.slots, plan)[1]]
                 self.host.write(slot, s, lo, values)
                 self.host.mark_durable(slot, s, new)
                 self.committed[slot][s] = new
                 if plan.scratch[r]:  # the ring takes the chunk's newest rows
                     keep = rows[rows >= new - self.ring]
-                    ring_locs = layout.ring_base + slot * self.ring + keep % self.ring
-                    pool[ring_locs] = values[-len(keep) :]
+                    self.store[geo.ring_loc(torch.full_like(keep, slot), keep)] = values[
+                        -len(keep) :
+                    ]
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:
-        """(bytes held for ``admitted`` slots, fixed bytes: scratch)."""
-        per_slot = fixed = 0
-        for layout, pool, hot in zip(self.layouts, self.pools, self.hot, strict=True):
-            row = pool.shape[1] * pool.element_size()
-            per_slot += (layout.hot_entries + layout.ring) * row + hot.nbytes_per_slot
-            fixed += layout.scratch * row
-        return admitted * per_slot, fixed
+        """(bytes held by admitted requests' pages, fixed bytes: scratch and metadata)."""
+        row = self.store.shape[1] * self.store.element_size()
+        held = (self.pages.total - self.pages.free) * self.page * row
+        fixed = sum(g.scratch for g in self.geo) * row + sum(
+            h.nbytes_per_slot * h.map.shape[0] for h in self.hot
+        )
+        return held, fixed
 
     @property
     def nbytes(self) -> int:
-        pools = sum(p.numel() * p.element_size() for p in self.pools)
         maps = sum(h.nbytes_per_slot * h.map.shape[0] for h in self.hot)
-        return pools + maps
+        return self.store.numel() * self.store.element_size() + maps

@@ -1,7 +1,7 @@
 """The resolver, plain torch: the reference the Triton kernel is checked against.
 
 For one source and the whole batch it turns selected row positions into pool locations:
-(1) rows in the chunk or the tail ring resolve directly; (2) the rest look up the hot cache —
+(1) rows in the chunk, the tail ring or a ready optional-history page resolve directly; (2) the rest look up the hot cache —
 hits are stamped with this call's tick, which also protects them from eviction in this call;
 (3) misses take the least recently used unprotected entries (empty ones first), evicting what
 those held, and are copied from the host backup; a request's queries
@@ -14,8 +14,9 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.plan import ChunkPlan
 
 
 class StagingOverflow(RuntimeError):
@@ -44,7 +45,7 @@ def resolve_ref(
     cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
-    layout: PoolLayout,
+    geo: SourceGeometry,
     hot: HotCache,
     clock: int,
     pool: torch.Tensor,
@@ -57,7 +58,6 @@ def resolve_ref(
     Returns locations [N, k] int64 (-1 kept) and the census tensor; updates ``hot`` and
     ``pool``."""
     d = pool.shape[1]
-    b_entries = hot.entries
     locs = torch.full_like(sel, -1)
     cu = cu.tolist()
     direct_n = hot_n = host_n = copied = 0
@@ -66,7 +66,8 @@ def resolve_ref(
         slot = int(slots[r])
         rows = sel[a:b]
         valid = rows >= 0
-        direct = valid & (rows >= plan.ring_lo[r])
+        req = torch.full_like(rows, r)
+        direct, dloc = geo.direct(rows, req, slots, plan)
         cand = valid & ~direct
         h = hot.map[slot, rows.clamp(min=0)].long()
         hit = cand & (h >= 0)
@@ -97,15 +98,14 @@ def resolve_ref(
             # Untouched entries keep their order; used ones (earlier hits, then these) go last.
             hot.lru[slot] = torch.cat([free[m:], lru[protected], victims]).to(hot.lru.dtype)
             src = host_base[slot].item() + mrows.cpu().unsqueeze(1) * d + torch.arange(d)
-            pool[slot * b_entries + victims] = host[src].to(pool.device)
+            pool[geo.hot_loc(torch.full_like(victims, slot), victims)] = host[src].to(pool.device)
             copied += m
         # Hits move to the most recent end too (in their LRU order).
         lru = hot.lru[slot].long()
         used = hot.stamp[slot, lru] == clock
         hot.lru[slot] = torch.cat([lru[~used], lru[used]]).to(hot.lru.dtype)
-        req = torch.full_like(rows, r)
-        dloc = layout.direct_locations(rows, req, slots, plan)
-        hloc = slot * b_entries + hot.map[slot, rows.clamp(min=0)].long()
+        entry = hot.map[slot, rows.clamp(min=0)].long()
+        hloc = geo.hot_loc(torch.full_like(rows, slot), entry.clamp(min=0))
         locs[a:b] = torch.where(direct, dloc, torch.where(valid, hloc, -1))
     census = torch.tensor([direct_n, hot_n, host_n, copied], dtype=torch.int64)
     return locs, census.to(sel.device)

@@ -18,9 +18,10 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostPointer
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan, PoolLayout
+from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
 
 
@@ -41,6 +42,12 @@ def _resolve_kernel(
     stamp_ptr,  # [max_slots, B] int64
     host_base_ptr,  # [max_slots] int64 (strided)
     stride_hb,
+    hot_pages_ptr,  # [max_slots, B / P] int32
+    stride_hp,
+    tail_pages_ptr,  # [max_slots, RING / P] int32
+    stride_tp,
+    opt_ptr,  # [max_slots, history pages] int32: ready optional pages (-1: none)
+    stride_opt,
     victims_ptr,  # [R, BP] int32 scratch
     locs_ptr,  # [N, K] int64 out
     plan_src_ptr,  # [cap] int64 out: host element offset of each copy
@@ -49,12 +56,13 @@ def _resolve_kernel(
     clock,
     K,
     B,
+    P,
     RING,
-    RING_BASE,
     SCRATCH_BASE,
     D,
     KP: tl.constexpr,
     BP: tl.constexpr,
+    HAS_OPT: tl.constexpr,
 ):
     r = tl.program_id(0)
     slot = tl.load(slots_ptr + r)
@@ -62,7 +70,7 @@ def _resolve_kernel(
     b = tl.load(cu_ptr + r + 1)
     ring_lo = tl.load(ring_lo_ptr + r)
     chunk_lo = tl.load(chunk_lo_ptr + r)
-    in_scr = tl.load(in_scr_ptr + r)
+    in_scr_flag = tl.load(in_scr_ptr + r)
     scr_off = tl.load(scr_off_ptr + r)
     hbase = tl.load(host_base_ptr + slot * stride_hb)
     map_row = map_ptr + slot * stride_map
@@ -70,6 +78,9 @@ def _resolve_kernel(
     lru_row = lru_ptr + slot * B
     stamp_row = stamp_ptr + slot * B
     victims_row = victims_ptr + r * BP
+    hp_row = hot_pages_ptr + slot * stride_hp
+    tp_row = tail_pages_ptr + slot * stride_tp
+    opt_row = opt_ptr + slot * stride_opt
     offs_k = tl.arange(0, KP)
     kmask = offs_k < K
     offs_b = tl.arange(0, BP)
@@ -84,7 +95,9 @@ def _resolve_kernel(
         s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
         valid = s >= 0
         direct = valid & (s >= ring_lo)
-        cand = valid & (s < ring_lo)
+        if HAS_OPT:
+            direct |= valid & (tl.load(opt_row + s // P, mask=valid & ~direct, other=-1) >= 0)
+        cand = valid & ~direct
         h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
         hit = cand & (h >= 0)
         tl.store(stamp_row + h, now, mask=hit)
@@ -100,6 +113,8 @@ def _resolve_kernel(
     for j in range(a, b):
         s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
         cand = (s >= 0) & (s < ring_lo)
+        if HAS_OPT:
+            cand &= tl.load(opt_row + s // P, mask=cand, other=-1) < 0
         h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
         miss = cand & (h < 0)
         nmiss = tl.sum(miss.to(tl.int32))
@@ -133,7 +148,8 @@ def _resolve_kernel(
             tl.store(stamp_row + v, now, mask=ok)
             base = tl.atomic_add(counters_ptr + 3, tl.sum(ok.to(tl.int64)))
             tl.store(plan_src_ptr + base + rank, hbase + s * D, mask=ok)
-            tl.store(plan_dst_ptr + base + rank, slot * B + v, mask=ok)
+            dst = tl.load(hp_row + v // P, mask=ok, other=0).to(tl.int64) * P + v % P
+            tl.store(plan_dst_ptr + base + rank, dst, mask=ok)
             tl.debug_barrier()
 
     # Entries used by this call (hits included) move to the most recent end, in LRU order.
@@ -152,16 +168,21 @@ def _resolve_kernel(
     for j in range(a, b):
         s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
         valid = s >= 0
-        direct = valid & (s >= ring_lo)
-        h = tl.load(map_row + s, mask=valid & ~direct, other=-1).to(tl.int64)
-        in_chunk_scr = (in_scr != 0) & (s >= chunk_lo)
-        dloc = tl.where(
-            in_chunk_scr,
-            SCRATCH_BASE + scr_off + (s - chunk_lo),
-            RING_BASE + slot * RING + s % RING,
-        )
-        loc = tl.where(direct, dloc, tl.where(valid, slot * B + h, -1))
-        tl.store(locs_ptr + j * stride_sel + offs_k, loc, mask=kmask)
+        in_ring = valid & (s >= ring_lo)
+        q = s % RING
+        tp = tl.load(tp_row + q // P, mask=in_ring, other=0).to(tl.int64)
+        loc = tp * P + q % P
+        in_scr = in_ring & (in_scr_flag != 0) & (s >= chunk_lo)
+        loc = tl.where(in_scr, SCRATCH_BASE + scr_off + (s - chunk_lo), loc)
+        rest = valid & ~in_ring
+        if HAS_OPT:
+            op = tl.load(opt_row + s // P, mask=rest, other=-1).to(tl.int64)
+            loc = tl.where(rest & (op >= 0), op * P + s % P, loc)
+            rest &= op < 0
+        h = tl.load(map_row + s, mask=rest, other=0).to(tl.int64)
+        hp = tl.load(hp_row + h // P, mask=rest, other=0).to(tl.int64)
+        loc = tl.where(rest, hp * P + h % P, loc)
+        tl.store(locs_ptr + j * stride_sel + offs_k, tl.where(valid, loc, -1), mask=kmask)
 
 
 @triton.jit
@@ -245,12 +266,13 @@ def launch_resolve(
     cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
-    layout: PoolLayout,
+    geo: SourceGeometry,
     hot: HotCache,
     clock: int,
     host_base: torch.Tensor,
     row_elems: int,
     ws: Workspace,
+    has_optional: bool = True,
 ) -> torch.Tensor:
     """The resolve kernel alone: returns locations [N, k]; queues misses in ``ws``."""
     k = sel.shape[1]
@@ -261,9 +283,12 @@ def launch_resolve(
     _resolve_kernel[(nreq,)](
         sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
         plan.scratch_off, hot.map, hot.map.stride(0), hot.rows, hot.lru, hot.stamp, host_base,
-        host_base.stride(0), ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
-        clock, k, hot.entries, layout.ring, layout.ring_base, layout.scratch_base, row_elems,
-        KP=triton.next_power_of_2(k), BP=ws.bp, num_warps=8 if ws.bp >= 2048 else 4,
+        host_base.stride(0), geo.hot_pages, geo.hot_pages.stride(0), geo.tail_pages,
+        geo.tail_pages.stride(0), geo.opt_map, geo.opt_map.stride(0),
+        ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
+        clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, row_elems,
+        KP=triton.next_power_of_2(k), BP=ws.bp, HAS_OPT=has_optional,
+        num_warps=8 if ws.bp >= 2048 else 4,
     )  # fmt: skip
     return locs
 
@@ -284,7 +309,7 @@ def resolve_triton(
     cu: torch.Tensor,
     slots: torch.Tensor,
     plan: ChunkPlan,
-    layout: PoolLayout,
+    geo: SourceGeometry,
     hot: HotCache,
     clock: int,
     pool: torch.Tensor,
@@ -294,7 +319,7 @@ def resolve_triton(
     """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
     arena view; the copy kernel reads it directly."""
     ws = workspace_for(sel, cu.numel() - 1, hot.entries)
-    locs = launch_resolve(sel, cu, slots, plan, layout, hot, clock, host_base, pool.shape[1], ws)
+    locs = launch_resolve(sel, cu, slots, plan, geo, hot, clock, host_base, pool.shape[1], ws)
     launch_copy(ws, pool, host)
     if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
         overflow = int(ws.counters[4])  # synchronises: only on the CPU or when checking

@@ -1,0 +1,194 @@
+"""The capacity ledger: which leases hold how many bytes of which worker's KV capacity.
+
+Invariant (the one admission exists for): for every worker, the bytes of its live leases never
+exceed its registered capacity, and their number never exceeds its session limit. Every
+operation that could break it is atomic: ``acquire`` checks and records in one step.
+
+A lease lives until it is released or its TTL passes without a renewal; an expired lease is
+*reclaimed* (its bytes return) by the next operation that looks at its worker. So a gateway that
+dies holding leases leaks nothing for longer than a TTL.
+
+Two implementations: ``LocalLedger`` (this module) for a single gateway replica, and
+``services.gateway.redis_ledger.RedisLedger`` shared by any number of replicas.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class LedgerUnavailable(Exception):
+    """The ledger could not be reached (Redis down or too slow)."""
+
+
+@dataclass(frozen=True)
+class WorkerUsage:
+    """One worker in the ledger. ``max_sessions`` 0 means no session limit."""
+
+    capacity_bytes: int
+    max_sessions: int
+    admitted_bytes: int
+    sessions: int
+
+    @property
+    def free_bytes(self) -> int:
+        return max(0, self.capacity_bytes - self.admitted_bytes)
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """A worker admission would use, and what the request needs there (workers may differ in
+    model config and serving mode, hence in bytes per session)."""
+
+    worker: str
+    need_bytes: int
+
+
+@dataclass(frozen=True)
+class Admitted:
+    worker: str
+    usage: WorkerUsage  # the worker right after the lease was recorded
+
+
+class Ledger(Protocol):
+    async def register(self, worker: str, capacity_bytes: int, max_sessions: int) -> WorkerUsage:
+        """Records the worker's capacity and that a gateway saw it healthy now; reclaims its
+        expired leases. Returns its usage afterwards."""
+        ...
+
+    async def acquire(
+        self, lease_id: str, candidates: Sequence[Candidate], ttl_s: float
+    ) -> Admitted | None:
+        """Records lease ``lease_id`` on the first candidate, in the given order, with room for
+        it (``admitted + need <= capacity`` and ``sessions < max_sessions``), after reclaiming
+        that worker's expired leases; None when none has room. Atomic: no other operation
+        sees a state between the check and the record. Unregistered workers have no room."""
+        ...
+
+    async def renew(self, worker: str, lease_ids: Sequence[str], ttl_s: float) -> list[str]:
+        """Extends the leases to now + ``ttl_s``; returns the ids that are no longer held
+        (released, or reclaimed after expiring)."""
+        ...
+
+    async def release(self, worker: str, lease_id: str) -> bool:
+        """Gives the lease's bytes back; idempotent (False when it was not held)."""
+        ...
+
+    async def release_dead_worker(self, worker: str, dead_after_s: float) -> int | None:
+        """Releases every lease on ``worker`` if no gateway registered it (saw it healthy)
+        within ``dead_after_s``; returns how many, or None when it was seen too recently."""
+        ...
+
+    async def usage(self, workers: Sequence[str]) -> dict[str, WorkerUsage]:
+        """The registered ones among ``workers`` (expired leases may still be counted until
+        their worker's next ``register`` or ``acquire``)."""
+        ...
+
+    async def close(self) -> None: ...
+
+
+@dataclass
+class _LocalWorker:
+    capacity_bytes: int = 0
+    max_sessions: int = 0
+    seen: float = 0.0
+    admitted_bytes: int = 0
+    leases: dict[str, tuple[int, float]] = field(default_factory=dict)  # id -> (need, expiry)
+
+    def usage(self) -> WorkerUsage:
+        return WorkerUsage(
+            self.capacity_bytes, self.max_sessions, self.admitted_bytes, len(self.leases)
+        )
+
+    def reclaim(self, now: float) -> None:
+        for lease_id, (need, expiry) in list(self.leases.items()):
+            if expiry <= now:
+                del self.leases[lease_id]
+                self.admitted_bytes -= need
+
+    def has_room(self, need: int) -> bool:
+        if self.admitted_bytes + need > self.capacity_bytes:
+            return False
+        return self.max_sessions <= 0 or len(self.leases) < self.max_sessions
+
+
+class LocalLedger:
+    """The ledger in this process (one gateway replica). Methods are async for the interface's
+    sake; each runs under a lock without awaiting, so it is atomic for coroutines and threads
+    alike. ``clock`` is injectable for tests."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._workers: dict[str, _LocalWorker] = {}
+
+    async def register(self, worker: str, capacity_bytes: int, max_sessions: int) -> WorkerUsage:
+        with self._lock:
+            w = self._workers.setdefault(worker, _LocalWorker())
+            w.capacity_bytes, w.max_sessions = capacity_bytes, max_sessions
+            w.seen = now = self._clock()
+            w.reclaim(now)
+            return w.usage()
+
+    async def acquire(
+        self, lease_id: str, candidates: Sequence[Candidate], ttl_s: float
+    ) -> Admitted | None:
+        with self._lock:
+            now = self._clock()
+            for c in candidates:
+                w = self._workers.get(c.worker)
+                if w is None:
+                    continue
+                w.reclaim(now)
+                if w.has_room(c.need_bytes):
+                    w.leases[lease_id] = (c.need_bytes, now + ttl_s)
+                    w.admitted_bytes += c.need_bytes
+                    return Admitted(c.worker, w.usage())
+            return None
+
+    async def renew(self, worker: str, lease_ids: Sequence[str], ttl_s: float) -> list[str]:
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None:
+                return list(lease_ids)
+            expiry = self._clock() + ttl_s
+            lost = []
+            for lease_id in lease_ids:
+                held = w.leases.get(lease_id)
+                if held is None:
+                    lost.append(lease_id)
+                else:
+                    w.leases[lease_id] = (held[0], expiry)
+            return lost
+
+    async def release(self, worker: str, lease_id: str) -> bool:
+        with self._lock:
+            w = self._workers.get(worker)
+            held = w.leases.pop(lease_id, None) if w is not None else None
+            if held is None:
+                return False
+            w.admitted_bytes -= held[0]  # type: ignore[union-attr]
+            return True
+
+    async def release_dead_worker(self, worker: str, dead_after_s: float) -> int | None:
+        with self._lock:
+            w = self._workers.get(worker)
+            if w is None:
+                return 0
+            if self._clock() - w.seen <= dead_after_s:
+                return None
+            n = len(w.leases)
+            w.leases.clear()
+            w.admitted_bytes = 0
+            return n
+
+    async def usage(self, workers: Sequence[str]) -> dict[str, WorkerUsage]:
+        with self._lock:
+            return {a: self._workers[a].usage() for a in workers if a in self._workers}
+
+    async def close(self) -> None:
+        pass

@@ -1,0 +1,55 @@
+"""Bytes a request needs on a worker, from the capacity model (DESIGN §6): the worker's model
+config (``ModelInfo.config_json``) becomes a ``Profile``, its serving mode picks resident or
+hierarchy accounting, and the session is sized for its whole budget (prompt + max tokens), so
+that an admitted request can always run to its end.
+
+What the worker does not report is taken from the capacity model's defaults, overridable here:
+the page size (the workers' ``--page-size``), the hot cache (B = 2k) and one tail page. The
+worker reports no drafter, so none is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from functools import lru_cache
+
+from dhisparse.capacity import Mode, Profile, profile_from_model_config, required_bytes
+from services.gateway.routing import WorkerStatus
+from services.worker.model.config import ModelConfig
+
+log = logging.getLogger(__name__)
+
+# Worker modes that serve through the KV hierarchy (hot cache + tail on the GPU).
+HIERARCHY_MODES = frozenset({"hisparse", "adaptive"})
+
+
+def capacity_mode(worker_mode: str) -> Mode:
+    return "hierarchy" if worker_mode in HIERARCHY_MODES else "resident"
+
+
+class SessionSizer:
+    def __init__(self, page_size: int = 16, hot_cache_rows: int | None = None) -> None:
+        self.page_size = page_size
+        self.hot_cache_rows = hot_cache_rows
+        self._profile = lru_cache(maxsize=16)(self._build_profile)
+        self._unusable: set[str] = set()
+
+    def _build_profile(self, config_json: str) -> Profile:
+        cfg = ModelConfig.from_dict(json.loads(config_json))
+        return profile_from_model_config(
+            cfg, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows
+        )
+
+    def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:
+        """Bytes one session of ``context_tokens`` tokens needs on ``worker``; None while the
+        worker has not told its model config."""
+        if not worker.config_json or worker.config_json in self._unusable:
+            return None
+        try:
+            profile = self._profile(worker.config_json)
+        except (ValueError, TypeError, KeyError) as e:
+            log.warning("worker %s: its model config is unusable for sizing: %s", worker.address, e)
+            self._unusable.add(worker.config_json)
+            return None
+        return required_bytes(profile, context_tokens, capacity_mode(worker.mode))

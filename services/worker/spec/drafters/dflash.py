@@ -1,0 +1,36 @@
+"""DFlash (Chen et al., 2026): one parallel pass over [anchor, MASK × (K_max-1)] gives the
+logits of every masked slot; each slot's proposal comes from its own distribution."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.spec.drafters.base import Drafter, accept_length, weighted_ce
+from services.worker.spec.proposal import draw, tempered
+
+
+class DFlashDrafter(Drafter):
+    kind = "dflash"
+
+    def select(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        temperatures: torch.Tensor,
+        noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        q = tempered(self.base_logits(hidden), temperatures)  # [R, K-1, V]
+        tokens = q.argmax(-1) if noise is None else draw(q, noise)
+        return tokens, q, None
+
+    def loss(
+        self,
+        hidden: torch.Tensor,
+        anchors: torch.Tensor,
+        labels: torch.Tensor,
+        target_logits: torch.Tensor,
+        weights: torch.Tensor,
+    ) -> tuple[torch.Tensor, dict[str, float]]:
+        logits = self.base_logits(hidden[:, 1:])  # [B, K-1, V]
+        loss = weighted_ce(logits, labels, weights)
+        return loss, {"ce": float(loss.detach()), "accept_len": accept_length(logits.argmax(-1), labels)}

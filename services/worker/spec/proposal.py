@@ -1,0 +1,89 @@
+"""What a drafter hands to verification, and the sampling it uses to make it.
+
+Lossless verification needs, for every proposed token, the distribution q it was drawn from.
+A greedy request (temperature 0) is proposed deterministically: its q is one-hot on the token.
+Sampling uses per-request Exp(1) noise (``argmax(q / E)`` is a draw from q), so a request's
+proposals depend only on its own generator, and a whole block samples in one vectorised op."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+
+@dataclass(frozen=True)
+class Proposal:
+    """Proposals of one drafting round for R requests."""
+
+    tokens: torch.Tensor  # [R, K_max-1] int64: x_1..x_{K_r-1}, -1 beyond
+    probs: torch.Tensor | None  # [R, K_max-1, V] fp32 q rows (zero beyond); None: all greedy
+    widths: list[int]  # K_r: target queries to verify, anchor included
+    confidence: torch.Tensor | None = None  # [R, K_max-1] DSpark: P(slot accepted | prefix)
+
+    def drafts(self, r: int) -> torch.Tensor:
+        """[K_r-1] request r's proposals."""
+        return self.tokens[r, : self.widths[r] - 1]
+
+    def truncate(self, widths: Sequence[int]) -> Proposal:
+        """Narrows request r to ``min(widths[r], K_r)`` queries (never widens)."""
+        new = [max(1, min(w, k)) for w, k in zip(widths, self.widths, strict=True)]
+        return replace(self, widths=new, **_masked(self.tokens, self.probs, new))
+
+
+def _masked(
+    tokens: torch.Tensor, probs: torch.Tensor | None, widths: Sequence[int]
+) -> dict[str, torch.Tensor | None]:
+    """Proposals beyond K_r-1 set to -1 and their q rows to zero."""
+    slot = torch.arange(tokens.shape[1], device=tokens.device)
+    keep = slot.unsqueeze(0) < (torch.tensor(widths, device=tokens.device) - 1).unsqueeze(1)
+    tokens = tokens.masked_fill(~keep, -1)
+    if probs is not None:
+        probs = probs.masked_fill(~keep.unsqueeze(-1), 0.0)
+    return {"tokens": tokens, "probs": probs}
+
+
+def finish(
+    tokens: torch.Tensor,
+    probs: torch.Tensor | None,
+    widths: Sequence[int],
+    confidence: torch.Tensor | None = None,
+) -> Proposal:
+    """Builds a Proposal of ``widths``: masks what lies beyond each request's width."""
+    return Proposal(widths=list(widths), confidence=confidence, **_masked(tokens, probs, widths))
+
+
+def exp_noise(
+    shape: tuple[int, ...],
+    temperatures: Sequence[float],
+    generators: Sequence[torch.Generator | None],
+    device: torch.device,
+) -> torch.Tensor:
+    """[R, *shape] Exp(1) draws, request r's from ``generators[r]`` (ones for greedy requests,
+    which consume no randomness)."""
+    rows = []
+    for t, g in zip(temperatures, generators, strict=True):
+        if t > 0.0:
+            u = torch.rand(shape, generator=g, device=device, dtype=torch.float32)
+            # u in [0, 1): E in [0, inf); the clamp keeps q/E finite (and 0 where q = 0)
+            rows.append((-torch.log1p(-u)).clamp(min=torch.finfo(torch.float32).tiny))
+        else:
+            rows.append(torch.ones(shape, device=device))
+    return torch.stack(rows)
+
+
+def tempered(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """logits: [R, ..., V]; temperatures: [R] -> q [R, ..., V] fp32: softmax(logits / T), or
+    one-hot on the argmax where T = 0."""
+    shape = (-1,) + (1,) * (logits.dim() - 1)
+    t = temperatures.to(logits.device, torch.float32).view(shape)
+    soft = torch.softmax(logits.float() / t.clamp(min=1e-6), dim=-1)
+    hard = torch.zeros_like(soft).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+    return torch.where(t > 0, soft, hard)
+
+
+def draw(q: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """[..., V] distributions and Exp(1) noise -> [...] tokens: argmax(q / E) ~ q (never a
+    token with q = 0 unless the whole row is 0)."""
+    return torch.argmax(q / noise, dim=-1)

@@ -1,0 +1,290 @@
+"""Admission by memory without a server: sizing by the capacity model, the FIFO wait, 429/503/
+400, cancellation, lease renewal and dead workers, over the in-process ledger."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Sequence
+
+import pytest
+
+from dhisparse import metrics as names
+from dhisparse.capacity import profile_from_model_config, required_bytes
+from services.gateway.admission import AdmissionConfig, MemoryAdmission
+from services.gateway.ledger import Candidate, LocalLedger
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routing import (
+    AdmissionJob,
+    AdmissionRejected,
+    NoWorkerAvailable,
+    WorkerStatus,
+)
+from services.gateway.sizing import SessionSizer
+from services.worker.model.presets import tiny_glm
+
+MODEL = "tiny-glm"
+CONFIG = tiny_glm()
+CONFIG_JSON = json.dumps(CONFIG.to_dict())
+PROMPT, MAX_TOKENS = 40, 60  # a job of 100 tokens
+NEED = required_bytes(profile_from_model_config(CONFIG, page_size=16), 100, "resident")
+
+
+def worker(address: str, sessions: int = 2, **kw: object) -> WorkerStatus:
+    """A healthy tiny-glm worker with room for ``sessions`` jobs of 100 tokens."""
+    fields: dict[str, object] = {
+        "healthy": True,
+        "kv_capacity_bytes": sessions * NEED,
+        "max_num_seqs": 32,
+        "model_name": MODEL,
+        "mode": "resident",
+        "config_json": CONFIG_JSON,
+        **kw,
+    }
+    return WorkerStatus(address, **fields)  # type: ignore[arg-type]
+
+
+def job(name: str, prompt: int = PROMPT, max_tokens: int = MAX_TOKENS) -> AdmissionJob:
+    return AdmissionJob(name, prompt, max_tokens, MODEL)
+
+
+def make(
+    workers: Sequence[WorkerStatus], **config: float
+) -> tuple[MemoryAdmission, GatewayMetrics, list[WorkerStatus]]:
+    metrics = GatewayMetrics()
+    admission = MemoryAdmission(
+        LocalLedger(), AdmissionConfig(**config), metrics=metrics  # type: ignore[arg-type]
+    )
+    return admission, metrics, list(workers)
+
+
+def sample(metrics: GatewayMetrics, name: str, **labels: str) -> float | None:
+    return metrics.registry.get_sample_value(name, labels)
+
+
+def test_sizing_follows_the_capacity_model() -> None:
+    sizer = SessionSizer(page_size=16)
+    profile = profile_from_model_config(CONFIG, page_size=16)
+    for tokens in (1, 100, 1000):
+        assert sizer.required_bytes(worker("a"), tokens) == required_bytes(
+            profile, tokens, "resident"
+        )
+        hierarchy = required_bytes(profile, tokens, "hierarchy")
+        assert sizer.required_bytes(worker("a", mode="hisparse"), tokens) == hierarchy
+        assert sizer.required_bytes(worker("a", mode="adaptive"), tokens) == hierarchy
+    assert sizer.required_bytes(worker("a", config_json=""), 100) is None
+    assert sizer.required_bytes(worker("a", config_json='{"name": "x"}'), 100) is None
+
+
+async def test_admits_at_once_on_the_least_admitted_worker() -> None:
+    admission, metrics, workers = make([worker("a"), worker("b")])
+    await admission.observe(workers)
+    first = await admission.acquire(job("1"), lambda: workers)
+    second = await admission.acquire(job("2"), lambda: workers)
+    assert {first.worker, second.worker} == {"a", "b"}
+    count = sample(metrics, names.ALLOCATION_WAIT + "_count", model=MODEL)
+    assert count == 2
+    assert sample(metrics, names.ALLOCATION_WAIT + "_sum", model=MODEL) < 0.05  # type: ignore[operator]
+    usage = await admission.ledger.usage(["a", "b"])
+    assert usage["a"].admitted_bytes == usage["b"].admitted_bytes == NEED
+    first.release()
+    first.release()  # idempotent
+    second.release()
+    await admission.close()
+    assert admission.live_leases == 0
+
+
+async def test_waiters_are_admitted_in_fifo_order_when_capacity_returns() -> None:
+    admission, metrics, workers = make([worker("a")], poll_s=10)  # only a release wakes them
+    await admission.observe(workers)
+    held = [await admission.acquire(job(f"h{i}"), lambda: workers) for i in range(2)]
+    order: list[str] = []
+
+    async def wait(name: str) -> None:
+        lease = await admission.acquire(job(name), lambda: workers)
+        order.append(name)
+        await asyncio.sleep(0.01)
+        lease.release()
+
+    tasks = []
+    for name in ("w1", "w2", "w3"):
+        tasks.append(asyncio.create_task(wait(name)))
+        await asyncio.sleep(0.01)
+    assert admission.queue_depth(MODEL) == 3
+    assert sample(metrics, names.QUEUE_DEPTH, model=MODEL) == 3
+    held[0].release()
+    await asyncio.wait_for(asyncio.gather(*tasks), 5)
+    assert order == ["w1", "w2", "w3"]
+    assert admission.queue_depth(MODEL) == 0
+    waited = sample(metrics, names.ALLOCATION_WAIT + "_sum", model=MODEL)
+    assert waited is not None and waited > 0.01
+    held[1].release()
+    await admission.close()
+
+
+async def test_queue_full_is_429_and_the_deadline_is_503() -> None:
+    admission, metrics, workers = make([worker("a", sessions=1)], max_queue=1, queue_deadline_s=0.3)
+    await admission.observe(workers)
+    held = await admission.acquire(job("h"), lambda: workers)
+    start = time.monotonic()
+    queued = asyncio.create_task(admission.acquire(job("q"), lambda: workers))
+    await asyncio.sleep(0.05)
+    with pytest.raises(AdmissionRejected) as full:
+        await admission.acquire(job("x"), lambda: workers)
+    assert (full.value.status, full.value.reason, full.value.retry_after_s) == (429, "queue-full", 1)
+    with pytest.raises(AdmissionRejected) as late:
+        await queued
+    elapsed = time.monotonic() - start
+    assert (late.value.status, late.value.reason) == (503, "deadline")
+    assert 0.3 <= elapsed < 0.6
+    rejected = names.REQUESTS_REJECTED + "_total"
+    assert sample(metrics, rejected, model=MODEL, reason="queue-full", status="429") == 1
+    assert sample(metrics, rejected, model=MODEL, reason="deadline", status="503") == 1
+    # Capacity that returns before the deadline admits the waiter.
+    queued = asyncio.create_task(admission.acquire(job("q2"), lambda: workers))
+    await asyncio.sleep(0.1)
+    held.release()
+    (await asyncio.wait_for(queued, 1)).release()
+    await admission.close()
+
+
+async def test_without_a_queue_a_full_cluster_is_429_at_once() -> None:
+    admission, _, workers = make([worker("a", sessions=1)], max_queue=0)
+    await admission.observe(workers)
+    held = await admission.acquire(job("h"), lambda: workers)
+    with pytest.raises(AdmissionRejected) as e:
+        await admission.acquire(job("x"), lambda: workers)
+    assert (e.value.status, e.value.reason) == (429, "no-capacity")
+    held.release()
+    await admission.close()
+
+
+async def test_a_cancelled_waiter_leaves_the_queue() -> None:
+    admission, _, workers = make([worker("a", sessions=1)], max_queue=2)
+    await admission.observe(workers)
+    held = await admission.acquire(job("h"), lambda: workers)
+    first = asyncio.create_task(admission.acquire(job("1"), lambda: workers))
+    await asyncio.sleep(0.02)
+    second = asyncio.create_task(admission.acquire(job("2"), lambda: workers))
+    await asyncio.sleep(0.02)
+    assert admission.queue_depth(MODEL) == 2
+    first.cancel()  # the client went away
+    await asyncio.sleep(0.02)
+    assert admission.queue_depth(MODEL) == 1
+    # There is room in the queue again.
+    third = asyncio.create_task(admission.acquire(job("3"), lambda: workers))
+    await asyncio.sleep(0.02)
+    held.release()
+    lease = await asyncio.wait_for(second, 1)
+    assert not third.done()
+    lease.release()
+    (await asyncio.wait_for(third, 1)).release()
+    await admission.close()
+    assert (await admission.ledger.usage(["a"]))["a"].admitted_bytes == 0
+
+
+async def test_a_request_no_worker_can_hold_is_400_at_once() -> None:
+    admission, metrics, workers = make([worker("a", sessions=2), worker("b", sessions=3)])
+    await admission.observe(workers)
+    with pytest.raises(AdmissionRejected) as e:
+        await admission.acquire(job("big", prompt=100, max_tokens=1000), lambda: workers)
+    assert (e.value.status, e.value.reason) == (400, "too-large")
+    # The longest context the largest worker holds: 3 sessions of 100 tokens, in pages of 16.
+    sizer = SessionSizer()
+    longest = int(e.value.message.split("maximum context length is ")[1].split()[0])
+    assert sizer.required_bytes(workers[1], longest) <= 3 * NEED  # type: ignore[operator]
+    assert sizer.required_bytes(workers[1], longest + 1) > 3 * NEED  # type: ignore[operator]
+    assert "However, you requested 1100 tokens (100 in the messages, 1000 in the" in e.value.message
+    rejected = names.REQUESTS_REJECTED + "_total"
+    assert sample(metrics, rejected, model=MODEL, reason="too-large", status="400") == 1
+    await admission.close()
+
+
+async def test_no_worker_to_admit_on() -> None:
+    admission, _, _ = make([])
+    with pytest.raises(NoWorkerAvailable):
+        await admission.acquire(job("1"), lambda: [worker("a", healthy=False)])
+    with pytest.raises(NoWorkerAvailable, match="capacity"):
+        await admission.acquire(job("1"), lambda: [worker("a", config_json="")])
+    with pytest.raises(NoWorkerAvailable):
+        await admission.acquire(job("1"), lambda: [worker("a")], exclude=["a"])
+    await admission.close()
+
+
+async def test_a_retry_goes_to_the_front_of_the_queue() -> None:
+    a, b = worker("a", sessions=1), worker("b", sessions=1)
+    admission, _, workers = make([a, b], poll_s=10)
+    await admission.observe(workers)
+    held = [await admission.acquire(job(f"h{i}"), lambda: workers) for i in range(2)]
+    waiting = asyncio.create_task(admission.acquire(job("w"), lambda: workers))
+    await asyncio.sleep(0.02)
+    # A request whose first worker ("b") failed before its first token tries again.
+    retry = asyncio.create_task(admission.acquire(job("r"), lambda: workers, exclude=["b"]))
+    await asyncio.sleep(0.02)
+    assert admission.queue_depth(MODEL) == 2
+    held[0].release()  # frees "a"
+    lease = await asyncio.wait_for(retry, 1)
+    assert lease.worker == "a" and not waiting.done()
+    lease.release()
+    (await asyncio.wait_for(waiting, 1)).release()
+    held[1].release()
+    await admission.close()
+
+
+async def test_leases_are_renewed_while_held_and_reclaimed_when_not() -> None:
+    admission, _, workers = make([worker("a")], lease_ttl_s=0.15)
+    await admission.start()
+    await admission.observe(workers)
+    lease = await admission.acquire(job("1"), lambda: workers)
+    # A lease recorded by a gateway that died: nobody renews it.
+    assert await admission.ledger.acquire("orphan", [Candidate("a", NEED)], 0.15)
+    await asyncio.sleep(0.5)
+    await admission.observe(workers)  # a poll reclaims what expired
+    usage = (await admission.ledger.usage(["a"]))["a"]
+    assert (usage.sessions, usage.admitted_bytes) == (1, NEED)
+    lease.release()
+    await admission.close()
+
+
+async def test_a_dead_workers_leases_are_released_after_the_grace() -> None:
+    admission, metrics, workers = make([worker("a"), worker("b")], worker_dead_after_s=0.2)
+    await admission.observe(workers)
+    leases = [await admission.acquire(job(str(i)), lambda: workers) for i in range(4)]
+    assert {lease.worker for lease in leases} == {"a", "b"}
+    down = [worker("a", healthy=False), workers[1]]
+    await admission.observe(down)
+    assert (await admission.ledger.usage(["a"]))["a"].sessions == 2  # within the grace
+    await asyncio.sleep(0.25)
+    await admission.observe(down)
+    usage = await admission.ledger.usage(["a", "b"])
+    assert (usage["a"].sessions, usage["b"].sessions) == (0, 2)
+    assert admission.live_leases == 2
+    free = sample(metrics, names.FREE_CAPACITY_BYTES, model=MODEL, worker="a")
+    assert free == 2 * NEED
+    assert sample(metrics, names.ADMITTED_SESSIONS, model=MODEL, worker="b") == 2
+    assert sample(metrics, names.ADMITTED_BYTES, model=MODEL, worker="b") == 2 * NEED
+    for lease in leases:
+        lease.release()
+    await admission.close()
+
+
+class SlowLedger(LocalLedger):
+    async def acquire(self, lease_id, candidates, ttl_s):  # type: ignore[no-untyped-def]
+        await asyncio.sleep(0.05)
+        return await super().acquire(lease_id, candidates, ttl_s)
+
+
+async def test_cancelling_during_the_ledger_call_leaks_nothing() -> None:
+    ledger = SlowLedger()
+    admission = MemoryAdmission(ledger, AdmissionConfig())
+    workers = [worker("a")]
+    await admission.observe(workers)
+    task = asyncio.create_task(admission.acquire(job("1"), lambda: workers))
+    await asyncio.sleep(0.01)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await asyncio.sleep(0.1)  # the ledger call finished after the cancel
+    assert (await ledger.usage(["a"]))["a"].sessions == 0
+    await admission.close()

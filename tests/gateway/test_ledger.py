@@ -1,0 +1,230 @@
+"""The capacity ledger's contract, for both implementations: the in-process one (with a fake
+clock) and the Redis one against a real redis-server (real time, short TTLs)."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+
+import pytest
+import redis.asyncio as aioredis
+
+from services.gateway.ledger import Candidate, Ledger, LedgerUnavailable, LocalLedger
+from services.gateway.redis_ledger import RedisLedger
+
+from .conftest import RedisServer, free_port
+
+CAP = 1000
+TTL = 0.3  # seconds; the Redis ledger counts real (server) time
+
+
+@dataclass
+class Subject:
+    ledger: Ledger
+    advance: Callable[[float], Awaitable[None]]  # lets time pass
+    check: Callable[[], Awaitable[None]]  # the invariant, read from the ledger's own state
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def redis_invariant(r: aioredis.Redis, ledger: RedisLedger, workers: list[str]) -> None:
+    """Per worker, in one MULTI: the leases' bytes sum to ``admitted``, which never exceeds the
+    capacity; the expiry set holds exactly the leases."""
+    for w in workers:
+        wk, lk, ek = ledger.keys(w)
+        async with r.pipeline(transaction=True) as p:
+            p.hgetall(wk).hgetall(lk).zrange(ek, 0, -1)
+            info, leases, expiring = await p.execute()
+        if not info:
+            continue
+        held = sum(int(v) for v in leases.values())
+        assert held == int(info.get("admitted", 0)), (w, info, leases)
+        assert held <= int(info["capacity"]), (w, info, leases)
+        assert set(expiring) == set(leases), (w, expiring, leases)
+
+
+@pytest.fixture(params=["local", "redis"])
+async def subject(request: pytest.FixtureRequest) -> AsyncIterator[Subject]:
+    if request.param == "local":
+        clock = FakeClock()
+        local = LocalLedger(clock)
+
+        async def advance(s: float) -> None:
+            clock.now += s
+
+        async def check() -> None:
+            for w in local._workers.values():
+                assert 0 <= w.admitted_bytes <= w.capacity_bytes
+                assert w.admitted_bytes == sum(need for need, _ in w.leases.values())
+
+        yield Subject(local, advance, check)
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    ledger = RedisLedger(server.url, prefix=server.prefix(), max_connections=8)
+    r = aioredis.Redis.from_url(server.url, decode_responses=True)
+
+    async def sleep(s: float) -> None:
+        await asyncio.sleep(s)
+
+    async def check_redis() -> None:
+        await redis_invariant(r, ledger, ["a", "b"])
+
+    try:
+        yield Subject(ledger, sleep, check_redis)
+    finally:
+        await ledger.close()
+        await r.aclose()
+
+
+async def test_admits_up_to_capacity_exactly(subject: Subject) -> None:
+    ledger = subject.ledger
+    usage = await ledger.register("a", CAP, 0)
+    assert (usage.capacity_bytes, usage.admitted_bytes, usage.sessions) == (CAP, 0, 0)
+    got = await ledger.acquire("l1", [Candidate("a", 600)], TTL * 100)
+    assert got is not None and got.worker == "a" and got.usage.admitted_bytes == 600
+    assert await ledger.acquire("l2", [Candidate("a", 401)], TTL * 100) is None
+    got = await ledger.acquire("l3", [Candidate("a", 400)], TTL * 100)  # 600 + 400 == CAP
+    assert got is not None and got.usage.free_bytes == 0 and got.usage.sessions == 2
+    assert await ledger.acquire("l4", [Candidate("a", 1)], TTL * 100) is None
+    await subject.check()
+    assert await ledger.release("a", "l1")
+    assert not await ledger.release("a", "l1")  # idempotent
+    assert not await ledger.release("a", "never")
+    assert (await ledger.usage(["a", "nobody"]))["a"].admitted_bytes == 400
+    assert "nobody" not in await ledger.usage(["a", "nobody"])
+    await subject.check()
+
+
+async def test_first_candidate_with_room_wins(subject: Subject) -> None:
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    await ledger.register("b", CAP, 0)
+    assert (await ledger.acquire("x", [Candidate("a", 900)], 30)).worker == "a"  # type: ignore[union-attr]
+    # "a" has no room for 200, "ghost" is not registered: "b" takes it.
+    cands = [Candidate("ghost", 1), Candidate("a", 200), Candidate("b", 200)]
+    assert (await ledger.acquire("y", cands, 30)).worker == "b"  # type: ignore[union-attr]
+    # Needs may differ per worker (another mode or model config).
+    assert (await ledger.acquire("z", [Candidate("a", 100), Candidate("b", 1)], 30)).worker == "a"  # type: ignore[union-attr]
+    assert await ledger.acquire("w", [], 30) is None
+    await subject.check()
+
+
+async def test_session_limit(subject: Subject) -> None:
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 2)
+    assert await ledger.acquire("1", [Candidate("a", 1)], 30)
+    assert await ledger.acquire("2", [Candidate("a", 1)], 30)
+    assert await ledger.acquire("3", [Candidate("a", 1)], 30) is None
+    await ledger.release("a", "1")
+    assert await ledger.acquire("3", [Candidate("a", 1)], 30)
+
+
+async def test_expired_leases_are_reclaimed_and_renewal_keeps_them(subject: Subject) -> None:
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    assert await ledger.acquire("kept", [Candidate("a", 500)], TTL)
+    assert await ledger.acquire("dropped", [Candidate("a", 500)], TTL)
+    for _ in range(3):
+        await subject.advance(TTL * 0.6)
+        assert await ledger.renew("a", ["kept"], TTL) == []
+    # "dropped" expired: the next acquire reclaims it first, and a renewal reports it lost.
+    assert await ledger.acquire("new", [Candidate("a", 500)], TTL * 100)
+    assert await ledger.renew("a", ["kept", "dropped"], TTL) == ["dropped"]
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == CAP
+    await subject.advance(TTL * 1.5)
+    # Registering (every poll) reclaims too.
+    assert (await ledger.register("a", CAP, 0)).admitted_bytes == 500
+    assert not await ledger.release("a", "kept")
+    assert await ledger.release("a", "new")
+    await subject.check()
+
+
+async def test_dead_worker_leases_are_released_only_past_the_grace(subject: Subject) -> None:
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    assert await ledger.acquire("1", [Candidate("a", 300)], 60)
+    assert await ledger.acquire("2", [Candidate("a", 300)], 60)
+    assert await ledger.release_dead_worker("a", TTL) is None  # seen just now
+    await subject.advance(TTL * 1.5)
+    assert await ledger.release_dead_worker("a", TTL) == 2
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 0
+    assert not await ledger.release("a", "1")
+    assert await ledger.release_dead_worker("nobody", TTL) == 0
+    await subject.check()
+
+
+async def test_concurrent_acquire_release_never_exceeds_capacity(subject: Subject) -> None:
+    """Many tasks race for two workers; the invariant is checked while they run."""
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    await ledger.register("b", CAP // 2, 3)
+    rng = random.Random(0)
+    admitted = refused = 0
+    stop = asyncio.Event()
+
+    async def client(i: int) -> None:
+        nonlocal admitted, refused
+        for j in range(15):
+            need = rng.randint(50, 400)
+            order = [Candidate("a", need), Candidate("b", need)]
+            rng.shuffle(order)
+            got = await ledger.acquire(f"{i}-{j}", order, 30)
+            refused += got is None
+            if got is not None:
+                admitted += 1
+                await asyncio.sleep(rng.random() * 0.005)
+                assert await ledger.release(got.worker, f"{i}-{j}")
+
+    async def monitor() -> None:
+        while not stop.is_set():
+            await subject.check()
+            await asyncio.sleep(0)
+
+    watcher = asyncio.create_task(monitor())
+    await asyncio.gather(*(client(i) for i in range(24)))
+    stop.set()
+    await watcher
+    assert admitted > 0 and refused > 0  # capacity did bind
+    usage = await ledger.usage(["a", "b"])
+    assert usage["a"].admitted_bytes == usage["b"].admitted_bytes == 0
+    await subject.check()
+
+
+async def test_redis_keys_are_namespaced(redis_server: RedisServer) -> None:
+    prefix = redis_server.prefix()
+    ledger = RedisLedger(redis_server.url, prefix=prefix)
+    other = RedisLedger(redis_server.url, prefix=redis_server.prefix())
+    r = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        await ledger.register("10.0.0.1:50051", CAP, 0)
+        await ledger.acquire("l", [Candidate("10.0.0.1:50051", 10)], 30)
+        keys = sorted(await r.keys(f"{prefix}:*"))
+        assert keys == [
+            f"{prefix}:expiry:10.0.0.1:50051",
+            f"{prefix}:leases:10.0.0.1:50051",
+            f"{prefix}:worker:10.0.0.1:50051",
+        ]
+        assert all([await r.pttl(k) > 0 for k in keys])  # a retired worker's keys go away
+        # Another prefix is another ledger.
+        assert await other.usage(["10.0.0.1:50051"]) == {}
+    finally:
+        await ledger.close()
+        await other.close()
+        await r.aclose()
+
+
+async def test_unreachable_redis_is_ledger_unavailable() -> None:
+    ledger = RedisLedger(f"redis://127.0.0.1:{free_port()}/0", timeout_s=0.5)
+    try:
+        with pytest.raises(LedgerUnavailable):
+            await ledger.register("a", CAP, 0)
+    finally:
+        await ledger.close()
