@@ -26,8 +26,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.geometry import SourceGeometry
+from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
 
