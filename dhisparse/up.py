@@ -46,7 +46,7 @@ class Child:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-glm", help="preset name or model directory")
-    p.add_argument("--mode", default="resident", choices=["resident", "hisparse"])
+    p.add_argument("--mode", default="resident", choices=["resident", "hisparse", "adaptive"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
@@ -58,6 +58,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kv-pool-mib", type=float, default=256.0)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-restart", action="store_true", help="stop the stack when a child dies")
+    p.add_argument(
+        "--redis-url",
+        help="the gateway's capacity ledger in Redis (default: in-process); not started here",
+    )
 
 
 def _wait_port(host: str, port: int, deadline: float) -> bool:
@@ -146,6 +150,7 @@ def main(args: argparse.Namespace) -> int:
             args.model,
             "--workers",
             worker_addrs,
+            *(["--redis-url", args.redis_url] if args.redis_url else []),
         ],
         args.port,
     )

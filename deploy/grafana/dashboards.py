@@ -215,7 +215,6 @@ ADMISSION = Dashboard(
                     "Time a request waited in the gateway's queue for GPU capacity.",
                     quantiles("dhisparse:allocation_wait_seconds", M),
                     unit="s",
-                    requires="admission",
                 ),
                 Panel(
                     "Admission queue depth",
@@ -226,7 +225,6 @@ ADMISSION = Dashboard(
                             "{{instance}}",
                         )
                     ],
-                    requires="admission",
                 ),
             ],
         ),
@@ -244,7 +242,6 @@ ADMISSION = Dashboard(
                         )
                     ],
                     unit="reqps",
-                    requires="admission",
                 ),
                 Panel(
                     "503 rate",
@@ -258,7 +255,6 @@ ADMISSION = Dashboard(
                         )
                     ],
                     unit="reqps",
-                    requires="admission",
                 ),
             ],
         ),
@@ -277,7 +273,6 @@ ADMISSION = Dashboard(
                     ],
                     unit="bytes",
                     width=8,
-                    requires="admission",
                 ),
                 Panel(
                     "Admitted sessions",
@@ -289,7 +284,6 @@ ADMISSION = Dashboard(
                         )
                     ],
                     width=8,
-                    requires="admission",
                 ),
                 Panel(
                     "Admitted bytes",
@@ -302,7 +296,6 @@ ADMISSION = Dashboard(
                     ],
                     unit="bytes",
                     width=8,
-                    requires="admission",
                 ),
             ],
         ),
@@ -366,7 +359,6 @@ KV = Dashboard(
                         Target(f"sum(rate(dhisparse:reclaim_pages_total{{{M}}}{RI}))", "pages/s"),
                     ],
                     width=8,
-                    requires="residency",
                 ),
                 Panel(
                     "Reclaim latency",
@@ -374,14 +366,12 @@ KV = Dashboard(
                     quantiles("dhisparse:reclaim_latency_seconds", M),
                     unit="s",
                     width=8,
-                    requires="residency",
                 ),
                 Panel(
                     "Pages repopulated",
                     "Optional history pages refilled per second.",
                     [Target(f"sum(rate(dhisparse:repopulated_pages_total{{{M}}}{RI}))", "pages/s")],
                     width=8,
-                    requires="residency",
                 ),
             ],
         ),

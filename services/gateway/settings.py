@@ -36,7 +36,8 @@ class GatewaySettings(BaseSettings):
     # The capacity ledger: a Redis URL (redis://[:password@]host:port/db) shared by every gateway
     # replica; "" keeps it in this process (a single replica only).
     redis_url: str = ""
-    # Prefix of the ledger's Redis keys: gateways sharing a prefix share capacity.
+    # Prefix of the ledger's Redis keys: gateways sharing a prefix share capacity. On a Redis
+    # Cluster, give it a hash tag ("{dhisparse}:ledger") so that every key lands in one slot.
     ledger_prefix: str = "dhisparse:ledger"
     # Redis connections per gateway (past that, callers wait for one).
     redis_max_connections: int = Field(16, ge=1)

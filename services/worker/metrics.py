@@ -51,6 +51,28 @@ class WorkerMetrics:
         self.host_read_bytes = Counter(
             m.HOST_READ_BYTES, "Bytes read from host backups into the hot cache", lbl, registry=r
         )
+        self.reclaim_events = Counter(
+            m.RECLAIM_EVENTS, "Requests whose optional history was reclaimed", lbl, registry=r
+        )
+        self.reclaim_pages = Counter(m.RECLAIM_PAGES, "Optional pages reclaimed", lbl, registry=r)
+        self.reclaim_latency = Histogram(
+            m.RECLAIM_LATENCY,
+            "Reclaim start to the request's last page freed",
+            lbl,
+            buckets=m.RECLAIM_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.repopulated_pages = Counter(
+            m.REPOPULATED_PAGES, "Optional pages refilled from host backups", lbl, registry=r
+        )
+        for metric in (
+            self.reclaim_events,
+            self.reclaim_pages,
+            self.repopulated_pages,
+            self.reclaim_latency,
+        ):
+            metric.labels(model_name)
+        self._residency_seen = (0, 0, 0)
         for path in ("direct", "hot", "host"):
             self.resolver_rows.labels(model_name, path)
         self.host_read_bytes.labels(model_name)
@@ -78,6 +100,21 @@ class WorkerMetrics:
                 (now[3] - self._census_seen[3]) * engine.kv.row_bytes
             )
             self._census_seen = now
+        residency = getattr(engine.kv.payload, "residency", None)
+        if residency is not None:
+            st = residency.stats
+            now3 = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages)
+            for metric, new, old in zip(
+                (self.reclaim_events, self.reclaim_pages, self.repopulated_pages),
+                now3,
+                self._residency_seen,
+                strict=True,
+            ):
+                metric.labels(md).inc(new - old)
+            self._residency_seen = now3
+            for seconds in st.reclaim_latency:
+                self.reclaim_latency.labels(md).observe(seconds)
+            st.reclaim_latency.clear()
         for out in outputs:
             n = len(out.new_token_ids)
             if n:

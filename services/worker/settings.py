@@ -29,6 +29,9 @@ class WorkerSettings(BaseSettings):
     host_arena_mib: float = 256.0
     resolver: str = "auto"
     attention_backend: str = "auto"
+    reserve_pages: int = 0
+    populate_pages: int = 64
+    reclaim_order: str = "largest"
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -50,6 +53,9 @@ class WorkerSettings(BaseSettings):
             host_arena_mib=self.host_arena_mib,
             resolver=self.resolver,
             attention_backend=self.attention_backend,
+            reserve_pages=self.reserve_pages,
+            populate_pages=self.populate_pages,
+            reclaim_order=self.reclaim_order,
             owner=self.resolved_worker_id(),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,

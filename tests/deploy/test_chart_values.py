@@ -14,9 +14,6 @@ from tests.deploy.conftest import CHART, Helm, containers, objects
 
 KEY = re.compile(r"^(?P<indent>\s*)(?P<item>- )?(?P<key>[A-Za-z_][\w.-]*):(?:\s|$)")
 
-# Settings the chart sets ahead of the service (the issue that adds them is open).
-PENDING = {"GATEWAY": {"redis_url"}}
-
 
 def undocumented_leaves(text: str) -> list[str]:
     """Dotted paths of leaf keys with no `# --` comment on themselves or on an ancestor.
@@ -93,7 +90,8 @@ def test_chart_sets_only_existing_settings(helm: Helm, values: dict[str, str]) -
                     if not m:
                         continue
                     service, field = m[1], m[2].lower()
-                    known = set(SETTINGS[service].model_fields) | PENDING.get(service, set())
-                    assert field in known, f"{w['metadata']['name']}: {e['name']} is no setting"
+                    assert field in SETTINGS[service].model_fields, (
+                        f"{w['metadata']['name']}: {e['name']} is no setting"
+                    )
                     seen.add(service)
     assert seen == set(SETTINGS)

@@ -190,8 +190,8 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "--port", str(ports["worker"]),
                     "--metrics-port", str(ports["worker_metrics"]),
                     "--kv-store", f"127.0.0.1:{ports['store']}",
-                    "--kv-pool-mib", "64",
-                    "--mode", "hisparse",  # the hierarchy panels need resolver traffic
+                    "--kv-pool-mib", "256",
+                    "--mode", "adaptive",  # hierarchy and residency panels need their traffic
                     "--worker-id", "worker-0",
                 ],
                 tmp / "worker.log",

@@ -34,7 +34,7 @@ class Stack:
     mode: str
 
 
-@pytest.fixture(scope="module", params=["resident", "hisparse"])
+@pytest.fixture(scope="module", params=["resident", "hisparse", "adaptive"])
 def stack(request, tmp_path_factory) -> Iterator[Stack]:
     """The whole stack per serving mode; both must give the offline resident engine's text."""
     mode = request.param
@@ -119,7 +119,7 @@ def test_streaming_chat_completion(stack: Stack) -> None:
             if len(chunks) == 3:  # mid-stream: the request's host backups are in the store
                 regions = c.stats().regions
     assert done
-    assert regions == (6 if stack.mode == "hisparse" else 0)  # one region per source
+    assert regions == (0 if stack.mode == "resident" else 6)  # one region per source
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24

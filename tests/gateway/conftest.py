@@ -182,29 +182,39 @@ class GatewayProcess:
         return None
 
 
-def start_gateway(workers: list[str], log: Path, *args: str) -> GatewayProcess:
-    """`dhisparse gateway` (then ``args``) as a real uvicorn server on a free port; returns once
-    /health says a worker is up. The caller stops it with ``kill_process``."""
+def launch_gateway(workers: list[str], log: Path, *args: str) -> GatewayProcess:
+    """Starts `dhisparse gateway` (then ``args``) on a free port without waiting for it; see
+    ``wait_gateway``."""
     port = free_port()
     cmd = [str(DHISPARSE), "gateway", "--workers", ",".join(workers), "--model", MODEL]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
-    base_url = f"http://127.0.0.1:{port}"
+    prefix = args[args.index("--ledger-prefix") + 1] if "--ledger-prefix" in args else ""
+    return GatewayProcess(proc, f"http://127.0.0.1:{port}", prefix)
+
+
+def wait_gateway(gw: GatewayProcess, log: Path) -> GatewayProcess:
+    """Returns once /health says a worker is up; kills the gateway if it never does."""
 
     def healthy() -> bool:
         try:
-            return httpx.get(f"{base_url}/health", timeout=1).status_code == 200
+            return httpx.get(f"{gw.base_url}/health", timeout=1).status_code == 200
         except httpx.HTTPError:
             return False
 
     try:
-        _wait_until(healthy, proc, log, "gateway", timeout=60)
+        _wait_until(healthy, gw.proc, log, "gateway", timeout=60)
     except BaseException:
-        kill_process(proc)
+        kill_process(gw.proc)
         raise
-    prefix = args[args.index("--ledger-prefix") + 1] if "--ledger-prefix" in args else ""
-    return GatewayProcess(proc, base_url, prefix)
+    return gw
+
+
+def start_gateway(workers: list[str], log: Path, *args: str) -> GatewayProcess:
+    """`dhisparse gateway` (then ``args``) as a real uvicorn server on a free port; returns once
+    /health says a worker is up. The caller stops it with ``kill_process``."""
+    return wait_gateway(launch_gateway(workers, log, *args), log)
 
 
 @pytest.fixture(scope="module")

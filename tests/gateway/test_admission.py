@@ -54,7 +54,9 @@ def make(
 ) -> tuple[MemoryAdmission, GatewayMetrics, list[WorkerStatus]]:
     metrics = GatewayMetrics()
     admission = MemoryAdmission(
-        LocalLedger(), AdmissionConfig(**config), metrics=metrics  # type: ignore[arg-type]
+        LocalLedger(),
+        AdmissionConfig(**config),
+        metrics=metrics,  # type: ignore[arg-type]
     )
     return admission, metrics, list(workers)
 
@@ -132,7 +134,11 @@ async def test_queue_full_is_429_and_the_deadline_is_503() -> None:
     await asyncio.sleep(0.05)
     with pytest.raises(AdmissionRejected) as full:
         await admission.acquire(job("x"), lambda: workers)
-    assert (full.value.status, full.value.reason, full.value.retry_after_s) == (429, "queue-full", 1)
+    assert (full.value.status, full.value.reason, full.value.retry_after_s) == (
+        429,
+        "queue-full",
+        1,
+    )
     with pytest.raises(AdmissionRejected) as late:
         await queued
     elapsed = time.monotonic() - start

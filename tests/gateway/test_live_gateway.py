@@ -1,13 +1,23 @@
-"""A real `dhisparse gateway` (uvicorn) on the real worker: the official openai client, and
-client disconnects cancelling the worker's request."""
+"""A real `dhisparse gateway` (uvicorn) on the real worker: the official openai client (its
+answers, and its errors: 400, 404, and admission's 429 and 503), and client disconnects
+cancelling the worker's request."""
 
 from __future__ import annotations
+
+import asyncio
 
 import httpx
 import openai
 import pytest
 
-from .conftest import MODEL, GatewayProcess, WorkerProcess
+from .conftest import (
+    MODEL,
+    TIGHT_QUEUE,
+    GatewayProcess,
+    RedisServer,
+    WorkerProcess,
+    capacity_held,
+)
 
 MSG = [{"role": "user", "content": "Hello there"}]
 
@@ -101,3 +111,42 @@ def test_non_stream_disconnect_aborts_on_worker(
     ):
         client.post("/v1/chat/completions", json=body)
     assert worker.wait_idle(timeout=10), "the worker kept generating for a gone client"
+
+
+async def test_openai_admission_errors(
+    tight_gateway: GatewayProcess, redis_server: RedisServer, small_workers: list[WorkerProcess]
+) -> None:
+    """The openai client's own exceptions for a full queue (429), a deadline (503) and a request
+    larger than any worker's KV memory (400, the context-length shape)."""
+    gw = tight_gateway
+    oai = openai.AsyncOpenAI(base_url=f"{gw.base_url}/v1", api_key="unused", max_retries=0)
+    short = {"model": MODEL, "messages": MSG, "max_tokens": 4}
+    with pytest.raises(openai.BadRequestError, match="maximum context length") as big:
+        await oai.chat.completions.create(**{**short, "max_tokens": 2000})  # type: ignore[call-overload]
+    assert big.value.response.headers["x-dhisparse-reason"] == "too-large"
+    worker = small_workers[0].address
+    async with capacity_held(redis_server.url, gw.ledger_prefix, [worker]):
+        waiting = [
+            asyncio.create_task(oai.chat.completions.create(**short))  # type: ignore[call-overload]
+            for _ in range(TIGHT_QUEUE)
+        ]
+        await asyncio.sleep(0.5)
+        with pytest.raises(openai.RateLimitError) as full:
+            await oai.completions.create(model=MODEL, prompt="x", max_tokens=4)
+        assert full.value.status_code == 429
+        assert full.value.response.headers["retry-after"] == "1"
+        assert full.value.response.headers["x-dhisparse-reason"] == "queue-full"
+        for outcome in await asyncio.gather(*waiting, return_exceptions=True):
+            assert isinstance(outcome, openai.InternalServerError), outcome
+            assert outcome.status_code == 503
+            assert outcome.response.headers["x-dhisparse-reason"] == "deadline"
+            assert outcome.body["type"] == "ServiceUnavailableError"  # type: ignore[index]
+        with pytest.raises(
+            openai.InternalServerError
+        ) as late:  # a stream says 200 only once admitted
+            await oai.chat.completions.create(**short, stream=True)  # type: ignore[call-overload]
+        assert late.value.status_code == 503
+    # Capacity back: the same request goes through.
+    resp = await oai.chat.completions.create(**short)  # type: ignore[call-overload]
+    assert resp.choices[0].finish_reason in ("length", "stop")
+    await oai.close()

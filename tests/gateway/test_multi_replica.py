@@ -15,7 +15,7 @@ import json
 import os
 import signal
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
 
 import httpx
@@ -36,7 +36,9 @@ from .conftest import (
     WorkerProcess,
     capacity_held,
     kill_process,
+    launch_gateway,
     start_gateway,
+    wait_gateway,
 )
 
 pytestmark = pytest.mark.slow
@@ -97,8 +99,23 @@ class LedgerWatch:
     async def sessions(self, worker: str) -> int:
         return len((await self.read(worker))[1])
 
+    async def expiries(self) -> dict[str, float]:
+        """The latest lease expiry (server ms) per worker."""
+        out = {}
+        for w in self.workers:
+            top = await self.redis.zrange(self.keys(w)[2], -1, -1, withscores=True)
+            out[w] = top[0][1] if top else 0.0
+        return out
+
     async def admitted(self, worker: str) -> int:
         return int((await self.read(worker))[0].get("admitted", 0))
+
+    async def drained(self) -> bool:
+        """No bytes admitted on any worker."""
+        return all([await self.admitted(w) == 0 for w in self.workers])
+
+    async def one_session_each(self) -> bool:
+        return [await self.sessions(w) for w in self.workers] == [1] * len(self.workers)
 
     @contextlib.asynccontextmanager
     async def watching(self) -> AsyncIterator[LedgerWatch]:
@@ -117,7 +134,9 @@ class LedgerWatch:
             await task
 
 
-async def eventually(probe, timeout: float, interval: float = 0.05) -> float:  # type: ignore[no-untyped-def]
+async def eventually(
+    probe: Callable[[], Awaitable[bool]], timeout: float, interval: float = 0.05
+) -> float:
     """Seconds until ``await probe()`` is true; fails after ``timeout``."""
     start = time.monotonic()
     while not await probe():
@@ -137,11 +156,11 @@ def replicas(
     args = ["--redis-url", redis_server.url, "--ledger-prefix", prefix]
     args += ["--health-interval-s", "0.5", "--queue-deadline-s", "60"]
     workers = [w.address for w in small_workers]
-    tmp = tmp_path_factory.mktemp("replicas")
-    gateways: list[GatewayProcess] = []
+    logs = [tmp_path_factory.mktemp("replicas") / f"gateway-{i}.log" for i in range(2)]
+    gateways = [launch_gateway(workers, log, *args) for log in logs]
     try:
-        for i in range(2):
-            gateways.append(start_gateway(workers, tmp / f"gateway-{i}.log", *args))
+        for gw, log in zip(gateways, logs, strict=True):
+            wait_gateway(gw, log)
         yield gateways
     finally:
         for gw in gateways:
@@ -196,8 +215,7 @@ async def test_two_replicas_never_admit_beyond_capacity(
     assert watch.reads > 50
     # Capacity did bind: each worker held as many sessions as fit, never more.
     assert watch.most_sessions == {w.address: per_worker for w in small_workers}
-    for w in watch.workers:  # every lease came back
-        await eventually(lambda w=w: _is_zero(watch.admitted(w)), timeout=2)
+    await eventually(watch.drained, timeout=2)  # every lease came back
     # Every admitted request's wait was measured; some waited for capacity.
     counts = [gw.metric(names.ALLOCATION_WAIT + "_count", model=MODEL) or 0 for gw in replicas]
     waits = [gw.metric(names.ALLOCATION_WAIT + "_sum", model=MODEL) or 0 for gw in replicas]
@@ -206,10 +224,6 @@ async def test_two_replicas_never_admit_beyond_capacity(
         assert gw.metric(names.QUEUE_DEPTH, model=MODEL) == 0
         for w in small_workers:
             assert gw.metric(names.FREE_CAPACITY_BYTES, model=MODEL, worker=w.address) is not None
-
-
-async def _is_zero(value) -> bool:  # type: ignore[no-untyped-def]
-    return await value == 0
 
 
 async def test_client_disconnects_release_at_once(
@@ -221,21 +235,18 @@ async def test_client_disconnects_release_at_once(
     """Mid-stream and while queued: the leases come back long before their TTL (10 s)."""
     gw = replicas[0]
     async with httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client, watch.watching():
-        streams = []
-        for _ in range(2):  # one per worker: 312 tokens leave room for no second
-            cm = client.stream("POST", "/v1/completions", json=body(300, stream=True))
-            r = await cm.__aenter__()
-            assert r.status_code == 200
-            lines = r.aiter_lines()
-            for _ in range(3):
-                await anext(lines)
-            streams.append(cm)
-        assert [await watch.sessions(w) for w in watch.workers] == [1, 1]
-        for cm in streams:
-            await cm.__aexit__(None, None, None)  # the client goes away mid-stream
-        released = await eventually(
-            lambda: _all_zero([watch.admitted(w) for w in watch.workers]), timeout=2
-        )
+        async with contextlib.AsyncExitStack() as open_streams:
+            readers = []  # held: a line iterator that is collected closes its response
+            for _ in range(2):  # one per worker: 312 tokens leave room for no second
+                cm = client.stream("POST", "/v1/completions", json=body(300, stream=True))
+                r = await open_streams.enter_async_context(cm)
+                assert r.status_code == 200
+                readers.append(r.aiter_lines())
+                for _ in range(3):
+                    await anext(readers[-1])
+            assert [await watch.sessions(w) for w in watch.workers] == [1, 1]
+        # Leaving the block closed both connections mid-stream.
+        released = await eventually(watch.drained, timeout=2)
         assert released < 2
     assert all(w.wait_idle(timeout=5) for w in small_workers)
 
@@ -247,10 +258,6 @@ async def test_client_disconnects_release_at_once(
                 await client.post("/v1/completions", json=body(10))
         await eventually(lambda: _queue_empty(gw), timeout=3)
     assert not watch.violations
-
-
-async def _all_zero(values) -> bool:  # type: ignore[no-untyped-def]
-    return all([await v == 0 for v in values])
 
 
 async def _queue_empty(gw: GatewayProcess) -> bool:
@@ -281,10 +288,11 @@ async def test_a_killed_gateways_leases_expire(
                             pass
 
             streams = [asyncio.create_task(stream_until_killed()) for _ in range(2)]
-            await eventually(
-                lambda: _all_one([watch.sessions(w) for w in watch.workers]), timeout=10
-            )
-            await asyncio.sleep(1.5)  # renewed at least once
+            await eventually(watch.one_session_each, timeout=10)
+            first = await watch.expiries()
+            await asyncio.sleep(1.2)
+            renewed = await watch.expiries()
+            assert all(renewed[w] > first[w] for w in watch.workers), (first, renewed)
             os.kill(doomed.proc.pid, signal.SIGKILL)
             killed = time.monotonic()
             await asyncio.gather(*streams)
@@ -293,35 +301,37 @@ async def test_a_killed_gateways_leases_expire(
             await asyncio.sleep(0.5)
             # The gateway is gone but its leases are not: only the TTL returns them.
             assert [await watch.sessions(w) for w in watch.workers] == [1, 1]
-            await eventually(
-                lambda: _all_zero([watch.admitted(w) for w in watch.workers]), timeout=ttl + 3
-            )
+            await eventually(watch.drained, timeout=ttl + 3)
             returned = time.monotonic() - killed
         # The last renewal was under a second before the kill, so expiry came at least
         # TTL - 1 s after it; the surviving replica polls every 0.5 s.
         assert ttl - 1.1 <= returned <= ttl + 2.0, returned
         assert not watch.violations
         assert all(w.wait_idle(timeout=5) for w in small_workers)  # the workers aborted too
-        # The capacity serves again: both 412-token sessions are admitted at once.
-        async with httpx.AsyncClient(base_url=replicas[0].base_url, timeout=60) as client:
+        # The capacity serves again: two 412-token sessions (one per worker) start at once.
+        async with (
+            httpx.AsyncClient(base_url=replicas[0].base_url, timeout=30) as client,
+            contextlib.AsyncExitStack() as open_streams,
+        ):
             start = time.monotonic()
-            rs = await asyncio.gather(
-                *(client.post("/v1/completions", json=body(400)) for _ in range(2))
-            )
-        assert [r.status_code for r in rs] == [200, 200]
-        assert time.monotonic() - start < 30
+            for _ in range(2):
+                cm = client.stream("POST", "/v1/completions", json=body(400, stream=True))
+                r = await open_streams.enter_async_context(cm)
+                assert r.status_code == 200
+            assert time.monotonic() - start < 2
+            assert [await watch.sessions(w) for w in watch.workers] == [1, 1]
     finally:
         kill_process(doomed.proc)
-
-
-async def _all_one(values) -> bool:  # type: ignore[no-untyped-def]
-    return all([await v == 1 for v in values])
 
 
 async def test_429_exactly_when_the_queue_is_full_and_503_exactly_at_the_deadline(
     tight_gateway: GatewayProcess, redis_server: RedisServer, small_workers: list[WorkerProcess]
 ) -> None:
     gw, worker = tight_gateway, small_workers[0].address
+    rejected = names.REQUESTS_REJECTED + "_total"
+    full = {"model": MODEL, "reason": "queue-full", "status": "429"}
+    late = {"model": MODEL, "reason": "deadline", "status": "503"}
+    before = (gw.metric(rejected, **full) or 0, gw.metric(rejected, **late) or 0)
     async with (
         capacity_held(redis_server.url, gw.ledger_prefix, [worker]) as ledger,
         httpx.AsyncClient(base_url=gw.base_url, timeout=30) as client,
@@ -351,16 +361,15 @@ async def test_429_exactly_when_the_queue_is_full_and_503_exactly_at_the_deadlin
             assert TIGHT_DEADLINE_S <= took < TIGHT_DEADLINE_S + 1.0
         # Room in the queue again: a request waits, and capacity that returns before its
         # deadline (another replica releasing) admits it.
-        late = asyncio.create_task(timed_post())
+        admitted_late = asyncio.create_task(timed_post())
         await eventually(lambda: _depth_is(gw, 1), timeout=3)
         await asyncio.sleep(0.3)
         await ledger.release(worker, f"holder-{worker}")
-        r, took = await late
+        r, took = await admitted_late
         assert r.status_code == 200, r.text
         assert 0.3 <= took < TIGHT_DEADLINE_S
-    rejected = names.REQUESTS_REJECTED + "_total"
-    assert gw.metric(rejected, model=MODEL, reason="queue-full", status="429") == 1
-    assert gw.metric(rejected, model=MODEL, reason="deadline", status="503") == TIGHT_QUEUE
+    assert gw.metric(rejected, **full) == before[0] + 1
+    assert gw.metric(rejected, **late) == before[1] + TIGHT_QUEUE
 
 
 async def _depth_is(gw: GatewayProcess, depth: int) -> bool:
@@ -372,9 +381,14 @@ async def test_no_leases_left_behind(
 ) -> None:
     """After every test above, the shared ledger holds nothing."""
     ledger = RedisLedger(redis_server.url, prefix=replicas[0].ledger_prefix)
+    workers = [w.address for w in small_workers]
+
+    async def empty() -> bool:
+        usage = await ledger.usage(workers)
+        assert {u.capacity_bytes for u in usage.values()} == {CAPACITY}
+        return {(u.sessions, u.admitted_bytes) for u in usage.values()} == {(0, 0)}
+
     try:
-        usage = await ledger.usage([w.address for w in small_workers])
+        await eventually(empty, timeout=2)  # releases run in the background
     finally:
         await ledger.close()
-    assert {u.sessions for u in usage.values()} == {0}
-    assert {u.capacity_bytes for u in usage.values()} == {CAPACITY}

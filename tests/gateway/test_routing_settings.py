@@ -7,8 +7,9 @@ import subprocess
 
 import pytest
 
-from services.gateway import GatewaySettings
+from services.gateway import GatewaySettings, LocalLedger, memory_admission
 from services.gateway import cli as gateway_cli
+from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import (
     AdmissionJob,
     ImmediateAdmission,
@@ -30,6 +31,18 @@ def test_least_loaded_healthy_worker_wins() -> None:
     assert router.pick(workers, ()) == "c"
     assert router.pick(workers, {"c"}) == "a"
     assert router.pick([ws("d", healthy=False)], ()) is None
+
+
+def test_the_ledgers_admitted_share_ranks_first() -> None:
+    router = LeastLoadedRouter()
+    workers = [
+        ws("a", 0, kv_capacity_bytes=100, admitted_bytes=50),
+        ws("b", 9, kv_capacity_bytes=1000, admitted_bytes=100),
+        ws("c", 0, kv_capacity_bytes=100, admitted_bytes=90),
+    ]
+    assert router.rank(workers, ()) == ["b", "a", "c"]
+    assert router.rank(workers, {"b"}) == ["a", "c"]
+    assert router.rank([], ()) == []
 
 
 def test_ties_rotate() -> None:
@@ -85,6 +98,32 @@ def test_cli_flags_override_env(monkeypatch: pytest.MonkeyPatch) -> None:
     settings = captured["app"].state.ctx.settings  # type: ignore[attr-defined]
     assert settings.workers == ["h:1", "h:2"]
     assert settings.max_n == 3
+
+
+def test_admission_flags(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    gateway_cli.add_arguments(parser)
+    flags = ["--redis-url", "redis://r:6379/0", "--ledger-prefix", "p", "--lease-ttl-s", "3"]
+    flags += ["--max-queue", "0", "--queue-deadline-s", "2.5", "--admission-poll-s", "0.01"]
+    flags += ["--worker-dead-after-s", "7", "--kv-page-size", "64", "--redis-max-connections", "4"]
+    flags += ["--health-interval-s", "0.25"]
+    captured: dict[str, object] = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: captured.update(app=app))
+    assert gateway_cli.main(parser.parse_args(flags)) == 0
+    s = captured["app"].state.ctx.settings  # type: ignore[attr-defined]
+    assert (s.redis_url, s.ledger_prefix, s.lease_ttl_s, s.max_queue) == (
+        "redis://r:6379/0",
+        "p",
+        3,
+        0,
+    )
+    assert (s.queue_deadline_s, s.admission_poll_s, s.worker_dead_after_s) == (2.5, 0.01, 7)
+    assert (s.kv_page_size, s.redis_max_connections, s.health_interval_s) == (64, 4, 0.25)
+    admission = captured["app"].state.ctx.pool.admission  # type: ignore[attr-defined]
+    assert type(admission.ledger).__name__ == "RedisLedger"
+    assert admission.cfg.max_queue == 0 and admission.sizer.page_size == 64
+    monkeypatch.setenv("DHISPARSE_GATEWAY_REDIS_URL", "")
+    assert type(memory_admission(GatewaySettings(), GatewayMetrics()).ledger) is LocalLedger
 
 
 def test_dhisparse_gateway_help() -> None:

@@ -3,6 +3,7 @@ engine thread, or ``dhisparse generate``)."""
 
 from __future__ import annotations
 
+import os
 import time
 from dataclasses import dataclass, field, replace
 
@@ -47,11 +48,14 @@ class EngineConfig:
     device: str = "cpu"
     dtype: str | None = None  # default: the model config's
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
-    mode: str = "resident"  # resident | hisparse
+    mode: str = "resident"  # resident | hisparse | adaptive
     kv_pool_mib: float = 256.0
     hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
     host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
     resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
+    reserve_pages: int = 0  # adaptive: admission reserve, in pages
+    populate_pages: int = 64  # adaptive: optional pages refilled per attempt
+    reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
@@ -72,6 +76,9 @@ class EngineConfig:
             host_arena_bytes=int(self.host_arena_mib * (1 << 20)),
             owner=self.owner,
             resolver=self._backend(self.resolver),
+            reserve_pages=self.reserve_pages,
+            populate_pages=self.populate_pages,
+            reclaim_order=self.reclaim_order,
             dtype=dtype,
             device=self.device,
         )
@@ -113,6 +120,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena)."""
@@ -178,6 +186,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round: prefill of newly admitted requests and one decode token
         for each running request. Returns the outputs of requests that progressed."""
+        self.kv.maintain()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         if not (sched.prefill or sched.decode) and self.scheduler.waiting:
@@ -192,6 +201,8 @@ class Engine:
         if sched.decode:
             self.stats.decode_steps += 1
             outputs.extend(self._run(sched.decode))
+        if self._check_invariants:
+            self.kv.check()
         return outputs
 
     @torch.no_grad()

@@ -41,6 +41,9 @@ class KVCacheConfig:
     host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
+    reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
+    populate_pages: int = 64  # adaptive: optional pages refilled per attempt
+    reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -139,6 +142,8 @@ class KVCache:
             model_cfg, self.host_backups, cfg.max_slots, cfg.max_model_len, p, hot_rows, ring,
             scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
             resolver=get_resolver(cfg.resolver, cfg.device), mode=cfg.mode,
+            reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
+            reclaim_order=cfg.reclaim_order,
         )  # fmt: skip
 
     @property
@@ -186,13 +191,33 @@ class KVCache:
         self.payload.commit(batch, num_tokens)
 
     # ---- accounting -------------------------------------------------------------------------
+    def maintain(self) -> None:
+        """Between steps: completions, reclaim and repopulation (adaptive mode)."""
+        maintain = getattr(self.payload, "maintain", None)
+        if maintain is not None:
+            maintain()
+
+    def check(self) -> None:
+        """Checks the residency invariant and eq. 3 (tests and ``DHISPARSE_CHECK_INVARIANTS``)."""
+        check = getattr(self.payload, "check", None)
+        if check is not None:
+            check()
+
     def memory(self) -> MemoryUsage:
+        """The pool by class (eq. 3). Fixed allocations (rings, prefill scratch, metadata) and
+        index keys in use count as required."""
         held, fixed = self.payload.memory_bytes(len(self._admitted))
         keys = sum(p.used_bytes for p in self.index_keys.pools.values())
         rings = sum(r.nbytes for r in self.rings.values())
-        required = held + fixed + keys + rings
         capacity = self.cfg.kv_pool_bytes
-        return MemoryUsage(capacity, required, 0, 0, max(0, capacity - required))
+        classes = getattr(self.payload, "memory_classes", None)
+        if classes is None:
+            required, optional, reserve = held + fixed + keys + rings, 0, 0
+        else:
+            req_pages, optional, reserve, _ = classes()
+            required = req_pages + fixed + keys + rings
+        free = max(0, capacity - required - optional - reserve)
+        return MemoryUsage(capacity, required, optional, reserve, free)
 
     def census(self):
         """Selected rows resolved direct / hot / host and rows copied from the host so far, or

@@ -54,6 +54,11 @@ class DraftRing:
     def nbytes(self) -> int:
         return 2 * self.k.numel() * self.k.element_size()
 
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one ring row over all layers' K and V (the capacity model's drafter row)."""
+        return 2 * self.k.shape[0] * self.k.shape[2] * self.k.element_size()
+
     def addresses(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """Eq. 10 on tensors (``dhisparse.capacity.ring_address`` elementwise): same-shape
         slots and positions (>= 0) -> ring rows."""

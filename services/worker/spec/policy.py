@@ -18,6 +18,7 @@ Two policies, plain Python so tests drive them without a GPU:
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -44,7 +45,7 @@ class WidthSchedule:
             return pts[0][1]
         if concurrency >= pts[-1][0]:
             return pts[-1][1]
-        for (c0, w0), (c1, w1) in zip(pts, pts[1:], strict=False):
+        for (c0, w0), (c1, w1) in itertools.pairwise(pts):
             if concurrency <= c1:
                 f = (math.log2(concurrency) - math.log2(c0)) / (math.log2(c1) - math.log2(c0))
                 w = w0 + (w1 - w0) * f

@@ -135,9 +135,7 @@ def speculative_generate(
     while len(out) < max_tokens and not _ended(out[-1], target, params):
         # A round emits at most K_r tokens: never verify more than are still wanted.
         cap = min(width, max_tokens - len(out))
-        prop = drafter.propose(
-            [SLOT], [out[-1]], [n], [cap], params.temperature, [generator]
-        )
+        prop = drafter.propose([SLOT], [out[-1]], [n], [cap], params.temperature, [generator])
         k = prop.widths[0]
         drafts = prop.drafts(0)
         feats = dict.fromkeys(layers)  # type: ignore[arg-type]
@@ -148,7 +146,9 @@ def speculative_generate(
         # chunk is never committed and is overwritten from n+A+1 next round.
         kv.commit(batch, [n + a + 1])
         drafter.append_context(
-            batch.token_slot[: a + 1], batch.positions[: a + 1], {i: f[: a + 1] for i, f in feats.items()}
+            batch.token_slot[: a + 1],
+            batch.positions[: a + 1],
+            {i: f[: a + 1] for i, f in feats.items()},
         )
         stats.drafts += 1
         stats.draft_tokens += k - 1

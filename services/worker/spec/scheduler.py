@@ -16,6 +16,7 @@ budget and the survival floor is admitted.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,7 +42,7 @@ class CostCurve:
         pts = self.points
         if len(pts) == 1 or tokens <= pts[0][0]:
             return pts[0][1]
-        for (x0, y0), (x1, y1) in zip(pts, pts[1:], strict=False):
+        for (x0, y0), (x1, y1) in itertools.pairwise(pts):
             if tokens <= x1:
                 return y0 + (y1 - y0) * (tokens - x0) / (x1 - x0)
         (x0, y0), (x1, y1) = pts[-2], pts[-1]

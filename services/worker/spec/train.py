@@ -53,6 +53,7 @@ class TrainConfig:
     lr: float = 1e-3
     weight_decay: float = 0.01
     decay_gamma: float = 4.0  # γ of the positional loss decay
+    distill: float = 0.0  # weight of KL(p_target ‖ q) against greedy-label CE (sampling)
     grad_clip: float = 1.0
     seed: int = 0
     target_seed: int = 0
@@ -78,7 +79,12 @@ def decay_weights(block: int, gamma: float, device: torch.device) -> torch.Tenso
 
 
 def block_loss(
-    drafter: Drafter, tokens: torch.Tensor, tp: TargetPass, blocks: Blocks, weights: torch.Tensor
+    drafter: Drafter,
+    tokens: torch.Tensor,
+    tp: TargetPass,
+    blocks: Blocks,
+    weights: torch.Tensor,
+    distill: float = 0.0,
 ) -> tuple[torch.Tensor, dict[str, float]]:
     """The drafter's loss on ``blocks`` of sequences ``tokens`` [B, L] with target pass ``tp``."""
     b, length = tokens.shape
@@ -90,7 +96,32 @@ def block_loss(
     hidden = drafter.block_hidden(
         blocks.tokens, blocks.anchors, lambda i: (k[i][idx], v[i][idx]), valid
     )
-    return drafter.loss(hidden, blocks.tokens, blocks.labels, blocks.target_logits, weights)
+    return drafter.loss(
+        hidden, blocks.tokens, blocks.labels, blocks.target_logits, weights, distill
+    )
+
+
+@torch.no_grad()
+def evaluate(
+    drafter: Drafter,
+    target: DSAModel,
+    tokens: torch.Tensor,
+    blocks_per_seq: int = 16,
+    gamma: float = 4.0,
+    seed: int = 0,
+) -> dict[str, float]:
+    """The drafter's loss and metrics on sequences ``tokens`` [B, L] with seeded anchors (a
+    held-out check; ``accept_len`` is the greedy acceptance length of the sampled blocks)."""
+    was_training = drafter.training
+    drafter.eval()
+    dev = next(target.parameters()).device
+    tp = run_target(target, tokens, drafter.cfg.target_layers)
+    gen = torch.Generator().manual_seed(seed)
+    blocks = sample_blocks(tokens, tp.logits, blocks_per_seq, drafter.block_size, gen)
+    weights = decay_weights(drafter.block_size, gamma, dev)
+    loss, metrics = block_loss(drafter, tokens, tp, blocks, weights)
+    drafter.train(was_training)
+    return {"loss": float(loss), **metrics}
 
 
 def make_drafter(cfg: TrainConfig, target: DSAModel) -> Drafter:
@@ -134,7 +165,7 @@ def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, li
             tokens = data[torch.randint(0, len(data), (cfg.batch_size,), generator=gen)]
         tp = run_target(target, tokens, drafter.cfg.target_layers)
         blocks = sample_blocks(tokens, tp.logits, cfg.blocks_per_seq, cfg.block_size, gen)
-        loss, metrics = block_loss(drafter, tokens, tp, blocks, weights)
+        loss, metrics = block_loss(drafter, tokens, tp, blocks, weights, cfg.distill)
         if not math.isfinite(float(loss.detach())):
             raise FloatingPointError(f"loss is {float(loss.detach())} at step {step}")
         opt.zero_grad(set_to_none=True)
@@ -176,6 +207,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--blocks-per-seq", type=int, default=d.blocks_per_seq)
     ap.add_argument("--lr", type=float, default=d.lr)
     ap.add_argument("--decay-gamma", type=float, default=d.decay_gamma)
+    ap.add_argument("--distill", type=float, default=d.distill)
     ap.add_argument("--seed", type=int, default=d.seed)
     ap.add_argument("--target-seed", type=int, default=d.target_seed)
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -200,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         blocks_per_seq=a.blocks_per_seq,
         lr=a.lr,
         decay_gamma=a.decay_gamma,
+        distill=a.distill,
         seed=a.seed,
         target_seed=a.target_seed,
         device=a.device,

@@ -133,9 +133,7 @@ def sample_blocks(
     return Blocks(seq, anchors, tokens.to(dev)[seq, anchors], lg.argmax(-1), lg)
 
 
-def context_index(
-    blocks: Blocks, length: int, window: int
-) -> tuple[torch.Tensor, torch.Tensor]:
+def context_index(blocks: Blocks, length: int, window: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of the flattened [B·L] context each block reads: positions a-W .. a-1 of its
     sequence -> index [NB, W] (clamped) and valid [NB, W] (position >= 0)."""
     offs = torch.arange(-window, 0, device=blocks.anchors.device)

@@ -89,7 +89,9 @@ def verify(
         )
     if params.greedy:
         return verify_greedy(target_logits, draft_tokens)
-    return verify_sampling(target_probs(target_logits, params), draft_tokens, draft_probs, generator)
+    return verify_sampling(
+        target_probs(target_logits, params), draft_tokens, draft_probs, generator
+    )
 
 
 def verify_batch(

@@ -19,7 +19,8 @@ from typing import Protocol
 import torch
 
 from services.kv_host_store.arena import ArenaMapping, HostArena, map_arena
-from services.kv_host_store.records import Region
+from services.kv_host_store.intervals import add_range, contains
+from services.kv_host_store.records import Region, RowRange
 from services.kv_host_store.store import HostStore
 
 log = logging.getLogger(__name__)
@@ -35,6 +36,8 @@ class RegionStore(Protocol):
     def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int: ...
 
     def release_request(self, owner: str, request_id: str) -> object: ...
+
+    def release_region(self, owner: str, region_id: str) -> object: ...
 
 
 class LocalHostStore:
@@ -59,6 +62,9 @@ class LocalHostStore:
 
     def release_request(self, owner: str, request_id: str) -> object:
         return self.store.release(owner, request_id=request_id)
+
+    def release_region(self, owner: str, region_id: str) -> object:
+        return self.store.release(owner, region_id=region_id)
 
     def close(self) -> None:
         self.mapping.close()
@@ -87,7 +93,7 @@ class HostPointer:
 class _Backed:
     region: Region
     base: int  # element offset of row 0 in the typed arena view
-    durable: int = 0  # rows [0, durable) reported durable to the store
+    durable: tuple[RowRange, ...] = ()  # rows holding committed bytes (merged)
 
 
 class HostBackups:
@@ -143,11 +149,13 @@ class HostBackups:
         self.base[slot] = torch.tensor([b.base for b in backed], dtype=torch.int64)
 
     def release(self, slot: int) -> None:
-        request_id = self._request_of.pop(slot, None)
-        self._backed.pop(slot, None)
+        """Frees the slot's regions (by region, not by request id: a client may reuse a finished
+        request's id before this release reaches the store)."""
+        self._request_of.pop(slot, None)
+        backed = self._backed.pop(slot, [])
         self.base[slot] = -1
-        if request_id is not None:
-            self._durability.release(request_id)
+        for b in backed:
+            self._durability.release(b.region.region_id)
 
     def rows_view(self, slot: int, source: int, start: int, end: int) -> torch.Tensor:
         """[end - start, row_elems] host view of rows of one slot's source."""
@@ -161,12 +169,17 @@ class HostBackups:
         n = values.shape[0]
         self.rows_view(slot, source, start, start + n).copy_(values)
 
-    def mark_durable(self, slot: int, source: int, end: int) -> None:
-        """Rows [0, end) of the slot's source now hold committed bytes on the host."""
+    def mark_durable(self, slot: int, source: int, start: int, end: int) -> None:
+        """Rows [start, end) of the slot's source now hold committed bytes on the host."""
+        if end <= start:
+            return
         b = self._backed[slot][source]
-        if end > b.durable:
-            self._durability.report(b.region.region_id, b.durable, end)
-            b.durable = end
+        b.durable = add_range(b.durable, start, end)
+        self._durability.report(b.region.region_id, start, end)
+
+    def durable(self, slot: int, source: int, start: int, end: int) -> bool:
+        """Whether rows [start, end) of the slot's source all have host copies."""
+        return end <= start or contains(self._backed[slot][source].durable, start, end)
 
     def close(self) -> None:
         self._durability.close()
@@ -185,8 +198,8 @@ class _DurabilityReporter:
     def report(self, region_id: str, start: int, end: int) -> None:
         self._q.put(("durable", (region_id, start, end)))
 
-    def release(self, request_id: str) -> None:
-        self._q.put(("release", (request_id,)))
+    def release(self, region_id: str) -> None:
+        self._q.put(("release", (region_id,)))
 
     def close(self) -> None:
         self._q.put(None)
@@ -199,14 +212,41 @@ class _DurabilityReporter:
         done.wait(timeout=10)
 
     def _run(self) -> None:
-        while (item := self._q.get()) is not None:
-            op, args = item
-            try:
+        while True:
+            batch = [self._q.get()]
+            while True:  # drain what queued up meanwhile, so ranges of a region merge
+                try:
+                    batch.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+            pending: dict[str, tuple[RowRange, ...]] = {}
+            for item in batch:
+                if item is None:
+                    self._flush(pending)
+                    return
+                op, args = item
                 if op == "durable":
-                    self.store.mark_durable(args[0], self.owner, args[1], args[2])
-                elif op == "release":
-                    self.store.release_request(self.owner, args[0])
-                else:
-                    args[0].set()
-            except Exception:  # the store being down must not take the engine with it
-                log.exception("host store call %s failed", op)
+                    pending[args[0]] = add_range(pending.get(args[0], ()), args[1], args[2])
+                    continue
+                if op == "release":  # its durable rows no longer matter
+                    pending.pop(args[0], None)
+                self._flush(pending)
+                pending = {}
+                self._call(op, args)
+            self._flush(pending)
+
+    def _flush(self, pending: dict[str, tuple[RowRange, ...]]) -> None:
+        for region_id, ranges in pending.items():
+            for r in ranges:
+                self._call("durable", (region_id, r.start, r.end))
+
+    def _call(self, op: str, args: tuple) -> None:
+        try:
+            if op == "durable":
+                self.store.mark_durable(args[0], self.owner, args[1], args[2])
+            elif op == "release":
+                self.store.release_region(self.owner, args[0])
+            else:
+                args[0].set()
+        except Exception:  # the store being down must not take the engine with it
+            log.exception("host store call %s failed", op)

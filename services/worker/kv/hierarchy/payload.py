@@ -20,6 +20,8 @@ from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.pages import PagePool
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
+from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
+from services.worker.kv.residency.residency import Residency
 from services.worker.model.config import ModelConfig
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
@@ -41,6 +43,9 @@ class HierarchyPayload:
         device: torch.device | str,
         resolver: Resolver = resolve_ref,
         mode: str = "hisparse",
+        reserve_pages: int = 0,
+        populate_pages: int = 64,
+        reclaim_order: str = "largest",
     ) -> None:
         if hot_cache_rows < cfg.index_topk:
             raise ValueError(
@@ -79,6 +84,14 @@ class HierarchyPayload:
         # Follower resolutions started early, on a side stream on a GPU: layer -> (locs, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.residency: Residency | None = None
+        if mode == "adaptive":
+            done = (
+                CudaCompletions(self.device)
+                if self.device.type == "cuda"
+                else ImmediateCompletions()
+            )
+            self.residency = Residency(self, done, reserve_pages, populate_pages, reclaim_order)
 
     @staticmethod
     def fixed_bytes(
@@ -111,8 +124,12 @@ class HierarchyPayload:
 
     def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
         """Takes the request's hot-cache and tail pages and its host regions (rows for
-        ``max_tokens`` tokens); False (nothing taken) when either is short."""
-        if self.pages.free < self.required_pages:
+        ``max_tokens`` tokens); False (nothing taken) when either is short. In adaptive mode a
+        shortfall starts reclaiming optional history (eq. 4) and the admission tries again."""
+        if self.residency is not None:
+            if not self.residency.make_room(self.required_pages):
+                return False
+        elif self.pages.free < self.required_pages:
             return False
         try:
             self.host.admit(
@@ -129,9 +146,22 @@ class HierarchyPayload:
             geo.tail_pages[slot] = torch.tensor([next(it) for _ in range(geo.tail_pages.shape[1])])
             hot.reset(slot)
         self.committed[slot] = [0] * self.num_sources
+        if self.residency is not None:
+            self.residency.on_admit(slot, [0] * self.num_sources)
         return True
 
+    def maintain(self) -> None:
+        """Between steps: copy completions, reclaim and repopulation (adaptive mode)."""
+        if self.residency is not None:
+            self.residency.maintain()
+
+    def check(self) -> None:
+        if self.residency is not None:
+            self.residency.check()
+
     def release(self, slot: int) -> None:
+        if self.residency is not None:
+            self.residency.release(slot)
         self.pages.give(self._held.pop(slot, []))
         for geo in self.geo:
             geo.clear(slot)
@@ -225,25 +255,44 @@ class HierarchyPayload:
         return locs
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
-        """The first ``num_tokens[r]`` tokens of each request are final: back up their complete
-        rows written by this pass to the host, then keep the newest rows in the tail ring."""
+        """The first ``num_tokens[r]`` tokens of each request are final: their complete rows
+        written by this pass are backed up to the host (in adaptive mode a prefill's complete
+        pages may instead stay on the device as optional history, backup deferred), and the
+        newest rows stay in the tail ring."""
         slots = batch.slots.tolist()
         for s, (geo, plan) in enumerate(zip(self.geo, self._plans, strict=True)):
             for r, slot in enumerate(slots):
                 lo, new = plan.lo[r], self._rows(s, num_tokens[r])
                 if new <= lo:
                     continue
-                rows = torch.arange(lo, new, device=self.device)
-                req = torch.full_like(rows, r)
-                values = self.store[geo.direct(rows, req, batch.slots, plan)[1]]
-                self.host.write(slot, s, lo, values)
-                self.host.mark_durable(slot, s, new)
+
+                def rows_at(a: int, b: int, r: int = r, geo=geo, plan=plan) -> torch.Tensor:
+                    rows = torch.arange(a, b, device=self.device)
+                    return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
+
+                backup = [(lo, new)]
+                if self.residency is not None and batch.starts[r] == 0:  # imported history
+                    backup = self.residency.keep_imported(slot, s, lo, new, rows_at)
+                for a, b in backup:
+                    self.host.write(slot, s, a, self.store[rows_at(a, b)])
+                    self.host.mark_durable(slot, s, a, b)
                 self.committed[slot][s] = new
                 if plan.scratch[r]:  # the ring takes the chunk's newest rows
-                    keep = rows[rows >= new - self.ring]
-                    self.store[geo.ring_loc(torch.full_like(keep, slot), keep)] = values[
-                        -len(keep) :
-                    ]
+                    keep = torch.arange(max(lo, new - self.ring), new, device=self.device)
+                    ring = geo.ring_loc(torch.full_like(keep, slot), keep)
+                    self.store[ring] = self.store[rows_at(int(keep[0]), new)]
+
+    def memory_classes(self) -> tuple[int, int, int, int]:
+        """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""
+        page_bytes = self.page * self.store.shape[1] * self.store.element_size()
+        total = self.pages.total
+        if self.residency is None:
+            required, optional, reserve = total - self.pages.free, 0, 0
+        else:
+            r = self.residency
+            required, optional, reserve = r.required_pages, r.optional_pages, r.reserve
+        free = total - required - optional - reserve
+        return required * page_bytes, optional * page_bytes, reserve * page_bytes, free * page_bytes
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:
         """(bytes held by admitted requests' pages, fixed bytes: scratch and metadata)."""

@@ -123,10 +123,12 @@ class Drafter(nn.Module):
         labels: torch.Tensor,
         target_logits: torch.Tensor,
         weights: torch.Tensor,
+        distill: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Training loss of B blocks. hidden: [B, K_max, d]; anchors: [B]; labels: [B, K_max-1]
         the target's greedy next tokens for slots 1..K_max-1; target_logits: [B, K_max-1, V]
-        the target's logits there; weights: [K_max-1] positional decay -> (loss, metrics)."""
+        the target's logits there; weights: [K_max-1] positional decay; distill: weight of the
+        soft (KL) term, see ``token_loss`` -> (loss, metrics)."""
         raise NotImplementedError
 
     def choose_widths(self, widths: list[int], confidence: torch.Tensor | None) -> list[int]:
@@ -199,7 +201,10 @@ class Drafter(nn.Module):
         ring = self._ring()
         dev = self.fc.weight.device
         r = len(slots)
-        temps = [float(temperatures)] * r if isinstance(temperatures, float | int) else temperatures
+        if isinstance(temperatures, float | int):
+            temps = [float(temperatures)] * r
+        else:
+            temps = [float(t) for t in temperatures]
         gens = list(generators) if generators is not None else [None] * r
         kmax = self.cfg.block_size
         caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
@@ -213,7 +218,9 @@ class Drafter(nn.Module):
             noise = exp_noise((kmax - 1, self.cfg.vocab_size), temps, gens, dev)
         temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
         tokens, q, conf = self.select(hidden[:, 1:], anchors_t, temps_t, noise)
-        return finish(tokens, q if noise is not None else None, self.choose_widths(caps, conf), conf)
+        return finish(
+            tokens, q if noise is not None else None, self.choose_widths(caps, conf), conf
+        )
 
 
 # ---- loss pieces shared by the drafters -----------------------------------------------------
@@ -225,6 +232,28 @@ def weighted_ce(logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tenso
     ce = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), reduction="none")
     w = weights.unsqueeze(0) * mask
     return (ce.view_as(mask) * w).sum() / w.sum().clamp(min=1e-9)
+
+
+def token_loss(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    target_probs: torch.Tensor,
+    weights: torch.Tensor,
+    distill: float,
+) -> torch.Tensor:
+    """``(1-α)·CE(greedy labels) + α·KL(p_target ‖ softmax(logits))``, decayed, α = distill.
+
+    Greedy labels alone make q sharp; under sampling a proposal is accepted with probability
+    ``Σ min(p, q)``, which a q close to the target's p (α > 0) raises. target_probs: like
+    logits, rows summing to 1 (zeros allowed)."""
+    ce = weighted_ce(logits, labels, weights)
+    if distill <= 0.0:
+        return ce
+    logq = torch.log_softmax(logits.float(), dim=-1)
+    p = target_probs.float()
+    kl = (p * (torch.log(p.clamp(min=1e-30)) - logq)).sum(-1)  # [B, K-1]
+    kl = (kl * weights).sum() / (weights.sum() * kl.shape[0])
+    return (1.0 - distill) * ce + distill * kl
 
 
 def accept_length(predicted: torch.Tensor, labels: torch.Tensor) -> float:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.spec.drafters.base import Drafter, accept_length, weighted_ce
+from services.worker.spec.drafters.base import Drafter, accept_length, token_loss
 from services.worker.spec.proposal import draw, tempered
 
 
@@ -30,7 +30,11 @@ class DFlashDrafter(Drafter):
         labels: torch.Tensor,
         target_logits: torch.Tensor,
         weights: torch.Tensor,
+        distill: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         logits = self.base_logits(hidden[:, 1:])  # [B, K-1, V]
-        loss = weighted_ce(logits, labels, weights)
-        return loss, {"ce": float(loss.detach()), "accept_len": accept_length(logits.argmax(-1), labels)}
+        loss = token_loss(logits, labels, target_logits.float().softmax(-1), weights, distill)
+        return loss, {
+            "loss": float(loss.detach()),
+            "accept_len": accept_length(logits.argmax(-1), labels),
+        }

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from services.worker.model.model import DSAModel
-from services.worker.spec.drafters.base import Drafter, accept_length, weighted_ce
+from services.worker.spec.drafters.base import Drafter, accept_length, token_loss
 from services.worker.spec.drafters.config import DrafterConfig
 from services.worker.spec.proposal import draw, tempered
 
@@ -77,20 +77,25 @@ class DFlash2Drafter(Drafter):
         labels: torch.Tensor,
         target_logits: torch.Tensor,
         weights: torch.Tensor,
+        distill: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Decayed CE of the parallel pass plus the selector's CE over the lattice, teacher
         forced (the previous slot's target token), where the label is among the candidates."""
         h = hidden[:, 1:]
-        ce = weighted_ce(self.base_logits(h), labels, weights)
+        pt = target_logits.float().softmax(-1)
+        ce = token_loss(self.base_logits(h), labels, pt, weights, distill)
         cand, u, hh = self.lattice(h)
         prev = torch.cat([anchors.unsqueeze(1), labels[:, :-1].clamp(min=0)], dim=1)
         s = self.scores(prev, cand, u, hh)  # [B, K-1, C]
         hit = cand == labels.unsqueeze(-1)
         target = torch.where(hit.any(-1), hit.float().argmax(-1), torch.full_like(labels, -100))
-        sel = weighted_ce(s, target, weights)
+        # soft target on the lattice: the target's probabilities of the candidates, renormalised
+        pc = pt.gather(-1, cand)
+        pc = pc / pc.sum(-1, keepdim=True).clamp(min=1e-30)
+        sel = token_loss(s, target, pc, weights, distill)
         picked = cand.gather(-1, s.argmax(-1, keepdim=True)).squeeze(-1)
         metrics = {
-            "ce": float(ce.detach()),
+            "token_loss": float(ce.detach()),
             "selector_ce": float(sel.detach()),
             "recall": float(hit.any(-1).float().mean()),
             "accept_len": accept_length(picked, labels),

@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.worker.model.model import DSAModel
-from services.worker.spec.drafters.base import Drafter, accept_length, weighted_ce
+from services.worker.spec.drafters.base import Drafter, accept_length, token_loss
 from services.worker.spec.drafters.config import DrafterConfig
 from services.worker.spec.proposal import draw, tempered
 from services.worker.spec.scheduler import ConfidenceScheduler
@@ -74,6 +74,7 @@ class DSparkDrafter(Drafter):
         labels: torch.Tensor,
         target_logits: torch.Tensor,
         weights: torch.Tensor,
+        distill: float = 0.0,
     ) -> tuple[torch.Tensor, dict[str, float]]:
         """Teacher-forced: slot k's Markov input is the target's token x_{k-1} (the anchor for
         k = 1). The confidence head learns the acceptance probability of sampling q against
@@ -82,14 +83,15 @@ class DSparkDrafter(Drafter):
         base = self.base_logits(h)  # [B, K-1, V]
         prev = torch.cat([anchors.unsqueeze(1), labels[:, :-1].clamp(min=0)], dim=1)
         logits, conf = self._slot(base, h, prev)
-        ce = weighted_ce(logits, labels, weights)
+        pt = target_logits.float().softmax(-1)
+        ce = token_loss(logits, labels, pt, weights, distill)
         with torch.no_grad():
-            tv = 0.5 * (logits.softmax(-1) - target_logits.float().softmax(-1)).abs().sum(-1)
+            tv = 0.5 * (logits.softmax(-1) - pt).abs().sum(-1)
             accept = 1.0 - tv  # [B, K-1]
         bce = F.binary_cross_entropy_with_logits(conf.float(), accept, reduction="none")
         bce = (bce * weights).sum(-1).mean() / weights.sum()
         metrics = {
-            "ce": float(ce.detach()),
+            "token_loss": float(ce.detach()),
             "bce": float(bce.detach()),
             "accept_len": accept_length(logits.argmax(-1), labels),
         }

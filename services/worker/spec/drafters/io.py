@@ -46,9 +46,7 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def load_drafter(
-    path: str | Path, target: DSAModel, dtype: torch.dtype = torch.float32
-) -> Drafter:
+def load_drafter(path: str | Path, target: DSAModel, dtype: torch.dtype = torch.float32) -> Drafter:
     path = Path(path)
     cfg = DrafterConfig.load(path / CONFIG_FILE)
     if cfg.target != target.cfg.name:

@@ -1,0 +1,242 @@
+"""This gateway's side of the capacity ledger: the leases it holds (renewed every TTL/3 while
+their requests run, released when they end), the workers' capacity it registers on every poll,
+the leases of dead workers it releases, and the per-worker gauges.
+
+A lease that this gateway fails to release or renew is never lost for good: it expires with
+its TTL and the next poll of any gateway reclaims it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import replace
+from typing import Any
+
+from services.gateway.ledger import Admitted, Candidate, Ledger, LedgerUnavailable, WorkerUsage
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routing import WorkerStatus
+
+log = logging.getLogger(__name__)
+
+
+class LedgerLease:
+    """A lease in the ledger; ``release`` is idempotent and returns at once (the ledger write
+    runs in the background)."""
+
+    def __init__(self, keeper: LeaseKeeper, worker: str, lease_id: str, need: int) -> None:
+        self._keeper = keeper
+        self._worker = worker
+        self.lease_id = lease_id
+        self.need_bytes = need
+
+    @property
+    def worker(self) -> str:
+        return self._worker
+
+    def release(self) -> None:
+        self._keeper.release(self)
+
+
+class LeaseKeeper:
+    def __init__(
+        self,
+        ledger: Ledger,
+        *,
+        lease_ttl_s: float,
+        worker_dead_after_s: float,
+        on_release: Callable[[], None] = lambda: None,
+        metrics: GatewayMetrics | None = None,
+        served_model_name: str | None = None,
+    ) -> None:
+        self.ledger = ledger
+        self.lease_ttl_s = lease_ttl_s
+        self.worker_dead_after_s = worker_dead_after_s
+        self.on_release = on_release  # capacity came back: waiters may try again
+        self.metrics = metrics
+        self.served_model_name = served_model_name
+        self._live: dict[str, LedgerLease] = {}  # by lease id
+        self._usage: dict[str, WorkerUsage] = {}  # the ledger's view, as last seen
+        self._unhealthy_since: dict[str, float] = {}
+        self._background: set[asyncio.Task[Any]] = set()
+        self._renewer: asyncio.Task[None] | None = None
+
+    @property
+    def live_leases(self) -> int:
+        return len(self._live)
+
+    def usage(self, worker: str) -> WorkerUsage | None:
+        return self._usage.get(worker)
+
+    # ---- acquire and release ----------------------------------------------------------------
+    async def acquire(self, lease_id: str, candidates: Sequence[Candidate]) -> LedgerLease | None:
+        """The ledger's ``acquire``, shielded: if the caller is cancelled after the ledger
+        recorded the lease, the lease is released rather than left to its TTL. Raises
+        ``LedgerUnavailable``."""
+        task = asyncio.ensure_future(self.ledger.acquire(lease_id, candidates, self.lease_ttl_s))
+        try:
+            admitted = await asyncio.shield(task)
+        except asyncio.CancelledError:
+            task.add_done_callback(self._undo(lease_id))
+            raise
+        if admitted is None:
+            return None
+        self._usage[admitted.worker] = admitted.usage
+        need = next(c.need_bytes for c in candidates if c.worker == admitted.worker)
+        lease = LedgerLease(self, admitted.worker, lease_id, need)
+        self._live[lease_id] = lease
+        return lease
+
+    def _undo(self, lease_id: str) -> Callable[[asyncio.Future[Admitted | None]], None]:
+        def undo(task: asyncio.Future[Admitted | None]) -> None:
+            if task.cancelled() or task.exception() is not None:
+                return
+            admitted = task.result()
+            if admitted is not None:
+                self._spawn(self._release_in_ledger(admitted.worker, lease_id, 0))
+
+        return undo
+
+    def release(self, lease: LedgerLease) -> None:
+        if self._live.pop(lease.lease_id, None) is None:
+            return
+        self._spawn(self._release_in_ledger(lease.worker, lease.lease_id, lease.need_bytes))
+
+    async def _release_in_ledger(self, worker: str, lease_id: str, need: int) -> None:
+        try:
+            await self.ledger.release(worker, lease_id)
+        except LedgerUnavailable as e:
+            log.warning(
+                "lease %s on %s not released (%s): it expires with its TTL", lease_id, worker, e
+            )
+            return
+        usage = self._usage.get(worker)
+        if usage is not None:
+            self._usage[worker] = replace(
+                usage,
+                admitted_bytes=max(0, usage.admitted_bytes - need),
+                sessions=max(0, usage.sessions - 1),
+            )
+        self.on_release()
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            task = asyncio.get_running_loop().create_task(coro)
+        except RuntimeError:  # no loop (shutting down): the lease expires with its TTL
+            coro.close()
+            return
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    # ---- renewal ----------------------------------------------------------------------------
+    async def renew_all(self) -> None:
+        """Extends every lease this gateway holds by a TTL."""
+        by_worker: dict[str, list[str]] = {}
+        for lease in list(self._live.values()):
+            by_worker.setdefault(lease.worker, []).append(lease.lease_id)
+
+        async def renew(worker: str, ids: list[str]) -> None:
+            try:
+                lost = await self.ledger.renew(worker, ids, self.lease_ttl_s)
+            except LedgerUnavailable as e:
+                log.warning("could not renew %d leases on %s: %s", len(ids), worker, e)
+                return
+            for lease_id in lost:
+                if self._live.pop(lease_id, None) is not None:
+                    log.warning(
+                        "lease %s on %s expired while its request runs (renewed too late)",
+                        lease_id,
+                        worker,
+                    )
+
+        await asyncio.gather(*(renew(w, ids) for w, ids in by_worker.items()))
+
+    async def _renew_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_ttl_s / 3)
+            try:
+                await self.renew_all()
+            except Exception:
+                log.exception("lease renewal failed")
+
+    # ---- workers ----------------------------------------------------------------------------
+    async def observe(self, workers: Sequence[WorkerStatus]) -> None:
+        """Registers the healthy workers' capacity (which also reclaims their expired leases),
+        releases the leases of workers dead past the grace period and refreshes the gauges."""
+        now = time.monotonic()
+        healthy = [w for w in workers if w.healthy and w.kv_capacity_bytes > 0]
+        for w in healthy:
+            self._unhealthy_since.pop(w.address, None)
+        results = await asyncio.gather(
+            *(
+                self.ledger.register(w.address, w.kv_capacity_bytes, w.max_num_seqs)
+                for w in healthy
+            ),
+            return_exceptions=True,
+        )
+        for w, result in zip(healthy, results, strict=True):
+            if isinstance(result, WorkerUsage):
+                self._usage[w.address] = result
+            else:
+                log.warning("could not register worker %s in the ledger: %s", w.address, result)
+        down = [w.address for w in workers if not w.healthy]
+        for address in down:
+            since = self._unhealthy_since.setdefault(address, now)
+            if now - since >= self.worker_dead_after_s:
+                await self._release_dead(address)
+        with contextlib.suppress(LedgerUnavailable):
+            self._usage.update(await self.ledger.usage(down))
+        self._export(workers)
+
+    async def _release_dead(self, address: str) -> None:
+        try:
+            n = await self.ledger.release_dead_worker(address, self.worker_dead_after_s)
+        except LedgerUnavailable as e:
+            log.warning("could not release the leases of dead worker %s: %s", address, e)
+            return
+        if n is None:
+            return  # another gateway saw it healthy recently
+        for lease_id, lease in list(self._live.items()):
+            if lease.worker == address:
+                del self._live[lease_id]
+        if n:
+            log.warning(
+                "worker %s unreachable for over %gs: released its %d leases",
+                address,
+                self.worker_dead_after_s,
+                n,
+            )
+
+    def _export(self, workers: Sequence[WorkerStatus]) -> None:
+        if self.metrics is None:
+            return
+        m = self.metrics
+        for w in workers:
+            usage = self._usage.get(w.address)
+            if usage is None:
+                continue
+            model = self.served_model_name or w.model_name
+            m.admitted_sessions.labels(model, w.address).set(usage.sessions)
+            m.admitted_bytes.labels(model, w.address).set(usage.admitted_bytes)
+            m.free_capacity.labels(model, w.address).set(usage.free_bytes)
+
+    # ---- lifecycle --------------------------------------------------------------------------
+    async def start(self) -> None:
+        if self._renewer is None:
+            self._renewer = asyncio.create_task(self._renew_forever(), name="lease-renewer")
+
+    async def close(self) -> None:
+        """Stops renewing, releases what is still held and closes the ledger."""
+        if self._renewer is not None:
+            self._renewer.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._renewer
+            self._renewer = None
+        for lease in list(self._live.values()):
+            lease.release()
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=5)
+        await self.ledger.close()

@@ -1,0 +1,335 @@
+"""The mechanism of load-adaptive residency (mode ``adaptive``).
+
+*Optional history* is complete pages of a request's imported (prefill) history kept in the
+device page pool while memory is spare. A page is visible to the resolver (published in the
+slot's optional map) only while its bytes are valid there. Life of a page:
+
+    resident-first (admission):      copied from the prefill pass          -> READY (unbacked)
+    repopulation:   PENDING (host->device copy in flight)  -- completes -->   READY (backed)
+    reclaim:        READY (unbacked) -> BACKING (device->host copy) -- completes -> backed
+                    READY (backed)   -> DRAINING: unpublished; earlier readers -- complete -> free
+
+Invariant (checked by ``check``): every committed row of every admitted request is in its
+tail ring, in a published page, or has a durable host copy. Eq. 3: required + optional +
+reserve <= the pool, always; optional pages grow only into the room left."""
+
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from services.worker.kv.residency.completions import Completions
+from services.worker.kv.residency.policy import (
+    Holder,
+    RoundRobin,
+    reclaim_order,
+    requests_to_reclaim,
+)
+
+
+class State(enum.Enum):
+    PENDING = "pending"
+    READY = "ready"
+    BACKING = "backing"
+    DRAINING = "draining"
+
+
+@dataclass(eq=False)
+class OptPage:
+    owner: int  # the admission that holds it
+    slot: int
+    source: int
+    index: int  # history page number: rows [index * p, (index + 1) * p)
+    page: int  # physical page in the pool
+    state: State
+    backed: bool  # its rows have durable host copies
+    retire: bool = False  # free it as soon as its state allows
+    dead: bool = False  # its request is gone: no backup needed
+
+
+@dataclass
+class _Owner:
+    slot: int
+    imported: list[int]  # imported (prefill) rows per source
+    pages: dict[tuple[int, int], OptPage] = field(default_factory=dict)
+    reclaim_started: float | None = None
+
+
+@dataclass
+class ResidencyStats:
+    reclaim_events: int = 0
+    reclaim_pages: int = 0
+    reclaim_latency: list[float] = field(default_factory=list)  # seconds, drained by readers
+    repopulated_pages: int = 0
+    admissions_waited: int = 0
+
+
+class Residency:
+    def __init__(
+        self,
+        payload,  # HierarchyPayload (not imported: it imports us)
+        completions: Completions,
+        reserve_pages: int,
+        populate_pages: int,
+        order: str = "largest",
+    ) -> None:
+        self.p = payload
+        self.completions = completions
+        self.reserve = reserve_pages
+        self.populate_pages = populate_pages
+        self.order = order
+        self.rr = RoundRobin()
+        self.stats = ResidencyStats()
+        self._owners: dict[int, _Owner] = {}
+        self._slot_owner: dict[int, int] = {}
+        self._tickets: dict[int, tuple[str, OptPage]] = {}
+        self._seq = itertools.count()
+        self._waiting = False  # an admission found no room since the last maintain()
+
+    # ---- accounting (pages; eq. 3) ----------------------------------------------------------
+    @property
+    def optional_pages(self) -> int:
+        return sum(len(o.pages) for o in self._owners.values())
+
+    @property
+    def required_pages(self) -> int:
+        return self.p.pages.total - self.p.pages.free - self.optional_pages
+
+    @property
+    def retiring_pages(self) -> int:
+        """Optional pages already on their way back to the pool."""
+        return sum(pg.retire for o in self._owners.values() for pg in o.pages.values())
+
+    def holders(self) -> list[Holder]:
+        """Admitted requests and the optional pages each could still give back (a_r)."""
+        return [
+            Holder(o.slot, sum(not pg.retire for pg in o.pages.values()), seq)
+            for seq, o in self._owners.items()
+            if self._slot_owner.get(o.slot) == seq
+        ]
+
+    def room(self) -> int:
+        """Pages that required or optional allocations may still take without breaking eq. 3."""
+        return self.p.pages.total - self.required_pages - self.optional_pages - self.reserve
+
+    # ---- admission ------------------------------------------------------------------------
+    def make_room(self, need: int) -> bool:
+        """True when ``need`` pages fit now. Otherwise starts reclaiming whole requests (eq. 4)
+        for the deficit, unless optional pages cannot cover it, and returns False: the
+        admission waits and tries again."""
+        room = self.room()
+        if need <= room:
+            return True
+        self._waiting = True
+        self.stats.admissions_waited += 1
+        deficit = need - room - self.retiring_pages
+        self.last_reclaim: list[int] | None = []
+        if deficit <= 0:
+            return False  # enough is already on its way back
+        chosen = requests_to_reclaim(reclaim_order(self.holders(), self.order), deficit)
+        self.last_reclaim = None if chosen is None else [h.slot for h in chosen]
+        for h in chosen or ():
+            self._reclaim(self._slot_owner[h.slot])
+        return False
+
+    def on_admit(self, slot: int, imported: list[int]) -> None:
+        owner = next(self._seq)
+        self._owners[owner] = _Owner(slot, list(imported))
+        self._slot_owner[slot] = owner
+
+    def release(self, slot: int) -> None:
+        """The request is gone: its pages are unpublished now and freed once readers finish."""
+        owner = self._slot_owner.pop(slot, None)
+        if owner is None:
+            return
+        for pg in list(self._owners[owner].pages.values()):
+            pg.retire = pg.dead = True
+            if pg.state is State.READY:
+                self._drain(pg)
+        self._forget_if_empty(owner)
+
+    # ---- resident-first -------------------------------------------------------------------
+    def keep_imported(
+        self, slot: int, source: int, lo: int, hi: int, rows_at
+    ) -> list[tuple[int, int]]:
+        """After a prefill pass wrote rows [lo, hi) of ``source``: keeps its complete pages on
+        the device while there is room (their host backup is deferred) and returns the row
+        ranges that are *not* kept, which the caller backs up now. ``rows_at(start, end)``
+        gives the device locations of rows the pass wrote."""
+        p = self.p.page
+        owner = self._owners[self._slot_owner[slot]]
+        owner.imported[source] = max(owner.imported[source], hi)
+        rest: list[tuple[int, int]] = []
+        cursor = lo
+        for index in range(-(-lo // p), hi // p):
+            if self._waiting or self.room() < 1:
+                break
+            if index * p > cursor:
+                rest.append((cursor, index * p))
+            (page,) = self.p.pages.take(1)
+            dst = torch.arange(page * p, page * p + p, device=self.p.device)
+            self.p.store[dst] = self.p.store[rows_at(index * p, index * p + p)]
+            pg = OptPage(self._slot_owner[slot], slot, source, index, page, State.READY, False)
+            owner.pages[(source, index)] = pg
+            self.p.geo[source].opt_map[slot, index] = page  # stream-ordered after the copy
+            cursor = index * p + p
+        if cursor < hi:
+            rest.append((cursor, hi))
+        return rest
+
+    # ---- completions, reclaim, repopulation -------------------------------------------------
+    def maintain(self) -> None:
+        """Between steps: advances pages whose copies completed, then refills optional history
+        (bounded, round-robin) if no admission is waiting for room."""
+        for ticket in self.completions.done():
+            kind, pg = self._tickets.pop(ticket)
+            {"populate": self._populated, "backup": self._backed_up, "drain": self._drained}[kind](
+                pg
+            )
+        waiting, self._waiting = self._waiting, False
+        if not waiting:
+            self._populate()
+
+    def _reclaim(self, owner_id: int) -> None:
+        owner = self._owners[owner_id]
+        self.stats.reclaim_events += 1
+        owner.reclaim_started = time.monotonic()
+        for pg in owner.pages.values():
+            if pg.retire:
+                continue
+            pg.retire = True
+            if pg.state is State.READY:
+                self._retire(pg)
+            # PENDING pages retire when their copy completes.
+
+    def _retire(self, pg: OptPage) -> None:
+        if pg.backed or pg.dead:
+            self._drain(pg)
+            return
+        pg.state = State.BACKING  # still published until its backup is durable
+        p = self.p.page
+
+        def backup() -> None:
+            rows = self.p.store[pg.page * p : pg.page * p + p]
+            self.p.host.write(pg.slot, pg.source, pg.index * p, rows)
+
+        self._tickets[self.completions.submit(backup)] = ("backup", pg)
+
+    def _backed_up(self, pg: OptPage) -> None:
+        if not pg.dead:
+            p = self.p.page
+            self.p.host.mark_durable(pg.slot, pg.source, pg.index * p, pg.index * p + p)
+        pg.backed = True
+        self._drain(pg)
+
+    def _drain(self, pg: OptPage) -> None:
+        """Unpublishes the page; it is freed once every reader issued before is done."""
+        if not pg.dead or self._slot_owner.get(pg.slot) == pg.owner:
+            self.p.geo[pg.source].opt_map[pg.slot, pg.index] = -1
+        pg.state = State.DRAINING
+        self._tickets[self.completions.submit(lambda: None)] = ("drain", pg)
+
+    def _drained(self, pg: OptPage) -> None:
+        owner = self._owners[pg.owner]
+        del owner.pages[(pg.source, pg.index)]
+        self.p.pages.give([pg.page])
+        if not pg.dead:
+            self.stats.reclaim_pages += 1
+            if owner.reclaim_started is not None and not any(
+                q.retire for q in owner.pages.values()
+            ):
+                self.stats.reclaim_latency.append(time.monotonic() - owner.reclaim_started)
+                owner.reclaim_started = None
+        self._forget_if_empty(pg.owner)
+
+    def _populated(self, pg: OptPage) -> None:
+        if pg.retire:  # reclaimed or released while its copy was in flight: never published
+            pg.state = State.DRAINING
+            self._drained(pg)
+            return
+        pg.state = State.READY
+        self.p.geo[pg.source].opt_map[pg.slot, pg.index] = pg.page
+        self.stats.repopulated_pages += 1
+
+    def _missing(self, owner: _Owner) -> list[tuple[int, int]]:
+        """(source, page) of imported history that is host-backed but not on the device."""
+        p = self.p.page
+        out = []
+        for source, rows in enumerate(owner.imported):
+            for index in range(rows // p):
+                if (source, index) not in owner.pages and self.p.host.durable(
+                    owner.slot, source, index * p, index * p + p
+                ):
+                    out.append((source, index))
+        return out
+
+    def _populate(self) -> None:
+        budget = min(self.populate_pages, self.room())
+        if budget <= 0:
+            return
+        live = {
+            o.slot: (oid, o)
+            for oid, o in self._owners.items()
+            if self._slot_owner.get(o.slot) == oid
+        }
+        missing = {
+            slot: self._missing(o) for slot, (_, o) in live.items() if o.reclaim_started is None
+        }
+        grant = self.rr.plan({s: len(m) for s, m in missing.items()}, budget)
+        p = self.p.page
+        for slot, n in grant.items():
+            oid, owner = live[slot]
+            for source, index in missing[slot][:n]:
+                (page,) = self.p.pages.take(1)
+                pg = OptPage(oid, slot, source, index, page, State.PENDING, True)
+                owner.pages[(source, index)] = pg
+
+                def fill(pg: OptPage = pg) -> None:
+                    host = self.p.host.rows_view(pg.slot, pg.source, pg.index * p, pg.index * p + p)
+                    self.p.store[pg.page * p : pg.page * p + p] = host.to(self.p.device)
+
+                self._tickets[self.completions.submit(fill)] = ("populate", pg)
+
+    def _forget_if_empty(self, owner_id: int) -> None:
+        owner = self._owners.get(owner_id)
+        if owner is not None and not owner.pages and self._slot_owner.get(owner.slot) != owner_id:
+            del self._owners[owner_id]
+
+    # ---- checks ---------------------------------------------------------------------------
+    def pages_of(self, slot: int) -> dict[tuple[int, int], OptPage]:
+        owner = self._slot_owner.get(slot)
+        return {} if owner is None else dict(self._owners[owner].pages)
+
+    def check(self) -> None:
+        """Raises AssertionError when eq. 3 or the residency invariant is broken."""
+        assert self.required_pages + self.optional_pages + self.reserve <= self.p.pages.total, (
+            "eq. 3 broken"
+        )
+        p, ring = self.p.page, self.p.ring
+        for slot, oid in self._slot_owner.items():
+            owner = self._owners[oid]
+            committed = self.p.committed.get(slot)
+            if committed is None:
+                continue
+            for source, geo in enumerate(self.p.geo):
+                opt = geo.opt_map[slot].tolist()
+                for index, page in enumerate(opt):
+                    pg = owner.pages.get((source, index))
+                    if page >= 0:
+                        assert pg is not None and pg.page == page, "published page not owned"
+                        assert pg.state in (State.READY, State.BACKING), f"{pg.state} published"
+                    elif pg is not None:
+                        assert pg.state in (State.PENDING, State.DRAINING), f"{pg.state} hidden"
+                on_device = max(0, committed[source] - ring)  # rows below the tail ring
+                for index in range(-(-on_device // p)):
+                    lo, hi = index * p, min(index * p + p, on_device)
+                    if index < len(opt) and opt[index] >= 0:
+                        continue
+                    assert self.p.host.durable(slot, source, lo, hi), (
+                        f"slot {slot} source {source} rows [{lo}, {hi}) neither on the device "
+                        "nor backed up"
+                    )

@@ -1,0 +1,233 @@
+"""Load-adaptive residency: eq. 3 and the residency invariant under churn with copy completions
+in any order, eq. 4's reclaim, waiting exactly when optional pages cannot cover a deficit, and
+logits bit-identical to resident serving throughout."""
+
+from __future__ import annotations
+
+import hypothesis.strategies as st
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.residency.completions import ManualCompletions
+from services.worker.kv.residency.policy import (
+    Holder,
+    RoundRobin,
+    reclaim_order,
+    requests_to_reclaim,
+)
+from services.worker.model import build_model, preset
+
+# ---- policy ------------------------------------------------------------------------------
+
+
+def test_eq4_takes_the_first_q_requests_that_cover_the_deficit() -> None:
+    hs = [Holder(0, 5, 0), Holder(1, 2, 1), Holder(2, 7, 2), Holder(3, 0, 3)]
+    order = reclaim_order(hs, "oldest")
+    assert [h.slot for h in order] == [0, 1, 2]  # holders of no pages are skipped
+    assert [h.slot for h in requests_to_reclaim(order, 6)] == [0, 1]
+    assert [h.slot for h in requests_to_reclaim(order, 7)] == [0, 1]
+    assert [h.slot for h in requests_to_reclaim(order, 8)] == [0, 1, 2]
+    assert requests_to_reclaim(order, 15) is None  # cannot be covered: the admission waits
+    assert requests_to_reclaim(order, 0) == []
+    largest = reclaim_order(hs, "largest")
+    assert [h.slot for h in requests_to_reclaim(largest, 6)] == [2]
+    assert [h.slot for h in reclaim_order(hs, "newest")] == [2, 1, 0]
+    with pytest.raises(ValueError):
+        reclaim_order(hs, "random")
+
+
+def test_round_robin_is_bounded_and_fair() -> None:
+    rr = RoundRobin()
+    wants = {1: 5, 4: 5, 7: 5}
+    first = rr.plan(wants, 4)
+    assert sum(first.values()) == 4 and first == {1: 2, 4: 1, 7: 1}
+    second = rr.plan(wants, 2)  # resumes after the last slot served
+    assert second == {4: 1, 7: 1}
+    assert rr.plan({1: 1}, 10) == {1: 1}
+    assert rr.plan(wants, 0) == {}
+
+
+# ---- the mechanism, under churn --------------------------------------------------------------
+
+NAME = "tiny-glm"
+SLOTS = 5
+K = preset(NAME).index_topk
+MODEL = build_model(preset(NAME), seed=3)
+
+
+def make_kv(mode: str, pool_bytes: int) -> KVCache:
+    cfg = KVCacheConfig(
+        mode=mode, max_slots=SLOTS, max_model_len=512, page_size=16, kv_pool_bytes=pool_bytes,
+        host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K, reserve_pages=2,
+        populate_pages=8,
+    )  # fmt: skip
+    return KVCache(preset(NAME), cfg)
+
+
+def adaptive_pool_bytes() -> int:
+    """A pool that holds the required pages of all slots and a little optional history, so
+    admissions must reclaim."""
+    probe = make_kv("adaptive", 64 << 20)
+    fixed = (64 << 20) - probe.payload.pages.total * probe.payload.page * 320
+    per_request = probe.payload.required_pages
+    probe.close()
+    return fixed + (SLOTS * per_request + 2 + 40) * 16 * 320
+
+
+POOL = adaptive_pool_bytes()
+
+
+class Churn(RuleBasedStateMachine):
+    """Admissions, decode steps, completions and copy completions in random order, on an
+    adaptive cache and a resident shadow fed the same batches."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kv = make_kv("adaptive", POOL)
+        self.res = self.kv.payload.residency
+        self.done = ManualCompletions()
+        self.res.completions = self.done
+        self.shadow = make_kv("resident", 64 << 20)
+        self.running: dict[int, list[int]] = {}  # slot -> tokens so far
+        self.gen = torch.Generator().manual_seed(0)
+
+    def teardown(self) -> None:
+        self.kv.close()
+        self.shadow.close()
+
+    def _forward(self, slots: list[int], starts: list[int], chunks: list[list[int]]) -> None:
+        ids = torch.tensor([t for c in chunks for t in c])
+        outs = []
+        for kv in (self.kv, self.shadow):
+            batch = ForwardBatch.build(slots, starts, [len(c) for c in chunks], "cpu")
+            hidden = MODEL(ids, batch, kv)
+            kv.commit(batch, [s + len(c) for s, c in zip(starts, chunks, strict=True)])
+            outs.append(MODEL.logits(hidden[batch.last_token_index]))
+        assert torch.equal(outs[0], outs[1]), "adaptive logits differ from resident"
+        for slot, nxt in zip(slots, outs[0].argmax(-1).tolist(), strict=True):
+            self.running[slot].append(nxt)
+
+    @precondition(lambda self: len(self.running) < SLOTS)
+    @rule(length=st.integers(20, 140))
+    def admit(self, length: int) -> None:
+        slot = next(s for s in range(SLOTS) if s not in self.running)
+        need = self.kv.payload.required_pages
+        room = self.res.room()
+        holders = self.res.holders()
+        deficit = need - room - self.res.retiring_pages
+        ok = self.kv.admit(slot, f"r{slot}-{len(self.running)}", length, 512)
+        assert ok == (need <= room), "admitted exactly when the page pool has room"
+        if not ok:
+            if deficit <= 0:  # pages already on their way back cover it
+                assert self.res.last_reclaim == []
+            elif sum(h.pages for h in holders) < deficit:  # cannot be covered: just wait
+                assert self.res.last_reclaim is None
+            else:  # exactly eq. 4's first q requests, in the reclaim order
+                want = requests_to_reclaim(reclaim_order(holders, self.res.order), deficit)
+                assert self.res.last_reclaim == [h.slot for h in want]
+            return
+        prompt = torch.randint(0, 256, (length,), generator=self.gen).tolist()
+        assert self.shadow.admit(slot, f"s{slot}", length, 512)
+        self.running[slot] = list(prompt)
+        self._forward([slot], [0], [prompt])
+
+    @precondition(lambda self: self.running)
+    @rule()
+    def decode(self) -> None:
+        slots = sorted(self.running)
+        starts = [len(self.running[s]) - 1 for s in slots]
+        for kv in (self.kv, self.shadow):
+            for s in slots:
+                assert kv.ensure(s, len(self.running[s]))
+        self._forward(slots, starts, [[self.running[s][-1]] for s in slots])
+
+    @precondition(lambda self: self.running)
+    @rule(data=st.data())
+    def finish(self, data) -> None:
+        slot = data.draw(st.sampled_from(sorted(self.running)))
+        del self.running[slot]
+        self.kv.release(slot)
+        self.shadow.release(slot)
+
+    @precondition(lambda self: self.done.pending)
+    @rule(data=st.data())
+    def complete_copies(self, data) -> None:
+        """Some of the copies in flight complete, in an order of hypothesis' choosing."""
+        pending = list(self.done.pending)
+        order = data.draw(st.permutations(pending))
+        for ticket in order[: data.draw(st.integers(1, len(order)))]:
+            self.done.complete(ticket)
+
+    @rule()
+    def maintain(self) -> None:
+        self.kv.maintain()
+
+    @invariant()
+    def eq3_and_every_row_ready_or_backed(self) -> None:
+        self.kv.check()
+        mem = self.kv.memory()
+        assert mem.required + mem.optional + mem.reserve <= mem.capacity
+
+
+Churn.TestCase.settings = settings(
+    max_examples=25,
+    stateful_step_count=50,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+    derandomize=True,
+)
+test_residency_churn = Churn.TestCase
+
+
+def test_adaptive_keeps_history_reclaims_and_repopulates() -> None:
+    """A scripted run: resident-first pages serve rows directly; an admission under pressure
+    reclaims whole requests; freed memory is refilled; logits stay identical throughout."""
+    kv = make_kv("adaptive", POOL)
+    shadow = make_kv("resident", 64 << 20)
+    res = kv.payload.residency
+    gen = torch.Generator().manual_seed(1)
+    tokens: dict[int, list[int]] = {}
+
+    def forward(slots: list[int], chunks: list[list[int]]) -> None:
+        starts = [len(tokens[s]) - len(c) for s, c in zip(slots, chunks, strict=True)]
+        ids = torch.tensor([t for c in chunks for t in c])
+        outs = []
+        for cache in (kv, shadow):
+            for s in slots:
+                assert cache.ensure(s, len(tokens[s]))
+            batch = ForwardBatch.build(slots, starts, [len(c) for c in chunks], "cpu")
+            hidden = MODEL(ids, batch, cache)
+            cache.commit(batch, [len(tokens[s]) for s in slots])
+            outs.append(MODEL.logits(hidden[batch.last_token_index]))
+        assert torch.equal(outs[0], outs[1])
+        for s, nxt in zip(slots, outs[0].argmax(-1).tolist(), strict=True):
+            tokens[s].append(nxt)
+
+    for slot in range(SLOTS):
+        while not kv.admit(slot, f"r{slot}", 120, 512):
+            kv.maintain()  # reclaim completes, then the admission goes through
+        assert shadow.admit(slot, f"s{slot}", 120, 512)
+        tokens[slot] = torch.randint(0, 256, (120,), generator=gen).tolist()
+        forward([slot], [tokens[slot]])
+        kv.check()
+        for _ in range(3):
+            forward(sorted(tokens), [[tokens[s][-1]] for s in sorted(tokens)])
+            kv.maintain()
+            kv.check()
+    assert res.stats.reclaim_events > 0 and res.stats.reclaim_pages > 0
+    direct_before = kv.payload.census.direct
+    kv.release(0)
+    shadow.release(0)
+    del tokens[0]
+    for _ in range(4):
+        kv.maintain()
+        forward(sorted(tokens), [[tokens[s][-1]] for s in sorted(tokens)])
+        kv.check()
+    assert res.stats.repopulated_pages > 0
+    assert kv.payload.census.direct > direct_before
+    kv.close()
+    shadow.close()
