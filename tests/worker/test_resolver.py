@@ -22,11 +22,16 @@ class World:
     tail pages are scattered over the pool; with ``optional`` some history pages are ready
     optional pages (holding their rows' bytes), as in adaptive serving."""
 
-    def __init__(self, seed: int, device: str = "cpu", k: int = 16, optional: bool = False) -> None:
+    def __init__(
+        self, seed: int, device: str = "cpu", k: int = 16, optional: bool = False, stage: int = 0
+    ) -> None:
         g = torch.Generator().manual_seed(seed)
         self.k = k
-        self.geo = SourceGeometry.create(SLOTS, P, B, RING, NUM_PAGES * P, 64, MAX_ROWS, device)
-        self.pool = torch.zeros(NUM_PAGES * P + 64, D, device=device)
+        stage_base = NUM_PAGES * P + 64
+        self.geo = SourceGeometry.create(
+            SLOTS, P, B, RING, NUM_PAGES * P, 64, MAX_ROWS, device, stage_base, stage
+        )
+        self.pool = torch.zeros(stage_base + SLOTS * stage, D, device=device)
         self.hot = HotCache(SLOTS, B, MAX_ROWS, device)
         self.host = torch.randn(SLOTS * MAX_ROWS * D, generator=g)
         self.host_base = (torch.arange(SLOTS, dtype=torch.int64) * MAX_ROWS * D).to(device)
@@ -82,16 +87,27 @@ def expected_rows(world: World, sel: torch.Tensor, cu: list[int], slots: torch.T
     return out
 
 
-@pytest.mark.parametrize(("seed", "optional"), [(0, False), (1, False), (2, True), (3, True)])
-def test_triton_resolver_equals_reference(seed: int, optional: bool) -> None:
+CASES = [  # (seed, optional history, k, staging rows per slot)
+    (0, False, 16, 0),
+    (1, False, 16, 0),
+    (2, True, 16, 0),
+    (3, True, 16, 0),
+    (4, False, 28, 4 * 28),  # 4-query unions of 28 outgrow B = 64: staging
+    (5, True, 28, 4 * 28),
+]
+
+
+@pytest.mark.parametrize(("seed", "optional", "k", "stage"), CASES)
+def test_triton_resolver_equals_reference(seed: int, optional: bool, k: int, stage: int) -> None:
     from services.worker.kv.hierarchy.resolver_triton import resolve_triton
 
-    ref, tri = World(seed, optional=optional), World(seed, optional=optional)
+    ref = World(seed, optional=optional, k=k, stage=stage)
+    tri = World(seed, optional=optional, k=k, stage=stage)
     g = torch.Generator().manual_seed(100 + seed)
     for clock in range(1, 7):
         slots = torch.tensor([3, 0, 2])
         hist = [int(torch.randint(60, MAX_ROWS, (1,), generator=g)) for _ in slots]
-        per_req = [int(torch.randint(1, 4, (1,), generator=g)) for _ in slots]  # verify-like
+        per_req = [int(torch.randint(1, 5 if stage else 4, (1,), generator=g)) for _ in slots]
         sel, cu = ref.selections(per_req, hist)
         ring_lo = [h - RING for h in hist]
         plan = ChunkPlan.build([h - 1 for h in hist], hist, RING, "cpu")
@@ -157,6 +173,25 @@ def test_lru_victims_are_least_recent_unselected_and_selected_rows_survive() -> 
         assert int(w.hot.rows[0, e]) == s
         loc = w.geo.hot_loc(torch.tensor(0), torch.tensor(e))
         assert torch.equal(w.pool[loc], w.host[s * D : s * D + D])
+
+
+def test_staging_serves_the_overflow_within_its_reservation() -> None:
+    w = World(2, k=40, stage=2 * 40)
+    plan = ChunkPlan.build([499], [500], RING, "cpu")
+    # Two queries whose union (80 rows) exceeds B = 64: 16 rows are staged, each copied once.
+    sel = torch.stack([torch.arange(0, 40), torch.arange(40, 80)])
+    locs, census = run(w, resolve_ref, sel, [0, 2], torch.tensor([0]), plan, clock=1)
+    assert Census.of(census).copied == 80
+    stage_lo = w.geo.stage_base
+    staged = locs[(locs >= stage_lo)]
+    assert 0 < staged.numel() <= 2 * 40 and int(staged.max()) < stage_lo + 80  # slot 0's rows
+    for j in range(2):
+        for s, loc in zip(sel[j].tolist(), locs[j].tolist(), strict=True):
+            assert torch.equal(w.pool[loc], w.host[s * D : s * D + D])
+    # A union larger than B plus the reservation fails loudly instead of overwriting.
+    w2 = World(3, k=40, stage=10)
+    with pytest.raises(StagingOverflow):
+        run(w2, resolve_ref, sel, [0, 2], torch.tensor([0]), plan, clock=1)
 
 
 def test_overflow_needs_staging() -> None:

@@ -44,6 +44,7 @@ class KVCacheConfig:
     reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
     populate_pages: int = 64  # adaptive: optional pages refilled per attempt
     reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
+    spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -143,7 +144,7 @@ class KVCache:
             scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
             resolver=get_resolver(cfg.resolver, cfg.device), mode=cfg.mode,
             reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
-            reclaim_order=cfg.reclaim_order,
+            reclaim_order=cfg.reclaim_order, spec_block=cfg.spec_block,
         )  # fmt: skip
 
     @property

@@ -126,6 +126,18 @@ class ModelConfig:
                     raise ValueError(f"layer {i}: reuse needs the leader's source {leader.source}")
                 if self.is_owner(i):
                     raise ValueError(f"layer {i}: a reuse consumer cannot own its source")
+                later = [
+                    j
+                    for j in range(spec.leader + 1, i)
+                    if self.layers[j].source == spec.source and self.layers[j].index != "reuse"
+                ]
+                if later:
+                    # Layer j resolved the source after the leader and may have evicted or
+                    # overwritten rows behind the leader's locations.
+                    raise ValueError(
+                        f"layer {i}: reuses layer {spec.leader}'s locations, but layer {later[0]} "
+                        "resolved the same source in between"
+                    )
             else:
                 raise ValueError(f"layer {i}: unknown index mode {spec.index!r}")
 

@@ -26,6 +26,8 @@ class SourceGeometry:
     hot_pages: torch.Tensor  # [max_slots, B / p] int32
     tail_pages: torch.Tensor  # [max_slots, T / p] int32
     opt_map: torch.Tensor  # [max_slots, max history pages] int32, ready pages only
+    stage_base: int = 0  # first store row of this source's staging arena
+    stage_rows: int = 0  # staging rows per slot (K_max * k; 0: no staging)
 
     @staticmethod
     def create(
@@ -37,6 +39,8 @@ class SourceGeometry:
         scratch: int,
         max_rows: int,
         device: torch.device | str,
+        stage_base: int = 0,
+        stage_rows: int = 0,
     ) -> SourceGeometry:
         if hot_entries % page or ring % page:
             raise ValueError(f"B={hot_entries} and T={ring} must be multiples of the page {page}")
@@ -47,6 +51,7 @@ class SourceGeometry:
         return SourceGeometry(
             page, hot_entries, ring, scratch_base, scratch,
             table(hot_entries // page), table(ring // page), table(-(-max_rows // page)),
+            stage_base, stage_rows,
         )  # fmt: skip
 
     def clear(self, slot: int) -> None:
@@ -62,6 +67,9 @@ class SourceGeometry:
     def ring_loc(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         p, q = self.page, rows.clamp(min=0) % self.ring
         return self.tail_pages[slots, q // p].long() * p + q % p
+
+    def stage_loc(self, slots: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+        return self.stage_base + slots.long() * self.stage_rows + index
 
     def opt_page(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         return self.opt_map[slots, rows.clamp(min=0) // self.page].long()

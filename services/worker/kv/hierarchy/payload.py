@@ -27,6 +27,31 @@ from services.worker.model.config import ModelConfig
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 
 
+def staging_arenas(cfg: ModelConfig) -> tuple[list[int], int]:
+    """Staging arena of each source and chi, the number of arenas.
+
+    Layers run in producer groups (a producer and its followers, whose transfers start
+    together); the sources of one group are live at once and need distinct arenas, and the next
+    group reuses them once the group's attention is done (stream order). A source read by
+    several groups (a shared source) keeps the arena of its first group."""
+    arena: dict[int, int] = {}
+    chi = 1
+    for i, spec in enumerate(cfg.layers):
+        if spec.index != "producer":
+            continue
+        group = [spec.source] + [
+            f.source for f in cfg.layers if f.index == "follower" and f.leader == i
+        ]
+        seen: list[int] = []
+        for src in group:
+            if src not in seen:
+                seen.append(src)
+        chi = max(chi, len(seen))
+        for pos, src in enumerate(seen):
+            arena.setdefault(src, pos)
+    return [arena.get(s, 0) for s in range(len(cfg.sources))], chi
+
+
 class HierarchyPayload:
     def __init__(
         self,
@@ -46,6 +71,7 @@ class HierarchyPayload:
         reserve_pages: int = 0,
         populate_pages: int = 64,
         reclaim_order: str = "largest",
+        spec_block: int = 1,
     ) -> None:
         if hot_cache_rows < cfg.index_topk:
             raise ValueError(
@@ -61,7 +87,14 @@ class HierarchyPayload:
         self.num_sources = len(cfg.sources)
         scratch = [scratch_tokens // s.compress + max_slots for s in cfg.sources]
         base = num_pages * page
-        self.store = torch.zeros(base + sum(scratch), cfg.d_kv, dtype=dtype, device=device)
+        arenas, chi = staging_arenas(cfg) if spec_block > 1 else ([0] * self.num_sources, 0)
+        stage_rows = spec_block * cfg.index_topk if spec_block > 1 else 0
+        stage_base = base + sum(scratch)
+        self.chi = chi
+        self.stage_rows_total = chi * max_slots * stage_rows
+        self.store = torch.zeros(
+            stage_base + self.stage_rows_total, cfg.d_kv, dtype=dtype, device=device
+        )
         self.pages = PagePool(num_pages)
         self.geo: list[SourceGeometry] = []
         self.hot: list[HotCache] = []
@@ -69,7 +102,16 @@ class HierarchyPayload:
             max_rows = max_model_len // src.compress
             self.geo.append(
                 SourceGeometry.create(
-                    max_slots, page, hot_cache_rows, ring_rows, base, scratch[s], max_rows, device
+                    max_slots,
+                    page,
+                    hot_cache_rows,
+                    ring_rows,
+                    base,
+                    scratch[s],
+                    max_rows,
+                    device,
+                    stage_base + arenas[s] * max_slots * stage_rows,
+                    stage_rows,
                 )
             )
             self.hot.append(HotCache(max_slots, hot_cache_rows, max_rows, device))
@@ -92,6 +134,15 @@ class HierarchyPayload:
                 else ImmediateCompletions()
             )
             self.residency = Residency(self, done, reserve_pages, populate_pages, reclaim_order)
+
+    @staticmethod
+    def staging_bytes(cfg: ModelConfig, max_slots: int, spec_block: int, elem_bytes: int) -> int:
+        """Eq. 11: chi arenas of N * K_max * k rows (no speculation: none)."""
+        if spec_block <= 1:
+            return 0
+        return (
+            staging_arenas(cfg)[1] * max_slots * spec_block * cfg.index_topk * cfg.d_kv * elem_bytes
+        )
 
     @staticmethod
     def fixed_bytes(

@@ -4,7 +4,8 @@ For one source and the whole batch it turns selected row positions into pool loc
 (1) rows in the chunk, the tail ring or a ready optional-history page resolve directly; (2) the rest look up the hot cache —
 hits are stamped with this call's tick, which also protects them from eviction in this call;
 (3) misses take the least recently used unprotected entries (empty ones first), evicting what
-those held, and are copied from the host backup; a request's queries
+those held, and are copied from the host backup; when a verification round's union outgrows the
+unprotected entries, the overflow goes to the request's staging rows for this call (eq. 11); a request's queries
 (several when verifying a speculative block) are served in order, so a row missed by one query
 is copied once and hits for the next. Locations come back in selection order."""
 
@@ -75,8 +76,9 @@ def resolve_ref(
         direct_n += int(direct.sum())
         hot_n += int(hit.sum())
         host_n += int((cand & ~hit).sum())
+        staged = 0  # staging rows used by this request in this call
         for j in range(b - a):
-            miss = cand[j] & (hot.map[slot, rows[j].clamp(min=0)] < 0)
+            miss = cand[j] & (hot.map[slot, rows[j].clamp(min=0)] == -1)
             mrows = rows[j][miss]
             m = mrows.numel()
             if m == 0:
@@ -84,28 +86,47 @@ def resolve_ref(
             lru = hot.lru[slot].long()
             protected = hot.stamp[slot, lru] == clock
             free = lru[~protected]
-            if free.numel() < m:
-                raise StagingOverflow(
-                    f"{m} misses but only {free.numel()} unprotected hot-cache entries in slot "
-                    f"{slot}"
-                )
-            victims = free[:m]  # the least recently used unselected entries, in LRU order
+            take = min(m, free.numel())
+            over = mrows[take:]
+            mrows = mrows[:take]
+            if over.numel():
+                # The round's union outgrew the hot cache: the overflow is served from the
+                # request's staging rows for this call only (eq. 11); it never enters the cache.
+                if staged + over.numel() > geo.stage_rows:
+                    raise StagingOverflow(
+                        f"{staged + over.numel()} rows overflow the hot cache of slot {slot}; "
+                        f"staging holds {geo.stage_rows}"
+                    )
+                idx = torch.arange(staged, staged + over.numel(), device=sel.device)
+                hot.map[slot, over] = (-2 - idx).to(hot.map.dtype)
+                src = host_base[slot].item() + over.cpu().unsqueeze(1) * d + torch.arange(d)
+                pool[geo.stage_loc(torch.full_like(idx, slot), idx)] = host[src].to(pool.device)
+                staged += over.numel()
+                copied += over.numel()
+            if take == 0:
+                continue
+            victims = free[:take]  # the least recently used unselected entries, in LRU order
             old = hot.rows[slot, victims].long()
             hot.map[slot, old[old >= 0]] = -1
             hot.map[slot, mrows] = victims.to(hot.map.dtype)
             hot.rows[slot, victims] = mrows.to(hot.rows.dtype)
             hot.stamp[slot, victims] = clock
             # Untouched entries keep their order; used ones (earlier hits, then these) go last.
-            hot.lru[slot] = torch.cat([free[m:], lru[protected], victims]).to(hot.lru.dtype)
+            hot.lru[slot] = torch.cat([free[take:], lru[protected], victims]).to(hot.lru.dtype)
             src = host_base[slot].item() + mrows.cpu().unsqueeze(1) * d + torch.arange(d)
             pool[geo.hot_loc(torch.full_like(victims, slot), victims)] = host[src].to(pool.device)
-            copied += m
+            copied += take
         # Hits move to the most recent end too (in their LRU order).
         lru = hot.lru[slot].long()
         used = hot.stamp[slot, lru] == clock
         hot.lru[slot] = torch.cat([lru[~used], lru[used]]).to(hot.lru.dtype)
         entry = hot.map[slot, rows.clamp(min=0)].long()
-        hloc = geo.hot_loc(torch.full_like(rows, slot), entry.clamp(min=0))
+        slot_t = torch.full_like(rows, slot)
+        hloc = geo.hot_loc(slot_t, entry.clamp(min=0))
+        sloc = geo.stage_loc(slot_t, (-2 - entry).clamp(min=0))
+        hloc = torch.where(entry <= -2, sloc, hloc)
         locs[a:b] = torch.where(direct, dloc, torch.where(valid, hloc, -1))
+        staged_rows = rows[valid & ~direct & (entry <= -2)]
+        hot.map[slot, staged_rows] = -1  # staging lasts for this call only
     census = torch.tensor([direct_n, hot_n, host_n, copied], dtype=torch.int64)
     return locs, census.to(sel.device)

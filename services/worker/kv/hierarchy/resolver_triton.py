@@ -59,6 +59,8 @@ def _resolve_kernel(
     P,
     RING,
     SCRATCH_BASE,
+    STAGE_BASE,
+    STAGE_ROWS,
     D,
     KP: tl.constexpr,
     BP: tl.constexpr,
@@ -109,14 +111,16 @@ def _resolve_kernel(
     tl.atomic_add(counters_ptr + 2, tl.sum(n_host))
     tl.debug_barrier()
 
-    # (3): misses, query by query, into the least recently used unprotected entries.
+    # (3): misses, query by query, into the least recently used unprotected entries; what
+    # outgrows them goes to the request's staging rows for this call only (eq. 11).
+    staged = 0
     for j in range(a, b):
         s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
         cand = (s >= 0) & (s < ring_lo)
         if HAS_OPT:
             cand &= tl.load(opt_row + s // P, mask=cand, other=-1) < 0
         h = tl.load(map_row + s, mask=cand, other=-1).to(tl.int64)
-        miss = cand & (h < 0)
+        miss = cand & (h == -1)  # <= -2: already staged by an earlier query of this call
         nmiss = tl.sum(miss.to(tl.int32))
         if nmiss > 0:
             lru = tl.load(lru_row + offs_b, mask=bmask, other=0)
@@ -137,19 +141,28 @@ def _resolve_kernel(
             tl.store(lru_row + newpos, lru, mask=bmask)
             rank = tl.cumsum(miss.to(tl.int32), 0) - 1
             ok = miss & (rank < nfree)
-            tl.atomic_add(counters_ptr + 4, tl.sum((miss & (rank >= nfree)).to(tl.int64)))
+            over = miss & (rank >= nfree)
+            srank = staged + rank - nfree
+            sok = over & (srank < STAGE_ROWS)
+            tl.atomic_add(counters_ptr + 4, tl.sum((over & ~sok).to(tl.int64)))
             v = tl.load(victims_row + rank, mask=ok, other=0).to(tl.int64)
             old = tl.load(rows_row + v, mask=ok, other=-1)
             tl.store(map_row + old, tl.full([KP], -1, tl.int32).to(map_ptr.dtype.element_ty),
                      mask=ok & (old >= 0))  # fmt: skip
             tl.debug_barrier()
             tl.store(map_row + s, v.to(map_ptr.dtype.element_ty), mask=ok)
+            tl.store(map_row + s, (-2 - srank).to(map_ptr.dtype.element_ty), mask=sok)
             tl.store(rows_row + v, s.to(tl.int32), mask=ok)
             tl.store(stamp_row + v, now, mask=ok)
-            base = tl.atomic_add(counters_ptr + 3, tl.sum(ok.to(tl.int64)))
-            tl.store(plan_src_ptr + base + rank, hbase + s * D, mask=ok)
-            dst = tl.load(hp_row + v // P, mask=ok, other=0).to(tl.int64) * P + v % P
-            tl.store(plan_dst_ptr + base + rank, dst, mask=ok)
+            copy = ok | sok
+            ncopy = tl.sum(copy.to(tl.int64))
+            base = tl.atomic_add(counters_ptr + 3, ncopy)
+            pos = base + tl.cumsum(copy.to(tl.int64), 0) - 1
+            hot_dst = tl.load(hp_row + v // P, mask=ok, other=0).to(tl.int64) * P + v % P
+            dst = tl.where(ok, hot_dst, STAGE_BASE + slot * STAGE_ROWS + srank)
+            tl.store(plan_src_ptr + pos, hbase + s * D, mask=copy)
+            tl.store(plan_dst_ptr + pos, dst, mask=copy)
+            staged += tl.sum(over.to(tl.int32))
             tl.debug_barrier()
 
     # Entries used by this call (hits included) move to the most recent end, in LRU order.
@@ -180,9 +193,19 @@ def _resolve_kernel(
             loc = tl.where(rest & (op >= 0), op * P + s % P, loc)
             rest &= op < 0
         h = tl.load(map_row + s, mask=rest, other=0).to(tl.int64)
-        hp = tl.load(hp_row + h // P, mask=rest, other=0).to(tl.int64)
-        loc = tl.where(rest, hp * P + h % P, loc)
+        hp = tl.load(hp_row + h // P, mask=rest & (h >= 0), other=0).to(tl.int64)
+        hloc = tl.where(h >= 0, hp * P + h % P, STAGE_BASE + slot * STAGE_ROWS + (-2 - h))
+        loc = tl.where(rest, hloc, loc)
         tl.store(locs_ptr + j * stride_sel + offs_k, tl.where(valid, loc, -1), mask=kmask)
+    tl.debug_barrier()
+
+    # Staging lasts for this call only: staged rows leave the map.
+    for j in range(a, b):
+        s = tl.load(sel_ptr + j * stride_sel + offs_k, mask=kmask, other=-1)
+        cand = (s >= 0) & (s < ring_lo)
+        h = tl.load(map_row + s, mask=cand, other=-1)
+        tl.store(map_row + s, tl.full([KP], -1, tl.int32).to(map_ptr.dtype.element_ty),
+                 mask=cand & (h <= -2))  # fmt: skip
 
 
 @triton.jit
@@ -286,7 +309,8 @@ def launch_resolve(
         host_base.stride(0), geo.hot_pages, geo.hot_pages.stride(0), geo.tail_pages,
         geo.tail_pages.stride(0), geo.opt_map, geo.opt_map.stride(0),
         ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
-        clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, row_elems,
+        clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, geo.stage_base,
+        geo.stage_rows, row_elems,
         KP=triton.next_power_of_2(k), BP=ws.bp, HAS_OPT=has_optional,
         num_warps=8 if ws.bp >= 2048 else 4,
     )  # fmt: skip
