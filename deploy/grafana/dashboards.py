@@ -442,7 +442,6 @@ SPECULATION = Dashboard(
                             "acceptance length",
                         )
                     ],
-                    requires="speculation",
                 ),
                 Panel(
                     "Acceptance rate",
@@ -456,7 +455,6 @@ SPECULATION = Dashboard(
                         )
                     ],
                     unit="percentunit",
-                    requires="speculation",
                 ),
                 Panel(
                     "Acceptance by position",
@@ -471,7 +469,6 @@ SPECULATION = Dashboard(
                         )
                     ],
                     unit="percentunit",
-                    requires="speculation",
                 ),
                 Panel(
                     "Block width in use",
@@ -482,7 +479,6 @@ SPECULATION = Dashboard(
                             "{{instance}}",
                         )
                     ],
-                    requires="speculation",
                 ),
             ],
         ),
@@ -508,7 +504,6 @@ SPECULATION = Dashboard(
                         ),
                     ],
                     width=24,
-                    requires="speculation",
                 ),
             ],
         ),

@@ -73,6 +73,22 @@ class WorkerMetrics:
         ):
             metric.labels(model_name)
         self._residency_seen = (0, 0, 0)
+        self.spec_drafts = Counter(m.SPEC_DRAFTS, "Verification rounds", lbl, registry=r)
+        self.spec_draft_tokens = Counter(
+            m.SPEC_DRAFT_TOKENS, "Draft tokens verified", lbl, registry=r
+        )
+        self.spec_accepted = Counter(
+            m.SPEC_ACCEPTED_TOKENS, "Draft tokens accepted", lbl, registry=r
+        )
+        self.spec_accepted_pos = Counter(
+            m.SPEC_ACCEPTED_PER_POS, "Draft tokens accepted by position", [*lbl, "position"],
+            registry=r,
+        )  # fmt: skip
+        self.spec_width = Gauge(
+            m.SPEC_BLOCK_WIDTH, "Verification block width in use (0: off)", lbl, registry=r
+        )
+        self._spec_seen = (0, 0, 0)
+        self._spec_pos_seen: list[int] = []
         for path in ("direct", "hot", "host"):
             self.resolver_rows.labels(model_name, path)
         self.host_read_bytes.labels(model_name)
@@ -115,6 +131,23 @@ class WorkerMetrics:
             for seconds in st.reclaim_latency:
                 self.reclaim_latency.labels(md).observe(seconds)
             st.reclaim_latency.clear()
+        spec = engine.speculator
+        if spec is not None:
+            c = spec.counters
+            now_spec = (c.drafts, c.draft_tokens, c.accepted)
+            for metric, new, old in zip(
+                (self.spec_drafts, self.spec_draft_tokens, self.spec_accepted),
+                now_spec,
+                self._spec_seen,
+                strict=True,
+            ):
+                metric.labels(md).inc(new - old)
+            self._spec_seen = now_spec
+            seen = self._spec_pos_seen or [0] * len(c.per_position)
+            for i, (new, old) in enumerate(zip(c.per_position, seen, strict=True)):
+                self.spec_accepted_pos.labels(md, str(i)).inc(new - old)
+            self._spec_pos_seen = list(c.per_position)
+            self.spec_width.labels(md).set(c.width)
         for out in outputs:
             n = len(out.new_token_ids)
             if n:

@@ -32,6 +32,9 @@ class WorkerSettings(BaseSettings):
     reserve_pages: int = 0
     populate_pages: int = 64
     reclaim_order: str = "largest"
+    drafter: str | None = None
+    spec_width: int = 8
+    width_policy: str = "fixed"
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -56,6 +59,9 @@ class WorkerSettings(BaseSettings):
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             reclaim_order=self.reclaim_order,
+            drafter=self.drafter,
+            spec_width=self.spec_width,
+            width_policy=self.width_policy,
             owner=self.resolved_worker_id(),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,

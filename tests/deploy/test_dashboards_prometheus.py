@@ -192,6 +192,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "--kv-store", f"127.0.0.1:{ports['store']}",
                     "--kv-pool-mib", "256",
                     "--mode", "adaptive",  # hierarchy and residency panels need their traffic
+                    "--drafter", "dflash", "--spec-width", "4",  # and speculation
                     "--worker-id", "worker-0",
                 ],
                 tmp / "worker.log",

@@ -20,6 +20,7 @@ from services.worker.engine.request import (
 )
 from services.worker.engine.sampling import sample_token, token_logprob
 from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.speculative import Speculator, make_drafter
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
@@ -63,6 +64,9 @@ class EngineConfig:
     max_model_len: int = 4096
     max_prefill_tokens: int = 16384
     top_k_rows: int | None = None  # override the indexer's k
+    drafter: str | None = None  # dflash | dspark | dflash2 (random weights) or a checkpoint dir
+    spec_width: int = 8  # K_max: target queries per verify round, anchor included
+    width_policy: str = "fixed"  # fixed | paper | online
 
     def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
         return KVCacheConfig(
@@ -79,6 +83,8 @@ class EngineConfig:
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             reclaim_order=self.reclaim_order,
+            spec_block=self.spec_width if self.drafter else 1,
+            ring_extra=max(8, self.spec_width if self.drafter else 1),
             dtype=dtype,
             device=self.device,
         )
@@ -121,6 +127,10 @@ class Engine:
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
+        self.speculator: Speculator | None = None
+        if cfg.drafter:
+            drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
+            self.speculator = Speculator(self, drafter, cfg.width_policy)
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena)."""
@@ -189,7 +199,11 @@ class Engine:
         self.kv.maintain()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
-        if not (sched.prefill or sched.decode) and self.scheduler.waiting:
+        if (
+            not (sched.prefill or sched.decode)
+            and self.scheduler.waiting
+            and not self.kv.settling()
+        ):
             # Nothing runs and the head still cannot be admitted into an empty cache: it can
             # never fit, so end it rather than wait forever.
             head = self.scheduler.waiting[0]
@@ -200,47 +214,85 @@ class Engine:
             outputs.extend(self._run(sched.prefill))
         if sched.decode:
             self.stats.decode_steps += 1
-            outputs.extend(self._run(sched.decode))
+            if self.speculator is not None:
+                outputs.extend(self.speculator.round(sched.decode))
+            else:
+                outputs.extend(self._run(sched.decode))
         if self._check_invariants:
             self.kv.check()
         return outputs
 
     @torch.no_grad()
     def _run(self, reqs: list[Request]) -> list[RequestOutput]:
+        """One forward over each request's uncomputed tokens (a prefill, or one decode token),
+        then one sampled token per request."""
         ids: list[int] = []
         for r in reqs:
             ids.extend(r.all_ids[r.num_computed :])
+        starts = [r.num_computed for r in reqs]
         batch = ForwardBatch.build(
             [r.slot for r in reqs],  # type: ignore[misc]
-            [r.num_computed for r in reqs],
+            starts,
             [r.num_tokens - r.num_computed for r in reqs],
             self.device,
         )
         tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(tokens, batch, self.kv)
+        spec = self.speculator
+        feats = spec.features() if spec is not None else None
+        hidden = self.model(tokens, batch, self.kv, features=feats)
         logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
         self.kv.commit(batch, [r.num_tokens for r in reqs])
-        for r in reqs:
+        for i, r in enumerate(reqs):
             r.num_computed = r.num_tokens
-        return [self._append(r, logits[i]) for i, r in enumerate(reqs)]
+            if spec is not None:  # the drafter's context follows every committed position
+                if starts[i] == 0:
+                    spec.begin(r, batch, i, feats)
+                else:
+                    a, b = int(batch.cu_lens[i]), int(batch.cu_lens[i + 1])
+                    spec.drafter.append_context(
+                        batch.token_slot[a:b], batch.positions[a:b],
+                        {k: f[a:b] for k, f in feats.items()},
+                    )  # fmt: skip
+        outs = []
+        for i, r in enumerate(reqs):
+            row = logits[i : i + 1]
+            self._ban_early_stops(r, row)
+            token = sample_token(row[0], r.params, r.generator or self._default_gen)
+            outs.append(self._append_tokens(r, [token], row))
+        return outs
 
-    def _append(self, req: Request, logits: torch.Tensor) -> RequestOutput:
+    def _ban_early_stops(self, req: Request, logits: torch.Tensor) -> None:
+        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, EOS
+        and stop tokens cannot be sampled (in place)."""
         p = req.params
-        if len(req.output_ids) < p.min_tokens:
-            banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [self.model_cfg.eos_token_id])
-            logits = logits.clone()
-            logits[banned] = float("-inf")
-        token = sample_token(logits, p, req.generator or self._default_gen)
-        lps: tuple[TokenLogprob, ...] = ()
-        if p.logprobs is not None:
-            lps = (token_logprob(logits, token, p.logprobs),)
+        left = p.min_tokens - len(req.output_ids)
+        if left <= 0:
+            return
+        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [self.model_cfg.eos_token_id])
+        logits[:left, banned] = float("-inf")
+
+    def _append_tokens(
+        self, req: Request, tokens: list[int], logits: torch.Tensor
+    ) -> RequestOutput:
+        """Emits ``tokens`` (logits [len(tokens), V] they were chosen from) one by one, stopping
+        at the first stop condition; returns one output for them."""
+        p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
-        req.output_ids.append(token)
-        finish, stop_reason, text = self._check_stop(req, token)
-        if finish is not None:
-            self._finish(req, finish, stop_reason)
-        return self._output(req, (token,), text, lps)
+        emitted: list[int] = []
+        lps: list[TokenLogprob] = []
+        text = ""
+        for i, token in enumerate(tokens):
+            if p.logprobs is not None:
+                lps.append(token_logprob(logits[i], token, p.logprobs))
+            req.output_ids.append(token)
+            emitted.append(token)
+            finish, stop_reason, delta = self._check_stop(req, token)
+            text += delta
+            if finish is not None:
+                self._finish(req, finish, stop_reason)
+                break
+        return self._output(req, tuple(emitted), text, tuple(lps))
 
     def _check_stop(
         self, req: Request, token: int
@@ -259,6 +311,8 @@ class Engine:
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        if self.speculator is not None and req.slot is not None:
+            self.speculator.release(req.slot)
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
         self.stats.finished.append(

@@ -198,6 +198,12 @@ class KVCache:
         if maintain is not None:
             maintain()
 
+    def settling(self) -> bool:
+        """Whether memory is still on its way back (copies or drains in flight): an admission
+        that does not fit now may fit after a few steps."""
+        residency = getattr(self.payload, "residency", None)
+        return residency is not None and residency.settling()
+
     def check(self) -> None:
         """Checks the residency invariant and eq. 3 (tests and ``DHISPARSE_CHECK_INVARIANTS``)."""
         check = getattr(self.payload, "check", None)

@@ -118,6 +118,7 @@ class HierarchyPayload:
             base += scratch[s]
         self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
+        self._ring_hi: dict[int, list[int]] = {}  # slot -> one past the last ring row written
         self._held: dict[int, list[int]] = {}  # slot -> its hot-cache and tail pages
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
@@ -197,6 +198,7 @@ class HierarchyPayload:
             geo.tail_pages[slot] = torch.tensor([next(it) for _ in range(geo.tail_pages.shape[1])])
             hot.reset(slot)
         self.committed[slot] = [0] * self.num_sources
+        self._ring_hi[slot] = [0] * self.num_sources
         if self.residency is not None:
             self.residency.on_admit(slot, [0] * self.num_sources)
         return True
@@ -218,6 +220,7 @@ class HierarchyPayload:
             geo.clear(slot)
         self.host.release(slot)
         self.committed.pop(slot, None)
+        self._ring_hi.pop(slot, None)
 
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
@@ -225,10 +228,15 @@ class HierarchyPayload:
         self._prefetched.clear()
         self._plans = []
         ends = batch.ends()
+        slots = batch.slots.tolist()
         for s, geo in enumerate(self.geo):
             lo = [self._rows(s, a) for a in batch.starts]
             hi = [self._rows(s, e) for e in ends]
-            plan = ChunkPlan.build(lo, hi, self.ring, self.device)
+            ring_hi = [self._ring_hi[slot][s] for slot in slots]
+            plan = ChunkPlan.build(lo, hi, self.ring, self.device, ring_hi)
+            for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
+                if not sc:
+                    self._ring_hi[slot][s] = max(self._ring_hi[slot][s], h)
             if plan.scratch_rows > geo.scratch:
                 raise ValueError(
                     f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch "
@@ -329,6 +337,7 @@ class HierarchyPayload:
                     self.host.mark_durable(slot, s, a, b)
                 self.committed[slot][s] = new
                 if plan.scratch[r]:  # the ring takes the chunk's newest rows
+                    self._ring_hi[slot][s] = new
                     keep = torch.arange(max(lo, new - self.ring), new, device=self.device)
                     ring = geo.ring_loc(torch.full_like(keep, slot), keep)
                     self.store[ring] = self.store[rows_at(int(keep[0]), new)]

@@ -29,8 +29,16 @@ class ChunkPlan:
 
     @staticmethod
     def build(
-        chunk_lo: list[int], chunk_hi: list[int], ring: int, device: torch.device | str
+        chunk_lo: list[int],
+        chunk_hi: list[int],
+        ring: int,
+        device: torch.device | str,
+        ring_hi: list[int] | None = None,
     ) -> ChunkPlan:
+        """``ring_hi[r]``: one past the highest row ever written to the request's ring. A ring
+        slot holds row s only while nothing later went to slot s mod T, so after a verify
+        round wrote rows beyond what it committed, the valid window ends below them."""
+        ring_hi = ring_hi or [0] * len(chunk_lo)
         scratch = [hi - lo > ring for lo, hi in zip(chunk_lo, chunk_hi, strict=True)]
         offs, total = [], 0
         for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True):
@@ -38,8 +46,8 @@ class ChunkPlan:
             total += hi - lo if sc else 0
         # A chunk in scratch leaves the ring as it was before the pass.
         ring_lo = [
-            max(0, (lo if sc else hi) - ring)
-            for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True)
+            max(0, max(lo if sc else hi, rh) - ring)
+            for lo, hi, sc, rh in zip(chunk_lo, chunk_hi, scratch, ring_hi, strict=True)
         ]
 
         def t(x: list) -> torch.Tensor:

@@ -116,6 +116,10 @@ class Residency:
         """Pages that required or optional allocations may still take without breaking eq. 3."""
         return self.p.pages.total - self.required_pages - self.optional_pages - self.reserve
 
+    def settling(self) -> bool:
+        """Copies or drains are in flight: pages will come back."""
+        return bool(self._tickets)
+
     # ---- admission ------------------------------------------------------------------------
     def make_room(self, need: int) -> bool:
         """True when ``need`` pages fit now. Otherwise starts reclaiming whole requests (eq. 4)
@@ -324,7 +328,8 @@ class Residency:
                         assert pg.state in (State.READY, State.BACKING), f"{pg.state} published"
                     elif pg is not None:
                         assert pg.state in (State.PENDING, State.DRAINING), f"{pg.state} hidden"
-                on_device = max(0, committed[source] - ring)  # rows below the tail ring
+                ring_hi = max(committed[source], self.p._ring_hi[slot][source])
+                on_device = max(0, ring_hi - ring)  # rows below the valid tail ring
                 for index in range(-(-on_device // p)):
                     lo, hi = index * p, min(index * p + p, on_device)
                     if index < len(opt) and opt[index] >= 0:

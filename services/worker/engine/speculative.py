@@ -1,0 +1,186 @@
+"""Speculative decoding in the engine: one verify pass per round over the KV hierarchy.
+
+Per round and request r (anchor at position n = the committed tokens): the drafter proposes
+K_r - 1 tokens; the target runs the chunk [anchor, x_1 .. x_{K_r-1}] at positions n .. n+K_r-1
+in one pass with the rest of the batch (each query keeps its own selection and causal mask; the
+resolver serves the union of a request's selections once, eq. 6); verification accepts A_r of
+the proposals and emits a correction or bonus; positions n .. n+A_r are committed (eq. 7, and
+the complete compressed rows of eq. 8) and the rest is never published. The drafter's context
+advances with the same committed positions."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.request import Request
+from services.worker.kv.batch import ForwardBatch
+from services.worker.model.model import DSAModel
+from services.worker.spec.drafters.base import Drafter
+from services.worker.spec.drafters.config import DrafterConfig
+from services.worker.spec.drafters.io import DRAFTERS, build_drafter, load_drafter
+from services.worker.spec.policy import OnlinePolicy, WidthSchedule
+from services.worker.spec.verify import verify_batch
+
+WIDTH_POLICIES = ("fixed", "paper", "online")
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculation counters (vLLM's conventions), read by metrics and benchmarks."""
+
+    drafts: int = 0  # verification rounds (request-rounds)
+    draft_tokens: int = 0  # proposals verified
+    accepted: int = 0  # proposals accepted
+    per_position: list[int] = field(default_factory=list)
+    width: int = 0  # the block width in use (K, anchor included; 0/1: off)
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted / max(self.drafts, 1)
+
+
+def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
+    """``spec``: a drafter kind (random weights, seeded) or a checkpoint directory."""
+    dtype = next(target.parameters()).dtype
+    if spec in DRAFTERS:
+        cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)
+        return build_drafter(cfg, target, seed=seed, dtype=dtype)
+    if not Path(spec).is_dir():
+        raise ValueError(f"drafter {spec!r} is neither a kind {sorted(DRAFTERS)} nor a directory")
+    return load_drafter(spec, target, dtype=dtype)
+
+
+class WidthController:
+    """Which block width K to verify this round: fixed, the paper's schedule by concurrency,
+    or the online policy (eq. 13 on measured TPOT), which first measures each candidate."""
+
+    def __init__(self, policy: str, k_max: int, max_sessions: int, explore_steps: int = 4) -> None:
+        if policy not in WIDTH_POLICIES:
+            raise ValueError(f"unknown width policy {policy!r}; choose from {WIDTH_POLICIES}")
+        self.policy = policy
+        self.k_max = k_max
+        self.schedule = WidthSchedule()
+        widths = tuple(sorted({0, *(w for w in (4, 6, 8) if w <= k_max), k_max}))
+        self.online = OnlinePolicy(widths=widths)
+        self.sessions = dict.fromkeys(widths, max_sessions)  # drafter memory is reserved at start
+        self.explore_steps = explore_steps
+        self._explore: list[int] = []
+
+    def width(self, load: int) -> int:
+        if self.policy == "fixed":
+            return self.k_max
+        if self.policy == "paper":
+            return min(self.k_max, self.schedule.width(load))
+        unmeasured = [w for w in self.online.widths if self.online.tpot(w, load) is None]
+        if unmeasured and not self._explore:
+            self._explore = [unmeasured[0]] * self.explore_steps
+        if self._explore:
+            return self._explore.pop()
+        return self.online.decide(load, self.sessions)
+
+    def observe(self, width: int, load: int, step_s: float, tokens: int) -> None:
+        """A decode step at ``width`` emitted ``tokens`` for ``load`` requests in ``step_s``."""
+        if self.policy == "online" and tokens:
+            self.online.observe(width, load, step_s * load / tokens)
+
+
+class Speculator:
+    """The engine's speculative path: drafting, the verify pass and the commit."""
+
+    def __init__(self, engine, drafter: Drafter, policy: str) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        self.k_max = drafter.block_size
+        drafter.init_ring(engine.cfg.max_num_seqs, page_size=engine.cfg.page_size)
+        self.layers = tuple(drafter.cfg.target_layers)
+        self.widths = WidthController(policy, self.k_max, engine.cfg.max_num_seqs)
+        self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
+
+    def features(self) -> dict[int, torch.Tensor]:
+        return dict.fromkeys(self.layers)  # type: ignore[arg-type]
+
+    def begin(self, req: Request, batch: ForwardBatch, r: int, feats: dict) -> None:
+        """After a prefill: a fresh draft context holding the prompt's committed positions."""
+        assert req.slot is not None
+        self.drafter.begin(req.slot)
+        a, b = int(batch.cu_lens[r]), int(batch.cu_lens[r + 1])
+        self.drafter.append_context(
+            batch.token_slot[a:b], batch.positions[a:b], {i: f[a:b] for i, f in feats.items()}
+        )
+
+    def release(self, slot: int) -> None:
+        self.drafter.release(slot)
+
+    @torch.no_grad()
+    def round(self, reqs: list[Request]) -> list:
+        """One verify round for ``reqs`` (all decoding); returns their outputs."""
+        eng = self.engine
+        load = len(reqs)
+        k = self.widths.width(load)
+        self.counters.width = k
+        t0 = time.perf_counter()
+        if k <= 1:
+            outs = eng._run(reqs)
+            self.widths.observe(0, load, time.perf_counter() - t0, len(reqs))
+            return outs
+        caps = []
+        for r in reqs:
+            left = min(
+                r.params.max_tokens - len(r.output_ids), eng.cfg.max_model_len - r.num_tokens
+            )
+            cap = max(1, min(k, left))
+            # The verify chunk needs KV room for all its positions; fall back to one query.
+            if not eng.kv.ensure(r.slot, r.num_tokens - 1 + cap):
+                cap = 1
+            caps.append(cap)
+        anchors = [r.output_ids[-1] for r in reqs]
+        starts = [r.num_tokens - 1 for r in reqs]
+        prop = self.drafter.propose(
+            [r.slot for r in reqs], anchors, starts, caps,
+            [r.params.temperature for r in reqs], [r.generator or eng._default_gen for r in reqs],
+        )  # fmt: skip
+        widths = prop.widths
+        ids: list[int] = []
+        for r, anchor in enumerate(anchors):
+            ids.extend([anchor, *prop.drafts(r).tolist()])
+        batch = ForwardBatch.build([r.slot for r in reqs], starts, widths, eng.device)
+        feats = self.features()
+        tokens = torch.tensor(ids, dtype=torch.int64, device=eng.device)
+        hidden = eng.model(tokens, batch, eng.kv, features=feats)
+        logits = eng.model.logits(hidden)  # [sum K_r, V]
+        cu = batch.cu_lens.tolist()
+        for r, req in enumerate(reqs):
+            eng._ban_early_stops(req, logits[cu[r] : cu[r + 1]])
+        verdicts = verify_batch(
+            logits, widths, prop.tokens, prop.probs, [r.params for r in reqs],
+            [r.generator or eng._default_gen for r in reqs],
+        )  # fmt: skip
+        committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
+        eng.kv.commit(batch, committed)
+        keep = torch.cat(
+            [torch.arange(cu[r], cu[r] + v.num_accepted + 1) for r, v in enumerate(verdicts)]
+        ).to(eng.device)
+        self.drafter.append_context(
+            batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()}
+        )
+        outs = []
+        emitted = 0
+        for r, (req, v) in enumerate(zip(reqs, verdicts, strict=True)):
+            c = self.counters
+            c.drafts += 1
+            c.draft_tokens += widths[r] - 1
+            c.accepted += v.num_accepted
+            for i in range(v.num_accepted):
+                c.per_position[i] += 1
+            req.num_computed = committed[r]
+            new = [*prop.drafts(r)[: v.num_accepted].tolist(), v.next_token]
+            rows = logits[cu[r] : cu[r] + len(new)]
+            out = eng._append_tokens(req, new, rows)
+            emitted += len(out.new_token_ids)
+            outs.append(out)
+        self.widths.observe(k, load, time.perf_counter() - t0, emitted)
+        return outs
