@@ -35,6 +35,9 @@ class EngineStats:
 
     prefill_tokens_computed: int = 0
     decode_steps: int = 0
+    prefill_s: float = 0.0  # wall time in prefill passes (they end in a host sync)
+    decode_s: float = 0.0  # wall time in decode steps
+    decode_tokens: int = 0  # tokens emitted by decode steps
     # (arrival, first token, finish, output tokens) of finished requests, drained by readers
     finished: list[tuple[float, float | None, float, int]] = field(default_factory=list)
 
@@ -77,7 +80,7 @@ class EngineConfig:
             max_model_len=self.max_model_len,
             hot_cache_rows=self.hot_cache_rows,
             max_prefill_tokens=self.max_prefill_tokens,
-            host_arena_bytes=int(self.host_arena_mib * (1 << 20)),
+            host_arena_bytes=int(self.host_arena_mib * (1 << 20)) // 4096 * 4096,
             owner=self.owner,
             resolver=self._backend(self.resolver),
             reserve_pages=self.reserve_pages,
@@ -130,7 +133,7 @@ class Engine:
         self.speculator: Speculator | None = None
         if cfg.drafter:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
-            self.speculator = Speculator(self, drafter, cfg.width_policy)
+            self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena)."""
@@ -211,13 +214,19 @@ class Engine:
             outputs.append(self._output(head, (), head.text.finish(), ()))
         if sched.prefill:
             self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
+            t0 = time.perf_counter()
             outputs.extend(self._run(sched.prefill))
+            self.stats.prefill_s += time.perf_counter() - t0
         if sched.decode:
             self.stats.decode_steps += 1
+            t0 = time.perf_counter()
             if self.speculator is not None:
-                outputs.extend(self.speculator.round(sched.decode))
+                outs = self.speculator.round(sched.decode)
             else:
-                outputs.extend(self._run(sched.decode))
+                outs = self._run(sched.decode)
+            self.stats.decode_s += time.perf_counter() - t0
+            self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outs)
+            outputs.extend(outs)
         if self._check_invariants:
             self.kv.check()
         return outputs

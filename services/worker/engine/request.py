@@ -103,6 +103,7 @@ class Request:
     num_computed: int = 0  # tokens whose KV rows are in the cache
     finish_reason: FinishReason | None = None
     stop_reason: str | int | None = None
+    admitted_time: float | None = None  # first admission (allocation wait = this - arrival)
     first_token_time: float | None = None
 
     @property

@@ -6,6 +6,7 @@ admitted running request, which returns to the head of the queue and is recomput
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -87,7 +88,10 @@ class Scheduler:
             self.free_slots.pop()
             self.waiting.popleft()
             req.slot, req.status, req.num_computed = slot, Status.RUNNING, 0
+            if req.admitted_time is None:
+                req.admitted_time = time.monotonic()  # allocation wait ends
             self.running.append(req)
             out.prefill.append(req)
             budget -= n
+        self.kv.note_queue(len(self.waiting))
         return out

@@ -91,10 +91,11 @@ class WidthController:
 class Speculator:
     """The engine's speculative path: drafting, the verify pass and the commit."""
 
-    def __init__(self, engine, drafter: Drafter, policy: str) -> None:
+    def __init__(self, engine, drafter: Drafter, policy: str, width: int) -> None:
         self.engine = engine
         self.drafter = drafter
-        self.k_max = drafter.block_size
+        # The widest block verified: the configured width, within the drafter's block.
+        self.k_max = max(1, min(width, drafter.block_size))
         drafter.init_ring(engine.cfg.max_num_seqs, page_size=engine.cfg.page_size)
         self.layers = tuple(drafter.cfg.target_layers)
         self.widths = WidthController(policy, self.k_max, engine.cfg.max_num_seqs)

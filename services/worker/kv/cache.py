@@ -103,6 +103,29 @@ class KVCache:
             self.payload = self._hierarchy(model_cfg, cfg, host, esize, rings)
         self._admitted: set[int] = set()
 
+    @staticmethod
+    def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
+        """Allocations of a hierarchy mode that do not grow with sessions: token rings,
+        prefill scratch, hot-cache metadata and staging (index keys and pages excluded)."""
+        from services.worker.kv.hierarchy.payload import HierarchyPayload
+
+        esize = torch.empty((), dtype=cfg.dtype).element_size()
+        rings = 0
+        for src in model_cfg.sources:
+            if src.window > 0 or src.compress > 1:
+                rows = max(src.window, src.compress) + cfg.ring_extra
+                rings += cfg.max_slots * rows * model_cfg.d_kv * esize
+        p = cfg.page_size
+        hot_rows = -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
+        scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
+        return (
+            rings
+            + HierarchyPayload.fixed_bytes(
+                model_cfg, cfg.max_slots, cfg.max_model_len, hot_rows, scratch_tokens, esize
+            )
+            + HierarchyPayload.staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, esize)
+        )
+
     def _hierarchy(
         self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None, esize: int, rings: int
     ) -> PayloadBackend:
@@ -197,6 +220,12 @@ class KVCache:
         maintain = getattr(self.payload, "maintain", None)
         if maintain is not None:
             maintain()
+
+    def note_queue(self, waiting: int) -> None:
+        """The scheduler's queue after admissions (adaptive residency holds back then)."""
+        residency = getattr(self.payload, "residency", None)
+        if residency is not None:
+            residency.note_queue(waiting)
 
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission

@@ -89,6 +89,7 @@ class Residency:
         self._tickets: dict[int, tuple[str, OptPage]] = {}
         self._seq = itertools.count()
         self._waiting = False  # an admission found no room since the last maintain()
+        self._queued = 0  # requests the scheduler could not admit this step
 
     # ---- accounting (pages; eq. 3) ----------------------------------------------------------
     @property
@@ -115,6 +116,11 @@ class Residency:
     def room(self) -> int:
         """Pages that required or optional allocations may still take without breaking eq. 3."""
         return self.p.pages.total - self.required_pages - self.optional_pages - self.reserve
+
+    def note_queue(self, waiting: int) -> None:
+        """Requests still waiting after this step's admissions: while any wait, memory is not
+        spare, so no new optional history is kept or refilled (it would be reclaimed at once)."""
+        self._queued = waiting
 
     def settling(self) -> bool:
         """Copies or drains are in flight: pages will come back."""
@@ -170,7 +176,7 @@ class Residency:
         rest: list[tuple[int, int]] = []
         cursor = lo
         for index in range(-(-lo // p), hi // p):
-            if self._waiting or self.room() < 1:
+            if self._waiting or self._queued or self.room() < 1:
                 break
             if index * p > cursor:
                 rest.append((cursor, index * p))
@@ -195,7 +201,7 @@ class Residency:
                 pg
             )
         waiting, self._waiting = self._waiting, False
-        if not waiting:
+        if not waiting and not self._queued:
             self._populate()
 
     def _reclaim(self, owner_id: int) -> None:

@@ -1,0 +1,235 @@
+"""Capacity and throughput of resident / hisparse / adaptive serving vs concurrency (issue 5).
+
+    python bench/capacity.py --out docs/results/capacity.json --plot docs/results/capacity.png
+
+One run, the same model and requests for every mode. The KV budget for sessions is sized so
+resident serving holds ``--resident-sessions`` sessions of the context; each hierarchy mode gets
+that same budget plus its own fixed allocations (prefill scratch, hot-cache metadata), which are
+reported. At each concurrency C, C requests with C distinct prompts of ``--context`` tokens
+arrive at once and each decodes ``--decode-tokens`` tokens greedily (closed loop); requests that
+do not fit wait for admission (allocation wait). Reported per mode and C: sessions admitted at
+once, decode throughput (tokens of decode steps / their time), end-to-end output tokens/s,
+allocation wait, resolver census and host bytes read per decode token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+from services.worker.kv.cache import KVCache, bytes_per_token
+from services.worker.model import LayerSpec, ModelConfig, SourceSpec, build_model
+
+MODES = ("resident", "hisparse", "adaptive")
+
+
+def bench_model_config(layers: int, k: int) -> ModelConfig:
+    """GLM-style IndexShare at a size that makes the GPU, not Python, do the work: MLA rows of
+    576 elements (512 latent + 64 RoPE, bf16), producers every 4 layers."""
+    specs = []
+    for i in range(layers):
+        if i % 4 == 0:
+            specs.append(LayerSpec(source=i, index="producer"))
+        else:
+            specs.append(LayerSpec(source=i, index="follower", leader=i - i % 4))
+    return ModelConfig(
+        name="bench-glm", vocab_size=264, d_model=1024, n_heads=16, d_latent=512, d_rope=64,
+        d_ff=2048, n_index_heads=8, d_index=64, index_topk=k,
+        sources=tuple(SourceSpec() for _ in range(layers)), layers=tuple(specs),
+        tie_embeddings=False, dtype="bfloat16", max_position=1 << 20,
+    )  # fmt: skip
+
+
+def run_mode(mode: str, args, budget: int, prompts: list[list[int]]) -> dict:
+    ctx = args.context
+    common = dict(
+        model="bench-glm", device=args.device, dtype=DTYPE, mode=mode, page_size=args.page,
+        max_num_seqs=max(args.concurrency), max_model_len=ctx + args.decode_tokens + 16,
+        max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
+        attention_backend="auto", host_arena_mib=args.host_gib * 1024,
+    )  # fmt: skip
+    fixed = 0
+    if mode != "resident":
+        probe = EngineConfig(kv_pool_mib=budget / 2**20, **common)
+        fixed = KVCache.hierarchy_fixed_bytes(MODEL.cfg, probe.kv_config(MODEL.embed.weight.dtype))
+    pool = budget + fixed
+    engine = Engine(
+        EngineConfig(kv_pool_mib=pool / 2**20, **common), model=MODEL, tokenizer=TOKENIZER
+    )
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    rows = []
+    for c in args.concurrency:
+        census0 = engine.kv.census()
+        reqs = [engine.add_request(f"{mode}-{c}-{i}", prompts[i], params) for i in range(c)]
+        t0 = time.perf_counter()
+        st = engine.stats
+        d_s, d_tok = st.decode_s, st.decode_tokens
+        peak = 0
+        while engine.has_work():
+            engine.step()
+            peak = max(peak, engine.num_running)
+        if args.device == "cuda":
+            torch.cuda.synchronize()
+        decode_time, decode_tokens = st.decode_s - d_s, st.decode_tokens - d_tok
+        wall = time.perf_counter() - t0
+        waits = [r.admitted_time - r.arrival for r in reqs]
+        census1 = engine.kv.census()
+        row = {
+            "mode": mode,
+            "concurrency": c,
+            "sessions_admitted": peak,
+            "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
+            "output_tokens_per_s": c * args.decode_tokens / wall,
+            "wall_s": wall,
+            "alloc_wait_mean_s": statistics.mean(waits),
+            "alloc_wait_max_s": max(waits),
+        }
+        if census1 is not None:
+            d = {
+                k: getattr(census1, k) - getattr(census0, k)
+                for k in ("direct", "hot", "host", "copied")
+            }
+            total = max(1, d["direct"] + d["hot"] + d["host"])
+            row.update(
+                census_direct=d["direct"] / total, census_hot=d["hot"] / total,
+                census_host=d["host"] / total,
+                host_bytes_per_token=d["copied"] * engine.kv.row_bytes / max(1, c * args.decode_tokens),
+            )  # fmt: skip
+        res = getattr(engine.kv.payload, "residency", None)
+        if res is not None:
+            row.update(reclaims=res.stats.reclaim_events, repopulated=res.stats.repopulated_pages)
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    engine.close()
+    del engine
+    if args.device == "cuda":
+        torch.cuda.empty_cache()
+    return {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": rows}
+
+
+MODEL = None
+TOKENIZER = None
+DTYPE = "bfloat16"
+
+
+def main() -> int:
+    global MODEL, TOKENIZER
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--concurrency", default="1,2,4,8,16,32,48")
+    ap.add_argument("--resident-sessions", type=int, default=4)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--k", type=int, default=512)
+    ap.add_argument("--hot-cache-rows", type=int, default=1024)
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--host-gib", type=float, default=16.0)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--out", default="docs/results/capacity.json")
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
+    args = ap.parse_args()
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    global DTYPE
+    DTYPE = "bfloat16" if args.device == "cuda" else "float32"
+    from dhisparse.tokenizer import ByteTokenizer
+
+    TOKENIZER = ByteTokenizer()
+    cfg = bench_model_config(args.layers, args.k)
+    MODEL = build_model(cfg, seed=0, device=args.device, dtype=getattr(torch, DTYPE))
+    per_token = bytes_per_token(cfg, MODEL.embed.weight.element_size(), payload=True)
+    session_tokens = args.context + args.decode_tokens + 16
+    budget = int(args.resident_sessions * session_tokens * per_token * 1.02)
+    g = torch.Generator().manual_seed(0)
+    prompts = [
+        torch.randint(0, 256, (args.context,), generator=g).tolist()
+        for _ in range(max(args.concurrency))
+    ]
+    results = []
+    for mode in args.modes.split(","):
+        print(f"== {mode}", flush=True)
+        results.append(run_mode(mode, args, budget, prompts))
+    summary = summarize(results, args)
+    out = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "model": cfg.to_dict(),
+        "context": args.context,
+        "decode_tokens": args.decode_tokens,
+        "session_budget_bytes": budget,
+        "resident_bytes_per_token": per_token,
+        "hot_cache_rows": args.hot_cache_rows,
+        "page": args.page,
+        "command": "python bench/capacity.py " + " ".join(sys.argv[1:]),
+        "modes": results,
+        "summary": summary,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    if args.plot:
+        plot(out, args.plot)
+    return 0
+
+
+def summarize(results: list[dict], args) -> dict:
+    by = {r["mode"]: {row["concurrency"]: row for row in r["rows"]} for r in results}
+    out: dict = {}
+    if {"resident", "adaptive"} <= by.keys():
+        fits = [c for c, row in by["resident"].items() if row["sessions_admitted"] >= c]
+        out["adaptive_vs_resident_where_resident_fits"] = {
+            c: by["adaptive"][c]["decode_tokens_per_s"] / by["resident"][c]["decode_tokens_per_s"]
+            for c in fits
+        }
+        cmax = max(args.concurrency)
+        out["sessions_ratio_adaptive_over_resident_at_max_c"] = (
+            by["adaptive"][cmax]["sessions_admitted"] / by["resident"][cmax]["sessions_admitted"]
+        )
+    if {"hisparse", "adaptive"} <= by.keys():
+        out["adaptive_vs_hisparse"] = {
+            c: by["adaptive"][c]["decode_tokens_per_s"] / by["hisparse"][c]["decode_tokens_per_s"]
+            for c in args.concurrency
+        }
+    return out
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4))
+    for res in out["modes"]:
+        cs = [r["concurrency"] for r in res["rows"]]
+        axes[0].plot(cs, [r["output_tokens_per_s"] for r in res["rows"]], "o-", label=res["mode"])
+        axes[1].plot(cs, [r["sessions_admitted"] for r in res["rows"]], "o-", label=res["mode"])
+        axes[2].plot(cs, [r["alloc_wait_mean_s"] for r in res["rows"]], "o-", label=res["mode"])
+    titles = (
+        "output tokens/s (end to end)",
+        "sessions admitted at once",
+        "mean allocation wait (s)",
+    )
+    for ax, title in zip(axes, titles, strict=True):
+        ax.set(xscale="log", xlabel="concurrency", title=title)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{out['machine']}, context {out['context']}, {out['model']['name']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

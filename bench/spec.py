@@ -1,0 +1,173 @@
+"""Speculative decoding over the hierarchy (issue 6): acceptance length and decode tokens/s per
+drafter and width policy vs concurrency, against no speculation.
+
+    python bench/spec.py --out docs/results/spec.json --plot docs/results/spec.png
+
+Target: the ``tiny-glm`` preset (seeded random weights) in ``adaptive`` mode; drafters: the
+checkpoints in ``bench/drafters/tiny-glm/`` (trained against that target on its own generated
+text, see their ``train_config.json``). Prompts are the target's own greedy continuations, so
+drafts are judged in distribution. For each concurrency C, C requests decode
+``--decode-tokens`` tokens greedily; every configuration runs twice on one engine and the
+second run is reported (warm kernels, and the online policy has measured its widths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+
+ROOT = Path(__file__).resolve().parents[1]
+DRAFTERS = ("dflash", "dspark", "dflash2")
+
+
+def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
+    return EngineConfig(
+        model="tiny-glm", device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
+        host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
+        max_prefill_tokens=8192, page_size=16,
+        drafter=None if drafter is None else str(ROOT / "bench/drafters/tiny-glm" / drafter),
+        spec_width=width, width_policy=policy,
+    )  # fmt: skip
+
+
+def make_prompts(args, n: int) -> list[list[int]]:
+    """Text windows of the drafters' corpus (other offsets than training drew), continued by
+    the target's greedy decoding: the distribution the drafters were trained to predict."""
+    from services.worker.spec.train_data import corpus_tokens
+
+    eng = Engine(config(args, None, "fixed", 1))
+    stream = corpus_tokens(None)
+    g = torch.Generator().manual_seed(12345)
+    offsets = torch.randint(0, len(stream) - 32, (n,), generator=g).tolist()
+    seeds = [stream[o : o + 32].tolist() for o in offsets]
+    params = SamplingParams(temperature=0.0, max_tokens=args.prompt_len - 32, ignore_eos=True)
+    out = [s + r.output_ids for s, r in zip(seeds, eng.generate(seeds, params), strict=True)]
+    eng.close()
+    return out
+
+
+def measure(eng: Engine, prompts: list[list[int]], args) -> dict:
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    st = eng.stats
+    d_s, d_t = st.decode_s, st.decode_tokens
+    spec = eng.speculator
+    c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
+    eng.generate(prompts, params)
+    row = {
+        "decode_tokens_per_s": (st.decode_tokens - d_t) / max(st.decode_s - d_s, 1e-9),
+        "acceptance_length": 1.0,
+    }
+    if spec is not None:
+        drafts = spec.counters.drafts - c0[0]
+        accepted = spec.counters.accepted - c0[1]
+        row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
+        row["width_in_use"] = spec.counters.width
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--widths", default="4,8")
+    ap.add_argument("--mode", default="adaptive")
+    ap.add_argument("--pool-mib", type=float, default=512)
+    ap.add_argument("--host-mib", type=float, default=512)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--drafters", default=",".join(DRAFTERS))
+    ap.add_argument("--out", default="docs/results/spec.json")
+    ap.add_argument("--plot", default=None)
+    args = ap.parse_args()
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    widths = [int(x) for x in args.widths.split(",")]
+    prompts = make_prompts(args, max(args.concurrency))
+    configs = [("none", None, "fixed", 1)]
+    for d in args.drafters.split(","):
+        configs += [(f"{d}/K={w}", d, "fixed", w) for w in widths]
+        configs += [(f"{d}/paper", d, "paper", 8), (f"{d}/online", d, "online", 8)]
+    results = []
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    for name, drafter, policy, width in tqdm(configs, desc="configs"):
+        eng = Engine(config(args, drafter, policy, width))
+        for c in args.concurrency:
+            measure(eng, prompts[:c], args)  # warm-up (and the online policy's measurements)
+            row = {"config": name, "concurrency": c, **measure(eng, prompts[:c], args)}
+            results.append(row)
+            print(json.dumps(row), flush=True)
+        eng.close()
+    summary = summarize(results, args)
+    out = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "target": "tiny-glm (seeded random weights)",
+        "mode": args.mode,
+        "decode_tokens": args.decode_tokens,
+        "command": "python bench/spec.py " + " ".join(sys.argv[1:]),
+        "results": results,
+        "summary": summary,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(json.dumps(summary, indent=2))
+    if args.plot:
+        plot(out, args.plot)
+    return 0
+
+
+def summarize(results: list[dict], args) -> dict:
+    """Online policy vs no speculation and vs the paper's schedule, per drafter and C."""
+    tps = {(r["config"], r["concurrency"]): r["decode_tokens_per_s"] for r in results}
+    out = {}
+    for d in args.drafters.split(","):
+        for c in args.concurrency:
+            online = tps[(f"{d}/online", c)]
+            none, paper = tps[("none", c)], tps[(f"{d}/paper", c)]
+            out[f"{d}@C{c}"] = {
+                "online_over_none": online / none,
+                "online_over_paper": online / paper,
+                "within_3pct_of_the_better": online >= 0.97 * max(none, paper),
+            }
+    return out
+
+
+def plot(out: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    configs = sorted({r["config"] for r in out["results"]})
+    fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
+    for cfg in configs:
+        rs = [r for r in out["results"] if r["config"] == cfg]
+        cs = [r["concurrency"] for r in rs]
+        style = "k--" if cfg == "none" else "o-"
+        a1.plot(cs, [r["decode_tokens_per_s"] for r in rs], style, label=cfg)
+        if cfg != "none":
+            a2.plot(cs, [r["acceptance_length"] for r in rs], "o-", label=cfg)
+    a1.set(xscale="log", yscale="log", xlabel="concurrency", ylabel="decode tokens/s",
+           title=f"speculative decoding, {out['mode']} mode ({out['machine']})")  # fmt: skip
+    a2.set(xscale="log", xlabel="concurrency", ylabel="acceptance length (1 + accepted/drafts)")
+    a1.legend(fontsize=7, ncol=2)
+    a2.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
