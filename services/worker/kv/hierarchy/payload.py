@@ -124,8 +124,9 @@ class HierarchyPayload:
         self._batch: ForwardBatch | None = None
         self._plans: list[ChunkPlan] = []
         self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
-        # Follower resolutions started early, on a side stream on a GPU: layer -> (locs, event)
-        self._prefetched: dict[int, tuple[torch.Tensor, torch.cuda.Event | None]] = {}
+        # Follower resolutions started early, on a side stream on a GPU:
+        # layer -> (locs, census, event)
+        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.residency: Residency | None = None
         if mode == "adaptive":
@@ -273,45 +274,49 @@ class HierarchyPayload:
         readers of those sources are done, and the selection is complete."""
         if self._side is None:
             for layer, source in layers:
-                self._prefetched[layer] = (self._resolve(source, batch, selection), None)
+                self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
             return
         main = torch.cuda.current_stream(self.device)
         self._side.wait_stream(main)
         with torch.cuda.stream(self._side):
             for layer, source in layers:
-                locs = self._resolve(source, batch, selection)
+                locs, census = self._resolve(source, batch, selection)
                 locs.record_stream(main)
+                census.record_stream(main)
                 event = torch.cuda.Event()
                 event.record(self._side)
-                self._prefetched[layer] = (locs, event)
+                self._prefetched[layer] = (locs, census, event)
 
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> torch.Tensor:
         done = self._prefetched.pop(layer, None)
         if done is not None:
-            locs, event = done
+            locs, census, event = done
             if event is not None:
                 torch.cuda.current_stream(self.device).wait_event(event)
-            return locs
-        return self._resolve(source, batch, selection)
+        else:
+            locs, census = self._resolve(source, batch, selection)
+        self._census += census  # on the main stream, after the resolution it counts
+        return locs
 
-    def _resolve(self, source: int, batch: ForwardBatch, selection: torch.Tensor) -> torch.Tensor:
+    def _resolve(
+        self, source: int, batch: ForwardBatch, selection: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(locations, census [4]) of one source's selection."""
         plan = self._plans[source]
         geo = self.geo[source]
-        if plan.all_direct:  # nothing older than the ring: no hot scan, no host reads
-            valid = selection >= 0
+        if plan.all_direct:
+            # Nothing older than the ring (a prefill): no hot scan, no host reads, and not
+            # counted in the census, which describes how decode selections are served.
             req = batch.token_req.unsqueeze(1).expand_as(selection)
             _, locs = geo.direct(selection, req, batch.slots, plan)
-            self._census[0] += valid.sum()
-            return torch.where(valid, locs, -1)
+            return torch.where(selection >= 0, locs, -1), torch.zeros_like(self._census)
         hot = self.hot[source]
-        locs, census = self.resolver(
+        return self.resolver(
             selection, batch.cu_lens, batch.slots, plan, geo, hot, hot.tick(), self.store,
             self.host.arena, self.host.base[:, source],
         )  # fmt: skip
-        self._census += census
-        return locs
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """The first ``num_tokens[r]`` tokens of each request are final: their complete rows

@@ -273,8 +273,10 @@ _WORKSPACES: dict[tuple, Workspace] = {}
 
 
 def workspace_for(sel: torch.Tensor, nreq: int, entries: int) -> Workspace:
-    """A cached workspace big enough for this call (grown, never shrunk)."""
-    key = (sel.device, entries)
+    """A cached workspace big enough for this call (grown, never shrunk), one per stream: the
+    followers' resolutions run on a side stream while the producer's runs on the main one."""
+    stream = torch.cuda.current_stream(sel.device).cuda_stream if sel.is_cuda else 0
+    key = (sel.device, entries, stream)
     ws = _WORKSPACES.get(key)
     if ws is None or not ws.fits(sel.shape[0], sel.shape[1], nreq, entries):
         n = max(sel.shape[0], ws.plan_src.numel() // sel.shape[1] if ws else 0)
