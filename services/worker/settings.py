@@ -30,7 +30,7 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     reserve_pages: int = 0
-    populate_pages: int = 64
+    populate_pages: int = 256
     reclaim_order: str = "largest"
     drafter: str | None = None
     spec_width: int = 8

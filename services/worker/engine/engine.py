@@ -58,7 +58,7 @@ class EngineConfig:
     host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
     resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
     reserve_pages: int = 0  # adaptive: admission reserve, in pages
-    populate_pages: int = 64  # adaptive: optional pages refilled per attempt
+    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
     reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     owner: str = "local"  # worker id that owns this engine's host regions

@@ -42,7 +42,7 @@ class KVCacheConfig:
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
     reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
-    populate_pages: int = 64  # adaptive: optional pages refilled per attempt
+    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
     reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     dtype: torch.dtype = torch.float32

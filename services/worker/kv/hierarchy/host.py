@@ -165,9 +165,11 @@ class HostBackups:
         )
 
     def write(self, slot: int, source: int, start: int, values: torch.Tensor) -> None:
-        """Backs up rows ``start ..`` of a slot's source (values [n, row_elems])."""
+        """Backs up rows ``start ..`` of a slot's source (values [n, row_elems]). From a GPU the
+        copy is asynchronous into the registered arena: it is ordered before every later
+        kernel, including the resolver's host reads, so nothing waits for it."""
         n = values.shape[0]
-        self.rows_view(slot, source, start, start + n).copy_(values)
+        self.rows_view(slot, source, start, start + n).copy_(values, non_blocking=self.on_gpu)
 
     def mark_durable(self, slot: int, source: int, start: int, end: int) -> None:
         """Rows [start, end) of the slot's source now hold committed bytes on the host."""

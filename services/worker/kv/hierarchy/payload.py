@@ -69,7 +69,7 @@ class HierarchyPayload:
         resolver: Resolver = resolve_ref,
         mode: str = "hisparse",
         reserve_pages: int = 0,
-        populate_pages: int = 64,
+        populate_pages: int = 256,
         reclaim_order: str = "largest",
         spec_block: int = 1,
     ) -> None:

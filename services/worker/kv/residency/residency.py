@@ -56,6 +56,8 @@ class _Owner:
     slot: int
     imported: list[int]  # imported (prefill) rows per source
     pages: dict[tuple[int, int], OptPage] = field(default_factory=dict)
+    # Host-backed imported pages not on the device, to refill (source, page) in order.
+    wanted: list[tuple[int, int]] = field(default_factory=list)
     reclaim_started: float | None = None
 
 
@@ -118,9 +120,13 @@ class Residency:
         return self.p.pages.total - self.required_pages - self.optional_pages - self.reserve
 
     def note_queue(self, waiting: int) -> None:
-        """Requests still waiting after this step's admissions: while any wait, memory is not
-        spare, so no new optional history is kept or refilled (it would be reclaimed at once)."""
+        """Requests still waiting after this step's admissions. Their required pages are spoken
+        for: optional history may only use what is left (it would be reclaimed at once)."""
         self._queued = waiting
+
+    def spare(self) -> int:
+        """Pages optional history may take now: the room less the queue's required pages."""
+        return self.room() - self._queued * self.p.required_pages
 
     def settling(self) -> bool:
         """Copies or drains are in flight: pages will come back."""
@@ -176,7 +182,7 @@ class Residency:
         rest: list[tuple[int, int]] = []
         cursor = lo
         for index in range(-(-lo // p), hi // p):
-            if self._waiting or self._queued or self.room() < 1:
+            if self._waiting or self.spare() < 1:
                 break
             if index * p > cursor:
                 rest.append((cursor, index * p))
@@ -189,6 +195,8 @@ class Residency:
             cursor = index * p + p
         if cursor < hi:
             rest.append((cursor, hi))
+        for a, b in rest:  # complete pages the caller backs up now: candidates for refill
+            owner.wanted.extend((source, index) for index in range(-(-a // p), b // p))
         return rest
 
     # ---- completions, reclaim, repopulation -------------------------------------------------
@@ -201,7 +209,7 @@ class Residency:
                 pg
             )
         waiting, self._waiting = self._waiting, False
-        if not waiting and not self._queued:
+        if not waiting:
             self._populate()
 
     def _reclaim(self, owner_id: int) -> None:
@@ -247,6 +255,8 @@ class Residency:
         owner = self._owners[pg.owner]
         del owner.pages[(pg.source, pg.index)]
         self.p.pages.give([pg.page])
+        if not pg.dead:  # backed up: the request may get it back when memory frees
+            owner.wanted.append((pg.source, pg.index))
         if not pg.dead:
             self.stats.reclaim_pages += 1
             if owner.reclaim_started is not None and not any(
@@ -265,42 +275,29 @@ class Residency:
         self.p.geo[pg.source].opt_map[pg.slot, pg.index] = pg.page
         self.stats.repopulated_pages += 1
 
-    def _missing(self, owner: _Owner) -> list[tuple[int, int]]:
-        """(source, page) of imported history that is host-backed but not on the device."""
-        p = self.p.page
-        out = []
-        for source, rows in enumerate(owner.imported):
-            for index in range(rows // p):
-                if (source, index) not in owner.pages and self.p.host.durable(
-                    owner.slot, source, index * p, index * p + p
-                ):
-                    out.append((source, index))
-        return out
-
     def _populate(self) -> None:
-        budget = min(self.populate_pages, self.room())
+        budget = min(self.populate_pages, self.spare())
         if budget <= 0:
             return
         live = {
             o.slot: (oid, o)
             for oid, o in self._owners.items()
-            if self._slot_owner.get(o.slot) == oid
+            if self._slot_owner.get(o.slot) == oid and o.reclaim_started is None and o.wanted
         }
-        missing = {
-            slot: self._missing(o) for slot, (_, o) in live.items() if o.reclaim_started is None
-        }
-        grant = self.rr.plan({s: len(m) for s, m in missing.items()}, budget)
+        grant = self.rr.plan({s: len(o.wanted) for s, (_, o) in live.items()}, budget)
         p = self.p.page
         for slot, n in grant.items():
             oid, owner = live[slot]
-            for source, index in missing[slot][:n]:
+            todo, owner.wanted = owner.wanted[:n], owner.wanted[n:]
+            for source, index in todo:
                 (page,) = self.p.pages.take(1)
                 pg = OptPage(oid, slot, source, index, page, State.PENDING, True)
                 owner.pages[(source, index)] = pg
 
                 def fill(pg: OptPage = pg) -> None:
                     host = self.p.host.rows_view(pg.slot, pg.source, pg.index * p, pg.index * p + p)
-                    self.p.store[pg.page * p : pg.page * p + p] = host.to(self.p.device)
+                    dst = self.p.store[pg.page * p : pg.page * p + p]
+                    dst.copy_(host, non_blocking=True)  # ordered before readers; ticket says when
 
                 self._tickets[self.completions.submit(fill)] = ("populate", pg)
 
