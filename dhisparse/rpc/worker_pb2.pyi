@@ -155,17 +155,19 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
     mode: str
     config_json: str
     worker_id: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ...) -> None: ...
+    kv_layout_json: str
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ...) -> None: ...

@@ -30,6 +30,7 @@ class ModelInfo:
     mode: str
     worker_id: str
     config_json: str = ""
+    kv_layout_json: str = ""
 
 
 @dataclass(frozen=True)
@@ -94,6 +95,7 @@ def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
         mode=info.mode,
         worker_id=info.worker_id,
         config_json=info.config_json,
+        kv_layout_json=info.kv_layout_json,
     )
 
 

@@ -33,6 +33,7 @@ class WorkerStatus:
     model_name: str = ""
     mode: str = ""  # resident | hisparse | adaptive
     config_json: str = ""  # the model config, for the capacity model
+    kv_layout_json: str = ""  # the worker's KV geometry (dtype, pages, hot cache, tail)
     admitted_bytes: int = 0  # held by leases in the admission ledger (every gateway's)
 
     @property

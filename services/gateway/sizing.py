@@ -3,9 +3,9 @@ config (``ModelInfo.config_json``) becomes a ``Profile``, its serving mode picks
 hierarchy accounting, and the session is sized for its whole budget (prompt + max tokens), so
 that an admitted request can always run to its end.
 
-What the worker does not report is taken from the capacity model's defaults, overridable here:
-the page size (the workers' ``--page-size``), the hot cache (B = 2k) and one tail page. The
-worker reports no drafter, so none is counted.
+The worker reports its KV geometry (``ModelInfo.kv_layout_json``: element size, page size, hot
+cache and tail rows); an older worker that does not is sized with the capacity model's defaults,
+overridable here (page size, B = 2k, one tail page).
 """
 
 from __future__ import annotations
@@ -35,10 +35,17 @@ class SessionSizer:
         self._profile = lru_cache(maxsize=16)(self._build_profile)
         self._unusable: set[str] = set()
 
-    def _build_profile(self, config_json: str) -> Profile:
+    def _build_profile(self, config_json: str, layout_json: str = "") -> Profile:
         cfg = ModelConfig.from_dict(json.loads(config_json))
+        layout = json.loads(layout_json) if layout_json else {}
+        page = layout.get("page_size") or self.page_size
+        tail = layout.get("tail_rows")
         return profile_from_model_config(
-            cfg, page_size=self.page_size, hot_cache_rows=self.hot_cache_rows
+            cfg,
+            kv_dtype_bytes=layout.get("kv_dtype_bytes"),
+            page_size=page,
+            hot_cache_rows=layout.get("hot_cache_rows") or self.hot_cache_rows,
+            tail_pages=max(1, -(-tail // page)) if tail else 1,
         )
 
     def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:
@@ -47,7 +54,7 @@ class SessionSizer:
         if not worker.config_json or worker.config_json in self._unusable:
             return None
         try:
-            profile = self._profile(worker.config_json)
+            profile = self._profile(worker.config_json, worker.kv_layout_json)
         except (ValueError, TypeError, KeyError) as e:
             log.warning("worker %s: its model config is unusable for sizing: %s", worker.address, e)
             self._unusable.add(worker.config_json)

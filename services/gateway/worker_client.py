@@ -129,6 +129,7 @@ class WorkerClient:
             model_name=model.model_name if model else "",
             mode=model.mode if model else "",
             config_json=model.config_json if model else "",
+            kv_layout_json=model.kv_layout_json if model else "",
         )
 
     async def close(self) -> None:

@@ -53,7 +53,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             num_running=eng.num_running,
             num_waiting=eng.num_waiting,
             max_num_seqs=eng.cfg.max_num_seqs,
-            kv_capacity_bytes=mem.capacity,
+            kv_capacity_bytes=mem.capacity - eng.kv.fixed_bytes(),
             kv_required_bytes=mem.required,
             kv_optional_bytes=mem.optional,
             kv_free_bytes=mem.free,
@@ -74,6 +74,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             mode=eng.kv.mode,
             config_json=json.dumps(eng.model_cfg.to_dict()),
             worker_id=self.worker_id,
+            kv_layout_json=json.dumps(
+                {**eng.kv.layout(), "drafter": eng.cfg.drafter, "spec_width": eng.cfg.spec_width}
+            ),
         )
 
 

@@ -294,3 +294,19 @@ async def test_cancelling_during_the_ledger_call_leaks_nothing() -> None:
     await asyncio.sleep(0.1)  # the ledger call finished after the cancel
     assert (await ledger.usage(["a"]))["a"].sessions == 0
     await admission.close()
+
+
+def test_sizing_uses_the_workers_reported_kv_layout() -> None:
+    """A bf16 worker with 64-row pages, B = 128 and a 128-row tail is sized as exactly that."""
+    import json
+
+    layout = {"kv_dtype_bytes": 2, "page_size": 64, "hot_cache_rows": 128, "tail_rows": 128}
+    sizer = SessionSizer(page_size=16)
+    w = worker("a", mode="hisparse", kv_layout_json=json.dumps(layout))
+    profile = profile_from_model_config(
+        CONFIG, kv_dtype_bytes=2, page_size=64, hot_cache_rows=128, tail_pages=2
+    )
+    for tokens in (100, 5000):
+        assert sizer.required_bytes(w, tokens) == required_bytes(profile, tokens, "hierarchy")
+    default = sizer.required_bytes(worker("a", mode="hisparse"), 5000)
+    assert sizer.required_bytes(w, 5000) != default

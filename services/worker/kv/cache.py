@@ -255,6 +255,24 @@ class KVCache:
         free = max(0, capacity - required - optional - reserve)
         return MemoryUsage(capacity, required, optional, reserve, free)
 
+    def fixed_bytes(self) -> int:
+        """Allocations that do not grow with sessions (rings, scratch, metadata, staging)."""
+        rings = sum(r.nbytes for r in self.rings.values())
+        return rings + self.payload.memory_bytes(0)[1]
+
+    def layout(self) -> dict:
+        """The KV geometry, for exact admission sizing at the gateway."""
+        payload = self.payload
+        return {
+            "kv_dtype_bytes": torch.empty((), dtype=self.cfg.dtype).element_size(),
+            "page_size": self.cfg.page_size,
+            "hot_cache_rows": getattr(payload.geo[0], "hot_entries", None)
+            if hasattr(payload, "geo")
+            else None,
+            "tail_rows": getattr(payload, "ring", None),
+            "spec_block": self.cfg.spec_block,
+        }
+
     def census(self):
         """Selected rows resolved direct / hot / host and rows copied from the host so far, or
         None in resident serving (synchronises on a GPU)."""

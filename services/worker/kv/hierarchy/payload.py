@@ -360,10 +360,10 @@ class HierarchyPayload:
         return required * page_bytes, optional * page_bytes, reserve * page_bytes, free * page_bytes
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:
-        """(bytes held by admitted requests' pages, fixed bytes: scratch and metadata)."""
+        """(bytes held by admitted requests' pages, fixed bytes: scratch, staging, metadata)."""
         row = self.store.shape[1] * self.store.element_size()
         held = (self.pages.total - self.pages.free) * self.page * row
-        fixed = sum(g.scratch for g in self.geo) * row + sum(
+        fixed = (sum(g.scratch for g in self.geo) + self.stage_rows_total) * row + sum(
             h.nbytes_per_slot * h.map.shape[0] for h in self.hot
         )
         return held, fixed
