@@ -243,7 +243,7 @@ class KVCache:
         """The pool by class (eq. 3). Fixed allocations (rings, prefill scratch, metadata) and
         index keys in use count as required."""
         held, fixed = self.payload.memory_bytes(len(self._admitted))
-        keys = sum(p.used_bytes for p in self.index_keys.pools.values())
+        keys = self.index_keys.used_bytes
         rings = sum(r.nbytes for r in self.rings.values())
         capacity = self.cfg.kv_pool_bytes
         classes = getattr(self.payload, "memory_classes", None)

@@ -89,3 +89,64 @@ class PagedRows:
         locs = self.locations(slots.unsqueeze(1).expand_as(rows), rows)
         out = self.data[locs.clamp(min=0)]
         return out.masked_fill((locs < 0).unsqueeze(-1), 0)
+
+
+class PagedGroup:
+    """Several ``PagedRows`` pools that grow together, one per key (a source, or an index
+    producer), each holding ``tokens // compress[key]`` rows for a slot's tokens. Growth is
+    all-or-nothing across the group."""
+
+    def __init__(
+        self,
+        compress: dict[int, int],
+        width: int,
+        tokens_capacity: int,
+        page_size: int,
+        max_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.compress = compress
+        self.pools: dict[int, PagedRows] = {
+            key: PagedRows(
+                -(-tokens_capacity // m // page_size) + max_slots,
+                page_size,
+                width,
+                max_slots,
+                max_model_len // m,
+                dtype,
+                device,
+            )
+            for key, m in compress.items()
+        }
+
+    def rows(self, key: int, num_tokens: int) -> int:
+        return num_tokens // self.compress[key]
+
+    def can_ensure(self, slot: int, num_tokens: int) -> bool:
+        return all(
+            p.pages_needed(slot, self.rows(key, num_tokens)) <= p.num_free_pages
+            for key, p in self.pools.items()
+        )
+
+    def ensure(self, slot: int, num_tokens: int) -> bool:
+        """Room for a slot's first ``num_tokens`` tokens in every pool, or no change at all."""
+        if not self.can_ensure(slot, num_tokens):
+            return False
+        for key, p in self.pools.items():
+            ok = p.ensure(slot, self.rows(key, num_tokens))
+            assert ok
+        return True
+
+    def release(self, slot: int) -> None:
+        for p in self.pools.values():
+            p.release(slot)
+
+    @property
+    def used_bytes(self) -> int:
+        return sum(p.used_bytes for p in self.pools.values())
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.data.numel() * p.data.element_size() for p in self.pools.values())
