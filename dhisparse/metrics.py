@@ -128,6 +128,7 @@ REQUESTS_REJECTED = PREFIX + "requests_rejected"  # counter{reason,status}
 ADMITTED_SESSIONS = PREFIX + "admitted_sessions"  # gauge{worker}
 ADMITTED_BYTES = PREFIX + "admitted_bytes"  # gauge{worker}
 FREE_CAPACITY_BYTES = PREFIX + "free_capacity_bytes"  # gauge{worker}
+STREAMS_RESUMED = PREFIX + "streams_resumed"  # counter{outcome}: worker died mid-stream
 
 # --- worker: KV hierarchy ---------------------------------------------------------------------
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge{class=required|optional|reserve|free}
@@ -138,6 +139,7 @@ REPOPULATED_PAGES = PREFIX + "repopulated_pages"  # counter
 RESOLVER_ROWS = PREFIX + "resolver_rows"  # counter{path=direct|hot|host}
 HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / generation_tokens rate
 PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
+SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
 
 # --- worker: speculative decoding (vLLM conventions) ----------------------------------------
 SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"
@@ -153,3 +155,6 @@ HOST_STORE_DURABLE_BYTES = PREFIX + "host_store_durable_bytes"
 HOST_STORE_REGIONS = PREFIX + "host_store_regions"
 HOST_STORE_REQUESTS = PREFIX + "host_store_requests"
 HOST_STORE_REFUSED = PREFIX + "host_store_allocations_refused"  # counter
+HOST_STORE_OWNERS = PREFIX + "host_store_owners"  # gauge: worker processes with a live lease
+HOST_STORE_ADOPTIONS = PREFIX + "host_store_adoptions"  # counter
+HOST_STORE_ORPHANS_EXPIRED = PREFIX + "host_store_orphans_expired"  # counter

@@ -1,6 +1,8 @@
 """``dhisparse up``: the whole local stack — kv-host-store, worker(s), gateway — as supervised
-child processes. A child that dies is restarted (as Kubernetes restarts a pod); Ctrl-C or
-SIGTERM stops them all."""
+child processes. A child that dies is restarted (as Kubernetes restarts a pod): at once the
+first time, then with exponential backoff while it keeps dying. A restarted worker keeps its
+``--worker-id``, so in a hierarchy mode it takes over the sessions its predecessor left in the
+host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops them all."""
 
 from __future__ import annotations
 
@@ -44,6 +46,15 @@ class Child:
             self.proc.wait()
 
 
+STABLE_S = 60.0  # a child that ran this long before dying restarts without backoff
+
+
+def restart_delay(restarts: int) -> float:
+    """Seconds before restart number ``restarts`` (1, 2, ...): a crashed worker's sessions wait
+    for its successor, so the first restart is immediate; a crash loop backs off to 30 s."""
+    return 0.1 if restarts <= 1 else min(30.0, 0.5 * 2 ** min(restarts - 2, 6))
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default="tiny-glm", help="preset name or model directory")
     p.add_argument("--mode", default="resident", choices=["resident", "hisparse", "adaptive"])
@@ -52,6 +63,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--worker-port", type=int, default=50051, help="first worker's gRPC port")
+    p.add_argument(
+        "--worker-metrics-port",
+        type=int,
+        default=9101,
+        help="first worker's Prometheus port (worker i: this + 10 i)",
+    )
     p.add_argument("--kv-store-port", type=int, default=50061)
     p.add_argument("--kv-store-capacity", default="1GiB", help="host arena size")
     p.add_argument("--arena-path", default=f"/dev/shm/dhisparse-arena-{os.getuid()}")
@@ -116,7 +133,7 @@ def main(args: argparse.Namespace) -> int:
                 "--port",
                 str(args.worker_port + i),
                 "--metrics-port",
-                str(9101 + 10 * i),
+                str(args.worker_metrics_port + 10 * i),
                 "--model",
                 args.model,
                 "--mode",
@@ -196,8 +213,10 @@ def main(args: argparse.Namespace) -> int:
                 if args.no_restart:
                     print(f"[up] {c.name} exited ({code}); stopping", file=sys.stderr)
                     return 1
+                if time.monotonic() - c.started > STABLE_S:
+                    c.restarts = 0  # it ran fine for a while: this is a new failure
                 c.restarts += 1
-                delay = min(30.0, 0.5 * 2 ** min(c.restarts, 6))
+                delay = restart_delay(c.restarts)
                 print(f"[up] {c.name} exited ({code}); restart #{c.restarts} in {delay:.1f}s")
                 time.sleep(delay)
                 c.start()

@@ -346,6 +346,21 @@ KV = Dashboard(
                         Target(f"sum(rate(dhisparse:prompt_tokens_total{{{WK}}}{RI}))", "prompt"),
                     ],
                 ),
+                Panel(
+                    "Sessions resumed and streams re-attached",
+                    "Sessions a restarted worker took over from host backups (no prompt"
+                    " recompute), and client streams the gateway re-attached to them or lost.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:sessions_resumed_total{{{M}}}{RI}))", "resumed"
+                        ),
+                        Target(
+                            f"sum by (outcome) (rate(dhisparse:streams_resumed_total{{{M}}}{RI}))",
+                            "streams {{outcome}}",
+                        ),
+                    ],
+                    unit="ops",
+                ),
             ],
         ),
         Row(
@@ -586,6 +601,39 @@ HOST_STORE = Dashboard(
                     ],
                     unit="ops",
                     width=24,
+                ),
+            ],
+        ),
+        Row(
+            "Owners and adoption",
+            [
+                Panel(
+                    "Live owners",
+                    "Worker processes registered with each store whose lease runs.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_owners{{{INST}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                ),
+                Panel(
+                    "Adoptions and expired orphans",
+                    "Requests of dead workers adopted by a successor, and those freed because"
+                    " nobody adopted them within the orphan TTL, per second.",
+                    [
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_adoptions_total{{{INST}}}{RI}))",
+                            "{{instance}} adopted",
+                        ),
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_orphans_expired_total{{{INST}}}{RI}))",
+                            "{{instance}} expired",
+                        ),
+                    ],
+                    unit="ops",
                 ),
             ],
         ),

@@ -23,18 +23,20 @@ class ArenaInfo(_message.Message):
     def __init__(self, path: _Optional[str] = ..., capacity_bytes: _Optional[int] = ..., alignment: _Optional[int] = ..., store_id: _Optional[str] = ...) -> None: ...
 
 class AllocateRequest(_message.Message):
-    __slots__ = ("request_id", "owner", "source", "num_rows", "row_bytes")
+    __slots__ = ("request_id", "owner", "source", "num_rows", "row_bytes", "generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     SOURCE_FIELD_NUMBER: _ClassVar[int]
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     owner: str
     source: int
     num_rows: int
     row_bytes: int
-    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class RowRange(_message.Message):
     __slots__ = ("start", "end")
@@ -45,7 +47,7 @@ class RowRange(_message.Message):
     def __init__(self, start: _Optional[int] = ..., end: _Optional[int] = ...) -> None: ...
 
 class Region(_message.Message):
-    __slots__ = ("region_id", "request_id", "owner", "source", "offset", "num_rows", "row_bytes", "durable")
+    __slots__ = ("region_id", "request_id", "owner", "source", "offset", "num_rows", "row_bytes", "durable", "generation")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -54,6 +56,7 @@ class Region(_message.Message):
     NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
     ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
     DURABLE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     request_id: str
     owner: str
@@ -62,19 +65,22 @@ class Region(_message.Message):
     num_rows: int
     row_bytes: int
     durable: _containers.RepeatedCompositeFieldContainer[RowRange]
-    def __init__(self, region_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ...) -> None: ...
+    generation: int
+    def __init__(self, region_id: _Optional[str] = ..., request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., offset: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., durable: _Optional[_Iterable[_Union[RowRange, _Mapping]]] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class MarkDurableRequest(_message.Message):
-    __slots__ = ("region_id", "owner", "start_row", "end_row")
+    __slots__ = ("region_id", "owner", "start_row", "end_row", "generation")
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     START_ROW_FIELD_NUMBER: _ClassVar[int]
     END_ROW_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     region_id: str
     owner: str
     start_row: int
     end_row: int
-    def __init__(self, region_id: _Optional[str] = ..., owner: _Optional[str] = ..., start_row: _Optional[int] = ..., end_row: _Optional[int] = ...) -> None: ...
+    generation: int
+    def __init__(self, region_id: _Optional[str] = ..., owner: _Optional[str] = ..., start_row: _Optional[int] = ..., end_row: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class MarkDurableResponse(_message.Message):
     __slots__ = ("durable_rows",)
@@ -83,12 +89,14 @@ class MarkDurableResponse(_message.Message):
     def __init__(self, durable_rows: _Optional[int] = ...) -> None: ...
 
 class LookupRequest(_message.Message):
-    __slots__ = ("request_id", "owner")
+    __slots__ = ("request_id", "owner", "generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     owner: str
-    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class LookupResponse(_message.Message):
     __slots__ = ("regions",)
@@ -97,14 +105,16 @@ class LookupResponse(_message.Message):
     def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
 
 class ReleaseRequest(_message.Message):
-    __slots__ = ("owner", "request_id", "region_id")
+    __slots__ = ("owner", "request_id", "region_id", "generation")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     REGION_ID_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     owner: str
     request_id: str
     region_id: str
-    def __init__(self, owner: _Optional[str] = ..., request_id: _Optional[str] = ..., region_id: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, owner: _Optional[str] = ..., request_id: _Optional[str] = ..., region_id: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ReleaseResponse(_message.Message):
     __slots__ = ("released", "bytes_freed")
@@ -119,7 +129,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes")
+    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes", "owners_live", "adoptions", "orphans_expired")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -127,6 +137,9 @@ class StatsResponse(_message.Message):
     DURABLE_BYTES_FIELD_NUMBER: _ClassVar[int]
     ALLOCATIONS_REFUSED_FIELD_NUMBER: _ClassVar[int]
     LARGEST_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_LIVE_FIELD_NUMBER: _ClassVar[int]
+    ADOPTIONS_FIELD_NUMBER: _ClassVar[int]
+    ORPHANS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     regions: int
@@ -134,4 +147,93 @@ class StatsResponse(_message.Message):
     durable_bytes: int
     allocations_refused: int
     largest_free_bytes: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ...) -> None: ...
+    owners_live: int
+    adoptions: int
+    orphans_expired: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., owners_live: _Optional[int] = ..., adoptions: _Optional[int] = ..., orphans_expired: _Optional[int] = ...) -> None: ...
+
+class RegisterOwnerRequest(_message.Message):
+    __slots__ = ("owner", "lease_ttl_s")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    lease_ttl_s: float
+    def __init__(self, owner: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class OwnerLease(_message.Message):
+    __slots__ = ("owner", "generation", "lease_ttl_s")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    generation: int
+    lease_ttl_s: float
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+
+class RenewOwnerRequest(_message.Message):
+    __slots__ = ("owner", "generation")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    generation: int
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReleaseOwnerRequest(_message.Message):
+    __slots__ = ("owner", "generation")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    generation: int
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class ReleaseOwnerResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListRequestsRequest(_message.Message):
+    __slots__ = ("owner", "adoptable_only")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    ADOPTABLE_ONLY_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    adoptable_only: bool
+    def __init__(self, owner: _Optional[str] = ..., adoptable_only: _Optional[bool] = ...) -> None: ...
+
+class RequestInfo(_message.Message):
+    __slots__ = ("request_id", "owner", "generation", "regions", "bytes", "adoptable", "dead_for_s")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    ADOPTABLE_FIELD_NUMBER: _ClassVar[int]
+    DEAD_FOR_S_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    generation: int
+    regions: int
+    bytes: int
+    adoptable: bool
+    dead_for_s: float
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., regions: _Optional[int] = ..., bytes: _Optional[int] = ..., adoptable: _Optional[bool] = ..., dead_for_s: _Optional[float] = ...) -> None: ...
+
+class ListRequestsResponse(_message.Message):
+    __slots__ = ("requests",)
+    REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    requests: _containers.RepeatedCompositeFieldContainer[RequestInfo]
+    def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
+
+class AdoptRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    generation: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+
+class AdoptResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...

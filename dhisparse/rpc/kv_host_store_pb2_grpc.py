@@ -64,6 +64,31 @@ class KVHostStoreStub:
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsResponse.FromString,
                 _registered_method=True)
+        self.RegisterOwner = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/RegisterOwner',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.RegisterOwnerRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.FromString,
+                _registered_method=True)
+        self.RenewOwner = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/RenewOwner',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.RenewOwnerRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.FromString,
+                _registered_method=True)
+        self.ReleaseOwner = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/ReleaseOwner',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerResponse.FromString,
+                _registered_method=True)
+        self.ListRequests = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/ListRequests',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsResponse.FromString,
+                _registered_method=True)
+        self.Adopt = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/Adopt',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
+                _registered_method=True)
 
 
 class KVHostStoreServicer:
@@ -110,6 +135,43 @@ class KVHostStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RegisterOwner(self, request, context):
+        """Owners are worker processes: a worker id and a generation, with a lease. Registering
+        starts a new generation; the previous generation's requests become adoptable at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RenewOwner(self, request, context):
+        """Extends the lease; FAILED_PRECONDITION for a superseded or unknown generation.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleaseOwner(self, request, context):
+        """Graceful end of a generation: what it still holds becomes adoptable now.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListRequests(self, request, context):
+        """Requests holding regions, optionally of one worker id, optionally only adoptable ones.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Adopt(self, request, context):
+        """Transfers a dead owner's request (all its regions) to the caller; FAILED_PRECONDITION
+        while its owner lives. Requests nobody adopts expire after the store's orphan TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVHostStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -142,6 +204,31 @@ def add_KVHostStoreServicer_to_server(servicer, server):
                     servicer.Stats,
                     request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsResponse.SerializeToString,
+            ),
+            'RegisterOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.RegisterOwner,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.RegisterOwnerRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.SerializeToString,
+            ),
+            'RenewOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.RenewOwner,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.RenewOwnerRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.SerializeToString,
+            ),
+            'ReleaseOwner': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleaseOwner,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerResponse.SerializeToString,
+            ),
+            'ListRequests': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListRequests,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsResponse.SerializeToString,
+            ),
+            'Adopt': grpc.unary_unary_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -306,6 +393,141 @@ class KVHostStore:
             '/dhisparse.rpc.KVHostStore/Stats',
             dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsRequest.SerializeToString,
             dhisparse_dot_rpc_dot_kv__host__store__pb2.StatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RegisterOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/RegisterOwner',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.RegisterOwnerRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RenewOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/RenewOwner',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.RenewOwnerRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.OwnerLease.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleaseOwner(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/ReleaseOwner',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleaseOwnerResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListRequests(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/ListRequests',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ListRequestsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/Adopt',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -100,6 +100,14 @@ class GenerateResponse(_message.Message):
     cached_prompt_tokens: int
     def __init__(self, request_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., text: _Optional[str] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., stop_reason: _Optional[str] = ..., prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
+class ResumeRequest(_message.Message):
+    __slots__ = ("request_id", "tokens_received")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    tokens_received: int
+    def __init__(self, request_id: _Optional[str] = ..., tokens_received: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -155,7 +163,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json", "durable_sessions")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -163,6 +171,7 @@ class ModelInfo(_message.Message):
     CONFIG_JSON_FIELD_NUMBER: _ClassVar[int]
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
+    DURABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -170,4 +179,5 @@ class ModelInfo(_message.Message):
     config_json: str
     worker_id: str
     kv_layout_json: str
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ...) -> None: ...
+    durable_sessions: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ..., durable_sessions: _Optional[bool] = ...) -> None: ...

@@ -39,6 +39,11 @@ class WorkerStub:
                 request_serializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Resume = channel.unary_stream(
+                '/dhisparse.rpc.Worker/Resume',
+                request_serializer=dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dhisparse.rpc.Worker/Abort',
                 request_serializer=dhisparse_dot_rpc_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -67,6 +72,16 @@ class WorkerServicer:
     def Generate(self, request, context):
         """Streams one response per engine step that produced tokens for the request; the last one
         carries finish_reason. Cancelling the call aborts the request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Resume(self, request, context):
+        """Re-attaches to a session this worker resumed from its dead predecessor (same worker id):
+        first the tokens after tokens_received, then new ones, as Generate streams them.
+        NOT_FOUND when this worker holds no such session (never durable, e.g. resident mode, or
+        not re-attached in time); cancelling the call aborts the request.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -103,6 +118,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
                     request_deserializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Resume': grpc.unary_stream_rpc_method_handler(
+                    servicer.Resume,
+                    request_deserializer=dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -152,6 +172,33 @@ class Worker:
             target,
             '/dhisparse.rpc.Worker/Generate',
             dhisparse_dot_rpc_dot_worker__pb2.GenerateRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Resume(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dhisparse.rpc.Worker/Resume',
+            dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.SerializeToString,
             dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

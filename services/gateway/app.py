@@ -87,6 +87,8 @@ def create_app(
         admission=admission or memory_admission(settings, metrics),
         poll_interval_s=settings.health_interval_s,
         max_retries=settings.max_retries,
+        resume_deadline_s=settings.resume_deadline_s,
+        metrics=metrics,
     )
     ctx = GatewayContext(settings, tokenizer, pool, metrics)
     created = int(time.time())

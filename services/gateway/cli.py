@@ -51,6 +51,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="seconds unhealthy before a worker's leases are released (15)",
     )
+    parser.add_argument(
+        "--resume-deadline-s",
+        type=float,
+        help="seconds a stream waits for its restarted worker to resume it (60; 0: never)",
+    )
     parser.add_argument("--kv-page-size", type=int, help="the workers' --page-size (16)")
     parser.add_argument("--log-level", help="debug, info, warning, error")
 

@@ -31,6 +31,7 @@ class ModelInfo:
     worker_id: str
     config_json: str = ""
     kv_layout_json: str = ""
+    durable_sessions: bool = False  # a stream cut by a crash can be re-attached
 
 
 @dataclass(frozen=True)
@@ -96,6 +97,7 @@ def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
         worker_id=info.worker_id,
         config_json=info.config_json,
         kv_layout_json=info.kv_layout_json,
+        durable_sessions=info.durable_sessions,
     )
 
 

@@ -105,6 +105,23 @@ class GatewayMetrics:
             registry=r,
         )
 
+        self.streams_resumed = Counter(
+            names.STREAMS_RESUMED,
+            "Streams whose worker died mid-generation, by outcome: re-attached to the resumed "
+            "session, or failed.",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self._resume_models: set[str] = set()
+
+    def resume_outcomes(self, model: str) -> None:
+        """Exports both outcomes of ``model`` at zero from its first request on, so that rates
+        exist before any worker ever died."""
+        if model not in self._resume_models:
+            self._resume_models.add(model)
+            for outcome in ("resumed", "failed"):
+                self.streams_resumed.labels(model, outcome)
+
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""
         return RequestTracker(self, model, time.monotonic() if arrival is None else arrival)

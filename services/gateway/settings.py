@@ -32,6 +32,10 @@ class GatewaySettings(BaseSettings):
     health_interval_s: float = Field(1.0, gt=0)
     # A worker that fails before the first token is retried on another one, at most this often.
     max_retries: int = Field(2, ge=0)
+    # A worker that dies after the first token is waited for this long (it is restarted under
+    # the same address and resumes durable sessions), then the client's stream is re-attached;
+    # 0: the stream ends with an error at once.
+    resume_deadline_s: float = Field(60.0, ge=0)
     # --- admission by memory (DESIGN §1) ---
     # The capacity ledger: a Redis URL (redis://[:password@]host:port/db) shared by every gateway
     # replica; "" keeps it in this process (a single replica only).

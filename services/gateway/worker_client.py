@@ -1,11 +1,14 @@
-"""The gateway's side of the worker gRPC API: one channel per worker, health/load polling, and
-``generate`` with admission, routing and retry.
+"""The gateway's side of the worker gRPC API: the pool of workers (each a ``WorkerClient``,
+polled for health and load) and ``generate`` with admission, routing, retry and re-attach.
 
 Contract of ``WorkerPool.generate``: the returned async iterator yields the worker's deltas for
 one request. A worker that fails *before its first token* is retried on another healthy worker
-(at most ``max_retries`` times); after the first token a failure ends the stream with an
-``APIError``. Closing or cancelling the iterator cancels the gRPC call, which makes the worker
-abort the request and free its KV.
+(at most ``max_retries`` times). A worker with durable sessions whose process dies *after* the
+first token is waited for (``resume_deadline_s``) and the stream re-attached to its successor
+(``reattach``), which resumed the session from the host store; failing that — or at once for a
+worker without durable sessions (resident mode) — the stream ends with an ``APIError``.
+The admission lease stays held until the stream ends, whichever way. Closing or cancelling the
+iterator cancels the gRPC call, which makes the worker abort the request and free its KV.
 """
 
 from __future__ import annotations
@@ -18,9 +21,8 @@ from collections.abc import AsyncIterator, Sequence
 import grpc
 import grpc.aio
 
-from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from services.gateway import convert
-from services.gateway.convert import ModelInfo, WorkerLoad
+from services.gateway.convert import ModelInfo
 from services.gateway.errors import (
     REASON_HEADER,
     APIError,
@@ -29,6 +31,8 @@ from services.gateway.errors import (
     service_unavailable,
 )
 from services.gateway.generation import GenerationDelta, GenerationInput
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.reattach import WORKER_GONE, reattach
 from services.gateway.routing import (
     Admission,
     AdmissionJob,
@@ -37,6 +41,7 @@ from services.gateway.routing import (
     NoWorkerAvailable,
     WorkerStatus,
 )
+from services.gateway.worker_conn import WorkerClient, describe
 
 log = logging.getLogger(__name__)
 
@@ -54,90 +59,6 @@ _RETRYABLE = {
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
-def _describe(e: grpc.aio.AioRpcError) -> str:
-    return f"{e.code().name}: {e.details() or 'no details'}"
-
-
-class WorkerClient:
-    """One worker: its channel and what the last poll learned."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel: grpc.aio.Channel | None = None
-        self._stub: worker_pb2_grpc.WorkerStub | None = None
-        self.healthy = False
-        self.model: ModelInfo | None = None
-        self.load: WorkerLoad | None = None
-        self.in_flight = 0
-        self.in_flight_at_poll = 0
-        self.last_error: str | None = None
-
-    def open(self) -> None:
-        """Creates the channel; must run on the event loop that will use it (grpc.aio binds a
-        channel to the loop it was created on), hence not in ``__init__``."""
-        if self._channel is None:
-            self._channel = grpc.aio.insecure_channel(self.address)
-            self._stub = worker_pb2_grpc.WorkerStub(self._channel)
-
-    @property
-    def stub(self) -> worker_pb2_grpc.WorkerStub:
-        if self._stub is None:
-            raise RuntimeError(f"worker client {self.address} is not open")
-        return self._stub
-
-    async def poll(self, timeout_s: float) -> None:
-        """Health, then load; model info until it is known. Never raises."""
-        was_healthy = self.healthy
-        try:
-            if self.model is None:
-                info = await self.stub.GetModelInfo(
-                    worker_pb2.ModelInfoRequest(), timeout=timeout_s
-                )
-                self.model = convert.model_info(info)
-            health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
-            if not health.ok:
-                self.healthy, self.last_error = False, f"unhealthy: {health.status}"
-            else:
-                load = await self.stub.GetLoad(worker_pb2.LoadRequest(), timeout=timeout_s)
-                self.load = convert.worker_load(load)
-                self.in_flight_at_poll = self.in_flight
-                self.healthy, self.last_error = True, None
-        except grpc.aio.AioRpcError as e:
-            self.healthy, self.last_error = False, _describe(e)
-            # A worker that comes back may be a restarted process serving another model.
-            self.model = None
-        if was_healthy != self.healthy:
-            log.info(
-                "worker %s is %s%s",
-                self.address,
-                "healthy" if self.healthy else "unhealthy",
-                f" ({self.last_error})" if self.last_error else "",
-            )
-
-    def status(self) -> WorkerStatus:
-        load, model = self.load, self.model
-        return WorkerStatus(
-            address=self.address,
-            healthy=self.healthy,
-            num_running=load.num_running if load else 0,
-            num_waiting=load.num_waiting if load else 0,
-            max_num_seqs=load.max_num_seqs if load else 0,
-            kv_capacity_bytes=load.kv_capacity_bytes if load else 0,
-            kv_free_bytes=load.kv_free_bytes if load else 0,
-            in_flight=self.in_flight,
-            in_flight_at_poll=self.in_flight_at_poll,
-            model_name=model.model_name if model else "",
-            mode=model.mode if model else "",
-            config_json=model.config_json if model else "",
-            kv_layout_json=model.kv_layout_json if model else "",
-        )
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-            self._channel = self._stub = None
-
-
 class WorkerPool:
     """All configured workers, polled every ``poll_interval_s``."""
 
@@ -148,11 +69,15 @@ class WorkerPool:
         admission: Admission | None = None,
         poll_interval_s: float = 1.0,
         max_retries: int = 2,
+        resume_deadline_s: float = 60.0,
+        metrics: GatewayMetrics | None = None,
     ) -> None:
         self.workers = {a: WorkerClient(a) for a in addresses}
         self.admission: Admission = admission or ImmediateAdmission()
         self.poll_interval_s = poll_interval_s
         self.max_retries = max_retries
+        self.resume_deadline_s = resume_deadline_s  # 0: a worker dying mid-stream ends it
+        self.metrics = metrics
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -203,6 +128,25 @@ class WorkerPool:
         lens = [w.model.max_model_len for w in self.workers.values() if w.model]
         return min(lens) if lens else None
 
+    def _why_down(self) -> str:
+        """What the unhealthy workers last said, e.g. that their host KV store is gone."""
+        why = [f"{w.address}: {w.last_error}" for w in self.workers.values() if w.last_error]
+        return f" ({'; '.join(why)})" if why else ""
+
+    async def _reattach(
+        self, worker: WorkerClient, inp: GenerationInput, received: int
+    ) -> AsyncIterator[GenerationDelta]:
+        outcome = "failed"
+        try:
+            async for delta in reattach(
+                worker.stub, worker.address, inp.request_id, received, self.resume_deadline_s
+            ):
+                outcome = "resumed"
+                yield delta
+        finally:
+            if self.metrics is not None:
+                self.metrics.streams_resumed.labels(inp.model, outcome).inc()
+
     async def generate(self, inp: GenerationInput) -> AsyncIterator[GenerationDelta]:
         """The deltas of ``inp`` from a worker chosen by admission (see the module docstring
         for retries and cancellation). Raises ``APIError``: 400 when the worker refuses the
@@ -211,6 +155,8 @@ class WorkerPool:
             inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens, inp.model
         )
         request = convert.generate_request(inp)
+        if self.metrics is not None:
+            self.metrics.resume_outcomes(inp.model)
         tried: list[str] = []
         last_error: str | None = None
         while True:
@@ -219,19 +165,35 @@ class WorkerPool:
             except AdmissionRejected as e:
                 raise admission_error(e) from e
             except NoWorkerAvailable as e:
-                detail = f" (last failure: {last_error})" if last_error else ""
+                detail = f" (last failure: {last_error})" if last_error else self._why_down()
                 err = service_unavailable(f"No healthy worker is available{detail}", 1)
                 err.headers[REASON_HEADER] = "no-worker"
                 raise err from e
             worker = self.workers[lease.worker]
             tried.append(worker.address)
             worker.in_flight += 1
+            # Re-attach only to a worker whose sessions outlive it (what it said while alive).
+            durable = worker.model is not None and worker.model.durable_sessions
             call = worker.stub.Generate(request)
-            started = False
+            started, received = False, 0
             try:
-                async for resp in call:
-                    started = True
-                    yield convert.generation_delta(resp)
+                try:
+                    async for resp in call:
+                        started = True
+                        delta = convert.generation_delta(resp)
+                        received += len(delta.token_ids)
+                        yield delta
+                    return
+                except grpc.aio.AioRpcError as e:
+                    gone = started and durable and e.code() in WORKER_GONE
+                    if not (gone and self.resume_deadline_s > 0):
+                        raise
+                    log.warning(
+                        "worker %s failed mid-generation of %s (%s): re-attaching",
+                        worker.address, inp.request_id, describe(e),
+                    )  # fmt: skip
+                async for delta in self._reattach(worker, inp, received):
+                    yield delta
                 return
             except grpc.aio.AioRpcError as e:
                 code = e.code()
@@ -240,11 +202,11 @@ class WorkerPool:
                 if started:
                     status = 503 if code == grpc.StatusCode.UNAVAILABLE else 500
                     raise APIError(
-                        status, f"worker {worker.address} failed mid-generation: {_describe(e)}"
+                        status, f"worker {worker.address} failed mid-generation: {describe(e)}"
                     ) from e
                 if code == grpc.StatusCode.UNAVAILABLE:
                     worker.healthy = False  # until the next poll says otherwise
-                last_error = f"{worker.address}: {_describe(e)}"
+                last_error = f"{worker.address}: {describe(e)}"
                 if code not in _RETRYABLE:
                     raise APIError(500, f"worker {last_error}") from e
                 log.warning(

@@ -37,6 +37,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="reserve the arena's tmpfs pages at start (off)",
     )
+    parser.add_argument(
+        "--orphan-ttl-s",
+        type=float,
+        help="free a dead worker's unadopted requests after this many seconds (300)",
+    )
     parser.add_argument("--log-level", default="INFO", help="logging level (INFO)")
 
 
@@ -49,6 +54,7 @@ _SETTINGS_FLAGS = (
     "alignment",
     "remove_arena_on_exit",
     "preallocate",
+    "orphan_ttl_s",
 )
 
 

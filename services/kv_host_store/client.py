@@ -1,8 +1,9 @@
 """Clients of the host store, for workers: ``KVHostStoreClient`` (blocking; the engine runs in
 a thread) and ``AsyncKVHostStoreClient`` (asyncio). Both return ``records`` and raise
 ``errors`` (a refused call raises e.g. ``PermissionDenied``; transport failures stay
-``grpc.RpcError``). ``map_arena`` maps the store's arena file, which must be visible at the
-same path (same node, shared /dev/shm)."""
+``grpc.RpcError``, raised within ``timeout``: a dead store never hangs a caller). ``map_arena``
+maps the store's arena file, which must be visible at the same path (same node, shared
+/dev/shm). Owner-scoped calls take the caller's ``generation`` (``register_owner``)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,40 @@ from dhisparse.rpc import kv_host_store_pb2 as pb
 from dhisparse.rpc import kv_host_store_pb2_grpc as pb_grpc
 from services.kv_host_store import convert
 from services.kv_host_store.arena import ArenaMapping, map_arena
-from services.kv_host_store.records import ArenaInfo, Region, ReleaseResult, StoreStats
+from services.kv_host_store.records import (
+    ArenaInfo,
+    OwnerLease,
+    Region,
+    ReleaseResult,
+    RequestInfo,
+    StoreStats,
+)
 
 
-def _release_request(owner: str, request_id: str, region_id: str) -> pb.ReleaseRequest:
-    return pb.ReleaseRequest(owner=owner, request_id=request_id, region_id=region_id)
+class _Messages:
+    """The request message of each call, shared by both clients."""
+
+    @staticmethod
+    def allocate(request_id: str, owner: str, source: int, rows: int, row_bytes: int, gen: int):
+        return pb.AllocateRequest(
+            request_id=request_id, owner=owner, source=source, num_rows=rows,
+            row_bytes=row_bytes, generation=gen,
+        )  # fmt: skip
+
+    @staticmethod
+    def mark_durable(region_id: str, owner: str, start: int, end: int, gen: int):
+        return pb.MarkDurableRequest(
+            region_id=region_id, owner=owner, start_row=start, end_row=end, generation=gen
+        )
+
+    @staticmethod
+    def release(owner: str, request_id: str, region_id: str, gen: int) -> pb.ReleaseRequest:
+        return pb.ReleaseRequest(
+            owner=owner, request_id=request_id, region_id=region_id, generation=gen
+        )
+
+
+M = _Messages
 
 
 class KVHostStoreClient:
@@ -51,38 +81,59 @@ class KVHostStoreClient:
         return info, map_arena(info.path, info.capacity_bytes)
 
     def allocate(
-        self, request_id: str, owner: str, source: int, num_rows: int, row_bytes: int
+        self,
+        request_id: str,
+        owner: str,
+        source: int,
+        num_rows: int,
+        row_bytes: int,
+        generation: int = 0,
     ) -> Region:
-        m = pb.AllocateRequest(
-            request_id=request_id,
-            owner=owner,
-            source=source,
-            num_rows=num_rows,
-            row_bytes=row_bytes,
-        )
+        m = M.allocate(request_id, owner, source, num_rows, row_bytes, generation)
         return convert.region_from_proto(self._call(self._stub.Allocate, m))
 
-    def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int:
+    def mark_durable(
+        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
+    ) -> int:
         """Rows ``[start_row, end_row)`` are durable; returns the region's durable rows."""
-        m = pb.MarkDurableRequest(
-            region_id=region_id, owner=owner, start_row=start_row, end_row=end_row
-        )
+        m = M.mark_durable(region_id, owner, start_row, end_row, generation)
         return self._call(self._stub.MarkDurable, m).durable_rows
 
-    def lookup(self, request_id: str, owner: str) -> list[Region]:
-        m = pb.LookupRequest(request_id=request_id, owner=owner)
+    def lookup(self, request_id: str, owner: str, generation: int = 0) -> list[Region]:
+        m = pb.LookupRequest(request_id=request_id, owner=owner, generation=generation)
         return [convert.region_from_proto(r) for r in self._call(self._stub.Lookup, m).regions]
 
-    def release_region(self, owner: str, region_id: str) -> ReleaseResult:
-        m = _release_request(owner, "", region_id)
+    def release_region(self, owner: str, region_id: str, generation: int = 0) -> ReleaseResult:
+        m = M.release(owner, "", region_id, generation)
         return convert.release_from_proto(self._call(self._stub.Release, m))
 
-    def release_request(self, owner: str, request_id: str) -> ReleaseResult:
-        m = _release_request(owner, request_id, "")
+    def release_request(self, owner: str, request_id: str, generation: int = 0) -> ReleaseResult:
+        m = M.release(owner, request_id, "", generation)
         return convert.release_from_proto(self._call(self._stub.Release, m))
 
     def stats(self) -> StoreStats:
         return convert.stats_from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
+
+    def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
+        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s)
+        return convert.lease_from_proto(self._call(self._stub.RegisterOwner, m))
+
+    def renew_owner(self, owner: str, generation: int) -> OwnerLease:
+        m = pb.RenewOwnerRequest(owner=owner, generation=generation)
+        return convert.lease_from_proto(self._call(self._stub.RenewOwner, m))
+
+    def release_owner(self, owner: str, generation: int) -> None:
+        m = pb.ReleaseOwnerRequest(owner=owner, generation=generation)
+        self._call(self._stub.ReleaseOwner, m)
+
+    def list_requests(self, owner: str = "", adoptable_only: bool = False) -> list[RequestInfo]:
+        m = pb.ListRequestsRequest(owner=owner, adoptable_only=adoptable_only)
+        resp = self._call(self._stub.ListRequests, m)
+        return [convert.request_info_from_proto(r) for r in resp.requests]
+
+    def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
+        m = pb.AdoptRequest(request_id=request_id, owner=owner, generation=generation)
+        return [convert.region_from_proto(r) for r in self._call(self._stub.Adopt, m).regions]
 
     def close(self) -> None:
         self._channel.close()
@@ -121,38 +172,66 @@ class AsyncKVHostStoreClient:
         return info, map_arena(info.path, info.capacity_bytes)
 
     async def allocate(
-        self, request_id: str, owner: str, source: int, num_rows: int, row_bytes: int
+        self,
+        request_id: str,
+        owner: str,
+        source: int,
+        num_rows: int,
+        row_bytes: int,
+        generation: int = 0,
     ) -> Region:
-        m = pb.AllocateRequest(
-            request_id=request_id,
-            owner=owner,
-            source=source,
-            num_rows=num_rows,
-            row_bytes=row_bytes,
-        )
+        m = M.allocate(request_id, owner, source, num_rows, row_bytes, generation)
         return convert.region_from_proto(await self._call(self._stub.Allocate, m))
 
-    async def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int:
-        m = pb.MarkDurableRequest(
-            region_id=region_id, owner=owner, start_row=start_row, end_row=end_row
-        )
+    async def mark_durable(
+        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
+    ) -> int:
+        m = M.mark_durable(region_id, owner, start_row, end_row, generation)
         return (await self._call(self._stub.MarkDurable, m)).durable_rows
 
-    async def lookup(self, request_id: str, owner: str) -> list[Region]:
-        m = pb.LookupRequest(request_id=request_id, owner=owner)
+    async def lookup(self, request_id: str, owner: str, generation: int = 0) -> list[Region]:
+        m = pb.LookupRequest(request_id=request_id, owner=owner, generation=generation)
         resp = await self._call(self._stub.Lookup, m)
         return [convert.region_from_proto(r) for r in resp.regions]
 
-    async def release_region(self, owner: str, region_id: str) -> ReleaseResult:
-        m = _release_request(owner, "", region_id)
+    async def release_region(
+        self, owner: str, region_id: str, generation: int = 0
+    ) -> ReleaseResult:
+        m = M.release(owner, "", region_id, generation)
         return convert.release_from_proto(await self._call(self._stub.Release, m))
 
-    async def release_request(self, owner: str, request_id: str) -> ReleaseResult:
-        m = _release_request(owner, request_id, "")
+    async def release_request(
+        self, owner: str, request_id: str, generation: int = 0
+    ) -> ReleaseResult:
+        m = M.release(owner, request_id, "", generation)
         return convert.release_from_proto(await self._call(self._stub.Release, m))
 
     async def stats(self) -> StoreStats:
         return convert.stats_from_proto(await self._call(self._stub.Stats, pb.StatsRequest()))
+
+    async def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
+        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s)
+        return convert.lease_from_proto(await self._call(self._stub.RegisterOwner, m))
+
+    async def renew_owner(self, owner: str, generation: int) -> OwnerLease:
+        m = pb.RenewOwnerRequest(owner=owner, generation=generation)
+        return convert.lease_from_proto(await self._call(self._stub.RenewOwner, m))
+
+    async def release_owner(self, owner: str, generation: int) -> None:
+        m = pb.ReleaseOwnerRequest(owner=owner, generation=generation)
+        await self._call(self._stub.ReleaseOwner, m)
+
+    async def list_requests(
+        self, owner: str = "", adoptable_only: bool = False
+    ) -> list[RequestInfo]:
+        m = pb.ListRequestsRequest(owner=owner, adoptable_only=adoptable_only)
+        resp = await self._call(self._stub.ListRequests, m)
+        return [convert.request_info_from_proto(r) for r in resp.requests]
+
+    async def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
+        m = pb.AdoptRequest(request_id=request_id, owner=owner, generation=generation)
+        resp = await self._call(self._stub.Adopt, m)
+        return [convert.region_from_proto(r) for r in resp.regions]
 
     async def close(self) -> None:
         await self._channel.close()

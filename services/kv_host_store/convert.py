@@ -8,18 +8,28 @@ import grpc
 from dhisparse.rpc import kv_host_store_pb2 as pb
 from services.kv_host_store.errors import (
     CapacityExhausted,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
     StoreError,
 )
-from services.kv_host_store.records import ArenaInfo, Region, ReleaseResult, RowRange, StoreStats
+from services.kv_host_store.records import (
+    ArenaInfo,
+    OwnerLease,
+    Region,
+    ReleaseResult,
+    RequestInfo,
+    RowRange,
+    StoreStats,
+)
 
 STATUS_OF_ERROR: dict[type[StoreError], grpc.StatusCode] = {
     InvalidArgument: grpc.StatusCode.INVALID_ARGUMENT,
     NotFound: grpc.StatusCode.NOT_FOUND,
     PermissionDenied: grpc.StatusCode.PERMISSION_DENIED,
     CapacityExhausted: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    FailedPrecondition: grpc.StatusCode.FAILED_PRECONDITION,
 }
 _ERROR_OF_STATUS = {code: cls for cls, code in STATUS_OF_ERROR.items()}
 
@@ -49,6 +59,7 @@ def region_to_proto(r: Region) -> pb.Region:
         num_rows=r.num_rows,
         row_bytes=r.row_bytes,
         durable=[pb.RowRange(start=d.start, end=d.end) for d in r.durable],
+        generation=r.generation,
     )
 
 
@@ -62,6 +73,7 @@ def region_from_proto(m: pb.Region) -> Region:
         num_rows=m.num_rows,
         row_bytes=m.row_bytes,
         durable=tuple(RowRange(d.start, d.end) for d in m.durable),
+        generation=m.generation,
     )
 
 
@@ -74,6 +86,9 @@ def stats_to_proto(s: StoreStats) -> pb.StatsResponse:
         durable_bytes=s.durable_bytes,
         allocations_refused=s.allocations_refused,
         largest_free_bytes=s.largest_free_bytes,
+        owners_live=s.owners_live,
+        adoptions=s.adoptions,
+        orphans_expired=s.orphans_expired,
     )
 
 
@@ -86,6 +101,9 @@ def stats_from_proto(m: pb.StatsResponse) -> StoreStats:
         durable_bytes=m.durable_bytes,
         allocations_refused=m.allocations_refused,
         largest_free_bytes=m.largest_free_bytes,
+        owners_live=m.owners_live,
+        adoptions=m.adoptions,
+        orphans_expired=m.orphans_expired,
     )
 
 
@@ -103,3 +121,35 @@ def arena_from_proto(m: pb.ArenaInfo) -> ArenaInfo:
 
 def release_from_proto(m: pb.ReleaseResponse) -> ReleaseResult:
     return ReleaseResult(released=m.released, bytes_freed=m.bytes_freed)
+
+
+def lease_to_proto(lease: OwnerLease) -> pb.OwnerLease:
+    return pb.OwnerLease(owner=lease.owner, generation=lease.generation, lease_ttl_s=lease.ttl_s)
+
+
+def lease_from_proto(m: pb.OwnerLease) -> OwnerLease:
+    return OwnerLease(owner=m.owner, generation=m.generation, ttl_s=m.lease_ttl_s)
+
+
+def request_info_to_proto(r: RequestInfo) -> pb.RequestInfo:
+    return pb.RequestInfo(
+        request_id=r.request_id,
+        owner=r.owner,
+        generation=r.generation,
+        regions=r.regions,
+        bytes=r.nbytes,
+        adoptable=r.adoptable,
+        dead_for_s=r.dead_for_s,
+    )
+
+
+def request_info_from_proto(m: pb.RequestInfo) -> RequestInfo:
+    return RequestInfo(
+        request_id=m.request_id,
+        owner=m.owner,
+        generation=m.generation,
+        regions=m.regions,
+        nbytes=m.bytes,
+        adoptable=m.adoptable,
+        dead_for_s=m.dead_for_s,
+    )

@@ -23,6 +23,11 @@ class PermissionDenied(StoreError, PermissionError):
     """The caller is not the owner of the request it names (gRPC PERMISSION_DENIED)."""
 
 
+class FailedPrecondition(StoreError):
+    """The call does not fit the owner's state: a superseded or unregistered generation, or an
+    adoption of a live owner's request (gRPC FAILED_PRECONDITION)."""
+
+
 class CapacityExhausted(StoreError):
     """No contiguous free range fits the allocation (gRPC RESOURCE_EXHAUSTED).
 

@@ -45,6 +45,20 @@ class StoreCollector(Collector):
             "Allocations refused because no contiguous range fit",
             value=s.allocations_refused,
         )
+        yield GaugeMetricFamily(
+            names.HOST_STORE_OWNERS, "Registered worker processes whose lease runs",
+            value=s.owners_live,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            names.HOST_STORE_ADOPTIONS,
+            "Requests of dead workers adopted by a live one",
+            value=s.adoptions,
+        )
+        yield CounterMetricFamily(
+            names.HOST_STORE_ORPHANS_EXPIRED,
+            "Requests of dead workers freed because nobody adopted them in time",
+            value=s.orphans_expired,
+        )
 
 
 def build_registry(store: HostStore) -> CollectorRegistry:

@@ -26,11 +26,12 @@ class Region:
     region_id: str
     request_id: str
     owner: str
-    source: int
+    source: int  # a KV source (>= 0) or a reserved id for session state (< 0)
     offset: int  # byte offset in the arena, a multiple of the store's alignment
     num_rows: int
     row_bytes: int
     durable: tuple[RowRange, ...] = ()
+    generation: int = 0  # the owner's generation holding it (0: an owner that never registered)
 
     @property
     def nbytes(self) -> int:
@@ -62,6 +63,9 @@ class StoreStats:
     durable_bytes: int  # durable rows * row_bytes over all regions
     allocations_refused: int  # refused for capacity since the store started
     largest_free_bytes: int  # the largest allocation that would succeed now
+    owners_live: int = 0  # registered owners whose lease runs
+    adoptions: int = 0  # requests adopted from dead owners since the store started
+    orphans_expired: int = 0  # requests of dead owners freed unadopted since the store started
 
 
 @dataclass(frozen=True)
@@ -72,3 +76,26 @@ class ArenaInfo:
     capacity_bytes: int
     alignment: int
     store_id: str  # changes when the store restarts with a fresh arena: remap and forget regions
+
+
+@dataclass(frozen=True)
+class OwnerLease:
+    """A worker process's registration: ``generation`` fences off every earlier process that
+    registered under the same worker id; the lease must be renewed within ``ttl_s``."""
+
+    owner: str
+    generation: int
+    ttl_s: float
+
+
+@dataclass(frozen=True)
+class RequestInfo:
+    """One request holding regions, as ``list_requests`` reports it."""
+
+    request_id: str
+    owner: str
+    generation: int
+    regions: int
+    nbytes: int  # aligned bytes its regions hold
+    adoptable: bool  # its owner is dead (lease expired, released, or a newer generation)
+    dead_for_s: float  # seconds since its owner died (0 while it lives)

@@ -5,6 +5,7 @@ arena file, gRPC server and metrics endpoint; ``serve`` runs it until SIGTERM/SI
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import signal
@@ -60,8 +61,9 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     async def Allocate(
         self, request: pb.AllocateRequest, context: grpc.aio.ServicerContext
     ) -> pb.Region:
+        r = request
         region = self._store.allocate(
-            request.request_id, request.owner, request.source, request.num_rows, request.row_bytes
+            r.request_id, r.owner, r.source, r.num_rows, r.row_bytes, r.generation
         )
         return convert.region_to_proto(region)
 
@@ -69,16 +71,15 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     async def MarkDurable(
         self, request: pb.MarkDurableRequest, context: grpc.aio.ServicerContext
     ) -> pb.MarkDurableResponse:
-        rows = self._store.mark_durable(
-            request.region_id, request.owner, request.start_row, request.end_row
-        )
+        r = request
+        rows = self._store.mark_durable(r.region_id, r.owner, r.start_row, r.end_row, r.generation)
         return pb.MarkDurableResponse(durable_rows=rows)
 
     @_maps_store_errors
     async def Lookup(
         self, request: pb.LookupRequest, context: grpc.aio.ServicerContext
     ) -> pb.LookupResponse:
-        regions = self._store.lookup(request.request_id, request.owner)
+        regions = self._store.lookup(request.request_id, request.owner, request.generation)
         return pb.LookupResponse(regions=[convert.region_to_proto(r) for r in regions])
 
     @_maps_store_errors
@@ -86,7 +87,10 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
         self, request: pb.ReleaseRequest, context: grpc.aio.ServicerContext
     ) -> pb.ReleaseResponse:
         result = self._store.release(
-            request.owner, request_id=request.request_id, region_id=request.region_id
+            request.owner,
+            request_id=request.request_id,
+            region_id=request.region_id,
+            generation=request.generation,
         )
         return pb.ReleaseResponse(released=result.released, bytes_freed=result.bytes_freed)
 
@@ -94,6 +98,44 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
         self, request: pb.StatsRequest, context: grpc.aio.ServicerContext
     ) -> pb.StatsResponse:
         return convert.stats_to_proto(self._store.stats())
+
+    @_maps_store_errors
+    async def RegisterOwner(
+        self, request: pb.RegisterOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OwnerLease:
+        lease = self._store.register_owner(request.owner, request.lease_ttl_s)
+        log.info("owner %s registered generation %d", lease.owner, lease.generation)
+        return convert.lease_to_proto(lease)
+
+    @_maps_store_errors
+    async def RenewOwner(
+        self, request: pb.RenewOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.OwnerLease:
+        return convert.lease_to_proto(self._store.renew_owner(request.owner, request.generation))
+
+    @_maps_store_errors
+    async def ReleaseOwner(
+        self, request: pb.ReleaseOwnerRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleaseOwnerResponse:
+        self._store.release_owner(request.owner, request.generation)
+        return pb.ReleaseOwnerResponse()
+
+    @_maps_store_errors
+    async def ListRequests(
+        self, request: pb.ListRequestsRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ListRequestsResponse:
+        infos = self._store.list_requests(request.owner, request.adoptable_only)
+        return pb.ListRequestsResponse(requests=[convert.request_info_to_proto(r) for r in infos])
+
+    @_maps_store_errors
+    async def Adopt(
+        self, request: pb.AdoptRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AdoptResponse:
+        regions = self._store.adopt(request.request_id, request.owner, request.generation)
+        log.info(
+            "request %s adopted by %s/%d", request.request_id, request.owner, request.generation
+        )
+        return pb.AdoptResponse(regions=[convert.region_to_proto(r) for r in regions])
 
 
 class KVHostStoreServer:
@@ -106,13 +148,16 @@ class KVHostStoreServer:
 
     def __init__(self, settings: KVHostStoreSettings) -> None:
         self.settings = settings
-        self.store = HostStore(settings.capacity, settings.alignment)
+        self.store = HostStore(
+            settings.capacity, settings.alignment, orphan_ttl_s=settings.orphan_ttl_s
+        )
         self.store_id = uuid.uuid4().hex
         self.port = 0
         self.metrics_port = 0
         self._arena: HostArena | None = None
         self._grpc: grpc.aio.Server | None = None
         self._metrics: WSGIServer | None = None
+        self._sweeper: asyncio.Task[None] | None = None
 
     @property
     def arena_info(self) -> ArenaInfo:
@@ -134,6 +179,7 @@ class KVHostStoreServer:
             httpd, _ = start_metrics_server(build_registry(self.store), s.host, s.metrics_port)
             self._metrics, self.metrics_port = httpd, httpd.server_port
             await self._grpc.start()
+            self._sweeper = asyncio.create_task(self._sweep_forever(), name="orphan-sweeper")
         except BaseException:
             await self.stop()
             raise
@@ -148,7 +194,24 @@ class KVHostStoreServer:
             self.store_id,
         )
 
+    async def _sweep_forever(self) -> None:
+        """Frees dead owners' requests nobody adopted within the orphan TTL."""
+        while True:
+            await asyncio.sleep(self.settings.sweep_interval_s)
+            try:
+                n = self.store.expire_orphans()
+            except Exception:
+                log.exception("orphan sweep failed")
+                continue
+            if n:
+                log.warning("expired %d orphaned requests (owner dead, not adopted)", n)
+
     async def stop(self) -> None:
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+            self._sweeper = None
         if self._grpc is not None:
             await self._grpc.stop(self.settings.shutdown_grace_s)
             self._grpc = None

@@ -39,6 +39,10 @@ class KVHostStoreSettings(BaseSettings):
     remove_arena_on_exit: bool = Field(True, description="unlink the arena file on shutdown")
     preallocate: bool = Field(False, description="reserve the arena's tmpfs pages at start")
     shutdown_grace_s: float = Field(5.0, ge=0, description="time in-flight RPCs get to finish")
+    orphan_ttl_s: float = Field(
+        300.0, ge=0, description="a dead owner's unadopted requests are freed after this long"
+    )
+    sweep_interval_s: float = Field(1.0, gt=0, description="how often orphans are looked for")
 
     @model_validator(mode="after")
     def _check_layout(self) -> KVHostStoreSettings:

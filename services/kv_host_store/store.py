@@ -1,57 +1,48 @@
 """The host store's logic, with no gRPC in it: regions of the arena, who owns them, and which
 of their rows are durable.
 
-Ownership is per *request*: every region of a request belongs to the worker that allocated the
-request's first region, and only that owner may allocate more, mark durable, look up or release.
-A later "adopt after the owner died" transfers a request to a new owner and bumps its
-``generation``, so calls still in flight from the dead owner are fenced off; all ownership checks
-go through ``_owned_request`` so adoption changes one place (plus rewriting the ``owner`` of the
-request's region records).
+Ownership is per *request*: every region of a request belongs to the worker process — worker id
+and generation (``owners``) — that allocated the request's first region or adopted it, and only
+that owner may allocate more, mark durable, look up or release. When the owner process dies its
+requests become adoptable: ``adopt`` transfers one to a live owner (regions stay where they are:
+nothing is copied), and calls still in flight from the dead generation are refused. Requests
+nobody adopts within ``orphan_ttl_s`` of their owner's death are freed by ``expire_orphans``.
 """
 
 from __future__ import annotations
 
 import threading
-import uuid
-from dataclasses import dataclass, field, replace
+import time
+from collections.abc import Callable
 
-from services.kv_host_store.allocator import Allocator
 from services.kv_host_store.errors import (
-    CapacityExhausted,
+    FailedPrecondition,
     InvalidArgument,
     NotFound,
     PermissionDenied,
 )
-from services.kv_host_store.intervals import add_range, covered
-from services.kv_host_store.records import Region, ReleaseResult, StoreStats
-
-_MAX_ID_LEN = 256  # ids are uuids or similar; a bound keeps a buggy caller from bloating memory
-_INT32 = (-(2**31), 2**31 - 1)  # the proto's source field
-
-
-@dataclass
-class _Request:
-    owner: str
-    generation: int = 0  # bumped by a future adopt(); part of the lease a caller must present
-    region_ids: set[str] = field(default_factory=set)
+from services.kv_host_store.owners import OwnerTable
+from services.kv_host_store.records import (
+    OwnerLease,
+    Region,
+    ReleaseResult,
+    RequestInfo,
+    StoreStats,
+)
+from services.kv_host_store.region_table import Holding, RegionTable
+from services.kv_host_store.validation import INT32, check_id, check_int
 
 
-def _check_id(name: str, value: object) -> str:
-    if not isinstance(value, str) or not value:
-        raise InvalidArgument(f"{name} must be a non-empty string")
-    if len(value) > _MAX_ID_LEN:
-        raise InvalidArgument(f"{name} is longer than {_MAX_ID_LEN} characters")
-    return value
+def _who(owner: str, generation: int) -> str:
+    return f"{owner!r}" if generation == 0 else f"{owner!r} generation {generation}"
 
 
-def _check_int(name: str, value: object, lo: int | None = None, hi: int | None = None) -> int:
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise InvalidArgument(f"{name} must be an integer, got {type(value).__name__}")
-    if lo is not None and value < lo:
-        raise InvalidArgument(f"{name} must be >= {lo}, got {value}")
-    if hi is not None and value > hi:
-        raise InvalidArgument(f"{name} must be <= {hi}, got {value}")
-    return value
+def _check_holder(request_id: str, req: Holding, owner: str, generation: int) -> None:
+    if (req.owner, req.generation) != (owner, generation):
+        raise PermissionDenied(
+            f"request {request_id!r} is owned by {_who(req.owner, req.generation)}, "
+            f"not {_who(owner, generation)}"
+        )
 
 
 class HostStore:
@@ -59,159 +50,223 @@ class HostStore:
 
     Thread-safe: every public method holds one lock (the gRPC server runs on asyncio and the
     metrics endpoint scrapes from its own thread). Returned ``Region``s are snapshots.
+    ``clock`` (seconds, monotonic) drives leases and orphan expiry; tests inject their own.
+    Owner-scoped calls take the caller's ``generation`` (0: an owner that never registered).
     """
 
-    def __init__(self, capacity: int, alignment: int = 4096) -> None:
-        self._alloc = Allocator(capacity, alignment)
+    def __init__(
+        self,
+        capacity: int,
+        alignment: int = 4096,
+        *,
+        orphan_ttl_s: float = 300.0,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._t = RegionTable(capacity, alignment)
         self._lock = threading.Lock()
-        self._regions: dict[str, Region] = {}
-        self._requests: dict[str, _Request] = {}
-        self._durable_bytes = 0
-        self._refused = 0
+        self._owners = OwnerTable()
+        self._clock = clock
+        self.orphan_ttl_s = orphan_ttl_s
+        self._adoptions = 0
+        self._orphans_expired = 0
 
     @property
     def capacity(self) -> int:
-        return self._alloc.capacity
+        return self._t.alloc.capacity
 
     @property
     def alignment(self) -> int:
-        return self._alloc.alignment
+        return self._t.alloc.alignment
 
-    # -- ownership ---------------------------------------------------------------------------
+    # -- owners ------------------------------------------------------------------------------
 
-    def _owned_request(self, request_id: str, owner: str) -> _Request:
-        req = self._requests.get(request_id)
+    def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
+        """A new generation of worker id ``owner``; the previous generation's requests become
+        adoptable at once (the process that held them has restarted)."""
+        check_id("owner", owner)
+        with self._lock:
+            return self._owners.register(owner, float(ttl_s), self._clock())
+
+    def renew_owner(self, owner: str, generation: int) -> OwnerLease:
+        check_id("owner", owner)
+        with self._lock:
+            return self._owners.renew(owner, generation, self._clock())
+
+    def release_owner(self, owner: str, generation: int) -> None:
+        """Graceful end of a generation: what it still holds becomes adoptable now."""
+        check_id("owner", owner)
+        with self._lock:
+            self._owners.release(owner, generation, self._clock())
+
+    def _owned_request(self, request_id: str, owner: str, generation: int) -> Holding:
+        self._owners.check_caller(owner, generation)
+        req = self._t.requests.get(request_id)
         if req is None:
             raise NotFound(f"no regions for request {request_id!r}")
-        if req.owner != owner:
-            raise PermissionDenied(
-                f"request {request_id!r} is owned by {req.owner!r}, not {owner!r}"
-            )
+        _check_holder(request_id, req, owner, generation)
         return req
 
-    def _owned_region(self, region_id: str, owner: str) -> Region:
-        region = self._regions.get(region_id)
+    def _owned_region(self, region_id: str, owner: str, generation: int) -> Region:
+        region = self._t.regions.get(region_id)
         if region is None:
             raise NotFound(f"no region {region_id!r}")
-        self._owned_request(region.request_id, owner)
+        self._owned_request(region.request_id, owner, generation)
         return region
 
-    # -- operations --------------------------------------------------------------------------
+    # -- regions -----------------------------------------------------------------------------
 
     def allocate(
-        self, request_id: str, owner: str, source: int, num_rows: int, row_bytes: int
+        self,
+        request_id: str,
+        owner: str,
+        source: int,
+        num_rows: int,
+        row_bytes: int,
+        generation: int = 0,
     ) -> Region:
         """A new contiguous region of ``num_rows * row_bytes`` bytes for rows of ``source`` of
-        ``request_id``, owned by ``owner``; no rows are durable yet.
-
-        Raises ``PermissionDenied`` when the request belongs to another owner and
+        ``request_id``; no rows are durable yet. Raises ``PermissionDenied`` when the request
+        belongs to another owner, ``FailedPrecondition`` for a stale generation and
         ``CapacityExhausted`` (naming requested vs largest free bytes) when no contiguous free
-        range fits. A request may hold several regions of one source (e.g. while moving to a
-        larger one); ``lookup`` returns them all.
-        """
-        _check_id("request_id", request_id)
-        _check_id("owner", owner)
-        _check_int("source", source, *_INT32)
-        _check_int("num_rows", num_rows, lo=1)
-        _check_int("row_bytes", row_bytes, lo=1)
-        nbytes = num_rows * row_bytes
+        range fits. A request may hold several regions of one source."""
+        check_id("request_id", request_id)
+        check_id("owner", owner)
+        check_int("source", source, *INT32)
+        check_int("num_rows", num_rows, lo=1)
+        check_int("row_bytes", row_bytes, lo=1)
         with self._lock:
-            req = self._requests.get(request_id)
-            if req is not None and req.owner != owner:
-                raise PermissionDenied(
-                    f"request {request_id!r} is owned by {req.owner!r}, not {owner!r}"
-                )
-            need = self._alloc.aligned_size(nbytes)
-            offset = self._alloc.allocate(nbytes)
-            if offset is None:
-                self._refused += 1
-                largest = self._alloc.largest_free()
-                raise CapacityExhausted(
-                    f"no contiguous free range for {num_rows} rows x {row_bytes} B: requested "
-                    f"{need} bytes, largest free {largest} bytes (free {self._alloc.free_bytes} "
-                    f"of {self._alloc.capacity} bytes)",
-                    requested=need,
-                    largest_free=largest,
-                )
-            if req is None:
-                req = self._requests[request_id] = _Request(owner=owner)
-            region = Region(
-                region_id=uuid.uuid4().hex,
-                request_id=request_id,
-                owner=owner,
-                source=source,
-                offset=offset,
-                num_rows=num_rows,
-                row_bytes=row_bytes,
-            )
-            self._regions[region.region_id] = region
-            req.region_ids.add(region.region_id)
-            return region
+            self._owners.check_caller(owner, generation)
+            req = self._t.requests.get(request_id)
+            if req is not None:
+                _check_holder(request_id, req, owner, generation)
+            return self._t.add(request_id, owner, generation, source, num_rows, row_bytes)
 
-    def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int:
+    def mark_durable(
+        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
+    ) -> int:
         """Records that rows ``[start_row, end_row)`` of the region hold complete, committed
         bytes; calls may arrive in any order and overlap. Returns the region's durable rows."""
-        _check_id("region_id", region_id)
-        _check_id("owner", owner)
-        _check_int("start_row", start_row, lo=0)
-        _check_int("end_row", end_row)
+        check_id("region_id", region_id)
+        check_id("owner", owner)
+        check_int("start_row", start_row, lo=0)
+        check_int("end_row", end_row)
         with self._lock:
-            region = self._owned_region(region_id, owner)
+            region = self._owned_region(region_id, owner, generation)
             if not start_row < end_row <= region.num_rows:
                 raise InvalidArgument(
                     f"rows [{start_row}, {end_row}) must be a non-empty range inside the "
                     f"region's {region.num_rows} rows"
                 )
-            durable = add_range(region.durable, start_row, end_row)
-            before, after = covered(region.durable), covered(durable)
-            self._regions[region_id] = replace(region, durable=durable)
-            self._durable_bytes += (after - before) * region.row_bytes
-            return after
+            return self._t.mark(region, start_row, end_row)
 
-    def lookup(self, request_id: str, owner: str) -> list[Region]:
+    def lookup(self, request_id: str, owner: str, generation: int = 0) -> list[Region]:
         """Every region of ``request_id`` with its durable rows, ordered by (source, offset)."""
-        _check_id("request_id", request_id)
-        _check_id("owner", owner)
+        check_id("request_id", request_id)
+        check_id("owner", owner)
         with self._lock:
-            req = self._owned_request(request_id, owner)
-            regions = [self._regions[r] for r in req.region_ids]
-        return sorted(regions, key=lambda r: (r.source, r.offset))
+            return self._t.of(self._owned_request(request_id, owner, generation))
 
     def release(
-        self, owner: str, *, request_id: str | None = None, region_id: str | None = None
+        self,
+        owner: str,
+        *,
+        request_id: str | None = None,
+        region_id: str | None = None,
+        generation: int = 0,
     ) -> ReleaseResult:
         """Frees one region (``region_id``) or every region of a request (``request_id``):
         exactly one must be given (an empty string counts as not given, as in the proto)."""
-        _check_id("owner", owner)
+        check_id("owner", owner)
         if bool(request_id) == bool(region_id):
             raise InvalidArgument("give exactly one of request_id and region_id")
         with self._lock:
             if region_id:
-                _check_id("region_id", region_id)
-                victims = [self._owned_region(region_id, owner)]
+                check_id("region_id", region_id)
+                victims = [self._owned_region(region_id, owner, generation)]
             else:
-                req = self._owned_request(_check_id("request_id", request_id), owner)
-                victims = [self._regions[r] for r in req.region_ids]
-            freed = sum(self._free(region) for region in victims)
+                rid = check_id("request_id", request_id)
+                victims = self._t.of(self._owned_request(rid, owner, generation))
+            freed = sum(self._t.free(region) for region in victims)
             return ReleaseResult(released=len(victims), bytes_freed=freed)
 
-    def _free(self, region: Region) -> int:
-        del self._regions[region.region_id]
-        req = self._requests[region.request_id]
-        req.region_ids.discard(region.region_id)
-        if not req.region_ids:
-            del self._requests[region.request_id]
-        self._durable_bytes -= region.durable_rows * region.row_bytes
-        return self._alloc.free(region.offset)
+    # -- adoption and orphans ----------------------------------------------------------------
+
+    def list_requests(self, owner: str = "", adoptable_only: bool = False) -> list[RequestInfo]:
+        """Requests holding regions (of ``owner``'s generations, or everyone's), by id."""
+        with self._lock:
+            now = self._clock()
+            out = []
+            for request_id, req in sorted(self._t.requests.items()):
+                dead = self._owners.dead_since(req.owner, req.generation, now)
+                if (owner and req.owner != owner) or (adoptable_only and dead is None):
+                    continue
+                age = 0.0 if dead is None else max(0.0, now - dead)
+                held = self._t.held_bytes(req)
+                info = RequestInfo(
+                    request_id, req.owner, req.generation, len(req.region_ids), held,
+                    dead is not None, age,
+                )  # fmt: skip
+                out.append(info)
+            return out
+
+    def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
+        """Transfers every region of a dead owner's request to the live ``(owner,
+        generation)``, atomically, and returns them. Refused with ``FailedPrecondition`` while
+        the request's owner lives (or the caller is not a live registered owner); adopting a
+        request one already holds returns its regions."""
+        check_id("request_id", request_id)
+        check_id("owner", owner)
+        with self._lock:
+            now = self._clock()
+            self._owners.check_caller(owner, generation)
+            if generation == 0 or not self._owners.is_live(owner, generation, now):
+                raise FailedPrecondition(
+                    f"only a live registered owner may adopt; {_who(owner, generation)} is "
+                    "not one (register, or renew the lease)"
+                )
+            req = self._t.requests.get(request_id)
+            if req is None:
+                raise NotFound(f"no regions for request {request_id!r}")
+            if (req.owner, req.generation) == (owner, generation):
+                return self._t.of(req)
+            if self._owners.dead_since(req.owner, req.generation, now) is None:
+                raise FailedPrecondition(
+                    f"request {request_id!r} belongs to the live owner "
+                    f"{_who(req.owner, req.generation)}: not adoptable"
+                )
+            self._t.transfer(req, owner, generation)
+            self._adoptions += 1
+            return self._t.of(req)
+
+    def expire_orphans(self) -> int:
+        """Frees the requests whose owner died at least ``orphan_ttl_s`` ago and that nobody
+        adopted; returns how many (the server's sweeper calls this periodically)."""
+        with self._lock:
+            now = self._clock()
+            expired = [
+                req
+                for req in self._t.requests.values()
+                if (dead := self._owners.dead_since(req.owner, req.generation, now)) is not None
+                and now - dead >= self.orphan_ttl_s
+            ]
+            for req in expired:
+                for region in self._t.of(req):
+                    self._t.free(region)
+            self._orphans_expired += len(expired)
+            return len(expired)
 
     def stats(self) -> StoreStats:
         with self._lock:
+            a = self._t.alloc
             return StoreStats(
-                capacity_bytes=self._alloc.capacity,
-                used_bytes=self._alloc.used_bytes,
-                regions=len(self._regions),
-                requests=len(self._requests),
-                durable_bytes=self._durable_bytes,
-                allocations_refused=self._refused,
-                largest_free_bytes=self._alloc.largest_free(),
+                capacity_bytes=a.capacity,
+                used_bytes=a.used_bytes,
+                regions=len(self._t.regions),
+                requests=len(self._t.requests),
+                durable_bytes=self._t.durable_bytes,
+                allocations_refused=self._t.refused,
+                largest_free_bytes=a.largest_free(),
+                owners_live=self._owners.live_count(self._clock()),
+                adoptions=self._adoptions,
+                orphans_expired=self._orphans_expired,
             )

@@ -1,8 +1,13 @@
 """Runs the engine on its own thread and serves asyncio callers.
 
-The engine is single-threaded: every mutation (add, abort, step) happens on the engine thread,
-fed through a command queue. Outputs go back to each caller's asyncio queue with
-``call_soon_threadsafe``."""
+The engine is single-threaded: every mutation (add, abort, attach, step) happens on the engine
+thread, fed through a command queue. Outputs go back to each caller's asyncio queue with
+``call_soon_threadsafe``.
+
+Sessions resumed from a dead worker start *detached*: they run, but nobody listens until the
+gateway re-attaches (``resume``); the first output of an attach catches the caller up on every
+token it has not received. A detached session nobody attaches within ``attach_timeout_s`` is
+aborted, which returns its capacity."""
 
 from __future__ import annotations
 
@@ -10,11 +15,13 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import RequestOutput, SamplingParams
+from services.worker.engine.request import Request, RequestOutput, SamplingParams
+from services.worker.engine.stop import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -23,23 +30,71 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; the worker must be restarted."""
 
 
+class SessionNotFound(LookupError):
+    """No detached session of that id to attach to (never resumed here, already attached, or
+    expired)."""
+
+
 @dataclass
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
 
 
+@dataclass
+class _Detached:
+    req: Request
+    deadline: float
+
+
+def catch_up(engine: Engine, req: Request, tokens_received: int) -> RequestOutput:
+    """One output with everything of ``req`` after its first ``tokens_received`` tokens: the
+    tokens, and the text the caller would have been sent for them (the text stream replayed
+    to that point tells where the caller's text ends)."""
+    p = req.params
+    sent = TextStream(engine.tokenizer, req.prompt_ids, p.stop, p.include_stop_str_in_output)
+    for token in req.output_ids[:tokens_received]:
+        sent.push(token)
+    text = req.text.detok.text[sent.emitted : req.text.emitted]
+    return RequestOutput(
+        request_id=req.request_id,
+        new_token_ids=tuple(req.output_ids[tokens_received:]),
+        text=text,
+        finish_reason=req.finish_reason,
+        stop_reason=req.stop_reason,
+        prompt_tokens=len(req.prompt_ids),
+        completion_tokens=len(req.output_ids),
+        error=req.error,
+        cached_prompt_tokens=len(req.prompt_ids),
+    )
+
+
 class AsyncEngine:
     def __init__(
-        self, engine: Engine, on_step: Callable[[Engine, list[RequestOutput]], None] | None = None
+        self,
+        engine: Engine,
+        on_step: Callable[[Engine, list[RequestOutput]], None] | None = None,
+        *,
+        detached: Iterable[str] = (),
+        attach_timeout_s: float = 60.0,
+        between_steps: Callable[[Engine], None] | None = None,
+        on_shutdown: Callable[[], None] | None = None,
     ) -> None:
+        """``detached``: ids of sessions resumed into ``engine`` before it starts stepping.
+        ``between_steps`` runs on the engine thread between steps (host-store re-attach);
+        ``on_shutdown`` once the engine thread has stopped."""
         self.engine = engine
+        self._on_shutdown = on_shutdown
         self._on_step = on_step
+        self._between = between_steps
         self._cmds: queue.SimpleQueue[tuple[str, tuple]] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._stop = threading.Event()
+        self.attach_timeout_s = attach_timeout_s
+        deadline = time.monotonic() + attach_timeout_s
+        self._detached = {rid: _Detached(engine.requests[rid], deadline) for rid in detached}
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -57,20 +112,37 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last one is finished. Leaving early (the caller
         was cancelled) aborts the request."""
+        self.validate(prompt_ids, params)
+        stream = self._open(request_id)
+        self._send("add", request_id, prompt_ids, params)
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    async def resume(self, request_id: str, tokens_received: int) -> AsyncIterator[RequestOutput]:
+        """Attaches to a detached (resumed) session: first its tokens after the first
+        ``tokens_received``, then its outputs as they come. Raises ``SessionNotFound``."""
+        stream = self._open(request_id)
+        self._send("attach", request_id, tokens_received)
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    def _open(self, request_id: str) -> _Stream:
         if not self.alive:
             raise EngineDeadError(f"engine is not running: {self.error!r}")
-        self.validate(prompt_ids, params)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
         with self._lock:
             if request_id in self._streams:
                 raise ValueError(f"duplicate request id {request_id!r}")
             self._streams[request_id] = stream
-        self._send("add", request_id, prompt_ids, params)
+        return stream
+
+    async def _consume(self, request_id: str, stream: _Stream) -> AsyncIterator[RequestOutput]:
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
+                    finished = True  # nothing runs under this id (or the engine is gone)
                     raise item
                 finished = item.finished
                 yield item
@@ -92,6 +164,14 @@ class AsyncEngine:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
+        if self._on_shutdown is not None:
+            self._on_shutdown()
+            self._on_shutdown = None
+
+    @property
+    def detached(self) -> list[str]:
+        """Resumed sessions waiting for a re-attach (read from any thread: a snapshot)."""
+        return list(self._detached)
 
     # ---- engine thread ----------------------------------------------------------------------
     def _send(self, *cmd: object) -> None:
@@ -112,26 +192,64 @@ class AsyncEngine:
                 return
             if op == "add":
                 request_id, prompt_ids, params = args
+                if self._detached.pop(request_id, None) is not None:
+                    # The gateway started this request over (it failed before its first token
+                    # reached it): the resumed copy has nobody to stream to.
+                    self.engine.abort(request_id)
                 try:
                     self.engine.add_request(request_id, prompt_ids, params)
                 except ValueError as e:
                     self._deliver(request_id, e)
+            elif op == "attach":
+                self._attach(*args)
             elif op == "abort":
+                self._detached.pop(args[0], None)
                 out = self.engine.abort(args[0])
                 if out is not None:
                     self._deliver(args[0], out)
+
+    def _attach(self, request_id: str, tokens_received: int) -> None:
+        d = self._detached.pop(request_id, None)
+        if d is None:
+            self._deliver(request_id, SessionNotFound(f"no resumed session {request_id!r}"))
+            return
+        if not 0 <= tokens_received <= len(d.req.output_ids):
+            self._detached[request_id] = d
+            self._deliver(
+                request_id,
+                ValueError(
+                    f"tokens_received={tokens_received}, but the session has "
+                    f"{len(d.req.output_ids)} tokens"
+                ),
+            )
+            return
+        self._deliver(request_id, catch_up(self.engine, d.req, tokens_received))
+
+    def _expire_detached(self) -> None:
+        now = time.monotonic()
+        for rid, d in list(self._detached.items()):
+            if now >= d.deadline:
+                del self._detached[rid]
+                if self.engine.abort(rid) is not None:
+                    log.warning("resumed session %s was not re-attached in time: aborted", rid)
 
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
                 self._drain_commands()
+                if self._detached:
+                    self._expire_detached()
+                if self._between is not None:
+                    self._between(self.engine)
                 if not self.engine.has_work():
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
                 for out in outputs:
-                    self._deliver(out.request_id, out)
+                    # A detached session's caller gets these with its catch-up on attach.
+                    if out.request_id not in self._detached:
+                        self._deliver(out.request_id, out)
                 if self._on_step is not None:
                     self._on_step(self.engine, outputs)
         except BaseException as e:  # the engine is broken: fail every open stream

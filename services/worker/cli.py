@@ -16,6 +16,8 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "worker-id": (str, "worker id (default host:port)"),
     "served-model-name": (str, "model name reported to the gateway"),
     "kv-store": (str, "host:port of the node's kv-host-store"),
+    "lease-ttl-s": (float, "lease of this process at the kv-host-store, in seconds"),
+    "attach-timeout-s": (float, "abort a resumed session not re-attached within this"),
 }
 
 
@@ -42,6 +44,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")
     p.add_argument("--max-prefill-tokens", type=int, help="prefill tokens per step")
     p.add_argument("--top-k-rows", type=int, help="the indexer's k (rows attended per query)")
+    p.add_argument(
+        "--durable-sessions",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="hierarchy modes: keep what a successor needs to resume each session (on)",
+    )
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:

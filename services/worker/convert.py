@@ -41,6 +41,7 @@ def output_to_proto(out: RequestOutput, tokenizer: Tokenizer) -> pb.GenerateResp
         stop_reason="" if out.stop_reason is None else str(out.stop_reason),
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
+        cached_prompt_tokens=out.cached_prompt_tokens,
     )
     for lp in out.logprobs:
         resp.logprobs.append(

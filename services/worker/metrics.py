@@ -44,6 +44,15 @@ class WorkerMetrics:
         self.prefill_computed = Counter(
             m.PREFILL_TOKENS_COMPUTED, "Prompt tokens whose KV was computed", lbl, registry=r
         )
+        self.sessions_resumed = Counter(
+            m.SESSIONS_RESUMED,
+            "Sessions adopted from a dead worker and continued from host backups",
+            lbl,
+            registry=r,
+        )
+        self.sessions_resumed.labels(model_name)
+        self.prefill_computed.labels(model_name)
+        self._resumed_seen = 0
 
         self.resolver_rows = Counter(
             m.RESOLVER_ROWS, "Selected rows by how they resolved", [*lbl, "path"], registry=r
@@ -100,6 +109,9 @@ class WorkerMetrics:
         computed = engine.stats.prefill_tokens_computed
         self.prefill_computed.labels(md).inc(computed - self._prefill_seen)
         self._prefill_seen = computed
+        resumed = engine.stats.sessions_resumed
+        self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
+        self._resumed_seen = resumed
         self.running.labels(md).set(engine.num_running)
         self.waiting.labels(md).set(engine.num_waiting)
         mem = engine.kv.memory()

@@ -12,8 +12,9 @@ import grpc
 from dhisparse.metrics_server import serve_metrics
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
-from services.worker.async_engine import AsyncEngine, EngineDeadError
+from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
 from services.worker.convert import output_to_proto, sampling_from_proto
+from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
@@ -21,24 +22,52 @@ from services.worker.settings import WorkerSettings
 log = logging.getLogger(__name__)
 
 
+# How a request the engine gave up on fails over gRPC (``RequestError.code``).
+_ERROR_STATUS = {
+    "unavailable": grpc.StatusCode.UNAVAILABLE,
+    "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+}
+
+
 class WorkerServicer(pb_grpc.WorkerServicer):
-    def __init__(self, engine: AsyncEngine, worker_id: str, model_name: str) -> None:
+    def __init__(
+        self,
+        engine: AsyncEngine,
+        worker_id: str,
+        model_name: str,
+        link: HostLink | None = None,
+    ) -> None:
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
+        self.link = link
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         params = sampling_from_proto(request.sampling)
+        outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), params)
+        async for resp in self._stream(outputs, context):
+            yield resp
+
+    async def Resume(self, request: pb.ResumeRequest, context: grpc.aio.ServicerContext):
+        """Re-attaches to a session this worker resumed from its dead predecessor: first the
+        tokens after ``tokens_received``, then new ones. NOT_FOUND when there is none."""
+        outputs = self.engine.resume(request.request_id, request.tokens_received)
+        async for resp in self._stream(outputs, context):
+            yield resp
+
+    async def _stream(self, outputs, context: grpc.aio.ServicerContext):
         tokenizer = self.engine.engine.tokenizer
         try:
-            async for out in self.engine.generate(
-                request.request_id, list(request.prompt_token_ids), params
-            ):
+            async for out in outputs:
+                if out.error is not None:
+                    await context.abort(_ERROR_STATUS[out.error.code], out.error.message)
                 yield output_to_proto(out, tokenizer)
         except ValueError as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except SessionNotFound as e:
+            await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
@@ -61,9 +90,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
-        if self.engine.alive:
-            return pb.HealthResponse(ok=True, status="serving")
-        return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
+        if not self.engine.alive:
+            return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
+        if self.link is not None and not self.link.healthy:
+            return pb.HealthResponse(ok=False, status=self.link.status())
+        return pb.HealthResponse(ok=True, status="serving")
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine
@@ -77,32 +108,68 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_layout_json=json.dumps(
                 {**eng.kv.layout(), "drafter": eng.cfg.drafter, "spec_width": eng.cfg.spec_width}
             ),
+            durable_sessions=eng.kv.sessions is not None,
         )
+
+
+def _connect_store(settings: WorkerSettings) -> tuple:
+    """(client, arena mapping) of the node's kv_host_store."""
+    from services.kv_host_store.client import KVHostStoreClient
+
+    client = KVHostStoreClient(settings.kv_store, timeout=settings.kv_store_timeout_s)
+    client.wait_ready(timeout=30.0)
+    info, mapping = client.map_arena()
+    log.info("mapped host arena %s (%d bytes)", info.path, info.capacity_bytes)
+    return client, mapping
+
+
+def _take_over(engine: Engine, client, worker_id: str, settings: WorkerSettings) -> HostLink:
+    """Registers this process with the store (a new generation of ``worker_id``) and resumes
+    the durable sessions earlier generations left behind."""
+    from services.worker.durable.adoption import adopt_sessions
+
+    link = HostLink(client, worker_id, settings.lease_ttl_s, engine.kv.host_backups)
+    generation = link.register()
+    if engine.kv.sessions is not None:
+        report = adopt_sessions(engine, client, worker_id, generation)
+        if report.resumed or report.released:
+            log.info(
+                "took over %d sessions of earlier generations (%d released)",
+                len(report.resumed),
+                len(report.released),
+            )
+    link.start()
+    return link
 
 
 async def start_server(
     settings: WorkerSettings, engine: Engine | None = None
 ) -> tuple[grpc.aio.Server, AsyncEngine]:
     """Builds the engine (unless given) and starts gRPC (and metrics) serving. In a hierarchy
-    mode with ``kv_store`` set, host backups go to the node's kv_host_store arena."""
+    mode with ``kv_store`` set, host backups go to the node's kv_host_store arena, and the
+    sessions a dead predecessor of this worker id left there are resumed."""
+    worker_id = settings.resolved_worker_id()
+    link = None
     if engine is None:
         host = None
         if settings.kv_store and settings.mode != "resident":
-            from services.kv_host_store.client import KVHostStoreClient
-
-            client = KVHostStoreClient(settings.kv_store)
-            client.wait_ready(timeout=30.0)
-            info, mapping = client.map_arena()
-            log.info("mapped host arena %s (%d bytes)", info.path, info.capacity_bytes)
-            host = (client, mapping)
+            host = _connect_store(settings)
         engine = Engine(settings.engine_config(), host=host)
+        if host is not None:
+            link = _take_over(engine, host[0], worker_id, settings)
     model_name = settings.served_model_name or engine.model_cfg.name
     metrics = WorkerMetrics(model_name)
-    async_engine = AsyncEngine(engine, on_step=metrics.on_step)
-    worker_id = settings.resolved_worker_id()
+    async_engine = AsyncEngine(
+        engine,
+        on_step=metrics.on_step,
+        detached=list(engine.requests),  # only resumed sessions exist before serving
+        attach_timeout_s=settings.attach_timeout_s,
+        between_steps=link.maintain if link is not None else None,
+        on_shutdown=link.close if link is not None else None,
+    )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(async_engine, worker_id, model_name), server
+        WorkerServicer(async_engine, worker_id, model_name, link), server
     )
     addr = f"{settings.host}:{settings.port}"
     if server.add_insecure_port(addr) == 0:

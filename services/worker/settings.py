@@ -18,6 +18,12 @@ class WorkerSettings(BaseSettings):
     worker_id: str = ""  # default: <hostname>:<port>
     served_model_name: str = ""  # default: the model config's name
     kv_store: str = ""  # host:port of the node's kv_host_store ("" = none)
+    kv_store_timeout_s: float = 5.0  # every store call fails within this (a dead store never hangs)
+    lease_ttl_s: float = 10.0  # the store's lease on this process, renewed every third
+    # A session resumed from a dead predecessor is aborted if the gateway does not re-attach
+    # its client within this long.
+    attach_timeout_s: float = 60.0
+    durable_sessions: bool | None = None  # None: on in hierarchy modes (see EngineConfig)
 
     model: str = "tiny-glm"
     device: str = "cpu"
@@ -68,4 +74,5 @@ class WorkerSettings(BaseSettings):
             max_model_len=self.max_model_len,
             max_prefill_tokens=self.max_prefill_tokens,
             top_k_rows=self.top_k_rows,
+            durable_sessions=self.durable_sessions,
         )

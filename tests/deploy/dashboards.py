@@ -36,6 +36,8 @@ TYPES: dict[str, str] = {
     metrics.RESOLVER_ROWS: "counter",
     metrics.HOST_READ_BYTES: "counter",
     metrics.PREFILL_TOKENS_COMPUTED: "counter",
+    metrics.SESSIONS_RESUMED: "counter",
+    metrics.STREAMS_RESUMED: "counter",
     metrics.SPEC_DRAFTS: "counter",
     metrics.SPEC_DRAFT_TOKENS: "counter",
     metrics.SPEC_ACCEPTED_TOKENS: "counter",
@@ -47,6 +49,9 @@ TYPES: dict[str, str] = {
     metrics.HOST_STORE_REGIONS: "gauge",
     metrics.HOST_STORE_REQUESTS: "gauge",
     metrics.HOST_STORE_REFUSED: "counter",
+    metrics.HOST_STORE_OWNERS: "gauge",
+    metrics.HOST_STORE_ADOPTIONS: "counter",
+    metrics.HOST_STORE_ORPHANS_EXPIRED: "counter",
 }
 
 # How each type's series are named in PromQL (prometheus_client's exposition).

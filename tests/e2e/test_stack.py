@@ -119,7 +119,9 @@ def test_streaming_chat_completion(stack: Stack) -> None:
             if len(chunks) == 3:  # mid-stream: the request's host backups are in the store
                 regions = c.stats().regions
     assert done
-    assert regions == (0 if stack.mode == "resident" else 6)  # one region per source
+    # One region per KV source (6), and for the durable session one per index producer (2:
+    # its keys) and its manifest.
+    assert regions == (0 if stack.mode == "resident" else 6 + 2 + 1)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24

@@ -141,3 +141,15 @@ async def test_model_info_load_and_health(worker) -> None:
     health = await stub.Health(pb.HealthRequest())
     assert health.ok and health.status == "serving"
     assert (await stub.Abort(pb.AbortRequest(request_id="nope"))).found is False
+
+
+async def test_resume_of_a_session_it_does_not_hold_is_not_found(worker) -> None:
+    """A resident worker keeps nothing a successor could resume: it says so, and Resume of a
+    session it does not hold is NOT_FOUND (the gateway then fails the client's stream)."""
+    stub, _ = worker
+    info = await stub.GetModelInfo(pb.ModelInfoRequest())
+    assert info.mode == "resident" and not info.durable_sessions
+    with pytest.raises(grpc.aio.AioRpcError) as e:
+        async for _ in stub.Resume(pb.ResumeRequest(request_id="gone", tokens_received=3)):
+            pass
+    assert e.value.code() == grpc.StatusCode.NOT_FOUND

@@ -6,13 +6,16 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.request import (
     FinishReason,
     Request,
+    RequestError,
     RequestOutput,
     SamplingParams,
     Status,
@@ -23,10 +26,15 @@ from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.speculative import Speculator, make_drafter
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
 from services.worker.model import DSAModel, load_model
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
+
+if TYPE_CHECKING:
+    from services.worker.durable.journal import Journal
+
+__all__ = ["Engine", "EngineConfig", "EngineStats"]
 
 
 @dataclass
@@ -38,66 +46,13 @@ class EngineStats:
     prefill_s: float = 0.0  # wall time in prefill passes (they end in a host sync)
     decode_s: float = 0.0  # wall time in decode steps
     decode_tokens: int = 0  # tokens emitted by decode steps
+    sessions_resumed: int = 0  # adopted from a dead worker and continued without a prefill
     # (arrival, first token, finish, output tokens) of finished requests, drained by readers
     finished: list[tuple[float, float | None, float, int]] = field(default_factory=list)
 
     def drain_finished(self) -> list[tuple[float, float | None, float, int]]:
         out, self.finished = self.finished, []
         return out
-
-
-@dataclass(frozen=True)
-class EngineConfig:
-    model: str = "tiny-glm"  # preset name or model directory
-    device: str = "cpu"
-    dtype: str | None = None  # default: the model config's
-    seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
-    mode: str = "resident"  # resident | hisparse | adaptive
-    kv_pool_mib: float = 256.0
-    hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
-    host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
-    resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
-    reserve_pages: int = 0  # adaptive: admission reserve, in pages
-    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
-    reclaim_order: str = "largest"
-    attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
-    owner: str = "local"  # worker id that owns this engine's host regions
-    page_size: int = 16
-    max_num_seqs: int = 32
-    max_model_len: int = 4096
-    max_prefill_tokens: int = 16384
-    top_k_rows: int | None = None  # override the indexer's k
-    drafter: str | None = None  # dflash | dspark | dflash2 (random weights) or a checkpoint dir
-    spec_width: int = 8  # K_max: target queries per verify round, anchor included
-    width_policy: str = "fixed"  # fixed | paper | online
-
-    def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
-        return KVCacheConfig(
-            mode=self.mode,
-            kv_pool_bytes=int(self.kv_pool_mib * (1 << 20)),
-            page_size=self.page_size,
-            max_slots=self.max_num_seqs,
-            max_model_len=self.max_model_len,
-            hot_cache_rows=self.hot_cache_rows,
-            max_prefill_tokens=self.max_prefill_tokens,
-            host_arena_bytes=int(self.host_arena_mib * (1 << 20)) // 4096 * 4096,
-            owner=self.owner,
-            resolver=self._backend(self.resolver),
-            reserve_pages=self.reserve_pages,
-            populate_pages=self.populate_pages,
-            reclaim_order=self.reclaim_order,
-            spec_block=self.spec_width if self.drafter else 1,
-            ring_extra=max(8, self.spec_width if self.drafter else 1),
-            dtype=dtype,
-            device=self.device,
-        )
-
-    def _backend(self, choice: str) -> str:
-        if choice == "auto":
-            return "triton" if self.device.startswith("cuda") else "torch"
-        if choice not in ("torch", "triton"):
-            raise ValueError(f"unknown backend {choice!r}; choose torch, triton or auto")
-        return choice
 
 
 class Engine:
@@ -123,9 +78,15 @@ class Engine:
         self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
         self.device = torch.device(cfg.device)
         self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
+        self.journal: Journal | None = None
+        if self.kv.sessions is not None:
+            from services.worker.durable.journal import Journal
+
+            self.journal = Journal(self.kv, self.device)
         self.scheduler = Scheduler(
-            self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len
-        )
+            self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
+            manifest_bytes=self.journal.manifest_bytes if self.journal else None,
+        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -202,6 +163,8 @@ class Engine:
         self.kv.maintain()
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
+        for req, message in sched.failed:
+            outputs.append(self._fail(req, RequestError("unavailable", message)))
         if (
             not (sched.prefill or sched.decode)
             and self.scheduler.waiting
@@ -210,8 +173,12 @@ class Engine:
             # Nothing runs and the head still cannot be admitted into an empty cache: it can
             # never fit, so end it rather than wait forever.
             head = self.scheduler.waiting[0]
-            self._finish(head, FinishReason.LENGTH, None)
-            outputs.append(self._output(head, (), head.text.finish(), ()))
+            refusal = self.kv.admission_refusal()
+            if refusal is not None:  # the host store is full, not the device
+                outputs.append(self._fail(head, RequestError("resource_exhausted", refusal)))
+            else:
+                self._finish(head, FinishReason.LENGTH, None)
+                outputs.append(self._output(head, (), head.text.finish(), ()))
         if sched.prefill:
             self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
             t0 = time.perf_counter()
@@ -227,6 +194,8 @@ class Engine:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             outputs.extend(outs)
+        if self.journal is not None:  # before the outputs leave: no token without its manifest
+            self.journal.record(self.scheduler.running)
         if self._check_invariants:
             self.kv.check()
         return outputs
@@ -318,8 +287,16 @@ class Engine:
             return FinishReason.LENGTH, None, delta + req.text.finish()
         return None, None, delta
 
+    def _fail(self, req: Request, error: RequestError) -> RequestOutput:
+        """Ends a request the engine cannot serve (its output carries ``error``)."""
+        req.error = error
+        self._finish(req, FinishReason.ABORT, None)
+        return self._output(req, (), "", ())
+
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
+        if self.journal is not None:
+            self.journal.forget(req.request_id)
         if self.speculator is not None and req.slot is not None:
             self.speculator.release(req.slot)
         self.scheduler.remove(req)
@@ -344,6 +321,8 @@ class Engine:
             prompt_tokens=len(req.prompt_ids),
             completion_tokens=len(req.output_ids),
             logprobs=logprobs,
+            error=req.error,
+            cached_prompt_tokens=len(req.prompt_ids) if req.resumed else 0,
         )
 
     # ---- offline ----------------------------------------------------------------------------

@@ -72,6 +72,14 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True)
+class RequestError:
+    """Why the engine gave up on a request it could not serve (not the client's fault)."""
+
+    code: str  # "unavailable" (the host store is down) | "resource_exhausted" (it is full)
+    message: str
+
+
+@dataclass(frozen=True)
 class RequestOutput:
     """What one step produced for one request."""
 
@@ -83,6 +91,8 @@ class RequestOutput:
     prompt_tokens: int
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
+    error: RequestError | None = None  # set on the last output of a request that failed
+    cached_prompt_tokens: int = 0  # prompt tokens not computed for this request (resumed)
 
     @property
     def finished(self) -> bool:
@@ -105,6 +115,8 @@ class Request:
     stop_reason: str | int | None = None
     admitted_time: float | None = None  # first admission (allocation wait = this - arrival)
     first_token_time: float | None = None
+    error: RequestError | None = None
+    resumed: bool = False  # adopted from a dead worker: its prompt was never computed here
 
     @property
     def all_ids(self) -> list[int]:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from services.worker.engine.request import Request, Status
 from services.worker.kv.cache import KVCache
+from services.worker.kv.errors import HostStoreUnavailable
 
 
 @dataclass
@@ -19,13 +21,21 @@ class ScheduleOutput:
     prefill: list[Request] = field(default_factory=list)  # compute all_ids[num_computed:]
     decode: list[Request] = field(default_factory=list)  # compute the last token
     preempted: list[Request] = field(default_factory=list)
+    failed: list[tuple[Request, str]] = field(default_factory=list)  # could not be set up: why
 
 
 class Scheduler:
     def __init__(
-        self, kv: KVCache, max_num_seqs: int, max_prefill_tokens: int, max_model_len: int
+        self,
+        kv: KVCache,
+        max_num_seqs: int,
+        max_prefill_tokens: int,
+        max_model_len: int,
+        manifest_bytes: Callable[[Request], int] | None = None,
     ) -> None:
+        """``manifest_bytes``: the manifest half a durable session needs (durable KV only)."""
         self.kv = kv
+        self.manifest_bytes = manifest_bytes
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.waiting: deque[Request] = deque()
@@ -83,7 +93,14 @@ class Scheduler:
                 break
             slot = self.free_slots[-1]
             max_total = min(self.max_model_len, len(req.prompt_ids) + req.params.max_tokens)
-            if not self.kv.admit(slot, req.request_id, n, max(n, max_total)):
+            manifest = 0 if self.manifest_bytes is None else self.manifest_bytes(req)
+            try:
+                admitted = self.kv.admit(slot, req.request_id, n, max(n, max_total), manifest)
+            except HostStoreUnavailable as e:  # fail fast; the engine reports it
+                self.waiting.popleft()
+                out.failed.append((req, str(e)))
+                continue
+            if not admitted:
                 break
             self.free_slots.pop()
             self.waiting.popleft()

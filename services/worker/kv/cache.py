@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from services.kv_host_store.records import Region
 from services.worker.kv.backend import PayloadBackend
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.index_keys import IndexKeys
@@ -45,6 +46,7 @@ class KVCacheConfig:
     populate_pages: int = 256  # adaptive: optional pages refilled per attempt
     reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
+    durable: bool = False  # hierarchy: back up what a successor needs to resume each session
     dtype: torch.dtype = torch.float32
     device: str = "cpu"
 
@@ -84,6 +86,7 @@ class KVCache:
                 )
         self._local_store = None
         self.host_backups = None
+        self.sessions = None  # durable sessions: keys, manifest and ring snapshots (hierarchy)
         rings = sum(r.nbytes for r in self.rings.values())
         keys_per_token = bytes_per_token(model_cfg, esize, payload=False)
         args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
@@ -100,75 +103,30 @@ class KVCache:
                 min(cfg.max_slots * cfg.max_model_len, cfg.kv_pool_bytes // 2 // keys_per_token)
             )
             self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
-            self.payload = self._hierarchy(model_cfg, cfg, host, esize, rings)
+            self.payload = self._hierarchy(host, rings)
         self._admitted: set[int] = set()
 
     @staticmethod
     def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
         """Allocations of a hierarchy mode that do not grow with sessions: token rings,
         prefill scratch, hot-cache metadata and staging (index keys and pages excluded)."""
-        from services.worker.kv.hierarchy.payload import HierarchyPayload
+        from services.worker.kv.hierarchy.build import hierarchy_fixed_bytes
 
-        esize = torch.empty((), dtype=cfg.dtype).element_size()
-        rings = 0
-        for src in model_cfg.sources:
-            if src.window > 0 or src.compress > 1:
-                rows = max(src.window, src.compress) + cfg.ring_extra
-                rings += cfg.max_slots * rows * model_cfg.d_kv * esize
-        p = cfg.page_size
-        hot_rows = -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
-        scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
-        return (
-            rings
-            + HierarchyPayload.fixed_bytes(
-                model_cfg, cfg.max_slots, cfg.max_model_len, hot_rows, scratch_tokens, esize
-            )
-            + HierarchyPayload.staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, esize)
+        return hierarchy_fixed_bytes(model_cfg, cfg)
+
+    def _hierarchy(self, host: tuple | None, rings: int) -> PayloadBackend:
+        from services.worker.kv.hierarchy.build import build_hierarchy
+        from services.worker.kv.hierarchy.session import SessionBackup
+
+        payload, self.host_backups, self._local_store = build_hierarchy(
+            self.model_cfg, self.cfg, host, rings + self.index_keys.nbytes
         )
-
-    def _hierarchy(
-        self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None, esize: int, rings: int
-    ) -> PayloadBackend:
-        from services.worker.kv.hierarchy.host import HostBackups, LocalHostStore
-        from services.worker.kv.hierarchy.payload import HierarchyPayload
-        from services.worker.kv.hierarchy.resolver import get_resolver
-
-        p = cfg.page_size
-        hot_rows = -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
-        ring = -(-(p + cfg.ring_extra) // p) * p  # one page plus a verification block
-        scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
-        fixed = (
-            rings
-            + self.index_keys.nbytes
-            + HierarchyPayload.fixed_bytes(
-                model_cfg, cfg.max_slots, cfg.max_model_len, hot_rows, scratch_tokens, esize
+        # A private arena dies with this process: nothing to resume from, nothing to keep.
+        if self.cfg.durable and self._local_store is None:
+            self.sessions = SessionBackup(
+                self.model_cfg, self.host_backups, self.index_keys, self.rings
             )
-        )
-        page_bytes = p * model_cfg.d_kv * esize
-        num_pages = (cfg.kv_pool_bytes - fixed) // page_bytes
-        per_request = len(model_cfg.sources) * (hot_rows + ring) // p
-        if num_pages < per_request:
-            raise ValueError(
-                f"a KV pool of {cfg.kv_pool_bytes} B leaves {max(0, num_pages)} pages after fixed "
-                f"allocations of {fixed} B; one request needs {per_request} pages of "
-                f"{page_bytes} B (hot cache + tail): enlarge the pool or lower max_num_seqs, "
-                "max_model_len or the hot cache"
-            )
-        if host is None:
-            self._local_store = LocalHostStore(cfg.host_arena_bytes)
-            host = (self._local_store, self._local_store.mapping)
-        store, mapping = host
-        self.host_backups = HostBackups(
-            store, mapping, cfg.owner, len(model_cfg.sources), model_cfg.d_kv, cfg.dtype,
-            cfg.max_slots, cfg.device,
-        )  # fmt: skip
-        return HierarchyPayload(
-            model_cfg, self.host_backups, cfg.max_slots, cfg.max_model_len, p, hot_rows, ring,
-            scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
-            resolver=get_resolver(cfg.resolver, cfg.device), mode=cfg.mode,
-            reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
-            reclaim_order=cfg.reclaim_order, spec_block=cfg.spec_block,
-        )  # fmt: skip
+        return payload
 
     @property
     def mode(self) -> str:
@@ -188,17 +146,60 @@ class KVCache:
         assert ok
         return True
 
-    def admit(self, slot: int, request_id: str, num_tokens: int, max_tokens: int) -> bool:
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        num_tokens: int,
+        max_tokens: int,
+        manifest_bytes: int = 0,
+    ) -> bool:
         """Sets up a new request in a free slot with room for ``num_tokens`` now and at most
-        ``max_tokens`` ever; False changes nothing."""
+        ``max_tokens`` ever (and a manifest half of ``manifest_bytes`` for a durable session);
+        False changes nothing. Raises ``HostStoreUnavailable`` when the host store fails."""
         if not self.can_ensure(slot, num_tokens):
             return False
-        if not self.payload.admit(slot, request_id, max_tokens):
+        if self.sessions is not None:
+            session = self.sessions.regions(max_tokens, manifest_bytes)
+            if not self.payload.admit(slot, request_id, max_tokens, session):  # type: ignore[call-arg]
+                return False
+        elif not self.payload.admit(slot, request_id, max_tokens):
             return False
         ok = self.ensure(slot, num_tokens)
         assert ok
         self._admitted.add(slot)
         return True
+
+    def adopt(
+        self,
+        slot: int,
+        request_id: str,
+        regions: list[Region],
+        num_tokens: int,
+        rings: dict[int, bytes],
+    ) -> bool:
+        """Seats an adopted durable session whose first ``num_tokens`` tokens are committed in
+        its host ``regions``: rows stay where they are, index keys and token rings are rebuilt,
+        the hot cache starts empty. False (nothing taken) when the device has no room."""
+        if self.sessions is None:
+            raise RuntimeError("adoption needs a hierarchy mode with durable sessions")
+        committed = [
+            self.model_cfg.rows_for_tokens(s, num_tokens)
+            for s in range(len(self.model_cfg.sources))
+        ]
+        if not self.can_ensure(slot, num_tokens):
+            return False
+        if not self.payload.adopt(slot, request_id, regions, committed):  # type: ignore[attr-defined]
+            return False
+        ok = self.ensure(slot, num_tokens)
+        assert ok
+        self.sessions.restore(slot, num_tokens, rings)
+        self._admitted.add(slot)
+        return True
+
+    def admission_refusal(self) -> str | None:
+        """Why the host store refused the last admission for capacity, if it did."""
+        return getattr(self.payload, "refusal", None)
 
     def release(self, slot: int) -> None:
         self._admitted.discard(slot)
@@ -213,6 +214,8 @@ class KVCache:
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         self.payload.commit(batch, num_tokens)
+        if self.sessions is not None:
+            self.sessions.commit(batch, num_tokens)
 
     # ---- accounting -------------------------------------------------------------------------
     def maintain(self) -> None:

@@ -2,79 +2,43 @@
 
 One request's rows of one source are one contiguous region (DESIGN §3), so a step's misses
 fall in a few windows of the arena. The worker maps the arena file and moves bytes itself; the
-store only hands out regions and records which rows are durable."""
+store only hands out regions and records which rows are durable. Besides its KV sources a
+request may hold *session regions* (negative source ids): backed-up index keys and its manifest
+(``services.worker.durable``), which let a successor resume it after this process died."""
 
 from __future__ import annotations
 
-import contextlib
-import logging
-import os
-import queue
-import threading
-import uuid
-import weakref
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from services.kv_host_store.arena import ArenaMapping, HostArena, map_arena
+from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.intervals import add_range, contains
 from services.kv_host_store.records import Region, RowRange
-from services.kv_host_store.store import HostStore
-
-log = logging.getLogger(__name__)
+from services.worker.kv.hierarchy.reporter import DurabilityReporter, OwnerId
 
 
 class RegionStore(Protocol):
     """What the worker needs of the host store: ``KVHostStoreClient`` or ``LocalHostStore``."""
 
     def allocate(
-        self, request_id: str, owner: str, source: int, num_rows: int, row_bytes: int
+        self,
+        request_id: str,
+        owner: str,
+        source: int,
+        num_rows: int,
+        row_bytes: int,
+        generation: int = 0,
     ) -> Region: ...
 
-    def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int: ...
+    def mark_durable(
+        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
+    ) -> int: ...
 
-    def release_request(self, owner: str, request_id: str) -> object: ...
+    def release_request(self, owner: str, request_id: str, generation: int = 0) -> object: ...
 
-    def release_region(self, owner: str, region_id: str) -> object: ...
-
-
-class LocalHostStore:
-    """A private arena and store in this process, for offline generation and tests; the same
-    interface as the gRPC client."""
-
-    def __init__(self, capacity: int, path: str | None = None) -> None:
-        self.path = path or f"/dev/shm/dhisparse-local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-        self._arena = HostArena.create(self.path, capacity)
-        self.store = HostStore(capacity)
-        self.mapping = map_arena(self.path, capacity)
-        # The file must not outlive the process even when close() is never called.
-        self._finalizer = weakref.finalize(self, _remove, self.path)
-
-    def allocate(
-        self, request_id: str, owner: str, source: int, num_rows: int, row_bytes: int
-    ) -> Region:
-        return self.store.allocate(request_id, owner, source, num_rows, row_bytes)
-
-    def mark_durable(self, region_id: str, owner: str, start_row: int, end_row: int) -> int:
-        return self.store.mark_durable(region_id, owner, start_row, end_row)
-
-    def release_request(self, owner: str, request_id: str) -> object:
-        return self.store.release(owner, request_id=request_id)
-
-    def release_region(self, owner: str, region_id: str) -> object:
-        return self.store.release(owner, region_id=region_id)
-
-    def close(self) -> None:
-        self.mapping.close()
-        self._arena.close(remove=True)
-        self._finalizer.detach()
-
-
-def _remove(path: str) -> None:
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(path)
+    def release_region(self, owner: str, region_id: str, generation: int = 0) -> object: ...
 
 
 class HostPointer:
@@ -97,7 +61,8 @@ class _Backed:
 
 
 class HostBackups:
-    """Per slot and source: a region and its element base in ``arena`` (the typed view)."""
+    """Per slot and source: a region and its element base in ``arena`` (the typed view); per
+    slot, its session regions by (negative) source id."""
 
     def __init__(
         self,
@@ -111,40 +76,97 @@ class HostBackups:
         device: torch.device | str,
     ) -> None:
         self.store = store
-        self.owner = owner
+        self.who = OwnerId(owner)
         self.num_sources = num_sources
         self.row_elems = row_elems
-        esize = torch.empty((), dtype=dtype).element_size()
-        self.row_bytes = row_elems * esize
-        usable = mapping.capacity - mapping.capacity % esize
-        self.arena = mapping.tensor[:usable].view(dtype)  # [capacity / esize] host elements
+        self.dtype = dtype
+        self.esize = torch.empty((), dtype=dtype).element_size()
+        self.row_bytes = row_elems * self.esize
         self.device = torch.device(device)
         self.on_gpu = self.device.type == "cuda"
-        if self.on_gpu:
-            mapping.pin()
-        self.arena_ptr = HostPointer(self.arena)
+        self._map(mapping)
         # [max_slots, num_sources] element base of each region (-1: none), for kernels
         self.base = torch.full((max_slots, num_sources), -1, dtype=torch.int64, device=device)
         self._backed: dict[int, list[_Backed]] = {}
+        self._session: dict[int, dict[int, Region]] = {}
         self._request_of: dict[int, str] = {}
-        self._durability = _DurabilityReporter(store, owner)
+        self._durability = DurabilityReporter(store, self.who)
 
-    def admit(self, slot: int, request_id: str, rows_per_source: list[int]) -> None:
-        """Allocates one contiguous region per source; raises the store's CapacityExhausted."""
-        esize = self.arena.element_size()
-        backed: list[_Backed] = []
+    def _map(self, mapping: ArenaMapping) -> None:
+        self.mapping = mapping
+        usable = mapping.capacity - mapping.capacity % self.esize
+        self.arena = mapping.tensor[:usable].view(self.dtype)  # [capacity / esize] elements
+        if self.on_gpu:
+            mapping.pin()
+        self.arena_ptr = HostPointer(self.arena)
+
+    @property
+    def owner(self) -> str:
+        return self.who.owner
+
+    @property
+    def generation(self) -> int:
+        return self.who.generation
+
+    def remap(self, mapping: ArenaMapping, generation: int) -> None:
+        """Moves to another arena (the store restarted) under a new generation. Only while no
+        slot holds regions: their bytes live in the old arena."""
+        if self._backed:
+            raise RuntimeError(f"{len(self._backed)} slots still hold regions of the old arena")
+        self._map(mapping)
+        self.who.generation = generation
+
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        rows_per_source: list[int],
+        session: dict[int, tuple[int, int]] | None = None,
+    ) -> None:
+        """Allocates one contiguous region per source, and the session regions ``{source id:
+        (rows, row bytes)}``. Raises what the store raises (``CapacityExhausted``, or a
+        transport error when it is down), with nothing left allocated."""
+        regions: list[Region] = []
         try:
             for s, rows in enumerate(rows_per_source):
-                region = self.store.allocate(
-                    request_id, self.owner, s, max(1, rows), self.row_bytes
-                )
-                assert region.offset % esize == 0
-                backed.append(_Backed(region, region.offset // esize))
+                regions.append(self._allocate(request_id, s, max(1, rows), self.row_bytes))
+            for s, (rows, row_bytes) in (session or {}).items():
+                regions.append(self._allocate(request_id, s, rows, row_bytes))
         except Exception:
-            if backed:
-                self.store.release_request(self.owner, request_id)
+            for r in regions:
+                self._durability.release(r.region_id)
             raise
+        self._seat(slot, request_id, regions, [0] * self.num_sources)
+
+    def _allocate(self, request_id: str, source: int, rows: int, row_bytes: int) -> Region:
+        w = self.who
+        return self.store.allocate(request_id, w.owner, source, rows, row_bytes, w.generation)
+
+    def attach(
+        self, slot: int, request_id: str, regions: list[Region], committed: list[int]
+    ) -> None:
+        """Seats an adopted request's regions (no allocation, no copy): rows ``[0,
+        committed[s])`` of source s are durable (its manifest says so)."""
+        self._seat(slot, request_id, regions, committed)
+        for s, n in enumerate(committed):
+            if n:
+                self._durability.report(self._backed[slot][s].region.region_id, 0, n)
+
+    def _seat(
+        self, slot: int, request_id: str, regions: list[Region], committed: list[int]
+    ) -> None:
+        by_source = {r.source: r for r in regions}
+        missing = [s for s in range(self.num_sources) if s not in by_source]
+        if missing:
+            raise ValueError(f"request {request_id!r} has no host region for sources {missing}")
+        backed = []
+        for s in range(self.num_sources):
+            region = by_source[s]
+            assert region.offset % self.esize == 0 and region.row_bytes == self.row_bytes
+            durable = (RowRange(0, committed[s]),) if committed[s] else ()
+            backed.append(_Backed(region, region.offset // self.esize, durable))
         self._backed[slot] = backed
+        self._session[slot] = {s: r for s, r in by_source.items() if s < 0}
         self._request_of[slot] = request_id
         self.base[slot] = torch.tensor([b.base for b in backed], dtype=torch.int64)
 
@@ -153,9 +175,10 @@ class HostBackups:
         request's id before this release reaches the store)."""
         self._request_of.pop(slot, None)
         backed = self._backed.pop(slot, [])
+        session = self._session.pop(slot, {})
         self.base[slot] = -1
-        for b in backed:
-            self._durability.release(b.region.region_id)
+        for region in [b.region for b in backed] + list(session.values()):
+            self._durability.release(region.region_id)
 
     def rows_view(self, slot: int, source: int, start: int, end: int) -> torch.Tensor:
         """[end - start, row_elems] host view of rows of one slot's source."""
@@ -163,6 +186,18 @@ class HostBackups:
         return self.arena[b + start * self.row_elems : b + end * self.row_elems].view(
             -1, self.row_elems
         )
+
+    def session_region(self, slot: int, source: int) -> Region | None:
+        """The slot's session region of (negative) ``source``, if it has one."""
+        return self._session.get(slot, {}).get(source)
+
+    def session_rows(
+        self, slot: int, source: int, start: int, end: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        """[end - start, row_bytes / itemsize] typed host view of rows of a session region."""
+        region = self._session[slot][source]
+        a, b = region.offset + start * region.row_bytes, region.offset + end * region.row_bytes
+        return self.mapping.tensor[a:b].view(dtype).view(end - start, -1)
 
     def write(self, slot: int, source: int, start: int, values: torch.Tensor) -> None:
         """Backs up rows ``start ..`` of a slot's source (values [n, row_elems]). From a GPU the
@@ -183,72 +218,14 @@ class HostBackups:
         """Whether rows [start, end) of the slot's source all have host copies."""
         return end <= start or contains(self._backed[slot][source].durable, start, end)
 
-    def close(self) -> None:
-        self._durability.close()
-
-
-class _DurabilityReporter:
-    """Reports durable row ranges (and releases) to the store off the engine thread, in order."""
-
-    def __init__(self, store: RegionStore, owner: str) -> None:
-        self.store = store
-        self.owner = owner
-        self._q: queue.SimpleQueue[tuple[str, tuple] | None] = queue.SimpleQueue()
-        self._t = threading.Thread(target=self._run, name="durability", daemon=True)
-        self._t.start()
-
-    def report(self, region_id: str, start: int, end: int) -> None:
-        self._q.put(("durable", (region_id, start, end)))
-
-    def release(self, region_id: str) -> None:
-        self._q.put(("release", (region_id,)))
-
-    def close(self) -> None:
-        self._q.put(None)
-        self._t.join(timeout=10)
+    @property
+    def slots(self) -> int:
+        """Slots holding regions."""
+        return len(self._backed)
 
     def flush(self) -> None:
-        """Waits until everything queued so far reached the store (tests)."""
-        done = threading.Event()
-        self._q.put(("flush", (done,)))
-        done.wait(timeout=10)
+        """Waits until every durable mark and release queued so far reached the store."""
+        self._durability.flush()
 
-    def _run(self) -> None:
-        while True:
-            batch = [self._q.get()]
-            while True:  # drain what queued up meanwhile, so ranges of a region merge
-                try:
-                    batch.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-            pending: dict[str, tuple[RowRange, ...]] = {}
-            for item in batch:
-                if item is None:
-                    self._flush(pending)
-                    return
-                op, args = item
-                if op == "durable":
-                    pending[args[0]] = add_range(pending.get(args[0], ()), args[1], args[2])
-                    continue
-                if op == "release":  # its durable rows no longer matter
-                    pending.pop(args[0], None)
-                self._flush(pending)
-                pending = {}
-                self._call(op, args)
-            self._flush(pending)
-
-    def _flush(self, pending: dict[str, tuple[RowRange, ...]]) -> None:
-        for region_id, ranges in pending.items():
-            for r in ranges:
-                self._call("durable", (region_id, r.start, r.end))
-
-    def _call(self, op: str, args: tuple) -> None:
-        try:
-            if op == "durable":
-                self.store.mark_durable(args[0], self.owner, args[1], args[2])
-            elif op == "release":
-                self.store.release_region(self.owner, args[0])
-            else:
-                args[0].set()
-        except Exception:  # the store being down must not take the engine with it
-            log.exception("host store call %s failed", op)
+    def close(self) -> None:
+        self._durability.close()

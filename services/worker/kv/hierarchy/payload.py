@@ -13,43 +13,21 @@ from collections.abc import Callable
 import torch
 
 from services.kv_host_store.errors import CapacityExhausted
+from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.pages import PagePool
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
+from services.worker.kv.hierarchy.sizing import staging_arenas
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
 from services.worker.kv.residency.residency import Residency
 from services.worker.model.config import ModelConfig
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
-
-
-def staging_arenas(cfg: ModelConfig) -> tuple[list[int], int]:
-    """Staging arena of each source and chi, the number of arenas.
-
-    Layers run in producer groups (a producer and its followers, whose transfers start
-    together); the sources of one group are live at once and need distinct arenas, and the next
-    group reuses them once the group's attention is done (stream order). A source read by
-    several groups (a shared source) keeps the arena of its first group."""
-    arena: dict[int, int] = {}
-    chi = 1
-    for i, spec in enumerate(cfg.layers):
-        if spec.index != "producer":
-            continue
-        group = [spec.source] + [
-            f.source for f in cfg.layers if f.index == "follower" and f.leader == i
-        ]
-        seen: list[int] = []
-        for src in group:
-            if src not in seen:
-                seen.append(src)
-        chi = max(chi, len(seen))
-        for pos, src in enumerate(seen):
-            arena.setdefault(src, pos)
-    return [arena.get(s, 0) for s in range(len(cfg.sources))], chi
 
 
 class HierarchyPayload:
@@ -72,6 +50,7 @@ class HierarchyPayload:
         populate_pages: int = 256,
         reclaim_order: str = "largest",
         spec_block: int = 1,
+        durable: bool = False,
     ) -> None:
         if hot_cache_rows < cfg.index_topk:
             raise ValueError(
@@ -135,35 +114,10 @@ class HierarchyPayload:
                 if self.device.type == "cuda"
                 else ImmediateCompletions()
             )
-            self.residency = Residency(self, done, reserve_pages, populate_pages, reclaim_order)
-
-    @staticmethod
-    def staging_bytes(cfg: ModelConfig, max_slots: int, spec_block: int, elem_bytes: int) -> int:
-        """Eq. 11: chi arenas of N * K_max * k rows (no speculation: none)."""
-        if spec_block <= 1:
-            return 0
-        return (
-            staging_arenas(cfg)[1] * max_slots * spec_block * cfg.index_topk * cfg.d_kv * elem_bytes
-        )
-
-    @staticmethod
-    def fixed_bytes(
-        cfg: ModelConfig,
-        max_slots: int,
-        max_model_len: int,
-        hot_cache_rows: int,
-        scratch_tokens: int,
-        elem_bytes: int,
-    ) -> int:
-        """Bytes besides the page pool: prefill scratch and hot-cache metadata for all slots."""
-        row = cfg.d_kv * elem_bytes
-        total = 0
-        for src in cfg.sources:
-            rows = max_model_len // src.compress
-            scratch = scratch_tokens // src.compress + max_slots
-            map_bytes = 2 if hot_cache_rows <= 32767 else 4
-            total += scratch * row + max_slots * (rows * map_bytes + hot_cache_rows * 16)
-        return total
+            self.residency = Residency(
+                self, done, reserve_pages, populate_pages, reclaim_order, write_through=durable
+            )
+        self.refusal: str | None = None  # why the last admission found the host store full
 
     # ---- admission ------------------------------------------------------------------------
     def _rows(self, source: int, num_tokens: int) -> int:
@@ -175,21 +129,54 @@ class HierarchyPayload:
     def ensure(self, slot: int, num_tokens: int) -> bool:
         return True
 
-    def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        max_tokens: int,
+        session: dict[int, tuple[int, int]] | None = None,
+    ) -> bool:
         """Takes the request's hot-cache and tail pages and its host regions (rows for
-        ``max_tokens`` tokens); False (nothing taken) when either is short. In adaptive mode a
-        shortfall starts reclaiming optional history (eq. 4) and the admission tries again."""
-        if self.residency is not None:
-            if not self.residency.make_room(self.required_pages):
-                return False
-        elif self.pages.free < self.required_pages:
+        ``max_tokens`` tokens, and the ``session`` regions); False (nothing taken) when either
+        is short. In adaptive mode a shortfall starts reclaiming optional history (eq. 4) and
+        the admission tries again. Raises ``HostStoreUnavailable`` when the store fails."""
+        if not self._room():
             return False
+        rows = [self._rows(s, max_tokens) for s in range(self.num_sources)]
         try:
-            self.host.admit(
-                slot, request_id, [self._rows(s, max_tokens) for s in range(self.num_sources)]
-            )
-        except CapacityExhausted:
+            self.host.admit(slot, request_id, rows, session)
+        except CapacityExhausted as e:
+            self.refusal = str(e)
             return False
+        except Exception as e:
+            raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
+        self.refusal = None
+        self._seat(slot, [0] * self.num_sources)
+        return True
+
+    def adopt(
+        self, slot: int, request_id: str, regions: list[Region], committed: list[int]
+    ) -> bool:
+        """Seats an adopted request whose first ``committed[s]`` rows of each source are in
+        its host regions: takes hot-cache and tail pages (the hot cache starts empty; misses
+        refill it) and refills the tail ring from the host. False when pages are short."""
+        if not self._room():
+            return False
+        self.host.attach(slot, request_id, regions, committed)
+        self._seat(slot, committed)
+        for s, geo in enumerate(self.geo):
+            rows = torch.arange(max(0, committed[s] - self.ring), committed[s], device=self.device)
+            if len(rows):
+                host = self.host.rows_view(slot, s, int(rows[0]), committed[s])
+                self.store[geo.ring_loc(torch.full_like(rows, slot), rows)] = host.to(self.device)
+        return True
+
+    def _room(self) -> bool:
+        if self.residency is not None:
+            return self.residency.make_room(self.required_pages)
+        return self.pages.free >= self.required_pages
+
+    def _seat(self, slot: int, committed: list[int]) -> None:
         held = self.pages.take(self.required_pages)
         self._held[slot] = held
         it = iter(held)
@@ -198,11 +185,10 @@ class HierarchyPayload:
             geo.hot_pages[slot] = torch.tensor([next(it) for _ in range(geo.hot_pages.shape[1])])
             geo.tail_pages[slot] = torch.tensor([next(it) for _ in range(geo.tail_pages.shape[1])])
             hot.reset(slot)
-        self.committed[slot] = [0] * self.num_sources
-        self._ring_hi[slot] = [0] * self.num_sources
+        self.committed[slot] = list(committed)
+        self._ring_hi[slot] = list(committed)
         if self.residency is not None:
             self.residency.on_admit(slot, [0] * self.num_sources)
-        return True
 
     def maintain(self) -> None:
         """Between steps: copy completions, reclaim and repopulation (adaptive mode)."""

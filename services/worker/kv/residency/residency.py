@@ -78,8 +78,12 @@ class Residency:
         reserve_pages: int,
         populate_pages: int,
         order: str = "largest",
+        write_through: bool = False,
     ) -> None:
         self.p = payload
+        # Durable sessions: imported history is backed up at once even when kept on the device
+        # (a crash would lose a deferred backup), so resident-first pages start out backed.
+        self.write_through = write_through
         self.completions = completions
         self.reserve = reserve_pages
         self.populate_pages = populate_pages
@@ -174,8 +178,9 @@ class Residency:
     ) -> list[tuple[int, int]]:
         """After a prefill pass wrote rows [lo, hi) of ``source``: keeps its complete pages on
         the device while there is room (their host backup is deferred) and returns the row
-        ranges that are *not* kept, which the caller backs up now. ``rows_at(start, end)``
-        gives the device locations of rows the pass wrote."""
+        ranges that are *not* kept, which the caller backs up now — all of [lo, hi) with
+        ``write_through``. ``rows_at(start, end)`` gives the device locations of rows the
+        pass wrote."""
         p = self.p.page
         owner = self._owners[self._slot_owner[slot]]
         owner.imported[source] = max(owner.imported[source], hi)
@@ -189,7 +194,9 @@ class Residency:
             (page,) = self.p.pages.take(1)
             dst = torch.arange(page * p, page * p + p, device=self.p.device)
             self.p.store[dst] = self.p.store[rows_at(index * p, index * p + p)]
-            pg = OptPage(self._slot_owner[slot], slot, source, index, page, State.READY, False)
+            pg = OptPage(
+                self._slot_owner[slot], slot, source, index, page, State.READY, self.write_through
+            )
             owner.pages[(source, index)] = pg
             self.p.geo[source].opt_map[slot, index] = page  # stream-ordered after the copy
             cursor = index * p + p
@@ -197,7 +204,7 @@ class Residency:
             rest.append((cursor, hi))
         for a, b in rest:  # complete pages the caller backs up now: candidates for refill
             owner.wanted.extend((source, index) for index in range(-(-a // p), b // p))
-        return rest
+        return [(lo, hi)] if self.write_through else rest
 
     # ---- completions, reclaim, repopulation -------------------------------------------------
     def maintain(self) -> None:

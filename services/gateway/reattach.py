@@ -1,0 +1,98 @@
+"""Re-attaching a client's stream to a worker that died mid-generation.
+
+A worker in a hierarchy mode keeps every session durable in the node's host store; when its
+process dies, ``dhisparse up`` (or Kubernetes) restarts it under the same address and worker
+id, and the new process resumes the sessions it finds there. The gateway keeps the client's
+stream open meanwhile: it polls the worker until it is healthy again (or ``deadline_s``
+passes), then calls ``Resume`` with the number of tokens the client already has and goes on
+streaming from there — the client sees one uninterrupted stream. NOT_FOUND (the session was
+not durable, e.g. resident mode) or the deadline ends the stream with a 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator
+
+import grpc
+import grpc.aio
+
+from dhisparse.rpc import worker_pb2
+from services.gateway import convert
+from services.gateway.errors import APIError
+from services.gateway.generation import GenerationDelta
+
+log = logging.getLogger(__name__)
+
+# How a stream looks when the worker process behind it died (connection reset, stream removed).
+WORKER_GONE = {
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+    grpc.StatusCode.CANCELLED,
+}
+
+
+def _lost(address: str, request_id: str, why: str) -> APIError:
+    return APIError(
+        503,
+        f"worker {address} failed mid-generation of {request_id} and the session could not "
+        f"be resumed: {why}",
+    )
+
+
+async def wait_healthy(stub, address: str, request_id: str, deadline: float, poll_s: float) -> None:
+    """Returns once the worker answers Health with ok; raises ``APIError`` 503 at ``deadline``
+    (the event loop's clock)."""
+    loop = asyncio.get_running_loop()
+    last = "no answer"
+    while True:
+        left = deadline - loop.time()
+        if left <= 0:
+            raise _lost(address, request_id, f"the worker did not come back in time ({last})")
+        try:
+            health = await stub.Health(
+                worker_pb2.HealthRequest(), timeout=max(0.05, min(1.0, left)), wait_for_ready=True
+            )
+            if health.ok:
+                return
+            last = f"unhealthy: {health.status}"
+        except grpc.aio.AioRpcError as e:
+            last = f"{e.code().name}: {e.details() or 'no details'}"
+        await asyncio.sleep(min(poll_s, max(0.0, deadline - loop.time())))
+
+
+async def reattach(
+    stub,
+    address: str,
+    request_id: str,
+    received: int,
+    deadline_s: float,
+    poll_s: float = 0.2,
+) -> AsyncIterator[GenerationDelta]:
+    """The rest of ``request_id``'s deltas after its first ``received`` tokens, from the
+    restarted worker at ``address`` (``stub``: its Worker stub). Survives further restarts
+    within ``deadline_s`` of the call; raises ``APIError`` when the session is lost."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + deadline_s
+    while True:
+        await wait_healthy(stub, address, request_id, deadline, poll_s)
+        call = stub.Resume(
+            worker_pb2.ResumeRequest(request_id=request_id, tokens_received=received)
+        )
+        try:
+            async for resp in call:
+                delta = convert.generation_delta(resp)
+                received += len(delta.token_ids)
+                yield delta
+            return
+        except grpc.aio.AioRpcError as e:
+            code, details = e.code(), e.details() or e.code().name
+            if code == grpc.StatusCode.NOT_FOUND:
+                raise _lost(address, request_id, details) from e
+            if code not in WORKER_GONE or loop.time() >= deadline:
+                raise _lost(address, request_id, f"{code.name}: {details}") from e
+            log.warning("re-attached stream of %s failed again (%s); waiting", request_id, code)
+        finally:
+            call.cancel()  # a no-op when it completed; otherwise the worker aborts the request

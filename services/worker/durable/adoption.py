@@ -1,0 +1,70 @@
+"""A worker process taking over the sessions its predecessor left in the host store.
+
+On start, after registering a new generation, a worker adopts every request that earlier
+generations of its own worker id still hold (those processes are gone: the store fences their
+calls off), reads each one's manifest and resumes it in the engine. A request that cannot be
+resumed (no valid manifest, no room) is released so that its capacity returns; it is reported,
+and the gateway's re-attach for it gets NOT_FOUND.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from services.worker.durable.manifest import ManifestError
+from services.worker.durable.restore import read_manifest, restore
+
+if TYPE_CHECKING:
+    from services.kv_host_store.client import KVHostStoreClient
+    from services.worker.engine.engine import Engine
+    from services.worker.kv.hierarchy.local_store import LocalHostStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class AdoptionReport:
+    resumed: list[str] = field(default_factory=list)
+    released: dict[str, str] = field(default_factory=dict)  # request id -> why
+
+
+def adopt_sessions(
+    engine: Engine, store: KVHostStoreClient | LocalHostStore, owner: str, generation: int
+) -> AdoptionReport:
+    """Adopts and resumes the requests of ``owner``'s earlier generations. ``store``: the
+    host-store client (or ``LocalHostStore``) whose arena ``engine`` maps; ``engine`` must run
+    a hierarchy mode with durable sessions and not be stepping concurrently."""
+    report = AdoptionReport()
+    kv = engine.kv
+    if kv.sessions is None:
+        return report
+    mapping = kv.host_backups.mapping
+    for info in store.list_requests(owner, adoptable_only=True):
+        if info.generation >= generation:
+            continue
+        rid = info.request_id
+        regions = store.adopt(rid, owner, generation)
+        try:
+            version, rec = read_manifest(mapping, regions)
+            if rec.request_id != rid:
+                raise ManifestError(f"manifest names request {rec.request_id!r}")
+            req = restore(engine, rec, version, regions)
+            why = None if req is not None else "no free slot or device room"
+        except (ManifestError, ValueError) as e:
+            why = str(e)
+        if why is None:
+            report.resumed.append(rid)
+            log.info(
+                "resumed %s from generation %d at %d tokens", rid, info.generation,
+                rec.num_computed,
+            )  # fmt: skip
+            continue
+        report.released[rid] = why
+        log.warning("cannot resume %s (%s): releasing its host regions", rid, why)
+        try:
+            store.release_request(owner, rid, generation)
+        except Exception as e:  # it expires with the orphans otherwise
+            log.warning("release of %s failed: %s", rid, e)
+    return report

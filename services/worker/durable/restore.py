@@ -1,0 +1,84 @@
+"""Puts an adopted session back into an engine: reads its manifest, seats its host regions in
+a free slot (rows stay in the arena; index keys and token rings are rebuilt, the hot cache
+refills on misses), and rebuilds the request — prompt, outputs, sampling parameters, generator
+state, text stream — as RUNNING with every token but the last already computed. Nothing of the
+prompt is recomputed: the next step decodes."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.kv_host_store.arena import ArenaMapping
+from services.kv_host_store.records import Region
+from services.worker.durable import manifest
+from services.worker.durable.manifest import ManifestError, SessionRecord
+from services.worker.engine.request import Request, SamplingParams, Status
+from services.worker.engine.stop import TextStream
+from services.worker.kv.hierarchy.session import SessionBackup
+
+if TYPE_CHECKING:
+    from services.worker.engine.engine import Engine
+
+
+def read_manifest(mapping: ArenaMapping, regions: list[Region]) -> tuple[int, SessionRecord]:
+    """(version, record) of the newest valid manifest among a request's regions; raises
+    ``ManifestError`` when it has none or both halves are invalid."""
+    region = SessionBackup.manifest_of(regions)
+    if region is None:
+        raise ManifestError("the request has no manifest region (not a durable session)")
+    buf = mapping.rows(region.offset, 2, region.row_bytes).numpy()
+    version, payload = manifest.read(buf)
+    return version, manifest.decode(payload)
+
+
+def sampling_params(fields: dict) -> SamplingParams:
+    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+
+
+def restore(
+    engine: Engine, rec: SessionRecord, version: int, regions: list[Region]
+) -> Request | None:
+    """Resumes ``rec`` in ``engine``; None when no slot or device room is free
+    now. Raises ``ValueError`` for a record that does not fit this engine."""
+    sched = engine.scheduler
+    if rec.request_id in engine.requests:
+        raise ValueError(f"request {rec.request_id!r} is already running here")
+    if rec.num_computed != len(rec.prompt_ids) + len(rec.output_ids) - 1:
+        raise ValueError("manifest counts disagree: computed tokens must be all but the last")
+    if rec.ring_dtype and rec.ring_dtype != str(engine.kv.cfg.dtype):
+        raise ValueError(f"session was served in {rec.ring_dtype}, this worker uses another")
+    params = sampling_params(rec.params)
+    if not sched.free_slots:
+        return None
+    slot = sched.free_slots[-1]
+    if not engine.kv.adopt(slot, rec.request_id, regions, rec.num_computed, rec.rings):
+        return None
+    sched.free_slots.pop()
+    gen = None
+    if params.seed is not None:
+        gen = torch.Generator(device=engine.device).manual_seed(params.seed)
+        if rec.generator_state is not None:
+            gen.set_state(torch.frombuffer(bytearray(rec.generator_state), dtype=torch.uint8))
+    text = TextStream(
+        engine.tokenizer, rec.prompt_ids, params.stop, params.include_stop_str_in_output
+    )
+    for token in rec.output_ids:  # the text the client has been sent so far, and what is held
+        text.push(token)
+    now = time.monotonic()
+    req = Request(rec.request_id, list(rec.prompt_ids), params, text, generator=gen)
+    req.output_ids = list(rec.output_ids)
+    req.arrival = now - max(0.0, time.time() - rec.arrival_s) if rec.arrival_s else now
+    req.status, req.slot, req.num_computed = Status.RUNNING, slot, rec.num_computed
+    req.admitted_time = req.first_token_time = now
+    req.resumed = True
+    engine.requests[rec.request_id] = req
+    sched.running.append(req)
+    if engine.speculator is not None:  # drafts restart from an empty context; outputs do not
+        engine.speculator.drafter.begin(slot)
+    if engine.journal is not None:
+        engine.journal.versions[rec.request_id] = version
+    engine.stats.sessions_resumed += 1
+    return req
