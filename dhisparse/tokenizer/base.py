@@ -23,6 +23,5 @@ class Tokenizer(Protocol):
 
     def token_text(self, token_id: int) -> str:
         """The text of one token as shown in logprobs (may be a partial UTF-8 sequence)."""
-        ...
 
     def is_special(self, token_id: int) -> bool: ...

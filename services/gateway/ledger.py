@@ -58,7 +58,6 @@ class Ledger(Protocol):
     async def register(self, worker: str, capacity_bytes: int, max_sessions: int) -> WorkerUsage:
         """Records the worker's capacity and that a gateway saw it healthy now; reclaims its
         expired leases. Returns its usage afterwards."""
-        ...
 
     async def acquire(
         self, lease_id: str, candidates: Sequence[Candidate], ttl_s: float
@@ -67,26 +66,21 @@ class Ledger(Protocol):
         it (``admitted + need <= capacity`` and ``sessions < max_sessions``), after reclaiming
         that worker's expired leases; None when none has room. Atomic: no other operation
         sees a state between the check and the record. Unregistered workers have no room."""
-        ...
 
     async def renew(self, worker: str, lease_ids: Sequence[str], ttl_s: float) -> list[str]:
         """Extends the leases to now + ``ttl_s``; returns the ids that are no longer held
         (released, or reclaimed after expiring)."""
-        ...
 
     async def release(self, worker: str, lease_id: str) -> bool:
         """Gives the lease's bytes back; idempotent (False when it was not held)."""
-        ...
 
     async def release_dead_worker(self, worker: str, dead_after_s: float) -> int | None:
         """Releases every lease on ``worker`` if no gateway registered it (saw it healthy)
         within ``dead_after_s``; returns how many, or None when it was seen too recently."""
-        ...
 
     async def usage(self, workers: Sequence[str]) -> dict[str, WorkerUsage]:
         """The registered ones among ``workers`` (expired leases may still be counted until
         their worker's next ``register`` or ``acquire``)."""
-        ...
 
     async def close(self) -> None: ...
 

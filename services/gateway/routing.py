@@ -90,11 +90,9 @@ class AdmissionRejected(Exception):
 class Router(Protocol):
     def rank(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> list[str]:
         """The addresses of the healthy workers not in ``exclude``, best first."""
-        ...
 
     def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
         """The best of ``rank``, or None when there is none."""
-        ...
 
 
 class Lease(Protocol):
@@ -120,19 +118,15 @@ class Admission(Protocol):
         exists, ``AdmissionRejected`` when the job cannot be admitted in time. Cancelling the
         call leaves nothing held.
         """
-        ...
 
     async def start(self) -> None:
         """Starts background work (lease renewal); called once the event loop runs."""
-        ...
 
     async def observe(self, workers: Sequence[WorkerStatus]) -> None:
         """Called after every poll of the workers (capacity and health may have changed)."""
-        ...
 
     async def close(self) -> None:
         """Stops background work and gives back what is still held."""
-        ...
 
 
 class LeastLoadedRouter:

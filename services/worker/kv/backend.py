@@ -19,38 +19,31 @@ class PayloadBackend(Protocol):
 
     def begin(self, batch: ForwardBatch) -> None:
         """Plans where this pass's new rows go; called before the model writes any."""
-        ...
 
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
     ) -> None:
         """May start resolving ``(layer, source)`` pairs for ``selection`` early; ``resolve``
         for those layers then returns the result."""
-        ...
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
         their complete rows join the history (eq. 8). Rows beyond are never published."""
-        ...
 
     def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
         """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens; False if the
         mode's own capacity (e.g. host backup) is exhausted."""
-        ...
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:
         """(bytes held by the admitted requests, fixed bytes of the mode)."""
-        ...
 
     def pool(self, source: int) -> torch.Tensor:
         """[S, d_kv] the device rows that ``resolve`` locations index."""
-        ...
 
     def write_rows(
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:
         """Stores computed rows (row index ``rows[i]`` of slot ``slots[i]``)."""
-        ...
 
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
@@ -60,13 +53,11 @@ class PayloadBackend(Protocol):
 
         Contract (exact placement, eq. 12): ``pool(source)[loc[j, i]]`` equals row
         ``selection[j, i]`` of that token's request."""
-        ...
 
     def can_ensure(self, slot: int, num_tokens: int) -> bool: ...
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
         """Makes room for a slot's first ``num_tokens`` tokens; False changes nothing."""
-        ...
 
     def release(self, slot: int) -> None: ...
 

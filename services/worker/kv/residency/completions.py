@@ -17,11 +17,9 @@ import torch
 class Completions(Protocol):
     def submit(self, work: Callable[[], None]) -> int:
         """Issues ``work`` (copies) now and returns a ticket that completes later."""
-        ...
 
     def done(self) -> list[int]:
         """Tickets that completed since the last call."""
-        ...
 
 
 class ImmediateCompletions:
