@@ -113,11 +113,46 @@ def run_mode(mode: str, args, budget: int, prompts: list[list[int]]) -> dict:
             row.update(reclaims=res.stats.reclaim_events, repopulated=res.stats.repopulated_pages)
         rows.append(row)
         print(json.dumps(row), flush=True)
+    capacity = probe_capacity(engine, mode, args, prompts)
+    print(json.dumps({"mode": mode, "capacity": capacity}), flush=True)
     engine.close()
     del engine
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": rows}
+    return {
+        "mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": rows,
+        "capacity": capacity,
+    }  # fmt: skip
+
+
+def probe_capacity(engine: Engine, mode: str, args, prompts: list[list[int]]) -> dict:
+    """Sessions of the context held at once: ``--probe-sessions`` requests that never finish
+    arrive together; steps run until the queue stops draining (no admission for
+    ``--probe-stable`` steps while nothing is settling: reclaims and copies done), then all are
+    aborted. Unlike the concurrency sweep this is not bounded by how fast requests finish."""
+    params = SamplingParams(temperature=0.0, max_tokens=1 << 30, ignore_eos=True)
+    ids = [f"probe-{mode}-{i}" for i in range(args.probe_sessions)]
+    for i, rid in enumerate(ids):
+        engine.add_request(rid, prompts[i % len(prompts)], params)
+    t0 = time.perf_counter()
+    peak, stable, steps = 0, 0, 0
+    while engine.num_waiting and stable < args.probe_stable:
+        engine.step()
+        steps += 1
+        running = engine.num_running
+        stable = 0 if running > peak or engine.kv.settling() else stable + 1
+        peak = max(peak, running)
+    for rid in ids:
+        engine.abort(rid)
+    while engine.has_work():
+        engine.step()
+    return {
+        "sessions": peak,
+        "offered": args.probe_sessions,
+        "all_admitted": peak == args.probe_sessions,
+        "steps": steps,
+        "seconds": time.perf_counter() - t0,
+    }
 
 
 MODEL = None
@@ -138,6 +173,8 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--host-gib", type=float, default=16.0)
     ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--probe-sessions", type=int, default=64, help="offered in the capacity probe")
+    ap.add_argument("--probe-stable", type=int, default=6)
     ap.add_argument("--out", default="docs/results/capacity.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
@@ -199,6 +236,9 @@ def summarize(results: list[dict], args) -> dict:
         out["sessions_ratio_adaptive_over_resident_at_max_c"] = (
             by["adaptive"][cmax]["sessions_admitted"] / by["resident"][cmax]["sessions_admitted"]
         )
+        cap = {r["mode"]: r["capacity"]["sessions"] for r in results}
+        out["capacity_sessions"] = cap
+        out["capacity_ratio_adaptive_over_resident"] = cap["adaptive"] / cap["resident"]
     if {"hisparse", "adaptive"} <= by.keys():
         out["adaptive_vs_hisparse"] = {
             c: by["adaptive"][c]["decode_tokens_per_s"] / by["hisparse"][c]["decode_tokens_per_s"]

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelConfig
-from services.worker.model.layers import RMSNorm, apply_rope
+from services.worker.model.layers import RMSNorm, Rotary, apply_rope
 
 
 class MLAAttention(nn.Module):
@@ -31,7 +31,7 @@ class MLAAttention(nn.Module):
         self.w_o = nn.Linear(h * cfg.d_latent, cfg.d_model, bias=False)
         self.scale = 1.0 / math.sqrt(cfg.d_kv)
 
-    def token_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def token_rows(self, x: torch.Tensor, positions: torch.Tensor | Rotary) -> torch.Tensor:
         """[N, d_model] -> [N, d_kv] uncompressed rows (owner layers only)."""
         c = self.kv_norm(self.w_dkv(x))
         kr = apply_rope(self.w_kr(x), positions, self.cfg.rope_theta)
@@ -43,7 +43,7 @@ class MLAAttention(nn.Module):
         alpha = torch.softmax(rf @ self.compress_gate.float(), dim=1)
         return (alpha.unsqueeze(-1) * rf).sum(dim=1).to(group_rows.dtype)
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def queries(self, x: torch.Tensor, positions: torch.Tensor | Rotary) -> torch.Tensor:
         """[N, d_model] -> [N, H, d_kv]."""
         n, h = x.shape[0], self.cfg.n_heads
         q_lat = self.w_q_lat(x).view(n, h, self.cfg.d_latent)

@@ -14,7 +14,7 @@ from services.worker.kv.token_ring import ExtendedRows
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
-from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.model.layers import RMSNorm, Rotary, SwiGLU
 from services.worker.ops import index_scores, select_topk, sparse_attention_ref
 
 # Prefill queries scored against a request's keys per block, bounding the [T, S] score matrix.
@@ -41,6 +41,7 @@ class _Pass:
     )
     selection: dict[int, torch.Tensor] = field(default_factory=dict)
     locations: dict[int, torch.Tensor] = field(default_factory=dict)
+    rotary: Rotary | None = None  # the pass's positions, rotary tables shared by every layer
 
 
 class DSALayer(nn.Module):
@@ -94,7 +95,7 @@ class DSAModel(nn.Module):
         a DFlash-style drafter is conditioned on)."""
         kv.begin(batch)
         h = self.embed(input_ids)
-        st = _Pass()
+        st = _Pass(rotary=Rotary(batch.positions, self.cfg.rope_theta))
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
             h = h + layer.mlp(layer.mlp_norm(h))
@@ -144,7 +145,7 @@ class DSAModel(nn.Module):
         win_pool = win_locs = None
         if src.window > 0:
             win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
-        q = layer.attn.queries(x, batch.positions)
+        q = layer.attn.queries(x, st.rotary)
         o = self.attention_fn(
             q, pool, locs, self.cfg.d_latent, layer.attn.scale, win_pool, win_locs
         )
@@ -161,7 +162,7 @@ class DSAModel(nn.Module):
     ) -> None:
         """Computes the chunk's rows of source ``s`` and stores the complete ones (eq. 8)."""
         m = self.cfg.sources[s].compress
-        tok_rows = attn.token_rows(x, batch.positions)
+        tok_rows = attn.token_rows(x, st.rotary)
         if s in kv.rings:
             st.ext[s] = kv.rings[s].extend(batch, tok_rows)
         if m == 1:

@@ -16,6 +16,7 @@ from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.errors import HostStoreUnavailable, describe
+from services.worker.kv.hierarchy.backup import backup_rows_ref
 from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
@@ -28,6 +29,7 @@ from services.worker.kv.residency.residency import Residency
 from services.worker.model.config import ModelConfig
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+Backup = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class HierarchyPayload:
@@ -45,6 +47,7 @@ class HierarchyPayload:
         dtype: torch.dtype,
         device: torch.device | str,
         resolver: Resolver = resolve_ref,
+        backup: Backup = backup_rows_ref,
         mode: str = "hisparse",
         reserve_pages: int = 0,
         populate_pages: int = 256,
@@ -61,6 +64,7 @@ class HierarchyPayload:
         self.host = host
         self.device = torch.device(device)
         self.resolver = resolver
+        self.backup = backup
         self.page = page
         self.ring = ring_rows
         self.num_sources = len(cfg.sources)
@@ -102,6 +106,8 @@ class HierarchyPayload:
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
         self._plans: list[ChunkPlan] = []
+        # per source: (slots, rows, locations) this pass wrote, backed up at commit
+        self._written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
@@ -214,13 +220,18 @@ class HierarchyPayload:
         self._batch = batch
         self._prefetched.clear()
         self._plans = []
+        self._written.clear()
         ends = batch.ends()
         slots = batch.slots.tolist()
+        built: dict[tuple, ChunkPlan] = {}  # sources with equal bounds share one plan
         for s, geo in enumerate(self.geo):
             lo = [self._rows(s, a) for a in batch.starts]
             hi = [self._rows(s, e) for e in ends]
             ring_hi = [self._ring_hi[slot][s] for slot in slots]
-            plan = ChunkPlan.build(lo, hi, self.ring, self.device, ring_hi)
+            key = (tuple(lo), tuple(hi), tuple(ring_hi))
+            plan = built.get(key)
+            if plan is None:
+                plan = built[key] = ChunkPlan.build(lo, hi, self.ring, self.device, ring_hi)
             for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
                 if not sc:
                     self._ring_hi[slot][s] = max(self._ring_hi[slot][s], h)
@@ -243,13 +254,18 @@ class HierarchyPayload:
     def chunk_locations(self, source: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Where this pass's rows of ``source`` (in its chunk) live: the ring or scratch."""
         assert self._batch is not None, "begin() the pass first"
+        plan = self._plans[source]
+        if not any(plan.scratch):  # every chunk is in its ring (decode, verify)
+            return self.geo[source].ring_loc(slots, rows)
         req = self._req_of_slot[slots]
-        return self.geo[source].direct(rows, req, self._batch.slots, self._plans[source])[1]
+        return self.geo[source].direct(rows, req, self._batch.slots, plan)[1]
 
     def write_rows(
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.store[self.chunk_locations(source, slots, rows)] = values.to(self.store.dtype)
+        locs = self.chunk_locations(source, slots, rows)
+        self.store[locs] = values.to(self.store.dtype)
+        self._written[source] = (slots, rows, locs)
 
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
@@ -308,30 +324,56 @@ class HierarchyPayload:
         """The first ``num_tokens[r]`` tokens of each request are final: their complete rows
         written by this pass are backed up to the host (in adaptive mode a prefill's complete
         pages may instead stay on the device as optional history, backup deferred), and the
-        newest rows stay in the tail ring."""
+        newest rows stay in the tail ring.
+
+        Decode and verify passes (the common case) back up every request's and source's rows in
+        one scatter; a prefill chunk takes the per-request path (optional history, ring)."""
         slots = batch.slots.tolist()
-        for s, (geo, plan) in enumerate(zip(self.geo, self._plans, strict=True)):
+        limit = [[-1] * len(slots) for _ in self.geo]  # rows < limit[s][r] go in the scatter
+        for s, plan in enumerate(self._plans):
             for r, slot in enumerate(slots):
                 lo, new = plan.lo[r], self._rows(s, num_tokens[r])
                 if new <= lo:
                     continue
-
-                def rows_at(a: int, b: int, r: int = r, geo=geo, plan=plan) -> torch.Tensor:
-                    rows = torch.arange(a, b, device=self.device)
-                    return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
-
-                backup = [(lo, new)]
-                if self.residency is not None and batch.starts[r] == 0:  # imported history
-                    backup = self.residency.keep_imported(slot, s, lo, new, rows_at)
-                for a, b in backup:
-                    self.host.write(slot, s, a, self.store[rows_at(a, b)])
-                    self.host.mark_durable(slot, s, a, b)
+                if plan.scratch[r] or (self.residency is not None and batch.starts[r] == 0):
+                    self._commit_chunk(batch, r, slot, s, lo, new)
+                else:
+                    limit[s][r] = new
+                    self.host.mark_durable(slot, s, lo, new)
                 self.committed[slot][s] = new
-                if plan.scratch[r]:  # the ring takes the chunk's newest rows
-                    self._ring_hi[slot][s] = new
-                    keep = torch.arange(max(lo, new - self.ring), new, device=self.device)
-                    ring = geo.ring_loc(torch.full_like(keep, slot), keep)
-                    self.store[ring] = self.store[rows_at(int(keep[0]), new)]
+        written = [(s, *w) for s, w in self._written.items() if max(limit[s]) >= 0]
+        if not written:
+            return
+        src = torch.cat([torch.full_like(w[2], w[0]) for w in written])
+        w_slots, rows, locs = (torch.cat([w[i] for w in written]) for i in (1, 2, 3))
+        limits = torch.tensor(limit, dtype=torch.int64, device=self.device)
+        keep = rows < limits[src, self._req_of_slot[w_slots]]
+        dst = self.host.base[w_slots, src] + rows * self.store.shape[1]
+        self.backup(self.store, locs, dst, keep, self.host.arena)
+
+    def _commit_chunk(
+        self, batch: ForwardBatch, r: int, slot: int, s: int, lo: int, new: int
+    ) -> None:
+        """Rows [lo, new) of request r's source s from a prefill chunk: kept as optional
+        history or backed up, and the chunk's newest rows into the ring when it was in
+        scratch."""
+        geo, plan = self.geo[s], self._plans[s]
+
+        def rows_at(a: int, b: int) -> torch.Tensor:
+            rows = torch.arange(a, b, device=self.device)
+            return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
+
+        backup = [(lo, new)]
+        if self.residency is not None and batch.starts[r] == 0:  # imported history
+            backup = self.residency.keep_imported(slot, s, lo, new, rows_at)
+        for a, b in backup:
+            self.host.write(slot, s, a, self.store[rows_at(a, b)])
+            self.host.mark_durable(slot, s, a, b)
+        if plan.scratch[r]:  # the ring takes the chunk's newest rows
+            self._ring_hi[slot][s] = new
+            keep = torch.arange(max(lo, new - self.ring), new, device=self.device)
+            ring = geo.ring_loc(torch.full_like(keep, slot), keep)
+            self.store[ring] = self.store[rows_at(int(keep[0]), new)]
 
     def memory_classes(self) -> tuple[int, int, int, int]:
         """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""

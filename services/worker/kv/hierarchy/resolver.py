@@ -1,7 +1,9 @@
-"""Picks the resolver implementation: the torch reference or the fused Triton kernels."""
+"""Picks the resolver implementation (the torch reference or the fused Triton kernels) and the
+matching host-backup scatter."""
 
 from __future__ import annotations
 
+from services.worker.kv.hierarchy.backup import backup_rows_ref
 from services.worker.kv.hierarchy.resolver_ref import resolve_ref
 
 
@@ -13,3 +15,12 @@ def get_resolver(name: str, device: str):
 
         return resolve_triton
     raise ValueError(f"unknown resolver {name!r}; choose torch or triton")
+
+
+def get_backup(name: str):
+    """The backup scatter of the same backend as the resolver ``name``."""
+    if name == "triton":
+        from services.worker.kv.hierarchy.backup import backup_rows_triton
+
+        return backup_rows_triton
+    return backup_rows_ref

@@ -25,7 +25,7 @@ from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["clock"])
 def _resolve_kernel(
     sel_ptr,  # [N, K] int64
     stride_sel,

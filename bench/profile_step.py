@@ -1,0 +1,95 @@
+"""Where a decode step's time goes: torch.profiler over a few decode steps of the capacity
+benchmark's model, per mode and concurrency, printing the top operators by host (CPU) time and
+by device time, and the step's wall time with and without the profiler.
+
+    python bench/profile_step.py --modes resident,hisparse,adaptive --concurrency 4,32
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.capacity import bench_model_config
+from dhisparse.tokenizer import ByteTokenizer
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+from services.worker.model import build_model
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="resident,hisparse,adaptive")
+    ap.add_argument("--concurrency", default="4,32")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=6)
+    ap.add_argument("--pool-gib", type=float, default=8.0)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--rows", type=int, default=22)
+    args = ap.parse_args()
+    cuda = args.device == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    cfg = bench_model_config(8, 512)
+    model = build_model(cfg, seed=0, device=args.device, dtype=dtype)
+    g = torch.Generator().manual_seed(0)
+    cs = [int(c) for c in args.concurrency.split(",")]
+    prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(max(cs))]
+    for mode in args.modes.split(","):
+        for c in cs:
+            eng = Engine(
+                EngineConfig(
+                    model="bench-glm", device=args.device, mode=mode,
+                    kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
+                    max_model_len=args.context + 256, max_prefill_tokens=args.context,
+                    hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
+                    durable_sessions=False,
+                ),
+                model=model, tokenizer=ByteTokenizer(),
+            )  # fmt: skip
+            params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+            for i in range(c):
+                eng.add_request(f"p{i}", prompts[i], params)
+            while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
+                eng.step()
+            for _ in range(8):  # warm: every kernel compiled, hot caches filled
+                eng.step()
+            sync = torch.cuda.synchronize if cuda else (lambda: None)
+            sync()
+            t0 = time.perf_counter()
+            for _ in range(args.steps):
+                eng.step()
+            sync()
+            plain = (time.perf_counter() - t0) / args.steps
+            acts = [torch.profiler.ProfilerActivity.CPU]
+            if cuda:
+                acts.append(torch.profiler.ProfilerActivity.CUDA)
+            with torch.profiler.profile(activities=acts) as prof:
+                for _ in range(args.steps):
+                    eng.step()
+                sync()
+            print(f"\n===== {mode} C={c}: {plain * 1e3:.2f} ms/step ({c / plain:.0f} tok/s)")
+            ka = prof.key_averages()
+            print(
+                ka.table(
+                    sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60
+                )
+            )
+            if cuda:
+                print(
+                    ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
+                )
+            eng.close()
+            del eng
+            if cuda:
+                torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
