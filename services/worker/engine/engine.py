@@ -231,11 +231,17 @@ class Engine:
                         batch.token_slot[a:b], batch.positions[a:b],
                         {k: f[a:b] for k, f in feats.items()},
                     )  # fmt: skip
+        for i, r in enumerate(reqs):
+            self._ban_early_stops(r, logits[i : i + 1])
+        # every greedy request's token in one argmax (one device sync for the whole batch)
+        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else []
         outs = []
         for i, r in enumerate(reqs):
             row = logits[i : i + 1]
-            self._ban_early_stops(r, row)
-            token = sample_token(row[0], r.params, r.generator or self._default_gen)
+            if r.params.greedy:
+                token = greedy[i]
+            else:
+                token = sample_token(row[0], r.params, r.generator or self._default_gen)
             outs.append(self._append_tokens(r, [token], row))
         return outs
 
