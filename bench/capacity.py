@@ -55,7 +55,7 @@ def run_mode(mode: str, args, budget: int, prompts: list[list[int]]) -> dict:
     ctx = args.context
     common = dict(
         model="bench-glm", device=args.device, dtype=DTYPE, mode=mode, page_size=args.page,
-        max_num_seqs=max(args.concurrency), max_model_len=ctx + args.decode_tokens + 16,
+        max_num_seqs=max(*args.concurrency, args.probe_sessions), max_model_len=ctx + args.decode_tokens + 16,
         max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
         attention_backend="auto", host_arena_mib=args.host_gib * 1024,
     )  # fmt: skip
@@ -173,7 +173,7 @@ def main() -> int:
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--host-gib", type=float, default=16.0)
     ap.add_argument("--modes", default=",".join(MODES))
-    ap.add_argument("--probe-sessions", type=int, default=64, help="offered in the capacity probe")
+    ap.add_argument("--probe-sessions", type=int, default=48, help="offered in the capacity probe")
     ap.add_argument("--probe-stable", type=int, default=6)
     ap.add_argument("--out", default="docs/results/capacity.json")
     ap.add_argument("--plot", default=None)

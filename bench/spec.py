@@ -3,10 +3,11 @@ drafter and width policy vs concurrency, against no speculation.
 
     python bench/spec.py --out docs/results/spec.json --plot docs/results/spec.png
 
-Target: the ``tiny-glm`` preset (seeded random weights) in ``adaptive`` mode; drafters: the
-checkpoints in ``bench/drafters/tiny-glm/`` (trained against that target on its own generated
-text, see their ``train_config.json``). Prompts are the target's own greedy continuations, so
-drafts are judged in distribution. For each concurrency C, C requests decode
+Target: ``--model`` (default the shipped ``models/glm-10m``) in ``adaptive`` mode with the
+drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
+held-out files. With ``--model tiny-glm --drafter-dir bench/drafters/tiny-glm`` it runs the random
+target with drafters trained on its own greedy text, prompts being its greedy continuations.
+For each concurrency C, C requests decode
 ``--decode-tokens`` tokens greedily; every configuration runs twice on one engine and the
 second run is reported (warm kernels, and the online policy has measured its widths).
 """
@@ -32,10 +33,10 @@ DRAFTERS = ("dflash", "dspark", "dflash2")
 
 def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
     return EngineConfig(
-        model="tiny-glm", device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
+        model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
         max_prefill_tokens=8192, page_size=16,
-        drafter=None if drafter is None else str(ROOT / "bench/drafters/tiny-glm" / drafter),
+        drafter=None if drafter is None else str(Path(args.drafter_dir) / drafter),
         spec_width=width, width_policy=policy,
     )  # fmt: skip
 
@@ -45,6 +46,10 @@ def make_prompts(args, n: int) -> list[list[int]]:
     the target's greedy decoding: the distribution the drafters were trained to predict."""
     from services.worker.spec.train_data import corpus_tokens
 
+    if Path(args.model).is_dir():  # a trained target: held-out text is in distribution
+        from bench.acceptance import prompts_from_heldout
+
+        return prompts_from_heldout(args.corpus, n, args.prompt_len, 12345)
     eng = Engine(config(args, None, "fixed", 1))
     stream = corpus_tokens(None)
     g = torch.Generator().manual_seed(12345)
@@ -77,6 +82,9 @@ def measure(eng: Engine, prompts: list[list[int]], args) -> dict:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/glm-10m")
+    ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
+    ap.add_argument("--corpus", default="data/stdlib.u8")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--prompt-len", type=int, default=128)
@@ -90,6 +98,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
     widths = [int(x) for x in args.widths.split(",")]
     prompts = make_prompts(args, max(args.concurrency))
     configs = [("none", None, "fixed", 1)]
@@ -113,7 +122,7 @@ def main() -> int:
     out = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
         "torch": torch.__version__,
-        "target": "tiny-glm (seeded random weights)",
+        "target": args.model,
         "mode": args.mode,
         "decode_tokens": args.decode_tokens,
         "command": "python bench/spec.py " + " ".join(sys.argv[1:]),

@@ -56,7 +56,18 @@ def restart_delay(restarts: int) -> float:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default="tiny-glm", help="preset name or model directory")
+    p.add_argument(
+        "--model",
+        default="models/glm-10m",
+        help="model directory (default: the shipped trained model) or a preset name (random weights)",
+    )
+    p.add_argument(
+        "--drafter",
+        default="models/glm-10m/drafters/dflash",
+        help="speculative drafter: a drafter directory, a kind (random weights), or 'none'",
+    )
+    p.add_argument("--spec-width", type=int, default=4, help="K_max: queries per verify round")
+    p.add_argument("--width-policy", default="online", choices=["fixed", "paper", "online"])
     p.add_argument("--mode", default="resident", choices=["resident", "hisparse", "adaptive"])
     p.add_argument("--device", default="cpu")
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
@@ -79,6 +90,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         help="the gateway's capacity ledger in Redis (default: in-process); not started here",
     )
+
+
+def _spec_flags(args: argparse.Namespace) -> list[str]:
+    """The workers' speculative decoding flags ('none': plain decoding)."""
+    if args.drafter in (None, "", "none"):
+        return []
+    return [
+        "--drafter", args.drafter, "--spec-width", str(args.spec_width),
+        "--width-policy", args.width_policy,
+    ]  # fmt: skip
 
 
 def _wait_port(host: str, port: int, deadline: float) -> bool:
@@ -146,6 +167,7 @@ def main(args: argparse.Namespace) -> int:
                 str(args.max_model_len),
                 "--kv-store",
                 store_addr,
+                *_spec_flags(args),
                 "--worker-id",
                 f"worker-{i}",
             ],

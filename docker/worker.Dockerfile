@@ -42,6 +42,8 @@ RUN apt-get update \
  && chown 10001:10001 /var/cache/dhisparse
 COPY --from=build /opt/venv /opt/venv
 COPY docker/healthcheck.py /opt/dhisparse/healthcheck.py
+# The shipped trained model pair (target + drafters), served by default.
+COPY models/glm-10m /opt/dhisparse/models/glm-10m
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -55,7 +57,8 @@ ENV PATH=/opt/venv/bin:$PATH \
     DHISPARSE_WORKER_HOST=0.0.0.0 \
     DHISPARSE_WORKER_PORT=50051 \
     DHISPARSE_WORKER_METRICS_PORT=9101 \
-    DHISPARSE_WORKER_DEVICE=cuda
+    DHISPARSE_WORKER_DEVICE=cuda \
+    DHISPARSE_WORKER_MODEL=/opt/dhisparse/models/glm-10m
 # Numeric, so that Kubernetes' runAsNonRoot can verify it (the store runs as the same user).
 USER 10001:10001
 WORKDIR /home/dhisparse

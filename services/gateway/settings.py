@@ -8,6 +8,8 @@ from typing import Annotated, Any
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from dhisparse.paths import resolve_path
+
 
 class GatewaySettings(BaseSettings):
     """Everything the gateway needs to start. ``DHISPARSE_GATEWAY_WORKERS`` takes a comma-separated
@@ -19,7 +21,7 @@ class GatewaySettings(BaseSettings):
     port: int = Field(8000, ge=0, le=65535)
     workers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     # A preset name (``tiny-glm``: the byte tokenizer) or a model directory (its tokenizer.json).
-    model: str = "tiny-glm"
+    model: str = "models/glm-10m"
     # The name clients send as ``model``; by default the model name the workers report.
     served_model_name: str | None = None
     api_key: str | None = None
@@ -76,5 +78,5 @@ class GatewaySettings(BaseSettings):
 
     def tokenizer_dir(self) -> Path | None:
         """The directory to load the tokenizer from; None means the built-in byte tokenizer."""
-        path = Path(self.model)
+        path = resolve_path(self.model)
         return path if path.is_dir() else None

@@ -25,7 +25,7 @@ class WorkerSettings(BaseSettings):
     attach_timeout_s: float = 60.0
     durable_sessions: bool | None = None  # None: on in hierarchy modes (see EngineConfig)
 
-    model: str = "tiny-glm"
+    model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
     device: str = "cpu"
     dtype: str | None = None
     seed: int = 0

@@ -22,7 +22,7 @@ import pytest
 
 from dhisparse.up import restart_delay
 from tests.conftest import free_port
-from tests.e2e.test_stack import MESSAGES, offline_greedy
+from tests.e2e.test_stack import MESSAGES, MODEL_NAME, offline_greedy
 
 LONG = 240  # tokens: the kill lands well inside the stream
 
@@ -63,7 +63,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
             [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
              "--worker-port", str(worker), "--kv-store-port", str(store), "--arena-path", arena,
              "--worker-metrics-port", str(metrics), "--kv-pool-mib", "64",
-             "--max-model-len", "1024", "--mode", "hisparse"],
+             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
         )  # fmt: skip
     st = Stack(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", log)
@@ -89,7 +89,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 
 def _body(max_tokens: int) -> dict:
-    return {"model": "tiny-glm", "messages": MESSAGES, "max_tokens": max_tokens,
+    return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": max_tokens,
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
 
 

@@ -25,6 +25,11 @@ from services.worker.engine.request import SamplingParams
 from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]
+# What `make run` serves: the shipped trained target (and, by default, its DFlash drafter).
+MODEL_DIR, MODEL_NAME = "models/glm-10m", "glm-10m"
+CODE_PROMPT = (
+    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
+)
 
 
 @dataclass(frozen=True)
@@ -76,7 +81,7 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
 def offline_greedy(max_tokens: int) -> str:
     tok = ByteTokenizer()
     prompt = tok.encode(render_chat(tok.chat_template, MESSAGES))
-    req = Engine(EngineConfig(kv_pool_mib=8)).generate(
+    req = Engine(EngineConfig(model=MODEL_DIR, kv_pool_mib=8)).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     )[0]
     return req.text.detok.text[: req.text.emitted]
@@ -85,11 +90,11 @@ def offline_greedy(max_tokens: int) -> str:
 def test_all_three_services_are_up(stack: Stack) -> None:
     assert httpx.get(f"{stack.base}/health").status_code == 200
     models = httpx.get(f"{stack.base}/v1/models").json()
-    assert [m["id"] for m in models["data"]] == ["tiny-glm"]
+    assert [m["id"] for m in models["data"]] == [MODEL_NAME]
 
 
 def test_chat_completion_matches_offline_engine(stack: Stack) -> None:
-    body = {"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
             "ignore_eos": True}  # fmt: skip
     r = httpx.post(f"{stack.base}/v1/chat/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
@@ -101,7 +106,7 @@ def test_chat_completion_matches_offline_engine(stack: Stack) -> None:
 
 
 def test_streaming_chat_completion(stack: Stack) -> None:
-    body = {"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
+    body = {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 24, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
     chunks, done, regions = [], False, None
     url = f"{stack.base}/v1/chat/completions"
@@ -128,10 +133,19 @@ def test_streaming_chat_completion(stack: Stack) -> None:
     assert len(chunks) > 3  # tokens arrived incrementally
 
 
+def test_trained_model_continues_code_coherently(stack: Stack) -> None:
+    """The shipped weights serve through the stack (with speculation, the default) and
+    continue a code prompt the way the corpus does."""
+    body = {"model": MODEL_NAME, "prompt": CODE_PROMPT, "max_tokens": 32, "temperature": 0}
+    r = httpx.post(f"{stack.base}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["choices"][0]["text"].startswith("        self.items.append(item)\n")
+
+
 def test_client_error_is_a_400_with_openai_shape(stack: Stack) -> None:
     r = httpx.post(
         f"{stack.base}/v1/chat/completions",
-        json={"model": "tiny-glm", "messages": MESSAGES, "max_tokens": 100_000},
+        json={"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": 100_000},
         timeout=30,
     )
     assert r.status_code == 400

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 import torch
 
+from dhisparse.paths import resolve_path
 from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.model import DSAModel
@@ -49,9 +49,10 @@ def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
     if spec in DRAFTERS:
         cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)
         return build_drafter(cfg, target, seed=seed, dtype=dtype)
-    if not Path(spec).is_dir():
+    path = resolve_path(spec)
+    if not path.is_dir():
         raise ValueError(f"drafter {spec!r} is neither a kind {sorted(DRAFTERS)} nor a directory")
-    return load_drafter(spec, target, dtype=dtype)
+    return load_drafter(path, target, dtype=dtype)
 
 
 class WidthController:

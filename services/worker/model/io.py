@@ -1,19 +1,24 @@
-"""Building, initialising, saving and loading models (config.json + model.safetensors)."""
+"""Building, initialising, saving and loading models: config.json plus either one
+model.safetensors or HF-style shards ``model-0000i-of-0000N.safetensors`` with a
+``model.safetensors.index.json`` weight map."""
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 
+from dhisparse.paths import resolve_path
 from services.worker.model.config import ModelConfig
 from services.worker.model.model import DSAModel
 from services.worker.model.presets import PRESETS, preset
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -44,12 +49,65 @@ def build_model(
     return model.to(device=device, dtype=dtype or DTYPES[cfg.dtype]).eval()
 
 
-def save_pretrained(model: DSAModel, path: str | Path) -> None:
+def save_pretrained(
+    model: DSAModel,
+    path: str | Path,
+    dtype: torch.dtype | None = None,
+    max_shard_bytes: int | None = None,
+) -> None:
+    """Writes config.json and the weights (cast to ``dtype`` when given). With
+    ``max_shard_bytes``, weights that do not fit one file of that size are split into shards
+    (whole tensors, in state-dict order) listed by an index; earlier weight files are removed."""
     path = Path(path)
     path.mkdir(parents=True, exist_ok=True)
     model.cfg.save(path / CONFIG_FILE)
-    tensors = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+    tensors = {
+        k: v.detach().to(dtype=dtype or v.dtype).contiguous().cpu()
+        for k, v in model.state_dict().items()
+    }
+    for old in [path / WEIGHTS_FILE, path / INDEX_FILE, *path.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+    shards = _shards(tensors, max_shard_bytes)
+    if len(shards) == 1:
+        save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    for i, names in enumerate(shards):
+        name = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file({k: tensors[k] for k in names}, str(path / name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(names, name))
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+
+
+def _shards(tensors: dict[str, torch.Tensor], max_bytes: int | None) -> list[list[str]]:
+    """Tensor names per shard, greedily in order; a tensor larger than the limit goes alone.
+    The limit is on tensor bytes; a shard's header adds a few KB."""
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if max_bytes is not None and shards[-1] and size + n > max_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The state dict of a model directory, from one file or from the shards of its index."""
+    path = Path(path)
+    if (path / INDEX_FILE).exists():
+        weight_map = json.loads((path / INDEX_FILE).read_text())["weight_map"]
+        state: dict[str, torch.Tensor] = {}
+        for shard in sorted(set(weight_map.values())):
+            state.update(load_file(str(path / shard)))
+        if set(state) != set(weight_map):
+            raise ValueError(f"{path / INDEX_FILE}: shards do not hold exactly the mapped weights")
+        return state
+    return load_file(str(path / WEIGHTS_FILE))
 
 
 def load_model(
@@ -58,7 +116,7 @@ def load_model(
     """A preset name (seeded random weights) or a directory with config.json + weights."""
     if str(spec) in PRESETS:
         return build_model(preset(str(spec)), seed=seed, device=device, dtype=dtype)
-    path = Path(spec)
+    path = resolve_path(spec)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(
             f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model "
@@ -66,7 +124,7 @@ def load_model(
         )
     cfg = ModelConfig.load(path / CONFIG_FILE)
     model = DSAModel(cfg)
-    state = load_file(str(path / WEIGHTS_FILE))
+    state = load_weights(path)
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ValueError(f"weights do not match config: missing={missing} unexpected={unexpected}")
@@ -76,4 +134,4 @@ def load_model(
 def load_config(spec: str | Path) -> ModelConfig:
     if str(spec) in PRESETS:
         return preset(str(spec))
-    return ModelConfig.load(Path(spec) / CONFIG_FILE)
+    return ModelConfig.load(resolve_path(spec) / CONFIG_FILE)

@@ -1,4 +1,5 @@
-"""Tiny presets of each topology: small enough that CPU decoding is interactive."""
+"""Tiny presets of each topology (small enough that CPU decoding is interactive), and
+``glm-10m``, the small target that ``services.worker.train`` trains from scratch."""
 
 from __future__ import annotations
 
@@ -55,7 +56,31 @@ def tiny_dsv4() -> ModelConfig:
     )
 
 
-PRESETS = {"tiny-glm": tiny_glm, "tiny-dsv4": tiny_dsv4}
+def glm_10m() -> ModelConfig:
+    """The tiny-glm topology at ~9.8M parameters: the smallest target worth training (on the
+    stdlib's Python sources, ``python -m services.worker.train``). bfloat16: the dtype it is
+    shipped and served in; training keeps fp32 master weights under bf16 autocast."""
+    base = tiny_glm()
+    return ModelConfig(
+        **dict(
+            _COMMON,
+            name="glm-10m",
+            d_model=384,
+            n_heads=6,
+            d_latent=64,
+            d_rope=32,
+            d_ff=1024,
+            n_index_heads=4,
+            d_index=32,
+            index_topk=128,
+            dtype="bfloat16",
+        ),
+        sources=base.sources,
+        layers=base.layers,
+    )
+
+
+PRESETS = {"tiny-glm": tiny_glm, "tiny-dsv4": tiny_dsv4, "glm-10m": glm_10m}
 
 
 def preset(name: str) -> ModelConfig:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import time
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
@@ -47,6 +48,7 @@ class TrainConfig:
     target: str = "tiny-glm"  # preset (seeded random weights) or model directory
     drafter: str = "dflash"
     steps: int = 100
+    time_budget_s: float = 0.0  # > 0: stop early (and save) once this much wall time is spent
     batch_size: int = 4  # sequences per step
     seq_len: int = 256
     blocks_per_seq: int = 16
@@ -157,6 +159,7 @@ def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, li
     dev = next(target.parameters()).device
     weights = decay_weights(cfg.block_size, cfg.decay_gamma, dev)
     history: list[dict] = []
+    t0 = time.monotonic()
     bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress, desc=f"train {cfg.drafter}")
     for step in bar:
         if data.dim() == 1:
@@ -176,6 +179,8 @@ def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, li
         bar.set_postfix(loss=f"{float(loss.detach()):.3f}", tau=f"{metrics['accept_len']:.2f}")
         if cfg.out and cfg.save_every and step % cfg.save_every == 0:
             _save(drafter, opt, cfg, history, Path(cfg.out) / f"checkpoint-{step}")
+        if cfg.time_budget_s and time.monotonic() - t0 >= cfg.time_budget_s:
+            break
     drafter.eval()
     if cfg.out:
         _save(drafter, opt, cfg, history, Path(cfg.out))
@@ -201,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--target", default=d.target)
     ap.add_argument("--drafter", choices=KINDS, default=d.drafter)
     ap.add_argument("--steps", type=int, default=d.steps)
+    ap.add_argument("--time-budget-s", type=float, default=d.time_budget_s)
     ap.add_argument("--out", default=None)
     ap.add_argument("--batch-size", type=int, default=d.batch_size)
     ap.add_argument("--seq-len", type=int, default=d.seq_len)
@@ -226,6 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         target=a.target,
         drafter=a.drafter,
         steps=a.steps,
+        time_budget_s=a.time_budget_s,
         out=a.out,
         batch_size=a.batch_size,
         seq_len=a.seq_len,

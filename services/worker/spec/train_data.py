@@ -18,13 +18,18 @@ from dhisparse.tokenizer import ByteTokenizer
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
 from services.worker.model.model import DSAModel
+from services.worker.train.corpus import meta_path
+from services.worker.train.data import load_corpus, to_tokens
 
 
 def corpus_tokens(path: str | None = None, max_bytes: int = 4 << 20) -> torch.Tensor:
     """[T] int64 byte tokens of a text file or of a directory's ``*.py``/``*.txt``/``*.md``
-    files in sorted order; default: the Python standard library's own sources (always there,
-    offline). At most ``max_bytes`` bytes."""
+    files in sorted order, or the training part of a packed corpus (``services.worker.train.
+    corpus``); default: the Python standard library's own sources (always there, offline). At
+    most ``max_bytes`` bytes."""
     root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
+    if root.is_file() and meta_path(root).exists():  # a packed corpus: its training part
+        return to_tokens(load_corpus(root).train[:max_bytes])
     if root.is_file():
         files = [root]
     else:

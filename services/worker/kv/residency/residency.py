@@ -184,22 +184,27 @@ class Residency:
         p = self.p.page
         owner = self._owners[self._slot_owner[slot]]
         owner.imported[source] = max(owner.imported[source], hi)
+        first, last = -(-lo // p), hi // p  # the complete pages the pass wrote
+        n = 0 if self._waiting else max(0, min(last - first, self.spare()))
         rest: list[tuple[int, int]] = []
         cursor = lo
-        for index in range(-(-lo // p), hi // p):
-            if self._waiting or self.spare() < 1:
-                break
-            if index * p > cursor:
-                rest.append((cursor, index * p))
-            (page,) = self.p.pages.take(1)
-            dst = torch.arange(page * p, page * p + p, device=self.p.device)
-            self.p.store[dst] = self.p.store[rows_at(index * p, index * p + p)]
-            pg = OptPage(
-                self._slot_owner[slot], slot, source, index, page, State.READY, self.write_through
-            )
-            owner.pages[(source, index)] = pg
-            self.p.geo[source].opt_map[slot, index] = page  # stream-ordered after the copy
-            cursor = index * p + p
+        if n:  # one copy and one map update for all of them
+            pages = self.p.pages.take(n)
+            dev = self.p.device
+            a, b = first * p, (first + n) * p
+            if a > lo:
+                rest.append((lo, a))
+            phys = torch.tensor(pages, dtype=torch.int64, device=dev)
+            dst = (phys.unsqueeze(1) * p + torch.arange(p, device=dev)).reshape(-1)
+            self.p.store[dst] = self.p.store[rows_at(a, b)]
+            for j, page in enumerate(pages):
+                owner.pages[(source, first + j)] = OptPage(
+                    self._slot_owner[slot], slot, source, first + j, page, State.READY,
+                    self.write_through,
+                )  # fmt: skip
+            # stream-ordered after the copy
+            self.p.geo[source].opt_map[slot, first : first + n] = phys.to(torch.int32)
+            cursor = b
         if cursor < hi:
             rest.append((cursor, hi))
         for a, b in rest:  # complete pages the caller backs up now: candidates for refill

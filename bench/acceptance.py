@@ -1,0 +1,160 @@
+"""Acceptance length of the shipped drafters against the shipped target, measured with the
+project's own engine (issue 10).
+
+    python bench/acceptance.py --model models/glm-10m --out docs/results/acceptance.json
+
+Prompts are windows of the corpus's held-out files (never trained on). For each drafter, width
+K (target queries per verify round, anchor included) and temperature, the prompts decode
+``--decode-tokens`` tokens together in one engine; the acceptance length is the tokens a verify
+round emits on average, ``1 + accepted / drafts`` (1 = no gain, K = every draft accepted). At
+temperature 0 the speculative output must equal plain greedy decoding token for token; the
+run records whether it did for every prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+from services.worker.train.data import load_corpus, to_tokens
+
+DRAFTERS = ("dflash", "dspark", "dflash2")
+
+
+def prompts_from_heldout(corpus: str, n: int, length: int, seed: int) -> list[list[int]]:
+    held = to_tokens(load_corpus(corpus).heldout)
+    g = torch.Generator().manual_seed(seed)
+    starts = torch.randint(0, len(held) - length, (n,), generator=g).tolist()
+    return [held[s : s + length].tolist() for s in starts]
+
+
+def run(args, drafter: str | None, width: int, temperature: float, prompts) -> dict:
+    cfg = EngineConfig(
+        model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
+        host_arena_mib=args.pool_mib, max_num_seqs=len(prompts),
+        max_model_len=args.prompt_len + args.decode_tokens + 64,
+        max_prefill_tokens=max(4096, args.prompt_len), page_size=16,
+        drafter=None if drafter is None else str(Path(args.drafters) / drafter),
+        spec_width=width, width_policy="fixed",
+    )  # fmt: skip
+    eng = Engine(cfg)
+    params = [
+        SamplingParams(
+            temperature=temperature, max_tokens=args.decode_tokens, ignore_eos=True, seed=1000 + i
+        )
+        for i in range(len(prompts))
+    ]
+    eng.generate(prompts[:2], params[0])  # warm-up: kernels compiled before timing
+    spec = eng.speculator
+    c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
+    t0 = time.perf_counter()
+    outs = eng.generate(prompts, params)
+    wall = time.perf_counter() - t0
+    row: dict = {
+        "drafter": drafter or "none",
+        "width": width if drafter else 1,
+        "temperature": temperature,
+        "output_tokens_per_s": sum(len(o.output_ids) for o in outs) / wall,
+        "acceptance_length": 1.0,
+    }
+    if spec is not None:
+        drafts = spec.counters.drafts - c0[0]
+        row["acceptance_length"] = 1.0 + (spec.counters.accepted - c0[1]) / max(drafts, 1)
+        row["verify_rounds"] = drafts
+    eng.close()
+    return row | {"_outputs": [o.output_ids for o in outs]}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/glm-10m")
+    ap.add_argument("--drafters", default=None, help="default: MODEL/drafters")
+    ap.add_argument("--kinds", default=",".join(DRAFTERS))
+    ap.add_argument("--corpus", default="data/stdlib.u8")
+    ap.add_argument("--widths", default="2,4,8")
+    ap.add_argument("--temperatures", default="0,1")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--mode", default="resident")
+    ap.add_argument("--pool-mib", type=float, default=1024)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--seed", type=int, default=7)
+    ap.add_argument("--out", default="docs/results/acceptance.json")
+    ap.add_argument("--table", default=None, help="also write the markdown table here")
+    args = ap.parse_args()
+    args.drafters = args.drafters or str(Path(args.model) / "drafters")
+    prompts = prompts_from_heldout(args.corpus, args.prompts, args.prompt_len, args.seed)
+    temps = [float(t) for t in args.temperatures.split(",")]
+    widths = [int(w) for w in args.widths.split(",")]
+    runs = [(None, 1, t) for t in temps]
+    runs += [(d, w, t) for d in args.kinds.split(",") for w in widths for t in temps]
+    try:
+        from tqdm import tqdm
+    except ImportError:  # pragma: no cover
+        tqdm = lambda x, **_: x  # noqa: E731
+    rows, greedy = [], None
+    for drafter, width, temp in tqdm(runs, desc="acceptance"):
+        row = run(args, drafter, width, temp, prompts)
+        outputs = row.pop("_outputs")
+        if temp == 0 and drafter is None:
+            greedy = outputs
+        elif temp == 0:
+            row["equals_plain_greedy"] = outputs == greedy
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    out = {
+        "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
+        "torch": torch.__version__,
+        "commit": _commit(),
+        "model": args.model,
+        "mode": args.mode,
+        "prompts": args.prompts,
+        "prompt_len": args.prompt_len,
+        "decode_tokens": args.decode_tokens,
+        "command": "python bench/acceptance.py " + " ".join(sys.argv[1:]),
+        "results": rows,
+    }
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    table = markdown(rows)
+    print(table)
+    if args.table:
+        Path(args.table).write_text(table)
+    return 0
+
+
+def markdown(rows: list[dict]) -> str:
+    temps = sorted({r["temperature"] for r in rows})
+    head = "| drafter | K | " + " | ".join(f"τ at T={t:g} | tok/s at T={t:g}" for t in temps)
+    lines = [head + " |", "|---|---|" + "---|---|" * len(temps)]
+    keys = sorted({(r["drafter"], r["width"]) for r in rows}, key=lambda k: (k[0] != "none", k))
+    for d, w in keys:
+        cells = []
+        for t in temps:
+            r = next(x for x in rows if (x["drafter"], x["width"], x["temperature"]) == (d, w, t))
+            cells.append(f"{r['acceptance_length']:.2f} | {r['output_tokens_per_s']:.0f}")
+        lines.append(f"| {d} | {w} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _commit() -> str:
+    try:
+        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
+    except Exception:  # the device copy has no .git
+        return "unknown"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

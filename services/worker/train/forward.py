@@ -1,0 +1,125 @@
+"""The differentiable training forward of a DSAModel over whole sequences.
+
+It runs the model's own modules (token rows, queries, output projection, indexer, MLP, norms,
+head) over a batch of sequences [B, T] at positions 0..T-1, without a KV cache:
+
+- ``dense``: causal attention over every earlier row (fused SDPA, ``is_causal``);
+- ``sparse``: each query attends to exactly the rows the inference path selects: the index
+  producer's top-k over its visible rows, shared by its followers (a boolean SDPA mask).
+
+Each index producer's indexer is trained by DSA distillation: the KL from the main
+attention's head-summed distribution (detached) to the softmax of the indexer's scores, over
+the visible rows (dense) or the selected rows (sparse). The indexer sees detached inputs, so it
+learns only from that loss and the LM loss never reaches it (selection has no gradient anyway).
+
+Supported topology: uncompressed sources without a local window (the glm family), with
+producer, follower and reuse layers.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple
+
+import torch
+import torch.nn.functional as F
+
+from services.worker.model.model import DSAModel
+from services.worker.train.indexer_loss import (
+    attention_target,
+    batched_index_scores,
+    causal_mask,
+    indexer_kl,
+    select_rows,
+)
+
+Mode = Literal["dense", "sparse"]
+MODES: tuple[Mode, ...] = ("dense", "sparse")
+
+
+class TrainOutput(NamedTuple):
+    logits: torch.Tensor  # [B, T, V]
+    index_kl: torch.Tensor  # [] mean over index producers of the per-query KL (0 if not asked)
+    selections: dict[int, torch.Tensor]  # sparse: producer layer -> [B, T, k] row positions
+
+
+def check_trainable(model: DSAModel) -> None:
+    for s, src in enumerate(model.cfg.sources):
+        if src.compress != 1 or src.window != 0:
+            raise NotImplementedError(
+                f"source {s}: the training forward supports uncompressed sources without a "
+                "local window (compress=1, window=0)"
+            )
+
+
+def train_forward(
+    model: DSAModel, tokens: torch.Tensor, mode: Mode = "dense", index_loss: bool = True
+) -> TrainOutput:
+    """tokens: [B, T] int64 -> logits [B, T, V] for next-token prediction at every position,
+    the indexer KL (when ``index_loss``) and, in sparse mode, each producer's selection."""
+    if mode not in MODES:
+        raise ValueError(f"unknown attention mode {mode!r}; choose from {MODES}")
+    check_trainable(model)
+    cfg = model.cfg
+    b, t = tokens.shape
+    n = b * t
+    positions = torch.arange(t, device=tokens.device).repeat(b)  # [B*T]
+    visible = causal_mask(t, tokens.device).unsqueeze(0)  # [1, T, T]
+    rows: dict[int, torch.Tensor] = {}  # source -> [B, T, d_kv]
+    masks: dict[int, torch.Tensor] = {}  # layer -> [B, T, T] selected rows (sparse)
+    selections: dict[int, torch.Tensor] = {}
+    kls: list[torch.Tensor] = []
+    h = model.embed(tokens.reshape(n))  # [B*T, d_model]
+    for i, layer in enumerate(model.layers):
+        spec, attn = layer.spec, layer.attn
+        x = layer.attn_norm(h)
+        if attn.owner:
+            rows[spec.source] = attn.token_rows(x, positions).view(b, t, cfg.d_kv)
+        r = rows[spec.source]
+        q = attn.queries(x, positions).view(b, t, cfg.n_heads, cfg.d_kv).transpose(1, 2)
+        scores = None
+        if layer.indexer is not None and (mode == "sparse" or index_loss):
+            iq, iw = layer.indexer.queries(x.detach())
+            keys = layer.indexer.keys(r.detach())  # [B, T, d_index]
+            scores = batched_index_scores(iq.view(b, t, *iq.shape[1:]), iw.view(b, t, -1), keys)
+        if mode == "sparse":
+            if layer.indexer is not None:
+                assert scores is not None
+                selections[i], masks[i] = select_rows(scores, cfg.index_topk)
+            else:  # follower or reuse: the leader's positions over this layer's own source
+                masks[i] = masks[spec.leader]
+        mask = masks.get(i)
+        o = attend(q, r, mask, cfg.d_latent, attn.scale)  # [B, T, H, d_latent]
+        if layer.indexer is not None and index_loss:
+            assert scores is not None
+            allowed = visible if mask is None else mask
+            target = attention_target(q.detach(), r.detach(), allowed, attn.scale)
+            kls.append(indexer_kl(target, scores, allowed))
+        h = h + attn.output(o.reshape(n, cfg.n_heads, cfg.d_latent))
+        h = h + layer.mlp(layer.mlp_norm(h))
+    logits = model.logits(model.norm(h)).view(b, t, -1)
+    index_kl = torch.stack(kls).mean() if kls else logits.new_zeros(())
+    return TrainOutput(logits, index_kl, selections)
+
+
+def attend(
+    q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, d_v: int, scale: float
+) -> torch.Tensor:
+    """MQA attention of q [B, H, T, d_kv] over rows [B, S, d_kv] (keys: whole rows; values:
+    their first ``d_v`` elements) -> [B, T, H, d_v]. ``mask``: [B, T, S] bool (True: attend);
+    None: causal.
+
+    The values passed to SDPA are the whole rows and the output is cut to ``d_v``: each output
+    element depends only on its own value column, so this is exact, and equal key and value
+    widths keep the flash kernel eligible. The rows are copied per head (a few MB) so that no
+    kernel has to accept a zero head stride."""
+    kv = rows.unsqueeze(1).expand(-1, q.shape[1], -1, -1).contiguous()  # [B, H, S, d_kv]
+    if mask is None:
+        o = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(q, kv, kv, attn_mask=mask.unsqueeze(1), scale=scale)
+    return o[..., :d_v].transpose(1, 2)
+
+
+def lm_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Mean next-token cross-entropy in nats. logits: [B, T, V]; targets: [B, T]."""
+    return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), targets.reshape(-1))
