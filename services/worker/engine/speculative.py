@@ -22,7 +22,7 @@ from services.worker.model.model import DSAModel
 from services.worker.spec.drafters.base import Drafter
 from services.worker.spec.drafters.config import DrafterConfig
 from services.worker.spec.drafters.io import DRAFTERS, build_drafter, load_drafter
-from services.worker.spec.policy import OnlinePolicy, WidthSchedule
+from services.worker.spec.policy import OnlinePolicy, WidthSchedule, load_bucket
 from services.worker.spec.verify import verify_batch
 
 WIDTH_POLICIES = ("fixed", "paper", "online")
@@ -57,9 +57,24 @@ def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
 
 class WidthController:
     """Which block width K to verify this round: fixed, the paper's schedule by concurrency,
-    or the online policy (eq. 13 on measured TPOT), which first measures each candidate."""
+    or the online policy (eq. 13 on measured TPOT).
 
-    def __init__(self, policy: str, k_max: int, max_sessions: int, explore_steps: int = 4) -> None:
+    The online policy first measures each candidate width for ``explore_steps`` rounds at
+    each load bucket. The first round of a burst is not recorded: it pays one-off costs
+    (kernel compilation, cold caches) that would otherwise bias the average against that
+    width for a long time. Every ``refresh_every`` decisions it re-measures the width whose
+    measurement at this load is the oldest, so an estimate that went stale (a width that
+    looked slow once, or the load's behaviour changed) is corrected rather than trusted
+    forever."""
+
+    def __init__(
+        self,
+        policy: str,
+        k_max: int,
+        max_sessions: int,
+        explore_steps: int = 4,
+        refresh_every: int = 48,
+    ) -> None:
         if policy not in WIDTH_POLICIES:
             raise ValueError(f"unknown width policy {policy!r}; choose from {WIDTH_POLICIES}")
         self.policy = policy
@@ -69,24 +84,53 @@ class WidthController:
         self.online = OnlinePolicy(widths=widths)
         self.sessions = dict.fromkeys(widths, max_sessions)  # drafter memory is reserved at start
         self.explore_steps = explore_steps
+        self.refresh_every = refresh_every
         self._explore: list[int] = []
+        self._skip_next = False  # the coming observation opens a burst: not recorded
+        self._decisions = 0
+        self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, width) -> decision no.
 
     def width(self, load: int) -> int:
         if self.policy == "fixed":
             return self.k_max
         if self.policy == "paper":
             return min(self.k_max, self.schedule.width(load))
-        unmeasured = [w for w in self.online.widths if self.online.tpot(w, load) is None]
-        if unmeasured and not self._explore:
-            self._explore = [unmeasured[0]] * self.explore_steps
+        if not self._explore:
+            w = self._to_measure(load)
+            if w is not None:
+                self._explore = [w] * (self.explore_steps + 1)
+                self._skip_next = True
         if self._explore:
             return self._explore.pop()
+        self._decisions += 1
         return self.online.decide(load, self.sessions)
+
+    def _to_measure(self, load: int) -> int | None:
+        """A width to measure now: one not yet measured in this load's bucket, else (every
+        ``refresh_every`` decisions) the one measured longest ago, other than the current."""
+        unmeasured = [w for w in self.online.widths if not self.online.measured(w, load)]
+        if unmeasured:
+            return unmeasured[0]
+        if self.refresh_every <= 0 or self._decisions == 0:
+            return None
+        if self._decisions % self.refresh_every:
+            return None
+        b = load_bucket(load)
+        others = [w for w in self.online.widths if w != self.online.current]
+        if not others:
+            return None
+        self._decisions += 1  # one refresh per period
+        return min(others, key=lambda w: self._measured_at.get((b, w), -1))
 
     def observe(self, width: int, load: int, step_s: float, tokens: int) -> None:
         """A decode step at ``width`` emitted ``tokens`` for ``load`` requests in ``step_s``."""
-        if self.policy == "online" and tokens:
-            self.online.observe(width, load, step_s * load / tokens)
+        if self.policy != "online" or not tokens:
+            return
+        if self._skip_next:
+            self._skip_next = False
+            return
+        self.online.observe(width, load, step_s * load / tokens)
+        self._measured_at[(load_bucket(load), width)] = self._decisions
 
 
 class Speculator:

@@ -82,6 +82,10 @@ class OnlinePolicy:
         old = self._tpot.get(key)
         self._tpot[key] = tpot_s if old is None else old + self.alpha * (tpot_s - old)
 
+    def measured(self, width: int, load: int) -> bool:
+        """Whether ``width`` has a measurement in the load's own bucket."""
+        return (load_bucket(load), width) in self._tpot
+
     def tpot(self, width: int, load: int) -> float | None:
         """Average TPOT of ``width`` in the load's bucket, else in the nearest bucket
         measured (in log2 distance, the lower bucket on a tie); None if never measured."""

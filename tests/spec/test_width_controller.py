@@ -1,0 +1,66 @@
+"""The online width controller against a simulated serving loop: per-width step times that
+depend on the load, first rounds of a width inflated (kernel compilation), and a change of
+behaviour mid-run. It must settle on the width that truly serves most at each load."""
+
+from __future__ import annotations
+
+from services.worker.engine.speculative import WidthController
+
+# (seconds per step, tokens emitted per request) by width at low and high load: at low load
+# width 8 serves most; at high load speculation does not pay.
+LOW = {0: (0.010, 1.0), 4: (0.020, 2.0), 6: (0.022, 2.4), 8: (0.024, 2.8)}
+HIGH = {0: (0.020, 1.0), 4: (0.060, 2.0), 6: (0.075, 2.4), 8: (0.090, 2.8)}
+
+
+def _run(ctl: WidthController, load: int, table: dict, rounds: int, first: set) -> list[int]:
+    chosen = []
+    for _ in range(rounds):
+        w = ctl.width(load)
+        step_s, per_req = table[w]
+        if (load, w) not in first:  # the first round of a width at a load pays compilation
+            first.add((load, w))
+            step_s += 2.0
+        ctl.observe(w, load, step_s, round(per_req * load))
+        chosen.append(w)
+    return chosen
+
+
+def best(table: dict, load: int) -> int:
+    return max(table, key=lambda w: load * table[w][1] / table[w][0])
+
+
+def test_settles_on_the_best_width_despite_a_compile_spike() -> None:
+    ctl = WidthController("online", k_max=8, max_sessions=64)
+    first: set = set()
+    chosen = _run(ctl, 5, LOW, 200, first)
+    assert best(LOW, 5) == 8
+    assert chosen[-50:].count(8) >= 45  # refreshes may borrow a few rounds
+
+
+def test_measures_again_at_a_new_load_and_turns_speculation_off() -> None:
+    ctl = WidthController("online", k_max=8, max_sessions=64)
+    first: set = set()
+    _run(ctl, 5, LOW, 100, first)
+    chosen = _run(ctl, 64, HIGH, 200, first)
+    assert best(HIGH, 64) == 0
+    assert chosen[-50:].count(0) >= 45
+
+
+def test_a_stale_estimate_is_refreshed() -> None:
+    """Width 8 gets slow mid-run (say, memory pressure): the periodic refresh of the other
+    widths finds that width 6 now serves more, and the controller moves to it."""
+    ctl = WidthController("online", k_max=8, max_sessions=64, refresh_every=16)
+    first: set = set()
+    _run(ctl, 5, LOW, 100, first)
+    slow8 = {**LOW, 8: (0.060, 2.8)}
+    chosen = _run(ctl, 5, slow8, 300, first)
+    assert best(slow8, 5) == 6
+    assert ctl.online.current == 6
+    # the rest of the last 50 rounds are refresh bursts (5 of every 21 rounds at this period)
+    assert chosen[-50:].count(6) >= 34
+
+
+def test_fixed_and_paper_policies_do_not_explore() -> None:
+    assert {WidthController("fixed", 6, 64).width(c) for c in (1, 64, 256)} == {6}
+    paper = WidthController("paper", 8, 256)
+    assert [paper.width(c) for c in (1, 32, 64, 128)] == [8, 8, 6, 4]
