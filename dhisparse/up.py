@@ -7,6 +7,7 @@ host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops th
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import signal
 import socket
@@ -15,6 +16,8 @@ import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
+
+from dhisparse.paths import resolve_path
 
 
 @dataclass
@@ -90,6 +93,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--redis-url",
         help="the gateway's capacity ledger in Redis (default: in-process); not started here",
     )
+
+
+def served_name(model: str) -> str:
+    """The name clients send as ``model``: a model directory's configured name, else the
+    preset's."""
+    config = resolve_path(model) / "config.json"
+    if config.is_file():
+        return json.loads(config.read_text()).get("name", model)
+    return model
 
 
 def _spec_flags(args: argparse.Namespace) -> list[str]:
@@ -218,10 +230,11 @@ def main(args: argparse.Namespace) -> int:
             print("[up] gateway did not become healthy", file=sys.stderr)
             return 1
         print(
-            f"\n[up] dhisparse is serving {args.model} at http://{args.host}:{args.port}/v1\n"
+            f"\n[up] dhisparse is serving {served_name(args.model)} ({args.model}) at "
+            f"http://{args.host}:{args.port}/v1\n"
             f"  curl http://{args.host}:{args.port}/v1/chat/completions "
             "-H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{args.model}", "messages": [{{"role": "user", '
+            f'    -d \'{{"model": "{served_name(args.model)}", "messages": [{{"role": "user", '
             '"content": "Hello!"}], "max_tokens": 32, "stream": true}\'\n'
             "[up] Ctrl-C stops the stack.\n",
             flush=True,
