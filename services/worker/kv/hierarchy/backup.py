@@ -87,3 +87,24 @@ def backup_rows_triton(
         store, store.stride(0), locs, dst, keep.to(torch.int8), host_arg, n, e,
         ROWS=_ROWS, EP=triton.next_power_of_2(e),
     )  # fmt: skip
+
+
+def restore_rows_ref(
+    store: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, arena: torch.Tensor
+) -> None:
+    """The other direction: row i of the host arena starting at element ``src[i]`` into store
+    row ``dst_rows[i]`` (both [n] int64 on the store's device)."""
+    if not len(src):
+        return
+    idx = src.unsqueeze(1) + torch.arange(store.shape[1], device=src.device)
+    store[dst_rows] = arena[idx.cpu()].to(store.device)
+
+
+def restore_rows_triton(
+    store: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, arena: torch.Tensor
+) -> None:
+    """Same contract as ``restore_rows_ref``, with the resolver's host-read copy kernel (on a
+    GPU ``arena`` must be pinned: the kernel reads it under UVA)."""
+    from services.worker.kv.hierarchy.resolver_triton import copy_rows
+
+    copy_rows(store, src, dst_rows, arena)

@@ -16,7 +16,7 @@ from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.errors import HostStoreUnavailable, describe
-from services.worker.kv.hierarchy.backup import backup_rows_ref
+from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_ref
 from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
@@ -30,6 +30,7 @@ from services.worker.model.config import ModelConfig
 
 Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backup = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
+Restore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
 
 class HierarchyPayload:
@@ -48,6 +49,7 @@ class HierarchyPayload:
         device: torch.device | str,
         resolver: Resolver = resolve_ref,
         backup: Backup = backup_rows_ref,
+        restore: Restore = restore_rows_ref,
         mode: str = "hisparse",
         reserve_pages: int = 0,
         populate_pages: int = 256,
@@ -64,7 +66,8 @@ class HierarchyPayload:
         self.host = host
         self.device = torch.device(device)
         self.resolver = resolver
-        self.backup = backup
+        self.backup = backup  # device rows -> host arena, one launch
+        self.restore = restore  # host arena -> device rows, one launch
         self.page = page
         self.ring = ring_rows
         self.num_sources = len(cfg.sources)

@@ -24,3 +24,14 @@ def get_backup(name: str):
 
         return backup_rows_triton
     return backup_rows_ref
+
+
+def get_restore(name: str):
+    """The host-to-device row copy of the same backend as the resolver ``name``."""
+    if name == "triton":
+        from services.worker.kv.hierarchy.backup import restore_rows_triton
+
+        return restore_rows_triton
+    from services.worker.kv.hierarchy.backup import restore_rows_ref
+
+    return restore_rows_ref

@@ -330,6 +330,21 @@ def launch_copy(ws: Workspace, pool: torch.Tensor, host: torch.Tensor) -> None:
     )  # fmt: skip
 
 
+def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor) -> None:
+    """Host rows at element offsets ``src`` into pool rows ``dst`` ([n] int64 each), with the
+    copy kernel the resolver uses for its misses."""
+    n = src.numel()
+    if n == 0:
+        return
+    d = pool.shape[1]
+    count = torch.tensor([n], dtype=torch.int64, device=pool.device)
+    host_arg = HostPointer(host) if pool.is_cuda else host
+    _copy_rows_kernel[(_copy_grid(pool.device, _COPY_ROWS, n),)](
+        host_arg, pool, pool.stride(0), src, dst, count, d,
+        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
+    )  # fmt: skip
+
+
 def resolve_triton(
     sel: torch.Tensor,
     cu: torch.Tensor,

@@ -92,7 +92,8 @@ class Residency:
         self.stats = ResidencyStats()
         self._owners: dict[int, _Owner] = {}
         self._slot_owner: dict[int, int] = {}
-        self._tickets: dict[int, tuple[str, OptPage]] = {}
+        # ticket -> (what completes, the pages it covers): one ticket per batch of pages
+        self._tickets: dict[int, tuple[str, list[OptPage]]] = {}
         self._seq = itertools.count()
         self._waiting = False  # an admission found no room since the last maintain()
         self._queued = 0  # requests the scheduler could not admit this step
@@ -166,10 +167,12 @@ class Residency:
         owner = self._slot_owner.pop(slot, None)
         if owner is None:
             return
-        for pg in list(self._owners[owner].pages.values()):
+        ready = []
+        for pg in self._owners[owner].pages.values():
             pg.retire = pg.dead = True
             if pg.state is State.READY:
-                self._drain(pg)
+                ready.append(pg)
+        self._drain(ready)
         self._forget_if_empty(owner)
 
     # ---- resident-first -------------------------------------------------------------------
@@ -216,9 +219,9 @@ class Residency:
         """Between steps: advances pages whose copies completed, then refills optional history
         (bounded, round-robin) if no admission is waiting for room."""
         for ticket in self.completions.done():
-            kind, pg = self._tickets.pop(ticket)
+            kind, pgs = self._tickets.pop(ticket)
             {"populate": self._populated, "backup": self._backed_up, "drain": self._drained}[kind](
-                pg
+                pgs
             )
         waiting, self._waiting = self._waiting, False
         if not waiting:
@@ -228,64 +231,103 @@ class Residency:
         owner = self._owners[owner_id]
         self.stats.reclaim_events += 1
         owner.reclaim_started = time.monotonic()
+        unbacked, backed = [], []
         for pg in owner.pages.values():
             if pg.retire:
                 continue
             pg.retire = True
             if pg.state is State.READY:
-                self._retire(pg)
+                (backed if pg.backed or pg.dead else unbacked).append(pg)
             # PENDING pages retire when their copy completes.
+        self._back_up(unbacked)
+        self._drain(backed)
 
-    def _retire(self, pg: OptPage) -> None:
-        if pg.backed or pg.dead:
-            self._drain(pg)
+    # Every copy below moves a batch of pages in one launch under one completion ticket.
+    def _rows(self, pgs: list[OptPage]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(device store rows, host arena element offsets) of every row of ``pgs``."""
+        p, dev = self.p.page, self.p.device
+        meta = torch.tensor(
+            [(pg.page, pg.slot, pg.source, pg.index) for pg in pgs], dtype=torch.int64
+        ).to(dev)
+        offs = torch.arange(p, device=dev)
+        rows = (meta[:, 0:1] * p + offs).reshape(-1)
+        base = self.p.host.base[meta[:, 1], meta[:, 2]]  # element base of each region
+        host = (base.unsqueeze(1) + (meta[:, 3:4] * p + offs) * self.p.store.shape[1]).reshape(-1)
+        return rows, host
+
+    def _publish(self, pgs: list[OptPage], hide: bool = False) -> None:
+        """Sets (or clears) the pages in their slots' optional maps, one write per source."""
+        by_source: dict[int, list[OptPage]] = {}
+        for pg in pgs:
+            by_source.setdefault(pg.source, []).append(pg)
+        for source, group in by_source.items():
+            slots = torch.tensor([pg.slot for pg in group], dtype=torch.int64)
+            index = torch.tensor([pg.index for pg in group], dtype=torch.int64)
+            value = torch.tensor([-1 if hide else pg.page for pg in group], dtype=torch.int32)
+            dev = self.p.device
+            self.p.geo[source].opt_map[slots.to(dev), index.to(dev)] = value.to(dev)
+
+    def _back_up(self, pgs: list[OptPage]) -> None:
+        """Device -> host copies of READY pages that are not backed yet; they stay published
+        until the backup is durable."""
+        if not pgs:
             return
-        pg.state = State.BACKING  # still published until its backup is durable
-        p = self.p.page
+        for pg in pgs:
+            pg.state = State.BACKING
 
         def backup() -> None:
-            rows = self.p.store[pg.page * p : pg.page * p + p]
-            self.p.host.write(pg.slot, pg.source, pg.index * p, rows)
+            rows, host = self._rows(pgs)
+            keep = torch.ones_like(rows, dtype=torch.bool)
+            self.p.backup(self.p.store, rows, host, keep, self.p.host.arena)
 
-        self._tickets[self.completions.submit(backup)] = ("backup", pg)
+        self._tickets[self.completions.submit(backup)] = ("backup", pgs)
 
-    def _backed_up(self, pg: OptPage) -> None:
-        if not pg.dead:
-            p = self.p.page
-            self.p.host.mark_durable(pg.slot, pg.source, pg.index * p, pg.index * p + p)
-        pg.backed = True
-        self._drain(pg)
+    def _backed_up(self, pgs: list[OptPage]) -> None:
+        p = self.p.page
+        for pg in pgs:
+            if not pg.dead:
+                self.p.host.mark_durable(pg.slot, pg.source, pg.index * p, pg.index * p + p)
+            pg.backed = True
+        self._drain(pgs)
 
-    def _drain(self, pg: OptPage) -> None:
-        """Unpublishes the page; it is freed once every reader issued before is done."""
-        if not pg.dead or self._slot_owner.get(pg.slot) == pg.owner:
-            self.p.geo[pg.source].opt_map[pg.slot, pg.index] = -1
-        pg.state = State.DRAINING
-        self._tickets[self.completions.submit(lambda: None)] = ("drain", pg)
-
-    def _drained(self, pg: OptPage) -> None:
-        owner = self._owners[pg.owner]
-        del owner.pages[(pg.source, pg.index)]
-        self.p.pages.give([pg.page])
-        if not pg.dead:  # backed up: the request may get it back when memory frees
-            owner.wanted.append((pg.source, pg.index))
-        if not pg.dead:
-            self.stats.reclaim_pages += 1
-            if owner.reclaim_started is not None and not any(
-                q.retire for q in owner.pages.values()
-            ):
-                self.stats.reclaim_latency.append(time.monotonic() - owner.reclaim_started)
-                owner.reclaim_started = None
-        self._forget_if_empty(pg.owner)
-
-    def _populated(self, pg: OptPage) -> None:
-        if pg.retire:  # reclaimed or released while its copy was in flight: never published
-            pg.state = State.DRAINING
-            self._drained(pg)
+    def _drain(self, pgs: list[OptPage]) -> None:
+        """Unpublishes the pages; they are freed once every reader issued before is done."""
+        if not pgs:
             return
-        pg.state = State.READY
-        self.p.geo[pg.source].opt_map[pg.slot, pg.index] = pg.page
-        self.stats.repopulated_pages += 1
+        self._publish(
+            [pg for pg in pgs if not pg.dead or self._slot_owner.get(pg.slot) == pg.owner],
+            hide=True,
+        )
+        for pg in pgs:
+            pg.state = State.DRAINING
+        self._tickets[self.completions.submit(lambda: None)] = ("drain", pgs)
+
+    def _drained(self, pgs: list[OptPage]) -> None:
+        for pg in pgs:
+            owner = self._owners[pg.owner]
+            del owner.pages[(pg.source, pg.index)]
+            self.p.pages.give([pg.page])
+            if not pg.dead:  # backed up: the request may get it back when memory frees
+                owner.wanted.append((pg.source, pg.index))
+                self.stats.reclaim_pages += 1
+                if owner.reclaim_started is not None and not any(
+                    q.retire for q in owner.pages.values()
+                ):
+                    self.stats.reclaim_latency.append(time.monotonic() - owner.reclaim_started)
+                    owner.reclaim_started = None
+            self._forget_if_empty(pg.owner)
+
+    def _populated(self, pgs: list[OptPage]) -> None:
+        # reclaimed or released while the copy was in flight: never published
+        gone = [pg for pg in pgs if pg.retire]
+        for pg in gone:
+            pg.state = State.DRAINING
+        self._drained(gone)
+        ready = [pg for pg in pgs if not pg.retire]
+        for pg in ready:
+            pg.state = State.READY
+        self._publish(ready)
+        self.stats.repopulated_pages += len(ready)
 
     def _populate(self) -> None:
         budget = min(self.populate_pages, self.spare())
@@ -297,21 +339,22 @@ class Residency:
             if self._slot_owner.get(o.slot) == oid and o.reclaim_started is None and o.wanted
         }
         grant = self.rr.plan({s: len(o.wanted) for s, (_, o) in live.items()}, budget)
-        p = self.p.page
+        pgs: list[OptPage] = []
         for slot, n in grant.items():
             oid, owner = live[slot]
             todo, owner.wanted = owner.wanted[:n], owner.wanted[n:]
-            for source, index in todo:
-                (page,) = self.p.pages.take(1)
+            for (source, index), page in zip(todo, self.p.pages.take(len(todo)), strict=True):
                 pg = OptPage(oid, slot, source, index, page, State.PENDING, True)
                 owner.pages[(source, index)] = pg
+                pgs.append(pg)
+        if not pgs:
+            return
 
-                def fill(pg: OptPage = pg) -> None:
-                    host = self.p.host.rows_view(pg.slot, pg.source, pg.index * p, pg.index * p + p)
-                    dst = self.p.store[pg.page * p : pg.page * p + p]
-                    dst.copy_(host, non_blocking=True)  # ordered before readers; ticket says when
+        def fill() -> None:  # ordered before readers; the ticket says when it is done
+            rows, host = self._rows(pgs)
+            self.p.restore(self.p.store, rows, host, self.p.host.arena)
 
-                self._tickets[self.completions.submit(fill)] = ("populate", pg)
+        self._tickets[self.completions.submit(fill)] = ("populate", pgs)
 
     def _forget_if_empty(self, owner_id: int) -> None:
         owner = self._owners.get(owner_id)
