@@ -84,3 +84,20 @@ def test_backup_then_restore_round_trips() -> None:
 
     restore_rows_ref(back, locs, dst, arena)
     assert torch.equal(back[locs], store[locs])
+
+
+@pytest.mark.gpu
+def test_restore_triton_equals_reference_gpu() -> None:
+    from services.worker.kv.hierarchy.backup import restore_rows_ref, restore_rows_triton
+
+    g = torch.Generator().manual_seed(7)
+    e, n = 576, 300
+    arena = torch.randn(400 * e + 8 + e, generator=g).to(torch.bfloat16)
+    src = (torch.randperm(400, generator=g)[:n] * e + 8).cuda()
+    dst = torch.randperm(1000, generator=g)[:n].cuda()
+    ref = torch.randn(1000, e, generator=g).to("cuda", torch.bfloat16)
+    out = ref.clone()
+    restore_rows_ref(ref, dst, src, arena)
+    restore_rows_triton(out, dst, src, arena.pin_memory())
+    torch.cuda.synchronize()
+    assert torch.equal(out, ref)
