@@ -17,6 +17,7 @@ from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_ref
+from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
@@ -104,14 +105,14 @@ class HierarchyPayload:
             base += scratch[s]
         self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
-        self._ring_hi: dict[int, list[int]] = {}  # slot -> one past the last ring row written
+        self.ring_hi_of: dict[int, list[int]] = {}  # slot -> one past the last ring row written
         self._held: dict[int, list[int]] = {}  # slot -> its hot-cache and tail pages
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
-        self._plans: list[ChunkPlan] = []
+        self.plans: list[ChunkPlan] = []
         # per source: (slots, rows, locations) this pass wrote, backed up at commit
-        self._written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
+        self.written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
@@ -129,7 +130,7 @@ class HierarchyPayload:
         self.refusal: str | None = None  # why the last admission found the host store full
 
     # ---- admission ------------------------------------------------------------------------
-    def _rows(self, source: int, num_tokens: int) -> int:
+    def rows_of_tokens(self, source: int, num_tokens: int) -> int:
         return self.cfg.rows_for_tokens(source, num_tokens)
 
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
@@ -151,7 +152,7 @@ class HierarchyPayload:
         the admission tries again. Raises ``HostStoreUnavailable`` when the store fails."""
         if not self._room():
             return False
-        rows = [self._rows(s, max_tokens) for s in range(self.num_sources)]
+        rows = [self.rows_of_tokens(s, max_tokens) for s in range(self.num_sources)]
         try:
             self.host.admit(slot, request_id, rows, session)
         except CapacityExhausted as e:
@@ -195,7 +196,7 @@ class HierarchyPayload:
             geo.tail_pages[slot] = torch.tensor([next(it) for _ in range(geo.tail_pages.shape[1])])
             hot.reset(slot)
         self.committed[slot] = list(committed)
-        self._ring_hi[slot] = list(committed)
+        self.ring_hi_of[slot] = list(committed)
         if self.residency is not None:
             self.residency.on_admit(slot, [0] * self.num_sources)
 
@@ -216,35 +217,35 @@ class HierarchyPayload:
             geo.clear(slot)
         self.host.release(slot)
         self.committed.pop(slot, None)
-        self._ring_hi.pop(slot, None)
+        self.ring_hi_of.pop(slot, None)
 
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         self._batch = batch
         self._prefetched.clear()
-        self._plans = []
-        self._written.clear()
+        self.plans = []
+        self.written.clear()
         ends = batch.ends()
         slots = batch.slots.tolist()
         built: dict[tuple, ChunkPlan] = {}  # sources with equal bounds share one plan
         for s, geo in enumerate(self.geo):
-            lo = [self._rows(s, a) for a in batch.starts]
-            hi = [self._rows(s, e) for e in ends]
-            ring_hi = [self._ring_hi[slot][s] for slot in slots]
+            lo = [self.rows_of_tokens(s, a) for a in batch.starts]
+            hi = [self.rows_of_tokens(s, e) for e in ends]
+            ring_hi = [self.ring_hi_of[slot][s] for slot in slots]
             key = (tuple(lo), tuple(hi), tuple(ring_hi))
             plan = built.get(key)
             if plan is None:
                 plan = built[key] = ChunkPlan.build(lo, hi, self.ring, self.device, ring_hi)
             for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
                 if not sc:
-                    self._ring_hi[slot][s] = max(self._ring_hi[slot][s], h)
+                    self.ring_hi_of[slot][s] = max(self.ring_hi_of[slot][s], h)
             if plan.scratch_rows > geo.scratch:
                 raise ValueError(
                     f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch "
                     f"({geo.scratch} rows)"
                 )
-            self._plans.append(plan)
-        self._req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
+            self.plans.append(plan)
+        self.req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
 
     @property
     def census(self) -> Census:
@@ -257,10 +258,10 @@ class HierarchyPayload:
     def chunk_locations(self, source: int, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """Where this pass's rows of ``source`` (in its chunk) live: the ring or scratch."""
         assert self._batch is not None, "begin() the pass first"
-        plan = self._plans[source]
+        plan = self.plans[source]
         if not any(plan.scratch):  # every chunk is in its ring (decode, verify)
             return self.geo[source].ring_loc(slots, rows)
-        req = self._req_of_slot[slots]
+        req = self.req_of_slot[slots]
         return self.geo[source].direct(rows, req, self._batch.slots, plan)[1]
 
     def write_rows(
@@ -268,7 +269,7 @@ class HierarchyPayload:
     ) -> None:
         locs = self.chunk_locations(source, slots, rows)
         self.store[locs] = values.to(self.store.dtype)
-        self._written[source] = (slots, rows, locs)
+        self.written[source] = (slots, rows, locs)
 
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
@@ -309,7 +310,7 @@ class HierarchyPayload:
         self, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(locations, census [4]) of one source's selection."""
-        plan = self._plans[source]
+        plan = self.plans[source]
         geo = self.geo[source]
         if plan.all_direct:
             # Nothing older than the ring (a prefill): no hot scan, no host reads, and not
@@ -324,59 +325,8 @@ class HierarchyPayload:
         )  # fmt: skip
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
-        """The first ``num_tokens[r]`` tokens of each request are final: their complete rows
-        written by this pass are backed up to the host (in adaptive mode a prefill's complete
-        pages may instead stay on the device as optional history, backup deferred), and the
-        newest rows stay in the tail ring.
-
-        Decode and verify passes (the common case) back up every request's and source's rows in
-        one scatter; a prefill chunk takes the per-request path (optional history, ring)."""
-        slots = batch.slots.tolist()
-        limit = [[-1] * len(slots) for _ in self.geo]  # rows < limit[s][r] go in the scatter
-        for s, plan in enumerate(self._plans):
-            for r, slot in enumerate(slots):
-                lo, new = plan.lo[r], self._rows(s, num_tokens[r])
-                if new <= lo:
-                    continue
-                if plan.scratch[r] or (self.residency is not None and batch.starts[r] == 0):
-                    self._commit_chunk(batch, r, slot, s, lo, new)
-                else:
-                    limit[s][r] = new
-                    self.host.mark_durable(slot, s, lo, new)
-                self.committed[slot][s] = new
-        written = [(s, *w) for s, w in self._written.items() if max(limit[s]) >= 0]
-        if not written:
-            return
-        src = torch.cat([torch.full_like(w[2], w[0]) for w in written])
-        w_slots, rows, locs = (torch.cat([w[i] for w in written]) for i in (1, 2, 3))
-        limits = torch.tensor(limit, dtype=torch.int64, device=self.device)
-        keep = rows < limits[src, self._req_of_slot[w_slots]]
-        dst = self.host.base[w_slots, src] + rows * self.store.shape[1]
-        self.backup(self.store, locs, dst, keep, self.host.arena)
-
-    def _commit_chunk(
-        self, batch: ForwardBatch, r: int, slot: int, s: int, lo: int, new: int
-    ) -> None:
-        """Rows [lo, new) of request r's source s from a prefill chunk: kept as optional
-        history or backed up, and the chunk's newest rows into the ring when it was in
-        scratch."""
-        geo, plan = self.geo[s], self._plans[s]
-
-        def rows_at(a: int, b: int) -> torch.Tensor:
-            rows = torch.arange(a, b, device=self.device)
-            return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
-
-        backup = [(lo, new)]
-        if self.residency is not None and batch.starts[r] == 0:  # imported history
-            backup = self.residency.keep_imported(slot, s, lo, new, rows_at)
-        for a, b in backup:
-            self.host.write(slot, s, a, self.store[rows_at(a, b)])
-            self.host.mark_durable(slot, s, a, b)
-        if plan.scratch[r]:  # the ring takes the chunk's newest rows
-            self._ring_hi[slot][s] = new
-            keep = torch.arange(max(lo, new - self.ring), new, device=self.device)
-            ring = geo.ring_loc(torch.full_like(keep, slot), keep)
-            self.store[ring] = self.store[rows_at(int(keep[0]), new)]
+        """The first ``num_tokens[r]`` tokens of each request are final (see ``commit.py``)."""
+        commit_pass(self, batch, num_tokens)
 
     def memory_classes(self) -> tuple[int, int, int, int]:
         """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""

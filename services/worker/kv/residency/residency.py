@@ -15,59 +15,20 @@ reserve <= the pool, always; optional pages grow only into the room left."""
 
 from __future__ import annotations
 
-import enum
 import itertools
 import time
-from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.kv.residency.check import check_residency
 from services.worker.kv.residency.completions import Completions
+from services.worker.kv.residency.pages import OptPage, Owner, ResidencyStats, State
 from services.worker.kv.residency.policy import (
     Holder,
     RoundRobin,
     reclaim_order,
     requests_to_reclaim,
 )
-
-
-class State(enum.Enum):
-    PENDING = "pending"
-    READY = "ready"
-    BACKING = "backing"
-    DRAINING = "draining"
-
-
-@dataclass(eq=False)
-class OptPage:
-    owner: int  # the admission that holds it
-    slot: int
-    source: int
-    index: int  # history page number: rows [index * p, (index + 1) * p)
-    page: int  # physical page in the pool
-    state: State
-    backed: bool  # its rows have durable host copies
-    retire: bool = False  # free it as soon as its state allows
-    dead: bool = False  # its request is gone: no backup needed
-
-
-@dataclass
-class _Owner:
-    slot: int
-    imported: list[int]  # imported (prefill) rows per source
-    pages: dict[tuple[int, int], OptPage] = field(default_factory=dict)
-    # Host-backed imported pages not on the device, to refill (source, page) in order.
-    wanted: list[tuple[int, int]] = field(default_factory=list)
-    reclaim_started: float | None = None
-
-
-@dataclass
-class ResidencyStats:
-    reclaim_events: int = 0
-    reclaim_pages: int = 0
-    reclaim_latency: list[float] = field(default_factory=list)  # seconds, drained by readers
-    repopulated_pages: int = 0
-    admissions_waited: int = 0
 
 
 class Residency:
@@ -90,7 +51,7 @@ class Residency:
         self.order = order
         self.rr = RoundRobin()
         self.stats = ResidencyStats()
-        self._owners: dict[int, _Owner] = {}
+        self._owners: dict[int, Owner] = {}
         self._slot_owner: dict[int, int] = {}
         # ticket -> (what completes, the pages it covers): one ticket per batch of pages
         self._tickets: dict[int, tuple[str, list[OptPage]]] = {}
@@ -159,7 +120,7 @@ class Residency:
 
     def on_admit(self, slot: int, imported: list[int]) -> None:
         owner = next(self._seq)
-        self._owners[owner] = _Owner(slot, list(imported))
+        self._owners[owner] = Owner(slot, list(imported))
         self._slot_owner[slot] = owner
 
     def release(self, slot: int) -> None:
@@ -368,31 +329,4 @@ class Residency:
 
     def check(self) -> None:
         """Raises AssertionError when eq. 3 or the residency invariant is broken."""
-        assert self.required_pages + self.optional_pages + self.reserve <= self.p.pages.total, (
-            "eq. 3 broken"
-        )
-        p, ring = self.p.page, self.p.ring
-        for slot, oid in self._slot_owner.items():
-            owner = self._owners[oid]
-            committed = self.p.committed.get(slot)
-            if committed is None:
-                continue
-            for source, geo in enumerate(self.p.geo):
-                opt = geo.opt_map[slot].tolist()
-                for index, page in enumerate(opt):
-                    pg = owner.pages.get((source, index))
-                    if page >= 0:
-                        assert pg is not None and pg.page == page, "published page not owned"
-                        assert pg.state in (State.READY, State.BACKING), f"{pg.state} published"
-                    elif pg is not None:
-                        assert pg.state in (State.PENDING, State.DRAINING), f"{pg.state} hidden"
-                ring_hi = max(committed[source], self.p._ring_hi[slot][source])
-                on_device = max(0, ring_hi - ring)  # rows below the valid tail ring
-                for index in range(-(-on_device // p)):
-                    lo, hi = index * p, min(index * p + p, on_device)
-                    if index < len(opt) and opt[index] >= 0:
-                        continue
-                    assert self.p.host.durable(slot, source, lo, hi), (
-                        f"slot {slot} source {source} rows [{lo}, {hi}) neither on the device "
-                        "nor backed up"
-                    )
+        check_residency(self)
