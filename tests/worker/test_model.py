@@ -168,3 +168,33 @@ def test_config_rejects_bad_topologies() -> None:
         ModelConfig.from_dict(bad)
     with pytest.raises(FileNotFoundError, match="neither a preset"):
         load_model("no-such-model")
+
+
+@pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
+def test_short_chunks_are_scored_in_one_batch_exactly_as_one_request_at_a_time(
+    name: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A batch of short chunks (a verify round: K_r queries per request, here unequal) is
+    scored for all requests at once; its selections, attention inputs and hidden states equal
+    those of the per-request path, bit for bit."""
+    import services.worker.model.model as model_mod
+
+    lens, starts = [4, 1, 7], [60, 45, 83]
+
+    def run(short_chunk: int) -> tuple[torch.Tensor, list[LayerTrace]]:
+        monkeypatch.setattr(model_mod, "_SHORT_CHUNK", short_chunk)
+        model, kv = make(name, seed=3)
+        for slot, s in enumerate(starts):
+            run_chunks(model, kv, random_tokens(s, seed=10 + slot), [s], slot=slot)
+            assert kv.ensure(slot, s + lens[slot])  # room for the chunk's rows
+        batch = ForwardBatch.build([0, 1, 2], starts, lens, "cpu")
+        trace: list[LayerTrace] = []
+        hidden = model(random_tokens(sum(lens), seed=20), batch, kv, trace=trace)
+        return hidden, trace
+
+    batched, tb = run(16)
+    looped, tl = run(0)
+    assert torch.equal(batched, looped)
+    for a, b in zip(tb, tl, strict=True):
+        assert torch.equal(a.selection, b.selection) and torch.equal(a.rows, b.rows)
+    assert (tb[0].selection >= 0).sum() > 0

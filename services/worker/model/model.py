@@ -19,6 +19,9 @@ from services.worker.ops import index_scores, select_topk, sparse_attention_ref
 
 # Prefill queries scored against a request's keys per block, bounding the [T, S] score matrix.
 _SCORE_BLOCK = 512
+# Chunks this short (verify rounds: K_r queries per request) are scored for all requests in
+# one batched product instead of a loop over requests.
+_SHORT_CHUNK = 16
 
 
 @dataclass
@@ -199,6 +202,8 @@ class DSAModel(nn.Module):
         if batch.is_decode:
             keys = kv.index_keys.gather(i, batch.slots, num_visible)
             return select_topk(index_scores(q, w, keys), num_visible, k)
+        if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
+            return select_topk(self._short_chunk_scores(i, q, w, batch, kv, m), num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
         cu = batch.cu_lens.tolist()
         for r in range(batch.num_requests):
@@ -208,3 +213,27 @@ class DSAModel(nn.Module):
                 e = min(b, c + _SCORE_BLOCK)
                 out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)
         return out
+
+    def _short_chunk_scores(
+        self,
+        i: int,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        m: int,
+    ) -> torch.Tensor:
+        """[N, S] index scores of every token of a batch of short chunks: each request's
+        queries, padded to the longest chunk, against its own keys in one batched product
+        (the same per-query reduction as ``index_scores``)."""
+        ends = torch.tensor(batch.ends(), dtype=torch.int64, device=q.device)
+        keys = kv.index_keys.gather(i, batch.slots, ends // m).float()  # [R, S, D]
+        col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
+        shape = (batch.num_requests, max(batch.lens))
+        qp = q.new_zeros(*shape, *q.shape[1:]).float()
+        qp[batch.token_req, col] = q.float()
+        wp = w.new_zeros(*shape, w.shape[1]).float()
+        wp[batch.token_req, col] = w.float()
+        logits = torch.einsum("rkhd,rsd->rkhs", qp, keys)
+        scores = (logits.relu() * wp.unsqueeze(-1)).sum(dim=2)  # [R, Kmax, S]
+        return scores[batch.token_req, col]
