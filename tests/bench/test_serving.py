@@ -90,11 +90,11 @@ def test_ttft_covers_allocation_wait_and_sessions_stay_within_clients(results, s
             assert r.arrival <= r.admitted <= r.first <= r.finish  # type: ignore[operator]
         assert m["ttft_s"]["mean"] >= m["alloc_wait_s"]["mean"] >= 0
         assert m["ttft_s"]["n"] == c * PER_CLIENT
-        assert 1 <= m["sessions_admitted"] <= c
-        if key.mode == "resident":  # the budget holds this many resident sessions
-            assert m["sessions_admitted"] <= sizing.resident_sessions
-        elif c == 3:  # ... and the hierarchy more in the same budget
-            assert m["sessions_admitted"] == 3 > sizing.resident_sessions
+        # The budget holds ``resident_sessions`` resident sessions, the hierarchy all C clients
+        # in the same budget; the closed loop keeps every client's request offered.
+        assert sizing.resident_sessions < 3
+        cap = sizing.resident_sessions if key.mode == "resident" else c
+        assert m["sessions_admitted"] == min(c, cap)
         assert m["tpot_s"]["mean"] > 0 and m["output_tokens_per_s"] > 0
 
 
@@ -175,7 +175,7 @@ def test_http_level_over_the_real_stack(tmp_path) -> None:
     assert data["level"] == "http" and set(RUN_FIELDS) <= m.keys()
     assert m["requests"]["completed"] == 4 and m["requests"]["exact_length"]
     assert m["requests"]["errors"] == 0
-    assert 1 <= m["sessions_admitted"] <= 2
+    assert m["sessions_admitted"] == 2  # both clients' streams ran at once
     assert m["ttft_s"]["n"] == 4 and m["ttft_s"]["mean"] >= m["alloc_wait_s"]["mean"] >= 0
     assert m["tpot_s"]["mean"] > 0 and m["output_tokens_per_s"] > 0
     assert m["census"]["rows"] > 0  # the worker's resolver counters, read over /metrics
