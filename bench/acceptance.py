@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.serving.cli import git_commit
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.train.data import load_corpus, to_tokens
@@ -117,7 +117,7 @@ def main() -> int:
     out = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
         "torch": torch.__version__,
-        "commit": _commit(),
+        "commit": git_commit(),
         "model": args.model,
         "mode": args.mode,
         "prompts": args.prompts,
@@ -147,13 +147,6 @@ def markdown(rows: list[dict]) -> str:
             cells.append(f"{r['acceptance_length']:.2f} | {r['output_tokens_per_s']:.0f}")
         lines.append(f"| {d} | {w} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-def _commit() -> str:
-    try:
-        return subprocess.check_output(["git", "rev-parse", "HEAD"], text=True).strip()
-    except Exception:  # the device copy has no .git
-        return "unknown"
 
 
 if __name__ == "__main__":

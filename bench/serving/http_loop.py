@@ -20,7 +20,7 @@ from dhisparse import metrics as names
 
 from .config import Load
 from .loop import RequestRecord
-from .summary import COMPLETE, stats, tpot
+from .summary import COMPLETE, request_counts, stats, tpot
 
 Samples = dict[tuple[str, frozenset], float]
 
@@ -176,16 +176,7 @@ def summarize_http(
     lat_sum = delta(wk, names.RECLAIM_LATENCY + "_sum")
     return {
         "window_s": span,
-        "requests": {
-            "issued": len(recs),
-            "completed": sum(r.finish_reason in COMPLETE for r in recs),
-            "completed_in_window": len(done),
-            "exact_length": all(
-                r.tokens == output_len for r in recs if r.finish_reason in COMPLETE
-            ),
-            "errors": sum(r.error is not None for r in recs),
-            "in_flight_at_end": sum(r.finish_reason == "end" for r in recs),
-        },
+        "requests": request_counts(recs, done, output_len),
         "output_tokens_per_s": tokens / span,
         "requests_per_s": len(done) / span,
         "sessions_admitted": peak,

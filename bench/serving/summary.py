@@ -38,6 +38,18 @@ def tpot(rec: RequestRecord) -> float | None:
     return (rec.last - rec.first) / (rec.tokens - 1)
 
 
+def request_counts(recs: list, done: list, output_len: int) -> dict:
+    """What happened to the issued requests (engine and HTTP levels alike)."""
+    return {
+        "issued": len(recs),
+        "completed": sum(r.finish_reason in COMPLETE for r in recs),
+        "completed_in_window": len(done),
+        "exact_length": all(r.tokens == output_len for r in recs if r.finish_reason in COMPLETE),
+        "errors": sum(r.error is not None for r in recs),
+        "in_flight_at_end": sum(r.finish_reason == "end" for r in recs),
+    }
+
+
 def summarize(res: LoopResult, row_bytes: int, page_size: int, output_len: int) -> dict:
     w0, w1 = res.window
     span = max(w1 - w0, 1e-9)
@@ -51,17 +63,7 @@ def summarize(res: LoopResult, row_bytes: int, page_size: int, output_len: int) 
     never = [w1 - r.arrival for r in recs if r.admitted is None]
     out: dict = {
         "window_s": span,
-        "requests": {
-            "issued": len(recs),
-            "completed": sum(r.finish_reason in COMPLETE for r in recs),
-            "completed_in_window": len(done),
-            "exact_length": all(
-                r.tokens == output_len for r in recs if r.finish_reason in COMPLETE
-            ),
-            "errors": sum(r.error is not None for r in recs),
-            "in_flight_at_end": sum(r.finish_reason == "end" for r in recs),
-            "never_admitted": len(never),
-        },
+        "requests": request_counts(recs, done, output_len) | {"never_admitted": len(never)},
         "output_tokens_per_s": tokens / span,
         "requests_per_s": len(done) / span,
         "sessions_admitted": res.peak_running,

@@ -5,7 +5,6 @@ uninterrupted run; a SIGKILLed host store gives clear errors, no hang and no lea
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
@@ -22,7 +21,7 @@ import pytest
 
 from dhisparse.up import restart_delay
 from tests.conftest import free_port
-from tests.e2e.test_stack import MESSAGES, MODEL_NAME, offline_greedy
+from tests.e2e.test_stack import MESSAGES, MODEL_NAME, offline_greedy, stop_stack, wait_serving
 
 LONG = 240  # tokens: the kill lands well inside the stream
 
@@ -68,24 +67,10 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         )  # fmt: skip
     st = Stack(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", log)
     try:
-        deadline = time.monotonic() + 180
-        while "dhisparse is serving" not in log.read_text():
-            assert proc.poll() is None, log.read_text()
-            assert time.monotonic() < deadline, f"stack did not come up:\n{log.read_text()}"
-            time.sleep(0.3)
+        wait_serving(proc, log)
         yield st
     finally:
-        children = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in children:  # by PID, whatever state `up` left them in
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        Path(arena).unlink(missing_ok=True)
+        stop_stack(proc, log, arena)
 
 
 def _body(max_tokens: int) -> dict:

@@ -55,27 +55,34 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         )  # fmt: skip
     base = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline:
-            if "dhisparse is serving" in log.read_text():
-                break
-            assert proc.poll() is None, log.read_text()
-            time.sleep(0.3)
-        else:
-            pytest.fail(f"stack did not come up:\n{log.read_text()}")
+        wait_serving(proc, log)
         yield Stack(base, f"127.0.0.1:{store}", mode)
     finally:
-        children = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
-        if proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-        for pid in children:  # by PID, whatever state `up` left them in
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        Path(arena).unlink(missing_ok=True)
+        stop_stack(proc, log, arena)
+
+
+def wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
+    """Until `dhisparse up` says it serves; fails with its log if it dies or takes too long."""
+    deadline = time.monotonic() + timeout_s
+    while "dhisparse is serving" not in log.read_text():
+        assert proc.poll() is None, log.read_text()
+        assert time.monotonic() < deadline, f"stack did not come up:\n{log.read_text()}"
+        time.sleep(0.3)
+
+
+def stop_stack(proc: subprocess.Popen, log: Path, arena: str) -> None:
+    """Stops `dhisparse up`, then kills its children by PID whatever state it left them in."""
+    children = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
+    if proc.poll() is None:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    Path(arena).unlink(missing_ok=True)
 
 
 def offline_greedy(max_tokens: int) -> str:

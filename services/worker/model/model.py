@@ -203,7 +203,8 @@ class DSAModel(nn.Module):
             keys = kv.index_keys.gather(i, batch.slots, num_visible)
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
-            return select_topk(self._short_chunk_scores(i, q, w, batch, kv, m), num_visible, k)
+            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible)
+            return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
         cu = batch.cu_lens.tolist()
         for r in range(batch.num_requests):
@@ -221,13 +222,13 @@ class DSAModel(nn.Module):
         w: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        m: int,
+        num_visible: torch.Tensor,
     ) -> torch.Tensor:
         """[N, S] index scores of every token of a batch of short chunks: each request's
         queries, padded to the longest chunk, against its own keys in one batched product
         (the same per-query reduction as ``index_scores``)."""
-        ends = torch.tensor(batch.ends(), dtype=torch.int64, device=q.device)
-        keys = kv.index_keys.gather(i, batch.slots, ends // m).float()  # [R, S, D]
+        # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
+        keys = kv.index_keys.gather(i, batch.slots, num_visible[batch.last_token_index]).float()
         col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
         shape = (batch.num_requests, max(batch.lens))
         qp = q.new_zeros(*shape, *q.shape[1:]).float()

@@ -11,7 +11,7 @@ import torch
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.local_store import LocalHostStore
 from services.worker.kv.hierarchy.payload import HierarchyPayload
-from services.worker.kv.hierarchy.resolver import get_backup, get_resolver, get_restore
+from services.worker.kv.hierarchy.resolver import get_backend
 from services.worker.kv.hierarchy.sizing import fixed_bytes, staging_bytes
 from services.worker.model.config import ModelConfig
 
@@ -75,11 +75,11 @@ def build_hierarchy(
         store, mapping, cfg.owner, len(model_cfg.sources), model_cfg.d_kv, cfg.dtype,
         cfg.max_slots, cfg.device,
     )  # fmt: skip
+    ops = get_backend(cfg.resolver)
     payload = HierarchyPayload(
         model_cfg, backups, cfg.max_slots, cfg.max_model_len, p, b, ring,
         scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
-        resolver=get_resolver(cfg.resolver, cfg.device), backup=get_backup(cfg.resolver),
-        restore=get_restore(cfg.resolver),
+        resolver=ops.resolve, backup=ops.backup, restore=ops.restore,
         mode=cfg.mode,
         reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
         reclaim_order=cfg.reclaim_order, spec_block=cfg.spec_block, durable=cfg.durable,

@@ -17,6 +17,7 @@ The drafter's state advances only with committed tokens.
 
 from __future__ import annotations
 
+import abc
 from collections.abc import Callable, Mapping, Sequence
 from typing import ClassVar
 
@@ -43,7 +44,7 @@ class _Borrowed:
         self.target = target
 
 
-class Drafter(nn.Module):
+class Drafter(nn.Module, abc.ABC):
     kind: ClassVar[str] = ""
 
     def __init__(self, cfg: DrafterConfig, target: DSAModel) -> None:
@@ -104,6 +105,7 @@ class Drafter(nn.Module):
         return self.borrowed.target.logits(self.norm(hidden))
 
     # ---- what a drafter does with the block -------------------------------------------------
+    @abc.abstractmethod
     def select(
         self,
         hidden: torch.Tensor,
@@ -114,8 +116,8 @@ class Drafter(nn.Module):
         """hidden: [R, K_max-1, d] of the masked slots; temperatures: [R]; noise: [R, K_max-1,
         V] Exp(1) draws or None (all greedy) -> tokens [R, K_max-1], q [R, K_max-1, V] (each
         token drawn from its row; one-hot where T = 0), confidence [R, K_max-1] or None."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def loss(
         self,
         hidden: torch.Tensor,
@@ -129,7 +131,6 @@ class Drafter(nn.Module):
         the target's greedy next tokens for slots 1..K_max-1; target_logits: [B, K_max-1, V]
         the target's logits there; weights: [K_max-1] positional decay; distill: weight of the
         soft (KL) term, see ``token_loss`` -> (loss, metrics)."""
-        raise NotImplementedError
 
     def choose_widths(self, widths: list[int], confidence: torch.Tensor | None) -> list[int]:
         """Per-request K_r within the caller's caps; fixed-block drafters keep the caps."""
