@@ -73,7 +73,7 @@ def adaptive_pool_bytes() -> int:
     admissions must reclaim."""
     probe = make_kv("adaptive", 64 << 20)
     fixed = (64 << 20) - probe.payload.pages.total * probe.payload.page * 320
-    per_request = probe.payload.required_pages
+    per_request = probe.admission_pages(0, 20, 512)  # hot cache, tail and index keys
     probe.close()
     return fixed + (SLOTS * per_request + 2 + 40) * 16 * 320
 
@@ -115,7 +115,7 @@ class Churn(RuleBasedStateMachine):
     @rule(length=st.integers(20, 140))
     def admit(self, length: int) -> None:
         slot = next(s for s in range(SLOTS) if s not in self.running)
-        need = self.kv.payload.required_pages
+        need = self.kv.admission_pages(slot, length, 512)
         room = self.res.room()
         holders = self.res.holders()
         deficit = need - room - self.res.retiring_pages
@@ -231,3 +231,30 @@ def test_adaptive_keeps_history_reclaims_and_repopulates() -> None:
     assert kv.payload.census.direct > direct_before
     kv.close()
     shadow.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_index_keys_take_pages_of_the_payload_pool(mode: str) -> None:
+    """In the hierarchy modes the index keys live in pages of the payload's pool: an admission
+    takes its hot cache, tail and the keys of its whole budget from one free list, the keys'
+    memory is the pool's memory, eq. 3 counts them once, and a release gives all back."""
+    kv = make_kv(mode, POOL)
+    pages = kv.payload.pages
+    free0 = pages.free
+    need = kv.admission_pages(0, 100, 300)
+    keys = kv.index_keys.pages_for(300 + kv.cfg.spec_block)
+    assert need == kv.payload.required_pages + keys and keys > 0
+    assert kv.admit(0, "a", 100, 300)
+    assert pages.free == free0 - need
+    store = kv.payload.store
+    lo, hi = store.data_ptr(), store.data_ptr() + pages.total * kv.payload.page * store.shape[1] * 4
+    for pool in kv.index_keys.pools.values():
+        assert lo <= pool.data.data_ptr() < hi and pool.nbytes == 0
+    mem = kv.memory()
+    assert mem.required + mem.optional + mem.reserve + mem.free == mem.capacity
+    held = (pages.total - pages.free) * kv.payload.page * store.shape[1] * 4
+    assert mem.required + mem.optional - kv.fixed_bytes() == held  # keys counted once
+    kv.release(0)
+    kv.maintain()
+    assert pages.free == free0
+    kv.close()

@@ -30,9 +30,18 @@ class PayloadBackend(Protocol):
         """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
         their complete rows join the history (eq. 8). Rows beyond are never published."""
 
-    def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
-        """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens; False if the
-        mode's own capacity (e.g. host backup) is exhausted."""
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        max_tokens: int,
+        session: dict | None = None,
+        extra_pages: int = 0,
+    ) -> bool:
+        """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens (with the
+        durable ``session`` regions, and ``extra_pages`` more pages of the mode's pool left
+        free for the caller: the index keys of the hierarchy modes); False if the mode's own
+        capacity (device pages, host backup) is short."""
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:
         """(bytes held by the admitted requests, fixed bytes of the mode)."""

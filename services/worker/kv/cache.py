@@ -88,7 +88,6 @@ class KVCache:
         self.host_backups = None
         self.sessions = None  # durable sessions: keys, manifest and ring snapshots (hierarchy)
         rings = sum(r.nbytes for r in self.rings.values())
-        keys_per_token = bytes_per_token(model_cfg, esize, payload=False)
         args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
         if cfg.mode == "resident":
             per_token = bytes_per_token(model_cfg, esize, payload=True)
@@ -98,12 +97,9 @@ class KVCache:
             self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
             self.payload: PayloadBackend = ResidentPayload(model_cfg, self.tokens_capacity, *args)
         else:
-            # Index keys for every slot at full length (or half the pool), then pages.
-            self.tokens_capacity = int(
-                min(cfg.max_slots * cfg.max_model_len, cfg.kv_pool_bytes // 2 // keys_per_token)
-            )
-            self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
-            self.payload = self._hierarchy(host, rings)
+            # Index keys borrow pages of the payload's pool: one budget for everything (eq. 3).
+            self.payload = self._hierarchy(host, rings, args)
+            self.tokens_capacity = self._longest_admissible()
         self._admitted: set[int] = set()
 
     @staticmethod
@@ -114,13 +110,14 @@ class KVCache:
 
         return hierarchy_fixed_bytes(model_cfg, cfg)
 
-    def _hierarchy(self, host: tuple | None, rings: int) -> PayloadBackend:
+    def _hierarchy(self, host: tuple | None, rings: int, args: tuple) -> PayloadBackend:
         from services.worker.kv.hierarchy.build import build_hierarchy
         from services.worker.kv.hierarchy.session import SessionBackup
 
         payload, self.host_backups, self._local_store = build_hierarchy(
-            self.model_cfg, self.cfg, host, rings + self.index_keys.nbytes
+            self.model_cfg, self.cfg, host, rings
         )
+        self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=payload.shared_pages())
         # A private arena dies with this process: nothing to resume from, nothing to keep.
         if self.cfg.durable and self._local_store is None:
             self.sessions = SessionBackup(
@@ -128,11 +125,29 @@ class KVCache:
             )
         return payload
 
+    def _longest_admissible(self) -> int:
+        """The longest prompt one request can bring into an empty pool (hierarchy modes): its
+        hot cache, tail and index keys fit the pages."""
+        pages = self.payload.pages.total - self.payload.required_pages  # type: ignore[attr-defined]
+        lo, hi = 0, self.cfg.max_model_len
+        while lo < hi:  # the most tokens whose keys fit
+            mid = (lo + hi + 1) // 2
+            if self.index_keys.pages_for(mid) <= pages:
+                lo = mid
+            else:
+                hi = mid - 1
+        return lo
+
     @property
     def mode(self) -> str:
         return self.payload.mode
 
     # ---- slots ------------------------------------------------------------------------------
+    @property
+    def keys_shared(self) -> bool:
+        """Index keys take pages of the payload's pool (the hierarchy modes)."""
+        return self.index_keys.shared is not None
+
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
         return self.payload.can_ensure(slot, num_tokens) and self.index_keys.can_ensure(
             slot, num_tokens
@@ -146,6 +161,20 @@ class KVCache:
         assert ok
         return True
 
+    def _keys_reserved(self, num_tokens: int, max_tokens: int) -> int:
+        """Tokens whose index keys an admission takes at once: all it may ever hold (and a
+        verification block) when keys share the payload's pool, so that a running request
+        never waits for key pages; otherwise only what it holds now."""
+        if not self.keys_shared:
+            return num_tokens
+        return max(num_tokens, min(max_tokens + self.cfg.spec_block, self.cfg.max_model_len))
+
+    def admission_pages(self, slot: int, num_tokens: int, max_tokens: int) -> int:
+        """Pages of the payload's pool that admitting a request takes (hierarchy modes): its
+        hot cache and tail, and its index keys."""
+        keys = self.index_keys.pages_needed(slot, self._keys_reserved(num_tokens, max_tokens))
+        return self.payload.required_pages + keys  # type: ignore[attr-defined]
+
     def admit(
         self,
         slot: int,
@@ -157,15 +186,16 @@ class KVCache:
         """Sets up a new request in a free slot with room for ``num_tokens`` now and at most
         ``max_tokens`` ever (and a manifest half of ``manifest_bytes`` for a durable session);
         False changes nothing. Raises ``HostStoreUnavailable`` when the host store fails."""
-        if not self.can_ensure(slot, num_tokens):
+        keys_to = self._keys_reserved(num_tokens, max_tokens)
+        key_pages = self.index_keys.pages_needed(slot, keys_to) if self.keys_shared else 0
+        if not self.keys_shared and not self.can_ensure(slot, num_tokens):
             return False
+        session = None
         if self.sessions is not None:
             session = self.sessions.regions(max_tokens, manifest_bytes)
-            if not self.payload.admit(slot, request_id, max_tokens, session):  # type: ignore[call-arg]
-                return False
-        elif not self.payload.admit(slot, request_id, max_tokens):
+        if not self.payload.admit(slot, request_id, max_tokens, session, key_pages):
             return False
-        ok = self.ensure(slot, num_tokens)
+        ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
         assert ok
         self._admitted.add(slot)
         return True
@@ -187,11 +217,11 @@ class KVCache:
             self.model_cfg.rows_for_tokens(s, num_tokens)
             for s in range(len(self.model_cfg.sources))
         ]
-        if not self.can_ensure(slot, num_tokens):
+        keys_to = self._keys_reserved(num_tokens, num_tokens)
+        key_pages = self.index_keys.pages_needed(slot, keys_to)
+        if not self.payload.adopt(slot, request_id, regions, committed, key_pages):  # type: ignore[attr-defined]
             return False
-        if not self.payload.adopt(slot, request_id, regions, committed):  # type: ignore[attr-defined]
-            return False
-        ok = self.ensure(slot, num_tokens)
+        ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
         assert ok
         self.sessions.restore(slot, num_tokens, rings)
         self._admitted.add(slot)
@@ -244,9 +274,9 @@ class KVCache:
 
     def memory(self) -> MemoryUsage:
         """The pool by class (eq. 3). Fixed allocations (rings, prefill scratch, metadata) and
-        index keys in use count as required."""
+        index keys in use count as required (in the hierarchy modes, as pages of the pool)."""
         held, fixed = self.payload.memory_bytes(len(self._admitted))
-        keys = self.index_keys.used_bytes
+        keys = 0 if self.keys_shared else self.index_keys.used_bytes  # else in the page pool
         rings = sum(r.nbytes for r in self.rings.values())
         capacity = self.cfg.kv_pool_bytes
         classes = getattr(self.payload, "memory_classes", None)

@@ -1,11 +1,12 @@
 """Index keys: one key per stored row per index producer, always resident on the device so
-selection runs over the full logical history in every serving mode."""
+selection runs over the full logical history in every serving mode. Resident serving gives them
+their own pools; the hierarchy modes lend them pages of the payload's page pool (``shared``)."""
 
 from __future__ import annotations
 
 import torch
 
-from services.worker.kv.paged import PagedGroup
+from services.worker.kv.paged import PagedGroup, SharedPages
 from services.worker.model.config import ModelConfig
 
 
@@ -19,11 +20,12 @@ class IndexKeys(PagedGroup):
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared: SharedPages | None = None,
     ) -> None:
         compress = {i: cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers}
         super().__init__(
             compress, cfg.d_index, tokens_capacity, page_size, max_slots, max_model_len, dtype,
-            device,
+            device, shared,
         )  # fmt: skip
 
     def write(

@@ -1,14 +1,61 @@
-"""Paged row storage: a pool of fixed-size pages and per-slot page tables."""
+"""Paged row storage: a pool of fixed-size pages and per-slot page tables.
+
+A pool either owns its memory and free list, or *borrows* both (``SharedPages``): the index keys
+of the hierarchy modes live in pages of the payload's device page pool, so they come out of the
+same budget as hot caches, tails and optional history (eq. 3), instead of a reservation sized
+for every slot at full length."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 
+class PagePool:
+    """A free list of page ids (which pages are free; not what they hold)."""
+
+    def __init__(self, num_pages: int) -> None:
+        self.total = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))
+
+    @property
+    def free(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int) -> list[int]:
+        """n pages, lowest ids first; raises when fewer are free (callers check first)."""
+        if n > len(self._free):
+            raise RuntimeError(f"{n} pages asked, {len(self._free)} free")
+        return [self._free.pop() for _ in range(n)]
+
+    def give(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+
+@dataclass(frozen=True)
+class SharedPages:
+    """Pages lent by another pool: ``memory`` is the lender's page storage, contiguous,
+    ``pool.total`` pages of equal size; ``pages`` hands them out."""
+
+    memory: torch.Tensor
+    pages: PagePool
+
+    def view(self, width: int) -> tuple[torch.Tensor, int]:
+        """(the memory as rows of ``width`` elements, rows per page)."""
+        per_page = self.memory.numel() // self.pages.total
+        if per_page % width:
+            raise ValueError(
+                f"a page of {per_page} elements does not hold whole rows of {width}: choose a "
+                f"page size that makes page_size * d_kv a multiple of {width}"
+            )
+        return self.memory.view(-1).view(-1, width), per_page // width
+
+
 class PagedRows:
-    """``num_pages`` pages of ``page_size`` rows of ``width`` elements, handed to engine slots.
+    """Pages of ``page_size`` rows of ``width`` elements, handed to engine slots: its own
+    ``num_pages`` pages, or those of ``shared``.
 
     A slot's row ``i`` lives at location ``page_table[slot, i // p] * p + i % p`` of ``data``.
     Allocation is all-or-nothing (``ensure`` either covers the rows or changes nothing).
@@ -23,25 +70,38 @@ class PagedRows:
         max_rows_per_slot: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared: SharedPages | None = None,
     ) -> None:
-        self.page_size = page_size
         self.width = width
-        self.num_pages = num_pages
-        self.data = torch.zeros(num_pages * page_size, width, dtype=dtype, device=device)
+        if shared is None:
+            self.data = torch.zeros(num_pages * page_size, width, dtype=dtype, device=device)
+            self.free_list = PagePool(num_pages)
+            self.owns_memory = True
+        else:
+            self.data, page_size = shared.view(width)
+            self.free_list = shared.pages
+            self.owns_memory = False
+        self.page_size = page_size
+        self.num_pages = self.free_list.total
         self.max_pages_per_slot = max(1, math.ceil(max_rows_per_slot / page_size))
         self.page_table = torch.full(
             (max_slots, self.max_pages_per_slot), -1, dtype=torch.int64, device=device
         )
         self._pages: list[list[int]] = [[] for _ in range(max_slots)]
-        self._free: list[int] = list(range(num_pages - 1, -1, -1))
+        self._held = 0
 
     @property
     def num_free_pages(self) -> int:
-        return len(self._free)
+        return self.free_list.free
 
     @property
     def used_bytes(self) -> int:
-        return (self.num_pages - len(self._free)) * self.page_size * self.row_bytes
+        return self._held * self.page_size * self.row_bytes
+
+    @property
+    def nbytes(self) -> int:
+        """Device bytes this pool allocated (none when its pages are borrowed)."""
+        return self.data.numel() * self.data.element_size() if self.owns_memory else 0
 
     @property
     def row_bytes(self) -> int:
@@ -56,17 +116,19 @@ class PagedRows:
         if need == 0:
             return True
         held = len(self._pages[slot])
-        if need > len(self._free) or held + need > self.max_pages_per_slot:
+        if need > self.free_list.free or held + need > self.max_pages_per_slot:
             return False
-        new = [self._free.pop() for _ in range(need)]
+        new = self.free_list.take(need)
         self._pages[slot].extend(new)
+        self._held += need
         self.page_table[slot, held : held + need] = torch.tensor(new, dtype=torch.int64)
         return True
 
     def release(self, slot: int) -> int:
         pages = self._pages[slot]
-        self._free.extend(reversed(pages))
+        self.free_list.give(pages)
         n = len(pages)
+        self._held -= n
         self._pages[slot] = []
         self.page_table[slot].fill_(-1)
         return n
@@ -94,7 +156,8 @@ class PagedRows:
 class PagedGroup:
     """Several ``PagedRows`` pools that grow together, one per key (a source, or an index
     producer), each holding ``tokens // compress[key]`` rows for a slot's tokens. Growth is
-    all-or-nothing across the group."""
+    all-or-nothing across the group. With ``shared``, every pool borrows pages from it (and
+    ``tokens_capacity`` and ``page_size`` are unused: the lender sets both)."""
 
     def __init__(
         self,
@@ -106,8 +169,10 @@ class PagedGroup:
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        shared: SharedPages | None = None,
     ) -> None:
         self.compress = compress
+        self.shared = shared
         self.pools: dict[int, PagedRows] = {
             key: PagedRows(
                 -(-tokens_capacity // m // page_size) + max_slots,
@@ -117,6 +182,7 @@ class PagedGroup:
                 max_model_len // m,
                 dtype,
                 device,
+                shared,
             )
             for key, m in compress.items()
         }
@@ -124,7 +190,19 @@ class PagedGroup:
     def rows(self, key: int, num_tokens: int) -> int:
         return num_tokens // self.compress[key]
 
+    def pages_needed(self, slot: int, num_tokens: int) -> int:
+        """Pages the slot's first ``num_tokens`` tokens still need, over all pools."""
+        return sum(
+            p.pages_needed(slot, self.rows(key, num_tokens)) for key, p in self.pools.items()
+        )
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages a fresh slot needs for ``num_tokens`` tokens, over all pools."""
+        return sum(-(-self.rows(key, num_tokens) // p.page_size) for key, p in self.pools.items())
+
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
+        if self.shared is not None:
+            return self.pages_needed(slot, num_tokens) <= self.shared.pages.free
         return all(
             p.pages_needed(slot, self.rows(key, num_tokens)) <= p.num_free_pages
             for key, p in self.pools.items()
@@ -149,4 +227,4 @@ class PagedGroup:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.data.numel() * p.data.element_size() for p in self.pools.values())
+        return sum(p.nbytes for p in self.pools.values())

@@ -43,7 +43,14 @@ class ResidentPayload(PagedGroup):
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         pass  # nothing to back up
 
-    def admit(self, slot: int, request_id: str, max_tokens: int) -> bool:
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        max_tokens: int,
+        session: dict | None = None,
+        extra_pages: int = 0,
+    ) -> bool:
         return True  # pages grow with ensure()
 
     def memory_bytes(self, admitted: int) -> tuple[int, int]:

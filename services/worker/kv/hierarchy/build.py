@@ -47,7 +47,7 @@ def build_hierarchy(
     model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None, fixed_other: int
 ) -> tuple[HierarchyPayload, HostBackups, LocalHostStore | None]:
     """(payload, host backups, the private store if one was made). ``fixed_other``: device
-    bytes already spoken for (token rings, index keys). ``host``: (store, arena mapping)."""
+    bytes already spoken for (token rings; index keys take pages of the pool). ``host``: (store, arena mapping)."""
     esize = torch.empty((), dtype=cfg.dtype).element_size()
     p = cfg.page_size
     b = hot_rows(model_cfg, cfg)

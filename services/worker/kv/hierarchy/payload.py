@@ -21,10 +21,10 @@ from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.pages import PagePool
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.kv.hierarchy.sizing import staging_arenas
+from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
 from services.worker.kv.residency.residency import Residency
 from services.worker.model.config import ModelConfig
@@ -145,12 +145,14 @@ class HierarchyPayload:
         request_id: str,
         max_tokens: int,
         session: dict[int, tuple[int, int]] | None = None,
+        extra_pages: int = 0,
     ) -> bool:
         """Takes the request's hot-cache and tail pages and its host regions (rows for
-        ``max_tokens`` tokens, and the ``session`` regions); False (nothing taken) when either
-        is short. In adaptive mode a shortfall starts reclaiming optional history (eq. 4) and
-        the admission tries again. Raises ``HostStoreUnavailable`` when the store fails."""
-        if not self._room():
+        ``max_tokens`` tokens, and the ``session`` regions), leaving ``extra_pages`` more free
+        for its index keys; False (nothing taken) when either is short. In adaptive mode a
+        shortfall starts reclaiming optional history (eq. 4) and the admission tries again.
+        Raises ``HostStoreUnavailable`` when the store fails."""
+        if not self._room(self.required_pages + extra_pages):
             return False
         rows = [self.rows_of_tokens(s, max_tokens) for s in range(self.num_sources)]
         try:
@@ -165,12 +167,18 @@ class HierarchyPayload:
         return True
 
     def adopt(
-        self, slot: int, request_id: str, regions: list[Region], committed: list[int]
+        self,
+        slot: int,
+        request_id: str,
+        regions: list[Region],
+        committed: list[int],
+        extra_pages: int = 0,
     ) -> bool:
         """Seats an adopted request whose first ``committed[s]`` rows of each source are in
         its host regions: takes hot-cache and tail pages (the hot cache starts empty; misses
-        refill it) and refills the tail ring from the host. False when pages are short."""
-        if not self._room():
+        refill it) and refills the tail ring from the host, leaving ``extra_pages`` free for its
+        index keys. False when pages are short."""
+        if not self._room(self.required_pages + extra_pages):
             return False
         self.host.attach(slot, request_id, regions, committed)
         self._seat(slot, committed)
@@ -181,10 +189,14 @@ class HierarchyPayload:
                 self.store[geo.ring_loc(torch.full_like(rows, slot), rows)] = host.to(self.device)
         return True
 
-    def _room(self) -> bool:
+    def _room(self, need: int) -> bool:
         if self.residency is not None:
-            return self.residency.make_room(self.required_pages)
-        return self.pages.free >= self.required_pages
+            return self.residency.make_room(need)
+        return self.pages.free >= need
+
+    def shared_pages(self) -> SharedPages:
+        """The page pool, lent to the index keys (they count as required pages)."""
+        return SharedPages(self.store[: self.pages.total * self.page], self.pages)
 
     def _seat(self, slot: int, committed: list[int]) -> None:
         held = self.pages.take(self.required_pages)
