@@ -3,11 +3,19 @@ benchmark's model, per mode and concurrency, printing the top operators by host 
 by device time, and the step's wall time with and without the profiler.
 
     python bench/profile_step.py --modes resident,hisparse,adaptive --concurrency 4,32
+    python bench/profile_step.py --model models/glm-10m --context 512 --modes adaptive \
+        --drafter models/glm-10m/drafters/dflash --spec-width 4 --concurrency 1,16
+
+With ``--model`` a trained checkpoint is served instead of the random capacity model (and with
+``--drafter`` a step is a speculative round). ``--cprofile`` adds the Python functions that
+take the host's time (a launch-bound step spends it there).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import pstats
 import sys
 import time
 from pathlib import Path
@@ -32,11 +40,16 @@ def main() -> int:
     ap.add_argument("--pool-gib", type=float, default=8.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=22)
+    ap.add_argument("--model", default=None, help="a checkpoint directory (default: bench-glm)")
+    ap.add_argument("--drafter", default=None, help="a drafter directory: profile spec rounds")
+    ap.add_argument("--spec-width", type=int, default=4)
+    ap.add_argument("--cprofile", action="store_true")
     args = ap.parse_args()
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
-    cfg = bench_model_config(8, 512)
-    model = build_model(cfg, seed=0, device=args.device, dtype=dtype)
+    model = None
+    if args.model is None:
+        model = build_model(bench_model_config(8, 512), seed=0, device=args.device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     cs = [int(c) for c in args.concurrency.split(",")]
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(max(cs))]
@@ -44,13 +57,14 @@ def main() -> int:
         for c in cs:
             eng = Engine(
                 EngineConfig(
-                    model="bench-glm", device=args.device, mode=mode,
+                    model=args.model or "bench-glm", device=args.device, mode=mode,
                     kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
                     max_model_len=args.context + 256, max_prefill_tokens=args.context,
                     hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
-                    durable_sessions=False,
+                    durable_sessions=False, drafter=args.drafter, spec_width=args.spec_width,
+                    width_policy="fixed",
                 ),
-                model=model, tokenizer=ByteTokenizer(),
+                model=model, tokenizer=ByteTokenizer() if model is not None else None,
             )  # fmt: skip
             params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
             for i in range(c):
@@ -73,7 +87,8 @@ def main() -> int:
                 for _ in range(args.steps):
                     eng.step()
                 sync()
-            print(f"\n===== {mode} C={c}: {plain * 1e3:.2f} ms/step ({c / plain:.0f} tok/s)")
+            what = f"spec K={args.spec_width}" if args.drafter else "decode"
+            print(f"\n===== {mode} C={c} {what}: {plain * 1e3:.2f} ms/step")
             ka = prof.key_averages()
             print(
                 ka.table(
@@ -84,6 +99,14 @@ def main() -> int:
                 print(
                     ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
                 )
+            if args.cprofile:
+                pr = cProfile.Profile()
+                pr.enable()
+                for _ in range(args.steps):
+                    eng.step()
+                sync()
+                pr.disable()
+                pstats.Stats(pr).sort_stats("tottime").print_stats(25)
             eng.close()
             del eng
             if cuda:
