@@ -44,6 +44,12 @@ def main() -> int:
     ap.add_argument("--drafter", default=None, help="a drafter directory: profile spec rounds")
     ap.add_argument("--spec-width", type=int, default=4)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument("--durable", action="store_true", help="durable sessions (as serving)")
+    ap.add_argument(
+        "--series", type=int, default=0,
+        help="also time this many steps one by one right after the prefills (synchronised), "
+        "with the time in kv.maintain(): the transient after admission",
+    )  # fmt: skip
     args = ap.parse_args()
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
@@ -61,7 +67,7 @@ def main() -> int:
                     kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
                     max_model_len=args.context + 256, max_prefill_tokens=args.context,
                     hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
-                    durable_sessions=False, drafter=args.drafter, spec_width=args.spec_width,
+                    durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
                     width_policy="fixed",
                 ),
                 model=model, tokenizer=ByteTokenizer() if model is not None else None,
@@ -71,6 +77,8 @@ def main() -> int:
                 eng.add_request(f"p{i}", prompts[i], params)
             while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
                 eng.step()
+            if args.series:
+                print_series(eng, args.series, cuda, f"{mode} C={c}")
             for _ in range(8):  # warm: every kernel compiled, hot caches filled
                 eng.step()
             sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -112,6 +120,41 @@ def main() -> int:
             if cuda:
                 torch.cuda.empty_cache()
     return 0
+
+
+def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
+    """Per-step wall time (ms, synchronised) and the part spent in ``kv.maintain()``."""
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    spent = [0.0]
+    maintain = eng.kv.maintain
+
+    def timed() -> None:
+        t = time.perf_counter()
+        maintain()
+        spent[0] += time.perf_counter() - t
+
+    eng.kv.maintain = timed  # type: ignore[method-assign]
+    walls, maint = [], []
+    for _ in range(steps):
+        sync()
+        spent[0] = 0.0
+        t0 = time.perf_counter()
+        eng.step()
+        sync()
+        walls.append((time.perf_counter() - t0) * 1e3)
+        maint.append(spent[0] * 1e3)
+    eng.kv.maintain = maintain  # type: ignore[method-assign]
+    print(f"\n===== series {label}: step ms " + " ".join(f"{w:.1f}" for w in walls))
+    print(f"===== series {label}: maintain ms " + " ".join(f"{m:.1f}" for m in maint))
+    res = getattr(eng.kv.payload, "residency", None)
+    if res is not None:
+        st = res.stats
+        print(
+            f"===== series {label}: reclaims {st.reclaim_events} repopulated {st.repopulated_pages}"
+        )
+    census = eng.kv.census()
+    if census is not None:
+        print(f"===== series {label}: census {census}")
 
 
 if __name__ == "__main__":
