@@ -258,3 +258,39 @@ def test_index_keys_take_pages_of_the_payload_pool(mode: str) -> None:
     kv.maintain()
     assert pages.free == free0
     kv.close()
+
+
+def test_repopulation_leaves_the_queue_its_admission_pages() -> None:
+    """Optional history may only grow into what the waiting requests will not take: with the
+    queue noted as the scheduler notes it (after each step's admissions), neither resident-first
+    imports nor refills take the queue's hot caches, tails and index keys, so every queued
+    admission fits when its turn comes, without reclaiming anyone's history."""
+    kv = make_kv("adaptive", POOL)
+    res = kv.payload.residency
+    gen = torch.Generator().manual_seed(7)
+    need = kv.admission_pages(None, 512, 512)
+    assert need > kv.payload.required_pages  # the index keys are part of it
+    for slot in range(SLOTS):
+        assert kv.admit(slot, f"r{slot}", 140, 512)
+        kv.note_queue([512] * (SLOTS - 1 - slot))  # the requests still waiting
+        prompt = torch.randint(0, 256, (140,), generator=gen).tolist()
+        batch = ForwardBatch.build([slot], [0], [140], "cpu")
+        MODEL(torch.tensor(prompt), batch, kv)
+        kv.commit(batch, [140])
+        for _ in range(3):
+            kv.maintain()
+            kv.check()
+            assert res.room() >= need * (SLOTS - 1 - slot)
+    assert res.stats.reclaim_events == 0
+    # One finishes and a new request waits: the freed pages refill history, but only beyond
+    # what the newcomer's admission takes.
+    kv.release(0)
+    kv.note_queue([512])
+    for _ in range(3):
+        kv.maintain()
+        kv.check()
+        assert res.room() >= need
+    assert res.stats.repopulated_pages > 0
+    assert kv.admit(0, "next", 140, 512)
+    assert res.stats.reclaim_events == 0
+    kv.close()

@@ -92,10 +92,9 @@ class Scheduler:
             if out.prefill and n > budget:
                 break
             slot = self.free_slots[-1]
-            max_total = min(self.max_model_len, len(req.prompt_ids) + req.params.max_tokens)
             manifest = 0 if self.manifest_bytes is None else self.manifest_bytes(req)
             try:
-                admitted = self.kv.admit(slot, req.request_id, n, max(n, max_total), manifest)
+                admitted = self.kv.admit(slot, req.request_id, n, self._budget(req), manifest)
             except HostStoreUnavailable as e:  # fail fast; the engine reports it
                 self.waiting.popleft()
                 out.failed.append((req, str(e)))
@@ -110,5 +109,10 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(req)
             budget -= n
-        self.kv.note_queue(len(self.waiting))
+        self.kv.note_queue([self._budget(r) for r in self.waiting])
         return out
+
+    def _budget(self, req: Request) -> int:
+        """The most tokens a request may ever hold: what its admission reserves for."""
+        total = min(self.max_model_len, len(req.prompt_ids) + req.params.max_tokens)
+        return max(req.num_tokens, total)

@@ -169,10 +169,15 @@ class KVCache:
             return num_tokens
         return max(num_tokens, min(max_tokens + self.cfg.spec_block, self.cfg.max_model_len))
 
-    def admission_pages(self, slot: int, num_tokens: int, max_tokens: int) -> int:
+    def admission_pages(self, slot: int | None, num_tokens: int, max_tokens: int) -> int:
         """Pages of the payload's pool that admitting a request takes (hierarchy modes): its
-        hot cache and tail, and its index keys."""
-        keys = self.index_keys.pages_needed(slot, self._keys_reserved(num_tokens, max_tokens))
+        hot cache and tail, and its index keys (into ``slot``, or a fresh one when None)."""
+        tokens = self._keys_reserved(num_tokens, max_tokens)
+        keys = (
+            self.index_keys.pages_for(tokens)
+            if slot is None
+            else self.index_keys.pages_needed(slot, tokens)
+        )
         return self.payload.required_pages + keys  # type: ignore[attr-defined]
 
     def admit(
@@ -254,11 +259,13 @@ class KVCache:
         if maintain is not None:
             maintain()
 
-    def note_queue(self, waiting: int) -> None:
-        """The scheduler's queue after admissions (adaptive residency holds back then)."""
+    def note_queue(self, budgets: list[int]) -> None:
+        """The token budgets (``max_tokens`` of ``admit``) of the requests still waiting after
+        this step's admissions: adaptive residency keeps the pages their admissions will take
+        (hot cache, tail and index keys) out of optional history."""
         residency = getattr(self.payload, "residency", None)
         if residency is not None:
-            residency.note_queue(waiting)
+            residency.note_queue(sum(self.admission_pages(None, b, b) for b in budgets))
 
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission

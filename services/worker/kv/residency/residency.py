@@ -57,7 +57,7 @@ class Residency:
         self._tickets: dict[int, tuple[str, list[OptPage]]] = {}
         self._seq = itertools.count()
         self._waiting = False  # an admission found no room since the last maintain()
-        self._queued = 0  # requests the scheduler could not admit this step
+        self._queued = 0  # pages the requests the scheduler could not admit will take
 
     # ---- accounting (pages; eq. 3) ----------------------------------------------------------
     @property
@@ -85,14 +85,15 @@ class Residency:
         """Pages that required or optional allocations may still take without breaking eq. 3."""
         return self.p.pages.total - self.required_pages - self.optional_pages - self.reserve
 
-    def note_queue(self, waiting: int) -> None:
-        """Requests still waiting after this step's admissions. Their required pages are spoken
-        for: optional history may only use what is left (it would be reclaimed at once)."""
-        self._queued = waiting
+    def note_queue(self, pages: int) -> None:
+        """Pages the requests still waiting after this step's admissions will take. They are
+        spoken for: optional history may only use what is left (it would be reclaimed at
+        once, and a reclaim takes a whole request's history)."""
+        self._queued = pages
 
     def spare(self) -> int:
-        """Pages optional history may take now: the room less the queue's required pages."""
-        return self.room() - self._queued * self.p.required_pages
+        """Pages optional history may take now: the room less the queue's pages."""
+        return self.room() - self._queued
 
     def settling(self) -> bool:
         """Copies or drains are in flight: pages will come back."""
