@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# The H200 runs behind docs/results.md, in parts that each fit one call of the device tool
+# (at most 600 s) and leave at most 8 files under $OUT (what comes back).
+#
+#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~420 s
+#   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~330 s
+#   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~400 s
+#
+# Needs the corpus at data/stdlib.u8 (python -m services.worker.train.corpus --out
+# data/stdlib.u8) for the held-out prompts, and the Python packages of pyproject.toml.
+set -u
+OUT=${OUT:-/tmp/dhisparse-gpu}
+mkdir -p "$OUT"
+if [ ! -f data/stdlib.u8 ]; then
+    echo "data/stdlib.u8 is missing: python -m services.worker.train.corpus --out data/stdlib.u8" >&2
+    exit 2
+fi
+stamp() { echo "== $(date -u +%H:%M:%S) $*"; }
+SERVE="python bench/serving.py --modes resident,hisparse,adaptive --output-len 32 --duration-s 4 --warmup-s 1.5 --quiet"
+case "${1:-}" in
+1)
+    stamp gpu tests
+    timeout 150 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
+        2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
+    stamp capacity
+    timeout 240 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
+        --out "$OUT/capacity.json" --plot "$OUT/capacity.png" > "$OUT/capacity.log" 2>&1
+    tail -2 "$OUT/capacity.log"
+    stamp spec
+    timeout 190 python bench/spec.py --concurrency 1,16,64 --widths 4 --drafters dflash \
+        --out "$OUT/spec.json" --plot "$OUT/spec.png" > "$OUT/spec.log" 2>&1
+    tail -2 "$OUT/spec.log"
+    ;;
+2)
+    stamp serving, engine level
+    timeout 250 $SERVE --concurrency 1,4,16,64 --spec-modes adaptive --spec-concurrency 4,64 \
+        --drafters off,dflash,dspark,dflash2 --schedules fixed,paper,online --input-lens 8192 \
+        --time-limit-s 215 --out "$OUT/serving.json" --plot "$OUT/serving" > "$OUT/serving.log" 2>&1
+    tail -1 "$OUT/serving.log"
+    stamp serving, HTTP level
+    timeout 200 $SERVE --http --concurrency 1,4,16,64 --drafters off --input-lens 8192 \
+        --time-limit-s 170 --out "$OUT/serving_http.json" --log-dir "$OUT/logs" \
+        > "$OUT/serving_http.log" 2>&1
+    tail -1 "$OUT/serving_http.log"
+    (cd "$OUT" && tar czf logs.tgz logs *.log && rm -rf logs ./*.log)  # 8 files at most
+    ;;
+3)
+    stamp serving, 32K inputs, C up to 256
+    timeout 560 $SERVE --concurrency 1,16,128,256 --drafters off,dflash --schedules online \
+        --spec-modes adaptive --spec-concurrency 128,256 --input-lens 32768 --time-limit-s 520 \
+        --out "$OUT/serving_32k.json" --plot "$OUT/serving_32k" --table "$OUT/serving_32k.md" \
+        > "$OUT/serving_32k.log" 2>&1
+    tail -1 "$OUT/serving_32k.log"
+    ;;
+*)
+    echo "usage: bench/gpu_run.sh 1|2|3" >&2
+    exit 2
+    ;;
+esac
+stamp done
+ls -la "$OUT"
