@@ -64,3 +64,29 @@ def test_fixed_and_paper_policies_do_not_explore() -> None:
     assert {WidthController("fixed", 6, 64).width(c) for c in (1, 64, 256)} == {6}
     paper = WidthController("paper", 8, 256)
     assert [paper.width(c) for c in (1, 32, 64, 128)] == [8, 8, 6, 4]
+
+
+def test_a_new_load_skips_widths_that_were_clearly_worse_next_door() -> None:
+    """Measured at C = 64, where speculation does not pay, the controller moving to C = 100
+    (the next load bucket) measures the baseline there but none of the widths that served a
+    fifth less next door, and stays off."""
+    ctl = WidthController("online", k_max=8, max_sessions=256)
+    first: set = set()
+    _run(ctl, 64, HIGH, 100, first)
+    chosen = _run(ctl, 100, HIGH, 60, first)
+    # No exploration of 4, 6 and 8 at the new load (15 rounds): at most one periodic refresh
+    # burst of the stalest width.
+    assert sum(w != 0 for w in chosen[:40]) <= 5
+    assert best(HIGH, 100) == 0 and ctl.online.current == 0
+
+
+def test_a_new_load_still_explores_close_contenders() -> None:
+    """Next to a load where widths 6 and 8 served within a fifth of the best (LOW at C = 5),
+    both are measured at the new load with the baseline, and the best there wins. (Width 4
+    only matched speculation off there, so eq. 13 says it does not pay: not explored.)"""
+    ctl = WidthController("online", k_max=8, max_sessions=64)
+    first: set = set()
+    _run(ctl, 5, LOW, 100, first)
+    chosen = _run(ctl, 12, LOW, 150, first)
+    assert {0, 6, 8} <= set(chosen[:20])
+    assert chosen[-50:].count(best(LOW, 12)) >= 45

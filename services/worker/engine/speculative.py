@@ -62,9 +62,12 @@ class WidthController:
     The online policy first measures each candidate width for ``explore_steps`` rounds at
     each load bucket. The first round of a burst is not recorded: it pays one-off costs
     (kernel compilation, cold caches) that would otherwise bias the average against that
-    width for a long time. Every ``refresh_every`` decisions it re-measures the width whose
-    measurement at this load is the oldest, so an estimate that went stale (a width that
-    looked slow once, or the load's behaviour changed) is corrected rather than trusted
+    width for a long time. At a load bucket next to one already measured, a width that served
+    less than ``1 - prune`` of the best there is not explored (every round spent measuring a
+    bad width is lost throughput, and load buckets change as requests come and go); width 0,
+    the baseline of eq. 13, always is. Every ``refresh_every`` decisions it re-measures the
+    width whose measurement at this load is the oldest (one never measured here first), so
+    an estimate that went stale or a width pruned wrongly is corrected rather than trusted
     forever."""
 
     def __init__(
@@ -74,6 +77,7 @@ class WidthController:
         max_sessions: int,
         explore_steps: int = 4,
         refresh_every: int = 48,
+        prune: float = 0.2,
     ) -> None:
         if policy not in WIDTH_POLICIES:
             raise ValueError(f"unknown width policy {policy!r}; choose from {WIDTH_POLICIES}")
@@ -85,6 +89,7 @@ class WidthController:
         self.sessions = dict.fromkeys(widths, max_sessions)  # drafter memory is reserved at start
         self.explore_steps = explore_steps
         self.refresh_every = refresh_every
+        self.prune = prune
         self._explore: list[int] = []
         self._skip_next = False  # the coming observation opens a burst: not recorded
         self._decisions = 0
@@ -109,6 +114,11 @@ class WidthController:
         """A width to measure now: one not yet measured in this load's bucket, else (every
         ``refresh_every`` decisions) the one measured longest ago, other than the current."""
         unmeasured = [w for w in self.online.widths if not self.online.measured(w, load)]
+        near = self.online.neighbour(load)
+        if unmeasured and near is not None:  # skip widths clearly worse next door
+            prior = self.online.scores(near, self.sessions)
+            floor = (1.0 - self.prune) * max(prior.values())
+            unmeasured = [w for w in unmeasured if w == 0 or prior.get(w, 0.0) >= floor]
         if unmeasured:
             return unmeasured[0]
         if self.refresh_every <= 0 or self._decisions == 0:

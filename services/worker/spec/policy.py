@@ -86,6 +86,15 @@ class OnlinePolicy:
         """Whether ``width`` has a measurement in the load's own bucket."""
         return (load_bucket(load), width) in self._tpot
 
+    def neighbour(self, load: int) -> int | None:
+        """The nearest other load bucket where speculation off (width 0) was measured, in
+        log2 distance (the lower on a tie); None if there is none."""
+        b = load_bucket(load)
+        seen = {bb for (bb, w) in self._tpot if w == 0 and bb != b}
+        if not seen:
+            return None
+        return min(seen, key=lambda bb: (abs(math.log2(bb) - math.log2(b)), bb))
+
     def tpot(self, width: int, load: int) -> float | None:
         """Average TPOT of ``width`` in the load's bucket, else in the nearest bucket
         measured (in log2 distance, the lower bucket on a tie); None if never measured."""
