@@ -105,6 +105,6 @@ def restore_rows_triton(
 ) -> None:
     """Same contract as ``restore_rows_ref``, with the resolver's host-read copy kernel (on a
     GPU ``arena`` must be pinned: the kernel reads it under UVA)."""
-    from services.worker.kv.hierarchy.resolver_triton import copy_rows
+    from services.worker.kv.hierarchy.copy_triton import copy_rows
 
     copy_rows(store, src, dst_rows, arena)

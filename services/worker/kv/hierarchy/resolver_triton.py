@@ -1,13 +1,14 @@
 """The fused resolver as Triton kernels: one launch resolves the whole batch for one source,
-a second launch copies the misses from pinned host memory with a grid sized to the link.
+a second launch copies the misses from pinned host memory with a grid sized to the link
+(``copy_triton.py``).
 
 ``_resolve_kernel`` runs one program per request: (1) tail/chunk rows resolve directly; (2) the
 hot cache is looked up through the dense reverse map, hits are stamped (protected); (3) per query
 in order, misses take the least recently used unprotected entries (a prefix of the LRU list,
 found with one cumulative sum) and are
 queued for copy; a row missed by an earlier query of the request is a hit for later ones, so
-each distinct row is copied once. ``_copy_rows_kernel`` then reads the queued rows straight
-from the host arena (a registered /dev/shm mapping under UVA on a GPU) into the hot cache.
+each distinct row is copied once. The copy kernel then reads the queued rows straight from the
+host arena (a registered /dev/shm mapping under UVA on a GPU) into the hot cache.
 Semantics are exactly ``resolver_ref.resolve_ref``'s."""
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kv.hierarchy.copy_triton import copy_queued
 from services.worker.kv.hierarchy.geometry import SourceGeometry
-from services.worker.kv.hierarchy.host import HostPointer
 from services.worker.kv.hierarchy.hot_cache import HotCache
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
@@ -208,46 +209,6 @@ def _resolve_kernel(
                  mask=cand & (h <= -2))  # fmt: skip
 
 
-@triton.jit
-def _copy_rows_kernel(
-    host_ptr,  # flat host arena, KV dtype
-    pool_ptr,  # [P, D] device rows
-    stride_pool,
-    plan_src_ptr,
-    plan_dst_ptr,
-    count_ptr,
-    D,
-    ROWS: tl.constexpr,
-    DP: tl.constexpr,
-):
-    pid = tl.program_id(0)
-    nprog = tl.num_programs(0)
-    count = tl.load(count_ptr)
-    offs_r = tl.arange(0, ROWS)
-    offs_d = tl.arange(0, DP)
-    dmask = offs_d < D
-    for start in range(pid * ROWS, count, nprog * ROWS):
-        idx = start + offs_r
-        m = idx < count
-        src = tl.load(plan_src_ptr + idx, mask=m, other=0)
-        dst = tl.load(plan_dst_ptr + idx, mask=m, other=0)
-        mm = m[:, None] & dmask[None, :]
-        vals = tl.load(host_ptr + src[:, None] + offs_d[None, :], mask=mm)
-        tl.store(pool_ptr + dst[:, None] * stride_pool + offs_d[None, :], vals, mask=mm)
-
-
-def _copy_grid(device: torch.device, rows_per_program: int, max_rows: int) -> int:
-    """Persistent copy programs: enough to keep the PCIe link busy (measured: a handful of
-    programs starve it, past ~132 the grid barely matters), never more than the work."""
-    if device.type != "cuda":
-        return 1  # the interpreter runs programs one after another
-    sms = torch.cuda.get_device_properties(device).multi_processor_count
-    return max(1, min(2 * sms, triton.cdiv(max_rows, rows_per_program)))
-
-
-_COPY_ROWS = 16
-
-
 class Workspace:
     """Buffers one resolver call needs, allocated once and reused (no allocation, zeroing
     only the counters, no host-device copies per call: safe to capture in a CUDA graph)."""
@@ -320,29 +281,8 @@ def launch_resolve(
 
 
 def launch_copy(ws: Workspace, pool: torch.Tensor, host: torch.Tensor) -> None:
-    """The copy kernel alone: queued rows from the host arena into the pool."""
-    d = pool.shape[1]
-    host_arg = HostPointer(host) if pool.is_cuda else host
-    grid = _copy_grid(pool.device, _COPY_ROWS, ws.plan_src.numel())
-    _copy_rows_kernel[(grid,)](
-        host_arg, pool, pool.stride(0), ws.plan_src, ws.plan_dst, ws.counters[3:], d,
-        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
-    )  # fmt: skip
-
-
-def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, host: torch.Tensor) -> None:
-    """Host rows at element offsets ``src`` into pool rows ``dst`` ([n] int64 each), with the
-    copy kernel the resolver uses for its misses."""
-    n = src.numel()
-    if n == 0:
-        return
-    d = pool.shape[1]
-    count = torch.tensor([n], dtype=torch.int64, device=pool.device)
-    host_arg = HostPointer(host) if pool.is_cuda else host
-    _copy_rows_kernel[(_copy_grid(pool.device, _COPY_ROWS, n),)](
-        host_arg, pool, pool.stride(0), src, dst, count, d,
-        ROWS=_COPY_ROWS, DP=triton.next_power_of_2(d),
-    )  # fmt: skip
+    """The copy kernel alone: the workspace's queued rows from the host arena into the pool."""
+    copy_queued(pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, ws.plan_src.numel())
 
 
 def resolve_triton(
