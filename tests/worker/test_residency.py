@@ -294,3 +294,30 @@ def test_repopulation_leaves_the_queue_its_admission_pages() -> None:
     assert kv.admit(0, "next", 140, 512)
     assert res.stats.reclaim_events == 0
     kv.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_a_huge_max_tokens_is_admitted_with_the_keys_the_pool_can_hold(mode: str) -> None:
+    """Index keys are reserved for a request's whole budget, but never beyond what one request
+    can hold in the pool: a budget of the whole context (the scheduler's largest) that the
+    pool cannot hold is admitted (and would end where the pool does, as in resident serving)
+    rather than refused forever."""
+
+    def cache(pool_bytes: int) -> KVCache:
+        cfg = KVCacheConfig(
+            mode=mode, max_slots=2, max_model_len=8192, page_size=16, kv_pool_bytes=pool_bytes,
+            host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K,
+        )  # fmt: skip
+        return KVCache(preset(NAME), cfg)
+
+    probe = cache(64 << 20)
+    page_bytes = probe.payload.page * probe.payload.store.shape[1] * 4
+    fixed = (64 << 20) - probe.payload.pages.total * page_bytes
+    required = probe.payload.required_pages
+    probe.close()
+    kv = cache(fixed + (required + 8) * page_bytes)  # a hot cache, a tail and 8 pages of keys
+    assert 20 < kv.tokens_capacity < kv.cfg.max_model_len  # the pool, not the context, binds
+    assert kv.admit(0, "huge", 20, kv.cfg.max_model_len)
+    assert kv.index_keys.pages_needed(0, kv.tokens_capacity) == 0  # reserved up to the pool
+    assert kv.payload.pages.free == 0
+    kv.close()

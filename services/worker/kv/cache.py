@@ -164,10 +164,13 @@ class KVCache:
     def _keys_reserved(self, num_tokens: int, max_tokens: int) -> int:
         """Tokens whose index keys an admission takes at once: all it may ever hold (and a
         verification block) when keys share the payload's pool, so that a running request
-        never waits for key pages; otherwise only what it holds now."""
+        never waits for key pages — but no more than one request can hold in the pool, so a
+        huge ``max_tokens`` is admitted and ends where the pool does, as in resident serving;
+        otherwise only what it holds now."""
         if not self.keys_shared:
             return num_tokens
-        return max(num_tokens, min(max_tokens + self.cfg.spec_block, self.cfg.max_model_len))
+        budget = min(max_tokens + self.cfg.spec_block, self.tokens_capacity)
+        return max(num_tokens, budget)
 
     def admission_pages(self, slot: int | None, num_tokens: int, max_tokens: int) -> int:
         """Pages of the payload's pool that admitting a request takes (hierarchy modes): its
