@@ -18,12 +18,10 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_ref
 from services.worker.kv.hierarchy.commit import commit_pass
-from services.worker.kv.hierarchy.geometry import SourceGeometry
 from services.worker.kv.hierarchy.host import HostBackups
-from services.worker.kv.hierarchy.hot_cache import HotCache
+from services.worker.kv.hierarchy.layout import lay_out_store
 from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
-from services.worker.kv.hierarchy.sizing import staging_arenas
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
 from services.worker.kv.residency.residency import Residency
@@ -72,37 +70,13 @@ class HierarchyPayload:
         self.page = page
         self.ring = ring_rows
         self.num_sources = len(cfg.sources)
-        scratch = [scratch_tokens // s.compress + max_slots for s in cfg.sources]
-        base = num_pages * page
-        arenas, chi = staging_arenas(cfg) if spec_block > 1 else ([0] * self.num_sources, 0)
-        stage_rows = spec_block * cfg.index_topk if spec_block > 1 else 0
-        stage_base = base + sum(scratch)
-        self.chi = chi
-        self.stage_rows_total = chi * max_slots * stage_rows
-        self.store = torch.zeros(
-            stage_base + self.stage_rows_total, cfg.d_kv, dtype=dtype, device=device
-        )
+        lay = lay_out_store(
+            cfg, max_slots, max_model_len, page, hot_cache_rows, ring_rows, scratch_tokens,
+            num_pages, spec_block, dtype, device,
+        )  # fmt: skip
+        self.store, self.geo, self.hot = lay.store, lay.geo, lay.hot
+        self.chi, self.stage_rows_total = lay.chi, lay.stage_rows_total
         self.pages = PagePool(num_pages)
-        self.geo: list[SourceGeometry] = []
-        self.hot: list[HotCache] = []
-        for s, src in enumerate(cfg.sources):
-            max_rows = max_model_len // src.compress
-            self.geo.append(
-                SourceGeometry.create(
-                    max_slots,
-                    page,
-                    hot_cache_rows,
-                    ring_rows,
-                    base,
-                    scratch[s],
-                    max_rows,
-                    device,
-                    stage_base + arenas[s] * max_slots * stage_rows,
-                    stage_rows,
-                )
-            )
-            self.hot.append(HotCache(max_slots, hot_cache_rows, max_rows, device))
-            base += scratch[s]
         self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
         self.ring_hi_of: dict[int, list[int]] = {}  # slot -> one past the last ring row written
