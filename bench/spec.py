@@ -7,14 +7,16 @@ Target: ``--model`` (default the shipped ``models/glm-10m``) in ``adaptive`` mod
 drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
 held-out files. With ``--model tiny-glm --drafter-dir bench/drafters/tiny-glm`` it runs the random
 target with drafters trained on its own greedy text, prompts being its greedy continuations.
-For each concurrency C, C requests decode
-``--decode-tokens`` tokens greedily; every configuration runs twice on one engine and the
-second run is reported (warm kernels, and the online policy has measured its widths).
+For each concurrency C, C clients each keep one request of ``--decode-tokens`` greedy tokens
+in flight, replacing it when it finishes (closed loop, ``--requests-per-client`` each); every
+configuration first runs one request per client on the same engine (warm kernels, and the
+online policy has measured its widths).
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import platform
 import sys
@@ -29,6 +31,7 @@ from services.worker.engine.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = ("dflash", "dspark", "dflash2")
+_IDS = itertools.count()
 
 
 def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
@@ -61,17 +64,40 @@ def make_prompts(args, n: int) -> list[list[int]]:
     return out
 
 
-def measure(eng: Engine, prompts: list[list[int]], args) -> dict:
+def measure(eng: Engine, prompts: list[list[int]], args, per_client: int) -> dict:
+    """Closed loop: each of C = len(prompts) clients keeps one request of ``--decode-tokens``
+    tokens in flight and replaces it the moment it finishes (the next prompt in turn), until
+    it has sent ``per_client``. The decode rate counts the steps while every client is still
+    sending: the batch stays full, as in serving. (Measured open loop, speculation looked
+    worse than it is: requests that drew short acceptances finish rounds after the others,
+    and those last rounds ran in a small batch.)"""
+    c = len(prompts)
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     st = eng.stats
-    d_s, d_t = st.decode_s, st.decode_tokens
     spec = eng.speculator
     c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
-    eng.generate(prompts, params)
-    # The aggregate only: a per-round median would be dominated by the last rounds, where the
-    # requests that drew shorter acceptances run in a small batch.
+    sent = 0
+
+    def send() -> None:
+        nonlocal sent
+        eng.add_request(f"spec-{next(_IDS)}", prompts[sent % c], params)
+        sent += 1
+
+    for _ in range(c):
+        send()
+    window_s = window_tokens = 0.0
+    while eng.has_work():
+        d_s, d_t = st.decode_s, st.decode_tokens
+        steady = sent < c * per_client
+        outs = eng.step()
+        if steady:
+            window_s += st.decode_s - d_s
+            window_tokens += st.decode_tokens - d_t
+        for out in outs:
+            if out.finished and sent < c * per_client:
+                send()
     row = {
-        "decode_tokens_per_s": (st.decode_tokens - d_t) / max(st.decode_s - d_s, 1e-9),
+        "decode_tokens_per_s": window_tokens / max(window_s, 1e-9),
         "acceptance_length": 1.0,
     }
     if spec is not None:
@@ -89,6 +115,7 @@ def main() -> int:
     ap.add_argument("--corpus", default="data/stdlib.u8")
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--requests-per-client", type=int, default=3, help="closed loop, measured")
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--mode", default="adaptive")
@@ -115,8 +142,9 @@ def main() -> int:
     for name, drafter, policy, width in tqdm(configs, desc="configs"):
         eng = Engine(config(args, drafter, policy, width))
         for c in args.concurrency:
-            measure(eng, prompts[:c], args)  # warm-up (and the online policy's measurements)
-            row = {"config": name, "concurrency": c, **measure(eng, prompts[:c], args)}
+            measure(eng, prompts[:c], args, 1)  # warm-up (and the online policy's measurements)
+            m = measure(eng, prompts[:c], args, args.requests_per_client)
+            row = {"config": name, "concurrency": c, **m}
             results.append(row)
             print(json.dumps(row), flush=True)
         eng.close()
