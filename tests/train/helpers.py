@@ -70,6 +70,26 @@ def micro_glm(tmp: Path) -> Path:
     return path
 
 
+def micro_dsv4(tmp: Path) -> Path:
+    """The dsv4 topology (a source packing 4 tokens per row with a local window, Reuse and
+    Reindex layers) at the micro size, as a config JSON."""
+    path = tmp / "micro-dsv4.json"
+    cfg = replace(
+        preset("tiny-dsv4"),
+        name="micro-dsv4",
+        d_model=64,
+        n_heads=2,
+        d_latent=32,
+        d_rope=16,
+        d_ff=128,
+        n_index_heads=2,
+        d_index=16,
+        index_topk=8,
+    )
+    cfg.save(path)
+    return path
+
+
 def tiny_run(out: Path, corpus: Path, **overrides) -> TrainConfig:
     cfg = TrainConfig(
         out=str(out),

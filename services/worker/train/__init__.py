@@ -1,7 +1,8 @@
 """Training a sparse-attention target model from scratch (``python -m services.worker.train``).
 
 - ``forward``: the differentiable forward over whole sequences, dense or sparse attention,
-  using the inference model's own modules, and the indexer's distillation loss;
+  using the inference model's own modules, and the indexer's distillation loss, for every
+  topology of the family (compressed sources, local windows, shared and reused indices);
 - ``corpus`` / ``data``: the packed stdlib corpus, its held-out split, crops and windows;
 - ``schedule``: learning rate, attention phase and budget planning as functions of the step;
 - ``trainer`` / ``loop``: the optimizer step, checkpoints, resume, evaluation and export.

@@ -12,8 +12,11 @@ attention's head-summed distribution (detached) to the softmax of the indexer's 
 the visible rows (dense) or the selected rows (sparse). The indexer sees detached inputs, so it
 learns only from that loss and the LM loss never reaches it (selection has no gradient anyway).
 
-Supported topology: uncompressed sources without a local window (the glm family), with
-producer, follower and reuse layers.
+Every topology the model family has: sources packing m tokens per row (a row is the
+``compress`` of its complete group and becomes visible once the group is), local windows (the
+query also attends to the raw token rows of its last W positions, in the same softmax, as the
+inference path does), and producer, follower, reuse and Reindex layers. For a compressed
+source the indexer's target is the attention's distribution over the compressed rows alone.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from services.worker.train.indexer_loss import (
     causal_mask,
     indexer_kl,
     select_rows,
+    window_mask,
 )
 
 Mode = Literal["dense", "sparse"]
@@ -42,15 +46,6 @@ class TrainOutput(NamedTuple):
     selections: dict[int, torch.Tensor]  # sparse: producer layer -> [B, T, k] row positions
 
 
-def check_trainable(model: DSAModel) -> None:
-    for s, src in enumerate(model.cfg.sources):
-        if src.compress != 1 or src.window != 0:
-            raise NotImplementedError(
-                f"source {s}: the training forward supports uncompressed sources without a "
-                "local window (compress=1, window=0)"
-            )
-
-
 def train_forward(
     model: DSAModel, tokens: torch.Tensor, mode: Mode = "dense", index_loss: bool = True
 ) -> TrainOutput:
@@ -58,23 +53,29 @@ def train_forward(
     the indexer KL (when ``index_loss``) and, in sparse mode, each producer's selection."""
     if mode not in MODES:
         raise ValueError(f"unknown attention mode {mode!r}; choose from {MODES}")
-    check_trainable(model)
     cfg = model.cfg
     b, t = tokens.shape
     n = b * t
-    positions = torch.arange(t, device=tokens.device).repeat(b)  # [B*T]
-    visible = causal_mask(t, tokens.device).unsqueeze(0)  # [1, T, T]
-    rows: dict[int, torch.Tensor] = {}  # source -> [B, T, d_kv]
-    masks: dict[int, torch.Tensor] = {}  # layer -> [B, T, T] selected rows (sparse)
+    dev = tokens.device
+    positions = torch.arange(t, device=dev).repeat(b)  # [B*T]
+    rows: dict[int, torch.Tensor] = {}  # source -> [B, T // m, d_kv] stored rows
+    raw: dict[int, torch.Tensor] = {}  # windowed source -> [B, T, d_kv] token rows
+    masks: dict[int, torch.Tensor] = {}  # layer -> [B, T, T // m] selected rows (sparse)
     selections: dict[int, torch.Tensor] = {}
     kls: list[torch.Tensor] = []
     h = model.embed(tokens.reshape(n))  # [B*T, d_model]
     for i, layer in enumerate(model.layers):
         spec, attn = layer.spec, layer.attn
+        src = cfg.sources[spec.source]
+        m = src.compress
         x = layer.attn_norm(h)
         if attn.owner:
-            rows[spec.source] = attn.token_rows(x, positions).view(b, t, cfg.d_kv)
+            tok = attn.token_rows(x, positions).view(b, t, cfg.d_kv)
+            raw[spec.source] = tok
+            groups = tok[:, : t // m * m].reshape(b * (t // m), m, cfg.d_kv)
+            rows[spec.source] = tok if m == 1 else attn.compress(groups).view(b, t // m, -1)
         r = rows[spec.source]
+        visible = causal_mask(t, dev, m).unsqueeze(0)  # [1, T, T // m]
         q = attn.queries(x, positions).view(b, t, cfg.n_heads, cfg.d_kv).transpose(1, 2)
         scores = None
         if layer.indexer is not None and (mode == "sparse" or index_loss):
@@ -84,11 +85,16 @@ def train_forward(
         if mode == "sparse":
             if layer.indexer is not None:
                 assert scores is not None
-                selections[i], masks[i] = select_rows(scores, cfg.index_topk)
+                selections[i], masks[i] = select_rows(scores, cfg.index_topk, m)
             else:  # follower or reuse: the leader's positions over this layer's own source
                 masks[i] = masks[spec.leader]
         mask = masks.get(i)
-        o = attend(q, r, mask, cfg.d_latent, attn.scale)  # [B, T, H, d_latent]
+        if mask is None and (m > 1 or src.window):
+            mask = visible  # dense over what a compressed or windowed source shows
+        window = None
+        if src.window:
+            window = (raw[spec.source], window_mask(t, src.window, dev).unsqueeze(0))
+        o = attend(q, r, mask, cfg.d_latent, attn.scale, window)  # [B, T, H, d_latent]
         if layer.indexer is not None and index_loss:
             assert scores is not None
             allowed = visible if mask is None else mask
@@ -102,16 +108,27 @@ def train_forward(
 
 
 def attend(
-    q: torch.Tensor, rows: torch.Tensor, mask: torch.Tensor | None, d_v: int, scale: float
+    q: torch.Tensor,
+    rows: torch.Tensor,
+    mask: torch.Tensor | None,
+    d_v: int,
+    scale: float,
+    window: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """MQA attention of q [B, H, T, d_kv] over rows [B, S, d_kv] (keys: whole rows; values:
-    their first ``d_v`` elements) -> [B, T, H, d_v]. ``mask``: [B, T, S] bool (True: attend);
-    None: causal.
+    their first ``d_v`` elements) -> [B, T, H, d_v]. ``mask``: [B or 1, T, S] bool (True:
+    attend); None: causal. ``window``: (token rows [B, T, d_kv], their mask [1, T, T]), attended
+    in the same softmax (the inference path concatenates window rows the same way).
 
     The values passed to SDPA are the whole rows and the output is cut to ``d_v``: each output
     element depends only on its own value column, so this is exact, and equal key and value
     widths keep the flash kernel eligible. The rows are copied per head (a few MB) so that no
     kernel has to accept a zero head stride."""
+    if window is not None:
+        assert mask is not None
+        b = rows.shape[0]
+        rows = torch.cat([rows, window[0]], dim=1)
+        mask = torch.cat([mask.expand(b, -1, -1), window[1].expand(b, -1, -1)], dim=2)
     kv = rows.unsqueeze(1).expand(-1, q.shape[1], -1, -1).contiguous()  # [B, H, S, d_kv]
     if mask is None:
         o = F.scaled_dot_product_attention(q, kv, kv, is_causal=True, scale=scale)

@@ -23,18 +23,28 @@ def batched_index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -
     return (logits.relu() * w.float().unsqueeze(-1)).sum(dim=2)
 
 
-def causal_mask(t: int, device: torch.device) -> torch.Tensor:
-    """[T, T] bool: row s is visible to query t when s <= t (uncompressed source)."""
-    return torch.ones(t, t, dtype=torch.bool, device=device).tril()
+def causal_mask(t: int, device: torch.device, m: int = 1) -> torch.Tensor:
+    """[T, T // m] bool: stored row s of a source packing m tokens per row is visible to the
+    query at position t when its group is complete, ``s < (t + 1) // m`` (s <= t for m = 1)."""
+    rows = torch.arange(t // m, device=device)
+    return rows.unsqueeze(0) < ((torch.arange(t, device=device) + 1) // m).unsqueeze(1)
 
 
-def select_rows(scores: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The inference path's selection over an uncompressed source, for whole sequences.
+def window_mask(t: int, window: int, device: torch.device) -> torch.Tensor:
+    """[T, T] bool: token row p is in the local window of the query at t, ``t - W < p <= t``."""
+    pos = torch.arange(t, device=device)
+    diff = pos.unsqueeze(1) - pos.unsqueeze(0)
+    return (diff >= 0) & (diff < window)
 
-    scores: [B, T, S=T] -> selection [B, T, k] int64 (row positions in selection order, ``-1``
-    padding) and its mask [B, T, S] bool (True where a row is selected)."""
+
+def select_rows(scores: torch.Tensor, k: int, m: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inference path's selection over a source packing m tokens per row, for whole
+    sequences.
+
+    scores: [B, T, S = T // m] -> selection [B, T, k] int64 (row positions in selection order,
+    ``-1`` padding) and its mask [B, T, S] bool (True where a row is selected)."""
     b, t, s = scores.shape
-    num_visible = torch.arange(1, t + 1, device=scores.device).repeat(b)  # rows 0..t
+    num_visible = ((torch.arange(t, device=scores.device) + 1) // m).repeat(b)
     sel = select_topk(scores.detach().reshape(b * t, s), num_visible, k)  # [B*T, k]
     mask = torch.zeros(b * t, s + 1, dtype=torch.bool, device=scores.device)
     mask.scatter_(1, sel.masked_fill(sel < 0, s), True)  # padding lands in a spare column
@@ -49,19 +59,24 @@ def attention_target(
     renormalised over the allowed rows (DSA's dense warm-up distribution).
 
     q: [B, H, T, d_kv], rows: [B, S, d_kv], allowed: [B or 1, T, S] bool -> [B, T, S] fp32,
-    zero outside ``allowed``."""
+    zero outside ``allowed`` (and for a query that is allowed no row: a compressed source
+    before its first complete group)."""
     logits = torch.matmul(q, rows.unsqueeze(1).transpose(-1, -2)).float() * scale
     logits = logits.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-    p = torch.softmax(logits, dim=-1).sum(dim=1)  # [B, T, S]
-    return p / p.sum(dim=-1, keepdim=True)
+    p = torch.softmax(logits, dim=-1).nan_to_num(0.0).sum(dim=1)  # [B, T, S]
+    return p / p.sum(dim=-1, keepdim=True).clamp(min=1e-30)
 
 
 def indexer_kl(target: torch.Tensor, scores: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
     """Mean over queries of ``KL(target || softmax(scores))``, both over the allowed rows.
 
     target: [B, T, S] (a distribution over ``allowed``, zero elsewhere), scores: [B, T, S],
-    allowed: [B or 1, T, S] bool with at least one row per query -> [] fp32, >= 0."""
-    logq = torch.log_softmax(scores.float().masked_fill(~allowed, float("-inf")), dim=-1)
-    logq = logq.masked_fill(~allowed, 0.0)  # target is 0 there: no -inf * 0
+    allowed: [B or 1, T, S] bool -> [] fp32, >= 0. Queries allowed no row do not count."""
+    some = allowed.any(dim=-1, keepdim=True)  # [B or 1, T, 1]
+    x = scores.float().masked_fill(~allowed, float("-inf"))
+    x = x.masked_fill(~some, 0.0)  # a query allowed nothing: finite, so no NaN (nor its grad)
+    logq = torch.log_softmax(x, dim=-1).masked_fill(~allowed, 0.0)  # target is 0 there
     target = target.float()
-    return (torch.xlogy(target, target) - target * logq).sum(dim=-1).mean()
+    per_query = (torch.xlogy(target, target) - target * logq).sum(dim=-1)  # [B, T]
+    counted = some.squeeze(-1).expand_as(per_query)
+    return per_query[counted].mean() if counted.any() else per_query.sum() * 0.0

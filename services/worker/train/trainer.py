@@ -30,7 +30,7 @@ from services.worker.train.config import TrainConfig
 from services.worker.train.corpus import build_corpus
 from services.worker.train.data import heldout_windows, load_corpus, sample_crops
 from services.worker.train.evaluate import heldout_metrics
-from services.worker.train.forward import Mode, check_trainable, lm_loss, train_forward
+from services.worker.train.forward import Mode, lm_loss, train_forward
 from services.worker.train.schedule import Schedule
 from services.worker.train.weights import init_for_training, param_groups
 
@@ -66,7 +66,6 @@ class Trainer:
             corpus.heldout.to(self.device), cfg.seq_len + 1, cfg.eval_tokens
         )
         self.model = DSAModel(model_config(cfg.preset))
-        check_trainable(self.model)
         init_for_training(self.model, cfg.seed)
         self.model.to(device=self.device, dtype=torch.float32).train()
         self.indexer_params = [p for n, p in self.model.named_parameters() if ".indexer." in n]
