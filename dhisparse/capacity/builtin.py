@@ -117,6 +117,7 @@ def profile_from_model_config(
     page_size: int = 64,
     tail_pages: int = 1,
     name: str | None = None,
+    key_page_rows: int | None = None,
 ) -> Profile:
     """The profile of an engine model: one sparse source group per distinct (m, window), rows
     of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
@@ -146,6 +147,7 @@ def profile_from_model_config(
         chi=selection_group_width(cfg),
         page_size=page_size,
         tail_pages=tail_pages,
+        key_page_rows=key_page_rows,
         description=f"derived from ModelConfig {cfg.name!r} ({elem} B elements)",
     )
 

@@ -135,8 +135,9 @@ def session_bytes(
             tail += src.count * profile.tail_pages * p * src.row_bytes
         if src.window and not (on_gpu and src.compress == 1):
             window += src.count * ring_rows(src.window, block, p) * src.row_bytes
+    key_page = profile.key_page_rows or p
     index_keys = sum(
-        g.count * page_rows(source_rows(context_tokens, g.compress), p) * g.key_bytes
+        g.count * page_rows(source_rows(context_tokens, g.compress), key_page) * g.key_bytes
         for g in profile.indexers
     )
     compressions = {s.compress for s in profile.sources if s.kind != "window"}

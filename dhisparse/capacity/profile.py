@@ -90,6 +90,9 @@ class Profile:
     page_size: int = 64
     tail_pages: int = 1
     page_map_entry_bytes: int = 4  # one int32 page-map entry per history page
+    # Index keys per page (default p). The workers' hierarchy modes lay keys in pages of the
+    # payload pool, p * d_kv / d_index keys to a page, and report it.
+    key_page_rows: int | None = None
     drafters: tuple[DrafterProfile, ...] = ()
     description: str = ""
     estimated: tuple[str, ...] = field(default=())
@@ -104,6 +107,8 @@ class Profile:
             page_size=self.page_size,
             tail_pages=self.tail_pages,
         )
+        if self.key_page_rows is not None:
+            _positive(key_page_rows=self.key_page_rows)
         if self.page_map_entry_bytes < 0:
             raise ValueError("page_map_entry_bytes must be >= 0")
         names = [d.name for d in self.drafters]

@@ -4,7 +4,7 @@ hierarchy accounting, and the session is sized for its whole budget (prompt + ma
 that an admitted request can always run to its end.
 
 The worker reports its KV geometry (``ModelInfo.kv_layout_json``: element size, page size, hot
-cache and tail rows); an older worker that does not is sized with the capacity model's defaults,
+cache and tail rows, index keys per page); an older worker that does not is sized with the capacity model's defaults,
 overridable here (page size, B = 2k, one tail page).
 """
 
@@ -46,6 +46,7 @@ class SessionSizer:
             page_size=page,
             hot_cache_rows=layout.get("hot_cache_rows") or self.hot_cache_rows,
             tail_pages=max(1, -(-tail // page)) if tail else 1,
+            key_page_rows=layout.get("index_key_page_rows"),
         )
 
     def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:

@@ -310,3 +310,34 @@ def test_sizing_uses_the_workers_reported_kv_layout() -> None:
         assert sizer.required_bytes(w, tokens) == required_bytes(profile, tokens, "hierarchy")
     default = sizer.required_bytes(worker("a", mode="hisparse"), 5000)
     assert sizer.required_bytes(w, 5000) != default
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes(
+    mode: str,
+) -> None:
+    """A hierarchy worker lays index keys in pages of its payload pool and reports how many
+    keys a page holds; the gateway then sizes a session's keys to exactly the pages the
+    worker's admission reserves for them."""
+    from dhisparse.capacity import session_bytes
+    from services.gateway.sizing import capacity_mode
+    from services.worker.kv.cache import KVCache, KVCacheConfig
+
+    kv = KVCache(
+        CONFIG,
+        KVCacheConfig(
+            mode=mode, page_size=16, max_slots=2, max_model_len=6000, kv_pool_bytes=16 << 20,
+            host_arena_bytes=32 << 20, max_prefill_tokens=512,
+        ),
+    )  # fmt: skip
+    try:
+        layout = kv.layout()
+        assert layout["index_key_page_rows"] == 16 * CONFIG.d_kv // CONFIG.d_index
+        w = worker("a", mode=mode, kv_layout_json=json.dumps(layout))
+        profile = SessionSizer()._build_profile(w.config_json, w.kv_layout_json)
+        page_bytes = kv.payload.page * kv.payload.store.shape[1] * kv.payload.store.element_size()
+        for tokens in (100, 1000, 5000):
+            sized = session_bytes(profile, tokens, capacity_mode(mode)).index_keys
+            assert sized == kv.index_keys.pages_for(tokens) * page_bytes
+    finally:
+        kv.close()

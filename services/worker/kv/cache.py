@@ -314,6 +314,9 @@ class KVCache:
             else None,
             "tail_rows": getattr(payload, "ring", None),
             "spec_block": self.cfg.spec_block,
+            "index_key_page_rows": next(iter(self.index_keys.pools.values())).page_size
+            if self.index_keys.pools
+            else None,
         }
 
     def census(self):
