@@ -3,6 +3,7 @@ region over its interval, so a region costs one store call per interval, not one
 
 from __future__ import annotations
 
+from services.kv_host_store.errors import NotFound
 from services.kv_host_store.records import RowRange
 from services.worker.kv.hierarchy.local_store import LocalHostStore
 from services.worker.kv.hierarchy.reporter import DurabilityReporter, OwnerId
@@ -45,6 +46,34 @@ def test_marks_coalesce_per_region_and_interval() -> None:
         left = {r.region_id: r.durable for r in store.lookup("req", "w")}
         assert regions[0].region_id not in left
         assert left[regions[1].region_id] == (RowRange(0, 120),)
+        rep.close()
+    finally:
+        store.close()
+
+
+def test_a_release_is_not_held_back_by_the_marks_interval() -> None:
+    """Only marks wait to be merged: a release queued behind them reaches the store at once
+    (a finished session must not stay adoptable for a successor), in order after them."""
+    import time
+
+    store = LocalHostStore(1 << 20)
+    try:
+        region = store.allocate("req", "w", 0, 16, 64)
+        rep = DurabilityReporter(Counting(store), OwnerId("w"), interval=5.0)
+        rep.report(region.region_id, 0, 4)
+        rep.release(region.region_id)
+
+        def released() -> bool:
+            try:
+                store.lookup("req", "w")
+            except NotFound:
+                return True
+            return False
+
+        t0 = time.monotonic()
+        while not released() and time.monotonic() - t0 < 2.0:
+            time.sleep(0.01)
+        assert released(), "the release waited for the marks' interval"
         rep.close()
     finally:
         store.close()

@@ -1,12 +1,13 @@
 """Reports durable row ranges and releases to the host store off the engine thread, in order.
 
 The engine must never wait on (or die with) the store: a call that fails is logged and dropped.
-Marks are coalesced: after a call the reporter waits ``interval`` seconds while marks queue up,
-then merges them per region, so a region costs one store call per interval instead of one per
-forward pass (at C = 64 that was ~400 calls per verify round, and the GIL time they took was a
-quarter of the round). A durable mark lost or late costs nothing — a session's manifest, not the store's marks, says
-which rows a successor may trust — and a release lost that way is freed with the orphans once
-the worker is gone."""
+Marks are coalesced: after a mark arrives the reporter waits up to ``interval`` seconds while
+more queue up (a release, a flush or closing ends the wait at once: a finished session must
+not stay adoptable), then merges them per region, so a region costs one store call per
+interval instead of one per forward pass (at C = 64 that was ~400 calls per verify round, and
+their GIL time a quarter of the round). A durable mark lost or late costs nothing — a
+session's manifest, not the store's marks, says which rows a successor may trust — and a
+release lost that way is freed with the orphans once the worker is gone."""
 
 from __future__ import annotations
 
@@ -65,8 +66,18 @@ class DurabilityReporter:
     def _run(self) -> None:
         while True:
             batch = [self._q.get()]
-            if batch[0] is not None and batch[0][0] != "flush":
-                time.sleep(self.interval)  # let this interval's marks queue up and merge
+            if batch[0] is not None and batch[0][0] == "durable":
+                # Let this interval's marks queue up and merge; anything else (a release, a
+                # flush, closing) ends the wait: only marks may be late.
+                deadline = time.monotonic() + self.interval
+                while (left := deadline - time.monotonic()) > 0:
+                    try:
+                        item = self._q.get(timeout=left)
+                    except queue.Empty:
+                        break
+                    batch.append(item)
+                    if item is None or item[0] != "durable":
+                        break
             while True:  # drain what queued up meanwhile, so ranges of a region merge
                 try:
                     batch.append(self._q.get_nowait())
