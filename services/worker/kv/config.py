@@ -1,0 +1,56 @@
+"""What a worker's KV state is configured with, and the byte arithmetic shared with the
+benchmarks: the serving modes, the pool classes of eq. 3, and bytes per token."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.model.config import ModelConfig
+
+MODES = ("resident", "hisparse", "adaptive")
+
+
+@dataclass(frozen=True)
+class MemoryUsage:
+    """Bytes of the KV pools by class (eq. 3): required + optional + reserve + free = capacity."""
+
+    capacity: int
+    required: int
+    optional: int
+    reserve: int
+    free: int
+
+
+@dataclass(frozen=True)
+class KVCacheConfig:
+    mode: str = "resident"
+    kv_pool_bytes: int = 256 << 20
+    page_size: int = 16
+    max_slots: int = 32
+    max_model_len: int = 8192
+    ring_extra: int = 8  # verification block rows kept beyond window/group/page (K_max)
+    hot_cache_rows: int | None = None  # B (hierarchy modes); default 2k
+    max_prefill_tokens: int = 16384  # sizes the hierarchy's prefill scratch
+    host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
+    owner: str = "local"  # worker id the host regions belong to
+    resolver: str = "torch"  # torch | triton
+    reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
+    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
+    reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
+    spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
+    durable: bool = False  # hierarchy: back up what a successor needs to resume each session
+    dtype: torch.dtype = torch.float32
+    device: str = "cpu"
+
+
+def bytes_per_token(cfg: ModelConfig, elem_bytes: int, payload: bool) -> float:
+    """Device bytes one token adds: index keys, plus payload rows when they are resident."""
+    keys = sum(
+        cfg.d_index * elem_bytes / cfg.sources[cfg.layers[i].source].compress
+        for i in cfg.index_producers
+    )
+    if not payload:
+        return keys
+    return keys + sum(cfg.d_kv * elem_bytes / s.compress for s in cfg.sources)
