@@ -2,7 +2,7 @@
 # The H200 runs behind docs/results.md, in parts that each fit one call of the device tool
 # (at most 600 s) and leave at most 8 files under $OUT (what comes back).
 #
-#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~450 s
+#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~480 s
 #   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~330 s
 #   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~400 s
 #
@@ -20,14 +20,14 @@ SERVE="python bench/serving.py --modes resident,hisparse,adaptive --output-len 3
 case "${1:-}" in
 1)
     stamp gpu tests
-    timeout 90 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
+    timeout 60 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
         2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
     stamp capacity
-    timeout 240 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
+    timeout 200 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
         --out "$OUT/capacity.json" --plot "$OUT/capacity.png" > "$OUT/capacity.log" 2>&1
     tail -2 "$OUT/capacity.log"
-    stamp spec
-    timeout 190 python bench/spec.py --concurrency 1,16,64 --widths 4 --drafters dflash \
+    stamp spec: every drafter, paper schedule and online policy vs none, closed loop
+    timeout 300 python bench/spec.py --concurrency 1,16,64 --widths "" \
         --out "$OUT/spec.json" --plot "$OUT/spec.png" > "$OUT/spec.log" 2>&1
     tail -2 "$OUT/spec.log"
     ;;

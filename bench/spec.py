@@ -128,7 +128,7 @@ def main() -> int:
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
-    widths = [int(x) for x in args.widths.split(",")]
+    widths = [int(x) for x in args.widths.split(",") if x]  # "": no fixed-width configs
     prompts = make_prompts(args, max(args.concurrency))
     configs = [("none", None, "fixed", 1)]
     for d in args.drafters.split(","):
