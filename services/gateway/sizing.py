@@ -60,4 +60,16 @@ class SessionSizer:
             log.warning("worker %s: its model config is unusable for sizing: %s", worker.address, e)
             self._unusable.add(worker.config_json)
             return None
-        return required_bytes(profile, context_tokens, capacity_mode(worker.mode))
+        mode = capacity_mode(worker.mode)
+        if mode == "hierarchy":  # the worker reserves index keys for a verification block more
+            context_tokens += _spec_block(worker.kv_layout_json)
+        return required_bytes(profile, context_tokens, mode)
+
+
+@lru_cache(maxsize=16)
+def _spec_block(layout_json: str) -> int:
+    """K_max of the worker's verification (1 without speculation), from its layout."""
+    try:
+        return int(json.loads(layout_json).get("spec_block") or 1) if layout_json else 1
+    except (ValueError, TypeError, AttributeError):
+        return 1

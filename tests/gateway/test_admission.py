@@ -339,5 +339,14 @@ def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes
         for tokens in (100, 1000, 5000):
             sized = session_bytes(profile, tokens, capacity_mode(mode)).index_keys
             assert sized == kv.index_keys.pages_for(tokens) * page_bytes
+        # what the gateway charges covers the keys an admission of that budget reserves
+        # (a verification block beyond it), whichever page boundary the budget ends near
+        for budget in range(3990, 4010):
+            keys = kv.admission_pages(None, budget, budget) - kv.payload.required_pages
+            tokens = budget + layout["spec_block"]
+            assert SessionSizer().required_bytes(w, budget) == required_bytes(
+                profile, tokens, "hierarchy"
+            )
+            assert session_bytes(profile, tokens, "hierarchy").index_keys == keys * page_bytes
     finally:
         kv.close()
