@@ -3,7 +3,7 @@
 # (at most 600 s) and leave at most 8 files under $OUT (what comes back).
 #
 #   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~480 s
-#   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~330 s
+#   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~520 s
 #   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~400 s
 #
 # Needs the corpus at data/stdlib.u8 (python -m services.worker.train.corpus --out
@@ -42,6 +42,14 @@ case "${1:-}" in
         --time-limit-s 170 --out "$OUT/serving_http.json" --log-dir "$OUT/logs" \
         > "$OUT/serving_http.log" 2>&1
     tail -1 "$OUT/serving_http.log"
+    stamp step series: 40 synchronised steps per mode at C = 4 and 16, 8K contexts
+    for c in 4 16; do
+        timeout 40 python bench/profile_step.py --model models/glm-10m --context 8192 --steps 2 \
+            --rows 1 --series 40 --modes resident --concurrency $c --pool-gib 0.0401
+        timeout 50 python bench/profile_step.py --model models/glm-10m --context 8192 --steps 2 \
+            --rows 1 --series 40 --modes hisparse,adaptive --concurrency $c --pool-gib 0.0522 \
+            --durable
+    done 2>&1 | grep "=====" > "$OUT/step_series.log"
     (cd "$OUT" && tar czf logs.tgz logs *.log && rm -rf logs ./*.log)  # 8 files at most
     ;;
 3)
