@@ -33,13 +33,13 @@ case "${1:-}" in
     ;;
 2)
     stamp serving, engine level
-    timeout 250 $SERVE --concurrency 1,4,16,64 --spec-modes adaptive --spec-concurrency 4,64 \
+    timeout 230 $SERVE --concurrency 1,4,16,64 --spec-modes adaptive --spec-concurrency 4,64 \
         --drafters off,dflash,dspark,dflash2 --schedules fixed,paper,online --input-lens 8192 \
-        --time-limit-s 215 --out "$OUT/serving.json" --plot "$OUT/serving" > "$OUT/serving.log" 2>&1
+        --time-limit-s 200 --out "$OUT/serving.json" --plot "$OUT/serving" > "$OUT/serving.log" 2>&1
     tail -1 "$OUT/serving.log"
     stamp serving, HTTP level
-    timeout 200 $SERVE --http --concurrency 1,4,16,64 --drafters off --input-lens 8192 \
-        --time-limit-s 170 --out "$OUT/serving_http.json" --log-dir "$OUT/logs" \
+    timeout 170 $SERVE --http --concurrency 1,4,16,64 --drafters off --input-lens 8192 \
+        --time-limit-s 150 --out "$OUT/serving_http.json" --log-dir "$OUT/logs" \
         > "$OUT/serving_http.log" 2>&1
     tail -1 "$OUT/serving_http.log"
     stamp step series: 40 synchronised steps per mode, 8K contexts, the serving pools
