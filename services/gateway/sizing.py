@@ -37,7 +37,7 @@ class SessionSizer:
 
     def _build_profile(self, config_json: str, layout_json: str = "") -> Profile:
         cfg = ModelConfig.from_dict(json.loads(config_json))
-        layout = json.loads(layout_json) if layout_json else {}
+        layout = _layout(layout_json)
         page = layout.get("page_size") or self.page_size
         tail = layout.get("tail_rows")
         return profile_from_model_config(
@@ -62,14 +62,11 @@ class SessionSizer:
             return None
         mode = capacity_mode(worker.mode)
         if mode == "hierarchy":  # the worker reserves index keys for a verification block more
-            context_tokens += _spec_block(worker.kv_layout_json)
+            context_tokens += int(_layout(worker.kv_layout_json).get("spec_block") or 1)
         return required_bytes(profile, context_tokens, mode)
 
 
 @lru_cache(maxsize=16)
-def _spec_block(layout_json: str) -> int:
-    """K_max of the worker's verification (1 without speculation), from its layout."""
-    try:
-        return int(json.loads(layout_json).get("spec_block") or 1) if layout_json else 1
-    except (ValueError, TypeError, AttributeError):
-        return 1
+def _layout(layout_json: str) -> dict:
+    """A worker's reported KV layout, parsed once ({} from a worker that reports none)."""
+    return json.loads(layout_json) if layout_json else {}

@@ -51,12 +51,12 @@ def small_corpus(tmp: Path) -> Path:
     return path
 
 
-def micro_glm(tmp: Path) -> Path:
-    """The glm topology at ~100K parameters, as a config JSON: CPU steps in milliseconds."""
-    path = tmp / "micro-glm.json"
+def _micro(tmp: Path, base: str, name: str, index_topk: int) -> Path:
+    """``base``'s topology at ~100K parameters, as a config JSON: CPU steps in milliseconds."""
+    path = tmp / f"{name}.json"
     cfg = replace(
-        preset("tiny-glm"),
-        name="micro-glm",
+        preset(base),
+        name=name,
         d_model=64,
         n_heads=2,
         d_latent=32,
@@ -64,30 +64,21 @@ def micro_glm(tmp: Path) -> Path:
         d_ff=128,
         n_index_heads=2,
         d_index=16,
-        index_topk=16,
+        index_topk=index_topk,
     )
     cfg.save(path)
     return path
+
+
+def micro_glm(tmp: Path) -> Path:
+    """The glm topology at the micro size."""
+    return _micro(tmp, "tiny-glm", "micro-glm", index_topk=16)
 
 
 def micro_dsv4(tmp: Path) -> Path:
     """The dsv4 topology (a source packing 4 tokens per row with a local window, Reuse and
-    Reindex layers) at the micro size, as a config JSON."""
-    path = tmp / "micro-dsv4.json"
-    cfg = replace(
-        preset("tiny-dsv4"),
-        name="micro-dsv4",
-        d_model=64,
-        n_heads=2,
-        d_latent=32,
-        d_rope=16,
-        d_ff=128,
-        n_index_heads=2,
-        d_index=16,
-        index_topk=8,
-    )
-    cfg.save(path)
-    return path
+    Reindex layers) at the micro size."""
+    return _micro(tmp, "tiny-dsv4", "micro-dsv4", index_topk=8)
 
 
 def tiny_run(out: Path, corpus: Path, **overrides) -> TrainConfig:

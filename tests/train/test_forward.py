@@ -33,24 +33,35 @@ def test_logits_equal_inference_when_topk_covers_the_sequence(mode: str, name: s
     torch.testing.assert_close(out.logits, ref, rtol=0, atol=ATOL)
 
 
-@pytest.mark.parametrize("seed", [3, 4])
-def test_sparse_mode_selects_and_computes_what_inference_does(seed: int) -> None:
-    model = random_model(index_topk=16, seed=seed)
-    tokens = random_tokens(2, 96, seed=seed + 10)
+def sparse_matches_inference(
+    model: DSAModel, tokens: torch.Tensor, selection_matters: float
+) -> list[dict[int, torch.Tensor]]:
+    """Sparse training logits equal the inference path's, dense ones differ by more than
+    ``selection_matters`` (the selection is doing something), and every producer selects the
+    rows inference selects. Returns inference's selections per sequence."""
     ref, ref_sel = inference_pass(model, tokens)
     with torch.no_grad():
         sparse = train_forward(model, tokens, "sparse")
         dense = train_forward(model, tokens, "dense")
     torch.testing.assert_close(sparse.logits, ref, rtol=0, atol=ATOL)
-    assert (dense.logits - ref).abs().max() > 0.1  # selection matters at this k
+    assert (dense.logits - ref).abs().max() > selection_matters
     assert set(sparse.selections) == set(model.cfg.index_producers)
-    for b in range(2):
+    for b in range(tokens.shape[0]):
         # The first producer sees bit-identical inputs: the very same ordered selection.
         assert torch.equal(sparse.selections[0][b], ref_sel[b][0])
         for layer, sel in sparse.selections.items():
             # Later producers' inputs differ by float rounding (SDPA vs the reference
             # attention), which may reorder near-equal scores; the selected rows are equal.
             torch.testing.assert_close(sel[b].sort(-1).values, ref_sel[b][layer].sort(-1).values)
+    return ref_sel
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_sparse_mode_selects_and_computes_what_inference_does(seed: int) -> None:
+    model = random_model(index_topk=16, seed=seed)
+    ref_sel = sparse_matches_inference(model, random_tokens(2, 96, seed=seed + 10), 0.1)
+    for b in range(2):
+        for layer in model.cfg.index_producers:
             for follower in (1, 2) if layer == 0 else (4, 5):
                 assert torch.equal(ref_sel[b][follower], ref_sel[b][layer])
 
@@ -118,18 +129,9 @@ def test_compressed_windowed_sources_select_and_compute_what_inference_does(seed
     owner, a Reuse and a Reindex layer, then an uncompressed source. T = 97 leaves an
     incomplete last group, and the first queries see no compressed row, only their window."""
     model = random_model(index_topk=12, seed=seed, name="tiny-dsv4")
-    tokens = random_tokens(2, 97, seed=seed + 20)
-    ref, ref_sel = inference_pass(model, tokens)
-    with torch.no_grad():
-        sparse = train_forward(model, tokens, "sparse")
-        dense = train_forward(model, tokens, "dense")
-    torch.testing.assert_close(sparse.logits, ref, rtol=0, atol=ATOL)
-    assert (dense.logits - ref).abs().max() > 0.05  # selection matters at this k
-    assert set(sparse.selections) == set(model.cfg.index_producers) == {0, 2, 3}
+    assert set(model.cfg.index_producers) == {0, 2, 3}
+    ref_sel = sparse_matches_inference(model, random_tokens(2, 97, seed=seed + 20), 0.05)
     for b in range(2):
-        assert torch.equal(sparse.selections[0][b], ref_sel[b][0])
-        for layer, sel in sparse.selections.items():
-            torch.testing.assert_close(sel[b].sort(-1).values, ref_sel[b][layer].sort(-1).values)
         assert torch.equal(ref_sel[b][1], ref_sel[b][0])  # Reuse: the leader's positions
 
 

@@ -109,7 +109,7 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(req)
             budget -= n
-        self.kv.note_queue([self._budget(r) for r in self.waiting])
+        self.kv.note_queue(self._budget(r) for r in self.waiting)  # read in adaptive mode only
         return out
 
     def _budget(self, req: Request) -> int:

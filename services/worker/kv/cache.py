@@ -3,6 +3,9 @@ resident) and token rings (local windows and incomplete compression groups)."""
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Iterable
+
 import torch
 
 from services.kv_host_store.records import Region
@@ -127,15 +130,19 @@ class KVCache:
         budget = min(max_tokens + self.cfg.spec_block, self.tokens_capacity)
         return max(num_tokens, budget)
 
+    def _key_pages(self, slot: int | None, tokens: int) -> int:
+        """Pool pages the index keys of ``tokens`` tokens still need in ``slot`` (a fresh slot
+        when None); none when the keys have their own pools."""
+        if not self.keys_shared:
+            return 0
+        if slot is None:
+            return self.index_keys.pages_for(tokens)
+        return self.index_keys.pages_needed(slot, tokens)
+
     def admission_pages(self, slot: int | None, num_tokens: int, max_tokens: int) -> int:
         """Pages of the payload's pool that admitting a request takes (hierarchy modes): its
         hot cache and tail, and its index keys (into ``slot``, or a fresh one when None)."""
-        tokens = self._keys_reserved(num_tokens, max_tokens)
-        keys = (
-            self.index_keys.pages_for(tokens)
-            if slot is None
-            else self.index_keys.pages_needed(slot, tokens)
-        )
+        keys = self._key_pages(slot, self._keys_reserved(num_tokens, max_tokens))
         return self.payload.required_pages + keys  # type: ignore[attr-defined]
 
     def admit(
@@ -150,12 +157,12 @@ class KVCache:
         ``max_tokens`` ever (and a manifest half of ``manifest_bytes`` for a durable session);
         False changes nothing. Raises ``HostStoreUnavailable`` when the host store fails."""
         keys_to = self._keys_reserved(num_tokens, max_tokens)
-        key_pages = self.index_keys.pages_needed(slot, keys_to) if self.keys_shared else 0
         if not self.keys_shared and not self.can_ensure(slot, num_tokens):
             return False
         session = None
         if self.sessions is not None:
             session = self.sessions.regions(max_tokens, manifest_bytes)
+        key_pages = self._key_pages(slot, keys_to)
         if not self.payload.admit(slot, request_id, max_tokens, session, key_pages):
             return False
         ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
@@ -181,7 +188,7 @@ class KVCache:
             for s in range(len(self.model_cfg.sources))
         ]
         keys_to = self._keys_reserved(num_tokens, num_tokens)
-        key_pages = self.index_keys.pages_needed(slot, keys_to)
+        key_pages = self._key_pages(slot, keys_to)
         if not self.payload.adopt(slot, request_id, regions, committed, key_pages):  # type: ignore[attr-defined]
             return False
         ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
@@ -217,13 +224,17 @@ class KVCache:
         if maintain is not None:
             maintain()
 
-    def note_queue(self, budgets: list[int]) -> None:
+    def note_queue(self, budgets: Iterable[int]) -> None:
         """The token budgets (``max_tokens`` of ``admit``) of the requests still waiting after
         this step's admissions: adaptive residency keeps the pages their admissions will take
-        (hot cache, tail and index keys) out of optional history."""
+        (hot cache, tail and index keys) out of optional history. Only adaptive residency
+        reads them (a long queue shares a few budgets: each is priced once)."""
         residency = getattr(self.payload, "residency", None)
         if residency is not None:
-            residency.note_queue(sum(self.admission_pages(None, b, b) for b in budgets))
+            counts = Counter(budgets)
+            residency.note_queue(
+                sum(n * self.admission_pages(None, b, b) for b, n in counts.items())
+            )
 
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission

@@ -60,6 +60,8 @@ def train_forward(
     positions = torch.arange(t, device=dev).repeat(b)  # [B*T]
     rows: dict[int, torch.Tensor] = {}  # source -> [B, T // m, d_kv] stored rows
     raw: dict[int, torch.Tensor] = {}  # windowed source -> [B, T, d_kv] token rows
+    visible_of: dict[int, torch.Tensor] = {}  # m -> [1, T, T // m] rows each query can see
+    window_of: dict[int, torch.Tensor] = {}  # W -> [1, T, T] each query's window
     masks: dict[int, torch.Tensor] = {}  # layer -> [B, T, T // m] selected rows (sparse)
     selections: dict[int, torch.Tensor] = {}
     kls: list[torch.Tensor] = []
@@ -71,11 +73,14 @@ def train_forward(
         x = layer.attn_norm(h)
         if attn.owner:
             tok = attn.token_rows(x, positions).view(b, t, cfg.d_kv)
-            raw[spec.source] = tok
+            if src.window:
+                raw[spec.source] = tok
             groups = tok[:, : t // m * m].reshape(b * (t // m), m, cfg.d_kv)
             rows[spec.source] = tok if m == 1 else attn.compress(groups).view(b, t // m, -1)
         r = rows[spec.source]
-        visible = causal_mask(t, dev, m).unsqueeze(0)  # [1, T, T // m]
+        if m not in visible_of:
+            visible_of[m] = causal_mask(t, dev, m).unsqueeze(0)  # [1, T, T // m]
+        visible = visible_of[m]
         q = attn.queries(x, positions).view(b, t, cfg.n_heads, cfg.d_kv).transpose(1, 2)
         scores = None
         if layer.indexer is not None and (mode == "sparse" or index_loss):
@@ -93,7 +98,9 @@ def train_forward(
             mask = visible  # dense over what a compressed or windowed source shows
         window = None
         if src.window:
-            window = (raw[spec.source], window_mask(t, src.window, dev).unsqueeze(0))
+            if src.window not in window_of:
+                window_of[src.window] = window_mask(t, src.window, dev).unsqueeze(0)
+            window = (raw[spec.source], window_of[src.window])
         o = attend(q, r, mask, cfg.d_latent, attn.scale, window)  # [B, T, H, d_latent]
         if layer.indexer is not None and index_loss:
             assert scores is not None
