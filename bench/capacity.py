@@ -2,7 +2,9 @@
 
     python bench/capacity.py --out docs/results/capacity.json --plot docs/results/capacity.png
 
-One run, the same model and requests for every mode. The KV budget for sessions is sized so
+One run, the same model and requests for every mode; at each concurrency the modes' engines
+are stepped in lockstep (``bench/lockstep.py``), so the host's slow phases fall on all of them
+alike, and each mode's times count only its own steps. The KV budget for sessions is sized so
 resident serving holds ``--resident-sessions`` sessions of the context; each hierarchy mode gets
 that same budget plus its own fixed allocations (prefill scratch, hot-cache metadata), which are
 reported. At each concurrency C, C requests with C distinct prompts of ``--context`` tokens
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lockstep import lockstep
 from bench.steps import StepRates
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
@@ -52,7 +55,8 @@ def bench_model_config(layers: int, k: int) -> ModelConfig:
     )  # fmt: skip
 
 
-def run_mode(mode: str, args, budget: int, prompts: list[list[int]]) -> dict:
+def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
+    """(engine, pool bytes, fixed bytes): the session budget plus the mode's fixed allocations."""
     ctx = args.context
     common = dict(
         model="bench-glm", device=args.device, dtype=DTYPE, mode=mode, page_size=args.page,
@@ -68,65 +72,103 @@ def run_mode(mode: str, args, budget: int, prompts: list[list[int]]) -> dict:
     engine = Engine(
         EngineConfig(kv_pool_mib=pool / 2**20, **common), model=MODEL, tokenizer=TOKENIZER
     )
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    # Warm-up: compile every kernel variant before anything is timed.
-    engine.generate([prompts[0][:2048], prompts[1][:1024]], params)
-    rows = []
-    for c in args.concurrency:
-        census0 = engine.kv.census()
-        reqs = [engine.add_request(f"{mode}-{c}-{i}", prompts[i], params) for i in range(c)]
+    return engine, pool, fixed
+
+
+class Sweep:
+    """One mode at one concurrency: C requests arrive at once and each decodes
+    ``--decode-tokens`` tokens. Stepped by ``lockstep`` beside the other modes; its clock
+    counts only its own steps (wall time, allocation waits), so the other modes' steps in
+    between do not count against it."""
+
+    def __init__(self, engine: Engine, mode: str, c: int, args, prompts: list[list[int]]) -> None:
+        self.engine, self.mode, self.c, self.args = engine, mode, c, args
+        params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        self.census0 = engine.kv.census()
+        self.reqs = [engine.add_request(f"{mode}-{c}-{i}", prompts[i], params) for i in range(c)]
+        self.stats0 = (engine.stats.decode_s, engine.stats.decode_tokens)
+        self.steps = StepRates(engine)
+        self.peak = 0
+        self.clock = 0.0  # seconds spent in this engine's steps
+        self.waits: dict[int, float] = {}  # request -> its clock when admitted
+
+    @property
+    def active(self) -> bool:
+        return self.engine.has_work()
+
+    def step(self) -> None:
         t0 = time.perf_counter()
-        st = engine.stats
-        d_s, d_tok = st.decode_s, st.decode_tokens
-        peak = 0
-        steps = StepRates(engine)
-        while engine.has_work():
-            engine.step()
-            steps.record()
-            peak = max(peak, engine.num_running)
-        if args.device == "cuda":
+        self.engine.step()
+        if self.args.device == "cuda":
             torch.cuda.synchronize()
-        decode_time, decode_tokens = st.decode_s - d_s, st.decode_tokens - d_tok
-        wall = time.perf_counter() - t0
-        waits = [r.admitted_time - r.arrival for r in reqs]
-        census1 = engine.kv.census()
+        for i, r in enumerate(self.reqs):
+            if i not in self.waits and r.admitted_time is not None:
+                self.waits[i] = self.clock  # admitted in this step: waited until it began
+        self.clock += time.perf_counter() - t0
+        self.steps.record()
+        self.peak = max(self.peak, self.engine.num_running)
+
+    def row(self) -> dict:
+        st, args, c = self.engine.stats, self.args, self.c
+        decode_time = st.decode_s - self.stats0[0]
+        decode_tokens = st.decode_tokens - self.stats0[1]
+        waits = list(self.waits.values())
         row = {
-            "mode": mode,
+            "mode": self.mode,
             "concurrency": c,
-            "sessions_admitted": peak,
+            "sessions_admitted": self.peak,
             "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
-            "decode_tokens_per_s_median": steps.median,
-            "output_tokens_per_s": c * args.decode_tokens / wall,
-            "wall_s": wall,
+            "decode_tokens_per_s_median": self.steps.median,
+            "output_tokens_per_s": c * args.decode_tokens / self.clock,
+            "wall_s": self.clock,
             "alloc_wait_mean_s": statistics.mean(waits),
             "alloc_wait_max_s": max(waits),
         }
+        census1 = self.engine.kv.census()
         if census1 is not None:
             d = {
-                k: getattr(census1, k) - getattr(census0, k)
+                k: getattr(census1, k) - getattr(self.census0, k)
                 for k in ("direct", "hot", "host", "copied")
             }
             total = max(1, d["direct"] + d["hot"] + d["host"])
             row.update(
                 census_direct=d["direct"] / total, census_hot=d["hot"] / total,
                 census_host=d["host"] / total,
-                host_bytes_per_token=d["copied"] * engine.kv.row_bytes / max(1, c * args.decode_tokens),
+                host_bytes_per_token=d["copied"] * self.engine.kv.row_bytes / max(1, c * args.decode_tokens),
             )  # fmt: skip
-        res = getattr(engine.kv.payload, "residency", None)
+        res = getattr(self.engine.kv.payload, "residency", None)
         if res is not None:
             row.update(reclaims=res.stats.reclaim_events, repopulated=res.stats.repopulated_pages)
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    capacity = probe_capacity(engine, mode, args, prompts)
-    print(json.dumps({"mode": mode, "capacity": capacity}), flush=True)
-    engine.close()
-    del engine
+        return row
+
+
+def run_modes(modes: list[str], args, budget: int, prompts: list[list[int]]) -> list[dict]:
+    """Every mode's engine at once; at each C the modes run in lockstep (``bench/lockstep.py``),
+    then each mode's capacity is probed on its own."""
+    engines = {}
+    results = {}
+    for mode in modes:
+        engine, pool, fixed = build_engine(mode, args, budget)
+        params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+        # Warm-up: compile every kernel variant before anything is timed.
+        engine.generate([prompts[0][:2048], prompts[1][:1024]], params)
+        engines[mode] = engine
+        results[mode] = {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": []}
+    for c in args.concurrency:
+        sweeps = [Sweep(engines[m], m, c, args, prompts) for m in modes]
+        lockstep(sweeps)
+        for sw in sweeps:
+            row = sw.row()
+            results[sw.mode]["rows"].append(row)
+            print(json.dumps(row), flush=True)
+    for mode, engine in engines.items():
+        results[mode]["capacity"] = probe_capacity(engine, mode, args, prompts)
+        print(json.dumps({"mode": mode, "capacity": results[mode]["capacity"]}), flush=True)
+        engine.close()
+    engines.clear()
     if args.device == "cuda":
         torch.cuda.empty_cache()
-    return {
-        "mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": rows,
-        "capacity": capacity,
-    }  # fmt: skip
+    return [results[m] for m in modes]
 
 
 def probe_capacity(engine: Engine, mode: str, args, prompts: list[list[int]]) -> dict:
@@ -199,10 +241,7 @@ def main() -> int:
         torch.randint(0, 256, (args.context,), generator=g).tolist()
         for _ in range(max(args.concurrency))
     ]
-    results = []
-    for mode in args.modes.split(","):
-        print(f"== {mode}", flush=True)
-        results.append(run_mode(mode, args, budget, prompts))
+    results = run_modes(args.modes.split(","), args, budget, prompts)
     summary = summarize(results, args)
     out = {
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),

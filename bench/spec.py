@@ -10,7 +10,9 @@ target with drafters trained on its own greedy text, prompts being its greedy co
 For each concurrency C, C clients each keep one request of ``--decode-tokens`` greedy tokens
 in flight, replacing it when it finishes (closed loop, ``--requests-per-client`` each); every
 configuration first runs one request per client on the same engine (warm kernels, and the
-online policy has measured its widths).
+online policy has measured its widths). Every configuration's engine exists at once and, at
+each C, they all run in lockstep (``bench/lockstep.py``): the host's slow phases fall on all
+of them alike.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from bench.lockstep import lockstep
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 
@@ -64,48 +67,60 @@ def make_prompts(args, n: int) -> list[list[int]]:
     return out
 
 
-def measure(eng: Engine, prompts: list[list[int]], args, per_client: int) -> dict:
-    """Closed loop: each of C = len(prompts) clients keeps one request of ``--decode-tokens``
-    tokens in flight and replaces it the moment it finishes (the next prompt in turn), until
-    it has sent ``per_client``. The decode rate counts the steps while every client is still
-    sending: the batch stays full, as in serving. (Measured open loop, speculation looked
-    worse than it is: requests that drew short acceptances finish rounds after the others,
-    and those last rounds ran in a small batch.)"""
-    c = len(prompts)
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-    st = eng.stats
-    spec = eng.speculator
-    c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
-    sent = 0
+class ClosedLoop:
+    """Closed loop on one engine: each of C = len(prompts) clients keeps one request of
+    ``--decode-tokens`` tokens in flight and replaces it the moment it finishes (the next
+    prompt in turn), until it has sent ``per_client``. The decode rate counts the steps while
+    every client is still sending: the batch stays full, as in serving. (Measured open loop,
+    speculation looked worse than it is: requests that drew short acceptances finish rounds
+    after the others, and those last rounds ran in a small batch.) Stepped by ``lockstep``
+    beside the other configurations; the rate counts only this engine's own steps."""
 
-    def send() -> None:
-        nonlocal sent
-        eng.add_request(f"spec-{next(_IDS)}", prompts[sent % c], params)
-        sent += 1
+    def __init__(self, eng: Engine, prompts: list[list[int]], args, per_client: int) -> None:
+        self.eng, self.prompts, self.limit = eng, prompts, len(prompts) * per_client
+        self.params = SamplingParams(
+            temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True
+        )
+        spec = eng.speculator
+        self.c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
+        self.sent = 0
+        self.window_s = self.window_tokens = 0.0
+        for _ in prompts:
+            self._send()
 
-    for _ in range(c):
-        send()
-    window_s = window_tokens = 0.0
-    while eng.has_work():
+    def _send(self) -> None:
+        prompt = self.prompts[self.sent % len(self.prompts)]
+        self.eng.add_request(f"spec-{next(_IDS)}", prompt, self.params)
+        self.sent += 1
+
+    @property
+    def active(self) -> bool:
+        return self.eng.has_work()
+
+    def step(self) -> None:
+        st = self.eng.stats
         d_s, d_t = st.decode_s, st.decode_tokens
-        steady = sent < c * per_client
-        outs = eng.step()
+        steady = self.sent < self.limit
+        outs = self.eng.step()
         if steady:
-            window_s += st.decode_s - d_s
-            window_tokens += st.decode_tokens - d_t
+            self.window_s += st.decode_s - d_s
+            self.window_tokens += st.decode_tokens - d_t
         for out in outs:
-            if out.finished and sent < c * per_client:
-                send()
-    row = {
-        "decode_tokens_per_s": window_tokens / max(window_s, 1e-9),
-        "acceptance_length": 1.0,
-    }
-    if spec is not None:
-        drafts = spec.counters.drafts - c0[0]
-        accepted = spec.counters.accepted - c0[1]
-        row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
-        row["width_in_use"] = spec.counters.width
-    return row
+            if out.finished and self.sent < self.limit:
+                self._send()
+
+    def result(self) -> dict:
+        row = {
+            "decode_tokens_per_s": self.window_tokens / max(self.window_s, 1e-9),
+            "acceptance_length": 1.0,
+        }
+        spec = self.eng.speculator
+        if spec is not None:
+            drafts = spec.counters.drafts - self.c0[0]
+            accepted = spec.counters.accepted - self.c0[1]
+            row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
+            row["width_in_use"] = spec.counters.width
+        return row
 
 
 def main() -> int:
@@ -134,19 +149,23 @@ def main() -> int:
     for d in args.drafters.split(","):
         configs += [(f"{d}/K={w}", d, "fixed", w) for w in widths]
         configs += [(f"{d}/paper", d, "paper", 8), (f"{d}/online", d, "online", 8)]
+    engines = {name: Engine(config(args, d, policy, w)) for name, d, policy, w in configs}
     results = []
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover
         tqdm = lambda x, **_: x  # noqa: E731
-    for name, drafter, policy, width in tqdm(configs, desc="configs"):
-        eng = Engine(config(args, drafter, policy, width))
-        for c in args.concurrency:
-            measure(eng, prompts[:c], args, 1)  # warm-up (and the online policy's measurements)
-            m = measure(eng, prompts[:c], args, args.requests_per_client)
-            row = {"config": name, "concurrency": c, **m}
+    for c in tqdm(args.concurrency, desc="concurrency"):
+        # warm-up (kernels, and the online policy's measurements), then the measured loops
+        lockstep([ClosedLoop(eng, prompts[:c], args, 1) for eng in engines.values()])
+        loops = {name: ClosedLoop(eng, prompts[:c], args, args.requests_per_client)
+                 for name, eng in engines.items()}  # fmt: skip
+        lockstep(list(loops.values()))
+        for name, loop in loops.items():
+            row = {"config": name, "concurrency": c, **loop.result()}
             results.append(row)
             print(json.dumps(row), flush=True)
+    for eng in engines.values():
         eng.close()
     summary = summarize(results, args)
     out = {

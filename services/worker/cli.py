@@ -30,6 +30,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--mode", choices=["resident", "hisparse", "adaptive"], help="serving mode")
     p.add_argument("--reserve-pages", type=int, help="adaptive: admission reserve, in pages")
     p.add_argument("--populate-pages", type=int, help="adaptive: pages refilled per attempt")
+    p.add_argument(
+        "--populate-payback", type=float,
+        help="adaptive: refill a request only with >= this x V/k decode steps left (0: always)",
+    )  # fmt: skip
     p.add_argument("--reclaim-order", choices=["largest", "smallest", "oldest", "newest"])
     p.add_argument("--kv-pool-mib", type=float, help="KV pool size in MiB")
     p.add_argument("--hot-cache-rows", type=int, help="hot cache rows B per request and source")

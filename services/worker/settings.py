@@ -37,6 +37,7 @@ class WorkerSettings(BaseSettings):
     attention_backend: str = "auto"
     reserve_pages: int = 0
     populate_pages: int = 256
+    populate_payback: float = 1.0
     reclaim_order: str = "largest"
     drafter: str | None = None
     spec_width: int = 8
@@ -64,6 +65,7 @@ class WorkerSettings(BaseSettings):
             attention_backend=self.attention_backend,
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
+            populate_payback=self.populate_payback,
             reclaim_order=self.reclaim_order,
             drafter=self.drafter,
             spec_width=self.spec_width,

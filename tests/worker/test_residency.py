@@ -296,6 +296,38 @@ def test_repopulation_leaves_the_queue_its_admission_pages() -> None:
     kv.close()
 
 
+def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> None:
+    """A refilled page spares ~p·k/V host reads per decode step and costs p rows once: with
+    the horizons noted as the scheduler notes them, requests with fewer than V/k steps left
+    get none of the freed pages; the others get them all."""
+    kv = make_kv("adaptive", POOL)
+    res = kv.payload.residency
+    gen = torch.Generator().manual_seed(11)
+    for slot in range(SLOTS):
+        assert kv.admit(slot, f"r{slot}", 140, 512)
+        kv.note_queue([512] * (SLOTS - 1 - slot))  # history goes to the host: refills wanted
+        batch = ForwardBatch.build([slot], [0], [140], "cpu")
+        MODEL(torch.randint(0, 256, (140,), generator=gen), batch, kv)
+        kv.commit(batch, [140])
+        kv.maintain()
+    kv.release(0)
+    kv.note_queue([])
+    payback = -(-140 // K)  # V/k decode steps
+    short, long_ = [1, 3], [2, 4]
+    kv.note_horizons([(s, payback - 1) for s in short] + [(s, payback) for s in long_])
+    wanted = {s: len(res._owners[res._slot_owner[s]].wanted) for s in range(1, SLOTS)}
+    assert all(wanted[s] > 0 for s in range(1, SLOTS))
+    for _ in range(4):
+        kv.maintain()
+        kv.check()
+    for s in short:
+        assert len(res._owners[res._slot_owner[s]].wanted) == wanted[s]  # nothing refilled
+    for s in long_:
+        assert len(res._owners[res._slot_owner[s]].wanted) < wanted[s]
+    assert res.stats.repopulated_pages > 0
+    kv.close()
+
+
 @pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
 def test_a_huge_max_tokens_is_admitted_with_the_keys_the_pool_can_hold(mode: str) -> None:
     """Index keys are reserved for a request's whole budget, but never beyond what one request

@@ -23,6 +23,7 @@ class EngineConfig:
     resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
     reserve_pages: int = 0  # adaptive: admission reserve, in pages
     populate_pages: int = 256  # adaptive: optional pages refilled per attempt
+    populate_payback: float = 1.0  # adaptive: refill only with >= this x V/k steps left
     reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     owner: str = "local"  # worker id that owns this engine's host regions
@@ -59,6 +60,7 @@ class EngineConfig:
             resolver=self._backend(self.resolver),
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
+            populate_payback=self.populate_payback,
             reclaim_order=self.reclaim_order,
             spec_block=self.spec_width if self.drafter else 1,
             ring_extra=max(8, self.spec_width if self.drafter else 1),

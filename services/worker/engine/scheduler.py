@@ -109,7 +109,9 @@ class Scheduler:
             self.running.append(req)
             out.prefill.append(req)
             budget -= n
-        self.kv.note_queue(self._budget(r) for r in self.waiting)  # read in adaptive mode only
+        # read in adaptive mode only
+        self.kv.note_queue(self._budget(r) for r in self.waiting)
+        self.kv.note_horizons((r.slot, self._budget(r) - r.num_tokens) for r in self.running)
         return out
 
     def _budget(self, req: Request) -> int:

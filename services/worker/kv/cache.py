@@ -236,6 +236,14 @@ class KVCache:
                 sum(n * self.admission_pages(None, b, b) for b, n in counts.items())
             )
 
+    def note_horizons(self, horizons: Iterable[tuple[int, int]]) -> None:
+        """(slot, decode steps it may still take) of the running requests: adaptive residency
+        refills only the history of requests that will run long enough to pay for the copy.
+        Only adaptive residency reads them."""
+        residency = getattr(self.payload, "residency", None)
+        if residency is not None:
+            residency.note_horizons(dict(horizons))
+
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission
         that does not fit now may fit after a few steps."""

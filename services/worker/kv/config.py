@@ -38,6 +38,9 @@ class KVCacheConfig:
     resolver: str = "torch"  # torch | triton
     reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
     populate_pages: int = 256  # adaptive: optional pages refilled per attempt
+    # adaptive: refill a request's history only while it has at least this many times
+    # V/k decode steps left (a refilled page pays back its copy after ~V/k steps; 0: always)
+    populate_payback: float = 1.0
     reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session

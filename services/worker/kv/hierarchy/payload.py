@@ -52,6 +52,7 @@ class HierarchyPayload:
         mode: str = "hisparse",
         reserve_pages: int = 0,
         populate_pages: int = 256,
+        populate_payback: float = 1.0,
         reclaim_order: str = "largest",
         spec_block: int = 1,
         durable: bool = False,
@@ -99,7 +100,14 @@ class HierarchyPayload:
                 else ImmediateCompletions()
             )
             self.residency = Residency(
-                self, done, reserve_pages, populate_pages, reclaim_order, write_through=durable
+                self,
+                done,
+                reserve_pages,
+                populate_pages,
+                reclaim_order,
+                write_through=durable,
+                topk=cfg.index_topk,
+                payback=populate_payback,
             )
         self.refusal: str | None = None  # why the last admission found the host store full
 

@@ -40,6 +40,8 @@ class Residency:
         populate_pages: int,
         order: str = "largest",
         write_through: bool = False,
+        topk: int = 1,
+        payback: float = 0.0,
     ) -> None:
         self.p = payload
         # Durable sessions: imported history is backed up at once even when kept on the device
@@ -49,6 +51,8 @@ class Residency:
         self.reserve = reserve_pages
         self.populate_pages = populate_pages
         self.order = order
+        self.topk, self.payback = topk, payback
+        self._horizon: dict[int, int] = {}  # slot -> decode steps it may still take
         self.rr = RoundRobin()
         self.stats = ResidencyStats()
         self._owners: dict[int, Owner] = {}
@@ -90,6 +94,19 @@ class Residency:
         spoken for: optional history may only use what is left (it would be reclaimed at
         once, and a reclaim takes a whole request's history)."""
         self._queued = pages
+
+    def note_horizons(self, horizons: dict[int, int]) -> None:
+        """Decode steps each running slot may still take (its token budget left)."""
+        self._horizon = horizons
+
+    def pays(self, owner: Owner) -> bool:
+        """Whether refilling the request's history pays for its copy. A decode step selects k of
+        the V rows a source holds, so a refilled page of p rows spares about p·k/V host reads
+        per step and pays back the p rows copied after V/k steps: refill only while the request
+        has ``payback`` times that many steps left. A slot the scheduler said nothing about is
+        refilled (unknown horizon)."""
+        left = self._horizon.get(owner.slot)
+        return left is None or left * self.topk >= self.payback * max(owner.imported, default=0)
 
     def spare(self) -> int:
         """Pages optional history may take now: the room less the queue's pages."""
@@ -298,7 +315,10 @@ class Residency:
         live = {
             o.slot: (oid, o)
             for oid, o in self._owners.items()
-            if self._slot_owner.get(o.slot) == oid and o.reclaim_started is None and o.wanted
+            if self._slot_owner.get(o.slot) == oid
+            and o.reclaim_started is None
+            and o.wanted
+            and self.pays(o)
         }
         grant = self.rr.plan({s: len(o.wanted) for s, (_, o) in live.items()}, budget)
         pgs: list[OptPage] = []
