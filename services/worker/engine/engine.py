@@ -25,7 +25,6 @@ from services.worker.engine.sampling import sample_token, token_logprob
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.speculative import Speculator, make_drafter
 from services.worker.engine.stop import TextStream
-from services.worker.engine.threads import limit_host_threads
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.model import DSAModel, load_model
@@ -78,8 +77,6 @@ class Engine:
         self.model_cfg = model.cfg
         self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
         self.device = torch.device(cfg.device)
-        if self.device.type == "cuda":
-            limit_host_threads()
         self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
         self.journal: Journal | None = None
         if self.kv.sessions is not None:
