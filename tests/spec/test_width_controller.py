@@ -4,6 +4,8 @@ behaviour mid-run. It must settle on the width that truly serves most at each lo
 
 from __future__ import annotations
 
+import pytest
+
 from services.worker.engine.speculative import WidthController
 
 # (seconds per step, tokens emitted per request) by width at low and high load: at low load
@@ -12,11 +14,15 @@ LOW = {0: (0.010, 1.0), 4: (0.020, 2.0), 6: (0.022, 2.4), 8: (0.024, 2.8)}
 HIGH = {0: (0.020, 1.0), 4: (0.060, 2.0), 6: (0.075, 2.4), 8: (0.090, 2.8)}
 
 
-def _run(ctl: WidthController, load: int, table: dict, rounds: int, first: set) -> list[int]:
+def _run(
+    ctl: WidthController, load: int, table: dict, rounds: int, first: set, phase=lambda i: 1.0
+) -> list[int]:
+    """``phase(i)``: the host's slowdown in round i (1.0: none)."""
     chosen = []
-    for _ in range(rounds):
+    for i in range(rounds):
         w = ctl.width(load)
         step_s, per_req = table[w]
+        step_s *= phase(i)
         if (load, w) not in first:  # the first round of a width at a load pays compilation
             first.add((load, w))
             step_s += 2.0
@@ -35,6 +41,17 @@ def test_settles_on_the_best_width_despite_a_compile_spike() -> None:
     chosen = _run(ctl, 5, LOW, 200, first)
     assert best(LOW, 5) == 8
     assert chosen[-50:].count(8) >= 45  # refreshes may borrow a few rounds
+
+
+@pytest.mark.parametrize("length", [3, 5, 7, 11])
+def test_host_phases_weigh_on_every_width_alike(length: int) -> None:
+    """The host alternates between fast phases and phases 1.7x slower, ``length`` rounds
+    each (the H200 host does, whatever runs). The widths explored in turns see both phases
+    alike, so the controller still settles on the width that serves most."""
+    ctl = WidthController("online", k_max=8, max_sessions=64)
+    phase = lambda i: 1.7 if (i // length) % 2 else 1.0  # noqa: E731
+    chosen = _run(ctl, 5, LOW, 300, set(), phase)
+    assert chosen[-60:].count(best(LOW, 5)) >= 45
 
 
 def test_measures_again_at_a_new_load_and_turns_speculation_off() -> None:

@@ -60,15 +60,18 @@ class WidthController:
     or the online policy (eq. 13 on measured TPOT).
 
     The online policy first measures each candidate width for ``explore_steps`` rounds at
-    each load bucket. The first round of a burst is not recorded: it pays one-off costs
-    (kernel compilation, cold caches) that would otherwise bias the average against that
-    width for a long time. At a load bucket next to one already measured, a width that served
+    each load bucket, the widths taking turns round by round: the host alternates between
+    slow and fast phases a few to a dozen steps long (``bench/profile_step.py --series``), and
+    widths measured one after the other would each see a different phase; taking turns, a
+    phase weighs on all of them alike. Each width's first round of a burst is not recorded: it
+    pays one-off costs (kernel compilation, cold caches) that would otherwise bias the average
+    against that width for a long time. At a load bucket next to one already measured, a width that served
     less than ``1 - prune`` of the best there is not explored (every round spent measuring a
     bad width is lost throughput, and load buckets change as requests come and go); width 0,
     the baseline of eq. 13, always is. Every ``refresh_every`` decisions it re-measures the
-    width whose measurement at this load is the oldest (one never measured here first), so
-    an estimate that went stale or a width pruned wrongly is corrected rather than trusted
-    forever."""
+    width whose measurement at this load is the oldest (one never measured here first), in
+    turns with the current width, so an estimate that went stale or a width pruned wrongly is
+    corrected rather than trusted forever."""
 
     def __init__(
         self,
@@ -90,8 +93,8 @@ class WidthController:
         self.explore_steps = explore_steps
         self.refresh_every = refresh_every
         self.prune = prune
-        self._explore: list[int] = []
-        self._skip_next = False  # the coming observation opens a burst: not recorded
+        self._explore: list[int] = []  # the burst's widths still to run, last first
+        self._skip: set[int] = set()  # widths whose coming observation is not recorded
         self._decisions = 0
         self._measured_at: dict[tuple[int, int], int] = {}  # (bucket, width) -> decision no.
 
@@ -101,18 +104,19 @@ class WidthController:
         if self.policy == "paper":
             return min(self.k_max, self.schedule.width(load))
         if not self._explore:
-            w = self._to_measure(load)
-            if w is not None:
-                self._explore = [w] * (self.explore_steps + 1)
-                self._skip_next = True
+            ws = self._to_measure(load)
+            if ws:
+                self._explore = list(reversed(ws * (self.explore_steps + 1)))
+                self._skip = set(ws)
         if self._explore:
             return self._explore.pop()
         self._decisions += 1
         return self.online.decide(load, self.sessions)
 
-    def _to_measure(self, load: int) -> int | None:
-        """A width to measure now: one not yet measured in this load's bucket, else (every
-        ``refresh_every`` decisions) the one measured longest ago, other than the current."""
+    def _to_measure(self, load: int) -> list[int]:
+        """Widths to measure now, in turns: those not yet measured in this load's bucket, else
+        (every ``refresh_every`` decisions) the one measured longest ago other than the
+        current, with the current."""
         unmeasured = [w for w in self.online.widths if not self.online.measured(w, load)]
         near = self.online.neighbour(load)
         if unmeasured and near is not None:  # skip widths clearly worse next door
@@ -120,24 +124,26 @@ class WidthController:
             floor = (1.0 - self.prune) * max(prior.values())
             unmeasured = [w for w in unmeasured if w == 0 or prior.get(w, 0.0) >= floor]
         if unmeasured:
-            return unmeasured[0]
+            return unmeasured
         if self.refresh_every <= 0 or self._decisions == 0:
-            return None
+            return []
         if self._decisions % self.refresh_every:
-            return None
+            return []
         b = load_bucket(load)
-        others = [w for w in self.online.widths if w != self.online.current]
+        current = self.online.current
+        others = [w for w in self.online.widths if w != current]
         if not others:
-            return None
+            return []
         self._decisions += 1  # one refresh per period
-        return min(others, key=lambda w: self._measured_at.get((b, w), -1))
+        stale = min(others, key=lambda w: self._measured_at.get((b, w), -1))
+        return [stale] if current is None else [stale, current]
 
     def observe(self, width: int, load: int, step_s: float, tokens: int) -> None:
         """A decode step at ``width`` emitted ``tokens`` for ``load`` requests in ``step_s``."""
         if self.policy != "online" or not tokens:
             return
-        if self._skip_next:
-            self._skip_next = False
+        if width in self._skip:
+            self._skip.discard(width)
             return
         self.online.observe(width, load, step_s * load / tokens)
         self._measured_at[(load_bucket(load), width)] = self._decisions
