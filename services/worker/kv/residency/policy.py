@@ -46,6 +46,14 @@ def requests_to_reclaim(ordered: Sequence[Holder], deficit: int) -> list[Holder]
     return None
 
 
+def refill_pays(steps_left: int, topk: int, rows: int, payback: float) -> bool:
+    """Whether refilling a request's history pays for the copy. A decode step selects k of the
+    V rows a source holds, so a refilled page of p rows spares about p·k/V host reads per step
+    and pays back the p rows copied after V/k steps: refill only while the request has
+    ``payback`` times that many steps left (0: always)."""
+    return steps_left * topk >= payback * rows
+
+
 class RoundRobin:
     """Bounded round-robin over requests that miss optional history: each attempt hands out at
     most ``budget`` pages, one request after another, resuming where the last attempt ended."""

@@ -22,11 +22,13 @@ import torch
 
 from services.worker.kv.residency.check import check_residency
 from services.worker.kv.residency.completions import Completions
+from services.worker.kv.residency.maps import import_pages, page_rows, publish
 from services.worker.kv.residency.pages import OptPage, Owner, ResidencyStats, State
 from services.worker.kv.residency.policy import (
     Holder,
     RoundRobin,
     reclaim_order,
+    refill_pays,
     requests_to_reclaim,
 )
 
@@ -100,13 +102,11 @@ class Residency:
         self._horizon = horizons
 
     def pays(self, owner: Owner) -> bool:
-        """Whether refilling the request's history pays for its copy. A decode step selects k of
-        the V rows a source holds, so a refilled page of p rows spares about p·k/V host reads
-        per step and pays back the p rows copied after V/k steps: refill only while the request
-        has ``payback`` times that many steps left. A slot the scheduler said nothing about is
-        refilled (unknown horizon)."""
+        """Whether refilling the request's history pays for its copy (``refill_pays``); a slot
+        the scheduler said nothing about is refilled (unknown horizon)."""
         left = self._horizon.get(owner.slot)
-        return left is None or left * self.topk >= self.payback * max(owner.imported, default=0)
+        rows = max(owner.imported, default=0)
+        return left is None or refill_pays(left, self.topk, rows, self.payback)
 
     def spare(self) -> int:
         """Pages optional history may take now: the room less the queue's pages."""
@@ -172,20 +172,15 @@ class Residency:
         cursor = lo
         if n:  # one copy and one map update for all of them
             pages = self.p.pages.take(n)
-            dev = self.p.device
             a, b = first * p, (first + n) * p
             if a > lo:
                 rest.append((lo, a))
-            phys = torch.tensor(pages, dtype=torch.int64, device=dev)
-            dst = (phys.unsqueeze(1) * p + torch.arange(p, device=dev)).reshape(-1)
-            self.p.store[dst] = self.p.store[rows_at(a, b)]
+            import_pages(self.p, source, slot, first, pages, rows_at(a, b))
             for j, page in enumerate(pages):
                 owner.pages[(source, first + j)] = OptPage(
                     self._slot_owner[slot], slot, source, first + j, page, State.READY,
                     self.write_through,
                 )  # fmt: skip
-            # stream-ordered after the copy
-            self.p.geo[source].opt_map[slot, first : first + n] = phys.to(torch.int32)
             cursor = b
         if cursor < hi:
             rest.append((cursor, hi))
@@ -221,31 +216,6 @@ class Residency:
         self._back_up(unbacked)
         self._drain(backed)
 
-    # Every copy below moves a batch of pages in one launch under one completion ticket.
-    def _rows(self, pgs: list[OptPage]) -> tuple[torch.Tensor, torch.Tensor]:
-        """(device store rows, host arena element offsets) of every row of ``pgs``."""
-        p, dev = self.p.page, self.p.device
-        meta = torch.tensor(
-            [(pg.page, pg.slot, pg.source, pg.index) for pg in pgs], dtype=torch.int64
-        ).to(dev)
-        offs = torch.arange(p, device=dev)
-        rows = (meta[:, 0:1] * p + offs).reshape(-1)
-        base = self.p.host.base[meta[:, 1], meta[:, 2]]  # element base of each region
-        host = (base.unsqueeze(1) + (meta[:, 3:4] * p + offs) * self.p.store.shape[1]).reshape(-1)
-        return rows, host
-
-    def _publish(self, pgs: list[OptPage], hide: bool = False) -> None:
-        """Sets (or clears) the pages in their slots' optional maps, one write per source."""
-        by_source: dict[int, list[OptPage]] = {}
-        for pg in pgs:
-            by_source.setdefault(pg.source, []).append(pg)
-        for source, group in by_source.items():
-            slots = torch.tensor([pg.slot for pg in group], dtype=torch.int64)
-            index = torch.tensor([pg.index for pg in group], dtype=torch.int64)
-            value = torch.tensor([-1 if hide else pg.page for pg in group], dtype=torch.int32)
-            dev = self.p.device
-            self.p.geo[source].opt_map[slots.to(dev), index.to(dev)] = value.to(dev)
-
     def _back_up(self, pgs: list[OptPage]) -> None:
         """Device -> host copies of READY pages that are not backed yet; they stay published
         until the backup is durable."""
@@ -255,7 +225,7 @@ class Residency:
             pg.state = State.BACKING
 
         def backup() -> None:
-            rows, host = self._rows(pgs)
+            rows, host = page_rows(self.p, pgs)
             keep = torch.ones_like(rows, dtype=torch.bool)
             self.p.backup(self.p.store, rows, host, keep, self.p.host.arena)
 
@@ -273,7 +243,8 @@ class Residency:
         """Unpublishes the pages; they are freed once every reader issued before is done."""
         if not pgs:
             return
-        self._publish(
+        publish(
+            self.p,
             [pg for pg in pgs if not pg.dead or self._slot_owner.get(pg.slot) == pg.owner],
             hide=True,
         )
@@ -305,7 +276,7 @@ class Residency:
         ready = [pg for pg in pgs if not pg.retire]
         for pg in ready:
             pg.state = State.READY
-        self._publish(ready)
+        publish(self.p, ready)
         self.stats.repopulated_pages += len(ready)
 
     def _populate(self) -> None:
@@ -333,7 +304,7 @@ class Residency:
             return
 
         def fill() -> None:  # ordered before readers; the ticket says when it is done
-            rows, host = self._rows(pgs)
+            rows, host = page_rows(self.p, pgs)
             self.p.restore(self.p.store, rows, host, self.p.host.arena)
 
         self._tickets[self.completions.submit(fill)] = ("populate", pgs)
