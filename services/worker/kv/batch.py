@@ -30,12 +30,17 @@ class ForwardBatch:
             raise ValueError("a batch needs one slot, start and length per request")
         if min(lens) < 1:
             raise ValueError("every request in a batch adds at least one token")
-        lens_t = torch.tensor(lens, dtype=torch.int64)
         starts_t = torch.tensor(starts, dtype=torch.int64)
-        token_req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
-        cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-        cu[1:] = torch.cumsum(lens_t, 0)
-        positions = starts_t[token_req] + (torch.arange(int(cu[-1])) - cu[token_req])
+        if max(lens) == 1:  # a decode step, every step: the fewest host ops
+            token_req = torch.arange(len(lens))
+            cu = torch.arange(len(lens) + 1)
+            positions = starts_t.clone()
+        else:
+            lens_t = torch.tensor(lens, dtype=torch.int64)
+            token_req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
+            cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
+            cu[1:] = torch.cumsum(lens_t, 0)
+            positions = starts_t[token_req] + (torch.arange(int(cu[-1])) - cu[token_req])
         slots_t = torch.tensor(slots, dtype=torch.int64)
         return ForwardBatch(
             slots=slots_t.to(device),
