@@ -2,9 +2,9 @@
 # The H200 runs behind docs/results.md, in parts that each fit one call of the device tool
 # (at most 600 s) and leave at most 8 files under $OUT (what comes back).
 #
-#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~480 s
+#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~370 s
 #   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~520 s
-#   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~360 s
+#   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~330 s
 #
 # Needs the corpus at data/stdlib.u8 (python -m services.worker.train.corpus --out
 # data/stdlib.u8) for the held-out prompts, and the Python packages of pyproject.toml.
