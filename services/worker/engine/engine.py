@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 import torch
@@ -24,6 +24,7 @@ from services.worker.engine.request import (
 from services.worker.engine.sampling import sample_token, token_logprob
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.speculative import Speculator, make_drafter
+from services.worker.engine.stats import EngineStats
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
@@ -35,24 +36,6 @@ if TYPE_CHECKING:
     from services.worker.durable.journal import Journal
 
 __all__ = ["Engine", "EngineConfig", "EngineStats"]
-
-
-@dataclass
-class EngineStats:
-    """Cumulative counters, read by metrics and benchmarks."""
-
-    prefill_tokens_computed: int = 0
-    decode_steps: int = 0
-    prefill_s: float = 0.0  # wall time in prefill passes (they end in a host sync)
-    decode_s: float = 0.0  # wall time in decode steps
-    decode_tokens: int = 0  # tokens emitted by decode steps
-    sessions_resumed: int = 0  # adopted from a dead worker and continued without a prefill
-    # (arrival, first token, finish, output tokens) of finished requests, drained by readers
-    finished: list[tuple[float, float | None, float, int]] = field(default_factory=list)
-
-    def drain_finished(self) -> list[tuple[float, float | None, float, int]]:
-        out, self.finished = self.finished, []
-        return out
 
 
 class Engine:
@@ -143,7 +126,7 @@ class Engine:
         if req is None:
             return None
         self._finish(req, FinishReason.ABORT, None)
-        return self._output(req, (), "", ())
+        return req.output()
 
     def has_work(self) -> bool:
         return self.scheduler.has_work()
@@ -178,7 +161,7 @@ class Engine:
                 outputs.append(self._fail(head, RequestError("resource_exhausted", refusal)))
             else:
                 self._finish(head, FinishReason.LENGTH, None)
-                outputs.append(self._output(head, (), head.text.finish(), ()))
+                outputs.append(head.output(text=head.text.finish()))
         if sched.prefill:
             self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
             t0 = time.perf_counter()
@@ -232,7 +215,7 @@ class Engine:
                         {k: f[a:b] for k, f in feats.items()},
                     )  # fmt: skip
         for i, r in enumerate(reqs):
-            self._ban_early_stops(r, logits[i : i + 1])
+            r.ban_early_stops(logits[i : i + 1], self.model_cfg.eos_token_id)
         # every greedy request's token in one argmax (one device sync for the whole batch)
         greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else []
         outs = []
@@ -244,16 +227,6 @@ class Engine:
                 token = sample_token(row[0], r.params, r.generator or self._default_gen)
             outs.append(self._append_tokens(r, [token], row))
         return outs
-
-    def _ban_early_stops(self, req: Request, logits: torch.Tensor) -> None:
-        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, EOS
-        and stop tokens cannot be sampled (in place)."""
-        p = req.params
-        left = p.min_tokens - len(req.output_ids)
-        if left <= 0:
-            return
-        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [self.model_cfg.eos_token_id])
-        logits[:left, banned] = float("-inf")
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logits: torch.Tensor
@@ -271,33 +244,20 @@ class Engine:
                 lps.append(token_logprob(logits[i], token, p.logprobs))
             req.output_ids.append(token)
             emitted.append(token)
-            finish, stop_reason, delta = self._check_stop(req, token)
+            finish, stop_reason, delta = req.check_stop(
+                token, self.model_cfg.eos_token_id, self.cfg.max_model_len
+            )
             text += delta
             if finish is not None:
                 self._finish(req, finish, stop_reason)
                 break
-        return self._output(req, tuple(emitted), text, tuple(lps))
-
-    def _check_stop(
-        self, req: Request, token: int
-    ) -> tuple[FinishReason | None, str | int | None, str]:
-        p = req.params
-        if token == self.model_cfg.eos_token_id and not p.ignore_eos:
-            return FinishReason.STOP, None, req.text.finish()
-        if token in p.stop_token_ids:
-            return FinishReason.STOP, token, req.text.finish()
-        delta, stop = req.text.push(token)
-        if stop is not None:
-            return FinishReason.STOP, stop, delta
-        if len(req.output_ids) >= p.max_tokens or req.num_tokens >= self.cfg.max_model_len:
-            return FinishReason.LENGTH, None, delta + req.text.finish()
-        return None, None, delta
+        return req.output(tuple(emitted), text, tuple(lps))
 
     def _fail(self, req: Request, error: RequestError) -> RequestOutput:
         """Ends a request the engine cannot serve (its output carries ``error``)."""
         req.error = error
         self._finish(req, FinishReason.ABORT, None)
-        return self._output(req, (), "", ())
+        return req.output()
 
     def _finish(self, req: Request, reason: FinishReason, stop_reason: str | int | None) -> None:
         req.status, req.finish_reason, req.stop_reason = Status.FINISHED, reason, stop_reason
@@ -309,26 +269,6 @@ class Engine:
         self.requests.pop(req.request_id, None)
         self.stats.finished.append(
             (req.arrival, req.first_token_time, time.monotonic(), len(req.output_ids))
-        )
-
-    def _output(
-        self,
-        req: Request,
-        tokens: tuple[int, ...],
-        text: str,
-        logprobs: tuple[TokenLogprob, ...],
-    ) -> RequestOutput:
-        return RequestOutput(
-            request_id=req.request_id,
-            new_token_ids=tokens,
-            text=text,
-            finish_reason=req.finish_reason,
-            stop_reason=req.stop_reason,
-            prompt_tokens=len(req.prompt_ids),
-            completion_tokens=len(req.output_ids),
-            logprobs=logprobs,
-            error=req.error,
-            cached_prompt_tokens=len(req.prompt_ids) if req.resumed else 0,
         )
 
     # ---- offline ----------------------------------------------------------------------------

@@ -125,3 +125,48 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+    def ban_early_stops(self, logits: torch.Tensor, eos_token_id: int) -> None:
+        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, EOS
+        and stop tokens cannot be sampled (in place)."""
+        p = self.params
+        left = p.min_tokens - len(self.output_ids)
+        if left <= 0:
+            return
+        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [eos_token_id])
+        logits[:left, banned] = float("-inf")
+
+    def check_stop(
+        self, token: int, eos_token_id: int, max_model_len: int
+    ) -> tuple[FinishReason | None, str | int | None, str]:
+        """After ``token`` was appended: (finish reason or None, stop reason, text delta)."""
+        p = self.params
+        if token == eos_token_id and not p.ignore_eos:
+            return FinishReason.STOP, None, self.text.finish()
+        if token in p.stop_token_ids:
+            return FinishReason.STOP, token, self.text.finish()
+        delta, stop = self.text.push(token)
+        if stop is not None:
+            return FinishReason.STOP, stop, delta
+        if len(self.output_ids) >= p.max_tokens or self.num_tokens >= max_model_len:
+            return FinishReason.LENGTH, None, delta + self.text.finish()
+        return None, None, delta
+
+    def output(
+        self,
+        tokens: tuple[int, ...] = (),
+        text: str = "",
+        logprobs: tuple[TokenLogprob, ...] = (),
+    ) -> RequestOutput:
+        return RequestOutput(
+            request_id=self.request_id,
+            new_token_ids=tokens,
+            text=text,
+            finish_reason=self.finish_reason,
+            stop_reason=self.stop_reason,
+            prompt_tokens=len(self.prompt_ids),
+            completion_tokens=len(self.output_ids),
+            logprobs=logprobs,
+            error=self.error,
+            cached_prompt_tokens=len(self.prompt_ids) if self.resumed else 0,
+        )

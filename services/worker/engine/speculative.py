@@ -216,7 +216,7 @@ class Speculator:
         logits = eng.model.logits(hidden)  # [sum K_r, V]
         cu = batch.cu_lens.tolist()
         for r, req in enumerate(reqs):
-            eng._ban_early_stops(req, logits[cu[r] : cu[r + 1]])
+            req.ban_early_stops(logits[cu[r] : cu[r + 1]], eng.model_cfg.eos_token_id)
         verdicts = verify_batch(
             logits, widths, prop.tokens, prop.probs, [r.params for r in reqs],
             [r.generator or eng._default_gen for r in reqs],
