@@ -23,7 +23,8 @@ def test_build_matches_a_plain_construction(seed: int, decode: bool) -> None:
     assert b.token_req.tolist() == req
     assert b.positions.tolist() == [starts[i] + j for i, n in enumerate(lens) for j in range(n)]
     assert b.token_slot.tolist() == [slots[i] for i in req]
-    assert b.cu_lens.tolist() == [sum(lens[:i]) for i in range(r + 1)]
+    assert b.cu_lens.tolist() == [sum(lens[:i]) for i in range(r + 1)] == list(b.cu)
+    assert b.slot_ids == tuple(slots)  # the host copy the hierarchy reads without a sync
     assert b.slots.tolist() == slots and b.starts_t.tolist() == starts
     assert b.is_decode == decode or max(lens) == 1
     for t in (b.slots, b.positions, b.token_req, b.token_slot, b.cu_lens, b.starts_t):

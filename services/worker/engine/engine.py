@@ -209,7 +209,7 @@ class Engine:
                 if starts[i] == 0:
                     spec.begin(r, batch, i, feats)
                 else:
-                    a, b = int(batch.cu_lens[i]), int(batch.cu_lens[i + 1])
+                    a, b = batch.cu[i], batch.cu[i + 1]
                     spec.drafter.append_context(
                         batch.token_slot[a:b], batch.positions[a:b],
                         {k: f[a:b] for k, f in feats.items()},

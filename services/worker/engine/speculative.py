@@ -169,7 +169,7 @@ class Speculator:
         """After a prefill: a fresh draft context holding the prompt's committed positions."""
         assert req.slot is not None
         self.drafter.begin(req.slot)
-        a, b = int(batch.cu_lens[r]), int(batch.cu_lens[r + 1])
+        a, b = batch.cu[r], batch.cu[r + 1]
         self.drafter.append_context(
             batch.token_slot[a:b], batch.positions[a:b], {i: f[a:b] for i, f in feats.items()}
         )
@@ -214,7 +214,7 @@ class Speculator:
         tokens = torch.tensor(ids, dtype=torch.int64, device=eng.device)
         hidden = eng.model(tokens, batch, eng.kv, features=feats)
         logits = eng.model.logits(hidden)  # [sum K_r, V]
-        cu = batch.cu_lens.tolist()
+        cu = batch.cu
         for r, req in enumerate(reqs):
             req.ban_early_stops(logits[cu[r] : cu[r + 1]], eng.model_cfg.eos_token_id)
         verdicts = verify_batch(

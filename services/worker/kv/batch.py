@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,7 @@ class ForwardBatch:
     token_slot: torch.Tensor  # [N] int64
     cu_lens: torch.Tensor  # [R + 1] int64
     starts_t: torch.Tensor  # [R] int64
+    slot_ids: tuple[int, ...] = ()  # ``slots`` on the host: reading it never waits for the GPU
 
     @staticmethod
     def build(
@@ -51,6 +53,7 @@ class ForwardBatch:
             token_slot=slots_t[token_req].to(device),
             cu_lens=cu.to(device),
             starts_t=starts_t.to(device),
+            slot_ids=tuple(slots),
         )
 
     @property
@@ -69,6 +72,11 @@ class ForwardBatch:
     def last_token_index(self) -> torch.Tensor:
         """[R] index of each request's last new token."""
         return self.cu_lens[1:] - 1
+
+    @property
+    def cu(self) -> tuple[int, ...]:
+        """``cu_lens`` on the host."""
+        return (0, *itertools.accumulate(self.lens))
 
     def ends(self) -> list[int]:
         return [s + n for s, n in zip(self.starts, self.lens, strict=True)]

@@ -206,7 +206,7 @@ class DSAModel(nn.Module):
             scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible)
             return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
-        cu = batch.cu_lens.tolist()
+        cu = batch.cu
         for r in range(batch.num_requests):
             a, b = cu[r], cu[r + 1]
             keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b])[0]

@@ -22,7 +22,7 @@ def commit_pass(p: HierarchyPayload, batch: ForwardBatch, num_tokens: list[int])
 
     Decode and verify passes (the common case) back up every request's and source's rows in
     one scatter; a prefill chunk takes the per-request path (optional history, ring)."""
-    slots = batch.slots.tolist()
+    slots = list(batch.slot_ids)
     limit = [[-1] * len(slots) for _ in p.geo]  # rows < limit[s][r] go in the scatter
     for s, plan in enumerate(p.plans):
         for r, slot in enumerate(slots):

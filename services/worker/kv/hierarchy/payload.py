@@ -220,7 +220,7 @@ class HierarchyPayload:
         self.plans = []
         self.written.clear()
         ends = batch.ends()
-        slots = batch.slots.tolist()
+        slots = list(batch.slot_ids)
         built: dict[tuple, ChunkPlan] = {}  # sources with equal bounds share one plan
         for s, geo in enumerate(self.geo):
             lo = [self.rows_of_tokens(s, a) for a in batch.starts]

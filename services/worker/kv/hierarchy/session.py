@@ -62,7 +62,7 @@ class SessionBackup:
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """Backs up the index keys of the rows this pass committed (as ``payload.commit``
         does the rows): asynchronous from a GPU, ordered before later work on the stream."""
-        slots = batch.slots.tolist()
+        slots = list(batch.slot_ids)
         for layer, s in self.producers.items():
             pool = self.keys.pools[layer]
             for r, slot in enumerate(slots):
