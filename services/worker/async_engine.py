@@ -56,17 +56,8 @@ def catch_up(engine: Engine, req: Request, tokens_received: int) -> RequestOutpu
     for token in req.output_ids[:tokens_received]:
         sent.push(token)
     text = req.text.detok.text[sent.emitted : req.text.emitted]
-    return RequestOutput(
-        request_id=req.request_id,
-        new_token_ids=tuple(req.output_ids[tokens_received:]),
-        text=text,
-        finish_reason=req.finish_reason,
-        stop_reason=req.stop_reason,
-        prompt_tokens=len(req.prompt_ids),
-        completion_tokens=len(req.output_ids),
-        error=req.error,
-        cached_prompt_tokens=len(req.prompt_ids),
-    )
+    # a resumed session (only those are detached): its prompt counts as cached, as always
+    return req.output(tuple(req.output_ids[tokens_received:]), text)
 
 
 class AsyncEngine:

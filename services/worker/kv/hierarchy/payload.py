@@ -20,7 +20,7 @@ from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_re
 from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.layout import lay_out_store
-from services.worker.kv.hierarchy.plan import ChunkPlan
+from services.worker.kv.hierarchy.plan import ChunkPlan, plan_pass
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
@@ -217,28 +217,10 @@ class HierarchyPayload:
     def begin(self, batch: ForwardBatch) -> None:
         self._batch = batch
         self._prefetched.clear()
-        self.plans = []
         self.written.clear()
-        ends = batch.ends()
-        slots = list(batch.slot_ids)
-        built: dict[tuple, ChunkPlan] = {}  # sources with equal bounds share one plan
-        for s, geo in enumerate(self.geo):
-            lo = [self.rows_of_tokens(s, a) for a in batch.starts]
-            hi = [self.rows_of_tokens(s, e) for e in ends]
-            ring_hi = [self.ring_hi_of[slot][s] for slot in slots]
-            key = (tuple(lo), tuple(hi), tuple(ring_hi))
-            plan = built.get(key)
-            if plan is None:
-                plan = built[key] = ChunkPlan.build(lo, hi, self.ring, self.device, ring_hi)
-            for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
-                if not sc:
-                    self.ring_hi_of[slot][s] = max(self.ring_hi_of[slot][s], h)
-            if plan.scratch_rows > geo.scratch:
-                raise ValueError(
-                    f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch "
-                    f"({geo.scratch} rows)"
-                )
-            self.plans.append(plan)
+        self.plans = plan_pass(
+            batch, self.cfg, self.ring, [g.scratch for g in self.geo], self.ring_hi_of, self.device
+        )
         self.req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
 
     @property

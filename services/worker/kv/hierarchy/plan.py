@@ -8,8 +8,13 @@ still in the ring: ``s >= ring_lo``. Everything older comes from the hot cache o
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from services.worker.kv.batch import ForwardBatch
+    from services.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)
@@ -65,6 +70,40 @@ class ChunkPlan:
             scratch_rows=total,
             all_direct=max(ring_lo) == 0,
         )
+
+
+def plan_pass(
+    batch: ForwardBatch,
+    model_cfg: ModelConfig,
+    ring: int,
+    scratch: list[int],
+    ring_hi_of: dict[int, list[int]],
+    device: torch.device | str,
+) -> list[ChunkPlan]:
+    """The plan of each source for ``batch``; sources with equal bounds
+    share one. Advances ``ring_hi_of[slot][source]`` (one past the highest row ever written to
+    the slot's ring) for chunks that go to the ring. ``scratch``: each source's scratch rows."""
+    ends = batch.ends()
+    slots = batch.slot_ids
+    built: dict[tuple, ChunkPlan] = {}
+    plans = []
+    for s, rows in enumerate(scratch):
+        lo = [model_cfg.rows_for_tokens(s, a) for a in batch.starts]
+        hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
+        ring_hi = [ring_hi_of[slot][s] for slot in slots]
+        key = (tuple(lo), tuple(hi), tuple(ring_hi))
+        plan = built.get(key)
+        if plan is None:
+            plan = built[key] = ChunkPlan.build(lo, hi, ring, device, ring_hi)
+        for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
+            if not sc:
+                ring_hi_of[slot][s] = max(ring_hi_of[slot][s], h)
+        if plan.scratch_rows > rows:
+            raise ValueError(
+                f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch ({rows} rows)"
+            )
+        plans.append(plan)
+    return plans
 
 
 @dataclass(frozen=True)
