@@ -108,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--log-dir", default="/tmp/dhisparse-bench", help="stack logs (--http)")
     ap.add_argument("--quiet", action="store_true", help="no progress bar")
     ap.add_argument("--cpu-threads", type=int, default=1, help="torch threads on a CPU device")
+    ap.add_argument(
+        "--lockstep", action=argparse.BooleanOptionalAction, default=True,
+        help="engine level: the runs of one input length and C step in turn, each on its own "
+        "clock (bench/lockstep.py); --no-lockstep runs one engine after the other",
+    )  # fmt: skip
     args = ap.parse_args(argv)
     if args.requests_per_client is None and args.duration_s is None:
         args.duration_s = 5.0
@@ -182,7 +187,8 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
         "matrix": {"modes": args.modes, "drafters": args.drafters, "schedules": args.schedules,
                    "concurrency": args.concurrency, "spec_modes": args.spec_modes,
                    "spec_concurrency": args.spec_concurrency, "full": args.full,
-                   "time_limit_s": args.time_limit_s},
+                   "time_limit_s": args.time_limit_s,
+                   "lockstep": args.lockstep and not args.http},
         "drafter_dir": drafter_dir, "spec_width": args.spec_width, "load": asdict(load),
         "prompts": {"source": args.prompts, "prefixes": args.prefixes,
                     "input_lens": args.input_lens},
@@ -213,7 +219,9 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
     if args.http:
         out["engines"] = http_level(bench, runs, deadline, on_run, Path(args.log_dir))
     else:
-        out["engines"] = engine_level(bench, runs, deadline, on_run)
+        out["engines"] = engine_level(bench, runs, deadline, on_run, args.lockstep)
+        order = {r.name: i for i, r in enumerate(runs)}  # the matrix's order, not lockstep's
+        out["runs"].sort(key=lambda e: order[e["name"]])
     if bar is not None:
         bar.close()
     out["elapsed_s"] = time.monotonic() - t0

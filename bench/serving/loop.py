@@ -83,59 +83,117 @@ class LoopResult:
     mem_peak_optional: int | None  # bytes of optional history at its peak (adaptive)
 
 
-def closed_loop(
-    eng: Engine, prefixes: list[list[int]], concurrency: int, load: Load, tag: str
-) -> LoopResult:
-    """Runs ``concurrency`` closed-loop clients on ``eng`` (idle on entry, idle on return)."""
-    t_start = time.monotonic()
-    if load.duration_s is not None:
-        w0, w1 = t_start + load.warmup_s, t_start + load.warmup_s + load.duration_s
-    else:
-        w0, w1 = t_start, float("inf")
-    live: dict[str, RequestRecord] = {}
-    requests: dict[str, Request] = {}
-    records: list[RequestRecord] = []
-    issued = [0] * concurrency
+class WallClock:
+    """Time as the engine sees it: runs one after the other."""
 
-    def submit(client: int) -> None:
-        j = issued[client]
-        issued[client] += 1
-        prefix = (client + j * concurrency) % len(prefixes)
+    def now(self) -> float:
+        return time.monotonic()
+
+    def advance(self, seconds: float) -> None:
+        pass
+
+    def admitted(self, engine_time: float, step_start: float) -> float:
+        return engine_time  # the engine stamped the admission itself
+
+
+class OwnClock:
+    """A run's own time in lockstep (``bench/lockstep.py``): it advances only while the run's
+    engine steps, so the other runs' steps in between count against none of its latencies.
+    An admission is stamped at the start of the step that made it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def advance(self, seconds: float) -> None:
+        self.t += seconds
+
+    def admitted(self, engine_time: float, step_start: float) -> float:
+        return step_start
+
+
+class ClosedLoop:
+    """``concurrency`` closed-loop clients on ``eng`` (idle at the start, idle once done),
+    stepped by the caller: ``closed_loop`` runs one alone, ``bench/lockstep.py`` several in
+    turn (each then on its own ``OwnClock``)."""
+
+    def __init__(
+        self,
+        eng: Engine,
+        prefixes: list[list[int]],
+        concurrency: int,
+        load: Load,
+        tag: str,
+        clock: WallClock | OwnClock | None = None,
+    ) -> None:
+        self.eng, self.prefixes, self.concurrency, self.load, self.tag = (
+            eng, prefixes, concurrency, load, tag,
+        )  # fmt: skip
+        self.clock = clock or WallClock()
+        t_start = self.clock.now()
+        if load.duration_s is not None:
+            self.w0 = t_start + load.warmup_s
+            self.w1 = self.w0 + load.duration_s
+        else:
+            self.w0, self.w1 = t_start, float("inf")
+        self.live: dict[str, RequestRecord] = {}
+        self.requests: dict[str, Request] = {}
+        self.records: list[RequestRecord] = []
+        self.issued = [0] * concurrency
+        self.steps: list[StepRecord] = []
+        self.start: Counters | None = None
+        self.peak = 0
+        self.opt_peak: int | None = None
+        self.last_progress = time.monotonic()  # wall time: a stall is a stall
+        self.done = False
+        for c in range(concurrency):
+            self._submit(c)
+
+    def _submit(self, client: int) -> None:
+        load, j = self.load, self.issued[client]
+        self.issued[client] += 1
+        prefix = (client + j * self.concurrency) % len(self.prefixes)
         params = SamplingParams(
             temperature=load.temperature, max_tokens=load.output_len, ignore_eos=True,
             seed=load.request_seed(client, j),
         )  # fmt: skip
-        req = eng.add_request(f"{tag}-c{client}-r{j}", prefixes[prefix], params)
-        rec = RequestRecord(client, j, prefix, req.arrival, output_ids=req.output_ids)
-        live[req.request_id] = rec
-        requests[req.request_id] = req
-        records.append(rec)
+        req = self.eng.add_request(f"{self.tag}-c{client}-r{j}", self.prefixes[prefix], params)
+        arrival = req.arrival if isinstance(self.clock, WallClock) else self.clock.now()
+        rec = RequestRecord(client, j, prefix, arrival, output_ids=req.output_ids)
+        self.live[req.request_id] = rec
+        self.requests[req.request_id] = req
+        self.records.append(rec)
 
-    def more(client: int, now: float) -> bool:
-        if load.requests_per_client is not None:
-            return issued[client] < load.requests_per_client
-        return now < w1
+    def _more(self, client: int, now: float) -> bool:
+        if self.load.requests_per_client is not None:
+            return self.issued[client] < self.load.requests_per_client
+        return now < self.w1
 
-    for c in range(concurrency):
-        submit(c)
-    steps: list[StepRecord] = []
-    start: Counters | None = None
-    peak = 0
-    opt_peak: int | None = None
-    last_progress = time.monotonic()
-    st = eng.stats
-    while live:
-        now = time.monotonic()
-        if start is None and now >= w0:
-            start = Counters.read(eng)
-        if now >= w1:
-            break
+    @property
+    def active(self) -> bool:
+        return not self.done and bool(self.live)
+
+    def step(self) -> None:
+        eng, st, clock = self.eng, self.eng.stats, self.clock
+        now = clock.now()
+        if self.start is None and now >= self.w0:
+            self.start = Counters.read(eng)
+        if now >= self.w1:
+            self.done = True
+            return
         before = (st.decode_s, st.decode_tokens, st.prefill_s, st.prefill_tokens_computed)
+        t0 = time.perf_counter()
         outs = eng.step()
-        t = time.monotonic()
+        clock.advance(time.perf_counter() - t0)
+        t = clock.now()
+        for rid, rec in self.live.items():
+            if rec.admitted is None and self.requests[rid].admitted_time is not None:
+                rec.admitted = clock.admitted(self.requests[rid].admitted_time, now)
         decode = prefill = tokens = 0
         for o in outs:
-            rec = live.get(o.request_id)
+            rec = self.live.get(o.request_id)
             if rec is None:
                 continue
             n = len(o.new_token_ids)
@@ -147,34 +205,56 @@ def closed_loop(
                 rec.last = t
                 rec.tokens += n
                 tokens += n
-            if rec.admitted is None:
-                rec.admitted = requests[o.request_id].admitted_time
             if o.finished:
                 rec.finish, rec.finish_reason = t, o.finish_reason.value  # type: ignore[union-attr]
                 rec.error = o.error.message if o.error else None
-                del live[o.request_id], requests[o.request_id]
-                if more(rec.client, t):
-                    submit(rec.client)
+                del self.live[o.request_id], self.requests[o.request_id]
+                if self._more(rec.client, t):
+                    self._submit(rec.client)
+        wall = time.monotonic()
         if outs:
-            last_progress = t
-        elif t - last_progress > STALL_S:
-            raise RuntimeError(f"{tag}: no output for {STALL_S:.0f} s with {len(live)} live")
+            self.last_progress = wall
+        elif wall - self.last_progress > STALL_S:
+            raise RuntimeError(
+                f"{self.tag}: no output for {STALL_S:.0f} s with {len(self.live)} live"
+            )
         spec = eng.speculator
-        steps.append(StepRecord(
+        self.steps.append(StepRecord(
             t, decode, prefill, tokens, st.decode_s - before[0], st.decode_tokens - before[1],
             st.prefill_s - before[2], st.prefill_tokens_computed - before[3], eng.num_running,
             eng.num_waiting, spec.counters.width if spec is not None else 0,
         ))  # fmt: skip
-        peak = max(peak, decode + prefill, eng.num_running)
-        if len(steps) % 8 == 0 and eng.kv.mode == "adaptive":
-            opt_peak = max(opt_peak or 0, eng.kv.memory().optional)
-    start = start or Counters.read(eng)
-    end = Counters.read(eng)
-    w1 = min(w1, time.monotonic())
-    res = getattr(eng.kv.payload, "residency", None)
-    lats = list(res.stats.reclaim_latency[start.residency[4] :]) if res and start.residency else []
-    for rid, rec in live.items():  # the run ended with these in flight: abort them
-        rec.admitted = rec.admitted or requests[rid].admitted_time
-        rec.finish_reason = "end"
-        eng.abort(rid)
-    return LoopResult(concurrency, (w0, w1), records, steps, start, end, lats, peak, opt_peak)
+        self.peak = max(self.peak, decode + prefill, eng.num_running)
+        if len(self.steps) % 8 == 0 and eng.kv.mode == "adaptive":
+            self.opt_peak = max(self.opt_peak or 0, eng.kv.memory().optional)
+
+    def result(self) -> LoopResult:
+        """Ends the run (requests still in flight are aborted) and returns what it measured."""
+        eng = self.eng
+        start = self.start or Counters.read(eng)
+        end = Counters.read(eng)
+        w1 = min(self.w1, self.clock.now())
+        res = getattr(eng.kv.payload, "residency", None)
+        lats = (
+            list(res.stats.reclaim_latency[start.residency[4] :]) if res and start.residency else []
+        )
+        for rid, rec in self.live.items():  # the run ended with these in flight: abort them
+            if rec.admitted is None and self.requests[rid].admitted_time is not None:
+                rec.admitted = self.clock.admitted(self.requests[rid].admitted_time, w1)
+            rec.finish_reason = "end"
+            eng.abort(rid)
+        self.live.clear()
+        return LoopResult(
+            self.concurrency, (self.w0, w1), self.records, self.steps, start, end, lats,
+            self.peak, self.opt_peak,
+        )  # fmt: skip
+
+
+def closed_loop(
+    eng: Engine, prefixes: list[list[int]], concurrency: int, load: Load, tag: str
+) -> LoopResult:
+    """Runs ``concurrency`` closed-loop clients on ``eng`` alone (idle on entry and return)."""
+    loop = ClosedLoop(eng, prefixes, concurrency, load, tag)
+    while loop.active:
+        loop.step()
+    return loop.result()

@@ -13,11 +13,12 @@ from pathlib import Path
 
 import torch
 
+from bench.lockstep import lockstep
 from services.worker.engine.engine import EngineConfig
 
 from .config import EngineKey, Load, RunSpec
 from .engines import build_engine, engine_config, pool_bytes
-from .loop import closed_loop
+from .loop import ClosedLoop, OwnClock, closed_loop
 from .setup import BENCH_GLM, Sizing, Target
 from .summary import summarize
 
@@ -73,10 +74,14 @@ ENGINE_SETUP_S = 10.0  # what building and warming up one engine may take
 STACK_SETUP_S = 30.0  # ... and starting one stack
 
 
-def engine_level(b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun) -> list[dict]:
+def engine_level(
+    b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun, lockstep: bool = False
+) -> list[dict]:
     """Returns what each engine was built with; reports every run through ``on_run``. The
     hierarchy engines share one host store (its arena is mapped and pinned once), each as its
-    own owner, as workers share a node's."""
+    own owner, as workers share a node's. With ``lockstep`` every engine exists at once and
+    the runs of each input length and concurrency step in turn (``_lockstep_runs``); else each
+    engine runs its runs, one engine after the other."""
     from services.worker.kv.hierarchy.local_store import LocalHostStore
 
     engines = []
@@ -84,6 +89,8 @@ def engine_level(b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRu
     if any(r.key.mode != "resident" for r in runs):
         store = LocalHostStore(b.sizing.host_arena_bytes)
     try:
+        if lockstep:
+            return _lockstep_runs(b, runs, deadline, on_run, store)
         for key, group in by_engine(runs):
             if not deadline.allows(1, ENGINE_SETUP_S):
                 for r in group:
@@ -115,6 +122,47 @@ def _engine_runs(b: Bench, key: EngineKey, group: list[RunSpec], deadline: Deadl
         if b.device.startswith("cuda"):
             torch.cuda.empty_cache()
     return info
+
+
+def _lockstep_runs(
+    b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun, store
+) -> list[dict]:
+    """The runs that share an input length and a concurrency run in lockstep
+    (``bench/lockstep.py``), each on its own clock: the host's slow phases fall on all the
+    engines compared alike, and no run's latencies count the others' steps."""
+    built: dict[EngineKey, tuple] = {}
+    try:
+        for key, _ in by_engine(runs):
+            if deadline.allows(1, ENGINE_SETUP_S):
+                built[key] = build_engine(b.target, key, b.sizing, b.device, b.drafter_dir,
+                                          b.spec_width, b.warmup_prompts, store, b.durable)  # fmt: skip
+        points: dict[tuple[int, int], list[RunSpec]] = {}
+        for r in runs:
+            points.setdefault((r.input_len, r.concurrency), []).append(r)
+        for group in points.values():
+            todo = [r for r in group if r.key in built]
+            if not deadline.allows(len(todo)):
+                todo = []
+            for r in group:
+                if r not in todo:
+                    on_run(r, None, "time limit")
+            loops = [
+                ClosedLoop(built[r.key][0], b.prefixes[r.input_len], r.concurrency, b.load,
+                           r.name, OwnClock())
+                for r in todo
+            ]  # fmt: skip
+            lockstep(loops)
+            for r, loop in zip(todo, loops, strict=True):
+                eng = built[r.key][0]
+                on_run(r, summarize(loop.result(), eng.kv.row_bytes, b.sizing.page_size,
+                                    b.load.output_len), None)  # fmt: skip
+    finally:
+        for eng, _ in built.values():
+            eng.close()
+        gc.collect()
+        if b.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return [info for _, info in built.values()]
 
 
 def http_level(

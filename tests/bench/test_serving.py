@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import itertools
 import json
+import time
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from bench.lockstep import lockstep
 from bench.serving.cli import RUN_FIELDS, TOP_FIELDS, main
 from bench.serving.config import EngineKey, Load, build_matrix
 from bench.serving.engines import build_engine
-from bench.serving.loop import LoopResult, closed_loop
+from bench.serving.loop import ClosedLoop, LoopResult, OwnClock, closed_loop
 from bench.serving.setup import Sizing, Target, load_target, prepare_prefixes, size_kv
 from bench.serving.summary import summarize
 from services.worker.kv.hierarchy.local_store import LocalHostStore
@@ -53,19 +55,40 @@ def setup(one_thread) -> Iterator[tuple[Target, dict, Sizing, LocalHostStore]]:
     store.close()
 
 
-@pytest.fixture(scope="module")
-def results(setup) -> dict[tuple[EngineKey, int], tuple[LoopResult, dict]]:
-    """Every key at C = 1 and 3, two requests per client (one engine per key)."""
+WALL: dict[int, float] = {}  # C -> wall seconds of the lockstep group
+
+
+@pytest.fixture(scope="module", params=["one after the other", "lockstep"])
+def results(setup, request) -> dict[tuple[EngineKey, int], tuple[LoopResult, dict]]:
+    """Every key at C = 1 and 3, two requests per client (one engine per key): each engine's
+    runs alone, or every key's run at one C in lockstep, each on its own clock."""
     target, prefixes, sizing, store = setup
     load = Load(output_len=OUTPUT, requests_per_client=PER_CLIENT, duration_s=None)
+    engines = {
+        key: build_engine(target, key, sizing, "cpu", "random", 4, prefixes[INPUT][:1], store)[0]
+        for key in KEYS
+    }
     out = {}
-    for key in KEYS:
-        eng, _ = build_engine(target, key, sizing, "cpu", "random", 4, prefixes[INPUT][:1], store)
-        try:
-            for c in (1, 3):
-                res = closed_loop(eng, prefixes[INPUT], c, load, f"{key.name}-{c}")
-                out[key, c] = res, summarize(res, eng.kv.row_bytes, 16, OUTPUT)
-        finally:
+    try:
+        for c in (1, 3):
+            if request.param == "lockstep":
+                loops = {
+                    key: ClosedLoop(eng, prefixes[INPUT], c, load, f"{key.name}-{c}", OwnClock())
+                    for key, eng in engines.items()
+                }
+                t0 = time.perf_counter()
+                lockstep(list(loops.values()))
+                WALL[c] = time.perf_counter() - t0
+                runs = {key: loop.result() for key, loop in loops.items()}
+            else:
+                runs = {
+                    key: closed_loop(eng, prefixes[INPUT], c, load, f"{key.name}-{c}")
+                    for key, eng in engines.items()
+                }
+            for key, res in runs.items():
+                out[key, c] = res, summarize(res, engines[key].kv.row_bytes, 16, OUTPUT)
+    finally:
+        for eng in engines.values():
             eng.close()
     return out
 
@@ -119,6 +142,21 @@ def test_engine_counters_per_mode(results) -> None:
             assert m["acceptance_length"] is None and m["spec"] is None
         else:
             assert m["spec"]["drafts"] > 0 and 1.0 <= m["acceptance_length"] <= 4.0
+
+
+def test_in_lockstep_a_run_counts_only_its_own_steps(results, request) -> None:
+    """Each run's clock covers its engine's prefill and decode time, and all of them together
+    fit in the wall time of the group: the others' steps did not count against any run."""
+    if request.node.callspec.params["results"] != "lockstep":
+        pytest.skip("the runs went one after the other")
+    for c, wall in WALL.items():
+        clocks = []
+        for key in KEYS:
+            res, _ = results[key, c]
+            busy = sum(s.decode_s + s.prefill_s for s in res.steps)
+            assert busy <= res.window[1] - res.window[0] + 1e-6, key
+            clocks.append(res.window[1] - res.window[0])
+        assert sum(clocks) <= wall
 
 
 def test_default_matrix_is_the_documented_subset() -> None:
