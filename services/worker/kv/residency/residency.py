@@ -42,8 +42,9 @@ class Residency:
         populate_pages: int,
         order: str = "largest",
         write_through: bool = False,
-        topk: int = 1,
-        payback: float = 0.0,
+        *,
+        topk: int,  # k: rows a decode step selects per source
+        payback: float,  # see ``refill_pays``
     ) -> None:
         self.p = payload
         # Durable sessions: imported history is backed up at once even when kept on the device
