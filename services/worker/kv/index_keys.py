@@ -33,6 +33,9 @@ class IndexKeys(PagedGroup):
     ) -> None:
         self.pools[layer].write(slots, rows, keys)
 
-    def gather(self, layer: int, slots: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
-        """[R, max(num_rows), d_index], zero beyond each slot's rows."""
-        return self.pools[layer].gather_padded(slots, num_rows)
+    def gather(
+        self, layer: int, slots: torch.Tensor, num_rows: torch.Tensor, max_rows: int | None = None
+    ) -> torch.Tensor:
+        """[R, max(num_rows), d_index], zero beyond each slot's rows. ``max_rows``: the caller's
+        host-side max(num_rows), which spares a read-back from the device."""
+        return self.pools[layer].gather_padded(slots, num_rows, max_rows)

@@ -143,9 +143,15 @@ class PagedRows:
     def write(self, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.data[self.locations(slots, rows)] = values.to(self.data.dtype)
 
-    def gather_padded(self, slots: torch.Tensor, num_rows: torch.Tensor) -> torch.Tensor:
-        """Rows ``0 .. num_rows[i]-1`` of each slot, zero-padded: [R, max(num_rows), width]."""
-        lmax = int(num_rows.max()) if num_rows.numel() else 0
+    def gather_padded(
+        self, slots: torch.Tensor, num_rows: torch.Tensor, max_rows: int | None = None
+    ) -> torch.Tensor:
+        """Rows ``0 .. num_rows[i]-1`` of each slot, zero-padded: [R, max(num_rows), width].
+        ``max_rows``: max(num_rows) if the caller knows it (else read back: a device sync)."""
+        if max_rows is not None:
+            lmax = max_rows
+        else:
+            lmax = int(num_rows.max()) if num_rows.numel() else 0
         rows = torch.arange(lmax, device=slots.device).unsqueeze(0).expand(len(slots), lmax)
         rows = torch.where(rows < num_rows.unsqueeze(1), rows, torch.full_like(rows, -1))
         locs = self.locations(slots.unsqueeze(1).expand_as(rows), rows)

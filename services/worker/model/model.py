@@ -199,17 +199,20 @@ class DSAModel(nn.Module):
         k = self.cfg.index_topk
         q, w = indexer.queries(x)
         num_visible = (batch.positions + 1) // m  # complete rows at or before each query
+        ends = batch.ends()  # the host knows how far each request sees: no read-back
         if batch.is_decode:
-            keys = kv.index_keys.gather(i, batch.slots, num_visible)
+            keys = kv.index_keys.gather(i, batch.slots, num_visible, max(ends) // m)
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
-            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible)
+            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, m)
             return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
         cu = batch.cu
         for r in range(batch.num_requests):
             a, b = cu[r], cu[r + 1]
-            keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b])[0]
+            keys = kv.index_keys.gather(
+                i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r] // m
+            )[0]
             for c in range(a, b, _SCORE_BLOCK):
                 e = min(b, c + _SCORE_BLOCK)
                 out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)
@@ -223,12 +226,14 @@ class DSAModel(nn.Module):
         batch: ForwardBatch,
         kv: KVCache,
         num_visible: torch.Tensor,
+        m: int,
     ) -> torch.Tensor:
         """[N, S] index scores of every token of a batch of short chunks: each request's
         queries, padded to the longest chunk, against its own keys in one batched product
         (the same per-query reduction as ``index_scores``)."""
         # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
-        keys = kv.index_keys.gather(i, batch.slots, num_visible[batch.last_token_index]).float()
+        seen = num_visible[batch.last_token_index]
+        keys = kv.index_keys.gather(i, batch.slots, seen, max(batch.ends()) // m).float()
         col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
         shape = (batch.num_requests, max(batch.lens))
         qp = q.new_zeros(*shape, *q.shape[1:]).float()
