@@ -66,6 +66,7 @@ def _commit_chunk(
         p.host.mark_durable(slot, s, a, b)
     if plan.scratch[r]:  # the ring takes the chunk's newest rows
         p.ring_hi_of[slot][s] = new
-        keep = torch.arange(max(lo, new - p.ring), new, device=p.device)
+        first = max(lo, new - p.ring)
+        keep = torch.arange(first, new, device=p.device)
         ring = geo.ring_loc(torch.full_like(keep, slot), keep)
-        p.store[ring] = p.store[rows_at(int(keep[0]), new)]
+        p.store[ring] = p.store[rows_at(first, new)]
