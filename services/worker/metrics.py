@@ -1,6 +1,12 @@
-"""Worker metrics (DESIGN §7), updated from the engine thread after every step."""
+"""Worker metrics (DESIGN §7), updated from the engine thread after every step.
+
+The pool classes and the resolver census are sampled at most every ``sample_every_s`` and
+whenever the engine runs out of work: reading the census copies it from the GPU (a sync), and
+pools change slowly next to a scrape interval. Counters stay exact, only later."""
 
 from __future__ import annotations
+
+import time
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -10,7 +16,14 @@ from services.worker.engine.request import RequestOutput
 
 
 class WorkerMetrics:
-    def __init__(self, model_name: str, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        model_name: str,
+        registry: CollectorRegistry | None = None,
+        sample_every_s: float = 0.25,
+    ) -> None:
+        self.sample_every_s = sample_every_s
+        self._sampled = float("-inf")
         self.registry = registry or CollectorRegistry()
         r, lbl = self.registry, ["model"]
         self.model = model_name
@@ -114,20 +127,10 @@ class WorkerMetrics:
         self._resumed_seen = resumed
         self.running.labels(md).set(engine.num_running)
         self.waiting.labels(md).set(engine.num_waiting)
-        mem = engine.kv.memory()
-        for cls in ("required", "optional", "reserve", "free"):
-            self.pool_bytes.labels(md, cls).set(getattr(mem, cls))
-        census = engine.kv.census()
-        if census is not None:
-            now = (census.direct, census.hot, census.host, census.copied)
-            for path, new, old in zip(
-                ("direct", "hot", "host"), now, self._census_seen, strict=False
-            ):
-                self.resolver_rows.labels(md, path).inc(new - old)
-            self.host_read_bytes.labels(md).inc(
-                (now[3] - self._census_seen[3]) * engine.kv.row_bytes
-            )
-            self._census_seen = now
+        t = time.monotonic()
+        if t - self._sampled >= self.sample_every_s or not engine.has_work():
+            self._sampled = t
+            self._sample(engine)
         residency = getattr(engine.kv.payload, "residency", None)
         if residency is not None:
             st = residency.stats
@@ -174,3 +177,18 @@ class WorkerMetrics:
                 if ntok > 1:
                     self.tpot.labels(md).observe((done - first) / (ntok - 1))
             self.e2e.labels(md).observe(done - arrival)
+
+    def _sample(self, engine: Engine) -> None:
+        """Pool classes (gauges) and the census since the last sample (counters)."""
+        md = self.model
+        mem = engine.kv.memory()
+        for cls in ("required", "optional", "reserve", "free"):
+            self.pool_bytes.labels(md, cls).set(getattr(mem, cls))
+        census = engine.kv.census()  # copies the counts from the device
+        if census is None:
+            return
+        now = (census.direct, census.hot, census.host, census.copied)
+        for path, new, old in zip(("direct", "hot", "host"), now, self._census_seen, strict=False):
+            self.resolver_rows.labels(md, path).inc(new - old)
+        self.host_read_bytes.labels(md).inc((now[3] - self._census_seen[3]) * engine.kv.row_bytes)
+        self._census_seen = now
