@@ -142,6 +142,9 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    if args.requests_per_client < 2:  # the window is the steps while clients still send
+        ap.error("--requests-per-client must be at least 2: the rate counts the steps while "
+                 "every client still has a request to send, and with 1 there are none")  # fmt: skip
     args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
     widths = [int(x) for x in args.widths.split(",") if x]  # "": no fixed-width configs
     prompts = make_prompts(args, max(args.concurrency))

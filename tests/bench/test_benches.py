@@ -1,0 +1,61 @@
+"""bench/capacity.py and bench/spec.py on the CPU, as processes, at toy sizes: every side runs
+in lockstep and each gets its rows, rates and the summary the docs quote."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(script: str, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, str(ROOT / "bench" / script), "--device", "cpu", *args],
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+
+
+def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
+    out = tmp_path / "cap.json"
+    proc = _run(
+        "capacity.py", "--context", "256", "--layers", "4", "--k", "16", "--hot-cache-rows",
+        "32", "--concurrency", "1,3", "--resident-sessions", "1", "--probe-sessions", "4",
+        "--decode-tokens", "3", "--host-gib", "0.05", "--page", "16", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    by = {m["mode"]: m for m in data["modes"]}
+    assert set(by) == {"resident", "hisparse", "adaptive"}
+    for mode in by.values():
+        rows = {r["concurrency"]: r for r in mode["rows"]}
+        assert set(rows) == {1, 3}
+        for r in rows.values():
+            assert r["decode_tokens_per_s"] > 0 and r["wall_s"] > 0
+            assert 0 <= r["alloc_wait_mean_s"] <= r["alloc_wait_max_s"] <= r["wall_s"]
+    assert by["resident"]["rows"][1]["sessions_admitted"] == 1  # the budget holds one
+    cap = data["summary"]["capacity_sessions"]
+    assert cap["hisparse"] > cap["resident"] and cap["adaptive"] > cap["resident"]
+    assert set(data["summary"]["adaptive_vs_hisparse"]) == {"1", "3"}
+
+
+def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> None:
+    out = tmp_path / "spec.json"
+    common = ["--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
+              "--concurrency", "1,2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
+              "48", "--pool-mib", "64", "--host-mib", "64", "--out", str(out)]  # fmt: skip
+    bad = _run("spec.py", *common, "--requests-per-client", "1")
+    assert bad.returncode == 2 and "at least 2" in bad.stderr
+    proc = _run("spec.py", *common, "--requests-per-client", "2")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    data = json.loads(out.read_text())
+    configs = {r["config"] for r in data["results"]}
+    assert configs == {"none"} | {f"{d}/{p}" for d in ("dflash", "dspark", "dflash2")
+                                  for p in ("paper", "online")}  # fmt: skip
+    assert len(data["results"]) == 2 * len(configs)
+    for r in data["results"]:
+        assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
+    assert set(data["summary"]) == {f"{d}@C{c}" for d in ("dflash", "dspark", "dflash2")
+                                    for c in (1, 2)}  # fmt: skip
