@@ -60,6 +60,11 @@ def catch_up(engine: Engine, req: Request, tokens_received: int) -> RequestOutpu
     return req.output(tuple(req.output_ids[tokens_received:]), text)
 
 
+def _put_all(batch: list[tuple[asyncio.Queue, object]]) -> None:
+    for q, item in batch:
+        q.put_nowait(item)
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -170,10 +175,20 @@ class AsyncEngine:
         self._wake.set()
 
     def _deliver(self, request_id: str, item: RequestOutput | BaseException) -> None:
+        self._deliver_all([(request_id, item)])
+
+    def _deliver_all(self, items: list[tuple[str, RequestOutput | BaseException]]) -> None:
+        """Hands a step's outputs to their streams with one wake-up per event loop, not one
+        per output: a wake-up writes to the loop's self-pipe, and the engine thread pays for
+        each while the next step waits."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Queue, object]]] = {}
         with self._lock:
-            stream = self._streams.get(request_id)
-        if stream is not None:
-            stream.loop.call_soon_threadsafe(stream.queue.put_nowait, item)
+            for request_id, item in items:
+                stream = self._streams.get(request_id)
+                if stream is not None:
+                    by_loop.setdefault(stream.loop, []).append((stream.queue, item))
+        for loop, batch in by_loop.items():
+            loop.call_soon_threadsafe(_put_all, batch)
 
     def _drain_commands(self) -> None:
         while True:
@@ -237,10 +252,10 @@ class AsyncEngine:
                     self._wake.clear()
                     continue
                 outputs = self.engine.step()
-                for out in outputs:
-                    # A detached session's caller gets these with its catch-up on attach.
-                    if out.request_id not in self._detached:
-                        self._deliver(out.request_id, out)
+                # A detached session's caller gets its outputs with its catch-up on attach.
+                self._deliver_all(
+                    [(o.request_id, o) for o in outputs if o.request_id not in self._detached]
+                )
                 if self._on_step is not None:
                     self._on_step(self.engine, outputs)
         except BaseException as e:  # the engine is broken: fail every open stream
