@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lockstep import lockstep
+from bench.lockstep import OwnClock, lockstep
 from bench.steps import StepRates
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
@@ -89,7 +89,7 @@ class Sweep:
         self.stats0 = (engine.stats.decode_s, engine.stats.decode_tokens)
         self.steps = StepRates(engine)
         self.peak = 0
-        self.clock = 0.0  # seconds spent in this engine's steps
+        self.clock = OwnClock()  # counts only this engine's steps
         self.waits: dict[int, float] = {}  # request -> its clock when admitted
 
     @property
@@ -97,16 +97,18 @@ class Sweep:
         return self.engine.has_work()
 
     def step(self) -> None:
-        t0 = time.perf_counter()
+        start = self.clock.now()
+        self.clock.timed(self._step)
+        for i, r in enumerate(self.reqs):
+            if i not in self.waits and r.admitted_time is not None:
+                self.waits[i] = self.clock.stamp(r.admitted_time, start)
+        self.steps.record()
+        self.peak = max(self.peak, self.engine.num_running)
+
+    def _step(self) -> None:
         self.engine.step()
         if self.args.device == "cuda":
             torch.cuda.synchronize()
-        for i, r in enumerate(self.reqs):
-            if i not in self.waits and r.admitted_time is not None:
-                self.waits[i] = self.clock  # admitted in this step: waited until it began
-        self.clock += time.perf_counter() - t0
-        self.steps.record()
-        self.peak = max(self.peak, self.engine.num_running)
 
     def row(self) -> dict:
         st, args, c = self.engine.stats, self.args, self.c
@@ -119,8 +121,8 @@ class Sweep:
             "sessions_admitted": self.peak,
             "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
             "decode_tokens_per_s_median": self.steps.median,
-            "output_tokens_per_s": c * args.decode_tokens / self.clock,
-            "wall_s": self.clock,
+            "output_tokens_per_s": c * args.decode_tokens / self.clock.now(),
+            "wall_s": self.clock.now(),
             "alloc_wait_mean_s": statistics.mean(waits),
             "alloc_wait_max_s": max(waits),
         }

@@ -9,8 +9,11 @@ counts only the time spent in its own steps."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Protocol
+import time
+from collections.abc import Callable, Sequence
+from typing import Protocol, TypeVar
+
+T = TypeVar("T")
 
 
 class Stepped(Protocol):
@@ -30,3 +33,39 @@ def lockstep(runs: Sequence[Stepped]) -> None:
             run.step()
         active = [r for r in active if r.active]
         turn += 1
+
+
+class WallClock:
+    """Time as the engine sees it: for a run alone."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def timed(self, step: Callable[[], T]) -> T:
+        return step()
+
+    def stamp(self, engine_time: float, own_time: float) -> float:
+        """The time of an event the engine stamped (arrival, admission)."""
+        return engine_time
+
+
+class OwnClock:
+    """A run's own time in lockstep: it advances only while the run's engine steps, so the
+    other runs' steps in between count against none of its latencies. An event the engine
+    stamps (an arrival, an admission) takes the run's time when it was seen: an admission,
+    the start of the step that made it."""
+
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def timed(self, step: Callable[[], T]) -> T:
+        t0 = time.perf_counter()
+        out = step()
+        self.t += time.perf_counter() - t0
+        return out
+
+    def stamp(self, engine_time: float, own_time: float) -> float:
+        return own_time

@@ -28,7 +28,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.lockstep import lockstep
+from bench.lockstep import OwnClock, lockstep
+from bench.serving.config import Load
+from bench.serving.loop import ClosedLoop
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 
@@ -67,60 +69,33 @@ def make_prompts(args, n: int) -> list[list[int]]:
     return out
 
 
-class ClosedLoop:
-    """Closed loop on one engine: each of C = len(prompts) clients keeps one request of
-    ``--decode-tokens`` tokens in flight and replaces it the moment it finishes (the next
-    prompt in turn), until it has sent ``per_client``. The decode rate counts the steps while
-    every client is still sending: the batch stays full, as in serving. (Measured open loop,
-    speculation looked worse than it is: requests that drew short acceptances finish rounds
-    after the others, and those last rounds ran in a small batch.) Stepped by ``lockstep``
-    beside the other configurations; the rate counts only this engine's own steps."""
+def closed_loop(eng: Engine, prompts: list[list[int]], args, per_client: int) -> ClosedLoop:
+    """The serving benchmark's closed loop on one engine: each of C = len(prompts) clients
+    keeps one request of ``--decode-tokens`` tokens in flight and replaces it the moment it
+    finishes, until it has sent ``per_client``. Stepped by ``lockstep`` beside the other
+    configurations, on its own clock."""
+    load = Load(output_len=args.decode_tokens, requests_per_client=per_client, duration_s=None)
+    return ClosedLoop(eng, prompts, len(prompts), load, f"spec-{next(_IDS)}", OwnClock())
 
-    def __init__(self, eng: Engine, prompts: list[list[int]], args, per_client: int) -> None:
-        self.eng, self.prompts, self.limit = eng, prompts, len(prompts) * per_client
-        self.params = SamplingParams(
-            temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True
-        )
-        spec = eng.speculator
-        self.c0 = (spec.counters.drafts, spec.counters.accepted) if spec else (0, 0)
-        self.sent = 0
-        self.window_s = self.window_tokens = 0.0
-        for _ in prompts:
-            self._send()
 
-    def _send(self) -> None:
-        prompt = self.prompts[self.sent % len(self.prompts)]
-        self.eng.add_request(f"spec-{next(_IDS)}", prompt, self.params)
-        self.sent += 1
-
-    @property
-    def active(self) -> bool:
-        return self.eng.has_work()
-
-    def step(self) -> None:
-        st = self.eng.stats
-        d_s, d_t = st.decode_s, st.decode_tokens
-        steady = self.sent < self.limit
-        outs = self.eng.step()
-        if steady:
-            self.window_s += st.decode_s - d_s
-            self.window_tokens += st.decode_tokens - d_t
-        for out in outs:
-            if out.finished and self.sent < self.limit:
-                self._send()
-
-    def result(self) -> dict:
-        row = {
-            "decode_tokens_per_s": self.window_tokens / max(self.window_s, 1e-9),
-            "acceptance_length": 1.0,
-        }
-        spec = self.eng.speculator
-        if spec is not None:
-            drafts = spec.counters.drafts - self.c0[0]
-            accepted = spec.counters.accepted - self.c0[1]
-            row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
-            row["width_in_use"] = spec.counters.width
-        return row
+def measured(loop: ClosedLoop) -> dict:
+    """The decode rate over the steps while some client still had a request to send: the
+    batch stays full, as in serving. (Measured open loop, speculation looked worse than it
+    is: requests that drew short acceptances finish rounds after the others, and those last
+    rounds ran in a small batch.) And the acceptance length over the whole run."""
+    res = loop.result()
+    window = [s for s in res.steps if s.sending]
+    seconds = sum(s.decode_s for s in window)
+    row = {
+        "decode_tokens_per_s": sum(s.decode_tokens for s in window) / max(seconds, 1e-9),
+        "acceptance_length": 1.0,
+    }
+    if res.start.spec is not None and res.end.spec is not None:
+        drafts = res.end.spec[0] - res.start.spec[0]
+        accepted = res.end.spec[2] - res.start.spec[2]
+        row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
+        row["width_in_use"] = loop.eng.speculator.counters.width
+    return row
 
 
 def main() -> int:
@@ -160,12 +135,12 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     for c in tqdm(args.concurrency, desc="concurrency"):
         # warm-up (kernels, and the online policy's measurements), then the measured loops
-        lockstep([ClosedLoop(eng, prompts[:c], args, 1) for eng in engines.values()])
-        loops = {name: ClosedLoop(eng, prompts[:c], args, args.requests_per_client)
+        lockstep([closed_loop(eng, prompts[:c], args, 1) for eng in engines.values()])
+        loops = {name: closed_loop(eng, prompts[:c], args, args.requests_per_client)
                  for name, eng in engines.items()}  # fmt: skip
         lockstep(list(loops.values()))
         for name, loop in loops.items():
-            row = {"config": name, "concurrency": c, **loop.result()}
+            row = {"config": name, "concurrency": c, **measured(loop)}
             results.append(row)
             print(json.dumps(row), flush=True)
     for eng in engines.values():

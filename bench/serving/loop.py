@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from bench.lockstep import OwnClock, WallClock
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import Request, SamplingParams
 
@@ -44,6 +45,7 @@ class StepRecord:
     running: int  # requests running after the step
     waiting: int
     width: int  # verification width in use (0: no speculation)
+    sending: bool  # when it began, some client still had a request to send
 
 
 @dataclass(frozen=True)
@@ -81,37 +83,6 @@ class LoopResult:
     reclaim_latencies: list[float]  # seconds, reclaims that completed in the window
     peak_running: int
     mem_peak_optional: int | None  # bytes of optional history at its peak (adaptive)
-
-
-class WallClock:
-    """Time as the engine sees it: runs one after the other."""
-
-    def now(self) -> float:
-        return time.monotonic()
-
-    def advance(self, seconds: float) -> None:
-        pass
-
-    def admitted(self, engine_time: float, step_start: float) -> float:
-        return engine_time  # the engine stamped the admission itself
-
-
-class OwnClock:
-    """A run's own time in lockstep (``bench/lockstep.py``): it advances only while the run's
-    engine steps, so the other runs' steps in between count against none of its latencies.
-    An admission is stamped at the start of the step that made it."""
-
-    def __init__(self) -> None:
-        self.t = 0.0
-
-    def now(self) -> float:
-        return self.t
-
-    def advance(self, seconds: float) -> None:
-        self.t += seconds
-
-    def admitted(self, engine_time: float, step_start: float) -> float:
-        return step_start
 
 
 class ClosedLoop:
@@ -160,11 +131,15 @@ class ClosedLoop:
             seed=load.request_seed(client, j),
         )  # fmt: skip
         req = self.eng.add_request(f"{self.tag}-c{client}-r{j}", self.prefixes[prefix], params)
-        arrival = req.arrival if isinstance(self.clock, WallClock) else self.clock.now()
+        arrival = self.clock.stamp(req.arrival, self.clock.now())
         rec = RequestRecord(client, j, prefix, arrival, output_ids=req.output_ids)
         self.live[req.request_id] = rec
         self.requests[req.request_id] = req
         self.records.append(rec)
+
+    def _sending(self, now: float) -> bool:
+        """Whether some client still has a request to send: the batch is being kept full."""
+        return any(self._more(c, now) for c in range(self.concurrency))
 
     def _more(self, client: int, now: float) -> bool:
         if self.load.requests_per_client is not None:
@@ -184,13 +159,12 @@ class ClosedLoop:
             self.done = True
             return
         before = (st.decode_s, st.decode_tokens, st.prefill_s, st.prefill_tokens_computed)
-        t0 = time.perf_counter()
-        outs = eng.step()
-        clock.advance(time.perf_counter() - t0)
+        sending = self._sending(now)
+        outs = clock.timed(eng.step)
         t = clock.now()
         for rid, rec in self.live.items():
             if rec.admitted is None and self.requests[rid].admitted_time is not None:
-                rec.admitted = clock.admitted(self.requests[rid].admitted_time, now)
+                rec.admitted = clock.stamp(self.requests[rid].admitted_time, now)
         decode = prefill = tokens = 0
         for o in outs:
             rec = self.live.get(o.request_id)
@@ -222,7 +196,7 @@ class ClosedLoop:
         self.steps.append(StepRecord(
             t, decode, prefill, tokens, st.decode_s - before[0], st.decode_tokens - before[1],
             st.prefill_s - before[2], st.prefill_tokens_computed - before[3], eng.num_running,
-            eng.num_waiting, spec.counters.width if spec is not None else 0,
+            eng.num_waiting, spec.counters.width if spec is not None else 0, sending,
         ))  # fmt: skip
         self.peak = max(self.peak, decode + prefill, eng.num_running)
         if len(self.steps) % 8 == 0 and eng.kv.mode == "adaptive":
@@ -240,7 +214,7 @@ class ClosedLoop:
         )
         for rid, rec in self.live.items():  # the run ended with these in flight: abort them
             if rec.admitted is None and self.requests[rid].admitted_time is not None:
-                rec.admitted = self.clock.admitted(self.requests[rid].admitted_time, w1)
+                rec.admitted = self.clock.stamp(self.requests[rid].admitted_time, w1)
             rec.finish_reason = "end"
             eng.abort(rid)
         self.live.clear()

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import torch
 
-from bench.lockstep import lockstep
+from bench.lockstep import OwnClock, lockstep
 from services.worker.engine.engine import EngineConfig
 
 from .config import EngineKey, Load, RunSpec
 from .engines import build_engine, engine_config, pool_bytes
-from .loop import ClosedLoop, OwnClock, closed_loop
+from .loop import ClosedLoop, closed_loop
 from .setup import BENCH_GLM, Sizing, Target
 from .summary import summarize
 
@@ -69,6 +69,21 @@ class Bench:
     def warmup_prompts(self) -> list[list[int]]:
         return self.prefixes[max(self.prefixes)][:2]
 
+    def build(self, key: EngineKey, store) -> tuple:
+        """(engine, what it was built with), warmed up."""
+        return build_engine(self.target, key, self.sizing, self.device, self.drafter_dir,
+                            self.spec_width, self.warmup_prompts, store, self.durable)  # fmt: skip
+
+    def metrics(self, res, eng) -> dict:
+        return summarize(res, eng.kv.row_bytes, self.sizing.page_size, self.load.output_len)
+
+    def close(self, engines: list) -> None:
+        for eng in engines:
+            eng.close()
+        gc.collect()
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
 
 ENGINE_SETUP_S = 10.0  # what building and warming up one engine may take
 STACK_SETUP_S = 30.0  # ... and starting one stack
@@ -105,22 +120,16 @@ def engine_level(
 
 def _engine_runs(b: Bench, key: EngineKey, group: list[RunSpec], deadline: Deadline,
                  on_run: OnRun, store) -> dict:  # fmt: skip
-    eng, info = build_engine(b.target, key, b.sizing, b.device, b.drafter_dir, b.spec_width,
-                             b.warmup_prompts, store, b.durable)  # fmt: skip
+    eng, info = b.build(key, store)
     try:
         for r in group:
             if not deadline.allows():
                 on_run(r, None, "time limit")
                 continue
             res = closed_loop(eng, b.prefixes[r.input_len], r.concurrency, b.load, r.name)
-            m = summarize(res, eng.kv.row_bytes, b.sizing.page_size, b.load.output_len)
-            on_run(r, m, None)
+            on_run(r, b.metrics(res, eng), None)
     finally:
-        eng.close()
-        del eng
-        gc.collect()
-        if b.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        b.close([eng])
     return info
 
 
@@ -134,8 +143,7 @@ def _lockstep_runs(
     try:
         for key, _ in by_engine(runs):
             if deadline.allows(1, ENGINE_SETUP_S):
-                built[key] = build_engine(b.target, key, b.sizing, b.device, b.drafter_dir,
-                                          b.spec_width, b.warmup_prompts, store, b.durable)  # fmt: skip
+                built[key] = b.build(key, store)
         points: dict[tuple[int, int], list[RunSpec]] = {}
         for r in runs:
             points.setdefault((r.input_len, r.concurrency), []).append(r)
@@ -153,15 +161,9 @@ def _lockstep_runs(
             ]  # fmt: skip
             lockstep(loops)
             for r, loop in zip(todo, loops, strict=True):
-                eng = built[r.key][0]
-                on_run(r, summarize(loop.result(), eng.kv.row_bytes, b.sizing.page_size,
-                                    b.load.output_len), None)  # fmt: skip
+                on_run(r, b.metrics(loop.result(), built[r.key][0]), None)
     finally:
-        for eng, _ in built.values():
-            eng.close()
-        gc.collect()
-        if b.device.startswith("cuda"):
-            torch.cuda.empty_cache()
+        b.close([eng for eng, _ in built.values()])
     return [info for _, info in built.values()]
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import itertools
 from dataclasses import dataclass
 
@@ -73,9 +74,9 @@ class ForwardBatch:
         """[R] index of each request's last new token."""
         return self.cu_lens[1:] - 1
 
-    @property
+    @functools.cached_property
     def cu(self) -> tuple[int, ...]:
-        """``cu_lens`` on the host."""
+        """``cu_lens`` on the host (read per request in loops: computed once)."""
         return (0, *itertools.accumulate(self.lens))
 
     def ends(self) -> list[int]:

@@ -204,7 +204,7 @@ class DSAModel(nn.Module):
             keys = kv.index_keys.gather(i, batch.slots, num_visible, max(ends) // m)
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
-            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, m)
+            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, max(ends) // m)
             return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
         cu = batch.cu
@@ -226,14 +226,14 @@ class DSAModel(nn.Module):
         batch: ForwardBatch,
         kv: KVCache,
         num_visible: torch.Tensor,
-        m: int,
+        max_visible: int,
     ) -> torch.Tensor:
         """[N, S] index scores of every token of a batch of short chunks: each request's
         queries, padded to the longest chunk, against its own keys in one batched product
         (the same per-query reduction as ``index_scores``)."""
         # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
         seen = num_visible[batch.last_token_index]
-        keys = kv.index_keys.gather(i, batch.slots, seen, max(batch.ends()) // m).float()
+        keys = kv.index_keys.gather(i, batch.slots, seen, max_visible).float()
         col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
         shape = (batch.num_requests, max(batch.lens))
         qp = q.new_zeros(*shape, *q.shape[1:]).float()
