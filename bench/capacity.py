@@ -63,6 +63,7 @@ def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
         max_num_seqs=max(*args.concurrency, args.probe_sessions), max_model_len=ctx + args.decode_tokens + 16,
         max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
         attention_backend="auto", host_arena_mib=args.host_gib * 1024,
+        cuda_graphs=not args.eager,
     )  # fmt: skip
     fixed = 0
     if mode != "resident":
@@ -226,6 +227,7 @@ def main() -> int:
     ap.add_argument("--out", default="docs/results/capacity.json")
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     global DTYPE

@@ -44,7 +44,16 @@ def main() -> int:
     ap.add_argument("--drafter", default=None, help="a drafter directory: profile spec rounds")
     ap.add_argument("--spec-width", type=int, default=4)
     ap.add_argument("--cprofile", action="store_true")
+    ap.add_argument(
+        "--graphs", default="on", help="on | off | on,off: decode passes as CUDA graphs or eager"
+    )
     ap.add_argument("--durable", action="store_true", help="durable sessions (as serving)")
+    ap.add_argument(
+        "--phases", action="store_true",
+        help="also split the step's host time into maintain / schedule / forward / commit / "
+        "the rest (unsynchronised, so a launch-bound step's wall time), and list every call "
+        "that waits for the device in one step",
+    )  # fmt: skip
     ap.add_argument(
         "--series", type=int, default=0,
         help="also time this many steps one by one right after the prefills (synchronised), "
@@ -59,66 +68,70 @@ def main() -> int:
     g = torch.Generator().manual_seed(0)
     cs = [int(c) for c in args.concurrency.split(",")]
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(max(cs))]
-    for mode in args.modes.split(","):
-        for c in cs:
-            eng = Engine(
-                EngineConfig(
-                    model=args.model or "bench-glm", device=args.device, mode=mode,
-                    kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
-                    max_model_len=args.context + 256, max_prefill_tokens=args.context,
-                    hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
-                    durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
-                    width_policy="fixed",
-                ),
-                model=model, tokenizer=ByteTokenizer() if model is not None else None,
-            )  # fmt: skip
-            params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
-            for i in range(c):
-                eng.add_request(f"p{i}", prompts[i], params)
-            while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
-                eng.step()
-            if args.series:
-                print_series(eng, args.series, cuda, f"{mode} C={c}")
-            for _ in range(8):  # warm: every kernel compiled, hot caches filled
-                eng.step()
-            sync = torch.cuda.synchronize if cuda else (lambda: None)
-            sync()
-            t0 = time.perf_counter()
+    runs = [
+        (mode, c, choice == "on")
+        for mode in args.modes.split(",")
+        for c in cs
+        for choice in args.graphs.split(",")
+    ]
+    for mode, c, graphs in runs:
+        eng = Engine(
+            EngineConfig(
+                model=args.model or "bench-glm", device=args.device, mode=mode,
+                kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
+                max_model_len=args.context + 256, max_prefill_tokens=args.context,
+                hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
+                durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
+                width_policy="fixed", cuda_graphs=graphs,
+            ),
+            model=model, tokenizer=ByteTokenizer() if model is not None else None,
+        )  # fmt: skip
+        params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+        for i in range(c):
+            eng.add_request(f"p{i}", prompts[i], params)
+        while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
+            eng.step()
+        if args.series:
+            print_series(eng, args.series, cuda, f"{mode} C={c}")
+        for _ in range(8):  # warm: every kernel compiled, hot caches filled
+            eng.step()
+        if args.phases:
+            print_phases(eng, args.steps, cuda, f"{mode} C={c} graphs={graphs}")
+        sync = torch.cuda.synchronize if cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            eng.step()
+        sync()
+        plain = (time.perf_counter() - t0) / args.steps
+        acts = [torch.profiler.ProfilerActivity.CPU]
+        if cuda:
+            acts.append(torch.profiler.ProfilerActivity.CUDA)
+        with torch.profiler.profile(activities=acts) as prof:
             for _ in range(args.steps):
                 eng.step()
             sync()
-            plain = (time.perf_counter() - t0) / args.steps
-            acts = [torch.profiler.ProfilerActivity.CPU]
-            if cuda:
-                acts.append(torch.profiler.ProfilerActivity.CUDA)
-            with torch.profiler.profile(activities=acts) as prof:
-                for _ in range(args.steps):
-                    eng.step()
-                sync()
-            what = f"spec K={args.spec_width}" if args.drafter else "decode"
-            print(f"\n===== {mode} C={c} {what}: {plain * 1e3:.2f} ms/step")
-            ka = prof.key_averages()
-            print(
-                ka.table(
-                    sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60
-                )
-            )
-            if cuda:
-                print(
-                    ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60)
-                )
-            if args.cprofile:
-                pr = cProfile.Profile()
-                pr.enable()
-                for _ in range(args.steps):
-                    eng.step()
-                sync()
-                pr.disable()
-                pstats.Stats(pr).sort_stats("tottime").print_stats(25)
-            eng.close()
-            del eng
-            if cuda:
-                torch.cuda.empty_cache()
+        what = f"spec K={args.spec_width}" if args.drafter else "decode"
+        what += " graphs" if eng.graphs is not None else " eager"
+        print(f"\n===== {mode} C={c} {what}: {plain * 1e3:.2f} ms/step")
+        ka = prof.key_averages()
+        print(
+            ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
+        )
+        if cuda:
+            print(ka.table(sort_by="self_cuda_time_total", row_limit=12, max_name_column_width=60))
+        if args.cprofile:
+            pr = cProfile.Profile()
+            pr.enable()
+            for _ in range(args.steps):
+                eng.step()
+            sync()
+            pr.disable()
+            pstats.Stats(pr).sort_stats("tottime").print_stats(25)
+        eng.close()
+        del eng
+        if cuda:
+            torch.cuda.empty_cache()
     return 0
 
 
@@ -155,6 +168,71 @@ def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     census = eng.kv.census()
     if census is not None:
         print(f"===== series {label}: census {census}")
+
+
+def print_phases(eng: Engine, steps: int, cuda: bool, label: str) -> None:
+    """Mean host milliseconds per step in each phase, then the calls that synchronise."""
+    spent: dict[str, float] = {}
+    swapped = []
+    for name, owner, attr in (
+        ("maintain", eng.kv, "maintain"),
+        ("schedule", eng.scheduler, "schedule"),
+        ("forward", eng.graphs or eng.model, "logits" if eng.graphs else "forward"),
+        ("commit", eng.kv, "commit"),
+    ):
+        fn = getattr(owner, attr)
+
+        def timed(*a, _fn=fn, _name=name, **kw):
+            t = time.perf_counter()
+            try:
+                return _fn(*a, **kw)
+            finally:
+                spent[_name] = spent.get(_name, 0.0) + time.perf_counter() - t
+
+        setattr(owner, attr, timed)
+        swapped.append((owner, attr, fn))
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        eng.step()
+    sync()
+    total = (time.perf_counter() - t0) / steps * 1e3
+    parts = {k: v / steps * 1e3 for k, v in spent.items()}
+    rest = total - sum(parts.values())
+    print(
+        f"\n===== phases {label}: step {total:.2f} ms = "
+        + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
+        + f" + rest {rest:.2f}"
+    )
+    for owner, attr, fn in swapped:
+        setattr(owner, attr, fn)
+    if not cuda:
+        return
+    import traceback
+    import warnings
+
+    root = str(Path(__file__).resolve().parents[1])
+    counts: dict[str, int] = {}
+
+    def hook(message, category, filename, lineno, file=None, line=None):
+        frames = [f for f in traceback.extract_stack() if f.filename.startswith(root)]
+        key = " <- ".join(f"{Path(f.filename).name}:{f.lineno}" for f in frames[-1:-4:-1])
+        counts[key] = counts.get(key, 0) + 1
+
+    old = warnings.showwarning
+    warnings.showwarning = hook
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            eng.step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            warnings.showwarning = old
+    print(f"===== syncs {label}: {sum(counts.values())} in one step")
+    for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+        print(f"  {n:3d}  {key}")
 
 
 if __name__ == "__main__":

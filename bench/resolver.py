@@ -114,6 +114,7 @@ def run_case(
     host_base = (torch.arange(nreq, dtype=torch.int64) * hist * d).to(dev)
     cu = torch.arange(nreq + 1, device=dev)
     ws = Workspace(nreq, k, nreq, b, dev)
+    clock = torch.tensor(10_000, dtype=torch.int64, device=dev)
     state: dict = {}
 
     def restore() -> None:
@@ -122,7 +123,7 @@ def run_case(
 
     def resolve_only() -> None:
         state["locs"] = launch_resolve(
-            sel, cu, slots, plan, geo, hot, 10_000, host_base, d, ws, has_optional=False
+            sel, cu, slots, plan, geo, hot, clock, host_base, d, ws, has_optional=False
         )
 
     def copy_only() -> None:

@@ -43,6 +43,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-width", type=int, help="K_max: target queries per verify round")
     p.add_argument("--width-policy", choices=["fixed", "paper", "online"])
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="on a GPU: replay decode passes as captured CUDA graphs (on)",
+    )
     p.add_argument("--page-size", type=int, help="rows per KV page")
     p.add_argument("--max-num-seqs", type=int, help="request slots")
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")

@@ -35,6 +35,7 @@ class WorkerSettings(BaseSettings):
     host_arena_mib: float = 256.0
     resolver: str = "auto"
     attention_backend: str = "auto"
+    cuda_graphs: bool = True
     reserve_pages: int = 0
     populate_pages: int = 256
     populate_payback: float = 1.0
@@ -63,6 +64,7 @@ class WorkerSettings(BaseSettings):
             host_arena_mib=self.host_arena_mib,
             resolver=self.resolver,
             attention_backend=self.attention_backend,
+            cuda_graphs=self.cuda_graphs,
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             populate_payback=self.populate_payback,

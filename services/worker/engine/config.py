@@ -26,6 +26,7 @@ class EngineConfig:
     populate_payback: float = 1.0  # adaptive: refill only with >= this x V/k steps left
     reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
+    cuda_graphs: bool = True  # on a GPU: decode passes replayed as captured CUDA graphs
     owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
     max_num_seqs: int = 32

@@ -12,6 +12,7 @@ import torch
 
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.cuda_graph import DecodeGraphs
 from services.worker.engine.request import (
     FinishReason,
     Request,
@@ -78,9 +79,18 @@ class Engine:
         if cfg.drafter:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
             self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
+        self.graphs: DecodeGraphs | None = None
+        if (
+            cfg.cuda_graphs
+            and self.device.type == "cuda"
+            and DecodeGraphs.supports(model)
+            and not self._check_invariants  # the checks read counters back: not capturable
+        ):
+            self.graphs = DecodeGraphs(model, self.kv, cfg.max_num_seqs)
 
     def close(self) -> None:
-        """Releases host-side resources (a private host arena)."""
+        """Releases host-side resources (a private host arena) and the captured graphs."""
+        self.graphs = None
         self.kv.close()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -200,8 +210,11 @@ class Engine:
         tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
         spec = self.speculator
         feats = spec.features() if spec is not None else None
-        hidden = self.model(tokens, batch, self.kv, features=feats)
-        logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
+        if self.graphs is not None and spec is None and batch.is_decode:
+            logits = self.graphs.logits(tokens, batch)
+        else:
+            hidden = self.model(tokens, batch, self.kv, features=feats)
+            logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
         self.kv.commit(batch, [r.num_tokens for r in reqs])
         for i, r in enumerate(reqs):
             r.num_computed = r.num_tokens

@@ -24,6 +24,15 @@ _SCORE_BLOCK = 512
 _SHORT_CHUNK = 16
 
 
+def key_rows(rows: int) -> int:
+    """The index-key width a decode pass gathers when its longest request sees ``rows`` rows:
+    rounded up to an eighth of its power of two (>= 256), so the width, and with it a captured
+    decode graph, changes once every few thousand tokens, at most 12.5% (and 255 rows) over.
+    Eager and captured passes use the same width, so they compute the same scores."""
+    step = max(256, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // step) * step
+
+
 @dataclass
 class LayerTrace:
     """What one layer's attention consumed, for exactness checks."""
@@ -89,14 +98,17 @@ class DSAModel(nn.Module):
         kv: KVCache,
         trace: list[LayerTrace] | None = None,
         features: dict[int, torch.Tensor] | None = None,
+        begin: bool = True,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
         Writes the new tokens' rows and index keys into ``kv`` as a side effect; the caller
         then ``kv.commit``s the tokens that are final. ``features``: for each layer index it
         names, filled with that layer's output hidden states [N, d_model] (the target features
-        a DFlash-style drafter is conditioned on)."""
-        kv.begin(batch)
+        a DFlash-style drafter is conditioned on). ``begin=False``: the caller already began the
+        pass on ``kv`` (host-side planning that a captured graph cannot hold)."""
+        if begin:
+            kv.begin(batch)
         h = self.embed(input_ids)
         st = _Pass(rotary=Rotary(batch.positions, self.cfg.rope_theta))
         for i, layer in enumerate(self.layers):
@@ -201,7 +213,7 @@ class DSAModel(nn.Module):
         num_visible = (batch.positions + 1) // m  # complete rows at or before each query
         ends = batch.ends()  # the host knows how far each request sees: no read-back
         if batch.is_decode:
-            keys = kv.index_keys.gather(i, batch.slots, num_visible, max(ends) // m)
+            keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends) // m))
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
             scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, max(ends) // m)

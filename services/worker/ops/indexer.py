@@ -38,5 +38,5 @@ def select_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torc
         order = torch.cat([order, order.new_full((t, k - s), -1)], dim=1)
     sel = order[:, :k].clone()
     rank = torch.arange(k, device=scores.device).unsqueeze(0)
-    sel[rank >= num_visible.clamp(max=k).unsqueeze(1)] = -1
-    return sel
+    # masked_fill, not a boolean-mask assignment: no device sync, so a CUDA graph can hold it
+    return sel.masked_fill_(rank >= num_visible.clamp(max=k).unsqueeze(1), -1)

@@ -8,6 +8,8 @@ State per slot (on the device, shared by the torch reference and the Triton reso
 - ``lru[slot, :]``: the entries from least to most recently used (empty entries first).
 - ``stamp[slot, e]``: the resolver call that last used entry e. Within a call, an entry stamped
   with the call's tick is protected: it holds a row selected in this call.
+- ``clock``: resolver calls so far, a device scalar the resolvers read, so a captured decode
+  pass (a CUDA graph) ticks it on every replay.
 
 A call moves every entry it used to the most-recent end, keeping the relative order of the
 entries it did not touch, so victims are always the least recently used unselected rows."""
@@ -30,9 +32,10 @@ class HotCache:
         self.rows = torch.full((max_slots, entries), -1, dtype=torch.int32, device=device)
         self.lru = torch.arange(entries, dtype=torch.int32, device=device).repeat(max_slots, 1)
         self.stamp = torch.full((max_slots, entries), -1, dtype=torch.int64, device=device)
-        self.clock = 0  # resolver calls so far
+        self.clock = torch.zeros((), dtype=torch.int64, device=device)
 
-    def tick(self) -> int:
+    def tick(self) -> torch.Tensor:
+        """Advances the clock (on the device: no host value to bake into a graph)."""
         self.clock += 1
         return self.clock
 

@@ -85,6 +85,7 @@ class HierarchyPayload:
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
         self.plans: list[ChunkPlan] = []
+        self.plan_rows: torch.Tensor | None = None  # [S, 5, R]: the plans' device rows
         # per source: (slots, rows, locations) this pass wrote, backed up at commit
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
@@ -218,7 +219,7 @@ class HierarchyPayload:
         self._batch = batch
         self._prefetched.clear()
         self.written.clear()
-        self.plans = plan_pass(
+        self.plans, self.plan_rows = plan_pass(
             batch, self.cfg, self.ring, [g.scratch for g in self.geo], self.ring_hi_of, self.device
         )
         self.req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
@@ -254,7 +255,8 @@ class HierarchyPayload:
         an index producer) so their host reads overlap the layers computed in between. On a
         GPU they run on a side stream that first waits for everything issued so far: earlier
         readers of those sources are done, and the selection is complete."""
-        if self._side is None:
+        if self._side is None or torch.cuda.is_current_stream_capturing():
+            # inline (a graph being captured orders the work by its own dependencies)
             for layer, source in layers:
                 self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
             return

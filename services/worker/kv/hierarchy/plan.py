@@ -19,18 +19,20 @@ if TYPE_CHECKING:
 
 @dataclass(frozen=True)
 class ChunkPlan:
-    """Per batch request (tensors [R] int64 on the device, lists on the host)."""
+    """Per batch request (tensors [R] int64 on the device, lists on the host). The five device
+    rows are views of one [5, R] tensor, ``packed``, filled by one host-to-device copy."""
 
     chunk_lo: torch.Tensor
     chunk_hi: torch.Tensor
     ring_lo: torch.Tensor  # rows >= ring_lo resolve directly (ring or scratch)
-    in_scratch: torch.Tensor  # int8 (0/1), kernels read it directly
+    in_scratch: torch.Tensor  # 0/1, kernels read it directly
     scratch_off: torch.Tensor  # first scratch row of the request's chunk
     lo: list[int]
     hi: list[int]
     scratch: list[bool]
     scratch_rows: int  # scratch rows this pass uses
     all_direct: bool  # every request's whole history is in its chunk or ring
+    packed: torch.Tensor | None = None  # [5, R]: the rows above, in their order
 
     @staticmethod
     def build(
@@ -43,33 +45,39 @@ class ChunkPlan:
         """``ring_hi[r]``: one past the highest row ever written to the request's ring. A ring
         slot holds row s only while nothing later went to slot s mod T, so after a verify
         round wrote rows beyond what it committed, the valid window ends below them."""
-        ring_hi = ring_hi or [0] * len(chunk_lo)
-        scratch = [hi - lo > ring for lo, hi in zip(chunk_lo, chunk_hi, strict=True)]
-        offs, total = [], 0
-        for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True):
-            offs.append(total)
-            total += hi - lo if sc else 0
-        # A chunk in scratch leaves the ring as it was before the pass.
-        ring_lo = [
-            max(0, max(lo if sc else hi, rh) - ring)
-            for lo, hi, sc, rh in zip(chunk_lo, chunk_hi, scratch, ring_hi, strict=True)
-        ]
+        rows, scratch, total = _plan_rows(chunk_lo, chunk_hi, ring, ring_hi)
+        packed = torch.tensor(rows, dtype=torch.int64).to(device)
+        return ChunkPlan.of(packed, rows, scratch, total)
 
-        def t(x: list) -> torch.Tensor:
-            return torch.tensor(x, dtype=torch.int64, device=device)
-
+    @staticmethod
+    def of(
+        packed: torch.Tensor, rows: list[list[int]], scratch: list[bool], total: int
+    ) -> ChunkPlan:
+        """The plan whose device rows are ``packed`` [5, R], a copy of the host's ``rows``
+        (``_plan_rows``)."""
         return ChunkPlan(
-            chunk_lo=t(chunk_lo),
-            chunk_hi=t(chunk_hi),
-            ring_lo=t(ring_lo),
-            in_scratch=torch.tensor(scratch, dtype=torch.int8, device=device),
-            scratch_off=t(offs),
-            lo=list(chunk_lo),
-            hi=list(chunk_hi),
-            scratch=scratch,
-            scratch_rows=total,
-            all_direct=max(ring_lo) == 0,
-        )
+            *packed.unbind(0), lo=rows[0], hi=rows[1], scratch=scratch, scratch_rows=total,
+            all_direct=max(rows[2]) == 0, packed=packed,
+        )  # fmt: skip
+
+
+def _plan_rows(
+    chunk_lo: list[int], chunk_hi: list[int], ring: int, ring_hi: list[int] | None
+) -> tuple[list[list[int]], list[bool], int]:
+    """([chunk_lo, chunk_hi, ring_lo, in_scratch, scratch_off], scratch flags, scratch rows)."""
+    ring_hi = ring_hi or [0] * len(chunk_lo)
+    scratch = [hi - lo > ring for lo, hi in zip(chunk_lo, chunk_hi, strict=True)]
+    offs, total = [], 0
+    for lo, hi, sc in zip(chunk_lo, chunk_hi, scratch, strict=True):
+        offs.append(total)
+        total += hi - lo if sc else 0
+    # A chunk in scratch leaves the ring as it was before the pass.
+    ring_lo = [
+        max(0, max(lo if sc else hi, rh) - ring)
+        for lo, hi, sc, rh in zip(chunk_lo, chunk_hi, scratch, ring_hi, strict=True)
+    ]
+    rows = [list(chunk_lo), list(chunk_hi), ring_lo, [int(x) for x in scratch], offs]
+    return rows, scratch, total
 
 
 def plan_pass(
@@ -79,31 +87,28 @@ def plan_pass(
     scratch: list[int],
     ring_hi_of: dict[int, list[int]],
     device: torch.device | str,
-) -> list[ChunkPlan]:
-    """The plan of each source for ``batch``; sources with equal bounds
-    share one. Advances ``ring_hi_of[slot][source]`` (one past the highest row ever written to
-    the slot's ring) for chunks that go to the ring. ``scratch``: each source's scratch rows."""
+) -> tuple[list[ChunkPlan], torch.Tensor]:
+    """The plan of each source for ``batch``, and the [S, 5, R] device tensor every plan's
+    rows are views of (one host-to-device copy for the pass; a captured decode graph reads
+    its own copy, refilled from it). Advances ``ring_hi_of[slot][source]`` (one past the
+    highest row ever written to the slot's ring) for chunks that go to the ring.
+    ``scratch``: each source's scratch rows."""
     ends = batch.ends()
     slots = batch.slot_ids
-    built: dict[tuple, ChunkPlan] = {}
-    plans = []
+    host = []
     for s, rows in enumerate(scratch):
         lo = [model_cfg.rows_for_tokens(s, a) for a in batch.starts]
         hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
         ring_hi = [ring_hi_of[slot][s] for slot in slots]
-        key = (tuple(lo), tuple(hi), tuple(ring_hi))
-        plan = built.get(key)
-        if plan is None:
-            plan = built[key] = ChunkPlan.build(lo, hi, ring, device, ring_hi)
-        for slot, h, sc in zip(slots, hi, plan.scratch, strict=True):
+        plan_rows, in_scratch, total = _plan_rows(lo, hi, ring, ring_hi)
+        for slot, h, sc in zip(slots, hi, in_scratch, strict=True):
             if not sc:
                 ring_hi_of[slot][s] = max(ring_hi_of[slot][s], h)
-        if plan.scratch_rows > rows:
-            raise ValueError(
-                f"a pass of {plan.scratch_rows} rows exceeds the prefill scratch ({rows} rows)"
-            )
-        plans.append(plan)
-    return plans
+        if total > rows:
+            raise ValueError(f"a pass of {total} rows exceeds the prefill scratch ({rows} rows)")
+        host.append((plan_rows, in_scratch, total))
+    packed = torch.tensor([h[0] for h in host], dtype=torch.int64).to(device)
+    return [ChunkPlan.of(packed[s], *h) for s, h in enumerate(host)], packed
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,7 @@ def resolve_ref(
     plan: ChunkPlan,
     geo: SourceGeometry,
     hot: HotCache,
-    clock: int,
+    clock: int | torch.Tensor,
     pool: torch.Tensor,
     host: torch.Tensor,
     host_base: torch.Tensor,

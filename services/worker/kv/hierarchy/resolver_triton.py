@@ -26,7 +26,7 @@ from services.worker.kv.hierarchy.plan import ChunkPlan
 from services.worker.kv.hierarchy.resolver_ref import StagingOverflow
 
 
-@triton.jit(do_not_specialize=["clock"])
+@triton.jit
 def _resolve_kernel(
     sel_ptr,  # [N, K] int64
     stride_sel,
@@ -34,7 +34,7 @@ def _resolve_kernel(
     slots_ptr,  # [R] int64
     ring_lo_ptr,  # [R] int64
     chunk_lo_ptr,  # [R] int64
-    in_scr_ptr,  # [R] int8
+    in_scr_ptr,  # [R] int64 (0/1)
     scr_off_ptr,  # [R] int64
     map_ptr,  # [max_slots, max_rows] int16 | int32
     stride_map,
@@ -54,7 +54,7 @@ def _resolve_kernel(
     plan_src_ptr,  # [cap] int64 out: host element offset of each copy
     plan_dst_ptr,  # [cap] int64 out: pool row of each copy
     counters_ptr,  # [5] int64: direct, hot, host, copies queued, overflow
-    clock,
+    clock_ptr,  # [] int64: this call's tick
     K,
     B,
     P,
@@ -88,6 +88,7 @@ def _resolve_kernel(
     kmask = offs_k < K
     offs_b = tl.arange(0, BP)
     bmask = offs_b < B
+    clock = tl.load(clock_ptr)
     now = tl.full([KP], clock, tl.int64)
 
     # (1)+(2): direct rows, and hot hits stamped: protected from this call's evictions.
@@ -247,6 +248,18 @@ def workspace_for(sel: torch.Tensor, nreq: int, entries: int) -> Workspace:
     return ws
 
 
+def reserve_workspace(
+    device: torch.device, stream: int, max_tokens: int, k: int, max_reqs: int, entries: int
+) -> None:
+    """Allocates the workspace a stream's resolver calls will use, at its largest, before a
+    CUDA graph is captured on that stream: a graph keeps the buffers' addresses, so the cached
+    workspace must never be replaced (grown) afterwards."""
+    key = (device, entries, stream)
+    ws = _WORKSPACES.get(key)
+    if ws is None or not ws.fits(max_tokens, k, max_reqs, entries):
+        _WORKSPACES[key] = Workspace(max_tokens, k, max_reqs, entries, device)
+
+
 def launch_resolve(
     sel: torch.Tensor,
     cu: torch.Tensor,
@@ -254,7 +267,7 @@ def launch_resolve(
     plan: ChunkPlan,
     geo: SourceGeometry,
     hot: HotCache,
-    clock: int,
+    clock: int | torch.Tensor,
     host_base: torch.Tensor,
     row_elems: int,
     ws: Workspace,
@@ -265,6 +278,8 @@ def launch_resolve(
     nreq = cu.numel() - 1
     sel = sel.contiguous()
     locs = torch.empty_like(sel)
+    if not isinstance(clock, torch.Tensor):
+        clock = torch.tensor(clock, dtype=torch.int64, device=sel.device)
     ws.counters.zero_()
     _resolve_kernel[(nreq,)](
         sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
@@ -292,7 +307,7 @@ def resolve_triton(
     plan: ChunkPlan,
     geo: SourceGeometry,
     hot: HotCache,
-    clock: int,
+    clock: int | torch.Tensor,
     pool: torch.Tensor,
     host: torch.Tensor,
     host_base: torch.Tensor,
