@@ -32,7 +32,8 @@ from services.worker.model.model import DSAModel, key_rows
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    tokens: torch.Tensor  # [R] the inputs a replay reads
+    batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
+    tokens: torch.Tensor  # [R] the inputs a replay refills
     slots: torch.Tensor
     positions: torch.Tensor
     plan_rows: torch.Tensor | None  # [S, 5, R] the hierarchy plans' rows the graph reads
@@ -120,7 +121,7 @@ class DecodeGraphs:
             payload.written.clear()
             payload.written.update(written)
         self._graphs[key] = _Graph(
-            graph, g_tokens, slots, positions, plan_rows, captured, logits
+            graph, static, g_tokens, slots, positions, plan_rows, captured, logits
         )  # fmt: skip
         self.captures += 1
         return out

@@ -24,24 +24,33 @@ def commit_pass(p: HierarchyPayload, batch: ForwardBatch, num_tokens: list[int])
     one scatter; a prefill chunk takes the per-request path (optional history, ring)."""
     slots = list(batch.slot_ids)
     limit = [[-1] * len(slots) for _ in p.geo]  # rows < limit[s][r] go in the scatter
+    marks = []
+    whole = True  # every row this pass wrote is committed (a decode pass)
     for s, plan in enumerate(p.plans):
+        committed = [p.rows_of_tokens(s, n) for n in num_tokens]
+        whole = whole and committed == plan.hi
         for r, slot in enumerate(slots):
-            lo, new = plan.lo[r], p.rows_of_tokens(s, num_tokens[r])
+            lo, new = plan.lo[r], committed[r]
             if new <= lo:
                 continue
             if plan.scratch[r] or (p.residency is not None and batch.starts[r] == 0):
+                whole = False
                 _commit_chunk(p, batch, r, slot, s, lo, new)
             else:
                 limit[s][r] = new
-                p.host.mark_durable(slot, s, lo, new)
+                marks.append((slot, s, lo, new))
             p.committed[slot][s] = new
+    p.host.mark_durable_many(marks)
     written = [(s, *w) for s, w in p.written.items() if max(limit[s]) >= 0]
     if not written:
         return
     src = torch.cat([torch.full_like(w[2], w[0]) for w in written])
     w_slots, rows, locs = (torch.cat([w[i] for w in written]) for i in (1, 2, 3))
-    limits = torch.tensor(limit, dtype=torch.int64, device=p.device)
-    keep = rows < limits[src, p.req_of_slot[w_slots]]
+    if whole and len(rows) <= len(p.all_rows):  # nothing left out: no mask, no host copy
+        keep = p.all_rows[: len(rows)]
+    else:
+        limits = torch.tensor(limit, dtype=torch.int64, device=p.device)
+        keep = rows < limits[src, p.req_of_slot[w_slots]]
     dst = p.host.base[w_slots, src] + rows * p.store.shape[1]
     p.backup(p.store, locs, dst, keep, p.host.arena)
 

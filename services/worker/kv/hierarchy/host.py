@@ -208,11 +208,19 @@ class HostBackups:
 
     def mark_durable(self, slot: int, source: int, start: int, end: int) -> None:
         """Rows [start, end) of the slot's source now hold committed bytes on the host."""
-        if end <= start:
-            return
-        b = self._backed[slot][source]
-        b.durable = add_range(b.durable, start, end)
-        self._durability.report(b.region.region_id, start, end)
+        self.mark_durable_many([(slot, source, start, end)])
+
+    def mark_durable_many(self, marks: list[tuple[int, int, int, int]]) -> None:
+        """``mark_durable`` for each (slot, source, start, end), reported to the store as one
+        batch (a decode step marks every request's and source's new row)."""
+        report = []
+        for slot, source, start, end in marks:
+            if end <= start:
+                continue
+            b = self._backed[slot][source]
+            b.durable = add_range(b.durable, start, end)
+            report.append((b.region.region_id, start, end))
+        self._durability.report_many(report)
 
     def durable(self, slot: int, source: int, start: int, end: int) -> bool:
         """Whether rows [start, end) of the slot's source all have host copies."""

@@ -89,6 +89,10 @@ class HierarchyPayload:
         # per source: (slots, rows, locations) this pass wrote, backed up at commit
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
         self.req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
+        # a decode or verify pass whose rows are all committed backs up every row it wrote
+        self.all_rows = torch.ones(
+            max_slots * self.num_sources * spec_block, dtype=torch.bool, device=device
+        )
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}

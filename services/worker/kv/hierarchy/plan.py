@@ -96,11 +96,16 @@ def plan_pass(
     ends = batch.ends()
     slots = batch.slot_ids
     host = []
+    memo: dict[tuple, tuple] = {}  # sources with equal bounds share one host plan
     for s, rows in enumerate(scratch):
-        lo = [model_cfg.rows_for_tokens(s, a) for a in batch.starts]
-        hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
-        ring_hi = [ring_hi_of[slot][s] for slot in slots]
-        plan_rows, in_scratch, total = _plan_rows(lo, hi, ring, ring_hi)
+        m = model_cfg.sources[s].compress
+        ring_hi = tuple(ring_hi_of[slot][s] for slot in slots)
+        got = memo.get((m, ring_hi))
+        if got is None:
+            lo = [model_cfg.rows_for_tokens(s, a) for a in batch.starts]
+            hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
+            got = memo[(m, ring_hi)] = (hi, _plan_rows(lo, hi, ring, list(ring_hi)))
+        hi, (plan_rows, in_scratch, total) = got
         for slot, h, sc in zip(slots, hi, in_scratch, strict=True):
             if not sc:
                 ring_hi_of[slot][s] = max(ring_hi_of[slot][s], h)

@@ -48,7 +48,12 @@ class DurabilityReporter:
         self._t.start()
 
     def report(self, region_id: str, start: int, end: int) -> None:
-        self._q.put(("durable", (region_id, start, end)))
+        self._q.put(("durable", ((region_id, start, end),)))
+
+    def report_many(self, marks: list[tuple[str, int, int]]) -> None:
+        """Several (region, start, end) marks in one queue item (a decode step's)."""
+        if marks:
+            self._q.put(("durable", tuple(marks)))
 
     def release(self, region_id: str) -> None:
         self._q.put(("release", (region_id,)))
@@ -90,7 +95,8 @@ class DurabilityReporter:
                     return
                 op, args = item
                 if op == "durable":
-                    pending[args[0]] = add_range(pending.get(args[0], ()), args[1], args[2])
+                    for region_id, start, end in args:
+                        pending[region_id] = add_range(pending.get(region_id, ()), start, end)
                     continue
                 if op == "release":  # its durable rows no longer matter
                     pending.pop(args[0], None)
