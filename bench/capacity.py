@@ -142,6 +142,8 @@ class Sweep:
         res = getattr(self.engine.kv.payload, "residency", None)
         if res is not None:
             row.update(reclaims=res.stats.reclaim_events, repopulated=res.stats.repopulated_pages)
+        if self.engine.graphs is not None:  # captured so far (a capture step runs eagerly)
+            row.update(graphs_captured=self.engine.graphs.captures)
         return row
 
 
@@ -153,8 +155,9 @@ def run_modes(modes: list[str], args, budget: int, prompts: list[list[int]]) -> 
     for mode in modes:
         engine, pool, fixed = build_engine(mode, args, budget)
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-        # Warm-up: compile every kernel variant before anything is timed.
-        engine.generate([prompts[0][:2048], prompts[1][:1024]], params)
+        # Warm-up at the context measured: every kernel variant compiled (and decode graphs
+        # captured for one and two requests at its index-key width) before anything is timed.
+        engine.generate([prompts[0], prompts[1]], params)
         engines[mode] = engine
         results[mode] = {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": []}
     for c in args.concurrency:
@@ -213,7 +216,8 @@ def main() -> int:
     global MODEL, TOKENIZER
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=16384)
-    ap.add_argument("--decode-tokens", type=int, default=32)
+    # 256: decode steps of a few ms (CUDA graphs) need that many to outweigh each C's prefills
+    ap.add_argument("--decode-tokens", type=int, default=256)
     ap.add_argument("--concurrency", default="1,2,4,8,16,32,48")
     ap.add_argument("--resident-sessions", type=int, default=4)
     ap.add_argument("--layers", type=int, default=8)

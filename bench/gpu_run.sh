@@ -23,7 +23,7 @@ case "${1:-}" in
     timeout 60 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
         2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
     stamp capacity
-    timeout 200 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
+    timeout 250 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
         --out "$OUT/capacity.json" --plot "$OUT/capacity.png" > "$OUT/capacity.log" 2>&1
     tail -2 "$OUT/capacity.log"
     stamp spec: every drafter, paper schedule and online policy vs none, closed loop
