@@ -33,9 +33,7 @@ from services.worker.model.model import DSAModel, key_rows
 class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
-    tokens: torch.Tensor  # [R] the inputs a replay refills
-    slots: torch.Tensor
-    positions: torch.Tensor
+    tokens: torch.Tensor  # [R] the new tokens (with batch.slots and .positions, refilled)
     plan_rows: torch.Tensor | None  # [S, 5, R] the hierarchy plans' rows the graph reads
     written: dict  # the payload's rows written by the pass (read by the commit)
     logits: torch.Tensor  # [R, V] the output
@@ -76,8 +74,8 @@ class DecodeGraphs:
             return self._capture(key, tokens, batch)
         self._graphs.move_to_end(key)
         g.tokens.copy_(tokens)
-        g.slots.copy_(batch.slots)
-        g.positions.copy_(batch.positions)
+        g.batch.slots.copy_(batch.slots)
+        g.batch.positions.copy_(batch.positions)
         if g.plan_rows is not None:
             g.plan_rows.copy_(payload.plan_rows)
         g.graph.replay()
@@ -121,7 +119,7 @@ class DecodeGraphs:
             payload.written.clear()
             payload.written.update(written)
         self._graphs[key] = _Graph(
-            graph, static, g_tokens, slots, positions, plan_rows, captured, logits
+            graph, static, g_tokens, plan_rows, captured, logits
         )  # fmt: skip
         self.captures += 1
         return out
