@@ -174,11 +174,14 @@ def print_phases(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     """Mean host milliseconds per step in each phase, then the calls that synchronise."""
     spent: dict[str, float] = {}
     swapped = []
+    # the first four split the step; begin and replay are parts of forward (their host time)
     for name, owner, attr in (
         ("maintain", eng.kv, "maintain"),
         ("schedule", eng.scheduler, "schedule"),
         ("forward", eng.graphs or eng.model, "logits" if eng.graphs else "forward"),
         ("commit", eng.kv, "commit"),
+        ("begin", eng.kv, "begin"),
+        ("replay", torch.cuda.CUDAGraph, "replay"),
     ):
         fn = getattr(owner, attr)
 
@@ -199,11 +202,13 @@ def print_phases(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     sync()
     total = (time.perf_counter() - t0) / steps * 1e3
     parts = {k: v / steps * 1e3 for k, v in spent.items()}
+    inner = {k: parts.pop(k) for k in ("begin", "replay") if k in parts}
     rest = total - sum(parts.values())
     print(
         f"\n===== phases {label}: step {total:.2f} ms = "
         + " + ".join(f"{k} {v:.2f}" for k, v in parts.items())
         + f" + rest {rest:.2f}"
+        + "".join(f"; forward's {k} {v:.2f}" for k, v in inner.items())
     )
     for owner, attr, fn in swapped:
         setattr(owner, attr, fn)

@@ -9,6 +9,7 @@ from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.hierarchy.plan import plan_pass
 from services.worker.model import LayerTrace, build_model, preset
 
 
@@ -142,3 +143,38 @@ def test_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(name: str, dty
     assert tokens == ref_tokens
     assert kv.payload.census.host > 0
     kv.close()
+
+
+@pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
+def test_decode_plans_built_ahead_are_the_plans_begin_would_build(name: str) -> None:
+    """A decode commit plans the next decode pass while the device runs; when that pass comes
+    (same slots, one token on, nothing seated or released) its plans, their device rows and
+    the ring history are what planning it then gives. Requests of different lengths finish
+    at different steps, so the batch changes and stale plans must be refused."""
+    eng = Engine(
+        EngineConfig(model=name, mode="hisparse", kv_pool_mib=32, host_arena_mib=32,
+                     max_num_seqs=3, max_prefill_tokens=4096)
+    )  # fmt: skip
+    p = eng.kv.payload
+    begin, used = p.begin, []
+
+    def checked(batch: ForwardBatch) -> None:
+        ring_hi = {slot: list(v) for slot, v in p.ring_hi_of.items()}
+        plans, rows, index = plan_pass(batch, p.cfg, p.ring, p._scratch, ring_hi, p.device)
+        used.append(p._next is not None and p._next.matches(batch, p._epoch))
+        begin(batch)
+        assert p.plan_index == index and torch.equal(p.plan_rows, rows)
+        assert p.ring_hi_of == ring_hi
+        assert [(q.lo, q.hi, q.scratch, q.scratch_rows, q.all_direct) for q in p.plans] == [
+            (q.lo, q.hi, q.scratch, q.scratch_rows, q.all_direct) for q in plans
+        ]
+
+    p.begin = checked
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in (120, 40, 300, 75, 9)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=m, ignore_eos=True) for m in (30, 12, 21, 5, 17)
+    ]
+    eng.generate(prompts, params)
+    assert sum(used) > 20 and not all(used), used  # taken in steady decode, refused otherwise
+    eng.close()

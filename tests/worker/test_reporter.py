@@ -77,3 +77,25 @@ def test_a_release_is_not_held_back_by_the_marks_interval() -> None:
         rep.close()
     finally:
         store.close()
+
+
+def test_a_region_state_supersedes_its_pending_marks() -> None:
+    """A decode step reports each region's whole durable state; the last state of an interval
+    is what reaches the store, in one call per range."""
+    store = LocalHostStore(1 << 20)
+    try:
+        regions = [store.allocate("req", "w", s, 256, 64) for s in range(2)]
+        counting = Counting(store)
+        rep = DurabilityReporter(counting, OwnerId("w"), interval=0.2)
+        rep.report(regions[0].region_id, 0, 3)
+        for n in range(4, 60):
+            rep.report_state([(r.region_id, (RowRange(0, n),)) for r in regions])
+        rep.report_state([(regions[1].region_id, (RowRange(0, 60), RowRange(100, 110)))])
+        rep.flush()
+        assert len(counting.marks) <= 2 * 3, counting.marks  # not one call per step
+        left = {r.region_id: r.durable for r in store.lookup("req", "w")}
+        assert left[regions[0].region_id] == (RowRange(0, 59),)
+        assert left[regions[1].region_id] == (RowRange(0, 60), RowRange(100, 110))
+        rep.close()
+    finally:
+        store.close()

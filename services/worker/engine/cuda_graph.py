@@ -1,6 +1,6 @@
 """CUDA graphs of the decode pass: the model's forward and logits for a decode batch, captured
-once per (batch size, index-key width, which sources are all direct) and replayed with the
-live batch copied into the graph's input tensors.
+once per (batch size, index-key width, which sources share a plan and which are all direct) and
+replayed with the live batch copied into the graph's input tensors.
 
 A launch-bound decode step spends most of its time issuing ~700 small kernels from Python; a
 replay issues them in one call. Everything the pass decides on the host happens before the
@@ -34,7 +34,7 @@ class _Graph:
     graph: torch.cuda.CUDAGraph
     batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
     tokens: torch.Tensor  # [R] the new tokens (with batch.slots and .positions, refilled)
-    plan_rows: torch.Tensor | None  # [S, 5, R] the hierarchy plans' rows the graph reads
+    plan_rows: torch.Tensor | None  # [U, 5, R] the hierarchy plans' rows the graph reads
     written: dict  # the payload's rows written by the pass (read by the commit)
     logits: torch.Tensor  # [R, V] the output
 
@@ -68,7 +68,12 @@ class DecodeGraphs:
         self.kv.begin(batch)
         payload = self.kv.payload
         plans = getattr(payload, "plans", [])
-        key = (batch.num_requests, key_rows(max(batch.ends())), tuple(p.all_direct for p in plans))
+        key = (
+            batch.num_requests,
+            key_rows(max(batch.ends())),
+            getattr(payload, "plan_index", ()),
+            tuple(p.all_direct for p in plans),
+        )
         g = self._graphs.get(key)
         if g is None:
             return self._capture(key, tokens, batch)

@@ -29,6 +29,7 @@ from services.worker.engine.stats import EngineStats
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
+from services.worker.kv.h2d import to_device
 from services.worker.model import DSAModel, load_model
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
@@ -199,7 +200,7 @@ class Engine:
         then one sampled token per request."""
         ids: list[int] = []
         for r in reqs:
-            ids.extend(r.all_ids[r.num_computed :])
+            ids.extend(r.ids_from(r.num_computed))
         starts = [r.num_computed for r in reqs]
         batch = ForwardBatch.build(
             [r.slot for r in reqs],  # type: ignore[misc]
@@ -207,7 +208,7 @@ class Engine:
             [r.num_tokens - r.num_computed for r in reqs],
             self.device,
         )
-        tokens = torch.tensor(ids, dtype=torch.int64, device=self.device)
+        tokens = to_device(ids, self.device)
         spec = self.speculator
         feats = spec.features() if spec is not None else None
         if self.graphs is not None and spec is None and batch.is_decode:

@@ -122,6 +122,13 @@ class Request:
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
+    def ids_from(self, start: int) -> list[int]:
+        """``all_ids[start:]`` without copying the whole history (a decode step reads one)."""
+        n = len(self.prompt_ids)
+        if start >= n:
+            return self.output_ids[start - n :]
+        return self.prompt_ids[start:] + self.output_ids
+
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)

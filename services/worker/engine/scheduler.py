@@ -73,16 +73,18 @@ class Scheduler:
     def schedule(self) -> ScheduleOutput:
         out = ScheduleOutput()
         # 1. Running requests each add one token this step.
+        preempted: set[Request] = set()
         for req in list(self.running):
-            if req not in self.running:
+            if req in preempted:
                 continue  # preempted below for an earlier request
             assert req.slot is not None
             while not self.kv.ensure(req.slot, req.num_tokens):
                 victim = self.running[-1]
                 self._preempt(victim, out)
+                preempted.add(victim)
                 if victim is req:
                     break
-            if req in self.running:
+            if req not in preempted:
                 out.decode.append(req)
         # 2. Admit waiting requests FIFO while a slot, KV room and prefill budget remain.
         budget = self.max_prefill_tokens

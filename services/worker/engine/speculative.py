@@ -18,6 +18,7 @@ import torch
 from dhisparse.paths import resolve_path
 from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.h2d import to_device
 from services.worker.model.model import DSAModel
 from services.worker.spec.drafters.base import Drafter
 from services.worker.spec.drafters.config import DrafterConfig
@@ -211,7 +212,7 @@ class Speculator:
             ids.extend([anchor, *prop.drafts(r).tolist()])
         batch = ForwardBatch.build([r.slot for r in reqs], starts, widths, eng.device)
         feats = self.features()
-        tokens = torch.tensor(ids, dtype=torch.int64, device=eng.device)
+        tokens = to_device(ids, eng.device)
         hidden = eng.model(tokens, batch, eng.kv, features=feats)
         logits = eng.model.logits(hidden)  # [sum K_r, V]
         cu = batch.cu

@@ -8,6 +8,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.kv.h2d import to_device
+
 
 @dataclass(frozen=True)
 class ForwardBatch:
@@ -33,29 +35,31 @@ class ForwardBatch:
             raise ValueError("a batch needs one slot, start and length per request")
         if min(lens) < 1:
             raise ValueError("every request in a batch adds at least one token")
-        starts_t = torch.tensor(starts, dtype=torch.int64)
-        if max(lens) == 1:  # a decode step, every step: the fewest host ops
-            token_req = torch.arange(len(lens))
-            cu = torch.arange(len(lens) + 1)
-            positions = starts_t.clone()
-        else:
-            lens_t = torch.tensor(lens, dtype=torch.int64)
-            token_req = torch.repeat_interleave(torch.arange(len(lens)), lens_t)
-            cu = torch.zeros(len(lens) + 1, dtype=torch.int64)
-            cu[1:] = torch.cumsum(lens_t, 0)
-            positions = starts_t[token_req] + (torch.arange(int(cu[-1])) - cu[token_req])
+        r = len(lens)
+        if max(lens) == 1:  # a decode step, every step: one copy, the fewest host ops
+            d = to_device([*slots, *starts, *range(r + 1)], device)
+            slots_d, starts_d, cu_d = d[:r], d[r : 2 * r], d[2 * r :]
+            return ForwardBatch(
+                slots=slots_d, starts=tuple(starts), lens=tuple(lens), positions=starts_d,
+                token_req=cu_d[:r], token_slot=slots_d, cu_lens=cu_d, starts_t=starts_d,
+                slot_ids=tuple(slots),
+            )  # fmt: skip
+        lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
+        token_req = torch.repeat_interleave(torch.arange(r), lens_t)
+        cu = torch.zeros(r + 1, dtype=torch.int64)
+        cu[1:] = torch.cumsum(lens_t, 0)
+        n = int(cu[-1])
+        positions = starts_t[token_req] + (torch.arange(n) - cu[token_req])
         slots_t = torch.tensor(slots, dtype=torch.int64)
-        return ForwardBatch(
-            slots=slots_t.to(device),
-            starts=tuple(starts),
-            lens=tuple(lens),
-            positions=positions.to(device),
-            token_req=token_req.to(device),
-            token_slot=slots_t[token_req].to(device),
-            cu_lens=cu.to(device),
-            starts_t=starts_t.to(device),
-            slot_ids=tuple(slots),
+        d = to_device(
+            torch.cat([slots_t, starts_t, cu, positions, token_req, slots_t[token_req]]), device
         )
+        parts = torch.split(d, [r, r, r + 1, n, n, n])
+        return ForwardBatch(
+            slots=parts[0], starts=tuple(starts), lens=tuple(lens), positions=parts[3],
+            token_req=parts[4], token_slot=parts[5], cu_lens=parts[2], starts_t=parts[1],
+            slot_ids=tuple(slots),
+        )  # fmt: skip
 
     @property
     def num_requests(self) -> int:

@@ -219,8 +219,8 @@ class HostBackups:
                 continue
             b = self._backed[slot][source]
             b.durable = add_range(b.durable, start, end)
-            report.append((b.region.region_id, start, end))
-        self._durability.report_many(report)
+            report.append((b.region.region_id, b.durable))
+        self._durability.report_state(report)
 
     def durable(self, slot: int, source: int, start: int, end: int) -> bool:
         """Whether rows [start, end) of the slot's source all have host copies."""

@@ -9,6 +9,7 @@ history (index keys stay resident); the resolver supplies the selected rows."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -20,7 +21,13 @@ from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_re
 from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.layout import lay_out_store
-from services.worker.kv.hierarchy.plan import ChunkPlan, plan_pass
+from services.worker.kv.hierarchy.plan import (
+    ChunkPlan,
+    PassPlans,
+    host_plans,
+    plan_pass,
+    upload_plans,
+)
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
@@ -78,17 +85,24 @@ class HierarchyPayload:
         self.store, self.geo, self.hot = lay.store, lay.geo, lay.hot
         self.chi, self.stage_rows_total = lay.chi, lay.stage_rows_total
         self.pages = PagePool(num_pages)
+        self._scratch = [g.scratch for g in self.geo]
         self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
         self.ring_hi_of: dict[int, list[int]] = {}  # slot -> one past the last ring row written
         self._held: dict[int, list[int]] = {}  # slot -> its hot-cache and tail pages
         self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
-        self.plans: list[ChunkPlan] = []
-        self.plan_rows: torch.Tensor | None = None  # [S, 5, R]: the plans' device rows
+        self.plans: list[ChunkPlan] = []  # per source; sources with equal bounds share one
+        self.plan_rows: torch.Tensor | None = None  # [U, 5, R]: the U distinct plans' rows
+        self.plan_index: tuple[int, ...] = ()  # per source: its plan's row of plan_rows
+        self._next: _Prepared | None = None  # the likely next decode pass's plans
+        self._epoch = 0  # advances when a slot is seated or released
         # per source: (slots, rows, locations) this pass wrote, backed up at commit
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
-        self.req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
+        # slot -> its index in the current batch (filled when first read in a pass: a decode
+        # pass never reads it)
+        self._req_of_slot = torch.full((max_slots,), -1, dtype=torch.int64, device=device)
+        self._req_of_slot_stale = False
         # a decode or verify pass whose rows are all committed backs up every row it wrote
         self.all_rows = torch.ones(
             max_slots * self.num_sources * spec_block, dtype=torch.bool, device=device
@@ -196,6 +210,7 @@ class HierarchyPayload:
             hot.reset(slot)
         self.committed[slot] = list(committed)
         self.ring_hi_of[slot] = list(committed)
+        self._epoch += 1
         if self.residency is not None:
             self.residency.on_admit(slot, [0] * self.num_sources)
 
@@ -217,16 +232,32 @@ class HierarchyPayload:
         self.host.release(slot)
         self.committed.pop(slot, None)
         self.ring_hi_of.pop(slot, None)
+        self._epoch += 1
 
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         self._batch = batch
         self._prefetched.clear()
         self.written.clear()
-        self.plans, self.plan_rows = plan_pass(
-            batch, self.cfg, self.ring, [g.scratch for g in self.geo], self.ring_hi_of, self.device
-        )
-        self.req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
+        nxt, self._next = self._next, None
+        if nxt is not None and nxt.matches(batch, self._epoch):
+            self.ring_hi_of.update(nxt.host.ring_hi)
+            self.plans, self.plan_rows, self.plan_index = nxt.plans, nxt.packed, nxt.host.index
+        else:
+            self.plans, self.plan_rows, self.plan_index = plan_pass(
+                batch, self.cfg, self.ring, self._scratch, self.ring_hi_of, self.device
+            )
+        self._req_of_slot_stale = True
+
+    @property
+    def req_of_slot(self) -> torch.Tensor:
+        """[max_slots] each slot's index in the current pass's batch."""
+        if self._req_of_slot_stale:
+            assert self._batch is not None
+            batch = self._batch
+            self._req_of_slot[batch.slots] = torch.arange(batch.num_requests, device=self.device)
+            self._req_of_slot_stale = False
+        return self._req_of_slot
 
     @property
     def census(self) -> Census:
@@ -309,6 +340,17 @@ class HierarchyPayload:
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """The first ``num_tokens[r]`` tokens of each request are final (see ``commit.py``)."""
         commit_pass(self, batch, num_tokens)
+        ends = batch.ends()
+        if batch.is_decode and list(num_tokens) == ends:
+            # Most decode passes are followed by the same batch one token on: plan it now,
+            # while the device runs this one, so the next launch does not wait for planning.
+            starts = tuple(ends)
+            hp = host_plans(
+                batch.slot_ids, starts, [e + 1 for e in ends], self.cfg, self.ring,
+                self._scratch, self.ring_hi_of,
+            )  # fmt: skip
+            plans, packed = upload_plans(hp, self.device)
+            self._next = _Prepared(batch.slot_ids, starts, self._epoch, hp, plans, packed)
 
     def memory_classes(self) -> tuple[int, int, int, int]:
         """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""
@@ -335,3 +377,24 @@ class HierarchyPayload:
     def nbytes(self) -> int:
         maps = sum(h.nbytes_per_slot * h.map.shape[0] for h in self.hot)
         return self.store.numel() * self.store.element_size() + maps
+
+
+@dataclass(frozen=True)
+class _Prepared:
+    """Plans built ahead for a decode pass over ``slots`` at ``starts``; valid while no slot
+    was seated or released since (``epoch``)."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    epoch: int
+    host: PassPlans
+    plans: list[ChunkPlan]
+    packed: torch.Tensor
+
+    def matches(self, batch: ForwardBatch, epoch: int) -> bool:
+        return (
+            epoch == self.epoch
+            and batch.slot_ids == self.slots
+            and batch.starts == self.starts
+            and batch.is_decode
+        )

@@ -12,6 +12,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from services.worker.kv.h2d import to_device
+
 if TYPE_CHECKING:
     from services.worker.kv.batch import ForwardBatch
     from services.worker.model.config import ModelConfig
@@ -46,8 +48,7 @@ class ChunkPlan:
         slot holds row s only while nothing later went to slot s mod T, so after a verify
         round wrote rows beyond what it committed, the valid window ends below them."""
         rows, scratch, total = _plan_rows(chunk_lo, chunk_hi, ring, ring_hi)
-        packed = torch.tensor(rows, dtype=torch.int64).to(device)
-        return ChunkPlan.of(packed, rows, scratch, total)
+        return ChunkPlan.of(to_device(rows, device), rows, scratch, total)
 
     @staticmethod
     def of(
@@ -80,6 +81,63 @@ def _plan_rows(
     return rows, scratch, total
 
 
+@dataclass(frozen=True)
+class PassPlans:
+    """A pass's plans on the host: the distinct plans (sources with equal bounds, every source
+    of most models, share one) and what the pass leaves in each slot's ring history."""
+
+    distinct: list[tuple[list[list[int]], list[bool], int]]  # (rows, scratch flags, rows used)
+    index: tuple[int, ...]  # per source: its plan in ``distinct``
+    ring_hi: dict[int, list[int]]  # slot -> per source one past its highest ring row, after
+
+
+def host_plans(
+    slots: tuple[int, ...],
+    starts: tuple[int, ...],
+    ends: list[int],
+    model_cfg: ModelConfig,
+    ring: int,
+    scratch: list[int],
+    ring_hi_of: dict[int, list[int]],
+) -> PassPlans:
+    """The plans of a pass adding tokens ``[starts[r], ends[r])`` to ``slots[r]``, given the
+    slots' ring history ``ring_hi_of`` (read, not changed). ``scratch``: each source's scratch
+    rows."""
+    distinct: list[tuple] = []
+    his: list[list[int]] = []
+    index: list[int] = []
+    memo: dict[tuple, int] = {}
+    after = {slot: list(ring_hi_of[slot]) for slot in slots}
+    for s, rows in enumerate(scratch):
+        m = model_cfg.sources[s].compress
+        ring_hi = tuple(ring_hi_of[slot][s] for slot in slots)
+        u = memo.get((m, ring_hi))
+        if u is None:
+            lo = [model_cfg.rows_for_tokens(s, a) for a in starts]
+            hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
+            u = memo[(m, ring_hi)] = len(distinct)
+            distinct.append(_plan_rows(lo, hi, ring, list(ring_hi)))
+            his.append(hi)
+        index.append(u)
+        _, in_scratch, total = distinct[u]
+        if total > rows:
+            raise ValueError(f"a pass of {total} rows exceeds the prefill scratch ({rows} rows)")
+        for slot, h, sc in zip(slots, his[u], in_scratch, strict=True):
+            if not sc:  # the chunk goes to the ring
+                after[slot][s] = max(after[slot][s], h)
+    return PassPlans(distinct, tuple(index), after)
+
+
+def upload_plans(
+    plans: PassPlans, device: torch.device | str
+) -> tuple[list[ChunkPlan], torch.Tensor]:
+    """(each source's plan, the [U, 5, R] device tensor the distinct plans' rows are views
+    of): one host-to-device copy that does not wait for the device."""
+    packed = to_device([d[0] for d in plans.distinct], device)
+    distinct = [ChunkPlan.of(packed[u], *d) for u, d in enumerate(plans.distinct)]
+    return [distinct[u] for u in plans.index], packed
+
+
 def plan_pass(
     batch: ForwardBatch,
     model_cfg: ModelConfig,
@@ -87,33 +145,17 @@ def plan_pass(
     scratch: list[int],
     ring_hi_of: dict[int, list[int]],
     device: torch.device | str,
-) -> tuple[list[ChunkPlan], torch.Tensor]:
-    """The plan of each source for ``batch``, and the [S, 5, R] device tensor every plan's
-    rows are views of (one host-to-device copy for the pass; a captured decode graph reads
-    its own copy, refilled from it). Advances ``ring_hi_of[slot][source]`` (one past the
-    highest row ever written to the slot's ring) for chunks that go to the ring.
-    ``scratch``: each source's scratch rows."""
-    ends = batch.ends()
-    slots = batch.slot_ids
-    host = []
-    memo: dict[tuple, tuple] = {}  # sources with equal bounds share one host plan
-    for s, rows in enumerate(scratch):
-        m = model_cfg.sources[s].compress
-        ring_hi = tuple(ring_hi_of[slot][s] for slot in slots)
-        got = memo.get((m, ring_hi))
-        if got is None:
-            lo = [model_cfg.rows_for_tokens(s, a) for a in batch.starts]
-            hi = [model_cfg.rows_for_tokens(s, e) for e in ends]
-            got = memo[(m, ring_hi)] = (hi, _plan_rows(lo, hi, ring, list(ring_hi)))
-        hi, (plan_rows, in_scratch, total) = got
-        for slot, h, sc in zip(slots, hi, in_scratch, strict=True):
-            if not sc:
-                ring_hi_of[slot][s] = max(ring_hi_of[slot][s], h)
-        if total > rows:
-            raise ValueError(f"a pass of {total} rows exceeds the prefill scratch ({rows} rows)")
-        host.append((plan_rows, in_scratch, total))
-    packed = torch.tensor([h[0] for h in host], dtype=torch.int64).to(device)
-    return [ChunkPlan.of(packed[s], *h) for s, h in enumerate(host)], packed
+) -> tuple[list[ChunkPlan], torch.Tensor, tuple[int, ...]]:
+    """The plan of each source for ``batch`` (``host_plans``), uploaded: (each source's plan,
+    the [U, 5, R] device rows of the U distinct plans, which of the U each source uses). A
+    captured decode graph reads its own copy of the rows, refilled from these. Advances
+    ``ring_hi_of`` for chunks that go to the ring."""
+    hp = host_plans(
+        batch.slot_ids, batch.starts, batch.ends(), model_cfg, ring, scratch, ring_hi_of
+    )
+    ring_hi_of.update(hp.ring_hi)
+    plans, packed = upload_plans(hp, device)
+    return plans, packed, hp.index
 
 
 @dataclass(frozen=True)
