@@ -92,6 +92,8 @@ class Sweep:
         self.peak = 0
         self.clock = OwnClock()  # counts only this engine's steps
         self.waits: dict[int, float] = {}  # request -> its clock when admitted
+        # decode seconds and steps by what else the step did (``KINDS``), or nothing else
+        self.split = {k: [0.0, 0] for k in (*self.KINDS, "plain")}
 
     @property
     def active(self) -> bool:
@@ -99,12 +101,34 @@ class Sweep:
 
     def step(self) -> None:
         start = self.clock.now()
+        before = self._events()
+        decode_s = self.engine.stats.decode_s
         self.clock.timed(self._step)
+        after = self._events()
+        kind = next(
+            (k for k, a, b in zip(self.KINDS, after, before, strict=True) if a > b), "plain"
+        )
+        self.split[kind][0] += self.engine.stats.decode_s - decode_s
+        self.split[kind][1] += 1
         for i, r in enumerate(self.reqs):
             if i not in self.waits and r.admitted_time is not None:
                 self.waits[i] = self.clock.stamp(r.admitted_time, start)
         self.steps.record()
         self.peak = max(self.peak, self.engine.num_running)
+
+    # captured a decode graph; ran the pass eagerly (its graph key not captured yet);
+    # repopulated optional history
+    KINDS = ("capture", "eager", "repopulate")
+
+    def _events(self) -> tuple[int, int, int]:
+        """Counts of ``KINDS`` so far."""
+        res = getattr(self.engine.kv.payload, "residency", None)
+        graphs = self.engine.graphs
+        return (
+            graphs.captures if graphs is not None else 0,
+            graphs.eager if graphs is not None else 0,
+            res.stats.repopulated_pages if res is not None else 0,
+        )
 
     def _step(self) -> None:
         self.engine.step()
@@ -126,6 +150,10 @@ class Sweep:
             "wall_s": self.clock.now(),
             "alloc_wait_mean_s": statistics.mean(waits),
             "alloc_wait_max_s": max(waits),
+            # where decode time went: steps that also captured a graph (the capture runs the
+            # step eagerly, then records it), ran eagerly, repopulated, and the rest
+            "decode_s_by_step": {k: round(v[0], 4) for k, v in self.split.items()},
+            "steps_by_kind": {k: v[1] for k, v in self.split.items()},
         }
         census1 = self.engine.kv.census()
         if census1 is not None:

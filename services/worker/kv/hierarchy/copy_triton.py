@@ -11,6 +11,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.kv.h2d import to_device
 from services.worker.kv.hierarchy.host import HostPointer
 
 
@@ -76,5 +77,5 @@ def copy_rows(pool: torch.Tensor, src: torch.Tensor, dst: torch.Tensor, host: to
     """Host rows at element offsets ``src`` into pool rows ``dst`` ([n] int64 each)."""
     n = src.numel()
     if n:
-        count = torch.tensor([n], dtype=torch.int64, device=pool.device)
+        count = to_device([n], pool.device)
         copy_queued(pool, src, dst, count, host, n)

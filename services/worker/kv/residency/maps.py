@@ -6,15 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.kv.h2d import to_device
 from services.worker.kv.residency.pages import OptPage
 
 
 def page_rows(payload, pgs: list[OptPage]) -> tuple[torch.Tensor, torch.Tensor]:
     """(device store rows, host arena element offsets) of every row of ``pgs``."""
     p, dev = payload.page, payload.device
-    meta = torch.tensor(
-        [(pg.page, pg.slot, pg.source, pg.index) for pg in pgs], dtype=torch.int64
-    ).to(dev)
+    meta = to_device([(pg.page, pg.slot, pg.source, pg.index) for pg in pgs], dev)
     offs = torch.arange(p, device=dev)
     rows = (meta[:, 0:1] * p + offs).reshape(-1)
     base = payload.host.base[meta[:, 1], meta[:, 2]]  # element base of each region
@@ -27,12 +26,16 @@ def publish(payload, pgs: list[OptPage], hide: bool = False) -> None:
     by_source: dict[int, list[OptPage]] = {}
     for pg in pgs:
         by_source.setdefault(pg.source, []).append(pg)
-    dev = payload.device
     for source, group in by_source.items():
-        slots = torch.tensor([pg.slot for pg in group], dtype=torch.int64)
-        index = torch.tensor([pg.index for pg in group], dtype=torch.int64)
-        value = torch.tensor([-1 if hide else pg.page for pg in group], dtype=torch.int32)
-        payload.geo[source].opt_map[slots.to(dev), index.to(dev)] = value.to(dev)
+        slots, index, value = to_device(
+            [
+                [pg.slot for pg in group],
+                [pg.index for pg in group],
+                [-1 if hide else pg.page for pg in group],
+            ],
+            payload.device,
+        )
+        payload.geo[source].opt_map[slots, index] = value.to(torch.int32)
 
 
 def import_pages(
@@ -42,7 +45,7 @@ def import_pages(
     ``first ..`` into the physical ``pages`` in one copy, and publishes them (the map write is
     stream-ordered after the copy)."""
     p, dev = payload.page, payload.device
-    phys = torch.tensor(pages, dtype=torch.int64, device=dev)
+    phys = to_device(pages, dev)
     payload.store[(phys.unsqueeze(1) * p + torch.arange(p, device=dev)).reshape(-1)] = (
         payload.store[src]
     )
