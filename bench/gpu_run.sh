@@ -2,7 +2,7 @@
 # The H200 runs behind docs/results.md, in parts that each fit one call of the device tool
 # (at most 600 s) and leave at most 8 files under $OUT (what comes back).
 #
-#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), speculation vs load (issue 6)   ~370 s
+#   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), step timeline, speculation (issue 6) ~470 s
 #   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~520 s
 #   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~330 s
 #
@@ -26,6 +26,9 @@ case "${1:-}" in
     timeout 250 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
         --out "$OUT/capacity.json" --plot "$OUT/capacity.png" > "$OUT/capacity.log" 2>&1
     tail -2 "$OUT/capacity.log"
+    stamp step timeline: where a replayed decode step waits, per mode
+    timeout 120 python bench/step_timeline.py > "$OUT/step_timeline.txt" 2>&1
+    tail -9 "$OUT/step_timeline.txt"
     stamp spec: every drafter, paper schedule and online policy vs none, closed loop
     timeout 300 python bench/spec.py --concurrency 1,16,64 --widths "" \
         --out "$OUT/spec.json" --plot "$OUT/spec.png" > "$OUT/spec.log" 2>&1

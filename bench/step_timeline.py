@@ -1,0 +1,151 @@
+"""Where the host is while a decode step's graph runs: per mode and concurrency, the median
+time (ms from the step's start, over ``--steps`` steps) at which each phase of
+``Engine.step`` begins and ends, the replayed graph's device time, and the step's wall time.
+
+    python bench/step_timeline.py --modes resident,hisparse,adaptive --concurrency 1,4,16
+
+A replayed decode step is: host work up to the launch (maintain, schedule, the batch, the
+hierarchy's plans), the graph on the device, and the host's wait for the sampled tokens; the
+commit runs on the host while the device works. Whatever the host does before ``replay>`` is
+time the device sits idle, so a mode's overhead over resident serving shows up as a later
+launch. Uses the capacity benchmark's model (``bench/capacity.py``) on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench.capacity import bench_model_config
+from dhisparse.tokenizer import ByteTokenizer
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
+from services.worker.kv.batch import ForwardBatch
+from services.worker.model import build_model
+
+
+class Timeline:
+    """Stamps (name, perf_counter) of the wrapped calls; the last replay's device events."""
+
+    def __init__(self) -> None:
+        self.marks: list[tuple[str, float]] = []
+        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+
+    def stamp(self, name: str) -> None:
+        self.marks.append((name, time.perf_counter()))
+
+    def wrap(self, owner, attr: str, name: str) -> None:
+        fn = getattr(owner, attr)
+
+        def timed(*a, **kw):
+            self.stamp(name + ">")
+            try:
+                return fn(*a, **kw)
+            finally:
+                self.stamp("<" + name)
+
+        setattr(owner, attr, timed)
+
+    def wrap_replay(self) -> None:
+        replay = torch.cuda.CUDAGraph.replay
+
+        def timed(graph) -> None:
+            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            e0.record()
+            self.stamp("replay>")
+            replay(graph)
+            self.stamp("<replay")
+            e1.record()
+            self.events = (e0, e1)
+
+        torch.cuda.CUDAGraph.replay = timed  # type: ignore[method-assign]
+
+    def wrap_build(self) -> None:
+        build = ForwardBatch.build
+
+        def timed(*a, **kw):
+            self.stamp("batch>")
+            try:
+                return build(*a, **kw)
+            finally:
+                self.stamp("<batch")
+
+        ForwardBatch.build = staticmethod(timed)  # type: ignore[method-assign]
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--modes", default="resident,hisparse,adaptive")
+    ap.add_argument("--concurrency", default="1,4,16")
+    ap.add_argument("--context", type=int, default=16384)
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--pool-gib", type=float, default=8.0)
+    args = ap.parse_args()
+    model = build_model(bench_model_config(8, 512), seed=0, device="cuda", dtype=torch.bfloat16)
+    cs = [int(c) for c in args.concurrency.split(",")]
+    g = torch.Generator().manual_seed(0)
+    prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(max(cs))]
+    tl = Timeline()
+    tl.wrap_replay()
+    tl.wrap_build()
+    print(f"# python bench/step_timeline.py --modes {args.modes} --concurrency {args.concurrency}")
+    print(
+        f"# {torch.cuda.get_device_name()}; {args.context}-token contexts; median ms of {args.steps} steps"
+    )
+    for mode in args.modes.split(","):
+        for c in cs:
+            eng = Engine(
+                EngineConfig(
+                    model="bench-glm", device="cuda", mode=mode, kv_pool_mib=args.pool_gib * 1024,
+                    max_num_seqs=c, page_size=64, max_model_len=args.context + 512,
+                    max_prefill_tokens=args.context, hot_cache_rows=1024,
+                    host_arena_mib=16 * 1024 if mode != "resident" else 16,
+                ),
+                model=model, tokenizer=ByteTokenizer(),
+            )  # fmt: skip
+            params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
+            for i in range(c):
+                eng.add_request(f"p{i}", prompts[i], params)
+            while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
+                eng.step()
+            for _ in range(10):  # graphs captured, hot caches warm
+                eng.step()
+            tl.wrap(eng.kv, "maintain", "maintain")
+            tl.wrap(eng.scheduler, "schedule", "schedule")
+            tl.wrap(eng.kv, "begin", "plans")
+            tl.wrap(eng.kv, "commit", "commit")
+            rows = []
+            for _ in range(args.steps):
+                torch.cuda.synchronize()
+                tl.marks.clear()
+                tl.stamp("step>")
+                eng.step()
+                tl.stamp("<step")
+                torch.cuda.synchronize()
+                t0 = tl.marks[0][1]
+                row = {k: (t - t0) * 1e3 for k, t in tl.marks}
+                assert tl.events is not None, "no replay: the step ran eagerly"
+                row["graph on device"] = tl.events[0].elapsed_time(tl.events[1])
+                rows.append(row)
+            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            device = med.pop("graph on device")
+            order = sorted(med.items(), key=lambda kv: kv[1])
+            print(
+                f"{mode:9s} C={c:<3d} step {med['<step']:.2f} ms, graph on device {device:.2f}: "
+                + "  ".join(f"{k} {v:.2f}" for k, v in order if k not in ("step>", "<step"))
+            )
+            eng.close()
+            del eng
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
