@@ -9,7 +9,6 @@ history (index keys stay resident); the resolver supplies the selected rows."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 
@@ -21,13 +20,7 @@ from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_re
 from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.layout import lay_out_store
-from services.worker.kv.hierarchy.plan import (
-    ChunkPlan,
-    PassPlans,
-    host_plans,
-    plan_pass,
-    upload_plans,
-)
+from services.worker.kv.hierarchy.plan import ChunkPlan, PlannedAhead, plan_pass
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
@@ -95,7 +88,7 @@ class HierarchyPayload:
         self.plans: list[ChunkPlan] = []  # per source; sources with equal bounds share one
         self.plan_rows: torch.Tensor | None = None  # [U, 5, R]: the U distinct plans' rows
         self.plan_index: tuple[int, ...] = ()  # per source: its plan's row of plan_rows
-        self._next: _Prepared | None = None  # the likely next decode pass's plans
+        self._next: PlannedAhead | None = None  # the likely next decode pass's plans
         self._epoch = 0  # advances when a slot is seated or released
         # per source: (slots, rows, locations) this pass wrote, backed up at commit
         self.written: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
@@ -340,17 +333,13 @@ class HierarchyPayload:
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """The first ``num_tokens[r]`` tokens of each request are final (see ``commit.py``)."""
         commit_pass(self, batch, num_tokens)
-        ends = batch.ends()
-        if batch.is_decode and list(num_tokens) == ends:
+        if batch.is_decode and list(num_tokens) == batch.ends():
             # Most decode passes are followed by the same batch one token on: plan it now,
             # while the device runs this one, so the next launch does not wait for planning.
-            starts = tuple(ends)
-            hp = host_plans(
-                batch.slot_ids, starts, [e + 1 for e in ends], self.cfg, self.ring,
-                self._scratch, self.ring_hi_of,
+            self._next = PlannedAhead.next_decode(
+                batch, self.cfg, self.ring, self._scratch, self.ring_hi_of, self.device,
+                self._epoch,
             )  # fmt: skip
-            plans, packed = upload_plans(hp, self.device)
-            self._next = _Prepared(batch.slot_ids, starts, self._epoch, hp, plans, packed)
 
     def memory_classes(self) -> tuple[int, int, int, int]:
         """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""
@@ -377,24 +366,3 @@ class HierarchyPayload:
     def nbytes(self) -> int:
         maps = sum(h.nbytes_per_slot * h.map.shape[0] for h in self.hot)
         return self.store.numel() * self.store.element_size() + maps
-
-
-@dataclass(frozen=True)
-class _Prepared:
-    """Plans built ahead for a decode pass over ``slots`` at ``starts``; valid while no slot
-    was seated or released since (``epoch``)."""
-
-    slots: tuple[int, ...]
-    starts: tuple[int, ...]
-    epoch: int
-    host: PassPlans
-    plans: list[ChunkPlan]
-    packed: torch.Tensor
-
-    def matches(self, batch: ForwardBatch, epoch: int) -> bool:
-        return (
-            epoch == self.epoch
-            and batch.slot_ids == self.slots
-            and batch.starts == self.starts
-            and batch.is_decode
-        )

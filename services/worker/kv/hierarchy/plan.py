@@ -159,6 +159,47 @@ def plan_pass(
 
 
 @dataclass(frozen=True)
+class PlannedAhead:
+    """Plans built ahead for a decode pass over ``slots`` at ``starts``; valid while no slot
+    was seated or released since (``epoch``, the payload's count of those)."""
+
+    slots: tuple[int, ...]
+    starts: tuple[int, ...]
+    epoch: int
+    host: PassPlans
+    plans: list[ChunkPlan]
+    packed: torch.Tensor
+
+    @staticmethod
+    def next_decode(
+        batch: ForwardBatch,
+        model_cfg: ModelConfig,
+        ring: int,
+        scratch: list[int],
+        ring_hi_of: dict[int, list[int]],
+        device: torch.device | str,
+        epoch: int,
+    ) -> PlannedAhead:
+        """The plans of a decode pass over ``batch``'s slots one token after it, uploaded (the
+        copy queues behind the current pass), given the ring history once ``batch``'s pass is
+        planned (``ring_hi_of``, not changed)."""
+        starts = tuple(batch.ends())
+        hp = host_plans(
+            batch.slot_ids, starts, [e + 1 for e in starts], model_cfg, ring, scratch, ring_hi_of
+        )
+        plans, packed = upload_plans(hp, device)
+        return PlannedAhead(batch.slot_ids, starts, epoch, hp, plans, packed)
+
+    def matches(self, batch: ForwardBatch, epoch: int) -> bool:
+        return (
+            epoch == self.epoch
+            and batch.slot_ids == self.slots
+            and batch.starts == self.starts
+            and batch.is_decode
+        )
+
+
+@dataclass(frozen=True)
 class PoolLayout:
     """Location space of a source's device pool: ``[hot | ring | scratch]``."""
 
