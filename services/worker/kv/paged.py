@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.kv.h2d import to_device
+
 
 class PagePool:
     """A free list of page ids (which pages are free; not what they hold)."""
@@ -121,7 +123,7 @@ class PagedRows:
         new = self.free_list.take(need)
         self._pages[slot].extend(new)
         self._held += need
-        self.page_table[slot, held : held + need] = torch.tensor(new, dtype=torch.int64)
+        self.page_table[slot, held : held + need] = to_device(new, self.page_table.device)
         return True
 
     def release(self, slot: int) -> int:
