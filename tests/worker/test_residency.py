@@ -314,7 +314,7 @@ def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> No
     kv.note_queue([])
     payback = -(-140 // K)  # V/k decode steps
     short, long_ = [1, 3], [2, 4]
-    kv.note_horizons([(s, payback - 1) for s in short] + [(s, payback) for s in long_])
+    kv.note_horizons(lambda: [(s, payback - 1) for s in short] + [(s, payback) for s in long_])
     wanted = {s: len(res._owners[res._slot_owner[s]].wanted) for s in range(1, SLOTS)}
     assert all(wanted[s] > 0 for s in range(1, SLOTS))
     for _ in range(4):

@@ -113,7 +113,9 @@ class Scheduler:
             budget -= n
         # read in adaptive mode only
         self.kv.note_queue(self._budget(r) for r in self.waiting)
-        self.kv.note_horizons((r.slot, self._budget(r) - r.num_tokens) for r in self.running)
+        self.kv.note_horizons(
+            lambda: [(r.slot, self._budget(r) - r.num_tokens) for r in self.running]
+        )
         return out
 
     def _budget(self, req: Request) -> int:

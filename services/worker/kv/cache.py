@@ -3,8 +3,9 @@ resident) and token rings (local windows and incomplete compression groups)."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -59,6 +60,7 @@ class KVCache:
             self.payload = self._hierarchy(host, rings, args)
             self.tokens_capacity = self._longest_admissible()
         self._admitted: set[int] = set()
+        self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
 
     @staticmethod
     def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
@@ -231,18 +233,20 @@ class KVCache:
         reads them (a long queue shares a few budgets: each is priced once)."""
         residency = getattr(self.payload, "residency", None)
         if residency is not None:
-            counts = Counter(budgets)
-            residency.note_queue(
-                sum(n * self.admission_pages(None, b, b) for b, n in counts.items())
-            )
+            fresh = self._fresh_pages
+            for b in (counts := Counter(budgets)):
+                if b not in fresh:  # a fresh slot's pages depend only on the budget
+                    fresh[b] = self.admission_pages(None, b, b)
+            residency.note_queue(sum(n * fresh[b] for b, n in counts.items()))
 
-    def note_horizons(self, horizons: Iterable[tuple[int, int]]) -> None:
-        """(slot, decode steps it may still take) of the running requests: adaptive residency
-        refills only the history of requests that will run long enough to pay for the copy.
-        Only adaptive residency reads them."""
+    def note_horizons(self, horizons: Callable[[], Iterable[tuple[int, int]]]) -> None:
+        """``horizons()``: (slot, decode steps it may still take) of the running requests;
+        adaptive residency refills only the history of requests that will run long enough to
+        pay for the copy. Only adaptive residency calls it, and only when it has pages to
+        refill (most steps of a full pool it has none)."""
         residency = getattr(self.payload, "residency", None)
         if residency is not None:
-            residency.note_horizons(dict(horizons))
+            residency.note_horizons(functools.cache(lambda: dict(horizons())))
 
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission

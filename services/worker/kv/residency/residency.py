@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -55,7 +56,8 @@ class Residency:
         self.populate_pages = populate_pages
         self.order = order
         self.topk, self.payback = topk, payback
-        self._horizon: dict[int, int] = {}  # slot -> decode steps it may still take
+        # () -> {slot: decode steps it may still take}
+        self._horizon: Callable[[], dict[int, int]] = dict
         self.rr = RoundRobin()
         self.stats = ResidencyStats()
         self._owners: dict[int, Owner] = {}
@@ -98,14 +100,15 @@ class Residency:
         once, and a reclaim takes a whole request's history)."""
         self._queued = pages
 
-    def note_horizons(self, horizons: dict[int, int]) -> None:
-        """Decode steps each running slot may still take (its token budget left)."""
+    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
+        """``horizons()``: decode steps each running slot may still take (its token budget
+        left); called when a refill is considered."""
         self._horizon = horizons
 
     def pays(self, owner: Owner) -> bool:
         """Whether refilling the request's history pays for its copy (``refill_pays``); a slot
         the scheduler said nothing about is refilled (unknown horizon)."""
-        left = self._horizon.get(owner.slot)
+        left = self._horizon().get(owner.slot)
         rows = max(owner.imported, default=0)
         return left is None or refill_pays(left, self.topk, rows, self.payback)
 
