@@ -117,8 +117,8 @@ class Sweep:
         self.peak = max(self.peak, self.engine.num_running)
 
     # captured a decode graph; ran the pass eagerly (its graph key not captured yet);
-    # repopulated optional history
-    KINDS = ("capture", "eager", "repopulate")
+    # queued a refill of optional history (its copy runs before the step's decode pass)
+    KINDS = ("capture", "eager", "refill")
 
     def _events(self) -> tuple[int, int, int]:
         """Counts of ``KINDS`` so far."""
@@ -127,7 +127,7 @@ class Sweep:
         return (
             graphs.captures if graphs is not None else 0,
             graphs.eager if graphs is not None else 0,
-            res.stats.repopulated_pages if res is not None else 0,
+            res.stats.refill_pages if res is not None else 0,
         )
 
     def _step(self) -> None:
@@ -151,7 +151,7 @@ class Sweep:
             "alloc_wait_mean_s": statistics.mean(waits),
             "alloc_wait_max_s": max(waits),
             # where decode time went: steps that also captured a graph (the capture runs the
-            # step eagerly, then records it), ran eagerly, repopulated, and the rest
+            # step eagerly, then records it), ran eagerly, queued a refill, and the rest
             "decode_s_by_step": {k: round(v[0], 4) for k, v in self.split.items()},
             "steps_by_kind": {k: v[1] for k, v in self.split.items()},
         }

@@ -42,5 +42,6 @@ class ResidencyStats:
     reclaim_events: int = 0
     reclaim_pages: int = 0
     reclaim_latency: list[float] = field(default_factory=list)  # seconds, drained by readers
-    repopulated_pages: int = 0
+    repopulated_pages: int = 0  # published (their copy completed)
+    refill_pages: int = 0  # whose copy was queued (the step that queues it pays for it)
     admissions_waited: int = 0

@@ -312,6 +312,7 @@ class Residency:
             self.p.restore(self.p.store, rows, host, self.p.host.arena)
 
         self._tickets[self.completions.submit(fill)] = ("populate", pgs)
+        self.stats.refill_pages += len(pgs)
 
     def _forget_if_empty(self, owner_id: int) -> None:
         owner = self._owners.get(owner_id)
