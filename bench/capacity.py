@@ -63,7 +63,7 @@ def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
         max_num_seqs=max(*args.concurrency, args.probe_sessions), max_model_len=ctx + args.decode_tokens + 16,
         max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
         attention_backend="auto", host_arena_mib=args.host_gib * 1024,
-        cuda_graphs=not args.eager,
+        cuda_graphs=not args.eager, overlap_refills=args.overlap_refills,
     )  # fmt: skip
     fixed = 0
     if mode != "resident":
@@ -185,7 +185,7 @@ def run_modes(modes: list[str], args, budget: int, prompts: list[list[int]]) -> 
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
         # Warm-up at the context measured: every kernel variant compiled (and decode graphs
         # captured for one and two requests at its index-key width) before anything is timed.
-        engine.generate([prompts[0], prompts[1]], params)
+        engine.generate(prompts[:2], params)
         engines[mode] = engine
         results[mode] = {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": []}
     for c in args.concurrency:
@@ -260,6 +260,10 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
+    ap.add_argument(
+        "--overlap-refills", action="store_true",
+        help="adaptive: refill copies on a side stream beside the decode passes",
+    )  # fmt: skip
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     global DTYPE

@@ -34,6 +34,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--populate-payback", type=float,
         help="adaptive: refill a request only with >= this x V/k decode steps left (0: always)",
     )  # fmt: skip
+    p.add_argument(
+        "--overlap-refills",
+        action=argparse.BooleanOptionalAction,
+        default=None,
+        help="adaptive, GPU: refill copies on a side stream beside the decode passes (off)",
+    )
     p.add_argument("--reclaim-order", choices=["largest", "smallest", "oldest", "newest"])
     p.add_argument("--kv-pool-mib", type=float, help="KV pool size in MiB")
     p.add_argument("--hot-cache-rows", type=int, help="hot cache rows B per request and source")

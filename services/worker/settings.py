@@ -39,6 +39,7 @@ class WorkerSettings(BaseSettings):
     reserve_pages: int = 0
     populate_pages: int = 256
     populate_payback: float = 1.0
+    overlap_refills: bool = False
     reclaim_order: str = "largest"
     drafter: str | None = None
     spec_width: int = 8
@@ -68,6 +69,7 @@ class WorkerSettings(BaseSettings):
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             populate_payback=self.populate_payback,
+            overlap_refills=self.overlap_refills,
             reclaim_order=self.reclaim_order,
             drafter=self.drafter,
             spec_width=self.spec_width,

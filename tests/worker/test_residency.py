@@ -59,11 +59,11 @@ K = preset(NAME).index_topk
 MODEL = build_model(preset(NAME), seed=3)
 
 
-def make_kv(mode: str, pool_bytes: int) -> KVCache:
+def make_kv(mode: str, pool_bytes: int, device: str = "cpu", **extra) -> KVCache:
     cfg = KVCacheConfig(
         mode=mode, max_slots=SLOTS, max_model_len=512, page_size=16, kv_pool_bytes=pool_bytes,
         host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K, reserve_pages=2,
-        populate_pages=8,
+        populate_pages=8, device=device, **extra,
     )  # fmt: skip
     return KVCache(preset(NAME), cfg)
 
@@ -186,23 +186,35 @@ test_residency_churn = Churn.TestCase
 def test_adaptive_keeps_history_reclaims_and_repopulates() -> None:
     """A scripted run: resident-first pages serve rows directly; an admission under pressure
     reclaims whole requests; freed memory is refilled; logits stay identical throughout."""
-    kv = make_kv("adaptive", POOL)
-    shadow = make_kv("resident", 64 << 20)
+    scripted_run(MODEL, make_kv("adaptive", POOL), make_kv("resident", 64 << 20), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_refills_on_the_gpu_keep_logits_identical(overlap: bool) -> None:
+    """The scripted run on the device, with CUDA-event completions: refill copies queued
+    before the decode passes, or on a side stream beside them (``overlap_refills``)."""
+    model = build_model(preset(NAME), seed=3, device="cuda")
+    kv = make_kv("adaptive", POOL, "cuda", overlap_refills=overlap)
+    scripted_run(model, kv, make_kv("resident", 64 << 20, "cuda"), "cuda")
+
+
+def scripted_run(model, kv: KVCache, shadow: KVCache, device: str) -> None:
     res = kv.payload.residency
     gen = torch.Generator().manual_seed(1)
     tokens: dict[int, list[int]] = {}
 
     def forward(slots: list[int], chunks: list[list[int]]) -> None:
         starts = [len(tokens[s]) - len(c) for s, c in zip(slots, chunks, strict=True)]
-        ids = torch.tensor([t for c in chunks for t in c])
+        ids = torch.tensor([t for c in chunks for t in c], device=device)
         outs = []
         for cache in (kv, shadow):
             for s in slots:
                 assert cache.ensure(s, len(tokens[s]))
-            batch = ForwardBatch.build(slots, starts, [len(c) for c in chunks], "cpu")
-            hidden = MODEL(ids, batch, cache)
+            batch = ForwardBatch.build(slots, starts, [len(c) for c in chunks], device)
+            hidden = model(ids, batch, cache)
             cache.commit(batch, [len(tokens[s]) for s in slots])
-            outs.append(MODEL.logits(hidden[batch.last_token_index]))
+            outs.append(model.logits(hidden[batch.last_token_index]))
         assert torch.equal(outs[0], outs[1])
         for s, nxt in zip(slots, outs[0].argmax(-1).tolist(), strict=True):
             tokens[s].append(nxt)
@@ -223,7 +235,7 @@ def test_adaptive_keeps_history_reclaims_and_repopulates() -> None:
     kv.release(0)
     shadow.release(0)
     del tokens[0]
-    for _ in range(4):
+    for _ in range(12):  # on a GPU a refill is published once its copy is seen complete
         kv.maintain()
         forward(sorted(tokens), [[tokens[s][-1]] for s in sorted(tokens)])
         kv.check()

@@ -24,6 +24,7 @@ class EngineConfig:
     reserve_pages: int = 0  # adaptive: admission reserve, in pages
     populate_pages: int = 256  # adaptive: optional pages refilled per attempt
     populate_payback: float = 1.0  # adaptive: refill only with >= this x V/k steps left
+    overlap_refills: bool = False  # adaptive, GPU: refill copies beside the decode passes
     reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     cuda_graphs: bool = True  # on a GPU: decode passes replayed as captured CUDA graphs
@@ -62,6 +63,7 @@ class EngineConfig:
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             populate_payback=self.populate_payback,
+            overlap_refills=self.overlap_refills,
             reclaim_order=self.reclaim_order,
             spec_block=self.spec_width if self.drafter else 1,
             ring_extra=max(8, self.spec_width if self.drafter else 1),

@@ -41,6 +41,7 @@ class KVCacheConfig:
     # adaptive: refill a request's history only while it has at least this many times
     # V/k decode steps left (a refilled page pays back its copy after ~V/k steps; 0: always)
     populate_payback: float = 1.0
+    overlap_refills: bool = False  # adaptive, GPU: refill copies on a side stream
     reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session

@@ -82,7 +82,7 @@ def build_hierarchy(
         resolver=ops.resolve, backup=ops.backup, restore=ops.restore,
         mode=cfg.mode,
         reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
-        populate_payback=cfg.populate_payback,
+        populate_payback=cfg.populate_payback, overlap_refills=cfg.overlap_refills,
         reclaim_order=cfg.reclaim_order, spec_block=cfg.spec_block, durable=cfg.durable,
     )  # fmt: skip
     return payload, backups, local

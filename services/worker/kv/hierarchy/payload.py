@@ -53,6 +53,7 @@ class HierarchyPayload:
         reserve_pages: int = 0,
         populate_pages: int = 256,
         populate_payback: float = 1.0,
+        overlap_refills: bool = False,
         reclaim_order: str = "largest",
         spec_block: int = 1,
         durable: bool = False,
@@ -120,6 +121,7 @@ class HierarchyPayload:
                 write_through=durable,
                 topk=cfg.index_topk,
                 payback=populate_payback,
+                overlap_refills=overlap_refills,
             )
         self.refusal: str | None = None  # why the last admission found the host store full
 

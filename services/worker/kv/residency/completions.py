@@ -15,8 +15,10 @@ import torch
 
 
 class Completions(Protocol):
-    def submit(self, work: Callable[[], None]) -> int:
-        """Issues ``work`` (copies) now and returns a ticket that completes later."""
+    def submit(self, work: Callable[[], None], overlap: bool = False) -> int:
+        """Issues ``work`` (copies) now and returns a ticket that completes later. ``overlap``:
+        the work may run beside work issued after it (it writes only what no reader may touch
+        before the ticket completes), after everything issued before it."""
 
     def done(self) -> list[int]:
         """Tickets that completed since the last call."""
@@ -29,7 +31,7 @@ class ImmediateCompletions:
         self._next = 0
         self._done: list[int] = []
 
-    def submit(self, work: Callable[[], None]) -> int:
+    def submit(self, work: Callable[[], None], overlap: bool = False) -> int:
         work()
         self._next += 1
         self._done.append(self._next)
@@ -47,11 +49,21 @@ class CudaCompletions:
         self.device = device
         self._next = 0
         self._pending: dict[int, torch.cuda.Event] = {}
+        self._side: torch.cuda.Stream | None = None  # for overlapping work, made when needed
 
-    def submit(self, work: Callable[[], None]) -> int:
-        work()
+    def submit(self, work: Callable[[], None], overlap: bool = False) -> int:
+        """With ``overlap`` the work runs on a side stream that first waits for everything
+        issued so far on the current one; later work on the current stream does not wait."""
+        stream = torch.cuda.current_stream(self.device)
+        if overlap:
+            if self._side is None:
+                self._side = torch.cuda.Stream(self.device)
+            self._side.wait_stream(stream)
+            stream = self._side
+        with torch.cuda.stream(stream):
+            work()
         event = torch.cuda.Event()
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream)
         self._next += 1
         self._pending[self._next] = event
         return self._next
@@ -71,7 +83,7 @@ class ManualCompletions:
         self.pending: list[int] = []
         self._done: list[int] = []
 
-    def submit(self, work: Callable[[], None]) -> int:
+    def submit(self, work: Callable[[], None], overlap: bool = False) -> int:
         work()
         self._next += 1
         self.pending.append(self._next)

@@ -46,6 +46,7 @@ class Residency:
         *,
         topk: int,  # k: rows a decode step selects per source
         payback: float,  # see ``refill_pays``
+        overlap_refills: bool = False,
     ) -> None:
         self.p = payload
         # Durable sessions: imported history is backed up at once even when kept on the device
@@ -56,6 +57,8 @@ class Residency:
         self.populate_pages = populate_pages
         self.order = order
         self.topk, self.payback = topk, payback
+        # refill copies beside the decode passes (a side stream) instead of before them
+        self.overlap_refills = overlap_refills
         # () -> {slot: decode steps it may still take}
         self._horizon: Callable[[], dict[int, int]] = dict
         self.rr = RoundRobin()
@@ -311,7 +314,10 @@ class Residency:
             rows, host = page_rows(self.p, pgs)
             self.p.restore(self.p.store, rows, host, self.p.host.arena)
 
-        self._tickets[self.completions.submit(fill)] = ("populate", pgs)
+        self._tickets[self.completions.submit(fill, overlap=self.overlap_refills)] = (
+            "populate",
+            pgs,
+        )
         self.stats.refill_pages += len(pgs)
 
     def _forget_if_empty(self, owner_id: int) -> None:
