@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -155,3 +157,33 @@ def test_context_limit_finishes_with_length() -> None:
         [[5] * 30], SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
     )[0]
     assert req.finish_reason is FinishReason.LENGTH and req.num_tokens == 40
+
+
+@pytest.mark.parametrize("mode", ["resident", "adaptive"])
+def test_maintenance_runs_between_steps_while_the_device_runs_the_decode_pass(mode: str) -> None:
+    """Between-step maintenance (copy completions, reclaims, refills) runs exactly once between
+    the passes of consecutive steps: right after a decode pass's commit, while the device
+    runs it, or at the start of the next step when the last step ran only prefills."""
+    eng = Engine(
+        EngineConfig(model="tiny-glm", mode=mode, kv_pool_mib=64, max_num_seqs=2,
+                     host_arena_mib=32)
+    )  # fmt: skip
+    calls: list[str] = []
+    for name in ("maintain", "commit"):
+        fn = getattr(eng.kv, name)
+        setattr(eng.kv, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    eng.add_request("a", list(range(40)), params)
+    eng.add_request("b", list(range(70)), params)
+    steps = []
+    while eng.has_work():
+        before = len(calls)
+        eng.step()
+        steps.append(calls[before:])
+    assert len(steps) > 5 and all("commit" in s for s in steps)
+    for prev, cur in itertools.pairwise(steps):
+        # passes of consecutive steps: one maintenance between them
+        between = prev[len(prev) - prev[::-1].index("commit") :] + cur[: cur.index("commit")]
+        assert between == ["maintain"], (prev, cur)
+    decode_steps = steps[1:]  # both prompts were prefilled in the first step
+    assert all(s[-2:] == ["commit", "maintain"] for s in decode_steps), decode_steps

@@ -29,7 +29,7 @@ from services.worker.engine.stats import EngineStats
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
-from services.worker.kv.h2d import to_device
+from services.worker.kv.transfers import readback, to_device
 from services.worker.model import DSAModel, load_model
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
@@ -76,6 +76,7 @@ class Engine:
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
+        self._maintained = False  # the last decode pass ran kv.maintain() while the device ran
         self.speculator: Speculator | None = None
         if cfg.drafter:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
@@ -154,7 +155,9 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round: prefill of newly admitted requests and one decode token
         for each running request. Returns the outputs of requests that progressed."""
-        self.kv.maintain()
+        if not self._maintained:  # else the last decode pass did it (``_run``)
+            self.kv.maintain()
+        self._maintained = False
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
         for req, message in sched.failed:
@@ -230,8 +233,17 @@ class Engine:
                     )  # fmt: skip
         for i, r in enumerate(reqs):
             r.ban_early_stops(logits[i : i + 1], self.model_cfg.eos_token_id)
-        # every greedy request's token in one argmax (one device sync for the whole batch)
-        greedy = logits.argmax(-1).tolist() if any(r.params.greedy for r in reqs) else []
+        # every greedy request's token in one argmax, read back in one copy
+        greedy_ids = (
+            readback(logits.argmax(-1)) if any(r.params.greedy for r in reqs) else (lambda: [])
+        )
+        if batch.is_decode and spec is None:
+            # Between this pass and the next, while the device runs this one: copy
+            # completions, reclaims and refills (adaptive mode). Their device work queues
+            # after the tokens' copy, so it does not delay them.
+            self.kv.maintain()
+            self._maintained = True
+        greedy = greedy_ids()
         outs = []
         for i, r in enumerate(reqs):
             row = logits[i : i + 1]

@@ -18,7 +18,7 @@ import torch
 from dhisparse.paths import resolve_path
 from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.h2d import to_device
+from services.worker.kv.transfers import to_device
 from services.worker.model.model import DSAModel
 from services.worker.spec.drafters.base import Drafter
 from services.worker.spec.drafters.config import DrafterConfig

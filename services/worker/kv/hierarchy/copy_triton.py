@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.kv.h2d import to_device
 from services.worker.kv.hierarchy.host import HostPointer
+from services.worker.kv.transfers import to_device
 
 
 @triton.jit

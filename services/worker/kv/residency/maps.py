@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.kv.h2d import to_device
 from services.worker.kv.residency.pages import OptPage
+from services.worker.kv.transfers import to_device
 
 
 def page_rows(payload, pgs: list[OptPage]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -1,12 +1,17 @@
-"""Small host-to-device copies that never make the host wait.
+"""Small copies between host and device that never make the host wait for unrelated work.
 
 A plain ``torch.tensor(data, device="cuda")`` copies from pageable memory and synchronises the
 stream: the host stalls until every kernel queued so far has run, once per copy. A decode step
 makes a few such copies before it launches its pass, so each one delays the launch. Here the
 data goes into pinned memory from PyTorch's caching host allocator and crosses with one
-asynchronous copy; the allocator keeps the pinned block until that copy has run."""
+asynchronous copy; the allocator keeps the pinned block until that copy has run.
+
+The other way, ``readback`` starts copying a result to pinned memory and later waits for that
+copy alone, so work queued after it (between-step maintenance) does not delay the result."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 
@@ -24,3 +29,20 @@ def to_device(
     else:
         host = torch.tensor(data, dtype=dtype, pin_memory=True)
     return host.to(device, non_blocking=True)
+
+
+def readback(t: torch.Tensor) -> Callable[[], list]:
+    """Starts copying ``t`` to the host; the returned function waits for that copy (and what
+    was queued before it), not for anything queued after, and returns ``t`` as a list."""
+    if t.device.type != "cuda":
+        return t.tolist
+    host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+    host.copy_(t, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record(torch.cuda.current_stream(t.device))
+
+    def wait() -> list:
+        copied.synchronize()
+        return host.tolist()
+
+    return wait
