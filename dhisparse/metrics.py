@@ -141,6 +141,12 @@ HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / gene
 PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
 SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
 
+# --- worker: decode passes ---------------------------------------------------------------------
+# counter{path=graph|capture|eager}: replayed CUDA graph, captured (runs eagerly, then records),
+# or eager (no graph: a CPU, a key's first sighting, a model or verify round not captured)
+DECODE_PASSES = PREFIX + "decode_passes"
+CUDA_GRAPHS = PREFIX + "cuda_graphs"  # gauge: decode graphs held
+
 # --- worker: speculative decoding (vLLM conventions) ----------------------------------------
 SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"
 SPEC_DRAFT_TOKENS = PREFIX + "spec_decode_num_draft_tokens"

@@ -198,6 +198,31 @@ OVERVIEW = Dashboard(
                 ),
             ],
         ),
+        Row(
+            "Decode passes (workers)",
+            [
+                Panel(
+                    "Decode passes by path",
+                    "Decode passes per second: replayed as a CUDA graph, captured (run eagerly,"
+                    " then recorded: a capture costs several steps), or eager (a CPU, a key's"
+                    " first sighting, speculative verify rounds). Captures that keep coming"
+                    " mean batch shapes that keep changing.",
+                    [
+                        Target(
+                            f"sum by (path) (rate(dhisparse:decode_passes_total{{{WK}}}{RI}))",
+                            "{{path}}",
+                        )
+                    ],
+                    unit="ops",
+                    stack=True,
+                ),
+                Panel(
+                    "CUDA graphs held",
+                    "Decode graphs each worker holds (at most 64, least recently used dropped).",
+                    [Target(f"sum by (instance) (dhisparse:cuda_graphs{{{WK}}})", "{{instance}}")],
+                ),
+            ],
+        ),
     ],
 )
 

@@ -66,6 +66,17 @@ class WorkerMetrics:
         self.sessions_resumed.labels(model_name)
         self.prefill_computed.labels(model_name)
         self._resumed_seen = 0
+        self.decode_passes = Counter(
+            m.DECODE_PASSES,
+            "Decode passes by path: replayed CUDA graph, captured, or eager",
+            [*lbl, "path"],
+            registry=r,
+        )
+        self.cuda_graphs = Gauge(m.CUDA_GRAPHS, "Decode CUDA graphs held", lbl, registry=r)
+        for path in ("graph", "capture", "eager"):
+            self.decode_passes.labels(model_name, path)
+        self.cuda_graphs.labels(model_name)
+        self._passes_seen = (0, 0, 0)
 
         self.resolver_rows = Counter(
             m.RESOLVER_ROWS, "Selected rows by how they resolved", [*lbl, "path"], registry=r
@@ -126,6 +137,7 @@ class WorkerMetrics:
         self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
         self._resumed_seen = resumed
         self.running.labels(md).set(engine.num_running)
+        self._count_passes(engine)
         self.waiting.labels(md).set(engine.num_waiting)
         t = time.monotonic()
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
@@ -177,6 +189,19 @@ class WorkerMetrics:
                 if ntok > 1:
                     self.tpot.labels(md).observe((done - first) / (ntok - 1))
             self.e2e.labels(md).observe(done - arrival)
+
+    def _count_passes(self, engine: Engine) -> None:
+        """Decode passes by path since the last step: every decode step runs one pass (a
+        speculative round's verify pass included), replayed, captured or eager."""
+        graphs = engine.graphs
+        replays, captures = (graphs.replays, graphs.captures) if graphs is not None else (0, 0)
+        now = (replays, captures, engine.stats.decode_steps - replays - captures)
+        for path, new, old in zip(
+            ("graph", "capture", "eager"), now, self._passes_seen, strict=True
+        ):
+            self.decode_passes.labels(self.model, path).inc(new - old)
+        self._passes_seen = now
+        self.cuda_graphs.labels(self.model).set(len(graphs) if graphs is not None else 0)
 
     def _sample(self, engine: Engine) -> None:
         """Pool classes (gauges) and the census since the last sample (counters)."""

@@ -37,6 +37,8 @@ TYPES: dict[str, str] = {
     metrics.HOST_READ_BYTES: "counter",
     metrics.PREFILL_TOKENS_COMPUTED: "counter",
     metrics.SESSIONS_RESUMED: "counter",
+    metrics.DECODE_PASSES: "counter",
+    metrics.CUDA_GRAPHS: "gauge",
     metrics.STREAMS_RESUMED: "counter",
     metrics.SPEC_DRAFTS: "counter",
     metrics.SPEC_DRAFT_TOKENS: "counter",

@@ -41,3 +41,25 @@ def test_the_census_is_sampled_and_exact_once_idle() -> None:
     c = engine.kv.census()
     assert _rows(metrics) == c.direct + c.hot + c.host > first  # sampled once idle: exact
     engine.close()
+
+
+def test_decode_passes_are_counted_by_path() -> None:
+    """Every decode step's pass is counted once; off a GPU there are no graphs, so all eager."""
+    engine = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=16, max_num_seqs=3))
+    metrics = WorkerMetrics("t")
+    params = SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True)
+    for i, n in enumerate((20, 45, 33)):
+        engine.add_request(f"r{i}", list(range(n)), params)
+    while engine.has_work():
+        metrics.on_step(engine, engine.step())
+
+    def passes(path: str) -> float:
+        return metrics.registry.get_sample_value(
+            f"{m.DECODE_PASSES}_total", {"model": "t", "path": path}
+        )
+
+    assert engine.stats.decode_steps >= 6
+    assert passes("eager") == engine.stats.decode_steps
+    assert passes("graph") == passes("capture") == 0
+    assert metrics.registry.get_sample_value(m.CUDA_GRAPHS, {"model": "t"}) == 0
+    engine.close()
