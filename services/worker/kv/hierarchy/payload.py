@@ -22,12 +22,12 @@ from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.layout import lay_out_store
 from services.worker.kv.hierarchy.plan import ChunkPlan, PlannedAhead, plan_pass
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
+from services.worker.kv.hierarchy.selection import Resolver, Selections
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.residency.completions import CudaCompletions, ImmediateCompletions
 from services.worker.kv.residency.residency import Residency
 from services.worker.model.config import ModelConfig
 
-Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
 Backup = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 Restore = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 
@@ -66,7 +66,6 @@ class HierarchyPayload:
         self.cfg = cfg
         self.host = host
         self.device = torch.device(device)
-        self.resolver = resolver
         self.backup = backup  # device rows -> host arena, one launch
         self.restore = restore  # host arena -> device rows, one launch
         self.page = page
@@ -84,7 +83,6 @@ class HierarchyPayload:
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
         self.ring_hi_of: dict[int, list[int]] = {}  # slot -> one past the last ring row written
         self._held: dict[int, list[int]] = {}  # slot -> its hot-cache and tail pages
-        self._census = torch.zeros(4, dtype=torch.int64, device=device)
         self._batch: ForwardBatch | None = None
         self.plans: list[ChunkPlan] = []  # per source; sources with equal bounds share one
         self.plan_rows: torch.Tensor | None = None  # [U, 5, R]: the U distinct plans' rows
@@ -101,10 +99,7 @@ class HierarchyPayload:
         self.all_rows = torch.ones(
             max_slots * self.num_sources * spec_block, dtype=torch.bool, device=device
         )
-        # Follower resolutions started early, on a side stream on a GPU:
-        # layer -> (locs, census, event)
-        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.selections = Selections(self, resolver)
         self.residency: Residency | None = None
         if mode == "adaptive":
             done = (
@@ -232,7 +227,7 @@ class HierarchyPayload:
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         self._batch = batch
-        self._prefetched.clear()
+        self.selections.begin()
         self.written.clear()
         nxt, self._next = self._next, None
         if nxt is not None and nxt.matches(batch, self._epoch):
@@ -257,7 +252,7 @@ class HierarchyPayload:
     @property
     def census(self) -> Census:
         """Selected rows resolved direct / hot / host, and rows copied (synchronises)."""
-        return Census.of(self._census)
+        return Census.of(self.selections.counts)
 
     def pool(self, source: int) -> torch.Tensor:
         return self.store
@@ -281,56 +276,12 @@ class HierarchyPayload:
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
     ) -> None:
-        """Starts resolving ``(layer, source)`` pairs that share ``selection`` (the followers of
-        an index producer) so their host reads overlap the layers computed in between. On a
-        GPU they run on a side stream that first waits for everything issued so far: earlier
-        readers of those sources are done, and the selection is complete."""
-        if self._side is None or torch.cuda.is_current_stream_capturing():
-            # inline (a graph being captured orders the work by its own dependencies)
-            for layer, source in layers:
-                self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
-            return
-        main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
-            for layer, source in layers:
-                locs, census = self._resolve(source, batch, selection)
-                locs.record_stream(main)
-                census.record_stream(main)
-                event = torch.cuda.Event()
-                event.record(self._side)
-                self._prefetched[layer] = (locs, census, event)
+        self.selections.prefetch(layers, batch, selection)
 
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> torch.Tensor:
-        done = self._prefetched.pop(layer, None)
-        if done is not None:
-            locs, census, event = done
-            if event is not None:
-                torch.cuda.current_stream(self.device).wait_event(event)
-        else:
-            locs, census = self._resolve(source, batch, selection)
-        self._census += census  # on the main stream, after the resolution it counts
-        return locs
-
-    def _resolve(
-        self, source: int, batch: ForwardBatch, selection: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(locations, census [4]) of one source's selection."""
-        plan = self.plans[source]
-        geo = self.geo[source]
-        if plan.all_direct:
-            # Nothing older than the ring (a prefill): no hot scan, no host reads, and not
-            # counted in the census, which describes how decode selections are served.
-            req = batch.token_req.unsqueeze(1).expand_as(selection)
-            _, locs = geo.direct(selection, req, batch.slots, plan)
-            return torch.where(selection >= 0, locs, -1), torch.zeros_like(self._census)
-        hot = self.hot[source]
-        return self.resolver(
-            selection, batch.cu_lens, batch.slots, plan, geo, hot, hot.tick(), self.store,
-            self.host.arena, self.host.base[:, source],
-        )  # fmt: skip
+        return self.selections.resolve(layer, source, batch, selection)
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """The first ``num_tokens[r]`` tokens of each request are final (see ``commit.py``)."""
