@@ -64,6 +64,7 @@ def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
         max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
         attention_backend="auto", host_arena_mib=args.host_gib * 1024,
         cuda_graphs=not args.eager, overlap_refills=args.overlap_refills,
+        graph_capture=args.graph_capture,
     )  # fmt: skip
     fixed = 0
     if mode != "resident":
@@ -260,6 +261,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
+    ap.add_argument("--graph-capture", default="second", choices=["second", "consecutive"])
     ap.add_argument(
         "--overlap-refills", action="store_true",
         help="adaptive: refill copies on a side stream beside the decode passes",

@@ -55,6 +55,12 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="on a GPU: replay decode passes as captured CUDA graphs (on)",
     )
+    p.add_argument(
+        "--graph-capture",
+        choices=["second", "consecutive"],
+        help="capture a decode graph at its key's second sighting (default), or once two "
+        "passes in a row meet it",
+    )
     p.add_argument("--page-size", type=int, help="rows per KV page")
     p.add_argument("--max-num-seqs", type=int, help="request slots")
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")

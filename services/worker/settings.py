@@ -36,6 +36,7 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    graph_capture: str = "second"
     reserve_pages: int = 0
     populate_pages: int = 256
     populate_payback: float = 1.0
@@ -66,6 +67,7 @@ class WorkerSettings(BaseSettings):
             resolver=self.resolver,
             attention_backend=self.attention_backend,
             cuda_graphs=self.cuda_graphs,
+            graph_capture=self.graph_capture,
             reserve_pages=self.reserve_pages,
             populate_pages=self.populate_pages,
             populate_payback=self.populate_payback,

@@ -24,14 +24,18 @@ def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
 
 def test_no_graphs_off_the_gpu() -> None:
     assert Engine(EngineConfig(model="tiny-glm")).graphs is None
+    with pytest.raises(ValueError, match="graph capture policy"):
+        Engine(EngineConfig(model="tiny-glm", graph_capture="always"))
 
 
-def _drive(mode: str, graphs: bool) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
+def _drive(
+    mode: str, graphs: bool, capture: str = "second"
+) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     eng = Engine(
         EngineConfig(
             model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=64, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
-            cuda_graphs=graphs,
+            cuda_graphs=graphs, graph_capture=capture,
         )
     )  # fmt: skip
     seen: list[tuple[str, int, torch.Tensor]] = []
@@ -65,10 +69,11 @@ def _drive(mode: str, graphs: bool) -> tuple[Engine, list[tuple[str, int, torch.
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("capture", ["second", "consecutive"])
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
-def test_replayed_decode_steps_equal_the_eager_steps(mode: str) -> None:
+def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str) -> None:
     eager, ref = _drive(mode, graphs=False)
-    graphed, got = _drive(mode, graphs=True)
+    graphed, got = _drive(mode, graphs=True, capture=capture)
     assert eager.graphs is None and graphed.graphs is not None
     assert graphed.graphs.captures > 1 and graphed.graphs.replays > 50
     # a key is captured at its second sighting: batch sizes seen for one step stay eager

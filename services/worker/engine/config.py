@@ -28,6 +28,9 @@ class EngineConfig:
     reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     cuda_graphs: bool = True  # on a GPU: decode passes replayed as captured CUDA graphs
+    # when a graph key is captured: at its "second" sighting, or when "consecutive" passes
+    # meet it (a batch that changes every step, as in ramps and drains, is never captured)
+    graph_capture: str = "second"
     owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
     max_num_seqs: int = 32

@@ -46,7 +46,13 @@ class DecodeGraphs:
     """Replays captured decode passes of ``model`` over ``kv`` (a CUDA device)."""
 
     def __init__(
-        self, model: DSAModel, kv: KVCache, max_batch: int, limit: int = 64, capture_after: int = 2
+        self,
+        model: DSAModel,
+        kv: KVCache,
+        max_batch: int,
+        limit: int = 64,
+        capture_after: int = 2,
+        consecutive: bool = False,
     ) -> None:
         self.model = model
         self.kv = kv
@@ -57,7 +63,10 @@ class DecodeGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self._graphs: OrderedDict[tuple, _Graph] = OrderedDict()
         self.capture_after = capture_after  # the sighting of a key that captures it
+        # count only sightings in a row: a batch that changes every step stays eager
+        self.consecutive = consecutive
         self._seen: OrderedDict[tuple, int] = OrderedDict()  # keys not captured: sightings
+        self._last: tuple | None = None  # the previous pass's key
         self.eager = 0  # passes run eagerly before their key was captured
         self.captures = 0
         self.replays = 0
@@ -83,8 +92,11 @@ class DecodeGraphs:
             tuple(p.all_direct for p in plans),
         )
         g = self._graphs.get(key)
+        last, self._last = self._last, key
         if g is None:
             seen = self._seen.pop(key, 0) + 1
+            if self.consecutive and key != last:
+                seen = 1
             if seen >= self.capture_after:
                 return self._capture(key, tokens, batch)
             self._seen[key] = seen

@@ -82,13 +82,19 @@ class Engine:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
             self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
         self.graphs: DecodeGraphs | None = None
+        if cfg.graph_capture not in ("second", "consecutive"):
+            raise ValueError(
+                f"unknown graph capture policy {cfg.graph_capture!r}; choose second or consecutive"
+            )
         if (
             cfg.cuda_graphs
             and self.device.type == "cuda"
             and DecodeGraphs.supports(model)
             and not self._check_invariants  # the checks read counters back: not capturable
         ):
-            self.graphs = DecodeGraphs(model, self.kv, cfg.max_num_seqs)
+            self.graphs = DecodeGraphs(
+                model, self.kv, cfg.max_num_seqs, consecutive=cfg.graph_capture == "consecutive"
+            )
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena) and the captured graphs."""
