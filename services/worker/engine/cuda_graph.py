@@ -11,13 +11,14 @@ capture, top-k masks with ``masked_fill``, and the index keys are gathered at a 
 (``model.key_rows``) that eager decode passes use too, so a replay computes what the eager pass
 computes, bit for bit (``tests/worker/test_cuda_graph.py``, on a GPU).
 
-A key is captured the second time a step meets it: a capture costs several eager steps
-(measured on the H200: ~60 ms, against ~17 ms for an eager step and 3-5 ms for a replay), and
-while requests arrive or finish one per step the batch size changes every step, so most keys
-would never be replayed. The first sighting runs eagerly; the second runs eagerly on the
-capture stream (warming every kernel the capture records) and its result is used; the capture
-follows, without executing, and later steps with that key replay. Graphs share one memory pool and never run concurrently; at most
-``limit`` are kept, the least recently used dropped first."""
+A key is captured the second time a step meets it (with ``consecutive``, the second time in a
+row): a capture costs several eager steps (measured on the H200: ~60 ms, against ~17 ms for an
+eager step and 3-5 ms for a replay), and while requests arrive or finish one per step the batch
+size changes every step, so most keys would never be replayed. Earlier sightings run eagerly;
+the capturing one runs eagerly on the capture stream (warming every kernel the capture records)
+and its result is used; the capture follows, without executing, and later steps with that key
+replay. Graphs share one memory pool and never run concurrently; at most ``limit`` are kept,
+the least recently used dropped first."""
 
 from __future__ import annotations
 

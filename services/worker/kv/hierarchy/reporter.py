@@ -8,9 +8,9 @@ of one per forward pass (at C = 64 that was ~400 calls per verify round, and the
 quarter of the round). Marks queued meanwhile do not wake it: the thread takes the GIL once per
 interval, not once per step (each wake-up delayed the engine's next launch). A decode step
 reports each region's whole durable state (``report_state``), which supersedes what is pending
-for it, so merging costs the reporter nothing per mark. A durable mark lost or late costs nothing — a
-session's manifest, not the store's marks, says which rows a successor may trust — and a
-release lost that way is freed with the orphans once the worker is gone."""
+for it, so merging costs the reporter nothing per mark. A durable mark lost or late costs
+nothing — a session's manifest, not the store's marks, says which rows a successor may trust —
+and a release lost that way is freed with the orphans once the worker is gone."""
 
 from __future__ import annotations
 
