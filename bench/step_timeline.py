@@ -97,7 +97,8 @@ def main() -> int:
     tl.wrap_build()
     print(f"# python bench/step_timeline.py --modes {args.modes} --concurrency {args.concurrency}")
     print(
-        f"# {torch.cuda.get_device_name()}; {args.context}-token contexts; median ms of {args.steps} steps"
+        f"# {torch.cuda.get_device_name()}; {args.context}-token contexts; "
+        f"median ms of {args.steps} steps"
     )
     for mode in args.modes.split(","):
         for c in cs:
