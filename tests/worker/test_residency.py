@@ -10,6 +10,8 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
 from services.worker.kv.residency.completions import ManualCompletions
@@ -365,3 +367,40 @@ def test_a_huge_max_tokens_is_admitted_with_the_keys_the_pool_can_hold(mode: str
     assert kv.index_keys.pages_needed(0, kv.tokens_capacity) == 0  # reserved up to the pool
     assert kv.payload.pages.free == 0
     kv.close()
+
+
+@pytest.mark.parametrize("pool_mib", [3.0, 4.0])
+def test_adaptive_engine_under_pressure_gives_resident_tokens(pool_mib: float) -> None:
+    """Through the engine (maintenance runs while the device runs each decode pass): requests
+    arriving mid-run make admissions reclaim whole requests' optional history, finishing ones
+    free pages that are refilled, and every request's greedy tokens equal resident serving's."""
+    g = torch.Generator().manual_seed(5)
+    prompts = [
+        torch.randint(0, 256, (n,), generator=g).tolist() for n in (300, 120, 450, 80, 260, 390)
+    ]
+    budgets = (40, 90, 30, 70, 50, 60)
+
+    def run(mode: str, mib: float) -> tuple[Engine, list[list[int]]]:
+        eng = Engine(
+            EngineConfig(model=NAME, mode=mode, kv_pool_mib=mib, host_arena_mib=64, max_num_seqs=4,
+                         max_model_len=1024, page_size=16, hot_cache_rows=64, populate_pages=16,
+                         max_prefill_tokens=512)
+        )  # fmt: skip
+        reqs = []
+        for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
+            if i == 3:  # the rest arrive while the first three decode
+                for _ in range(12):
+                    eng.step()
+            params = SamplingParams(temperature=0.0, max_tokens=budget, ignore_eos=True)
+            reqs.append(eng.add_request(f"r{i}", prompt, params))
+        while eng.has_work():
+            eng.step()
+        return eng, [r.output_ids for r in reqs]
+
+    resident, ref = run("resident", 64)
+    adaptive, got = run("adaptive", pool_mib)
+    assert got == ref
+    st = adaptive.kv.payload.residency.stats
+    assert st.reclaim_events > 0 and st.reclaim_pages > 0 and st.repopulated_pages > 0
+    resident.close()
+    adaptive.close()
