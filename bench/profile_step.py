@@ -25,9 +25,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.capacity import bench_model_config
+from bench.steps import steady_engine
 from dhisparse.tokenizer import ByteTokenizer
-from services.worker.engine.engine import Engine, EngineConfig
-from services.worker.engine.request import SamplingParams
+from services.worker.engine.engine import Engine
 from services.worker.model import build_model
 
 
@@ -75,22 +75,12 @@ def main() -> int:
         for choice in args.graphs.split(",")
     ]
     for mode, c, graphs in runs:
-        eng = Engine(
-            EngineConfig(
-                model=args.model or "bench-glm", device=args.device, mode=mode,
-                kv_pool_mib=args.pool_gib * 1024, max_num_seqs=c, page_size=64,
-                max_model_len=args.context + 256, max_prefill_tokens=args.context,
-                hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
-                durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
-                width_policy="fixed", cuda_graphs=graphs,
-            ),
-            model=model, tokenizer=ByteTokenizer() if model is not None else None,
+        eng = steady_engine(
+            mode, prompts[:c], args.context, args.pool_gib, args.model or "bench-glm",
+            model, ByteTokenizer() if model is not None else None, device=args.device,
+            durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
+            width_policy="fixed", cuda_graphs=graphs, max_model_len=args.context + 256,
         )  # fmt: skip
-        params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
-        for i in range(c):
-            eng.add_request(f"p{i}", prompts[i], params)
-        while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
-            eng.step()
         if args.series:
             print_series(eng, args.series, cuda, f"{mode} C={c}")
         for _ in range(8):  # warm: every kernel compiled, hot caches filled

@@ -24,9 +24,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.capacity import bench_model_config
+from bench.steps import steady_engine
 from dhisparse.tokenizer import ByteTokenizer
-from services.worker.engine.engine import Engine, EngineConfig
-from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model import build_model
 
@@ -102,20 +101,10 @@ def main() -> int:
     )
     for mode in args.modes.split(","):
         for c in cs:
-            eng = Engine(
-                EngineConfig(
-                    model="bench-glm", device="cuda", mode=mode, kv_pool_mib=args.pool_gib * 1024,
-                    max_num_seqs=c, page_size=64, max_model_len=args.context + 512,
-                    max_prefill_tokens=args.context, hot_cache_rows=1024,
-                    host_arena_mib=16 * 1024 if mode != "resident" else 16,
-                ),
-                model=model, tokenizer=ByteTokenizer(),
+            eng = steady_engine(
+                mode, prompts[:c], args.context, args.pool_gib, model=model,
+                tokenizer=ByteTokenizer(), device="cuda",
             )  # fmt: skip
-            params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
-            for i in range(c):
-                eng.add_request(f"p{i}", prompts[i], params)
-            while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
-                eng.step()
             for _ in range(10):  # graphs captured, hot caches warm
                 eng.step()
             tl.wrap(eng.kv, "maintain", "maintain")

@@ -9,7 +9,6 @@ from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
-from services.worker.kv.hierarchy.plan import plan_pass
 from services.worker.model import LayerTrace, build_model, preset
 
 
@@ -160,7 +159,7 @@ def test_decode_plans_built_ahead_are_the_plans_begin_would_build(name: str) -> 
 
     def checked(batch: ForwardBatch) -> None:
         ring_hi = {slot: list(v) for slot, v in p.ring_hi_of.items()}
-        plans, rows, index = plan_pass(batch, p.cfg, p.ring, p._scratch, ring_hi, p.device)
+        plans, rows, index = p.planner.plan(batch, ring_hi)
         used.append(p._next is not None and p._next.matches(batch, p._epoch))
         begin(batch)
         assert p.plan_index == index and torch.equal(p.plan_rows, rows)

@@ -20,7 +20,7 @@ from services.worker.kv.hierarchy.backup import backup_rows_ref, restore_rows_re
 from services.worker.kv.hierarchy.commit import commit_pass
 from services.worker.kv.hierarchy.host import HostBackups
 from services.worker.kv.hierarchy.layout import lay_out_store
-from services.worker.kv.hierarchy.plan import ChunkPlan, PlannedAhead, plan_pass
+from services.worker.kv.hierarchy.plan import ChunkPlan, PlannedAhead, Planner
 from services.worker.kv.hierarchy.resolver_ref import Census, resolve_ref
 from services.worker.kv.hierarchy.selection import Resolver, Selections
 from services.worker.kv.paged import PagePool, SharedPages
@@ -78,7 +78,7 @@ class HierarchyPayload:
         self.store, self.geo, self.hot = lay.store, lay.geo, lay.hot
         self.chi, self.stage_rows_total = lay.chi, lay.stage_rows_total
         self.pages = PagePool(num_pages)
-        self._scratch = [g.scratch for g in self.geo]
+        self.planner = Planner(cfg, ring_rows, [g.scratch for g in self.geo], self.device)
         self.required_pages = self.num_sources * (hot_cache_rows + ring_rows) // page
         self.committed: dict[int, list[int]] = {}  # slot -> committed rows per source
         self.ring_hi_of: dict[int, list[int]] = {}  # slot -> one past the last ring row written
@@ -234,9 +234,7 @@ class HierarchyPayload:
             self.ring_hi_of.update(nxt.host.ring_hi)
             self.plans, self.plan_rows, self.plan_index = nxt.plans, nxt.packed, nxt.host.index
         else:
-            self.plans, self.plan_rows, self.plan_index = plan_pass(
-                batch, self.cfg, self.ring, self._scratch, self.ring_hi_of, self.device
-            )
+            self.plans, self.plan_rows, self.plan_index = self.planner.plan(batch, self.ring_hi_of)
         self._req_of_slot_stale = True
 
     @property
@@ -289,10 +287,7 @@ class HierarchyPayload:
         if batch.is_decode and list(num_tokens) == batch.ends():
             # Most decode passes are followed by the same batch one token on: plan it now,
             # while the device runs this one, so the next launch does not wait for planning.
-            self._next = PlannedAhead.next_decode(
-                batch, self.cfg, self.ring, self._scratch, self.ring_hi_of, self.device,
-                self._epoch,
-            )  # fmt: skip
+            self._next = self.planner.ahead(batch, self.ring_hi_of, self._epoch)
 
     def memory_classes(self) -> tuple[int, int, int, int]:
         """Page-pool bytes: (required, optional, reserve, free) with eq. 3's meaning."""

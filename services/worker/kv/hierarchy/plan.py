@@ -138,24 +138,43 @@ def upload_plans(
     return [distinct[u] for u in plans.index], packed
 
 
-def plan_pass(
-    batch: ForwardBatch,
-    model_cfg: ModelConfig,
-    ring: int,
-    scratch: list[int],
-    ring_hi_of: dict[int, list[int]],
-    device: torch.device | str,
-) -> tuple[list[ChunkPlan], torch.Tensor, tuple[int, ...]]:
-    """The plan of each source for ``batch`` (``host_plans``), uploaded: (each source's plan,
-    the [U, 5, R] device rows of the U distinct plans, which of the U each source uses). A
-    captured decode graph reads its own copy of the rows, refilled from these. Advances
-    ``ring_hi_of`` for chunks that go to the ring."""
-    hp = host_plans(
-        batch.slot_ids, batch.starts, batch.ends(), model_cfg, ring, scratch, ring_hi_of
-    )
-    ring_hi_of.update(hp.ring_hi)
-    plans, packed = upload_plans(hp, device)
-    return plans, packed, hp.index
+@dataclass(frozen=True)
+class Planner:
+    """Plans the passes of one payload: its model's sources, tail ring of ``ring`` rows, each
+    source's ``scratch`` rows and device."""
+
+    model_cfg: ModelConfig
+    ring: int
+    scratch: list[int]
+    device: torch.device
+
+    def _host(
+        self, slots: tuple[int, ...], starts: tuple[int, ...], ends: list[int], ring_hi_of: dict
+    ) -> PassPlans:
+        return host_plans(slots, starts, ends, self.model_cfg, self.ring, self.scratch, ring_hi_of)
+
+    def plan(
+        self, batch: ForwardBatch, ring_hi_of: dict[int, list[int]]
+    ) -> tuple[list[ChunkPlan], torch.Tensor, tuple[int, ...]]:
+        """The plan of each source for ``batch`` (``host_plans``), uploaded: (each source's
+        plan, the [U, 5, R] device rows of the U distinct plans, which of the U each source
+        uses). A captured decode graph reads its own copy of the rows, refilled from these.
+        Advances ``ring_hi_of`` for chunks that go to the ring."""
+        hp = self._host(batch.slot_ids, batch.starts, batch.ends(), ring_hi_of)
+        ring_hi_of.update(hp.ring_hi)
+        plans, packed = upload_plans(hp, self.device)
+        return plans, packed, hp.index
+
+    def ahead(
+        self, batch: ForwardBatch, ring_hi_of: dict[int, list[int]], epoch: int
+    ) -> PlannedAhead:
+        """The plans of a decode pass over ``batch``'s slots one token after it, uploaded (the
+        copy queues behind the current pass), given the ring history once ``batch``'s pass is
+        planned (``ring_hi_of``, not changed)."""
+        starts = tuple(batch.ends())
+        hp = self._host(batch.slot_ids, starts, [e + 1 for e in starts], ring_hi_of)
+        plans, packed = upload_plans(hp, self.device)
+        return PlannedAhead(batch.slot_ids, starts, epoch, hp, plans, packed)
 
 
 @dataclass(frozen=True)
@@ -169,26 +188,6 @@ class PlannedAhead:
     host: PassPlans
     plans: list[ChunkPlan]
     packed: torch.Tensor
-
-    @staticmethod
-    def next_decode(
-        batch: ForwardBatch,
-        model_cfg: ModelConfig,
-        ring: int,
-        scratch: list[int],
-        ring_hi_of: dict[int, list[int]],
-        device: torch.device | str,
-        epoch: int,
-    ) -> PlannedAhead:
-        """The plans of a decode pass over ``batch``'s slots one token after it, uploaded (the
-        copy queues behind the current pass), given the ring history once ``batch``'s pass is
-        planned (``ring_hi_of``, not changed)."""
-        starts = tuple(batch.ends())
-        hp = host_plans(
-            batch.slot_ids, starts, [e + 1 for e in starts], model_cfg, ring, scratch, ring_hi_of
-        )
-        plans, packed = upload_plans(hp, device)
-        return PlannedAhead(batch.slot_ids, starts, epoch, hp, plans, packed)
 
     def matches(self, batch: ForwardBatch, epoch: int) -> bool:
         return (
