@@ -64,7 +64,7 @@ def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
         max_prefill_tokens=ctx, hot_cache_rows=args.hot_cache_rows, resolver="auto",
         attention_backend="auto", host_arena_mib=args.host_gib * 1024,
         cuda_graphs=not args.eager, overlap_refills=args.overlap_refills,
-        graph_capture=args.graph_capture,
+        graph_capture=args.graph_capture, populate_payback=args.populate_payback,
     )  # fmt: skip
     fixed = 0
     if mode != "resident":
@@ -87,6 +87,7 @@ class Sweep:
         self.engine, self.mode, self.c, self.args = engine, mode, c, args
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
         self.census0 = engine.kv.census()
+        self._host = self.census0.host if self.census0 is not None else 0
         self.reqs = [engine.add_request(f"{mode}-{c}-{i}", prompts[i], params) for i in range(c)]
         self.stats0 = (engine.stats.decode_s, engine.stats.decode_tokens)
         self.steps = StepRates(engine)
@@ -95,6 +96,8 @@ class Sweep:
         self.waits: dict[int, float] = {}  # request -> its clock when admitted
         # decode seconds and steps by what else the step did (``KINDS``), or nothing else
         self.split = {k: [0.0, 0] for k in (*self.KINDS, "plain")}
+        # with --trace: per step [requests running, decode ms, kind, host rows read]
+        self.trace: list[list] = []
 
     @property
     def active(self) -> bool:
@@ -111,6 +114,14 @@ class Sweep:
         )
         self.split[kind][0] += self.engine.stats.decode_s - decode_s
         self.split[kind][1] += 1
+        if self.args.trace:
+            census = self.engine.kv.census()
+            host = census.host if census is not None else 0
+            self.trace.append([
+                self.engine.num_running, round(1e3 * (self.engine.stats.decode_s - decode_s), 3),
+                kind, host - self._host,
+            ])  # fmt: skip
+            self._host = host
         for i, r in enumerate(self.reqs):
             if i not in self.waits and r.admitted_time is not None:
                 self.waits[i] = self.clock.stamp(r.admitted_time, start)
@@ -173,6 +184,8 @@ class Sweep:
             row.update(reclaims=res.stats.reclaim_events, repopulated=res.stats.repopulated_pages)
         if self.engine.graphs is not None:  # captured so far (a capture step runs eagerly)
             row.update(graphs_captured=self.engine.graphs.captures)
+        if args.trace:
+            row["trace"] = self.trace
         return row
 
 
@@ -265,6 +278,14 @@ def main() -> int:
     ap.add_argument(
         "--overlap-refills", action="store_true",
         help="adaptive: refill copies on a side stream beside the decode passes",
+    )  # fmt: skip
+    ap.add_argument(
+        "--populate-payback", type=float, default=1.0,
+        help="adaptive: refill a request's history only with >= this x V/k decode steps left",
+    )  # fmt: skip
+    ap.add_argument(
+        "--trace", action="store_true",
+        help="record each step (requests running, decode ms, kind, host rows read) in the rows",
     )  # fmt: skip
     args = ap.parse_args()
     args.concurrency = [int(x) for x in args.concurrency.split(",")]

@@ -5,6 +5,8 @@
 #   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), step timeline, speculation (issue 6) ~470 s
 #   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~520 s
 #   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~330 s
+#   bench/gpu_run.sh ab  # GPU tests, then hisparse vs adaptive at C = 32 / 48 under each
+#                        # refill and capture setting, the default twice (run-to-run noise)
 #
 # Needs the corpus at data/stdlib.u8 (python -m services.worker.train.corpus --out
 # data/stdlib.u8) for the held-out prompts, and the Python packages of pyproject.toml.
@@ -67,8 +69,25 @@ case "${1:-}" in
         > "$OUT/serving_32k.log" 2>&1
     tail -1 "$OUT/serving_32k.log"
     ;;
+ab)
+    stamp gpu tests
+    timeout 90 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
+        2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+    AB="python bench/capacity.py --host-gib 12 --probe-sessions 0 --modes hisparse,adaptive \
+        --concurrency 32,48"
+    for v in default overlap consecutive default2; do
+        case $v in
+        overlap) flags=--overlap-refills ;;
+        consecutive) flags="--graph-capture consecutive" ;;
+        *) flags= ;;
+        esac
+        stamp "capacity A/B: $v $flags"
+        timeout 150 $AB $flags --out "$OUT/ab_$v.json" >> "$OUT/ab.log" 2>&1
+    done
+    python bench/ab_table.py "$OUT"/ab_*.json | tee "$OUT/ab_table.md"
+    ;;
 *)
-    echo "usage: bench/gpu_run.sh 1|2|3" >&2
+    echo "usage: bench/gpu_run.sh 1|2|3|ab" >&2
     exit 2
     ;;
 esac

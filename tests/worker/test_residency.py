@@ -404,3 +404,34 @@ def test_adaptive_engine_under_pressure_gives_resident_tokens(pool_mib: float) -
     assert st.reclaim_events > 0 and st.reclaim_pages > 0 and st.repopulated_pages > 0
     resident.close()
     adaptive.close()
+
+
+@pytest.mark.parametrize("resolver", ["torch", "triton"])
+def test_warming_the_copies_launches_both_and_changes_nothing(resolver: str) -> None:
+    """The refill and reclaim copies are launched once when the cache is built (their kernels
+    built before serving, not on the first refill mid-run): the refill reads into a free page,
+    the backup writes nothing, and the pool's free list, every other row and the host arena
+    are as they were."""
+    kv = make_kv("adaptive", POOL, resolver=resolver)
+    res, p = kv.payload.residency, kv.payload
+    gen = torch.Generator().manual_seed(11)
+    p.store.copy_(torch.randn(p.store.shape, generator=gen).to(p.store.dtype))
+    arena = p.host.arena
+    arena.copy_(torch.randn(arena.shape, generator=gen).to(arena.dtype))
+    store0, arena0, free0 = p.store.clone(), arena.clone(), list(p.pages._free)
+    calls = []
+    restore, backup = p.restore, p.backup
+    p.restore = lambda *a: (calls.append("restore"), restore(*a))
+    p.backup = lambda *a: (calls.append("backup"), backup(*a))
+    res._warm_copies()
+    assert calls == ["restore", "backup"]
+    assert p.pages._free == free0
+    page = free0[-1]  # the page it took: the next one handed out
+    rows = torch.arange(page * p.page, (page + 1) * p.page)
+    width = p.store.shape[1]
+    assert torch.equal(p.store[rows], arena0[: p.page * width].view(p.page, width))
+    other = torch.ones(len(p.store), dtype=torch.bool)
+    other[rows] = False
+    assert torch.equal(p.store[other], store0[other])
+    assert torch.equal(arena, arena0)
+    kv.close()
