@@ -31,6 +31,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lockstep import OwnClock, lockstep
 from bench.steps import StepRates
 from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.heap import GcPauses, freeze_heap
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.cache import KVCache, bytes_per_token
 from services.worker.model import LayerSpec, ModelConfig, SourceSpec, build_model
@@ -83,7 +84,9 @@ class Sweep:
     counts only its own steps (wall time, allocation waits), so the other modes' steps in
     between do not count against it."""
 
-    def __init__(self, engine: Engine, mode: str, c: int, args, prompts: list[list[int]]) -> None:
+    def __init__(
+        self, engine: Engine, mode: str, c: int, args, prompts: list[list[int]], gc: GcPauses
+    ) -> None:
         self.engine, self.mode, self.c, self.args = engine, mode, c, args
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
         self.census0 = engine.kv.census()
@@ -96,8 +99,10 @@ class Sweep:
         self.waits: dict[int, float] = {}  # request -> its clock when admitted
         # decode seconds and steps by what else the step did (``KINDS``), or nothing else
         self.split = {k: [0.0, 0] for k in (*self.KINDS, "plain")}
-        # with --trace: per step [requests running, decode ms, kind, host rows read]
+        # with --trace: per step [requests running, decode ms, kind, host rows read, GC ms]
         self.trace: list[list] = []
+        self.gc = gc  # the process's collector pauses; those inside this mode's steps count
+        self.gc_s = 0.0
 
     @property
     def active(self) -> bool:
@@ -107,7 +112,10 @@ class Sweep:
         start = self.clock.now()
         before = self._events()
         decode_s = self.engine.stats.decode_s
+        gc_s = self.gc.total_s
         self.clock.timed(self._step)
+        gc_s = self.gc.total_s - gc_s
+        self.gc_s += gc_s
         after = self._events()
         kind = next(
             (k for k, a, b in zip(self.KINDS, after, before, strict=True) if a > b), "plain"
@@ -119,7 +127,7 @@ class Sweep:
             host = census.host if census is not None else 0
             self.trace.append([
                 self.engine.num_running, round(1e3 * (self.engine.stats.decode_s - decode_s), 3),
-                kind, host - self._host,
+                kind, host - self._host, round(1e3 * gc_s, 3),
             ])  # fmt: skip
             self._host = host
         for i, r in enumerate(self.reqs):
@@ -166,6 +174,7 @@ class Sweep:
             # step eagerly, then records it), ran eagerly, queued a refill, and the rest
             "decode_s_by_step": {k: round(v[0], 4) for k, v in self.split.items()},
             "steps_by_kind": {k: v[1] for k, v in self.split.items()},
+            "gc_pause_s": round(self.gc_s, 4),  # the collector's pauses inside its steps
         }
         census1 = self.engine.kv.census()
         if census1 is not None:
@@ -202,13 +211,17 @@ def run_modes(modes: list[str], args, budget: int, prompts: list[list[int]]) -> 
         engine.generate(prompts[:2], params)
         engines[mode] = engine
         results[mode] = {"mode": mode, "pool_bytes": pool, "fixed_bytes": fixed, "rows": []}
+    if args.gc_freeze:  # as a worker does once its engine is built
+        freeze_heap()
+    pauses = GcPauses()
     for c in args.concurrency:
-        sweeps = [Sweep(engines[m], m, c, args, prompts) for m in modes]
+        sweeps = [Sweep(engines[m], m, c, args, prompts, pauses) for m in modes]
         lockstep(sweeps)
         for sw in sweeps:
             row = sw.row()
             results[sw.mode]["rows"].append(row)
             print(json.dumps(row), flush=True)
+    pauses.close()
     for mode, engine in engines.items():
         results[mode]["capacity"] = probe_capacity(engine, mode, args, prompts)
         print(json.dumps({"mode": mode, "capacity": results[mode]["capacity"]}), flush=True)
@@ -282,6 +295,10 @@ def main() -> int:
     ap.add_argument(
         "--populate-payback", type=float, default=1.0,
         help="adaptive: refill a request's history only with >= this x V/k decode steps left",
+    )  # fmt: skip
+    ap.add_argument(
+        "--gc-freeze", action=argparse.BooleanOptionalAction, default=True,
+        help="freeze the Python heap once the engines are built, as a worker does (on)",
     )  # fmt: skip
     ap.add_argument(
         "--trace", action="store_true",

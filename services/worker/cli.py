@@ -19,6 +19,10 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "lease-ttl-s": (float, "lease of this process at the kv-host-store, in seconds"),
     "attach-timeout-s": (float, "abort a resumed session not re-attached within this"),
 }
+# boolean settings of the worker process (not of the engine): --X / --no-X
+_SWITCHES: dict[str, str] = {
+    "gc-freeze": "freeze the Python heap after start-up: collections skip it (on)",
+}
 
 
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
@@ -84,6 +88,10 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, (typ, help_text) in _FLAGS.items():
         p.add_argument(f"--{flag}", type=typ, help=help_text)
+    for flag, help_text in _SWITCHES.items():
+        p.add_argument(
+            f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text
+        )
     add_engine_arguments(p)
     p.add_argument("--log-level", default="INFO")
 

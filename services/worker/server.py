@@ -16,6 +16,7 @@ from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNo
 from services.worker.convert import output_to_proto, sampling_from_proto
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
+from services.worker.engine.heap import freeze_heap
 from services.worker.metrics import WorkerMetrics
 from services.worker.settings import WorkerSettings
 
@@ -185,6 +186,8 @@ async def start_server(
 async def serve(settings: WorkerSettings) -> None:
     """Serves until SIGTERM/SIGINT, then drains."""
     server, async_engine = await start_server(settings)
+    if settings.gc_freeze:  # the process's own heap: not in start_server, which tests call
+        log.info("froze %d objects of the start-up heap", freeze_heap())
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

@@ -24,6 +24,9 @@ class WorkerSettings(BaseSettings):
     # its client within this long.
     attach_timeout_s: float = 60.0
     durable_sessions: bool | None = None  # None: on in hierarchy modes (see EngineConfig)
+    # Freeze the Python heap once the engine is built: later collections skip what start-up
+    # made (``services/worker/engine/heap.py``).
+    gc_freeze: bool = True
 
     model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
     device: str = "cpu"

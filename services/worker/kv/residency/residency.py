@@ -24,7 +24,14 @@ import torch
 from services.worker.kv.residency.check import check_residency
 from services.worker.kv.residency.completions import Completions
 from services.worker.kv.residency.maps import import_pages, page_rows, publish
-from services.worker.kv.residency.pages import OptPage, Owner, ResidencyStats, State
+from services.worker.kv.residency.pages import (
+    OptPage,
+    Owner,
+    ResidencyStats,
+    State,
+    page_key,
+    page_of_key,
+)
 from services.worker.kv.residency.policy import (
     Holder,
     RoundRobin,
@@ -210,7 +217,7 @@ class Residency:
         if cursor < hi:
             rest.append((cursor, hi))
         for a, b in rest:  # complete pages the caller backs up now: candidates for refill
-            owner.wanted.extend((source, index) for index in range(-(-a // p), b // p))
+            owner.wanted.extend(page_key(source, index) for index in range(-(-a // p), b // p))
         return [(lo, hi)] if self.write_through else rest
 
     # ---- completions, reclaim, repopulation -------------------------------------------------
@@ -283,7 +290,7 @@ class Residency:
             del owner.pages[(pg.source, pg.index)]
             self.p.pages.give([pg.page])
             if not pg.dead:  # backed up: the request may get it back when memory frees
-                owner.wanted.append((pg.source, pg.index))
+                owner.wanted.append(page_key(pg.source, pg.index))
                 self.stats.reclaim_pages += 1
                 if owner.reclaim_started is not None and not any(
                     q.retire for q in owner.pages.values()
@@ -321,7 +328,8 @@ class Residency:
         for slot, n in grant.items():
             oid, owner = live[slot]
             todo, owner.wanted = owner.wanted[:n], owner.wanted[n:]
-            for (source, index), page in zip(todo, self.p.pages.take(len(todo)), strict=True):
+            for key, page in zip(todo, self.p.pages.take(len(todo)), strict=True):
+                source, index = page_of_key(key)
                 pg = OptPage(oid, slot, source, index, page, State.PENDING, True)
                 owner.pages[(source, index)] = pg
                 pgs.append(pg)
