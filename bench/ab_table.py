@@ -1,6 +1,6 @@
 """A table of capacity runs side by side (``bench/gpu_run.sh ab``): per run and concurrency,
-each mode's aggregate and median decode rate, adaptive / hisparse, and where adaptive's decode
-time went by step kind.
+each mode's aggregate and median decode rate, adaptive / hisparse, the garbage collector's
+pauses inside each mode's steps, and where adaptive's decode time went by step kind.
 
     python bench/ab_table.py docs/results/ab_*.json
 """
@@ -28,17 +28,22 @@ def rows(path: Path) -> list[str]:
             if a["steps_by_kind"][k]
         )
         hs = h["decode_tokens_per_s"] if h else float("nan")
+        gc = (  # the collector's pauses inside each mode's steps, where recorded
+            f"{h['gc_pause_s']:.3f} / {a['gc_pause_s']:.3f}"
+            if h and "gc_pause_s" in a and "gc_pause_s" in h
+            else "-"
+        )
         lines.append(
             f"| {path.stem} | {c} | {hs:,.0f} | {a['decode_tokens_per_s']:,.0f} | {ratio:.3f} "
-            f"| {med:.3f} | {split} |"
+            f"| {med:.3f} | {gc} | {split} |"
         )
     return lines
 
 
 def main(paths: list[str]) -> int:
     print("| run | C | hisparse tok/s | adaptive tok/s | adaptive/hisparse | median ratio "
-          "| adaptive steps/decode s by kind |")  # fmt: skip
-    print("|---|---|---|---|---|---|---|")
+          "| GC pause s (his / ada) | adaptive steps/decode s by kind |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
     for p in paths:
         try:
             print("\n".join(rows(Path(p))))
