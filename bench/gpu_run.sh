@@ -25,7 +25,7 @@ case "${1:-}" in
     timeout 60 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
         2>&1 | tail -3 | tee "$OUT/gpu_tests.txt"
     stamp capacity
-    timeout 250 python bench/capacity.py --host-gib 12 --probe-sessions 64 \
+    timeout 250 python bench/capacity.py --host-gib 12 --probe-sessions 64 --trace \
         --out "$OUT/capacity.json" --plot "$OUT/capacity.png" > "$OUT/capacity.log" 2>&1
     tail -2 "$OUT/capacity.log"
     stamp step timeline: where a replayed decode step waits, per mode

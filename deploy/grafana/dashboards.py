@@ -215,11 +215,31 @@ OVERVIEW = Dashboard(
                     ],
                     unit="ops",
                     stack=True,
+                    width=8,
                 ),
                 Panel(
                     "CUDA graphs held",
                     "Decode graphs each worker holds (at most 64, least recently used dropped).",
                     [Target(f"sum by (instance) (dhisparse:cuda_graphs{{{WK}}})", "{{instance}}")],
+                    width=8,
+                ),
+                Panel(
+                    "Garbage-collector pauses",
+                    "Share of each worker's time the Python garbage collector held it, and the"
+                    " longest single pause. A full collection stalls the decode step that sets"
+                    " it off; workers freeze their start-up heap (--gc-freeze) so collections"
+                    " skip it.",
+                    [
+                        Target(
+                            f"sum by (instance) (rate(dhisparse:gc_pause_seconds_total{{{WK}}}{RI}))",
+                            "{{instance}} share",
+                        ),
+                        Target(
+                            f"max by (instance) (dhisparse:gc_pause_max_seconds{{{WK}}})",
+                            "{{instance}} longest (s)",
+                        ),
+                    ],
+                    width=8,
                 ),
             ],
         ),

@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from dhisparse import metrics as m
 from services.worker.engine.engine import Engine
+from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import RequestOutput
 
 
@@ -76,6 +77,19 @@ class WorkerMetrics:
         for path in ("graph", "capture", "eager"):
             self.decode_passes.labels(model_name, path)
         self.cuda_graphs.labels(model_name)
+        self.gc_pause = Counter(
+            m.GC_PAUSE_SECONDS,
+            "Seconds the Python garbage collector stopped the worker, by generation",
+            [*lbl, "generation"],
+            registry=r,
+        )
+        self.gc_pause_max = Gauge(
+            m.GC_PAUSE_MAX_SECONDS, "The longest single collector pause so far", lbl, registry=r
+        )
+        self._gc = GcPauses.process()
+        self._gc_seen = list(self._gc.seconds)
+        for gen in range(3):
+            self.gc_pause.labels(model_name, str(gen))
         self._passes_seen = (0, 0, 0)
 
         self.resolver_rows = Counter(
@@ -138,6 +152,7 @@ class WorkerMetrics:
         self._resumed_seen = resumed
         self.running.labels(md).set(engine.num_running)
         self._count_passes(engine)
+        self._count_gc()
         self.waiting.labels(md).set(engine.num_waiting)
         t = time.monotonic()
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
@@ -202,6 +217,14 @@ class WorkerMetrics:
             self.decode_passes.labels(self.model, path).inc(new - old)
         self._passes_seen = now
         self.cuda_graphs.labels(self.model).set(len(graphs) if graphs is not None else 0)
+
+    def _count_gc(self) -> None:
+        now = list(self._gc.seconds)
+        for gen, (new, old) in enumerate(zip(now, self._gc_seen, strict=True)):
+            if new > old:
+                self.gc_pause.labels(self.model, str(gen)).inc(new - old)
+        self._gc_seen = now
+        self.gc_pause_max.labels(self.model).set(self._gc.longest)
 
     def _sample(self, engine: Engine) -> None:
         """Pool classes (gauges) and the census since the last sample (counters)."""

@@ -39,6 +39,8 @@ TYPES: dict[str, str] = {
     metrics.SESSIONS_RESUMED: "counter",
     metrics.DECODE_PASSES: "counter",
     metrics.CUDA_GRAPHS: "gauge",
+    metrics.GC_PAUSE_SECONDS: "counter",
+    metrics.GC_PAUSE_MAX_SECONDS: "gauge",
     metrics.STREAMS_RESUMED: "counter",
     metrics.SPEC_DRAFTS: "counter",
     metrics.SPEC_DRAFT_TOKENS: "counter",

@@ -7,6 +7,7 @@ import torch
 
 from dhisparse import metrics as m
 from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import SamplingParams
 from services.worker.metrics import WorkerMetrics
 
@@ -62,4 +63,34 @@ def test_decode_passes_are_counted_by_path() -> None:
     assert passes("eager") == engine.stats.decode_steps
     assert passes("graph") == passes("capture") == 0
     assert metrics.registry.get_sample_value(m.CUDA_GRAPHS, {"model": "t"}) == 0
+    engine.close()
+
+
+def test_collector_pauses_are_exported() -> None:
+    """A collection between steps shows up in the pause counter (its generation) and the
+    longest-pause gauge; the counter only ever grows by what the collector took."""
+    import gc
+
+    engine = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=16, max_num_seqs=2))
+    metrics = WorkerMetrics("t")
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    engine.add_request("r", list(range(12)), params)
+    metrics.on_step(engine, engine.step())
+
+    def paused(gen: int) -> float:
+        return metrics.registry.get_sample_value(
+            f"{m.GC_PAUSE_SECONDS}_total", {"model": "t", "generation": str(gen)}
+        )
+
+    before = [paused(g) for g in range(3)]
+    recorded = GcPauses.process().seconds[2]
+    gc.collect()  # a full collection
+    took = GcPauses.process().seconds[2] - recorded
+    assert took > 0
+    while engine.has_work():
+        metrics.on_step(engine, engine.step())
+    assert paused(2) - before[2] >= took
+    assert all(paused(g) >= before[g] for g in range(3))
+    longest = metrics.registry.get_sample_value(m.GC_PAUSE_MAX_SECONDS, {"model": "t"})
+    assert longest >= took
     engine.close()

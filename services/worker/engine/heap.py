@@ -25,7 +25,10 @@ def freeze_heap() -> int:
 
 class GcPauses:
     """Time the collector stops the process, per generation, from ``gc.callbacks`` (while
-    open)."""
+    open). The callback only adds numbers: it takes no lock, so it cannot deadlock with the
+    code whose allocation set the collection off."""
+
+    _process: GcPauses | None = None
 
     def __init__(self) -> None:
         self.seconds = [0.0, 0.0, 0.0]
@@ -47,6 +50,14 @@ class GcPauses:
     @property
     def total_s(self) -> float:
         return sum(self.seconds)
+
+    @classmethod
+    def process(cls) -> GcPauses:
+        """The one recorder that stays open for the life of the process (the worker's
+        metrics read it)."""
+        if cls._process is None:
+            cls._process = cls()
+        return cls._process
 
     def close(self) -> None:
         if self._on in gc.callbacks:
