@@ -30,6 +30,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lockstep import OwnClock, lockstep
 from bench.steps import StepRates
+from services.worker.engine.cuda_graph import CAPTURE_POLICIES
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.heap import GcPauses, freeze_heap
 from services.worker.engine.request import SamplingParams
@@ -267,8 +268,7 @@ TOKENIZER = None
 DTYPE = "bfloat16"
 
 
-def main() -> int:
-    global MODEL, TOKENIZER
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--context", type=int, default=16384)
     # 256: decode steps of a few ms (CUDA graphs) need that many to outweigh each C's prefills
@@ -287,7 +287,7 @@ def main() -> int:
     ap.add_argument("--plot", default=None)
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a smoke test")
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
-    ap.add_argument("--graph-capture", default="second", choices=["second", "consecutive"])
+    ap.add_argument("--graph-capture", default="second", choices=CAPTURE_POLICIES)
     ap.add_argument(
         "--overlap-refills", action="store_true",
         help="adaptive: refill copies on a side stream beside the decode passes",
@@ -304,9 +304,15 @@ def main() -> int:
         "--trace", action="store_true",
         help="record each step (requests running, decode ms, kind, host rows read) in the rows",
     )  # fmt: skip
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
-    global DTYPE
+    return args
+
+
+def setup(args: argparse.Namespace) -> tuple[ModelConfig, int, int, list[list[int]]]:
+    """Builds the benchmark's model (``MODEL``, ``TOKENIZER``): (its config, resident bytes
+    per token, the session KV budget, one prompt per request of the largest concurrency)."""
+    global MODEL, TOKENIZER, DTYPE
     DTYPE = "bfloat16" if args.device == "cuda" else "float32"
     from dhisparse.tokenizer import ByteTokenizer
 
@@ -321,6 +327,12 @@ def main() -> int:
         torch.randint(0, 256, (args.context,), generator=g).tolist()
         for _ in range(max(args.concurrency))
     ]
+    return cfg, per_token, budget, prompts
+
+
+def main() -> int:
+    args = parse_args()
+    cfg, per_token, budget, prompts = setup(args)
     results = run_modes(args.modes.split(","), args, budget, prompts)
     summary = summarize(results, args)
     out = {

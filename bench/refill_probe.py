@@ -1,7 +1,7 @@
 """What a refill costs when it runs: the capacity benchmark's adaptive engine at one
-concurrency (16K-token contexts, the same KV budget), with every ``restore`` (the host -> device
-refill copy) timed twice, host time to return and time to complete (synchronised), and each
-step that queued a refill or took over 40 ms printed.
+concurrency (its model, contexts and KV budget: ``bench/capacity.py``), with every ``restore``
+(the host -> device refill copy) timed twice, host time to return and time to complete
+(synchronised), and each step that queued a refill or took over 40 ms printed.
 
     python bench/refill_probe.py --concurrency 48
 
@@ -10,10 +10,8 @@ time, against 0.15-0.3 ms for each later refill of 12,928 rows)."""
 
 from __future__ import annotations
 
-import argparse
 import sys
 import time
-import types
 from pathlib import Path
 
 import torch
@@ -21,29 +19,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench.capacity as cap
-from dhisparse.tokenizer import ByteTokenizer
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--concurrency", type=int, default=48)
-    ap.add_argument("--overlap-refills", action="store_true")
-    a = ap.parse_args()
-    args = types.SimpleNamespace(
-        context=16384, decode_tokens=256, concurrency=[a.concurrency], resident_sessions=4,
-        layers=8, k=512, hot_cache_rows=1024, page=64, host_gib=12, probe_sessions=0,
-        device="cuda", eager=False, overlap_refills=a.overlap_refills, graph_capture="second",
-        populate_payback=1.0,
-    )  # fmt: skip
-    cfg = cap.bench_model_config(args.layers, args.k)
-    cap.TOKENIZER = ByteTokenizer()
-    cap.MODEL = cap.build_model(cfg, seed=0, device="cuda", dtype=torch.bfloat16)
-    per = cap.bytes_per_token(cfg, 2, payload=True)
-    budget = int(4 * (args.context + args.decode_tokens + 16) * per * 1.02)
-    g = torch.Generator().manual_seed(0)
-    prompts = [
-        torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(a.concurrency)
-    ]
+    # the capacity benchmark's flags (--concurrency, --overlap-refills, ...), its defaults
+    # but for the host arena of the committed runs
+    args = cap.parse_args(["--host-gib", "12", "--modes", "adaptive", *sys.argv[1:]])
+    c = max(args.concurrency)
+    _, _, budget, prompts = cap.setup(args)
     eng, _, _ = cap.build_engine("adaptive", args, budget)
     params = cap.SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     eng.generate(prompts[:2], params)  # the capacity benchmark's warm-up
@@ -60,7 +43,7 @@ def main() -> int:
         calls.append((x[1].numel(), 1e3 * (t1 - t0), 1e3 * (time.perf_counter() - t0)))
 
     p.restore = timed
-    for i in range(a.concurrency):
+    for i in range(c):
         eng.add_request(f"r{i}", prompts[i], params)
     step = 0
     print("step  running  decode ms  pages queued  restores (rows, host ms, done ms)")

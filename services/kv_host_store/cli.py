@@ -11,6 +11,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from dhisparse.flags import add_switch
 from services.kv_host_store.errors import ArenaError
 from services.kv_host_store.server import serve
 from services.kv_host_store.settings import KVHostStoreSettings
@@ -25,18 +26,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arena-path", help="arena file (/dev/shm/dhisparse-arena)")
     parser.add_argument("--capacity", help="arena size: bytes or e.g. 1GiB, 512MiB (1GiB)")
     parser.add_argument("--alignment", help="region alignment in bytes, a power of two (4096)")
-    parser.add_argument(
-        "--remove-arena-on-exit",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="unlink the arena file on shutdown (on)",
-    )
-    parser.add_argument(
-        "--preallocate",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="reserve the arena's tmpfs pages at start (off)",
-    )
+    add_switch(parser, "remove-arena-on-exit", "unlink the arena file on shutdown (on)")
+    add_switch(parser, "preallocate", "reserve the arena's tmpfs pages at start (off)")
     parser.add_argument(
         "--orphan-ttl-s",
         type=float,

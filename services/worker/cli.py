@@ -6,6 +6,8 @@ import argparse
 import asyncio
 import logging
 
+from dhisparse.flags import add_switch
+from services.worker.engine.cuda_graph import CAPTURE_POLICIES
 from services.worker.settings import WorkerSettings
 
 # flag -> settings field; every engine knob is a flag.
@@ -18,10 +20,6 @@ _FLAGS: dict[str, tuple[type, str]] = {
     "kv-store": (str, "host:port of the node's kv-host-store"),
     "lease-ttl-s": (float, "lease of this process at the kv-host-store, in seconds"),
     "attach-timeout-s": (float, "abort a resumed session not re-attached within this"),
-}
-# boolean settings of the worker process (not of the engine): --X / --no-X
-_SWITCHES: dict[str, str] = {
-    "gc-freeze": "freeze the Python heap after start-up: collections skip it (on)",
 }
 
 
@@ -38,12 +36,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--populate-payback", type=float,
         help="adaptive: refill a request only with >= this x V/k decode steps left (0: always)",
     )  # fmt: skip
-    p.add_argument(
-        "--overlap-refills",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="adaptive, GPU: refill copies on a side stream beside the decode passes (off)",
-    )
+    add_switch(
+        p, "overlap-refills", "adaptive, GPU: refill copies on a side stream beside the decode "
+        "passes (off)",
+    )  # fmt: skip
     p.add_argument("--reclaim-order", choices=["largest", "smallest", "oldest", "newest"])
     p.add_argument("--kv-pool-mib", type=float, help="KV pool size in MiB")
     p.add_argument("--hot-cache-rows", type=int, help="hot cache rows B per request and source")
@@ -53,15 +49,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--spec-width", type=int, help="K_max: target queries per verify round")
     p.add_argument("--width-policy", choices=["fixed", "paper", "online"])
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
-    p.add_argument(
-        "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="on a GPU: replay decode passes as captured CUDA graphs (on)",
-    )
+    add_switch(p, "cuda-graphs", "on a GPU: replay decode passes as captured CUDA graphs (on)")
     p.add_argument(
         "--graph-capture",
-        choices=["second", "consecutive"],
+        choices=CAPTURE_POLICIES,
         help="capture a decode graph at its key's second sighting (default), or once two "
         "passes in a row meet it",
     )
@@ -70,12 +61,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")
     p.add_argument("--max-prefill-tokens", type=int, help="prefill tokens per step")
     p.add_argument("--top-k-rows", type=int, help="the indexer's k (rows attended per query)")
-    p.add_argument(
-        "--durable-sessions",
-        action=argparse.BooleanOptionalAction,
-        default=None,
-        help="hierarchy modes: keep what a successor needs to resume each session (on)",
-    )
+    add_switch(
+        p, "durable-sessions",
+        "hierarchy modes: keep what a successor needs to resume each session (on)",
+    )  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
@@ -88,10 +77,7 @@ def settings_from_args(args: argparse.Namespace) -> WorkerSettings:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, (typ, help_text) in _FLAGS.items():
         p.add_argument(f"--{flag}", type=typ, help=help_text)
-    for flag, help_text in _SWITCHES.items():
-        p.add_argument(
-            f"--{flag}", action=argparse.BooleanOptionalAction, default=None, help=help_text
-        )
+    add_switch(p, "gc-freeze", "freeze the Python heap after start-up: collections skip it (on)")
     add_engine_arguments(p)
     p.add_argument("--log-level", default="INFO")
 

@@ -32,6 +32,9 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.model.model import DSAModel, key_rows
 
+# when a key is captured: at its second sighting, or once two passes in a row meet it
+CAPTURE_POLICIES = ("second", "consecutive")
+
 
 @dataclass
 class _Graph:

@@ -12,7 +12,7 @@ import torch
 
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import DecodeGraphs
+from services.worker.engine.cuda_graph import CAPTURE_POLICIES, DecodeGraphs
 from services.worker.engine.request import (
     FinishReason,
     Request,
@@ -82,9 +82,10 @@ class Engine:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
             self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
         self.graphs: DecodeGraphs | None = None
-        if cfg.graph_capture not in ("second", "consecutive"):
+        if cfg.graph_capture not in CAPTURE_POLICIES:
             raise ValueError(
-                f"unknown graph capture policy {cfg.graph_capture!r}; choose second or consecutive"
+                f"unknown graph capture policy {cfg.graph_capture!r}; choose from "
+                f"{CAPTURE_POLICIES}"
             )
         if (
             cfg.cuda_graphs

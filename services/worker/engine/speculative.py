@@ -69,10 +69,10 @@ class WidthController:
     against that width for a long time. At a load bucket next to one already measured, a
     width that served less than ``1 - prune`` of the best there is not explored (every round
     spent measuring a bad width is lost throughput, and load buckets change as requests come
-    and go); width 0, the baseline of eq. 13, always is. Every ``refresh_every`` decisions it re-measures the
-    width whose measurement at this load is the oldest (one never measured here first), in
-    turns with the current width, so an estimate that went stale or a width pruned wrongly is
-    corrected rather than trusted forever."""
+    and go); width 0, the baseline of eq. 13, always is. Every ``refresh_every`` decisions it
+    re-measures the width whose measurement at this load is the oldest (one never measured
+    here first), in turns with the current width, so an estimate that went stale or a width
+    pruned wrongly is corrected rather than trusted forever."""
 
     def __init__(
         self,
