@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from services.worker.kv.residency.pages import State
+from services.worker.kv.residency.pages import State, page_key
 
 if TYPE_CHECKING:
     from services.worker.kv.residency.residency import Residency
@@ -27,7 +27,7 @@ def check_residency(res: Residency) -> None:
         for source, geo in enumerate(payload.geo):
             opt = geo.opt_map[slot].tolist()
             for index, page in enumerate(opt):
-                pg = owner.pages.get((source, index))
+                pg = owner.pages.get(page_key(source, index))
                 if page >= 0:
                     assert pg is not None and pg.page == page, "published page not owned"
                     assert pg.state in (State.READY, State.BACKING), f"{pg.state} published"

@@ -14,7 +14,7 @@ class State(enum.Enum):
     DRAINING = "draining"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)  # slots: one object for the collector to track, not two
 class OptPage:
     owner: int  # the admission that holds it
     slot: int
@@ -31,16 +31,17 @@ class OptPage:
 class Owner:
     slot: int
     imported: list[int]  # imported (prefill) rows per source
-    pages: dict[tuple[int, int], OptPage] = field(default_factory=dict)
+    pages: dict[int, OptPage] = field(default_factory=dict)  # by ``page_key``
     # Host-backed imported pages not on the device, to refill in order (``page_key``s).
     wanted: list[int] = field(default_factory=list)
     reclaim_started: float | None = None
 
 
 def page_key(source: int, index: int) -> int:
-    """A history page as one int. ``Owner.wanted`` lists every host-backed page of every
-    admission: as (source, page) tuples, the collector tracked 88K of them at C = 48 on the
-    H200 and its full collections cost the adaptive run 0.2 s; ints are not tracked."""
+    """A history page as one int (the keys of ``Owner.pages``, the entries of ``wanted``).
+    ``wanted`` lists every host-backed page of every admission: as (source, page) tuples, the
+    collector tracked 88K of them at C = 48 on the H200 and its full collections cost the
+    adaptive run 0.2 s; ints are not tracked."""
     return source << 32 | index
 
 

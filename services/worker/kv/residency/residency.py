@@ -209,7 +209,7 @@ class Residency:
                 rest.append((lo, a))
             import_pages(self.p, source, slot, first, pages, rows_at(a, b))
             for j, page in enumerate(pages):
-                owner.pages[(source, first + j)] = OptPage(
+                owner.pages[page_key(source, first + j)] = OptPage(
                     self._slot_owner[slot], slot, source, first + j, page, State.READY,
                     self.write_through,
                 )  # fmt: skip
@@ -287,7 +287,7 @@ class Residency:
     def _drained(self, pgs: list[OptPage]) -> None:
         for pg in pgs:
             owner = self._owners[pg.owner]
-            del owner.pages[(pg.source, pg.index)]
+            del owner.pages[page_key(pg.source, pg.index)]
             self.p.pages.give([pg.page])
             if not pg.dead:  # backed up: the request may get it back when memory frees
                 owner.wanted.append(page_key(pg.source, pg.index))
@@ -331,7 +331,7 @@ class Residency:
             for key, page in zip(todo, self.p.pages.take(len(todo)), strict=True):
                 source, index = page_of_key(key)
                 pg = OptPage(oid, slot, source, index, page, State.PENDING, True)
-                owner.pages[(source, index)] = pg
+                owner.pages[key] = pg
                 pgs.append(pg)
         if not pgs:
             return
@@ -352,7 +352,7 @@ class Residency:
             del self._owners[owner_id]
 
     # ---- checks ---------------------------------------------------------------------------
-    def pages_of(self, slot: int) -> dict[tuple[int, int], OptPage]:
+    def pages_of(self, slot: int) -> dict[int, OptPage]:
         owner = self._slot_owner.get(slot)
         return {} if owner is None else dict(self._owners[owner].pages)
 
