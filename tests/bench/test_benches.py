@@ -24,6 +24,7 @@ def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
         "capacity.py", "--context", "256", "--layers", "4", "--k", "16", "--hot-cache-rows",
         "32", "--concurrency", "1,3", "--resident-sessions", "1", "--probe-sessions", "4",
         "--decode-tokens", "3", "--host-gib", "0.05", "--page", "16", "--out", str(out),
+        "--trace",
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
@@ -35,6 +36,15 @@ def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
         for r in rows.values():
             assert r["decode_tokens_per_s"] > 0 and r["wall_s"] > 0
             assert 0 <= r["alloc_wait_mean_s"] <= r["alloc_wait_max_s"] <= r["wall_s"]
+            # --trace: one row per step of this mode; decode ms and kinds add up to the split
+            trace = r["trace"]
+            assert len(trace) == sum(r["steps_by_kind"].values())
+            for kind, n in r["steps_by_kind"].items():
+                assert sum(t[2] == kind for t in trace) == n
+            assert abs(sum(t[1] for t in trace) / 1e3 - sum(r["decode_s_by_step"].values())) < 0.01
+            assert max(t[0] for t in trace) == r["sessions_admitted"]
+            assert r["gc_pause_s"] >= 0  # rounded to 0.1 ms; the trace's per step to 1 us
+            assert abs(sum(t[4] for t in trace) - 1e3 * r["gc_pause_s"]) < 0.1
     assert by["resident"]["rows"][1]["sessions_admitted"] == 1  # the budget holds one
     cap = data["summary"]["capacity_sessions"]
     assert cap["hisparse"] > cap["resident"] and cap["adaptive"] > cap["resident"]
@@ -59,3 +69,14 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
     assert set(data["summary"]) == {f"{d}@C{c}" for d in ("dflash", "dspark", "dflash2")
                                     for c in (1, 2)}  # fmt: skip
+
+
+def test_gc_pauses_counts_each_mode() -> None:
+    proc = _run(
+        "gc_pauses.py", "--context", "256", "--layers", "2", "--k", "16", "--hot-cache-rows",
+        "32", "--concurrency", "4", "--decode-tokens", "4", "--host-gib", "0.05", "--page", "16",
+        "--eager",
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    lines = [line for line in proc.stdout.splitlines() if "collections [" in line]
+    assert [line.split()[0] for line in lines] == ["hisparse", "adaptive"]
