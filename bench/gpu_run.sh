@@ -5,6 +5,7 @@
 #   bench/gpu_run.sh 1   # GPU tests, capacity (issue 5), step timeline, speculation (issue 6) ~470 s
 #   bench/gpu_run.sh 2   # serving over the engine and over HTTP, 8K inputs (issue 11)    ~520 s
 #   bench/gpu_run.sh 3   # serving at 32K inputs and C = 128 / 256 (issue 11)             ~330 s
+#   bench/gpu_run.sh spec  # GPU tests and speculation alone (issue 6)                   ~330 s
 #   bench/gpu_run.sh ab  # GPU tests, then hisparse vs adaptive at C = 32 / 48 under each
 #                        # refill and capture setting, the default twice (run-to-run noise)
 #
@@ -69,6 +70,15 @@ case "${1:-}" in
         > "$OUT/serving_32k.log" 2>&1
     tail -1 "$OUT/serving_32k.log"
     ;;
+spec)
+    stamp gpu tests
+    timeout 150 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
+        2>&1 | tail -15 | tee "$OUT/gpu_tests.txt"
+    stamp spec: every drafter, paper schedule and online policy vs none, closed loop
+    timeout 300 python bench/spec.py --concurrency 1,16,64 --widths "" \
+        --out "$OUT/spec.json" --plot "$OUT/spec.png" > "$OUT/spec.log" 2>&1
+    tail -2 "$OUT/spec.log"
+    ;;
 ab)
     stamp gpu tests
     timeout 90 python -m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider \
@@ -87,7 +97,7 @@ ab)
     python bench/ab_table.py "$OUT"/ab_*.json | tee "$OUT/ab_table.md"
     ;;
 *)
-    echo "usage: bench/gpu_run.sh 1|2|3|ab" >&2
+    echo "usage: bench/gpu_run.sh 1|2|3|spec|ab" >&2
     exit 2
     ;;
 esac

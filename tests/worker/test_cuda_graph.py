@@ -1,6 +1,7 @@
-"""CUDA graphs of the decode pass (``services/worker/engine/cuda_graph.py``): replayed decode
-steps give the eager steps' logits bit for bit in every serving mode, while requests arrive
-and finish (so batch sizes, index-key widths and hierarchy plans change between replays)."""
+"""CUDA graphs of the decode and verify passes and of the drafter's block pass
+(``services/worker/engine/cuda_graph.py``): replayed decode steps and speculative rounds give
+the eager ones' logits bit for bit in every serving mode, while requests arrive and finish (so
+batch sizes, index-key widths and hierarchy plans change between replays)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,13 @@ def test_no_graphs_off_the_gpu() -> None:
 
 
 def _drive(
-    mode: str, graphs: bool, capture: str = "second"
+    mode: str, graphs: bool, capture: str = "second", drafter: str | None = None
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     eng = Engine(
         EngineConfig(
             model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=64, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
-            cuda_graphs=graphs, graph_capture=capture,
+            cuda_graphs=graphs, graph_capture=capture, drafter=drafter, spec_width=4,
         )
     )  # fmt: skip
     seen: list[tuple[str, int, torch.Tensor]] = []
@@ -85,3 +86,30 @@ def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str) ->
         assert graphed.kv.payload.census.host > 0
     eager.close()
     graphed.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["dflash", "dflash2"])
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_replayed_speculative_rounds_equal_the_eager_rounds(mode: str, drafter: str) -> None:
+    """Verify passes and the drafter's block passes replayed from graphs: the same tokens and
+    the same logits for every emitted token as eager rounds, and plain greedy's tokens."""
+    eager, ref = _drive(mode, graphs=False, drafter=drafter)
+    graphed, got = _drive(mode, graphs=True, drafter=drafter)
+    plain, base = _drive(mode, graphs=True)
+    assert graphed.graphs is not None and graphed.speculator is not None
+    drafts = graphed.speculator.graphs
+    assert drafts is not None and drafts.captures > 0 and drafts.replays > 10
+    assert graphed.graphs.replays > 10
+    assert graphed.speculator.counters.accepted == eager.speculator.counters.accepted
+    assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
+    for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
+        assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    tokens = {(r, n): int(row[0].argmax()) for r, n, row in base}  # one row per token
+    emitted = {}
+    for r, n, rows in got:  # a round's rows: one per token it emitted, from output index n
+        for j in range(rows.shape[0]):
+            emitted[(r, n + j)] = int(rows[j].argmax())
+    assert emitted == tokens
+    for e in (eager, graphed, plain):
+        e.close()

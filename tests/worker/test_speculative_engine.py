@@ -21,7 +21,8 @@ def prompts() -> list[list[int]]:
 def config(model: str, mode: str, **kw) -> EngineConfig:
     return EngineConfig(
         model=model, mode=mode, kv_pool_mib=48, host_arena_mib=32, max_num_seqs=6,
-        max_prefill_tokens=1024, max_model_len=1024, hot_cache_rows=kw.pop("hot", None), **kw,
+        max_prefill_tokens=1024, max_model_len=kw.pop("max_model_len", 1024),
+        hot_cache_rows=kw.pop("hot", None), **kw,
     )  # fmt: skip
 
 
@@ -70,4 +71,48 @@ def test_stop_and_min_tokens_inside_a_round() -> None:
     assert req.output_ids == free[: first + 1]
     short = eng.generate([p], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0]
     assert short.output_ids == free[:7]
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "adaptive"])
+def test_requests_near_their_end_keep_the_pass_at_one_width(plain, mode: str) -> None:
+    """A request with fewer tokens left than the block verifies only those, but the pass still
+    runs K queries for every request (its shape, and so its CUDA graph, stays the same); with
+    no room for K (the context's end) the pass narrows instead. Output is plain greedy's."""
+    passes: list[tuple[tuple[int, ...], list[int]]] = []
+
+    def recording(eng: Engine) -> Engine:
+        forward = eng.forward_logits
+
+        def record(tokens, batch, features=None):
+            caps = [
+                min(4, r.params.max_tokens - len(r.output_ids))
+                for r in eng.scheduler.running
+                if r.slot in batch.slot_ids
+            ]
+            passes.append((batch.lens, caps))
+            return forward(tokens, batch, features)
+
+        eng.forward_logits = record  # type: ignore[method-assign]
+        return eng
+
+    eng = recording(Engine(config("tiny-glm", mode, drafter="dflash", spec_width=4)))
+    got = [r.output_ids for r in eng.generate(prompts(), GREEDY)]
+    assert got == plain["tiny-glm"]
+    narrowed = [(lens, caps) for lens, caps in passes if min(caps) < 4]
+    assert narrowed, "some rounds had a request near its end"
+    assert all(set(lens) == {4} for lens, _ in narrowed)
+    eng.close()
+
+    # a context that ends inside the block: no room for K queries, the pass narrows
+    cfg = config("tiny-glm", mode, drafter="dflash", spec_width=4, max_model_len=260)
+    eng = recording(Engine(cfg))
+    passes.clear()
+    long = prompts()[2]  # 210 tokens: 50 left in the context
+    out = eng.generate([long], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True))
+    free = Engine(config("tiny-glm", mode, max_model_len=260)).generate(
+        [long], SamplingParams(temperature=0.0, max_tokens=200, ignore_eos=True)
+    )
+    assert out[0].output_ids == free[0].output_ids
+    assert any(max(lens) < 4 for lens, _ in passes)
     eng.close()

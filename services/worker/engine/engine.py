@@ -12,7 +12,7 @@ import torch
 
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import CAPTURE_POLICIES, DecodeGraphs
+from services.worker.engine.cuda_graph import CAPTURE_POLICIES, DecodeGraphs, DraftGraphs
 from services.worker.engine.request import (
     FinishReason,
     Request,
@@ -81,6 +81,7 @@ class Engine:
         if cfg.drafter:
             drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
             self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
+        spec = self.speculator
         self.graphs: DecodeGraphs | None = None
         if cfg.graph_capture not in CAPTURE_POLICIES:
             raise ValueError(
@@ -94,12 +95,17 @@ class Engine:
             and not self._check_invariants  # the checks read counters back: not capturable
         ):
             self.graphs = DecodeGraphs(
-                model, self.kv, cfg.max_num_seqs, consecutive=cfg.graph_capture == "consecutive"
-            )
+                model, self.kv, cfg.max_num_seqs, consecutive=cfg.graph_capture == "consecutive",
+                max_width=spec.k_max if spec is not None else 1,
+            )  # fmt: skip
+            if spec is not None:
+                spec.graphs = DraftGraphs(spec.drafter, cfg.max_num_seqs)
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena) and the captured graphs."""
         self.graphs = None
+        if self.speculator is not None:
+            self.speculator.graphs = None
         self.kv.close()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -221,8 +227,8 @@ class Engine:
         tokens = to_device(ids, self.device)
         spec = self.speculator
         feats = spec.features() if spec is not None else None
-        if self.graphs is not None and spec is None and batch.is_decode:
-            logits = self.graphs.logits(tokens, batch)
+        if self.graphs is not None and batch.is_decode:
+            logits = self.graphs.logits(tokens, batch, feats)
         else:
             hidden = self.model(tokens, batch, self.kv, features=feats)
             logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
@@ -260,6 +266,16 @@ class Engine:
                 token = sample_token(row[0], r.params, r.generator or self._default_gen)
             outs.append(self._append_tokens(r, [token], row))
         return outs
+
+    def forward_logits(
+        self, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None = None
+    ) -> torch.Tensor:
+        """[N, V] fp32 logits of every new token of a decode or verify ``batch`` (tokens [N]),
+        replayed from a CUDA graph where one covers the pass; writes the pass's rows into the
+        KV cache (the caller commits). ``features``: as ``DSAModel.forward`` takes them."""
+        if self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.logits(tokens, batch, features)
+        return self.model.logits(self.model(tokens, batch, self.kv, features=features))
 
     def _append_tokens(
         self, req: Request, tokens: list[int], logits: torch.Tensor

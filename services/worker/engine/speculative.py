@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.paths import resolve_path
+from services.worker.engine.cuda_graph import DraftGraphs
 from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
@@ -162,6 +163,7 @@ class Speculator:
         self.layers = tuple(drafter.cfg.target_layers)
         self.widths = WidthController(policy, self.k_max, engine.cfg.max_num_seqs)
         self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
+        self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
 
     def features(self) -> dict[int, torch.Tensor]:
         return dict.fromkeys(self.layers)  # type: ignore[arg-type]
@@ -190,43 +192,45 @@ class Speculator:
             outs = eng._run(reqs)
             self.widths.observe(0, load, time.perf_counter() - t0, len(reqs))
             return outs
-        caps = []
-        for r in reqs:
-            left = min(
-                r.params.max_tokens - len(r.output_ids), eng.cfg.max_model_len - r.num_tokens
-            )
-            cap = max(1, min(k, left))
-            # The verify chunk needs KV room for all its positions; fall back to one query.
-            if not eng.kv.ensure(r.slot, r.num_tokens - 1 + cap):
-                cap = 1
-            caps.append(cap)
+        caps = [self._cap(r, k) for r in reqs]
         anchors = [r.output_ids[-1] for r in reqs]
         starts = [r.num_tokens - 1 for r in reqs]
         prop = self.drafter.propose(
             [r.slot for r in reqs], anchors, starts, caps,
             [r.params.temperature for r in reqs], [r.generator or eng._default_gen for r in reqs],
+            **({"run": self.graphs.draft} if self.graphs is not None else {}),
         )  # fmt: skip
-        widths = prop.widths
+        widths = prop.widths  # K_r <= caps[r]: the rows verified
+        proposed = prop.tokens.tolist()  # one read-back for every request's proposals
+        # The pass runs K queries for every request when each has room for them, so its shape,
+        # and with it its CUDA graph, does not depend on which requests near their end: a
+        # request of K_r < K verifies its first K_r rows, and its others (the anchor again)
+        # are computed, never committed nor read.
+        passed = [k] * load if all(self._room(r, k) for r in reqs) else widths
         ids: list[int] = []
         for r, anchor in enumerate(anchors):
-            ids.extend([anchor, *prop.drafts(r).tolist()])
-        batch = ForwardBatch.build([r.slot for r in reqs], starts, widths, eng.device)
+            ids.extend([anchor, *proposed[r][: widths[r] - 1]])
+            ids.extend([anchor] * (passed[r] - widths[r]))
+        batch = ForwardBatch.build([r.slot for r in reqs], starts, passed, eng.device)
         feats = self.features()
-        tokens = to_device(ids, eng.device)
-        hidden = eng.model(tokens, batch, eng.kv, features=feats)
-        logits = eng.model.logits(hidden)  # [sum K_r, V]
+        logits = eng.forward_logits(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
         for r, req in enumerate(reqs):
-            req.ban_early_stops(logits[cu[r] : cu[r + 1]], eng.model_cfg.eos_token_id)
+            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.model_cfg.eos_token_id)
+        verified = logits
+        if passed != widths:  # each request's first K_r rows
+            rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]
+            verified = logits[to_device(rows, eng.device)]
         verdicts = verify_batch(
-            logits, widths, prop.tokens, prop.probs, [r.params for r in reqs],
-            [r.generator or eng._default_gen for r in reqs],
+            verified, widths, prop.tokens, prop.probs, [r.params for r in reqs],
+            [r.generator or eng._default_gen for r in reqs], drafts=proposed,
         )  # fmt: skip
         committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
         eng.kv.commit(batch, committed)
-        keep = torch.cat(
-            [torch.arange(cu[r], cu[r] + v.num_accepted + 1) for r, v in enumerate(verdicts)]
-        ).to(eng.device)
+        keep = to_device(
+            [j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)],
+            eng.device,
+        )
         self.drafter.append_context(
             batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()}
         )
@@ -240,10 +244,27 @@ class Speculator:
             for i in range(v.num_accepted):
                 c.per_position[i] += 1
             req.num_computed = committed[r]
-            new = [*prop.drafts(r)[: v.num_accepted].tolist(), v.next_token]
-            rows = logits[cu[r] : cu[r] + len(new)]
-            out = eng._append_tokens(req, new, rows)
+            new = [*proposed[r][: v.num_accepted], v.next_token]
+            out = eng._append_tokens(req, new, logits[cu[r] : cu[r] + len(new)])
             emitted += len(out.new_token_ids)
             outs.append(out)
         self.widths.observe(k, load, time.perf_counter() - t0, emitted)
         return outs
+
+    def _cap(self, req: Request, k: int) -> int:
+        """The most queries ``req`` can verify this round (anchor included): within its token
+        budget and context, and with KV room for all of them (else one query)."""
+        eng = self.engine
+        left = min(
+            req.params.max_tokens - len(req.output_ids), eng.cfg.max_model_len - req.num_tokens
+        )
+        cap = max(1, min(k, left))
+        if not eng.kv.ensure(req.slot, req.num_tokens - 1 + cap):
+            cap = 1
+        return cap
+
+    def _room(self, req: Request, k: int) -> bool:
+        """Whether ``req`` can run k queries (rows it may not commit: they stay in its KV
+        room, which the next rounds use)."""
+        end = req.num_tokens - 1 + k
+        return end <= self.engine.cfg.max_model_len and self.engine.kv.ensure(req.slot, end)

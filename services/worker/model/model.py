@@ -216,7 +216,9 @@ class DSAModel(nn.Module):
             keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends) // m))
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
-            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, max(ends) // m)
+            # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
+            width = key_rows(max(ends) // m)
+            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, width)
             return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
         cu = batch.cu
@@ -242,7 +244,8 @@ class DSAModel(nn.Module):
     ) -> torch.Tensor:
         """[N, S] index scores of every token of a batch of short chunks: each request's
         queries, padded to the longest chunk, against its own keys in one batched product
-        (the same per-query reduction as ``index_scores``)."""
+        (the same per-query reduction as ``index_scores``). ``max_visible``: S, at least the
+        most rows any request sees (keys beyond a request's rows are zero; top-k masks them)."""
         # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
         seen = num_visible[batch.last_token_index]
         keys = kv.index_keys.gather(i, batch.slots, seen, max_visible).float()

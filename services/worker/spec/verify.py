@@ -101,19 +101,22 @@ def verify_batch(
     draft_probs: torch.Tensor | None,
     params: Sequence[SamplingParams],
     generators: Sequence[torch.Generator | None],
+    drafts: list[list[int]] | None = None,
 ) -> list[Verdict]:
     """A verify pass over R requests of widths K_r (anchor included).
 
     target_logits: [sum K_r, V] in batch order (request r's rows are contiguous, as a
     ``ForwardBatch`` with lens = widths lays them out); draft_tokens: [R, K_max-1] (-1 beyond
-    K_r-1); draft_probs: [R, K_max-1, V] or None. Greedy requests share one argmax and one
-    device->host copy; sampled ones run ``verify_sampling`` with their own generator."""
+    K_r-1); draft_probs: [R, K_max-1, V] or None; drafts: ``draft_tokens`` on the host, when
+    the caller has read them already. Greedy requests share one argmax and one device->host
+    copy; sampled ones run ``verify_sampling`` with their own generator."""
     if not len(widths) == len(params) == len(generators) == draft_tokens.shape[0]:
         raise ValueError("one width, params and generator per request")
     if sum(widths) != target_logits.shape[0]:
         raise ValueError(f"widths sum to {sum(widths)}, logits have {target_logits.shape[0]} rows")
     best = torch.argmax(target_logits, dim=-1).tolist()  # [sum K_r]
-    drafts = draft_tokens.tolist()
+    if drafts is None:
+        drafts = draft_tokens.tolist()
     out: list[Verdict] = []
     start = 0
     for r, (k, p, g) in enumerate(zip(widths, params, generators, strict=True)):

@@ -25,6 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from services.worker.kv.transfers import to_device
 from services.worker.model.layers import RMSNorm
 from services.worker.model.model import DSAModel
 from services.worker.spec.draft_ring import DraftRing
@@ -34,6 +35,11 @@ from services.worker.spec.proposal import Proposal, exp_noise, finish
 
 # (layer) -> context k, v: [R, S, H*D], read from the ring or gathered for training
 ContextFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
+# (slots, committed, anchors, temperatures, noise) -> (tokens, q, confidence): ``Drafter.draft``
+DraftFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+]
 
 
 class _Borrowed:
@@ -194,12 +200,13 @@ class Drafter(nn.Module, abc.ABC):
         widths: Sequence[int] | None = None,
         temperatures: float | Sequence[float] = 0.0,
         generators: Sequence[torch.Generator | None] | None = None,
+        run: DraftFn | None = None,
     ) -> Proposal:
         """Drafts one block per request. Request r has ``num_committed[r]`` = n committed tokens
         (context in the ring up to n-1) and its anchor at position n; ``widths[r]`` caps K_r
         (default K_max). Proposals are greedy where the temperature is 0, else drawn from the
-        drafter's tempered distribution with the request's generator."""
-        ring = self._ring()
+        drafter's tempered distribution with the request's generator. ``run``: what runs the
+        block pass (``draft``, or a CUDA graph of it)."""
         dev = self.fc.weight.device
         r = len(slots)
         if isinstance(temperatures, float | int):
@@ -209,19 +216,36 @@ class Drafter(nn.Module, abc.ABC):
         gens = list(generators) if generators is not None else [None] * r
         kmax = self.cfg.block_size
         caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
-        slots_t = torch.tensor(list(slots), dtype=torch.int64, device=dev)
-        n_t = torch.tensor(list(num_committed), dtype=torch.int64, device=dev)
-        anchors_t = torch.as_tensor(anchors, dtype=torch.int64).to(dev)
-        win = ring.window_of(slots_t, n_t)
-        hidden = self.block_hidden(anchors_t, n_t, lambda i: ring.read(i, win), win.valid)
+        if isinstance(anchors, torch.Tensor):
+            anchors = anchors.tolist()
+        # one copy that does not wait for the device
+        inputs = to_device([list(slots), list(num_committed), list(anchors)], dev)
+        slots_t, n_t, anchors_t = inputs.unbind(0)
         noise = None
         if any(t > 0.0 for t in temps):
             noise = exp_noise((kmax - 1, self.cfg.vocab_size), temps, gens, dev)
-        temps_t = torch.tensor(temps, dtype=torch.float32, device=dev)
-        tokens, q, conf = self.select(hidden[:, 1:], anchors_t, temps_t, noise)
+        temps_t = to_device(temps, dev, torch.float32)
+        tokens, q, conf = (run or self.draft)(slots_t, n_t, anchors_t, temps_t, noise)
         return finish(
             tokens, q if noise is not None else None, self.choose_widths(caps, conf), conf
         )
+
+    @torch.no_grad()
+    def draft(
+        self,
+        slots: torch.Tensor,
+        num_committed: torch.Tensor,
+        anchors: torch.Tensor,
+        temperatures: torch.Tensor,
+        noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """The block pass of ``propose``, on the device only (no host reads: a CUDA graph can
+        hold it). slots, num_committed, anchors: [R] int64; temperatures: [R]; noise: [R,
+        K_max-1, V] or None -> ``select``'s tokens, q and confidence."""
+        ring = self._ring()
+        win = ring.window_of(slots, num_committed)
+        hidden = self.block_hidden(anchors, num_committed, lambda i: ring.read(i, win), win.valid)
+        return self.select(hidden[:, 1:], anchors, temperatures, noise)
 
 
 # ---- loss pieces shared by the drafters -----------------------------------------------------
