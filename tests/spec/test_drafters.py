@@ -8,7 +8,7 @@ import torch
 
 from services.worker.spec import ConfidenceScheduler, load_drafter, save_drafter
 from services.worker.spec.train_data import Blocks, context_index, run_target
-from tests.spec.helpers import KINDS, drafter, with_context
+from tests.spec.helpers import KINDS, drafter, target, with_context
 from tests.spec.stats import chi2_test
 
 SLOTS = [0, 2, 1]
@@ -124,3 +124,32 @@ def test_ring_path_equals_training_path(kind: str) -> None:
     got = d.block_hidden(blocks.tokens, anchors, lambda i: d.ring.read(i, win), win.valid)
     assert torch.equal(win.valid, valid)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_context_writes_with_a_known_count_per_slot_equal_filtered_ones() -> None:
+    """Decode steps and verify rounds tell ``append_context`` how many positions a slot adds
+    (``per_slot``), which skips the newest-W filtering: the ring ends up the same."""
+    t = target()
+    runs = []
+    for known in (False, True):
+        d = drafter("dflash", window=6)
+        d.init_ring(max_slots=3)
+        g = torch.Generator().manual_seed(4)
+        toks = torch.randint(0, 256, (1, 60), generator=g)
+        feats = run_target(t, toks, d.cfg.target_layers).features
+        n = [0, 0, 0]
+        for _ in range(12):  # rounds committing 1..4 positions per slot
+            slots, positions = [], []
+            for s in range(3):
+                a = int(torch.randint(1, 5, (), generator=g))
+                slots += [s] * a
+                positions += list(range(n[s], n[s] + a))
+                n[s] += a
+            pos = torch.tensor(positions)
+            d.append_context(
+                torch.tensor(slots), pos, {i: f[0, pos] for i, f in feats.items()},
+                per_slot=4 if known else None,
+            )  # fmt: skip
+        runs.append((d.ring.k.clone(), d.ring.v.clone(), d.ring.tag.clone()))
+    for a, b in zip(*runs, strict=True):
+        assert torch.equal(a, b)

@@ -233,17 +233,10 @@ class Engine:
             hidden = self.model(tokens, batch, self.kv, features=feats)
             logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
         self.kv.commit(batch, [r.num_tokens for r in reqs])
-        for i, r in enumerate(reqs):
+        for r in reqs:
             r.num_computed = r.num_tokens
-            if spec is not None:  # the drafter's context follows every committed position
-                if starts[i] == 0:
-                    spec.begin(r, batch, i, feats)
-                else:
-                    a, b = batch.cu[i], batch.cu[i + 1]
-                    spec.drafter.append_context(
-                        batch.token_slot[a:b], batch.positions[a:b],
-                        {k: f[a:b] for k, f in feats.items()},
-                    )  # fmt: skip
+        if spec is not None:  # the drafter's context follows every committed position
+            spec.follow(reqs, batch, starts, feats)
         for i, r in enumerate(reqs):
             r.ban_early_stops(logits[i : i + 1], self.model_cfg.eos_token_id)
         # every greedy request's token in one argmax, read back in one copy

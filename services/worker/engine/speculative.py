@@ -168,13 +168,18 @@ class Speculator:
     def features(self) -> dict[int, torch.Tensor]:
         return dict.fromkeys(self.layers)  # type: ignore[arg-type]
 
-    def begin(self, req: Request, batch: ForwardBatch, r: int, feats: dict) -> None:
-        """After a prefill: a fresh draft context holding the prompt's committed positions."""
-        assert req.slot is not None
-        self.drafter.begin(req.slot)
-        a, b = batch.cu[r], batch.cu[r + 1]
+    def follow(
+        self, reqs: list[Request], batch: ForwardBatch, starts: list[int], feats: dict
+    ) -> None:
+        """After a plain pass (prefill or decode) that committed every token of ``batch``: one
+        context write for all of them; a request whose pass began at 0 starts a fresh draft
+        context."""
+        for req, start in zip(reqs, starts, strict=True):
+            if start == 0:
+                assert req.slot is not None
+                self.drafter.begin(req.slot)
         self.drafter.append_context(
-            batch.token_slot[a:b], batch.positions[a:b], {i: f[a:b] for i, f in feats.items()}
+            batch.token_slot, batch.positions, feats, per_slot=max(batch.lens)
         )
 
     def release(self, slot: int) -> None:
@@ -232,8 +237,9 @@ class Speculator:
             eng.device,
         )
         self.drafter.append_context(
-            batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()}
-        )
+            batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()},
+            per_slot=max(v.num_accepted for v in verdicts) + 1,
+        )  # fmt: skip
         outs = []
         emitted = 0
         for r, (req, v) in enumerate(zip(reqs, verdicts, strict=True)):

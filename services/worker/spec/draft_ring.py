@@ -65,21 +65,29 @@ class DraftRing:
         return slots * self.rows_per_slot + positions % self.rows_per_slot
 
     def write(
-        self, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+        self,
+        slots: torch.Tensor,
+        positions: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        per_slot: int | None = None,
     ) -> None:
         """Stores committed positions. slots, positions: [N] int64; k, v: [L, N, width].
 
         A write of more than R_d positions of one slot (a long prefill) keeps only that slot's
-        newest R_d, so no two rows of one write share an address."""
+        newest R_d, so no two rows of one write share an address. ``per_slot``: the most
+        positions of one slot in this write, when the caller knows it (distinct positions);
+        at most R_d spares that filtering and its read-back."""
         if positions.numel() == 0:
             return
-        newest = torch.full((self.max_slots,), -1, dtype=torch.int64, device=positions.device)
-        newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
-        keep = positions > newest[slots] - self.rows_per_slot
-        slots, positions = slots[keep], positions[keep]
+        if per_slot is None or per_slot > self.rows_per_slot:
+            newest = torch.full((self.max_slots,), -1, dtype=torch.int64, device=positions.device)
+            newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
+            keep = positions > newest[slots] - self.rows_per_slot
+            slots, positions, k, v = slots[keep], positions[keep], k[:, keep], v[:, keep]
         locs = self.addresses(slots, positions)
-        self.k[:, locs] = k[:, keep].to(self.k.dtype)
-        self.v[:, locs] = v[:, keep].to(self.v.dtype)
+        self.k[:, locs] = k.to(self.k.dtype)
+        self.v[:, locs] = v.to(self.v.dtype)
         self.tag[locs] = positions
 
     def window_of(self, slots: torch.Tensor, num_committed: torch.Tensor) -> RingWindow:

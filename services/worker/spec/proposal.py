@@ -12,6 +12,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from services.worker.kv.transfers import to_device
+
 
 @dataclass(frozen=True)
 class Proposal:
@@ -37,7 +39,7 @@ def _masked(
 ) -> dict[str, torch.Tensor | None]:
     """Proposals beyond K_r-1 set to -1 and their q rows to zero."""
     slot = torch.arange(tokens.shape[1], device=tokens.device)
-    keep = slot.unsqueeze(0) < (torch.tensor(widths, device=tokens.device) - 1).unsqueeze(1)
+    keep = slot.unsqueeze(0) < (to_device(list(widths), tokens.device) - 1).unsqueeze(1)
     tokens = tokens.masked_fill(~keep, -1)
     if probs is not None:
         probs = probs.masked_fill(~keep.unsqueeze(-1), 0.0)

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.transfers import to_device
 
 if TYPE_CHECKING:
     from services.worker.kv.hierarchy.payload import HierarchyPayload
@@ -49,7 +50,7 @@ def commit_pass(p: HierarchyPayload, batch: ForwardBatch, num_tokens: list[int])
     if whole and len(rows) <= len(p.all_rows):  # nothing left out: no mask, no host copy
         keep = p.all_rows[: len(rows)]
     else:
-        limits = torch.tensor(limit, dtype=torch.int64, device=p.device)
+        limits = to_device(limit, p.device)
         keep = rows < limits[src, p.req_of_slot[w_slots]]
     dst = p.host.base[w_slots, src] + rows * p.store.shape[1]
     p.backup(p.store, locs, dst, keep, p.host.arena)

@@ -176,20 +176,27 @@ class Drafter(nn.Module, abc.ABC):
         slots: torch.Tensor | Sequence[int],
         positions: torch.Tensor,
         features: Mapping[int, torch.Tensor],
+        per_slot: int | None = None,
     ) -> None:
         """Records committed positions. slots, positions: [N]; features: {target layer: [N, d]}
-        the target's outputs at those positions (from the pass that computed them)."""
+        the target's outputs at those positions (from the pass that computed them).
+        ``per_slot``: the most positions one slot adds, when the caller knows it; at most W
+        (a decode step, a verify round) spares the filtering and its read-backs."""
         ring = self._ring()
         dev = self.fc.weight.device
         slots = torch.as_tensor(slots, dtype=torch.int64, device=dev)
         positions = positions.to(dev)
-        # Only the newest W positions of a slot can ever be read again.
-        newest = torch.full((ring.max_slots,), -1, dtype=torch.int64, device=dev)
-        newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
-        keep = positions > newest[slots] - self.cfg.window
-        feats = {i: features[i].to(dev)[keep] for i in self.cfg.target_layers}
-        k, v = self.context_kv(self.fuse(feats), positions[keep])
-        ring.write(slots[keep], positions[keep], k, v)
+        feats = {i: features[i].to(dev) for i in self.cfg.target_layers}
+        if per_slot is None or per_slot > self.cfg.window:
+            # Only the newest W positions of a slot can ever be read again.
+            newest = torch.full((ring.max_slots,), -1, dtype=torch.int64, device=dev)
+            newest = newest.scatter_reduce(0, slots, positions, reduce="amax")
+            keep = positions > newest[slots] - self.cfg.window
+            slots, positions = slots[keep], positions[keep]
+            feats = {i: f[keep] for i, f in feats.items()}
+            per_slot = None
+        k, v = self.context_kv(self.fuse(feats), positions)
+        ring.write(slots, positions, k, v, per_slot)
 
     @torch.no_grad()
     def propose(
