@@ -79,7 +79,9 @@ def main() -> int:
             mode, prompts[:c], args.context, args.pool_gib, args.model or "bench-glm",
             model, ByteTokenizer() if model is not None else None, device=args.device,
             durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
-            width_policy="fixed", cuda_graphs=graphs, max_model_len=args.context + 256,
+            width_policy="fixed", cuda_graphs=graphs,
+            # room for every round profiled: no request ends (nor the batch shrinks) meanwhile
+            max_model_len=args.context + (4096 if args.drafter else 256),
         )  # fmt: skip
         if args.series:
             print_series(eng, args.series, cuda, f"{mode} C={c}")
@@ -104,6 +106,10 @@ def main() -> int:
         what = f"spec K={args.spec_width}" if args.drafter else "decode"
         what += " graphs" if eng.graphs is not None else " eager"
         print(f"\n===== {mode} C={c} {what}: {plain * 1e3:.2f} ms/step")
+        for kind, gs in (("pass", eng.graphs), ("draft", getattr(eng.speculator, "graphs", None))):
+            if gs is not None:
+                print(f"===== {kind} graphs: {gs.captures} captured, {gs.replays} replays, "
+                      f"{gs.eager} eager")  # fmt: skip
         ka = prof.key_averages()
         print(
             ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
