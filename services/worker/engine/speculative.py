@@ -211,7 +211,9 @@ class Speculator:
         # and with it its CUDA graph, does not depend on which requests near their end: a
         # request of K_r < K verifies its first K_r rows, and its others (the anchor again)
         # are computed, never committed nor read.
-        passed = [k] * load if all(self._room(r, k) for r in reqs) else widths
+        passed = [k] * load
+        if any(c < k and not self._room(r, k) for r, c in zip(reqs, caps, strict=True)):
+            passed = widths
         ids: list[int] = []
         for r, anchor in enumerate(anchors):
             ids.extend([anchor, *proposed[r][: widths[r] - 1]])

@@ -61,6 +61,7 @@ class KVCache:
             self.tokens_capacity = self._longest_admissible()
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
+        self._ensured: dict[int, int] = {}  # slot -> tokens it has room for (pages never shrink)
 
     @staticmethod
     def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
@@ -115,10 +116,13 @@ class KVCache:
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
         """Room for a slot's first ``num_tokens`` tokens in every pool, or no change at all."""
+        if num_tokens <= self._ensured.get(slot, 0):  # every decode step and verify round asks
+            return True
         if not self.can_ensure(slot, num_tokens):
             return False
         ok = self.payload.ensure(slot, num_tokens) and self.index_keys.ensure(slot, num_tokens)
         assert ok
+        self._ensured[slot] = num_tokens
         return True
 
     def _keys_reserved(self, num_tokens: int, max_tokens: int) -> int:
@@ -205,6 +209,7 @@ class KVCache:
 
     def release(self, slot: int) -> None:
         self._admitted.discard(slot)
+        self._ensured.pop(slot, None)
         self.payload.release(slot)
         self.index_keys.release(slot)
         for r in self.rings.values():
