@@ -16,6 +16,13 @@ def add_range(ranges: tuple[RowRange, ...], start: int, end: int) -> tuple[RowRa
     """
     if start >= end:
         raise ValueError(f"empty range [{start}, {end})")
+    if ranges and ranges[-1].start <= start:  # at or after the last range: every step's rows
+        last = ranges[-1]
+        if start > last.end:
+            return (*ranges, RowRange(start, end))
+        if end <= last.end:
+            return ranges
+        return (*ranges[:-1], RowRange(last.start, end))
     out: list[RowRange] = []
     placed = False
     for r in ranges:

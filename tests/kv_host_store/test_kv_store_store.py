@@ -42,6 +42,10 @@ def test_add_range_merges_overlapping_and_touching() -> None:
     r = add_range(r, 15, 35)  # overlaps both
     assert r == (RowRange(0, 40),)
     assert add_range(r, 3, 7) == r  # already covered
+    # rows marked in order, as decode steps do: extend the last range, or start a new one
+    assert add_range(r, 40, 41) == (RowRange(0, 41),)
+    assert add_range(r, 38, 45) == (RowRange(0, 45),)
+    assert add_range(r, 42, 43) == (RowRange(0, 40), RowRange(42, 43))
 
 
 @given(st.lists(st.tuples(st.integers(0, 200), st.integers(1, 30)), max_size=40))

@@ -10,6 +10,7 @@ from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
 from services.worker.model import LayerTrace, build_model, preset
+from tests.worker.helpers import make
 
 
 def drive(
@@ -177,3 +178,29 @@ def test_decode_plans_built_ahead_are_the_plans_begin_would_build(name: str) -> 
     eng.generate(prompts, params)
     assert sum(used) > 20 and not all(used), used  # taken in steady decode, refused otherwise
     eng.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_room_asked_again_within_held_pages_takes_nothing(mode: str) -> None:
+    """``ensure`` remembers the tokens a slot holds without new pages: asks within them (every
+    decode step and verify round) change nothing; an ask beyond takes pages; a released slot
+    starts from none."""
+    kw = {"mode": mode, "kv_pool_bytes": 8 << 20, "page_size": 16}
+    if mode != "resident":
+        kw["hot_cache_rows"] = 64
+    _, kv = make("tiny-dsv4", **kw)  # compressed sources: rows per page differ by pool
+
+    def held() -> list[int]:
+        return [len(p._pages[1]) for p in kv.index_keys.pools.values()]
+
+    assert kv.admit(1, "r", 40, 400)
+    before, room = held(), kv._ensured[1]
+    assert room >= 40
+    for n in range(41, room + 1):
+        assert kv.ensure(1, n)
+    assert held() == before
+    assert kv.ensure(1, room + 1) and kv._ensured[1] > room
+    assert all(kv.index_keys.pages_needed(1, n) == 0 for n in range(kv._ensured[1] + 1))
+    assert kv.index_keys.pages_needed(1, kv._ensured[1] + 1) > 0
+    kv.release(1)
+    assert 1 not in kv._ensured

@@ -68,6 +68,10 @@ class PayloadBackend(Protocol):
     def ensure(self, slot: int, num_tokens: int) -> bool:
         """Makes room for a slot's first ``num_tokens`` tokens; False changes nothing."""
 
+    def tokens_room(self, slot: int) -> int:
+        """The most tokens ``slot`` holds before ``ensure`` must take more of the mode's
+        memory."""
+
     def release(self, slot: int) -> None: ...
 
     @property

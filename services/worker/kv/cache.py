@@ -61,7 +61,7 @@ class KVCache:
             self.tokens_capacity = self._longest_admissible()
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
-        self._ensured: dict[int, int] = {}  # slot -> tokens it has room for (pages never shrink)
+        self._ensured: dict[int, int] = {}  # slot -> tokens it holds without new pages
 
     @staticmethod
     def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
@@ -122,7 +122,8 @@ class KVCache:
             return False
         ok = self.payload.ensure(slot, num_tokens) and self.index_keys.ensure(slot, num_tokens)
         assert ok
-        self._ensured[slot] = num_tokens
+        # a slot's pages stay until it is released: later asks within them need no look
+        self._ensured[slot] = min(self.payload.tokens_room(slot), self.index_keys.tokens_room(slot))
         return True
 
     def _keys_reserved(self, num_tokens: int, max_tokens: int) -> int:

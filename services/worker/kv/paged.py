@@ -204,6 +204,13 @@ class PagedGroup:
             p.pages_needed(slot, self.rows(key, num_tokens)) for key, p in self.pools.items()
         )
 
+    def tokens_room(self, slot: int) -> int:
+        """The most tokens ``slot`` holds without a new page in any pool."""
+        return min(
+            len(p._pages[slot]) * p.page_size * self.compress[key] + self.compress[key] - 1
+            for key, p in self.pools.items()
+        )
+
     def pages_for(self, num_tokens: int) -> int:
         """Pages a fresh slot needs for ``num_tokens`` tokens, over all pools."""
         return sum(-(-self.rows(key, num_tokens) // p.page_size) for key, p in self.pools.items())

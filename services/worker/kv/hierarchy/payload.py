@@ -8,6 +8,7 @@ history (index keys stay resident); the resolver supplies the selected rows."""
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 import torch
@@ -129,6 +130,9 @@ class HierarchyPayload:
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
         return True
+
+    def tokens_room(self, slot: int) -> int:
+        return sys.maxsize  # the hot cache and ring are fixed, the host regions sized at admission
 
     def admit(
         self,
