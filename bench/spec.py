@@ -138,9 +138,12 @@ def main() -> int:
         lockstep([closed_loop(eng, prompts[:c], args, 1) for eng in engines.values()])
         loops = {name: closed_loop(eng, prompts[:c], args, args.requests_per_client)
                  for name, eng in engines.items()}  # fmt: skip
+        before = {name: graph_counts(eng) for name, eng in engines.items()}
         lockstep(list(loops.values()))
         for name, loop in loops.items():
             row = {"config": name, "concurrency": c, **measured(loop)}
+            after = graph_counts(loop.eng)  # passes captured, replayed, run eagerly meanwhile
+            row.update({k: v - before[name][k] for k, v in after.items()})
             results.append(row)
             print(json.dumps(row), flush=True)
     for eng in engines.values():
@@ -162,6 +165,17 @@ def main() -> int:
     if args.plot:
         plot(out, args.plot)
     return 0
+
+
+def graph_counts(eng: Engine) -> dict[str, int]:
+    """CUDA graph counters of the engine's passes and its drafter's block passes (none off the
+    GPU): a short run pays for every capture, which long serving spreads thin."""
+    out = {}
+    for kind, graphs in (("pass", eng.graphs), ("draft", getattr(eng.speculator, "graphs", None))):
+        if graphs is not None:
+            for what in ("captures", "replays", "eager"):
+                out[f"{kind}_graph_{what}"] = getattr(graphs, what)
+    return out
 
 
 def summarize(results: list[dict], args) -> dict:
