@@ -73,7 +73,9 @@ class WorkerMetrics:
             [*lbl, "path"],
             registry=r,
         )
-        self.cuda_graphs = Gauge(m.CUDA_GRAPHS, "Decode CUDA graphs held", lbl, registry=r)
+        self.cuda_graphs = Gauge(
+            m.CUDA_GRAPHS, "Decode and verify pass CUDA graphs held", lbl, registry=r
+        )
         for path in ("graph", "capture", "eager"):
             self.decode_passes.labels(model_name, path)
         self.cuda_graphs.labels(model_name)
