@@ -106,6 +106,12 @@ def main() -> int:
     ap.add_argument("--concurrency", default="1,4,16,64")
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--requests-per-client", type=int, default=3, help="closed loop, measured")
+    ap.add_argument(
+        "--warmup-per-client", type=int, default=1,
+        help="closed loop before the measured one, per client: with 2 or more, requests end "
+        "at different rounds there too, so the batch sizes the measured loop meets have their "
+        "CUDA graphs captured already, as in long serving",
+    )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=128)
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--mode", default="adaptive")
@@ -135,7 +141,8 @@ def main() -> int:
         tqdm = lambda x, **_: x  # noqa: E731
     for c in tqdm(args.concurrency, desc="concurrency"):
         # warm-up (kernels, and the online policy's measurements), then the measured loops
-        lockstep([closed_loop(eng, prompts[:c], args, 1) for eng in engines.values()])
+        warm = args.warmup_per_client
+        lockstep([closed_loop(eng, prompts[:c], args, warm) for eng in engines.values()])
         loops = {name: closed_loop(eng, prompts[:c], args, args.requests_per_client)
                  for name, eng in engines.items()}  # fmt: skip
         before = {name: graph_counts(eng) for name, eng in engines.items()}

@@ -58,7 +58,7 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
               "48", "--pool-mib", "64", "--host-mib", "64", "--out", str(out)]  # fmt: skip
     bad = _run("spec.py", *common, "--requests-per-client", "1")
     assert bad.returncode == 2 and "at least 2" in bad.stderr
-    proc = _run("spec.py", *common, "--requests-per-client", "2")
+    proc = _run("spec.py", *common, "--requests-per-client", "2", "--warmup-per-client", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     configs = {r["config"] for r in data["results"]}
