@@ -80,3 +80,21 @@ def test_gc_pauses_counts_each_mode() -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
     lines = [line for line in proc.stdout.splitlines() if "collections [" in line]
     assert [line.split()[0] for line in lines] == ["hisparse", "adaptive"]
+
+
+def test_graph_keys_counts_every_pass_of_the_measured_window(tmp_path) -> None:
+    out = tmp_path / "keys.json"
+    proc = _run(
+        "graph_keys.py", "--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
+        "--concurrency", "3", "--decode-tokens", "12", "--prompt-len", "48", "--pool-mib", "64",
+        "--host-mib", "64", "--requests-per-client", "2", "--configs", "none,dflash/paper",
+        "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    for name, row in rows.items():
+        passes = sum(row[f"pass_graph_{w}"] for w in ("replay", "capture", "eager"))
+        drafts = sum(row[f"draft_graph_{w}"] for w in ("replay", "capture", "eager"))
+        assert passes > 0, name
+        # a verify round drafts once; without a drafter nothing is drafted
+        assert drafts == (0 if name == "none" else passes), name

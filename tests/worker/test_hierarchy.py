@@ -191,7 +191,7 @@ def test_room_asked_again_within_held_pages_takes_nothing(mode: str) -> None:
     _, kv = make("tiny-dsv4", **kw)  # compressed sources: rows per page differ by pool
 
     def held() -> list[int]:
-        return [len(p._pages[1]) for p in kv.index_keys.pools.values()]
+        return [p.rows_room(1) for p in kv.index_keys.pools.values()]
 
     assert kv.admit(1, "r", 40, 400)
     before, room = held(), kv._ensured[1]

@@ -46,17 +46,33 @@ if TYPE_CHECKING:
 CAPTURE_POLICIES = ("second", "consecutive")
 
 
-class _Captures:
-    """When each key is captured, and the captured graphs of one kind: at most ``limit``, the
-    least recently used dropped first, in one memory pool, captured on one side stream."""
+def pass_key(kv: KVCache, batch: ForwardBatch, features: dict | None) -> tuple:
+    """The graph key of a decode or verify pass over ``batch``, once it began on ``kv``: batch
+    size, queries per request, index-key width, which sources share a plan and which are all
+    direct, and the feature layers taken."""
+    payload = kv.payload
+    return (
+        batch.num_requests,
+        batch.lens[0],
+        key_rows(max(batch.ends())),
+        getattr(payload, "plan_index", ()),
+        tuple(p.all_direct for p in getattr(payload, "plans", [])),
+        None if features is None else tuple(sorted(features)),
+    )
 
-    def __init__(
-        self, device: torch.device, limit: int, capture_after: int, consecutive: bool
-    ) -> None:
-        self.device = device
+
+def draft_key(slots: torch.Tensor, noise: torch.Tensor | None) -> tuple:
+    """The graph key of a drafter's block pass: batch size, and whether any request samples."""
+    return (len(slots), noise is not None)
+
+
+class CaptureSchedule:
+    """When each key is captured, and the graphs held: at most ``limit``, the least recently
+    used dropped first. No device here: ``bench/graph_keys.py`` runs it on the CPU to count
+    what a run would capture, replay and run eagerly."""
+
+    def __init__(self, limit: int, capture_after: int, consecutive: bool) -> None:
         self.limit = limit
-        self.stream = torch.cuda.Stream(device)
-        self.pool = torch.cuda.graph_pool_handle()
         self._graphs: OrderedDict[tuple, object] = OrderedDict()
         self.capture_after = capture_after  # the sighting of a key that captures it
         # count only sightings in a row: a batch that changes every step stays eager
@@ -67,7 +83,7 @@ class _Captures:
         self.captures = 0
         self.replays = 0
 
-    def _lookup(self, key: tuple) -> tuple[object | None, bool]:
+    def lookup(self, key: tuple) -> tuple[object | None, bool]:
         """(the key's graph or None, whether to capture it now); counts the sighting."""
         g = self._graphs.get(key)
         last, self._last = self._last, key
@@ -86,16 +102,37 @@ class _Captures:
         self.eager += 1
         return None, False
 
+    def store(self, key: tuple, graph: object) -> None:
+        """Holds the graph captured for ``key``, dropping the least recently used past
+        ``limit``."""
+        if len(self._graphs) >= self.limit:
+            self._graphs.popitem(last=False)
+        self._graphs[key] = graph
+        self.captures += 1
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+class _Captures(CaptureSchedule):
+    """A ``CaptureSchedule`` of graphs of one kind on a CUDA device: one memory pool, captured
+    on one side stream."""
+
+    def __init__(
+        self, device: torch.device, limit: int, capture_after: int, consecutive: bool
+    ) -> None:
+        super().__init__(limit, capture_after, consecutive)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
     def _run_then_capture(self, run: Callable[[], object]) -> object:
-        """Runs ``run`` eagerly on the capture stream (its result is the step's), making room
-        for one more graph."""
+        """Runs ``run`` eagerly on the capture stream: its result is the step's."""
         main = torch.cuda.current_stream(self.device)
         self.stream.wait_stream(main)
         with torch.cuda.stream(self.stream):
             out = run()
         main.wait_stream(self.stream)
-        if len(self._graphs) >= self.limit:
-            self._graphs.popitem(last=False)
         return out
 
     def _record(self, run: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
@@ -106,11 +143,7 @@ class _Captures:
             graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
         ):
             out = run()
-        self.captures += 1
         return graph, out
-
-    def __len__(self) -> int:
-        return len(self._graphs)
 
 
 @dataclass
@@ -175,16 +208,8 @@ class DecodeGraphs(_Captures):
         assert self.covers(batch), "a pass of one width W <= max_width per request"
         self.kv.begin(batch)
         payload = self.kv.payload
-        plans = getattr(payload, "plans", [])
-        key = (
-            batch.num_requests,
-            batch.lens[0],
-            key_rows(max(batch.ends())),
-            getattr(payload, "plan_index", ()),
-            tuple(p.all_direct for p in plans),
-            None if features is None else tuple(sorted(features)),
-        )
-        g, capture = self._lookup(key)
+        key = pass_key(self.kv, batch, features)
+        g, capture = self.lookup(key)
         if capture:
             return self._capture(key, tokens, batch, features)
         if g is None:
@@ -234,13 +259,13 @@ class DecodeGraphs(_Captures):
         plan_rows = getattr(payload, "plan_rows", None)
         g_features = None if features is None else dict.fromkeys(features)
         graph, logits = self._record(lambda: self._eager(g_tokens, static, g_features))
+        assert isinstance(logits, torch.Tensor)
         captured = dict(getattr(payload, "written", {}))
         if written or captured:
             payload.written.clear()
             payload.written.update(written)
-        self._graphs[key] = _PassGraph(
-            graph, static, g_tokens, plan_rows, captured, logits, g_features  # type: ignore[arg-type]
-        )  # fmt: skip
+        held = _PassGraph(graph, static, g_tokens, plan_rows, captured, logits, g_features)
+        self.store(key, held)
         return out
 
     def _reserve(self) -> None:
@@ -293,14 +318,14 @@ class DraftGraphs(_Captures):
         inputs = (slots, num_committed, anchors, temperatures) + (() if noise is None else (noise,))
         if len(slots) > self.max_batch:
             return self.drafter.draft(*inputs[:4], noise)
-        key = (len(slots), noise is not None)
-        g, capture = self._lookup(key)
+        key = draft_key(slots, noise)
+        g, capture = self.lookup(key)
         if capture:
             out = self._run_then_capture(lambda: self.drafter.draft(*inputs[:4], noise))
             static = tuple(x.clone() for x in inputs)
             s_noise = static[4] if noise is not None else None
             graph, outputs = self._record(lambda: self.drafter.draft(*static[:4], s_noise))
-            self._graphs[key] = _DraftGraph(graph, static, outputs)  # type: ignore[arg-type]
+            self.store(key, _DraftGraph(graph, static, outputs))  # type: ignore[arg-type]
             return out  # type: ignore[return-value]
         if g is None:
             return self.drafter.draft(*inputs[:4], noise)

@@ -272,7 +272,7 @@ class Speculator:
         return cap
 
     def _room(self, req: Request, k: int) -> bool:
-        """Whether ``req`` can run k queries (rows it may not commit: they stay in its KV
-        room, which the next rounds use)."""
+        """Whether ``req`` has KV room for k queries this round, within its context (rows past
+        what it commits are written, then never read)."""
         end = req.num_tokens - 1 + k
         return end <= self.engine.cfg.max_model_len and self.engine.kv.ensure(req.slot, end)

@@ -112,6 +112,10 @@ class PagedRows:
     def pages_needed(self, slot: int, num_rows: int) -> int:
         return max(0, math.ceil(num_rows / self.page_size) - len(self._pages[slot]))
 
+    def rows_room(self, slot: int) -> int:
+        """Rows of ``slot`` its pages hold."""
+        return len(self._pages[slot]) * self.page_size
+
     def ensure(self, slot: int, num_rows: int) -> bool:
         """Makes rows ``0 .. num_rows-1`` of ``slot`` addressable; False if pages ran out."""
         need = self.pages_needed(slot, num_rows)
@@ -207,8 +211,7 @@ class PagedGroup:
     def tokens_room(self, slot: int) -> int:
         """The most tokens ``slot`` holds without a new page in any pool."""
         return min(
-            len(p._pages[slot]) * p.page_size * self.compress[key] + self.compress[key] - 1
-            for key, p in self.pools.items()
+            (p.rows_room(slot) + 1) * self.compress[key] - 1 for key, p in self.pools.items()
         )
 
     def pages_for(self, num_tokens: int) -> int:

@@ -1,0 +1,127 @@
+"""How many passes of ``bench/spec.py``'s closed loop would replay a CUDA graph, capture one, or
+run eagerly: counted on the CPU, with the engine's own graph keys and capture schedule.
+
+    python bench/graph_keys.py --concurrency 16,64 --configs none,dflash/paper
+
+For each configuration and C it runs the benchmark's closed loop (its warm-up, then the measured
+loop) with every pass eager, while ``pass_key``/``draft_key`` and a ``CaptureSchedule`` (a key
+captured at its second sighting, at most 64 held) stand in for the engine's CUDA graphs. It
+counts decode and verify passes and the drafter's block passes over the window the benchmark's
+rate is measured in (while some client still has a request to send). A short GPU run pays for
+every capture there, which long serving spreads thin.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import Counter
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from bench import spec
+from bench.lockstep import lockstep
+from services.worker.engine.cuda_graph import CaptureSchedule, DecodeGraphs, draft_key, pass_key
+from services.worker.engine.engine import Engine
+
+
+class KeyCounter:
+    """Stands in for an engine's ``DecodeGraphs`` and its drafter's ``DraftGraphs``: runs every
+    pass eagerly, counting what the graphs would have done."""
+
+    def __init__(self, eng: Engine, max_width: int) -> None:
+        self.model, self.kv = eng.model, eng.kv  # read by ``DecodeGraphs._eager``
+        self.max_batch, self.max_width = eng.cfg.max_num_seqs, max_width  # by ``covers``
+        self.drafter = eng.speculator.drafter if eng.speculator is not None else None
+        self.schedules = {
+            "pass": CaptureSchedule(64, 2, False),
+            "draft": CaptureSchedule(64, 2, False),
+        }
+        self.counts = {kind: Counter() for kind in self.schedules}
+        self.counting = False
+
+    def _count(self, kind: str, key: tuple) -> None:
+        sched = self.schedules[kind]
+        graph, capture = sched.lookup(key)
+        if capture:
+            sched.store(key, True)
+        if self.counting:
+            self.counts[kind]["replay" if graph else "capture" if capture else "eager"] += 1
+
+    covers = DecodeGraphs.covers
+
+    def logits(self, tokens, batch, features=None):
+        self.kv.begin(batch)
+        self._count("pass", pass_key(self.kv, batch, features))
+        return DecodeGraphs._eager(self, tokens, batch, features)  # type: ignore[arg-type]
+
+    def draft(self, slots, num_committed, anchors, temperatures, noise):
+        self._count("draft", draft_key(slots, noise))
+        assert self.drafter is not None
+        return self.drafter.draft(slots, num_committed, anchors, temperatures, noise)
+
+
+def count(args, name: str, c: int, prompts: list[list[int]]) -> dict:
+    drafter, policy = (None, "fixed") if name == "none" else name.split("/")
+    eng = Engine(spec.config(args, drafter, policy, 1 if drafter is None else 8))
+    if not DecodeGraphs.supports(eng.model):
+        raise SystemExit(
+            f"{args.model}: its passes are not captured (compressed or windowed sources)"
+        )
+    keys = KeyCounter(eng, eng.speculator.k_max if eng.speculator is not None else 1)
+    eng.graphs = keys  # type: ignore[assignment]
+    if eng.speculator is not None:
+        eng.speculator.graphs = keys  # type: ignore[assignment]
+    lockstep([spec.closed_loop(eng, prompts[:c], args, args.warmup_per_client)])
+    loop = spec.closed_loop(eng, prompts[:c], args, args.requests_per_client)
+    step = loop.step
+
+    def counted_step() -> None:  # only the steps the benchmark's rate counts
+        keys.counting = loop._sending(loop.clock.now())
+        step()
+
+    loop.step = counted_step  # type: ignore[method-assign]
+    lockstep([loop])
+    row = {"config": name, "concurrency": c, **spec.measured(loop)}
+    for kind, counts in keys.counts.items():
+        row.update(
+            {f"{kind}_graph_{what}": counts[what] for what in ("replay", "capture", "eager")}
+        )
+    eng.close()
+    return row
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="models/glm-10m")
+    ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
+    ap.add_argument("--corpus", default="data/stdlib.u8")
+    ap.add_argument("--concurrency", default="16,64")
+    ap.add_argument("--configs", default="none,dflash/paper", help="none, or DRAFTER/POLICY")
+    ap.add_argument("--decode-tokens", type=int, default=96)
+    ap.add_argument("--requests-per-client", type=int, default=3)
+    ap.add_argument("--warmup-per-client", type=int, default=1)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--mode", default="adaptive")
+    ap.add_argument("--pool-mib", type=float, default=512)
+    ap.add_argument("--host-mib", type=float, default=512)
+    ap.add_argument("--out", default=None, help="JSON rows")
+    ap.add_argument("--device", default="cpu", choices=["cpu"], help="every pass runs eagerly")
+    args = ap.parse_args()
+    args.concurrency = [int(x) for x in args.concurrency.split(",")]
+    args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
+    prompts = spec.make_prompts(args, max(args.concurrency))
+    rows = []
+    for c in args.concurrency:
+        for name in args.configs.split(","):
+            rows.append(count(args, name, c, prompts))
+            print(json.dumps(rows[-1]), flush=True)
+    if args.out:
+        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
