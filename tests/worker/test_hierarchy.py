@@ -203,4 +203,8 @@ def test_room_asked_again_within_held_pages_takes_nothing(mode: str) -> None:
     assert all(kv.index_keys.pages_needed(1, n) == 0 for n in range(kv._ensured[1] + 1))
     assert kv.index_keys.pages_needed(1, kv._ensured[1] + 1) > 0
     kv.release(1)
-    assert 1 not in kv._ensured
+    assert held() == [0] * len(before)
+    # a new request in the slot: the old one's room is forgotten, its asks take pages
+    assert kv.admit(1, "s", 10, 20)
+    small = held()
+    assert kv.ensure(1, 60) and held() > small
