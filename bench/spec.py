@@ -98,12 +98,13 @@ def measured(loop: ClosedLoop) -> dict:
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_loop_arguments(ap: argparse.ArgumentParser, concurrency: str) -> None:
+    """The target, drafters, prompts, pools and closed loop (this benchmark's and
+    ``bench/graph_keys.py``'s)."""
     ap.add_argument("--model", default="models/glm-10m")
     ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
     ap.add_argument("--corpus", default="data/stdlib.u8")
-    ap.add_argument("--concurrency", default="1,4,16,64")
+    ap.add_argument("--concurrency", default=concurrency)
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--requests-per-client", type=int, default=3, help="closed loop, measured")
     ap.add_argument(
@@ -113,10 +114,15 @@ def main() -> int:
         "CUDA graphs captured already, as in long serving",
     )  # fmt: skip
     ap.add_argument("--prompt-len", type=int, default=128)
-    ap.add_argument("--widths", default="4,8")
     ap.add_argument("--mode", default="adaptive")
     ap.add_argument("--pool-mib", type=float, default=512)
     ap.add_argument("--host-mib", type=float, default=512)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    add_loop_arguments(ap, "1,4,16,64")
+    ap.add_argument("--widths", default="4,8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
     ap.add_argument("--out", default="docs/results/spec.json")
