@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.serving.cli import git_commit
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
-from services.worker.train.data import load_corpus, to_tokens
+from training.target.data import load_corpus, to_tokens
 
 DRAFTERS = ("dflash", "dspark", "dflash2")
 

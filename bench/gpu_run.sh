@@ -9,13 +9,13 @@
 #   bench/gpu_run.sh ab  # GPU tests, then hisparse vs adaptive at C = 32 / 48 under each
 #                        # refill and capture setting, the default twice (run-to-run noise)
 #
-# Needs the corpus at data/stdlib.u8 (python -m services.worker.train.corpus --out
+# Needs the corpus at data/stdlib.u8 (python -m training.target.corpus --out
 # data/stdlib.u8) for the held-out prompts, and the Python packages of pyproject.toml.
 set -u
 OUT=${OUT:-/tmp/dhisparse-gpu}
 mkdir -p "$OUT"
 if [ ! -f data/stdlib.u8 ]; then
-    echo "data/stdlib.u8 is missing: python -m services.worker.train.corpus --out data/stdlib.u8" >&2
+    echo "data/stdlib.u8 is missing: python -m training.target.corpus --out data/stdlib.u8" >&2
     exit 2
 fi
 stamp() { echo "== $(date -u +%H:%M:%S) $*"; }

@@ -26,10 +26,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from services.worker.kv.hierarchy.geometry import SourceGeometry
-from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan
-from services.worker.kv.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
+from services.worker.hierarchy.geometry import SourceGeometry
+from services.worker.hierarchy.hot_cache import HotCache
+from services.worker.hierarchy.plan import ChunkPlan
+from services.worker.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
 
 PAGE = 64
 RING = 128  # one 64-row page plus a verification block, rounded to pages as the engine does

@@ -52,7 +52,7 @@ def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
 def make_prompts(args, n: int) -> list[list[int]]:
     """Text windows of the drafters' corpus (other offsets than training drew), continued by
     the target's greedy decoding: the distribution the drafters were trained to predict."""
-    from services.worker.spec.train_data import corpus_tokens
+    from training.drafter.data import corpus_tokens
 
     if Path(args.model).is_dir():  # a trained target: held-out text is in distribution
         from bench.acceptance import prompts_from_heldout

@@ -7,7 +7,7 @@ it, each within a wall-clock budget, and exports what ships.
 
 Writes OUT/ (config.json, sharded bf16 weights, training.json, history.jsonl), OUT/drafters/
 {dflash,dspark,dflash2}/ (weights, config, history) and the training curve PNG. The target run
-is resumable (``python -m services.worker.train --out WORK/target --resume``); its checkpoint
+is resumable (``python -m training.target --out WORK/target --resume``); its checkpoint
 stays in ``--work``. Acceptance is measured separately by ``bench/acceptance.py``.
 """
 
@@ -46,11 +46,11 @@ def main() -> int:
     args = ap.parse_args()
     out, work = Path(args.out), Path(args.work)
     if not Path(args.corpus).exists():
-        sh("-m", "services.worker.train.corpus", "--out", args.corpus)
+        sh("-m", "training.target.corpus", "--out", args.corpus)
     if not args.skip_target:
         tdir = work / "target"
         sh(
-            "-m", "services.worker.train", "--out", str(tdir), "--preset", args.preset,
+            "-m", "training.target", "--out", str(tdir), "--preset", args.preset,
             "--corpus", args.corpus, "--steps", "0", "--time-budget-s", str(args.target_budget_s),
             *args.target_args.split(),
         )  # fmt: skip
@@ -59,11 +59,11 @@ def main() -> int:
             shutil.copy2(f, out / f.name)
         for f in ("training.json", "history.jsonl"):
             shutil.copy2(tdir / f, out / f)
-        sh("-m", "services.worker.train.plot", str(tdir), "--out", str(out / "training.png"))
+        sh("-m", "training.target.plot", str(tdir), "--out", str(out / "training.png"))
     for kind in args.kinds.split(","):
         ddir = out / "drafters" / kind
         sh(
-            "-m", "services.worker.spec.train", "--target", str(out), "--drafter", kind,
+            "-m", "training.drafter.train", "--target", str(out), "--drafter", kind,
             "--corpus", args.corpus, "--data", "corpus", "--steps", "1000000",
             "--time-budget-s", str(args.drafter_budget_s), "--batch-size", str(args.drafter_batch),
             "--seq-len", str(args.drafter_seq_len), "--blocks-per-seq", "32", "--no-progress",

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
+from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.cache import KVCache
-from services.worker.kv.hierarchy.local_store import LocalHostStore
 
 from .config import EngineKey
 from .setup import Sizing, Target, drafter_source

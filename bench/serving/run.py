@@ -97,7 +97,7 @@ def engine_level(
     own owner, as workers share a node's. With ``lockstep`` every engine exists at once and
     the runs of each input length and concurrency step in turn (``_lockstep_runs``); else each
     engine runs its runs, one engine after the other."""
-    from services.worker.kv.hierarchy.local_store import LocalHostStore
+    from services.worker.hierarchy.local_store import LocalHostStore
 
     engines = []
     store = None

@@ -14,7 +14,7 @@ from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.kv.cache import bytes_per_token
 from services.worker.model import DSAModel, build_model, load_model
 from services.worker.model.presets import PRESETS
-from services.worker.spec.drafters.io import DRAFTERS
+from services.worker.speculative.drafters.io import DRAFTERS
 
 ROOT = Path(__file__).resolve().parents[2]
 BENCH_GLM = "bench-glm"

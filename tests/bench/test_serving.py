@@ -22,7 +22,7 @@ from bench.serving.engines import build_engine
 from bench.serving.loop import ClosedLoop, LoopResult, OwnClock, closed_loop
 from bench.serving.setup import Sizing, Target, load_target, prepare_prefixes, size_kv
 from bench.serving.summary import summarize
-from services.worker.kv.hierarchy.local_store import LocalHostStore
+from services.worker.hierarchy.local_store import LocalHostStore
 
 INPUT, OUTPUT, PER_CLIENT, RESIDENT = 256, 6, 2, 2
 KEYS = [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kv.hierarchy.backup import backup_rows_ref, backup_rows_triton
+from services.worker.hierarchy.host_copy import backup_rows_ref, backup_rows_triton
 
 
 def _case(seed: int, device: str, dtype: torch.dtype):
@@ -60,7 +60,7 @@ def test_triton_equals_reference_gpu() -> None:
 @pytest.mark.parametrize("seed", [4, 5])
 def test_restore_triton_equals_reference(seed: int) -> None:
     """Host -> device: the copy kernel fills exactly the rows the torch reference fills."""
-    from services.worker.kv.hierarchy.backup import restore_rows_ref, restore_rows_triton
+    from services.worker.hierarchy.host_copy import restore_rows_ref, restore_rows_triton
 
     g = torch.Generator().manual_seed(seed)
     e, n = 72, 29
@@ -80,7 +80,7 @@ def test_backup_then_restore_round_trips() -> None:
     keep = torch.ones_like(keep)
     backup_rows_ref(store, locs, dst, keep, arena)
     back = torch.zeros_like(store)
-    from services.worker.kv.hierarchy.backup import restore_rows_ref
+    from services.worker.hierarchy.host_copy import restore_rows_ref
 
     restore_rows_ref(back, locs, dst, arena)
     assert torch.equal(back[locs], store[locs])
@@ -88,7 +88,7 @@ def test_backup_then_restore_round_trips() -> None:
 
 @pytest.mark.gpu
 def test_restore_triton_equals_reference_gpu() -> None:
-    from services.worker.kv.hierarchy.backup import restore_rows_ref, restore_rows_triton
+    from services.worker.hierarchy.host_copy import restore_rows_ref, restore_rows_triton
 
     g = torch.Generator().manual_seed(7)
     e, n = 576, 300

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 from services.kv_host_store.errors import NotFound
 from services.kv_host_store.records import RowRange
-from services.worker.kv.hierarchy.local_store import LocalHostStore
-from services.worker.kv.hierarchy.reporter import DurabilityReporter, OwnerId
+from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.hierarchy.reporter import DurabilityReporter, OwnerId
 
 
 class Counting:

@@ -16,15 +16,15 @@ from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
-from services.worker.kv.residency.completions import ManualCompletions
-from services.worker.kv.residency.pages import page_key, page_of_key
-from services.worker.kv.residency.policy import (
+from services.worker.model import build_model, preset
+from services.worker.residency.completions import ManualCompletions
+from services.worker.residency.optional_history import page_key, page_of_key
+from services.worker.residency.policy import (
     Holder,
     RoundRobin,
     reclaim_order,
     requests_to_reclaim,
 )
-from services.worker.model import build_model, preset
 
 # ---- policy ------------------------------------------------------------------------------
 

@@ -8,10 +8,10 @@ import copy
 import pytest
 import torch
 
-from services.worker.kv.hierarchy.geometry import SourceGeometry
-from services.worker.kv.hierarchy.hot_cache import HotCache
-from services.worker.kv.hierarchy.plan import ChunkPlan
-from services.worker.kv.hierarchy.resolver_ref import Census, StagingOverflow, resolve_ref
+from services.worker.hierarchy.geometry import SourceGeometry
+from services.worker.hierarchy.hot_cache import HotCache
+from services.worker.hierarchy.plan import ChunkPlan
+from services.worker.hierarchy.resolver import Census, StagingOverflow, resolve_ref
 
 SLOTS, B, MAX_ROWS, D, RING, P = 4, 64, 600, 8, 24, 8
 NUM_PAGES = 200
@@ -99,7 +99,7 @@ CASES = [  # (seed, optional history, k, staging rows per slot)
 
 @pytest.mark.parametrize(("seed", "optional", "k", "stage"), CASES)
 def test_triton_resolver_equals_reference(seed: int, optional: bool, k: int, stage: int) -> None:
-    from services.worker.kv.hierarchy.resolver_triton import resolve_triton
+    from services.worker.hierarchy.resolver_triton import resolve_triton
 
     ref = World(seed, optional=optional, k=k, stage=stage)
     tri = World(seed, optional=optional, k=k, stage=stage)
@@ -205,7 +205,7 @@ def test_overflow_needs_staging() -> None:
 
 @pytest.mark.gpu
 def test_triton_resolver_on_gpu_equals_reference() -> None:
-    from services.worker.kv.hierarchy.resolver_triton import resolve_triton
+    from services.worker.hierarchy.resolver_triton import resolve_triton
 
     for seed in range(3):
         ref, tri = World(seed), World(seed, device="cuda")

@@ -19,7 +19,7 @@ from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.engine.stop import TextStream
-from services.worker.kv.hierarchy.local_store import LocalHostStore
+from services.worker.hierarchy.local_store import LocalHostStore
 
 PROMPTS = [list(range(10, 50)), list(range(60, 85))]
 PARAMS = [

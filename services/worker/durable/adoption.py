@@ -19,7 +19,7 @@ from services.worker.durable.restore import read_manifest, restore
 if TYPE_CHECKING:
     from services.kv_host_store.client import KVHostStoreClient
     from services.worker.engine.engine import Engine
-    from services.worker.kv.hierarchy.local_store import LocalHostStore
+    from services.worker.hierarchy.local_store import LocalHostStore
 
 log = logging.getLogger(__name__)
 

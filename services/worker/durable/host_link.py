@@ -22,8 +22,8 @@ from services.worker.kv.errors import describe
 if TYPE_CHECKING:
     from services.kv_host_store.client import KVHostStoreClient
     from services.worker.engine.engine import Engine
-    from services.worker.kv.hierarchy.host import HostBackups
-    from services.worker.kv.hierarchy.local_store import LocalHostStore
+    from services.worker.hierarchy.host_backup import HostBackups
+    from services.worker.hierarchy.local_store import LocalHostStore
 
 log = logging.getLogger(__name__)
 

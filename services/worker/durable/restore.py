@@ -17,7 +17,7 @@ from services.worker.durable import manifest
 from services.worker.durable.manifest import ManifestError, SessionRecord
 from services.worker.engine.request import Request, SamplingParams, Status
 from services.worker.engine.stop import TextStream
-from services.worker.kv.hierarchy.session import SessionBackup
+from services.worker.hierarchy.session import SessionBackup
 
 if TYPE_CHECKING:
     from services.worker.engine.engine import Engine

@@ -40,7 +40,7 @@ from services.worker.kv.cache import KVCache
 from services.worker.model.model import DSAModel, key_rows
 
 if TYPE_CHECKING:
-    from services.worker.spec.drafters.base import Drafter
+    from services.worker.speculative.drafters.base import Drafter
 
 # when a key is captured: at its second sighting, or once two passes in a row meet it
 CAPTURE_POLICIES = ("second", "consecutive")
@@ -277,7 +277,7 @@ class DecodeGraphs(_Captures):
         hot = getattr(self.kv.payload, "hot", None)
         if not hot:
             return
-        from services.worker.kv.hierarchy.resolver_triton import reserve_workspace
+        from services.worker.hierarchy.resolver_triton import reserve_workspace
 
         k = self.model.cfg.index_topk
         tokens = self.max_batch * self.max_width

@@ -24,7 +24,6 @@ from services.worker.engine.request import (
 )
 from services.worker.engine.sampling import sample_token, token_logprob
 from services.worker.engine.scheduler import Scheduler
-from services.worker.engine.speculative import Speculator, make_drafter
 from services.worker.engine.stats import EngineStats
 from services.worker.engine.stop import TextStream
 from services.worker.kv.batch import ForwardBatch
@@ -33,6 +32,7 @@ from services.worker.kv.transfers import readback, to_device
 from services.worker.model import DSAModel, load_model
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
+from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
     from services.worker.durable.journal import Journal

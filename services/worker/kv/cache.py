@@ -67,13 +67,13 @@ class KVCache:
     def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
         """Allocations of a hierarchy mode that do not grow with sessions: token rings,
         prefill scratch, hot-cache metadata and staging (index keys and pages excluded)."""
-        from services.worker.kv.hierarchy.build import hierarchy_fixed_bytes
+        from services.worker.hierarchy.build import hierarchy_fixed_bytes
 
         return hierarchy_fixed_bytes(model_cfg, cfg)
 
     def _hierarchy(self, host: tuple | None, rings: int, args: tuple) -> PayloadBackend:
-        from services.worker.kv.hierarchy.build import build_hierarchy
-        from services.worker.kv.hierarchy.session import SessionBackup
+        from services.worker.hierarchy.build import build_hierarchy
+        from services.worker.hierarchy.session import SessionBackup
 
         payload, self.host_backups, self._local_store = build_hierarchy(
             self.model_cfg, self.cfg, host, rings

@@ -1,5 +1,5 @@
 """Tiny presets of each topology (small enough that CPU decoding is interactive), and
-``glm-10m``, the small target that ``services.worker.train`` trains from scratch."""
+``glm-10m``, the small target that ``training.target`` trains from scratch."""
 
 from __future__ import annotations
 
@@ -58,7 +58,7 @@ def tiny_dsv4() -> ModelConfig:
 
 def glm_10m() -> ModelConfig:
     """The tiny-glm topology at ~9.8M parameters: the smallest target worth training (on the
-    stdlib's Python sources, ``python -m services.worker.train``). bfloat16: the dtype it is
+    stdlib's Python sources, ``python -m training.target``). bfloat16: the dtype it is
     shipped and served in; training keeps fp32 master weights under bf16 autocast."""
     base = tiny_glm()
     return ModelConfig(

@@ -1,0 +1,89 @@
+"""A pass's selections resolved to pool locations, source by source.
+
+Rows in a request's chunk or tail ring resolve directly; older rows come from the hot cache or
+are read from the host by the resolver, which also counts how each was served (the census).
+The followers of an index producer share its selection, so their resolutions can start as
+soon as it exists and overlap the layers computed in between (``prefetch``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+
+if TYPE_CHECKING:
+    from services.worker.hierarchy.payload import HierarchyPayload
+
+Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+
+
+class Selections:
+    def __init__(self, payload: HierarchyPayload, resolver: Resolver) -> None:
+        self.p = payload
+        self.resolver = resolver
+        self.device = payload.device
+        self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)  # the census
+        # Follower resolutions started early, on a side stream on a GPU:
+        # layer -> (locs, census, event)
+        self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    def begin(self) -> None:
+        self._prefetched.clear()
+
+    def prefetch(
+        self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
+    ) -> None:
+        """Starts resolving ``(layer, source)`` pairs that share ``selection`` (the followers of
+        an index producer) so their host reads overlap the layers computed in between. On a
+        GPU they run on a side stream that first waits for everything issued so far: earlier
+        readers of those sources are done, and the selection is complete."""
+        if self._side is None or torch.cuda.is_current_stream_capturing():
+            # inline (a graph being captured orders the work by its own dependencies)
+            for layer, source in layers:
+                self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
+            return
+        main = torch.cuda.current_stream(self.device)
+        self._side.wait_stream(main)
+        with torch.cuda.stream(self._side):
+            for layer, source in layers:
+                locs, census = self._resolve(source, batch, selection)
+                locs.record_stream(main)
+                census.record_stream(main)
+                event = torch.cuda.Event()
+                event.record(self._side)
+                self._prefetched[layer] = (locs, census, event)
+
+    def resolve(
+        self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
+    ) -> torch.Tensor:
+        done = self._prefetched.pop(layer, None)
+        if done is not None:
+            locs, census, event = done
+            if event is not None:
+                torch.cuda.current_stream(self.device).wait_event(event)
+        else:
+            locs, census = self._resolve(source, batch, selection)
+        self.counts += census  # on the main stream, after the resolution it counts
+        return locs
+
+    def _resolve(
+        self, source: int, batch: ForwardBatch, selection: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(locations, census [4]) of one source's selection."""
+        p = self.p
+        plan, geo = p.plans[source], p.geo[source]
+        if plan.all_direct:
+            # Nothing older than the ring (a prefill): no hot scan, no host reads, and not
+            # counted in the census, which describes how decode selections are served.
+            req = batch.token_req.unsqueeze(1).expand_as(selection)
+            _, locs = geo.direct(selection, req, batch.slots, plan)
+            return torch.where(selection >= 0, locs, -1), torch.zeros_like(self.counts)
+        hot = p.hot[source]
+        return self.resolver(
+            selection, batch.cu_lens, batch.slots, plan, geo, hot, hot.tick(), p.store,
+            p.host.arena, p.host.base[:, source],
+        )  # fmt: skip

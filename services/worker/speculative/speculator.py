@@ -1,0 +1,182 @@
+"""Speculative decoding in the engine: one verify pass per round over the KV hierarchy.
+
+Per round and request r (anchor at position n = the committed tokens): the drafter proposes
+K_r - 1 tokens; the target runs the chunk [anchor, x_1 .. x_{K_r-1}] at positions n .. n+K_r-1
+in one pass with the rest of the batch (each query keeps its own selection and causal mask; the
+resolver serves the union of a request's selections once, eq. 6); verification accepts A_r of
+the proposals and emits a correction or bonus; positions n .. n+A_r are committed (eq. 7, and
+the complete compressed rows of eq. 8) and the rest is never published. The drafter's context
+advances with the same committed positions."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dhisparse.paths import resolve_path
+from services.worker.engine.cuda_graph import DraftGraphs
+from services.worker.engine.request import Request
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.transfers import to_device
+from services.worker.model.model import DSAModel
+from services.worker.speculative.drafters.base import Drafter
+from services.worker.speculative.drafters.config import DrafterConfig
+from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
+from services.worker.speculative.verify import verify_batch
+from services.worker.speculative.width_policy import WidthController
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative speculation counters (vLLM's conventions), read by metrics and benchmarks."""
+
+    drafts: int = 0  # verification rounds (request-rounds)
+    draft_tokens: int = 0  # proposals verified
+    accepted: int = 0  # proposals accepted
+    per_position: list[int] = field(default_factory=list)
+    width: int = 0  # the block width in use (K, anchor included; 0/1: off)
+
+    @property
+    def acceptance_length(self) -> float:
+        return 1.0 + self.accepted / max(self.drafts, 1)
+
+
+def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
+    """``spec``: a drafter kind (random weights, seeded) or a checkpoint directory."""
+    dtype = next(target.parameters()).dtype
+    if spec in DRAFTERS:
+        cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)
+        return build_drafter(cfg, target, seed=seed, dtype=dtype)
+    path = resolve_path(spec)
+    if not path.is_dir():
+        raise ValueError(f"drafter {spec!r} is neither a kind {sorted(DRAFTERS)} nor a directory")
+    return load_drafter(path, target, dtype=dtype)
+
+
+class Speculator:
+    """The engine's speculative path: drafting, the verify pass and the commit."""
+
+    def __init__(self, engine, drafter: Drafter, policy: str, width: int) -> None:
+        self.engine = engine
+        self.drafter = drafter
+        # The widest block verified: the configured width, within the drafter's block.
+        self.k_max = max(1, min(width, drafter.block_size))
+        drafter.init_ring(engine.cfg.max_num_seqs, page_size=engine.cfg.page_size)
+        self.layers = tuple(drafter.cfg.target_layers)
+        self.widths = WidthController(policy, self.k_max, engine.cfg.max_num_seqs)
+        self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
+        self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
+
+    def features(self) -> dict[int, torch.Tensor]:
+        return dict.fromkeys(self.layers)  # type: ignore[arg-type]
+
+    def follow(
+        self, reqs: list[Request], batch: ForwardBatch, starts: list[int], feats: dict
+    ) -> None:
+        """After a plain pass (prefill or decode) that committed every token of ``batch``: one
+        context write for all of them; a request whose pass began at 0 starts a fresh draft
+        context."""
+        for req, start in zip(reqs, starts, strict=True):
+            if start == 0:
+                assert req.slot is not None
+                self.drafter.begin(req.slot)
+        self.drafter.append_context(
+            batch.token_slot, batch.positions, feats, per_slot=max(batch.lens)
+        )
+
+    def release(self, slot: int) -> None:
+        self.drafter.release(slot)
+
+    @torch.no_grad()
+    def round(self, reqs: list[Request]) -> list:
+        """One verify round for ``reqs`` (all decoding); returns their outputs."""
+        eng = self.engine
+        load = len(reqs)
+        k = self.widths.width(load)
+        self.counters.width = k
+        t0 = time.perf_counter()
+        if k <= 1:
+            outs = eng._run(reqs)
+            self.widths.observe(0, load, time.perf_counter() - t0, len(reqs))
+            return outs
+        caps = [self._cap(r, k) for r in reqs]
+        anchors = [r.output_ids[-1] for r in reqs]
+        starts = [r.num_tokens - 1 for r in reqs]
+        prop = self.drafter.propose(
+            [r.slot for r in reqs], anchors, starts, caps,
+            [r.params.temperature for r in reqs], [r.generator or eng._default_gen for r in reqs],
+            **({"run": self.graphs.draft} if self.graphs is not None else {}),
+        )  # fmt: skip
+        widths = prop.widths  # K_r <= caps[r]: the rows verified
+        proposed = prop.tokens.tolist()  # one read-back for every request's proposals
+        # The pass runs K queries for every request when each has room for them, so its shape,
+        # and with it its CUDA graph, does not depend on which requests near their end: a
+        # request of K_r < K verifies its first K_r rows, and its others (the anchor again)
+        # are computed, never committed nor read.
+        passed = [k] * load
+        if any(c < k and not self._room(r, k) for r, c in zip(reqs, caps, strict=True)):
+            passed = widths
+        ids: list[int] = []
+        for r, anchor in enumerate(anchors):
+            ids.extend([anchor, *proposed[r][: widths[r] - 1]])
+            ids.extend([anchor] * (passed[r] - widths[r]))
+        batch = ForwardBatch.build([r.slot for r in reqs], starts, passed, eng.device)
+        feats = self.features()
+        logits = eng.forward_logits(to_device(ids, eng.device), batch, feats)  # [sum K, V]
+        cu = batch.cu
+        for r, req in enumerate(reqs):
+            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.model_cfg.eos_token_id)
+        verified = logits
+        if passed != widths:  # each request's first K_r rows
+            rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]
+            verified = logits[to_device(rows, eng.device)]
+        verdicts = verify_batch(
+            verified, widths, prop.tokens, prop.probs, [r.params for r in reqs],
+            [r.generator or eng._default_gen for r in reqs], drafts=proposed,
+        )  # fmt: skip
+        committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
+        eng.kv.commit(batch, committed)
+        keep = to_device(
+            [j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)],
+            eng.device,
+        )
+        self.drafter.append_context(
+            batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()},
+            per_slot=max(v.num_accepted for v in verdicts) + 1,
+        )  # fmt: skip
+        outs = []
+        emitted = 0
+        for r, (req, v) in enumerate(zip(reqs, verdicts, strict=True)):
+            c = self.counters
+            c.drafts += 1
+            c.draft_tokens += widths[r] - 1
+            c.accepted += v.num_accepted
+            for i in range(v.num_accepted):
+                c.per_position[i] += 1
+            req.num_computed = committed[r]
+            new = [*proposed[r][: v.num_accepted], v.next_token]
+            out = eng._append_tokens(req, new, logits[cu[r] : cu[r] + len(new)])
+            emitted += len(out.new_token_ids)
+            outs.append(out)
+        self.widths.observe(k, load, time.perf_counter() - t0, emitted)
+        return outs
+
+    def _cap(self, req: Request, k: int) -> int:
+        """The most queries ``req`` can verify this round (anchor included): within its token
+        budget and context, and with KV room for all of them (else one query)."""
+        eng = self.engine
+        left = min(
+            req.params.max_tokens - len(req.output_ids), eng.cfg.max_model_len - req.num_tokens
+        )
+        cap = max(1, min(k, left))
+        if not eng.kv.ensure(req.slot, req.num_tokens - 1 + cap):
+            cap = 1
+        return cap
+
+    def _room(self, req: Request, k: int) -> bool:
+        """Whether ``req`` has KV room for k queries this round, within its context (rows past
+        what it commits are written, then never read)."""
+        end = req.num_tokens - 1 + k
+        return end <= self.engine.cfg.max_model_len and self.engine.kv.ensure(req.slot, end)
