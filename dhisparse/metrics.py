@@ -147,7 +147,7 @@ SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead w
 DECODE_PASSES = PREFIX + "decode_passes"
 CUDA_GRAPHS = PREFIX + "cuda_graphs"  # gauge: decode graphs held
 # counter{generation}: seconds the Python garbage collector stopped the worker process (a full
-# collection can stall a decode step by 0.1 s: services/worker/engine/heap.py)
+# collection can stall a decode step: services/worker/engine/heap.py)
 GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"
 GC_PAUSE_MAX_SECONDS = PREFIX + "gc_pause_max_seconds"  # gauge: the longest one pause so far
 

@@ -69,9 +69,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--drafter",
         default="auto",
         help="speculative drafter: a drafter directory, a kind (random weights), 'none', or "
-        f"'auto' (default): {DEFAULT_DRAFTER} on a CPU, none on a GPU, where plain decode "
-        "steps replay as CUDA graphs and verify rounds do not yet (measured: DFlash at "
-        "0.42-0.47x plain decoding, docs/results.md)",
+        f"'auto' (default): {DEFAULT_DRAFTER} on a CPU, none on a GPU, where speculation "
+        "does not yet beat plain decoding on CUDA graphs (docs/results.md)",
     )
     p.add_argument("--spec-width", type=int, default=4, help="K_max: queries per verify round")
     p.add_argument("--width-policy", default="online", choices=["fixed", "paper", "online"])

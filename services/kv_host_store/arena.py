@@ -140,9 +140,9 @@ class ArenaMapping:
     def pin(self) -> bool:
         """Registers the mapping with CUDA as pinned host memory (``cudaHostRegister``), so the
         GPU can read it directly. Returns ``False`` without an accelerator (nothing to pin for).
-        Costs 0.2 s (pages already touched) to 0.8 s (fresh file) per GiB on the H200: a huge
-        arena wants this off the hot path. Checked there: a Triton kernel reads the registered
-        mapping directly and ``tensor.is_pinned()`` is true."""
+        Registration takes time in proportion to the arena (more for a fresh file, whose pages
+        are first touched): a huge arena wants this off the hot path. A Triton kernel then reads
+        the registered mapping directly, and ``tensor.is_pinned()`` is true."""
         import torch
 
         if self.pinned:

@@ -160,9 +160,8 @@ class WorkerMetrics:
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
             self._sampled = t
             self._sample(engine)
-        residency = getattr(engine.kv.payload, "residency", None)
-        if residency is not None:
-            st = residency.stats
+        st = engine.kv.residency_stats()
+        if st is not None:
             now3 = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages)
             for metric, new, old in zip(
                 (self.reclaim_events, self.reclaim_pages, self.repopulated_pages),

@@ -107,7 +107,11 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             config_json=json.dumps(eng.model_cfg.to_dict()),
             worker_id=self.worker_id,
             kv_layout_json=json.dumps(
-                {**eng.kv.layout(), "drafter": eng.cfg.drafter, "spec_width": eng.cfg.spec_width}
+                {
+                    **eng.kv.layout(),
+                    "drafter": eng.cfg.speculation.drafter,
+                    "spec_width": eng.cfg.speculation.width,
+                }
             ),
             durable_sessions=eng.kv.sessions is not None,
         )

@@ -6,7 +6,10 @@ import socket
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from services.worker.engine.engine import EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cuda_graph import GraphConfig
+from services.worker.residency.config import ResidencyConfig
+from services.worker.speculative.config import SpeculationConfig
 
 
 class WorkerSettings(BaseSettings):
@@ -69,16 +72,15 @@ class WorkerSettings(BaseSettings):
             host_arena_mib=self.host_arena_mib,
             resolver=self.resolver,
             attention_backend=self.attention_backend,
-            cuda_graphs=self.cuda_graphs,
-            graph_capture=self.graph_capture,
-            reserve_pages=self.reserve_pages,
-            populate_pages=self.populate_pages,
-            populate_payback=self.populate_payback,
-            overlap_refills=self.overlap_refills,
-            reclaim_order=self.reclaim_order,
-            drafter=self.drafter,
-            spec_width=self.spec_width,
-            width_policy=self.width_policy,
+            graphs=GraphConfig(self.cuda_graphs, self.graph_capture),
+            residency=ResidencyConfig(
+                reserve_pages=self.reserve_pages,
+                populate_pages=self.populate_pages,
+                populate_payback=self.populate_payback,
+                overlap_refills=self.overlap_refills,
+                reclaim_order=self.reclaim_order,
+            ),
+            speculation=SpeculationConfig(self.drafter, self.spec_width, self.width_policy),
             owner=self.resolved_worker_id(),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,

@@ -16,6 +16,7 @@ from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.model import load_model
+from services.worker.speculative.config import SpeculationConfig
 
 MODEL = ROOT / "models" / "glm-10m"
 DRAFTERS = ("dflash", "dspark", "dflash2")
@@ -68,7 +69,7 @@ def prompts() -> list[list[int]]:
 def _generate(prompts, drafter: str | None) -> list[list[int]]:
     cfg = EngineConfig(
         model=str(MODEL), mode="resident", kv_pool_mib=64, max_num_seqs=2, max_model_len=512,
-        drafter=drafter, spec_width=4,
+        speculation=SpeculationConfig(drafter, width=4),
     )  # fmt: skip
     eng = Engine(cfg)
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

@@ -8,9 +8,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.model.model import key_rows
+from services.worker.speculative.config import SpeculationConfig
 
 
 def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
@@ -26,7 +28,7 @@ def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
 def test_no_graphs_off_the_gpu() -> None:
     assert Engine(EngineConfig(model="tiny-glm")).graphs is None
     with pytest.raises(ValueError, match="graph capture policy"):
-        Engine(EngineConfig(model="tiny-glm", graph_capture="always"))
+        Engine(EngineConfig(model="tiny-glm", graphs=GraphConfig(capture="always")))
 
 
 def _drive(
@@ -36,17 +38,17 @@ def _drive(
         EngineConfig(
             model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=64, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
-            cuda_graphs=graphs, graph_capture=capture, drafter=drafter, spec_width=4,
+            graphs=GraphConfig(graphs, capture), speculation=SpeculationConfig(drafter, width=4),
         )
     )  # fmt: skip
     seen: list[tuple[str, int, torch.Tensor]] = []
-    append = eng._append_tokens
+    append = eng.emit
 
     def record(req, tokens, logits):
         seen.append((req.request_id, len(req.output_ids), logits.clone()))
         return append(req, tokens, logits)
 
-    eng._append_tokens = record  # type: ignore[method-assign]
+    eng.emit = record  # type: ignore[method-assign]
     g = torch.Generator().manual_seed(11)
     lens, budgets = (700, 90, 1300, 400, 260), (60, 25, 48, 33, 60)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]

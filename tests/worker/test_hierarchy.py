@@ -159,13 +159,14 @@ def test_decode_plans_built_ahead_are_the_plans_begin_would_build(name: str) -> 
     begin, used = p.begin, []
 
     def checked(batch: ForwardBatch) -> None:
-        ring_hi = {slot: list(v) for slot, v in p.ring_hi_of.items()}
+        ring_hi = {slot: list(v) for slot, v in p.store.tail_hi.items()}
         plans, rows, index = p.planner.plan(batch, ring_hi)
         used.append(p._next is not None and p._next.matches(batch, p._epoch))
         begin(batch)
-        assert p.plan_index == index and torch.equal(p.plan_rows, rows)
-        assert p.ring_hi_of == ring_hi
-        assert [(q.lo, q.hi, q.scratch, q.scratch_rows, q.all_direct) for q in p.plans] == [
+        st = p.pass_state
+        assert st.plan_index == index and torch.equal(st.plan_rows, rows)
+        assert p.store.tail_hi == ring_hi
+        assert [(q.lo, q.hi, q.scratch, q.scratch_rows, q.all_direct) for q in st.plans] == [
             (q.lo, q.hi, q.scratch, q.scratch_rows, q.all_direct) for q in plans
         ]
 

@@ -18,6 +18,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache, KVCacheConfig
 from services.worker.model import build_model, preset
 from services.worker.residency.completions import ManualCompletions
+from services.worker.residency.config import ResidencyConfig
 from services.worker.residency.optional_history import page_key, page_of_key
 from services.worker.residency.policy import (
     Holder,
@@ -65,10 +66,13 @@ MODEL = build_model(preset(NAME), seed=3)
 
 
 def make_kv(mode: str, pool_bytes: int, device: str = "cpu", **extra) -> KVCache:
+    residency = ResidencyConfig(
+        reserve_pages=2, populate_pages=8, overlap_refills=extra.pop("overlap_refills", False)
+    )
     cfg = KVCacheConfig(
         mode=mode, max_slots=SLOTS, max_model_len=512, page_size=16, kv_pool_bytes=pool_bytes,
-        host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K, reserve_pages=2,
-        populate_pages=8, device=device, **extra,
+        host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K,
+        residency=residency, device=device, **extra,
     )  # fmt: skip
     return KVCache(preset(NAME), cfg)
 
@@ -77,7 +81,7 @@ def adaptive_pool_bytes() -> int:
     """A pool that holds the required pages of all slots and a little optional history, so
     admissions must reclaim."""
     probe = make_kv("adaptive", 64 << 20)
-    fixed = (64 << 20) - probe.payload.pages.total * probe.payload.page * 320
+    fixed = (64 << 20) - probe.payload.store.pages.total * probe.payload.store.page * 320
     per_request = probe.admission_pages(0, 20, 512)  # hot cache, tail and index keys
     probe.close()
     return fixed + (SLOTS * per_request + 2 + 40) * 16 * 320
@@ -95,7 +99,7 @@ class Churn(RuleBasedStateMachine):
         self.kv = make_kv("adaptive", POOL)
         self.res = self.kv.payload.residency
         self.done = ManualCompletions()
-        self.res.completions = self.done
+        self.res.copies.completions = self.done
         self.shadow = make_kv("resident", 64 << 20)
         self.running: dict[int, list[int]] = {}  # slot -> tokens so far
         self.gen = torch.Generator().manual_seed(0)
@@ -132,7 +136,7 @@ class Churn(RuleBasedStateMachine):
             elif sum(h.pages for h in holders) < deficit:  # cannot be covered: just wait
                 assert self.res.last_reclaim is None
             else:  # exactly eq. 4's first q requests, in the reclaim order
-                want = requests_to_reclaim(reclaim_order(holders, self.res.order), deficit)
+                want = requests_to_reclaim(reclaim_order(holders, self.res.cfg.reclaim_order), deficit)
                 assert self.res.last_reclaim == [h.slot for h in want]
             return
         prompt = torch.randint(0, 256, (length,), generator=self.gen).tolist()
@@ -256,20 +260,20 @@ def test_index_keys_take_pages_of_the_payload_pool(mode: str) -> None:
     takes its hot cache, tail and the keys of its whole budget from one free list, the keys'
     memory is the pool's memory, eq. 3 counts them once, and a release gives all back."""
     kv = make_kv(mode, POOL)
-    pages = kv.payload.pages
+    pages = kv.payload.store.pages
     free0 = pages.free
     need = kv.admission_pages(0, 100, 300)
     keys = kv.index_keys.pages_for(300 + kv.cfg.spec_block)
     assert need == kv.payload.required_pages + keys and keys > 0
     assert kv.admit(0, "a", 100, 300)
     assert pages.free == free0 - need
-    store = kv.payload.store
-    lo, hi = store.data_ptr(), store.data_ptr() + pages.total * kv.payload.page * store.shape[1] * 4
+    store = kv.payload.store.rows
+    lo, hi = store.data_ptr(), store.data_ptr() + pages.total * kv.payload.store.page * store.shape[1] * 4
     for pool in kv.index_keys.pools.values():
         assert lo <= pool.data.data_ptr() < hi and pool.nbytes == 0
     mem = kv.memory()
     assert mem.required + mem.optional + mem.reserve + mem.free == mem.capacity
-    held = (pages.total - pages.free) * kv.payload.page * store.shape[1] * 4
+    held = (pages.total - pages.free) * kv.payload.store.page * store.shape[1] * 4
     assert mem.required + mem.optional - kv.fixed_bytes() == held  # keys counted once
     kv.release(0)
     kv.maintain()
@@ -332,23 +336,23 @@ def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> No
     payback = -(-140 // K)  # V/k decode steps
     short, long_ = [1, 3], [2, 4]
     kv.note_horizons(lambda: [(s, payback - 1) for s in short] + [(s, payback) for s in long_])
-    wanted = {s: len(res._owners[res._slot_owner[s]].wanted) for s in range(1, SLOTS)}
+    wanted = {s: len(res.history.owner(res.history.current_id(s)).wanted) for s in range(1, SLOTS)}
     assert all(wanted[s] > 0 for s in range(1, SLOTS))
     # The waiting pages cost the garbage collector nothing: plain ints, none of them tracked
     # (tuples were: 88K of them made full collections the adaptive run's largest host cost).
     for s in range(1, SLOTS):
-        keys = res._owners[res._slot_owner[s]].wanted
+        keys = res.history.owner(res.history.current_id(s)).wanted
         assert all(type(key) is int and not gc.is_tracked(key) for key in keys)
         pages = [page_of_key(key) for key in keys]
         assert len(set(pages)) == len(pages)
-        assert all(0 <= src < kv.payload.num_sources and 0 <= i < -(-140 // 16) for src, i in pages)
+        assert all(0 <= src < kv.payload.store.num_sources and 0 <= i < -(-140 // 16) for src, i in pages)
     for _ in range(4):
         kv.maintain()
         kv.check()
     for s in short:
-        assert len(res._owners[res._slot_owner[s]].wanted) == wanted[s]  # nothing refilled
+        assert len(res.history.owner(res.history.current_id(s)).wanted) == wanted[s]  # nothing refilled
     for s in long_:
-        assert len(res._owners[res._slot_owner[s]].wanted) < wanted[s]
+        assert len(res.history.owner(res.history.current_id(s)).wanted) < wanted[s]
     assert res.stats.repopulated_pages > 0
     kv.close()
 
@@ -368,15 +372,15 @@ def test_a_huge_max_tokens_is_admitted_with_the_keys_the_pool_can_hold(mode: str
         return KVCache(preset(NAME), cfg)
 
     probe = cache(64 << 20)
-    page_bytes = probe.payload.page * probe.payload.store.shape[1] * 4
-    fixed = (64 << 20) - probe.payload.pages.total * page_bytes
+    page_bytes = probe.payload.store.page_bytes
+    fixed = (64 << 20) - probe.payload.store.pages.total * page_bytes
     required = probe.payload.required_pages
     probe.close()
     kv = cache(fixed + (required + 8) * page_bytes)  # a hot cache, a tail and 8 pages of keys
     assert 20 < kv.tokens_capacity < kv.cfg.max_model_len  # the pool, not the context, binds
     assert kv.admit(0, "huge", 20, kv.cfg.max_model_len)
     assert kv.index_keys.pages_needed(0, kv.tokens_capacity) == 0  # reserved up to the pool
-    assert kv.payload.pages.free == 0
+    assert kv.payload.store.pages.free == 0
     kv.close()
 
 
@@ -394,8 +398,8 @@ def test_adaptive_engine_under_pressure_gives_resident_tokens(pool_mib: float) -
     def run(mode: str, mib: float) -> tuple[Engine, list[list[int]]]:
         eng = Engine(
             EngineConfig(model=NAME, mode=mode, kv_pool_mib=mib, host_arena_mib=64, max_num_seqs=4,
-                         max_model_len=1024, page_size=16, hot_cache_rows=64, populate_pages=16,
-                         max_prefill_tokens=512)
+                         max_model_len=1024, page_size=16, hot_cache_rows=64,
+                         residency=ResidencyConfig(populate_pages=16), max_prefill_tokens=512)
         )  # fmt: skip
         reqs = []
         for i, (prompt, budget) in enumerate(zip(prompts, budgets, strict=True)):
@@ -424,26 +428,26 @@ def test_warming_the_copies_launches_both_and_changes_nothing(resolver: str) -> 
     the backup writes nothing, and the pool's free list, every other row and the host arena
     are as they were."""
     kv = make_kv("adaptive", POOL, resolver=resolver)
-    res, p = kv.payload.residency, kv.payload
+    res, p = kv.payload.residency, kv.payload.store
     gen = torch.Generator().manual_seed(11)
-    p.store.copy_(torch.randn(p.store.shape, generator=gen).to(p.store.dtype))
+    p.rows.copy_(torch.randn(p.rows.shape, generator=gen).to(p.rows.dtype))
     arena = p.host.arena
     arena.copy_(torch.randn(arena.shape, generator=gen).to(arena.dtype))
-    store0, arena0, free0 = p.store.clone(), arena.clone(), list(p.pages._free)
+    store0, arena0, free0 = p.rows.clone(), arena.clone(), list(p.pages._free)
     calls = []
     restore, backup = p.restore, p.backup
     p.restore = lambda *a: (calls.append("restore"), restore(*a))
     p.backup = lambda *a: (calls.append("backup"), backup(*a))
-    res._warm_copies()
+    res.warm_copies()
     assert calls == ["restore", "backup"]
     assert p.pages._free == free0
     page = free0[-1]  # the page it took: the next one handed out
     rows = torch.arange(page * p.page, (page + 1) * p.page)
-    width = p.store.shape[1]
-    assert torch.equal(p.store[rows], arena0[: p.page * width].view(p.page, width))
-    other = torch.ones(len(p.store), dtype=torch.bool)
+    width = p.rows.shape[1]
+    assert torch.equal(p.rows[rows], arena0[: p.page * width].view(p.page, width))
+    other = torch.ones(len(p.rows), dtype=torch.bool)
     other[rows] = False
-    assert torch.equal(p.store[other], store0[other])
+    assert torch.equal(p.rows[other], store0[other])
     assert torch.equal(arena, arena0)
     kv.close()
 

@@ -11,7 +11,8 @@ import torch
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
-from services.worker.hierarchy.resolver import Census, StagingOverflow, resolve_ref
+from services.worker.hierarchy.resolver import Census, resolve_ref
+from services.worker.hierarchy.staging import StagingOverflow
 
 SLOTS, B, MAX_ROWS, D, RING, P = 4, 64, 600, 8, 24, 8
 NUM_PAGES = 200

@@ -20,6 +20,7 @@ from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
 from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.speculative.config import SpeculationConfig
 
 PROMPTS = [list(range(10, 50)), list(range(60, 85))]
 PARAMS = [
@@ -196,7 +197,7 @@ def test_durability_by_mode(store) -> None:
     assert all(pg.backed for pg in residency.pages_of(req.slot).values())
     for s in range(len(engine.model_cfg.sources)):
         assert engine.kv.host_backups.durable(
-            req.slot, s, 0, engine.kv.payload.committed[req.slot][s]
+            req.slot, s, 0, engine.kv.payload.store.committed[req.slot][s]
         )
     engine.kv.check()
 
@@ -206,7 +207,7 @@ def test_resume_under_speculative_decoding(store) -> None:
     (acceptance recovers as it refills); verification keeps the target's greedy tokens."""
     cfg = EngineConfig(
         model="tiny-glm", mode="hisparse", kv_pool_mib=48, max_num_seqs=4, max_model_len=512,
-        owner="w0", drafter="dflash", spec_width=4,
+        owner="w0", speculation=SpeculationConfig("dflash", width=4),
     )  # fmt: skip
 
     def engine() -> Engine:

@@ -9,6 +9,7 @@ import torch
 
 from services.worker.engine.engine import Engine, EngineConfig
 from services.worker.engine.request import SamplingParams
+from services.worker.speculative.config import SpeculationConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -19,10 +20,13 @@ def prompts() -> list[list[int]]:
 
 
 def config(model: str, mode: str, **kw) -> EngineConfig:
+    spec = SpeculationConfig(
+        kw.pop("drafter", None), kw.pop("spec_width", 8), kw.pop("width_policy", "fixed")
+    )
     return EngineConfig(
         model=model, mode=mode, kv_pool_mib=48, host_arena_mib=32, max_num_seqs=6,
         max_prefill_tokens=1024, max_model_len=kw.pop("max_model_len", 1024),
-        hot_cache_rows=kw.pop("hot", None), **kw,
+        hot_cache_rows=kw.pop("hot", None), speculation=spec, **kw,
     )  # fmt: skip
 
 

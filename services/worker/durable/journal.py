@@ -87,5 +87,9 @@ class Journal:
             manifest.write(buf, version, manifest.encode(self.record_of(req, rings)))
             self.versions[req.request_id] = version
 
+    def resumed(self, request_id: str, version: int) -> None:
+        """A resumed session's manifest was last written at ``version``: the next is newer."""
+        self.versions[request_id] = version
+
     def forget(self, request_id: str) -> None:
         self.versions.pop(request_id, None)

@@ -15,7 +15,7 @@ from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.records import Region
 from services.worker.durable import manifest
 from services.worker.durable.manifest import ManifestError, SessionRecord
-from services.worker.engine.request import Request, SamplingParams, Status
+from services.worker.engine.request import Request, SamplingParams
 from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.session import SessionBackup
 
@@ -43,20 +43,13 @@ def restore(
 ) -> Request | None:
     """Resumes ``rec`` in ``engine``; None when no slot or device room is free
     now. Raises ``ValueError`` for a record that does not fit this engine."""
-    sched = engine.scheduler
-    if rec.request_id in engine.requests:
+    if engine.has_request(rec.request_id):
         raise ValueError(f"request {rec.request_id!r} is already running here")
     if rec.num_computed != len(rec.prompt_ids) + len(rec.output_ids) - 1:
         raise ValueError("manifest counts disagree: computed tokens must be all but the last")
     if rec.ring_dtype and rec.ring_dtype != str(engine.kv.cfg.dtype):
         raise ValueError(f"session was served in {rec.ring_dtype}, this worker uses another")
     params = sampling_params(rec.params)
-    if not sched.free_slots:
-        return None
-    slot = sched.free_slots[-1]
-    if not engine.kv.adopt(slot, rec.request_id, regions, rec.num_computed, rec.rings):
-        return None
-    sched.free_slots.pop()
     gen = None
     if params.seed is not None:
         gen = torch.Generator(device=engine.device).manual_seed(params.seed)
@@ -71,14 +64,9 @@ def restore(
     req = Request(rec.request_id, list(rec.prompt_ids), params, text, generator=gen)
     req.output_ids = list(rec.output_ids)
     req.arrival = now - max(0.0, time.time() - rec.arrival_s) if rec.arrival_s else now
-    req.status, req.slot, req.num_computed = Status.RUNNING, slot, rec.num_computed
+    req.num_computed = rec.num_computed
     req.admitted_time = req.first_token_time = now
     req.resumed = True
-    engine.requests[rec.request_id] = req
-    sched.running.append(req)
-    if engine.speculator is not None:  # drafts restart from an empty context; outputs do not
-        engine.speculator.drafter.begin(slot)
-    if engine.journal is not None:
-        engine.journal.versions[rec.request_id] = version
-    engine.stats.sessions_resumed += 1
+    if not engine.resume(req, regions, rec.rings, version):
+        return None
     return req

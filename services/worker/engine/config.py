@@ -1,13 +1,17 @@
-"""The engine's configuration: model, device, serving mode and its knobs, scheduling limits and
-speculative decoding, in one frozen dataclass (the worker builds it from its settings)."""
+"""The engine's configuration: model, device, serving mode, scheduling limits, and the
+settings of adaptive residency, CUDA graphs and speculative decoding, each a frozen dataclass
+passed whole (the worker builds them from its settings)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.kv.cache import KVCacheConfig
+from services.worker.engine.cuda_graph import GraphConfig
+from services.worker.kv.config import KVCacheConfig
+from services.worker.residency.config import ResidencyConfig
+from services.worker.speculative.config import SpeculationConfig
 
 
 @dataclass(frozen=True)
@@ -21,25 +25,16 @@ class EngineConfig:
     hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
     host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
     resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
-    reserve_pages: int = 0  # adaptive: admission reserve, in pages
-    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
-    populate_payback: float = 1.0  # adaptive: refill only with >= this x V/k steps left
-    overlap_refills: bool = False  # adaptive, GPU: refill copies beside the decode passes
-    reclaim_order: str = "largest"
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
-    cuda_graphs: bool = True  # on a GPU: decode passes replayed as captured CUDA graphs
-    # when a graph key is captured: at its "second" sighting, or when "consecutive" passes
-    # meet it (a batch that changes every step, as in ramps and drains, is never captured)
-    graph_capture: str = "second"
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
+    graphs: GraphConfig = field(default_factory=GraphConfig)  # on a GPU
+    speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
     max_prefill_tokens: int = 16384
     top_k_rows: int | None = None  # override the indexer's k
-    drafter: str | None = None  # dflash | dspark | dflash2 (random weights) or a checkpoint dir
-    spec_width: int = 8  # K_max: target queries per verify round, anchor included
-    width_policy: str = "fixed"  # fixed | paper | online
     # Hierarchy modes: back up what a successor needs to resume each session after this process
     # dies (manifests, index keys, write-through of imported history). None: on in hierarchy
     # modes; resident mode keeps no host backups, so it has nothing to resume from.
@@ -52,6 +47,7 @@ class EngineConfig:
         return True if self.durable_sessions is None else self.durable_sessions
 
     def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
+        block = self.speculation.block
         return KVCacheConfig(
             mode=self.mode,
             kv_pool_bytes=int(self.kv_pool_mib * (1 << 20)),
@@ -62,20 +58,17 @@ class EngineConfig:
             max_prefill_tokens=self.max_prefill_tokens,
             host_arena_bytes=int(self.host_arena_mib * (1 << 20)) // 4096 * 4096,
             owner=self.owner,
-            resolver=self._backend(self.resolver),
-            reserve_pages=self.reserve_pages,
-            populate_pages=self.populate_pages,
-            populate_payback=self.populate_payback,
-            overlap_refills=self.overlap_refills,
-            reclaim_order=self.reclaim_order,
-            spec_block=self.spec_width if self.drafter else 1,
-            ring_extra=max(8, self.spec_width if self.drafter else 1),
+            resolver=self.backend(self.resolver),
+            residency=self.residency,
+            spec_block=block,
+            ring_extra=max(8, block),
             durable=self.durable,
             dtype=dtype,
             device=self.device,
         )
 
-    def _backend(self, choice: str) -> str:
+    def backend(self, choice: str) -> str:
+        """The kernels behind ``choice`` (``resolver`` or ``attention_backend``) on this device."""
         if choice == "auto":
             return "triton" if self.device.startswith("cuda") else "torch"
         if choice not in ("torch", "triton"):

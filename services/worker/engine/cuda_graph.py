@@ -17,9 +17,8 @@ capture, top-k masks with ``masked_fill``, and the index keys are gathered at a 
 eager pass computes, bit for bit (``tests/worker/test_cuda_graph.py``, on a GPU).
 
 A key is captured the second time a step meets it (with ``consecutive``, the second time in a
-row): a capture costs several eager steps (measured on the H200: ~60 ms, against ~17 ms for an
-eager step and 3-5 ms for a replay), and while requests arrive or finish one per step the batch
-size changes every step, so most keys would never be replayed. Earlier sightings run eagerly;
+row): a capture costs several eager steps, and while requests arrive or finish one per step the
+batch size changes every step, so most keys would never be replayed. Earlier sightings run eagerly;
 the capturing one runs eagerly on the capture stream (warming every kernel the capture records)
 and its result is used; the capture follows, without executing, and later steps with that key
 replay. The graphs of one kind share one memory pool and never run concurrently; at most
@@ -37,6 +36,7 @@ import torch
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
+from services.worker.kv.pass_state import PassState, Written
 from services.worker.model.model import DSAModel, key_rows
 
 if TYPE_CHECKING:
@@ -46,17 +46,32 @@ if TYPE_CHECKING:
 CAPTURE_POLICIES = ("second", "consecutive")
 
 
-def pass_key(kv: KVCache, batch: ForwardBatch, features: dict | None) -> tuple:
-    """The graph key of a decode or verify pass over ``batch``, once it began on ``kv``: batch
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs on a GPU: whether decode and verify passes are captured and replayed, and
+    when a key is captured (``CAPTURE_POLICIES``: at its ``second`` sighting, or when
+    ``consecutive`` passes meet it, so a batch that changes every step, as in ramps and drains,
+    is never captured)."""
+
+    enabled: bool = True
+    capture: str = "second"
+
+    def __post_init__(self) -> None:
+        if self.capture not in CAPTURE_POLICIES:
+            raise ValueError(
+                f"unknown graph capture policy {self.capture!r}; choose from {CAPTURE_POLICIES}"
+            )
+
+
+def pass_key(state: PassState, batch: ForwardBatch, features: dict | None) -> tuple:
+    """The graph key of a decode or verify pass over ``batch``, once it began (``state``): batch
     size, queries per request, index-key width, which sources share a plan and which are all
     direct, and the feature layers taken."""
-    payload = kv.payload
     return (
         batch.num_requests,
         batch.lens[0],
         key_rows(max(batch.ends())),
-        getattr(payload, "plan_index", ()),
-        tuple(p.all_direct for p in getattr(payload, "plans", [])),
+        *state.graph_key(),
         None if features is None else tuple(sorted(features)),
     )
 
@@ -152,7 +167,7 @@ class _PassGraph:
     batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
     tokens: torch.Tensor  # [N] the new tokens (with the batch's slots and positions, refilled)
     plan_rows: torch.Tensor | None  # [U, 5, R] the hierarchy plans' rows the graph reads
-    written: dict  # the payload's rows written by the pass (read by the commit)
+    written: Written  # the rows the captured pass writes (read by the commit)
     logits: torch.Tensor  # [N, V] the output
     features: dict[int, torch.Tensor] | None  # the target features the pass took
 
@@ -207,8 +222,8 @@ class DecodeGraphs(_Captures):
         caller commits). ``features``: as ``DSAModel.forward`` takes them, filled."""
         assert self.covers(batch), "a pass of one width W <= max_width per request"
         self.kv.begin(batch)
-        payload = self.kv.payload
-        key = pass_key(self.kv, batch, features)
+        state = self.kv.pass_state
+        key = pass_key(state, batch, features)
         g, capture = self.lookup(key)
         if capture:
             return self._capture(key, tokens, batch, features)
@@ -222,10 +237,10 @@ class DecodeGraphs(_Captures):
             g.batch.token_slot.copy_(batch.token_slot)
             g.batch.starts_t.copy_(batch.starts_t)
         if g.plan_rows is not None:
-            g.plan_rows.copy_(payload.plan_rows)
+            assert state.plan_rows is not None
+            g.plan_rows.copy_(state.plan_rows)
         g.graph.replay()
-        if g.written:
-            payload.written.update(g.written)
+        state.written.update(g.written)
         if features is not None and g.features is not None:
             features.update({i: f.clone() for i, f in g.features.items()})
         return g.logits.clone()  # the next replay overwrites the graph's own
@@ -243,7 +258,7 @@ class DecodeGraphs(_Captures):
     ) -> torch.Tensor:
         """Runs this step eagerly on the capture stream, then captures its pass for the key."""
         self._reserve()
-        payload = self.kv.payload
+        state = self.kv.pass_state
         out = self._run_then_capture(lambda: self._eager(tokens, batch, features))
         # The graph's inputs: its own copies, which a replay refills.
         slots, positions = batch.slots.clone(), batch.positions.clone()
@@ -255,15 +270,14 @@ class DecodeGraphs(_Captures):
             token_req=batch.token_req.clone(), cu_lens=batch.cu_lens.clone(),
         )  # fmt: skip
         g_tokens = tokens.clone()
-        written = dict(getattr(payload, "written", {}))  # this step's, for its commit
-        plan_rows = getattr(payload, "plan_rows", None)
+        written = dict(state.written)  # this step's, for its commit
+        plan_rows = state.plan_rows
         g_features = None if features is None else dict.fromkeys(features)
         graph, logits = self._record(lambda: self._eager(g_tokens, static, g_features))
         assert isinstance(logits, torch.Tensor)
-        captured = dict(getattr(payload, "written", {}))
-        if written or captured:
-            payload.written.clear()
-            payload.written.update(written)
+        captured = dict(state.written)  # what every replay writes
+        state.written.clear()
+        state.written.update(written)
         held = _PassGraph(graph, static, g_tokens, plan_rows, captured, logits, g_features)
         self.store(key, held)
         return out
@@ -274,17 +288,9 @@ class DecodeGraphs(_Captures):
         if self._reserved:
             return
         self._reserved = True
-        hot = getattr(self.kv.payload, "hot", None)
-        if not hot:
-            return
-        from services.worker.hierarchy.resolver_triton import reserve_workspace
-
-        k = self.model.cfg.index_topk
-        tokens = self.max_batch * self.max_width
-        for entries in {h.entries for h in hot}:
-            reserve_workspace(
-                self.device, self.stream.cuda_stream, tokens, k, self.max_batch, entries
-            )
+        self.kv.reserve_graph_workspace(
+            self.stream.cuda_stream, self.max_batch * self.max_width, self.max_batch
+        )
 
 
 @dataclass

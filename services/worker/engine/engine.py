@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
+from services.kv_host_store.records import Region
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import CAPTURE_POLICIES, DecodeGraphs, DraftGraphs
+from services.worker.engine.cuda_graph import DecodeGraphs, DraftGraphs
 from services.worker.engine.request import (
     FinishReason,
     Request,
@@ -56,7 +57,7 @@ class Engine:
             model = load_model(cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed)
         if cfg.top_k_rows is not None:
             model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
-        if cfg._backend(cfg.attention_backend) == "triton":
+        if cfg.backend(cfg.attention_backend) == "triton":
             model.use_triton_attention()
         self.model = model
         self.model_cfg = model.cfg
@@ -78,28 +79,32 @@ class Engine:
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran kv.maintain() while the device ran
         self.speculator: Speculator | None = None
-        if cfg.drafter:
-            drafter = make_drafter(cfg.drafter, model, cfg.spec_width, cfg.seed)
-            self.speculator = Speculator(self, drafter, cfg.width_policy, cfg.spec_width)
+        sc = cfg.speculation
+        if sc.drafter:
+            drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed)
+            self.speculator = Speculator(self, drafter, sc, cfg.max_num_seqs, cfg.page_size)
         spec = self.speculator
         self.graphs: DecodeGraphs | None = None
-        if cfg.graph_capture not in CAPTURE_POLICIES:
-            raise ValueError(
-                f"unknown graph capture policy {cfg.graph_capture!r}; choose from "
-                f"{CAPTURE_POLICIES}"
-            )
-        if (
-            cfg.cuda_graphs
-            and self.device.type == "cuda"
-            and DecodeGraphs.supports(model)
-            and not self._check_invariants  # the checks read counters back: not capturable
-        ):
+        self.graphs_off = self._graphs_off(cfg, model)  # why passes run eagerly; None: graphs
+        if self.graphs_off is None:
             self.graphs = DecodeGraphs(
-                model, self.kv, cfg.max_num_seqs, consecutive=cfg.graph_capture == "consecutive",
+                model, self.kv, cfg.max_num_seqs, consecutive=cfg.graphs.capture == "consecutive",
                 max_width=spec.k_max if spec is not None else 1,
             )  # fmt: skip
             if spec is not None:
                 spec.graphs = DraftGraphs(spec.drafter, cfg.max_num_seqs)
+
+    def _graphs_off(self, cfg: EngineConfig, model: DSAModel) -> str | None:
+        """Why decode and verify passes are not replayed as CUDA graphs, or None when they are."""
+        if not cfg.graphs.enabled:
+            return "switched off (cuda_graphs=false)"
+        if self.device.type != "cuda":
+            return f"no CUDA device ({self.device.type})"
+        if not DecodeGraphs.supports(model):
+            return "the model has compressed or windowed KV sources, which graphs do not capture"
+        if self._check_invariants:
+            return "DHISPARSE_CHECK_INVARIANTS reads counters back, which a graph cannot capture"
+        return None
 
     def close(self) -> None:
         """Releases host-side resources (a private host arena) and the captured graphs."""
@@ -146,6 +151,31 @@ class Engine:
             )
         params.validate(vocab)
 
+    def has_request(self, request_id: str) -> bool:
+        return request_id in self.requests
+
+    def resume(
+        self, req: Request, regions: list[Region], rings: dict[int, bytes], version: int
+    ) -> bool:
+        """Seats a resumed durable session ``req`` (its tokens up to ``req.num_computed`` are
+        committed in its host ``regions``; ``rings``: its token-ring snapshots; ``version``: its
+        manifest's) in a free slot, running; False (nothing changed) when no slot or device
+        room is free."""
+
+        def seat(slot: int) -> bool:
+            return self.kv.adopt(slot, req.request_id, regions, req.num_computed, rings)
+
+        if not self.scheduler.seat_running(req, seat):
+            return False
+        assert req.slot is not None
+        self.requests[req.request_id] = req
+        if self.speculator is not None:  # drafts restart from an empty context; outputs do not
+            self.speculator.drafter.begin(req.slot)
+        if self.journal is not None:
+            self.journal.resumed(req.request_id, version)
+        self.stats.sessions_resumed += 1
+        return True
+
     def abort(self, request_id: str) -> RequestOutput | None:
         req = self.requests.get(request_id)
         if req is None:
@@ -168,7 +198,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round: prefill of newly admitted requests and one decode token
         for each running request. Returns the outputs of requests that progressed."""
-        if not self._maintained:  # else the last decode pass did it (``_run``)
+        if not self._maintained:  # else the last decode pass did it (``run_pass``)
             self.kv.maintain()
         self._maintained = False
         sched = self.scheduler.schedule()
@@ -192,7 +222,7 @@ class Engine:
         if sched.prefill:
             self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
             t0 = time.perf_counter()
-            outputs.extend(self._run(sched.prefill))
+            outputs.extend(self.run_pass(sched.prefill))
             self.stats.prefill_s += time.perf_counter() - t0
         if sched.decode:
             self.stats.decode_steps += 1
@@ -200,7 +230,7 @@ class Engine:
             if self.speculator is not None:
                 outs = self.speculator.round(sched.decode)
             else:
-                outs = self._run(sched.decode)
+                outs = self.run_pass(sched.decode)
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             outputs.extend(outs)
@@ -210,8 +240,26 @@ class Engine:
             self.kv.check()
         return outputs
 
+    # ---- the target interface the speculator uses (``speculative.target.Target``) ----------
+    @property
+    def max_model_len(self) -> int:
+        return self.cfg.max_model_len
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return self.model_cfg.eos_token_id
+
+    def ensure_room(self, slot: int, num_tokens: int) -> bool:
+        return self.kv.ensure(slot, num_tokens)
+
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        self.kv.commit(batch, num_tokens)
+
+    def generator(self, req: Request) -> torch.Generator:
+        return req.generator or self._default_gen
+
     @torch.no_grad()
-    def _run(self, reqs: list[Request]) -> list[RequestOutput]:
+    def run_pass(self, reqs: list[Request]) -> list[RequestOutput]:
         """One forward over each request's uncomputed tokens (a prefill, or one decode token),
         then one sampled token per request."""
         ids: list[int] = []
@@ -256,8 +304,8 @@ class Engine:
             if r.params.greedy:
                 token = greedy[i]
             else:
-                token = sample_token(row[0], r.params, r.generator or self._default_gen)
-            outs.append(self._append_tokens(r, [token], row))
+                token = sample_token(row[0], r.params, self.generator(r))
+            outs.append(self.emit(r, [token], row))
         return outs
 
     def forward_logits(
@@ -270,9 +318,7 @@ class Engine:
             return self.graphs.logits(tokens, batch, features)
         return self.model.logits(self.model(tokens, batch, self.kv, features=features))
 
-    def _append_tokens(
-        self, req: Request, tokens: list[int], logits: torch.Tensor
-    ) -> RequestOutput:
+    def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Emits ``tokens`` (logits [len(tokens), V] they were chosen from) one by one, stopping
         at the first stop condition; returns one output for them."""
         p = req.params

@@ -2,8 +2,8 @@
 
 A full (generation 2) collection walks every object the collector tracks, and a serving
 process tracks many that live as long as it does: the model's modules, the graphs' pools, the
-scheduler's tables. Walking them again and again stalls the step that triggers it (the
-capacity benchmark saw a 0.13 s decode step). ``freeze_heap`` moves everything alive after
+scheduler's tables. Walking them again and again stalls the step that triggers it by up to
+several decode steps' time. ``freeze_heap`` moves everything alive after
 start-up into the permanent generation, which collections skip, as vLLM and SGLang do after
 their start-up; objects made while serving are still collected as before."""
 

@@ -56,6 +56,15 @@ class Scheduler:
             self.running.remove(req)
         self._free(req)
 
+    def seat_running(self, req: Request, seat: Callable[[int], bool]) -> bool:
+        """Puts an already-running request (a resumed session) in a free slot, if ``seat(slot)``
+        sets its KV state up there; False (nothing changed) when no slot or room is free."""
+        if not self.free_slots or not seat(self.free_slots[-1]):
+            return False
+        req.slot, req.status = self.free_slots.pop(), Status.RUNNING
+        self.running.append(req)
+        return True
+
     def _free(self, req: Request) -> None:
         if req.slot is not None:
             self.kv.release(req.slot)

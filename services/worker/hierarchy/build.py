@@ -4,19 +4,20 @@ private arena in this process)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 
+from services.kv_host_store.arena import ArenaMapping
 from services.worker.hierarchy.backend import get_backend
+from services.worker.hierarchy.device_store import DeviceStore, StoreShape
 from services.worker.hierarchy.host_backup import HostBackups
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.hierarchy.payload import HierarchyPayload
-from services.worker.hierarchy.sizing import fixed_bytes, staging_bytes
+from services.worker.hierarchy.region_store import RegionStore
+from services.worker.hierarchy.sizing import fixed_bytes
+from services.worker.hierarchy.staging import staging_bytes
+from services.worker.hierarchy.tail import tail_rows
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model.config import ModelConfig
-
-if TYPE_CHECKING:
-    from services.worker.kv.cache import KVCacheConfig
 
 
 def hot_rows(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
@@ -44,14 +45,18 @@ def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
 
 
 def build_hierarchy(
-    model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None, fixed_other: int
+    model_cfg: ModelConfig,
+    cfg: KVCacheConfig,
+    host: tuple[RegionStore, ArenaMapping] | None,
+    fixed_other: int,
 ) -> tuple[HierarchyPayload, HostBackups, LocalHostStore | None]:
     """(payload, host backups, the private store if one was made). ``fixed_other``: device
-    bytes already spoken for (token rings; index keys take pages of the pool). ``host``: (store, arena mapping)."""
+    bytes already spoken for (token rings; index keys take pages of the pool). ``host``: the
+    node's (store, arena mapping); None makes a private arena."""
     esize = torch.empty((), dtype=cfg.dtype).element_size()
     p = cfg.page_size
     b = hot_rows(model_cfg, cfg)
-    ring = -(-(p + cfg.ring_extra) // p) * p  # one page plus a verification block
+    ring = tail_rows(p, cfg.ring_extra)
     scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
     fixed = fixed_other + fixed_bytes(
         model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, esize
@@ -75,14 +80,13 @@ def build_hierarchy(
         store, mapping, cfg.owner, len(model_cfg.sources), model_cfg.d_kv, cfg.dtype,
         cfg.max_slots, cfg.device,
     )  # fmt: skip
-    ops = get_backend(cfg.resolver)
-    payload = HierarchyPayload(
-        model_cfg, backups, cfg.max_slots, cfg.max_model_len, p, b, ring,
-        scratch_tokens, int(num_pages), cfg.dtype, cfg.device,
-        resolver=ops.resolve, backup=ops.backup, restore=ops.restore,
-        mode=cfg.mode,
-        reserve_pages=cfg.reserve_pages, populate_pages=cfg.populate_pages,
-        populate_payback=cfg.populate_payback, overlap_refills=cfg.overlap_refills,
-        reclaim_order=cfg.reclaim_order, spec_block=cfg.spec_block, durable=cfg.durable,
+    shape = StoreShape(
+        cfg.max_slots, cfg.max_model_len, p, b, ring, scratch_tokens, int(num_pages),
+        cfg.spec_block, optional_history=cfg.mode == "adaptive",
     )  # fmt: skip
+    device_store = DeviceStore.build(
+        model_cfg, shape, backups, get_backend(cfg.resolver), cfg.dtype
+    )
+    residency = cfg.residency if cfg.mode == "adaptive" else None
+    payload = HierarchyPayload(model_cfg, device_store, residency, durable=cfg.durable)
     return payload, backups, local

@@ -8,75 +8,93 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.kv.batch import ForwardBatch
+from services.worker.hierarchy import tail
+from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.kv.pass_state import PassState
 from services.worker.kv.transfers import to_device
+from services.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
-    from services.worker.hierarchy.payload import HierarchyPayload
+    from services.worker.residency.residency import Residency
 
 
-def commit_pass(p: HierarchyPayload, batch: ForwardBatch, num_tokens: list[int]) -> None:
-    """The first ``num_tokens[r]`` tokens of each request are final: their complete rows
-    written by this pass are backed up to the host (in adaptive mode a prefill's complete
-    pages may instead stay on the device as optional history, backup deferred), and the
-    newest rows stay in the tail ring.
+def commit_pass(
+    cfg: ModelConfig,
+    store: DeviceStore,
+    state: PassState,
+    residency: Residency | None,
+    num_tokens: list[int],
+    all_rows: torch.Tensor,
+) -> None:
+    """The first ``num_tokens[r]`` tokens of each request of ``state.batch`` are final: their
+    complete rows written by this pass are backed up to the host (with ``residency``, a
+    prefill's complete pages may instead stay on the device as optional history, backup
+    deferred), and the newest rows stay in the tail ring.
 
     Decode and verify passes (the common case) back up every request's and source's rows in
-    one scatter; a prefill chunk takes the per-request path (optional history, ring)."""
+    one scatter, ``keep`` = ``all_rows`` when every row they wrote is committed; a prefill
+    chunk takes the per-request path (optional history, ring)."""
+    batch = state.batch
+    assert batch is not None, "begin() the pass first"
     slots = list(batch.slot_ids)
-    limit = [[-1] * len(slots) for _ in p.geo]  # rows < limit[s][r] go in the scatter
+    limit = [[-1] * len(slots) for _ in store.geo]  # rows < limit[s][r] go in the scatter
     marks = []
     whole = True  # every row this pass wrote is committed (a decode pass)
-    for s, plan in enumerate(p.plans):
-        committed = [p.rows_of_tokens(s, n) for n in num_tokens]
+    for s, plan in enumerate(state.plans):
+        committed = [cfg.rows_for_tokens(s, n) for n in num_tokens]
         whole = whole and committed == plan.hi
         for r, slot in enumerate(slots):
             lo, new = plan.lo[r], committed[r]
             if new <= lo:
                 continue
-            if plan.scratch[r] or (p.residency is not None and batch.starts[r] == 0):
+            if plan.scratch[r] or (residency is not None and batch.starts[r] == 0):
                 whole = False
-                _commit_chunk(p, batch, r, slot, s, lo, new)
+                _commit_chunk(store, state, residency, r, s, (lo, new))
             else:
                 limit[s][r] = new
                 marks.append((slot, s, lo, new))
-            p.committed[slot][s] = new
-    p.host.mark_durable_many(marks)
-    written = [(s, *w) for s, w in p.written.items() if max(limit[s]) >= 0]
+            store.committed[slot][s] = new
+    store.host.mark_durable_many(marks)
+    written = [(s, *w) for s, w in state.written.items() if max(limit[s]) >= 0]
     if not written:
         return
     src = torch.cat([torch.full_like(w[2], w[0]) for w in written])
     w_slots, rows, locs = (torch.cat([w[i] for w in written]) for i in (1, 2, 3))
-    if whole and len(rows) <= len(p.all_rows):  # nothing left out: no mask, no host copy
-        keep = p.all_rows[: len(rows)]
+    if whole and len(rows) <= len(all_rows):  # nothing left out: no mask, no host copy
+        keep = all_rows[: len(rows)]
     else:
-        limits = to_device(limit, p.device)
-        keep = rows < limits[src, p.req_of_slot[w_slots]]
-    dst = p.host.base[w_slots, src] + rows * p.store.shape[1]
-    p.backup(p.store, locs, dst, keep, p.host.arena)
+        limits = to_device(limit, store.device)
+        keep = rows < limits[src, state.req_of_slot()[w_slots]]
+    dst = store.host.base[w_slots, src] + rows * store.row_elems
+    store.backup(locs, dst, keep)
 
 
 def _commit_chunk(
-    p: HierarchyPayload, batch: ForwardBatch, r: int, slot: int, s: int, lo: int, new: int
+    store: DeviceStore,
+    state: PassState,
+    residency: Residency | None,
+    r: int,
+    s: int,
+    span: tuple[int, int],
 ) -> None:
-    """Rows [lo, new) of request r's source s from a prefill chunk: kept as optional
-    history or backed up, and the chunk's newest rows into the ring when it was in
-    scratch."""
-    geo, plan = p.geo[s], p.plans[s]
+    """Rows ``span`` = [lo, new) of request r's source s from a prefill chunk: kept as optional
+    history or backed up, and the chunk's newest rows into the ring when it was in scratch."""
+    batch = state.batch
+    assert batch is not None
+    geo, plan = store.geo[s], state.plans[s]
+    slot = batch.slot_ids[r]
+    lo, new = span
 
     def rows_at(a: int, b: int) -> torch.Tensor:
-        rows = torch.arange(a, b, device=p.device)
+        rows = torch.arange(a, b, device=store.device)
         return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
 
     backup = [(lo, new)]
-    if p.residency is not None and batch.starts[r] == 0:  # imported history
-        backup = p.residency.keep_imported(slot, s, lo, new, rows_at)
+    if residency is not None and batch.starts[r] == 0:  # imported history
+        backup = residency.keep_imported(slot, s, lo, new, rows_at)
     for a, b in backup:
-        p.host.write(slot, s, a, p.store[rows_at(a, b)])
-        p.host.mark_durable(slot, s, a, b)
+        store.host.write(slot, s, a, store.rows[rows_at(a, b)])
+        store.host.mark_durable(slot, s, a, b)
     if plan.scratch[r]:  # the ring takes the chunk's newest rows
-        p.ring_hi_of[slot][s] = new
-        first = max(lo, new - p.ring)
-        keep = torch.arange(first, new, device=p.device)
-        ring = geo.ring_loc(torch.full_like(keep, slot), keep)
-        p.store[ring] = p.store[rows_at(first, new)]
+        store.tail_hi[slot][s] = new
+        tail.keep_newest(store.rows, geo, slot, span, rows_at)

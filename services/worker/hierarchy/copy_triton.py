@@ -44,8 +44,8 @@ def _copy_rows_kernel(
 
 
 def _copy_grid(device: torch.device, rows_per_program: int, max_rows: int) -> int:
-    """Persistent copy programs: enough to keep the PCIe link busy (measured: a handful of
-    programs starve it, past ~132 the grid barely matters), never more than the work."""
+    """Persistent copy programs: enough to keep the PCIe link busy (a handful of programs
+    starve it; past one or two per SM the grid barely matters), never more than the work."""
     if device.type != "cuda":
         return 1  # the interpreter runs programs one after another
     sms = torch.cuda.get_device_properties(device).multi_processor_count

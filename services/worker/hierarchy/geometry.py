@@ -28,6 +28,9 @@ class SourceGeometry:
     opt_map: torch.Tensor  # [max_slots, max history pages] int32, ready pages only
     stage_base: int = 0  # first store row of this source's staging arena
     stage_rows: int = 0  # staging rows per slot (K_max * k; 0: no staging)
+    # optional history may be published in ``opt_map`` (adaptive); False: it never is, and the
+    # resolver skips the map
+    optional: bool = True
 
     @staticmethod
     def create(

@@ -9,36 +9,14 @@ request may hold *session regions* (negative source ids): backed-up index keys a
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
 from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.intervals import add_range, contains
 from services.kv_host_store.records import Region, RowRange
+from services.worker.hierarchy.region_store import RegionStore
 from services.worker.hierarchy.reporter import DurabilityReporter, OwnerId
-
-
-class RegionStore(Protocol):
-    """What the worker needs of the host store: ``KVHostStoreClient`` or ``LocalHostStore``."""
-
-    def allocate(
-        self,
-        request_id: str,
-        owner: str,
-        source: int,
-        num_rows: int,
-        row_bytes: int,
-        generation: int = 0,
-    ) -> Region: ...
-
-    def mark_durable(
-        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
-    ) -> int: ...
-
-    def release_request(self, owner: str, request_id: str, generation: int = 0) -> object: ...
-
-    def release_region(self, owner: str, region_id: str, generation: int = 0) -> object: ...
 
 
 class HostPointer:

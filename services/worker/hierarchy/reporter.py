@@ -25,7 +25,7 @@ from services.kv_host_store.records import RowRange
 from services.worker.kv.errors import describe
 
 if TYPE_CHECKING:
-    from services.worker.hierarchy.host_backup import RegionStore
+    from services.worker.hierarchy.region_store import RegionStore
 
 log = logging.getLogger(__name__)
 

@@ -18,10 +18,7 @@ import torch
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
-
-
-class StagingOverflow(RuntimeError):
-    """A round's misses exceed the unprotected hot-cache entries (needs verification staging)."""
+from services.worker.hierarchy.staging import StagingOverflow
 
 
 @dataclass(frozen=True)

@@ -7,29 +7,29 @@ soon as it exists and overlap the layers computed in between (``prefetch``)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
-
 import torch
 
+from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.hierarchy.resolver import Census
 from services.worker.kv.batch import ForwardBatch
-
-if TYPE_CHECKING:
-    from services.worker.hierarchy.payload import HierarchyPayload
-
-Resolver = Callable[..., tuple[torch.Tensor, torch.Tensor]]
+from services.worker.kv.pass_state import PassState
 
 
 class Selections:
-    def __init__(self, payload: HierarchyPayload, resolver: Resolver) -> None:
-        self.p = payload
-        self.resolver = resolver
-        self.device = payload.device
+    def __init__(self, store: DeviceStore, state: PassState) -> None:
+        self.store = store
+        self.state = state
+        self.device = store.device
         self.counts = torch.zeros(4, dtype=torch.int64, device=self.device)  # the census
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
         self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+
+    @property
+    def census(self) -> Census:
+        """Selected rows resolved direct / hot / host, and rows copied (synchronises)."""
+        return Census.of(self.counts)
 
     def begin(self) -> None:
         self._prefetched.clear()
@@ -74,16 +74,11 @@ class Selections:
         self, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(locations, census [4]) of one source's selection."""
-        p = self.p
-        plan, geo = p.plans[source], p.geo[source]
+        plan = self.state.plans[source]
         if plan.all_direct:
             # Nothing older than the ring (a prefill): no hot scan, no host reads, and not
             # counted in the census, which describes how decode selections are served.
             req = batch.token_req.unsqueeze(1).expand_as(selection)
-            _, locs = geo.direct(selection, req, batch.slots, plan)
+            _, locs = self.store.geo[source].direct(selection, req, batch.slots, plan)
             return torch.where(selection >= 0, locs, -1), torch.zeros_like(self.counts)
-        hot = p.hot[source]
-        return self.resolver(
-            selection, batch.cu_lens, batch.slots, plan, geo, hot, hot.tick(), p.store,
-            p.host.arena, p.host.base[:, source],
-        )  # fmt: skip
+        return self.store.resolve(source, selection, batch.cu_lens, batch.slots, plan)

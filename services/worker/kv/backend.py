@@ -1,22 +1,35 @@
-"""The seam between the model and where KV payload lives.
+"""The seam between the model and where KV payload lives: the protocol every serving mode
+implements, fully.
 
 The model computes rows and selections; a ``PayloadBackend`` stores rows and turns selected
 row positions into physical locations of its pool. Serving modes differ only here, which is why
-their attention inputs can be bit-identical: attention reads ``pool(source)[locations]``.
+their attention inputs can be bit-identical: attention reads ``pool(source)[locations]``. What
+a mode does not need it implements as what it means for that mode (nothing to maintain, no
+census, no residency), so no caller ever asks a payload what it is.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
+from collections import Counter
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.pass_state import PassState
+
+if TYPE_CHECKING:
+    from services.worker.hierarchy.resolver import Census
+    from services.worker.residency.optional_history import ResidencyStats
 
 
 class PayloadBackend(Protocol):
     mode: str
+    pass_state: PassState  # the current pass, from ``begin`` to ``commit``
 
+    # ---- a forward pass ---------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         """Plans where this pass's new rows go; called before the model writes any."""
 
@@ -25,26 +38,6 @@ class PayloadBackend(Protocol):
     ) -> None:
         """May start resolving ``(layer, source)`` pairs for ``selection`` early; ``resolve``
         for those layers then returns the result."""
-
-    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
-        """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
-        their complete rows join the history (eq. 8). Rows beyond are never published."""
-
-    def admit(
-        self,
-        slot: int,
-        request_id: str,
-        max_tokens: int,
-        session: dict | None = None,
-        extra_pages: int = 0,
-    ) -> bool:
-        """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens (with the
-        durable ``session`` regions, and ``extra_pages`` more pages of the mode's pool left
-        free for the caller: the index keys of the hierarchy modes); False if the mode's own
-        capacity (device pages, host backup) is short."""
-
-    def memory_bytes(self, admitted: int) -> tuple[int, int]:
-        """(bytes held by the admitted requests, fixed bytes of the mode)."""
 
     def pool(self, source: int) -> torch.Tensor:
         """[S, d_kv] the device rows that ``resolve`` locations index."""
@@ -63,6 +56,45 @@ class PayloadBackend(Protocol):
         Contract (exact placement, eq. 12): ``pool(source)[loc[j, i]]`` equals row
         ``selection[j, i]`` of that token's request."""
 
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        """After the pass: the first ``num_tokens[r]`` tokens of request r are final (eq. 7);
+        their complete rows join the history (eq. 8). Rows beyond are never published."""
+
+    def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
+        """Before a first CUDA-graph capture on ``stream``: scratch the passes' kernels take,
+        at its largest for passes of ``tokens`` query tokens over ``max_batch`` requests."""
+
+    # ---- slots ------------------------------------------------------------------------------
+    @property
+    def required_pages(self) -> int:
+        """Pages of the mode's pool any admitted request holds whatever its length (hot cache
+        and tail in the hierarchy modes; none in resident serving)."""
+
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        max_tokens: int,
+        session: dict[int, tuple[int, int]] | None = None,
+        extra_pages: int = 0,
+    ) -> bool:
+        """Sets a new request up in ``slot`` for at most ``max_tokens`` tokens (with the
+        durable ``session`` regions, and ``extra_pages`` more pages of the mode's pool left
+        free for the caller: the index keys of the hierarchy modes); False if the mode's own
+        capacity (device pages, host backup) is short."""
+
+    def adopt(
+        self,
+        slot: int,
+        request_id: str,
+        regions: list[Region],
+        committed: list[int],
+        extra_pages: int = 0,
+    ) -> bool:
+        """Seats an adopted request whose first ``committed[s]`` rows of each source are in its
+        host ``regions``; False when the device has no room. Raises where the mode keeps no
+        host backups to adopt from."""
+
     def can_ensure(self, slot: int, num_tokens: int) -> bool: ...
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
@@ -73,6 +105,49 @@ class PayloadBackend(Protocol):
         memory."""
 
     def release(self, slot: int) -> None: ...
+
+    @property
+    def refusal(self) -> str | None:
+        """Why the host store refused the last admission for capacity, if it did."""
+
+    # ---- between steps ----------------------------------------------------------------------
+    def maintain(self) -> None:
+        """Between steps: copy completions, reclaim and repopulation (adaptive residency)."""
+
+    def note_queue(self, budgets: Counter[int], pages: Callable[[int], int]) -> None:
+        """The token budgets of the requests still waiting after this step's admissions (how
+        many of each), and the pool pages a fresh admission of a budget takes: adaptive
+        residency keeps those pages out of optional history."""
+
+    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
+        """``horizons()``: decode steps each running slot may still take; adaptive residency
+        refills only requests that run long enough to pay for the copy."""
+
+    def settling(self) -> bool:
+        """Whether memory is still on its way back (copies or drains in flight)."""
+
+    def check(self) -> None:
+        """Raises AssertionError when the mode's invariants are broken (tests)."""
+
+    # ---- accounting -------------------------------------------------------------------------
+    def memory(self, admitted: int) -> tuple[int, int, int]:
+        """Bytes of the mode's pool by class of eq. 3: (required, including the mode's fixed
+        allocations, optional, reserve), with ``admitted`` requests admitted."""
+
+    def fixed_bytes(self) -> int:
+        """Allocations of the mode that do not grow with sessions."""
+
+    def layout(self) -> dict[str, int | None]:
+        """The mode's geometry for admission sizing: ``hot_cache_rows`` and ``tail_rows`` (None
+        in resident serving)."""
+
+    @property
+    def census(self) -> Census | None:
+        """Selected rows resolved direct / hot / host so far (synchronises on a GPU); None in
+        resident serving, which resolves by page table."""
+
+    def residency_stats(self) -> ResidencyStats | None:
+        """Adaptive residency's counters; None in the other modes."""
 
     @property
     def nbytes(self) -> int: ...

@@ -6,17 +6,28 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING
 
 import torch
 
+from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.records import Region
 from services.worker.kv.backend import PayloadBackend
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_per_token
 from services.worker.kv.index_keys import IndexKeys
+from services.worker.kv.pass_state import PassState
 from services.worker.kv.resident import ResidentPayload
 from services.worker.kv.token_ring import TokenRing
 from services.worker.model.config import ModelConfig
+
+if TYPE_CHECKING:
+    from services.worker.hierarchy.host_backup import HostBackups
+    from services.worker.hierarchy.local_store import LocalHostStore
+    from services.worker.hierarchy.region_store import RegionStore
+    from services.worker.hierarchy.resolver import Census
+    from services.worker.hierarchy.session import SessionBackup
+    from services.worker.residency.optional_history import ResidencyStats
 
 __all__ = ["MODES", "KVCache", "KVCacheConfig", "MemoryUsage", "bytes_per_token"]
 
@@ -29,7 +40,10 @@ class KVCache:
     private arena is created in this process."""
 
     def __init__(
-        self, model_cfg: ModelConfig, cfg: KVCacheConfig, host: tuple | None = None
+        self,
+        model_cfg: ModelConfig,
+        cfg: KVCacheConfig,
+        host: tuple[RegionStore, ArenaMapping] | None = None,
     ) -> None:
         if cfg.mode not in MODES:
             raise ValueError(f"unknown serving mode {cfg.mode!r}; choose from {MODES}")
@@ -43,9 +57,10 @@ class KVCache:
                 self.rings[s] = TokenRing(
                     cfg.max_slots, ring, model_cfg.d_kv, cfg.dtype, cfg.device
                 )
-        self._local_store = None
-        self.host_backups = None
-        self.sessions = None  # durable sessions: keys, manifest and ring snapshots (hierarchy)
+        self._local_store: LocalHostStore | None = None
+        self.host_backups: HostBackups | None = None
+        # durable sessions: keys, manifest and ring snapshots (hierarchy)
+        self.sessions: SessionBackup | None = None
         rings = sum(r.nbytes for r in self.rings.values())
         args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
         if cfg.mode == "resident":
@@ -58,7 +73,6 @@ class KVCache:
         else:
             # Index keys borrow pages of the payload's pool: one budget for everything (eq. 3).
             self.payload = self._hierarchy(host, rings, args)
-            self.tokens_capacity = self._longest_admissible()
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
         self._ensured: dict[int, int] = {}  # slot -> tokens it holds without new pages
@@ -71,14 +85,20 @@ class KVCache:
 
         return hierarchy_fixed_bytes(model_cfg, cfg)
 
-    def _hierarchy(self, host: tuple | None, rings: int, args: tuple) -> PayloadBackend:
+    def _hierarchy(
+        self, host: tuple[RegionStore, ArenaMapping] | None, rings: int, args: tuple
+    ) -> PayloadBackend:
         from services.worker.hierarchy.build import build_hierarchy
         from services.worker.hierarchy.session import SessionBackup
 
         payload, self.host_backups, self._local_store = build_hierarchy(
             self.model_cfg, self.cfg, host, rings
         )
-        self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=payload.shared_pages())
+        shared = payload.store.shared_pages()
+        self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=shared)
+        # the longest prompt one request can bring into an empty pool: its hot cache, tail and
+        # index keys fit the pages
+        self.tokens_capacity = self._longest_admissible(shared.pages.total - payload.required_pages)
         # A private arena dies with this process: nothing to resume from, nothing to keep.
         if self.cfg.durable and self._local_store is None:
             self.sessions = SessionBackup(
@@ -86,12 +106,10 @@ class KVCache:
             )
         return payload
 
-    def _longest_admissible(self) -> int:
-        """The longest prompt one request can bring into an empty pool (hierarchy modes): its
-        hot cache, tail and index keys fit the pages."""
-        pages = self.payload.pages.total - self.payload.required_pages  # type: ignore[attr-defined]
+    def _longest_admissible(self, pages: int) -> int:
+        """The most tokens whose index keys fit ``pages`` pages."""
         lo, hi = 0, self.cfg.max_model_len
-        while lo < hi:  # the most tokens whose keys fit
+        while lo < hi:
             mid = (lo + hi + 1) // 2
             if self.index_keys.pages_for(mid) <= pages:
                 lo = mid
@@ -150,7 +168,7 @@ class KVCache:
         """Pages of the payload's pool that admitting a request takes (hierarchy modes): its
         hot cache and tail, and its index keys (into ``slot``, or a fresh one when None)."""
         keys = self._key_pages(slot, self._keys_reserved(num_tokens, max_tokens))
-        return self.payload.required_pages + keys  # type: ignore[attr-defined]
+        return self.payload.required_pages + keys
 
     def admit(
         self,
@@ -196,7 +214,7 @@ class KVCache:
         ]
         keys_to = self._keys_reserved(num_tokens, num_tokens)
         key_pages = self._key_pages(slot, keys_to)
-        if not self.payload.adopt(slot, request_id, regions, committed, key_pages):  # type: ignore[attr-defined]
+        if not self.payload.adopt(slot, request_id, regions, committed, key_pages):
             return False
         ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
         assert ok
@@ -206,7 +224,7 @@ class KVCache:
 
     def admission_refusal(self) -> str | None:
         """Why the host store refused the last admission for capacity, if it did."""
-        return getattr(self.payload, "refusal", None)
+        return self.payload.refusal
 
     def release(self, slot: int) -> None:
         self._admitted.discard(slot)
@@ -220,93 +238,90 @@ class KVCache:
     def begin(self, batch: ForwardBatch) -> None:
         self.payload.begin(batch)
 
+    def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
+        """See ``PayloadBackend.reserve_graph_workspace``."""
+        self.payload.reserve_graph_workspace(stream, tokens, max_batch)
+
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         self.payload.commit(batch, num_tokens)
         if self.sessions is not None:
             self.sessions.commit(batch, num_tokens)
 
+    @property
+    def pass_state(self) -> PassState:
+        """The current pass as the payload holds it (see ``kv/pass_state.py``)."""
+        return self.payload.pass_state
+
     # ---- accounting -------------------------------------------------------------------------
     def maintain(self) -> None:
         """Between steps: completions, reclaim and repopulation (adaptive mode)."""
-        maintain = getattr(self.payload, "maintain", None)
-        if maintain is not None:
-            maintain()
+        self.payload.maintain()
 
     def note_queue(self, budgets: Iterable[int]) -> None:
         """The token budgets (``max_tokens`` of ``admit``) of the requests still waiting after
         this step's admissions: adaptive residency keeps the pages their admissions will take
-        (hot cache, tail and index keys) out of optional history. Only adaptive residency
-        reads them (a long queue shares a few budgets: each is priced once)."""
-        residency = getattr(self.payload, "residency", None)
-        if residency is not None:
-            fresh = self._fresh_pages
-            for b in (counts := Counter(budgets)):
-                if b not in fresh:  # a fresh slot's pages depend only on the budget
-                    fresh[b] = self.admission_pages(None, b, b)
-            residency.note_queue(sum(n * fresh[b] for b, n in counts.items()))
+        (hot cache, tail and index keys) out of optional history. A long queue shares a few
+        budgets: each is priced once, and only when the payload asks."""
+        fresh = self._fresh_pages
+
+        def pages(budget: int) -> int:  # a fresh slot's pages depend only on the budget
+            if budget not in fresh:
+                fresh[budget] = self.admission_pages(None, budget, budget)
+            return fresh[budget]
+
+        self.payload.note_queue(Counter(budgets), pages)
 
     def note_horizons(self, horizons: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """``horizons()``: (slot, decode steps it may still take) of the running requests;
         adaptive residency refills only the history of requests that will run long enough to
-        pay for the copy. Only adaptive residency calls it, and only when it has pages to
-        refill (most steps of a full pool it has none)."""
-        residency = getattr(self.payload, "residency", None)
-        if residency is not None:
-            residency.note_horizons(functools.cache(lambda: dict(horizons())))
+        pay for the copy, and asks only when it has pages to refill."""
+        self.payload.note_horizons(functools.cache(lambda: dict(horizons())))
 
     def settling(self) -> bool:
         """Whether memory is still on its way back (copies or drains in flight): an admission
         that does not fit now may fit after a few steps."""
-        residency = getattr(self.payload, "residency", None)
-        return residency is not None and residency.settling()
+        return self.payload.settling()
 
     def check(self) -> None:
         """Checks the residency invariant and eq. 3 (tests and ``DHISPARSE_CHECK_INVARIANTS``)."""
-        check = getattr(self.payload, "check", None)
-        if check is not None:
-            check()
+        self.payload.check()
 
     def memory(self) -> MemoryUsage:
         """The pool by class (eq. 3). Fixed allocations (rings, prefill scratch, metadata) and
         index keys in use count as required (in the hierarchy modes, as pages of the pool)."""
-        held, fixed = self.payload.memory_bytes(len(self._admitted))
+        required, optional, reserve = self.payload.memory(len(self._admitted))
         keys = 0 if self.keys_shared else self.index_keys.used_bytes  # else in the page pool
         rings = sum(r.nbytes for r in self.rings.values())
+        required += keys + rings
         capacity = self.cfg.kv_pool_bytes
-        classes = getattr(self.payload, "memory_classes", None)
-        if classes is None:
-            required, optional, reserve = held + fixed + keys + rings, 0, 0
-        else:
-            req_pages, optional, reserve, _ = classes()
-            required = req_pages + fixed + keys + rings
         free = max(0, capacity - required - optional - reserve)
         return MemoryUsage(capacity, required, optional, reserve, free)
 
     def fixed_bytes(self) -> int:
         """Allocations that do not grow with sessions (rings, scratch, metadata, staging)."""
         rings = sum(r.nbytes for r in self.rings.values())
-        return rings + self.payload.memory_bytes(0)[1]
+        return rings + self.payload.fixed_bytes()
 
     def layout(self) -> dict:
         """The KV geometry, for exact admission sizing at the gateway."""
-        payload = self.payload
         return {
             "kv_dtype_bytes": torch.empty((), dtype=self.cfg.dtype).element_size(),
             "page_size": self.cfg.page_size,
-            "hot_cache_rows": getattr(payload.geo[0], "hot_entries", None)
-            if hasattr(payload, "geo")
-            else None,
-            "tail_rows": getattr(payload, "ring", None),
+            **self.payload.layout(),
             "spec_block": self.cfg.spec_block,
             "index_key_page_rows": next(iter(self.index_keys.pools.values())).page_size
             if self.index_keys.pools
             else None,
         }
 
-    def census(self):
+    def census(self) -> Census | None:
         """Selected rows resolved direct / hot / host and rows copied from the host so far, or
         None in resident serving (synchronises on a GPU)."""
-        return getattr(self.payload, "census", None)
+        return self.payload.census
+
+    def residency_stats(self) -> ResidencyStats | None:
+        """Adaptive residency's counters, or None in the other modes."""
+        return self.payload.residency_stats()
 
     @property
     def row_bytes(self) -> int:

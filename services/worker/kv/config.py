@@ -3,11 +3,12 @@ benchmarks: the serving modes, the pool classes of eq. 3, and bytes per token.""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from services.worker.model.config import ModelConfig
+from services.worker.residency.config import ResidencyConfig
 
 MODES = ("resident", "hisparse", "adaptive")
 
@@ -36,13 +37,7 @@ class KVCacheConfig:
     host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
-    reserve_pages: int = 0  # adaptive: admission reserve M_res, in pages
-    populate_pages: int = 256  # adaptive: optional pages refilled per attempt
-    # adaptive: refill a request's history only while it has at least this many times
-    # V/k decode steps left (a refilled page pays back its copy after ~V/k steps; 0: always)
-    populate_payback: float = 1.0
-    overlap_refills: bool = False  # adaptive, GPU: refill copies on a side stream
-    reclaim_order: str = "largest"  # adaptive: largest | smallest | oldest | newest
+    residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session
     dtype: torch.dtype = torch.float32

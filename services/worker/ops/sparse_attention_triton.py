@@ -5,94 +5,15 @@ location, BLOCK_K at a time, and an online softmax accumulates over them and the
 local-window rows. Scores are accumulated over the row width in chunks of DC so that wide rows
 (576 elements in GLM/DeepSeek MLA) stay within registers and shared memory; every head of the
 block shares each gathered row (MQA), so a row is read once per head block. Matches
-``sparse_attention_ref`` up to floating-point reassociation."""
+``sparse_attention_ref`` up to floating-point reassociation. The kernel itself is
+``sparse_attention_kernel.py``; this module checks shapes and picks the grid."""
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
-
-@triton.jit
-def _accumulate(
-    q_ptr, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool, locs_ptr, n_rows,
-    scale, D, offs_v, vmask, BLOCK_K: tl.constexpr, DC: tl.constexpr, HB: tl.constexpr,
-    PREC: tl.constexpr,
-):  # fmt: skip
-    offs_c = tl.arange(0, DC)
-    for start in range(0, n_rows, BLOCK_K):
-        offs_k = start + tl.arange(0, BLOCK_K)
-        loc = tl.load(locs_ptr + offs_k, mask=offs_k < n_rows, other=-1)
-        valid = loc >= 0
-        s = tl.zeros([HB, BLOCK_K], tl.float32)
-        for d0 in range(0, D, DC):
-            dmask = (d0 + offs_c) < D
-            q = tl.load(
-                q_ptr + offs_h[:, None] * stride_qh + (d0 + offs_c)[None, :],
-                mask=hmask[:, None] & dmask[None, :],
-                other=0.0,
-            )  # [HB, DC]
-            rows = tl.load(
-                pool_ptr + loc[:, None] * stride_pool + (d0 + offs_c)[None, :],
-                mask=valid[:, None] & dmask[None, :],
-                other=0.0,
-            )  # [BLOCK_K, DC]
-            s += tl.dot(q, tl.trans(rows).to(q.dtype), input_precision=PREC)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        vals = tl.load(
-            pool_ptr + loc[:, None] * stride_pool + offs_v[None, :],
-            mask=valid[:, None] & vmask[None, :],
-            other=0.0,
-        )  # [BLOCK_K, DVP]
-        acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals, input_precision=PREC)
-        m_i = m_new
-    return m_i, l_i, acc
-
-
-@triton.jit
-def _sparse_attention_kernel(
-    q_ptr, stride_qn, stride_qh,
-    pool_ptr, stride_pool,
-    locs_ptr, stride_locs, K,
-    win_pool_ptr, stride_win_pool,
-    win_locs_ptr, stride_win_locs, W,
-    out_ptr, stride_on, stride_oh,
-    H, D, DV, scale,
-    HB: tl.constexpr, DC: tl.constexpr, DVP: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_WIN: tl.constexpr, PREC: tl.constexpr,
-):  # fmt: skip
-    n = tl.program_id(0)
-    hb = tl.program_id(1)
-    offs_h = hb * HB + tl.arange(0, HB)
-    hmask = offs_h < H
-    offs_v = tl.arange(0, DVP)
-    vmask = offs_v < DV
-    q_row = q_ptr + n * stride_qn
-    m_i = tl.full([HB], float("-inf"), tl.float32)
-    l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, DVP], tl.float32)
-    m_i, l_i, acc = _accumulate(
-        q_row, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool,
-        locs_ptr + n * stride_locs, K, scale, D, offs_v, vmask, BLOCK_K, DC, HB, PREC,
-    )  # fmt: skip
-    if HAS_WIN:
-        m_i, l_i, acc = _accumulate(
-            q_row, stride_qh, offs_h, hmask, m_i, l_i, acc, win_pool_ptr, stride_win_pool,
-            win_locs_ptr + n * stride_win_locs, W, scale, D, offs_v, vmask, BLOCK_K, DC, HB,
-            PREC,
-        )  # fmt: skip
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=hmask[:, None] & vmask[None, :],
-    )
+from services.worker.ops.sparse_attention_kernel import sparse_attention_kernel
 
 
 def sparse_attention_triton(
@@ -122,7 +43,7 @@ def sparse_attention_triton(
     out = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
     hb = max(16, min(64, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows on a GPU
     grid = (n, triton.cdiv(h, hb))
-    _sparse_attention_kernel[grid](
+    sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         pool, pool.stride(0),
         locs, locs.stride(0), locs.shape[1],

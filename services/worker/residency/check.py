@@ -4,27 +4,22 @@ of every admitted request is in its tail ring, in a published page, or backed up
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from services.worker.residency.optional_history import State, page_key
-
-if TYPE_CHECKING:
-    from services.worker.residency.residency import Residency
+from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.residency.optional_history import OptionalHistory, State, page_key
 
 
-def check_residency(res: Residency) -> None:
+def check_residency(store: DeviceStore, history: OptionalHistory, reserve: int) -> None:
     """Raises AssertionError when eq. 3 or the residency invariant is broken."""
-    payload = res.p
-    assert res.required_pages + res.optional_pages + res.reserve <= payload.pages.total, (
-        "eq. 3 broken"
-    )
-    p, ring = payload.page, payload.ring
-    for slot, oid in res._slot_owner.items():
-        owner = res._owners[oid]
-        committed = payload.committed.get(slot)
+    optional = history.optional_pages
+    required = store.pages.total - store.pages.free - optional
+    assert required + optional + reserve <= store.pages.total, "eq. 3 broken"
+    p, ring = store.page, store.tail
+    for _, owner in history.admitted():
+        slot = owner.slot
+        committed = store.committed.get(slot)
         if committed is None:
             continue
-        for source, geo in enumerate(payload.geo):
+        for source, geo in enumerate(store.geo):
             opt = geo.opt_map[slot].tolist()
             for index, page in enumerate(opt):
                 pg = owner.pages.get(page_key(source, index))
@@ -33,13 +28,13 @@ def check_residency(res: Residency) -> None:
                     assert pg.state in (State.READY, State.BACKING), f"{pg.state} published"
                 elif pg is not None:
                     assert pg.state in (State.PENDING, State.DRAINING), f"{pg.state} hidden"
-            ring_hi = max(committed[source], payload.ring_hi_of[slot][source])
+            ring_hi = max(committed[source], store.tail_hi[slot][source])
             on_device = max(0, ring_hi - ring)  # rows below the valid tail ring
             for index in range(-(-on_device // p)):
                 lo, hi = index * p, min(index * p + p, on_device)
                 if index < len(opt) and opt[index] >= 0:
                     continue
-                assert payload.host.durable(slot, source, lo, hi), (
+                assert store.host.durable(slot, source, lo, hi), (
                     f"slot {slot} source {source} rows [{lo}, {hi}) neither on the device "
                     "nor backed up"
                 )

@@ -9,7 +9,7 @@ use ``ManualCompletions`` to deliver completions in any order they like."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol
+from typing import Generic, Protocol, TypeVar
 
 import torch
 
@@ -96,3 +96,25 @@ class ManualCompletions:
     def done(self) -> list[int]:
         out, self._done = self._done, []
         return out
+
+
+T = TypeVar("T")
+
+
+class InFlight(Generic[T]):
+    """Copies in flight, each a ticket of ``completions`` and what it covers (a kind and the
+    pages it moves), handed back once complete."""
+
+    def __init__(self, completions: Completions) -> None:
+        self.completions = completions
+        self._tickets: dict[int, tuple[str, T]] = {}
+
+    def submit(self, kind: str, what: T, work: Callable[[], None], overlap: bool = False) -> None:
+        self._tickets[self.completions.submit(work, overlap)] = (kind, what)
+
+    def done(self) -> list[tuple[str, T]]:
+        """(kind, what) of every copy completed since the last call, in completion order."""
+        return [self._tickets.pop(t) for t in self.completions.done()]
+
+    def __bool__(self) -> bool:
+        return bool(self._tickets)

@@ -1,12 +1,20 @@
-"""Speculative decoding (DESIGN §5): drafters (DFlash, DSpark, DFlash2), their draft KV ring,
-lossless verification, DSpark's confidence scheduler, width-by-load policies, a training loop
-and an engine-free reference loop.
+"""Speculative decoding (DESIGN §5):
+
+- ``drafters``: DFlash, DSpark and DFlash2 over one interface (``Drafter``);
+- ``draft_ring``: the drafter's KV for the last W committed positions per slot (eq. 9/10);
+- ``verify``: lossless verification (Leviathan et al.), greedy and sampled;
+- ``width_policy``: which block width to verify by load (fixed, the paper's schedule, the
+  online policy of eq. 13); ``confidence``: DSpark's per-request widths;
+- ``speculator``: the engine's speculative round over the narrow ``target`` interface;
+- ``reference``: an engine-free loop the engine is checked against; ``config``: settings.
+
+Training drafters is ``training.drafter``, outside the worker.
 
 What the engine uses:
   drafter = load_drafter(path, target); drafter.init_ring(max_slots, page_size)
   drafter.begin(slot) / append_context(slots, positions, features) / propose(...) / release
   verify_batch(target_logits, widths, tokens, probs, params, generators) -> [Verdict]
-  OnlinePolicy / WidthSchedule: the width to speculate with under the current load.
+  WidthController: the width to speculate with under the current load.
 """
 
 from __future__ import annotations

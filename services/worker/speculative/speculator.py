@@ -21,9 +21,11 @@ from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
 from services.worker.model.model import DSAModel
+from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.base import Drafter
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
+from services.worker.speculative.target import Target
 from services.worker.speculative.verify import verify_batch
 from services.worker.speculative.width_policy import WidthController
 
@@ -56,16 +58,24 @@ def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
 
 
 class Speculator:
-    """The engine's speculative path: drafting, the verify pass and the commit."""
+    """The engine's speculative path: drafting, the verify pass and the commit, over the
+    narrow ``Target`` the engine offers."""
 
-    def __init__(self, engine, drafter: Drafter, policy: str, width: int) -> None:
-        self.engine = engine
+    def __init__(
+        self,
+        target: Target,
+        drafter: Drafter,
+        cfg: SpeculationConfig,
+        max_slots: int,
+        page_size: int,
+    ) -> None:
+        self.target = target
         self.drafter = drafter
         # The widest block verified: the configured width, within the drafter's block.
-        self.k_max = max(1, min(width, drafter.block_size))
-        drafter.init_ring(engine.cfg.max_num_seqs, page_size=engine.cfg.page_size)
+        self.k_max = max(1, min(cfg.width, drafter.block_size))
+        drafter.init_ring(max_slots, page_size=page_size)
         self.layers = tuple(drafter.cfg.target_layers)
-        self.widths = WidthController(policy, self.k_max, engine.cfg.max_num_seqs)
+        self.widths = WidthController(cfg.width_policy, self.k_max, max_slots)
         self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
 
@@ -92,13 +102,13 @@ class Speculator:
     @torch.no_grad()
     def round(self, reqs: list[Request]) -> list:
         """One verify round for ``reqs`` (all decoding); returns their outputs."""
-        eng = self.engine
+        eng = self.target
         load = len(reqs)
         k = self.widths.width(load)
         self.counters.width = k
         t0 = time.perf_counter()
         if k <= 1:
-            outs = eng._run(reqs)
+            outs = eng.run_pass(reqs)
             self.widths.observe(0, load, time.perf_counter() - t0, len(reqs))
             return outs
         caps = [self._cap(r, k) for r in reqs]
@@ -106,7 +116,7 @@ class Speculator:
         starts = [r.num_tokens - 1 for r in reqs]
         prop = self.drafter.propose(
             [r.slot for r in reqs], anchors, starts, caps,
-            [r.params.temperature for r in reqs], [r.generator or eng._default_gen for r in reqs],
+            [r.params.temperature for r in reqs], [eng.generator(r) for r in reqs],
             **({"run": self.graphs.draft} if self.graphs is not None else {}),
         )  # fmt: skip
         widths = prop.widths  # K_r <= caps[r]: the rows verified
@@ -127,17 +137,17 @@ class Speculator:
         logits = eng.forward_logits(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
         for r, req in enumerate(reqs):
-            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.model_cfg.eos_token_id)
+            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_id)
         verified = logits
         if passed != widths:  # each request's first K_r rows
             rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]
             verified = logits[to_device(rows, eng.device)]
         verdicts = verify_batch(
             verified, widths, prop.tokens, prop.probs, [r.params for r in reqs],
-            [r.generator or eng._default_gen for r in reqs], drafts=proposed,
+            [eng.generator(r) for r in reqs], drafts=proposed,
         )  # fmt: skip
         committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
-        eng.kv.commit(batch, committed)
+        eng.commit(batch, committed)
         keep = to_device(
             [j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)],
             eng.device,
@@ -157,7 +167,7 @@ class Speculator:
                 c.per_position[i] += 1
             req.num_computed = committed[r]
             new = [*proposed[r][: v.num_accepted], v.next_token]
-            out = eng._append_tokens(req, new, logits[cu[r] : cu[r] + len(new)])
+            out = eng.emit(req, new, logits[cu[r] : cu[r] + len(new)])
             emitted += len(out.new_token_ids)
             outs.append(out)
         self.widths.observe(k, load, time.perf_counter() - t0, emitted)
@@ -166,12 +176,11 @@ class Speculator:
     def _cap(self, req: Request, k: int) -> int:
         """The most queries ``req`` can verify this round (anchor included): within its token
         budget and context, and with KV room for all of them (else one query)."""
-        eng = self.engine
-        left = min(
-            req.params.max_tokens - len(req.output_ids), eng.cfg.max_model_len - req.num_tokens
-        )
+        eng = self.target
+        left = min(req.params.max_tokens - len(req.output_ids), eng.max_model_len - req.num_tokens)
         cap = max(1, min(k, left))
-        if not eng.kv.ensure(req.slot, req.num_tokens - 1 + cap):
+        assert req.slot is not None
+        if not eng.ensure_room(req.slot, req.num_tokens - 1 + cap):
             cap = 1
         return cap
 
@@ -179,4 +188,5 @@ class Speculator:
         """Whether ``req`` has KV room for k queries this round, within its context (rows past
         what it commits are written, then never read)."""
         end = req.num_tokens - 1 + k
-        return end <= self.engine.cfg.max_model_len and self.engine.kv.ensure(req.slot, end)
+        assert req.slot is not None
+        return end <= self.target.max_model_len and self.target.ensure_room(req.slot, end)

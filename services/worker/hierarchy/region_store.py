@@ -1,0 +1,30 @@
+"""What the worker needs of the node's host store: ``KVHostStoreClient`` (over gRPC) or
+``LocalHostStore`` (a private arena in this process) both provide it."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from services.kv_host_store.records import Region
+
+
+class RegionStore(Protocol):
+    """What the worker needs of the host store: ``KVHostStoreClient`` or ``LocalHostStore``."""
+
+    def allocate(
+        self,
+        request_id: str,
+        owner: str,
+        source: int,
+        num_rows: int,
+        row_bytes: int,
+        generation: int = 0,
+    ) -> Region: ...
+
+    def mark_durable(
+        self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
+    ) -> int: ...
+
+    def release_request(self, owner: str, request_id: str, generation: int = 0) -> object: ...
+
+    def release_region(self, owner: str, region_id: str, generation: int = 0) -> object: ...

@@ -1,0 +1,70 @@
+"""One forward pass as the payload holds it between ``begin`` and ``commit``.
+
+Everything a serving mode decides for a pass lives here, in one place: the batch, where each
+source's new rows go (the hierarchy's plans, and the device rows those plans are views of) and
+which rows the pass wrote. The CUDA-graph runner keys a pass by ``graph_key``, copies a live
+pass's ``plan_rows`` into its graph's own before a replay, and hands back the rows the replay
+wrote (``written``) for the commit; it touches nothing else of a payload."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from services.worker.hierarchy.plan import ChunkPlan
+    from services.worker.kv.batch import ForwardBatch
+
+# per source: (slots [n], rows [n], store locations [n]) a pass wrote
+Written = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+@dataclass
+class PassState:
+    """The current pass: ``batch``; per source its ``plans`` (empty in resident serving, whose
+    rows are written where they live); ``plan_rows`` [U, 5, R], the device rows of the U
+    distinct plans; ``plan_index``, which of the U each source uses; ``written``, the rows
+    this pass wrote, backed up at commit."""
+
+    batch: ForwardBatch | None = None
+    plans: list[ChunkPlan] = field(default_factory=list)
+    plan_rows: torch.Tensor | None = None
+    plan_index: tuple[int, ...] = ()
+    written: Written = field(default_factory=dict)
+    # [max_slots] each slot's index in ``batch``, filled when first read in a pass (a decode
+    # pass never reads it); None: the mode never asks
+    slot_index: torch.Tensor | None = None
+    slot_index_fresh: bool = False
+
+    def begin(
+        self,
+        batch: ForwardBatch,
+        plans: list[ChunkPlan],
+        plan_rows: torch.Tensor | None,
+        plan_index: tuple[int, ...],
+    ) -> None:
+        """A new pass over ``batch`` with the given plans; nothing written yet."""
+        self.batch, self.plans, self.plan_rows, self.plan_index = (
+            batch,
+            plans,
+            plan_rows,
+            plan_index,
+        )
+        self.written.clear()
+        self.slot_index_fresh = False
+
+    def req_of_slot(self) -> torch.Tensor:
+        """[max_slots] each slot's index in the current batch (other slots: stale)."""
+        assert self.batch is not None and self.slot_index is not None, "begin() the pass first"
+        if not self.slot_index_fresh:
+            b = self.batch
+            self.slot_index[b.slots] = torch.arange(b.num_requests, device=self.slot_index.device)
+            self.slot_index_fresh = True
+        return self.slot_index
+
+    def graph_key(self) -> tuple:
+        """What of the pass's plans a captured graph bakes in: which sources share a plan, and
+        which plans resolve every row directly (no hot-cache scan, no host reads)."""
+        return (self.plan_index, tuple(p.all_direct for p in self.plans))
