@@ -136,7 +136,9 @@ class Churn(RuleBasedStateMachine):
             elif sum(h.pages for h in holders) < deficit:  # cannot be covered: just wait
                 assert self.res.last_reclaim is None
             else:  # exactly eq. 4's first q requests, in the reclaim order
-                want = requests_to_reclaim(reclaim_order(holders, self.res.cfg.reclaim_order), deficit)
+                want = requests_to_reclaim(
+                    reclaim_order(holders, self.res.cfg.reclaim_order), deficit
+                )
                 assert self.res.last_reclaim == [h.slot for h in want]
             return
         prompt = torch.randint(0, 256, (length,), generator=self.gen).tolist()
@@ -268,7 +270,10 @@ def test_index_keys_take_pages_of_the_payload_pool(mode: str) -> None:
     assert kv.admit(0, "a", 100, 300)
     assert pages.free == free0 - need
     store = kv.payload.store.rows
-    lo, hi = store.data_ptr(), store.data_ptr() + pages.total * kv.payload.store.page * store.shape[1] * 4
+    lo, hi = (
+        store.data_ptr(),
+        store.data_ptr() + pages.total * kv.payload.store.page * store.shape[1] * 4,
+    )
     for pool in kv.index_keys.pools.values():
         assert lo <= pool.data.data_ptr() < hi and pool.nbytes == 0
     mem = kv.memory()
@@ -345,12 +350,16 @@ def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> No
         assert all(type(key) is int and not gc.is_tracked(key) for key in keys)
         pages = [page_of_key(key) for key in keys]
         assert len(set(pages)) == len(pages)
-        assert all(0 <= src < kv.payload.store.num_sources and 0 <= i < -(-140 // 16) for src, i in pages)
+        assert all(
+            0 <= src < kv.payload.store.num_sources and 0 <= i < -(-140 // 16) for src, i in pages
+        )
     for _ in range(4):
         kv.maintain()
         kv.check()
     for s in short:
-        assert len(res.history.owner(res.history.current_id(s)).wanted) == wanted[s]  # nothing refilled
+        assert (
+            len(res.history.owner(res.history.current_id(s)).wanted) == wanted[s]
+        )  # nothing refilled
     for s in long_:
         assert len(res.history.owner(res.history.current_id(s)).wanted) < wanted[s]
     assert res.stats.repopulated_pages > 0
