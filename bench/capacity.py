@@ -30,11 +30,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from bench.lockstep import OwnClock, lockstep
 from bench.steps import StepRates
+from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import CAPTURE_POLICIES
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses, freeze_heap
 from services.worker.engine.request import SamplingParams
-from services.worker.kv.cache import KVCache, bytes_per_token
+from services.worker.hierarchy.build import hierarchy_fixed_bytes
+from services.worker.kv.config import bytes_per_token
 from services.worker.model import LayerSpec, ModelConfig, SourceSpec, build_model
 
 MODES = ("resident", "hisparse", "adaptive")
@@ -71,7 +73,7 @@ def build_engine(mode: str, args, budget: int) -> tuple[Engine, int, int]:
     fixed = 0
     if mode != "resident":
         probe = EngineConfig(kv_pool_mib=budget / 2**20, **common)
-        fixed = KVCache.hierarchy_fixed_bytes(MODEL.cfg, probe.kv_config(MODEL.embed.weight.dtype))
+        fixed = hierarchy_fixed_bytes(MODEL.cfg, probe.kv_config(MODEL.embed.weight.dtype))
     pool = budget + fixed
     engine = Engine(
         EngineConfig(kv_pool_mib=pool / 2**20, **common), model=MODEL, tokenizer=TOKENIZER

@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.lockstep import OwnClock, lockstep
 from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 
 ROOT = Path(__file__).resolve().parents[1]

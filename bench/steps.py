@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import statistics
 
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 
 

@@ -3,10 +3,11 @@ kernels warmed up before anything is timed."""
 
 from __future__ import annotations
 
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
+from services.worker.hierarchy.build import hierarchy_fixed_bytes
 from services.worker.hierarchy.local_store import LocalHostStore
-from services.worker.kv.cache import KVCache
 
 from .config import EngineKey
 from .setup import Sizing, Target, drafter_source
@@ -40,7 +41,7 @@ def pool_bytes(target: Target, cfg: EngineConfig, sizing: Sizing) -> tuple[int, 
     if cfg.mode == "resident":
         return sizing.budget_bytes, 0
     dtype = next(target.model.parameters()).dtype
-    fixed = KVCache.hierarchy_fixed_bytes(target.model.cfg, cfg.kv_config(dtype))
+    fixed = hierarchy_fixed_bytes(target.model.cfg, cfg.kv_config(dtype))
     return sizing.budget_bytes + fixed, fixed
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from bench.lockstep import OwnClock, lockstep
-from services.worker.engine.engine import EngineConfig
+from services.worker.engine.config import EngineConfig
 
 from .config import EngineKey, Load, RunSpec
 from .engines import build_engine, engine_config, pool_bytes

@@ -11,7 +11,7 @@ import torch
 
 from dhisparse.capacity import profile_from_model_config, session_bytes
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
-from services.worker.kv.cache import bytes_per_token
+from services.worker.kv.config import bytes_per_token
 from services.worker.model import DSAModel, build_model, load_model
 from services.worker.model.presets import PRESETS
 from services.worker.speculative.drafters.io import DRAFTERS

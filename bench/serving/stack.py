@@ -15,7 +15,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.worker.engine.engine import EngineConfig
+from services.worker.engine.config import EngineConfig
 
 HOST = "127.0.0.1"
 

@@ -20,7 +20,8 @@ import pytest
 
 from dhisparse.tokenizer import ByteTokenizer, render_chat
 from services.kv_host_store.client import KVHostStoreClient
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from tests.conftest import free_port
 

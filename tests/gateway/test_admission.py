@@ -321,7 +321,8 @@ def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes
     worker's admission reserves for them."""
     from dhisparse.capacity import session_bytes
     from services.gateway.sizing import capacity_mode
-    from services.worker.kv.cache import KVCache, KVCacheConfig
+    from services.worker.kv.cache import KVCache
+    from services.worker.kv.config import KVCacheConfig
 
     kv = KVCache(
         CONFIG,

@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model import DSAModel, LayerTrace, build_model, preset
 from training.target.config import TrainConfig
 from training.target.corpus import build_corpus

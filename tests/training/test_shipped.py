@@ -13,7 +13,8 @@ from safetensors import safe_open
 
 from dhisparse.paths import ROOT
 from dhisparse.tokenizer import ByteTokenizer
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.model import load_model
 from services.worker.speculative.config import SpeculationConfig

@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model import DSAModel, LayerTrace, build_model, preset
 
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model import LayerTrace, build_model, preset
 from tests.worker.helpers import make
 

@@ -6,7 +6,8 @@ from __future__ import annotations
 import torch
 
 from dhisparse import metrics as m
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import SamplingParams
 from services.worker.metrics import WorkerMetrics

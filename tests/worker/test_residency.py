@@ -12,10 +12,12 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model import build_model, preset
 from services.worker.residency.completions import ManualCompletions
 from services.worker.residency.config import ResidencyConfig

@@ -16,7 +16,8 @@ from services.kv_host_store.errors import FailedPrecondition
 from services.worker.async_engine import AsyncEngine, SessionNotFound
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.local_store import LocalHostStore

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine, EngineConfig
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 

@@ -16,7 +16,8 @@ import torch
 
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model.model import DSAModel
 from training.target.corpus import meta_path
 from training.target.data import load_corpus, to_tokens

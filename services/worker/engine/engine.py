@@ -38,7 +38,7 @@ from services.worker.speculative.speculator import Speculator, make_drafter
 if TYPE_CHECKING:
     from services.worker.durable.journal import Journal
 
-__all__ = ["Engine", "EngineConfig", "EngineStats"]
+__all__ = ["Engine"]
 
 
 class Engine:

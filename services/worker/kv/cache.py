@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.session import SessionBackup
     from services.worker.residency.optional_history import ResidencyStats
 
-__all__ = ["MODES", "KVCache", "KVCacheConfig", "MemoryUsage", "bytes_per_token"]
+__all__ = ["KVCache"]
 
 
 class KVCache:
@@ -76,14 +76,6 @@ class KVCache:
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
         self._ensured: dict[int, int] = {}  # slot -> tokens it holds without new pages
-
-    @staticmethod
-    def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
-        """Allocations of a hierarchy mode that do not grow with sessions: token rings,
-        prefill scratch, hot-cache metadata and staging (index keys and pages excluded)."""
-        from services.worker.hierarchy.build import hierarchy_fixed_bytes
-
-        return hierarchy_fixed_bytes(model_cfg, cfg)
 
     def _hierarchy(
         self, host: tuple[RegionStore, ArenaMapping] | None, rings: int, args: tuple

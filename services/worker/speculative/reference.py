@@ -18,7 +18,8 @@ import torch
 from services.worker.engine.request import SamplingParams
 from services.worker.engine.sampling import sample_token
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache, KVCacheConfig
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model.model import DSAModel
 from services.worker.speculative.drafters.base import Drafter
 from services.worker.speculative.verify import verify
