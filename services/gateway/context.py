@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from dhisparse.tokenizer import Tokenizer
 from services.gateway.errors import model_not_found, service_unavailable
-from services.gateway.fanout import ChoiceStream, start_choices
-from services.gateway.generation import GenerationInput
+from services.gateway.fanout import ChoiceStream, collect, start_choices
+from services.gateway.generation import ChoiceResult, GenerationInput
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.openapi import SchemaLimits
 from services.gateway.preprocess import Limits, template_roles
@@ -92,3 +92,9 @@ class GatewayContext:
         """Starts the worker requests of one HTTP request; see ``fanout.start_choices``."""
         trackers = [self.metrics.track(model, arrival) for _ in inputs]
         return await start_choices(self.pool.generate, inputs, trackers)
+
+    async def complete(
+        self, inputs: Sequence[GenerationInput], model: str, arrival: float
+    ) -> list[ChoiceResult]:
+        """``start``, then every choice to its end (non-streaming responses)."""
+        return await collect(await self.start(inputs, model, arrival))
