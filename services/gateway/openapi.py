@@ -105,6 +105,8 @@ def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
         }
         if status in (429, 503):
             entry["headers"] = _RETRY_HEADERS
+        elif status == 400:  # too-large: a request no worker can hold
+            entry["headers"] = {REASON_HEADER: _RETRY_HEADERS[REASON_HEADER]}
         out[status] = entry
     return out
 
