@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
 from dhisparse.tokenizer import load_tokenizer
@@ -20,8 +20,22 @@ from services.gateway.errors import install_error_handlers
 from services.gateway.ledger import Ledger, LocalLedger
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.middleware import ApiKeyMiddleware, BodyLimitMiddleware
+from services.gateway.openapi import (
+    CHAT_RULES,
+    COMPLETION_RULES,
+    error_responses,
+    generation_responses,
+    install_openapi,
+)
 from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
-from services.gateway.responses import ModelCard, ModelList
+from services.gateway.responses import (
+    ChatCompletionChunk,
+    ChatCompletionResponse,
+    CompletionResponse,
+    HealthResponse,
+    ModelCard,
+    ModelList,
+)
 from services.gateway.routing import Admission
 from services.gateway.settings import GatewaySettings
 from services.gateway.sizing import SessionSizer
@@ -90,7 +104,7 @@ def create_app(
         resume_deadline_s=settings.resume_deadline_s,
         metrics=metrics,
     )
-    ctx = GatewayContext(settings, tokenizer, pool, metrics)
+    ctx = GatewayContext.of(settings, tokenizer, pool, metrics)
     created = int(time.time())
 
     @asynccontextmanager
@@ -116,12 +130,17 @@ def create_app(
     app = FastAPI(title="dhisparse gateway", lifespan=lifespan)
     app.state.ctx = ctx
     install_error_handlers(app)
+    install_openapi(app, ctx.schema_limits)
     # The last added runs first: auth, then the body limit.
     app.add_middleware(BodyLimitMiddleware, max_bytes=settings.max_request_bytes)
     if settings.api_key:
         app.add_middleware(ApiKeyMiddleware, api_key=settings.api_key)
 
-    @app.post("/v1/chat/completions")
+    @app.post(
+        "/v1/chat/completions",
+        description=CHAT_RULES,
+        responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
+    )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
         _log_ignored_fields(body, "chat/completions")
         try:
@@ -129,7 +148,11 @@ def create_app(
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
 
-    @app.post("/v1/completions")
+    @app.post(
+        "/v1/completions",
+        description=COMPLETION_RULES,
+        responses=generation_responses(CompletionResponse, CompletionResponse),
+    )
     async def completions(body: CompletionRequest, request: Request) -> Response:
         _log_ignored_fields(body, "completions")
         try:
@@ -137,7 +160,7 @@ def create_app(
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> ModelList:
         info = pool.model_info()
         card = ModelCard(
@@ -148,7 +171,11 @@ def create_app(
         )
         return ModelList(data=[card])
 
-    @app.get("/health")
+    @app.get(
+        "/health",
+        response_model=HealthResponse,
+        responses={503: {"model": HealthResponse, "description": "No worker is healthy"}},
+    )
     async def health() -> JSONResponse:
         """200 while at least one worker is healthy, else 503."""
         workers = {s.address: "healthy" if s.healthy else "unhealthy" for s in pool.statuses()}
@@ -158,7 +185,7 @@ def create_app(
             status_code=200 if ok else 503,
         )
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse)
     async def metrics() -> Response:
         body, content_type = ctx.metrics.render()
         return Response(body, media_type=content_type)

@@ -11,7 +11,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.context import GatewayContext
-from services.gateway.fanout import ChoiceStream, collect, merge
+from services.gateway.fanout import ChoiceStream, merge
 from services.gateway.generation import GenerationInput
 from services.gateway.preprocess import chat_prompt_ids, chat_sampling, resolve_max_tokens
 from services.gateway.protocol import ChatCompletionRequest
@@ -46,14 +46,15 @@ async def create_chat_completion(
         GenerationInput(f"{response_id}-{i}", tuple(prompt_ids), sampling.for_choice(i), model)
         for i in range(req.n)
     ]
-    streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
     top = sampling.top_logprobs if sampling.want_logprobs else None
     if req.stream:
+        streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
         chunks = chat_chunks(
             response_id, model, streams, len(prompt_ids), top, include_usage=req.include_usage
         )
         return sse_response(chunks)
-    results = await cancel_on_disconnect(request, collect(streams))
+    # One wait for the first tokens and the rest alike (one disconnect watch, not two).
+    results = await cancel_on_disconnect(request, ctx.complete(inputs, model, arrival))
     body = ChatCompletionResponse(
         id=response_id,
         created=now(),

@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response
 
 from services.gateway.context import GatewayContext
 from services.gateway.errors import bad_request
-from services.gateway.fanout import ChoiceStream, collect, merge
+from services.gateway.fanout import ChoiceStream, merge
 from services.gateway.generation import GenerationInput
 from services.gateway.preprocess import (
     completion_prompt_ids,
@@ -62,13 +62,14 @@ async def create_completion(
                     f"{response_id}-{len(inputs)}", tuple(ids), sampling.for_choice(i), model
                 )
             )
-    streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
     if req.stream:
+        streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
         chunks = completion_chunks(
             response_id, model, streams, prompt_tokens, top, include_usage=req.include_usage
         )
         return sse_response(chunks)
-    results = await cancel_on_disconnect(request, collect(streams))
+    # One wait for the first tokens and the rest alike (one disconnect watch, not two).
+    results = await cancel_on_disconnect(request, ctx.complete(inputs, model, arrival))
     body = CompletionResponse(
         id=response_id,
         created=now(),

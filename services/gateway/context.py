@@ -9,10 +9,11 @@ from dataclasses import dataclass
 
 from dhisparse.tokenizer import Tokenizer
 from services.gateway.errors import model_not_found, service_unavailable
-from services.gateway.fanout import ChoiceStream, start_choices
-from services.gateway.generation import GenerationInput
+from services.gateway.fanout import ChoiceStream, collect, start_choices
+from services.gateway.generation import ChoiceResult, GenerationInput
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.preprocess import Limits
+from services.gateway.openapi import SchemaLimits
+from services.gateway.preprocess import Limits, template_roles
 from services.gateway.settings import GatewaySettings
 from services.gateway.worker_client import WorkerPool
 
@@ -25,6 +26,17 @@ class GatewayContext:
     tokenizer: Tokenizer
     pool: WorkerPool
     metrics: GatewayMetrics
+    chat_roles: tuple[str, ...] = ()  # what the chat template renders (``template_roles``)
+
+    @classmethod
+    def of(
+        cls,
+        settings: GatewaySettings,
+        tokenizer: Tokenizer,
+        pool: WorkerPool,
+        metrics: GatewayMetrics,
+    ) -> GatewayContext:
+        return cls(settings, tokenizer, pool, metrics, template_roles(tokenizer.chat_template))
 
     def served_model_name(self) -> str:
         """The configured name, else the workers' model name, else the ``model`` setting (until
@@ -57,9 +69,32 @@ class GatewayContext:
             default_max_tokens=self.settings.default_max_tokens,
         )
 
+    def schema_limits(self) -> SchemaLimits:
+        """What ``/openapi.json`` states of this server; the model's name and context length
+        once a worker has told them."""
+        info = self.pool.model_info()
+        named = info is not None or bool(self.settings.served_model_name)
+        return SchemaLimits(
+            max_n=self.settings.max_n,
+            max_logprobs=self.settings.max_logprobs,
+            vocab_size=(info.vocab_size if info else 0) or self.tokenizer.vocab_size,
+            roles=self.chat_roles,
+            empty_text_prompt_ok=bool(self.tokenizer.encode("", add_bos=True)),
+            max_request_bytes=self.settings.max_request_bytes,
+            api_key=bool(self.settings.api_key),
+            served_model=self.served_model_name() if named else None,
+            max_model_len=self.pool.max_model_len(),
+        )
+
     async def start(
         self, inputs: Sequence[GenerationInput], model: str, arrival: float
     ) -> list[ChoiceStream]:
         """Starts the worker requests of one HTTP request; see ``fanout.start_choices``."""
         trackers = [self.metrics.track(model, arrival) for _ in inputs]
         return await start_choices(self.pool.generate, inputs, trackers)
+
+    async def complete(
+        self, inputs: Sequence[GenerationInput], model: str, arrival: float
+    ) -> list[ChoiceResult]:
+        """``start``, then every choice to its end (non-streaming responses)."""
+        return await collect(await self.start(inputs, model, arrival))

@@ -14,6 +14,10 @@ from services.gateway.generation import (
     TopLogprob,
 )
 
+# The smallest normal float32: a smaller top_p would reach the worker as 0, which proto3 cannot
+# tell from "unset" (1.0); this one still keeps only the most likely token.
+_TOP_P_FLOOR = 1.1754943508222875e-38
+
 _FINISH: dict[int, FinishReason | None] = {
     worker_pb2.FINISH_REASON_UNSPECIFIED: None,
     worker_pb2.FINISH_REASON_STOP: "stop",
@@ -49,7 +53,7 @@ def generate_request(inp: GenerationInput) -> worker_pb2.GenerateRequest:
     s = inp.sampling
     sampling = worker_pb2.SamplingParams(
         temperature=s.temperature,
-        top_p=s.top_p,
+        top_p=max(s.top_p, _TOP_P_FLOOR),
         top_k=s.top_k,
         max_tokens=s.max_tokens,
         stop=list(s.stop),

@@ -16,6 +16,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from services.gateway.routing import AdmissionRejected
@@ -42,6 +43,19 @@ ERROR_TYPES: dict[int, str] = {
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
+
+
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """The body of every error (``error_body``), for the OpenAPI schema."""
+
+    error: ErrorDetail
 
 
 class APIError(Exception):

@@ -91,9 +91,12 @@ async def start_choices(
     (their calls cancelled) and its error is raised."""
     streams = [ChoiceStream(generate(inp), t) for inp, t in zip(inputs, trackers, strict=True)]
     try:
-        async with asyncio.TaskGroup() as tg:
-            for s in streams:
-                tg.create_task(s.prefetch())
+        if len(streams) == 1:  # the common case, without a task of its own
+            await streams[0].prefetch()
+        else:
+            async with asyncio.TaskGroup() as tg:
+                for s in streams:
+                    tg.create_task(s.prefetch())
     except BaseExceptionGroup as group:
         await close_all(streams)
         raise _first_error(group) from None
@@ -106,6 +109,13 @@ async def start_choices(
 async def merge(streams: Sequence[ChoiceStream]) -> AsyncIterator[tuple[int, GenerationDelta]]:
     """(choice index, delta) as they arrive; ends when every choice is done. An error in one
     choice ends the merge with that error."""
+    if len(streams) == 1:  # nothing to interleave: no task per delta
+        try:
+            while (delta := await streams[0].next()) is not None:
+                yield 0, delta
+        finally:
+            await close_all(streams)
+        return
     pending: dict[asyncio.Task[GenerationDelta | None], int] = {
         asyncio.ensure_future(s.next()): i for i, s in enumerate(streams)
     }

@@ -11,10 +11,16 @@ from typing import Any
 from dhisparse.tokenizer import ChatTemplateError, Tokenizer, render_chat
 from services.gateway.errors import bad_request, context_overflow
 from services.gateway.generation import SEED_MODULUS, SamplingSpec
-from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.gateway.protocol import (
+    GREEDY_BELOW,
+    ChatCompletionRequest,
+    ChatMessage,
+    CompletionRequest,
+)
 
 # Template variables the gateway sets itself; chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+_OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
 @dataclass(frozen=True)
@@ -29,30 +35,34 @@ class Limits:
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: ``content`` a string. Text parts are joined
-    with newlines (vLLM's "string" content format); any other part type is refused."""
+    """Messages as the chat template expects them: ``content`` a string. Text parts (the only
+    kind ``ChatMessage`` admits) are joined with newlines (vLLM's "string" content format)."""
     out: list[dict[str, Any]] = []
-    for i, m in enumerate(messages):
+    for m in messages:
         if m.content is None or isinstance(m.content, str):
             content = m.content or ""
         else:
-            texts: list[str] = []
-            for part in m.content:
-                if part.type != "text":
-                    raise bad_request(
-                        f"messages[{i}]: content part type {part.type!r} is not supported; "
-                        "this model accepts text only",
-                        "messages",
-                    )
-                if part.text is None:
-                    raise bad_request(f"messages[{i}]: a text part needs 'text'", "messages")
-                texts.append(part.text)
-            content = "\n".join(texts)
+            content = "\n".join(part.text for part in m.content)
         message: dict[str, Any] = {"role": m.role, "content": content}
         if m.name is not None:
             message["name"] = m.name
         out.append(message)
     return out
+
+
+def template_roles(template: str) -> tuple[str, ...]:
+    """Those of OpenAI's roles that ``template`` renders: alone, before a user message or after
+    one (a template may still refuse some orders of them)."""
+    roles: list[str] = []
+    for role in _OPENAI_ROLES:
+        for chat in ((role,), (role, "user"), ("user", role)):
+            try:
+                render_chat(template, [{"role": r, "content": "x"} for r in chat])
+            except Exception:  # any failure: the template does not take this chat
+                continue
+            roles.append(role)
+            break
+    return tuple(roles)
 
 
 def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
@@ -109,14 +119,25 @@ def resolve_max_tokens(prompt_tokens: int, requested: int | None, limits: Limits
     return room
 
 
-def _check_n_and_stops(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
+def _check_server_limits(req: ChatCompletionRequest | CompletionRequest, limits: Limits) -> None:
     if req.n > limits.max_n:
         raise bad_request(f"n must be at most {limits.max_n}, got {req.n}", "n")
+    if req.top_k is not None and req.top_k > limits.vocab_size:
+        # The worker's own rule, checked here too: a top_k past int32 would not even reach it.
+        raise bad_request(
+            f"top_k must be <= vocab size {limits.vocab_size}, got {req.top_k}", "top_k"
+        )
     for t in req.stop_token_ids or ():
         if t >= limits.vocab_size:
             raise bad_request(
                 f"stop token id {t} is out of range [0, {limits.vocab_size})", "stop_token_ids"
             )
+
+
+def _temperature(requested: float | None) -> float:
+    if requested is None:
+        return 1.0
+    return 0.0 if requested < GREEDY_BELOW else requested
 
 
 def _sampling(
@@ -127,7 +148,7 @@ def _sampling(
     limits: Limits,
     logprobs_param: str,
 ) -> SamplingSpec:
-    _check_n_and_stops(req, limits)
+    _check_server_limits(req, limits)
     if top_logprobs > limits.max_logprobs:
         raise bad_request(
             f"at most {limits.max_logprobs} logprobs per token may be requested, "
@@ -136,7 +157,7 @@ def _sampling(
         )
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=1.0 if req.temperature is None else req.temperature,
+        temperature=_temperature(req.temperature),
         top_p=1.0 if req.top_p is None else req.top_p,
         top_k=0 if req.top_k is None else req.top_k,
         seed=None if req.seed is None else req.seed % SEED_MODULUS,

@@ -6,9 +6,10 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
+from typing_extensions import TypedDict
 
 from services.gateway.generation import TokenLogprob
 
@@ -73,12 +74,19 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class DeltaDict(TypedDict, total=False):
+    """A serialized ``DeltaMessage`` (what its JSON Schema describes)."""
+
+    role: Literal["assistant"]
+    content: str
+
+
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
 
     @model_serializer(mode="wrap")
-    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> DeltaDict:
         # OpenAI sends only what changed: {"role": ...} first, then {"content": ...}.
         return {k: v for k, v in handler(self).items() if v is not None}
 
@@ -176,3 +184,11 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: Literal["list"] = "list"
     data: list[ModelCard]
+
+
+# --- health -----------------------------------------------------------------------------------
+class HealthResponse(BaseModel):
+    """``/health``: ``ok`` (200) while a worker is healthy, else ``unavailable`` (503)."""
+
+    status: Literal["ok", "unavailable"]
+    workers: dict[str, Literal["healthy", "unhealthy"]]

@@ -26,6 +26,7 @@ def assert_error(r: httpx.Response, status: int, error_type: str) -> dict[str, A
     ("extra", "param"),
     [
         ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 1e39}, "temperature"),
         ({"top_p": 0}, "top_p"),
         ({"top_p": 1.5}, "top_p"),
         ({"top_k": -2}, "top_k"),
@@ -74,12 +75,44 @@ async def test_malformed_chat_bodies_are_400(client: httpx.AsyncClient, body: An
 
 
 @pytest.mark.parametrize("stream", [False, True])
-async def test_params_the_worker_refuses_are_400(client: httpx.AsyncClient, stream: bool) -> None:
-    # The gateway leaves top_k's upper bound to the worker, which answers INVALID_ARGUMENT.
-    body = {"messages": MSG, "top_k": 100000, "stream": stream}
-    r = await client.post("/v1/chat/completions", json=body)
-    err = assert_error(r, 400, "BadRequestError")
-    assert "top_k" in err["message"]
+async def test_top_k_past_the_vocabulary_is_400(client: httpx.AsyncClient, stream: bool) -> None:
+    # The worker's rule, checked by the gateway too: past int32 it could not even be sent.
+    for top_k in (100000, 2**40):
+        body = {"messages": MSG, "top_k": top_k, "stream": stream}
+        r = await client.post("/v1/chat/completions", json=body)
+        err = assert_error(r, 400, "BadRequestError")
+        assert "top_k" in err["message"]
+        assert err["param"] == "top_k"
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [
+        {"temperature": 1e-40},  # greedy: dividing logits by it would overflow float32
+        {"temperature": 3.4e38, "min_tokens": 1},  # the largest float32
+        {"top_p": 1e-50},  # below float32's range: still the most likely token only
+    ],
+)
+async def test_extreme_sampling_values_leave_the_worker_alive(
+    client: httpx.AsyncClient, extra: dict[str, Any]
+) -> None:
+    """Values like these once reached the worker as 0 or infinity, and its sampler's NaNs
+    ended its engine: every later request got a 503."""
+    r = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 2, **extra})
+    assert r.status_code == 200, r.text
+    r = await client.post("/v1/chat/completions", json={"messages": MSG, "max_tokens": 1})
+    assert r.status_code == 200, r.text
+
+
+async def test_lone_surrogate_is_400(client: httpx.AsyncClient) -> None:
+    for body in (
+        b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+        b'{"prompt": "x", "stop": "\\udfff"}',
+    ):
+        path = "/v1/chat/completions" if b"messages" in body else "/v1/completions"
+        r = await client.post(path, content=body, headers={"content-type": "application/json"})
+        err = assert_error(r, 400, "BadRequestError")
+        assert "lone surrogate" in err["message"]
 
 
 async def test_extreme_seeds_are_accepted(client: httpx.AsyncClient) -> None:

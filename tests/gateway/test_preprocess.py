@@ -16,6 +16,7 @@ from services.gateway.preprocess import (
     completion_prompt_ids,
     completion_sampling,
     resolve_max_tokens,
+    template_roles,
 )
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
@@ -46,14 +47,18 @@ def test_content_parts_join_with_newlines() -> None:
     ]
 
 
-def test_non_text_part_is_refused() -> None:
-    msg = ChatMessage.model_validate(
-        {"role": "user", "content": [{"type": "input_audio", "input_audio": {}}]}
-    )
-    with pytest.raises(APIError) as e:
-        chat_messages([msg])
-    assert e.value.status == 400
-    assert "input_audio" in e.value.message
+def test_roles_of_a_template() -> None:
+    assert template_roles(TOK.chat_template) == ("system", "user", "assistant")
+    only_user = "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('no') }}"
+    only_user += "{% endif %}{{ m['content'] }}{% endfor %}"
+    assert template_roles(only_user) == ("user",)
+    assert template_roles("") == ()  # no template: /v1/chat/completions refuses every chat
+
+
+def test_tiny_temperatures_are_greedy() -> None:
+    # Dividing logits by a temperature this small overflows float32 in the worker's sampler.
+    assert chat_sampling(chat_req(temperature=1e-40), 1, LIMITS).temperature == 0.0
+    assert chat_sampling(chat_req(temperature=1e-5), 1, LIMITS).temperature == 1e-5
 
 
 def test_chat_prompt_ids_render_template_with_generation_prompt() -> None:
@@ -153,6 +158,9 @@ def test_server_limits_are_400() -> None:
         chat_sampling(chat_req(logprobs=True, top_logprobs=6), 1, LIMITS)
     with pytest.raises(APIError, match="stop token id"):
         chat_sampling(chat_req(stop_token_ids=[LIMITS.vocab_size]), 1, LIMITS)
+    with pytest.raises(APIError, match="top_k must be <= vocab size") as e:
+        chat_sampling(chat_req(top_k=2**40), 1, LIMITS)  # past int32: not even sendable
+    assert e.value.param == "top_k"
 
 
 def test_completion_logprobs_mapping() -> None:

@@ -6,7 +6,7 @@ import pytest
 from pydantic import ValidationError
 
 from services.gateway.errors import APIError, context_overflow, error_body, validation_message
-from services.gateway.protocol import ChatCompletionRequest, CompletionRequest
+from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
 
 
 def test_unknown_fields_are_kept_aside() -> None:
@@ -57,6 +57,42 @@ def test_neutral_values_of_unsupported_features_pass() -> None:
             "response_format": {"type": "text"},
         }
     )
+
+
+def test_content_parts_are_text() -> None:
+    msg = ChatMessage.model_validate(
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""}]}
+    )
+    assert [p.text for p in msg.content or ()] == ["a", ""]  # type: ignore[union-attr]
+    for part, why in [
+        ({"type": "input_audio", "input_audio": {}}, "content part type 'input_audio'"),
+        ({"type": "text"}, "a text part needs 'text'"),
+    ]:
+        with pytest.raises(ValidationError) as e:
+            ChatMessage.model_validate({"role": "user", "content": [part]})
+        message, param = validation_message(e.value.errors())
+        assert why in message
+        assert param == "content"  # "messages" once inside a request body
+
+
+def test_lone_surrogates_are_refused() -> None:
+    # What json.loads makes of "\ud800": not text a tokenizer or protobuf string can carry.
+    for body in (
+        {"messages": [{"role": "user", "content": "\ud800"}]},
+        {"messages": [{"role": "user", "content": "x"}], "stop": ["\udfff"]},
+    ):
+        with pytest.raises(ValidationError, match="lone surrogate"):
+            ChatCompletionRequest.model_validate(body)
+    with pytest.raises(ValidationError, match="lone surrogate"):
+        CompletionRequest.model_validate({"prompt": "a\ud800b"})
+    # A pair is one character.
+    ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "\U0001f600"}]})
+
+
+def test_temperature_must_fit_float32() -> None:
+    CompletionRequest(prompt="x", temperature=3.4e38)
+    with pytest.raises(ValidationError, match="temperature"):
+        CompletionRequest(prompt="x", temperature=1e39)  # would reach the worker as inf
 
 
 def test_error_body_shape() -> None:

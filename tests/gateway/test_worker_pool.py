@@ -10,7 +10,10 @@ from collections.abc import Collection, Sequence
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from services.gateway import GatewaySettings, create_app
+from services.gateway.errors import APIError
 from services.gateway.generation import GenerationInput, SamplingSpec
 from services.gateway.routing import ImmediateAdmission, WorkerStatus
 from services.gateway.worker_client import WorkerPool
@@ -69,6 +72,21 @@ async def test_failure_before_first_token_is_retried_elsewhere(worker: WorkerPro
     finally:
         await pool.close()
     assert worker.wait_idle()
+
+
+async def test_parameters_the_worker_refuses_are_400(worker: WorkerProcess) -> None:
+    """INVALID_ARGUMENT from the worker is the client's mistake (the HTTP layer checks top_k
+    itself; the pool is asked directly here)."""
+    pool = WorkerPool([worker.address])
+    await pool.start()
+    try:
+        inp = GenerationInput("refused-1", (1, 2, 3), sampling(top_k=100000))
+        with pytest.raises(APIError) as e:
+            _ = [d async for d in pool.generate(inp)]
+        assert e.value.status == 400
+        assert "top_k" in e.value.message
+    finally:
+        await pool.close()
 
 
 async def test_gateway_without_workers_is_503() -> None:
