@@ -336,7 +336,7 @@ def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes
         assert layout["index_key_page_rows"] == 16 * CONFIG.d_kv // CONFIG.d_index
         w = worker("a", mode=mode, kv_layout_json=json.dumps(layout))
         profile = SessionSizer()._build_profile(w.config_json, w.kv_layout_json)
-        page_bytes = kv.payload.page * kv.payload.store.shape[1] * kv.payload.store.element_size()
+        page_bytes = kv.payload.store.page_bytes
         for tokens in (100, 1000, 5000):
             sized = session_bytes(profile, tokens, capacity_mode(mode)).index_keys
             assert sized == kv.index_keys.pages_for(tokens) * page_bytes

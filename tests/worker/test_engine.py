@@ -187,3 +187,16 @@ def test_maintenance_runs_between_steps_while_the_device_runs_the_decode_pass(mo
         assert between == ["maintain"], (prev, cur)
     decode_steps = steps[1:]  # both prompts were prefilled in the first step
     assert all(s[-2:] == ["commit", "maintain"] for s in decode_steps), decode_steps
+
+
+def test_sampling_values_that_would_overflow_are_greedy_or_refused() -> None:
+    """A temperature below 1e-5 samples greedily (dividing by it overflows float32, and the NaNs
+    would end the engine); one past float32's range, or not finite, is a client error."""
+    engine = Engine(EngineConfig(model="tiny-glm"))
+    prompt = [5, 6, 7, 8]
+    greedy = engine.generate([prompt], SamplingParams(temperature=0.0, max_tokens=6))[0]
+    tiny = engine.generate([prompt], SamplingParams(temperature=1e-40, max_tokens=6))[0]
+    assert tiny.output_ids == greedy.output_ids and tiny.params.greedy
+    for bad in (1e39, float("inf"), float("nan"), -1.0):
+        with pytest.raises(ValueError, match="temperature"):
+            engine.add_request(f"bad-{bad}", prompt, SamplingParams(temperature=bad))

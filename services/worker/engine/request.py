@@ -17,9 +17,15 @@ class FinishReason(enum.Enum):
     ABORT = "abort"
 
 
+# Temperatures below this sample as greedy (vLLM's convention): dividing logits by them
+# overflows float32.
+GREEDY_BELOW = 1e-5
+FLOAT32_MAX = 3.4028234663852886e38
+
+
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 1.0  # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy (so is anything below GREEDY_BELOW)
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
     seed: int | None = None
@@ -31,14 +37,18 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
 
+    def __post_init__(self) -> None:
+        if 0.0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError with a message fit for a client."""
-        if not self.temperature >= 0.0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0.0 <= self.temperature <= FLOAT32_MAX:
+            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k > vocab_size:
