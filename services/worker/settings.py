@@ -6,6 +6,7 @@ import socket
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dhisparse.devices import resolve_device
 from services.worker.engine.engine import EngineConfig
 
 
@@ -29,7 +30,7 @@ class WorkerSettings(BaseSettings):
     gc_freeze: bool = True
 
     model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
     seed: int = 0
     mode: str = "resident"
@@ -60,7 +61,7 @@ class WorkerSettings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
-            device=self.device,
+            device=resolve_device(self.device),
             dtype=self.dtype,
             seed=self.seed,
             mode=self.mode,

@@ -250,7 +250,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     """A real `redis-server` on a free port, nothing persisted; killed by PID at the end."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed: run .ci/setup-tools")
+        pytest.fail("redis-server is not installed: run scripts/test-tools (make test runs it)")
     port = free_port()
     log = tmp_path_factory.mktemp("redis") / "redis.log"
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

@@ -88,12 +88,18 @@ class Engine:
                 f"unknown graph capture policy {cfg.graph_capture!r}; choose from "
                 f"{CAPTURE_POLICIES}"
             )
-        if (
-            cfg.cuda_graphs
-            and self.device.type == "cuda"
-            and DecodeGraphs.supports(model)
-            and not self._check_invariants  # the checks read counters back: not capturable
-        ):
+        # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
+        # logs it at start-up and exports it (``dhisparse:worker_config_info``).
+        self.graphs_off_reason: str | None = None
+        if not cfg.cuda_graphs:
+            self.graphs_off_reason = "turned off (--no-cuda-graphs)"
+        elif self.device.type != "cuda":
+            self.graphs_off_reason = f"device {self.device} is not a GPU"
+        elif not DecodeGraphs.supports(model):
+            self.graphs_off_reason = "the model has compressed or windowed KV sources"
+        elif self._check_invariants:  # the checks read counters back: not capturable
+            self.graphs_off_reason = "DHISPARSE_CHECK_INVARIANTS is set"
+        if self.graphs_off_reason is None:
             self.graphs = DecodeGraphs(
                 model, self.kv, cfg.max_num_seqs, consecutive=cfg.graph_capture == "consecutive",
                 max_width=spec.k_max if spec is not None else 1,
