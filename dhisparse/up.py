@@ -277,10 +277,10 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"\n[up] dhisparse is serving {served_name(args.model)} ({args.model}) at "
             f"http://{args.host}:{args.port}/v1\n"
-            f"  curl http://{args.host}:{args.port}/v1/completions "
+            f"  curl -s http://{args.host}:{args.port}/v1/completions "
             "-H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{served_name(args.model)}", "prompt": "def fib(n):\\n", '
-            '"max_tokens": 48, "temperature": 0}\'\n'
+            f'    -d \'{{"model": "{served_name(args.model)}", '
+            '"prompt": "import os\\n\\n\\ndef main():\\n", "max_tokens": 24, "temperature": 0}\'\n'
             "[up] Ctrl-C stops the stack.\n",
             flush=True,
         )

@@ -136,3 +136,14 @@ def test_chat_gives_what_the_readme_says(stack: Stack) -> None:
     said = re.search(r'"Hello!" gets `([^`]+)`', README.read_text())
     assert said is not None
     assert sse_content(run(chat, stack)).startswith(said.group(1))
+
+
+def test_the_command_up_prints_works(stack: Stack) -> None:
+    """`dhisparse up` ends its start-up with a curl command to try; it runs as printed."""
+    log = stack.log.read_text()
+    banner = log[log.index("dhisparse is serving") : log.index("[up] Ctrl-C")]
+    command = banner[banner.index("curl ") :]
+    r = subprocess.run(["bash", "-c", command.strip()], capture_output=True, text=True,
+                       timeout=60, check=False)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["choices"][0]["text"].strip(), r.stdout
