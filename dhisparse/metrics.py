@@ -142,8 +142,8 @@ PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume 
 SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
 
 # --- worker: configuration ---------------------------------------------------------------------
-# gauge, always 1{device,mode,cuda_graphs,graphs_off_reason,graph_capture,drafter,durable_sessions}:
-# what the worker chose at start-up (an info metric: join on it, e.g. by mode)
+# gauge{device,mode,cuda_graphs,graphs_off_reason,graph_capture,drafter,durable_sessions}, always
+# 1 (an info metric): what the worker chose at start-up
 WORKER_CONFIG_INFO = PREFIX + "worker_config_info"
 
 # --- worker: decode passes ---------------------------------------------------------------------

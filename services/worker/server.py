@@ -146,7 +146,8 @@ def _take_over(engine: Engine, client, worker_id: str, settings: WorkerSettings)
 def _log_config(engine: Engine) -> None:
     """One line with what the worker chose; a warning when a GPU runs without CUDA graphs."""
     labels = config_labels(engine)
-    log.info("worker config: %s", " ".join(f"{k}={v or '-'}" for k, v in labels.items()))
+    shown = (f"{k}={v!r}" if " " in v or not v else f"{k}={v}" for k, v in labels.items())
+    log.info("worker config: %s", " ".join(shown))
     if engine.device.type == "cuda" and engine.graphs is None:
         log.warning(
             "CUDA graphs are off on %s: %s; decode passes run eagerly",
