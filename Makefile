@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROTOS := $(wildcard proto/dhisparse/rpc/*.proto)
 
-.PHONY: run test lint format proto proto-check install clean bench-resolver images
+.PHONY: run test tools lint format proto proto-check install clean bench-resolver images
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -43,7 +43,12 @@ format: $(STAMP)
 	$(BIN)/ruff check --fix .
 	$(BIN)/ruff format .
 
-test: $(STAMP) proto-check lint
+# The system tools and repo-local binaries the tests drive (redis-server, prometheus, helm,
+# hadolint); first, so that a missing one that needs root stops `make test` at once.
+tools:
+	@PYTHON=$(PYTHON) scripts/test-tools
+
+test: tools $(STAMP) proto-check lint
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
 # Container images (docker/*.Dockerfile), built from the repository root. Needs a Docker engine;

@@ -141,6 +141,11 @@ HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / gene
 PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
 SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
 
+# --- worker: configuration ---------------------------------------------------------------------
+# gauge{device,mode,cuda_graphs,graphs_off_reason,graph_capture,drafter,durable_sessions}, always
+# 1 (an info metric): what the worker chose at start-up
+WORKER_CONFIG_INFO = PREFIX + "worker_config_info"
+
 # --- worker: decode passes ---------------------------------------------------------------------
 # counter{path=graph|capture|eager}: replayed CUDA graph, captured (runs eagerly, then records),
 # or eager (no graph: a CPU, a key's first sighting, a model or verify round not captured)

@@ -2,7 +2,11 @@
 child processes. A child that dies is restarted (as Kubernetes restarts a pod): at once the
 first time, then with exponential backoff while it keeps dying. A restarted worker keeps its
 ``--worker-id``, so in a hierarchy mode it takes over the sessions its predecessor left in the
-host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops them all."""
+host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops them all.
+
+Its defaults run the system the paper describes: ``adaptive`` mode with durable sessions, on
+the GPU when CUDA is available (CUDA graphs on, the worker's default), with a host arena that
+must fit the machine (checked before anything starts)."""
 
 from __future__ import annotations
 
@@ -17,7 +21,11 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from dhisparse.devices import AUTO, resolve_device
 from dhisparse.paths import resolve_path
+from services.kv_host_store.errors import ArenaError
+from services.kv_host_store.fit import check_arena_fits
+from services.kv_host_store.settings import parse_size
 
 
 @dataclass
@@ -63,7 +71,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="models/glm-10m",
-        help="model directory (default: the shipped trained model) or a preset name (random weights)",
+        help="model directory (default: the shipped trained model) or a preset name (random "
+        "weights)",
     )
     p.add_argument(
         "--drafter",
@@ -74,8 +83,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--spec-width", type=int, default=4, help="K_max: queries per verify round")
     p.add_argument("--width-policy", default="online", choices=["fixed", "paper", "online"])
-    p.add_argument("--mode", default="resident", choices=["resident", "hisparse", "adaptive"])
-    p.add_argument("--device", default="cpu")
+    p.add_argument(
+        "--mode",
+        default="adaptive",
+        choices=["resident", "hisparse", "adaptive"],
+        help="serving mode (default adaptive: the load-adaptive hierarchy, durable sessions); "
+        "resident keeps every row on the device and no host backups, for comparison",
+    )
+    p.add_argument(
+        "--device",
+        default=AUTO,
+        help="cpu, cuda, or auto (default): cuda when torch sees a CUDA device, else cpu; "
+        "worker i of N gets cuda:i",
+    )
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1")
@@ -87,7 +107,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="first worker's Prometheus port (worker i: this + 10 i)",
     )
     p.add_argument("--kv-store-port", type=int, default=50061)
-    p.add_argument("--kv-store-capacity", default="1GiB", help="host arena size")
+    p.add_argument("--kv-store-metrics-port", type=int, default=9102, help="its Prometheus port")
+    p.add_argument(
+        "--kv-store-capacity",
+        default="1GiB",
+        help="host arena size (default 1GiB); start-up fails unless it fits both the free "
+        "space of the arena's filesystem and the available memory",
+    )
     p.add_argument("--arena-path", default=f"/dev/shm/dhisparse-arena-{os.getuid()}")
     p.add_argument("--kv-pool-mib", type=float, default=256.0)
     p.add_argument("--max-model-len", type=int, default=4096)
@@ -107,11 +133,12 @@ def served_name(model: str) -> str:
     return model
 
 
-def _spec_flags(args: argparse.Namespace) -> list[str]:
-    """The workers' speculative decoding flags ('none': plain decoding)."""
+def _spec_flags(args: argparse.Namespace, device: str) -> list[str]:
+    """The workers' speculative decoding flags on ``device`` (resolved: never 'auto');
+    'none': plain decoding."""
     drafter = args.drafter
     if drafter == "auto":
-        drafter = DEFAULT_DRAFTER if args.device == "cpu" else "none"
+        drafter = DEFAULT_DRAFTER if device == "cpu" else "none"
     if drafter in (None, "", "none"):
         return []
     return [
@@ -142,9 +169,49 @@ def _wait_http(url: str, deadline: float) -> bool:
     return False
 
 
+def worker_device(device: str, index: int) -> str:
+    """Worker ``index``'s device: its own GPU when ``device`` is plain ``cuda``."""
+    return f"cuda:{index}" if device == "cuda" else device
+
+
+def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
+    """``dhisparse worker`` flags of worker ``index`` on ``device`` (resolved: never 'auto').
+    What they leave out is the worker's default: CUDA graphs on a GPU, durable sessions in
+    the hierarchy modes."""
+    return [
+        sys.executable, "-m", "dhisparse.cli", "worker",
+        "--host", args.host,
+        "--port", str(args.worker_port + index),
+        "--metrics-port", str(args.worker_metrics_port + 10 * index),
+        "--model", args.model,
+        "--mode", args.mode,
+        "--device", worker_device(device, index),
+        "--kv-pool-mib", str(args.kv_pool_mib),
+        "--max-model-len", str(args.max_model_len),
+        "--kv-store", f"{args.host}:{args.kv_store_port}",
+        *_spec_flags(args, device),
+        "--worker-id", f"worker-{index}",
+    ]  # fmt: skip
+
+
 def main(args: argparse.Namespace) -> int:
+    try:
+        check_arena_fits(
+            args.arena_path,
+            parse_size(args.kv_store_capacity),
+            "--kv-store-capacity (DHISPARSE_KV_STORE_CAPACITY)",
+        )
+    except (ArenaError, ValueError) as e:
+        print(f"[up] {e}", file=sys.stderr)
+        return 2
+    device = resolve_device(args.device)
+    how = ""
+    if args.device == AUTO:
+        how = " (auto: no CUDA device)" if device == "cpu" else " (auto: CUDA is available)"
+    spec = _spec_flags(args, device)
+    drafter = spec[1] if spec else "none"
+    print(f"[up] device {device}{how}, mode {args.mode}, drafter {drafter}", flush=True)
     py = [sys.executable, "-m", "dhisparse.cli"]
-    store_addr = f"{args.host}:{args.kv_store_port}"
     store = Child(
         "kv-host-store",
         [
@@ -154,6 +221,8 @@ def main(args: argparse.Namespace) -> int:
             args.host,
             "--port",
             str(args.kv_store_port),
+            "--metrics-port",
+            str(args.kv_store_metrics_port),
             "--capacity",
             args.kv_store_capacity,
             "--arena-path",
@@ -161,38 +230,8 @@ def main(args: argparse.Namespace) -> int:
         ],
         args.kv_store_port,
     )
-    workers = [
-        Child(
-            f"worker-{i}",
-            [
-                *py,
-                "worker",
-                "--host",
-                args.host,
-                "--port",
-                str(args.worker_port + i),
-                "--metrics-port",
-                str(args.worker_metrics_port + 10 * i),
-                "--model",
-                args.model,
-                "--mode",
-                args.mode,
-                "--device",
-                args.device if args.device != "cuda" else f"cuda:{i}",
-                "--kv-pool-mib",
-                str(args.kv_pool_mib),
-                "--max-model-len",
-                str(args.max_model_len),
-                "--kv-store",
-                store_addr,
-                *_spec_flags(args),
-                "--worker-id",
-                f"worker-{i}",
-            ],
-            args.worker_port + i,
-        )
-        for i in range(args.workers)
-    ]
+    workers = [Child(f"worker-{i}", worker_argv(args, i, device), args.worker_port + i)
+               for i in range(args.workers)]  # fmt: skip
     worker_addrs = ",".join(f"{args.host}:{w.port}" for w in workers)
     gateway = Child(
         "gateway",
@@ -238,10 +277,10 @@ def main(args: argparse.Namespace) -> int:
         print(
             f"\n[up] dhisparse is serving {served_name(args.model)} ({args.model}) at "
             f"http://{args.host}:{args.port}/v1\n"
-            f"  curl http://{args.host}:{args.port}/v1/chat/completions "
+            f"  curl -s http://{args.host}:{args.port}/v1/completions "
             "-H 'Content-Type: application/json' \\\n"
-            f'    -d \'{{"model": "{served_name(args.model)}", "messages": [{{"role": "user", '
-            '"content": "Hello!"}], "max_tokens": 32, "stream": true}\'\n'
+            f'    -d \'{{"model": "{served_name(args.model)}", '
+            '"prompt": "import os\\n\\n\\ndef main():\\n", "max_tokens": 24, "temperature": 0}\'\n'
             "[up] Ctrl-C stops the stack.\n",
             flush=True,
         )

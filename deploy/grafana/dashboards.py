@@ -241,6 +241,23 @@ OVERVIEW = Dashboard(
                     ],
                     width=8,
                 ),
+                Panel(
+                    "Workers by configuration",
+                    "Workers per configuration they chose at start-up: device, serving mode,"
+                    " CUDA graphs and why they are off (a CPU, a model with compressed or"
+                    " windowed sources, --no-cuda-graphs), drafter.",
+                    [
+                        Target(
+                            "count by (device, mode, cuda_graphs, graphs_off_reason, drafter)"
+                            f" (dhisparse:worker_config_info{{{WK}}})",
+                            "{{device}} {{mode}}, graphs {{cuda_graphs}} {{graphs_off_reason}},"
+                            " drafter {{drafter}}",
+                        )
+                    ],
+                    kind="stat",
+                    width=24,
+                    height=4,
+                ),
             ],
         ),
     ],

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from services.kv_host_store.errors import ArenaError, ArenaInUse
+from services.kv_host_store.fit import check_arena_fits
 
 if TYPE_CHECKING:
     import numpy as np
@@ -45,21 +46,15 @@ class HostArena:
         replaced by a new file, not reused: workers still mapping the old one keep their old
         bytes and learn from the new ``store_id`` to remap. ``preallocate`` reserves the tmpfs
         pages now, so an over-committed /dev/shm fails here and not as a SIGBUS in a worker.
-        Raises ``ArenaInUse`` when a live store holds the file, ``ArenaError`` when /dev/shm
-        is too small.
+        Raises ``ArenaInUse`` when a live store holds the file, ``ArenaError`` when the arena
+        does not fit /dev/shm or the memory available (``check_arena_fits``).
         """
         path = Path(path)
         if capacity <= 0:
             raise ArenaError(f"arena capacity must be positive, got {capacity}")
         if path.exists():
             cls._remove_stale(path)
-        vfs = os.statvfs(path.parent)
-        available = vfs.f_bavail * vfs.f_frsize
-        if capacity > available:
-            raise ArenaError(
-                f"arena of {capacity} bytes does not fit in {path.parent} ({available} bytes "
-                "free): lower the capacity or enlarge the tmpfs"
-            )
+        check_arena_fits(path, capacity)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o660)
         except FileExistsError as e:  # another store created it since we looked

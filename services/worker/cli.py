@@ -26,7 +26,7 @@ _FLAGS: dict[str, tuple[type, str]] = {
 def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     """The engine knobs shared by ``worker`` and ``generate``."""
     p.add_argument("--model", help="preset name (tiny-glm, tiny-dsv4) or model directory")
-    p.add_argument("--device", help="cpu or cuda[:N]")
+    p.add_argument("--device", help="cpu, cuda[:N], or auto: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
     p.add_argument("--seed", type=int, help="random-init seed for presets")
     p.add_argument("--mode", choices=["resident", "hisparse", "adaptive"], help="serving mode")

@@ -16,6 +16,21 @@ from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import RequestOutput
 
 
+def config_labels(engine: Engine) -> dict[str, str]:
+    """What the worker chose at start-up, as the labels of ``dhisparse:worker_config_info``:
+    device, serving mode, CUDA graphs (and why they are off), drafter, durable sessions."""
+    cfg = engine.cfg
+    return {
+        "device": str(engine.device),
+        "mode": engine.kv.mode,
+        "cuda_graphs": "on" if engine.graphs is not None else "off",
+        "graphs_off_reason": engine.graphs_off_reason or "",
+        "graph_capture": cfg.graphs.capture,
+        "drafter": cfg.speculation.drafter or "none",
+        "durable_sessions": "on" if engine.kv.sessions is not None else "off",
+    }
+
+
 class WorkerMetrics:
     def __init__(
         self,
@@ -143,6 +158,16 @@ class WorkerMetrics:
         self.host_read_bytes.labels(model_name)
         self._prefill_seen = 0
         self._census_seen = (0, 0, 0, 0)
+
+    def describe(self, engine: Engine) -> None:
+        """Exports the worker's configuration (``config_labels``) as an info gauge."""
+        labels = config_labels(engine)
+        Gauge(
+            m.WORKER_CONFIG_INFO,
+            "The worker's configuration (always 1): device, mode, CUDA graphs, drafter",
+            ["model", *labels],
+            registry=self.registry,
+        ).labels(self.model, *labels.values()).set(1)
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         md = self.model

@@ -17,7 +17,7 @@ from services.worker.convert import output_to_proto, sampling_from_proto
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
-from services.worker.metrics import WorkerMetrics
+from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,19 @@ def _take_over(engine: Engine, client, worker_id: str, settings: WorkerSettings)
     return link
 
 
+def _log_config(engine: Engine) -> None:
+    """One line with what the worker chose; a warning when a GPU runs without CUDA graphs."""
+    labels = config_labels(engine)
+    shown = (f"{k}={v!r}" if " " in v or not v else f"{k}={v}" for k, v in labels.items())
+    log.info("worker config: %s", " ".join(shown))
+    if engine.device.type == "cuda" and engine.graphs is None:
+        log.warning(
+            "CUDA graphs are off on %s: %s; decode passes run eagerly",
+            engine.device,
+            engine.graphs_off_reason,
+        )
+
+
 async def start_server(
     settings: WorkerSettings, engine: Engine | None = None
 ) -> tuple[grpc.aio.Server, AsyncEngine]:
@@ -164,6 +177,8 @@ async def start_server(
             link = _take_over(engine, host[0], worker_id, settings)
     model_name = settings.served_model_name or engine.model_cfg.name
     metrics = WorkerMetrics(model_name)
+    metrics.describe(engine)
+    _log_config(engine)
     async_engine = AsyncEngine(
         engine,
         on_step=metrics.on_step,

@@ -6,6 +6,7 @@ import socket
 
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dhisparse.devices import resolve_device
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.residency.config import ResidencyConfig
@@ -32,10 +33,10 @@ class WorkerSettings(BaseSettings):
     gc_freeze: bool = True
 
     model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
-    device: str = "cpu"
+    device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
     seed: int = 0
-    mode: str = "resident"
+    mode: str = "adaptive"  # the paper's system; resident: the baseline
     kv_pool_mib: float = 256.0
     hot_cache_rows: int | None = None
     host_arena_mib: float = 256.0
@@ -63,7 +64,7 @@ class WorkerSettings(BaseSettings):
     def engine_config(self) -> EngineConfig:
         return EngineConfig(
             model=self.model,
-            device=self.device,
+            device=resolve_device(self.device),
             dtype=self.dtype,
             seed=self.seed,
             mode=self.mode,

@@ -1,5 +1,6 @@
-"""Shared helpers for the deployment tests: the repo-local tools (.ci/setup-tools installs
-helm and hadolint into .tools/bin; prometheus and promtool come from apt) and chart rendering."""
+"""Shared helpers for the deployment tests: the repo-local tools (scripts/test-tools, the first
+step of `make test`, installs helm and hadolint into .tools/bin, and prometheus and promtool from
+apt) and chart rendering."""
 
 from __future__ import annotations
 
@@ -29,7 +30,10 @@ def find_tool(name: str) -> str:
     found = shutil.which(name)
     if found:
         return found
-    pytest.fail(f"{name} not found on PATH or in {TOOLS_BIN}: run .ci/setup-tools", pytrace=False)
+    pytest.fail(
+        f"{name} not found on PATH or in {TOOLS_BIN}: run scripts/test-tools (make test runs it)",
+        pytrace=False,
+    )
 
 
 @pytest.fixture(scope="session")

@@ -37,6 +37,7 @@ TYPES: dict[str, str] = {
     metrics.HOST_READ_BYTES: "counter",
     metrics.PREFILL_TOKENS_COMPUTED: "counter",
     metrics.SESSIONS_RESUMED: "counter",
+    metrics.WORKER_CONFIG_INFO: "gauge",
     metrics.DECODE_PASSES: "counter",
     metrics.CUDA_GRAPHS: "gauge",
     metrics.GC_PAUSE_SECONDS: "counter",

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,32 +46,40 @@ class Stack:
         return None
 
 
+@contextmanager
+def up_stack(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
+    """``dhisparse up`` on free ports (and a fresh arena path), restarts on, then ``flags``;
+    ``env`` adds to the environment. Stopped, its children killed by PID, on exit."""
+    http, worker, store, store_metrics, metrics = (free_port() for _ in range(5))
+    arena = f"/dev/shm/dhisparse-e2e-up-{os.getpid()}-{http}"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
+             "--worker-port", str(worker), "--kv-store-port", str(store),
+             "--kv-store-metrics-port", str(store_metrics), "--arena-path", arena,
+             "--worker-metrics-port", str(metrics), *flags],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )  # fmt: skip
+    try:
+        wait_serving(proc, log)
+        yield Stack(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", log)
+    finally:
+        stop_stack(proc, log, arena)
+
+
 @pytest.fixture
 def stack(tmp_path: Path) -> Iterator[Stack]:
-    """``up --mode hisparse`` with restarts on, short leases and a short re-attach deadline."""
-    http, worker, store, metrics = free_port(), free_port(), free_port(), free_port()
-    arena = f"/dev/shm/dhisparse-e2e-durable-{os.getpid()}-{http}"
-    log = tmp_path / "up.log"
+    """``up --mode hisparse`` with short leases and a quick gateway health poll."""
     env = {
-        **os.environ,
         "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
         "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "60",
         "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
     }
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
-             "--worker-port", str(worker), "--kv-store-port", str(store), "--arena-path", arena,
-             "--worker-metrics-port", str(metrics), "--kv-pool-mib", "64",
-             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none"],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True, env=env,
-        )  # fmt: skip
-    st = Stack(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", log)
-    try:
-        wait_serving(proc, log)
+    flags = ("--kv-pool-mib", "64", "--max-model-len", "1024", "--mode", "hisparse",
+             "--drafter", "none")  # fmt: skip
+    with up_stack(tmp_path / "up.log", *flags, env=env) as st:
         yield st
-    finally:
-        stop_stack(proc, log, arena)
 
 
 def _body(max_tokens: int) -> dict:
@@ -78,7 +87,7 @@ def _body(max_tokens: int) -> dict:
             "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
 
 
-def _stream(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
+def stream_chat(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
     """Streams a chat completion; ``on_chunk(n)`` runs after the n-th content chunk."""
     chunks: list[dict] = []
     with httpx.stream(
@@ -111,7 +120,7 @@ def test_worker_killed_mid_stream_loses_nothing(stack: Stack) -> None:
             killed.append(first)
 
     t0 = time.monotonic()
-    text, chunks = _stream(stack.base, LONG, kill_once)
+    text, chunks = stream_chat(stack.base, LONG, kill_once)
     assert killed, "the stream ended before the kill"
     assert not [c for c in chunks if "error" in c], chunks[-3:]
     assert text == want  # token for token what an uninterrupted run gives
@@ -151,7 +160,7 @@ def test_host_store_killed_gives_clear_errors_and_no_leak(stack: Stack) -> None:
                 return
             time.sleep(0.2)
 
-    text, _ = _stream(stack.base, 160, kill_store_then_try)
+    text, _ = stream_chat(stack.base, 160, kill_store_then_try)
     assert killed
     # The running request finished: its rows live in the worker's mapping of the arena.
     assert text == offline_greedy(160)

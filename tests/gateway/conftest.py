@@ -94,10 +94,11 @@ def _worker_healthy(address: str) -> bool:
 
 
 def launch_worker(log: Path, *args: str) -> WorkerProcess:
-    """Starts `dhisparse worker` (tiny-glm, CPU, then ``args``) on a free port without waiting
-    for it; see ``wait_worker``."""
+    """Starts `dhisparse worker` (tiny-glm, CPU, resident mode, then ``args``) on a free port
+    without waiting for it; see ``wait_worker``. The gateway's tests size admission against a
+    resident worker's KV pool (small pools, exact page counts): ``args`` may name another mode."""
     port = free_port()
-    cmd = [str(DHISPARSE), "worker", "--model", MODEL, "--device", "cpu"]
+    cmd = [str(DHISPARSE), "worker", "--model", MODEL, "--device", "cpu", "--mode", "resident"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args]
     with log.open("wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
@@ -250,7 +251,7 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     """A real `redis-server` on a free port, nothing persisted; killed by PID at the end."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed: run .ci/setup-tools")
+        pytest.fail("redis-server is not installed: run scripts/test-tools (make test runs it)")
     port = free_port()
     log = tmp_path_factory.mktemp("redis") / "redis.log"
     cmd = [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]

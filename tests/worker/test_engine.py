@@ -7,8 +7,8 @@ import itertools
 import pytest
 import torch
 
-from services.worker.engine.engine import Engine
 from services.worker.engine.config import EngineConfig as _EngineConfig
+from services.worker.engine.engine import Engine
 from services.worker.engine.request import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)

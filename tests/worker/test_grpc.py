@@ -20,8 +20,8 @@ PROMPT = list(b"The sparse indexer picks rows; ")
 
 @pytest.fixture
 async def worker(port: int):
-    settings = WorkerSettings(
-        model="tiny-glm", port=port, metrics_port=0, worker_id="w0", kv_pool_mib=8
+    settings = WorkerSettings(  # the gRPC front over a small resident pool
+        model="tiny-glm", port=port, metrics_port=0, worker_id="w0", kv_pool_mib=8, mode="resident"
     )
     server, engine = await start_server(settings)
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")

@@ -3,6 +3,7 @@ the engine runs out of work; the counters end exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dhisparse import metrics as m
@@ -11,6 +12,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import SamplingParams
 from services.worker.metrics import WorkerMetrics
+from services.worker.speculative.config import SpeculationConfig
 
 
 def _rows(metrics: WorkerMetrics) -> float:
@@ -95,3 +97,54 @@ def test_collector_pauses_are_exported() -> None:
     longest = metrics.registry.get_sample_value(m.GC_PAUSE_MAX_SECONDS, {"model": "t"})
     assert longest >= took
     engine.close()
+
+
+def _config_info(metrics: WorkerMetrics) -> dict[str, str]:
+    """The labels of the one ``worker_config_info`` sample (its value is 1)."""
+    (family,) = [f for f in metrics.registry.collect() if f.name == m.WORKER_CONFIG_INFO]
+    (sample,) = family.samples
+    assert sample.value == 1
+    return dict(sample.labels)
+
+
+def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
+    engine = Engine(
+        EngineConfig(
+            model="tiny-glm",
+            mode="adaptive",
+            kv_pool_mib=48,
+            max_num_seqs=2,
+            speculation=SpeculationConfig("dflash"),
+        )
+    )
+    metrics = WorkerMetrics("t")
+    metrics.describe(engine)
+    assert _config_info(metrics) == {
+        "model": "t",
+        "device": "cpu",
+        "mode": "adaptive",
+        "cuda_graphs": "off",
+        "graphs_off_reason": "device cpu is not a GPU",
+        "graph_capture": "second",
+        "drafter": "dflash",
+        "durable_sessions": "off",  # a private arena dies with the process: nothing to resume
+    }
+    engine.close()
+
+
+@pytest.mark.gpu
+def test_graphs_off_for_compressed_sources_say_so() -> None:
+    """Decode graphs do not cover token rings: a model with compressed or windowed sources runs
+    eagerly on a GPU, and the exported configuration says why."""
+    engine = Engine(EngineConfig(model="tiny-dsv4", device="cuda", kv_pool_mib=16))
+    metrics = WorkerMetrics("t")
+    metrics.describe(engine)
+    info = _config_info(metrics)
+    assert info["cuda_graphs"] == "off" and "compressed or windowed" in info["graphs_off_reason"]
+    engine.close()
+    cuda = Engine(EngineConfig(model="tiny-glm", device="cuda", kv_pool_mib=16))
+    metrics = WorkerMetrics("u")
+    metrics.describe(cuda)
+    assert _config_info(metrics)["cuda_graphs"] == "on"
+    assert cuda.graphs_off_reason is None
+    cuda.close()

@@ -85,8 +85,10 @@ class Engine:
             self.speculator = Speculator(self, drafter, sc, cfg.max_num_seqs, cfg.page_size)
         spec = self.speculator
         self.graphs: DecodeGraphs | None = None
-        self.graphs_off = self._graphs_off(cfg, model)  # why passes run eagerly; None: graphs
-        if self.graphs_off is None:
+        # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
+        # logs it at start-up and exports it (``dhisparse:worker_config_info``).
+        self.graphs_off_reason = self._graphs_off(cfg, model)
+        if self.graphs_off_reason is None:
             self.graphs = DecodeGraphs(
                 model, self.kv, cfg.max_num_seqs, consecutive=cfg.graphs.capture == "consecutive",
                 max_width=spec.k_max if spec is not None else 1,
@@ -97,13 +99,13 @@ class Engine:
     def _graphs_off(self, cfg: EngineConfig, model: DSAModel) -> str | None:
         """Why decode and verify passes are not replayed as CUDA graphs, or None when they are."""
         if not cfg.graphs.enabled:
-            return "switched off (cuda_graphs=false)"
+            return "turned off (--no-cuda-graphs)"
         if self.device.type != "cuda":
-            return f"no CUDA device ({self.device.type})"
+            return f"device {self.device} is not a GPU"
         if not DecodeGraphs.supports(model):
-            return "the model has compressed or windowed KV sources, which graphs do not capture"
-        if self._check_invariants:
-            return "DHISPARSE_CHECK_INVARIANTS reads counters back, which a graph cannot capture"
+            return "the model has compressed or windowed KV sources"
+        if self._check_invariants:  # the checks read counters back: not capturable
+            return "DHISPARSE_CHECK_INVARIANTS is set"
         return None
 
     def close(self) -> None:

@@ -48,7 +48,9 @@ class SamplingParams:
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError with a message fit for a client."""
         if not 0.0 <= self.temperature <= FLOAT32_MAX:
-            raise ValueError(f"temperature must be in [0, {FLOAT32_MAX:.4g}], got {self.temperature}")
+            raise ValueError(
+                f"temperature must be in [0, {FLOAT32_MAX:.4g}], got {self.temperature}"
+            )
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k > vocab_size:
