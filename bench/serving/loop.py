@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bench.lockstep import OwnClock, WallClock
+from bench.core.clock import OwnClock, WallClock
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import Request, SamplingParams
 
@@ -87,7 +87,7 @@ class LoopResult:
 
 class ClosedLoop:
     """``concurrency`` closed-loop clients on ``eng`` (idle at the start, idle once done),
-    stepped by the caller: ``closed_loop`` runs one alone, ``bench/lockstep.py`` several in
+    stepped by the caller: ``closed_loop`` runs one alone, ``bench/core/lockstep.py`` several in
     turn (each then on its own ``OwnClock``)."""
 
     def __init__(

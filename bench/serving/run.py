@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import importlib
 import tempfile
 import time
 from collections.abc import Callable
@@ -13,7 +14,8 @@ from pathlib import Path
 
 import torch
 
-from bench.lockstep import OwnClock, lockstep
+from bench.core.clock import OwnClock
+from bench.core.lockstep import lockstep
 from services.worker.engine.engine import EngineConfig
 
 from .config import EngineKey, Load, RunSpec
@@ -137,7 +139,7 @@ def _lockstep_runs(
     b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun, store
 ) -> list[dict]:
     """The runs that share an input length and a concurrency run in lockstep
-    (``bench/lockstep.py``), each on its own clock: the host's slow phases fall on all the
+    (``bench/core/lockstep.py``), each on its own clock: the host's slow phases fall on all the
     engines compared alike, and no run's latencies count the others' steps."""
     built: dict[EngineKey, tuple] = {}
     try:
@@ -167,12 +169,23 @@ def _lockstep_runs(
     return [info for _, info in built.values()]
 
 
+# What the stack's processes run (``python -m dhisparse.cli ...``), imported here as well so
+# that the result's provenance names that code too.
+STACK_MODULES = (
+    "dhisparse.cli", "services.gateway.cli", "services.gateway.app", "services.gateway.settings",
+    "services.worker.cli", "services.worker.server", "services.kv_host_store.cli",
+)  # fmt: skip
+
+
 def http_level(
     b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun, log_dir: Path
 ) -> list[dict]:
     """The same runs over HTTP: one stack per engine key, on loopback."""
     from .http_loop import http_closed_loop
     from .stack import Stack
+
+    for name in STACK_MODULES:
+        importlib.import_module(name)
 
     stacks = []
     with tempfile.TemporaryDirectory(prefix="dhisparse-bench-model-") as tmp:
