@@ -12,9 +12,10 @@ to ``logs.tgz``.
     tests        the GPU tests alone
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
-then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` and
-``data/stdlib.u8`` carried (``python -m services.worker.train.corpus --out data/stdlib.u8``
-builds the corpus: the trained target's held-out prompts)."""
+then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
+A step that needs the corpus (``data/stdlib.u8``: the trained target's held-out prompts) is
+preceded by building it there when it was not carried (``services.worker.train.corpus``, from
+that machine's Python standard library; each result records the corpus's SHA-256)."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ class Step:
 GPU_TESTS = Step(
     "gpu-tests", "-m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider", 120
 )
+BUILD_CORPUS = Step("corpus", f"-m services.worker.train.corpus --out {CORPUS}", 60)
 SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
 SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
 
@@ -166,9 +168,7 @@ def run(args: argparse.Namespace) -> int:
     provenance.check_tree()  # every step would refuse to write its results otherwise
     steps = PARTS[args.part]
     if any(s.corpus for s in steps) and not (provenance.ROOT / CORPUS).exists():
-        print(f"{CORPUS} is missing: python -m services.worker.train.corpus --out {CORPUS}",
-              file=sys.stderr)  # fmt: skip
-        return 2
+        steps = (BUILD_CORPUS, *steps)
     out = Path(args.out).resolve()
     logs = out / "logs"
     logs.mkdir(parents=True, exist_ok=True)

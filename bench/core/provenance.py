@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import datetime
 import hashlib
+import importlib
 import importlib.metadata
 import json
 import os
@@ -216,17 +217,24 @@ def measured_files(root: Path = ROOT) -> list[str]:
                 used.add(Path(f).resolve().relative_to(root).as_posix())
             except ValueError:
                 continue
-    used |= {Path(p).as_posix() for p in list(_READS)}
-    for p in list(used):  # weights beside a file read (a model's config.json, a drafter's)
-        d = root / p
-        if d.is_file():
-            used |= {(Path(p).parent / w.name).as_posix() for w in d.parent.iterdir()
+    reads = {Path(p).as_posix() for p in list(_READS)}
+    used |= reads
+    for d in {Path(p).parent for p in reads}:  # weights beside a file read (a config.json)
+        if (root / d).is_dir():
+            used |= {(d / w.name).as_posix() for w in (root / d).iterdir()
                      if w.suffix in WEIGHT_SUFFIXES and w.is_file()}  # fmt: skip
     return sorted(
         p for p in used
         if p.split("/", 1)[0] in MEASURED_ROOTS and "__pycache__" not in p
         and p not in NOT_MEASURED and (root / p).is_file()
     )  # fmt: skip
+
+
+def include_modules(names: Iterable[str]) -> None:
+    """Imports modules that other processes of the benchmark run (a stack it starts), so that
+    this process's results name their code too."""
+    for name in names:
+        importlib.import_module(name)
 
 
 def code_hash(files: dict[str, str]) -> str:

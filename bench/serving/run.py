@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import importlib
 import tempfile
 import time
 from collections.abc import Callable
@@ -14,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from bench.core import provenance
 from bench.core.clock import OwnClock
 from bench.core.lockstep import lockstep
 from services.worker.engine.engine import EngineConfig
@@ -184,8 +184,7 @@ def http_level(
     from .http_loop import http_closed_loop
     from .stack import Stack
 
-    for name in STACK_MODULES:
-        importlib.import_module(name)
+    provenance.include_modules(STACK_MODULES)
 
     stacks = []
     with tempfile.TemporaryDirectory(prefix="dhisparse-bench-model-") as tmp:
