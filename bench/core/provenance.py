@@ -192,7 +192,7 @@ def track_reads() -> None:
                 return
         elif isinstance(flags, int) and flags & writing:
             return
-        if isinstance(path, int) or path is None:
+        if not isinstance(path, str | bytes | os.PathLike):  # a file descriptor
             return
         full = os.path.abspath(os.fsdecode(path))
         if full.startswith(prefix):
