@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 TORCH_SPEC ?= torch==2.13.0
 PROTOS := $(wildcard proto/dhisparse/rpc/*.proto)
 
-.PHONY: run test tools lint format proto proto-check install clean bench-resolver images
+.PHONY: run test tools lint format proto proto-check install clean images
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)

@@ -1,7 +1,7 @@
 """Acceptance length of the shipped drafters against the shipped target, measured with the
 project's own engine (issue 10).
 
-    python bench/acceptance.py --model models/glm-10m --out docs/results/acceptance.json
+    python -m bench acceptance --model models/glm-10m --out docs/results/acceptance.json
 
 Prompts are windows of the corpus's held-out files (never trained on). For each drafter, width
 K (target queries per verify round, anchor included) and temperature, the prompts decode
@@ -16,18 +16,17 @@ from __future__ import annotations
 import argparse
 import json
 import platform
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.serving.cli import git_commit
+from bench.core.output import write_result
+from bench.core.progress import progress
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
+from services.worker.speculative.config import SpeculationConfig
 from training.target.data import load_corpus, to_tokens
 
 DRAFTERS = ("dflash", "dspark", "dflash2")
@@ -40,14 +39,15 @@ def prompts_from_heldout(corpus: str, n: int, length: int, seed: int) -> list[li
     return [held[s : s + length].tolist() for s in starts]
 
 
-def run(args, drafter: str | None, width: int, temperature: float, prompts) -> dict:
+def measure(args, drafter: str | None, width: int, temperature: float, prompts) -> dict:
     cfg = EngineConfig(
         model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.pool_mib, max_num_seqs=len(prompts),
         max_model_len=args.prompt_len + args.decode_tokens + 64,
         max_prefill_tokens=max(4096, args.prompt_len), page_size=16,
-        drafter=None if drafter is None else str(Path(args.drafters) / drafter),
-        spec_width=width, width_policy="fixed",
+        speculation=SpeculationConfig(
+            None if drafter is None else str(Path(args.drafters) / drafter), width, "fixed"
+        ),
     )  # fmt: skip
     eng = Engine(cfg)
     params = [
@@ -77,8 +77,7 @@ def run(args, drafter: str | None, width: int, temperature: float, prompts) -> d
     return row | {"_outputs": [o.output_ids for o in outs]}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/glm-10m")
     ap.add_argument("--drafters", default=None, help="default: MODEL/drafters")
     ap.add_argument("--kinds", default=",".join(DRAFTERS))
@@ -94,20 +93,18 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=7)
     ap.add_argument("--out", default="docs/results/acceptance.json")
     ap.add_argument("--table", default=None, help="also write the markdown table here")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     args.drafters = args.drafters or str(Path(args.model) / "drafters")
     prompts = prompts_from_heldout(args.corpus, args.prompts, args.prompt_len, args.seed)
     temps = [float(t) for t in args.temperatures.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
     runs = [(None, 1, t) for t in temps]
     runs += [(d, w, t) for d in args.kinds.split(",") for w in widths for t in temps]
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **_: x  # noqa: E731
     rows, greedy = [], None
-    for drafter, width, temp in tqdm(runs, desc="acceptance"):
-        row = run(args, drafter, width, temp, prompts)
+    for drafter, width, temp in progress(runs, "acceptance"):
+        row = measure(args, drafter, width, temp, prompts)
         outputs = row.pop("_outputs")
         if temp == 0 and drafter is None:
             greedy = outputs
@@ -116,19 +113,16 @@ def main() -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     out = {
+        "benchmark": "acceptance",
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
-        "torch": torch.__version__,
-        "commit": git_commit(),
         "model": args.model,
         "mode": args.mode,
         "prompts": args.prompts,
         "prompt_len": args.prompt_len,
         "decode_tokens": args.decode_tokens,
-        "command": "python bench/acceptance.py " + " ".join(sys.argv[1:]),
         "results": rows,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {write_result(out, args.out, data=[args.corpus])}")
     table = markdown(rows)
     print(table)
     if args.table:
@@ -148,7 +142,3 @@ def markdown(rows: list[dict]) -> str:
             cells.append(f"{r['acceptance_length']:.2f} | {r['output_tokens_per_s']:.0f}")
         lines.append(f"| {d} | {w} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

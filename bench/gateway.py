@@ -1,8 +1,8 @@
 """The gateway's own cost per request: the same small request through the HTTP gateway and
 straight to the worker over gRPC, alternating request by request.
 
-    python bench/gateway.py                       # 3 x 500 pairs per variant, tiny-glm on CPU
-    python bench/gateway.py --requests 10 --repeats 1 --warmup 2     # a smoke run
+    python -m bench gateway --out gateway.json                      # 3 x 500 pairs per variant
+    python -m bench gateway --requests 10 --repeats 1 --warmup 2    # a smoke run
 
 A real ``dhisparse worker`` (``--model``, ``--device``) and a real ``dhisparse gateway`` in front
 of it run as processes on loopback. One chat request (``--prompt`` as the user message,
@@ -20,7 +20,8 @@ The whole measurement (warm-up, then ``--requests`` pairs per variant) runs ``--
 times; the result gives p50/p90/p99 of each path and of the overhead per repeat and pooled, and
 the spread of the overhead's p50 across repeats (the run-to-run noise).
 
-``run(args)`` returns the result as a JSON-able dict and writes nothing; ``main()`` prints it.
+``run(args)`` returns the result as a JSON-able dict; ``python -m bench`` writes it to ``--out``
+with its provenance.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ from typing import Any
 import grpc
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.core import provenance
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from dhisparse.tokenizer import load_tokenizer
 from services.gateway import GatewaySettings, convert
@@ -318,6 +318,7 @@ def run_variant(args: argparse.Namespace, s: Stack, request: worker_pb2.Generate
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Starts the stack, measures each variant, stops the stack; returns the result."""
+    provenance.include_modules(provenance.STACK_MODULES)
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = set(variants) - set(VARIANTS)
     if unknown:
@@ -354,14 +355,3 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "meets_goal": all(p50 <= GOAL_P50_MS for p50 in overhead_p50.values()),
         "elapsed_s": time.time() - started,
     }
-
-
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_arguments(parser)
-    print(json.dumps(run(parser.parse_args()), indent=2))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

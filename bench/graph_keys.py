@@ -1,7 +1,7 @@
-"""How many passes of ``bench/spec.py``'s closed loop would replay a CUDA graph, capture one, or
-run eagerly: counted on the CPU, with the engine's own graph keys and capture schedule.
+"""How many passes of ``python -m bench spec``'s closed loop would replay a CUDA graph, capture
+one, or run eagerly: counted on the CPU, with the engine's own graph keys and capture schedule.
 
-    python bench/graph_keys.py --concurrency 16,64 --configs none,dflash/paper
+    python -m bench graph-keys --concurrency 16,64 --configs none,dflash/paper
 
 For each configuration and C it runs the benchmark's closed loop (its warm-up, then the measured
 loop) with every pass eager, while ``pass_key``/``draft_key`` and a ``CaptureSchedule`` (a key
@@ -15,14 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections import Counter
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
 from bench import spec
-from bench.lockstep import lockstep
+from bench.core.lockstep import lockstep
+from bench.core.output import write_result
 from services.worker.engine.cuda_graph import CaptureSchedule, DecodeGraphs, draft_key, pass_key
 from services.worker.engine.engine import Engine
 
@@ -54,7 +52,7 @@ class KeyCounter:
 
     def logits(self, tokens, batch, features=None):
         self.kv.begin(batch)
-        self._count("pass", pass_key(self.kv, batch, features))
+        self._count("pass", pass_key(self.kv.pass_state, batch, features))
         return DecodeGraphs._eager(self, tokens, batch, features)  # type: ignore[arg-type]
 
     def draft(self, slots, num_committed, anchors, temperatures, noise):
@@ -93,13 +91,14 @@ def count(args, name: str, c: int, prompts: list[list[int]]) -> dict:
     return row
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     spec.add_loop_arguments(ap, "16,64")
     ap.add_argument("--configs", default="none,dflash/paper", help="none, or DRAFTER/POLICY")
     ap.add_argument("--out", default=None, help="JSON rows")
     ap.add_argument("--device", default="cpu", choices=["cpu"], help="every pass runs eagerly")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
     prompts = spec.make_prompts(args, max(args.concurrency))
@@ -109,9 +108,6 @@ def main() -> int:
             rows.append(count(args, name, c, prompts))
             print(json.dumps(rows[-1]), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}) + "\n")
+        doc = {"benchmark": "graph-keys", "rows": rows}
+        print(f"wrote {write_result(doc, args.out, data=spec.corpus_used(args))}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

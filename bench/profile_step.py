@@ -2,13 +2,14 @@
 benchmark's model, per mode and concurrency, printing the top operators by host (CPU) time and
 by device time, and the step's wall time with and without the profiler.
 
-    python bench/profile_step.py --modes resident,hisparse,adaptive --concurrency 4,32
-    python bench/profile_step.py --model models/glm-10m --context 512 --modes adaptive \
+    python -m bench profile-step --modes resident,hisparse,adaptive --concurrency 4,32
+    python -m bench profile-step --model models/glm-10m --context 512 --modes adaptive \
         --drafter models/glm-10m/drafters/dflash --spec-width 4 --concurrency 1,16
 
 With ``--model`` a trained checkpoint is served instead of the random capacity model (and with
 ``--drafter`` a step is a speculative round). ``--cprofile`` adds the Python functions that
-take the host's time (a launch-bound step spends it there).
+take the host's time (a launch-bound step spends it there). It prints what it measures and
+writes no result file: a diagnostic, not a result.
 """
 
 from __future__ import annotations
@@ -16,23 +17,21 @@ from __future__ import annotations
 import argparse
 import cProfile
 import pstats
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.capacity import bench_model_config
-from bench.steps import steady_engine
+from bench.core.model import BENCH_GLM, bench_model_config
+from bench.core.steps import steady_engine
 from dhisparse.tokenizer import ByteTokenizer
+from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.model import build_model
+from services.worker.speculative.config import SpeculationConfig
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--modes", default="resident,hisparse,adaptive")
     ap.add_argument("--concurrency", default="4,32")
     ap.add_argument("--context", type=int, default=16384)
@@ -59,7 +58,9 @@ def main() -> int:
         help="also time this many steps one by one right after the prefills (synchronised), "
         "with the time in kv.maintain(): the transient after admission",
     )  # fmt: skip
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     model = None
@@ -76,10 +77,10 @@ def main() -> int:
     ]
     for mode, c, graphs in runs:
         eng = steady_engine(
-            mode, prompts[:c], args.context, args.pool_gib, args.model or "bench-glm",
+            mode, prompts[:c], args.context, args.pool_gib, args.model or BENCH_GLM,
             model, ByteTokenizer() if model is not None else None, device=args.device,
-            durable_sessions=args.durable, drafter=args.drafter, spec_width=args.spec_width,
-            width_policy="fixed", cuda_graphs=graphs,
+            durable_sessions=args.durable, graphs=GraphConfig(graphs),
+            speculation=SpeculationConfig(args.drafter, args.spec_width, "fixed"),
             # room for every round profiled: no request ends (nor the batch shrinks) meanwhile
             max_model_len=args.context + (4096 if args.drafter else 256),
         )  # fmt: skip
@@ -155,9 +156,8 @@ def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     eng.kv.maintain = maintain  # type: ignore[method-assign]
     print(f"\n===== series {label}: step ms " + " ".join(f"{w:.1f}" for w in walls))
     print(f"===== series {label}: maintain ms " + " ".join(f"{m:.1f}" for m in maint))
-    res = getattr(eng.kv.payload, "residency", None)
-    if res is not None:
-        st = res.stats
+    st = eng.kv.residency_stats()
+    if st is not None:
         print(
             f"===== series {label}: reclaims {st.reclaim_events} repopulated {st.repopulated_pages}"
         )
@@ -234,7 +234,3 @@ def print_phases(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     print(f"===== syncs {label}: {sum(counts.values())} in one step")
     for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
         print(f"  {n:3d}  {key}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -2,7 +2,7 @@
 hisparse / adaptive serving of GLM-5.3 at 100K on an 8-GPU node, from the capacity model and
 the per-step costs a serving run measured, and which resource binds.
 
-    python bench/projection.py --serving docs/results/serving.json \
+    python -m bench projection --serving docs/results/serving.json \
         --out docs/results/projection.json --md docs/results/projection.md
 
 Sessions come from ``dhisparse.capacity`` (GLM-5.3 profile; per-GPU pool 22.75 GiB, the one
@@ -19,11 +19,9 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.core.output import write_result
 from bench.serving.scaling import (
     Hardware,
     TargetModel,
@@ -206,7 +204,7 @@ def project(serving: dict, hw: Hardware, model: TargetModel, context: int = CONT
                      "node": a.total} for a in plan.admissions},
         "host_memory_sessions": host_cap, "measured": meas, "modes": modes, "spec": spec,
         "verdict": verdict(modes), "assumptions": ASSUMPTIONS,
-        "serving_command": serving.get("command"),
+        "serving_command": (serving.get("provenance") or {}).get("command", serving.get("command")),
     }  # fmt: skip
 
 
@@ -260,9 +258,8 @@ def markdown(p: dict) -> str:
     return "\n".join(out) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--serving", required=True, help="a bench/serving.py JSON")
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--serving", required=True, help="a serving result JSON")
     ap.add_argument("--context", type=int, default=CONTEXT)
     ap.add_argument("--gpus", type=int, default=Hardware.gpus)
     ap.add_argument("--pool-gib", type=float, default=Hardware.pool_bytes / 2**30)
@@ -272,19 +269,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mfu", type=float, default=Hardware.mfu)
     ap.add_argument("--out", default="docs/results/projection.json")
     ap.add_argument("--md", default=None, help="markdown (default: --out with .md)")
-    a = ap.parse_args(argv)
+
+
+def run(a: argparse.Namespace) -> int:
     hw = Hardware(
         hbm_gbs=a.hbm_gbs, pcie_gbs=a.pcie_gbs, mfu=a.mfu, gpus=a.gpus,
         pool_bytes=round(a.pool_gib * 2**30), host_bytes=round(a.host_tb * 1e12),
     )  # fmt: skip
     p = project(json.loads(Path(a.serving).read_text()), hw, TargetModel(), a.context)
-    Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(a.out).write_text(json.dumps(p, indent=2) + "\n")
+    print(f"wrote {write_result({'benchmark': 'projection', **p}, a.out, inputs=[a.serving])}")
     md = markdown(p)
     Path(a.md or str(Path(a.out).with_suffix(".md"))).write_text(md)
     print(md)
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """Resolver benchmark (H200): latency vs batch and miss rate, host-recovery bandwidth, and
 all-hit resolution against a plain device gather of the same rows.
 
-    python bench/resolver.py --out docs/results/resolver.json
+    python -m bench resolver --out docs/results/resolver.json --plot docs/results/resolver.png
 
 One source, k selected rows per request, B hot-cache entries per request, rows of
 ``--row-bytes`` (bf16). The host backups live in a /dev/shm arena registered with CUDA, as in
@@ -13,9 +13,7 @@ cache state.
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -24,8 +22,10 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
+from bench.core.clock import cuda_ms
+from bench.core.output import write_result
+from bench.core.plots import pyplot, save
+from bench.core.progress import progress
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
@@ -51,27 +51,10 @@ def host_arena(nbytes: int) -> tuple[torch.Tensor, str, object]:
     return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True), "pinned-tensor", None
 
 
-def timed(fn, iters: int, setup=None) -> list[float]:
-    """Milliseconds per run, CUDA events, after one warm-up."""
-    out = []
-    for i in range(iters + 1):
-        if setup:
-            setup()
-        torch.cuda.synchronize()
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        if i:
-            out.append(a.elapsed_time(b))
-    return out
-
-
 def bulk_ceiling(host_u8: torch.Tensor, nbytes: int) -> float:
     src = host_u8[:nbytes]
     dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    ms = statistics.median(timed(lambda: dst.copy_(src, non_blocking=True), 10))
+    ms = statistics.median(cuda_ms(lambda: dst.copy_(src, non_blocking=True), 10))
     return nbytes / ms / 1e6  # GB/s
 
 
@@ -82,6 +65,7 @@ def run_case(
     dev = torch.device("cuda")
     per = (b + RING) // PAGE
     geo = SourceGeometry.create(nreq, PAGE, b, RING, nreq * per * PAGE, 1, hist, dev)
+    geo.optional = False  # hisparse serving: no optional history, the resolver skips its map
     pages = torch.arange(nreq * per, dtype=torch.int32, device=dev).view(nreq, per)
     geo.hot_pages.copy_(pages[:, : b // PAGE])
     geo.tail_pages.copy_(pages[:, b // PAGE :])
@@ -122,9 +106,7 @@ def run_case(
             t.copy_(s)
 
     def resolve_only() -> None:
-        state["locs"] = launch_resolve(
-            sel, cu, slots, plan, geo, hot, clock, host_base, d, ws, has_optional=False
-        )
+        state["locs"] = launch_resolve(sel, cu, slots, plan, geo, hot, clock, host_base, d, ws)
 
     def copy_only() -> None:
         launch_copy(ws, pool, host)
@@ -133,9 +115,9 @@ def run_case(
         resolve_only()
         copy_only()
 
-    t_resolve = timed(resolve_only, iters, restore)
-    t_copy = timed(copy_only, iters)
-    t_total = timed(both, iters, restore)
+    t_resolve = cuda_ms(resolve_only, iters, restore)
+    t_copy = cuda_ms(copy_only, iters)
+    t_total = cuda_ms(both, iters, restore)
     locs = state["locs"]
     copied = int(ws.counters[3])
     assert copied == nreq * n_miss, (copied, nreq * n_miss)
@@ -147,7 +129,7 @@ def run_case(
         want = host[base : base + hist * d].view(hist, d)[sel[r].cpu()]
         assert torch.equal(got, want), "resolved rows differ from the host backup"
     flat = locs.flatten()
-    t_gather = timed(lambda: torch.index_select(pool, 0, flat), iters)
+    t_gather = cuda_ms(lambda: torch.index_select(pool, 0, flat), iters)
     # The same work replayed from CUDA graphs: GPU time without Python launch overhead, as an
     # engine that captures its decode step sees it.
     graphs = {}
@@ -158,10 +140,10 @@ def run_case(
         with torch.cuda.graph(graph):
             fn()
         graphs[name] = graph
-    g_resolve = timed(graphs["resolve"].replay, iters, restore)
-    g_copy = timed(graphs["copy"].replay, iters)
-    g_total = timed(graphs["total"].replay, iters, restore)
-    g_gather = timed(graphs["gather"].replay, iters)
+    g_resolve = cuda_ms(graphs["resolve"].replay, iters, restore)
+    g_copy = cuda_ms(graphs["copy"].replay, iters)
+    g_total = cuda_ms(graphs["total"].replay, iters, restore)
+    g_gather = cuda_ms(graphs["gather"].replay, iters)
     row_bytes = d * 2
     med = statistics.median
     return {
@@ -181,8 +163,7 @@ def run_case(
     }
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--batches", default="1,4,16,64,128,256")
     ap.add_argument("--miss-rates", default="0,0.0005,0.01,0.1")
     ap.add_argument("--k", type=int, default=2048)
@@ -191,8 +172,10 @@ def main() -> int:
     ap.add_argument("--history", type=int, default=32768, help="rows per request")
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="docs/results/resolver.json")
-    ap.add_argument("--plot", default=None, help="PNG path (needs matplotlib)")
-    args = ap.parse_args()
+    ap.add_argument("--plot", default=None, help="PNG path")
+
+
+def run(args: argparse.Namespace) -> int:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
@@ -211,12 +194,8 @@ def main() -> int:
     print(f"host arena: {kind}, {nbytes / 2**30:.2f} GiB; bulk host->device {ceiling:.1f} GB/s")
     g = torch.Generator().manual_seed(0)
     results = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **_: x  # noqa: E731
     cases = [(b, r) for b in batches for r in rates]
-    for nreq, rate in tqdm(cases, desc="resolver"):
+    for nreq, rate in progress(cases, "resolver"):
         res = run_case(
             nreq, rate, args.k, args.hot_cache_rows, args.history, d, host, args.iters, g
         )
@@ -236,36 +215,30 @@ def main() -> int:
               f"{r['total_ms']:>7.3f} {r['copy_GBps'] or 0:>9.1f} "
               f"{(100 * gbps / ceiling) if gbps else 0:>9.1f}")  # fmt: skip
     out = {
+        "benchmark": "resolver",
         "machine": torch.cuda.get_device_name(),
-        "torch": torch.__version__,
-        "python": platform.python_version(),
         "host_arena": kind,
         "bulk_host_to_device_GBps": ceiling,
         "k": args.k,
         "hot_cache_rows": args.hot_cache_rows,
         "row_bytes": args.row_bytes,
         "history_rows": args.history,
-        "command": "python bench/resolver.py " + " ".join(sys.argv[1:]),
         "results": results,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
-    print(f"wrote {args.out}")
-    if args.plot:
-        plot(out, args.plot)
-    if keep is not None:
-        arena, mapping = keep
-        mapping.close()
-        arena.close(remove=True)
+    try:
+        print(f"wrote {write_result(out, args.out)}")
+        if args.plot:
+            plot(out, args.plot)
+    finally:
+        if keep is not None:
+            arena, mapping = keep
+            mapping.close()
+            arena.close(remove=True)
     return 0
 
 
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(11, 4))
     rates = sorted({r["miss_rate"] for r in out["results"]})
     for rate in rates:
@@ -290,9 +263,4 @@ def plot(out: dict, path: str) -> None:
            title=f"host recovery ({out['machine']})")  # fmt: skip
     a2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    save(fig, path)

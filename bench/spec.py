@@ -1,7 +1,7 @@
 """Speculative decoding over the hierarchy (issue 6): acceptance length and decode tokens/s per
 drafter and width policy vs concurrency, against no speculation.
 
-    python bench/spec.py --out docs/results/spec.json --plot docs/results/spec.png
+    python -m bench spec --out docs/results/spec.json --plot docs/results/spec.png
 
 Target: ``--model`` (default the shipped ``models/glm-10m``) in ``adaptive`` mode with the
 drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
@@ -11,7 +11,7 @@ For each concurrency C, C clients each keep one request of ``--decode-tokens`` g
 in flight, replacing it when it finishes (closed loop, ``--requests-per-client`` each); every
 configuration first runs one request per client on the same engine (warm kernels, and the
 online policy has measured its widths). Every configuration's engine exists at once and, at
-each C, they all run in lockstep (``bench/lockstep.py``): the host's slow phases fall on all
+each C, they all run in lockstep (``bench/core/lockstep.py``): the host's slow phases fall on all
 of them alike.
 """
 
@@ -21,21 +21,23 @@ import argparse
 import itertools
 import json
 import platform
-import sys
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.lockstep import OwnClock, lockstep
+from bench.core import UsageError
+from bench.core.clock import OwnClock
+from bench.core.lockstep import lockstep
+from bench.core.output import write_result
+from bench.core.plots import pyplot, save
+from bench.core.progress import progress
 from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
+from services.worker.speculative.config import SpeculationConfig
 
-ROOT = Path(__file__).resolve().parents[1]
 DRAFTERS = ("dflash", "dspark", "dflash2")
 _IDS = itertools.count()
 
@@ -45,8 +47,9 @@ def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
         model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
         max_prefill_tokens=8192, page_size=16,
-        drafter=None if drafter is None else str(Path(args.drafter_dir) / drafter),
-        spec_width=width, width_policy=policy,
+        speculation=SpeculationConfig(
+            None if drafter is None else str(Path(args.drafter_dir) / drafter), width, policy
+        ),
     )  # fmt: skip
 
 
@@ -101,7 +104,7 @@ def measured(loop: ClosedLoop) -> dict:
 
 def add_loop_arguments(ap: argparse.ArgumentParser, concurrency: str) -> None:
     """The target, drafters, prompts, pools and closed loop (this benchmark's and
-    ``bench/graph_keys.py``'s)."""
+    ``python -m bench graph-keys``'s)."""
     ap.add_argument("--model", default="models/glm-10m")
     ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
     ap.add_argument("--corpus", default="data/stdlib.u8")
@@ -120,19 +123,21 @@ def add_loop_arguments(ap: argparse.ArgumentParser, concurrency: str) -> None:
     ap.add_argument("--host-mib", type=float, default=512)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     add_loop_arguments(ap, "1,4,16,64")
     ap.add_argument("--widths", default="4,8")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--drafters", default=",".join(DRAFTERS))
     ap.add_argument("--out", default="docs/results/spec.json")
     ap.add_argument("--plot", default=None)
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     args.concurrency = [int(x) for x in args.concurrency.split(",")]
     if args.requests_per_client < 2:  # the window is the steps while clients still send
-        ap.error("--requests-per-client must be at least 2: the rate counts the steps while "
-                 "every client still has a request to send, and with 1 there are none")  # fmt: skip
+        raise UsageError("--requests-per-client must be at least 2: the rate counts the steps "
+                         "while every client still has a request to send, and with 1 there "
+                         "are none")  # fmt: skip
     args.drafter_dir = args.drafter_dir or str(Path(args.model) / "drafters")
     widths = [int(x) for x in args.widths.split(",") if x]  # "": no fixed-width configs
     prompts = make_prompts(args, max(args.concurrency))
@@ -142,11 +147,7 @@ def main() -> int:
         configs += [(f"{d}/paper", d, "paper", 8), (f"{d}/online", d, "online", 8)]
     engines = {name: Engine(config(args, d, policy, w)) for name, d, policy, w in configs}
     results = []
-    try:
-        from tqdm import tqdm
-    except ImportError:  # pragma: no cover
-        tqdm = lambda x, **_: x  # noqa: E731
-    for c in tqdm(args.concurrency, desc="concurrency"):
+    for c in progress(args.concurrency, "concurrency"):
         # warm-up (kernels, and the online policy's measurements), then the measured loops
         warm = args.warmup_per_client
         lockstep([closed_loop(eng, prompts[:c], args, warm) for eng in engines.values()])
@@ -164,17 +165,15 @@ def main() -> int:
         eng.close()
     summary = summarize(results, args)
     out = {
+        "benchmark": "spec",
         "machine": torch.cuda.get_device_name() if args.device == "cuda" else platform.machine(),
-        "torch": torch.__version__,
         "target": args.model,
         "mode": args.mode,
         "decode_tokens": args.decode_tokens,
-        "command": "python bench/spec.py " + " ".join(sys.argv[1:]),
         "results": results,
         "summary": summary,
     }
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps(out, indent=2) + "\n")
+    print(f"wrote {write_result(out, args.out, data=corpus_used(args))}")
     print(json.dumps(summary, indent=2))
     if args.plot:
         plot(out, args.plot)
@@ -201,6 +200,7 @@ def summarize(results: list[dict], args) -> dict:
             online = tps[(f"{d}/online", c)]
             none, paper = tps[("none", c)], tps[(f"{d}/paper", c)]
             out[f"{d}@C{c}"] = {
+                "paper_over_none": paper / none,
                 "online_over_none": online / none,
                 "online_over_paper": online / paper,
                 # the strict reading: within 3% of the better of the two
@@ -211,12 +211,13 @@ def summarize(results: list[dict], args) -> dict:
     return out
 
 
+def corpus_used(args: argparse.Namespace) -> list[str]:
+    """The held-out corpus the prompts came from (a trained target's), for the provenance."""
+    return [args.corpus] if Path(args.model).is_dir() else []
+
+
 def plot(out: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     configs = sorted({r["config"] for r in out["results"]})
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(13, 4.5))
     for cfg in configs:
@@ -232,9 +233,4 @@ def plot(out: dict, path: str) -> None:
     a1.legend(fontsize=7, ncol=2)
     a2.legend(fontsize=7, ncol=2)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    print(f"wrote {path}")
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    save(fig, path)

@@ -2,13 +2,14 @@
 time (ms from the step's start, over ``--steps`` steps) at which each phase of
 ``Engine.step`` begins and ends, the replayed graph's device time, and the step's wall time.
 
-    python bench/step_timeline.py --modes resident,hisparse,adaptive --concurrency 1,4,16
+    python -m bench step-timeline --modes resident,hisparse,adaptive --concurrency 1,4,16
 
 A replayed decode step is: host work up to the launch (maintain, schedule, the batch, the
 hierarchy's plans), the graph on the device, and the host's wait for the sampled tokens; the
 commit runs on the host while the device works. Whatever the host does before ``replay>`` is
 time the device sits idle, so a mode's overhead over resident serving shows up as a later
-launch. Uses the capacity benchmark's model (``bench/capacity.py``) on a CUDA device.
+launch. Uses the capacity benchmark's model (``bench-glm``) on a CUDA device; ``--out`` writes
+the medians as a result JSON.
 """
 
 from __future__ import annotations
@@ -17,14 +18,12 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from bench.capacity import bench_model_config
-from bench.steps import steady_engine
+from bench.core.model import bench_model_config
+from bench.core.output import write_result
+from bench.core.steps import steady_engine
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model import build_model
@@ -79,14 +78,19 @@ class Timeline:
         ForwardBatch.build = staticmethod(timed)  # type: ignore[method-assign]
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--modes", default="resident,hisparse,adaptive")
     ap.add_argument("--concurrency", default="1,4,16")
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--pool-gib", type=float, default=8.0)
-    args = ap.parse_args()
+    ap.add_argument("--out", default=None, help="result JSON of the medians")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
     model = build_model(bench_model_config(8, 512), seed=0, device="cuda", dtype=torch.bfloat16)
     cs = [int(c) for c in args.concurrency.split(",")]
     g = torch.Generator().manual_seed(0)
@@ -94,11 +98,12 @@ def main() -> int:
     tl = Timeline()
     tl.wrap_replay()
     tl.wrap_build()
-    print(f"# python bench/step_timeline.py --modes {args.modes} --concurrency {args.concurrency}")
+    print(f"# step-timeline --modes {args.modes} --concurrency {args.concurrency}")
     print(
         f"# {torch.cuda.get_device_name()}; {args.context}-token contexts; "
         f"median ms of {args.steps} steps"
     )
+    table = []
     for mode in args.modes.split(","):
         for c in cs:
             eng = steady_engine(
@@ -131,11 +136,13 @@ def main() -> int:
                 f"{mode:9s} C={c:<3d} step {med['<step']:.2f} ms, graph on device {device:.2f}: "
                 + "  ".join(f"{k} {v:.2f}" for k, v in order if k not in ("step>", "<step"))
             )
+            table.append({"mode": mode, "concurrency": c, "step_ms": med["<step"],
+                          "graph_on_device_ms": device, "marks_ms": dict(order)})  # fmt: skip
             eng.close()
             del eng
             torch.cuda.empty_cache()
+    if args.out:
+        doc = {"benchmark": "step-timeline", "machine": torch.cuda.get_device_name(),
+               "context": args.context, "steps": args.steps, "rows": table}  # fmt: skip
+        print(f"wrote {write_result(doc, args.out)}")
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

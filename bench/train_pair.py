@@ -2,13 +2,13 @@
 from scratch on the packed stdlib corpus, then its DFlash, DSpark and DFlash2 drafters against
 it, each within a wall-clock budget, and exports what ships.
 
-    python bench/train_pair.py --out models/glm-10m --corpus data/stdlib.u8 \\
+    python -m bench train-pair --out models/glm-10m --corpus data/stdlib.u8 \\
         --target-budget-s 280 --drafter-budget-s 55
 
 Writes OUT/ (config.json, sharded bf16 weights, training.json, history.jsonl), OUT/drafters/
 {dflash,dspark,dflash2}/ (weights, config, history) and the training curve PNG. The target run
 is resumable (``python -m training.target --out WORK/target --resume``); its checkpoint
-stays in ``--work``. Acceptance is measured separately by ``bench/acceptance.py``.
+stays in ``--work``. Acceptance is measured separately by ``python -m bench acceptance``.
 """
 
 from __future__ import annotations
@@ -30,8 +30,7 @@ def sh(*args: str) -> None:
     subprocess.run([sys.executable, *args], cwd=ROOT, check=True)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="models/glm-10m")
     ap.add_argument("--work", default="out/train", help="checkpoints and logs")
     ap.add_argument("--corpus", default="data/stdlib.u8")
@@ -43,7 +42,9 @@ def main() -> int:
     ap.add_argument("--drafter-seq-len", type=int, default=512)
     ap.add_argument("--kinds", default=",".join(DRAFTERS))
     ap.add_argument("--skip-target", action="store_true", help="reuse OUT's target weights")
-    args = ap.parse_args()
+
+
+def run(args: argparse.Namespace) -> int:
     out, work = Path(args.out), Path(args.work)
     if not Path(args.corpus).exists():
         sh("-m", "training.target.corpus", "--out", args.corpus)
@@ -75,7 +76,3 @@ def main() -> int:
     }
     print(json.dumps(sizes, indent=2))
     return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

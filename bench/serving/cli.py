@@ -1,24 +1,23 @@
-"""The command line of ``bench/serving.py``: flags, the matrix, the output JSON."""
+"""``python -m bench serving``: flags, the matrix, the output JSON (fields in the package's
+docstring)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import platform
-import shlex
-import subprocess
-import sys
 import time
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 
+from bench.core.output import write_result
+
 from . import config as C
 from .report import plot, table
 from .run import Bench, Deadline, engine_level, http_level
 from .setup import (
-    ROOT,
     default_drafter_dir,
     drafter_source,
     load_target,
@@ -26,12 +25,11 @@ from .setup import (
     size_kv,
 )
 
-# The output's top-level fields and each run's metric fields (documented in bench/serving.py).
+# The output's top-level fields and each run's metric fields (documented in the package).
 TOP_FIELDS = (
-    "benchmark", "level", "machine", "torch", "python", "git_commit", "command", "started",
-    "elapsed_s", "model", "matrix", "drafter_dir", "spec_width", "load", "prompts", "sizing",
-    "engines",
-    "runs", "skipped", "unavailable", "definitions",
+    "benchmark", "level", "machine", "elapsed_s", "model", "matrix", "drafter_dir",
+    "spec_width", "load", "prompts", "sizing", "engines", "runs", "skipped", "unavailable",
+    "definitions", "provenance",
 )  # fmt: skip
 RUN_FIELDS = (
     "window_s", "requests", "output_tokens_per_s", "requests_per_s", "sessions_admitted",
@@ -61,12 +59,9 @@ DEFINITIONS = {
 }
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap = argparse.ArgumentParser(
-        prog="bench/serving.py", description="Closed-loop serving benchmark"
-    )
     ap.add_argument("--model", default="models/glm-10m", help="model dir, preset, or bench-glm")
     ap.add_argument(
         "--drafter-dir",
@@ -111,13 +106,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--lockstep", action=argparse.BooleanOptionalAction, default=True,
         help="engine level: the runs of one input length and C step in turn, each on its own "
-        "clock (bench/lockstep.py); --no-lockstep runs one engine after the other",
+        "clock (bench/core/lockstep.py); --no-lockstep runs one engine after the other",
     )  # fmt: skip
-    args = ap.parse_args(argv)
-    if args.requests_per_client is None and args.duration_s is None:
-        args.duration_s = 5.0
-    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
-    return args
 
 
 def machine(device: str) -> str:
@@ -126,28 +116,20 @@ def machine(device: str) -> str:
     return f"{platform.machine()} CPU ({platform.processor() or platform.node()})"
 
 
-def git_commit() -> dict | None:
-    try:
-        run = lambda *a: subprocess.run(  # noqa: E731
-            ["git", *a], cwd=ROOT, capture_output=True, text=True, check=True, timeout=10
-        ).stdout.strip()
-        return {"sha": run("rev-parse", "HEAD"), "dirty": bool(run("status", "--porcelain"))}
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
+def run(args: argparse.Namespace) -> int:
+    if args.requests_per_client is None and args.duration_s is None:
+        args.duration_s = 5.0
+    args.dtype = args.dtype or ("bfloat16" if args.device.startswith("cuda") else "float32")
     threads = torch.get_num_threads()
     if not args.device.startswith("cuda"):  # tiny models: more threads only contend
         torch.set_num_threads(args.cpu_threads)
     try:
-        return run_matrix(args, argv)
+        return run_matrix(args)
     finally:
         torch.set_num_threads(threads)
 
 
-def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
+def run_matrix(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     load = C.Load(output_len=args.output_len, temperature=args.temperature,
                   requests_per_client=args.requests_per_client,
@@ -167,7 +149,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
         for kind in {r.key.drafter for r in runs} - {"off"}:
             drafter_source(kind, drafter_dir)
     except FileNotFoundError as e:
-        raise SystemExit(f"bench/serving.py: {e}") from None
+        raise SystemExit(f"python -m bench serving: {e}") from None
     sizing = size_kv(target, args.input_lens, args.output_len, args.spec_width,
                      args.resident_sessions, args.page_size, args.hot_cache_rows,
                      max(args.concurrency + args.spec_concurrency), args.max_num_seqs)  # fmt: skip
@@ -177,10 +159,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
     prefixes = prepare_prefixes(target, args.input_lens, args.prefixes, args.prompts)
     out: dict = {
         "benchmark": "serving", "level": "http" if args.http else "engine",
-        "machine": machine(args.device), "torch": torch.__version__,
-        "python": platform.python_version(), "git_commit": git_commit(),
-        "command": "python bench/serving.py " + shlex.join(sys.argv[1:] if argv is None else argv),
-        "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "elapsed_s": 0.0,
+        "machine": machine(args.device), "elapsed_s": 0.0,
         "model": {"spec": args.model, "name": target.name, "dtype": args.dtype,
                   "parameters": sum(p.numel() for p in target.model.parameters()),
                   "config": target.model.cfg.to_dict()},
@@ -208,7 +187,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
                     json.dumps({"run": run.name, "tok/s": round(metrics["output_tokens_per_s"], 1)})
                 )
         out["elapsed_s"] = time.monotonic() - t0
-        _write(out, args.out)  # after every run: a run cut short still leaves its data
+        _write(out, args)  # after every run: a run cut short still leaves its data
         if bar is not None:
             bar.set_postfix_str(run.name)
             bar.update(1)
@@ -225,7 +204,7 @@ def run_matrix(args: argparse.Namespace, argv: list[str] | None) -> int:
     if bar is not None:
         bar.close()
     out["elapsed_s"] = time.monotonic() - t0
-    _write(out, args.out)
+    _write(out, args)
     md = table(out)
     print(md)
     if args.table:
@@ -244,6 +223,6 @@ def _bar(n: int):
     return tqdm(total=n, desc="runs", unit="run")
 
 
-def _write(out: dict, path: str) -> None:
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    Path(path).write_text(json.dumps(out, indent=2) + "\n")
+def _write(out: dict, args: argparse.Namespace) -> None:
+    corpus = [args.prompts] if Path(args.prompts).is_file() else []  # not text / random
+    write_result(out, args.out, data=corpus)

@@ -8,6 +8,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.build import hierarchy_fixed_bytes
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.speculative.config import SpeculationConfig
 
 from .config import EngineKey
 from .setup import Sizing, Target, drafter_source
@@ -30,8 +31,11 @@ def engine_config(
         hot_cache_rows=sizing.hot_cache_rows, host_arena_mib=sizing.host_arena_bytes / 2**20,
         page_size=sizing.page_size, max_num_seqs=sizing.slots,
         max_model_len=sizing.max_model_len, max_prefill_tokens=sizing.max_prefill_tokens,
-        drafter=None if key.drafter == "off" else drafter_source(key.drafter, drafter_dir),
-        spec_width=spec_width, width_policy=key.schedule, durable_sessions=durable, owner=owner,
+        speculation=SpeculationConfig(
+            None if key.drafter == "off" else drafter_source(key.drafter, drafter_dir),
+            spec_width, key.schedule,
+        ),
+        durable_sessions=durable, owner=owner,
     )  # fmt: skip
 
 
@@ -72,7 +76,7 @@ def build_engine(
         "engine": key.name,
         "pool_bytes": pool,
         "fixed_bytes": fixed,
-        "drafter_source": cfg.drafter,
+        "drafter_source": cfg.speculation.drafter,
         "durable_sessions": eng.kv.sessions is not None,
         "kv_tokens_capacity": eng.kv.tokens_capacity,
         "kv_row_bytes": eng.kv.row_bytes,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from bench.lockstep import OwnClock, WallClock
+from bench.core.clock import OwnClock, WallClock
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import Request, SamplingParams
 
@@ -63,10 +63,9 @@ class Counters:
         sp = eng.speculator
         spec = None if sp is None else (sp.counters.drafts, sp.counters.draft_tokens,
                                         sp.counters.accepted)  # fmt: skip
-        res = getattr(eng.kv.payload, "residency", None)
+        st = eng.kv.residency_stats()
         resid = None
-        if res is not None:
-            st = res.stats
+        if st is not None:
             resid = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages,
                      st.admissions_waited, len(st.reclaim_latency))  # fmt: skip
         return Counters(census, spec, resid)
@@ -87,7 +86,7 @@ class LoopResult:
 
 class ClosedLoop:
     """``concurrency`` closed-loop clients on ``eng`` (idle at the start, idle once done),
-    stepped by the caller: ``closed_loop`` runs one alone, ``bench/lockstep.py`` several in
+    stepped by the caller: ``closed_loop`` runs one alone, ``bench/core/lockstep.py`` several in
     turn (each then on its own ``OwnClock``)."""
 
     def __init__(
@@ -208,10 +207,8 @@ class ClosedLoop:
         start = self.start or Counters.read(eng)
         end = Counters.read(eng)
         w1 = min(self.w1, self.clock.now())
-        res = getattr(eng.kv.payload, "residency", None)
-        lats = (
-            list(res.stats.reclaim_latency[start.residency[4] :]) if res and start.residency else []
-        )
+        res = eng.kv.residency_stats()
+        lats = list(res.reclaim_latency[start.residency[4] :]) if res and start.residency else []
         for rid, rec in self.live.items():  # the run ended with these in flight: abort them
             if rec.admitted is None and self.requests[rid].admitted_time is not None:
                 rec.admitted = self.clock.stamp(self.requests[rid].admitted_time, w1)

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bench.core.plots import pyplot
+
 
 def _f(x: float | None, scale: float = 1.0, digits: int = 1) -> str:
     return "–" if x is None else f"{x * scale:,.{digits}f}"
@@ -73,10 +75,7 @@ def _series(out: dict, mode: str, metric) -> dict[tuple, tuple[list[int], list[f
 
 def plot(out: dict, prefix: str) -> list[str]:
     """Writes PREFIX_{throughput,tpot,ttft,acceptance}.png; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     title = f"{out['machine']}, {out['model']['name']}, {out['level']} level"
     Path(prefix).parent.mkdir(parents=True, exist_ok=True)

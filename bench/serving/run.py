@@ -13,7 +13,9 @@ from pathlib import Path
 
 import torch
 
-from bench.lockstep import OwnClock, lockstep
+from bench.core import provenance
+from bench.core.clock import OwnClock
+from bench.core.lockstep import lockstep
 from services.worker.engine.config import EngineConfig
 
 from .config import EngineKey, Load, RunSpec
@@ -137,7 +139,7 @@ def _lockstep_runs(
     b: Bench, runs: list[RunSpec], deadline: Deadline, on_run: OnRun, store
 ) -> list[dict]:
     """The runs that share an input length and a concurrency run in lockstep
-    (``bench/lockstep.py``), each on its own clock: the host's slow phases fall on all the
+    (``bench/core/lockstep.py``), each on its own clock: the host's slow phases fall on all the
     engines compared alike, and no run's latencies count the others' steps."""
     built: dict[EngineKey, tuple] = {}
     try:
@@ -174,6 +176,8 @@ def http_level(
     from .http_loop import http_closed_loop
     from .stack import Stack
 
+    provenance.include_modules(provenance.STACK_MODULES)
+
     stacks = []
     with tempfile.TemporaryDirectory(prefix="dhisparse-bench-model-") as tmp:
         model_arg = b.target.spec
@@ -193,7 +197,7 @@ def http_level(
             queue = 4 * max(r.concurrency for r in group)
             with Stack(cfg, model_arg, host, log_dir, max_queue=queue) as s:
                 stacks.append({"engine": key.name, "pool_bytes": pool, "fixed_bytes": fixed,
-                               "drafter_source": cfg.drafter, "host_store_bytes": host,
+                               "drafter_source": cfg.speculation.drafter, "host_store_bytes": host,
                                "durable_sessions": cfg.durable})  # fmt: skip
                 _warm(s, b.target.name, b.warmup_prompts, 2 * b.spec_width + 2)
                 for r in group:

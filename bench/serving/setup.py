@@ -9,6 +9,7 @@ from pathlib import Path
 
 import torch
 
+from bench.core.model import BENCH_GLM, bench_model_config
 from dhisparse.capacity import profile_from_model_config, session_bytes
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.kv.config import bytes_per_token
@@ -17,7 +18,6 @@ from services.worker.model.presets import PRESETS
 from services.worker.speculative.drafters.io import DRAFTERS
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH_GLM = "bench-glm"
 
 
 @dataclass(frozen=True)
@@ -37,12 +37,10 @@ class Target:
 
 
 def load_target(spec: str, device: str, dtype: str, layers: int = 8, k: int = 512) -> Target:
-    """``bench-glm`` (bench/capacity.py's model, random weights, ``layers`` and ``k``), a preset
-    (random weights) or a model directory (its weights and tokenizer)."""
+    """``bench-glm`` (the capacity benchmark's model, random weights, ``layers`` and ``k``), a
+    preset (random weights) or a model directory (its weights and tokenizer)."""
     tdtype = getattr(torch, dtype)
     if spec == BENCH_GLM:
-        from bench.capacity import bench_model_config
-
         model = build_model(bench_model_config(layers, k), seed=0, device=device, dtype=tdtype)
     elif spec in PRESETS or (Path(spec) / "config.json").exists():
         model = load_model(spec, device=device, dtype=tdtype)
@@ -151,7 +149,7 @@ def size_kv(
     max_concurrency: int,
     slots: int | None = None,
 ) -> Sizing:
-    """As bench/capacity.py sizes its budget. Slots default to the sessions the hierarchy can
+    """As the capacity benchmark sizes its budget. Slots default to the sessions the hierarchy can
     hold in the budget (the engine reserves index keys for every slot at full length, so more
     slots would shrink the pages), at most the largest C."""
     cfg = target.model.cfg

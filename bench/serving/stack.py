@@ -97,9 +97,10 @@ class Stack:
             worker += ["--hot-cache-rows", str(c.hot_cache_rows)]
         if c.durable_sessions is not None:
             worker.append("--durable-sessions" if c.durable_sessions else "--no-durable-sessions")
-        if c.drafter:
-            worker += ["--drafter", c.drafter, "--spec-width", str(c.spec_width),
-                       "--width-policy", c.width_policy]  # fmt: skip
+        sp = c.speculation
+        if sp.drafter:
+            worker += ["--drafter", sp.drafter, "--spec-width", str(sp.width),
+                       "--width-policy", sp.width_policy]  # fmt: skip
         gateway = [*py, "gateway", "--host", HOST, "--port", str(self.http),
                    "--model", self.model_arg, "--workers", f"{HOST}:{self.worker_port}",
                    "--max-queue", str(self.max_queue), "--queue-deadline-s", "3600",

@@ -1,27 +1,35 @@
-"""bench/capacity.py and bench/spec.py on the CPU, as processes, at toy sizes: every side runs
-in lockstep and each gets its rows, rates and the summary the docs quote."""
+"""``python -m bench capacity``, ``spec`` and ``graph-keys`` on the CPU, as processes, at toy
+sizes: every side runs in lockstep and each gets its rows, rates and the summary the docs
+quote, and every result names the code it measured."""
 
 from __future__ import annotations
 
 import json
 import subprocess
-import sys
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.bench.helpers import ROOT, bench
 
 
-def _run(script: str, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, str(ROOT / "bench" / script), "--device", "cpu", *args],
-        cwd=ROOT, capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+def _run(name: str, *args: str) -> subprocess.CompletedProcess:
+    return bench(name, "--device", "cpu", *args)
+
+
+def _measured(doc: dict) -> dict[str, str]:
+    """The result's per-file hashes, checked against the files as they are."""
+    from bench.core.provenance import file_hash
+
+    prov = doc["provenance"]
+    assert prov["source"] == "git" and len(prov["commit"]) == 40
+    assert prov["command"].startswith("python -m bench ")
+    for path, h in prov["files"].items():
+        assert file_hash(ROOT / path) == h, path
+    return prov["files"]
 
 
 def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
     out = tmp_path / "cap.json"
     proc = _run(
-        "capacity.py", "--context", "256", "--layers", "4", "--k", "16", "--hot-cache-rows",
+        "capacity", "--context", "256", "--layers", "4", "--k", "16", "--hot-cache-rows",
         "32", "--concurrency", "1,3", "--resident-sessions", "1", "--probe-sessions", "4",
         "--decode-tokens", "3", "--host-gib", "0.05", "--page", "16", "--out", str(out),
         "--trace",
@@ -49,6 +57,10 @@ def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
     cap = data["summary"]["capacity_sessions"]
     assert cap["hisparse"] > cap["resident"] and cap["adaptive"] > cap["resident"]
     assert set(data["summary"]["adaptive_vs_hisparse"]) == {"1", "3"}
+    files = _measured(data)
+    assert {"bench/capacity/sweep.py", "bench/core/lockstep.py",
+            "services/worker/engine/engine.py"} <= files.keys()  # fmt: skip
+    assert "bench/cli.py" not in files  # the dispatcher measures nothing
 
 
 def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> None:
@@ -56,9 +68,9 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
     common = ["--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
               "--concurrency", "1,2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
               "48", "--pool-mib", "64", "--host-mib", "64", "--out", str(out)]  # fmt: skip
-    bad = _run("spec.py", *common, "--requests-per-client", "1")
+    bad = _run("spec", *common, "--requests-per-client", "1")
     assert bad.returncode == 2 and "at least 2" in bad.stderr
-    proc = _run("spec.py", *common, "--requests-per-client", "2", "--warmup-per-client", "2")
+    proc = _run("spec", *common, "--requests-per-client", "2", "--warmup-per-client", "2")
     assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     configs = {r["config"] for r in data["results"]}
@@ -69,29 +81,25 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
     assert set(data["summary"]) == {f"{d}@C{c}" for d in ("dflash", "dspark", "dflash2")
                                     for c in (1, 2)}  # fmt: skip
-
-
-def test_gc_pauses_counts_each_mode() -> None:
-    proc = _run(
-        "gc_pauses.py", "--context", "256", "--layers", "2", "--k", "16", "--hot-cache-rows",
-        "32", "--concurrency", "4", "--decode-tokens", "4", "--host-gib", "0.05", "--page", "16",
-        "--eager",
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    lines = [line for line in proc.stdout.splitlines() if "collections [" in line]
-    assert [line.split()[0] for line in lines] == ["hisparse", "adaptive"]
+    # the drafters it loaded, weights included (opened outside Python's open)
+    files = _measured(data)
+    for d in ("dflash", "dspark", "dflash2"):
+        assert {f"bench/drafters/tiny-glm/{d}/drafter.json",
+                f"bench/drafters/tiny-glm/{d}/drafter.safetensors"} <= files.keys()  # fmt: skip
 
 
 def test_graph_keys_counts_every_pass_of_the_measured_window(tmp_path) -> None:
     out = tmp_path / "keys.json"
     proc = _run(
-        "graph_keys.py", "--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
+        "graph-keys", "--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
         "--concurrency", "3", "--decode-tokens", "12", "--prompt-len", "48", "--pool-mib", "64",
         "--host-mib", "64", "--requests-per-client", "2", "--configs", "none,dflash/paper",
         "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
-    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    doc = json.loads(out.read_text())
+    assert "bench/graph_keys.py" in _measured(doc)
+    rows = {r["config"]: r for r in doc["rows"]}
     for name, row in rows.items():
         passes = sum(row[f"pass_graph_{w}"] for w in ("replay", "capture", "eager"))
         drafts = sum(row[f"draft_graph_{w}"] for w in ("replay", "capture", "eager"))

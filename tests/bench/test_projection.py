@@ -1,6 +1,6 @@
-"""bench/projection.py: its session counts are the capacity model's (the paper's 208 / 140 /
-20 / 12 on the implied 4-GPU deployment, and per GPU times the GPUs on an 8-GPU node), and the
-binding resource follows from the step-time terms."""
+"""``python -m bench projection``: its session counts are the capacity model's (the paper's
+208 / 140 / 20 / 12 on the implied 4-GPU deployment, and per GPU times the GPUs on an 8-GPU
+node), and the binding resource follows from the step-time terms."""
 
 from __future__ import annotations
 
@@ -8,14 +8,17 @@ import json
 
 import pytest
 
-from bench.projection import main, project
+from bench.core.provenance import blob_hash
+from bench.projection import project
 from bench.serving.scaling import Hardware, TargetModel, pcie_break_even, step
 from dhisparse.capacity import glm53, glm53_paper_deployment, sessions_per_gpu
 from services.worker.model.presets import preset
+from tests.bench.helpers import bench
 
 
 def serving(host_share: float = 0.3) -> dict:
-    """A serving JSON as bench/serving.py writes it, with just what the projection reads."""
+    """A serving result as ``python -m bench serving`` writes it, with just what the projection
+    reads."""
     cfg = preset("tiny-glm")
     sel = 6 * cfg.index_topk * cfg.d_kv * 4  # payload sources x k x row bytes (fp32)
 
@@ -91,8 +94,12 @@ def test_cli_writes_json_and_markdown(tmp_path) -> None:
     src = tmp_path / "serving.json"
     src.write_text(json.dumps(serving()))
     out = tmp_path / "projection.json"
-    assert main(["--serving", str(src), "--out", str(out)]) == 0
+    proc = bench("projection", "--serving", str(src), "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-2000:]
     p = json.loads(out.read_text())
+    # the serving result it derives from is named with its hash, the code it ran with theirs
+    assert p["provenance"]["inputs"] == {str(src): blob_hash(src.read_bytes())}
+    assert {"bench/projection.py", "bench/serving/scaling.py"} <= p["provenance"]["files"].keys()
     assert {"modes", "spec", "paper_check", "verdict", "assumptions", "capacity"} <= p.keys()
     assert p["hardware"]["gpus"] == 8 and p["context"] == 100_000
     assert p["modes"]["adaptive"]["sessions_node"] == 416

@@ -1,4 +1,4 @@
-"""bench/serving.py on the CPU: the engine-level closed loop on tiny-glm (resident and
+"""``python -m bench serving`` on the CPU: the engine-level closed loop on tiny-glm (resident and
 adaptive, with and without a random-weight drafter) keeps its contract — every request
 completes with exactly the asked tokens, each client runs its requests one at a time, TTFT
 covers the allocation wait, no more sessions run than clients — greedy outputs do not depend
@@ -15,14 +15,16 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from bench.lockstep import lockstep
-from bench.serving.cli import RUN_FIELDS, TOP_FIELDS, main
+from bench.core.clock import OwnClock
+from bench.core.lockstep import lockstep
+from bench.serving.cli import RUN_FIELDS, TOP_FIELDS
 from bench.serving.config import EngineKey, Load, build_matrix
 from bench.serving.engines import build_engine
-from bench.serving.loop import ClosedLoop, LoopResult, OwnClock, closed_loop
+from bench.serving.loop import ClosedLoop, LoopResult, closed_loop
 from bench.serving.setup import Sizing, Target, load_target, prepare_prefixes, size_kv
 from bench.serving.summary import summarize
 from services.worker.hierarchy.local_store import LocalHostStore
+from tests.bench.helpers import bench
 
 INPUT, OUTPUT, PER_CLIENT, RESIDENT = 256, 6, 2, 2
 KEYS = [
@@ -179,9 +181,11 @@ def test_cli_writes_json_table_and_plots(tmp_path) -> None:
     args = [*SMALL, "--modes", "resident,adaptive", "--drafters", "off,dflash2", "--schedules",
             "paper", "--concurrency", "2", "--spec-concurrency", "2", "--requests-per-client",
             "1", "--out", str(out), "--table", str(md), "--plot", str(png)]  # fmt: skip
-    assert main(args) == 0
+    proc = bench("serving", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
     assert set(TOP_FIELDS) <= data.keys()
+    assert "bench/serving/loop.py" in data["provenance"]["files"]
     assert data["level"] == "engine" and data["skipped"] == []
     names = ["resident@C2/in256", "adaptive@C2/in256", "adaptive/dflash2/paper@C2/in256"]
     assert [r["name"] for r in data["runs"]] == names
@@ -206,8 +210,13 @@ def test_http_level_over_the_real_stack(tmp_path) -> None:
     args = [*SMALL, "--http", "--modes", "adaptive", "--drafters", "off", "--concurrency",
             "2", "--requests-per-client", "2", "--out", str(out), "--log-dir",
             str(tmp_path)]  # fmt: skip
-    assert main(args) == 0
+    proc = bench("serving", *args)
+    assert proc.returncode == 0, proc.stderr[-2000:]
     data = json.loads(out.read_text())
+    # the stack's processes ran the gateway and the worker's server: the result names them
+    assert {"services/gateway/app.py", "services/worker/server.py"} <= data["provenance"][
+        "files"
+    ].keys()
     (run,) = data["runs"]
     m = run["metrics"]
     assert data["level"] == "http" and set(RUN_FIELDS) <= m.keys()

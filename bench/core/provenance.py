@@ -1,0 +1,337 @@
+"""What a result was measured on: the ``provenance`` object of every result JSON.
+
+The code a result measured is the set of files under the measured roots (``services/``,
+``dhisparse/``, ``models/``, ``bench/``) that the benchmark's process used: every module it
+had imported when it wrote the result (``sys.modules``), every file it opened for reading
+(an audit hook, ``track_reads``), and the weight files beside an opened file (safetensors
+opens its shards outside Python's ``open``). Each file is recorded by its git blob hash, the
+hash ``git hash-object`` gives, so a tree without ``.git`` computes the same hashes and
+``python -m bench stale`` can compare a result with any later tree: a result goes stale when
+code it measured changed, not when other files did. The dispatcher (``bench/cli.py``) and the
+recording of results (this module, ``output.py``) measure nothing and are left out: adding a
+subcommand leaves every result fresh.
+
+``commit`` and ``dirty`` come from git when the tree is a checkout. A tree copied without
+``.git`` (the GPU machine's) takes them from ``bench/PROVENANCE.json``, which ``python -m bench
+prepare`` writes in the checkout before the copy, with the hash of every file then under the
+measured roots. Results are refused when there is neither, or when a file of the tree differs
+from what that file recorded."""
+
+from __future__ import annotations
+
+import datetime
+import hashlib
+import importlib
+import importlib.metadata
+import json
+import os
+import platform
+import re
+import shlex
+import subprocess
+import sys
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+MEASURED_ROOTS = ("services", "dhisparse", "models", "bench")
+PREPARED = "bench/PROVENANCE.json"
+NOT_MEASURED = frozenset({
+    "bench/__main__.py", "bench/cli.py", "bench/core/provenance.py", "bench/core/output.py",
+    PREPARED,
+})  # fmt: skip
+WEIGHT_SUFFIXES = (".safetensors",)
+
+
+class ProvenanceError(RuntimeError):
+    """The code a result measured cannot be named: the result must not be written."""
+
+
+def blob_hash(data: bytes) -> str:
+    """Git's object id of a blob with these bytes (``git hash-object``)."""
+    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
+
+
+_HASHES: dict[Path, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, blob hash)
+_OWN = threading.local()  # .reading: this thread reads for provenance, not for the benchmark
+
+
+def _read(path: Path) -> bytes:
+    """A file's bytes, read without counting as something the benchmark read."""
+    _OWN.reading = True
+    try:
+        return path.read_bytes()
+    finally:
+        _OWN.reading = False
+
+
+def file_hash(path: Path) -> str:
+    """The blob hash of a file, recomputed only when its mtime or size moved."""
+    st = path.stat()
+    known = _HASHES.get(path)
+    if known is not None and known[:2] == (st.st_mtime_ns, st.st_size):
+        return known[2]
+    h = blob_hash(_read(path))
+    _HASHES[path] = (st.st_mtime_ns, st.st_size, h)
+    return h
+
+
+def has_git(root: Path = ROOT) -> bool:
+    return (root / ".git").exists()
+
+
+def _git(root: Path, *args: str) -> str:
+    try:
+        return subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=True,
+            timeout=60,
+        ).stdout  # fmt: skip
+    except (OSError, subprocess.SubprocessError) as e:
+        raise ProvenanceError(f"git {' '.join(args)} failed in {root}: {e}") from None
+
+
+def tree_files(root: Path = ROOT) -> dict[str, str]:
+    """Blob hash of every file under the measured roots that git tracks or does not ignore
+    (what a copy of the working tree carries), from the files as they are on disk."""
+    listed = _git(root, "ls-files", "-z", "--cached", "--others", "--exclude-standard", "--",
+                  *MEASURED_ROOTS).split("\0")  # fmt: skip
+    files = sorted({p for p in listed if p and (root / p).is_file()})
+    return {p: file_hash(root / p) for p in files}
+
+
+def git_state(root: Path = ROOT) -> dict:
+    """The checkout's HEAD and whether the measured roots differ from it."""
+    commit = _git(root, "rev-parse", "HEAD").strip()
+    dirty = bool(_git(root, "status", "--porcelain", "--", *MEASURED_ROOTS).strip())
+    return {"commit": commit, "dirty": dirty}
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds")
+
+
+def prepare(root: Path = ROOT) -> dict:
+    """Writes ``bench/PROVENANCE.json`` in a checkout: commit, dirty flag and the hash of
+    every file under the measured roots, for a copy of the tree that has no ``.git``."""
+    if not has_git(root):
+        raise ProvenanceError(f"{root} is not a git checkout: prepare runs before the copy")
+    doc = {**git_state(root), "date": _now(), "roots": list(MEASURED_ROOTS),
+           "files": tree_files(root)}  # fmt: skip
+    (root / PREPARED).write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def source(root: Path = ROOT) -> dict:
+    """Where commit and dirty flag come from: git, else the prepared file (whose per-file
+    hashes then bound what the tree may hold). Raises ``ProvenanceError`` without either."""
+    if has_git(root):
+        return {**git_state(root), "source": "git", "recorded": None}
+    path = root / PREPARED
+    if not path.exists():
+        raise ProvenanceError(
+            f"{root} has no .git and no {PREPARED}, so no result can name the code it "
+            f"measured: run `python -m bench prepare` in the checkout before copying the tree "
+            f"(and carry {PREPARED} with it)"
+        )
+    doc = json.loads(_read(path))
+    return {"commit": doc["commit"], "dirty": doc["dirty"], "source": PREPARED,
+            "recorded": doc["files"]}  # fmt: skip
+
+
+def _differing(recorded: dict[str, str], paths: Iterable[str], root: Path) -> list[str]:
+    out = []
+    for p in paths:
+        if p not in recorded:
+            out.append(f"{p} (not in {PREPARED})")
+        elif not (root / p).is_file():
+            out.append(f"{p} (missing)")
+        elif file_hash(root / p) != recorded[p]:
+            out.append(f"{p} (changed)")
+    return out
+
+
+def _refuse(differing: list[str]) -> ProvenanceError:
+    shown = "\n  ".join(differing[:20]) + ("\n  ..." if len(differing) > 20 else "")
+    return ProvenanceError(
+        f"the tree differs from {PREPARED} (it changed after `python -m bench prepare`); run "
+        f"prepare again in the checkout and copy the tree anew:\n  {shown}"
+    )
+
+
+def check_tree(root: Path = ROOT) -> dict:
+    """Before a benchmark runs: provenance can be taken, and a tree without git is still the
+    one ``prepare`` recorded, file for file. Raises ``ProvenanceError`` otherwise."""
+    src = source(root)
+    if src["recorded"] is not None:
+        differing = _differing(src["recorded"], src["recorded"], root)
+        if differing:
+            raise _refuse(differing)
+    return src
+
+
+_READS: set[str] | None = None  # files under ROOT opened for reading, relative
+
+
+def track_reads() -> None:
+    """Starts recording the files this process opens for reading under the tree (idempotent;
+    an audit hook stays for the process's life). ``python -m bench`` calls it first thing."""
+    global _READS
+    if _READS is not None:
+        return
+    reads: set[str] = set()
+    prefix = str(ROOT) + os.sep
+    writing = os.O_WRONLY | os.O_RDWR
+
+    def hook(event: str, args: tuple) -> None:
+        if event != "open" or getattr(_OWN, "reading", False):
+            return
+        path, mode, flags = args
+        if isinstance(mode, str):
+            if any(c in mode for c in "wax+"):
+                return
+        elif isinstance(flags, int) and flags & writing:
+            return
+        if not isinstance(path, str | bytes | os.PathLike):  # a file descriptor
+            return
+        full = os.path.abspath(os.fsdecode(path))
+        if full.startswith(prefix):
+            reads.add(full[len(prefix) :])
+
+    sys.addaudithook(hook)
+    _READS = reads
+
+
+def measured_files(root: Path = ROOT) -> list[str]:
+    """The files of the measured roots this process used so far (module docstring)."""
+    if _READS is None:
+        raise ProvenanceError(
+            "the files this process read were not tracked from its start (call "
+            "bench.core.provenance.track_reads() first; `python -m bench` does)"
+        )
+    used = set()
+    for module in list(sys.modules.values()):
+        f = getattr(module, "__file__", None)
+        if f:
+            try:
+                used.add(Path(f).resolve().relative_to(root).as_posix())
+            except ValueError:
+                continue
+    reads = {Path(p).as_posix() for p in list(_READS)}
+    used |= reads
+    for d in {Path(p).parent for p in reads}:  # weights beside a file read (a config.json)
+        if (root / d).is_dir():
+            used |= {(d / w.name).as_posix() for w in (root / d).iterdir()
+                     if w.suffix in WEIGHT_SUFFIXES and w.is_file()}  # fmt: skip
+    return sorted(
+        p for p in used
+        if p.split("/", 1)[0] in MEASURED_ROOTS and "__pycache__" not in p
+        and p not in NOT_MEASURED and (root / p).is_file()
+    )  # fmt: skip
+
+
+# What a stack's processes run (``python -m dhisparse.cli ...``): a benchmark that starts a
+# stack imports these as well, so that its result's provenance names that code too.
+STACK_MODULES = (
+    "dhisparse.cli", "services.gateway.cli", "services.gateway.app", "services.gateway.settings",
+    "services.worker.cli", "services.worker.server", "services.kv_host_store.cli",
+)  # fmt: skip
+
+
+def include_modules(names: Iterable[str]) -> None:
+    """Imports modules that other processes of the benchmark run (a stack it starts), so that
+    this process's results name their code too."""
+    for name in names:
+        importlib.import_module(name)
+
+
+def code_hash(files: dict[str, str]) -> str:
+    """One hash of (path, blob hash) pairs: equal exactly when the measured files are."""
+    lines = "".join(f"{h}  {p}\n" for p, h in sorted(files.items()))
+    return hashlib.sha256(lines.encode()).hexdigest()
+
+
+def _driver_version() -> str | None:
+    try:
+        text = _read(Path("/proc/driver/nvidia/version")).decode()
+        m = re.search(r"Kernel Module(?: for \S+)?\s+([0-9][0-9.]+)", text)
+        if m:
+            return m.group(1)
+    except OSError:
+        pass
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+            capture_output=True, text=True, check=True, timeout=30,
+        ).stdout.split()  # fmt: skip
+        return out[0] if out else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def gpu() -> dict | None:
+    """The CUDA device the process used (none when it never imported torch or has none)."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_available():
+        return None
+    return {"name": torch.cuda.get_device_name(), "count": torch.cuda.device_count(),
+            "driver": _driver_version(), "cuda": torch.version.cuda}  # fmt: skip
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def versions() -> dict:
+    torch = sys.modules.get("torch")
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__ if torch is not None else _version("torch"),
+        "triton": _version("triton"),
+        "platform": platform.platform(),
+    }
+
+
+def command_line(root: Path = ROOT) -> str:
+    argv = list(sys.argv)
+    if argv and Path(argv[0]).resolve() == root / "bench" / "__main__.py":
+        return shlex.join(["python", "-m", "bench", *argv[1:]])
+    return shlex.join(["python", *argv])
+
+
+def _relative(path: str | Path, root: Path) -> str:
+    p = Path(path).resolve()
+    try:
+        return p.relative_to(root).as_posix()
+    except ValueError:
+        return str(p)
+
+
+def collect(
+    inputs: Iterable[str | Path] = (), data: Iterable[str | Path] = (), root: Path = ROOT
+) -> dict:
+    """The provenance of a result written now. ``inputs``: files in the repository the result
+    derives from (another result), checked by ``stale`` like code; ``data``: files outside it
+    (a corpus), recorded by SHA-256. Raises ``ProvenanceError`` when it cannot be named."""
+    src = source(root)
+    files = {p: file_hash(root / p) for p in measured_files(root)}
+    if src["recorded"] is not None:
+        differing = _differing(src["recorded"], files, root)
+        if differing:
+            raise _refuse(differing)
+    return {
+        "commit": src["commit"],
+        "dirty": src["dirty"],
+        "source": src["source"],
+        "code_hash": code_hash(files),
+        "files": files,
+        "inputs": {_relative(p, root): file_hash(Path(p).resolve()) for p in inputs},
+        "data": {_relative(p, root): hashlib.sha256(_read(Path(p))).hexdigest() for p in data},
+        "gpu": gpu(),
+        "versions": versions(),
+        "command": command_line(root),
+        "date": _now(),
+    }

@@ -1,0 +1,197 @@
+"""``python -m bench device-run <part>``: one part of the GPU runs, sized for one command of the
+device tool (at most 600 s; at most 8 files come back from $OUT). Each step is a ``python -m
+bench ...`` (or pytest) process with its own time limit inside the part's budget; a step past
+its limit is killed and the part goes on. Results, plots and a short ``table.md`` (the steps'
+status and the ratios of the results written) go to ``--out`` (default $OUT); the steps' logs
+to ``logs.tgz``.
+
+    main         GPU tests; resolver; capacity (resident / hisparse / adaptive in lockstep);
+                 speculation against plain decoding on CUDA graphs
+    serving      serving at 8K inputs over the engine and over HTTP
+    serving-32k  serving at 32K inputs, C up to 256
+    tests        the GPU tests alone
+
+In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
+then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
+A step that needs the corpus (``data/stdlib.u8``: the trained target's held-out prompts) is
+preceded by building it there when it was not carried (``training.target.corpus``, from
+that machine's Python standard library; each result records the corpus's SHA-256)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tarfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from bench import ratios
+from bench.core import UsageError, provenance
+
+CORPUS = "data/stdlib.u8"
+MAX_FILES = 8  # what the device tool brings back from $OUT
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    command: str  # after ``python``, split as a shell would; "{out}" is the output folder
+    timeout_s: float
+    corpus: bool = False  # needs CORPUS
+
+    def argv(self, out: Path) -> list[str]:
+        return [sys.executable, *shlex.split(self.command.replace("{out}", str(out)))]
+
+
+GPU_TESTS = Step(
+    "gpu-tests", "-m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider", 120
+)
+BUILD_CORPUS = Step("corpus", f"-m training.target.corpus --out {CORPUS}", 60)
+SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
+SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
+
+PARTS: dict[str, tuple[Step, ...]] = {
+    "main": (
+        GPU_TESTS,
+        Step(
+            "resolver", "-m bench resolver --out {out}/resolver.json --plot {out}/resolver.png", 100
+        ),
+        Step(
+            "capacity",
+            "-m bench capacity --host-gib 12 --probe-sessions 64 --trace "
+            "--out {out}/capacity.json --plot {out}/capacity.png",
+            200,
+        ),
+        Step(
+            "spec",
+            "-m bench spec --concurrency 1,16,64 --widths '' --drafters dflash2 "
+            "--out {out}/spec.json --plot {out}/spec.png",
+            180,
+            corpus=True,
+        ),
+    ),
+    "serving": (
+        Step(
+            "serving",
+            f"{SERVE_8K} --concurrency 1,4,16,64 --spec-modes adaptive "
+            "--spec-concurrency 4,64 --drafters off,dflash,dspark,dflash2 "
+            "--schedules fixed,paper,online --time-limit-s 250 --out {out}/serving.json "
+            "--plot {out}/serving",
+            280,
+        ),
+        Step(
+            "serving-http",
+            f"{SERVE_8K} --http --concurrency 1,4,16,64 --drafters off "
+            "--time-limit-s 210 --out {out}/serving_http.json --log-dir {out}/logs/stack",
+            240,
+        ),
+    ),
+    "serving-32k": (
+        # a 32K prefill takes a large share of a second: 128-token outputs and a 16 s window
+        # after 6 s of warm-up (the first admissions' prefills) let requests finish inside it
+        Step(
+            "serving-32k",
+            f"{SERVE} --output-len 128 --duration-s 16 --warmup-s 6 "
+            "--concurrency 1,16,128,256 --drafters off,dflash --schedules online "
+            "--spec-modes adaptive --spec-concurrency 128,256 --input-lens 32768 "
+            "--time-limit-s 500 --out {out}/serving_32k.json --plot {out}/serving_32k",
+            530,
+        ),
+    ),
+    "tests": (GPU_TESTS,),
+}
+
+
+@dataclass(frozen=True)
+class Outcome:
+    step: str
+    status: str  # ok | failed (exit N) | timed out | skipped: ...
+    seconds: float
+
+
+def run_step(step: Step, out: Path, limit_s: float, log: Path) -> Outcome:
+    """Runs one step in its own process group; kills the group past ``limit_s``."""
+    argv = step.argv(out)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    t0 = time.monotonic()
+    with open(log, "w") as f:
+        f.write("$ " + shlex.join(argv) + "\n")
+        f.flush()
+        proc = subprocess.Popen(argv, stdout=f, stderr=subprocess.STDOUT, env=env,
+                                cwd=provenance.ROOT, start_new_session=True)  # fmt: skip
+        try:
+            rc = proc.wait(timeout=limit_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            return Outcome(step.name, f"timed out after {limit_s:.0f} s", time.monotonic() - t0)
+    status = "ok" if rc == 0 else f"failed (exit {rc})"
+    return Outcome(step.name, status, time.monotonic() - t0)
+
+
+def _tail(path: Path, lines: int) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+
+
+def report(part: str, outcomes: list[Outcome], out: Path, logs: Path) -> str:
+    """``table.md``: where the tree came from, each step's status and time, the GPU tests'
+    summary line, and the ratios of the results this part wrote."""
+    src = provenance.source()
+    lines = [f"# device-run {part}: commit {src['commit'][:12]}"
+             + (" (dirty)" if src["dirty"] else "") + f", provenance from {src['source']}", "",
+             "| step | status | seconds |", "|---|---|---|"]  # fmt: skip
+    lines += [f"| {o.step} | {o.status} | {o.seconds:.0f} |" for o in outcomes]
+    tests = logs / f"{GPU_TESTS.name}.log"
+    if tests.exists():
+        lines += ["", "GPU tests:", "", "```", _tail(tests, 3), "```"]
+    written = {name: out / f"{name}.json" for name in ratios.TABLES}
+    if any(p.exists() for p in written.values()):
+        lines += ["", ratios.table({n: p for n, p in written.items() if p.exists()})]
+    return "\n".join(lines) + "\n"
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("part", choices=sorted(PARTS))
+    ap.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT)")
+    ap.add_argument("--budget-s", type=float, default=540, help="the whole part's time")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not args.out:
+        raise UsageError("no output folder: give --out or set OUT")
+    provenance.check_tree()  # every step would refuse to write its results otherwise
+    steps = PARTS[args.part]
+    if any(s.corpus for s in steps) and not (provenance.ROOT / CORPUS).exists():
+        steps = (BUILD_CORPUS, *steps)
+    out = Path(args.out).resolve()
+    logs = out / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    outcomes = []
+    for step in steps:
+        left = args.budget_s - (time.monotonic() - t0)
+        limit = min(step.timeout_s, left)
+        if limit < 10:
+            outcomes.append(Outcome(step.name, "skipped: the part's budget is spent", 0.0))
+            continue
+        print(f"== {time.strftime('%H:%M:%S')} {step.name} (at most {limit:.0f} s)", flush=True)
+        outcomes.append(run_step(step, out, limit, logs / f"{step.name}.log"))
+        print(f"   {outcomes[-1].status}, {outcomes[-1].seconds:.0f} s\n"
+              + _tail(logs / f"{step.name}.log", 4), flush=True)  # fmt: skip
+    (out / "table.md").write_text(report(args.part, outcomes, out, logs))
+    with tarfile.open(out / "logs.tgz", "w:gz") as tar:
+        tar.add(logs, arcname="logs")
+    shutil.rmtree(logs)  # the archive holds them: fewer files to bring back
+    files = sorted(p.name for p in out.rglob("*") if p.is_file())
+    print((out / "table.md").read_text())
+    print(f"{len(files)} files in {out}: {', '.join(files)}")
+    if len(files) > MAX_FILES:
+        print(f"more than {MAX_FILES} files: the device tool brings back only {MAX_FILES}",
+              file=sys.stderr)  # fmt: skip
+    return 0 if all(o.status == "ok" for o in outcomes) else 1

@@ -1,0 +1,74 @@
+"""``python -m bench device-run``: every step of every part is a command its subcommand
+accepts, a step past its limit is killed with its children, and the part's table reports
+each step's status."""
+
+from __future__ import annotations
+
+import shlex
+import time
+from pathlib import Path
+
+import pytest
+
+from bench import device_run
+from bench.cli import COMMANDS, parser_for
+from bench.device_run import PARTS, Outcome, Step, report, run_step
+
+
+@pytest.mark.parametrize("part", sorted(PARTS))
+def test_every_step_parses(part: str, tmp_path) -> None:
+    for step in PARTS[part]:
+        argv = step.argv(tmp_path)[1:]
+        assert argv[0] == "-m"
+        if argv[1] == "bench":
+            name = argv[2]
+            assert name in COMMANDS and COMMANDS[name].results, step.name
+            _, parser = parser_for(name)
+            args = parser.parse_args(argv[3:])
+            assert str(args.out).startswith(str(tmp_path)), step.name  # results land in OUT
+        else:
+            assert argv[1] == "pytest"
+    budget = sum(s.timeout_s for s in PARTS[part])
+    assert part != "main" or budget >= 540  # the budget, not the steps' sum, bounds the part
+
+
+def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path) -> None:
+    pid_file = tmp_path / "child.pid"
+    script = tmp_path / "sleeper.py"
+    script.write_text(
+        "import subprocess, sys\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)'])\n"
+        f"open({str(pid_file)!r}, 'w').write(str(child.pid))\n"
+        "child.wait()\n"
+    )
+    t0 = time.monotonic()
+    done = run_step(Step("sleep", shlex.quote(str(script)), 60), tmp_path, 3, tmp_path / "s.log")
+    assert done.status == "timed out after 3 s" and time.monotonic() - t0 < 15
+    child = int(pid_file.read_text())
+    for _ in range(50):  # the kill is delivered; the orphan is reaped by init
+        if not Path(f"/proc/{child}").exists() or "Z" in _state(child):
+            break
+        time.sleep(0.1)
+    else:
+        raise AssertionError(f"the step's child {child} outlived the step")
+    failing = run_step(Step("fail", "-c 'raise SystemExit(3)'", 30), tmp_path, 30,
+                       tmp_path / "fail.log")  # fmt: skip
+    assert failing.status == "failed (exit 3)"
+    assert (tmp_path / "fail.log").read_text().startswith("$ ")
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return "gone"
+
+
+def test_the_table_reports_each_step(tmp_path) -> None:
+    logs = tmp_path / "logs"
+    logs.mkdir()
+    (logs / f"{device_run.GPU_TESTS.name}.log").write_text("...\n36 passed in 50.1s\n")
+    outcomes = [Outcome("gpu-tests", "ok", 51.0), Outcome("spec", "timed out after 90 s", 90)]
+    md = report("main", outcomes, tmp_path, logs)
+    assert "| gpu-tests | ok | 51 |" in md and "| spec | timed out after 90 s | 90 |" in md
+    assert "36 passed in 50.1s" in md and "provenance from git" in md
