@@ -1,4 +1,4 @@
-"""The shipped model pair (models/glm-10m, trained by bench/train_pair.py): the files load, have
+"""The shipped model pair (models/glm-10m, trained by python -m bench train-pair): the files load, have
 the documented sizes (models/glm-10m/README.md), every file fits the 16 MB limit, and
 speculative greedy decoding with each shipped drafter gives exactly plain greedy's tokens."""
 

@@ -83,7 +83,7 @@ def draft_key(slots: torch.Tensor, noise: torch.Tensor | None) -> tuple:
 
 class CaptureSchedule:
     """When each key is captured, and the graphs held: at most ``limit``, the least recently
-    used dropped first. No device here: ``bench/graph_keys.py`` runs it on the CPU to count
+    used dropped first. No device here: ``python -m bench graph-keys`` runs it on the CPU to count
     what a run would capture, replay and run eagerly."""
 
     def __init__(self, limit: int, capture_after: int, consecutive: bool) -> None:

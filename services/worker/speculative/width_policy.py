@@ -155,7 +155,7 @@ class WidthController:
 
     The online policy first measures each candidate width for ``explore_steps`` rounds at
     each load bucket, the widths taking turns round by round: the host alternates between
-    slow and fast phases a few to a dozen steps long (``bench/profile_step.py --series``), and
+    slow and fast phases a few to a dozen steps long (``python -m bench profile-step --series``), and
     widths measured one after the other would each see a different phase; taking turns, a
     phase weighs on all of them alike. Each width's first round of a burst is not recorded: it
     pays one-off costs (kernel compilation, cold caches) that would otherwise bias the average
