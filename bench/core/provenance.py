@@ -123,20 +123,25 @@ def prepare(root: Path = ROOT) -> dict:
 
 
 def source(root: Path = ROOT) -> dict:
-    """Where commit and dirty flag come from: git, else the prepared file (whose per-file
-    hashes then bound what the tree may hold). Raises ``ProvenanceError`` without either."""
+    """Where commit and dirty flag come from: the prepared file when the tree is still the one
+    it recorded, file for file (a copy of the tree made after ``prepare``, whatever ``.git``
+    travelled with it), else git; without git the prepared file's per-file hashes then bound
+    what the tree may hold (``check_tree`` refuses a tree that differs). Raises
+    ``ProvenanceError`` with neither."""
+    path = root / PREPARED
+    if path.exists():
+        doc = json.loads(_read(path))
+        prepared = {"commit": doc["commit"], "dirty": doc["dirty"], "source": PREPARED,
+                    "recorded": doc["files"]}  # fmt: skip
+        if not has_git(root) or not _differing(doc["files"], doc["files"], root):
+            return prepared
     if has_git(root):
         return {**git_state(root), "source": "git", "recorded": None}
-    path = root / PREPARED
-    if not path.exists():
-        raise ProvenanceError(
-            f"{root} has no .git and no {PREPARED}, so no result can name the code it "
-            f"measured: run `python -m bench prepare` in the checkout before copying the tree "
-            f"(and carry {PREPARED} with it)"
-        )
-    doc = json.loads(_read(path))
-    return {"commit": doc["commit"], "dirty": doc["dirty"], "source": PREPARED,
-            "recorded": doc["files"]}  # fmt: skip
+    raise ProvenanceError(
+        f"{root} has no .git and no {PREPARED}, so no result can name the code it "
+        f"measured: run `python -m bench prepare` in the checkout before copying the tree "
+        f"(and carry {PREPARED} with it)"
+    )
 
 
 def _differing(recorded: dict[str, str], paths: Iterable[str], root: Path) -> list[str]:
