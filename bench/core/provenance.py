@@ -19,6 +19,7 @@ from what that file recorded."""
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import hashlib
 import importlib
@@ -123,20 +124,25 @@ def prepare(root: Path = ROOT) -> dict:
 
 
 def source(root: Path = ROOT) -> dict:
-    """Where commit and dirty flag come from: the prepared file when the tree is still the one
-    it recorded, file for file (a copy of the tree made after ``prepare``, whatever ``.git``
-    travelled with it), else git; without git the prepared file's per-file hashes then bound
-    what the tree may hold (``check_tree`` refuses a tree that differs). Raises
-    ``ProvenanceError`` with neither."""
+    """Where commit and dirty flag come from: a clean git checkout; else the prepared file, when
+    the tree is still the one it recorded, file for file (a copy of the tree made after
+    ``prepare``, whatever ``.git`` travelled with it); else git as it is. Without git the
+    prepared file's per-file hashes bound what the tree may hold (``check_tree`` refuses a tree
+    that differs). Raises ``ProvenanceError`` with neither."""
+    state = None
+    if has_git(root):
+        with contextlib.suppress(ProvenanceError):  # a .git that git cannot read
+            state = git_state(root)
+    if state is not None and not state["dirty"]:
+        return {**state, "source": "git", "recorded": None}
     path = root / PREPARED
     if path.exists():
         doc = json.loads(_read(path))
-        prepared = {"commit": doc["commit"], "dirty": doc["dirty"], "source": PREPARED,
+        if state is None or not _differing(doc["files"], doc["files"], root):
+            return {"commit": doc["commit"], "dirty": doc["dirty"], "source": PREPARED,
                     "recorded": doc["files"]}  # fmt: skip
-        if not has_git(root) or not _differing(doc["files"], doc["files"], root):
-            return prepared
-    if has_git(root):
-        return {**git_state(root), "source": "git", "recorded": None}
+    if state is not None:
+        return {**state, "source": "git", "recorded": None}
     raise ProvenanceError(
         f"{root} has no .git and no {PREPARED}, so no result can name the code it "
         f"measured: run `python -m bench prepare` in the checkout before copying the tree "

@@ -6,6 +6,7 @@ for exactly that tree; the committed results are true at HEAD."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 from collections.abc import Iterator
@@ -127,6 +128,26 @@ def test_prepare_then_run_without_git(checkout: Path, device_tree: Path, tmp_pat
     found = check(out, tree)
     assert found is not None and found.commit == head
     assert found.reasons == ("bench/serving/scaling.py (code changed)",)
+
+
+def test_a_copy_that_brought_an_older_git_takes_the_prepared_commit(
+    checkout: Path, device_tree: Path, tmp_path
+) -> None:
+    """The GPU machine's copy may hold a ``.git`` of an older commit, against which the tree is
+    dirty: the prepared file, which the tree still matches, names the code; a clean checkout
+    names its own HEAD."""
+    tree = tmp_path / "tree"
+    shutil.copytree(device_tree, tree)
+    subprocess.run(["git", "init", "-q", str(tree)], check=True)
+    env = {**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+           "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}  # fmt: skip
+    subprocess.run(["git", "-C", str(tree), "commit", "-q", "--allow-empty", "-m", "old"],
+                   check=True, env=env)  # fmt: skip
+    head = subprocess.run(["git", "-C", str(checkout), "rev-parse", "HEAD"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    src = provenance.source(tree)
+    assert src["source"] == provenance.PREPARED and src["commit"] == head
+    assert provenance.source(checkout)["source"] == "git"
 
 
 def test_a_tree_changed_after_prepare_writes_no_result(device_tree: Path, tmp_path) -> None:
