@@ -31,8 +31,6 @@ import contextlib
 import http.client
 import json
 import os
-import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -46,6 +44,8 @@ import grpc
 import numpy as np
 
 from bench.core import provenance
+from bench.core.processes import HOST, free_port, http_ok, wait_ready
+from bench.core.processes import stop as stop_processes
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from dhisparse.tokenizer import load_tokenizer
 from services.gateway import GatewaySettings, convert
@@ -53,7 +53,6 @@ from services.gateway.generation import GenerationInput
 from services.gateway.preprocess import Limits, chat_prompt_ids, chat_sampling, resolve_max_tokens
 from services.gateway.protocol import ChatCompletionRequest
 
-HOST = "127.0.0.1"
 GOAL_P50_MS = 2.0
 VARIANTS = ("non_stream", "stream")
 PERCENTILES = (50, 90, 99)
@@ -76,21 +75,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 # --- processes --------------------------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
-
-
-def _wait(ready: Callable[[], bool], proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited ({proc.returncode}):\n{log.read_text()[-3000:]}")
-        if ready():
-            return
-        time.sleep(0.2)
-    raise TimeoutError(f"{what} not ready after 180 s:\n{log.read_text()[-3000:]}")
 
 
 def _worker_ready(address: str) -> bool:
@@ -100,27 +84,6 @@ def _worker_ready(address: str) -> bool:
             return bool(stub.Health(worker_pb2.HealthRequest(), timeout=1).ok)
     except grpc.RpcError:
         return False
-
-
-def _gateway_ready(port: int) -> bool:
-    try:
-        conn = http.client.HTTPConnection(HOST, port, timeout=1)
-        conn.request("GET", "/health")
-        ok = conn.getresponse().status == 200
-        conn.close()
-        return ok
-    except OSError:
-        return False
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.kill(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            os.kill(proc.pid, signal.SIGKILL)
-            proc.wait(10)
 
 
 @dataclass(frozen=True)
@@ -133,8 +96,8 @@ class Stack:
 def stack(model: str, device: str, log_dir: Path) -> Iterator[Stack]:
     """A worker and a gateway in front of it, as processes; both stopped by PID on exit."""
     py = [sys.executable, "-m", "dhisparse.cli"]
-    worker = f"{HOST}:{_free_port()}"
-    gateway_port = _free_port()
+    worker = f"{HOST}:{free_port()}"
+    gateway_port = free_port()
     worker_argv = [*py, "worker", "--model", model, "--device", device, "--host", HOST,
                    "--port", worker.rpartition(":")[2], "--metrics-port", "0",
                    "--log-level", "WARNING"]  # fmt: skip
@@ -147,16 +110,15 @@ def stack(model: str, device: str, log_dir: Path) -> Iterator[Stack]:
     try:
         for argv, ready, what in (
             (worker_argv, lambda: _worker_ready(worker), "worker"),
-            (gateway_argv, lambda: _gateway_ready(gateway_port), "gateway"),
+            (gateway_argv, lambda: http_ok(f"http://{HOST}:{gateway_port}/health"), "gateway"),
         ):
             log = log_dir / f"{what}.log"
             with log.open("wb") as out:
                 procs.append(subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env))
-            _wait(ready, procs[-1], what, log)
+            wait_ready(ready, what, procs, log, 180)
         yield Stack(worker, gateway_port)
     finally:
-        for proc in reversed(procs):
-            _stop(proc)
+        stop_processes(procs, grace_s=10)
 
 
 # --- the two paths ----------------------------------------------------------------------------

@@ -4,54 +4,15 @@ benchmark needs), stopped by PID however the run ends."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import signal
-import socket
 import subprocess
 import sys
-import time
-import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.core.processes import HOST, free_port, http_ok, port_open, wait_ready
+from bench.core.processes import stop as stop_processes
 from services.worker.engine.config import EngineConfig
-
-HOST = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
-def _wait(ready, what: str, procs: list[subprocess.Popen], log: Path, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        dead = [p for p in procs if p.poll() is not None]
-        if dead:
-            raise RuntimeError(f"{what}: a stack process exited; log:\n{log.read_text()[-4000:]}")
-        if ready():
-            return
-        time.sleep(0.3)
-    raise TimeoutError(f"{what} not ready in {timeout:.0f} s; log:\n{log.read_text()[-4000:]}")
-
-
-def _port_open(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def _http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            return r.status == 200
-    except OSError:
-        return False
 
 
 @dataclass
@@ -116,14 +77,14 @@ class Stack:
         out = open(self.log, "ab")  # the children hold it open
         try:
             for argv, ready, what in (
-                (store, lambda: _port_open(self.store_port), "kv-host-store"),
-                (worker, lambda: _port_open(self.worker_port), "worker"),
-                (gateway, lambda: _http_ok(self.base + "/health"), "gateway"),
+                (store, lambda: port_open(self.store_port), "kv-host-store"),
+                (worker, lambda: port_open(self.worker_port), "worker"),
+                (gateway, lambda: http_ok(self.base + "/health"), "gateway"),
             ):
                 self.procs.append(subprocess.Popen(
                     argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True
                 ))  # fmt: skip
-                _wait(ready, what, self.procs, self.log, self.startup_s)
+                wait_ready(ready, what, self.procs, self.log, self.startup_s)
         except BaseException:
             self.stop()
             raise
@@ -136,15 +97,6 @@ class Stack:
 
     def stop(self) -> None:
         """Gateway first, store last; SIGTERM, then SIGKILL whatever did not exit, by PID."""
-        for p in reversed(self.procs):
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        for p in reversed(self.procs):
-            try:
-                p.wait(15)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-                p.wait()
+        stop_processes(self.procs)
         self.procs.clear()
         Path(self.arena).unlink(missing_ok=True)

@@ -1,0 +1,71 @@
+"""The stack's processes as benchmarks start them on loopback: free ports, waiting until a
+process is ready (failing at once when it exits), and stopping processes by PID."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import time
+import urllib.request
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+HOST = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((HOST, 0))
+        return int(s.getsockname()[1])
+
+
+def port_open(port: int) -> bool:
+    try:
+        with socket.create_connection((HOST, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
+
+
+def http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def wait_ready(
+    ready: Callable[[], bool],
+    what: str,
+    procs: Sequence[subprocess.Popen],
+    log: Path,
+    timeout: float,
+) -> None:
+    """Returns once ``ready()``; raises, with the log's tail, when one of ``procs`` exits first
+    or ``timeout`` seconds pass."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError(f"{what}: a stack process exited; log:\n{log.read_text()[-4000:]}")
+        if ready():
+            return
+        time.sleep(0.2)
+    raise TimeoutError(f"{what} not ready in {timeout:.0f} s; log:\n{log.read_text()[-4000:]}")
+
+
+def stop(procs: Sequence[subprocess.Popen], grace_s: float = 15.0) -> None:
+    """SIGTERM to each, last started first; then SIGKILL whatever did not exit, by PID."""
+    for p in reversed(procs):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    for p in reversed(procs):
+        try:
+            p.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p.pid, signal.SIGKILL)
+            p.wait()
