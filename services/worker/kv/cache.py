@@ -230,6 +230,12 @@ class KVCache:
     def begin(self, batch: ForwardBatch) -> None:
         self.payload.begin(batch)
 
+    @property
+    def prefill_room(self) -> int | None:
+        """See ``PayloadBackend.prefill_room``: the scheduler keeps every prefill pass within
+        it."""
+        return self.payload.prefill_room
+
     def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
         """See ``PayloadBackend.reserve_graph_workspace``."""
         self.payload.reserve_graph_workspace(stream, tokens, max_batch)
