@@ -4,10 +4,13 @@ over prefill and decode, and greedy tokens through the engine in every serving m
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -15,6 +18,9 @@ from services.worker.engine.request import SamplingParams
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model import load_model
+from services.worker.model.checkpoint import Checkpoint, CheckpointError
+from services.worker.model.fp8_writer import write_fp8_checkpoint
+from services.worker.model.hf_config import ConfigError
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.residency.config import ResidencyConfig
 from tests.model import hf_tiny
@@ -142,3 +148,83 @@ def test_engine_greedy_equals_transformers(family, mode: str) -> None:
         st = eng.kv.payload.residency.stats
         assert st.reclaim_events > 0 and st.reclaim_pages > 0, st
     eng.close()
+
+
+@pytest.mark.parametrize("scale_dtype", ["F32", "F8_E8M0"])
+def test_fp8_checkpoint_against_transformers_on_its_dequantized_weights(
+    family, tmp_path: Path, scale_dtype: str
+) -> None:
+    """An FP8 e4m3 checkpoint with 32x32 block scales (kv_a_proj_with_mqa's 48 rows: one full
+    and one ragged block), sharded: our load dequantizes it on the CPU; transformers loads the
+    same dequantized weights; logits agree as for bf16/fp32 checkpoints."""
+    ref, path = family
+    fp8 = tmp_path / "fp8"
+    write_fp8_checkpoint(path, fp8, block=(32, 32), scale_dtype=scale_dtype, max_shard_bytes=60_000)
+    raw = json.loads((fp8 / "config.json").read_text())
+    ckpt = Checkpoint(fp8, raw["quantization_config"])
+    assert ckpt.is_fp8("model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
+    dequantized = tmp_path / "dequantized"
+    dequantized.mkdir()
+    save_file(
+        {n: ckpt.get(n, torch.float32) for n in ckpt.names()}, dequantized / "model.safetensors"
+    )
+    ckpt.close()
+    raw.pop("quantization_config")
+    (dequantized / "config.json").write_text(json.dumps(raw))
+    cls = type(ref)
+    theirs = cls.from_pretrained(dequantized, attn_implementation="eager", dtype=torch.float32)
+    ids = _ids(80, 9)
+    want = hf_tiny.reference_logits(theirs.eval(), ids)
+    assert (want - hf_tiny.reference_logits(ref, ids)).abs().max() > 0  # the weights moved
+    model = _ours(fp8)
+    kv = KVCache(model.cfg, KVCacheConfig(max_slots=1, max_model_len=256))
+    got = model.logits(run_chunks(model, kv, ids, [50, 1, 1, 28]))
+    assert (got - want).abs().max() / want.abs().max() <= 1e-4
+    kv.close()
+
+
+def test_bad_model_directories_give_clear_errors(family, tmp_path: Path) -> None:
+    _, path = family
+    raw = json.loads((path / "config.json").read_text())
+
+    def variant(name: str, config: dict, drop: str | None = None) -> Path:
+        d = tmp_path / name
+        shutil.copytree(path, d)
+        (d / "config.json").write_text(json.dumps(config))
+        if drop:
+            (d / drop).unlink()
+        return d
+
+    with pytest.raises(ConfigError, match=r"unsupported field.*'sliding_window'"):
+        load_model(variant("field", raw | {"sliding_window": 4096}))
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported"):
+        load_model(variant("type", raw | {"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="hidden_act"):
+        load_model(variant("act", raw | {"hidden_act": "gelu"}))
+    with pytest.raises(ConfigError, match="rope_type 'longrope'"):
+        bad_rope = raw | {
+            "rope_scaling": {"type": "longrope", "factor": 2},
+            "rope_parameters": None,
+        }
+        load_model(variant("rope", bad_rope))
+    shards = sorted(path.glob("model-*-of-*.safetensors"))
+    if shards:
+        with pytest.raises(CheckpointError, match=shards[0].name):
+            load_model(variant("shard", raw, drop=shards[0].name))
+    d = variant("dtype", raw)
+    weights = next(
+        w for w in sorted(d.glob("*.safetensors"))
+        if any(n.endswith("kv_a_proj_with_mqa.weight") for n in load_file(w))
+    )  # fmt: skip
+    state = load_file(weights)
+    name = next(n for n in state if n.endswith("kv_a_proj_with_mqa.weight"))
+    state[name] = state[name].to(torch.int64)
+    save_file(state, weights)
+    with pytest.raises(CheckpointError, match=name):
+        load_model(d)
+    d = variant("missing", raw)
+    state = load_file(weights := sorted(d.glob("*.safetensors"))[-1])
+    gone = sorted(state)[0]
+    save_file({k: v for k, v in state.items() if k != gone}, weights)
+    with pytest.raises(CheckpointError):
+        load_model(d)
