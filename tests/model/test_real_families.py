@@ -12,9 +12,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from services.worker.durable.adoption import adopt_sessions
+from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
+from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model import load_model
@@ -23,6 +26,7 @@ from services.worker.model.fp8_writer import write_fp8_checkpoint
 from services.worker.model.hf_config import ConfigError
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.residency.config import ResidencyConfig
+from services.worker.speculative.config import SpeculationConfig
 from tests.model import hf_tiny
 from tests.worker.helpers import run_chunks
 
@@ -97,10 +101,10 @@ def test_teacher_forced_logits_match_over_prefill_chunks_and_decode(family) -> N
     kv.close()
 
 
-def _engine(path: Path, mode: str, **kw) -> Engine:
+def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     base = dict(model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
                 host_arena_mib=16, hot_cache_rows=32)  # fmt: skip
-    return Engine(EngineConfig(**(base | kw)))
+    return Engine(EngineConfig(**(base | kw)), host=host)
 
 
 def _tight_pool_mib(path: Path) -> float:
@@ -228,3 +232,58 @@ def test_bad_model_directories_give_clear_errors(family, tmp_path: Path) -> None
     save_file({k: v for k, v in state.items() if k != gone}, weights)
     with pytest.raises(CheckpointError):
         load_model(d)
+
+
+@pytest.mark.parametrize("drafter", ["dflash", "dspark", "dflash2"])
+def test_speculative_greedy_equals_transformers_greedy(family, drafter: str) -> None:
+    """Each drafter (seeded, untrained) over the hierarchy: verified greedy output is
+    transformers' greedy continuation."""
+    ref, path = family
+    spec = SpeculationConfig(drafter, 4, "fixed")
+    eng = _engine(path, "hisparse", kv_pool_mib=48, speculation=spec)
+    prompts = [_ids(n, 200 + n).tolist() for n in (120, 45, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    for prompt, r in zip(prompts, eng.generate(prompts, params), strict=True):
+        assert r.output_ids == hf_tiny.greedy_under_reference(ref, prompt, r.output_ids)
+    assert eng.speculator.counters.drafts > 0
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_durable_sessions_resume_token_for_token(family, mode: str) -> None:
+    """An engine dropped mid-generation is succeeded by one that adopts its sessions from the
+    host store and continues them, index keys included, without recomputing a prompt."""
+    _, path = family
+    store = LocalHostStore(64 << 20)
+    prompts = [_ids(n, 300 + n).tolist() for n in (100, 40)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_p=0.95, seed=11, max_tokens=NEW_TOKENS, ignore_eos=True
+        ),
+    ]
+
+    def make(owner: str) -> Engine:
+        engine = _engine(path, mode, kv_pool_mib=48, owner=owner, host=(store, store.mapping))
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        return engine
+
+    ref = make("ref")
+    want = [r.output_ids for r in ref.generate(prompts, params)]
+    del ref
+    first = make("w0")
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        first.add_request(f"r{i}", p, sp)
+    for _ in range(12):
+        first.step()
+    del first  # dies: nothing released, nothing flushed
+    second = make("w0")
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == ["r0", "r1"]
+    reqs = [second.requests["r0"], second.requests["r1"]]
+    while second.has_work():
+        second.step()
+    assert [r.output_ids for r in reqs] == want
+    assert second.stats.prefill_tokens_computed == 0
+    second.close()
+    store.close()

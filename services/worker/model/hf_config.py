@@ -292,7 +292,9 @@ def topology(cfg: MLAConfig, name: str) -> ModelConfig:
         norm_eps=cfg.rms_norm_eps,
         eos_token_id=cfg.eos_token_ids[0],
         bos_token_id=cfg.bos_token_id,
-        mask_token_id=None,
+        # The last embedding row fills a block-diffusion drafter's block: the released
+        # vocabularies are padded past the tokenizer's ids, so no prompt holds it.
+        mask_token_id=cfg.vocab_size - 1,
         tie_embeddings=cfg.tie_word_embeddings,
         dtype=cfg.dtype,
     )
