@@ -42,8 +42,8 @@ def v32_config(**over) -> DeepseekV32Config:
 
 
 def glm_config(**over) -> GlmMoeDsaConfig:
-    """GLM-5.2's IndexShare at 8 layers: freq 4, offset 3 -> full 0, 1, 2, 6."""
-    kw = dict(_COMMON, num_hidden_layers=8, n_routed_experts=8, n_group=1, topk_group=1,
+    """GLM-5.2's IndexShare (freq 4, offset 3) at 5 layers: full 0, 1, 2; 3 and 4 follow 2."""
+    kw = dict(_COMMON, num_hidden_layers=5, n_routed_experts=8, n_group=1, topk_group=1,
               max_position_embeddings=202752, rms_norm_eps=1e-5,
               rope_parameters={"rope_type": "default", "rope_theta": 1e6},
               index_topk_freq=4, index_skip_topk_offset=3)  # fmt: skip
