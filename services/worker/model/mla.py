@@ -61,11 +61,11 @@ class MLA(nn.Module):
         q = self.q_b_proj(q_resid).view(x.shape[0], c.num_heads, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._kv_b()
-        q_lat = torch.einsum("nhd,hdc->nhc", q_nope, w_uk)
+        q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora]
         return torch.cat([q_lat, apply_rope(q_rope, rotary, interleaved=True)], dim=-1), q_resid
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """Attended latents [N, H, kv_lora] -> [N, hidden]."""
         _, w_uv = self._kv_b()
-        v = torch.einsum("nhc,hvc->nhv", o.to(w_uv.dtype), w_uv)
+        v = torch.bmm(o.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
         return self.o_proj(v.reshape(o.shape[0], -1))

@@ -86,7 +86,9 @@ class Experts(nn.Module):
         gate, up = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offsets).chunk(2, -1)
         y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
         y = y * w.reshape(-1)[order].unsqueeze(-1)
-        return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+        # back to (token, choice) order, then each token's k expert outputs summed
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
 
 
 class MoE(nn.Module):
