@@ -114,6 +114,7 @@ class SparseDecoder(nn.Module):
         trace: list[LayerTrace] | None = None,
         features: dict[int, torch.Tensor] | None = None,
         begin: bool = True,
+        selections: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
@@ -121,7 +122,9 @@ class SparseDecoder(nn.Module):
         then ``kv.commit``s the tokens that are final. ``features``: for each layer index it
         names, filled with that layer's output hidden states [N, d_model] (the target features
         a DFlash-style drafter is conditioned on). ``begin=False``: the caller already began the
-        pass on ``kv`` (host-side planning that a captured graph cannot hold)."""
+        pass on ``kv`` (host-side planning that a captured graph cannot hold). ``selections``:
+        filled with every layer's selected row positions [N, k] (-1 pads; a follower's are its
+        leader's), without the gathered rows a ``trace`` keeps."""
         if begin:
             kv.begin(batch)
         h = self.embed(input_ids)
@@ -131,6 +134,8 @@ class SparseDecoder(nn.Module):
             h = h + layer.mlp(layer.mlp_norm(h))
             if features is not None and i in features:
                 features[i] = h
+        if selections is not None:
+            selections.update(st.selection)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
