@@ -13,9 +13,10 @@ import torch
 from services.worker.model.rope_spec import RopeSpec
 
 
-def inv_freq(rope: RopeSpec, dim: int) -> torch.Tensor:
-    """[dim / 2] fp32 inverse frequencies of a ``dim``-wide rotary part."""
-    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+def inv_freq(rope: RopeSpec, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """[dim / 2] fp32 inverse frequencies of a ``dim``-wide rotary part, computed on ``device``
+    (a captured CUDA graph may compute them: no host-to-device copy)."""
+    pos_freqs = rope.theta ** (torch.arange(0, dim, 2, dtype=torch.float32, device=device) / dim)
     if rope.kind == "default":
         return 1.0 / pos_freqs
     extrapolation = 1.0 / pos_freqs
@@ -23,7 +24,8 @@ def inv_freq(rope: RopeSpec, dim: int) -> torch.Tensor:
     low, high = rope.correction_range(dim)
     if low == high:
         high += 0.001  # a zero-width ramp
-    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    cols = torch.arange(dim // 2, dtype=torch.float32, device=device)
+    ramp = ((cols - low) / (high - low)).clamp(0, 1)
     keep = 1 - ramp  # the share of each frequency that is extrapolated
     return interpolation * (1 - keep) + extrapolation * keep
 
@@ -41,7 +43,7 @@ class Rotary:
         """(cos, sin), each [N, d/2] fp32."""
         t = self._tables.get(d)
         if t is None:
-            freqs = inv_freq(self.rope, d).to(self.positions.device)
+            freqs = inv_freq(self.rope, d, self.positions.device)
             angles = self.positions.float().unsqueeze(-1) * freqs  # [N, d/2]
             f = self.rope.table_factor
             t = self._tables[d] = (angles.cos() * f, angles.sin() * f)
