@@ -89,7 +89,9 @@ class Experts(nn.Module):
             return torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        offsets = torch.cumsum(torch.bincount(flat, minlength=self.n), 0).to(torch.int32)
+        counts = torch.zeros(self.n, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+        offsets = torch.cumsum(counts, 0).to(torch.int32)
         token = order // k
         gate, up = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offsets).chunk(2, -1)
         y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
