@@ -96,6 +96,7 @@ def _compile(template: str) -> jinja2.Template:
 def render_chat(
     template: str,
     messages: Sequence[Mapping[str, Any]],
+    /,
     add_generation_prompt: bool = True,
     *,
     tools: Sequence[Mapping[str, Any]] | None = None,
@@ -103,8 +104,8 @@ def render_chat(
     **variables: Any,
 ) -> str:
     """``template`` rendered over ``messages``; ``tools`` are JSON schemas and ``documents``
-    mappings (as transformers requires). Every failure, the template's own
-    ``raise_exception`` included, is a ``ChatTemplateError``."""
+    mappings (as transformers requires); ``variables`` may have any name. Every failure, the
+    template's own ``raise_exception`` included, is a ``ChatTemplateError``."""
     if not template:
         raise ChatTemplateError("this model has no chat template; use /v1/completions")
     if tools is not None and any(not isinstance(t, Mapping) for t in tools):

@@ -23,8 +23,8 @@ DEEPSEEK_V32 = "deepseek_v32"
 
 class ChatFormatter(ABC):
     """Renders a chat for the model. ``kwargs`` are the template arguments a request passes
-    (vLLM's ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``, ...; unknown
-    ones are ignored). The prompt carries its own BOS and special tokens: it is tokenized
+    (vLLM's ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``, ...; any name,
+    unknown ones ignored). The prompt carries its own BOS and special tokens: it is tokenized
     without adding any. A chat the model's format cannot render is a ``ChatTemplateError``."""
 
     def __init__(self, tokenizer: Tokenizer) -> None:
@@ -34,6 +34,7 @@ class ChatFormatter(ABC):
     def render(
         self,
         messages: Messages,
+        /,
         *,
         add_generation_prompt: bool = True,
         tools: Tools = None,
@@ -43,6 +44,7 @@ class ChatFormatter(ABC):
     def encode(
         self,
         messages: Messages,
+        /,
         *,
         add_generation_prompt: bool = True,
         tools: Tools = None,
@@ -63,6 +65,7 @@ class TemplateFormatter(ChatFormatter):
     def render(
         self,
         messages: Messages,
+        /,
         *,
         add_generation_prompt: bool = True,
         tools: Tools = None,
@@ -97,6 +100,7 @@ class DeepseekV32Formatter(ChatFormatter):
     def render(
         self,
         messages: Messages,
+        /,
         *,
         add_generation_prompt: bool = True,
         tools: Tools = None,

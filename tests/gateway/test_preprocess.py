@@ -84,6 +84,12 @@ def test_template_kwargs_cannot_override_messages() -> None:
     assert TOK.decode(ids, skip_special_tokens=False) == "<|bos|><|user|>hi<|end|><|assistant|>"
 
 
+def test_template_kwargs_may_have_any_name() -> None:
+    names = {"self": 1, "template": 2, "tokenizer": 3, "variables": 4, "kwargs": 5, "a b": 6}
+    for fmt in (CHAT, DeepseekV32Formatter(TOK)):
+        assert chat_prompt_ids(fmt, chat_req(chat_template_kwargs=names))
+
+
 def test_bad_role_is_a_400() -> None:
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "tool", "content": "x"}]})
     with pytest.raises(APIError) as e:
