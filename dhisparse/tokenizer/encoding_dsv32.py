@@ -185,6 +185,8 @@ def _render(i: int, messages: Sequence[Message], mode: ThinkingMode, last_user: 
     if role == "assistant":
         calls = m.get("tool_calls")
         reasoning = m.get("reasoning_content")
+        if reasoning is not None and not isinstance(reasoning, str):
+            raise ChatTemplateError("reasoning_content must be a string")
         shown = ""
         if thinking and i > last_user:
             if not (reasoning or calls):
@@ -218,7 +220,11 @@ def encode_messages(
     add_bos: bool = True,
 ) -> str:
     """The text of ``messages`` following ``context`` (already encoded, so not repeated; it
-    decides which turn is the last user turn). The BOS leads a chat without context."""
+    decides which turn is the last user turn). The BOS leads a chat without context.
+
+    DeepSeek's encoder gives the same text wherever it gives one. Where it fails on a chat,
+    this one renders it (a developer turn before the last user turn in thinking mode, which it
+    drops and then loses count of) or refuses it (a tool result that answers no call)."""
     if thinking_mode not in ("chat", "thinking"):
         raise ChatTemplateError(f"thinking mode must be chat or thinking, got {thinking_mode!r}")
     full: list[Message] = [*context, *messages]

@@ -81,3 +81,11 @@ def test_a_parsed_turn_encodes_to_its_text() -> None:
     parsed = parse_completion(text, "thinking")
     assert encode_messages([parsed], "thinking", context=chat[:-1]) == text
     assert text.endswith(EOS)
+
+
+def test_a_developer_turn_before_the_last_user_turn_renders_in_thinking_mode() -> None:
+    # DeepSeek's encoder drops it from the chat and then fails; here it renders as in chat mode.
+    chat = [{"role": "developer", "content": "d"}, {"role": "user", "content": "u"}]
+    assert encode_messages(chat, "thinking") == encode_messages(chat, "chat")[
+        : -len("</think>")
+    ] + ("<think>")
