@@ -81,11 +81,11 @@ def train_forward(
         if m not in visible_of:
             visible_of[m] = causal_mask(t, dev, m).unsqueeze(0)  # [1, T, T // m]
         visible = visible_of[m]
-        q = attn.queries(x, positions).view(b, t, cfg.n_heads, cfg.d_kv).transpose(1, 2)
+        q = attn.queries(x, positions)[0].view(b, t, cfg.n_heads, cfg.d_kv).transpose(1, 2)
         scores = None
         if layer.indexer is not None and (mode == "sparse" or index_loss):
-            iq, iw = layer.indexer.queries(x.detach())
-            keys = layer.indexer.keys(r.detach())  # [B, T, d_index]
+            iq, iw = layer.indexer.queries(x.detach(), x.detach(), positions)
+            keys = layer.indexer.keys(x.detach(), r.detach(), positions)  # [B, T, d_index]
             scores = batched_index_scores(iq.view(b, t, *iq.shape[1:]), iw.view(b, t, -1), keys)
         if mode == "sparse":
             if layer.indexer is not None:

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.paths import resolve_path
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.kv_host_store.records import Region
 from services.worker.engine.config import EngineConfig
@@ -31,6 +32,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.transfers import readback, to_device
 from services.worker.model import DSAModel, load_model
+from services.worker.model.generation import eos_token_ids, token_ids
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
 from services.worker.speculative.speculator import Speculator, make_drafter
@@ -61,7 +63,14 @@ class Engine:
             model.use_triton_attention()
         self.model = model
         self.model_cfg = model.cfg
-        self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
+        model_dir = None if cfg.model in PRESETS else resolve_path(cfg.model)
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        # Any of these ends a request: the model's, the tokenizer's, and those the checkpoint's
+        # config.json and generation_config.json list (GLM-5 names three).
+        self.eos_token_ids = frozenset(
+            {*token_ids(self.model_cfg.eos_token_id), self.tokenizer.eos_token_id}
+            | set(eos_token_ids(model_dir))
+        )
         self.device = torch.device(cfg.device)
         self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
         self.journal: Journal | None = None
@@ -251,10 +260,6 @@ class Engine:
     def max_model_len(self) -> int:
         return self.cfg.max_model_len
 
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.model_cfg.eos_token_id
-
     def ensure_room(self, slot: int, num_tokens: int) -> bool:
         return self.kv.ensure(slot, num_tokens)
 
@@ -301,7 +306,7 @@ class Engine:
             spec.follow(reqs, batch, starts, feats)
         sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
         for j, r in enumerate(sampled):
-            r.ban_early_stops(logits[j : j + 1], self.model_cfg.eos_token_id)
+            r.ban_early_stops(logits[j : j + 1], self.eos_token_ids)
         # every greedy request's token in one argmax, read back in one copy
         greedy_ids = (
             readback(logits.argmax(-1)) if any(r.params.greedy for r in sampled) else (lambda: [])
@@ -348,7 +353,7 @@ class Engine:
             req.output_ids.append(token)
             emitted.append(token)
             finish, stop_reason, delta = req.check_stop(
-                token, self.model_cfg.eos_token_id, self.cfg.max_model_len
+                token, self.eos_token_ids, self.cfg.max_model_len
             )
             text += delta
             if finish is not None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -155,22 +156,23 @@ class Request:
         yet. A request's last chunk samples its first token; earlier chunks sample nothing."""
         return self.num_tokens - self.num_computed > 1 or not self.output_ids
 
-    def ban_early_stops(self, logits: torch.Tensor, eos_token_id: int) -> None:
-        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, EOS
-        and stop tokens cannot be sampled (in place)."""
+    def ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
+        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, the
+        EOS ids and stop tokens cannot be sampled (in place)."""
         p = self.params
         left = p.min_tokens - len(self.output_ids)
         if left <= 0:
             return
-        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [eos_token_id])
+        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else sorted(eos_token_ids))
         logits[:left, banned] = float("-inf")
 
     def check_stop(
-        self, token: int, eos_token_id: int, max_model_len: int
+        self, token: int, eos_token_ids: Collection[int], max_model_len: int
     ) -> tuple[FinishReason | None, str | int | None, str]:
-        """After ``token`` was appended: (finish reason or None, stop reason, text delta)."""
+        """After ``token`` was appended: (finish reason or None, stop reason, text delta).
+        Any of ``eos_token_ids`` ends the request (unless it ignores EOS)."""
         p = self.params
-        if token == eos_token_id and not p.ignore_eos:
+        if token in eos_token_ids and not p.ignore_eos:
             return FinishReason.STOP, None, self.text.finish()
         if token in p.stop_token_ids:
             return FinishReason.STOP, token, self.text.finish()

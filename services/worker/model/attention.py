@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelConfig
-from services.worker.model.layers import RMSNorm, Rotary, apply_rope
+from services.worker.model.layers import RMSNorm
+from services.worker.model.rotary import Rotary, apply_rope
 
 
 class MLAAttention(nn.Module):
@@ -43,14 +44,16 @@ class MLAAttention(nn.Module):
         alpha = torch.softmax(rf @ self.compress_gate.float(), dim=1)
         return (alpha.unsqueeze(-1) * rf).sum(dim=1).to(group_rows.dtype)
 
-    def queries(self, x: torch.Tensor, positions: torch.Tensor | Rotary) -> torch.Tensor:
-        """[N, d_model] -> [N, H, d_kv]."""
+    def queries(
+        self, x: torch.Tensor, positions: torch.Tensor | Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, d_model] -> ([N, H, d_kv] queries, x: what this family's indexer reads)."""
         n, h = x.shape[0], self.cfg.n_heads
         q_lat = self.w_q_lat(x).view(n, h, self.cfg.d_latent)
         q_rope = apply_rope(
             self.w_q_rope(x).view(n, h, self.cfg.d_rope), positions, self.cfg.rope_theta
         )
-        return torch.cat([q_lat, q_rope], dim=-1)
+        return torch.cat([q_lat, q_rope], dim=-1), x
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
         """[N, H, d_latent] -> [N, d_model]."""

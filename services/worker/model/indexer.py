@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from services.worker.model.config import ModelConfig
+from services.worker.model.rotary import Rotary
 
 
 class LightningIndexer(nn.Module):
@@ -20,11 +21,15 @@ class LightningIndexer(nn.Module):
         self.w_w = nn.Linear(cfg.d_model, cfg.n_index_heads, bias=False)
         self.w_k = nn.Linear(cfg.d_kv, cfg.d_index, bias=False)
 
-    def keys(self, rows: torch.Tensor) -> torch.Tensor:
-        """[n, d_kv] -> [n, d_index]."""
+    def keys(self, x: torch.Tensor, rows: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """New stored rows [n, d_kv] -> their keys [n, d_index] (x and rotary are not read)."""
+        del x, rotary
         return self.w_k(rows)
 
-    def queries(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, d_model] -> q [N, H_i, d_index], w [N, H_i]."""
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, rotary: Rotary
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, d_model] -> q [N, H_i, d_index], w [N, H_i]. (q_latent is x in this family.)"""
+        del q_latent, rotary
         q = self.w_q(x).view(x.shape[0], self.n_heads, self.d_index)
         return q, self.w_w(x)

@@ -13,7 +13,8 @@ from safetensors.torch import load_file, save_file
 
 from dhisparse.paths import resolve_path
 from services.worker.model.config import ModelConfig
-from services.worker.model.model import DSAModel
+from services.worker.model.hf_io import hf_family, is_hf_model_dir, load_hf_model
+from services.worker.model.model import DSAModel, SparseDecoder
 from services.worker.model.presets import PRESETS, preset
 
 CONFIG_FILE = "config.json"
@@ -112,8 +113,9 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 def load_model(
     spec: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0
-) -> DSAModel:
-    """A preset name (seeded random weights) or a directory with config.json + weights."""
+) -> SparseDecoder:
+    """A preset name (seeded random weights) or a directory with config.json + weights: a
+    Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format."""
     if str(spec) in PRESETS:
         return build_model(preset(str(spec)), seed=seed, device=device, dtype=dtype)
     path = resolve_path(spec)
@@ -122,6 +124,8 @@ def load_model(
             f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model "
             f"directory with {CONFIG_FILE}"
         )
+    if is_hf_model_dir(path):
+        return load_hf_model(path, device=device, dtype=dtype)
     cfg = ModelConfig.load(path / CONFIG_FILE)
     model = DSAModel(cfg)
     state = load_weights(path)
@@ -132,6 +136,10 @@ def load_model(
 
 
 def load_config(spec: str | Path) -> ModelConfig:
+    """The topology of a preset or a model directory (either format)."""
     if str(spec) in PRESETS:
         return preset(str(spec))
-    return ModelConfig.load(resolve_path(spec) / CONFIG_FILE)
+    path = resolve_path(spec)
+    if is_hf_model_dir(path):
+        return hf_family(path)[1]
+    return ModelConfig.load(path / CONFIG_FILE)

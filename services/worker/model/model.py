@@ -14,7 +14,8 @@ from services.worker.kv.token_ring import ExtendedRows
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
-from services.worker.model.layers import RMSNorm, Rotary, SwiGLU
+from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.model.rotary import Rotary
 from services.worker.ops import index_scores, select_topk, sparse_attention_ref
 
 # Prefill queries scored against a request's keys per block, bounding the [T, S] score matrix.
@@ -67,23 +68,37 @@ class DSALayer(nn.Module):
         self.mlp = SwiGLU(cfg.d_model, cfg.d_ff)
 
 
-class DSAModel(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
-        super().__init__()
+class SparseDecoder(nn.Module):
+    """The DSA forward pass over the KV cache, shared by every family: per layer, the owner
+    writes its source's rows, an index producer writes its index keys and selects rows,
+    followers take their leader's selection, the cache resolves selections to locations, and
+    sparse attention reads exactly those rows.
+
+    A family provides ``cfg`` (the topology), ``embed``, ``layers`` (each with ``spec``,
+    ``attn_norm``, ``attn``, ``indexer`` or None, ``mlp_norm``, ``mlp``), ``norm``,
+    ``lm_head`` (None: tied to ``embed``) and ``rotary(positions)``; its attention has
+    ``owner``, ``scale``, ``token_rows(x, rotary)``, ``queries(x, rotary) -> (q, q_latent)``
+    and ``output(o)``; its indexer ``keys(x, rows, rotary)`` and
+    ``queries(x, q_latent, rotary) -> (q, w)``."""
+
+    cfg: ModelConfig
+    embed: nn.Embedding
+    layers: nn.ModuleList
+    norm: nn.Module
+    lm_head: nn.Linear | None
+
+    def _init_topology(self, cfg: ModelConfig) -> None:
         cfg.validate()
         self.cfg = cfg
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
-        self.layers = nn.ModuleList(DSALayer(cfg, i) for i in range(cfg.n_layers))
-        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
-        self.lm_head = (
-            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
-        )
         # follower layers (and their sources) of each index producer, resolved together
         self.followers: dict[int, list[tuple[int, int]]] = {}
         for i, spec in enumerate(cfg.layers):
             if spec.index == "follower":
                 self.followers.setdefault(spec.leader, []).append((i, spec.source))
         self.attention_fn = sparse_attention_ref
+
+    def rotary(self, positions: torch.Tensor) -> Rotary:
+        return Rotary(positions, self.cfg.rope_theta)
 
     def use_triton_attention(self) -> None:
         from services.worker.ops.sparse_attention_triton import sparse_attention_triton
@@ -99,6 +114,7 @@ class DSAModel(nn.Module):
         trace: list[LayerTrace] | None = None,
         features: dict[int, torch.Tensor] | None = None,
         begin: bool = True,
+        selections: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
@@ -106,16 +122,20 @@ class DSAModel(nn.Module):
         then ``kv.commit``s the tokens that are final. ``features``: for each layer index it
         names, filled with that layer's output hidden states [N, d_model] (the target features
         a DFlash-style drafter is conditioned on). ``begin=False``: the caller already began the
-        pass on ``kv`` (host-side planning that a captured graph cannot hold)."""
+        pass on ``kv`` (host-side planning that a captured graph cannot hold). ``selections``:
+        filled with every layer's selected row positions [N, k] (-1 pads; a follower's are its
+        leader's), without the gathered rows a ``trace`` keeps."""
         if begin:
             kv.begin(batch)
         h = self.embed(input_ids)
-        st = _Pass(rotary=Rotary(batch.positions, self.cfg.rope_theta))
+        st = _Pass(rotary=self.rotary(batch.positions))
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
             h = h + layer.mlp(layer.mlp_norm(h))
             if features is not None and i in features:
                 features[i] = h
+        if selections is not None:
+            selections.update(st.selection)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -139,11 +159,14 @@ class DSAModel(nn.Module):
         src = self.cfg.sources[s]
         if layer.attn.owner:
             self._write_source(s, layer.attn, x, batch, kv, st)
+        q, q_latent = layer.attn.queries(x, st.rotary)
         if layer.indexer is not None:
             slots, rows, values = st.new_rows[s]
             if rows.numel():
-                kv.index_keys.write(i, slots, rows, layer.indexer.keys(values))
-            st.selection[i] = self._select(i, layer.indexer, x, batch, kv, src.compress)
+                keys = layer.indexer.keys(x, values, st.rotary)
+                kv.index_keys.write(i, slots, rows, keys)
+            iq, iw = layer.indexer.queries(x, q_latent, st.rotary)
+            st.selection[i] = self._select(i, iq, iw, batch, kv, src.compress)
             if i in self.followers:  # one selection starts every follower's transfer
                 kv.payload.prefetch(self.followers[i], batch, st.selection[i])
         else:  # follower (shared indices) or reuse (shared source): the leader's positions
@@ -160,7 +183,6 @@ class DSAModel(nn.Module):
         win_pool = win_locs = None
         if src.window > 0:
             win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
-        q = layer.attn.queries(x, st.rotary)
         o = self.attention_fn(
             q, pool, locs, self.cfg.d_latent, layer.attn.scale, win_pool, win_locs
         )
@@ -169,7 +191,7 @@ class DSAModel(nn.Module):
     def _write_source(
         self,
         s: int,
-        attn: MLAAttention,
+        attn: nn.Module,
         x: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
@@ -201,15 +223,15 @@ class DSAModel(nn.Module):
     def _select(
         self,
         i: int,
-        indexer: LightningIndexer,
-        x: torch.Tensor,
+        q: torch.Tensor,
+        w: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
         m: int,
     ) -> torch.Tensor:
-        """[N, k] ordered top-k row positions per query token over its visible rows."""
+        """[N, k] ordered top-k row positions per query token over its visible rows, from the
+        indexer's queries q [N, H, d_index] and weights w [N, H]."""
         k = self.cfg.index_topk
-        q, w = indexer.queries(x)
         num_visible = (batch.positions + 1) // m  # complete rows at or before each query
         ends = batch.ends()  # the host knows how far each request sees: no read-back
         if batch.is_decode:
@@ -220,7 +242,7 @@ class DSAModel(nn.Module):
             width = key_rows(max(ends) // m)
             scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, width)
             return select_topk(scores, num_visible, k)
-        out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=x.device)
+        out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
         cu = batch.cu
         for r in range(batch.num_requests):
             a, b = cu[r], cu[r + 1]
@@ -258,3 +280,18 @@ class DSAModel(nn.Module):
         logits = torch.einsum("rkhd,rsd->rkhs", qp, keys)
         scores = (logits.relu() * wp.unsqueeze(-1)).sum(dim=2)  # [R, Kmax, S]
         return scores[batch.token_req, col]
+
+
+class DSAModel(SparseDecoder):
+    """The home-made DSA family (test fixtures for topologies no released family has yet:
+    shared Reuse/Reindex sources, compression, local windows)."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self._init_topology(cfg)
+        self.embed = nn.Embedding(cfg.vocab_size, cfg.d_model)
+        self.layers = nn.ModuleList(DSALayer(cfg, i) for i in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.d_model, cfg.norm_eps)
+        self.lm_head = (
+            None if cfg.tie_embeddings else nn.Linear(cfg.d_model, cfg.vocab_size, bias=False)
+        )

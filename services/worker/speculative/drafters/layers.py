@@ -12,7 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.worker.model.layers import RMSNorm, SwiGLU, apply_rope
+from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.model.rotary import apply_rope
 from services.worker.speculative.drafters.config import DrafterConfig
 
 

@@ -1,0 +1,80 @@
+"""Loading a DeepSeek-V3.2 / GLM-5 model directory in the Hugging Face format: config.json
+(parsed by ``hf_config``), safetensors weights (single or sharded, bf16 or FP8 with block
+scales: ``checkpoint``), copied tensor by tensor into a model built without initialising it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import torch
+
+from services.worker.model.checkpoint import Checkpoint
+from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
+from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
+from services.worker.model.loader import load_into
+from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
+
+__all__ = [
+    "first_layers",
+    "hf_family",
+    "is_hf_model_dir",
+    "later_layers",
+    "load_hf_model",
+    "read_config",
+]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def first_layers(cfg: MLAConfig, n: int) -> MLAConfig:
+    """The model made of ``cfg``'s first ``n`` layers (no MTP layer): what ``load_hf_model``
+    builds for ``layers=n``."""
+    if not 1 <= n <= cfg.num_layers:
+        raise ConfigError(f"{n} layers asked of a model with {cfg.num_layers}")
+    return replace(
+        cfg,
+        num_layers=n,
+        indexer_types=cfg.indexer_types[:n],
+        mlp_types=cfg.mlp_types[:n],
+        mtp_layers=0,
+    )
+
+
+def later_layers(cfg: MLAConfig, n: int) -> dict[str, str]:
+    """{regex: why} of the checkpoint tensors of the layers past the first ``n`` (the main
+    layers after them and the MTP layers), which a model of the first ``n`` does not read."""
+    later = range(n, cfg.num_layers + cfg.mtp_layers)
+    if not later:
+        return {}
+    return {rf"model\.layers\.({'|'.join(map(str, later))})\.": f"layers past the first {n}"}
+
+
+def load_hf_model(
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    layers: int | None = None,
+) -> MLADecoder:
+    """The model of a directory, in ``dtype`` (default: config.json's) on ``device``; with
+    ``layers``, its first ``layers`` layers only (final norm and lm_head kept; the tensors of
+    the other layers are not read). Raises ConfigError / CheckpointError (both ValueError)
+    naming what is unsupported or missing."""
+    raw = read_config(path)
+    cfg = parse_config(raw)
+    ignore: dict[str, str] = {}
+    if layers is not None:
+        ignore = later_layers(cfg, layers)
+        cfg = first_layers(cfg, layers)
+    if dtype is None:
+        if cfg.dtype not in _DTYPES:
+            raise ConfigError(f"config.json: dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
+        dtype = _DTYPES[cfg.dtype]
+    with torch.device("meta"):
+        model = MLADecoder(cfg, topology(cfg, model_name(path, raw)))
+    model.to_empty(device=device)
+    model.cast(dtype)
+    ckpt = Checkpoint(path, raw.get("quantization_config"))
+    ignore |= dict(ignored_patterns(cfg))
+    load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
+    return model.eval()

@@ -1,0 +1,90 @@
+"""Copying a checkpoint's weights into preallocated parameters, tensor by tensor.
+
+The caller owns the mapping from checkpoint names to target tensors (a family's one table of
+names) and says which checkpoint tensors it does not want and why; this module only checks the
+mapping against the checkpoint and copies."""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Iterable, Mapping
+
+import torch
+
+from services.worker.model.checkpoint import Checkpoint, CheckpointError
+
+log = logging.getLogger(__name__)
+
+LISTED = 20  # names an error message lists before it only counts the rest
+
+
+def _listing(names: Iterable[str]) -> str:
+    names = sorted(names)
+    more = f" and {len(names) - LISTED} more" if len(names) > LISTED else ""
+    return ", ".join(names[:LISTED]) + more
+
+
+def load_into(
+    checkpoint: Checkpoint,
+    targets: Mapping[str, torch.Tensor],
+    ignore: Mapping[str, str] | Iterable[str] = (),
+) -> None:
+    """Copies every checkpoint tensor named in ``targets`` into its target (``copy_``, in the
+    target's dtype and on its device; the read tensor is dropped before the next is read).
+
+    ``ignore`` holds regular expressions (``re.match``, so anchored at the name's start), or
+    maps each to the reason it is ignored (e.g. ``{r"model\\.layers\\.61\\.": "MTP layer; no
+    drafter asked for"}``). Before anything is copied, CheckpointError is raised for targets
+    the checkpoint lacks, for checkpoint tensors neither targeted nor ignored, and for shapes
+    that differ. Ignored tensors are reported in one warning: how many, per pattern and why."""
+    reasons = dict(ignore) if isinstance(ignore, Mapping) else dict.fromkeys(ignore, "")
+    patterns = {p: re.compile(p) for p in reasons}
+    stored = checkpoint.names()
+    missing = set(targets) - set(stored)
+    if missing:
+        raise CheckpointError(
+            f"{checkpoint.model_dir}: {len(missing)} weights missing: {_listing(missing)}"
+        )
+    ignored: dict[str, int] = dict.fromkeys(reasons, 0)
+    unexpected = []
+    for name in stored:
+        if name in targets:
+            continue
+        hit = next((p for p, rx in patterns.items() if rx.match(name)), None)
+        if hit is None:
+            unexpected.append(name)
+        else:
+            ignored[hit] += 1
+    if unexpected:
+        raise CheckpointError(
+            f"{checkpoint.model_dir}: {len(unexpected)} unexpected weights (neither loaded nor "
+            f"ignored): {_listing(unexpected)}"
+        )
+    wrong = [
+        f"{name} {list(checkpoint.shape(name))} into {list(t.shape)}"
+        for name, t in targets.items()
+        if tuple(t.shape) != checkpoint.shape(name)
+    ]
+    if wrong:
+        raise CheckpointError(
+            f"{checkpoint.model_dir}: {len(wrong)} weights of the wrong shape: {_listing(wrong)}"
+        )
+    with torch.no_grad():
+        for name in stored:
+            if name in targets:
+                target = targets[name]
+                target.copy_(checkpoint.get(name, target.dtype, target.device))
+    checkpoint.close()
+    if any(ignored.values()):
+        parts = [
+            f"{n} matching '{p}'" + (f" ({reasons[p]})" if reasons[p] else "")
+            for p, n in ignored.items()
+            if n
+        ]
+        log.warning(
+            "%s: ignored %d checkpoint tensors: %s",
+            checkpoint.model_dir,
+            sum(ignored.values()),
+            "; ".join(parts),
+        )

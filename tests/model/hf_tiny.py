@@ -1,0 +1,150 @@
+"""Tiny random checkpoints of the real families, built and saved by transformers 5.17.0 (the
+oracle), with every tensor that initialises to zero or one moved off it, and the selection
+order transformers leaves to torch.topk patched to ours."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from transformers import (
+    DeepseekV32Config,
+    DeepseekV32ForCausalLM,
+    GlmMoeDsaConfig,
+    GlmMoeDsaForCausalLM,
+)
+
+VOCAB = 300  # above the byte tokenizer's ids, so engine prompts of bytes are valid
+
+_COMMON = dict(
+    vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
+    num_attention_heads=4, num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, n_shared_experts=1,
+    num_experts_per_tok=2, index_head_dim=32, index_n_heads=16, index_topk=16,
+    first_k_dense_replace=1, norm_topk_prob=True, routed_scaling_factor=2.5,
+    bos_token_id=0, eos_token_id=1, tie_word_embeddings=False,
+)  # fmt: skip
+
+# V3.2's YaRN as released (rope_theta 1e4, factor 40 over 4096 positions).
+YARN = {"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096, "beta_fast": 32,
+        "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0}  # fmt: skip
+
+
+def v32_config(**over) -> DeepseekV32Config:
+    kw = dict(_COMMON, num_hidden_layers=3, n_routed_experts=8, n_group=4, topk_group=2,
+              max_position_embeddings=163840, rms_norm_eps=1e-6,
+              rope_parameters=dict(YARN, rope_type="yarn", rope_theta=10000.0))  # fmt: skip
+    return DeepseekV32Config(**(kw | over))
+
+
+def glm_config(**over) -> GlmMoeDsaConfig:
+    """GLM-5.2's IndexShare (freq 4, offset 3) at 5 layers: full 0, 1, 2; 3 and 4 follow 2."""
+    kw = dict(_COMMON, num_hidden_layers=5, n_routed_experts=8, n_group=1, topk_group=1,
+              max_position_embeddings=202752, rms_norm_eps=1e-5,
+              rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+              index_topk_freq=4, index_skip_topk_offset=3)  # fmt: skip
+    return GlmMoeDsaConfig(**(kw | over))
+
+
+def build(config, seed: int = 0) -> torch.nn.Module:
+    """A transformers model of ``config`` in fp32 with seeded weights of unit-scale
+    activations: projections N(0, 1/fan_in), embeddings N(0, 1), norm weights 1 + N(0, 0.2^2),
+    the indexer's k_norm bias and the routers' correction biases N(0, 0.1^2)."""
+    cls = DeepseekV32ForCausalLM if config.model_type == "deepseek_v32" else GlmMoeDsaForCausalLM
+    config._attn_implementation = "eager"
+    model = cls(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if not t.is_floating_point() or "inv_freq" in name:
+                continue
+            r = torch.randn(t.shape, generator=g)
+            if "norm" in name and name.endswith("weight"):
+                t.copy_(1 + 0.2 * r)
+            elif name.endswith(("bias", "e_score_correction_bias")):
+                t.copy_(0.1 * r)
+            elif "embed_tokens" in name:
+                t.copy_(r)
+            else:
+                t.copy_(r / math.sqrt(t.shape[-1]))
+    return model
+
+
+def save_hub_style(model: torch.nn.Module, path: Path, max_shard_size: str | None = None) -> Path:
+    """save_pretrained, then config.json rewritten the way the hub ships it: V3.2 with the
+    legacy ``rope_scaling`` + ``rope_theta``; GLM with ``index_topk_freq`` /
+    ``index_skip_topk_offset`` and no ``indexer_types`` list."""
+    kw = {"max_shard_size": max_shard_size} if max_shard_size else {}
+    model.save_pretrained(path, **kw)
+    cfg_path = path / "config.json"
+    raw = json.loads(cfg_path.read_text())
+    rope = raw.pop("rope_parameters")
+    if raw["model_type"] == "deepseek_v32":
+        raw["rope_theta"] = rope.pop("rope_theta")
+        rope.pop("rope_type", None)
+        raw["rope_scaling"] = rope
+    else:
+        raw.pop("indexer_types")
+        raw["rope_parameters"] = rope
+    for key in ("layer_types", "mlp_layer_types", "qk_head_dim", "head_dim"):
+        raw.pop(key, None)
+    cfg_path.write_text(json.dumps(raw, indent=2))
+    return path
+
+
+@contextlib.contextmanager
+def our_topk_order() -> Iterator[None]:
+    """Tensor.topk (the indexer's and the routers' group step) with our order: value
+    descending, the lower index first on ties."""
+    original = torch.Tensor.topk
+
+    def topk(self, k, dim=-1, largest=True, sorted=True):
+        if not largest:
+            return original(self, k, dim, largest, sorted)
+        order = torch.sort(self, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
+        return torch.return_types.topk((self.gather(dim, order), order))
+
+    torch.Tensor.topk = topk
+    try:
+        yield
+    finally:
+        torch.Tensor.topk = original
+
+
+def reference_selections(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Layer -> the indexer's top-k [T, k] in transformers' uncached full forward."""
+    out: dict[int, torch.Tensor] = {}
+    hooks = []
+    for i, layer in enumerate(model.model.layers):
+        indexer = layer.self_attn.indexer
+        if indexer is not None:
+            hooks.append(
+                indexer.register_forward_hook(
+                    lambda _m, _a, res, i=i: out.__setitem__(i, res[0].long())
+                )
+            )
+    try:
+        with torch.no_grad(), our_topk_order():
+            model(ids.unsqueeze(0))
+    finally:
+        for h in hooks:
+            h.remove()
+    return out
+
+
+def reference_logits(model: torch.nn.Module, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), our_topk_order():
+        return model(ids.unsqueeze(0)).logits[0].float()
+
+
+def greedy_under_reference(model: torch.nn.Module, prompt: list[int], out: list[int]) -> list[int]:
+    """What transformers' greedy decoding gives after ``prompt`` for ``len(out)`` tokens, when
+    ``out`` is it: each token of ``out`` replaced by transformers' argmax given the prompt and
+    the tokens of ``out`` before it (one uncached forward). Equal to ``out`` iff ``out`` is
+    transformers' greedy continuation."""
+    logits = reference_logits(model, torch.tensor(prompt + out[:-1]))
+    return logits[len(prompt) - 1 :].argmax(-1).tolist()
