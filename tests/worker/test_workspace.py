@@ -7,8 +7,6 @@ from __future__ import annotations
 import services.worker.model.model as model_mod
 from services.worker.kv.config import KVCacheConfig
 from services.worker.kv.workspace import (
-    SCORE_BLOCK,
-    SHORT_CHUNK,
     index_score_bytes,
     padded_keys,
     workspace_bytes,
@@ -17,7 +15,6 @@ from services.worker.model import preset
 
 
 def test_the_bound_follows_the_models_scoring_shapes() -> None:
-    assert (SCORE_BLOCK, SHORT_CHUNK) == (model_mod._SCORE_BLOCK, model_mod._SHORT_CHUNK)
     for rows in range(1, 70_000, 53):
         assert padded_keys(rows) >= model_mod.key_rows(rows)
 

@@ -17,8 +17,13 @@ import torch
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.config import ModelConfig
 
-SCORE_BLOCK = 512  # ``model._SCORE_BLOCK``
-SHORT_CHUNK = 16  # ``model._SHORT_CHUNK``
+# The model's index scoring (``model.SparseDecoder``) takes these shapes, and the bound below
+# follows them: prefill queries are scored against a request's keys per block of SCORE_BLOCK,
+# bounding the [T, S] score matrix; chunks of at most SHORT_CHUNK (verify rounds: K_r queries
+# per request) are scored for all requests in one batched product instead of a loop over
+# requests.
+SCORE_BLOCK = 512
+SHORT_CHUNK = 16
 
 
 def padded_keys(rows: int) -> int:
