@@ -8,9 +8,11 @@ import contextlib
 import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 from transformers import (
     DeepseekV32Config,
     DeepseekV32ForCausalLM,
@@ -148,3 +150,76 @@ def greedy_under_reference(model: torch.nn.Module, prompt: list[int], out: list[
     transformers' greedy continuation."""
     logits = reference_logits(model, torch.tensor(prompt + out[:-1]))
     return logits[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+# ---- the MTP layer (transformers does not run it; ``mtp_reference`` does) -------------------
+@dataclass
+class TinyMTP:
+    """A random MTP layer for a target of ``num_layers`` layers: ``block`` is a one-layer
+    transformers model whose layer 0 is the MTP decoder layer (MoE, with its own indexer),
+    whose final norm is ``shared_head.norm`` and whose lm_head is ``shared_head.head``;
+    ``enorm``, ``hnorm`` [d] and ``eh_proj`` [d, 2d] are the NextN fusion; ``tensors`` is the
+    layer as a checkpoint stores it, under ``model.layers.{num_layers}.``."""
+
+    num_layers: int
+    block: torch.nn.Module
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+
+
+def mtp_layer(target: torch.nn.Module, seed: int, tmp: Path) -> TinyMTP:
+    """The MTP layer of ``target`` (a model of ``build``), with every norm, bias and the head
+    random (the head apart from lm_head); ``tmp``: a scratch directory."""
+    n = target.config.num_hidden_layers
+    over = dict(num_hidden_layers=1, mlp_layer_types=["sparse"])
+    if target.config.model_type == "glm_moe_dsa":
+        over |= dict(indexer_types=["full"], index_topk_freq=1, index_skip_topk_offset=0)
+    derived = ("layer_types", "mlp_layer_types", "indexer_types", "head_dim", "qk_head_dim")
+    base = {k: v for k, v in target.config.to_dict().items() if k not in derived}
+    config = type(target.config)(**(base | over))
+    block = build(config, seed=seed)
+    block.save_pretrained(tmp)
+    saved = {}
+    for f in sorted(tmp.glob("*.safetensors")):
+        saved |= load_file(str(f))
+    prefix = f"model.layers.{n}."
+    tensors = {
+        k.replace("model.layers.0.", prefix): v for k, v in saved.items() if "layers.0." in k
+    }
+    tensors[prefix + "shared_head.norm.weight"] = saved["model.norm.weight"]
+    tensors[prefix + "shared_head.head.weight"] = saved["lm_head.weight"]
+    tensors[prefix + "embed_tokens.weight"] = target.model.embed_tokens.weight.detach().clone()
+    g = torch.Generator().manual_seed(seed + 1)
+    d = target.config.hidden_size
+    fusion = {
+        "enorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
+        "hnorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
+        "eh_proj.weight": torch.randn(d, 2 * d, generator=g) / math.sqrt(2 * d),
+    }
+    tensors |= {prefix + k: v for k, v in fusion.items()}
+    return TinyMTP(
+        n, block.eval(), fusion["enorm.weight"], fusion["hnorm.weight"], fusion["eh_proj.weight"],
+        tensors,
+    )  # fmt: skip
+
+
+def append_mtp(path: Path, mtp: TinyMTP, **config: object) -> Path:
+    """Adds ``mtp``'s tensors to the checkpoint in ``path`` as one more shard (listed in the
+    index, which a single-file checkpoint gains) and ``num_nextn_predict_layers: 1`` (and
+    ``config``'s keys) to its config.json, as the released checkpoints ship them."""
+    shard = "model-mtp.safetensors"
+    save_file({k: v.contiguous() for k, v in mtp.tensors.items()}, str(path / shard))
+    index_path = path / "model.safetensors.index.json"
+    if index_path.exists():
+        index = json.loads(index_path.read_text())
+    else:
+        names = load_file(str(path / "model.safetensors"))
+        index = {"metadata": {}, "weight_map": dict.fromkeys(names, "model.safetensors")}
+    index["weight_map"] |= dict.fromkeys(mtp.tensors, shard)
+    index_path.write_text(json.dumps(index, indent=2))
+    cfg_path = path / "config.json"
+    raw = json.loads(cfg_path.read_text()) | {"num_nextn_predict_layers": 1} | config
+    cfg_path.write_text(json.dumps(raw, indent=2))
+    return path

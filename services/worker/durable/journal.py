@@ -57,7 +57,8 @@ class Journal:
         cfg = self.kv.model_cfg
         total = len(req.prompt_ids) + req.params.max_tokens
         ring = {
-            s: bytes(r.data[0].numel() * r.data.element_size()) for s, r in self.kv.rings.items()
+            s: bytes(r.data[0].numel() * r.data.element_size())
+            for s, r in self.kv.snapshot_rings.items()
         }
         largest = SessionRecord(
             request_id=req.request_id,

@@ -99,10 +99,12 @@ def host_plans(
     ring: int,
     scratch: list[int],
     ring_hi_of: dict[int, list[int]],
+    written: tuple[int, ...] | None = None,
 ) -> PassPlans:
     """The plans of a pass adding tokens ``[starts[r], ends[r])`` to ``slots[r]``, given the
     slots' ring history ``ring_hi_of`` (read, not changed). ``scratch``: each source's scratch
-    rows."""
+    rows. ``written``: the sources the pass writes (None: all); the others' ring history
+    stays as it was."""
     distinct: list[tuple] = []
     his: list[list[int]] = []
     index: list[int] = []
@@ -122,6 +124,8 @@ def host_plans(
         _, in_scratch, total = distinct[u]
         if total > rows:
             raise ValueError(f"a pass of {total} rows exceeds the prefill scratch ({rows} rows)")
+        if written is not None and s not in written:
+            continue
         for slot, h, sc in zip(slots, his[u], in_scratch, strict=True):
             if not sc:  # the chunk goes to the ring
                 after[slot][s] = max(after[slot][s], h)
@@ -149,9 +153,16 @@ class Planner:
     device: torch.device
 
     def _host(
-        self, slots: tuple[int, ...], starts: tuple[int, ...], ends: list[int], ring_hi_of: dict
+        self,
+        slots: tuple[int, ...],
+        starts: tuple[int, ...],
+        ends: list[int],
+        ring_hi_of: dict,
+        written: tuple[int, ...] | None = None,
     ) -> PassPlans:
-        return host_plans(slots, starts, ends, self.model_cfg, self.ring, self.scratch, ring_hi_of)
+        return host_plans(
+            slots, starts, ends, self.model_cfg, self.ring, self.scratch, ring_hi_of, written
+        )
 
     def plan(
         self, batch: ForwardBatch, ring_hi_of: dict[int, list[int]]
@@ -160,7 +171,7 @@ class Planner:
         plan, the [U, 5, R] device rows of the U distinct plans, which of the U each source
         uses). A captured decode graph reads its own copy of the rows, refilled from these.
         Advances ``ring_hi_of`` for chunks that go to the ring."""
-        hp = self._host(batch.slot_ids, batch.starts, batch.ends(), ring_hi_of)
+        hp = self._host(batch.slot_ids, batch.starts, batch.ends(), ring_hi_of, batch.sources)
         ring_hi_of.update(hp.ring_hi)
         plans, packed = upload_plans(hp, self.device)
         return plans, packed, hp.index
@@ -195,6 +206,7 @@ class PlannedAhead:
             and batch.slot_ids == self.slots
             and batch.starts == self.starts
             and batch.is_decode
+            and batch.sources is None
         )
 
 

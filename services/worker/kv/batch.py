@@ -19,7 +19,11 @@ class ForwardBatch:
 
     ``prefill``: every chunk is a prefill chunk, rows of its request's imported history (its
     prompt, or a preempted request's recompute); one with ``starts[i] > 0`` continues a prefill
-    whose earlier chunks ran in earlier passes."""
+    whose earlier chunks ran in earlier passes.
+
+    ``sources``: the KV sources this pass writes, when not every one (an MTP-only draft pass
+    writes the MTP layer's source alone); the others' rows, and their tails, are left as
+    they are."""
 
     slots: torch.Tensor  # [R] int64
     starts: tuple[int, ...]
@@ -31,6 +35,7 @@ class ForwardBatch:
     starts_t: torch.Tensor  # [R] int64
     slot_ids: tuple[int, ...] = ()  # ``slots`` on the host: reading it never waits for the GPU
     prefill: bool = False
+    sources: tuple[int, ...] | None = None  # the sources this pass writes (None: all)
 
     @staticmethod
     def build(
@@ -39,6 +44,7 @@ class ForwardBatch:
         lens: list[int],
         device: torch.device | str,
         prefill: bool = False,
+        sources: tuple[int, ...] | None = None,
     ) -> ForwardBatch:
         if not (len(slots) == len(starts) == len(lens)) or not slots:
             raise ValueError("a batch needs one slot, start and length per request")
@@ -51,7 +57,7 @@ class ForwardBatch:
             return ForwardBatch(
                 slots=slots_d, starts=tuple(starts), lens=tuple(lens), positions=starts_d,
                 token_req=cu_d[:r], token_slot=slots_d, cu_lens=cu_d, starts_t=starts_d,
-                slot_ids=tuple(slots), prefill=prefill,
+                slot_ids=tuple(slots), prefill=prefill, sources=sources,
             )  # fmt: skip
         lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
         token_req = torch.repeat_interleave(torch.arange(r), lens_t)
@@ -67,8 +73,12 @@ class ForwardBatch:
         return ForwardBatch(
             slots=parts[0], starts=tuple(starts), lens=tuple(lens), positions=parts[3],
             token_req=parts[4], token_slot=parts[5], cu_lens=parts[2], starts_t=parts[1],
-            slot_ids=tuple(slots), prefill=prefill,
+            slot_ids=tuple(slots), prefill=prefill, sources=sources,
         )  # fmt: skip
+
+    def writes(self, source: int) -> bool:
+        """Whether this pass writes rows of ``source``."""
+        return self.sources is None or source in self.sources
 
     def imports(self, r: int) -> bool:
         """Whether request r's chunk is imported history: a prefill chunk, or any chunk that

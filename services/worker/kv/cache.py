@@ -30,12 +30,17 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.session import SessionBackup
     from services.worker.residency.optional_history import ResidencyStats
 
-__all__ = ["KVCache"]
+__all__ = ["CARRY", "KVCache"]
+
+CARRY = -1  # the carry's key among the token rings a durable session snapshots
 
 
 class KVCache:
     """Everything a worker keeps per slot for attention: ``payload`` (the mode), ``index_keys``
-    and one ``TokenRing`` per source that has a local window or compression.
+    and one ``TokenRing`` per source that has a local window or compression. A model with a
+    lagged source (the MTP layer's, docs/mtp.md) also has a ``carry``: a ring of the target's
+    final hidden states at each slot's last positions, which the next pass's first lagged row
+    needs.
 
     ``host`` (hierarchy modes) is the host store: ``(RegionStore, ArenaMapping)``; without one a
     private arena is created in this process."""
@@ -58,11 +63,21 @@ class KVCache:
                 self.rings[s] = TokenRing(
                     cfg.max_slots, ring, model_cfg.d_kv, cfg.dtype, cfg.device
                 )
+        self.carry: TokenRing | None = None
+        if any(src.lag for src in model_cfg.sources):
+            # a verify round of K tokens may commit only its first: the ring keeps all K
+            self.carry = TokenRing(
+                cfg.max_slots, max(1, cfg.spec_block), model_cfg.d_model, cfg.dtype, cfg.device
+            )
+        # what a durable session's manifest snapshots: the source rings and the carry
+        self.snapshot_rings = dict(self.rings)
+        if self.carry is not None:
+            self.snapshot_rings[CARRY] = self.carry
         self._local_store: LocalHostStore | None = None
         self.host_backups: HostBackups | None = None
         # durable sessions: keys, manifest and ring snapshots (hierarchy)
         self.sessions: SessionBackup | None = None
-        rings = sum(r.nbytes for r in self.rings.values())
+        rings = self.ring_bytes
         # held for the passes' index scoring (on a GPU): see ``kv/workspace.py``
         self.workspace = workspace_bytes(model_cfg, cfg)
         fixed = rings + self.workspace
@@ -102,7 +117,7 @@ class KVCache:
         # A private arena dies with this process: nothing to resume from, nothing to keep.
         if self.cfg.durable and self._local_store is None:
             self.sessions = SessionBackup(
-                self.model_cfg, self.host_backups, self.index_keys, self.rings
+                self.model_cfg, self.host_backups, self.index_keys, self.snapshot_rings
             )
         return payload
 
@@ -231,7 +246,7 @@ class KVCache:
         self._ensured.pop(slot, None)
         self.payload.release(slot)
         self.index_keys.release(slot)
-        for r in self.rings.values():
+        for r in self.snapshot_rings.values():
             r.clear(slot)
 
     # ---- a forward pass ---------------------------------------------------------------------
@@ -298,8 +313,7 @@ class KVCache:
         modes, as pages of the pool)."""
         required, optional, reserve = self.payload.memory(len(self._admitted))
         keys = 0 if self.keys_shared else self.index_keys.used_bytes  # else in the page pool
-        rings = sum(r.nbytes for r in self.rings.values())
-        required += keys + rings + self.workspace
+        required += keys + self.ring_bytes + self.workspace
         capacity = self.cfg.kv_pool_bytes
         free = max(0, capacity - required - optional - reserve)
         return MemoryUsage(capacity, required, optional, reserve, free)
@@ -307,8 +321,7 @@ class KVCache:
     def fixed_bytes(self) -> int:
         """Allocations that do not grow with sessions (rings, the index-score workspace,
         scratch, metadata, staging)."""
-        rings = sum(r.nbytes for r in self.rings.values())
-        return rings + self.workspace + self.payload.fixed_bytes()
+        return self.ring_bytes + self.workspace + self.payload.fixed_bytes()
 
     def layout(self) -> dict:
         """The KV geometry, for exact admission sizing at the gateway."""
@@ -336,9 +349,13 @@ class KVCache:
         return self.model_cfg.d_kv * torch.empty((), dtype=self.cfg.dtype).element_size()
 
     @property
+    def ring_bytes(self) -> int:
+        """The token rings and the carry."""
+        return sum(r.nbytes for r in self.snapshot_rings.values())
+
+    @property
     def nbytes(self) -> int:
-        rings = sum(r.nbytes for r in self.rings.values())
-        return self.payload.nbytes + self.index_keys.nbytes + rings
+        return self.payload.nbytes + self.index_keys.nbytes + self.ring_bytes
 
     def close(self) -> None:
         if self.host_backups is not None:

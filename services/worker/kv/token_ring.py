@@ -76,5 +76,10 @@ class TokenRing:
         )
         return ExtendedRows(rows=ext, ring=r, batch=batch)
 
+    def rows_at(self, slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[N, d] the rows of positions ``positions`` [N] of ``slots`` [N], each within the
+        last ``ring`` positions its slot's passes wrote."""
+        return self.data[slots, positions % self.ring]
+
     def clear(self, slot: int) -> None:
         self.data[slot].zero_()

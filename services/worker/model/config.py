@@ -14,6 +14,12 @@ Topology vocabulary (DESIGN §2):
                 and no new resolution.
 - A source with ``window > 0`` adds a local sliding-window branch over the last ``window``
   uncompressed token rows, attended jointly with the selected rows.
+- A source with ``lag > 0`` trails the tokens: its row t needs token t + lag, so after n tokens
+  it holds n - lag complete rows (the MTP layer's source: row t is computed from the token at
+  t+1 and the target's hidden state at t).
+- A ``draft`` layer is a drafter's layer (the checkpoint's MTP layer): the target's forward
+  writes its source's rows but does not run it; its index producer's keys join the index-key
+  caches like any producer's.
 """
 
 from __future__ import annotations
@@ -30,6 +36,7 @@ IndexMode = Literal["producer", "follower", "reuse"]
 class SourceSpec:
     compress: int = 1  # m tokens per stored row (1 = none)
     window: int = 0  # local sliding-window branch over uncompressed tokens (0 = none)
+    lag: int = 0  # rows trail tokens: row t needs token t + lag (the MTP source: 1)
 
 
 @dataclass(frozen=True)
@@ -37,6 +44,7 @@ class LayerSpec:
     source: int
     index: IndexMode = "producer"
     leader: int = -1  # follower: the index producer it follows; reuse: the layer it inherits from
+    draft: bool = False  # a drafter's layer (MTP): not run by the target's forward
 
 
 @dataclass(frozen=True)
@@ -87,9 +95,21 @@ class ModelConfig:
     def index_producers(self) -> tuple[int, ...]:
         return tuple(i for i, s in enumerate(self.layers) if s.index == "producer")
 
+    @property
+    def draft_layers(self) -> tuple[int, ...]:
+        """The drafter's layers (the MTP layer), after every target layer."""
+        return tuple(i for i, s in enumerate(self.layers) if s.draft)
+
+    @property
+    def num_target_layers(self) -> int:
+        """Layers the target's forward runs."""
+        return self.n_layers - len(self.draft_layers)
+
     def rows_for_tokens(self, source: int, num_tokens: int) -> int:
-        """Complete stored rows of ``source`` after ``num_tokens`` tokens (eq. 8)."""
-        return num_tokens // self.sources[source].compress
+        """Complete stored rows of ``source`` after ``num_tokens`` tokens (eq. 8; a lagged
+        source's row t needs token t + lag)."""
+        src = self.sources[source]
+        return max(0, num_tokens - src.lag) // src.compress
 
     def validate(self) -> None:
         if not self.layers:
@@ -104,7 +124,12 @@ class ModelConfig:
             if src.compress > 1 and src.window < 1:
                 # Until a group completes its tokens are visible only through the window.
                 raise ValueError(f"source {s}: a compressed source needs a local window")
+            if src.lag < 0 or (src.lag and (src.compress > 1 or src.window)):
+                raise ValueError(
+                    f"source {s}: a lag is >= 0, on an uncompressed, unwindowed source"
+                )
             self.source_owner(s)
+        self._validate_draft_layers()
         for i, spec in enumerate(self.layers):
             if not 0 <= spec.source < len(self.sources):
                 raise ValueError(f"layer {i}: unknown source {spec.source}")
@@ -140,6 +165,25 @@ class ModelConfig:
                     )
             else:
                 raise ValueError(f"layer {i}: unknown index mode {spec.index!r}")
+
+    def _validate_draft_layers(self) -> None:
+        """A draft layer follows every target layer, owns a source of its own that no other
+        layer reads, and runs its own indexer; only a draft layer's source may lag."""
+        drafts = self.draft_layers
+        if drafts and drafts != tuple(range(self.n_layers - len(drafts), self.n_layers)):
+            raise ValueError(f"draft layers {list(drafts)} must follow every target layer")
+        if len(drafts) == self.n_layers:
+            raise ValueError("a model needs at least one target layer")
+        for i in drafts:
+            spec = self.layers[i]
+            readers = [j for j, o in enumerate(self.layers) if o.source == spec.source]
+            if spec.index != "producer" or readers != [i]:
+                raise ValueError(f"layer {i}: a draft layer is a producer over a source of its own")
+            if any(o.index != "producer" and o.leader == i for o in self.layers):
+                raise ValueError(f"layer {i}: no layer may follow a draft layer")
+        for s, src in enumerate(self.sources):
+            if src.lag and not self.layers[self.source_owner(s)].draft:
+                raise ValueError(f"source {s}: only a draft layer's source may lag")
 
     # ---- (de)serialisation -----------------------------------------------------------------
     def to_dict(self) -> dict:

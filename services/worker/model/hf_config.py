@@ -54,7 +54,7 @@ _INERT = frozenset({
     "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
     "id2label", "label2id", "problem_type", "attention_dropout", "aux_loss_alpha", "seq_aux",
     "ep_size", "quantization_config", "head_dim", "qk_head_dim", "tokenizer_class",
-    "num_key_value_heads", "num_nextn_predict_layers", "index_share_for_mtp_iteration",
+    "num_key_value_heads", "num_nextn_predict_layers",
 })  # fmt: skip
 # Keys whose value is fixed for these families: any other value is a different model.
 _FIXED: dict[str, tuple[Any, ...]] = {
@@ -116,6 +116,10 @@ class MLAConfig:
     tie_word_embeddings: bool
     mtp_layers: int  # num_nextn_predict_layers: their tensors follow the main layers
     dtype: str
+    # The MTP layer's MLP: MoE when its index is past first_k_dense_replace (as vLLM builds it).
+    mtp_mlp: str = "sparse"
+    # index_share_for_mtp_iteration (GLM-5.2): draft steps after the first reuse its selection.
+    mtp_index_share: bool = False
 
     @property
     def qk_head_dim(self) -> int:
@@ -135,6 +139,7 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
         )
     known = set(_DEFAULTS[family]) | _INERT | set(_FIXED) | {"mlp_layer_types", "layer_types"}
     known |= {"rope_parameters", "rope_scaling", "rope_theta", "indexer_rope_interleave"}
+    known |= {"index_share_for_mtp_iteration"}
     if family == "glm_moe_dsa":
         known |= set(_INDEX_SHARE)
     unknown = sorted(set(raw) - known)
@@ -200,6 +205,8 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
         tie_word_embeddings=bool(c["tie_word_embeddings"]),
         mtp_layers=int(c.get("num_nextn_predict_layers") or 0),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
+        mtp_mlp="sparse" if n >= int(c["first_k_dense_replace"]) else "dense",
+        mtp_index_share=bool(c.get("index_share_for_mtp_iteration", False)),
     )
 
 
@@ -263,10 +270,12 @@ def _mlp_types(c: dict[str, Any], n: int) -> tuple[str, ...]:
     return types
 
 
-def topology(cfg: MLAConfig, name: str) -> ModelConfig:
+def topology(cfg: MLAConfig, name: str, mtp: bool = False) -> ModelConfig:
     """The engine's view: one KV source per layer (576-element rows in the released models);
     ``full`` layers are index producers, ``shared`` layers follow the last full layer before
-    them (shared indices, their own payload)."""
+    them (shared indices, their own payload). ``mtp``: the MTP layer (``--drafter mtp``) is
+    layer N = num_hidden_layers, a draft layer producing its own indices over a source of its
+    own that lags the tokens by one (docs/mtp.md)."""
     layers, leader = [], 0
     for i, kind in enumerate(cfg.indexer_types):
         if kind == "full":
@@ -274,6 +283,15 @@ def topology(cfg: MLAConfig, name: str) -> ModelConfig:
             layers.append(LayerSpec(source=i, index="producer"))
         else:
             layers.append(LayerSpec(source=i, index="follower", leader=leader))
+    sources = [SourceSpec() for _ in layers]
+    if mtp:
+        if cfg.mtp_layers != 1:
+            raise ConfigError(
+                f"config.json: num_nextn_predict_layers={cfg.mtp_layers}; the MTP drafter needs "
+                "exactly one MTP layer"
+            )
+        layers.append(LayerSpec(source=len(sources), index="producer", draft=True))
+        sources.append(SourceSpec(lag=1))
     return ModelConfig(
         name=name,
         vocab_size=cfg.vocab_size,
@@ -285,7 +303,7 @@ def topology(cfg: MLAConfig, name: str) -> ModelConfig:
         n_index_heads=cfg.index_n_heads,
         d_index=cfg.index_head_dim,
         index_topk=cfg.index_topk,
-        sources=tuple(SourceSpec() for _ in layers),
+        sources=tuple(sources),
         layers=tuple(layers),
         max_position=cfg.max_position,
         rope_theta=cfg.rope.theta,

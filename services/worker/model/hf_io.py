@@ -55,14 +55,18 @@ def load_hf_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | None = None,
     layers: int | None = None,
+    mtp: bool = False,
 ) -> MLADecoder:
     """The model of a directory, in ``dtype`` (default: config.json's) on ``device``; with
     ``layers``, its first ``layers`` layers only (final norm and lm_head kept; the tensors of
-    the other layers are not read). Raises ConfigError / CheckpointError (both ValueError)
-    naming what is unsupported or missing."""
+    the other layers are not read); with ``mtp``, its MTP layer too (the MTP drafter's, served
+    as a draft layer of the topology: docs/mtp.md). Raises ConfigError / CheckpointError (both
+    ValueError) naming what is unsupported or missing."""
     raw = read_config(path)
     cfg = parse_config(raw)
     ignore: dict[str, str] = {}
+    if layers is not None and mtp:
+        raise ConfigError("a model of its first layers has no MTP layer")
     if layers is not None:
         ignore = later_layers(cfg, layers)
         cfg = first_layers(cfg, layers)
@@ -71,10 +75,11 @@ def load_hf_model(
             raise ConfigError(f"config.json: dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[cfg.dtype]
     with torch.device("meta"):
-        model = MLADecoder(cfg, topology(cfg, model_name(path, raw)))
+        model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp))
     model.to_empty(device=device)
     model.cast(dtype)
     ckpt = Checkpoint(path, raw.get("quantization_config"))
-    ignore |= dict(ignored_patterns(cfg))
+    ignore |= dict(ignored_patterns(cfg, mtp))
     load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
+    model.share_lm_head()
     return model.eval()

@@ -112,10 +112,20 @@ def load_weights(path: str | Path) -> dict[str, torch.Tensor]:
 
 
 def load_model(
-    spec: str | Path, device: str = "cpu", dtype: torch.dtype | None = None, seed: int = 0
+    spec: str | Path,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    seed: int = 0,
+    mtp: bool = False,
 ) -> SparseDecoder:
     """A preset name (seeded random weights) or a directory with config.json + weights: a
-    Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format."""
+    Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format. ``mtp``: with the
+    checkpoint's MTP layer (Hugging Face checkpoints only)."""
+    if mtp and (str(spec) in PRESETS or not is_hf_model_dir(resolve_path(spec))):
+        raise ValueError(
+            f"the MTP drafter needs a DeepSeek-V3.2 / GLM-5 checkpoint with its MTP layer; "
+            f"{spec!r} is not one"
+        )
     if str(spec) in PRESETS:
         return build_model(preset(str(spec)), seed=seed, device=device, dtype=dtype)
     path = resolve_path(spec)
@@ -125,7 +135,7 @@ def load_model(
             f"directory with {CONFIG_FILE}"
         )
     if is_hf_model_dir(path):
-        return load_hf_model(path, device=device, dtype=dtype)
+        return load_hf_model(path, device=device, dtype=dtype, mtp=mtp)
     cfg = ModelConfig.load(path / CONFIG_FILE)
     model = DSAModel(cfg)
     state = load_weights(path)

@@ -5,7 +5,11 @@ GLM-5.2's IndexShare), all read by ``hf_config``.
 Layer by layer, as the checkpoint names them: input_layernorm, MLA (q-LoRA, the 576-element
 stored row), the indexer on ``full`` layers, post_attention_layernorm, then a dense MLP below
 ``first_k_dense_replace`` and the MoE above. ``CHECKPOINT_NAMES`` maps checkpoint tensor names
-onto this module's parameters in one table."""
+onto this module's parameters in one table.
+
+Built with a topology that has the MTP layer (``--drafter mtp``), it holds it as ``mtp``: every
+target pass then also writes the MTP layer's KV rows its tokens complete (``_follow_target``),
+and ``mtp_step`` runs one MTP-only draft pass (docs/mtp.md)."""
 
 from __future__ import annotations
 
@@ -14,33 +18,19 @@ import re
 import torch
 from torch import nn
 
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache
 from services.worker.model.checkpoint import CheckpointError
 from services.worker.model.config import ModelConfig
-from services.worker.model.dsa_indexer import DSAIndexer
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
-from services.worker.model.mla import MLA
-from services.worker.model.model import SparseDecoder
-from services.worker.model.moe import MLP, MoE
+from services.worker.model.mla_layer import MLALayer
+from services.worker.model.model import ForwardState, SparseDecoder
+from services.worker.model.mtp import MTP_EMBED, MTP_NAMES, MTPLayer, MTPStep
 from services.worker.model.rotary import Rotary
 
 # Parameters kept in fp32 whatever the serving dtype, as transformers keeps them.
 FP32_PARAMS = ("indexer.weights_proj.weight", "mlp.gate.e_score_correction_bias")
-
-
-class MLALayer(nn.Module):
-    def __init__(self, cfg: MLAConfig, topo: ModelConfig, layer: int) -> None:
-        super().__init__()
-        self.spec = topo.layers[layer]
-        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLA(cfg)
-        self.indexer = DSAIndexer(cfg) if self.spec.index == "producer" else None
-        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = (
-            MoE(cfg.moe, cfg.hidden_size)
-            if cfg.mlp_types[layer] == "sparse"
-            else MLP(cfg.hidden_size, cfg.intermediate_size)
-        )
 
 
 class MLADecoder(SparseDecoder):
@@ -56,9 +46,74 @@ class MLADecoder(SparseDecoder):
             if cfg.tie_word_embeddings
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
+        drafts = topo.draft_layers
+        self.mtp = MTPLayer(cfg, topo, drafts[0]) if drafts else None
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary(positions, self.family.rope)
+
+    # ---- the MTP layer ---------------------------------------------------------------------
+    @property
+    def mtp_layer(self) -> int:
+        """The MTP layer's index (N, after the target's layers)."""
+        return self.cfg.draft_layers[0]
+
+    def share_lm_head(self) -> None:
+        """Uses ``lm_head`` as the MTP head when the checkpoint's ``shared_head.head`` is a
+        copy of it (as in the released checkpoints), freeing the copy."""
+        mtp, head = self.mtp, self.lm_head
+        if (
+            mtp is not None
+            and head is not None
+            and torch.equal(mtp.shared_head.head.weight, head.weight)
+        ):
+            mtp.shared_head.head = head
+
+    def _follow_target(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> None:
+        """The MTP rows the pass's tokens complete: the token at p with the target's final
+        hidden state at p-1 (this pass's, or the carry's for a request's first token) gives
+        MTP row p-1, through the layer's input fusion and its KV and index-key projections
+        only (its attention and MoE are not needed to write its KV). Every pass records its
+        hidden states in the carry."""
+        if self.mtp is None:
+            return
+        assert kv.carry is not None, "a KV cache built for the MTP layer's topology"
+        ext = kv.carry.extend(batch, hidden)
+        before = ext.index(batch.token_req, batch.positions - 1).clamp(min=0)  # p = 0: no row
+        x = self.mtp.attn_norm(self.mtp.fuse(self.embed(input_ids), ext.rows[before]))
+        i = self.mtp_layer
+        st = ForwardState(rotary=self.rotary((batch.positions - 1).clamp(min=0)))
+        self._write_source(self.cfg.layers[i].source, self.mtp.attn, x, batch, kv, st)
+        self._write_keys(i, self.mtp.indexer, x, kv, st)
+
+    @torch.no_grad()
+    def mtp_step(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        hidden: torch.Tensor | None = None,
+        selection: torch.Tensor | None = None,
+    ) -> MTPStep:
+        """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
+        decode-shaped batch writing only the MTP source), each with the hidden state before it
+        — ``hidden`` [R, d], or the carry's (the target's at p-1) when None. Writes MTP row
+        p-1 (never committed: the verify pass rewrites it) and attends the whole MTP history
+        through ``kv``, by its own indexer or, with ``selection`` [R, k], those rows."""
+        assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
+        kv.begin(batch)
+        if hidden is None:
+            hidden = kv.carry.rows_at(batch.slots, batch.positions - 1)
+        mtp, i = self.mtp, self.mtp_layer
+        x = mtp.fuse(self.embed(tokens), hidden)
+        st = ForwardState(rotary=self.rotary(batch.positions - 1))
+        h = x + self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
+        h = h + mtp.mlp(mtp.mlp_norm(h))
+        g = mtp.shared_head.norm(h)
+        logits = g.float() @ mtp.shared_head.head.weight.float().t()
+        return MTPStep(g, logits, st.selection[i])
 
     def cast(self, dtype: torch.dtype) -> MLADecoder:
         """Casts to the serving dtype, keeping FP32_PARAMS in fp32."""
@@ -104,10 +159,11 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
     has no place for are left out (the loader reports them); parameters that no name fills
     raise ``CheckpointError`` listing them."""
     params = dict(model.named_parameters()) | dict(model.named_buffers())
+    mtp = model.mtp_layer if model.mtp is not None else None
     out: dict[str, torch.Tensor] = {}
     filled: dict[str, int] = {}  # elements of each parameter some checkpoint tensor fills
     for name in names:
-        hit = _target(params, name)
+        hit = _target(params, name, mtp)
         if hit is not None:
             ours, view = hit
             out[name] = view
@@ -121,8 +177,12 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
     return out
 
 
-def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tensor] | None:
-    """(our parameter, the tensor to copy into) for one checkpoint name, or None."""
+def _target(
+    params: dict[str, torch.Tensor], name: str, mtp: int | None
+) -> tuple[str, torch.Tensor] | None:
+    """(our parameter, the tensor to copy into) for one checkpoint name, or None. ``mtp``: the
+    index of the MTP layer the model holds as ``mtp`` (its decoder layer under the usual
+    names, its own tensors by ``MTP_NAMES``)."""
     if name in _GLOBAL_NAMES:
         ours = _GLOBAL_NAMES[name]
         return (ours, params[ours]) if ours in params else None
@@ -130,6 +190,11 @@ def _target(params: dict[str, torch.Tensor], name: str) -> tuple[str, torch.Tens
     if m is None:
         return None
     prefix, rest = f"layers.{m.group(1)}.", m.group(2)
+    if mtp is not None and int(m.group(1)) == mtp:
+        prefix = "mtp."
+        if rest in MTP_NAMES:
+            ours = prefix + MTP_NAMES[rest]
+            return ours, params[ours]
     e = _EXPERT.fullmatch(rest)
     if e is not None:
         return _expert_view(params, prefix, int(e.group(1)), e.group(2))
@@ -162,10 +227,19 @@ def _expected(model: MLADecoder) -> set[str]:
     }
 
 
-def ignored_patterns(cfg: MLAConfig) -> list[tuple[str, str]]:
-    """(regex, why) of checkpoint tensors this decoder does not read."""
+def ignored_patterns(cfg: MLAConfig, mtp: bool = False) -> list[tuple[str, str]]:
+    """(regex, why) of checkpoint tensors this decoder does not read; ``mtp``: it holds the
+    MTP layer."""
     out = []
-    if cfg.mtp_layers:
+    if mtp:
+        embed = re.escape(MTP_EMBED)
+        out.append(
+            (
+                rf"model\.layers\.{cfg.num_layers}\.{embed}$",
+                "the MTP layer's copy of the embedding (the target's is used, as in vLLM and SGLang)",
+            )
+        )
+    elif cfg.mtp_layers:
         last = cfg.num_layers + cfg.mtp_layers - 1
         layers = "|".join(str(i) for i in range(cfg.num_layers, last + 1))
         out.append((rf"model\.layers\.({layers})\..*", "the MTP layer (no MTP drafter asked for)"))

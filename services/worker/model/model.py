@@ -40,12 +40,14 @@ class LayerTrace:
 
 
 @dataclass
-class _Pass:
+class ForwardState:
     """State shared by the layers of one forward pass."""
 
     ext: dict[int, ExtendedRows] = field(default_factory=dict)
-    new_rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = field(
-        default_factory=dict
+    # source -> (slots, rows, values) written, and which tokens of the pass they are (None: one
+    # row per token, in order)
+    new_rows: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]] = (
+        field(default_factory=dict)
     )
     selection: dict[int, torch.Tensor] = field(default_factory=dict)
     locations: dict[int, torch.Tensor] = field(default_factory=dict)
@@ -123,7 +125,7 @@ class SparseDecoder(nn.Module):
         if begin:
             kv.begin(batch)
         h = self.embed(input_ids)
-        st = _Pass(rotary=self.rotary(batch.positions))
+        st = ForwardState(rotary=self.rotary(batch.positions))
         for i, layer in enumerate(self.layers):
             h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
             h = h + layer.mlp(layer.mlp_norm(h))
@@ -131,7 +133,15 @@ class SparseDecoder(nn.Module):
                 features[i] = h
         if selections is not None:
             selections.update(st.selection)
-        return self.norm(h)
+        out = self.norm(h)
+        self._follow_target(input_ids, out, batch, kv)
+        return out
+
+    def _follow_target(
+        self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> None:
+        """After the target's layers: a draft layer's rows that the pass's tokens and final
+        hidden states ``hidden`` [N, d] complete (the MTP layer's, ``MLADecoder``)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d_model] -> [..., vocab] fp32."""
@@ -146,22 +156,24 @@ class SparseDecoder(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        st: _Pass,
+        st: ForwardState,
         trace: list[LayerTrace] | None,
+        given: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """``given``: the selection [N, k] to attend instead of running the layer's indexer
+        (an MTP draft step reusing its first step's, ``index_share_for_mtp_iteration``)."""
         spec = layer.spec
         s = spec.source
         src = self.cfg.sources[s]
         if layer.attn.owner:
             self._write_source(s, layer.attn, x, batch, kv, st)
         q, q_latent = layer.attn.queries(x, st.rotary)
-        if layer.indexer is not None:
-            slots, rows, values = st.new_rows[s]
-            if rows.numel():
-                keys = layer.indexer.keys(x, values, st.rotary)
-                kv.index_keys.write(i, slots, rows, keys)
+        if given is not None:
+            st.selection[i] = given
+        elif layer.indexer is not None:
+            self._write_keys(i, layer.indexer, x, kv, st)
             iq, iw = layer.indexer.queries(x, q_latent, st.rotary)
-            st.selection[i] = self._select(i, iq, iw, batch, kv, src.compress)
+            st.selection[i] = self._select(i, iq, iw, batch, kv, s)
             if i in self.followers:  # one selection starts every follower's transfer
                 kv.payload.prefetch(self.followers[i], batch, st.selection[i])
         else:  # follower (shared indices) or reuse (shared source): the leader's positions
@@ -183,6 +195,15 @@ class SparseDecoder(nn.Module):
         )
         return layer.attn.output(o)
 
+    def _write_keys(
+        self, i: int, indexer: nn.Module, x: torch.Tensor, kv: KVCache, st: ForwardState
+    ) -> None:
+        """Producer ``i``'s index keys of the rows this pass wrote to its source."""
+        slots, rows, values, keep = st.new_rows[self.cfg.layers[i].source]
+        if rows.numel():
+            keys = indexer.keys(x, values, st.rotary)
+            kv.index_keys.write(i, slots, rows, keys if keep is None else keys[keep])
+
     def _write_source(
         self,
         s: int,
@@ -190,15 +211,21 @@ class SparseDecoder(nn.Module):
         x: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        st: _Pass,
+        st: ForwardState,
     ) -> None:
-        """Computes the chunk's rows of source ``s`` and stores the complete ones (eq. 8)."""
-        m = self.cfg.sources[s].compress
+        """Computes the chunk's rows of source ``s`` and stores the complete ones (eq. 8; the
+        row of a lagged source's token at p is row p - lag, none for p < lag)."""
+        src = self.cfg.sources[s]
+        m = src.compress
         tok_rows = attn.token_rows(x, st.rotary)
         if s in kv.rings:
             st.ext[s] = kv.rings[s].extend(batch, tok_rows)
+        keep = None
         if m == 1:
-            slots, rows, values = batch.token_slot, batch.positions, tok_rows
+            slots, rows, values = batch.token_slot, batch.positions - src.lag, tok_rows
+            if src.lag and min(batch.starts) < src.lag:  # a request's first tokens: no row
+                keep = rows >= 0
+                slots, rows, values = slots[keep], rows[keep], values[keep]
         else:
             dev = tok_rows.device
             lo = batch.starts_t // m
@@ -213,7 +240,7 @@ class SparseDecoder(nn.Module):
             slots = batch.slots[group_req]
         if rows.numel():
             kv.payload.write_rows(s, slots, rows, values)
-        st.new_rows[s] = (slots, rows, values)
+        st.new_rows[s] = (slots, rows, values, keep)
 
     def _select(
         self,
@@ -222,28 +249,34 @@ class SparseDecoder(nn.Module):
         w: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        m: int,
+        s: int,
     ) -> torch.Tensor:
-        """[N, k] ordered top-k row positions per query token over its visible rows, from the
-        indexer's queries q [N, H, d_index] and weights w [N, H]."""
+        """[N, k] ordered top-k row positions per query token over its visible rows of source
+        ``s``, from the indexer's queries q [N, H, d_index] and weights w [N, H]."""
         k = self.cfg.index_topk
-        num_visible = (batch.positions + 1) // m  # complete rows at or before each query
-        ends = batch.ends()  # the host knows how far each request sees: no read-back
+        src = self.cfg.sources[s]
+        m, lag = src.compress, src.lag
+        # complete rows at or before each query
+        num_visible = (
+            ((batch.positions + 1 - lag) // m).clamp(min=0) if lag else (batch.positions + 1) // m
+        )
+        # the host knows how far each request sees: no read-back
+        ends = [self.cfg.rows_for_tokens(s, e) for e in batch.ends()]
         if batch.is_decode:
-            keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends) // m))
+            keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends)))
             return select_topk(index_scores(q, w, keys), num_visible, k)
         if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
             # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
-            width = key_rows(max(ends) // m)
+            width = key_rows(max(ends))
             scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, width)
             return select_topk(scores, num_visible, k)
         out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
         cu = batch.cu
         for r in range(batch.num_requests):
             a, b = cu[r], cu[r + 1]
-            keys = kv.index_keys.gather(
-                i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r] // m
-            )[0]
+            keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r])[
+                0
+            ]
             for c in range(a, b, SCORE_BLOCK):
                 e = min(b, c + SCORE_BLOCK)
                 out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)

@@ -1,0 +1,33 @@
+"""One decoder layer of DeepSeek-V3.2 / GLM-5, as the checkpoint names its parts:
+input_layernorm, MLA (the 576-element stored row), the DSA indexer on index producers,
+post_attention_layernorm, then a dense MLP or the MoE."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from services.worker.model.config import ModelConfig
+from services.worker.model.dsa_indexer import DSAIndexer
+from services.worker.model.hf_config import MLAConfig
+from services.worker.model.layers import RMSNorm
+from services.worker.model.mla import MLA
+from services.worker.model.moe import MLP, MoE
+
+
+class MLALayer(nn.Module):
+    def __init__(
+        self, cfg: MLAConfig, topo: ModelConfig, layer: int, mlp: str | None = None
+    ) -> None:
+        """``mlp``: "dense" or "sparse" (MoE); default: the config's for ``layer``."""
+        super().__init__()
+        self.spec = topo.layers[layer]
+        self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.attn = MLA(cfg)
+        self.indexer = DSAIndexer(cfg) if self.spec.index == "producer" else None
+        self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        kind = mlp or cfg.mlp_types[layer]
+        self.mlp: nn.Module = (
+            MoE(cfg.moe, cfg.hidden_size)
+            if kind == "sparse"
+            else MLP(cfg.hidden_size, cfg.intermediate_size)
+        )

@@ -1,0 +1,126 @@
+"""The MTP layer against its plain-torch reference (``mtp_reference``, from vLLM's and SGLang's
+NextN forward), step by step, on tiny random checkpoints of both families with an appended MTP
+layer: the rows a prefill writes, every draft step's selection and logits, the recycled hidden
+state, and GLM-5.2's ``index_share_for_mtp_iteration``; in resident serving and over the
+hierarchy with a hot cache too small for the history."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
+from services.worker.model import load_model
+from services.worker.model.hf_config import ConfigError
+from services.worker.model.mla_decoder import MLADecoder
+from tests.model import hf_tiny
+from tests.model.mtp_reference import MTPReference
+
+FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
+STEPS = 5
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[MTPReference, Path]:
+    """(the reference, a checkpoint saved hub-style with the MTP layer appended); GLM sharded
+    and with ``index_share_for_mtp_iteration``."""
+    name = request.param
+    target = hf_tiny.build(FAMILIES[name](), seed=5)
+    path = tmp_path_factory.mktemp(name)
+    hf_tiny.save_hub_style(target, path, max_shard_size="40KB" if name == "glm_moe_dsa" else None)
+    mtp = hf_tiny.mtp_layer(target, seed=6, tmp=tmp_path_factory.mktemp(f"{name}-mtp"))
+    extra = {"index_share_for_mtp_iteration": True} if name == "glm_moe_dsa" else {}
+    hf_tiny.append_mtp(path, mtp, **extra)
+    return MTPReference(target, mtp), path
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, hf_tiny.VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _kv(model: MLADecoder, mode: str) -> KVCache:
+    kw: dict = dict(mode=mode, max_slots=2, max_model_len=256, spec_block=STEPS + 1)
+    if mode == "hisparse":  # a hot cache of one selection: most rows come from the host
+        kw |= dict(hot_cache_rows=16, kv_pool_bytes=32 << 20)
+    return KVCache(model.cfg, KVCacheConfig(**kw))
+
+
+def _prefill(model: MLADecoder, kv: KVCache, ids: torch.Tensor, chunks: list[int]) -> None:
+    """Commits ``ids`` in slot 0 in prefill chunks, with room for the draft steps after."""
+    assert kv.admit(0, "r", len(ids), len(ids) + STEPS + 1)
+    assert kv.ensure(0, len(ids) + STEPS + 1)
+    start = 0
+    for n in chunks:
+        batch = ForwardBatch.build([0], [start], [n], "cpu", prefill=True)
+        model(ids[start : start + n], batch, kv)
+        start += n
+        kv.commit(batch, [start])
+
+
+def test_the_mtp_layer_is_loaded_only_when_asked(family) -> None:
+    _, path = family
+    plain = load_model(path)
+    assert isinstance(plain, MLADecoder) and plain.mtp is None
+    assert not plain.cfg.draft_layers
+    model = load_model(path, mtp=True)
+    assert isinstance(model, MLADecoder) and model.mtp is not None
+    n = model.family.num_layers
+    assert model.cfg.draft_layers == (n,)
+    assert model.cfg.sources[model.cfg.layers[n].source].lag == 1
+    assert model.cfg.rows_for_tokens(model.cfg.layers[n].source, 10) == 9
+    # its own head, not lm_head: the tiny checkpoint's differ
+    assert model.mtp.shared_head.head is not model.lm_head
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+@pytest.mark.parametrize("length", [12, 70])
+def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None:
+    """A prompt committed in chunks (the MTP rows each pass completes, the carry between
+    passes), then five draft steps teacher-forced with the reference's proposals: each step's
+    selection equals the reference's as a set and its logits agree to 1e-4 relative. A prompt
+    shorter than index_topk (16) and one over four times it."""
+    ref, path = family
+    model = load_model(path, mtp=True)
+    share = model.family.mtp_index_share
+    ids = _ids(length + 1, length)  # the last is the anchor
+    want = ref.draft(ids, STEPS, share=share)
+    proposals = [int(s.logits.argmax()) for s in want]
+    kv = _kv(model, mode)
+    chunks = [length] if length < 16 else [37, 1, length - 38]
+    _prefill(model, kv, ids[:-1], chunks)
+    src = model.cfg.layers[model.mtp_layer].source
+    hidden, first = None, None
+    for i in range(STEPS):
+        token = ids[-1] if i == 0 else torch.tensor(proposals[i - 1])
+        batch = ForwardBatch.build([0], [length + i], [1], "cpu", sources=(src,))
+        given = first if share and i else None
+        step = model.mtp_step(token.view(1), batch, kv, hidden, given)
+        got = {int(p) for p in step.selection[0] if p >= 0}
+        assert got == want[i].selection, f"step {i}"
+        err = (step.logits[0] - want[i].logits).abs().max() / want[i].logits.abs().max()
+        assert err <= 1e-4, (i, err)
+        hidden, first = step.hidden, first if i else step.selection
+    if mode == "hisparse" and length > 64:
+        census = kv.census()
+        assert census.host > 0, census
+    kv.close()
+
+
+def test_a_checkpoint_without_an_mtp_layer_is_refused(family, tmp_path: Path) -> None:
+    _, path = family
+    raw = json.loads((path / "config.json").read_text())
+    d = tmp_path / "none"
+    d.mkdir()
+    for f in path.iterdir():
+        (d / f.name).symlink_to(f)
+    (d / "config.json").unlink()
+    (d / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers=0"):
+        load_model(d, mtp=True)
+    with pytest.raises(ValueError, match="MTP drafter needs"):
+        load_model("tiny-glm", mtp=True)
