@@ -101,6 +101,8 @@ class MTPReference:
             out.append(RefStep(logits[-1], g[-1], sel))
             if i == 0:
                 first = torch.tensor(sorted(sel))
+            if i + 1 == steps:
+                break
             nxt = tokens[i] if tokens is not None else int(logits[-1].argmax())
             u = torch.cat([u, self.fuse(torch.tensor([nxt]), g[-1:])])
         return out

@@ -19,24 +19,15 @@ from services.worker.model import load_model
 from services.worker.model.hf_config import ConfigError
 from services.worker.model.mla_decoder import MLADecoder
 from tests.model import hf_tiny
+from tests.model.mtp_fixture import FAMILIES, mtp_checkpoint
 from tests.model.mtp_reference import MTPReference
 
-FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 STEPS = 5
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def family(request, tmp_path_factory) -> tuple[MTPReference, Path]:
-    """(the reference, a checkpoint saved hub-style with the MTP layer appended); GLM sharded
-    and with ``index_share_for_mtp_iteration``."""
-    name = request.param
-    target = hf_tiny.build(FAMILIES[name](), seed=5)
-    path = tmp_path_factory.mktemp(name)
-    hf_tiny.save_hub_style(target, path, max_shard_size="40KB" if name == "glm_moe_dsa" else None)
-    mtp = hf_tiny.mtp_layer(target, seed=6, tmp=tmp_path_factory.mktemp(f"{name}-mtp"))
-    extra = {"index_share_for_mtp_iteration": True} if name == "glm_moe_dsa" else {}
-    hf_tiny.append_mtp(path, mtp, **extra)
-    return MTPReference(target, mtp), path
+    return mtp_checkpoint(request.param, tmp_path_factory)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -108,6 +99,49 @@ def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None
     if mode == "hisparse" and length > 64:
         census = kv.census()
         assert census.host > 0, census
+    kv.close()
+
+
+def _draft(
+    model: MLADecoder, kv: KVCache, anchor: int, n: int, tokens: list[int]
+) -> list[torch.Tensor]:
+    """Draft steps from ``anchor`` at position n, step i > 0 reading ``tokens[i-1]``: their
+    logits."""
+    src = model.cfg.layers[model.mtp_layer].source
+    share = model.family.mtp_index_share
+    hidden, first, out = None, None, []
+    for i in range(len(tokens) + 1):
+        token = torch.tensor([anchor if i == 0 else tokens[i - 1]])
+        batch = ForwardBatch.build([0], [n + i], [1], "cpu", sources=(src,))
+        step = model.mtp_step(token, batch, kv, hidden, first if share and i else None)
+        out.append(step.logits[0])
+        hidden, first = step.hidden, first if i else step.selection
+    return out
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_a_verify_round_commits_the_mtp_rows_of_its_accepted_prefix(family, mode: str) -> None:
+    """Prefill, a round of draft steps (rows in the MTP tail), then a verify pass of four
+    tokens that commits the anchor and two of them: the next round's steps equal the
+    reference's over the committed tokens, so the verify pass's MTP rows of the accepted
+    prefix (row n-1 from the carry) and the carry of its last accepted position are those of
+    a prefill, and its rows past them were never read."""
+    ref, path = family
+    model = load_model(path, mtp=True)
+    n, accepted = 50, 2
+    ids = _ids(n + 5, 77)  # prompt, anchor, three verified tokens, the next anchor
+    kv = _kv(model, mode)
+    _prefill(model, kv, ids[:n], [n])
+    _draft(model, kv, int(ids[n]), n, [5, 6, 7])
+    verify = ForwardBatch.build([0], [n], [4], "cpu")
+    model(ids[n : n + 4], verify, kv)
+    kv.commit(verify, [n + accepted + 1])
+    committed = torch.cat([ids[: n + accepted + 1], ids[n + 4 :]])  # with the next anchor
+    want = ref.draft(committed, 3, tokens=[9, 10], share=model.family.mtp_index_share)
+    got = _draft(model, kv, int(ids[n + 4]), n + accepted + 1, [9, 10])
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        err = (g - w.logits).abs().max() / w.logits.abs().max()
+        assert err <= 1e-4, (i, err)
     kv.close()
 
 

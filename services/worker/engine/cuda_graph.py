@@ -196,9 +196,12 @@ class DecodeGraphs(_Captures):
 
     @staticmethod
     def supports(model: DSAModel) -> bool:
-        """Sources without token rings (no compression, no local window): their passes write
-        every row where it lives, with no host-sized scatter."""
-        return all(src.compress == 1 and src.window == 0 for src in model.cfg.sources)
+        """Sources without token rings (no compression, no local window) and no lag (the MTP
+        layer's, whose rows need the carry): their passes write every row where it lives, with
+        no host-sized scatter."""
+        return all(
+            src.compress == 1 and src.window == 0 and src.lag == 0 for src in model.cfg.sources
+        )
 
     def covers(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a pass these graphs take: every request adds W <= max_width

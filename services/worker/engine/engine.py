@@ -34,7 +34,9 @@ from services.worker.kv.transfers import readback, to_device
 from services.worker.model import DSAModel, load_model
 from services.worker.model.generation import eos_token_ids, token_ids
 from services.worker.model.io import DTYPES
+from services.worker.model.mtp import MTPStep
 from services.worker.model.presets import PRESETS
+from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
@@ -55,8 +57,12 @@ class Engine:
         modes; without it they use a private arena."""
         self.cfg = cfg
         dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+        sc = cfg.speculation
         if model is None:
-            model = load_model(cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed)
+            model = load_model(
+                cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
+                mtp=sc.drafter == MTPDrafter.kind,
+            )  # fmt: skip
         if cfg.top_k_rows is not None:
             model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
         if cfg.backend(cfg.attention_backend) == "triton":
@@ -89,9 +95,8 @@ class Engine:
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran kv.maintain() while the device ran
         self.speculator: Speculator | None = None
-        sc = cfg.speculation
         if sc.drafter:
-            drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed)
+            drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.mtp_step)
             self.speculator = Speculator(self, drafter, sc, cfg.max_num_seqs, cfg.page_size)
         spec = self.speculator
         self.graphs: DecodeGraphs | None = None
@@ -113,7 +118,7 @@ class Engine:
         if self.device.type != "cuda":
             return f"device {self.device} is not a GPU"
         if not DecodeGraphs.supports(model):
-            return "the model has compressed or windowed KV sources"
+            return "the model has compressed or windowed KV sources, or the MTP layer's lagged one"
         if self._check_invariants:  # the checks read counters back: not capturable
             return "DHISPARSE_CHECK_INVARIANTS is set"
         return None
@@ -337,6 +342,16 @@ class Engine:
         if self.graphs is not None and self.graphs.covers(batch):
             return self.graphs.logits(tokens, batch, features)
         return self.model.logits(self.model(tokens, batch, self.kv, features=features))
+
+    def mtp_step(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        selection: torch.Tensor | None,
+    ) -> MTPStep:
+        """One MTP-only draft pass over this engine's KV cache (``MLADecoder.mtp_step``)."""
+        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
 
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Emits ``tokens`` (logits [len(tokens), V] they were chosen from) one by one, stopping

@@ -20,11 +20,13 @@ from services.worker.engine.cuda_graph import DraftGraphs
 from services.worker.engine.request import Request
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
+from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel
 from services.worker.speculative.config import SpeculationConfig
-from services.worker.speculative.drafters.base import Drafter
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
+from services.worker.speculative.drafters.mtp import MTPDrafter, MTPStepFn
+from services.worker.speculative.drafters.runtime import RuntimeDrafter
 from services.worker.speculative.target import Target
 from services.worker.speculative.verify import verify_batch
 from services.worker.speculative.width_policy import WidthController
@@ -45,15 +47,26 @@ class SpecCounters:
         return 1.0 + self.accepted / max(self.drafts, 1)
 
 
-def make_drafter(spec: str, target: DSAModel, block: int, seed: int) -> Drafter:
-    """``spec``: a drafter kind (random weights, seeded) or a checkpoint directory."""
+def make_drafter(
+    spec: str, target: DSAModel, block: int, seed: int, mtp_step: MTPStepFn | None = None
+) -> RuntimeDrafter:
+    """``spec``: a drafter kind (random weights, seeded), ``mtp`` (the target's own MTP layer,
+    run by ``mtp_step``) or a checkpoint directory."""
     dtype = next(target.parameters()).dtype
+    if spec == MTPDrafter.kind:
+        if not isinstance(target, MLADecoder) or target.mtp is None or mtp_step is None:
+            raise ValueError("the MTP drafter needs a target loaded with its MTP layer")
+        return MTPDrafter(
+            mtp_step, target.cfg.layers[target.mtp_layer].source, target.cfg.vocab_size,
+            block, target.family.mtp_index_share, next(target.parameters()).device,
+        )  # fmt: skip
     if spec in DRAFTERS:
         cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)
         return build_drafter(cfg, target, seed=seed, dtype=dtype)
     path = resolve_path(spec)
     if not path.is_dir():
-        raise ValueError(f"drafter {spec!r} is neither a kind {sorted(DRAFTERS)} nor a directory")
+        kinds = sorted([*DRAFTERS, MTPDrafter.kind])
+        raise ValueError(f"drafter {spec!r} is neither a kind {kinds} nor a directory")
     return load_drafter(path, target, dtype=dtype)
 
 
@@ -64,7 +77,7 @@ class Speculator:
     def __init__(
         self,
         target: Target,
-        drafter: Drafter,
+        drafter: RuntimeDrafter,
         cfg: SpeculationConfig,
         max_slots: int,
         page_size: int,
@@ -74,7 +87,7 @@ class Speculator:
         # The widest block verified: the configured width, within the drafter's block.
         self.k_max = max(1, min(cfg.width, drafter.block_size))
         drafter.init_ring(max_slots, page_size=page_size)
-        self.layers = tuple(drafter.cfg.target_layers)
+        self.layers = tuple(drafter.target_layers)
         self.widths = WidthController(cfg.width_policy, self.k_max, max_slots)
         self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)

@@ -75,6 +75,10 @@ class Drafter(nn.Module, abc.ABC):
     def block_size(self) -> int:
         return self.cfg.block_size
 
+    @property
+    def target_layers(self) -> tuple[int, ...]:
+        return self.cfg.target_layers
+
     def fuse(self, features: Mapping[int, torch.Tensor]) -> torch.Tensor:
         """Target features {layer: [..., d]} -> [..., d] context features."""
         x = torch.cat([features[i] for i in self.cfg.target_layers], dim=-1)

@@ -1,0 +1,131 @@
+"""The MTP drafter (``--drafter mtp``): the checkpoint's own multi-token-prediction layer, run
+autoregressively for K_r - 1 steps (docs/mtp.md).
+
+Unlike the windowed drafters it keeps no state of its own: its context is the MTP layer's KV
+source in the hierarchy, which every target pass fills (``MLADecoder``), so ``begin``,
+``append_context`` and ``release`` have nothing to do, and a resumed session drafts at once.
+Step i of a round over the anchor at position n is one MTP-only pass over the token at n + i
+(the anchor, then step i-1's proposal) with the hidden state before it (the target's, from the
+carry, then step i-1's); with ``share_index`` (``index_share_for_mtp_iteration``) steps after
+the first attend the rows the first selected."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import ClassVar
+
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.transfers import to_device
+from services.worker.model.mtp import MTPStep
+from services.worker.speculative.proposal import Proposal, draw, exp_noise, finish, tempered
+
+# (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
+MTPStepFn = Callable[
+    [torch.Tensor, ForwardBatch, torch.Tensor | None, torch.Tensor | None], MTPStep
+]
+
+
+class MTPDrafter:
+    kind: ClassVar[str] = "mtp"
+    target_layers: tuple[int, ...] = ()  # conditioned on the carry, not on layer features
+
+    def __init__(
+        self,
+        step: MTPStepFn,
+        source: int,
+        vocab_size: int,
+        block_size: int,
+        share_index: bool,
+        device: torch.device,
+    ) -> None:
+        """``step``: runs one MTP-only pass (the engine's, over its KV cache); ``source``: the
+        MTP layer's KV source; ``block_size``: K_max, anchor included."""
+        if block_size < 2:
+            raise ValueError("a block needs an anchor and at least one proposal (K_max >= 2)")
+        self.step = step
+        self.source = source
+        self.vocab_size = vocab_size
+        self.block_size = block_size
+        self.share_index = share_index
+        self.device = device
+
+    # ---- the runtime contract of every drafter: nothing of its own to keep -----------------
+    def init_ring(self, max_slots: int, page_size: int = 16) -> None:
+        """No draft ring: the MTP layer's KV is a source of the KV cache."""
+
+    def begin(self, slot: int) -> None:
+        """A request's MTP rows are its slot's: the KV cache seats and clears them."""
+
+    def release(self, slot: int) -> None:
+        pass
+
+    def append_context(self, slots, positions, features, per_slot=None) -> None:
+        """The target's passes write the MTP rows of committed positions themselves."""
+
+    def choose_widths(self, widths: list[int], confidence: torch.Tensor | None) -> list[int]:
+        return widths
+
+    @torch.no_grad()
+    def propose(
+        self,
+        slots: Sequence[int],
+        anchors: torch.Tensor | Sequence[int],
+        num_committed: Sequence[int],
+        widths: Sequence[int] | None = None,
+        temperatures: float | Sequence[float] = 0.0,
+        generators: Sequence[torch.Generator | None] | None = None,
+        run: object = None,
+    ) -> Proposal:
+        """Drafts ``widths[r] - 1`` tokens (at most K_max - 1) for each request r, whose
+        ``num_committed[r]`` = n tokens are committed and whose anchor is at position n.
+        Proposals are greedy where the temperature is 0, else drawn from the MTP layer's
+        tempered distribution with the request's generator. ``run`` is not used (no graphs)."""
+        del run
+        r, kmax, dev = len(slots), self.block_size, self.device
+        temps = (
+            [float(temperatures)] * r
+            if isinstance(temperatures, float | int)
+            else [float(t) for t in temperatures]
+        )
+        gens = list(generators) if generators is not None else [None] * r
+        caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
+        noise = None
+        if any(t > 0.0 for t in temps):
+            noise = exp_noise((kmax - 1, self.vocab_size), temps, gens, dev)
+        temps_t = to_device(temps, dev, torch.float32)
+        tokens = torch.full((r, kmax - 1), -1, dtype=torch.int64, device=dev)
+        probs = None
+        if noise is not None:
+            probs = torch.zeros(r, kmax - 1, self.vocab_size, dtype=torch.float32, device=dev)
+        current = (
+            to_device(list(anchors), dev)
+            if not isinstance(anchors, torch.Tensor)
+            else (anchors.to(dev, torch.int64))
+        )
+        hidden: torch.Tensor | None = None  # [r, d] each request's last step's output
+        first: torch.Tensor | None = None  # [r, k] each request's first step's selection
+        for i in range(kmax - 1):
+            active = [j for j in range(r) if caps[j] - 1 > i]  # requests still drafting
+            if not active:
+                break
+            idx = to_device(active, dev)
+            batch = ForwardBatch.build(
+                [slots[j] for j in active], [num_committed[j] + i for j in active],
+                [1] * len(active), dev, sources=(self.source,),
+            )  # fmt: skip
+            given = first[idx] if self.share_index and first is not None else None
+            out = self.step(current[idx], batch, None if hidden is None else hidden[idx], given)
+            q = tempered(out.logits, temps_t[idx])
+            drafted = q.argmax(-1) if noise is None else draw(q, noise[idx, i])
+            tokens[idx, i] = drafted
+            if probs is not None:
+                probs[idx, i] = q
+            if hidden is None:
+                hidden = out.hidden.new_zeros(r, out.hidden.shape[-1])
+                first = out.selection.new_full((r, out.selection.shape[-1]), -1)
+                first[idx] = out.selection
+            hidden[idx] = out.hidden
+            current[idx] = drafted
+        return finish(tokens, probs, caps)
