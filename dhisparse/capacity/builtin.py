@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
@@ -165,14 +166,32 @@ def selection_group_width(cfg: ModelConfig) -> int:
     return max(len(s) for s in groups.values())
 
 
-def profile_from_model_dir(path: str | Path, *, kv_dtype_bytes: int | None = None) -> Profile:
+# The MTP drafter's profile: its KV is the MTP layer's source (counted with the model's), so no
+# draft ring; K_max is the verified block (staging), 8 as the paper's schedule starts.
+MTP_DRAFTER = DrafterProfile(name="mtp", window=0, k_max=8, row_bytes=0)
+
+
+def profile_from_model_dir(
+    path: str | Path, *, kv_dtype_bytes: int | None = None, mtp: bool = False
+) -> Profile:
     """The profile of a model directory: a Hugging Face one (DeepSeek-V3.2, GLM-5; its
-    topology from ``hf_config``) or one holding the engine's own ``config.json``."""
+    topology from ``hf_config``) or one holding the engine's own ``config.json``. ``mtp``: as
+    served with ``--drafter mtp`` — the MTP layer's source and index keys among the model's,
+    and the ``mtp`` drafter (no draft ring) among its drafters."""
+    if mtp and not is_hf_model_dir(path):
+        raise ValueError(f"{path}: the MTP drafter needs a DeepSeek-V3.2 / GLM-5 model directory")
     if is_hf_model_dir(path):
-        _, cfg = hf_family(path)
+        _, cfg = hf_family(path, mtp=mtp)
     else:
         cfg = ModelConfig.load(Path(path) / "config.json")
-    return profile_from_model_config(cfg, kv_dtype_bytes=kv_dtype_bytes)
+    profile = profile_from_model_config(cfg, kv_dtype_bytes=kv_dtype_bytes)
+    if not mtp:
+        return profile
+    return replace(
+        profile,
+        drafters=(MTP_DRAFTER,),
+        description=f"{profile.description}, with its MTP layer (one more source and producer)",
+    )
 
 
 # ---- registry -----------------------------------------------------------------------------------

@@ -31,7 +31,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print JSON (exact bytes)")
 
     d = parser.add_argument_group("drafter (eqs. 9-11)")
-    d.add_argument("--drafter", help="a drafter of the profile (e.g. dflash2 for glm-5.3)")
+    d.add_argument(
+        "--drafter",
+        help="a drafter of the profile (e.g. dflash2 for glm-5.3); with --model, mtp: the "
+        "model's own MTP layer (its KV counted as one more source, no draft ring)",
+    )
     d.add_argument("--draft-window", type=int, help="W: prior positions the drafter reads")
     d.add_argument("--draft-k-max", type=int, help="K_max: largest verified block")
     d.add_argument("--draft-row-bytes", type=int, help="draft K/V bytes per row, all layers")
@@ -75,7 +79,7 @@ def main(args: argparse.Namespace) -> int:
             deployment,
             tpot_ratio=args.tpot_ratio,
             load=args.concurrency,
-            model=model_size_from_dir(args.model) if args.model else None,
+            model=model_size_from_dir(args.model, mtp=_mtp(args)) if args.model else None,
         )
     except (ValueError, OSError) as exc:
         print(f"dhisparse plan: error: {exc}", file=sys.stderr)
@@ -84,9 +88,15 @@ def main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _mtp(args: argparse.Namespace) -> bool:
+    return bool(args.model) and args.drafter == "mtp"
+
+
 def _profile(args: argparse.Namespace) -> Profile:
     if args.model:
-        profile = profile_from_model_dir(args.model, kv_dtype_bytes=args.kv_dtype_bytes)
+        profile = profile_from_model_dir(
+            args.model, kv_dtype_bytes=args.kv_dtype_bytes, mtp=_mtp(args)
+        )
     else:
         profile = get_profile(args.profile, kv_dtype_bytes=args.kv_dtype_bytes)
     return profile.with_overrides(

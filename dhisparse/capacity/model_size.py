@@ -3,7 +3,8 @@ and the KV bytes each token adds, for ``dhisparse plan --model DIR``.
 
 Bytes per token follow the capacity model's layouts: every layer's stored row (d_kv elements)
 plus an index key (d_index elements) on every index producer, in bf16, and in FP8 as the
-``glm-5.3`` profile lays it out (one byte per element; each index key with one fp32 scale)."""
+``glm-5.3`` profile lays it out (one byte per element; each index key with one fp32 scale).
+The MTP layer counts only as served with ``--drafter mtp`` (``mtp``): one more row and key."""
 
 from __future__ import annotations
 
@@ -41,10 +42,12 @@ class ModelSize:
     index_producers: int
     parameters: ParamCount
     kv_per_token: tuple[TokenBytes, ...]  # bf16, then fp8
+    mtp: bool = False  # kv_per_token includes the MTP layer's row and index key
 
     def as_dict(self) -> dict:
         return {
             "name": self.name,
+            "mtp": self.mtp,
             "family": self.family,
             "layers": self.layers,
             "index_producers": self.index_producers,
@@ -77,11 +80,13 @@ def model_size(cfg: MLAConfig, topo: ModelConfig) -> ModelSize:
         index_producers=len(topo.index_producers),
         parameters=param_count(cfg),
         kv_per_token=(token_bytes(bf16, "bf16"), token_bytes(fp8, "fp8")),
+        mtp=bool(topo.draft_layers),
     )
 
 
-def model_size_from_dir(path: str | Path) -> ModelSize | None:
-    """The size of a Hugging Face model directory; None for the engine's own format."""
+def model_size_from_dir(path: str | Path, mtp: bool = False) -> ModelSize | None:
+    """The size of a Hugging Face model directory (``mtp``: its KV as served with the MTP
+    drafter); None for the engine's own format."""
     if not is_hf_model_dir(path):
         return None
-    return model_size(*hf_family(path))
+    return model_size(*hf_family(path, mtp=mtp))

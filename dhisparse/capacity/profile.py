@@ -58,7 +58,9 @@ class DrafterProfile:
     """A drafter's KV needs (§5): it reads at most ``window`` (W) prior positions and proposes
     blocks of at most ``k_max`` (K_max) positions; each draft position stores ``row_bytes`` of
     K/V over all draft layers. ``fixed_bytes`` is what it adds per GPU besides the draft ring
-    and the staging arenas (weights, buffers, metadata)."""
+    and the staging arenas (weights, buffers, metadata). A drafter whose KV is one of the
+    profile's sources (the MTP layer, ``--drafter mtp``) has no draft ring: W = 0 and no draft
+    K/V bytes; its verified blocks still take staging."""
 
     name: str
     window: int
@@ -67,7 +69,13 @@ class DrafterProfile:
     fixed_bytes: int = 0
 
     def __post_init__(self) -> None:
-        _positive(window=self.window, k_max=self.k_max, row_bytes=self.row_bytes)
+        _positive(k_max=self.k_max)
+        if self.window < 0 or self.row_bytes < 0:
+            raise ValueError(
+                f"window and row_bytes must be >= 0, got {self.window}, {self.row_bytes}"
+            )
+        if (self.window == 0) != (self.row_bytes == 0):
+            raise ValueError("a drafter without a draft ring has W = 0 and no draft K/V bytes")
         if self.fixed_bytes < 0:
             raise ValueError(f"fixed_bytes must be >= 0, got {self.fixed_bytes}")
 

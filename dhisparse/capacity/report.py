@@ -83,10 +83,11 @@ def _model_rows(m: ModelSize) -> list[str]:
         *_packed([f"{label} {_count(n)}" for label, n in parts if n], "    "),
         f"    + router bias {p.router_bias:,} (buffers; {p.with_router_bias:,} with them)",
     ]
+    with_mtp = " (with the MTP layer's)" if m.mtp else ""
     for t in m.kv_per_token:
         out.append(
             f"  KV/token {t.format:<4}{t.total:>9,} B = {t.rows:,} B rows + "
-            f"{t.index_keys:,} B index keys"
+            f"{t.index_keys:,} B index keys{with_mtp}"
         )
     return out
 
@@ -137,7 +138,8 @@ def _session_rows(plan: Plan) -> list[str]:
     if plan.spec and d is not None:
         r, h = plan.spec
         rd = ring_rows(d.window, d.k_max, plan.profile.page_size)
-        out.append(row(f"+ draft ring (R_d={rd} rows)", r.draft_ring, h.draft_ring))
+        ring = f"+ draft ring (R_d={rd} rows)" if d.row_bytes else "+ draft ring (none: a source)"
+        out.append(row(ring, r.draft_ring, h.draft_ring))
         out.append(row("+ staging share (χ·K_max·k·d_kv)", r.staging, h.staging))
         if r.window != resident.window or h.window != hierarchy.window:
             # local windows also cover the verified block

@@ -72,6 +72,32 @@ def test_plan_of_the_topology(capsys: pytest.CaptureFixture[str]) -> None:
     assert "78 × sparse 576 B/row" in fp8
 
 
+@pytest.mark.parametrize("name", sorted(RELEASED))
+def test_the_mtp_drafter_adds_its_layer(name: str, capsys: pytest.CaptureFixture[str]) -> None:
+    """``--drafter mtp`` serves the MTP layer (num_nextn_predict_layers 1 in every released
+    config) as one more source and producer: 1,152 B of row and 256 B of key per token in
+    bf16, 576 + 132 in fp8; no draft ring, and staging for its verified blocks. Without it the
+    figures are the target's alone (``test_the_note_figures``)."""
+    _, _, bf16, producers = RELEASED[name]
+    args = ["--model", str(CONFIGS / name), "--context", "131072", "--json"]
+    alone = json.loads(plan(args, capsys))
+    got = json.loads(plan([*args, "--drafter", "mtp"], capsys))
+    model = got["model"]
+    assert model["mtp"] and not alone["model"]["mtp"]
+    assert model["kv_per_token"]["bf16"]["total"] == bf16 + 1152 + 256
+    assert model["kv_per_token"]["fp8"]["total"] == FP8[name] + 576 + 132
+    assert model["index_producers"] == producers + 1
+    assert model["parameters"] == alone["model"]["parameters"]  # MTP weights not counted
+    assert got["drafter"]["name"] == "mtp" and got["drafter"]["row_bytes"] == 0
+    table = plan([*args[:-1], "--drafter", "mtp"], capsys)
+    assert "(with the MTP layer's)" in table and "draft ring (none: a source)" in table
+
+
+def test_the_mtp_drafter_needs_a_model_with_one(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--profile", "tiny-glm", "--context", "100", "--drafter", "mtp"]) == 2
+    assert "no drafter 'mtp'" in capsys.readouterr().err
+
+
 def test_glm52_index_share_from_freq_and_offset() -> None:
     """Without its explicit list, GLM-5.2's indexer types come from index_topk_freq 4 and
     index_skip_topk_offset 3: the same topology."""

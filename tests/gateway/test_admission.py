@@ -22,7 +22,11 @@ from services.gateway.routing import (
     WorkerStatus,
 )
 from services.gateway.sizing import SessionSizer
+from services.worker.model.config import ModelConfig
+from services.worker.model.hf_config import parse_config, topology
+from services.worker.model.hf_dir import read_config
 from services.worker.model.presets import tiny_glm
+from tests.fixtures import CONFIGS
 
 MODEL = "tiny-glm"
 CONFIG = tiny_glm()
@@ -77,6 +81,25 @@ def test_sizing_follows_the_capacity_model() -> None:
         assert sizer.required_bytes(worker("a", mode="adaptive"), tokens) == hierarchy
     assert sizer.required_bytes(worker("a", config_json=""), 100) is None
     assert sizer.required_bytes(worker("a", config_json='{"name": "x"}'), 100) is None
+
+
+def test_sizing_counts_the_mtp_layer_a_worker_serves() -> None:
+    """A worker serving --drafter mtp reports its topology with the MTP layer (one more
+    source and producer, lagging by one token): the session needs that source's rows and keys
+    too, exactly what the capacity model gives for the topology."""
+    cfg = parse_config(read_config(CONFIGS / "glm-5.2"))
+    alone, served = topology(cfg, "glm-5.2"), topology(cfg, "glm-5.2", mtp=True)
+    sizer = SessionSizer(page_size=64)
+    for mode, kind in (("resident", "resident"), ("hisparse", "hierarchy")):
+
+        def need(t: ModelConfig, mode: str = mode) -> int | None:
+            w = worker("a", mode=mode, config_json=json.dumps(t.to_dict()))
+            return sizer.required_bytes(w, 4096)
+
+        block = 1 if kind == "hierarchy" else 0  # keys reserved for a verification block
+        profile = profile_from_model_config(served, page_size=64)
+        assert need(served) == required_bytes(profile, 4096 + block, kind)
+        assert need(served) > need(alone)
 
 
 async def test_admits_at_once_on_the_least_admitted_worker() -> None:

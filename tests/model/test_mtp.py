@@ -18,9 +18,11 @@ from services.worker.kv.config import KVCacheConfig
 from services.worker.model import load_model
 from services.worker.model.hf_config import ConfigError
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.speculative.drafters.mtp import MTPDrafter
 from tests.model import hf_tiny
 from tests.model.mtp_fixture import FAMILIES, mtp_checkpoint
 from tests.model.mtp_reference import MTPReference
+from tests.speculative.stats import chi2_test
 
 STEPS = 5
 
@@ -142,6 +144,47 @@ def test_a_verify_round_commits_the_mtp_rows_of_its_accepted_prefix(family, mode
     for i, (g, w) in enumerate(zip(got, want, strict=True)):
         err = (g - w.logits).abs().max() / w.logits.abs().max()
         assert err <= 1e-4, (i, err)
+    kv.close()
+
+
+def test_sampled_proposals_follow_q(family) -> None:
+    """Lossless verification assumes x ~ q: over 2,400 identical requests (sixteen slots with one
+    committed context, each request its own generator), the MTP drafter's first proposals fit
+    its q, and its second given the first fit the q it reports for them (chi-square, α = 1e-3).
+    Greedy requests in the same batches propose deterministically and report no q."""
+    _, path = family
+    model = load_model(path, mtp=True)
+    kv = KVCache(model.cfg, KVCacheConfig(max_slots=16, max_model_len=128, spec_block=3))
+    ids = _ids(30, 3)
+    for slot in range(16):
+        assert kv.admit(slot, f"r{slot}", 30, 40) and kv.ensure(slot, 40)
+        batch = ForwardBatch.build([slot], [0], [29], "cpu", prefill=True)
+        model(ids[:29], batch, kv)
+        kv.commit(batch, [29])
+    src = model.cfg.layers[model.mtp_layer].source
+    drafter = MTPDrafter(
+        lambda t, b, h, sel: model.mtp_step(t, b, kv, h, sel), src, model.cfg.vocab_size, 3,
+        model.family.mtp_index_share, torch.device("cpu"),
+    )  # fmt: skip
+    tokens, probs = [], []
+    for call in range(150):
+        gens = [torch.Generator().manual_seed(16 * call + j) for j in range(16)]
+        prop = drafter.propose(
+            list(range(16)), [int(ids[29])] * 16, [29] * 16, None, [0.7] * 16, gens
+        )
+        tokens.append(prop.tokens)
+        probs.append(prop.probs)
+    toks, q = torch.cat(tokens), torch.cat(probs)
+    vocab = model.cfg.vocab_size
+    first = torch.bincount(toks[:, 0], minlength=vocab).float()
+    assert chi2_test([(first, q[0, 0])])[0] > 1e-3
+    groups = []
+    for a in toks[:, 0].unique().tolist():
+        rows = toks[:, 0] == a
+        groups.append((torch.bincount(toks[rows, 1], minlength=vocab).float(), q[rows][0, 1]))
+    assert chi2_test(groups)[0] > 1e-3
+    greedy = drafter.propose([0, 1], [int(ids[29])] * 2, [29] * 2, None, [0.0, 0.0])
+    assert greedy.probs is None and torch.equal(greedy.tokens[0], greedy.tokens[1])
     kv.close()
 
 

@@ -28,8 +28,9 @@ def model_name(path: str | Path, raw: dict[str, Any]) -> str:
     return str(raw.get("_name_or_path") or Path(path).resolve().name)
 
 
-def hf_family(path: str | Path) -> tuple[MLAConfig, ModelConfig]:
-    """(the model's math, the engine's topology) of a model directory."""
+def hf_family(path: str | Path, mtp: bool = False) -> tuple[MLAConfig, ModelConfig]:
+    """(the model's math, the engine's topology) of a model directory; ``mtp``: the topology
+    served with its MTP layer (``--drafter mtp``)."""
     raw = read_config(path)
     cfg = parse_config(raw)
-    return cfg, topology(cfg, model_name(path, raw))
+    return cfg, topology(cfg, model_name(path, raw), mtp=mtp)
