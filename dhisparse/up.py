@@ -77,7 +77,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--drafter",
         default="auto",
-        help="speculative drafter: a drafter directory, a kind (random weights), 'none', or "
+        help="speculative drafter: a drafter directory, a kind (random weights), 'mtp' (the "
+        "checkpoint's own MTP layer: DeepSeek-V3.2, GLM-5), 'none', or "
         f"'auto' (default): {DEFAULT_DRAFTER} on a CPU, none on a GPU, where speculation "
         "does not yet beat plain decoding on CUDA graphs (docs/results.md)",
     )

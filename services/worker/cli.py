@@ -45,7 +45,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--hot-cache-rows", type=int, help="hot cache rows B per request and source")
     p.add_argument("--host-arena-mib", type=float, help="private host arena (no kv-store)")
     p.add_argument("--resolver", choices=["auto", "torch", "triton"])
-    p.add_argument("--drafter", help="dflash | dspark | dflash2 (random weights) or a drafter dir")
+    p.add_argument(
+        "--drafter",
+        help="dflash | dspark | dflash2 (random weights), mtp (the checkpoint's MTP layer) or a "
+        "drafter dir",
+    )
     p.add_argument("--spec-width", type=int, help="K_max: target queries per verify round")
     p.add_argument("--width-policy", choices=["fixed", "paper", "online"])
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])

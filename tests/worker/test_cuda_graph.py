@@ -12,7 +12,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
-from services.worker.model.model import key_rows
+from services.worker.model.row_selection import key_rows
 from services.worker.speculative.config import SpeculationConfig
 
 

@@ -177,7 +177,7 @@ def test_short_chunks_are_scored_in_one_batch_exactly_as_one_request_at_a_time(
     """A batch of short chunks (a verify round: K_r queries per request, here unequal) is
     scored for all requests at once; its selections, attention inputs and hidden states equal
     those of the per-request path, bit for bit."""
-    import services.worker.model.model as model_mod
+    import services.worker.model.row_selection as model_mod
 
     lens, starts = [4, 1, 7], [60, 45, 83]
 

@@ -37,7 +37,8 @@ import torch
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.pass_state import PassState, Written
-from services.worker.model.model import DSAModel, key_rows
+from services.worker.model.model import DSAModel
+from services.worker.model.row_selection import key_rows
 
 if TYPE_CHECKING:
     from services.worker.speculative.drafters.base import Drafter

@@ -11,22 +11,13 @@ from torch import nn
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.token_ring import ExtendedRows
-from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
 from services.worker.model.layers import RMSNorm, SwiGLU
 from services.worker.model.rotary import Rotary
-from services.worker.ops import index_scores, select_topk, sparse_attention_ref
-
-
-def key_rows(rows: int) -> int:
-    """The index-key width a decode pass gathers when its longest request sees ``rows`` rows:
-    rounded up to an eighth of its power of two (>= 256), so the width, and with it a captured
-    decode graph, changes once every few thousand tokens, at most 12.5% (and 255 rows) over.
-    Eager and captured passes use the same width, so they compute the same scores."""
-    step = max(256, 1 << max(0, rows.bit_length() - 4))
-    return -(-rows // step) * step
+from services.worker.model.row_selection import select_rows
+from services.worker.ops import sparse_attention_ref
 
 
 @dataclass
@@ -173,7 +164,7 @@ class SparseDecoder(nn.Module):
         elif layer.indexer is not None:
             self._write_keys(i, layer.indexer, x, kv, st)
             iq, iw = layer.indexer.queries(x, q_latent, st.rotary)
-            st.selection[i] = self._select(i, iq, iw, batch, kv, s)
+            st.selection[i] = select_rows(self.cfg, i, iq, iw, batch, kv, s)
             if i in self.followers:  # one selection starts every follower's transfer
                 kv.payload.prefetch(self.followers[i], batch, st.selection[i])
         else:  # follower (shared indices) or reuse (shared source): the leader's positions
@@ -241,73 +232,6 @@ class SparseDecoder(nn.Module):
         if rows.numel():
             kv.payload.write_rows(s, slots, rows, values)
         st.new_rows[s] = (slots, rows, values, keep)
-
-    def _select(
-        self,
-        i: int,
-        q: torch.Tensor,
-        w: torch.Tensor,
-        batch: ForwardBatch,
-        kv: KVCache,
-        s: int,
-    ) -> torch.Tensor:
-        """[N, k] ordered top-k row positions per query token over its visible rows of source
-        ``s``, from the indexer's queries q [N, H, d_index] and weights w [N, H]."""
-        k = self.cfg.index_topk
-        src = self.cfg.sources[s]
-        m, lag = src.compress, src.lag
-        # complete rows at or before each query
-        num_visible = (
-            ((batch.positions + 1 - lag) // m).clamp(min=0) if lag else (batch.positions + 1) // m
-        )
-        # the host knows how far each request sees: no read-back
-        ends = [self.cfg.rows_for_tokens(s, e) for e in batch.ends()]
-        if batch.is_decode:
-            keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends)))
-            return select_topk(index_scores(q, w, keys), num_visible, k)
-        if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
-            # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
-            width = key_rows(max(ends))
-            scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, width)
-            return select_topk(scores, num_visible, k)
-        out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
-        cu = batch.cu
-        for r in range(batch.num_requests):
-            a, b = cu[r], cu[r + 1]
-            keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r])[
-                0
-            ]
-            for c in range(a, b, SCORE_BLOCK):
-                e = min(b, c + SCORE_BLOCK)
-                out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)
-        return out
-
-    def _short_chunk_scores(
-        self,
-        i: int,
-        q: torch.Tensor,
-        w: torch.Tensor,
-        batch: ForwardBatch,
-        kv: KVCache,
-        num_visible: torch.Tensor,
-        max_visible: int,
-    ) -> torch.Tensor:
-        """[N, S] index scores of every token of a batch of short chunks: each request's
-        queries, padded to the longest chunk, against its own keys in one batched product
-        (the same per-query reduction as ``index_scores``). ``max_visible``: S, at least the
-        most rows any request sees (keys beyond a request's rows are zero; top-k masks them)."""
-        # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
-        seen = num_visible[batch.last_token_index]
-        keys = kv.index_keys.gather(i, batch.slots, seen, max_visible).float()
-        col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
-        shape = (batch.num_requests, max(batch.lens))
-        qp = q.new_zeros(*shape, *q.shape[1:]).float()
-        qp[batch.token_req, col] = q.float()
-        wp = w.new_zeros(*shape, w.shape[1]).float()
-        wp[batch.token_req, col] = w.float()
-        logits = torch.einsum("rkhd,rsd->rkhs", qp, keys)
-        scores = (logits.relu() * wp.unsqueeze(-1)).sum(dim=2)  # [R, Kmax, S]
-        return scores[batch.token_req, col]
 
 
 class DSAModel(SparseDecoder):

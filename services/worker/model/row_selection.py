@@ -1,0 +1,88 @@
+"""A producer layer's selection (eq. 1): each query token's ordered top-k of the rows of its
+source that it sees, scored by the indexer over the index-key cache, the same way for decode
+steps, verify rounds and prefill chunks."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.cache import KVCache
+from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
+from services.worker.model.config import ModelConfig
+from services.worker.ops import index_scores, select_topk
+
+
+def key_rows(rows: int) -> int:
+    """The index-key width a decode pass gathers when its longest request sees ``rows`` rows:
+    rounded up to an eighth of its power of two (>= 256), so the width, and with it a captured
+    decode graph, changes once every few thousand tokens, at most 12.5% (and 255 rows) over.
+    Eager and captured passes use the same width, so they compute the same scores."""
+    step = max(256, 1 << max(0, rows.bit_length() - 4))
+    return -(-rows // step) * step
+
+
+def select_rows(
+    cfg: ModelConfig,
+    i: int,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    batch: ForwardBatch,
+    kv: KVCache,
+    s: int,
+) -> torch.Tensor:
+    """[N, k] ordered top-k row positions per query token of producer ``i`` over its visible
+    rows of source ``s``, from the indexer's queries q [N, H, d_index] and weights w [N, H]."""
+    k = cfg.index_topk
+    src = cfg.sources[s]
+    m, lag = src.compress, src.lag
+    # complete rows at or before each query
+    num_visible = (
+        ((batch.positions + 1 - lag) // m).clamp(min=0) if lag else (batch.positions + 1) // m
+    )
+    # the host knows how far each request sees: no read-back
+    ends = [cfg.rows_for_tokens(s, e) for e in batch.ends()]
+    if batch.is_decode:
+        keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends)))
+        return select_topk(index_scores(q, w, keys), num_visible, k)
+    if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
+        # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
+        width = key_rows(max(ends))
+        scores = short_chunk_scores(i, q, w, batch, kv, num_visible, width)
+        return select_topk(scores, num_visible, k)
+    out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
+    cu = batch.cu
+    for r in range(batch.num_requests):
+        a, b = cu[r], cu[r + 1]
+        keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r])
+        for c in range(a, b, SCORE_BLOCK):
+            e = min(b, c + SCORE_BLOCK)
+            out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys[0]), num_visible[c:e], k)
+    return out
+
+
+def short_chunk_scores(
+    i: int,
+    q: torch.Tensor,
+    w: torch.Tensor,
+    batch: ForwardBatch,
+    kv: KVCache,
+    num_visible: torch.Tensor,
+    max_visible: int,
+) -> torch.Tensor:
+    """[N, S] index scores of every token of a batch of short chunks: each request's queries,
+    padded to the longest chunk, against its own keys in one batched product (the same
+    per-query reduction as ``index_scores``). ``max_visible``: S, at least the most rows any
+    request sees (keys beyond a request's rows are zero; top-k masks them)."""
+    # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
+    seen = num_visible[batch.last_token_index]
+    keys = kv.index_keys.gather(i, batch.slots, seen, max_visible).float()
+    col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
+    shape = (batch.num_requests, max(batch.lens))
+    qp = q.new_zeros(*shape, *q.shape[1:]).float()
+    qp[batch.token_req, col] = q.float()
+    wp = w.new_zeros(*shape, w.shape[1]).float()
+    wp[batch.token_req, col] = w.float()
+    logits = torch.einsum("rkhd,rsd->rkhs", qp, keys)
+    scores = (logits.relu() * wp.unsqueeze(-1)).sum(dim=2)  # [R, Kmax, S]
+    return scores[batch.token_req, col]
