@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
@@ -70,6 +71,22 @@ def test_the_mtp_layer_is_loaded_only_when_asked(family) -> None:
     assert model.mtp.shared_head.head is not model.lm_head
 
 
+def test_a_copy_of_lm_head_is_not_kept(family, tmp_path: Path) -> None:
+    """A checkpoint whose shared_head.head is lm_head (the released ones) serves lm_head."""
+    _, path = family
+    d = tmp_path / "shared"
+    d.mkdir()
+    for f in path.iterdir():
+        if f.name != "model-mtp.safetensors":
+            (d / f.name).symlink_to(f)
+    mtp = load_file(str(path / "model-mtp.safetensors"))
+    lm_head = load_model(path).lm_head.weight.detach()
+    name = next(k for k in mtp if k.endswith("shared_head.head.weight"))
+    save_file(mtp | {name: lm_head.clone()}, str(d / "model-mtp.safetensors"))
+    model = load_model(d, mtp=True)
+    assert model.mtp.shared_head.head is model.lm_head
+
+
 @pytest.mark.parametrize("mode", ["resident", "hisparse"])
 @pytest.mark.parametrize("length", [12, 70])
 def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None:
@@ -87,6 +104,7 @@ def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None
     chunks = [length] if length < 16 else [37, 1, length - 38]
     _prefill(model, kv, ids[:-1], chunks)
     src = model.cfg.layers[model.mtp_layer].source
+    tails = kv.payload.store.tail_hi[0][:] if mode == "hisparse" else None
     hidden, first = None, None
     for i in range(STEPS):
         token = ids[-1] if i == 0 else torch.tensor(proposals[i - 1])
@@ -98,6 +116,9 @@ def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None
         err = (step.logits[0] - want[i].logits).abs().max() / want[i].logits.abs().max()
         assert err <= 1e-4, (i, err)
         hidden, first = step.hidden, first if i else step.selection
+    if tails is not None:  # MTP-only passes leave the target's tails as they were
+        after = kv.payload.store.tail_hi[0]
+        assert after[:src] == tails[:src] and after[src] == length - 1 + STEPS
     if mode == "hisparse" and length > 64:
         census = kv.census()
         assert census.host > 0, census

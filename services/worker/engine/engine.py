@@ -186,7 +186,9 @@ class Engine:
             return False
         assert req.slot is not None
         self.requests[req.request_id] = req
-        if self.speculator is not None:  # drafts restart from an empty context; outputs do not
+        # a windowed drafter restarts from an empty ring (outputs do not change); the MTP
+        # drafter's context is the KV cache's, restored with the rest
+        if self.speculator is not None:
             self.speculator.drafter.begin(req.slot)
         if self.journal is not None:
             self.journal.resumed(req.request_id, version)
