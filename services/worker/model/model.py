@@ -213,7 +213,8 @@ class SparseDecoder(nn.Module):
             st.ext[s] = kv.rings[s].extend(batch, tok_rows)
         keep = None
         if m == 1:
-            slots, rows, values = batch.token_slot, batch.positions - src.lag, tok_rows
+            rows = batch.positions - src.lag if src.lag else batch.positions
+            slots, values = batch.token_slot, tok_rows
             if src.lag and min(batch.starts) < src.lag:  # a request's first tokens: no row
                 keep = rows >= 0
                 slots, rows, values = slots[keep], rows[keep], values[keep]
