@@ -2,7 +2,8 @@
 the engine can load (derived from its ``ModelConfig``, never restated).
 
 ``services.worker.model.config`` and ``.presets`` are pure Python; importing them keeps
-``dhisparse plan`` free of torch (tests/capacity check that this stays true).
+``dhisparse plan`` free of torch (tests/capacity check that this stays true). Only a real
+family's preset (``tiny-glm``) imports torch, to derive its topology, when it is planned.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
 from services.worker.model.config import ModelConfig
-from services.worker.model.presets import PRESETS
+from services.worker.model.presets import PRESETS, preset_topology
 
 # ---- GLM-5.3 (DESIGN §6; paper §3.4, Table 1) ---------------------------------------------------
 GLM53_PAYLOAD_LAYERS = 78
@@ -193,7 +194,7 @@ def get_profile(name: str, *, kv_dtype_bytes: int | None = None) -> Profile:
             )
         return BUILTIN[name]()
     if name in PRESETS:
-        return profile_from_model_config(PRESETS[name](), kv_dtype_bytes=kv_dtype_bytes)
+        return profile_from_model_config(preset_topology(name), kv_dtype_bytes=kv_dtype_bytes)
     raise ValueError(f"unknown profile {name!r}; choose from {profile_names()}")
 
 
