@@ -51,7 +51,9 @@ class Step:
 
 
 GPU_TESTS = Step(
-    "gpu-tests", "-m pytest -q -m gpu tests/worker tests/kv_host_store -p no:cacheprovider", 120
+    "gpu-tests",
+    "-m pytest -q -m gpu tests/worker tests/kv_host_store tests/model -p no:cacheprovider",
+    200,
 )
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs),
 # and a worker SIGKILLed mid-stream losing nothing

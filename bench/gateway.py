@@ -47,11 +47,12 @@ from bench.core import provenance
 from bench.core.processes import HOST, free_port, http_ok, wait_ready
 from bench.core.processes import stop as stop_processes
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
-from dhisparse.tokenizer import load_tokenizer
+from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.gateway import GatewaySettings, convert
 from services.gateway.generation import GenerationInput
 from services.gateway.preprocess import Limits, chat_prompt_ids, chat_sampling, resolve_max_tokens
 from services.gateway.protocol import ChatCompletionRequest
+from services.worker.model.generation import GenerationDefaults
 
 GOAL_P50_MS = 2.0
 VARIANTS = ("non_stream", "stream")
@@ -138,7 +139,8 @@ def direct_request(
 ) -> worker_pb2.GenerateRequest:
     """What the gateway sends the worker for ``chat_body``, built by the gateway's own code."""
     settings = GatewaySettings(model=args.model)
-    tokenizer = load_tokenizer(settings.tokenizer_dir())
+    model_dir = settings.model_dir()
+    tokenizer = load_tokenizer(model_dir)
     req = ChatCompletionRequest.model_validate(chat_body(args, stream=False))
     limits = Limits(
         max_model_len=info.max_model_len,
@@ -146,8 +148,9 @@ def direct_request(
         max_n=settings.max_n,
         max_logprobs=settings.max_logprobs,
         default_max_tokens=settings.default_max_tokens,
+        generation=GenerationDefaults.read(model_dir),
     )
-    ids = chat_prompt_ids(tokenizer, req)
+    ids = chat_prompt_ids(chat_formatter(tokenizer, model_dir), req)
     max_tokens = resolve_max_tokens(len(ids), req.requested_max_tokens(), limits)
     sampling = chat_sampling(req, max_tokens, limits)
     return convert.generate_request(

@@ -15,6 +15,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "kv-host-store": ("services.kv_host_store.cli", "run the node's host KV store (gRPC)"),
     "generate": ("services.worker.generate", "offline generation straight on the engine"),
     "plan": ("dhisparse.capacity.cli", "size GPUs and host memory with the capacity model"),
+    "verify": ("services.worker.verify.cli", "check a model's first layers against transformers"),
 }
 
 

@@ -21,6 +21,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses, freeze_heap
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.build import hierarchy_fixed_bytes
+from services.worker.kv.workspace import workspace_bytes
 from services.worker.model import DSAModel, ModelConfig
 from services.worker.residency.config import ResidencyConfig
 
@@ -41,7 +42,8 @@ class Setup:
 
 
 def build_engine(mode: str, args, setup: Setup) -> tuple[Engine, int, int]:
-    """(engine, pool bytes, fixed bytes): the session budget plus the mode's fixed allocations."""
+    """(engine, pool bytes, fixed bytes): the session budget plus the mode's fixed allocations
+    (the index-score workspace in every mode; scratch, metadata and staging in the hierarchy)."""
     ctx = args.context
     common = dict(
         model=BENCH_GLM, device=args.device, dtype=setup.dtype, mode=mode, page_size=args.page,
@@ -53,11 +55,11 @@ def build_engine(mode: str, args, setup: Setup) -> tuple[Engine, int, int]:
             overlap_refills=args.overlap_refills, populate_payback=args.populate_payback
         ),
     )  # fmt: skip
-    fixed = 0
+    probe = EngineConfig(kv_pool_mib=setup.budget / 2**20, **common)
+    kv_cfg = probe.kv_config(setup.model.embed.weight.dtype)
+    fixed = workspace_bytes(setup.model.cfg, kv_cfg)  # every mode's index-score workspace
     if mode != "resident":
-        probe = EngineConfig(kv_pool_mib=setup.budget / 2**20, **common)
-        model = setup.model
-        fixed = hierarchy_fixed_bytes(model.cfg, probe.kv_config(model.embed.weight.dtype))
+        fixed += hierarchy_fixed_bytes(setup.model.cfg, kv_cfg)
     pool = setup.budget + fixed
     engine = Engine(
         EngineConfig(kv_pool_mib=pool / 2**20, **common), model=setup.model,

@@ -8,6 +8,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.build import hierarchy_fixed_bytes
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.kv.workspace import workspace_bytes
 from services.worker.speculative.config import SpeculationConfig
 
 from .config import EngineKey
@@ -40,12 +41,14 @@ def engine_config(
 
 
 def pool_bytes(target: Target, cfg: EngineConfig, sizing: Sizing) -> tuple[int, int]:
-    """(pool, fixed): resident gets the budget; a hierarchy mode the budget plus its fixed
-    allocations (prefill scratch, hot-cache metadata, staging for its verification block)."""
-    if cfg.mode == "resident":
-        return sizing.budget_bytes, 0
+    """(pool, fixed): every mode gets the budget plus its fixed allocations: the index-score
+    workspace, and in a hierarchy mode prefill scratch, hot-cache metadata and staging for its
+    verification block."""
     dtype = next(target.model.parameters()).dtype
-    fixed = hierarchy_fixed_bytes(target.model.cfg, cfg.kv_config(dtype))
+    kv_cfg = cfg.kv_config(dtype)
+    fixed = workspace_bytes(target.model.cfg, kv_cfg)
+    if cfg.mode != "resident":
+        fixed += hierarchy_fixed_bytes(target.model.cfg, kv_cfg)
     return sizing.budget_bytes + fixed, fixed
 
 

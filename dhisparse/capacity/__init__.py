@@ -21,6 +21,9 @@ A5. GPU figures are in GiB (2^30 B) and host figures in TB (10^12 B).
 A6. Host backups hold the rows of sparse (offloaded) sources only. Index keys stay on the GPU.
 A7. ``dsv4-flash`` is partly estimated: see ``Profile.estimated``.
 A8. Engine presets get B = 2k and their config's dtype unless told otherwise.
+A9. A Hugging Face model directory (DeepSeek-V3.2, GLM-5) is sized by ``model_size``: its
+    parameters from config.json alone, and bytes per token in bf16 and in FP8 laid out as the
+    GLM-5.3 profile is (one byte per element, 132 B index keys).
 """
 
 from __future__ import annotations
@@ -55,6 +58,7 @@ from dhisparse.capacity.model import (
     speculation_pays,
     staging_bytes,
 )
+from dhisparse.capacity.model_size import ModelSize, TokenBytes, model_size, model_size_from_dir
 from dhisparse.capacity.plan import Plan, build_plan
 from dhisparse.capacity.profile import (
     Deployment,
@@ -72,10 +76,12 @@ __all__ = [
     "DrafterProfile",
     "IndexGroup",
     "Mode",
+    "ModelSize",
     "Plan",
     "Profile",
     "SessionBytes",
     "SourceGroup",
+    "TokenBytes",
     "build_plan",
     "default_deployment",
     "draft_ring_bytes",
@@ -85,6 +91,8 @@ __all__ = [
     "glm53_paper_deployment",
     "host_bytes",
     "host_sessions",
+    "model_size",
+    "model_size_from_dir",
     "pool_range",
     "profile_from_model_config",
     "profile_from_model_dir",

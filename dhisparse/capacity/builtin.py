@@ -1,9 +1,9 @@
 """Built-in profiles: the paper's GLM-5.3 layout, a DeepSeek-V4-style layout, and every preset
 the engine can load (derived from its ``ModelConfig``, never restated).
 
-``services.worker.model.config`` and ``.presets`` are pure Python; importing them keeps
-``dhisparse plan`` free of torch (tests/capacity check that this stays true). Only a real
-family's preset (``tiny-glm``) imports torch, to derive its topology, when it is planned.
+``services.worker.model.config``, ``.presets`` and ``.hf_dir`` (with ``hf_config``) are pure
+Python; importing them keeps ``dhisparse plan`` free of torch (tests/capacity check that this
+stays true).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ from pathlib import Path
 from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
 from services.worker.model.config import ModelConfig
+from services.worker.model.hf_dir import hf_family, is_hf_model_dir
 from services.worker.model.presets import PRESETS, preset_topology
 
 # ---- GLM-5.3 (DESIGN §6; paper §3.4, Table 1) ---------------------------------------------------
@@ -165,8 +166,12 @@ def selection_group_width(cfg: ModelConfig) -> int:
 
 
 def profile_from_model_dir(path: str | Path, *, kv_dtype_bytes: int | None = None) -> Profile:
-    """The profile of a model directory holding the engine's ``config.json``."""
-    cfg = ModelConfig.load(Path(path) / "config.json")
+    """The profile of a model directory: a Hugging Face one (DeepSeek-V3.2, GLM-5; its
+    topology from ``hf_config``) or one holding the engine's own ``config.json``."""
+    if is_hf_model_dir(path):
+        _, cfg = hf_family(path)
+    else:
+        cfg = ModelConfig.load(Path(path) / "config.json")
     return profile_from_model_config(cfg, kv_dtype_bytes=kv_dtype_bytes)
 
 

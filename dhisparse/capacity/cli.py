@@ -13,6 +13,7 @@ from dhisparse.capacity.builtin import (
     profile_names,
 )
 from dhisparse.capacity.model import GIB, TB
+from dhisparse.capacity.model_size import model_size_from_dir
 from dhisparse.capacity.plan import build_plan
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 from dhisparse.capacity.report import render_json, render_table
@@ -21,7 +22,11 @@ from dhisparse.capacity.report import render_json, render_table
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     src = parser.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", choices=profile_names(), help="built-in profile or preset")
-    src.add_argument("--model", metavar="DIR", help="model directory with the engine's config.json")
+    src.add_argument(
+        "--model",
+        metavar="DIR",
+        help="model directory: a Hugging Face one (deepseek_v32, glm_moe_dsa) or the engine's",
+    )
     parser.add_argument("--context", type=int, required=True, help="tokens per session")
     parser.add_argument("--json", action="store_true", help="print JSON (exact bytes)")
 
@@ -70,6 +75,7 @@ def main(args: argparse.Namespace) -> int:
             deployment,
             tpot_ratio=args.tpot_ratio,
             load=args.concurrency,
+            model=model_size_from_dir(args.model) if args.model else None,
         )
     except (ValueError, OSError) as exc:
         print(f"dhisparse plan: error: {exc}", file=sys.stderr)

@@ -20,6 +20,7 @@ from dhisparse.capacity.model import (
     speculation_pays,
     staging_bytes,
 )
+from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 
 
@@ -82,6 +83,7 @@ class Plan:
     admissions: tuple[Admission, ...]
     host: HostSizing
     speculation: SpeculationTest | None
+    model: ModelSize | None = None  # parameters and bytes per token of a Hugging Face model
 
     def ratio(self, with_drafter: bool = False) -> float:
         """Resident bytes over hierarchy bytes per session."""
@@ -100,6 +102,7 @@ class Plan:
         d["ratio"] = {"base": self.ratio(False)}
         if self.spec:
             d["ratio"]["spec"] = self.ratio(True)
+        d["model"] = self.model.as_dict() if self.model is not None else None
         d["profile"].update(
             payload_sources=self.profile.payload_sources,
             index_producers=self.profile.index_producers,
@@ -116,9 +119,11 @@ def build_plan(
     *,
     tpot_ratio: float | None = None,
     load: int | None = None,
+    model: ModelSize | None = None,
 ) -> Plan:
     """All figures for one configuration. N (slots) is the deployment's, else the sessions the
-    hierarchy with the drafter admits per GPU, else unknown (no per-GPU sizing)."""
+    hierarchy with the drafter admits per GPU, else unknown (no per-GPU sizing). ``model``: the
+    size of the model the profile comes from, reported with the plan."""
     dep = deployment or Deployment()
     base = tuple(session_bytes(profile, context_tokens, m) for m in MODES)
     spec = (
@@ -182,6 +187,7 @@ def build_plan(
         admissions=tuple(admissions),
         host=host,
         speculation=speculation,
+        model=model,
     )
 
 

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 
 from dhisparse.capacity.model import GIB, TB, ring_rows
+from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.plan import Plan
 from dhisparse.capacity.profile import Profile
 
@@ -24,6 +25,8 @@ def render_json(plan: Plan) -> str:
 
 def render_table(plan: Plan) -> str:
     lines = _header(plan)
+    if plan.model is not None:
+        lines += ["", *_model_rows(plan.model)]
     lines += ["", *_session_rows(plan)]
     if plan.slots is not None:
         lines += ["", *_slot_rows(plan)]
@@ -59,6 +62,51 @@ def _header(plan: Plan) -> list[str]:
     if p.estimated:
         lines.append(f"  estimates    {'; '.join(p.estimated)}")
     return [line for line in lines if line]
+
+
+def _model_rows(m: ModelSize) -> list[str]:
+    p = m.parameters
+    parts = (
+        ("routed experts", p.routed_experts),
+        ("shared experts", p.shared_experts),
+        ("attention", p.attention),
+        ("indexer", p.indexer),
+        ("dense MLP", p.dense_mlp),
+        ("router", p.router),
+        ("embed", p.embed),
+        ("lm_head", p.lm_head),
+        ("norms", p.norms),
+    )
+    out = [
+        f"model {m.name} ({m.family}): {m.layers} layers, {m.index_producers} index producers",
+        f"  parameters   {_count(p.total)} ({p.total:,}; MTP layers not counted)",
+        *_packed([f"{label} {_count(n)}" for label, n in parts if n], "    "),
+        f"    + router bias {p.router_bias:,} (buffers; {p.with_router_bias:,} with them)",
+    ]
+    for t in m.kv_per_token:
+        out.append(
+            f"  KV/token {t.format:<4}{t.total:>9,} B = {t.rows:,} B rows + "
+            f"{t.index_keys:,} B index keys"
+        )
+    return out
+
+
+def _packed(items: list[str], indent: str) -> list[str]:
+    """``items`` joined by commas into lines of the table's width, no item split."""
+    lines = [indent]
+    for i, item in enumerate(items):
+        piece = item + ("," if i < len(items) - 1 else "")
+        if lines[-1] != indent and len(lines[-1]) + 1 + len(piece) > _W + 3 * _C:
+            lines.append(indent)
+        lines[-1] += piece if lines[-1] == indent else " " + piece
+    return lines
+
+
+def _count(n: int) -> str:
+    for unit, size in (("B", 10**9), ("M", 10**6), ("k", 10**3)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return str(n)
 
 
 def _source(p: Profile, i: int) -> str:

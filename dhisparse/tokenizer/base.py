@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Protocol
 
 
@@ -15,7 +16,12 @@ class Tokenizer(Protocol):
     eos_token_id: int
     pad_token_id: int | None
     mask_token_id: int | None
-    chat_template: str
+    # Named special tokens -> their text (``bos_token``, ``eos_token``, ...): the variables
+    # transformers gives a chat template besides the messages.
+    special_tokens: Mapping[str, str]
+    # Chat template name -> Jinja source ("default" among them when the model has one).
+    chat_templates: Mapping[str, str]
+    chat_template: str  # the "default" template, "" when there is none
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 

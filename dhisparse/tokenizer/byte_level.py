@@ -29,6 +29,13 @@ class ByteTokenizer:
         self.pad_token_id = self.special_to_id["<|pad|>"]
         self.mask_token_id = self.special_to_id["<|mask|>"]
         self.end_token_id = self.special_to_id["<|end|>"]
+        self.special_tokens = {
+            "bos_token": "<|bos|>",
+            "eos_token": "<|eos|>",
+            "pad_token": "<|pad|>",
+            "mask_token": "<|mask|>",
+        }
+        self.chat_templates = {"default": DEFAULT_CHAT_TEMPLATE}
         self.chat_template = DEFAULT_CHAT_TEMPLATE
         self._special_re = re.compile("(" + "|".join(re.escape(s) for s in SPECIAL_TOKENS) + ")")
 

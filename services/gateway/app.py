@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
-from dhisparse.tokenizer import load_tokenizer
+from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
@@ -41,6 +41,8 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.sizing import SessionSizer
 from services.gateway.streaming import ClientDisconnected
 from services.gateway.worker_client import WorkerPool
+from services.worker.model.generation import GenerationDefaults
+from services.worker.model.presets import PRESETS
 
 log = logging.getLogger(__name__)
 
@@ -94,7 +96,15 @@ def create_app(
     """The gateway app. The worker pool starts (first poll included) and stops with the app's
     lifespan; ``admission`` replaces admission by memory (``memory_admission``)."""
     settings = settings or GatewaySettings()
-    tokenizer = load_tokenizer(settings.tokenizer_dir())
+    model_dir = settings.model_dir()
+    if model_dir is None and settings.model not in PRESETS:
+        log.warning(
+            "model %r is no directory here: using the byte tokenizer and its chat template, "
+            "which fit only the byte-level models; give the gateway the workers' model "
+            "directory (mount it into the gateway too)",
+            settings.model,
+        )
+    tokenizer = load_tokenizer(model_dir)
     metrics = GatewayMetrics()
     pool = WorkerPool(
         settings.workers,
@@ -104,7 +114,14 @@ def create_app(
         resume_deadline_s=settings.resume_deadline_s,
         metrics=metrics,
     )
-    ctx = GatewayContext.of(settings, tokenizer, pool, metrics)
+    ctx = GatewayContext.of(
+        settings,
+        tokenizer,
+        pool,
+        metrics,
+        formatter=chat_formatter(tokenizer, model_dir),
+        generation=GenerationDefaults.read(model_dir),
+    )
     created = int(time.time())
 
     @asynccontextmanager

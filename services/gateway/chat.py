@@ -1,5 +1,6 @@
-"""``/v1/chat/completions``: render and tokenize the chat, fan out ``n`` worker requests, and
-answer with one ``chat.completion`` or a stream of ``chat.completion.chunk``."""
+"""``/v1/chat/completions``: render the chat in the model's format and tokenize it, fan out
+``n`` worker requests, and answer with one ``chat.completion`` or a stream of
+``chat.completion.chunk``."""
 
 from __future__ import annotations
 
@@ -38,7 +39,7 @@ async def create_chat_completion(
     arrival = time.monotonic()
     model = ctx.resolve_model(req.model)
     limits = ctx.limits()
-    prompt_ids = chat_prompt_ids(ctx.tokenizer, req)
+    prompt_ids = chat_prompt_ids(ctx.formatter, req)
     max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens(), limits)
     sampling = chat_sampling(req, max_tokens, limits)
     response_id = new_id("chatcmpl")

@@ -16,7 +16,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--model",
-        help="model preset (tiny-glm: byte tokenizer) or model directory with tokenizer.json",
+        help="model preset (tiny-glm: byte tokenizer) or the workers' model directory (its "
+        "tokenizer, chat template and generation defaults)",
     )
     parser.add_argument(
         "--served-model-name", help="the model name clients use (default: the workers')"

@@ -1,13 +1,14 @@
-"""What every endpoint shares: settings, tokenizer, worker pool, metrics; and the questions
-they ask of them (which model is served, what the limits are)."""
+"""What every endpoint shares: settings, tokenizer and chat format, the checkpoint's generation
+defaults, worker pool, metrics; and the questions they ask of them (which model is served,
+what the limits are)."""
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-from dhisparse.tokenizer import Tokenizer
+from dhisparse.tokenizer import ChatFormatter, Tokenizer, chat_formatter
 from services.gateway.errors import model_not_found, service_unavailable
 from services.gateway.fanout import ChoiceStream, collect, start_choices
 from services.gateway.generation import ChoiceResult, GenerationInput
@@ -16,6 +17,7 @@ from services.gateway.openapi import SchemaLimits
 from services.gateway.preprocess import Limits, template_roles
 from services.gateway.settings import GatewaySettings
 from services.gateway.worker_client import WorkerPool
+from services.worker.model.generation import GenerationDefaults
 
 log = logging.getLogger(__name__)
 
@@ -26,7 +28,9 @@ class GatewayContext:
     tokenizer: Tokenizer
     pool: WorkerPool
     metrics: GatewayMetrics
-    chat_roles: tuple[str, ...] = ()  # what the chat template renders (``template_roles``)
+    formatter: ChatFormatter
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
+    chat_roles: tuple[str, ...] = ()  # what the chat format renders (``template_roles``)
 
     @classmethod
     def of(
@@ -35,8 +39,21 @@ class GatewayContext:
         tokenizer: Tokenizer,
         pool: WorkerPool,
         metrics: GatewayMetrics,
+        *,
+        formatter: ChatFormatter | None = None,
+        generation: GenerationDefaults | None = None,
     ) -> GatewayContext:
-        return cls(settings, tokenizer, pool, metrics, template_roles(tokenizer.chat_template))
+        """``formatter``: by default the tokenizer's own template."""
+        formatter = formatter or chat_formatter(tokenizer)
+        return cls(
+            settings,
+            tokenizer,
+            pool,
+            metrics,
+            formatter,
+            generation or GenerationDefaults(),
+            template_roles(formatter),
+        )
 
     def served_model_name(self) -> str:
         """The configured name, else the workers' model name, else the ``model`` setting (until
@@ -66,7 +83,8 @@ class GatewayContext:
             vocab_size=info.vocab_size or self.tokenizer.vocab_size,
             max_n=self.settings.max_n,
             max_logprobs=self.settings.max_logprobs,
-            default_max_tokens=self.settings.default_max_tokens,
+            default_max_tokens=self.settings.default_max_tokens or self.generation.max_new_tokens,
+            generation=self.generation,
         )
 
     def schema_limits(self) -> SchemaLimits:

@@ -63,6 +63,10 @@ CHAT_RULES = """Rules beyond the schema (each a 400 with the OpenAI error body):
 - A prompt longer than a worker's KV capacity is refused by the worker, or by admission when it
   fits no worker (`x-dhisparse-reason: too-large`).
 - A model's own chat template may refuse an order of roles (the built-in one renders any).
+- `chat_template_kwargs` are the chat template's arguments (`enable_thinking`,
+  `reasoning_effort`; `thinking` for DeepSeek-V3.2's format), which it may refuse; `documents`
+  among them must be a list of objects; `messages`, `add_generation_prompt` and `tools` there
+  are ignored.
 
 Load and availability give 429/503 with Retry-After; an error after a stream has started comes
 as one `data:` event holding the error body, then `[DONE]`."""

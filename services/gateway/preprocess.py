@@ -1,14 +1,15 @@
-"""From a validated HTTP request to what the workers run: prompt token ids (the chat template
-rendered here, not on the worker), the completion budget checked against the context length,
-and the sampling parameters. Every failure is a client error (``APIError`` 400)."""
+"""From a validated HTTP request to what the workers run: prompt token ids (the model's chat
+format rendered here, not on the worker), the completion budget checked against the context
+length, and the sampling parameters (the checkpoint's generation defaults where a request
+leaves one out). Every failure is a client error (``APIError`` 400)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from dhisparse.tokenizer import ChatTemplateError, Tokenizer, render_chat
+from dhisparse.tokenizer import ChatFormatter, ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_overflow
 from services.gateway.generation import SEED_MODULUS, SamplingSpec
 from services.gateway.protocol import (
@@ -17,9 +18,11 @@ from services.gateway.protocol import (
     ChatMessage,
     CompletionRequest,
 )
+from services.worker.model.generation import GenerationDefaults
 
-# Template variables the gateway sets itself; chat_template_kwargs may not override them.
-_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt"})
+# Template variables the gateway sets itself; chat_template_kwargs may not override them
+# (tools stay refused: the server does not parse tool calls).
+_RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools"})
 _OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -32,6 +35,9 @@ class Limits:
     max_n: int = 16
     max_logprobs: int = 20
     default_max_tokens: int | None = None
+    # The checkpoint's generation_config.json: temperature, top_p and top_k of requests that
+    # leave them out.
+    generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
@@ -50,39 +56,37 @@ def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
     return out
 
 
-def template_roles(template: str) -> tuple[str, ...]:
-    """Those of OpenAI's roles that ``template`` renders: alone, before a user message or after
-    one (a template may still refuse some orders of them)."""
+def template_roles(formatter: ChatFormatter) -> tuple[str, ...]:
+    """Those of OpenAI's roles that the model's chat format renders: alone, before a user
+    message or after one (a format may still refuse some orders of them)."""
     roles: list[str] = []
     for role in _OPENAI_ROLES:
         for chat in ((role,), (role, "user"), ("user", role)):
             try:
-                render_chat(template, [{"role": r, "content": "x"} for r in chat])
-            except Exception:  # any failure: the template does not take this chat
+                formatter.render([{"role": r, "content": "x"} for r in chat])
+            except Exception:  # any failure: the format does not take this chat
                 continue
             roles.append(role)
             break
     return tuple(roles)
 
 
-def chat_prompt_ids(tokenizer: Tokenizer, req: ChatCompletionRequest) -> list[int]:
-    """Renders the model's chat template and tokenizes it. The template places any BOS itself,
-    so none is added here (vLLM's ``add_special_tokens=False`` for chat)."""
+def chat_prompt_ids(formatter: ChatFormatter, req: ChatCompletionRequest) -> list[int]:
+    """Renders the chat in the model's format and tokenizes it. The prompt carries any BOS
+    itself, so none is added here (vLLM's ``add_special_tokens=False`` for chat).
+    ``chat_template_kwargs`` reach the format as template variables (``enable_thinking``,
+    ``reasoning_effort``; DeepSeek-V3.2 reads ``thinking``)."""
     kwargs = {
         k: v
         for k, v in (req.chat_template_kwargs or {}).items()
         if k not in _RESERVED_TEMPLATE_VARS
     }
     try:
-        text = render_chat(
-            tokenizer.chat_template,
-            chat_messages(req.messages),
-            add_generation_prompt=req.add_generation_prompt,
-            **kwargs,
+        return formatter.encode(
+            chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt, **kwargs
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
-    return tokenizer.encode(text)
 
 
 def completion_prompt_ids(
@@ -134,10 +138,19 @@ def _check_server_limits(req: ChatCompletionRequest | CompletionRequest, limits:
             )
 
 
-def _temperature(requested: float | None) -> float:
+def _temperature(requested: float | None, defaults: GenerationDefaults) -> float:
+    if requested is None:
+        requested = defaults.default_temperature
     if requested is None:
         return 1.0
     return 0.0 if requested < GREEDY_BELOW else requested
+
+
+def _default(requested: Any, stated: Any, fallback: Any) -> Any:
+    """The request's value, else the checkpoint's, else the server's."""
+    if requested is not None:
+        return requested
+    return fallback if stated is None else stated
 
 
 def _sampling(
@@ -157,9 +170,9 @@ def _sampling(
         )
     return SamplingSpec(
         max_tokens=max_tokens,
-        temperature=_temperature(req.temperature),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        top_k=0 if req.top_k is None else req.top_k,
+        temperature=_temperature(req.temperature, limits.generation),
+        top_p=_default(req.top_p, limits.generation.top_p, 1.0),
+        top_k=_default(req.top_k, limits.generation.top_k, 0),
         seed=None if req.seed is None else req.seed % SEED_MODULUS,
         stop=tuple(req.stop_strings()),
         stop_token_ids=tuple(req.stop_token_ids or ()),

@@ -224,7 +224,9 @@ class ChatCompletionRequest(_GenerationRequest):
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=20, description="1 or more: logprobs: true.")
     add_generation_prompt: bool = True
-    chat_template_kwargs: dict[str, Any] | None = None
+    chat_template_kwargs: dict[str, Any] | None = Field(
+        None, description="Arguments of the model's chat template (vLLM's field)."
+    )
     tools: list[dict[str, Any]] | None = Field(
         None, description=_NEUTRAL_ONLY, json_schema_extra=stating(array={"maxItems": 0})
     )

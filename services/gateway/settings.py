@@ -20,7 +20,8 @@ class GatewaySettings(BaseSettings):
     host: str = "127.0.0.1"
     port: int = Field(8000, ge=0, le=65535)
     workers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1:50051"])
-    # A preset name (``tiny-glm``: the byte tokenizer) or a model directory (its tokenizer.json).
+    # A preset name (``tiny-glm``: the byte tokenizer) or the workers' model directory (its
+    # tokenizer, chat template and generation defaults; see ``model_dir``).
     model: str = "models/glm-10m"
     # The name clients send as ``model``; by default the model name the workers report.
     served_model_name: str | None = None
@@ -76,7 +77,11 @@ class GatewaySettings(BaseSettings):
                     raise ValueError(f"worker address {w!r} is not host:port")
         return v
 
-    def tokenizer_dir(self) -> Path | None:
-        """The directory to load the tokenizer from; None means the built-in byte tokenizer."""
+    def model_dir(self) -> Path | None:
+        """The model directory the gateway reads its tokenizer (tokenizer.json,
+        tokenizer_config.json), chat template (its entry, or chat_template.jinja), model type
+        (config.json) and generation defaults (generation_config.json) from: the workers' own,
+        mounted here too. None (a preset, or a path that is no directory here): the built-in
+        byte tokenizer and its template."""
         path = resolve_path(self.model)
         return path if path.is_dir() else None

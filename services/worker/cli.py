@@ -59,7 +59,14 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--page-size", type=int, help="rows per KV page")
     p.add_argument("--max-num-seqs", type=int, help="request slots")
     p.add_argument("--max-model-len", type=int, help="context limit in tokens")
-    p.add_argument("--max-prefill-tokens", type=int, help="prefill tokens per step")
+    p.add_argument(
+        "--max-prefill-tokens", type=int,
+        help="prefill tokens per step; longer prompts run in chunks between decode steps",
+    )  # fmt: skip
+    add_switch(
+        p, "chunked-prefill",
+        "prefill long prompts in chunks of --max-prefill-tokens interleaved with decoding (on)",
+    )  # fmt: skip
     p.add_argument("--top-k-rows", type=int, help="the indexer's k (rows attended per query)")
     add_switch(
         p, "durable-sessions",

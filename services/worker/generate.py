@@ -27,17 +27,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    from dhisparse.tokenizer import render_chat
+    from dhisparse.paths import resolve_path
+    from dhisparse.tokenizer import chat_formatter
     from services.worker.engine.engine import Engine
     from services.worker.engine.request import SamplingParams
+    from services.worker.model.presets import PRESETS
 
-    engine = Engine(settings_from_args(args).engine_config())
+    cfg = settings_from_args(args).engine_config()
+    engine = Engine(cfg)
     tok = engine.tokenizer
+    chat = chat_formatter(tok, None if cfg.model in PRESETS else resolve_path(cfg.model))
     prompts = []
     for text in args.prompt:
-        if args.chat:  # the template places the BOS itself
-            chat = render_chat(tok.chat_template, [{"role": "user", "content": text}])
-            prompts.append(tok.encode(chat))
+        if args.chat:  # the chat format places the BOS itself
+            prompts.append(chat.encode([{"role": "user", "content": text}]))
         else:
             prompts.append(tok.encode(text, add_bos=tok.bos_token_id is not None))
     params = [

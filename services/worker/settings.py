@@ -55,7 +55,8 @@ class WorkerSettings(BaseSettings):
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
-    max_prefill_tokens: int = 16384
+    max_prefill_tokens: int = 8192  # prefill tokens per step (chunks of longer prompts)
+    chunked_prefill: bool = True
     top_k_rows: int | None = None
 
     def resolved_worker_id(self) -> str:
@@ -87,6 +88,7 @@ class WorkerSettings(BaseSettings):
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
             max_prefill_tokens=self.max_prefill_tokens,
+            chunked_prefill=self.chunked_prefill,
             top_k_rows=self.top_k_rows,
             durable_sessions=self.durable_sessions,
         )

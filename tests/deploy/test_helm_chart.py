@@ -213,6 +213,28 @@ def test_gateway_lists_every_worker(helm: Helm, replicas: int) -> None:
     assert headless["spec"]["clusterIP"] == "None"
 
 
+def test_gateways_read_the_workers_model_directory(helm: Helm) -> None:
+    """The gateway renders chats with the model's tokenizer and template: it mounts the model
+    volume (read-only, where the workers mount it) and is given the same directory."""
+    docs = helm.template(CASES["model-volume-gpu-nodes"])
+    gateway, workers = one(docs, "Deployment", "gateway"), one(docs, "StatefulSet", "worker")
+
+    def model(workload: dict, variable: str) -> tuple[str, dict, dict]:
+        (c,) = pod_spec(workload)["containers"]
+        (vol,) = [v for v in pod_spec(workload)["volumes"] if v["name"] == "model"]
+        (mount,) = [m for m in c["volumeMounts"] if m["name"] == "model"]
+        return env_value(c, variable), vol, mount
+
+    gw_dir, gw_vol, gw_mount = model(gateway, "DHISPARSE_GATEWAY_MODEL")
+    assert (gw_dir, gw_vol, gw_mount) == model(workers, "DHISPARSE_WORKER_MODEL")
+    assert gw_dir == "/models/glm-5"
+    assert gw_vol["persistentVolumeClaim"] == {"claimName": "glm-5-weights"}
+    assert gw_mount == {"name": "model", "mountPath": "/models", "readOnly": True}
+    # Without a volume nothing is mounted: the source is a path in the worker image.
+    gw = pod_spec(one(helm.template(), "Deployment", "gateway"))
+    assert all(v["name"] != "model" for v in gw["volumes"])
+
+
 def test_redis_url_follows_the_redis_values(helm: Helm) -> None:
     def redis_env(case: str) -> dict | None:
         (gw,) = containers(one(helm.template(CASES[case]), "Deployment", "gateway"))

@@ -16,7 +16,9 @@ predicts them from the body alone):
 - ``/v1/completions``: the prompts of a batch times ``n`` past the server's ``max_n`` (a
   product of two fields);
 - the prompt's tokens plus the budget past the model's context (the prompt's length in tokens
-  is known only after rendering and tokenizing).
+  is known only after rendering and tokenizing);
+- chat: ``chat_template_kwargs.documents`` that is not a list of objects (the built-in template
+  refuses no other argument).
 
 Rejections that depend on the server's state rather than the body (429/503 from admission, a
 prompt past a worker's KV capacity, a body past ``max_request_bytes``) cannot occur here: one
@@ -130,6 +132,10 @@ def _broken_rule(path: str, body: dict[str, Any], limits: dict[str, int]) -> str
         budget = body.get("max_completion_tokens") or budget
     if budget is not None and body.get("min_tokens", 0) > budget:
         return f"min_tokens ({int(body['min_tokens'])}) must be less than or equal to max_tokens"
+    documents = (body.get("chat_template_kwargs") or {}).get("documents")
+    listed = isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
+    if path == CHAT and documents is not None and not listed:
+        return "documents must be a list of objects"
     n = int(body.get("n", 1))
     if path == COMPLETIONS:
         prompts = _completion_prompts(body["prompt"])

@@ -3,9 +3,11 @@ sampling parameters."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
-from dhisparse.tokenizer import ByteTokenizer
+from dhisparse.tokenizer import ByteTokenizer, DeepseekV32Formatter, TemplateFormatter
 from services.gateway.errors import APIError
 from services.gateway.generation import SamplingSpec
 from services.gateway.preprocess import (
@@ -19,8 +21,10 @@ from services.gateway.preprocess import (
     template_roles,
 )
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
+from services.worker.model.generation import GenerationDefaults
 
 TOK = ByteTokenizer()
+CHAT = TemplateFormatter(TOK)
 LIMITS = Limits(max_model_len=100, vocab_size=TOK.vocab_size, max_n=4, max_logprobs=5)
 
 
@@ -47,12 +51,19 @@ def test_content_parts_join_with_newlines() -> None:
     ]
 
 
+def _with_template(template: str) -> TemplateFormatter:
+    tok = ByteTokenizer()
+    tok.chat_templates = {"default": template} if template else {}
+    return TemplateFormatter(tok)
+
+
 def test_roles_of_a_template() -> None:
-    assert template_roles(TOK.chat_template) == ("system", "user", "assistant")
+    assert template_roles(CHAT) == ("system", "user", "assistant")
     only_user = "{% for m in messages %}{% if m['role'] != 'user' %}{{ raise_exception('no') }}"
     only_user += "{% endif %}{{ m['content'] }}{% endfor %}"
-    assert template_roles(only_user) == ("user",)
-    assert template_roles("") == ()  # no template: /v1/chat/completions refuses every chat
+    assert template_roles(_with_template(only_user)) == ("user",)
+    # no template: /v1/chat/completions refuses every chat
+    assert template_roles(_with_template("")) == ()
 
 
 def test_tiny_temperatures_are_greedy() -> None:
@@ -62,21 +73,27 @@ def test_tiny_temperatures_are_greedy() -> None:
 
 
 def test_chat_prompt_ids_render_template_with_generation_prompt() -> None:
-    ids = chat_prompt_ids(TOK, chat_req())
+    ids = chat_prompt_ids(CHAT, chat_req())
     assert TOK.decode(ids, skip_special_tokens=False) == "<|bos|><|user|>hi<|end|><|assistant|>"
-    no_gen = chat_prompt_ids(TOK, chat_req(add_generation_prompt=False))
+    no_gen = chat_prompt_ids(CHAT, chat_req(add_generation_prompt=False))
     assert TOK.decode(no_gen, skip_special_tokens=False) == "<|bos|><|user|>hi<|end|>"
 
 
 def test_template_kwargs_cannot_override_messages() -> None:
-    ids = chat_prompt_ids(TOK, chat_req(chat_template_kwargs={"messages": [], "x": 1}))
+    ids = chat_prompt_ids(CHAT, chat_req(chat_template_kwargs={"messages": [], "x": 1}))
     assert TOK.decode(ids, skip_special_tokens=False) == "<|bos|><|user|>hi<|end|><|assistant|>"
+
+
+def test_template_kwargs_may_have_any_name() -> None:
+    names = {"self": 1, "template": 2, "tokenizer": 3, "variables": 4, "kwargs": 5, "a b": 6}
+    for fmt in (CHAT, DeepseekV32Formatter(TOK)):
+        assert chat_prompt_ids(fmt, chat_req(chat_template_kwargs=names))
 
 
 def test_bad_role_is_a_400() -> None:
     req = ChatCompletionRequest.model_validate({"messages": [{"role": "tool", "content": "x"}]})
     with pytest.raises(APIError) as e:
-        chat_prompt_ids(TOK, req)
+        chat_prompt_ids(CHAT, req)
     assert e.value.status == 400
     assert e.value.param == "messages"
     assert "unsupported role: tool" in e.value.message
@@ -142,6 +159,43 @@ def test_chat_sampling_defaults_and_mapping() -> None:
     assert s.want_logprobs and s.top_logprobs == 2
     assert s.min_tokens == 4  # never more than the budget
     assert s.ignore_eos
+
+
+def test_generation_config_supplies_what_a_request_leaves_out() -> None:
+    stated = GenerationDefaults(temperature=0.6, top_p=0.95, top_k=20)
+    limits = replace(LIMITS, generation=stated)
+    s = chat_sampling(chat_req(), 1, limits)
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 20)
+    s = chat_sampling(chat_req(temperature=1.0, top_p=0.5, top_k=-1), 1, limits)
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 0.5, -1)
+    s = completion_sampling(CompletionRequest(prompt="x", top_k=0), 1, limits)
+    assert (s.temperature, s.top_p, s.top_k) == (0.6, 0.95, 0)
+    greedy = replace(LIMITS, generation=GenerationDefaults(do_sample=False, temperature=0.6))
+    assert chat_sampling(chat_req(), 1, greedy).temperature == 0.0
+    assert chat_sampling(chat_req(temperature=0.7), 1, greedy).temperature == 0.7
+    # Nothing stated: the server's own defaults.
+    s = chat_sampling(chat_req(), 1, LIMITS)
+    assert (s.temperature, s.top_p, s.top_k) == (1.0, 1.0, 0)
+
+
+def test_deepseek_v32_thinking_comes_from_chat_template_kwargs() -> None:
+    fmt = DeepseekV32Formatter(TOK)
+    off = TOK.decode(chat_prompt_ids(fmt, chat_req()), skip_special_tokens=False)
+    assert off.endswith("<｜User｜>hi<｜Assistant｜></think>")
+    for kwargs in ({"thinking": True}, {"enable_thinking": True}):
+        ids = chat_prompt_ids(fmt, chat_req(chat_template_kwargs=kwargs))
+        on = TOK.decode(ids, skip_special_tokens=False)
+        assert on.endswith("<｜User｜>hi<｜Assistant｜><think>")
+    with pytest.raises(APIError) as e:
+        chat_prompt_ids(fmt, chat_req(chat_template_kwargs={"thinking": "maybe"}))
+    assert e.value.status == 400 and e.value.param == "messages"
+
+
+def test_template_kwargs_cannot_bring_tools() -> None:
+    fmt = _with_template("{{ tools | tojson }}")
+    assert TOK.decode(chat_prompt_ids(fmt, chat_req(chat_template_kwargs={"tools": [{}]}))) == (
+        "null"
+    )
 
 
 def test_seeded_choices_differ_but_reproduce() -> None:

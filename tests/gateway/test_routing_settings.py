@@ -76,9 +76,9 @@ def test_settings_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     s = GatewaySettings()
     assert s.workers == ["10.0.0.1:1", "10.0.0.2:2"]
     assert (s.port, s.api_key, s.host) == (9000, "k", "127.0.0.1")
-    shipped = s.tokenizer_dir()  # the default: the shipped model's directory
+    shipped = s.model_dir()  # the default: the shipped model's directory
     assert shipped is not None and (shipped / "config.json").exists()
-    assert GatewaySettings(model="tiny-glm").tokenizer_dir() is None  # a preset: byte tokenizer
+    assert GatewaySettings(model="tiny-glm").model_dir() is None  # a preset: byte tokenizer
     with pytest.raises(ValueError, match="host:port"):
         GatewaySettings(workers="nope")  # type: ignore[arg-type]
 

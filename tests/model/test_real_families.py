@@ -103,7 +103,7 @@ def test_teacher_forced_logits_match_over_prefill_chunks_and_decode(family) -> N
 
 def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     base = dict(model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
-                host_arena_mib=16, hot_cache_rows=32)  # fmt: skip
+                host_arena_mib=16, hot_cache_rows=32, max_prefill_tokens=64)  # fmt: skip
     return Engine(EngineConfig(**(base | kw)), host=host)
 
 
@@ -125,6 +125,7 @@ NEW_TOKENS = 34
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
 def test_engine_greedy_equals_transformers(family, mode: str) -> None:
     """34 greedy tokens for each of six requests, three arriving while the first three decode,
+    prompts prefilled in chunks of at most 64 tokens interleaved with the others' decode steps,
     equal transformers' greedy continuations: resident; hisparse with a hot cache of two pages
     per request and source (most selected rows come from host); adaptive with a pool tight
     enough that admissions reclaim optional history."""
@@ -133,6 +134,15 @@ def test_engine_greedy_equals_transformers(family, mode: str) -> None:
     if mode == "adaptive":
         kw["residency"] = ResidencyConfig(populate_pages=4)
     eng = _engine(path, mode, **kw)
+    chunks: list[list[int]] = []  # the prefill passes' chunks
+    run_pass = eng.run_pass
+
+    def recorded(reqs: list, lens: list[int] | None = None) -> list:
+        if lens is not None:
+            chunks.append(lens)
+        return run_pass(reqs, lens)
+
+    eng.run_pass = recorded
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     reqs = []
     for i, n in enumerate(LENGTHS):
@@ -142,6 +152,7 @@ def test_engine_greedy_equals_transformers(family, mode: str) -> None:
         reqs.append(eng.add_request(f"r{i}", _ids(n, 100 + n).tolist(), params))
     while eng.has_work():
         eng.step()
+    assert max(map(sum, chunks)) <= 64 and sum(map(sum, chunks)) == sum(LENGTHS), chunks
     for r in reqs:
         assert len(r.output_ids) == NEW_TOKENS
         assert r.output_ids == hf_tiny.greedy_under_reference(ref, r.prompt_ids, r.output_ids)

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import LayerTrace, build_model, preset
+from services.worker.kv.workspace import workspace_bytes
+from services.worker.model import LayerTrace, ModelConfig, build_model, preset
 from services.worker.model.model import SparseDecoder
 
 
@@ -16,6 +19,12 @@ def make(name: str, seed: int = 0, **kv_kwargs) -> tuple[SparseDecoder, KVCache]
     kv_kwargs.setdefault("max_slots", 4)
     kv_kwargs.setdefault("max_model_len", 1024)
     return model, KVCache(model.cfg, KVCacheConfig(**kv_kwargs))
+
+
+def with_workspace(model_cfg: ModelConfig, cfg: KVCacheConfig) -> KVCacheConfig:
+    """``cfg`` with its pool grown by the index-score workspace it holds (on a GPU; nothing on
+    the CPU): a test's pool sized for its sessions holds the same sessions on either."""
+    return replace(cfg, kv_pool_bytes=cfg.kv_pool_bytes + workspace_bytes(model_cfg, cfg))
 
 
 def random_tokens(n: int, seed: int) -> torch.Tensor:

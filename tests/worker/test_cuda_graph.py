@@ -37,7 +37,7 @@ def _drive(
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     eng = Engine(
         EngineConfig(
-            model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=64, host_arena_mib=64,
+            model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=128, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
             graphs=GraphConfig(graphs, capture), speculation=SpeculationConfig(drafter, width=4),
         )

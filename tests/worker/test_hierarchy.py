@@ -12,7 +12,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model import LayerTrace, build_model, preset, preset_topology
-from tests.worker.helpers import make
+from tests.worker.helpers import make, with_workspace
 
 
 def drive(
@@ -42,7 +42,7 @@ def drive(
         device=device,
         **kv_kw,
     )
-    kv = KVCache(model.cfg, kv_cfg)
+    kv = KVCache(model.cfg, with_workspace(model.cfg, kv_cfg))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (n,), generator=g).to(device) for n in prompt_lens]
     slots = list(range(1, len(prompts) + 1))  # not starting at 0: slot arithmetic is exercised

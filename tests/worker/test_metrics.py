@@ -136,13 +136,13 @@ def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
 def test_graphs_off_for_compressed_sources_say_so() -> None:
     """Decode graphs do not cover token rings: a model with compressed or windowed sources runs
     eagerly on a GPU, and the exported configuration says why."""
-    engine = Engine(EngineConfig(model="tiny-dsv4", device="cuda", kv_pool_mib=16))
+    engine = Engine(EngineConfig(model="tiny-dsv4", device="cuda", kv_pool_mib=256))
     metrics = WorkerMetrics("t")
     metrics.describe(engine)
     info = _config_info(metrics)
     assert info["cuda_graphs"] == "off" and "compressed or windowed" in info["graphs_off_reason"]
     engine.close()
-    cuda = Engine(EngineConfig(model="tiny-glm", device="cuda", kv_pool_mib=16))
+    cuda = Engine(EngineConfig(model="tiny-glm", device="cuda", kv_pool_mib=256))
     metrics = WorkerMetrics("u")
     metrics.describe(cuda)
     assert _config_info(metrics)["cuda_graphs"] == "on"

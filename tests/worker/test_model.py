@@ -189,7 +189,7 @@ def test_short_chunks_are_scored_in_one_batch_exactly_as_one_request_at_a_time(
     lens, starts = [4, 1, 7], [60, 45, 83]
 
     def run(short_chunk: int) -> tuple[torch.Tensor, list[LayerTrace]]:
-        monkeypatch.setattr(model_mod, "_SHORT_CHUNK", short_chunk)
+        monkeypatch.setattr(model_mod, "SHORT_CHUNK", short_chunk)
         model, kv = make(name, seed=3)
         for slot, s in enumerate(starts):
             run_chunks(model, kv, random_tokens(s, seed=10 + slot), [s], slot=slot)

@@ -28,6 +28,7 @@ from services.worker.residency.policy import (
     reclaim_order,
     requests_to_reclaim,
 )
+from tests.worker.helpers import with_workspace
 
 # ---- policy ------------------------------------------------------------------------------
 
@@ -76,7 +77,7 @@ def make_kv(mode: str, pool_bytes: int, device: str = "cpu", **extra) -> KVCache
         host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K,
         residency=residency, device=device, **extra,
     )  # fmt: skip
-    return KVCache(preset_topology(NAME), cfg)
+    return KVCache(preset_topology(NAME), with_workspace(preset_topology(NAME), cfg))
 
 
 def adaptive_pool_bytes() -> int:

@@ -1,8 +1,10 @@
 """Puts an adopted session back into an engine: reads its manifest, seats its host regions in
 a free slot (rows stay in the arena; index keys and token rings are rebuilt, the hot cache
 refills on misses), and rebuilds the request — prompt, outputs, sampling parameters, generator
-state, text stream — as RUNNING with every token but the last already computed. Nothing of the
-prompt is recomputed: the next step decodes."""
+state, text stream — as RUNNING with the tokens its manifest names computed: every token but
+the last, and the next step decodes; or, for a session that died part-way through a chunked
+prefill (or a preempted request's recompute), a prefix, and its prefill continues from there.
+Nothing computed is recomputed."""
 
 from __future__ import annotations
 
@@ -45,8 +47,9 @@ def restore(
     now. Raises ``ValueError`` for a record that does not fit this engine."""
     if engine.has_request(rec.request_id):
         raise ValueError(f"request {rec.request_id!r} is already running here")
-    if rec.num_computed != len(rec.prompt_ids) + len(rec.output_ids) - 1:
-        raise ValueError("manifest counts disagree: computed tokens must be all but the last")
+    total = len(rec.prompt_ids) + len(rec.output_ids)
+    if not 0 < rec.num_computed < total:
+        raise ValueError("manifest counts disagree: computed tokens must be some but not all")
     if rec.ring_dtype and rec.ring_dtype != str(engine.kv.cfg.dtype):
         raise ValueError(f"session was served in {rec.ring_dtype}, this worker uses another")
     params = sampling_params(rec.params)
@@ -65,8 +68,9 @@ def restore(
     req.output_ids = list(rec.output_ids)
     req.arrival = now - max(0.0, time.time() - rec.arrival_s) if rec.arrival_s else now
     req.num_computed = rec.num_computed
-    req.admitted_time = req.first_token_time = now
-    req.resumed = True
+    req.admitted_time = now
+    req.first_token_time = now if rec.output_ids else None
+    req.resumed_tokens = rec.num_computed
     if not engine.resume(req, regions, rec.rings, version):
         return None
     return req

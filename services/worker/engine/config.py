@@ -33,7 +33,10 @@ class EngineConfig:
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
-    max_prefill_tokens: int = 16384
+    # Prefill tokens per step: a longer prompt, or a step's prompts together, run in chunks
+    # of the budget between decode steps; unchunked, each prompt runs whole.
+    max_prefill_tokens: int = 8192
+    chunked_prefill: bool = True
     top_k_rows: int | None = None  # override the indexer's k
     # Hierarchy modes: back up what a successor needs to resume each session after this process
     # dies (manifests, index keys, write-through of imported history). None: on in hierarchy
@@ -46,6 +49,14 @@ class EngineConfig:
             return False
         return True if self.durable_sessions is None else self.durable_sessions
 
+    @property
+    def pass_prefill_tokens(self) -> int:
+        """The most prompt tokens one pass computes for one request: a chunk, or unchunked a
+        whole prompt (shorter than the context)."""
+        if self.chunked_prefill:
+            return self.max_prefill_tokens
+        return max(self.max_prefill_tokens, self.max_model_len)
+
     def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
         block = self.speculation.block
         return KVCacheConfig(
@@ -55,7 +66,7 @@ class EngineConfig:
             max_slots=self.max_num_seqs,
             max_model_len=self.max_model_len,
             hot_cache_rows=self.hot_cache_rows,
-            max_prefill_tokens=self.max_prefill_tokens,
+            max_prefill_tokens=self.pass_prefill_tokens,
             host_arena_bytes=int(self.host_arena_mib * (1 << 20)) // 4096 * 4096,
             owner=self.owner,
             resolver=self.backend(self.resolver),

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from dhisparse.paths import resolve_path
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.kv_host_store.records import Region
 from services.worker.engine.config import EngineConfig
@@ -31,6 +32,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.transfers import readback, to_device
 from services.worker.model import DSAModel, load_model
+from services.worker.model.generation import eos_token_ids, token_ids
 from services.worker.model.io import DTYPES
 from services.worker.model.presets import PRESETS
 from services.worker.speculative.speculator import Speculator, make_drafter
@@ -61,7 +63,14 @@ class Engine:
             model.use_triton_attention()
         self.model = model
         self.model_cfg = model.cfg
-        self.tokenizer = tokenizer or load_tokenizer(None if cfg.model in PRESETS else cfg.model)
+        model_dir = None if cfg.model in PRESETS else resolve_path(cfg.model)
+        self.tokenizer = tokenizer or load_tokenizer(model_dir)
+        # Any of these ends a request: the model's, the tokenizer's, and those the checkpoint's
+        # config.json and generation_config.json list (GLM-5 names three).
+        self.eos_token_ids = frozenset(
+            {*token_ids(self.model_cfg.eos_token_id), self.tokenizer.eos_token_id}
+            | set(eos_token_ids(model_dir))
+        )
         self.device = torch.device(cfg.device)
         self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
         self.journal: Journal | None = None
@@ -72,6 +81,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
             manifest_bytes=self.journal.manifest_bytes if self.journal else None,
+            chunked=cfg.chunked_prefill,
         )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
@@ -198,8 +208,10 @@ class Engine:
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Runs one scheduling round: prefill of newly admitted requests and one decode token
-        for each running request. Returns the outputs of requests that progressed."""
+        """Runs one scheduling round: one pass over the step's prefill chunks (at most
+        ``max_prefill_tokens`` tokens), then one decode token (or verify round) for each
+        running request that has sampled. Returns the outputs of requests that emitted
+        tokens or finished; a chunk that does not end its prefill emits nothing."""
         if not self._maintained:  # else the last decode pass did it (``run_pass``)
             self.kv.maintain()
         self._maintained = False
@@ -222,9 +234,10 @@ class Engine:
                 self._finish(head, FinishReason.LENGTH, None)
                 outputs.append(head.output(text=head.text.finish()))
         if sched.prefill:
-            self.stats.prefill_tokens_computed += sum(r.num_tokens for r in sched.prefill)
+            self.stats.prefill_tokens_computed += sched.prefill_tokens
             t0 = time.perf_counter()
-            outputs.extend(self.run_pass(sched.prefill))
+            reqs, chunks = zip(*sched.prefill, strict=True)
+            outputs.extend(self.run_pass(list(reqs), list(chunks)))
             self.stats.prefill_s += time.perf_counter() - t0
         if sched.decode:
             self.stats.decode_steps += 1
@@ -247,10 +260,6 @@ class Engine:
     def max_model_len(self) -> int:
         return self.cfg.max_model_len
 
-    @property
-    def eos_token_id(self) -> int | None:
-        return self.model_cfg.eos_token_id
-
     def ensure_room(self, slot: int, num_tokens: int) -> bool:
         return self.kv.ensure(slot, num_tokens)
 
@@ -261,39 +270,48 @@ class Engine:
         return req.generator or self._default_gen
 
     @torch.no_grad()
-    def run_pass(self, reqs: list[Request]) -> list[RequestOutput]:
-        """One forward over each request's uncomputed tokens (a prefill, or one decode token),
-        then one sampled token per request."""
-        ids: list[int] = []
-        for r in reqs:
-            ids.extend(r.ids_from(r.num_computed))
+    def run_pass(self, reqs: list[Request], chunks: list[int] | None = None) -> list[RequestOutput]:
+        """One forward over each request's uncomputed tokens (one decode token each), or with
+        ``chunks`` a prefill pass over the next ``chunks[i]`` tokens of each; every token it
+        computes is committed. Each request whose pass reaches its newest token samples one
+        token; a prefill chunk that ends short of it samples nothing (its generator does not
+        advance) and has no output."""
         starts = [r.num_computed for r in reqs]
+        lens = chunks or [r.num_tokens - r.num_computed for r in reqs]
+        ends = [a + n for a, n in zip(starts, lens, strict=True)]
+        ids: list[int] = []
+        for r, a, e in zip(reqs, starts, ends, strict=True):
+            ids.extend(r.ids_from(a, e))
         batch = ForwardBatch.build(
             [r.slot for r in reqs],  # type: ignore[misc]
-            starts,
-            [r.num_tokens - r.num_computed for r in reqs],
-            self.device,
-        )
+            starts, lens, self.device, prefill=chunks is not None,
+        )  # fmt: skip
+        done = [i for i, (r, e) in enumerate(zip(reqs, ends, strict=True)) if e == r.num_tokens]
         tokens = to_device(ids, self.device)
         spec = self.speculator
         feats = spec.features() if spec is not None else None
-        if self.graphs is not None and batch.is_decode:
+        decode = batch.is_decode and not batch.prefill
+        if self.graphs is not None and decode:  # every request of a decode pass samples
             logits = self.graphs.logits(tokens, batch, feats)
         else:
             hidden = self.model(tokens, batch, self.kv, features=feats)
-            logits = self.model.logits(hidden[batch.last_token_index])  # [R, V]
-        self.kv.commit(batch, [r.num_tokens for r in reqs])
-        for r in reqs:
-            r.num_computed = r.num_tokens
+            last = batch.last_token_index
+            if len(done) < len(reqs):
+                last = last[to_device(done, self.device)]
+            logits = self.model.logits(hidden[last])  # [len(done), V]
+        self.kv.commit(batch, ends)
+        for r, e in zip(reqs, ends, strict=True):
+            r.num_computed = e
         if spec is not None:  # the drafter's context follows every committed position
             spec.follow(reqs, batch, starts, feats)
-        for i, r in enumerate(reqs):
-            r.ban_early_stops(logits[i : i + 1], self.model_cfg.eos_token_id)
+        sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
+        for j, r in enumerate(sampled):
+            r.ban_early_stops(logits[j : j + 1], self.eos_token_ids)
         # every greedy request's token in one argmax, read back in one copy
         greedy_ids = (
-            readback(logits.argmax(-1)) if any(r.params.greedy for r in reqs) else (lambda: [])
+            readback(logits.argmax(-1)) if any(r.params.greedy for r in sampled) else (lambda: [])
         )
-        if batch.is_decode and spec is None:
+        if decode and spec is None:
             # Between this pass and the next, while the device runs this one: copy
             # completions, reclaims and refills (adaptive mode). Their device work queues
             # after the tokens' copy, so it does not delay them.
@@ -301,10 +319,10 @@ class Engine:
             self._maintained = True
         greedy = greedy_ids()
         outs = []
-        for i, r in enumerate(reqs):
-            row = logits[i : i + 1]
+        for j, r in enumerate(sampled):
+            row = logits[j : j + 1]
             if r.params.greedy:
-                token = greedy[i]
+                token = greedy[j]
             else:
                 token = sample_token(row[0], r.params, self.generator(r))
             outs.append(self.emit(r, [token], row))
@@ -335,7 +353,7 @@ class Engine:
             req.output_ids.append(token)
             emitted.append(token)
             finish, stop_reason, delta = req.check_stop(
-                token, self.model_cfg.eos_token_id, self.cfg.max_model_len
+                token, self.eos_token_ids, self.cfg.max_model_len
             )
             text += delta
             if finish is not None:

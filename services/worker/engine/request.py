@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Collection
 from dataclasses import dataclass, field
 
 import torch
@@ -128,39 +129,50 @@ class Request:
     admitted_time: float | None = None  # first admission (allocation wait = this - arrival)
     first_token_time: float | None = None
     error: RequestError | None = None
-    resumed: bool = False  # adopted from a dead worker: its prompt was never computed here
+    # tokens adopted already computed from a dead worker (a resumed session): never computed here
+    resumed_tokens: int = 0
 
     @property
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.output_ids
 
-    def ids_from(self, start: int) -> list[int]:
-        """``all_ids[start:]`` without copying the whole history (a decode step reads one)."""
+    def ids_from(self, start: int, end: int | None = None) -> list[int]:
+        """``all_ids[start:end]`` without copying the whole history (a decode step reads one
+        token, a prefill chunk a slice of the prompt)."""
         n = len(self.prompt_ids)
-        if start >= n:
-            return self.output_ids[start - n :]
-        return self.prompt_ids[start:] + self.output_ids
+        if end is not None and end <= n:
+            return self.prompt_ids[start:end]
+        out = self.output_ids[max(0, start - n) : None if end is None else end - n]
+        return self.prompt_ids[start:] + out if start < n else out
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
 
-    def ban_early_stops(self, logits: torch.Tensor, eos_token_id: int) -> None:
-        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, EOS
-        and stop tokens cannot be sampled (in place)."""
+    @property
+    def prefilling(self) -> bool:
+        """Its next pass computes a prefill chunk, not a decode step: more than its newest token
+        is uncomputed (a prompt, or a preempted request's recompute), or it has sampled nothing
+        yet. A request's last chunk samples its first token; earlier chunks sample nothing."""
+        return self.num_tokens - self.num_computed > 1 or not self.output_ids
+
+    def ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
+        """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, the
+        EOS ids and stop tokens cannot be sampled (in place)."""
         p = self.params
         left = p.min_tokens - len(self.output_ids)
         if left <= 0:
             return
-        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else [eos_token_id])
+        banned = [*p.stop_token_ids] + ([] if p.ignore_eos else sorted(eos_token_ids))
         logits[:left, banned] = float("-inf")
 
     def check_stop(
-        self, token: int, eos_token_id: int, max_model_len: int
+        self, token: int, eos_token_ids: Collection[int], max_model_len: int
     ) -> tuple[FinishReason | None, str | int | None, str]:
-        """After ``token`` was appended: (finish reason or None, stop reason, text delta)."""
+        """After ``token`` was appended: (finish reason or None, stop reason, text delta).
+        Any of ``eos_token_ids`` ends the request (unless it ignores EOS)."""
         p = self.params
-        if token == eos_token_id and not p.ignore_eos:
+        if token in eos_token_ids and not p.ignore_eos:
             return FinishReason.STOP, None, self.text.finish()
         if token in p.stop_token_ids:
             return FinishReason.STOP, token, self.text.finish()
@@ -187,5 +199,5 @@ class Request:
             completion_tokens=len(self.output_ids),
             logprobs=logprobs,
             error=self.error,
-            cached_prompt_tokens=len(self.prompt_ids) if self.resumed else 0,
+            cached_prompt_tokens=min(self.resumed_tokens, len(self.prompt_ids)),
         )

@@ -1,8 +1,18 @@
-"""Continuous batching: requests join and leave between steps.
+"""Continuous batching with chunked prefill: requests join and leave between steps.
 
-Policy only (what runs next); the engine executes it. Waiting requests are admitted FIFO while a
-slot and KV room exist; running requests that cannot grow by one token preempt the most recently
-admitted running request, which returns to the head of the queue and is recomputed later."""
+Policy only (what runs next); the engine executes it. Every step runs one decode token of each
+running request that has sampled, and at most ``max_prefill_tokens`` prefill tokens in total:
+first the next chunk of each request whose prefill is under way (in admission order), then the
+first chunks of waiting requests, admitted FIFO while a slot and KV room exist. A long prompt
+therefore runs in chunks interleaved with the other requests' decode steps; only its last chunk
+samples a token. Budget goes to prefills in order, so only the last chunk of a step can leave
+its request part-way, and that request's prefill comes first in the next step.
+
+Running requests that cannot grow preempt the most recently admitted running request, which
+returns to the head of the queue and is recomputed from its first token later.
+
+Without ``chunked`` a prefill runs whole: waiting requests are admitted while their prompts fit
+the budget (the first always)."""
 
 from __future__ import annotations
 
@@ -10,18 +20,30 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from services.worker.engine.request import Request, Status
 from services.worker.kv.cache import KVCache
 from services.worker.kv.errors import HostStoreUnavailable
 
 
+class Chunk(NamedTuple):
+    """``tokens`` prefill tokens of ``req`` this step, ``all_ids[num_computed:][:tokens]``."""
+
+    req: Request
+    tokens: int
+
+
 @dataclass
 class ScheduleOutput:
-    prefill: list[Request] = field(default_factory=list)  # compute all_ids[num_computed:]
+    prefill: list[Chunk] = field(default_factory=list)  # in pass order
     decode: list[Request] = field(default_factory=list)  # compute the last token
     preempted: list[Request] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)  # could not be set up: why
+
+    @property
+    def prefill_tokens(self) -> int:
+        return sum(c.tokens for c in self.prefill)
 
 
 class Scheduler:
@@ -32,12 +54,17 @@ class Scheduler:
         max_prefill_tokens: int,
         max_model_len: int,
         manifest_bytes: Callable[[Request], int] | None = None,
+        chunked: bool = True,
     ) -> None:
-        """``manifest_bytes``: the manifest half a durable session needs (durable KV only)."""
+        """``manifest_bytes``: the manifest half a durable session needs (durable KV only).
+        ``kv.prefill_room`` bounds each prefill pass's device footprint (see there)."""
+        if max_prefill_tokens < 1:
+            raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.kv = kv
         self.manifest_bytes = manifest_bytes
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
+        self.chunked = chunked
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -78,34 +105,53 @@ class Scheduler:
         victim.status = Status.WAITING
         self.waiting.appendleft(victim)
         out.preempted.append(victim)
+        if victim in out.decode:
+            out.decode.remove(victim)
+        out.prefill = [c for c in out.prefill if c.req is not victim]
+
+    def _room(self, req: Request, num_tokens: int, out: ScheduleOutput) -> bool:
+        """KV room for ``req``'s first ``num_tokens`` tokens, preempting the most recently
+        admitted running requests while it is short; False when ``req`` itself went."""
+        assert req.slot is not None
+        while not self.kv.ensure(req.slot, num_tokens):
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is req:
+                return False
+        return True
 
     def schedule(self) -> ScheduleOutput:
         out = ScheduleOutput()
-        # 1. Running requests each add one token this step.
-        preempted: set[Request] = set()
+        # 1. Decoding requests each add one token.
         for req in list(self.running):
-            if req in preempted:
-                continue  # preempted below for an earlier request
-            assert req.slot is not None
-            while not self.kv.ensure(req.slot, req.num_tokens):
-                victim = self.running[-1]
-                self._preempt(victim, out)
-                preempted.add(victim)
-                if victim is req:
-                    break
-            if req not in preempted:
+            if req in self.running and not req.prefilling and self._room(req, req.num_tokens, out):
                 out.decode.append(req)
-        # 2. Admit waiting requests FIFO while a slot, KV room and prefill budget remain.
+        # 2. Prefills under way continue, oldest first, within the step's budget.
         budget = self.max_prefill_tokens
-        while self.waiting and self.free_slots:
+        room = self.kv.prefill_room
+        for req in list(self.running):
+            if budget == 0:
+                break
+            if req not in self.running or not req.prefilling:
+                continue
+            n = self._chunk(req, budget, room, bool(out.prefill))
+            if n == 0 or not self._room(req, req.num_computed + n, out):
+                continue
+            out.prefill.append(Chunk(req, n))
+            budget -= n
+            room = None if room is None else room - self._footprint(req, n)
+        # 3. Admit waiting requests FIFO while a slot, KV room and prefill budget remain.
+        while budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
-            n = req.num_tokens
-            if out.prefill and n > budget:
+            n = self._chunk(req, budget, room, bool(out.prefill))
+            if n == 0:
                 break
             slot = self.free_slots[-1]
             manifest = 0 if self.manifest_bytes is None else self.manifest_bytes(req)
             try:
-                admitted = self.kv.admit(slot, req.request_id, n, self._budget(req), manifest)
+                admitted = self.kv.admit(
+                    slot, req.request_id, req.num_tokens, self._budget(req), manifest
+                )
             except HostStoreUnavailable as e:  # fail fast; the engine reports it
                 self.waiting.popleft()
                 out.failed.append((req, str(e)))
@@ -118,14 +164,33 @@ class Scheduler:
             if req.admitted_time is None:
                 req.admitted_time = time.monotonic()  # allocation wait ends
             self.running.append(req)
-            out.prefill.append(req)
+            out.prefill.append(Chunk(req, n))
             budget -= n
+            room = None if room is None else room - n
         # read in adaptive mode only
         self.kv.note_queue(self._budget(r) for r in self.waiting)
         self.kv.note_horizons(
             lambda: [(r.slot, self._budget(r) - r.num_tokens) for r in self.running]
         )
         return out
+
+    def _footprint(self, req: Request, tokens: int) -> int:
+        """What a chunk of ``tokens`` holds of ``kv.prefill_room``: its tokens and the computed
+        prefix of its request."""
+        return req.num_computed + tokens
+
+    def _chunk(self, req: Request, budget: int, room: int | None, shared: bool) -> int:
+        """Tokens of ``req``'s next chunk with ``budget`` prefill tokens and ``room`` left this
+        step (``shared``: other chunks already run in it); 0: none this step. Unchunked, a
+        prefill runs whole, alone when it exceeds the budget."""
+        left = req.num_tokens - req.num_computed
+        if room is not None:
+            room -= req.num_computed
+        if not self.chunked:
+            if (shared and left > budget) or (room is not None and left > room):
+                return 0
+            return left
+        return max(0, min(left, budget, left if room is None else room))
 
     def _budget(self, req: Request) -> int:
         """The most tokens a request may ever hold: what its admission reserves for."""

@@ -26,16 +26,24 @@ def hot_rows(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     return -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
 
 
+def prefill_scratch_tokens(cfg: KVCacheConfig) -> int:
+    """Tokens of prefill scratch: a prefill pass's chunks (at most ``max_prefill_tokens``)
+    with the computed prefixes of the prefills it continues, and a prompt's whole prefix
+    (shorter than the context) beside its last chunk (``prefill.py``, ``Prefixes.room``)."""
+    return max(cfg.max_prefill_tokens, cfg.max_model_len)
+
+
 def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     """Allocations of a hierarchy mode that do not grow with sessions: token rings, prefill
-    scratch, hot-cache metadata and staging (index keys and pages excluded)."""
+    scratch, hot-cache metadata and staging (index keys and pages excluded; so is the
+    index-score workspace every mode holds, ``kv.workspace``)."""
     esize = torch.empty((), dtype=cfg.dtype).element_size()
     rings = 0
     for src in model_cfg.sources:
         if src.window > 0 or src.compress > 1:
             rows = max(src.window, src.compress) + cfg.ring_extra
             rings += cfg.max_slots * rows * model_cfg.d_kv * esize
-    scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
+    scratch_tokens = prefill_scratch_tokens(cfg)
     b = hot_rows(model_cfg, cfg)
     return (
         rings
@@ -51,13 +59,13 @@ def build_hierarchy(
     fixed_other: int,
 ) -> tuple[HierarchyPayload, HostBackups, LocalHostStore | None]:
     """(payload, host backups, the private store if one was made). ``fixed_other``: device
-    bytes already spoken for (token rings; index keys take pages of the pool). ``host``: the
-    node's (store, arena mapping); None makes a private arena."""
+    bytes already spoken for (token rings, the index-score workspace; index keys take pages of
+    the pool). ``host``: the node's (store, arena mapping); None makes a private arena."""
     esize = torch.empty((), dtype=cfg.dtype).element_size()
     p = cfg.page_size
     b = hot_rows(model_cfg, cfg)
     ring = tail_rows(p, cfg.ring_extra)
-    scratch_tokens = max(cfg.max_prefill_tokens, cfg.max_model_len)
+    scratch_tokens = prefill_scratch_tokens(cfg)
     fixed = fixed_other + fixed_bytes(
         model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, esize
     )

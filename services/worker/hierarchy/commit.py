@@ -32,8 +32,10 @@ def commit_pass(
     deferred), and the newest rows stay in the tail ring.
 
     Decode and verify passes (the common case) back up every request's and source's rows in
-    one scatter, ``keep`` = ``all_rows`` when every row they wrote is committed; a prefill
-    chunk takes the per-request path (optional history, ring)."""
+    one scatter, ``keep`` = ``all_rows`` when every row they wrote is committed; a chunk in
+    scratch, and with ``residency`` an imported chunk, takes the per-request path (optional
+    history, ring). A prefill pass's plans span each request's rows from 0 (``prefill.py``):
+    what it commits starts where its chunk does."""
     batch = state.batch
     assert batch is not None, "begin() the pass first"
     slots = list(batch.slot_ids)
@@ -44,10 +46,10 @@ def commit_pass(
         committed = [cfg.rows_for_tokens(s, n) for n in num_tokens]
         whole = whole and committed == plan.hi
         for r, slot in enumerate(slots):
-            lo, new = plan.lo[r], committed[r]
+            lo, new = cfg.rows_for_tokens(s, batch.starts[r]), committed[r]
             if new <= lo:
                 continue
-            if plan.scratch[r] or (residency is not None and batch.starts[r] == 0):
+            if plan.scratch[r] or (residency is not None and batch.imports(r)):
                 whole = False
                 _commit_chunk(store, state, residency, r, s, (lo, new))
             else:
@@ -90,7 +92,7 @@ def _commit_chunk(
         return geo.direct(rows, torch.full_like(rows, r), batch.slots, plan)[1]
 
     backup = [(lo, new)]
-    if residency is not None and batch.starts[r] == 0:  # imported history
+    if residency is not None and batch.imports(r):  # imported history
         backup = residency.keep_imported(slot, s, lo, new, rows_at)
     for a, b in backup:
         store.host.write(slot, s, a, store.rows[rows_at(a, b)])

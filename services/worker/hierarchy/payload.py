@@ -21,6 +21,7 @@ from services.worker.hierarchy import tail
 from services.worker.hierarchy.commit import commit_pass
 from services.worker.hierarchy.device_store import DeviceStore
 from services.worker.hierarchy.plan import PlannedAhead, Planner
+from services.worker.hierarchy.prefill import Prefixes
 from services.worker.hierarchy.resolver import Census
 from services.worker.hierarchy.selection import Selections
 from services.worker.kv.batch import ForwardBatch
@@ -54,6 +55,7 @@ class HierarchyPayload:
         self.store = store
         self.device = store.device
         self.planner = Planner(cfg, store.tail, [g.scratch for g in store.geo], self.device)
+        self.prefixes = Prefixes(cfg, store)
         slot_index = torch.full((shape.max_slots,), -1, dtype=torch.int64, device=self.device)
         self.pass_state = PassState(slot_index=slot_index)
         self.selections = Selections(store, self.pass_state)
@@ -149,6 +151,7 @@ class HierarchyPayload:
 
     def _seat(self, slot: int, committed: list[int]) -> None:
         self.store.seat(slot, committed)
+        self.prefixes.forget(slot)
         self._epoch += 1
         if self.residency is not None:
             self.residency.on_admit(slot, [0] * self.store.num_sources)
@@ -158,6 +161,7 @@ class HierarchyPayload:
             self.residency.release(slot)
         self.store.unseat(slot)
         self.store.host.release(slot)
+        self.prefixes.forget(slot)
         self._epoch += 1
 
     # ---- between steps ----------------------------------------------------------------------
@@ -184,12 +188,22 @@ class HierarchyPayload:
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
         self.selections.begin()
-        nxt, self._next = self._next, None
-        if nxt is not None and nxt.matches(batch, self._epoch):
+        nxt = self._next
+        if nxt is not None and not batch.prefill and nxt.matches(batch, self._epoch):
+            self._next = None
             self.store.tail_hi.update(nxt.host.ring_hi)
             self.pass_state.begin(batch, nxt.plans, nxt.packed, nxt.host.index)
+            return
+        if nxt is not None and not set(nxt.slots).isdisjoint(batch.slot_ids):
+            self._next = None  # a pass of other slots (a prefill) leaves it valid
+        if batch.prefill:
+            self.pass_state.begin(batch, *self.prefixes.plan(batch))
         else:
             self.pass_state.begin(batch, *self.planner.plan(batch, self.store.tail_hi))
+
+    @property
+    def prefill_room(self) -> int:
+        return self.prefixes.room
 
     def pool(self, source: int) -> torch.Tensor:
         return self.store.rows
@@ -226,7 +240,9 @@ class HierarchyPayload:
         commit_pass(
             self.cfg, self.store, self.pass_state, self.residency, num_tokens, self.all_rows
         )
-        if batch.is_decode and list(num_tokens) == batch.ends():
+        if batch.prefill:
+            self.prefixes.committed(batch)
+        elif batch.is_decode and list(num_tokens) == batch.ends():
             # Most decode passes are followed by the same batch one token on: plan it now,
             # while the device runs this one, so the next launch does not wait for planning.
             self._next = self.planner.ahead(batch, self.store.tail_hi, self._epoch)

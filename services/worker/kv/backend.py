@@ -31,7 +31,15 @@ class PayloadBackend(Protocol):
 
     # ---- a forward pass ---------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
-        """Plans where this pass's new rows go; called before the model writes any."""
+        """Plans where this pass's new rows go; called before the model writes any. A prefill
+        chunk that continues its request's prefill (``batch.prefill``, start > 0) sees the
+        rows of the request's earlier chunks as an unchunked prefill sees its own."""
+
+    @property
+    def prefill_room(self) -> int | None:
+        """The most tokens one prefill pass may hold on the device beyond the rows' own
+        places: its chunks, and the computed prefix of each request a chunk continues; None:
+        no bound (rows are written where they live)."""
 
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor

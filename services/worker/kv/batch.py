@@ -15,7 +15,11 @@ from services.worker.kv.transfers import to_device
 class ForwardBatch:
     """Request i of the batch occupies engine slot ``slots[i]``, already has ``starts[i]`` tokens
     in its KV state and adds ``lens[i]`` tokens at positions ``starts[i] ..``. Prefill, decode
-    (lens all 1) and speculative verification (lens = K_r) are all such chunks."""
+    (lens all 1) and speculative verification (lens = K_r) are all such chunks.
+
+    ``prefill``: every chunk is a prefill chunk, rows of its request's imported history (its
+    prompt, or a preempted request's recompute); one with ``starts[i] > 0`` continues a prefill
+    whose earlier chunks ran in earlier passes."""
 
     slots: torch.Tensor  # [R] int64
     starts: tuple[int, ...]
@@ -26,10 +30,15 @@ class ForwardBatch:
     cu_lens: torch.Tensor  # [R + 1] int64
     starts_t: torch.Tensor  # [R] int64
     slot_ids: tuple[int, ...] = ()  # ``slots`` on the host: reading it never waits for the GPU
+    prefill: bool = False
 
     @staticmethod
     def build(
-        slots: list[int], starts: list[int], lens: list[int], device: torch.device | str
+        slots: list[int],
+        starts: list[int],
+        lens: list[int],
+        device: torch.device | str,
+        prefill: bool = False,
     ) -> ForwardBatch:
         if not (len(slots) == len(starts) == len(lens)) or not slots:
             raise ValueError("a batch needs one slot, start and length per request")
@@ -42,7 +51,7 @@ class ForwardBatch:
             return ForwardBatch(
                 slots=slots_d, starts=tuple(starts), lens=tuple(lens), positions=starts_d,
                 token_req=cu_d[:r], token_slot=slots_d, cu_lens=cu_d, starts_t=starts_d,
-                slot_ids=tuple(slots),
+                slot_ids=tuple(slots), prefill=prefill,
             )  # fmt: skip
         lens_t, starts_t = torch.tensor(lens), torch.tensor(starts)
         token_req = torch.repeat_interleave(torch.arange(r), lens_t)
@@ -58,8 +67,13 @@ class ForwardBatch:
         return ForwardBatch(
             slots=parts[0], starts=tuple(starts), lens=tuple(lens), positions=parts[3],
             token_req=parts[4], token_slot=parts[5], cu_lens=parts[2], starts_t=parts[1],
-            slot_ids=tuple(slots),
+            slot_ids=tuple(slots), prefill=prefill,
         )  # fmt: skip
+
+    def imports(self, r: int) -> bool:
+        """Whether request r's chunk is imported history: a prefill chunk, or any chunk that
+        starts a request's rows (decode steps and verify rounds never do)."""
+        return self.prefill or self.starts[r] == 0
 
     @property
     def num_requests(self) -> int:

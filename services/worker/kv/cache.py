@@ -19,6 +19,7 @@ from services.worker.kv.index_keys import IndexKeys
 from services.worker.kv.pass_state import PassState
 from services.worker.kv.resident import ResidentPayload
 from services.worker.kv.token_ring import TokenRing
+from services.worker.kv.workspace import workspace_bytes
 from services.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -62,29 +63,36 @@ class KVCache:
         # durable sessions: keys, manifest and ring snapshots (hierarchy)
         self.sessions: SessionBackup | None = None
         rings = sum(r.nbytes for r in self.rings.values())
+        # held for the passes' index scoring (on a GPU): see ``kv/workspace.py``
+        self.workspace = workspace_bytes(model_cfg, cfg)
+        fixed = rings + self.workspace
         args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
         if cfg.mode == "resident":
             per_token = bytes_per_token(model_cfg, esize, payload=True)
-            if rings >= cfg.kv_pool_bytes:
-                raise ValueError(f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the token rings")
-            self.tokens_capacity = int((cfg.kv_pool_bytes - rings) // per_token)
+            if fixed >= cfg.kv_pool_bytes:
+                raise ValueError(
+                    f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the token rings and the "
+                    f"index-score workspace ({fixed} B): enlarge the pool or lower "
+                    "max_num_seqs, max_model_len or max_prefill_tokens"
+                )
+            self.tokens_capacity = int((cfg.kv_pool_bytes - fixed) // per_token)
             self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
             self.payload: PayloadBackend = ResidentPayload(model_cfg, self.tokens_capacity, *args)
         else:
             # Index keys borrow pages of the payload's pool: one budget for everything (eq. 3).
-            self.payload = self._hierarchy(host, rings, args)
+            self.payload = self._hierarchy(host, fixed, args)
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
         self._ensured: dict[int, int] = {}  # slot -> tokens it holds without new pages
 
     def _hierarchy(
-        self, host: tuple[RegionStore, ArenaMapping] | None, rings: int, args: tuple
+        self, host: tuple[RegionStore, ArenaMapping] | None, fixed: int, args: tuple
     ) -> PayloadBackend:
         from services.worker.hierarchy.build import build_hierarchy
         from services.worker.hierarchy.session import SessionBackup
 
         payload, self.host_backups, self._local_store = build_hierarchy(
-            self.model_cfg, self.cfg, host, rings
+            self.model_cfg, self.cfg, host, fixed
         )
         shared = payload.store.shared_pages()
         self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=shared)
@@ -230,6 +238,12 @@ class KVCache:
     def begin(self, batch: ForwardBatch) -> None:
         self.payload.begin(batch)
 
+    @property
+    def prefill_room(self) -> int | None:
+        """See ``PayloadBackend.prefill_room``: the scheduler keeps every prefill pass within
+        it."""
+        return self.payload.prefill_room
+
     def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
         """See ``PayloadBackend.reserve_graph_workspace``."""
         self.payload.reserve_graph_workspace(stream, tokens, max_batch)
@@ -279,20 +293,22 @@ class KVCache:
         self.payload.check()
 
     def memory(self) -> MemoryUsage:
-        """The pool by class (eq. 3). Fixed allocations (rings, prefill scratch, metadata) and
-        index keys in use count as required (in the hierarchy modes, as pages of the pool)."""
+        """The pool by class (eq. 3). Fixed allocations (rings, the index-score workspace,
+        prefill scratch, metadata) and index keys in use count as required (in the hierarchy
+        modes, as pages of the pool)."""
         required, optional, reserve = self.payload.memory(len(self._admitted))
         keys = 0 if self.keys_shared else self.index_keys.used_bytes  # else in the page pool
         rings = sum(r.nbytes for r in self.rings.values())
-        required += keys + rings
+        required += keys + rings + self.workspace
         capacity = self.cfg.kv_pool_bytes
         free = max(0, capacity - required - optional - reserve)
         return MemoryUsage(capacity, required, optional, reserve, free)
 
     def fixed_bytes(self) -> int:
-        """Allocations that do not grow with sessions (rings, scratch, metadata, staging)."""
+        """Allocations that do not grow with sessions (rings, the index-score workspace,
+        scratch, metadata, staging)."""
         rings = sum(r.nbytes for r in self.rings.values())
-        return rings + self.payload.fixed_bytes()
+        return rings + self.workspace + self.payload.fixed_bytes()
 
     def layout(self) -> dict:
         """The KV geometry, for exact admission sizing at the gateway."""

@@ -33,7 +33,9 @@ class KVCacheConfig:
     max_model_len: int = 8192
     ring_extra: int = 8  # verification block rows kept beyond window/group/page (K_max)
     hot_cache_rows: int | None = None  # B (hierarchy modes); default 2k
-    max_prefill_tokens: int = 16384  # sizes the hierarchy's prefill scratch
+    # the most prefill tokens one pass computes, and one request's chunk: sizes the
+    # hierarchy's prefill scratch (with max_model_len) and the index-score workspace
+    max_prefill_tokens: int = 8192
     host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton

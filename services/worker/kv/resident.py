@@ -39,6 +39,10 @@ class ResidentPayload(PagedGroup):
     def begin(self, batch: ForwardBatch) -> None:
         self.pass_state.begin(batch, [], None, ())
 
+    @property
+    def prefill_room(self) -> None:
+        return None  # every row is written to its page: a chunk reads its prefix there
+
     def prefetch(
         self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
     ) -> None:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from services.worker.model.config import LayerSpec, ModelConfig, SourceSpec
-from services.worker.model.rotary import RopeSpec
+from services.worker.model.rope_spec import RopeSpec
 
 Family = Literal["deepseek_v32", "glm_moe_dsa"]
 

@@ -4,50 +4,68 @@ scales: ``checkpoint``), copied tensor by tensor into a model built without init
 
 from __future__ import annotations
 
-import json
+from dataclasses import replace
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.config import ModelConfig
 from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
+from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
 from services.worker.model.loader import load_into
 from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
 
-CONFIG_FILE = "config.json"
+__all__ = [
+    "first_layers",
+    "hf_family",
+    "is_hf_model_dir",
+    "later_layers",
+    "load_hf_model",
+    "read_config",
+]
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def read_config(path: str | Path) -> dict[str, Any]:
-    return json.loads((Path(path) / CONFIG_FILE).read_text())
+def first_layers(cfg: MLAConfig, n: int) -> MLAConfig:
+    """The model made of ``cfg``'s first ``n`` layers (no MTP layer): what ``load_hf_model``
+    builds for ``layers=n``."""
+    if not 1 <= n <= cfg.num_layers:
+        raise ConfigError(f"{n} layers asked of a model with {cfg.num_layers}")
+    return replace(
+        cfg,
+        num_layers=n,
+        indexer_types=cfg.indexer_types[:n],
+        mlp_types=cfg.mlp_types[:n],
+        mtp_layers=0,
+    )
 
 
-def is_hf_model_dir(path: str | Path) -> bool:
-    """A directory whose config.json names a ``model_type`` (the home-made format has none)."""
-    p = Path(path) / CONFIG_FILE
-    return p.exists() and "model_type" in json.loads(p.read_text())
-
-
-def model_name(path: str | Path, raw: dict[str, Any]) -> str:
-    return str(raw.get("_name_or_path") or Path(path).resolve().name)
-
-
-def hf_family(path: str | Path) -> tuple[MLAConfig, ModelConfig]:
-    """(the model's math, the engine's topology) of a model directory."""
-    raw = read_config(path)
-    cfg = parse_config(raw)
-    return cfg, topology(cfg, model_name(path, raw))
+def later_layers(cfg: MLAConfig, n: int) -> dict[str, str]:
+    """{regex: why} of the checkpoint tensors of the layers past the first ``n`` (the main
+    layers after them and the MTP layers), which a model of the first ``n`` does not read."""
+    later = range(n, cfg.num_layers + cfg.mtp_layers)
+    if not later:
+        return {}
+    return {rf"model\.layers\.({'|'.join(map(str, later))})\.": f"layers past the first {n}"}
 
 
 def load_hf_model(
-    path: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype | None = None
+    path: str | Path,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    layers: int | None = None,
 ) -> MLADecoder:
-    """The model of a directory, in ``dtype`` (default: config.json's) on ``device``. Raises
-    ConfigError / CheckpointError (both ValueError) naming what is unsupported or missing."""
+    """The model of a directory, in ``dtype`` (default: config.json's) on ``device``; with
+    ``layers``, its first ``layers`` layers only (final norm and lm_head kept; the tensors of
+    the other layers are not read). Raises ConfigError / CheckpointError (both ValueError)
+    naming what is unsupported or missing."""
     raw = read_config(path)
     cfg = parse_config(raw)
+    ignore: dict[str, str] = {}
+    if layers is not None:
+        ignore = later_layers(cfg, layers)
+        cfg = first_layers(cfg, layers)
     if dtype is None:
         if cfg.dtype not in _DTYPES:
             raise ConfigError(f"config.json: dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
@@ -57,5 +75,6 @@ def load_hf_model(
     model.to_empty(device=device)
     model.cast(dtype)
     ckpt = Checkpoint(path, raw.get("quantization_config"))
-    load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=dict(ignored_patterns(cfg)))
+    ignore |= dict(ignored_patterns(cfg))
+    load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
     return model.eval()

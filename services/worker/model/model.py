@@ -11,18 +11,13 @@ from torch import nn
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.token_ring import ExtendedRows
+from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
 from services.worker.model.layers import RMSNorm, SwiGLU
 from services.worker.model.rotary import Rotary
 from services.worker.ops import index_scores, select_topk, sparse_attention_ref
-
-# Prefill queries scored against a request's keys per block, bounding the [T, S] score matrix.
-_SCORE_BLOCK = 512
-# Chunks this short (verify rounds: K_r queries per request) are scored for all requests in
-# one batched product instead of a loop over requests.
-_SHORT_CHUNK = 16
 
 
 def key_rows(rows: int) -> int:
@@ -114,6 +109,7 @@ class SparseDecoder(nn.Module):
         trace: list[LayerTrace] | None = None,
         features: dict[int, torch.Tensor] | None = None,
         begin: bool = True,
+        selections: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
@@ -121,7 +117,9 @@ class SparseDecoder(nn.Module):
         then ``kv.commit``s the tokens that are final. ``features``: for each layer index it
         names, filled with that layer's output hidden states [N, d_model] (the target features
         a DFlash-style drafter is conditioned on). ``begin=False``: the caller already began the
-        pass on ``kv`` (host-side planning that a captured graph cannot hold)."""
+        pass on ``kv`` (host-side planning that a captured graph cannot hold). ``selections``:
+        filled with every layer's selected row positions [N, k] (-1 pads; a follower's are its
+        leader's), without the gathered rows a ``trace`` keeps."""
         if begin:
             kv.begin(batch)
         h = self.embed(input_ids)
@@ -131,6 +129,8 @@ class SparseDecoder(nn.Module):
             h = h + layer.mlp(layer.mlp_norm(h))
             if features is not None and i in features:
                 features[i] = h
+        if selections is not None:
+            selections.update(st.selection)
         return self.norm(h)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -232,7 +232,7 @@ class SparseDecoder(nn.Module):
         if batch.is_decode:
             keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends) // m))
             return select_topk(index_scores(q, w, keys), num_visible, k)
-        if max(batch.lens) <= _SHORT_CHUNK:  # verify rounds: every request at once
+        if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
             # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
             width = key_rows(max(ends) // m)
             scores = self._short_chunk_scores(i, q, w, batch, kv, num_visible, width)
@@ -244,8 +244,8 @@ class SparseDecoder(nn.Module):
             keys = kv.index_keys.gather(
                 i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r] // m
             )[0]
-            for c in range(a, b, _SCORE_BLOCK):
-                e = min(b, c + _SCORE_BLOCK)
+            for c in range(a, b, SCORE_BLOCK):
+                e = min(b, c + SCORE_BLOCK)
                 out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys), num_visible[c:e], k)
         return out
 

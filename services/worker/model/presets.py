@@ -10,19 +10,16 @@ A preset's definition is one of two kinds:
   released family has yet (shared Reuse / Reindex sources, compression: ``tiny-dsv4``), for
   the IndexShare fixture ``training.target`` trains (``tiny-indexshare``), and ``glm-10m``.
 
-This module is pure Python: the capacity model and the gateway import it without torch. A real
-family's topology is derived by ``hf_config``, which imports torch when asked for it."""
+This module is pure Python: the capacity model and the gateway import it without torch."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from services.worker.model.config import LayerSpec, ModelConfig, SourceSpec
-
-if TYPE_CHECKING:
-    from services.worker.model.hf_config import MLAConfig
+from services.worker.model.hf_config import MLAConfig, parse_config, topology
 
 # The byte tokenizer's ids (dhisparse.tokenizer.byte_level): 256 bytes and 8 special tokens.
 BYTE_VOCAB = 264
@@ -41,10 +38,8 @@ class FamilyPreset:
     mask_token_id: int
 
     def parse(self) -> tuple[MLAConfig, ModelConfig]:
-        """(the model's math, the engine's topology), as ``hf_io.hf_family`` reads them from a
-        model directory. Imports torch (through hf_config)."""
-        from services.worker.model.hf_config import parse_config, topology
-
+        """(the model's math, the engine's topology), as ``hf_dir.hf_family`` reads them from a
+        model directory."""
         cfg = parse_config(self.config)
         return cfg, replace(topology(cfg, self.name), mask_token_id=self.mask_token_id)
 

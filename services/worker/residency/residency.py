@@ -168,11 +168,11 @@ class Residency:
     def keep_imported(
         self, slot: int, source: int, lo: int, hi: int, rows_at: Callable[[int, int], torch.Tensor]
     ) -> list[tuple[int, int]]:
-        """After a prefill pass wrote rows [lo, hi) of ``source``: keeps its complete pages on
-        the device while there is room (their host backup is deferred) and returns the row
-        ranges that are *not* kept, which the caller backs up now — all of [lo, hi) with
-        ``write_through``. ``rows_at(start, end)`` gives the device locations of rows the
-        pass wrote."""
+        """After a prefill pass wrote rows [lo, hi) of ``source`` (rows below lo: its earlier
+        chunks, committed): keeps the complete pages within [lo, hi) on the device while there
+        is room (their host backup is deferred) and returns the row ranges that are *not* kept,
+        which the caller backs up now — all of [lo, hi) with ``write_through``.
+        ``rows_at(start, end)`` gives the device locations of rows the pass wrote."""
         p = self.store.page
         oid = self.history.current_id(slot)
         owner = self.history.owner(oid)
@@ -194,8 +194,11 @@ class Residency:
             cursor = b
         if cursor < hi:
             rest.append((cursor, hi))
-        for a, b in rest:  # complete pages the caller backs up now: candidates for refill
-            owner.wanted.extend(page_key(source, index) for index in range(-(-a // p), b // p))
+        # Complete pages the caller backs up now are candidates for refill: with a page an
+        # earlier chunk of this prefill began (its rows are backed up), and which this one
+        # completes.
+        for a, b in rest:
+            owner.wanted.extend(page_key(source, index) for index in range(a // p, b // p))
         return [(lo, hi)] if self.write_through else rest
 
     # ---- between steps ----------------------------------------------------------------------

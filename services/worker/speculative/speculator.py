@@ -137,7 +137,7 @@ class Speculator:
         logits = eng.forward_logits(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
         for r, req in enumerate(reqs):
-            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_id)
+            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_ids)
         verified = logits
         if passed != widths:  # each request's first K_r rows
             rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]

@@ -17,8 +17,7 @@ class Target(Protocol):
     @property
     def max_model_len(self) -> int: ...
 
-    @property
-    def eos_token_id(self) -> int | None: ...
+    eos_token_ids: frozenset[int]  # any of them ends a request
 
     def run_pass(self, reqs: list[Request]) -> list[RequestOutput]:
         """A plain pass: one forward over each request's uncomputed tokens (one, when decoding)

@@ -1,0 +1,151 @@
+"""The chat formatter: messages and template arguments to prompt text and token ids, one
+interface over a model's Jinja chat template and DeepSeek-V3.2's Python format, chosen from
+the model directory by ``chat_formatter``."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from dhisparse.tokenizer.base import Tokenizer
+from dhisparse.tokenizer.chat import ChatTemplateError, render_chat
+from dhisparse.tokenizer.encoding_dsv32 import ThinkingMode, encode_messages
+from dhisparse.tokenizer.hf_files import model_type
+
+Messages = Sequence[Mapping[str, Any]]
+Tools = Sequence[Mapping[str, Any]] | None
+
+# model_type values whose chat format is code rather than a template.
+DEEPSEEK_V32 = "deepseek_v32"
+
+
+class ChatFormatter(ABC):
+    """Renders a chat for the model. ``kwargs`` are the template arguments a request passes
+    (vLLM's ``chat_template_kwargs``: ``enable_thinking``, ``reasoning_effort``, ...; any name,
+    unknown ones ignored). The prompt carries its own BOS and special tokens: it is tokenized
+    without adding any. A chat the model's format cannot render is a ``ChatTemplateError``."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+
+    @abstractmethod
+    def render(
+        self,
+        messages: Messages,
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools = None,
+        **kwargs: Any,
+    ) -> str: ...
+
+    def encode(
+        self,
+        messages: Messages,
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """``render``'s prompt as token ids."""
+        text = self.render(
+            messages, add_generation_prompt=add_generation_prompt, tools=tools, **kwargs
+        )
+        return self.tokenizer.encode(text)
+
+
+class TemplateFormatter(ChatFormatter):
+    """The tokenizer's Jinja chat templates, rendered as transformers' ``apply_chat_template``
+    renders them: the special tokens as variables (a keyword overrides one), the "tool_use"
+    template when tools are given and the model names one, else "default"."""
+
+    def render(
+        self,
+        messages: Messages,
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools = None,
+        **kwargs: Any,
+    ) -> str:
+        variables = {**self.tokenizer.special_tokens, **kwargs}
+        return render_chat(
+            self._template(tools), messages, add_generation_prompt, tools=tools, **variables
+        )
+
+    def _template(self, tools: Tools) -> str:
+        templates = self.tokenizer.chat_templates
+        if tools is not None and "tool_use" in templates:
+            return templates["tool_use"]
+        if "default" in templates:
+            return templates["default"]
+        if templates:
+            raise ChatTemplateError(
+                f"the model has chat templates {sorted(templates)} and none is the default"
+            )
+        return ""  # render_chat refuses: the model has no template
+
+
+class DeepseekV32Formatter(ChatFormatter):
+    """DeepSeek-V3.2's format (``encoding_dsv32``). Thinking mode is on when ``thinking`` or
+    ``enable_thinking`` is true (vLLM's names; ``thinking_mode`` "chat" or "thinking" names
+    it outright), off by default. ``tools`` join the leading system message (one is added when
+    the chat has none). Reasoning of earlier turns is dropped once a new user turn follows, as
+    vLLM does; ``drop_thinking`` decides it outright. The format opens the assistant's turn
+    after every user turn, so ``add_generation_prompt`` changes nothing."""
+
+    def render(
+        self,
+        messages: Messages,
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools = None,
+        **kwargs: Any,
+    ) -> str:
+        if not messages:
+            raise ChatTemplateError("the chat has no messages")
+        if any(not isinstance(m, Mapping) for m in messages):
+            raise ChatTemplateError("each message must be an object")
+        chat = [dict(m) for m in messages]
+        if tools:
+            if chat[0].get("role") != "system":
+                chat.insert(0, {"role": "system", "content": ""})
+            chat[0]["tools"] = list(tools)
+        drop = _flag(kwargs, "drop_thinking")
+        return encode_messages(
+            chat,
+            _thinking_mode(kwargs),
+            drop_thinking=chat[-1].get("role") == "user" if drop is None else drop,
+        )
+
+
+def _flag(kwargs: Mapping[str, Any], name: str) -> bool | None:
+    value = kwargs.get(name)
+    if value is not None and not isinstance(value, bool):
+        raise ChatTemplateError(f"{name} must be true or false, got {value!r}")
+    return value
+
+
+def _thinking_mode(kwargs: Mapping[str, Any]) -> ThinkingMode:
+    mode = kwargs.get("thinking_mode")
+    if mode is not None:
+        if mode not in ("chat", "thinking"):
+            raise ChatTemplateError(f"thinking_mode must be chat or thinking, got {mode!r}")
+        return mode
+    thinking = _flag(kwargs, "thinking") or _flag(kwargs, "enable_thinking")
+    return "thinking" if thinking else "chat"
+
+
+def chat_formatter(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> ChatFormatter:
+    """The formatter for the model in ``model_dir`` (None: a preset, the tokenizer's own
+    template): its chat template when it ships one; DeepSeek-V3.2's format for a
+    ``deepseek_v32`` model without one; else a template formatter that refuses every chat."""
+    if tokenizer.chat_templates:
+        return TemplateFormatter(tokenizer)
+    if model_dir is not None and model_type(Path(model_dir)) == DEEPSEEK_V32:
+        return DeepseekV32Formatter(tokenizer)
+    return TemplateFormatter(tokenizer)
