@@ -5,8 +5,9 @@ drafter and width policy vs concurrency, against no speculation.
 
 Target: ``--model`` (default the shipped ``models/glm-10m``) in ``adaptive`` mode with the
 drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
-held-out files. With ``--model tiny-glm --drafter-dir bench/drafters/tiny-glm`` it runs the random
-target with drafters trained on its own greedy text, prompts being its greedy continuations.
+held-out files. With ``--model tiny-indexshare --drafter-dir bench/drafters/tiny-indexshare``
+it runs the random target with drafters trained on its own greedy text, prompts being its
+greedy continuations.
 For each concurrency C, C clients each keep one request of ``--decode-tokens`` greedy tokens
 in flight, replacing it when it finishes (closed loop, ``--requests-per-client`` each); every
 configuration first runs one request per client on the same engine (warm kernels, and the

@@ -17,7 +17,7 @@ from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir
-from services.worker.model.presets import PRESETS
+from services.worker.model.presets import PRESETS, preset_topology
 
 # ---- GLM-5.3 (DESIGN §6; paper §3.4, Table 1) ---------------------------------------------------
 GLM53_PAYLOAD_LAYERS = 78
@@ -218,7 +218,7 @@ def get_profile(name: str, *, kv_dtype_bytes: int | None = None) -> Profile:
             )
         return BUILTIN[name]()
     if name in PRESETS:
-        return profile_from_model_config(PRESETS[name](), kv_dtype_bytes=kv_dtype_bytes)
+        return profile_from_model_config(preset_topology(name), kv_dtype_bytes=kv_dtype_bytes)
     raise ValueError(f"unknown profile {name!r}; choose from {profile_names()}")
 
 

@@ -65,7 +65,7 @@ def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
 
 def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> None:
     out = tmp_path / "spec.json"
-    common = ["--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
+    common = ["--model", "tiny-indexshare", "--drafter-dir", "bench/drafters/tiny-indexshare",
               "--concurrency", "1,2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
               "48", "--pool-mib", "64", "--host-mib", "64", "--out", str(out)]  # fmt: skip
     bad = _run("spec", *common, "--requests-per-client", "1")
@@ -84,14 +84,14 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
     # the drafters it loaded, weights included (opened outside Python's open)
     files = _measured(data)
     for d in ("dflash", "dspark", "dflash2"):
-        assert {f"bench/drafters/tiny-glm/{d}/drafter.json",
-                f"bench/drafters/tiny-glm/{d}/drafter.safetensors"} <= files.keys()  # fmt: skip
+        assert {f"bench/drafters/tiny-indexshare/{d}/drafter.json",
+                f"bench/drafters/tiny-indexshare/{d}/drafter.safetensors"} <= files.keys()  # fmt: skip
 
 
 def test_graph_keys_counts_every_pass_of_the_measured_window(tmp_path) -> None:
     out = tmp_path / "keys.json"
     proc = _run(
-        "graph-keys", "--model", "tiny-glm", "--drafter-dir", "bench/drafters/tiny-glm",
+        "graph-keys", "--model", "tiny-indexshare", "--drafter-dir", "bench/drafters/tiny-indexshare",
         "--concurrency", "3", "--decode-tokens", "12", "--prompt-len", "48", "--pool-mib", "64",
         "--host-mib", "64", "--requests-per-client", "2", "--configs", "none,dflash/paper",
         "--out", str(out),

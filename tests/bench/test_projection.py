@@ -12,14 +12,14 @@ from bench.core.provenance import blob_hash
 from bench.projection import project
 from bench.serving.scaling import Hardware, TargetModel, pcie_break_even, step
 from dhisparse.capacity import glm53, glm53_paper_deployment, sessions_per_gpu
-from services.worker.model.presets import preset
+from services.worker.model.presets import preset_topology
 from tests.bench.helpers import bench
 
 
 def serving(host_share: float = 0.3) -> dict:
     """A serving result as ``python -m bench serving`` writes it, with just what the projection
     reads."""
-    cfg = preset("tiny-glm")
+    cfg = preset_topology("tiny-glm")
     sel = 6 * cfg.index_topk * cfg.d_kv * 4  # payload sources x k x row bytes (fp32)
 
     def run(mode: str, c: int, drafter: str = "off", **metrics) -> dict:

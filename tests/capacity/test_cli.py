@@ -11,7 +11,7 @@ import pytest
 
 from dhisparse.capacity import GIB, glm53, session_bytes
 from dhisparse.cli import main
-from services.worker.model.presets import PRESETS
+from services.worker.model.presets import PRESETS, preset_topology
 
 PAPER = ["plan", "--profile", "glm-5.3", "--context", "100000", "--drafter", "dflash2"]
 
@@ -72,7 +72,7 @@ def test_presets(name: str, capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_model_dir_and_custom_drafter(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    PRESETS["tiny-glm"]().save(tmp_path / "config.json")
+    preset_topology("tiny-glm").save(tmp_path / "config.json")
     drafter = ["--draft-window", "64", "--draft-k-max", "4", "--draft-row-bytes", "512"]
     argv = ["plan", "--model", str(tmp_path), "--context", "1000", "--pool-gib", "0.5"]
     rc, out, _ = run([*argv, *drafter], capsys)

@@ -17,7 +17,7 @@ from dhisparse.cli import main
 from services.worker.model.hf_config import parse_config, topology
 from services.worker.model.hf_dir import read_config
 from services.worker.model.hf_size import param_count
-from services.worker.model.presets import PRESETS
+from services.worker.model.presets import home_made
 from tests.fixtures import CONFIGS, RELEASED
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -111,7 +111,7 @@ def test_glm52_index_share_from_freq_and_offset() -> None:
 
 
 def test_the_engine_format_has_no_model_size(tmp_path: Path) -> None:
-    PRESETS["tiny-glm"]().save(tmp_path / "config.json")
+    home_made("tiny-indexshare").save(tmp_path / "config.json")
     assert model_size_from_dir(tmp_path) is None
 
 

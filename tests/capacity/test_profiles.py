@@ -18,7 +18,7 @@ from dhisparse.capacity import (
 )
 from dhisparse.capacity.builtin import selection_group_width
 from services.worker.model.config import LayerSpec, ModelConfig, SourceSpec
-from services.worker.model.presets import PRESETS
+from services.worker.model.presets import PRESETS, preset_topology
 
 
 def glm53_model_config() -> ModelConfig:
@@ -86,14 +86,14 @@ def test_dsv4_flash_profile_is_marked_estimated() -> None:
 def test_every_preset_has_a_derived_profile() -> None:
     names = profile_names()
     assert {"glm-5.3", "dsv4-flash"} <= set(names)
-    for name, build in PRESETS.items():
+    for name in PRESETS:
         assert name in names
-        assert get_profile(name) == profile_from_model_config(build())
+        assert get_profile(name) == profile_from_model_config(preset_topology(name))
 
 
 def test_tiny_glm_derivation() -> None:
     p = get_profile("tiny-glm")
-    cfg = PRESETS["tiny-glm"]()
+    cfg = preset_topology("tiny-glm")
     assert len(p.sources) == 1
     assert p.sources[0].count == len(cfg.sources)
     assert p.sources[0].row_bytes == cfg.d_kv * 4  # float32
@@ -104,7 +104,7 @@ def test_tiny_glm_derivation() -> None:
 
 
 def test_tiny_dsv4_derivation() -> None:
-    cfg = PRESETS["tiny-dsv4"]()
+    cfg = preset_topology("tiny-dsv4")
     p = get_profile("tiny-dsv4")
     assert sum(s.count for s in p.sources) == len(cfg.sources)
     assert {(s.compress, s.window) for s in p.sources} == {
@@ -117,7 +117,7 @@ def test_tiny_dsv4_derivation() -> None:
 
 
 def test_derivation_follows_the_config() -> None:
-    cfg = PRESETS["tiny-glm"]()
+    cfg = preset_topology("tiny-glm")
     wider = replace(cfg, d_latent=cfg.d_latent * 2)
     assert profile_from_model_config(wider).sources[0].row_bytes == (cfg.d_kv + cfg.d_latent) * 4
     assert profile_from_model_config(cfg, kv_dtype_bytes=2).sources[0].row_bytes == cfg.d_kv * 2
@@ -132,6 +132,6 @@ def test_builtin_profiles_reject_dtype_override() -> None:
 
 
 def test_profile_from_model_dir(tmp_path: Path) -> None:
-    cfg = PRESETS["tiny-dsv4"]()
+    cfg = preset_topology("tiny-dsv4")
     cfg.save(tmp_path / "config.json")
     assert profile_from_model_dir(tmp_path) == profile_from_model_config(cfg)

@@ -25,11 +25,11 @@ from services.gateway.sizing import SessionSizer
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_config import parse_config, topology
 from services.worker.model.hf_dir import read_config
-from services.worker.model.presets import tiny_glm
+from services.worker.model.presets import preset_topology
 from tests.fixtures import CONFIGS
 
 MODEL = "tiny-glm"
-CONFIG = tiny_glm()
+CONFIG = preset_topology(MODEL)
 CONFIG_JSON = json.dumps(CONFIG.to_dict())
 PROMPT, MAX_TOKENS = 40, 60  # a job of 100 tokens
 NEED = required_bytes(profile_from_model_config(CONFIG, page_size=16), 100, "resident")

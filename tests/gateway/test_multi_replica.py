@@ -25,7 +25,7 @@ import redis.asyncio as aioredis
 from dhisparse import metrics as names
 from dhisparse.capacity import profile_from_model_config, required_bytes
 from services.gateway.redis_ledger import RedisLedger
-from services.worker.model.presets import tiny_glm
+from services.worker.model.presets import preset_topology
 
 from .conftest import (
     MODEL,
@@ -44,7 +44,7 @@ from .conftest import (
 pytestmark = pytest.mark.slow
 
 CAPACITY = 1 << 20  # the small workers' --kv-pool-mib 1
-PROFILE = profile_from_model_config(tiny_glm(), page_size=16)
+PROFILE = profile_from_model_config(preset_topology(MODEL), page_size=16)
 PROMPT = list(range(10, 22))  # 12 token ids
 
 

@@ -39,8 +39,8 @@ def _prompts() -> list[list[int]]:
 
 def _serve(path: Path, mode: str, dtype: str, **kw) -> list[list[int]]:
     cfg = EngineConfig(
-        model=str(path), mode=mode, device="cuda", dtype=dtype, kv_pool_mib=64, host_arena_mib=64,
-        max_num_seqs=4, max_model_len=1024, page_size=16,
+        model=str(path), mode=mode, device="cuda", dtype=dtype, kv_pool_mib=96, host_arena_mib=64,
+        max_num_seqs=4, max_model_len=1024, page_size=16, max_prefill_tokens=128,
         hot_cache_rows=None if mode == "resident" else 32, **kw,
     )  # fmt: skip
     eng = Engine(cfg)

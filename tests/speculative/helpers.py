@@ -6,7 +6,8 @@ import functools
 
 import torch
 
-from services.worker.model import DSAModel, build_model, preset
+from services.worker.model import build_model, preset
+from services.worker.model.model import SparseDecoder
 from services.worker.speculative import Drafter, DrafterConfig, build_drafter
 from training.drafter.data import run_target
 
@@ -15,7 +16,7 @@ PRESETS = ["tiny-glm", "tiny-dsv4"]
 
 
 @functools.cache
-def target(name: str = "tiny-glm") -> DSAModel:
+def target(name: str = "tiny-glm") -> SparseDecoder:
     return build_model(preset(name), seed=0)
 
 

@@ -12,14 +12,16 @@ import torch
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import DSAModel, LayerTrace, build_model, preset
+from services.worker.model import DSAModel, LayerTrace, build_model
+from services.worker.model.presets import home_made
 from training.target.config import TrainConfig
 from training.target.corpus import build_corpus
 
 
-def random_model(index_topk: int, seed: int = 0, name: str = "tiny-glm") -> DSAModel:
-    """fp32, random weights that mix context strongly (``io.init_weights``)."""
-    return build_model(replace(preset(name), index_topk=index_topk), seed=seed)
+def random_model(index_topk: int, seed: int = 0, name: str = "tiny-indexshare") -> DSAModel:
+    """A home-made preset (what training.target trains) in fp32, with random weights that mix
+    context strongly (``io.init_weights``)."""
+    return build_model(replace(home_made(name), index_topk=index_topk), seed=seed)
 
 
 def random_tokens(b: int, t: int, seed: int) -> torch.Tensor:
@@ -56,7 +58,7 @@ def _micro(tmp: Path, base: str, name: str, index_topk: int) -> Path:
     """``base``'s topology at ~100K parameters, as a config JSON: CPU steps in milliseconds."""
     path = tmp / f"{name}.json"
     cfg = replace(
-        preset(base),
+        home_made(base),
         name=name,
         d_model=64,
         n_heads=2,
@@ -72,8 +74,8 @@ def _micro(tmp: Path, base: str, name: str, index_topk: int) -> Path:
 
 
 def micro_glm(tmp: Path) -> Path:
-    """The glm topology at the micro size."""
-    return _micro(tmp, "tiny-glm", "micro-glm", index_topk=16)
+    """The IndexShare topology at the micro size."""
+    return _micro(tmp, "tiny-indexshare", "micro-glm", index_topk=16)
 
 
 def micro_dsv4(tmp: Path) -> Path:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model import DSAModel, preset
+from services.worker.model import DSAModel, preset_topology
 from services.worker.ops import index_scores, select_topk
 from tests.training.helpers import inference_pass, random_model, random_tokens
 from training.target.forward import lm_loss, train_forward
@@ -22,7 +22,7 @@ from training.target.indexer_loss import (
 ATOL = 1e-4
 
 
-@pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
+@pytest.mark.parametrize("name", ["tiny-indexshare", "tiny-dsv4"])
 @pytest.mark.parametrize("mode", ["dense", "sparse"])
 def test_logits_equal_inference_when_topk_covers_the_sequence(mode: str, name: str) -> None:
     model = random_model(index_topk=128, seed=1, name=name)
@@ -150,7 +150,7 @@ def test_the_indexer_kl_skips_queries_that_see_no_row() -> None:
 
 
 def test_glm_10m_has_the_tiny_glm_topology_and_about_10m_parameters() -> None:
-    cfg, tiny = preset("glm-10m"), preset("tiny-glm")
+    cfg, tiny = preset_topology("glm-10m"), preset_topology("tiny-glm")
     assert cfg.layers == tiny.layers and cfg.sources == tiny.sources and cfg.vocab_size == 264
     n = sum(p.numel() for p in DSAModel(cfg).parameters())
     print(f"glm-10m: {n:,} parameters")

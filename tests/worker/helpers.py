@@ -10,15 +10,15 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.kv.workspace import workspace_bytes
-from services.worker.model import DSAModel, LayerTrace, ModelConfig, build_model, preset
+from services.worker.model import LayerTrace, ModelConfig, build_model, preset
+from services.worker.model.model import SparseDecoder
 
 
-def make(name: str, seed: int = 0, **kv_kwargs) -> tuple[DSAModel, KVCache]:
-    cfg = preset(name)
-    model = build_model(cfg, seed=seed)
+def make(name: str, seed: int = 0, **kv_kwargs) -> tuple[SparseDecoder, KVCache]:
+    model = build_model(preset(name), seed=seed)
     kv_kwargs.setdefault("max_slots", 4)
     kv_kwargs.setdefault("max_model_len", 1024)
-    return model, KVCache(cfg, KVCacheConfig(**kv_kwargs))
+    return model, KVCache(model.cfg, KVCacheConfig(**kv_kwargs))
 
 
 def with_workspace(model_cfg: ModelConfig, cfg: KVCacheConfig) -> KVCacheConfig:
@@ -32,7 +32,7 @@ def random_tokens(n: int, seed: int) -> torch.Tensor:
 
 
 def run_chunks(
-    model: DSAModel,
+    model: SparseDecoder,
     kv: KVCache,
     tokens: torch.Tensor,
     chunks: list[int],

@@ -72,7 +72,7 @@ def test_eos_ids_of_config_and_generation_config(tmp_path: Path) -> None:
 
 
 def _model_dir(path: Path, config_eos: list[int], generation_eos: list[int]) -> Path:
-    save_pretrained(build_model(preset("tiny-glm"), seed=0), path)
+    save_pretrained(build_model(preset("tiny-indexshare"), seed=0), path)
     config = json.loads((path / "config.json").read_text())
     config["eos_token_id"] = config_eos  # a checkpoint's config.json may list several
     (path / "config.json").write_text(json.dumps(config))
@@ -82,7 +82,9 @@ def _model_dir(path: Path, config_eos: list[int], generation_eos: list[int]) -> 
 
 def test_the_engine_stops_on_any_eos_id(tmp_path: Path) -> None:
     free_params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
-    free = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=8)).generate([PROMPT], free_params)
+    free = Engine(EngineConfig(model="tiny-indexshare", kv_pool_mib=8)).generate(
+        [PROMPT], free_params
+    )
     out = free[0].output_ids
     firsts = [t for i, t in enumerate(out) if t not in out[:i] and t != 257]
     assert len(firsts) >= 4, out

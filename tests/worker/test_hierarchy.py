@@ -11,7 +11,7 @@ from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import LayerTrace, build_model, preset
+from services.worker.model import LayerTrace, build_model, preset, preset_topology
 from tests.worker.helpers import make, with_workspace
 
 
@@ -27,8 +27,9 @@ def drive(
 ) -> tuple[list[list[LayerTrace]], list[torch.Tensor], list[list[int]], KVCache]:
     """Prefills each prompt (one pass, several requests), then decodes all requests together
     greedily; returns per-pass traces, per-pass logits and the generated tokens."""
-    cfg = preset(name)
-    model = build_model(cfg, seed=seed, device=device, dtype=kv_kw.get("dtype", torch.float32))
+    model = build_model(
+        preset(name), seed=seed, device=device, dtype=kv_kw.get("dtype", torch.float32)
+    )
     if triton_attention:
         model.use_triton_attention()
     kv_cfg = KVCacheConfig(
@@ -41,7 +42,7 @@ def drive(
         device=device,
         **kv_kw,
     )
-    kv = KVCache(cfg, with_workspace(cfg, kv_cfg))
+    kv = KVCache(model.cfg, with_workspace(model.cfg, kv_cfg))
     g = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, 256, (n,), generator=g).to(device) for n in prompt_lens]
     slots = list(range(1, len(prompts) + 1))  # not starting at 0: slot arithmetic is exercised
@@ -88,7 +89,7 @@ CASES = [
 def test_hisparse_attention_inputs_and_logits_are_bit_identical(
     name: str, seed: int, b_over_k: int, resolver: str
 ) -> None:
-    k = preset(name).index_topk
+    k = preset_topology(name).index_topk
     lens = [97, 40, 161]  # crossing pages, the ring, and compression groups
     steps = 30 if resolver == "torch" else 8  # the Triton interpreter is slow on the CPU
     ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", seed, lens, steps=steps)
@@ -130,7 +131,7 @@ def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
 def test_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(name: str, dtype: str) -> None:
     """On the device: Triton resolver (host reads from the registered arena) and Triton
     attention in both modes; attention inputs, logits and tokens identical."""
-    k = preset(name).index_topk
+    k = preset_topology(name).index_topk
     lens = [300, 77, 513, 150]
     kw = dict(device="cuda", triton_attention=True, dtype=getattr(torch, dtype))
     ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", 9, lens, steps=40, **kw)

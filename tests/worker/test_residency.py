@@ -18,7 +18,7 @@ from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import build_model, preset
+from services.worker.model import build_model, preset, preset_topology
 from services.worker.residency.completions import ManualCompletions
 from services.worker.residency.config import ResidencyConfig
 from services.worker.residency.optional_history import page_key, page_of_key
@@ -64,7 +64,7 @@ def test_round_robin_is_bounded_and_fair() -> None:
 
 NAME = "tiny-glm"
 SLOTS = 5
-K = preset(NAME).index_topk
+K = preset_topology(NAME).index_topk
 MODEL = build_model(preset(NAME), seed=3)
 
 
@@ -77,7 +77,7 @@ def make_kv(mode: str, pool_bytes: int, device: str = "cpu", **extra) -> KVCache
         host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K,
         residency=residency, device=device, **extra,
     )  # fmt: skip
-    return KVCache(preset(NAME), with_workspace(preset(NAME), cfg))
+    return KVCache(preset_topology(NAME), with_workspace(preset_topology(NAME), cfg))
 
 
 def adaptive_pool_bytes() -> int:
@@ -381,7 +381,7 @@ def test_a_huge_max_tokens_is_admitted_with_the_keys_the_pool_can_hold(mode: str
             mode=mode, max_slots=2, max_model_len=8192, page_size=16, kv_pool_bytes=pool_bytes,
             host_arena_bytes=16 << 20, max_prefill_tokens=512, hot_cache_rows=K,
         )  # fmt: skip
-        return KVCache(preset(NAME), cfg)
+        return KVCache(preset_topology(NAME), cfg)
 
     probe = cache(64 << 20)
     page_bytes = probe.payload.store.page_bytes

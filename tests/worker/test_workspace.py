@@ -11,7 +11,7 @@ from services.worker.kv.workspace import (
     padded_keys,
     workspace_bytes,
 )
-from services.worker.model import preset
+from services.worker.model import preset_topology
 
 
 def test_the_bound_follows_the_models_scoring_shapes() -> None:
@@ -20,7 +20,7 @@ def test_the_bound_follows_the_models_scoring_shapes() -> None:
 
 
 def test_a_chunk_bounds_the_prefill_block_and_the_cpu_holds_none() -> None:
-    cfg = preset("tiny-glm")  # 4 index heads of 32, uncompressed: 52 B per query and key
+    cfg = preset_topology("tiny-glm")  # 4 index heads of 32, uncompressed: 52 B per query and key
     pair, key_row = 4 * (3 * 4 + 1), 32 * (4 + 4)
     kv = KVCacheConfig(max_slots=2, max_model_len=2048, max_prefill_tokens=8192)
     assert index_score_bytes(cfg, kv) == 512 * 2048 * pair + 2048 * key_row
@@ -30,5 +30,5 @@ def test_a_chunk_bounds_the_prefill_block_and_the_cpu_holds_none() -> None:
     padded = padded_keys(2048)
     assert index_score_bytes(cfg, many) == 64 * (16 * padded * pair + padded * key_row)
     assert workspace_bytes(cfg, kv) == 0  # device "cpu"
-    compressed = preset("tiny-dsv4")  # the least compression of a producer's source is 1
+    compressed = preset_topology("tiny-dsv4")  # the least compression of a producer's source is 1
     assert index_score_bytes(compressed, kv) == 512 * 2048 * pair + 2048 * key_row

@@ -18,7 +18,7 @@ import torch
 from services.worker.model.config import ModelConfig
 from services.worker.model.io import save_pretrained
 from services.worker.model.model import DSAModel
-from services.worker.model.presets import PRESETS, preset
+from services.worker.model.presets import PRESETS, home_made
 from training.target.checkpoint import (
     CKPT_FILE,
     load_checkpoint,
@@ -207,8 +207,9 @@ class Trainer:
 
 
 def model_config(spec: str) -> ModelConfig:
-    """A preset name or the path of a model config JSON."""
-    return preset(spec) if spec in PRESETS else ModelConfig.load(spec)
+    """A home-made preset's name or the path of a model config JSON (training.target trains
+    the home-made family only)."""
+    return home_made(spec) if spec in PRESETS else ModelConfig.load(spec)
 
 
 def device_name(device: torch.device) -> str:

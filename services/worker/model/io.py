@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from dhisparse.paths import resolve_path
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_io import hf_family, is_hf_model_dir, load_hf_model
+from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel, SparseDecoder
-from services.worker.model.presets import PRESETS, preset
+from services.worker.model.presets import PRESETS, Definition, FamilyPreset, preset, preset_topology
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -42,9 +43,37 @@ def init_weights(model: DSAModel, seed: int) -> None:
         p.data.copy_(torch.randn(p.shape, generator=g) * std)
 
 
+def init_family_weights(model: MLADecoder, seed: int) -> None:
+    """Seeded random init of a real family's decoder with unit-scale activations, as the
+    real-family tests' reference checkpoints: N(0, 1/fan_in) projections and experts, N(0, 1)
+    embeddings, norm weights 1 + N(0, 0.2^2), and N(0, 0.1^2) for the indexer's k_norm bias
+    and the routers' correction biases, so that no weight sits at a value (a unit norm, a zero
+    bias) that would hide a wrong read."""
+    g = torch.Generator().manual_seed(seed)
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        r = torch.randn(t.shape, generator=g)
+        if "norm" in name and name.endswith("weight"):
+            r = 1 + 0.2 * r
+        elif name.endswith("bias"):
+            r = 0.1 * r
+        elif not name.startswith("embed"):
+            r = r / math.sqrt(t.shape[-1])
+        t.data.copy_(r)
+
+
 def build_model(
-    cfg: ModelConfig, seed: int = 0, device: str = "cpu", dtype: torch.dtype | None = None
-) -> DSAModel:
+    cfg: Definition, seed: int = 0, device: str = "cpu", dtype: torch.dtype | None = None
+) -> SparseDecoder:
+    """A model of seeded random weights in ``dtype`` (default: the definition's): a real
+    family's MLADecoder, built as a checkpoint's is (hf_config's math and topology) and
+    initialised by ``init_family_weights``; or the home-made DSAModel of a ModelConfig,
+    initialised by ``init_weights``."""
+    if isinstance(cfg, FamilyPreset):
+        family, topo = cfg.parse()
+        # cast before the init: the FP32_PARAMS take their values in fp32 whatever the dtype
+        model = MLADecoder(family, topo).cast(dtype or DTYPES[family.dtype])
+        init_family_weights(model, seed)
+        return model.to(device=device).eval()
     model = DSAModel(cfg)
     init_weights(model, seed)
     return model.to(device=device, dtype=dtype or DTYPES[cfg.dtype]).eval()
@@ -148,7 +177,7 @@ def load_model(
 def load_config(spec: str | Path) -> ModelConfig:
     """The topology of a preset or a model directory (either format)."""
     if str(spec) in PRESETS:
-        return preset(str(spec))
+        return preset_topology(str(spec))
     path = resolve_path(spec)
     if is_hf_model_dir(path):
         return hf_family(path)[1]
