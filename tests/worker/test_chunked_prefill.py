@@ -15,6 +15,7 @@ from dataclasses import replace
 import pytest
 import torch
 
+import services.worker.model.model as model_mod
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
@@ -251,14 +252,14 @@ def test_chunked_prefill_on_the_gpu_with_graphs_and_triton(mode: str) -> None:
 
 
 @pytest.mark.gpu
-def test_the_index_score_workspace_stays_within_its_bound() -> None:
+def test_the_index_score_workspace_stays_within_its_bound(monkeypatch: pytest.MonkeyPatch) -> None:
     """What selection allocates in a pass, measured around it, against ``index_score_bytes``:
     a 1900-token prompt in chunks of 600 (blocks of 512 queries against up to 1900 keys), short
     prompts beside its last chunk, then decode steps."""
     engine = Engine(replace(gpu_config("resident", 600), kv_pool_mib=512))
     bound = index_score_bytes(engine.model_cfg, engine.kv.cfg)
     peaks: list[int] = []
-    select = engine.model._select
+    select = model_mod.select_rows
 
     def measured(*args, **kwargs):
         if torch.cuda.is_current_stream_capturing():  # a graph's capture (its warm-up is measured)
@@ -271,7 +272,7 @@ def test_the_index_score_workspace_stays_within_its_bound() -> None:
         peaks.append(torch.cuda.max_memory_allocated() - base)
         return out
 
-    engine.model._select = measured  # type: ignore[method-assign]
+    monkeypatch.setattr(model_mod, "select_rows", measured)  # what the forward calls
     engine.generate(prompts(1900, 12, 14, 10), SamplingParams(temperature=0.0, max_tokens=4))
     assert bound / 2 < max(peaks) <= bound, (max(peaks), bound)
     engine.close()

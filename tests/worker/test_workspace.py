@@ -4,7 +4,6 @@ is measured against what selection allocates in ``test_chunked_prefill.py`` (on 
 
 from __future__ import annotations
 
-import services.worker.model.model as model_mod
 from services.worker.kv.config import KVCacheConfig
 from services.worker.kv.workspace import (
     index_score_bytes,
@@ -12,11 +11,12 @@ from services.worker.kv.workspace import (
     workspace_bytes,
 )
 from services.worker.model import preset_topology
+from services.worker.model.row_selection import key_rows
 
 
 def test_the_bound_follows_the_models_scoring_shapes() -> None:
     for rows in range(1, 70_000, 53):
-        assert padded_keys(rows) >= model_mod.key_rows(rows)
+        assert padded_keys(rows) >= key_rows(rows)
 
 
 def test_a_chunk_bounds_the_prefill_block_and_the_cpu_holds_none() -> None:

@@ -1,8 +1,8 @@
 """The index-score workspace of a forward pass, at its largest: device memory the KV budget
 holds for it on a GPU (eq. 3: a fixed required allocation, like the prefill scratch).
 
-Selection scores every visible index key of a request (``model._select``). A prefill scores
-its chunk's queries in blocks of at most ``SCORE_BLOCK`` against the keys of its request; a
+Selection scores every visible index key of a request (``row_selection.select_rows``). A
+prefill scores its chunk's queries in blocks of at most ``SCORE_BLOCK`` against the keys of its request; a
 batch of short chunks (at most ``SHORT_CHUNK`` queries per request: verify rounds, and prefill
 chunks that short) is scored for all its requests at once, each padded to the longest chunk,
 against keys padded to a bucketed width. Chunked prefill bounds both by ``max_prefill_tokens``
@@ -17,7 +17,7 @@ import torch
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.config import ModelConfig
 
-# The model's index scoring (``model.SparseDecoder``) takes these shapes, and the bound below
+# The model's index scoring (``model.row_selection``) takes these shapes, and the bound below
 # follows them: prefill queries are scored against a request's keys per block of SCORE_BLOCK,
 # bounding the [T, S] score matrix; chunks of at most SHORT_CHUNK (verify rounds: K_r queries
 # per request) are scored for all requests in one batched product instead of a loop over
@@ -27,7 +27,7 @@ SHORT_CHUNK = 16
 
 
 def padded_keys(rows: int) -> int:
-    """An upper bound of ``model.key_rows(rows)``, the bucketed key width of short chunks: a
+    """An upper bound of ``row_selection.key_rows(rows)``, the bucketed key width of short chunks: a
     step of max(256, an eighth of the power of two) adds less than one step."""
     return rows + max(255, rows // 8)
 
