@@ -82,16 +82,19 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         yield st
 
 
-def _body(max_tokens: int) -> dict:
+def _body(max_tokens: int, **extra: object) -> dict:
     return {"model": MODEL_NAME, "messages": MESSAGES, "max_tokens": max_tokens,
-            "temperature": 0, "ignore_eos": True, "stream": True}  # fmt: skip
+            "temperature": 0, "ignore_eos": True, "stream": True} | extra  # fmt: skip
 
 
-def stream_chat(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
-    """Streams a chat completion; ``on_chunk(n)`` runs after the n-th content chunk."""
+def stream_chat(
+    base: str, max_tokens: int, on_chunk=None, **extra: object
+) -> tuple[str, list[dict]]:
+    """Streams a greedy chat completion (``extra``: other body fields, the model's name and
+    messages among them); ``on_chunk(n)`` runs after the n-th content chunk."""
     chunks: list[dict] = []
     with httpx.stream(
-        "POST", f"{base}/v1/chat/completions", json=_body(max_tokens), timeout=120
+        "POST", f"{base}/v1/chat/completions", json=_body(max_tokens, **extra), timeout=120
     ) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():

@@ -11,14 +11,13 @@ import torch
 
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.residency.config import ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.mtp import MTPDrafter
-from tests.model import hf_tiny
+from tests.model import hf_tiny, serving
 from tests.model.mtp_fixture import FAMILIES, mtp_checkpoint
 from tests.model.mtp_reference import MTPReference
 
@@ -36,21 +35,7 @@ def _ids(n: int, seed: int) -> list[int]:
 
 
 def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
-    base = dict(model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
-                host_arena_mib=16, hot_cache_rows=32, max_prefill_tokens=64, speculation=SPEC,
-                kv_pool_mib=48)  # fmt: skip
-    return Engine(EngineConfig(**(base | kw)), host=host)
-
-
-def _tight_pool_mib(path: Path) -> float:
-    """A pool of 50 pages per layer (the MTP layer's included) beyond the fixed allocations:
-    later admissions reclaim optional history of the running requests."""
-    probe = _engine(path, "adaptive", kv_pool_mib=64)
-    page_bytes = 16 * probe.model_cfg.d_kv * 4
-    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
-    pages = 50 * probe.model_cfg.n_layers
-    probe.close()
-    return (fixed + pages * page_bytes) / (1 << 20)
+    return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
 
 
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
@@ -62,7 +47,10 @@ def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> Non
     ref, path = family
     kw: dict = {}
     if mode == "adaptive":
-        kw = dict(kv_pool_mib=_tight_pool_mib(path), residency=ResidencyConfig(populate_pages=4))
+        kw = dict(
+            kv_pool_mib=serving.tight_pool_mib(path, speculation=SPEC),
+            residency=ResidencyConfig(populate_pages=4),
+        )
     eng = _engine(path, mode, **kw)
     assert isinstance(eng.speculator.drafter, MTPDrafter)
     assert eng.graphs_off_reason is not None

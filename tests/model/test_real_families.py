@@ -14,7 +14,6 @@ from safetensors.torch import load_file, save_file
 
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
-from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.local_store import LocalHostStore
@@ -27,7 +26,7 @@ from services.worker.model.hf_config import ConfigError
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.residency.config import ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
-from tests.model import hf_tiny
+from tests.model import hf_tiny, serving
 from tests.worker.helpers import run_chunks
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
@@ -101,23 +100,6 @@ def test_teacher_forced_logits_match_over_prefill_chunks_and_decode(family) -> N
     kv.close()
 
 
-def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
-    base = dict(model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
-                host_arena_mib=16, hot_cache_rows=32, max_prefill_tokens=64)  # fmt: skip
-    return Engine(EngineConfig(**(base | kw)), host=host)
-
-
-def _tight_pool_mib(path: Path) -> float:
-    """A pool of 50 pages per layer beyond the fixed allocations: admissions of the later
-    requests must reclaim optional history of the running ones."""
-    probe = _engine(path, "adaptive", kv_pool_mib=64)
-    page_bytes = 16 * probe.model_cfg.d_kv * 4
-    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
-    pages = 50 * probe.model_cfg.n_layers
-    probe.close()
-    return (fixed + pages * page_bytes) / (1 << 20)
-
-
 LENGTHS = (200, 90, 260, 60, 180, 230)
 NEW_TOKENS = 34
 
@@ -130,10 +112,12 @@ def test_engine_greedy_equals_transformers(family, mode: str) -> None:
     per request and source (most selected rows come from host); adaptive with a pool tight
     enough that admissions reclaim optional history."""
     ref, path = family
-    kw = {"kv_pool_mib": _tight_pool_mib(path)} if mode == "adaptive" else {"kv_pool_mib": 48}
+    kw = (
+        {"kv_pool_mib": serving.tight_pool_mib(path)} if mode == "adaptive" else {"kv_pool_mib": 48}
+    )
     if mode == "adaptive":
         kw["residency"] = ResidencyConfig(populate_pages=4)
-    eng = _engine(path, mode, **kw)
+    eng = serving.engine(path, mode, **kw)
     chunks: list[list[int]] = []  # the prefill passes' chunks
     run_pass = eng.run_pass
 
@@ -255,7 +239,7 @@ def test_speculative_greedy_equals_transformers_greedy(family, drafter: str) -> 
     transformers' greedy continuation."""
     ref, path = family
     spec = SpeculationConfig(drafter, 4, "fixed")
-    eng = _engine(path, "hisparse", kv_pool_mib=48, speculation=spec)
+    eng = serving.engine(path, "hisparse", kv_pool_mib=48, speculation=spec)
     prompts = [_ids(n, 200 + n).tolist() for n in (120, 45, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     for prompt, r in zip(prompts, eng.generate(prompts, params), strict=True):
@@ -281,7 +265,9 @@ def test_durable_sessions_resume_token_for_token(family, mode: str) -> None:
     ]
 
     def make(owner: str) -> Engine:
-        engine = _engine(path, mode, kv_pool_mib=48, owner=owner, host=(store, store.mapping))
+        engine = serving.engine(
+            path, mode, kv_pool_mib=48, owner=owner, host=(store, store.mapping)
+        )
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
         return engine
 

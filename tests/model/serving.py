@@ -1,0 +1,27 @@
+"""Engines over a tiny checkpoint directory, as the real-family tests serve them: four slots,
+512-token contexts, 16-row pages, a hot cache of two pages, prompts prefilled in chunks of 64."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+
+
+def engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
+    base = dict(model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
+                host_arena_mib=16, hot_cache_rows=32, max_prefill_tokens=64)  # fmt: skip
+    return Engine(EngineConfig(**(base | kw)), host=host)
+
+
+def tight_pool_mib(path: Path, **kw) -> float:
+    """A pool of 50 pages per layer (a draft layer's included) beyond the fixed allocations of
+    an adaptive engine configured by ``kw``: admissions of later requests must reclaim
+    optional history of the running ones."""
+    probe = engine(path, "adaptive", **(kw | {"kv_pool_mib": 64}))
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    pages = 50 * probe.model_cfg.n_layers
+    probe.close()
+    return (fixed + pages * page_bytes) / (1 << 20)
