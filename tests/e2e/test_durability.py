@@ -12,7 +12,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -112,16 +112,23 @@ def stream_chat(
     return text, chunks
 
 
-def test_worker_killed_mid_stream_loses_nothing(stack: Stack) -> None:
-    want = offline_greedy(LONG)
-    (first,) = stack.pids("worker-0")
+def killer(pid: int, at: int = 40) -> tuple[Callable[[int], None], list[int]]:
+    """(an ``on_chunk`` that SIGKILLs ``pid`` once, after the ``at``-th chunk; the PIDs it
+    killed)."""
     killed: list[int] = []
 
     def kill_once(n: int) -> None:
-        if n == 40 and not killed:
-            os.kill(first, signal.SIGKILL)
-            killed.append(first)
+        if n == at and not killed:
+            os.kill(pid, signal.SIGKILL)
+            killed.append(pid)
 
+    return kill_once, killed
+
+
+def test_worker_killed_mid_stream_loses_nothing(stack: Stack) -> None:
+    want = offline_greedy(LONG)
+    (first,) = stack.pids("worker-0")
+    kill_once, killed = killer(first)
     t0 = time.monotonic()
     text, chunks = stream_chat(stack.base, LONG, kill_once)
     assert killed, "the stream ended before the kill"

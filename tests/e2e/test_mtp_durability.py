@@ -7,8 +7,6 @@ completes with exactly plain greedy decoding's text."""
 
 from __future__ import annotations
 
-import os
-import signal
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -20,7 +18,7 @@ from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
-from tests.e2e.test_durability import Stack, stream_chat, up_stack
+from tests.e2e.test_durability import Stack, killer, stream_chat, up_stack
 from tests.model import hf_tiny
 from tests.tokenizer.helpers import (
     GLM46_TEMPLATE,
@@ -76,13 +74,7 @@ def test_a_speculating_worker_killed_mid_stream_resumes_without_prompt_recompute
     want = plain_greedy(model_dir, LONG)
     name = httpx.get(f"{stack.base}/v1/models").json()["data"][0]["id"]
     (first,) = stack.pids("worker-0")
-    killed: list[int] = []
-
-    def kill_once(n: int) -> None:
-        if n == 40 and not killed:
-            os.kill(first, signal.SIGKILL)
-            killed.append(first)
-
+    kill_once, killed = killer(first)
     extra = {"model": name, "messages": MESSAGES,
              "chat_template_kwargs": {"enable_thinking": False}}  # fmt: skip
     text, chunks = stream_chat(stack.base, LONG, kill_once, **extra)
