@@ -108,3 +108,19 @@ def check_rows(fmt: Fp8RowFormat, rows: torch.Tensor) -> None:
 def test_fp8_kernels_on_gpu(name: str, dtype: torch.dtype) -> None:
     for seed, n in enumerate([1, 7, 300, 4097]):
         check(FORMATS[name], seed, n, slots=5000, dtype=dtype, device="cuda")
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_fp8_kernels_random_shapes(seed: int) -> None:
+    """Random tile, value and tail sizes (tail 0 = a key), row counts and pool sizes."""
+    g = torch.Generator().manual_seed(100 + seed)
+    tile = 2 ** int(torch.randint(3, 8, (1,), generator=g))
+    n_tiles = int(torch.randint(1, 4, (1,), generator=g))
+    tail = int(torch.randint(0, 3, (1,), generator=g)) * int(
+        torch.randint(1, 40, (1,), generator=g)
+    )
+    fmt = Fp8RowFormat(tile * n_tiles, tail, tile, -13 if tail else -22)
+    n = int(torch.randint(1, 30, (1,), generator=g))
+    dtype = (torch.float32, torch.bfloat16)[seed % 2]
+    check(fmt, seed, n, slots=n + int(torch.randint(0, 20, (1,), generator=g)), dtype=dtype,
+          device="cpu")  # fmt: skip
