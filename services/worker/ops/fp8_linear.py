@@ -21,8 +21,13 @@ from typing import Literal
 import torch
 import triton
 
-from services.worker.model.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blockwise, scale_grid
-from services.worker.model.fp8 import scale_to_float
+from services.worker.model.fp8 import (
+    FP8_DTYPE,
+    FP8_MAX,
+    dequantize_blockwise,
+    scale_grid,
+    scale_to_float,
+)
 from services.worker.ops.fp8_linear_kernel import fp8_linear_kernel
 
 Mode = Literal["w8a16", "w8a8"]
@@ -59,7 +64,9 @@ def _check(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, mode: str
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
     if weight.dtype != FP8_DTYPE or weight.dim() != 2:
-        raise ValueError(f"weight must be 2-D {FP8_DTYPE}, got {weight.dtype} {tuple(weight.shape)}")
+        raise ValueError(
+            f"weight must be 2-D {FP8_DTYPE}, got {weight.dtype} {tuple(weight.shape)}"
+        )
     if x.dtype not in X_DTYPES:
         raise ValueError(f"x must be one of {X_DTYPES}, got {x.dtype}")
     if x.shape[-1] != weight.shape[1]:
