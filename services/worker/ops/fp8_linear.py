@@ -20,6 +20,7 @@ from typing import Literal
 
 import torch
 import triton
+import triton.language as tl
 
 from services.worker.model.fp8 import (
     FP8_DTYPE,
@@ -35,6 +36,7 @@ MODES: tuple[Mode, ...] = ("w8a16", "w8a8")
 BLOCK = 128  # the weight's scale block (both dimensions) and the activation's group
 AMAX_MIN = 1e-4  # DeepSeek's act_quant clamps a group's amax from below
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 def act_quant_ref(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -134,7 +136,8 @@ def fp8_linear_triton(
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    block_m, block_n, warps, stages = _tiles(m, interpret=x.device.type == "cpu")
+    interpret = x.device.type == "cpu"
+    block_m, block_n, warps, stages = _tiles(m, interpret)
     grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
     fp8_linear_kernel[grid](
         x2, x2.stride(0), x2.stride(1),
@@ -145,8 +148,9 @@ def fp8_linear_triton(
         m, n, k,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
         A8=mode == "w8a8", HAS_BIAS=bias is not None,
-        # fp32 activations get fp32 products (no TF32), so they match the reference closely.
-        PREC="ieee" if x.dtype == torch.float32 else "tf32",
+        DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[x.dtype],
+        # fp32 products, never TF32: fp32 activations then match the reference closely.
+        PREC="ieee",
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
     return y.reshape(*lead, n)

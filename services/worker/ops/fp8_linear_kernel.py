@@ -3,8 +3,11 @@
 (see ``fp8_linear.py``, which launches it and holds the torch references).
 
 Two activation modes, chosen at compile time by ``A8``:
-- W8A16 (``A8=False``): the e4m3 weight tile is widened to x's dtype (exact: e4m3 fits bf16),
-  multiplied with x in fp32, and the block's partial sum scaled by the weight's block scale.
+- W8A16 (``A8=False``): the e4m3 weight tile is widened to ``DOT_DTYPE`` (x's dtype on a GPU,
+  exact: e4m3 fits bf16 and fp16), multiplied with x with fp32 accumulation, and the block's
+  partial sum scaled by the weight's block scale. The interpreter's bf16/fp16 ``tl.dot`` is
+  wrong, so there ``DOT_DTYPE`` is fp32: the same numbers, since a product of two bf16 (or
+  fp16, or e4m3) values is exact in fp32.
 - W8A8 (``A8=True``): each [BLOCK_M, 128] tile of x is quantized per row (one 1x128 group:
   scale = amax / 448, amax at least 1e-4, as DeepSeek's ``act_quant``), FP8 x FP8 products are
   accumulated in fp32, and the partial sum is scaled by x_scale * w_scale. Every program
@@ -50,7 +53,7 @@ def fp8_linear_kernel(
     y_ptr, stride_ym, stride_yn,
     M, N, K,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A8: tl.constexpr, HAS_BIAS: tl.constexpr, PREC: tl.constexpr,
+    A8: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -85,7 +88,9 @@ def fp8_linear_kernel(
             part = tl.dot(xq, w, out_dtype=tl.float32)
             acc += part * (x_scale[:, None] * w_scale[None, :])
         else:
-            part = tl.dot(x, w.to(x.dtype), input_precision=PREC, out_dtype=tl.float32)
+            # Through fp32: exact, and the interpreter's direct e4m3 -> bf16 cast is wrong.
+            w = w.to(tl.float32).to(DOT_DTYPE)
+            part = tl.dot(x.to(DOT_DTYPE), w, input_precision=PREC, out_dtype=tl.float32)
             acc += part * w_scale[None, :]
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
