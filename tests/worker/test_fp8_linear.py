@@ -84,7 +84,8 @@ def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, _round_to_e4m3(v).to(tl.float8e4nv), mask=mask)
 
 
-def test_kernel_rounds_to_e4m3_as_torch_casts() -> None:
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_kernel_rounds_to_e4m3_as_torch_casts(device) -> None:
     """The kernel's rounding equals torch's round-to-nearest-even cast on every e4m3 value,
     every midpoint between neighbours (ties), and values just beside them, over [-448, 448]."""
     grid = torch.arange(256, dtype=torch.uint8).view(FP8_DTYPE).float()
@@ -94,7 +95,7 @@ def test_kernel_rounds_to_e4m3_as_torch_casts() -> None:
     g = torch.Generator().manual_seed(0)
     rand = torch.rand(4000, generator=g) * torch.exp2(torch.randint(-12, 9, (4000,), generator=g))
     v = torch.cat([grid, mid, nudge, rand]).clamp(max=448.0)
-    v = torch.cat([v, -v])
+    v = torch.cat([v, -v]).to(device)
     out = torch.empty_like(v, dtype=FP8_DTYPE)
     _round_kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
     assert torch.equal(out.float(), v.to(FP8_DTYPE).float())
@@ -165,6 +166,10 @@ def test_fp8_linear_from_checkpoint_matches_nn_linear(tmp_path, scale_dtype) -> 
         assert torch.equal(fp8(x), fp8_linear_ref(x, w_fp8, scale))
         fp8.mode = "w8a8"
         assert torch.equal(fp8(x), fp8_linear_ref(x, w_fp8, scale, mode="w8a8"))
+        bias = torch.randn(200, generator=g)
+        linear.bias = nn.Parameter(bias)
+        with_bias = FP8Linear.from_checkpoint(w_fp8, scale, bias)
+        torch.testing.assert_close(with_bias(x), linear(x))
 
 
 def test_contract_errors() -> None:
