@@ -54,6 +54,7 @@ COMMANDS: dict[str, Command] = {
                           results=False, torch=False),
     "gateway": Command("bench.gateway", "the gateway's overhead per request, HTTP vs gRPC",
                        torch=False),
+    "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
 }
 # fmt: on
 
