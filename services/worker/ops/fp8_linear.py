@@ -103,10 +103,10 @@ def fp8_linear_ref(
 
 
 def _tiles(m: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter each program costs
-    ~0.5 ms, so few large tiles; on a GPU, small M (decode) takes narrow tiles for more
-    programs, and tl.dot needs at least 16 rows. Fixed, not autotuned (the interpreter cannot
-    autotune); to be tuned on the H200 with ``python -m bench fp8-linear``."""
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter a program is slow, so
+    few large tiles; on a GPU, small M (decode) takes narrow tiles for more programs, and
+    tl.dot needs at least 16 rows. A fixed table, not autotuned (the interpreter cannot
+    autotune); ``python -m bench fp8-linear`` measures it."""
     if interpret:
         return min(64, max(16, triton.next_power_of_2(m))), 128, 1, 1
     if m <= 16:
