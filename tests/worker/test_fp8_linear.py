@@ -26,13 +26,13 @@ from services.worker.model.fp8 import (
     scale_to_float,
 )
 from services.worker.model.fp8_linear import FP8Linear
+from services.worker.ops.fp8_bits import round_to_e4m3
 from services.worker.ops.fp8_linear import (
     act_dequant_ref,
     act_quant_ref,
     fp8_linear_ref,
     fp8_linear_triton,
 )
-from services.worker.ops.fp8_linear_kernel import _round_to_e4m3
 from tests.worker.fp8_linear_cases import EPS32, assert_within, bound, make_case
 
 SHAPES = [(m, n, k) for m in (1, 3, 17, 64) for n in (128, 200, 384) for k in (128, 300, 512)]
@@ -81,7 +81,7 @@ def _round_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-    tl.store(out_ptr + offs, _round_to_e4m3(v).to(tl.float8e4nv), mask=mask)
+    tl.store(out_ptr + offs, round_to_e4m3(v).to(tl.float8e4nv), mask=mask)
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])

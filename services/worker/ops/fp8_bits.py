@@ -55,6 +55,15 @@ def e4m3_value(b):
 
 
 @triton.jit
+def round_to_e4m3(v):
+    """fp32 ``v`` rounded to the nearest e4m3 value (ties to even, subnormals included,
+    saturated to +-448), still fp32 and exact: casting it to float8e4nv is then exact on the
+    GPU and under the interpreter alike (the interpreter's own cast of an unrounded value
+    rounds half up and drops the carry into the exponent: 31.98 becomes 16)."""
+    return e4m3_value(e4m3_bits(v))
+
+
+@triton.jit
 def bf16_bits(x):
     """fp32 -> bf16 bits (int32 in [0, 65535]), round to nearest even (finite x)."""
     u = x.to(tl.uint32, bitcast=True)

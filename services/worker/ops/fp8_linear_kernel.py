@@ -21,27 +21,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.ops.fp8_bits import round_to_e4m3
+
 FP8_MAX: tl.constexpr = 448.0
 AMAX_MIN: tl.constexpr = 1e-4
-E4M3_MIN_NORMAL: tl.constexpr = 0.015625  # 2**-6
-SUBNORMAL_MAGIC: tl.constexpr = 24576.0  # 1.5 * 2**14: fp32's ulp there is e4m3's 2**-9
-
-
-@triton.jit
-def _round_to_e4m3(v):
-    """fp32 ``v`` (|v| <= 448) rounded to the nearest e4m3 value, ties to even, still fp32.
-
-    Done in fp32 because the cast alone is not the same everywhere: the GPU's cvt rounds to
-    nearest even, but the Triton interpreter rounds half up and drops the carry into the
-    exponent (31.98 becomes 16). The cast of an already representable value is exact on both.
-    Normals keep 3 of fp32's 23 mantissa bits (add half an ulp minus one plus the kept lsb, then
-    clear the 20 low bits; the carry moves into the exponent); subnormals are multiples of 2**-9,
-    which adding and subtracting 1.5 * 2**14 rounds to."""
-    bits = v.to(tl.int32, bitcast=True)
-    lsb = (bits >> 20) & 1
-    normal = ((bits + 0x7FFFF + lsb) & -1048576).to(tl.float32, bitcast=True)  # 0xFFF00000
-    subnormal = (v + SUBNORMAL_MAGIC) - SUBNORMAL_MAGIC
-    return tl.where(tl.abs(v) < E4M3_MIN_NORMAL, subnormal, normal)
 
 
 @triton.jit
@@ -84,7 +67,7 @@ def fp8_linear_kernel(
             amax = tl.maximum(tl.max(tl.abs(xf), axis=1), AMAX_MIN)  # [BLOCK_M]
             x_scale = tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32))
             xq = tl.math.div_rn(xf, x_scale[:, None])
-            xq = _round_to_e4m3(tl.clamp(xq, -FP8_MAX, FP8_MAX)).to(tl.float8e4nv)
+            xq = round_to_e4m3(tl.clamp(xq, -FP8_MAX, FP8_MAX)).to(tl.float8e4nv)
             part = tl.dot(xq, w, out_dtype=tl.float32)
             acc += part * (x_scale[:, None] * w_scale[None, :])
         else:
