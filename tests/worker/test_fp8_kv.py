@@ -40,7 +40,7 @@ def check(fmt: Fp8RowFormat, seed: int, n: int, slots: int, dtype: torch.dtype, 
     expect = pool.clone()
     fp8_store_ref(fmt, expect, rows, dst)
     fp8_store_triton(fmt, pool, rows, dst)
-    assert pool.equal(expect), (pool != expect).nonzero()[:8].tolist()
+    assert pool.equal(expect), mismatches(fmt, pool, expect, rows, dst)
     g = torch.Generator().manual_seed(seed + 1)
     src = torch.randint(0, slots, (n + 3,), generator=g)
     src[torch.rand(n + 3, generator=g) < 0.25] = -1
@@ -50,8 +50,25 @@ def check(fmt: Fp8RowFormat, seed: int, n: int, slots: int, dtype: torch.dtype, 
         ref = fp8_gather_ref(fmt, pool, src, out_dtype)
         assert got.dtype == out_dtype
         bits = torch.int32 if out_dtype == torch.float32 else torch.int16
-        assert got.view(bits).equal(ref.view(bits)), (got != ref).nonzero()[:8].tolist()
+        assert got.view(bits).equal(ref.view(bits)), [
+            (i, j, got[i, j].item(), ref[i, j].item(), pool[src[i]].tolist()[j : j + 1])
+            for i, j in (got.view(bits) != ref.view(bits)).nonzero()[:6].tolist()
+        ]
         assert (got[src.cpu() < 0] == 0).all()
+
+
+def mismatches(
+    fmt: Fp8RowFormat, pool: torch.Tensor, expect: torch.Tensor, rows: torch.Tensor,
+    dst: torch.Tensor,
+) -> list[tuple]:
+    """(pool row, byte, got, expected, the source row's value there) at the first mismatches."""
+    out = []
+    for r, b in (pool != expect).nonzero()[:6].tolist():
+        i = (dst == r).nonzero().flatten().tolist()
+        col = b if b < fmt.n_values else None
+        val = rows[i[0], col].item() if i and col is not None else None
+        out.append((r, b, pool[r, b].item(), expect[r, b].item(), val))
+    return out
 
 
 @pytest.mark.parametrize("name", list(FORMATS))
@@ -99,7 +116,7 @@ def check_rows(fmt: Fp8RowFormat, rows: torch.Tensor) -> None:
     expect = pool.clone()
     fp8_store_ref(fmt, expect, rows, dst)
     fp8_store_triton(fmt, pool, rows, dst)
-    assert pool.equal(expect), (pool != expect).nonzero()[:8].tolist()
+    assert pool.equal(expect), mismatches(fmt, pool, expect, rows, dst)
 
 
 @pytest.mark.gpu

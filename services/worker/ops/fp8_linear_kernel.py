@@ -23,8 +23,8 @@ import triton.language as tl
 
 from services.worker.ops.fp8_bits import round_to_e4m3
 
-FP8_MAX: tl.constexpr = 448.0
-AMAX_MIN: tl.constexpr = 1e-4
+FP8_MAX = tl.constexpr(448.0)
+AMAX_MIN = tl.constexpr(1e-4)
 
 
 @triton.jit

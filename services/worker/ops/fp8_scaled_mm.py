@@ -18,7 +18,9 @@ from services.worker.ops.fp8_linear import act_quant_ref
 
 def _scales(x_scale: torch.Tensor, w_scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """x_scale [M, nK] outer-dim-major; w_scale [nN, nK] as [nK, nN] column-major, nK padded."""
-    sa = x_scale.t().contiguous().t()
+    m, n_kx = x_scale.shape
+    sa = torch.empty_strided((m, n_kx), (1, m), dtype=x_scale.dtype, device=x_scale.device)
+    sa.copy_(x_scale)  # strides exactly (1, M), (1, 1) at M = 1 as cuBLAS's check wants
     n_n, n_k = w_scale.shape
     padded = w_scale.new_zeros(n_n, -(-n_k // 4) * 4)
     padded[:, :n_k] = w_scale
