@@ -97,6 +97,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="cpu, cuda, or auto (default): cuda when torch sees a CUDA device, else cpu; "
         "worker i of N gets cuda:i",
     )
+    p.add_argument(
+        "--kv-cache-dtype", default="auto", choices=["auto", "fp8"],
+        help="KV rows and index keys: auto (the serving dtype, default) or fp8 (packed FP8 "
+        "rows, half the bytes of bf16; docs/fp8_kv.md)",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1")
@@ -188,6 +193,7 @@ def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
         "--mode", args.mode,
         "--device", worker_device(device, index),
         "--kv-pool-mib", str(args.kv_pool_mib),
+        "--kv-cache-dtype", args.kv_cache_dtype,
         "--max-model-len", str(args.max_model_len),
         "--kv-store", f"{args.host}:{args.kv_store_port}",
         *_spec_flags(args, device),

@@ -8,6 +8,7 @@ import logging
 
 from dhisparse.flags import add_switch
 from services.worker.engine.cuda_graph import CAPTURE_POLICIES
+from services.worker.kv.row_codec import KV_CACHE_DTYPES
 from services.worker.settings import WorkerSettings
 
 # flag -> settings field; every engine knob is a flag.
@@ -28,6 +29,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="preset name (tiny-glm, tiny-dsv4) or model directory")
     p.add_argument("--device", help="cpu, cuda[:N], or auto: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
+        help="KV rows and index keys: auto (the serving dtype, default) or fp8 (packed FP8 "
+        "rows: 656 B at the released dims, index keys 132 B; docs/fp8_kv.md)",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, help="random-init seed for presets")
     p.add_argument("--mode", choices=["resident", "hisparse", "adaptive"], help="serving mode")
     p.add_argument("--reserve-pages", type=int, help="adaptive: admission reserve, in pages")

@@ -35,6 +35,7 @@ class WorkerSettings(BaseSettings):
     model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
     device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
+    kv_cache_dtype: str = "auto"  # auto: the serving dtype; fp8: packed FP8 rows and keys
     seed: int = 0
     mode: str = "adaptive"  # the paper's system; resident: the baseline
     kv_pool_mib: float = 256.0
@@ -67,6 +68,7 @@ class WorkerSettings(BaseSettings):
             model=self.model,
             device=resolve_device(self.device),
             dtype=self.dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             seed=self.seed,
             mode=self.mode,
             kv_pool_mib=self.kv_pool_mib,

@@ -19,6 +19,9 @@ class EngineConfig:
     model: str = "tiny-glm"  # preset name or model directory
     device: str = "cpu"
     dtype: str | None = None  # default: the model config's
+    # how KV rows and index keys are stored (vLLM's --kv-cache-dtype): "auto" = the serving
+    # dtype; "fp8" = packed FP8 rows (docs/fp8_kv.md)
+    kv_cache_dtype: str = "auto"
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
     mode: str = "resident"  # resident | hisparse | adaptive
     kv_pool_mib: float = 256.0
@@ -75,6 +78,7 @@ class EngineConfig:
             ring_extra=max(8, block),
             durable=self.durable,
             dtype=dtype,
+            kv_cache_dtype=self.kv_cache_dtype,
             device=self.device,
         )
 

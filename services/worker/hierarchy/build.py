@@ -17,6 +17,7 @@ from services.worker.hierarchy.sizing import fixed_bytes
 from services.worker.hierarchy.staging import staging_bytes
 from services.worker.hierarchy.tail import tail_rows
 from services.worker.kv.config import KVCacheConfig
+from services.worker.kv.row_codec import RowCodec, kv_codecs
 from services.worker.model.config import ModelConfig
 
 
@@ -36,8 +37,10 @@ def prefill_scratch_tokens(cfg: KVCacheConfig) -> int:
 def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     """Allocations of a hierarchy mode that do not grow with sessions: token rings, prefill
     scratch, hot-cache metadata and staging (index keys and pages excluded; so is the
-    index-score workspace every mode holds, ``kv.workspace``)."""
+    index-score workspace every mode holds, ``kv.workspace``). Token rings hold rows in the
+    serving dtype; the rest holds stored rows (packed in fp8)."""
     esize = torch.empty((), dtype=cfg.dtype).element_size()
+    row = _row_codec(model_cfg, cfg).row_bytes
     rings = 0
     for src in model_cfg.sources:
         if src.window > 0 or src.compress > 1:
@@ -47,9 +50,13 @@ def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     b = hot_rows(model_cfg, cfg)
     return (
         rings
-        + fixed_bytes(model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, esize)
-        + staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, esize)
+        + fixed_bytes(model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, row)
+        + staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, row)
     )
+
+
+def _row_codec(model_cfg: ModelConfig, cfg: KVCacheConfig) -> RowCodec:
+    return kv_codecs(model_cfg, cfg.kv_cache_dtype, cfg.dtype).rows
 
 
 def build_hierarchy(
@@ -60,16 +67,18 @@ def build_hierarchy(
 ) -> tuple[HierarchyPayload, HostBackups, LocalHostStore | None]:
     """(payload, host backups, the private store if one was made). ``fixed_other``: device
     bytes already spoken for (token rings, the index-score workspace; index keys take pages of
-    the pool). ``host``: the node's (store, arena mapping); None makes a private arena."""
-    esize = torch.empty((), dtype=cfg.dtype).element_size()
+    the pool). ``host``: the node's (store, arena mapping); None makes a private arena. The
+    device store and host backups hold stored rows (``kv_cache_dtype``: packed in fp8, so a
+    row's host backup is its packed bytes)."""
+    codec = _row_codec(model_cfg, cfg)
     p = cfg.page_size
     b = hot_rows(model_cfg, cfg)
     ring = tail_rows(p, cfg.ring_extra)
     scratch_tokens = prefill_scratch_tokens(cfg)
     fixed = fixed_other + fixed_bytes(
-        model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, esize
+        model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, codec.row_bytes
     )
-    page_bytes = p * model_cfg.d_kv * esize
+    page_bytes = p * codec.row_bytes
     num_pages = (cfg.kv_pool_bytes - fixed) // page_bytes
     per_request = len(model_cfg.sources) * (b + ring) // p
     if num_pages < per_request:
@@ -85,7 +94,7 @@ def build_hierarchy(
         host = (local, local.mapping)
     store, mapping = host
     backups = HostBackups(
-        store, mapping, cfg.owner, len(model_cfg.sources), model_cfg.d_kv, cfg.dtype,
+        store, mapping, cfg.owner, len(model_cfg.sources), codec.stored_width, codec.storage,
         cfg.max_slots, cfg.device,
     )  # fmt: skip
     shape = StoreShape(
@@ -93,7 +102,7 @@ def build_hierarchy(
         cfg.spec_block, optional_history=cfg.mode == "adaptive",
     )  # fmt: skip
     device_store = DeviceStore.build(
-        model_cfg, shape, backups, get_backend(cfg.resolver), cfg.dtype
+        model_cfg, shape, backups, get_backend(cfg.resolver), codec
     )
     residency = cfg.residency if cfg.mode == "adaptive" else None
     payload = HierarchyPayload(model_cfg, device_store, residency, durable=cfg.durable)

@@ -24,6 +24,7 @@ from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.staging import StagingLayout, lay_out_staging
 from services.worker.kv.paged import PagePool, SharedPages
+from services.worker.kv.row_codec import RowCodec
 from services.worker.model.config import ModelConfig
 
 
@@ -50,7 +51,7 @@ class StoreShape:
 
 @dataclass
 class DeviceStore:
-    rows: torch.Tensor  # [R, d_kv] pool pages, then scratch, then staging
+    rows: torch.Tensor  # [R, stored_width] pool pages, then scratch, then staging
     shape: StoreShape
     pages: PagePool
     geo: list[SourceGeometry]  # per source
@@ -58,6 +59,7 @@ class DeviceStore:
     staging: StagingLayout
     host: HostBackups
     ops: Backend  # resolve, backup, restore
+    codec: RowCodec  # how rows are stored (the serving dtype, or packed FP8 rows)
     committed: dict[int, list[int]] = field(default_factory=dict)  # slot -> rows per source
     tail_hi: dict[int, list[int]] = field(default_factory=dict)  # slot -> ring history
     held: dict[int, list[int]] = field(default_factory=dict)  # slot -> its hot and tail pages
@@ -68,16 +70,16 @@ class DeviceStore:
         shape: StoreShape,
         host: HostBackups,
         ops: Backend,
-        dtype: torch.dtype,
+        codec: RowCodec,
     ) -> DeviceStore:
-        """Lays the store out on the host backups' device."""
+        """Lays the store out on the host backups' device, rows as ``codec`` stores them."""
         device = host.device
         page = shape.page
         scratch = [shape.scratch_tokens // s.compress + shape.max_slots for s in cfg.sources]
         base = shape.num_pages * page
         staging = lay_out_staging(cfg, shape.max_slots, shape.spec_block, base + sum(scratch))
         total = base + sum(scratch) + staging.total_rows
-        rows = torch.zeros(total, cfg.d_kv, dtype=dtype, device=device)
+        rows = torch.zeros(total, codec.stored_width, dtype=codec.storage, device=device)
         geo: list[SourceGeometry] = []
         hot: list[HotCache] = []
         for s, src in enumerate(cfg.sources):
@@ -89,7 +91,9 @@ class DeviceStore:
             geo[-1].optional = shape.optional_history
             hot.append(HotCache(shape.max_slots, shape.hot_cache_rows, max_rows, device))
             base += scratch[s]
-        return DeviceStore(rows, shape, PagePool(shape.num_pages), geo, hot, staging, host, ops)
+        return DeviceStore(
+            rows, shape, PagePool(shape.num_pages), geo, hot, staging, host, ops, codec
+        )
 
     # ---- geometry ---------------------------------------------------------------------------
     @property

@@ -222,7 +222,7 @@ class HierarchyPayload:
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:
         locs = self.chunk_locations(source, slots, rows)
-        self.store.rows[locs] = values.to(self.store.rows.dtype)
+        self.store.codec.store(self.store.rows, locs, values)
         self.pass_state.written[source] = (slots, rows, locs)
 
     def prefetch(

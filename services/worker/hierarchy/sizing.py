@@ -12,10 +12,10 @@ def fixed_bytes(
     max_model_len: int,
     hot_cache_rows: int,
     scratch_tokens: int,
-    elem_bytes: int,
+    row: int,
 ) -> int:
-    """Bytes besides the page pool: prefill scratch and hot-cache metadata for all slots."""
-    row = cfg.d_kv * elem_bytes
+    """Bytes besides the page pool: prefill scratch and hot-cache metadata for all slots, with
+    stored rows of ``row`` bytes."""
     total = 0
     for src in cfg.sources:
         rows = max_model_len // src.compress

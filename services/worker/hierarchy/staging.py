@@ -44,11 +44,12 @@ def staging_arenas(cfg: ModelConfig) -> tuple[list[int], int]:
     return [arena.get(s, 0) for s in range(len(cfg.sources))], chi
 
 
-def staging_bytes(cfg: ModelConfig, max_slots: int, spec_block: int, elem_bytes: int) -> int:
-    """Eq. 11: chi arenas of N * K_max * k rows (no speculation: none)."""
+def staging_bytes(cfg: ModelConfig, max_slots: int, spec_block: int, row_bytes: int) -> int:
+    """Eq. 11: chi arenas of N * K_max * k stored rows of ``row_bytes`` (no speculation:
+    none)."""
     if spec_block <= 1:
         return 0
-    return staging_arenas(cfg)[1] * max_slots * spec_block * cfg.index_topk * cfg.d_kv * elem_bytes
+    return staging_arenas(cfg)[1] * max_slots * spec_block * cfg.index_topk * row_bytes
 
 
 @dataclass(frozen=True)

@@ -18,8 +18,9 @@ from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_p
 from services.worker.kv.index_keys import IndexKeys
 from services.worker.kv.pass_state import PassState
 from services.worker.kv.resident import ResidentPayload
+from services.worker.kv.row_codec import kv_codecs
 from services.worker.kv.token_ring import TokenRing
-from services.worker.kv.workspace import workspace_bytes
+from services.worker.kv.workspace import attention_block_tokens, workspace_bytes
 from services.worker.model.config import ModelConfig
 
 if TYPE_CHECKING:
@@ -43,7 +44,11 @@ class KVCache:
     needs.
 
     ``host`` (hierarchy modes) is the host store: ``(RegionStore, ArenaMapping)``; without one a
-    private arena is created in this process."""
+    private arena is created in this process.
+
+    ``codecs`` say how payload rows and index keys are stored (``cfg.kv_cache_dtype``); token
+    rings and the carry always hold the serving dtype. In fp8, attention reads the selected
+    rows dequantized into a fixed workspace (``attention_rows``)."""
 
     def __init__(
         self,
@@ -55,6 +60,7 @@ class KVCache:
             raise ValueError(f"unknown serving mode {cfg.mode!r}; choose from {MODES}")
         self.model_cfg = model_cfg
         self.cfg = cfg
+        self.codecs = kv_codecs(model_cfg, cfg.kv_cache_dtype, cfg.dtype)
         esize = torch.empty((), dtype=cfg.dtype).element_size()
         self.rings: dict[int, TokenRing] = {}
         for s, src in enumerate(model_cfg.sources):
@@ -78,12 +84,23 @@ class KVCache:
         # durable sessions: keys, manifest and ring snapshots (hierarchy)
         self.sessions: SessionBackup | None = None
         rings = self.ring_bytes
-        # held for the passes' index scoring (on a GPU): see ``kv/workspace.py``
+        # held for the passes' index scoring and fp8 attention (on a GPU): ``kv/workspace.py``
         self.workspace = workspace_bytes(model_cfg, cfg)
+        # fp8: query tokens whose rows ``attention_rows`` dequantizes at once (None: no limit)
+        self.attention_block: int | None = None
+        self._attention_ws: torch.Tensor | None = None  # [block * k, d_kv] fp8 only
+        if self.codecs.fp8:
+            self.attention_block = attention_block_tokens(cfg)
+            self._attention_ws = torch.empty(
+                self.attention_block * model_cfg.index_topk, model_cfg.d_kv, dtype=cfg.dtype,
+                device=cfg.device,
+            )  # fmt: skip
         fixed = rings + self.workspace
         args = (cfg.page_size, cfg.max_slots, cfg.max_model_len, cfg.dtype, cfg.device)
         if cfg.mode == "resident":
-            per_token = bytes_per_token(model_cfg, esize, payload=True)
+            per_token = bytes_per_token(
+                model_cfg, esize, True, self.codecs.rows.row_bytes, self.codecs.keys.row_bytes
+            )
             if fixed >= cfg.kv_pool_bytes:
                 raise ValueError(
                     f"a KV pool of {cfg.kv_pool_bytes} B cannot hold the token rings and the "
@@ -91,8 +108,12 @@ class KVCache:
                     "max_num_seqs, max_model_len or max_prefill_tokens"
                 )
             self.tokens_capacity = int((cfg.kv_pool_bytes - fixed) // per_token)
-            self.index_keys = IndexKeys(model_cfg, self.tokens_capacity, *args)
-            self.payload: PayloadBackend = ResidentPayload(model_cfg, self.tokens_capacity, *args)
+            self.index_keys = IndexKeys(
+                model_cfg, self.tokens_capacity, *args, codec=self.codecs.keys
+            )
+            self.payload: PayloadBackend = ResidentPayload(
+                model_cfg, self.tokens_capacity, *args, codec=self.codecs.rows
+            )
         else:
             # Index keys borrow pages of the payload's pool: one budget for everything (eq. 3).
             self.payload = self._hierarchy(host, fixed, args)
@@ -110,7 +131,9 @@ class KVCache:
             self.model_cfg, self.cfg, host, fixed
         )
         shared = payload.store.shared_pages()
-        self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=shared)
+        self.index_keys = IndexKeys(
+            self.model_cfg, 0, *args, shared=shared, codec=self.codecs.keys
+        )
         # the longest prompt one request can bring into an empty pool: its hot cache, tail and
         # index keys fit the pages
         self.tokens_capacity = self._longest_admissible(shared.pages.total - payload.required_pages)
@@ -268,6 +291,20 @@ class KVCache:
         if self.sessions is not None:
             self.sessions.commit(batch, num_tokens)
 
+    def attention_rows(self, source: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rows [S, d_kv], locations [N, k] into them) that attention reads for the selected
+        locations ``locs`` [N, k] of ``payload.pool(source)`` (``-1`` pads): the pool itself
+        when rows are stored as computed; in fp8 the selected rows dequantized into the fixed
+        workspace, in selection order (N at most ``attention_block``; the next call reuses it).
+        Either way ``rows[loc[j, i]]`` is the selected row in the serving dtype (eq. 12)."""
+        pool = self.payload.pool(source)
+        if self._attention_ws is None:
+            return pool, locs
+        n = locs.numel()
+        rows = self.codecs.rows.gather(pool, locs, out=self._attention_ws)
+        at = torch.arange(n, device=locs.device).view_as(locs)
+        return rows.view(n, -1), torch.where(locs >= 0, at, torch.full_like(at, -1))
+
     @property
     def pass_state(self) -> PassState:
         """The current pass as the payload holds it (see ``kv/pass_state.py``)."""
@@ -327,6 +364,11 @@ class KVCache:
         """The KV geometry, for exact admission sizing at the gateway."""
         return {
             "kv_dtype_bytes": torch.empty((), dtype=self.cfg.dtype).element_size(),
+            "kv_cache_dtype": self.cfg.kv_cache_dtype,
+            "row_bytes": self.codecs.rows.row_bytes,
+            "index_key_bytes": self.index_keys.pools[next(iter(self.index_keys.pools))].row_bytes
+            if self.index_keys.pools
+            else None,
             "page_size": self.cfg.page_size,
             **self.payload.layout(),
             "spec_block": self.cfg.spec_block,
@@ -346,7 +388,8 @@ class KVCache:
 
     @property
     def row_bytes(self) -> int:
-        return self.model_cfg.d_kv * torch.empty((), dtype=self.cfg.dtype).element_size()
+        """Bytes of one stored row (what a host read moves)."""
+        return self.codecs.rows.row_bytes
 
     @property
     def ring_bytes(self) -> int:

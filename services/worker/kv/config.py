@@ -42,16 +42,26 @@ class KVCacheConfig:
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # the serving dtype: what rows are computed in
+    # how rows and index keys are stored: "auto" (as computed, in ``dtype``) or "fp8" (packed
+    # FP8 rows, ``kv/row_codec.py``, docs/fp8_kv.md)
+    kv_cache_dtype: str = "auto"
     device: str = "cpu"
 
 
-def bytes_per_token(cfg: ModelConfig, elem_bytes: int, payload: bool) -> float:
-    """Device bytes one token adds: index keys, plus payload rows when they are resident."""
-    keys = sum(
-        cfg.d_index * elem_bytes / cfg.sources[cfg.layers[i].source].compress
-        for i in cfg.index_producers
-    )
+def bytes_per_token(
+    cfg: ModelConfig,
+    elem_bytes: int,
+    payload: bool,
+    row_bytes: int | None = None,
+    key_bytes: int | None = None,
+) -> float:
+    """Device bytes one token adds: index keys, plus payload rows when they are resident.
+    ``row_bytes`` / ``key_bytes``: a stored row's and key's bytes when they are not ``d_kv`` /
+    ``d_index`` elements of ``elem_bytes`` (FP8: the packed sizes)."""
+    key = cfg.d_index * elem_bytes if key_bytes is None else key_bytes
+    row = cfg.d_kv * elem_bytes if row_bytes is None else row_bytes
+    keys = sum(key / cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers)
     if not payload:
         return keys
-    return keys + sum(cfg.d_kv * elem_bytes / s.compress for s in cfg.sources)
+    return keys + sum(row / s.compress for s in cfg.sources)

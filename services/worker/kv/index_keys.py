@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from services.worker.kv.paged import PagedGroup, SharedPages
+from services.worker.kv.row_codec import RowCodec
 from services.worker.model.config import ModelConfig
 
 
@@ -21,21 +22,43 @@ class IndexKeys(PagedGroup):
         dtype: torch.dtype,
         device: torch.device | str,
         shared: SharedPages | None = None,
+        codec: RowCodec | None = None,
     ) -> None:
+        self.codec = RowCodec(cfg.d_index, dtype) if codec is None else codec
         compress = {i: cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers}
+        width = self.codec.stored_width
+        if shared is not None and self.codec.fp8 is not None:
+            if shared.memory.dtype != self.codec.storage:
+                raise ValueError("fp8 index keys borrow pages of fp8 rows only")
+            width = shared.fit(width)  # 132 B keys in pages of 656 B rows: padded to 164
         super().__init__(
-            compress, cfg.d_index, tokens_capacity, page_size, max_slots, max_model_len, dtype,
-            device, shared,
+            compress, width, tokens_capacity, page_size, max_slots, max_model_len,
+            self.codec.storage, device, shared,
         )  # fmt: skip
+
+    def stored(self, layer: int) -> torch.Tensor:
+        """[S, stored_width] the stored keys of producer ``layer`` (without a row's padding)."""
+        return self.pools[layer].data[:, : self.codec.stored_width]
 
     def write(
         self, layer: int, slots: torch.Tensor, rows: torch.Tensor, keys: torch.Tensor
     ) -> None:
-        self.pools[layer].write(slots, rows, keys)
+        """keys [N, d_index] in the serving dtype, stored (quantized in fp8) at row ``rows[i]``
+        of slot ``slots[i]``."""
+        pool = self.pools[layer]
+        if self.codec.fp8 is None:
+            pool.write(slots, rows, keys)
+        else:
+            self.codec.store(self.stored(layer), pool.locations(slots, rows), keys)
 
     def gather(
         self, layer: int, slots: torch.Tensor, num_rows: torch.Tensor, max_rows: int | None = None
     ) -> torch.Tensor:
         """[R, max(num_rows), d_index], zero beyond each slot's rows. ``max_rows``: the caller's
-        host-side max(num_rows), which spares a read-back from the device."""
-        return self.pools[layer].gather_padded(slots, num_rows, max_rows)
+        host-side max(num_rows), which spares a read-back from the device. In the serving
+        dtype (fp8 keys dequantized, as DeepSeek's reference scores from FP8 keys)."""
+        pool = self.pools[layer]
+        if self.codec.fp8 is None:
+            return pool.gather_padded(slots, num_rows, max_rows)
+        locs = pool.padded_locations(slots, num_rows, max_rows)
+        return self.codec.gather(self.stored(layer), locs)

@@ -54,6 +54,12 @@ class SharedPages:
             )
         return self.memory.view(-1).view(-1, width), per_page // width
 
+    def fit(self, width: int) -> int:
+        """The narrowest row of at least ``width`` elements that whole pages hold (rows of
+        another width than the lender's, e.g. FP8 index keys in pages of FP8 rows: padded)."""
+        per_page = self.memory.numel() // self.pages.total
+        return next(w for w in range(width, per_page + 1) if per_page % w == 0)
+
 
 class PagedRows:
     """Pages of ``page_size`` rows of ``width`` elements, handed to engine slots: its own
@@ -154,15 +160,22 @@ class PagedRows:
     ) -> torch.Tensor:
         """Rows ``0 .. num_rows[i]-1`` of each slot, zero-padded: [R, max(num_rows), width].
         ``max_rows``: max(num_rows) if the caller knows it (else read back: a device sync)."""
+        locs = self.padded_locations(slots, num_rows, max_rows)
+        out = self.data[locs.clamp(min=0)]
+        return out.masked_fill((locs < 0).unsqueeze(-1), 0)
+
+    def padded_locations(
+        self, slots: torch.Tensor, num_rows: torch.Tensor, max_rows: int | None = None
+    ) -> torch.Tensor:
+        """[R, max(num_rows)] locations of rows ``0 .. num_rows[i]-1`` of each slot, ``-1``
+        beyond (see ``gather_padded``)."""
         if max_rows is not None:
             lmax = max_rows
         else:
             lmax = int(num_rows.max()) if num_rows.numel() else 0
         rows = torch.arange(lmax, device=slots.device).unsqueeze(0).expand(len(slots), lmax)
         rows = torch.where(rows < num_rows.unsqueeze(1), rows, torch.full_like(rows, -1))
-        locs = self.locations(slots.unsqueeze(1).expand_as(rows), rows)
-        out = self.data[locs.clamp(min=0)]
-        return out.masked_fill((locs < 0).unsqueeze(-1), 0)
+        return self.locations(slots.unsqueeze(1).expand_as(rows), rows)
 
 
 class PagedGroup:

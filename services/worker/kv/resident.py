@@ -12,6 +12,7 @@ from services.kv_host_store.records import Region
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.paged import PagedGroup
 from services.worker.kv.pass_state import PassState
+from services.worker.kv.row_codec import RowCodec
 from services.worker.model.config import ModelConfig
 
 
@@ -27,11 +28,14 @@ class ResidentPayload(PagedGroup):
         max_model_len: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        codec: RowCodec | None = None,
     ) -> None:
+        """``codec``: how rows are stored (default: as computed, in ``dtype``)."""
+        self.codec = RowCodec(cfg.d_kv, dtype) if codec is None else codec
         compress = {s: src.compress for s, src in enumerate(cfg.sources)}
         super().__init__(
-            compress, cfg.d_kv, tokens_capacity, page_size, max_slots, max_model_len, dtype,
-            device,
+            compress, self.codec.stored_width, tokens_capacity, page_size, max_slots,
+            max_model_len, self.codec.storage, device,
         )  # fmt: skip
         self.pass_state = PassState()  # rows are written where they live: no plans
 
@@ -54,7 +58,11 @@ class ResidentPayload(PagedGroup):
     def write_rows(
         self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
     ) -> None:
-        self.pools[source].write(slots, rows, values)
+        pool = self.pools[source]
+        if self.codec.fp8 is None:
+            pool.write(slots, rows, values)
+        else:
+            self.codec.store(pool.data, pool.locations(slots, rows), values)
 
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor

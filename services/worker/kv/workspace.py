@@ -24,6 +24,7 @@ from services.worker.model.config import ModelConfig
 # requests.
 SCORE_BLOCK = 512
 SHORT_CHUNK = 16
+MIN_ATTENTION_BLOCK = 64  # prefill query tokens per FP8 attention gather, at least
 
 
 def padded_keys(rows: int) -> int:
@@ -61,7 +62,24 @@ def index_score_bytes(cfg: ModelConfig, kv: KVCacheConfig) -> int:
     return max(block, short)
 
 
+def attention_block_tokens(kv: KVCacheConfig) -> int:
+    """Query tokens whose selected rows one FP8 gather dequantizes at once: every token of a
+    decode or verify pass (a captured graph's pass is one block), prefill in blocks of it."""
+    return max(kv.max_slots * kv.spec_block, MIN_ATTENTION_BLOCK)
+
+
+def attention_rows_bytes(cfg: ModelConfig, kv: KVCacheConfig) -> int:
+    """With ``kv_cache_dtype="fp8"``, the fixed workspace attention reads dequantized rows
+    from: ``attention_block_tokens`` x k rows of ``d_kv`` in the serving dtype; else none."""
+    if kv.kv_cache_dtype != "fp8":
+        return 0
+    esize = torch.empty((), dtype=kv.dtype).element_size()
+    return attention_block_tokens(kv) * cfg.index_topk * cfg.d_kv * esize
+
+
 def workspace_bytes(cfg: ModelConfig, kv: KVCacheConfig) -> int:
-    """What the KV budget holds for the index-score workspace: ``index_score_bytes`` on a GPU,
-    nothing on the CPU."""
-    return index_score_bytes(cfg, kv) if kv.device.startswith("cuda") else 0
+    """What the KV budget holds for the passes' workspaces on a GPU (``index_score_bytes``,
+    and ``attention_rows_bytes`` in fp8), nothing on the CPU."""
+    if not kv.device.startswith("cuda"):
+        return 0
+    return index_score_bytes(cfg, kv) + attention_rows_bytes(cfg, kv)

@@ -174,17 +174,25 @@ class SparseDecoder(nn.Module):
         else:
             locs = kv.payload.resolve(i, s, batch, st.selection[i])
         st.locations[i] = locs
-        pool = kv.payload.pool(s)
-        if trace is not None:
-            rows = pool[locs.clamp(min=0)].masked_fill((locs < 0).unsqueeze(-1), 0)
-            trace.append(LayerTrace(i, st.selection[i], locs, rows))
         win_pool = win_locs = None
         if src.window > 0:
             win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
-        o = self.attention_fn(
-            q, pool, locs, self.cfg.d_latent, layer.attn.scale, win_pool, win_locs
-        )
-        return layer.attn.output(o)
+        traced: list[torch.Tensor] | None = None if trace is None else []
+        # fp8 rows are dequantized into a fixed workspace, a block of query tokens at a time
+        step = len(q) if kv.attention_block is None else kv.attention_block
+        outs = []
+        for a in range(0, max(len(q), 1), max(step, 1)):
+            b = a + step
+            pool, at = kv.attention_rows(s, locs[a:b])
+            if traced is not None:
+                traced.append(pool[at.clamp(min=0)].masked_fill((at < 0).unsqueeze(-1), 0))
+            wl = None if win_locs is None else win_locs[a:b]
+            outs.append(self.attention_fn(
+                q[a:b], pool, at, self.cfg.d_latent, layer.attn.scale, win_pool, wl
+            ))  # fmt: skip
+        if trace is not None:
+            trace.append(LayerTrace(i, st.selection[i], locs, torch.cat(traced)))
+        return layer.attn.output(outs[0] if len(outs) == 1 else torch.cat(outs))
 
     def _write_keys(
         self, i: int, indexer: nn.Module, x: torch.Tensor, kv: KVCache, st: ForwardState

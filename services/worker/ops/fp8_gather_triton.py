@@ -13,16 +13,25 @@ from services.worker.ops.fp8_store_triton import check_pool
 
 
 def fp8_gather_triton(
-    fmt: Fp8RowFormat, pool: torch.Tensor, src: torch.Tensor, dtype: torch.dtype
+    fmt: Fp8RowFormat,
+    pool: torch.Tensor,
+    src: torch.Tensor,
+    dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``fp8_gather_ref``: pool uint8 [S, row_bytes], src [M] int (``-1``:
-    padding) -> [M, width] in ``dtype`` (fp32 or bf16), zeros for padding."""
+    padding) -> [M, width] in ``dtype`` (fp32 or bf16), zeros for padding. ``out``: the
+    [M, width] ``dtype`` tensor to write (a fixed workspace's rows), else a new one."""
     check_pool(fmt, pool)
     if src.ndim != 1:
         raise ValueError(f"src must be [M], not {tuple(src.shape)}")
     if dtype not in (torch.float32, torch.bfloat16):
         raise ValueError(f"dtype must be fp32 or bf16, not {dtype}")
-    out = torch.empty(len(src), fmt.width, dtype=dtype, device=pool.device)
+    if out is None:
+        out = torch.empty(len(src), fmt.width, dtype=dtype, device=pool.device)
+    elif out.shape != (len(src), fmt.width) or out.dtype != dtype or out.stride(1) != 1:
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype}: want [{len(src)}, {fmt.width}] "
+                         f"{dtype} with contiguous rows")  # fmt: skip
     if len(src) == 0:
         return out
     fp8_gather_kernel[(len(src),)](
