@@ -109,6 +109,42 @@ def test_hisparse_attention_inputs_and_logits_are_bit_identical(
     kv.close()
 
 
+FP8_CASES = [
+    ("tiny-glm", 0, 1, "torch", torch.float32),
+    ("tiny-glm", 2, 2, "torch", torch.bfloat16),
+    ("tiny-dsv4", 3, 1, "torch", torch.float32),  # compressed rows, a bf16 local window
+    ("tiny-glm", 5, 1, "triton", torch.float32),  # the fused resolver copies packed bytes
+]
+
+
+@pytest.mark.parametrize(("name", "seed", "b_over_k", "resolver", "dtype"), FP8_CASES)
+def test_fp8_hisparse_attention_inputs_and_logits_are_bit_identical(
+    name: str, seed: int, b_over_k: int, resolver: str, dtype: torch.dtype
+) -> None:
+    """``kv_cache_dtype="fp8"``: rows and keys are packed, and the hierarchy moves the packed
+    bytes, so the dequantized attention inputs equal resident fp8 serving's bit for bit."""
+    k = preset_topology(name).index_topk
+    lens = [97, 40, 161]
+    steps = 20 if resolver == "torch" else 6
+    kw = dict(kv_cache_dtype="fp8", dtype=dtype)
+    ref_traces, ref_logits, ref_tokens, ref_kv = drive(name, "resident", seed, lens, steps, **kw)
+    traces, logits, tokens, kv = drive(
+        name, "hisparse", seed, lens, steps, hot_cache_rows=b_over_k * k, resolver=resolver, **kw
+    )
+    assert kv.payload.pool(0).dtype == torch.uint8 == ref_kv.payload.pool(0).dtype
+    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
+        for a, b in zip(ref_pass, pass_, strict=True):
+            assert torch.equal(a.selection, b.selection)
+            assert a.rows.dtype == dtype
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    for a, b in zip(ref_logits, logits, strict=True):
+        assert torch.equal(a, b)
+    assert tokens == ref_tokens
+    census = kv.payload.census
+    assert census.host > 0 and census.hot > 0 and census.direct > 0, census
+    kv.close()
+
+
 @pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
 def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
@@ -123,6 +159,35 @@ def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
     assert [r.output_ids for r in got] == [r.output_ids for r in ref]
     assert eng.kv.payload.census.host > 0
     eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_fp8_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(
+    name: str, dtype: str
+) -> None:
+    """fp8 on the device: the Triton FP8 store writes packed rows and keys, the Triton
+    resolver copies packed bytes, the Triton FP8 gather dequantizes into the attention
+    workspace and Triton attention reads it, in both modes; identical inputs, logits and
+    tokens."""
+    k = preset_topology(name).index_topk
+    lens = [300, 77, 513, 150]
+    kw = dict(device="cuda", triton_attention=True, dtype=getattr(torch, dtype),
+              kv_cache_dtype="fp8")  # fmt: skip
+    ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", 9, lens, steps=40, **kw)
+    traces, logits, tokens, kv = drive(
+        name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw
+    )
+    assert kv.payload.pool(0).dtype == torch.uint8
+    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
+        for a, b in zip(ref_pass, pass_, strict=True):
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    for a, b in zip(ref_logits, logits, strict=True):
+        assert torch.equal(a, b)
+    assert tokens == ref_tokens
+    assert kv.payload.census.host > 0
+    kv.close()
 
 
 @pytest.mark.gpu

@@ -80,14 +80,15 @@ def make_kv(mode: str, pool_bytes: int, device: str = "cpu", **extra) -> KVCache
     return KVCache(preset_topology(NAME), with_workspace(preset_topology(NAME), cfg))
 
 
-def adaptive_pool_bytes() -> int:
+def adaptive_pool_bytes(device: str = "cpu", **extra) -> int:
     """A pool that holds the required pages of all slots and a little optional history, so
-    admissions must reclaim."""
-    probe = make_kv("adaptive", 64 << 20)
-    fixed = (64 << 20) - probe.payload.store.pages.total * probe.payload.store.page * 320
+    admissions must reclaim (``extra``: e.g. ``kv_cache_dtype``, which sets the row bytes)."""
+    probe = make_kv("adaptive", 64 << 20, device, **extra)
+    row = probe.payload.store.row_bytes  # 320 in fp32, 100 packed in fp8
+    fixed = (64 << 20) - probe.payload.store.pages.total * probe.payload.store.page * row
     per_request = probe.admission_pages(0, 20, 512)  # hot cache, tail and index keys
     probe.close()
-    return fixed + (SLOTS * per_request + 2 + 40) * 16 * 320
+    return fixed + (SLOTS * per_request + 2 + 40) * 16 * row
 
 
 POOL = adaptive_pool_bytes()
@@ -211,6 +212,28 @@ def test_refills_on_the_gpu_keep_logits_identical(overlap: bool) -> None:
     model = build_model(preset(NAME), seed=3, device="cuda")
     kv = make_kv("adaptive", POOL, "cuda", overlap_refills=overlap)
     scripted_run(model, kv, make_kv("resident", 64 << 20, "cuda"), "cuda")
+
+
+def test_adaptive_in_fp8_gives_the_logits_of_resident_fp8() -> None:
+    """The scripted run with packed FP8 rows and keys: reclaim, host reads and refills move
+    packed bytes, so adaptive logits equal resident fp8 logits bit for bit."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    kv = make_kv("adaptive", adaptive_pool_bytes(**fp8), **fp8)
+    assert kv.payload.store.rows.dtype == torch.uint8 and kv.payload.store.row_bytes == 100
+    scripted_run(MODEL, kv, make_kv("resident", 64 << 20, **fp8), "cpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("overlap", [False, True])
+def test_fp8_refills_on_the_gpu_keep_logits_identical(overlap: bool) -> None:
+    """The fp8 scripted run on the device: Triton FP8 store and gather, CUDA-event
+    completions, refills queued before the decode passes or beside them."""
+    model = build_model(preset(NAME), seed=3, device="cuda")
+    fp8 = {"kv_cache_dtype": "fp8"}
+    kv = make_kv(
+        "adaptive", adaptive_pool_bytes("cuda", **fp8), "cuda", overlap_refills=overlap, **fp8
+    )
+    scripted_run(model, kv, make_kv("resident", 64 << 20, "cuda", **fp8), "cuda")
 
 
 def scripted_run(model, kv: KVCache, shadow: KVCache, device: str) -> None:

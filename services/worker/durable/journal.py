@@ -49,6 +49,7 @@ class Journal:
             generator_state=None if gen is None else gen.get_state().numpy().tobytes(),
             rings=rings,
             ring_dtype=str(self.kv.cfg.dtype),
+            kv_cache_dtype=self.kv.cfg.kv_cache_dtype,
             arrival_s=time.time() - (time.monotonic() - req.arrival),
         )
 
@@ -70,6 +71,7 @@ class Journal:
             generator_state=bytes(self._gen_state_bytes) if req.params.seed is not None else None,
             rings=ring,
             ring_dtype=str(self.kv.cfg.dtype),
+            kv_cache_dtype=self.kv.cfg.kv_cache_dtype,
             arrival_s=time.time(),
         )
         return manifest.required_bytes(len(manifest.encode(largest)) + _SLACK)

@@ -43,6 +43,7 @@ class SessionRecord:
     generator_state: bytes | None = None  # the request's own generator (seeded sampling)
     rings: dict[int, bytes] = field(default_factory=dict)  # token-ring snapshots by source
     ring_dtype: str = ""
+    kv_cache_dtype: str = "auto"  # how its host rows and keys are stored (fp8: packed)
     arrival_s: float = 0.0  # wall-clock arrival, for latency metrics of the resumed request
 
 
@@ -67,6 +68,7 @@ def encode(rec: SessionRecord) -> bytes:
         "params": rec.params,
         "committed_rows": rec.committed_rows,
         "ring_dtype": rec.ring_dtype,
+        "kv_cache_dtype": rec.kv_cache_dtype,
         "arrival_s": rec.arrival_s,
         "blobs": table,
     }
@@ -97,6 +99,7 @@ def decode(payload: bytes) -> SessionRecord:
         generator_state=get("generator") if "generator" in head["blobs"] else None,
         rings=rings,
         ring_dtype=head["ring_dtype"],
+        kv_cache_dtype=head.get("kv_cache_dtype", "auto"),  # manifests from before fp8
         arrival_s=head["arrival_s"],
     )
 

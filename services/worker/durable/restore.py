@@ -52,6 +52,11 @@ def restore(
         raise ValueError("manifest counts disagree: computed tokens must be some but not all")
     if rec.ring_dtype and rec.ring_dtype != str(engine.kv.cfg.dtype):
         raise ValueError(f"session was served in {rec.ring_dtype}, this worker uses another")
+    if rec.kv_cache_dtype != engine.kv.cfg.kv_cache_dtype:
+        raise ValueError(
+            f"session's KV is stored with kv_cache_dtype={rec.kv_cache_dtype!r}, this worker "
+            f"uses {engine.kv.cfg.kv_cache_dtype!r}"
+        )
     params = sampling_params(rec.params)
     gen = None
     if params.seed is not None:
