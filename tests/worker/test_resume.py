@@ -11,6 +11,7 @@ import time
 
 import numpy as np
 import pytest
+import torch
 
 from services.kv_host_store.errors import FailedPrecondition
 from services.worker.async_engine import AsyncEngine, SessionNotFound
@@ -37,10 +38,17 @@ def store():
     s.close()
 
 
-def make(store: LocalHostStore, model: str, mode: str = "hisparse", owner: str = "w0") -> Engine:
+def make(
+    store: LocalHostStore,
+    model: str,
+    mode: str = "hisparse",
+    owner: str = "w0",
+    kv_cache_dtype: str = "auto",
+) -> Engine:
     cfg = EngineConfig(
-        model=model, mode=mode, kv_pool_mib=48, max_num_seqs=4, max_model_len=512, owner=owner
-    )
+        model=model, mode=mode, kv_pool_mib=48, max_num_seqs=4, max_model_len=512, owner=owner,
+        kv_cache_dtype=kv_cache_dtype,
+    )  # fmt: skip
     engine = Engine(cfg, host=(store, store.mapping))
     HostLink(store, owner, 30.0, engine.kv.host_backups).register()
     return engine
@@ -53,8 +61,10 @@ def start(engine: Engine, steps: int) -> None:
         engine.step()
 
 
-def successor(store: LocalHostStore, model: str, mode: str = "hisparse") -> Engine:
-    engine = make(store, model, mode)
+def successor(
+    store: LocalHostStore, model: str, mode: str = "hisparse", kv_cache_dtype: str = "auto"
+) -> Engine:
+    engine = make(store, model, mode, kv_cache_dtype=kv_cache_dtype)
     report = adopt_sessions(engine, store, "w0", engine.kv.host_backups.generation)
     assert report.resumed == ["r0", "r1"] and not report.released
     return engine
@@ -81,6 +91,38 @@ def test_resumed_sessions_continue_token_for_token(store, model: str, mode: str)
     assert second.stats.sessions_resumed == 2
     second.kv.host_backups.flush()
     assert store.stats().requests == 0 and store.stats().adoptions == 2  # finished: released
+
+
+@pytest.mark.parametrize("model,mode", [("tiny-glm", "hisparse"), ("tiny-dsv4", "adaptive")])
+def test_resumed_fp8_sessions_continue_token_for_token(store, model: str, mode: str) -> None:
+    """``kv_cache_dtype="fp8"``: host backups and backed-up index keys are packed FP8 bytes;
+    the successor reads them back as they were, so it gives the uninterrupted fp8 run's
+    tokens (which differ from the serving dtype's: the rows are quantized)."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    ref = make(store, model, mode, owner="ref", **fp8)
+    assert ref.kv.host_backups.row_bytes == 100 and ref.kv.host_backups.dtype == torch.uint8
+    want = [r.output_ids for r in ref.generate(PROMPTS, PARAMS)]
+    del ref
+    first = make(store, model, mode, **fp8)
+    start(first, 25)
+    del first
+    second = successor(store, model, mode, **fp8)
+    reqs = [second.requests["r0"], second.requests["r1"]]
+    while second.has_work():
+        second.step()
+    assert [r.output_ids for r in reqs] == want
+    assert second.stats.prefill_tokens_computed == 0
+    second.kv.host_backups.flush()
+    assert store.stats().requests == 0 and store.stats().adoptions == 2
+
+
+def test_an_fp8_session_is_not_resumed_by_a_worker_that_stores_another_dtype(store) -> None:
+    first = make(store, "tiny-glm", kv_cache_dtype="fp8")
+    start(first, 5)
+    del first
+    second = make(store, "tiny-glm")  # kv_cache_dtype auto
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == [] and sorted(report.released) == ["r0", "r1"]
 
 
 def test_reattach_catches_the_caller_up(store) -> None:
