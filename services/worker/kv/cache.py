@@ -303,7 +303,8 @@ class KVCache:
         n = locs.numel()
         rows = self.codecs.rows.gather(pool, locs, out=self._attention_ws)
         at = torch.arange(n, device=locs.device).view_as(locs)
-        return rows.view(n, -1), torch.where(locs >= 0, at, torch.full_like(at, -1))
+        flat = rows.view(n, self.model_cfg.d_kv)
+        return flat, torch.where(locs >= 0, at, torch.full_like(at, -1))
 
     @property
     def pass_state(self) -> PassState:
