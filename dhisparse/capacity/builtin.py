@@ -15,6 +15,7 @@ from pathlib import Path
 
 from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
+from services.worker.kv.fp8_format import index_key_format, mla_row_format
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir
 from services.worker.model.presets import PRESETS, preset_topology
@@ -116,6 +117,9 @@ def profile_from_model_config(
     *,
     kv_dtype_bytes: int | None = None,
     index_scale_bytes: int = 0,
+    kv_cache_dtype: str = "auto",
+    row_bytes: int | None = None,
+    key_bytes: int | None = None,
     hot_cache_rows: int | None = None,
     page_size: int = 64,
     tail_pages: int = 1,
@@ -126,21 +130,30 @@ def profile_from_model_config(
     of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
     row for every producer layer (Reindex consumers included); k = ``index_topk``; B = 2k
     unless given (the paper's ratio); χ = the most distinct sources one selection serves (a
-    producer with its followers and Reuse consumers). Element size defaults to ``cfg.dtype``."""
+    producer with its followers and Reuse consumers). Element size defaults to ``cfg.dtype``.
+
+    ``kv_cache_dtype="fp8"``: rows and keys in the worker's FP8 formats (``fp8_format``: 656 B
+    rows and 132 B keys at the released dims) instead. ``row_bytes`` / ``key_bytes``: the
+    stored sizes a worker reports (its layout), over either."""
     cfg.validate()
     elem = kv_dtype_bytes if kv_dtype_bytes is not None else DTYPE_BYTES.get(cfg.dtype)
-    if elem is None:
+    row, key = stored_bytes(cfg, kv_cache_dtype, elem, index_scale_bytes)
+    row, key = row_bytes or row, key_bytes or key
+    if row is None or key is None:
         raise ValueError(f"unknown dtype {cfg.dtype!r}: pass kv_dtype_bytes")
     shapes = Counter((s.compress, s.window) for s in cfg.sources)
     sources = tuple(
-        SourceGroup(count=n, row_bytes=cfg.d_kv * elem, compress=m, window=w)
+        SourceGroup(count=n, row_bytes=row, compress=m, window=w)
         for (m, w), n in sorted(shapes.items())
     )
     producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers)
     indexers = tuple(
-        IndexGroup(count=n, key_bytes=cfg.d_index * elem + index_scale_bytes, compress=m)
-        for m, n in sorted(producer_m.items())
+        IndexGroup(count=n, key_bytes=key, compress=m) for m, n in sorted(producer_m.items())
     )
+    if kv_cache_dtype == "fp8":
+        elem_text = f"fp8 KV: {row} B rows, {key} B keys"
+    else:
+        elem_text = f"{elem} B elements"
     return Profile(
         name=name or cfg.name,
         sources=sources,
@@ -151,8 +164,25 @@ def profile_from_model_config(
         page_size=page_size,
         tail_pages=tail_pages,
         key_page_rows=key_page_rows,
-        description=f"derived from ModelConfig {cfg.name!r} ({elem} B elements)",
+        description=f"derived from ModelConfig {cfg.name!r} ({elem_text})",
     )
+
+
+def stored_bytes(
+    cfg: ModelConfig, kv_cache_dtype: str, elem: int | None, index_scale_bytes: int = 0
+) -> tuple[int | None, int | None]:
+    """(row, index key) bytes as a worker of ``kv_cache_dtype`` stores them: ``d_kv`` and
+    ``d_index`` elements of ``elem`` bytes (None: unknown), or the FP8 formats."""
+    if kv_cache_dtype == "fp8":
+        return (
+            mla_row_format(cfg.d_latent, cfg.d_rope).row_bytes,
+            index_key_format(cfg.d_index).row_bytes,
+        )
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"unknown kv_cache_dtype {kv_cache_dtype!r}; choose auto or fp8")
+    if elem is None:
+        return None, None
+    return cfg.d_kv * elem, cfg.d_index * elem + index_scale_bytes
 
 
 def selection_group_width(cfg: ModelConfig) -> int:
@@ -172,7 +202,11 @@ MTP_DRAFTER = DrafterProfile(name="mtp", window=0, k_max=8, row_bytes=0)
 
 
 def profile_from_model_dir(
-    path: str | Path, *, kv_dtype_bytes: int | None = None, mtp: bool = False
+    path: str | Path,
+    *,
+    kv_dtype_bytes: int | None = None,
+    mtp: bool = False,
+    kv_cache_dtype: str = "auto",
 ) -> Profile:
     """The profile of a model directory: a Hugging Face one (DeepSeek-V3.2, GLM-5; its
     topology from ``hf_config``) or one holding the engine's own ``config.json``. ``mtp``: as
@@ -184,7 +218,9 @@ def profile_from_model_dir(
         _, cfg = hf_family(path, mtp=mtp)
     else:
         cfg = ModelConfig.load(Path(path) / "config.json")
-    profile = profile_from_model_config(cfg, kv_dtype_bytes=kv_dtype_bytes)
+    profile = profile_from_model_config(
+        cfg, kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype
+    )
     if not mtp:
         return profile
     return replace(
@@ -207,18 +243,23 @@ def is_preset(name: str) -> bool:
     return name in PRESETS and name not in BUILTIN
 
 
-def get_profile(name: str, *, kv_dtype_bytes: int | None = None) -> Profile:
+def get_profile(
+    name: str, *, kv_dtype_bytes: int | None = None, kv_cache_dtype: str = "auto"
+) -> Profile:
     """A built-in profile by name, or an engine preset's derived profile. ``kv_dtype_bytes``
-    (element size) applies to presets only: built-in profiles give row bytes directly."""
+    (element size) and ``kv_cache_dtype`` apply to presets only: built-in profiles give row
+    bytes directly."""
     if name in BUILTIN:
-        if kv_dtype_bytes is not None:
+        if kv_dtype_bytes is not None or kv_cache_dtype != "auto":
             raise ValueError(
-                f"profile {name!r} gives row bytes directly; kv_dtype_bytes applies "
-                "to engine presets and model directories"
+                f"profile {name!r} gives row bytes directly; kv_dtype_bytes and "
+                "kv_cache_dtype apply to engine presets and model directories"
             )
         return BUILTIN[name]()
     if name in PRESETS:
-        return profile_from_model_config(preset_topology(name), kv_dtype_bytes=kv_dtype_bytes)
+        return profile_from_model_config(
+            preset_topology(name), kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype
+        )
     raise ValueError(f"unknown profile {name!r}; choose from {profile_names()}")
 
 

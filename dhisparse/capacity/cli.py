@@ -52,6 +52,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="element bytes (presets and --model; default: the config dtype)",
     )
+    m.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "fp8"],
+        default="auto",
+        help="as the worker's flag: fp8 sizes rows and index keys in the worker's FP8 formats "
+        "(656 B rows, 132 B keys at the released dims; presets and --model)",
+    )
 
     g = parser.add_argument_group("deployment (defaults: the profile's reference deployment)")
     g.add_argument("--pool-gib", type=float, help="per-GPU memory for required allocations")
@@ -95,10 +102,13 @@ def _mtp(args: argparse.Namespace) -> bool:
 def _profile(args: argparse.Namespace) -> Profile:
     if args.model:
         profile = profile_from_model_dir(
-            args.model, kv_dtype_bytes=args.kv_dtype_bytes, mtp=_mtp(args)
-        )
+            args.model, kv_dtype_bytes=args.kv_dtype_bytes, mtp=_mtp(args),
+            kv_cache_dtype=args.kv_cache_dtype,
+        )  # fmt: skip
     else:
-        profile = get_profile(args.profile, kv_dtype_bytes=args.kv_dtype_bytes)
+        profile = get_profile(
+            args.profile, kv_dtype_bytes=args.kv_dtype_bytes, kv_cache_dtype=args.kv_cache_dtype
+        )
     return profile.with_overrides(
         hot_cache_rows=args.hot_cache_rows,
         top_k=args.top_k_rows,

@@ -3,8 +3,9 @@ config (``ModelInfo.config_json``) becomes a ``Profile``, its serving mode picks
 hierarchy accounting, and the session is sized for its whole budget (prompt + max tokens), so
 that an admitted request can always run to its end.
 
-The worker reports its KV geometry (``ModelInfo.kv_layout_json``: element size, page size, hot
-cache and tail rows, index keys per page); an older worker that does not is sized with the capacity model's defaults,
+The worker reports its KV geometry (``ModelInfo.kv_layout_json``: element size, its
+``kv_cache_dtype`` and stored row and index-key bytes, page size, hot cache and tail rows,
+index keys per page); an older worker that does not is sized with the capacity model's defaults,
 overridable here (page size, B = 2k, one tail page).
 """
 
@@ -43,6 +44,9 @@ class SessionSizer:
         return profile_from_model_config(
             cfg,
             kv_dtype_bytes=layout.get("kv_dtype_bytes"),
+            kv_cache_dtype=layout.get("kv_cache_dtype") or "auto",
+            row_bytes=layout.get("row_bytes"),  # stored sizes: packed in fp8, keys padded
+            key_bytes=layout.get("index_key_bytes"),
             page_size=page,
             hot_cache_rows=layout.get("hot_cache_rows") or self.hot_cache_rows,
             tail_pages=max(1, -(-tail // page)) if tail else 1,

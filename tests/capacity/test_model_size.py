@@ -141,3 +141,26 @@ def test_plan_of_a_model_dir_imports_no_torch() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
+
+
+def test_plan_in_the_workers_fp8_formats(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--kv-cache-dtype fp8`` sizes what an fp8 worker stores: 656 B rows (512 e4m3, 4 fp32
+    scales, 64 bf16 rope) and 132 B keys; host backups shrink with the rows (656 / 1152)."""
+    from dhisparse.capacity import host_bytes
+
+    args = ["--model", str(CONFIGS / "glm-5.2"), "--context", "131072", "--json"]
+    bf16 = json.loads(plan(args, capsys))
+    fp8 = json.loads(plan([*args, "--kv-cache-dtype", "fp8"], capsys))
+    assert bf16 != fp8
+    table = plan([*args[:-1], "--kv-cache-dtype", "fp8"], capsys)
+    assert "78 × sparse 656 B/row" in table and "21 producers × 132 B/row" in table
+    a = profile_from_model_dir(CONFIGS / "glm-5.2")
+    b = profile_from_model_dir(CONFIGS / "glm-5.2", kv_cache_dtype="fp8")
+    assert [(s.count, s.row_bytes) for s in b.sources] == [(78, 656)]
+    assert [(g.count, g.key_bytes) for g in b.indexers] == [(21, 132)]
+    ha, hb = host_bytes(a, 131072), host_bytes(b, 131072)
+    assert abs(hb / ha - 656 / 1152) < 1e-3
+    tiny = plan(["--profile", "tiny-glm", "--context", "1000", "--kv-cache-dtype", "fp8"], capsys)
+    assert "× sparse 100 B/row" in tiny  # 64 e4m3 + one fp32 scale + 16 bf16
+    # the paper's profile gives its row bytes itself
+    assert main(["plan", "--profile", "glm-5.3", "--context", "1000", "--kv-cache-dtype", "fp8"]) == 2

@@ -374,3 +374,43 @@ def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes
             assert session_bytes(profile, tokens, "hierarchy").index_keys == keys * page_bytes
     finally:
         kv.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_an_fp8_worker_is_sized_in_its_packed_bytes(mode: str) -> None:
+    """A worker with ``kv_cache_dtype="fp8"`` reports packed rows (100 B for the tiny preset)
+    and keys (36 B; 40 in the hierarchy modes, padded to whole keys per page of rows): the
+    gateway sizes exactly those, as it sizes the index-key pages an admission takes."""
+    from dhisparse.capacity import session_bytes
+    from services.gateway.sizing import capacity_mode
+    from services.worker.kv.cache import KVCache
+    from services.worker.kv.config import KVCacheConfig
+
+    def cache(kv_cache_dtype: str) -> KVCache:
+        return KVCache(
+            CONFIG,
+            KVCacheConfig(
+                mode=mode, page_size=16, max_slots=2, max_model_len=6000, kv_pool_bytes=16 << 20,
+                host_arena_bytes=32 << 20, max_prefill_tokens=512, kv_cache_dtype=kv_cache_dtype,
+            ),
+        )  # fmt: skip
+
+    kv, plain = cache("fp8"), cache("auto")
+    try:
+        layout = kv.layout()
+        assert layout["kv_cache_dtype"] == "fp8" and layout["row_bytes"] == 100
+        w = worker("a", mode=mode, kv_layout_json=json.dumps(layout))
+        w_plain = worker("a", mode=mode, kv_layout_json=json.dumps(plain.layout()))
+        profile = SessionSizer()._build_profile(w.config_json, w.kv_layout_json)
+        assert {s.row_bytes for s in profile.sources} == {100}
+        assert {g.key_bytes for g in profile.indexers} == {layout["index_key_bytes"]}
+        for tokens in (100, 1000, 5000):
+            fp8_need = SessionSizer().required_bytes(w, tokens)
+            assert fp8_need < SessionSizer().required_bytes(w_plain, tokens)
+            if mode != "resident":
+                page_bytes = kv.payload.store.page_bytes
+                sized = session_bytes(profile, tokens, capacity_mode(mode)).index_keys
+                assert sized == kv.index_keys.pages_for(tokens) * page_bytes
+    finally:
+        kv.close()
+        plain.close()
