@@ -55,6 +55,8 @@ COMMANDS: dict[str, Command] = {
     "gateway": Command("bench.gateway", "the gateway's overhead per request, HTTP vs gRPC",
                        torch=False),
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
+    "fp8-kv": Command("bench.fp8_kv", "fp8 KV vs the serving dtype: top-k recall, logit error",
+                      results=False),
 }
 # fmt: on
 
