@@ -58,3 +58,40 @@ def test_index_key_topk_recall() -> None:
     print(f"\nFP8-key top-k recall vs bf16 keys ({T} keys, {S} queries x 3 seeds, {H} heads, "
           f"d {D}): " + ", ".join(f"k={t}: {m:.4f}" for t, m in mean.items()))  # fmt: skip
     assert mean[2048] > 0.9 and mean[64] > 0.8
+
+
+# ---- end to end: fp8 KV in the engine's forward pass against KV in the serving dtype ---------
+# ``bench/fp8_kv.py`` (``python -m bench fp8-kv``): both caches are fed the same tokens, so
+# each position compares one step. CPU runs are deterministic; the bounds are the measured
+# values (printed) with a margin, and follow from e4m3's rounding: a stored value is off by at
+# most 2^-4 of itself (3 mantissa bits), a row by ~2.5-3.5% rms (``test_mla_row_relative_
+# error``), and each layer passes such a perturbation on. A trained model keeps it small; random
+# weights amplify it from layer to layer, so the tiny preset's bounds are wide: they catch a
+# broken codec or wiring (a wrong scale or tile gives recall near k/rows and logits off by
+# 100%), not fp8 itself.
+
+
+def _compare(**kw) -> dict[str, float]:
+    from bench.fp8_kv import compare
+
+    r = compare(**kw).summary()
+    print("\n" + ", ".join(f"{k} {v:.4f}" for k, v in r.items()))
+    return r
+
+
+def test_fp8_kv_on_the_tiny_glm_preset() -> None:
+    """tiny-glm (GLM-5 family, random weights, fp32), random-byte prompts of 300, 180 and 420
+    tokens, 8 decode steps; k = 32."""
+    r = _compare(name="tiny-glm", seed=0, steps=8)
+    assert r["recall_mean_layer0"] > 0.95  # the keys' quantization alone
+    assert r["recall_mean"] > 0.85
+    assert r["decode_logit_rel_err_mean"] < 0.45 and r["prefill_logit_rel_err_mean"] < 0.35
+
+
+def test_fp8_kv_on_the_shipped_trained_model() -> None:
+    """glm-10m (the tiny-glm topology, trained on Python source, bf16, k = 128), prompts of
+    this repository's Python source, 8 decode steps."""
+    r = _compare(name="models/glm-10m", seed=0, steps=8, dtype=torch.bfloat16, text=True)
+    assert r["recall_mean_layer0"] > 0.97 and r["recall_mean"] > 0.97
+    assert r["decode_logit_rel_err_mean"] < 0.03 and r["prefill_logit_rel_err_mean"] < 0.03
+    assert r["decode_argmax_agreement"] >= 0.9
