@@ -39,7 +39,7 @@ def test_kernel_at_real_shapes(name, scale_dtype) -> None:
             y = fp8_linear_triton(x, w_fp8, scale, b, mode)
             y_ref = fp8_linear_ref(x, w_fp8, scale, b, mode)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel))
+            assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel), f"{mode} M={m}")
 
 
 def test_kernel_fp32_and_ragged_on_gpu() -> None:
@@ -49,7 +49,8 @@ def test_kernel_fp32_and_ragged_on_gpu() -> None:
             for mode, rel in (("w8a16", (k + 16) * EPS32), ("w8a8", FP8_MMA_REL)):
                 y = fp8_linear_triton(x, w_fp8, scale, bias, mode)
                 y_ref = fp8_linear_ref(x, w_fp8, scale, bias, mode)
-                assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel))
+                what = f"{mode} {x_dtype} {(m, n, k)}"
+                assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel), what)
 
 
 def test_fp8_linear_module_on_cuda_is_the_kernel() -> None:
