@@ -55,6 +55,7 @@ COMMANDS: dict[str, Command] = {
     "gateway": Command("bench.gateway", "the gateway's overhead per request, HTTP vs gRPC",
                        torch=False),
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
+    "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
 }
 # fmt: on
 

@@ -8,6 +8,8 @@ import logging
 
 from dhisparse.flags import add_switch
 from services.worker.engine.cuda_graph import CAPTURE_POLICIES
+from services.worker.model.weight_format import WEIGHT_DTYPES
+from services.worker.ops.fp8_linear import MODES
 from services.worker.settings import WorkerSettings
 
 # flag -> settings field; every engine knob is a flag.
@@ -28,6 +30,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", help="preset name (tiny-glm, tiny-dsv4) or model directory")
     p.add_argument("--device", help="cpu, cuda[:N], or auto: cuda when available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    p.add_argument(
+        "--weight-dtype", choices=list(WEIGHT_DTYPES),
+        help="DeepSeek-V3.2 / GLM-5: projections and experts in fp8 or the serving dtype "
+        "(auto: fp8 where the checkpoint is)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-mode", choices=list(MODES),
+        help="FP8 weights: bf16 activations (w8a16, default) or activations quantized per 1x128",
+    )  # fmt: skip
     p.add_argument("--seed", type=int, help="random-init seed for presets")
     p.add_argument("--mode", choices=["resident", "hisparse", "adaptive"], help="serving mode")
     p.add_argument("--reserve-pages", type=int, help="adaptive: admission reserve, in pages")

@@ -35,6 +35,8 @@ class WorkerSettings(BaseSettings):
     model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
     device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
+    weight_dtype: str = "auto"
+    fp8_mode: str = "w8a16"
     seed: int = 0
     mode: str = "adaptive"  # the paper's system; resident: the baseline
     kv_pool_mib: float = 256.0
@@ -67,6 +69,8 @@ class WorkerSettings(BaseSettings):
             model=self.model,
             device=resolve_device(self.device),
             dtype=self.dtype,
+            weight_dtype=self.weight_dtype,
+            fp8_mode=self.fp8_mode,
             seed=self.seed,
             mode=self.mode,
             kv_pool_mib=self.kv_pool_mib,

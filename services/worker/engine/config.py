@@ -19,6 +19,10 @@ class EngineConfig:
     model: str = "tiny-glm"  # preset name or model directory
     device: str = "cpu"
     dtype: str | None = None  # default: the model config's
+    # real families: projections and experts in FP8 or the serving dtype (auto: FP8 where the
+    # checkpoint is); FP8's activation mode (services/worker/ops/fp8_linear.py)
+    weight_dtype: str = "auto"
+    fp8_mode: str = "w8a16"
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
     mode: str = "resident"  # resident | hisparse | adaptive
     kv_pool_mib: float = 256.0

@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.worker.model.hf_config import MoESpec
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 # The public op where torch has it (2.10+); older releases expose the same kernel privately.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF001
@@ -20,11 +21,11 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF00
 class MLP(nn.Module):
     """SwiGLU with the checkpoint's names (dense layers and the shared experts)."""
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_proj = linear(d_model, d_ff, fmt)
+        self.up_proj = linear(d_model, d_ff, fmt)
+        self.down_proj = linear(d_ff, d_model, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -102,11 +103,21 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: MoESpec, d_model: int) -> None:
+    """``fmt``: FP8 holds the routed experts (``FP8Experts``, the fused FP8 MoE) and the shared
+    experts in FP8; the router stays in the serving dtype (its bias in fp32)."""
+
+    def __init__(self, spec: MoESpec, d_model: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
         self.gate = Router(spec, d_model)
-        self.experts = Experts(spec, d_model)
-        self.shared_experts = MLP(d_model, spec.intermediate * spec.n_shared)
+        if fmt.fp8:
+            from services.worker.model.fp8_moe import FP8Experts
+
+            self.experts: nn.Module = FP8Experts(
+                spec.n_routed, d_model, spec.intermediate, mode=fmt.mode
+            )
+        else:
+            self.experts = Experts(spec, d_model)
+        self.shared_experts = MLP(d_model, spec.intermediate * spec.n_shared, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w, idx = self.gate(x)
