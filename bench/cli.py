@@ -55,6 +55,7 @@ COMMANDS: dict[str, Command] = {
     "gateway": Command("bench.gateway", "the gateway's overhead per request, HTTP vs gRPC",
                        torch=False),
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
+    "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
 }
 # fmt: on
 
