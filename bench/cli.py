@@ -56,6 +56,7 @@ COMMANDS: dict[str, Command] = {
                        torch=False),
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
     "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
+    "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
 }
 # fmt: on
 

@@ -35,12 +35,12 @@ def _block_dot(a, a_scale, w, w_scale, A8: tl.constexpr, DOT_DTYPE: tl.constexpr
                PREC: tl.constexpr):  # fmt: skip
     """One K block's scaled partial product [BLOCK_M, BLOCK_N] in fp32."""
     if A8:
-        part = tl.dot(a, w, out_dtype=tl.float32)
-        return part * (a_scale[:, None] * w_scale[None, :])
-    # Through fp32: exact, and the interpreter's direct e4m3 -> bf16 cast is wrong.
-    w = w.to(tl.float32).to(DOT_DTYPE)
-    part = tl.dot(a, w, input_precision=PREC, out_dtype=tl.float32)
-    return part * w_scale[None, :]
+        part = tl.dot(a, w, out_dtype=tl.float32) * (a_scale[:, None] * w_scale[None, :])
+    else:
+        # Through fp32: exact, and the interpreter's direct e4m3 -> bf16 cast is wrong.
+        w = w.to(tl.float32).to(DOT_DTYPE)
+        part = tl.dot(a, w, input_precision=PREC, out_dtype=tl.float32) * w_scale[None, :]
+    return part
 
 
 @triton.jit
