@@ -24,7 +24,7 @@ from services.worker.model.checkpoint import SCALE_SUFFIX, CheckpointError
 from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.hf_config import MLAConfig
-from services.worker.model.layers import RMSNorm
+from services.worker.model.layers import RMSNorm, head_logits
 from services.worker.model.loader import Fp8Target
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.model import ForwardState, SparseDecoder
@@ -119,7 +119,7 @@ class MLADecoder(SparseDecoder):
         h = x + self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
         h = h + mtp.mlp(mtp.mlp_norm(h))
         g = mtp.shared_head.norm(h)
-        logits = g.float() @ mtp.shared_head.head.weight.float().t()
+        logits = head_logits(g, mtp.shared_head.head.weight)
         return MTPStep(g, logits, st.selection[i])
 
     def cast(self, dtype: torch.dtype) -> MLADecoder:

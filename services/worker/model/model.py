@@ -14,7 +14,7 @@ from services.worker.kv.token_ring import ExtendedRows
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
-from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.model.layers import RMSNorm, SwiGLU, head_logits
 from services.worker.model.rotary import Rotary
 from services.worker.model.row_selection import select_rows
 from services.worker.ops import sparse_attention_ref
@@ -137,7 +137,7 @@ class SparseDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d_model] -> [..., vocab] fp32."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return hidden.float() @ w.float().t()
+        return head_logits(hidden, w)
 
     # ---- one layer --------------------------------------------------------------------------
     def _attention(
