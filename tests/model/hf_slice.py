@@ -5,7 +5,7 @@ engine's chunked prefill over a resident KV cache, with those choices injected o
 
 Config values are transformers' class defaults (which are the released configs: DeepseekV32Config
 = DeepSeek-V3.2, GlmMoeDsaConfig = GLM-5), with only the layer count, the number of routed
-experts (64, as in docs' scaled configs: notes/real-models.md §1.7 / §2.7), the dense-layer
+experts (64, as in the scaled configs of notes/real-models.md §1.7 / §2.7), the dense-layer
 count, RoPE (V3.2's released YaRN; GLM-5.2's theta and IndexShare) and, where a test says so,
 the vocabulary overridden."""
 
@@ -177,13 +177,13 @@ def run_ours(
         max_model_len=n, max_prefill_tokens=chunk, dtype=dtype, device=str(device),
     )  # fmt: skip
     kv = KVCache(model.cfg, kv_cfg)
-    routed: list[tuple[int, torch.Tensor, torch.Tensor]] = []
+    moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
+    routed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in moe}
     hooks = [
-        layer.mlp.gate.register_forward_hook(
-            lambda _m, _a, out, i=i: routed.append((i, out[0].float(), out[1]))
+        model.layers[i].mlp.gate.register_forward_hook(
+            lambda _m, _a, out, i=i: routed[i].append(out)  # (weights, experts) of a chunk
         )
-        for i, layer in enumerate(model.layers)
-        if isinstance(layer.mlp, MoE)
+        for i in moe
     ]
     logits, chunks = [], []
     try:
@@ -206,8 +206,8 @@ def run_ours(
         kv.close()
     producers = [i for i, s in enumerate(model.cfg.layers) if s.index == "producer"]
     selections = {i: torch.cat([c[i] for c in chunks]) for i in producers}
-    experts = {i: torch.cat([e for j, _, e in routed if j == i]) for i, _, _ in routed}
-    weights = {i: torch.cat([w for j, w, _ in routed if j == i]) for i, _, _ in routed}
+    experts = {i: torch.cat([e for _, e in routed[i]]) for i in moe}
+    weights = {i: torch.cat([w for w, _ in routed[i]]) for i in moe}
     return Pass(torch.cat(logits), selections, experts, weights)
 
 

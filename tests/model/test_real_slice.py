@@ -10,9 +10,11 @@ agreement per MoE layer, the logit error), and only sanity-checked.
 The bound. Each side's bf16 logits lie 1.0-1.8 % (relative Frobenius error) from an fp32 run of
 the same weights and choices, measured at the reduced dims (seeds 1-3: transformers bf16 vs our
 fp32 1.2-1.8 %, our bf16 vs our fp32 1.0-1.4 %); the two roundings are independent, so the two
-bf16 runs differ by their root sum of squares, 1.5-2.3 % measured. Every per-layer dimension real
-(on the CPU, 8 experts, 256 tokens): see ``INJECTED_BOUND``'s comment. The un-injected error is
-~10x that at these sizes (discrete flips of random-weight models, notes/real-models.md §5.4).
+bf16 runs differ by their root sum of squares, 1.5-2.3 % measured. With every per-layer dimension
+of V3.2 real (on the CPU; 8 experts top-4, vocab 4096): 2.1 % over 256 tokens at index_topk 128
+(1.7 % and 1.3 % to fp32), 1.7 % over 2304 tokens at index_topk 2048 (1.4 % and 1.1 %); GLM
+1.4 % over 256 tokens. Hence 3e-2. Without injection the error is 8-23 %: discrete flips of
+random-weight models (notes/real-models.md §5.4).
 
 transformers' indexer against vLLM / DeepSeek's reference (read in transformers 5.17.0's
 ``DeepseekV32Indexer.forward`` / ``GlmMoeDsaIndexer.forward``):
@@ -47,7 +49,7 @@ from services.worker.model.mla_decoder import MLADecoder
 from tests.model import hf_slice, hf_tiny
 
 FAMILIES = sorted(hf_slice.SLICES)
-INJECTED_BOUND = 3e-2  # 1.5-2.3 % measured at reduced dims (above); real dims: see the report
+INJECTED_BOUND = 3e-2  # 1.4-2.3 % measured (module docstring)
 SANITY_RECALL = 0.5  # un-injected: mean selection recall over sparse queries, per producer
 SANITY_OVERLAP = 0.5  # un-injected: mean routing overlap, per MoE layer
 
@@ -172,9 +174,11 @@ def test_slice_at_real_dims_matches_transformers_with_its_choices_injected(
 ) -> None:
     """Every per-layer dimension and the vocabulary as released, 64 experts, on one H200 in
     bf16: a 3072-token prompt (1024 queries see more than index_topk 2048 positions), our
-    prefill in chunks of 512. Peak memory ~40 GB (module docstring of ``hf_slice``'s caller:
-    the report's ``peak_gpu_bytes``); the ~23 GB (V3.2) / ~20 GB (GLM) checkpoint is written
-    to ``tmp_path`` and removed once loaded."""
+    prefill in chunks of 512. The slices hold 11.64 B (V3.2) / 10.18 B (GLM) parameters, 21.7 /
+    19.0 GiB: transformers' model and its eager prefill (~10 GB of [heads, T, T] scores at
+    once) peak near 35 GiB, ours after it is freed near 33 GiB (the report's
+    ``peak_gpu_bytes``). The checkpoint (23 / 20 GB) goes to ``tmp_path``, removed once
+    loaded."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     torch.cuda.reset_peak_memory_stats()
