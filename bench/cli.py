@@ -57,6 +57,8 @@ COMMANDS: dict[str, Command] = {
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
     "fp8-kv": Command("bench.fp8_kv", "fp8 KV vs the serving dtype: top-k recall, logit error",
                       results=False),
+    "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
+    "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
 }
 # fmt: on
 

@@ -9,6 +9,8 @@ import logging
 from dhisparse.flags import add_switch
 from services.worker.engine.cuda_graph import CAPTURE_POLICIES
 from services.worker.kv.row_codec import KV_CACHE_DTYPES
+from services.worker.model.weight_format import WEIGHT_DTYPES
+from services.worker.ops.fp8_linear import MODES
 from services.worker.settings import WorkerSettings
 
 # flag -> settings field; every engine knob is a flag.
@@ -33,6 +35,15 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "--kv-cache-dtype", choices=list(KV_CACHE_DTYPES),
         help="KV rows and index keys: auto (the serving dtype, default) or fp8 (packed FP8 "
         "rows: 656 B at the released dims, index keys 132 B; docs/fp8_kv.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--weight-dtype", choices=list(WEIGHT_DTYPES),
+        help="DeepSeek-V3.2 / GLM-5: projections and experts in fp8 or the serving dtype "
+        "(auto: fp8 where the checkpoint is)",
+    )  # fmt: skip
+    p.add_argument(
+        "--fp8-mode", choices=list(MODES),
+        help="FP8 weights: bf16 activations (w8a16, default) or activations quantized per 1x128",
     )  # fmt: skip
     p.add_argument("--seed", type=int, help="random-init seed for presets")
     p.add_argument("--mode", choices=["resident", "hisparse", "adaptive"], help="serving mode")

@@ -36,6 +36,8 @@ class WorkerSettings(BaseSettings):
     device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the serving dtype; fp8: packed FP8 rows and keys
+    weight_dtype: str = "auto"
+    fp8_mode: str = "w8a16"
     seed: int = 0
     mode: str = "adaptive"  # the paper's system; resident: the baseline
     kv_pool_mib: float = 256.0
@@ -69,6 +71,8 @@ class WorkerSettings(BaseSettings):
             device=resolve_device(self.device),
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
+            weight_dtype=self.weight_dtype,
+            fp8_mode=self.fp8_mode,
             seed=self.seed,
             mode=self.mode,
             kv_pool_mib=self.kv_pool_mib,

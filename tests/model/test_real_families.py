@@ -149,16 +149,20 @@ def test_engine_greedy_equals_transformers(family, mode: str) -> None:
     eng.close()
 
 
-@pytest.mark.parametrize("scale_dtype", ["F32", "F8_E8M0"])
+@pytest.mark.parametrize(("scale_dtype", "block"), [("F32", 32), ("F8_E8M0", 32), ("F8_E8M0", 128)])
 def test_fp8_checkpoint_against_transformers_on_its_dequantized_weights(
-    family, tmp_path: Path, scale_dtype: str
+    family, tmp_path: Path, scale_dtype: str, block: int
 ) -> None:
-    """An FP8 e4m3 checkpoint with 32x32 block scales (kv_a_proj_with_mqa's 48 rows: one full
-    and one ragged block), sharded: our load dequantizes it on the CPU; transformers loads the
-    same dequantized weights; logits agree as for bf16/fp32 checkpoints."""
+    """An FP8 e4m3 checkpoint, sharded, against transformers on the same dequantized weights;
+    logits agree as for bf16/fp32 checkpoints. With 32x32 block scales (kv_a_proj_with_mqa's 48
+    rows: one full and one ragged block) our load dequantizes it; with the released 128x128
+    blocks the projections and experts stay FP8 (FP8Linear, FP8Experts: on the CPU their
+    reference, dequantize and one fp32 matmul)."""
     ref, path = family
     fp8 = tmp_path / "fp8"
-    write_fp8_checkpoint(path, fp8, block=(32, 32), scale_dtype=scale_dtype, max_shard_bytes=60_000)
+    write_fp8_checkpoint(
+        path, fp8, block=(block, block), scale_dtype=scale_dtype, max_shard_bytes=60_000
+    )
     raw = json.loads((fp8 / "config.json").read_text())
     ckpt = Checkpoint(fp8, raw["quantization_config"])
     assert ckpt.is_fp8("model.layers.1.self_attn.kv_a_proj_with_mqa.weight")
@@ -176,6 +180,7 @@ def test_fp8_checkpoint_against_transformers_on_its_dequantized_weights(
     want = hf_tiny.reference_logits(theirs.eval(), ids)
     assert (want - hf_tiny.reference_logits(ref, ids)).abs().max() > 0  # the weights moved
     model = _ours(fp8)
+    assert model.weight_format.fp8 == (block == 128)
     kv = KVCache(model.cfg, KVCacheConfig(max_slots=1, max_model_len=256))
     got = model.logits(run_chunks(model, kv, ids, [50, 1, 1, 28]))
     assert (got - want).abs().max() / want.abs().max() <= 1e-4

@@ -41,10 +41,10 @@ def bound(x: torch.Tensor, w_fp8: torch.Tensor, scale: torch.Tensor, mode: str, 
     return b.reshape(y_ref.shape)
 
 
-def assert_within(y, y_ref, tol) -> None:
+def assert_within(y, y_ref, tol, what: str = "") -> None:
     err = (y.float() - y_ref.float()).abs()
     worst = (err - tol).argmax()
     assert (err <= tol).all(), (
-        f"error {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
+        f"{what + ': ' if what else ''}error {err.flatten()[worst]:.3e} > bound {tol.flatten()[worst]:.3e} "
         f"(max error {err.max():.3e}, |y| max {y_ref.float().abs().max():.3e})"
     )

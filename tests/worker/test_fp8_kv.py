@@ -58,7 +58,10 @@ def check(fmt: Fp8RowFormat, seed: int, n: int, slots: int, dtype: torch.dtype, 
 
 
 def mismatches(
-    fmt: Fp8RowFormat, pool: torch.Tensor, expect: torch.Tensor, rows: torch.Tensor,
+    fmt: Fp8RowFormat,
+    pool: torch.Tensor,
+    expect: torch.Tensor,
+    rows: torch.Tensor,
     dst: torch.Tensor,
 ) -> list[tuple]:
     """(pool row, byte, got, expected, the source row's value there) at the first mismatches."""

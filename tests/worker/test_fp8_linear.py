@@ -57,6 +57,22 @@ def test_triton_matches_reference(mode, scale_dtype, x_dtype) -> None:
         assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, (k + 16) * EPS32))
 
 
+def test_split_k_sums_the_splits_in_order() -> None:
+    """Split-K (the decode path for long K on a GPU) under the interpreter: 2 and 3 splits of
+    4 K blocks (one split shorter), with and without a bias, equal the reference as closely as
+    one split does."""
+    from services.worker.ops.fp8_linear import k_splits
+
+    assert k_splits(9, 56, interpret=False) == 30 and k_splits(300, 56, interpret=False) == 1
+    assert k_splits(9, 3, interpret=False) == 3 and k_splits(9, 56, interpret=True) == 1
+    x, w_fp8, scale, bias = make_case(77, 5, 72, 500, "F32", torch.float32)
+    for splits, b in ((2, bias), (3, None)):
+        for mode in ("w8a16", "w8a8"):
+            y = fp8_linear_triton(x, w_fp8, scale, b, mode, splits=splits)
+            y_ref = fp8_linear_ref(x, w_fp8, scale, b, mode)
+            assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, 516 * EPS32))
+
+
 def test_leading_dims_strides_and_raw_e8m0_scale() -> None:
     """x [3, 4, K] and a non-contiguous x; the scale grid as stored (float8_e8m0fnu), which the
     wrapper widens to fp32 itself."""

@@ -2,10 +2,13 @@
 references, and torch's own block-scaled FP8 GEMM where this torch has one (all @gpu).
 
 Bounds: W8A16 and the fp32 case as on the CPU (``test_fp8_linear.py``). For W8A8 the FP8 MMA
-of Hopper accumulates with fewer bits than fp32 (DeepSeek-V3's report, §3.3.2: about 14), so
-the bound is that of a 14-bit accumulator over one K block of 128, ``128 * 2**-14 * (|x| @
-|W|^T)``: the kernel (and cuBLAS's blockwise recipe) moves each block's partial sum into an fp32
-accumulator, as DeepSeek does, so only one block's worth of narrow accumulation adds up."""
+of Hopper accumulates with fewer bits than fp32 (DeepSeek-V3's report, §3.3.2: about 14 bits
+retained, the rest truncated), so the bound is that of a 14-bit truncating accumulator over one
+K block of 128: each of the 128 additions loses up to one unit of its 13th fraction bit,
+``128 * 2**-13 * (|x| @ |W|^T)``. The kernel (and cuBLAS's blockwise recipe) moves each block's
+partial sum into an fp32 accumulator, as DeepSeek does, so only one block's worth of narrow
+accumulation adds up. (Half that, a rounding accumulator's bound, is exceeded on the H200 at
+M = 128, where the large tiles take the wgmma path: the truncation is real.)"""
 
 from __future__ import annotations
 
@@ -23,7 +26,7 @@ REAL_SHAPES = {
     "expert_gate_up": (2048, 7168),
     "expert_down": (7168, 2048),
 }
-FP8_MMA_REL = 128 * 2.0**-14
+FP8_MMA_REL = 128 * 2.0**-13
 
 pytestmark = pytest.mark.gpu
 
@@ -39,7 +42,7 @@ def test_kernel_at_real_shapes(name, scale_dtype) -> None:
             y = fp8_linear_triton(x, w_fp8, scale, b, mode)
             y_ref = fp8_linear_ref(x, w_fp8, scale, b, mode)
             assert y.dtype == torch.bfloat16 and y.shape == (m, n)
-            assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel))
+            assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel), f"{mode} M={m}")
 
 
 def test_kernel_fp32_and_ragged_on_gpu() -> None:
@@ -49,7 +52,8 @@ def test_kernel_fp32_and_ragged_on_gpu() -> None:
             for mode, rel in (("w8a16", (k + 16) * EPS32), ("w8a8", FP8_MMA_REL)):
                 y = fp8_linear_triton(x, w_fp8, scale, bias, mode)
                 y_ref = fp8_linear_ref(x, w_fp8, scale, bias, mode)
-                assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel))
+                what = f"{mode} {x_dtype} {(m, n, k)}"
+                assert_within(y, y_ref, bound(x, w_fp8, scale, mode, y_ref, rel), what)
 
 
 def test_fp8_linear_module_on_cuda_is_the_kernel() -> None:

@@ -38,13 +38,34 @@ def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w) -> N
     )
 
 
+@pytest.mark.parametrize(("seed", "w", "splits"), [(3, 0, 3), (4, 8, 4), (5, 8, 2)])
+def test_split_rows_combine_to_the_reference(seed, w, splits) -> None:
+    """Flash-decoding splits (the decode path on a GPU) under the interpreter: k = 100 rows in
+    splits of whole 32-row chunks (the last one short), the window in the first split, and one
+    query whose last split holds padding only."""
+    from services.worker.ops.sparse_attention_triton import row_splits, sparse_attention_triton
+
+    assert row_splits(8, 2048, interpret=False) == (32, 64)
+    assert row_splits(300, 2048, interpret=False) == (1, 2048)
+    assert row_splits(8, 100, interpret=False, want=3) == (2, 64)
+    q, pool, locs, dv, scale, win_pool, win_locs = case(seed, 3, 4, 80, 64, 100, w, "cpu",
+                                                        torch.float32)  # fmt: skip
+    locs[1, 64:] = -1
+    args = (q, pool, locs, dv, scale, win_pool, win_locs)
+    torch.testing.assert_close(
+        sparse_attention_triton(*args, splits=splits), sparse_attention_ref(*args),
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_sparse_attention_on_gpu(dtype) -> None:
     from services.worker.ops.sparse_attention_triton import sparse_attention_triton
 
     for seed, (n, h, d, dv, k, w) in enumerate(
-        [(64, 16, 576, 512, 2048, 0), (7, 4, 80, 64, 32, 8)]
+        # a prefill chunk, a V3.2 decode step (128 heads: split rows), a windowed one
+        [(64, 16, 576, 512, 2048, 0), (1, 128, 576, 512, 2048, 0), (7, 4, 80, 64, 32, 8)]
     ):
         args = case(seed, n, h, d, dv, k, w, "cuda", dtype)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4

@@ -22,6 +22,10 @@ class EngineConfig:
     # how KV rows and index keys are stored (vLLM's --kv-cache-dtype): "auto" = the serving
     # dtype; "fp8" = packed FP8 rows (docs/fp8_kv.md)
     kv_cache_dtype: str = "auto"
+    # real families: projections and experts in FP8 or the serving dtype (auto: FP8 where the
+    # checkpoint is); FP8's activation mode (services/worker/ops/fp8_linear.py)
+    weight_dtype: str = "auto"
+    fp8_mode: str = "w8a16"
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
     mode: str = "resident"  # resident | hisparse | adaptive
     kv_pool_mib: float = 256.0

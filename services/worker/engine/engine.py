@@ -61,7 +61,8 @@ class Engine:
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
-                mtp=sc.drafter == MTPDrafter.kind,
+                mtp=sc.drafter == MTPDrafter.kind, weight_dtype=cfg.weight_dtype,
+                fp8_mode=cfg.fp8_mode,
             )  # fmt: skip
         if cfg.top_k_rows is not None:
             model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)

@@ -10,10 +10,14 @@ from services.worker.kv.fp8_format import E4M3_MAX, Fp8RowFormat
 
 
 def tile_scales(fmt: Fp8RowFormat, values: torch.Tensor) -> torch.Tensor:
-    """[N, n_values] -> [N, n_tiles] fp32: each tile's power-of-two scale (in float64, so the
-    ceil(log2) is exact at the boundaries amax = 448 * 2^k)."""
+    """[N, n_values] -> [N, n_tiles] fp32: each tile's power-of-two scale 2^k, the smallest
+    with amax <= 448 * 2^k. The exponent comes from frexp of amax / 448 in float64 (exact for
+    an fp32 amax at the boundaries amax = 448 * 2^k, where a log2 may land a hair above k, as
+    CUDA's does)."""
     amax = values.double().abs().reshape(len(values), fmt.n_tiles, fmt.tile).amax(-1)
-    exp = torch.ceil(torch.log2(amax / E4M3_MAX)).clamp(min=fmt.min_scale_exp)
+    mantissa, exp = torch.frexp(amax / E4M3_MAX)  # q = m * 2^e, m in [0.5, 1); 0 for q = 0
+    exp = torch.where(mantissa == 0.5, exp - 1, exp)  # q = 2^(e-1) exactly
+    exp = exp.clamp(min=fmt.min_scale_exp).double()
     return torch.exp2(exp).float()
 
 

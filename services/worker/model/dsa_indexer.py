@@ -15,18 +15,20 @@ from torch.nn import functional as F
 
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.rotary import Rotary, apply_rope
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 _K_NORM_EPS = 1e-6
 
 
 class DSAIndexer(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
+    def __init__(self, cfg: MLAConfig, fmt: WeightFormat = BF16) -> None:
+        """``fmt``: FP8 holds wq_b and wk in FP8; weights_proj stays fp32."""
         super().__init__()
         self.n_heads, self.d_index = cfg.index_n_heads, cfg.index_head_dim
         self.d_rope = cfg.qk_rope_head_dim
         self.interleaved = cfg.indexer_rope_interleaved
-        self.wq_b = nn.Linear(cfg.q_lora_rank, self.n_heads * self.d_index, bias=False)
-        self.wk = nn.Linear(cfg.hidden_size, self.d_index, bias=False)
+        self.wq_b = linear(cfg.q_lora_rank, self.n_heads * self.d_index, fmt)
+        self.wk = linear(cfg.hidden_size, self.d_index, fmt)
         self.k_norm = nn.LayerNorm(self.d_index, eps=_K_NORM_EPS)
         self.weights_proj = nn.Linear(cfg.hidden_size, self.n_heads, bias=False)
         self.weight_scale = self.n_heads**-0.5 * self.d_index**-0.5

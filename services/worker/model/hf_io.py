@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
-from services.worker.model.checkpoint import Checkpoint
+from services.worker.model.checkpoint import Checkpoint, block_size
 from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
-from services.worker.model.loader import load_into
+from services.worker.model.loader import FP8_BLOCK, load_into
 from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
+from services.worker.model.weight_format import resolve
+from services.worker.ops.fp8_linear import Mode
 
 __all__ = [
     "first_layers",
@@ -56,8 +58,12 @@ def load_hf_model(
     dtype: torch.dtype | None = None,
     layers: int | None = None,
     mtp: bool = False,
+    weight_dtype: str = "auto",
+    fp8_mode: Mode = "w8a16",
 ) -> MLADecoder:
-    """The model of a directory, in ``dtype`` (default: config.json's) on ``device``; with
+    """The model of a directory, in ``dtype`` (default: config.json's) on ``device``, its
+    projections and experts in FP8 or not as ``weight_dtype`` says (``weight_format.resolve``:
+    "auto" keeps an FP8 checkpoint in FP8, ``fp8_mode`` its activation mode); with
     ``layers``, its first ``layers`` layers only (final norm and lm_head kept; the tensors of
     the other layers are not read); with ``mtp``, its MTP layer too (the MTP drafter's, served
     as a draft layer of the topology: docs/mtp.md). Raises ConfigError / CheckpointError (both
@@ -74,11 +80,16 @@ def load_hf_model(
         if cfg.dtype not in _DTYPES:
             raise ConfigError(f"config.json: dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[cfg.dtype]
+    quantization = raw.get("quantization_config")
+    # FP8 as stored needs the kernels' 128x128 blocks; other blocks are dequantized at load
+    # (or, asked for FP8, requantized: ``loader.Fp8Target``)
+    served_as_is = quantization is not None and block_size(quantization) == FP8_BLOCK
+    fmt = resolve(weight_dtype, served_as_is, fp8_mode)
     with torch.device("meta"):
-        model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp))
+        model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt)
     model.to_empty(device=device)
     model.cast(dtype)
-    ckpt = Checkpoint(path, raw.get("quantization_config"))
+    ckpt = Checkpoint(path, quantization)
     ignore |= dict(ignored_patterns(cfg, mtp))
     load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
     model.share_lm_head()

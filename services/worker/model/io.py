@@ -12,11 +12,15 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dhisparse.paths import resolve_path
+from services.worker.model.checkpoint import SCALE_SUFFIX
 from services.worker.model.config import ModelConfig
+from services.worker.model.fp8 import FP8_DTYPE, quantize_blockwise
 from services.worker.model.hf_io import hf_family, is_hf_model_dir, load_hf_model
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel, SparseDecoder
 from services.worker.model.presets import PRESETS, Definition, FamilyPreset, preset, preset_topology
+from services.worker.model.weight_format import BF16, WeightFormat, resolve
+from services.worker.ops.fp8_linear import Mode
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -48,32 +52,84 @@ def init_family_weights(model: MLADecoder, seed: int) -> None:
     real-family tests' reference checkpoints: N(0, 1/fan_in) projections and experts, N(0, 1)
     embeddings, norm weights 1 + N(0, 0.2^2), and N(0, 0.1^2) for the indexer's k_norm bias
     and the routers' correction biases, so that no weight sits at a value (a unit norm, a zero
-    bias) that would hide a wrong read."""
-    g = torch.Generator().manual_seed(seed)
-    for name, t in [*model.named_parameters(), *model.named_buffers()]:
-        r = torch.randn(t.shape, generator=g)
-        if "norm" in name and name.endswith("weight"):
-            r = 1 + 0.2 * r
-        elif name.endswith("bias"):
-            r = 0.1 * r
-        elif not name.startswith("embed"):
-            r = r / math.sqrt(t.shape[-1])
-        t.data.copy_(r)
+    bias) that would hide a wrong read.
+
+    The numbers are drawn on the model's device, one tensor at a time (a model built in place
+    on a GPU never exists on the host). A weight held in FP8 is drawn as its dense weight would
+    be, then quantized per 128x128 block (one matrix at a time) into it and its scales."""
+    device = next(model.parameters()).device
+    g = torch.Generator(device).manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if name.endswith(SCALE_SUFFIX):
+                continue  # written with its weight
+            if t.dtype == FP8_DTYPE:
+                scale = model.get_buffer(name + SCALE_SUFFIX)
+                for w, s in _fp8_matrices(name, t, scale):
+                    r = torch.randn(w.shape, generator=g, device=device) / math.sqrt(w.shape[-1])
+                    w_fp8, s_fp8 = quantize_blockwise(r)
+                    w.copy_(w_fp8)
+                    s.copy_(s_fp8)
+                continue
+            r = torch.randn(t.shape, generator=g, device=device)
+            if "norm" in name and name.endswith("weight"):
+                r = 1 + 0.2 * r
+            elif name.endswith("bias"):
+                r = 0.1 * r
+            elif not name.startswith("embed"):
+                r = r / math.sqrt(t.shape[-1])
+            t.copy_(r)
+
+
+def _fp8_matrices(
+    name: str, weight: torch.Tensor, scale: torch.Tensor
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """(matrix, its scale grid) views of an FP8 weight, each quantized on its own: the weight
+    itself, one per expert of stacked experts, and gate and up apart within ``gate_up_proj``
+    (each on its own grid, as ``FP8Experts`` holds them)."""
+    ws = weight.view(-1, *weight.shape[-2:])
+    ss = scale.view(-1, *scale.shape[-2:])
+    if not name.endswith("gate_up_proj"):
+        return list(zip(ws, ss, strict=True))
+    half, s_half = ws.shape[1] // 2, ss.shape[1] // 2
+    out = []
+    for w, s in zip(ws, ss, strict=True):
+        out += [(w[:half], s[:s_half]), (w[half:], s[s_half:])]
+    return out
 
 
 def build_model(
-    cfg: Definition, seed: int = 0, device: str = "cpu", dtype: torch.dtype | None = None
+    cfg: Definition,
+    seed: int = 0,
+    device: str = "cpu",
+    dtype: torch.dtype | None = None,
+    weights: WeightFormat = BF16,
+    in_place: bool = False,
 ) -> SparseDecoder:
     """A model of seeded random weights in ``dtype`` (default: the definition's): a real
-    family's MLADecoder, built as a checkpoint's is (hf_config's math and topology) and
-    initialised by ``init_family_weights``; or the home-made DSAModel of a ModelConfig,
-    initialised by ``init_weights``."""
+    family's MLADecoder, built as a checkpoint's is (hf_config's math and topology), its
+    projections and experts held as ``weights`` says, and initialised by
+    ``init_family_weights``; or the home-made DSAModel of a ModelConfig, initialised by
+    ``init_weights``.
+
+    A family model is initialised on the CPU and then moved, so that its weights are the same
+    on every device; with ``in_place`` (and whenever it holds FP8 weights) it is allocated and
+    initialised on ``device`` directly, never on the host: what real-dimension models of tens of
+    GB need (their numbers then come from ``device``'s generator)."""
     if isinstance(cfg, FamilyPreset):
         family, topo = cfg.parse()
+        if in_place or weights.fp8:
+            with torch.device("meta"):
+                model = MLADecoder(family, topo, weights)
+            model.to_empty(device=device)
+        else:
+            model = MLADecoder(family, topo)
         # cast before the init: the FP32_PARAMS take their values in fp32 whatever the dtype
-        model = MLADecoder(family, topo).cast(dtype or DTYPES[family.dtype])
+        model.cast(dtype or DTYPES[family.dtype])
         init_family_weights(model, seed)
         return model.to(device=device).eval()
+    if weights.fp8 or in_place:
+        raise ValueError(f"{cfg.name}: FP8 weights and in-place builds are for the real families")
     model = DSAModel(cfg)
     init_weights(model, seed)
     return model.to(device=device, dtype=dtype or DTYPES[cfg.dtype]).eval()
@@ -146,17 +202,27 @@ def load_model(
     dtype: torch.dtype | None = None,
     seed: int = 0,
     mtp: bool = False,
+    weight_dtype: str = "auto",
+    fp8_mode: Mode = "w8a16",
 ) -> SparseDecoder:
     """A preset name (seeded random weights) or a directory with config.json + weights: a
     Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format. ``mtp``: with the
-    checkpoint's MTP layer (Hugging Face checkpoints only)."""
+    checkpoint's MTP layer (Hugging Face checkpoints only). ``weight_dtype`` / ``fp8_mode``:
+    how a real family's projections and experts are held (``weight_format.resolve``; a
+    family preset is "FP8" under "auto" when its config has a ``quantization_config``); the
+    home-made family takes "auto" or "bf16" only."""
     if mtp and (str(spec) in PRESETS or not is_hf_model_dir(resolve_path(spec))):
         raise ValueError(
             f"the MTP drafter needs a DeepSeek-V3.2 / GLM-5 checkpoint with its MTP layer; "
             f"{spec!r} is not one"
         )
     if str(spec) in PRESETS:
-        return build_model(preset(str(spec)), seed=seed, device=device, dtype=dtype)
+        d = preset(str(spec))
+        family = isinstance(d, FamilyPreset)
+        fmt = resolve(weight_dtype, family and "quantization_config" in d.config, fp8_mode)
+        if fmt.fp8 and not family:
+            raise ValueError(f"--weight-dtype fp8: {spec!r} is not a DeepSeek-V3.2 / GLM-5 model")
+        return build_model(d, seed=seed, device=device, dtype=dtype, weights=fmt)
     path = resolve_path(spec)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(
@@ -164,7 +230,12 @@ def load_model(
             f"directory with {CONFIG_FILE}"
         )
     if is_hf_model_dir(path):
-        return load_hf_model(path, device=device, dtype=dtype, mtp=mtp)
+        return load_hf_model(
+            path, device=device, dtype=dtype, mtp=mtp, weight_dtype=weight_dtype,
+            fp8_mode=fp8_mode,
+        )  # fmt: skip
+    if resolve(weight_dtype, False).fp8:
+        raise ValueError(f"--weight-dtype fp8: {spec} is not a DeepSeek-V3.2 / GLM-5 model")
     cfg = ModelConfig.load(path / CONFIG_FILE)
     model = DSAModel(cfg)
     state = load_weights(path)

@@ -9,10 +9,12 @@ from __future__ import annotations
 import logging
 import re
 from collections.abc import Iterable, Mapping
+from typing import NamedTuple
 
 import torch
 
 from services.worker.model.checkpoint import Checkpoint, CheckpointError
+from services.worker.model.fp8 import quantize_blockwise
 
 log = logging.getLogger(__name__)
 
@@ -25,13 +27,46 @@ def _listing(names: Iterable[str]) -> str:
     return ", ".join(names[:LISTED]) + more
 
 
+class Fp8Target(NamedTuple):
+    """Where one weight held in FP8 goes: ``weight`` e4m3 and its 128x128 block scales
+    ``scale`` (fp32), both views of the model's buffers."""
+
+    weight: torch.Tensor
+    scale: torch.Tensor
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.weight.shape
+
+
+FP8_BLOCK = (128, 128)
+Target = torch.Tensor | Fp8Target
+
+
+def _copy(checkpoint: Checkpoint, name: str, target: Target) -> None:
+    """One checkpoint tensor into its target. An FP8 target takes an FP8 weight of 128x128
+    blocks as stored (bytes and scales), and any other weight quantized here per block."""
+    if not isinstance(target, Fp8Target):
+        target.copy_(checkpoint.get(name, target.dtype, target.device))
+        return
+    device = target.weight.device
+    if checkpoint.is_fp8(name) and checkpoint.block == FP8_BLOCK:
+        w, s = checkpoint.get_fp8(name)
+        w, s = w.to(device), s.to(device)
+    else:
+        w, s = quantize_blockwise(checkpoint.get(name, torch.float32, device), FP8_BLOCK)
+    target.weight.copy_(w)
+    target.scale.copy_(s)
+
+
 def load_into(
     checkpoint: Checkpoint,
-    targets: Mapping[str, torch.Tensor],
+    targets: Mapping[str, Target],
     ignore: Mapping[str, str] | Iterable[str] = (),
 ) -> None:
     """Copies every checkpoint tensor named in ``targets`` into its target (``copy_``, in the
-    target's dtype and on its device; the read tensor is dropped before the next is read).
+    target's dtype and on its device, or as FP8 into an ``Fp8Target``; the read tensor is
+    dropped before the next is read).
 
     ``ignore`` holds regular expressions (``re.match``, so anchored at the name's start), or
     maps each to the reason it is ignored (e.g. ``{r"model\\.layers\\.61\\.": "MTP layer; no
@@ -73,8 +108,7 @@ def load_into(
     with torch.no_grad():
         for name in stored:
             if name in targets:
-                target = targets[name]
-                target.copy_(checkpoint.get(name, target.dtype, target.device))
+                _copy(checkpoint, name, targets[name])
     checkpoint.close()
     if any(ignored.values()):
         parts = [

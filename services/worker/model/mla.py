@@ -15,6 +15,7 @@ from torch import nn
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.rotary import Rotary, apply_rope
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as transformers).
 _LORA_NORM_EPS = 1e-6
@@ -23,19 +24,20 @@ _LORA_NORM_EPS = 1e-6
 class MLA(nn.Module):
     owner = True  # every layer of these families writes its own source
 
-    def __init__(self, cfg: MLAConfig) -> None:
+    def __init__(self, cfg: MLAConfig, fmt: WeightFormat = BF16) -> None:
+        """``fmt``: FP8 holds q_a, q_b, kv_a and o in FP8; kv_b (absorbed) stays dense."""
         super().__init__()
         self.cfg = cfg
         h, d = cfg.num_heads, cfg.hidden_size
-        self.q_a_proj = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.q_a_proj = linear(d, cfg.q_lora_rank, fmt)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
-        self.q_b_proj = nn.Linear(cfg.q_lora_rank, h * cfg.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, bias=False)
+        self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, fmt)
+        self.kv_a_proj_with_mqa = linear(d, cfg.kv_lora_rank + cfg.qk_rope_head_dim, fmt)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, _LORA_NORM_EPS)
         self.kv_b_proj = nn.Linear(
             cfg.kv_lora_rank, h * (cfg.qk_nope_head_dim + cfg.v_head_dim), bias=False
         )
-        self.o_proj = nn.Linear(h * cfg.v_head_dim, d, bias=False)
+        self.o_proj = linear(h * cfg.v_head_dim, d, fmt)
         self.scale = cfg.softmax_scale
 
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:

@@ -20,26 +20,33 @@ from torch import nn
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
-from services.worker.model.checkpoint import CheckpointError
+from services.worker.model.checkpoint import SCALE_SUFFIX, CheckpointError
 from services.worker.model.config import ModelConfig
+from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.hf_config import MLAConfig
-from services.worker.model.layers import RMSNorm
+from services.worker.model.layers import RMSNorm, head_logits
+from services.worker.model.loader import Fp8Target
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.model import ForwardState, SparseDecoder
 from services.worker.model.mtp import MTP_EMBED, MTP_NAMES, MTPLayer, MTPStep
 from services.worker.model.rotary import Rotary
+from services.worker.model.weight_format import BF16, WeightFormat
 
 # Parameters kept in fp32 whatever the serving dtype, as transformers keeps them.
 FP32_PARAMS = ("indexer.weights_proj.weight", "mlp.gate.e_score_correction_bias")
 
 
 class MLADecoder(SparseDecoder):
-    def __init__(self, cfg: MLAConfig, topo: ModelConfig) -> None:
+    def __init__(self, cfg: MLAConfig, topo: ModelConfig, fmt: WeightFormat = BF16) -> None:
+        """``fmt``: the weights in the serving dtype, or FP8 (``weight_format``)."""
         super().__init__()
         self._init_topology(topo)
         self.family = cfg
+        self.weight_format = fmt
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MLALayer(cfg, topo, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(
+            MLALayer(cfg, topo, i, fmt=fmt) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None
@@ -47,7 +54,7 @@ class MLADecoder(SparseDecoder):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         drafts = topo.draft_layers
-        self.mtp = MTPLayer(cfg, topo, drafts[0]) if drafts else None
+        self.mtp = MTPLayer(cfg, topo, drafts[0], fmt) if drafts else None
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary(positions, self.family.rope)
@@ -112,15 +119,17 @@ class MLADecoder(SparseDecoder):
         h = x + self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
         h = h + mtp.mlp(mtp.mlp_norm(h))
         g = mtp.shared_head.norm(h)
-        logits = g.float() @ mtp.shared_head.head.weight.float().t()
+        logits = head_logits(g, mtp.shared_head.head.weight)
         return MTPStep(g, logits, st.selection[i])
 
     def cast(self, dtype: torch.dtype) -> MLADecoder:
-        """Casts to the serving dtype, keeping FP32_PARAMS in fp32."""
-        self.to(dtype=dtype)
+        """Casts to the serving dtype, keeping FP32_PARAMS and FP8 block scales in fp32 and
+        FP8 weights in FP8."""
         for name, t in [*self.named_parameters(), *self.named_buffers()]:
-            if name.endswith(FP32_PARAMS):
-                t.data = t.data.float()
+            if t.dtype == FP8_DTYPE:
+                continue
+            fp32 = name.endswith(FP32_PARAMS) or name.endswith(SCALE_SUFFIX)
+            t.data = t.data.to(torch.float32 if fp32 else dtype)
         return self
 
 
@@ -153,21 +162,31 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.Tensor]:
+def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.Tensor | Fp8Target]:
     """For each checkpoint tensor name this model reads: the tensor (a parameter, or a view
-    of one: one expert's slice of the fused expert weights) it is copied into. Names the model
-    has no place for are left out (the loader reports them); parameters that no name fills
-    raise ``CheckpointError`` listing them."""
+    of one: one expert's slice of the fused expert weights) it is copied into, or for a weight
+    the model holds in FP8 the ``Fp8Target`` of its e4m3 values and block scales. Names the
+    model has no place for are left out (the loader reports them); parameters that no name
+    fills raise ``CheckpointError`` listing them."""
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     mtp = model.mtp_layer if model.mtp is not None else None
-    out: dict[str, torch.Tensor] = {}
+    out: dict[str, torch.Tensor | Fp8Target] = {}
     filled: dict[str, int] = {}  # elements of each parameter some checkpoint tensor fills
     for name in names:
         hit = _target(params, name, mtp)
-        if hit is not None:
-            ours, view = hit
-            out[name] = view
-            filled[ours] = filled.get(ours, 0) + view.numel()
+        if hit is None:
+            continue
+        ours, view = hit
+        if isinstance(view, torch.Tensor) and view.dtype == FP8_DTYPE:
+            view = _whole_fp8(params, ours, view)
+        if isinstance(view, Fp8Target):
+            scale_name = ours + SCALE_SUFFIX
+            filled[scale_name] = filled.get(scale_name, 0) + view.scale.numel()
+            view, target = view.weight, view
+        else:
+            target = view
+        filled[ours] = filled.get(ours, 0) + view.numel()
+        out[name] = target
     unfilled = sorted(n for n in _expected(model) if filled.get(n, 0) != params[n].numel())
     if unfilled:
         listed = ", ".join(unfilled[:20]) + (
@@ -177,9 +196,21 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
     return out
 
 
+def _whole_fp8(params: dict[str, torch.Tensor], ours: str, view: torch.Tensor) -> Fp8Target:
+    """The target of a whole FP8 weight of ours and its block scales (``X.weight`` has
+    ``X.weight_scale_inv``). Transformers' fused 3-D expert tensors are not 2-D weights with
+    one grid: they load into experts held in the serving dtype only."""
+    if view.dim() != 2:
+        raise CheckpointError(
+            f"{ours}: fused {view.dim()}-D expert tensors load with --weight-dtype bf16, not "
+            "into FP8 experts (FP8 checkpoints store each expert's projections apart)"
+        )
+    return Fp8Target(view, params[ours + SCALE_SUFFIX])
+
+
 def _target(
     params: dict[str, torch.Tensor], name: str, mtp: int | None
-) -> tuple[str, torch.Tensor] | None:
+) -> tuple[str, torch.Tensor | Fp8Target] | None:
     """(our parameter, the tensor to copy into) for one checkpoint name, or None. ``mtp``: the
     index of the MTP layer the model holds as ``mtp`` (its decoder layer under the usual
     names, its own tensors by ``MTP_NAMES``)."""
@@ -207,23 +238,34 @@ def _target(
 
 def _expert_view(
     params: dict[str, torch.Tensor], prefix: str, e: int, proj: str
-) -> tuple[str, torch.Tensor] | None:
+) -> tuple[str, torch.Tensor | Fp8Target] | None:
     """One expert's slice of the fused expert weights: gate and up are the two halves of
-    gate_up_proj[e] (as transformers fuses them), down is down_proj[e]."""
+    gate_up_proj[e] (as transformers fuses them), down is down_proj[e]; for FP8 experts with
+    the matching slices of their block scales."""
     ours = prefix + ("mlp.experts.down_proj" if proj == "down_proj" else "mlp.experts.gate_up_proj")
     fused = params.get(ours)
     if fused is None or e >= fused.shape[0]:
         return None
+    fp8 = fused.dtype == FP8_DTYPE
+    scale = params[ours + SCALE_SUFFIX] if fp8 else None
     if proj == "down_proj":
-        return ours, fused[e]
+        return ours, (Fp8Target(fused[e], scale[e]) if scale is not None else fused[e])
     half = fused.shape[1] // 2
-    return ours, (fused[e, :half] if proj == "gate_proj" else fused[e, half:])
+    w = fused[e, :half] if proj == "gate_proj" else fused[e, half:]
+    if scale is None:
+        return ours, w
+    # FP8Experts: gate's scale grid over up's
+    s_half = scale.shape[1] // 2
+    return ours, Fp8Target(w, scale[e, :s_half] if proj == "gate_proj" else scale[e, s_half:])
 
 
 def _expected(model: MLADecoder) -> set[str]:
-    """Our tensors that a checkpoint must fill: every parameter and the router biases."""
+    """Our tensors that a checkpoint must fill: every parameter, the router biases, and the
+    FP8 weights with their block scales."""
     return set(dict(model.named_parameters())) | {
-        n for n, _ in model.named_buffers() if n.endswith("e_score_correction_bias")
+        n
+        for n, t in model.named_buffers()
+        if n.endswith(("e_score_correction_bias", SCALE_SUFFIX)) or t.dtype == FP8_DTYPE
     }
 
 

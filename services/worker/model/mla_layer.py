@@ -12,22 +12,29 @@ from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.mla import MLA
 from services.worker.model.moe import MLP, MoE
+from services.worker.model.weight_format import BF16, WeightFormat
 
 
 class MLALayer(nn.Module):
     def __init__(
-        self, cfg: MLAConfig, topo: ModelConfig, layer: int, mlp: str | None = None
+        self,
+        cfg: MLAConfig,
+        topo: ModelConfig,
+        layer: int,
+        mlp: str | None = None,
+        fmt: WeightFormat = BF16,
     ) -> None:
-        """``mlp``: "dense" or "sparse" (MoE); default: the config's for ``layer``."""
+        """``mlp``: "dense" or "sparse" (MoE); default: the config's for ``layer``. ``fmt``:
+        how the projections and experts are held (``weight_format``)."""
         super().__init__()
         self.spec = topo.layers[layer]
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.attn = MLA(cfg)
-        self.indexer = DSAIndexer(cfg) if self.spec.index == "producer" else None
+        self.attn = MLA(cfg, fmt)
+        self.indexer = DSAIndexer(cfg, fmt) if self.spec.index == "producer" else None
         self.mlp_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         kind = mlp or cfg.mlp_types[layer]
         self.mlp: nn.Module = (
-            MoE(cfg.moe, cfg.hidden_size)
+            MoE(cfg.moe, cfg.hidden_size, fmt)
             if kind == "sparse"
-            else MLP(cfg.hidden_size, cfg.intermediate_size)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, fmt)
         )

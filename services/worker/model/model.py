@@ -14,7 +14,7 @@ from services.worker.kv.token_ring import ExtendedRows
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
-from services.worker.model.layers import RMSNorm, SwiGLU
+from services.worker.model.layers import RMSNorm, SwiGLU, head_logits
 from services.worker.model.rotary import Rotary
 from services.worker.model.row_selection import select_rows
 from services.worker.ops import sparse_attention_ref
@@ -103,6 +103,8 @@ class SparseDecoder(nn.Module):
         features: dict[int, torch.Tensor] | None = None,
         begin: bool = True,
         selections: dict[int, torch.Tensor] | None = None,
+        given_selections: dict[int, torch.Tensor] | None = None,
+        given_experts: dict[int, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, d_model].
 
@@ -112,14 +114,25 @@ class SparseDecoder(nn.Module):
         a DFlash-style drafter is conditioned on). ``begin=False``: the caller already began the
         pass on ``kv`` (host-side planning that a captured graph cannot hold). ``selections``:
         filled with every layer's selected row positions [N, k] (-1 pads; a follower's are its
-        leader's), without the gathered rows a ``trace`` keeps."""
+        leader's), without the gathered rows a ``trace`` keeps.
+
+        Injection (to compare against a reference with its discrete choices imposed):
+        ``given_selections``: layer -> row positions [N, k] int64 (-1 pads) that layer attends
+        instead of its own selection; a producer given one neither runs its indexer nor writes
+        its index keys in this pass (so every pass over the cache must be given one), and its
+        followers take it. ``given_experts``: MoE layer -> experts [N, top_k] int64 that replace
+        the router's choice (``Router.forward``'s ``given``)."""
+        given_selections = given_selections or {}
+        given_experts = given_experts or {}
         if begin:
             kv.begin(batch)
         h = self.embed(input_ids)
         st = ForwardState(rotary=self.rotary(batch.positions))
         for i, layer in enumerate(self.layers):
-            h = h + self._attention(i, layer, layer.attn_norm(h), batch, kv, st, trace)
-            h = h + layer.mlp(layer.mlp_norm(h))
+            x = layer.attn_norm(h)
+            h = h + self._attention(i, layer, x, batch, kv, st, trace, given_selections.get(i))
+            x = layer.mlp_norm(h)
+            h = h + (layer.mlp(x) if i not in given_experts else layer.mlp(x, given_experts[i]))
             if features is not None and i in features:
                 features[i] = h
         if selections is not None:
@@ -137,7 +150,7 @@ class SparseDecoder(nn.Module):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., d_model] -> [..., vocab] fp32."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return hidden.float() @ w.float().t()
+        return head_logits(hidden, w)
 
     # ---- one layer --------------------------------------------------------------------------
     def _attention(
@@ -152,7 +165,8 @@ class SparseDecoder(nn.Module):
         given: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """``given``: the selection [N, k] to attend instead of running the layer's indexer
-        (an MTP draft step reusing its first step's, ``index_share_for_mtp_iteration``)."""
+        (an MTP draft step reusing its first step's, ``index_share_for_mtp_iteration``; a
+        reference's, injected through ``forward``'s ``given_selections``)."""
         spec = layer.spec
         s = spec.source
         src = self.cfg.sources[s]

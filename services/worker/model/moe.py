@@ -12,6 +12,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.worker.model.hf_config import MoESpec
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 # The public op where torch has it (2.10+); older releases expose the same kernel privately.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF001
@@ -20,11 +21,11 @@ _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF00
 class MLP(nn.Module):
     """SwiGLU with the checkpoint's names (dense layers and the shared experts)."""
 
-    def __init__(self, d_model: int, d_ff: int) -> None:
+    def __init__(self, d_model: int, d_ff: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.up_proj = nn.Linear(d_model, d_ff, bias=False)
-        self.down_proj = nn.Linear(d_ff, d_model, bias=False)
+        self.gate_proj = linear(d_model, d_ff, fmt)
+        self.up_proj = linear(d_model, d_ff, fmt)
+        self.down_proj = linear(d_ff, d_model, fmt)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
@@ -37,22 +38,28 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(spec.n_routed, d_model))
         self.register_buffer("e_score_correction_bias", torch.zeros(spec.n_routed))
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, given: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, d_model] -> (weights [N, top_k] fp32, experts [N, top_k] int64).
 
         Scores s = sigmoid(logits) in fp32; the choice uses s + bias, within the ``topk_group``
         groups whose two best choice scores sum highest; the weights are the chosen experts'
-        unbiased s, normalised to sum 1 (when ``norm_topk_prob``), times the routed scale."""
+        unbiased s, normalised to sum 1 (when ``norm_topk_prob``), times the routed scale.
+        ``given`` [N, top_k] int64: the experts to weigh instead of choosing them (a reference's
+        choice, injected); their weights come from these scores the same way."""
         sp = self.spec
         s = F.linear(x.float(), self.weight.float()).sigmoid()
-        choice = s + self.e_score_correction_bias.float()
-        grouped = choice.view(-1, sp.n_group, sp.n_routed // sp.n_group)
-        group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
-        groups = group_scores.topk(sp.topk_group, dim=-1, sorted=False).indices
-        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
-        keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, sp.n_routed)
-        experts = choice.masked_fill(~keep, float("-inf")).topk(sp.top_k, dim=-1, sorted=False)
-        idx = experts.indices
+        if given is None:
+            choice = s + self.e_score_correction_bias.float()
+            grouped = choice.view(-1, sp.n_group, sp.n_routed // sp.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+            groups = group_scores.topk(sp.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, sp.n_routed)
+            choice = choice.masked_fill(~keep, float("-inf"))
+            given = choice.topk(sp.top_k, dim=-1, sorted=False).indices
+        idx = given
         w = s.gather(1, idx)
         if sp.norm_topk_prob:
             w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
@@ -102,12 +109,24 @@ class Experts(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, spec: MoESpec, d_model: int) -> None:
+    """``fmt``: FP8 holds the routed experts (``FP8Experts``, the fused FP8 MoE) and the shared
+    experts in FP8; the router stays in the serving dtype (its bias in fp32)."""
+
+    def __init__(self, spec: MoESpec, d_model: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
         self.gate = Router(spec, d_model)
-        self.experts = Experts(spec, d_model)
-        self.shared_experts = MLP(d_model, spec.intermediate * spec.n_shared)
+        if fmt.fp8:
+            from services.worker.model.fp8_moe import FP8Experts
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        w, idx = self.gate(x)
+            self.experts: nn.Module = FP8Experts(
+                spec.n_routed, d_model, spec.intermediate, mode=fmt.mode
+            )
+        else:
+            self.experts = Experts(spec, d_model)
+        self.shared_experts = MLP(d_model, spec.intermediate * spec.n_shared, fmt)
+
+    def forward(self, x: torch.Tensor, given_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, d_model] -> [N, d_model]; ``given_experts`` [N, top_k] int64 replaces the
+        router's choice (``Router.forward``)."""
+        w, idx = self.gate(x, given_experts)
         return self.experts(x, idx, w) + self.shared_experts(x)

@@ -19,6 +19,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.mla_layer import MLALayer
+from services.worker.model.weight_format import BF16, WeightFormat
 
 # The MTP layer's own tensors (checkpoint name after ``model.layers.{N}.`` -> ours after
 # ``mtp.``); the rest of the layer has the decoder layer's names.
@@ -44,8 +45,10 @@ class MTPLayer(MLALayer):
     """The decoder layer (``attn_norm``, ``attn``, ``indexer``, ``mlp_norm``, ``mlp``) with
     the NextN input fusion and its own head."""
 
-    def __init__(self, cfg: MLAConfig, topo: ModelConfig, layer: int) -> None:
-        super().__init__(cfg, topo, layer, mlp=cfg.mtp_mlp)
+    def __init__(
+        self, cfg: MLAConfig, topo: ModelConfig, layer: int, fmt: WeightFormat = BF16
+    ) -> None:
+        super().__init__(cfg, topo, layer, mlp=cfg.mtp_mlp, fmt=fmt)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)

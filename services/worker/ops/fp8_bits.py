@@ -46,12 +46,14 @@ def e4m3_bits(x):
 
 @triton.jit
 def e4m3_value(b):
-    """e4m3 byte (int32) -> fp32, exact (0x7f / 0xff, never stored, read as +-480)."""
+    """e4m3 byte (int32) -> fp32, exact (0x7f / 0xff, never stored, read as +-480; 0x80 is
+    -0.0: the sign is set as a bit, which no compiler folds away for a zero)."""
     e = (b >> 3) & 15
     mant = b & 7
     sig = tl.where(e == 0, mant, mant + 8).to(tl.float32)
     v = sig * pow2(tl.maximum(e, 1) - 10)
-    return tl.where((b >> 7) == 1, -v, v)
+    bits = v.to(tl.int32, bitcast=True) | (((b >> 7) & 1) << 31)
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -116,15 +116,32 @@ def _tiles(m: int, interpret: bool) -> tuple[int, int, int, int]:
     return 128, 128, 8, 3
 
 
+# Programs a launch aims for: two waves of an H200's 132 SMs keep the weight stream busy.
+TARGET_PROGRAMS = 264
+
+
+def k_splits(tiles_mn: int, k_blocks: int, interpret: bool) -> int:
+    """How many K splits a launch of ``tiles_mn`` output tiles takes: enough programs for
+    ``TARGET_PROGRAMS`` (decode shapes such as [576, 7168] have few output tiles and a long
+    K), at most one per K block; one under the interpreter. A function of the shape only, so
+    a given shape always sums in the same order (deterministic, replayable in a graph)."""
+    if interpret or tiles_mn >= TARGET_PROGRAMS:
+        return 1
+    return max(1, min(k_blocks, -(-TARGET_PROGRAMS // tiles_mn)))
+
+
 def fp8_linear_triton(
     x: torch.Tensor,
     weight: torch.Tensor,
     weight_scale: torch.Tensor,
     bias: torch.Tensor | None = None,
     mode: Mode = "w8a16",
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``fp8_linear_ref``; the scales are read as fp32 (an e8m0 or bf16 grid
-    is widened here: pass fp32, as ``FP8Linear`` holds it, to avoid that copy per call)."""
+    is widened here: pass fp32, as ``FP8Linear`` holds it, to avoid that copy per call).
+    ``splits``: K splits (default ``k_splits``'s); with more than one, the fp32 partial sums
+    [splits, M, N] are added in split order, then the bias, then the cast."""
     _check(x, weight, weight_scale, mode)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
@@ -138,19 +155,30 @@ def fp8_linear_triton(
         return y.reshape(*lead, n)
     interpret = x.device.type == "cpu"
     block_m, block_n, warps, stages = _tiles(m, interpret)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
+    k_blocks = triton.cdiv(k, BLOCK)
+    s = splits if splits is not None else k_splits(tiles, k_blocks, interpret)
+    per = triton.cdiv(k_blocks, s)
+    s = triton.cdiv(k_blocks, per)  # no empty split
+    out = y if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), s)
     fp8_linear_kernel[grid](
         x2, x2.stride(0), x2.stride(1),
         weight, weight.stride(0), weight.stride(1),
         scale, scale.stride(0), scale.stride(1),
         bias if bias is not None else scale,  # unused without HAS_BIAS
-        y, y.stride(0), y.stride(1),
-        m, n, k,
+        out, out.stride(0) if s > 1 else 0, out.stride(-2), out.stride(-1),
+        m, n, k, per,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-        A8=mode == "w8a8", HAS_BIAS=bias is not None,
+        A8=mode == "w8a8", HAS_BIAS=bias is not None and s == 1,
         DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[x.dtype],
         # fp32 products, never TF32: fp32 activations then match the reference closely.
         PREC="ieee",
         num_warps=warps, num_stages=stages,
     )  # fmt: skip
+    if s > 1:
+        acc = out.sum(dim=0)
+        if bias is not None:
+            acc += bias.to(torch.float32)
+        y = acc.to(x.dtype)
     return y.reshape(*lead, n)

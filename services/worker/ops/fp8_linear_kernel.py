@@ -1,6 +1,8 @@
 """The FP8 block-scaled matmul kernel ``y = x @ dequant(W)^T (+ bias)``: one program per
-[BLOCK_M, BLOCK_N] tile of y, a loop over K in blocks of 128 aligned to the weight's scale grid
-(see ``fp8_linear.py``, which launches it and holds the torch references).
+[BLOCK_M, BLOCK_N] tile of y and split of K, a loop over that split's K blocks of 128 aligned
+to the weight's scale grid (see ``fp8_linear.py``, which launches it, sums the splits and holds
+the torch references). With one split the program writes y itself (bias included); with more
+it writes its fp32 partial sum at ``y[split]`` and adds no bias.
 
 Two activation modes, chosen at compile time by ``A8``:
 - W8A16 (``A8=False``): the e4m3 weight tile is widened to ``DOT_DTYPE`` (x's dtype on a GPU,
@@ -33,13 +35,14 @@ def fp8_linear_kernel(
     w_ptr, stride_wn, stride_wk,
     w_scale_ptr, stride_wsn, stride_wsk,
     bias_ptr,
-    y_ptr, stride_ym, stride_yn,
-    M, N, K,
+    y_ptr, stride_ys, stride_ym, stride_yn,
+    M, N, K, KB_PER_SPLIT,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     A8: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_s = tl.program_id(2)  # split-K: this program's K blocks, its partial sum at y[pid_s]
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -48,7 +51,8 @@ def fp8_linear_kernel(
     # BLOCK_K is the scale block: K block kb has the weight scales of column kb.
     w_scale_row = w_scale_ptr + (offs_n // BLOCK_K) * stride_wsn  # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for kb in range(0, tl.cdiv(K, BLOCK_K)):
+    kb_end = tl.minimum((pid_s + 1) * KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
+    for kb in range(pid_s * KB_PER_SPLIT, kb_end):
         k = kb * BLOCK_K + offs_k
         mask_k = k < K
         x = tl.load(
@@ -79,7 +83,7 @@ def fp8_linear_kernel(
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     tl.store(
-        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        y_ptr + pid_s * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
         acc.to(y_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )

@@ -1,6 +1,8 @@
-"""The sparse MQA attention kernel: one program per (query token, block of heads), an online
-softmax over the query's selected rows gathered by location, then over its local-window rows
-(see ``sparse_attention_triton.py``, which launches it).
+"""The sparse MQA attention kernel: one program per (query token, block of heads, split of the
+selected rows), an online softmax over its split of the query's rows gathered by location, and
+in the first split over the local-window rows too (see ``sparse_attention_triton.py``, which
+launches it). With one split the program writes the normalised output; with more it writes its
+split's running max, denominator and unnormalised accumulator, which the launcher combines.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -13,14 +15,14 @@ import triton.language as tl
 
 @triton.jit
 def _accumulate(
-    q_ptr, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool, locs_ptr, n_rows,
-    scale, D, offs_v, vmask, BLOCK_K: tl.constexpr, DC: tl.constexpr, HB: tl.constexpr,
+    q_ptr, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool, locs_ptr, row_lo,
+    row_hi, scale, D, offs_v, vmask, BLOCK_K: tl.constexpr, DC: tl.constexpr, HB: tl.constexpr,
     PREC: tl.constexpr,
 ):  # fmt: skip
     offs_c = tl.arange(0, DC)
-    for start in range(0, n_rows, BLOCK_K):
+    for start in range(row_lo, row_hi, BLOCK_K):
         offs_k = start + tl.arange(0, BLOCK_K)
-        loc = tl.load(locs_ptr + offs_k, mask=offs_k < n_rows, other=-1)
+        loc = tl.load(locs_ptr + offs_k, mask=offs_k < row_hi, other=-1)
         valid = loc >= 0
         s = tl.zeros([HB, BLOCK_K], tl.float32)
         for d0 in range(0, D, DC):
@@ -60,12 +62,16 @@ def sparse_attention_kernel(
     win_pool_ptr, stride_win_pool,
     win_locs_ptr, stride_win_locs, W,
     out_ptr, stride_on, stride_oh,
-    H, D, DV, scale,
+    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr,
+    H, D, DV, scale, ROWS_PER_SPLIT,
     HB: tl.constexpr, DC: tl.constexpr, DVP: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_WIN: tl.constexpr, PREC: tl.constexpr,
+    HAS_WIN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     hb = tl.program_id(1)
+    sp = tl.program_id(2)
+    row_lo = sp * ROWS_PER_SPLIT
+    row_hi = tl.minimum(row_lo + ROWS_PER_SPLIT, K)
     offs_h = hb * HB + tl.arange(0, HB)
     hmask = offs_h < H
     offs_v = tl.arange(0, DVP)
@@ -76,17 +82,27 @@ def sparse_attention_kernel(
     acc = tl.zeros([HB, DVP], tl.float32)
     m_i, l_i, acc = _accumulate(
         q_row, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool,
-        locs_ptr + n * stride_locs, K, scale, D, offs_v, vmask, BLOCK_K, DC, HB, PREC,
+        locs_ptr + n * stride_locs, row_lo, row_hi, scale, D, offs_v, vmask, BLOCK_K, DC, HB,
+        PREC,
     )  # fmt: skip
     if HAS_WIN:
+        # the window's rows go to the first split; the others read no window row
         m_i, l_i, acc = _accumulate(
             q_row, stride_qh, offs_h, hmask, m_i, l_i, acc, win_pool_ptr, stride_win_pool,
-            win_locs_ptr + n * stride_win_locs, W, scale, D, offs_v, vmask, BLOCK_K, DC, HB,
-            PREC,
+            win_locs_ptr + n * stride_win_locs, 0, tl.where(sp == 0, W, 0), scale, D, offs_v,
+            vmask, BLOCK_K, DC, HB, PREC,
         )  # fmt: skip
-    out = acc / l_i[:, None]
-    tl.store(
-        out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
-        out.to(out_ptr.dtype.element_ty),
-        mask=hmask[:, None] & vmask[None, :],
-    )
+    if SPLIT:
+        # partials: acc [N, S, H, DVP] fp32, (max, denominator) [2, N, S, H] fp32
+        part = part_ptr + n * stride_pn + sp * stride_ps + offs_h[:, None] * stride_ph
+        tl.store(part + offs_v[None, :], acc, mask=hmask[:, None] & vmask[None, :])
+        ml = ml_ptr + (n * tl.num_programs(2) + sp) * H + offs_h
+        tl.store(ml, m_i, mask=hmask)
+        tl.store(ml + tl.num_programs(0) * tl.num_programs(2) * H, l_i, mask=hmask)
+    else:
+        out = acc / l_i[:, None]
+        tl.store(
+            out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+            out.to(out_ptr.dtype.element_ty),
+            mask=hmask[:, None] & vmask[None, :],
+        )

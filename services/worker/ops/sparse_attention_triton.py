@@ -1,8 +1,11 @@
 """Sparse MQA attention over selected rows, as a Triton kernel (decode and verification).
 
-One program per (query token, block of heads): the query's rows are gathered from the pool by
-location, BLOCK_K at a time, and an online softmax accumulates over them and then over its
-local-window rows. Scores are accumulated over the row width in chunks of DC so that wide rows
+One program per (query token, block of heads, split of the selected rows): the query's rows are
+gathered from the pool by location, BLOCK_K at a time, and an online softmax accumulates over
+them (and, in the first split, over its local-window rows). Decode batches have few tokens, so
+the rows are split (flash-decoding) until the launch has ``TARGET_PROGRAMS`` programs, and the
+splits' partial softmaxes are combined here; a launch of many tokens takes one split. The split
+count is a function of the shapes only, so equal batches compute in the same order. Scores are accumulated over the row width in chunks of DC so that wide rows
 (576 elements in GLM/DeepSeek MLA) stay within registers and shared memory; every head of the
 block shares each gathered row (MQA), so a row is read once per head block. Matches
 ``sparse_attention_ref`` up to floating-point reassociation. The kernel itself is
@@ -24,9 +27,11 @@ def sparse_attention_triton(
     scale: float,
     win_pool: torch.Tensor | None = None,
     win_locs: torch.Tensor | None = None,
+    splits: int | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sparse_attention_ref``: q [N, H, d_kv], pool [S, d_kv], locs [N, k]
-    int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]."""
+    int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]. ``splits``:
+    the row splits to aim for (default ``row_splits``'s choice)."""
     n, h, d = q.shape
     if pool.shape[1] != d or locs.shape[0] != n:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
@@ -41,19 +46,69 @@ def sparse_attention_triton(
     else:
         win_pool, win_locs = pool, locs  # unused
     out = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
-    hb = max(16, min(64, triton.next_power_of_2(h)))  # tl.dot needs >= 16 rows on a GPU
-    grid = (n, triton.cdiv(h, hb))
+    dvp = triton.next_power_of_2(d_v)
+    hb = head_block(h, dvp)
+    k = locs.shape[1]
+    splits, per = row_splits(n * triton.cdiv(h, hb), k, q.device.type == "cpu", splits)
+    if n == 0:
+        return out
+    split = splits > 1
+    part = torch.empty(n, splits, h, dvp, dtype=torch.float32, device=q.device) if split else out
+    ml = torch.empty(2, n, splits, h, dtype=torch.float32, device=q.device) if split else out
+    grid = (n, triton.cdiv(h, hb), splits)
     sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         pool, pool.stride(0),
-        locs, locs.stride(0), locs.shape[1],
+        locs, locs.stride(0), k,
         win_pool, win_pool.stride(0),
         win_locs, win_locs.stride(0), win_locs.shape[1] if has_win else 0,
         out, out.stride(0), out.stride(1),
-        h, d, d_v, scale,
-        HB=hb, DC=64, DVP=triton.next_power_of_2(d_v), BLOCK_K=32, HAS_WIN=has_win,
+        part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml,
+        h, d, d_v, scale, per,
+        HB=hb, DC=64, DVP=dvp, BLOCK_K=BLOCK_K, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
-        PREC="ieee" if q.dtype == torch.float32 else "tf32",
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split,
         num_stages=2,
     )  # fmt: skip
+    if split:
+        combine_splits(part[..., :d_v], ml[0], ml[1], out)
     return out
+
+
+BLOCK_K = 32  # rows gathered per step
+# Programs a launch aims for: two waves of an H200's 132 SMs.
+TARGET_PROGRAMS = 264
+
+
+def head_block(h: int, dvp: int) -> int:
+    """Heads per program: up to 64, at least 16 (tl.dot's minimum on a GPU); 16 for values of
+    512 (MLA's latent), whose fp32 accumulator of HB x 512 then stays in registers."""
+    cap = 16 if dvp >= 512 else 64
+    return max(16, min(cap, triton.next_power_of_2(h)))
+
+
+def row_splits(
+    programs: int, k: int, interpret: bool, want: int | None = None
+) -> tuple[int, int]:
+    """(splits, rows per split, a multiple of BLOCK_K) for a launch of ``programs`` (token,
+    head block) programs over k selected rows: one split when the launch already fills the
+    GPU, and under the interpreter; ``want`` splits when given (no more than BLOCK_K chunks)."""
+    chunks = max(1, triton.cdiv(k, BLOCK_K))
+    if want is None:
+        fills = interpret or programs >= TARGET_PROGRAMS
+        want = 1 if fills else triton.cdiv(TARGET_PROGRAMS, programs)
+    per = triton.cdiv(chunks, min(want, chunks)) * BLOCK_K
+    return max(1, triton.cdiv(k, per)), per
+
+
+def combine_splits(
+    acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor
+) -> None:
+    """The splits' partial softmaxes into ``out`` [N, H, dv]: acc [N, S, H, dv] unnormalised,
+    m / l [N, S, H] each split's running max and denominator (-inf / 0 for a split that read
+    no row). ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s`` with M the max over splits."""
+    top = m.amax(dim=1, keepdim=True)
+    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))  # [N, S, H]
+    num = (acc * w[..., None]).sum(dim=1)
+    den = (l * w).sum(dim=1)
+    out.copy_(num / den[..., None])

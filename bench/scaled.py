@@ -1,0 +1,202 @@
+"""``python -m bench scaled``: the real families at real per-layer dimensions on one GPU —
+resident, hisparse and adaptive serving side by side, decode replayed as CUDA graphs.
+
+For each ``--family`` (``services/worker/model/scaled.py``: DeepSeek-V3.2 with 16 layers and 64
+experts, GLM-5.2 with 20 layers and 64 experts) the model is built in place on the GPU with
+random weights (``--weights``: FP8 as the released checkpoints, or bf16), then at each
+``--contexts`` length and ``--concurrency`` C the three modes' engines run C requests of that
+context in lockstep (``bench/core/lockstep.py``), each decoding ``--decode-tokens`` greedily.
+Before the timed requests each engine serves the same C requests once (warm-up: kernels
+compiled, graphs captured), so the timed ones show the steady state.
+
+Reported per family: weight bytes resident on the GPU (parameters and buffers, and the
+allocator's count after the build), build time; per mode, context and C: decode tokens/s (the
+aggregate and the median step rate), CUDA-graph replays, captures and eager passes during the
+timed requests (steady state: replays > 0, eager = 0), sessions admitted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from types import SimpleNamespace
+
+import torch
+
+from bench.capacity.sweep import MODES, Sweep
+from bench.core import UsageError
+from bench.core.lockstep import lockstep
+from dhisparse.tokenizer import ByteTokenizer
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.cuda_graph import GraphConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.heap import GcPauses
+from services.worker.engine.request import SamplingParams
+from services.worker.hierarchy.build import hierarchy_fixed_bytes
+from services.worker.kv.config import bytes_per_token
+from services.worker.kv.workspace import workspace_bytes
+from services.worker.model import build_model
+from services.worker.model.scaled import SCALED
+from services.worker.model.weight_format import WeightFormat
+from services.worker.ops.fp8_linear import MODES as FP8_MODES
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--family", default=",".join(SCALED), help=f"of {', '.join(SCALED)}")
+    ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
+    ap.add_argument("--fp8-mode", default="w8a16", choices=FP8_MODES)
+    ap.add_argument("--contexts", default="8192,32768")
+    ap.add_argument("--concurrency", default="1,4")
+    ap.add_argument("--decode-tokens", type=int, default=32)
+    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument("--hot-cache-rows", type=int, default=4096, help="B (default 2k)")
+    ap.add_argument("--page", type=int, default=64)
+    ap.add_argument("--host-gib", type=float, default=32.0)
+    ap.add_argument("--max-prefill-tokens", type=int, default=8192)
+    ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default="docs/results/scaled.json")
+
+
+def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str]]:
+    """(families, contexts, concurrencies, modes); raises UsageError on unknown or bad ones."""
+    fams = [f for f in args.family.split(",") if f]
+    bad = [f for f in fams if f not in SCALED]
+    if bad or not fams:
+        raise UsageError(f"unknown --family {bad}; known: {', '.join(SCALED)}")
+    modes = [m for m in args.modes.split(",") if m]
+    if not modes or set(modes) - set(MODES):
+        raise UsageError(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
+    try:
+        ctxs = [int(v) for v in args.contexts.split(",") if v]
+        cs = [int(v) for v in args.concurrency.split(",") if v]
+    except ValueError as e:
+        raise UsageError(f"--contexts and --concurrency take integers: {e}") from None
+    if not ctxs or not cs or min(ctxs + cs) < 1:
+        raise UsageError("--contexts and --concurrency take positive integers")
+    return fams, ctxs, cs, modes
+
+
+def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes of the model's tensors on the device, by dtype."""
+    out: dict[str, int] = {}
+    seen: set[int] = set()
+    for t in [*model.parameters(), *model.buffers()]:
+        if t.data_ptr() in seen:
+            continue
+        seen.add(t.data_ptr())
+        key = str(t.dtype).removeprefix("torch.")
+        out[key] = out.get(key, 0) + t.numel() * t.element_size()
+    return out
+
+
+def _engine(name: str, model, mode: str, ctx: int, c_max: int, args) -> Engine:
+    """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
+    of the context."""
+    device = next(model.parameters()).device.type
+    dtype = next(model.parameters()).dtype
+    per_token = bytes_per_token(model.cfg, model.embed.weight.element_size(), payload=True)
+    tokens = ctx + args.decode_tokens + 16
+    budget = c_max * tokens * per_token * 1.02
+    common = dict(
+        model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=mode,
+        page_size=args.page,
+        max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
+        hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
+        host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager, "second"),
+    )  # fmt: skip
+    kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
+    fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
+    if mode != "resident":
+        fixed += hierarchy_fixed_bytes(model.cfg, kv_cfg)
+    cfg = EngineConfig(kv_pool_mib=(budget + fixed) / 2**20, **common)
+    return Engine(cfg, model=model, tokenizer=ByteTokenizer())
+
+
+def _graph_counts(engine: Engine) -> dict[str, int]:
+    g = engine.graphs
+    if g is None:
+        return {"replays": 0, "captures": 0, "eager": 0}
+    return {"replays": g.replays, "captures": g.captures, "eager": g.eager}
+
+
+def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], args) -> list[dict]:
+    """Every mode at one context: engines built, warmed with each C's requests, then each C
+    timed in lockstep (on the model's device: a CPU run is the smoke test)."""
+    vocab = model.family.vocab_size
+    g = torch.Generator().manual_seed(args.seed + ctx)
+    prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(max(cs))]
+    engines = {m: _engine(name, model, m, ctx, max(cs), args) for m in modes}
+    device = next(model.parameters()).device.type
+    sweep_args = SimpleNamespace(decode_tokens=args.decode_tokens, trace=False, device=device)
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    rows = []
+    pauses = GcPauses()
+    for c in cs:
+        for engine in engines.values():  # warm-up: the same shapes as the timed requests
+            engine.generate(prompts[:c], params)
+        before = {m: _graph_counts(e) for m, e in engines.items()}
+        sweeps = [Sweep(engines[m], m, c, sweep_args, prompts, pauses) for m in modes]
+        lockstep(sweeps)
+        for sw in sweeps:
+            row = sw.row()
+            after = _graph_counts(sw.engine)
+            row["graphs"] = {k: after[k] - before[sw.mode][k] for k in after}
+            row["graphs_off_reason"] = sw.engine.graphs_off_reason
+            row["context"] = ctx
+            rows.append(row)
+            print(json.dumps({k: row[k] for k in (
+                "mode", "context", "concurrency", "decode_tokens_per_s",
+                "decode_tokens_per_s_median", "graphs", "sessions_admitted",
+            )}), flush=True)  # fmt: skip
+    pauses.close()
+    for engine in engines.values():
+        engine.close()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def run(args: argparse.Namespace) -> dict:
+    fams, ctxs, cs, modes = parse(args)
+    if not torch.cuda.is_available():
+        raise UsageError("bench scaled runs on a CUDA GPU (real-dimension models of 40+ GB)")
+    fmt = WeightFormat(fp8=args.weights == "fp8", mode=args.fp8_mode)
+    families = []
+    for name in fams:
+        torch.cuda.reset_peak_memory_stats()
+        t0 = time.perf_counter()
+        model = build_model(SCALED[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
+                            weights=fmt, in_place=True)  # fmt: skip
+        torch.cuda.synchronize()
+        built_s = time.perf_counter() - t0
+        wb = weight_bytes(model)
+        params = sum(p.numel() for p in model.parameters()) + sum(
+            b.numel() for n, b in model.named_buffers() if not n.endswith("_scale_inv")
+            and b.dtype == torch.float8_e4m3fn
+        )  # fmt: skip
+        fam = {
+            "family": name,
+            "config": SCALED[name].config,
+            "weights": args.weights,
+            "fp8_mode": args.fp8_mode if fmt.fp8 else None,
+            "parameters": params,
+            "weight_bytes": wb,
+            "weight_bytes_total": sum(wb.values()),
+            "allocated_after_build": torch.cuda.memory_allocated(),
+            "build_s": built_s,
+            "rows": [],
+        }
+        print(json.dumps({k: fam[k] for k in ("family", "weight_bytes", "build_s")}), flush=True)
+        for ctx in ctxs:
+            fam["rows"] += run_context(name, model, ctx, cs, modes, args)
+        families.append(fam)
+        del model
+        torch.cuda.empty_cache()
+    return {
+        "benchmark": "scaled",
+        "machine": torch.cuda.get_device_name(),
+        "decode_tokens": args.decode_tokens,
+        "hot_cache_rows": args.hot_cache_rows,
+        "families": families,
+    }

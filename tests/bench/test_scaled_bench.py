@@ -1,0 +1,46 @@
+"""``python -m bench scaled`` on the CPU at tiny scale: its argument checks, and one context's
+lockstep run of the three modes over an FP8-held real-family model (``tiny-glm``), which is what
+the GPU run does at real dimensions."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from bench import scaled
+from bench.core import UsageError
+from services.worker.model import build_model
+from services.worker.model.presets import preset
+from services.worker.model.weight_format import WeightFormat
+
+
+def _args(**over) -> argparse.Namespace:
+    ap = argparse.ArgumentParser()
+    scaled.add_arguments(ap)
+    return ap.parse_args([f"--{k.replace('_', '-')}={v}" for k, v in over.items()])
+
+
+def test_arguments_are_checked() -> None:
+    assert scaled.parse(_args()) == (
+        ["v32-scaled", "glm5-scaled"], [8192, 32768], [1, 4], ["resident", "hisparse", "adaptive"]
+    )
+    for bad in ({"family": "v4"}, {"modes": "paged"}, {"contexts": "8k"}, {"concurrency": "0"}):
+        with pytest.raises(UsageError):
+            scaled.parse(_args(**bad))
+
+
+def test_one_context_in_lockstep_on_the_cpu() -> None:
+    model = build_model(preset("tiny-glm"), weights=WeightFormat(fp8=True))
+    assert "float8_e4m3fn" in scaled.weight_bytes(model)
+    args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=32)  # fmt: skip
+    rows = scaled.run_context("tiny-glm", model, 80, [1, 2], ["resident", "hisparse", "adaptive"],
+                              args)  # fmt: skip
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        (m, c) for c in (1, 2) for m in ("resident", "hisparse", "adaptive")
+    ]
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
+        assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
+        assert "not a GPU" in r["graphs_off_reason"]
