@@ -163,4 +163,6 @@ def test_plan_in_the_workers_fp8_formats(capsys: pytest.CaptureFixture[str]) -> 
     tiny = plan(["--profile", "tiny-glm", "--context", "1000", "--kv-cache-dtype", "fp8"], capsys)
     assert "× sparse 100 B/row" in tiny  # 64 e4m3 + one fp32 scale + 16 bf16
     # the paper's profile gives its row bytes itself
-    assert main(["plan", "--profile", "glm-5.3", "--context", "1000", "--kv-cache-dtype", "fp8"]) == 2
+    assert (
+        main(["plan", "--profile", "glm-5.3", "--context", "1000", "--kv-cache-dtype", "fp8"]) == 2
+    )

@@ -131,9 +131,7 @@ class KVCache:
             self.model_cfg, self.cfg, host, fixed
         )
         shared = payload.store.shared_pages()
-        self.index_keys = IndexKeys(
-            self.model_cfg, 0, *args, shared=shared, codec=self.codecs.keys
-        )
+        self.index_keys = IndexKeys(self.model_cfg, 0, *args, shared=shared, codec=self.codecs.keys)
         # the longest prompt one request can bring into an empty pool: its hot cache, tail and
         # index keys fit the pages
         self.tokens_capacity = self._longest_admissible(shared.pages.total - payload.required_pages)

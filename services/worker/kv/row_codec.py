@@ -77,9 +77,6 @@ class RowCodec:
             return rows.view(*locs.shape, self.width)
         return _into(out, rows, locs.shape)
 
-    def describe(self) -> str:
-        return str(self.dtype).removeprefix("torch.") if self.fp8 is None else "fp8"
-
 
 def _into(out: torch.Tensor, rows: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     dst = out[: len(rows)]
