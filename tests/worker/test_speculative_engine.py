@@ -121,3 +121,18 @@ def test_requests_near_their_end_keep_the_pass_at_one_width(plain, mode: str) ->
     assert out[0].output_ids == free[0].output_ids
     assert any(max(lens) < 4 for lens, _ in passes)
     eng.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_speculative_greedy_over_fp8_kv_equals_plain_fp8_greedy(mode: str) -> None:
+    """Verify rounds read packed FP8 rows as decode steps do (B = k: unions overflow into
+    staging, which holds packed rows too)."""
+    fp8 = {"kv_cache_dtype": "fp8"}
+    ref = Engine(config("tiny-glm", "resident", **fp8))
+    want = [r.output_ids for r in ref.generate(prompts(), GREEDY)]
+    eng = Engine(config("tiny-glm", mode, drafter="dflash", spec_width=4, hot=32, **fp8))
+    assert eng.kv.payload.pool(0).dtype == torch.uint8
+    assert [r.output_ids for r in eng.generate(prompts(), GREEDY)] == want
+    assert eng.speculator.counters.drafts > 0
+    eng.close()
+    ref.close()
