@@ -34,6 +34,7 @@ from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.build import hierarchy_fixed_bytes
 from services.worker.kv.config import bytes_per_token
+from services.worker.kv.row_codec import KV_CACHE_DTYPES, kv_codecs
 from services.worker.kv.workspace import workspace_bytes
 from services.worker.model import build_model
 from services.worker.model.scaled import SCALED
@@ -45,6 +46,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--family", default=",".join(SCALED), help=f"of {', '.join(SCALED)}")
     ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--fp8-mode", default="w8a16", choices=FP8_MODES)
+    ap.add_argument(
+        "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
+        help="KV rows and index keys: the serving dtype, or packed fp8 (656 B rows, 132 B keys)",
+    )  # fmt: skip
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--decode-tokens", type=int, default=32)
@@ -95,7 +100,11 @@ def _engine(name: str, model, mode: str, ctx: int, c_max: int, args) -> Engine:
     of the context."""
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
-    per_token = bytes_per_token(model.cfg, model.embed.weight.element_size(), payload=True)
+    codecs = kv_codecs(model.cfg, args.kv_cache_dtype, dtype)
+    per_token = bytes_per_token(
+        model.cfg, model.embed.weight.element_size(), True, codecs.rows.row_bytes,
+        codecs.keys.row_bytes,
+    )  # fmt: skip
     tokens = ctx + args.decode_tokens + 16
     budget = c_max * tokens * per_token * 1.02
     common = dict(
@@ -104,6 +113,7 @@ def _engine(name: str, model, mode: str, ctx: int, c_max: int, args) -> Engine:
         max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
         hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
         host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager, "second"),
+        kv_cache_dtype=args.kv_cache_dtype,
     )  # fmt: skip
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
@@ -180,6 +190,7 @@ def run(args: argparse.Namespace) -> dict:
             "config": SCALED[name].config,
             "weights": args.weights,
             "fp8_mode": args.fp8_mode if fmt.fp8 else None,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "parameters": params,
             "weight_bytes": wb,
             "weight_bytes_total": sum(wb.values()),

@@ -44,3 +44,14 @@ def test_one_context_in_lockstep_on_the_cpu() -> None:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
         assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
         assert "not a GPU" in r["graphs_off_reason"]
+
+
+def test_fp8_kv_in_lockstep_on_the_cpu() -> None:
+    """``--kv-cache-dtype fp8``: FP8 weights and packed FP8 KV rows, every mode admits its
+    sessions in a pool sized from the packed bytes."""
+    model = build_model(preset("tiny-glm"), weights=WeightFormat(fp8=True))
+    args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=32, kv_cache_dtype="fp8")  # fmt: skip
+    rows = scaled.run_context("tiny-glm", model, 80, [2], ["resident", "hisparse"], args)
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == 2
