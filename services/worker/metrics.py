@@ -18,11 +18,13 @@ from services.worker.engine.request import RequestOutput
 
 def config_labels(engine: Engine) -> dict[str, str]:
     """What the worker chose at start-up, as the labels of ``dhisparse:worker_config_info``:
-    device, serving mode, CUDA graphs (and why they are off), drafter, durable sessions."""
+    device, serving mode, how KV is stored, CUDA graphs (and why they are off), drafter,
+    durable sessions."""
     cfg = engine.cfg
     return {
         "device": str(engine.device),
         "mode": engine.kv.mode,
+        "kv_cache_dtype": engine.kv.cfg.kv_cache_dtype,
         "cuda_graphs": "on" if engine.graphs is not None else "off",
         "graphs_off_reason": engine.graphs_off_reason or "",
         "graph_capture": cfg.graphs.capture,

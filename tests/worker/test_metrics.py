@@ -123,6 +123,7 @@ def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
         "model": "t",
         "device": "cpu",
         "mode": "adaptive",
+        "kv_cache_dtype": "auto",
         "cuda_graphs": "off",
         "graphs_off_reason": "device cpu is not a GPU",
         "graph_capture": "second",
