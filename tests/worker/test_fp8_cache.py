@@ -183,3 +183,46 @@ def test_fp8_engine_gives_resident_fp8_tokens_in_every_mode() -> None:
         assert [r.output_ids for r in eng.generate(prompts, params)] == want, mode
         eng.close()
     ref.close()
+
+
+# ---- the kernels as the cache calls them -----------------------------------------------------
+def _strided_kernels(device: str) -> None:
+    """Index keys in pages of rows are a strided view (36 B keys in 40 B slots) and attention
+    gathers into a workspace: the Triton store and gather over both equal the references, and
+    a slot's padding is never written."""
+    from services.worker.kv.row_codec import RowCodec
+    from services.worker.ops.fp8_gather_triton import fp8_gather_triton
+    from services.worker.ops.fp8_kv import fp8_gather_ref, fp8_store_ref
+    from services.worker.ops.fp8_store_triton import fp8_store_triton
+
+    g = torch.Generator().manual_seed(5)
+    for fmt, slot in ((index_key_format(32), 40), (mla_row_format(64, 16), 100),
+                      (index_key_format(128), 164)):  # fmt: skip
+        backing = [torch.full((50, slot), 0xAB, dtype=torch.uint8, device=device) for _ in "ab"]
+        pools = [b[:, : fmt.row_bytes] for b in backing]
+        rows = (torch.randn(20, fmt.width, generator=g) * 3).to(device)
+        dst = torch.randperm(50, generator=g)[:20].to(device)
+        dst[3] = -1
+        fp8_store_triton(fmt, pools[0], rows, dst)
+        fp8_store_ref(fmt, pools[1], rows, dst)
+        assert torch.equal(backing[0], backing[1])
+        assert (backing[0][:, fmt.row_bytes :] == 0xAB).all()
+        src = torch.randint(-1, 50, (33,), generator=g).to(device)
+        for dtype in (torch.float32, torch.bfloat16):
+            ws = torch.empty(64, fmt.width, dtype=dtype, device=device)
+            got = fp8_gather_triton(fmt, pools[0], src, dtype, out=ws[:33])
+            assert got.data_ptr() == ws.data_ptr()
+            assert torch.equal(got, fp8_gather_ref(fmt, pools[1], src, dtype))
+            codec = RowCodec(fmt.width, dtype, fmt)
+            view = codec.gather(pools[0], src.view(3, 11), out=ws)
+            assert view.shape == (3, 11, fmt.width) and view.data_ptr() == ws.data_ptr()
+            assert torch.equal(view.reshape(33, -1), got)
+
+
+def test_the_kernels_over_strided_pools_and_a_workspace() -> None:
+    _strided_kernels("cpu")  # the Triton interpreter
+
+
+@pytest.mark.gpu
+def test_the_kernels_over_strided_pools_and_a_workspace_on_gpu() -> None:
+    _strided_kernels("cuda")
