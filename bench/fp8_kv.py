@@ -11,8 +11,10 @@ whole prompt) and decode steps are reported apart. Results in docs/fp8_kv.md."""
 from __future__ import annotations
 
 import argparse
+import importlib
 import statistics
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
@@ -22,10 +24,9 @@ from services.worker.kv.config import KVCacheConfig
 from services.worker.model.io import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# text prompts (``--text``): Python sources, what the shipped glm-10m was trained on (its
-# held-out files are the standard library's; these are this repository's)
-TEXTS = ("services/worker/kv/cache.py", "services/worker/hierarchy/payload.py",
-         "services/worker/model/model.py")  # fmt: skip
+# text prompts (``--text``): modules of the running Python's standard library, what the shipped
+# glm-10m was trained on (these files are in its training split), fixed per Python version
+TEXTS = ("heapq", "textwrap", "fractions")
 
 
 @dataclass
@@ -75,8 +76,8 @@ def prompts_of(lens: tuple[int, ...], seed: int, text: bool) -> list[torch.Tenso
         return [torch.randint(0, 256, (n,), generator=g) for n in lens]
     out = []
     for i, n in enumerate(lens):
-        with open(TEXTS[i % len(TEXTS)], "rb") as f:
-            data = f.read()
+        module = importlib.import_module(TEXTS[i % len(TEXTS)])
+        data = Path(module.__file__).read_bytes()
         start = int(torch.randint(0, len(data) - n, (1,), generator=g))
         out.append(torch.tensor(list(data[start : start + n])))
     return out
@@ -90,7 +91,7 @@ def compare(
     dtype: torch.dtype = torch.float32,
     text: bool = False,
 ) -> Comparison:
-    """Prefills ``lens`` prompts together (random bytes, or Python source with ``text``),
+    """Prefills ``lens`` prompts together (random bytes, or stdlib source with ``text``),
     then decodes ``steps`` greedy tokens of the reference run, in a resident cache in the
     serving ``dtype`` and in an fp8 one, side by side. ``name``: a preset (weights seeded by
     ``seed``) or a model directory."""
@@ -148,7 +149,7 @@ def compare(
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="tiny-glm", help="a preset or a model directory")
-    ap.add_argument("--text", action="store_true", help="Python source prompts, not random")
+    ap.add_argument("--text", action="store_true", help="stdlib source prompts, not random")
     ap.add_argument("--dtype", default="float32", choices=sorted(DTYPES), help="serving dtype")
     ap.add_argument("--seeds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=16, help="decode steps after the prompts")
