@@ -90,7 +90,7 @@ def test_fp8_kv_on_the_tiny_glm_preset() -> None:
 
 def test_fp8_kv_on_the_shipped_trained_model() -> None:
     """glm-10m (the tiny-glm topology, trained on Python source, bf16, k = 128), prompts of
-    this repository's Python source, 8 decode steps."""
+    the running Python's stdlib source (bench/fp8_kv.py TEXTS), 8 decode steps."""
     r = _compare(name="models/glm-10m", seed=0, steps=8, dtype=torch.bfloat16, text=True)
     assert r["recall_mean_layer0"] > 0.97 and r["recall_mean"] > 0.97
     assert r["decode_logit_rel_err_mean"] < 0.03 and r["prefill_logit_rel_err_mean"] < 0.03
