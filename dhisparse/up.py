@@ -102,6 +102,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="KV rows and index keys: auto (the serving dtype, default) or fp8 (packed FP8 "
         "rows, half the bytes of bf16; docs/fp8_kv.md)",
     )  # fmt: skip
+    p.add_argument(
+        "--weight-dtype", default="auto", choices=["auto", "fp8", "bf16"],
+        help="DeepSeek-V3.2 / GLM-5 projections and experts: auto (FP8 checkpoints stay FP8, "
+        "default), fp8 or bf16 (docs/fp8_weights.md)",
+    )  # fmt: skip
     p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1")
@@ -194,6 +199,7 @@ def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
         "--device", worker_device(device, index),
         "--kv-pool-mib", str(args.kv_pool_mib),
         "--kv-cache-dtype", args.kv_cache_dtype,
+        "--weight-dtype", args.weight_dtype,
         "--max-model-len", str(args.max_model_len),
         "--kv-store", f"{args.host}:{args.kv_store_port}",
         *_spec_flags(args, device),

@@ -40,6 +40,15 @@ def test_defaults_are_the_papers_system() -> None:
     assert parse("--mode", "resident").mode == "resident"  # kept for comparison
 
 
+def test_weight_and_kv_dtypes_reach_every_worker() -> None:
+    args = parse("--workers", "2", "--weight-dtype", "fp8", "--kv-cache-dtype", "fp8")
+    for i in range(2):
+        argv = worker_argv(args, i, "cpu")
+        assert _flag(argv, "--weight-dtype") == "fp8" and _flag(argv, "--kv-cache-dtype") == "fp8"
+    argv = worker_argv(parse(), 0, "cpu")
+    assert _flag(argv, "--weight-dtype") == "auto" and _flag(argv, "--kv-cache-dtype") == "auto"
+
+
 def test_auto_device_is_the_gpu_when_cuda_is_available() -> None:
     assert resolve_device("auto") == ("cuda" if torch.cuda.is_available() else "cpu")
     for device in ("cpu", "cuda", "cuda:1"):

@@ -21,7 +21,6 @@ from services.worker.model.fp8 import (
     scale_grid,
     scale_to_float,
 )
-from services.worker.model.moe import Experts
 from services.worker.ops.fp8_linear import BLOCK, MODES, Mode
 from services.worker.ops.fp8_moe import dequantize_gate_up, fp8_moe_ref, fp8_moe_triton
 
@@ -110,9 +109,10 @@ class FP8Experts(nn.Module):
 
     @classmethod
     def from_experts(
-        cls, experts: Experts, mode: Mode = "w8a16", scale_dtype: str = "F32"
+        cls, experts: nn.Module, mode: Mode = "w8a16", scale_dtype: str = "F32"
     ) -> FP8Experts:
-        """``experts``' weights quantized per 128x128 block as the checkpoint writer does
+        """``experts`` (a ``moe.Experts``: gate_up_proj [E, 2I, D], down_proj [E, D, I]) quantized
+        per 128x128 block as the checkpoint writer does
         (``quantize_blockwise``; gate and up each on its own grid), on their device."""
         gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
         i = gate_up.shape[1] // 2

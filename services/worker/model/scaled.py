@@ -1,4 +1,4 @@
-"""Real-dimension models that fit one H200, for speed runs with random weights built in place
+"""Real-dimension models that fit one 141 GB GPU, for speed runs with random weights built in place
 (``io.build_model(..., in_place=True)``; no files): every per-layer dimension, the attention,
 indexer, IndexShare schedule and MoE routing of the released config, with fewer layers and
 fewer routed experts (``shared/notes/real-models.md`` §1.7 and §2.7).

@@ -30,6 +30,7 @@ from services.worker.model.fp8 import (
     scale_to_float,
 )
 from services.worker.ops.fp8_linear_kernel import fp8_linear_kernel
+from services.worker.ops.launch import TARGET_PROGRAMS
 
 Mode = Literal["w8a16", "w8a8"]
 MODES: tuple[Mode, ...] = ("w8a16", "w8a8")
@@ -114,10 +115,6 @@ def _tiles(m: int, interpret: bool) -> tuple[int, int, int, int]:
     if m <= 64:
         return triton.next_power_of_2(m), 64, 4, 4
     return 128, 128, 8, 3
-
-
-# Programs a launch aims for: two waves of an H200's 132 SMs keep the weight stream busy.
-TARGET_PROGRAMS = 264
 
 
 def k_splits(tiles_mn: int, k_blocks: int, interpret: bool) -> int:

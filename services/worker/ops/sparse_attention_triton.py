@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import triton
 
+from services.worker.ops.launch import TARGET_PROGRAMS
 from services.worker.ops.sparse_attention_kernel import sparse_attention_kernel
 
 
@@ -76,8 +77,6 @@ def sparse_attention_triton(
 
 
 BLOCK_K = 32  # rows gathered per step
-# Programs a launch aims for: two waves of an H200's 132 SMs.
-TARGET_PROGRAMS = 264
 
 
 def head_block(h: int, dvp: int) -> int:
