@@ -23,7 +23,10 @@ def _args(**over) -> argparse.Namespace:
 
 def test_arguments_are_checked() -> None:
     assert scaled.parse(_args()) == (
-        ["v32-scaled", "glm5-scaled"], [8192, 32768], [1, 4], ["resident", "hisparse", "adaptive"]
+        ["v32-scaled", "glm5-scaled"],
+        [8192, 32768],
+        [1, 4],
+        ["resident", "hisparse", "adaptive"],
     )
     for bad in ({"family": "v4"}, {"modes": "paged"}, {"contexts": "8k"}, {"concurrency": "0"}):
         with pytest.raises(UsageError):

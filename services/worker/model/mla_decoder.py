@@ -44,9 +44,7 @@ class MLADecoder(SparseDecoder):
         self.family = cfg
         self.weight_format = fmt
         self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            MLALayer(cfg, topo, i, fmt=fmt) for i in range(cfg.num_layers)
-        )
+        self.layers = nn.ModuleList(MLALayer(cfg, topo, i, fmt=fmt) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
             None

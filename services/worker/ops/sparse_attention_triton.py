@@ -86,9 +86,7 @@ def head_block(h: int, dvp: int) -> int:
     return max(16, min(cap, triton.next_power_of_2(h)))
 
 
-def row_splits(
-    programs: int, k: int, interpret: bool, want: int | None = None
-) -> tuple[int, int]:
+def row_splits(programs: int, k: int, interpret: bool, want: int | None = None) -> tuple[int, int]:
     """(splits, rows per split, a multiple of BLOCK_K) for a launch of ``programs`` (token,
     head block) programs over k selected rows: one split when the launch already fills the
     GPU, and under the interpreter; ``want`` splits when given (no more than BLOCK_K chunks)."""
@@ -101,13 +99,13 @@ def row_splits(
 
 
 def combine_splits(
-    acc: torch.Tensor, m: torch.Tensor, l: torch.Tensor, out: torch.Tensor
+    acc: torch.Tensor, m: torch.Tensor, den: torch.Tensor, out: torch.Tensor
 ) -> None:
     """The splits' partial softmaxes into ``out`` [N, H, dv]: acc [N, S, H, dv] unnormalised,
-    m / l [N, S, H] each split's running max and denominator (-inf / 0 for a split that read
-    no row). ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) l_s`` with M the max over splits."""
+    m / den [N, S, H] each split's running max and denominator (-inf / 0 for a split that read
+    no row). ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits."""
     top = m.amax(dim=1, keepdim=True)
     w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))  # [N, S, H]
     num = (acc * w[..., None]).sum(dim=1)
-    den = (l * w).sum(dim=1)
+    den = (den * w).sum(dim=1)
     out.copy_(num / den[..., None])
