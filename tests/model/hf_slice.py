@@ -12,7 +12,7 @@ the vocabulary overridden."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import (
@@ -25,6 +25,7 @@ from transformers import (
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig, bytes_per_token
+from services.worker.kv.workspace import workspace_bytes
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.moe import MoE
 from tests.model.hf_tiny import YARN, our_topk_order
@@ -176,6 +177,10 @@ def run_ours(
         kv_pool_bytes=int(per_token * (n + 4 * page)) + (1 << 20), page_size=page, max_slots=1,
         max_model_len=n, max_prefill_tokens=chunk, dtype=dtype, device=str(device),
     )  # fmt: skip
+    # on a GPU the budget also holds the passes' workspaces (index scores: chunk x context)
+    kv_cfg = replace(
+        kv_cfg, kv_pool_bytes=kv_cfg.kv_pool_bytes + workspace_bytes(model.cfg, kv_cfg)
+    )
     kv = KVCache(model.cfg, kv_cfg)
     moe = [i for i, layer in enumerate(model.layers) if isinstance(layer.mlp, MoE)]
     routed: dict[int, list[tuple[torch.Tensor, torch.Tensor]]] = {i: [] for i in moe}
