@@ -1,0 +1,144 @@
+"""Writing an ``MLADecoder`` as a Hugging Face checkpoint in the released layout: the
+checkpoint's names (``model.layers.L.self_attn.q_a_proj.weight``, one tensor per expert and
+projection), FP8 weights as ``F8_E4M3`` with their ``weight_scale_inv`` grids, everything else
+in its dtype, config.json given by the caller (with a ``quantization_config`` when any weight is
+FP8). What ``hf_io.load_hf_model`` reads back bit for bit: the way a model built in place (a
+real-dimension one, ``scaled``) reaches disk, and the loader's check at that scale.
+
+``checkpoint_tensors`` is the inverse of ``mla_decoder.checkpoint_targets``'s table."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from services.worker.model.checkpoint import INDEX_FILE, SCALE_SUFFIX, WEIGHTS_FILE
+from services.worker.model.fp8 import FP8_DTYPE
+from services.worker.model.mla_decoder import MLADecoder
+
+CONFIG_FILE = "config.json"
+FP8_QUANTIZATION = {
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "quant_method": "fp8",
+    "weight_block_size": [128, 128],
+}
+
+# our name after ``layers.L.`` -> the checkpoint's after ``model.layers.L.`` (prefix rules)
+_LAYER = (
+    ("attn_norm.", "input_layernorm."),
+    ("mlp_norm.", "post_attention_layernorm."),
+    ("indexer.", "self_attn.indexer."),
+    ("attn.", "self_attn."),
+    ("mlp.", "mlp."),
+)
+_GLOBAL = {
+    "embed.weight": "model.embed_tokens.weight",
+    "norm.weight": "model.norm.weight",
+    "lm_head.weight": "lm_head.weight",
+}
+_EXPERTS = "mlp.experts."
+
+
+def _rename(ours: str) -> str:
+    if ours in _GLOBAL:
+        return _GLOBAL[ours]
+    layer, rest = ours.removeprefix("layers.").split(".", 1)
+    for mine, theirs in _LAYER:
+        if rest.startswith(mine):
+            return f"model.layers.{layer}.{theirs}{rest.removeprefix(mine)}"
+    raise ValueError(f"{ours}: no checkpoint name")
+
+
+def _experts(prefix: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's fused experts as the checkpoint stores them, per expert and projection:
+    gate and up are the halves of gate_up_proj (and of its scale grid, for FP8 experts)."""
+    gate_up, down = state[prefix + "gate_up_proj"], state[prefix + "down_proj"]
+    layer = prefix.removeprefix("layers.").split(".", 1)[0]
+    out = f"model.layers.{layer}.mlp.experts."
+    fp8 = gate_up.dtype == FP8_DTYPE
+    half = gate_up.shape[1] // 2
+    gate_up_s = state[prefix + "gate_up_proj" + SCALE_SUFFIX] if fp8 else None
+    for e in range(gate_up.shape[0]):
+        parts = {"gate_proj": gate_up[e, :half], "up_proj": gate_up[e, half:], "down_proj": down[e]}
+        for proj, w in parts.items():
+            yield f"{out}{e}.{proj}.weight", w
+        if gate_up_s is not None:
+            s_half = gate_up_s.shape[1] // 2
+            yield f"{out}{e}.gate_proj.weight{SCALE_SUFFIX}", gate_up_s[e, :s_half]
+            yield f"{out}{e}.up_proj.weight{SCALE_SUFFIX}", gate_up_s[e, s_half:]
+            yield (
+                f"{out}{e}.down_proj.weight{SCALE_SUFFIX}",
+                state[prefix + "down_proj" + SCALE_SUFFIX][e],
+            )
+
+
+def checkpoint_tensors(model: MLADecoder) -> Iterator[tuple[str, torch.Tensor]]:
+    """(checkpoint name, tensor) of every weight the released layout stores, as views of the
+    model's tensors. A model holding its MTP layer is refused (its export is not written)."""
+    if model.mtp is not None:
+        raise ValueError("exporting a model with its MTP layer is not supported")
+    state = model.state_dict()
+    done: set[str] = set()
+    for name in state:
+        scale_of_a_weight = name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in state
+        if name in done or scale_of_a_weight:  # a weight's scales go with it
+            continue
+        if _EXPERTS in name:
+            prefix = name[: name.index(_EXPERTS) + len(_EXPERTS)]
+            done |= {n for n in state if n.startswith(prefix)}
+            yield from _experts(prefix, state)
+            continue
+        yield _rename(name), state[name]
+        scale = name + SCALE_SUFFIX
+        if scale in state:
+            yield _rename(name) + SCALE_SUFFIX, state[scale]
+
+
+def save_hf_checkpoint(
+    model: MLADecoder,
+    path: str | Path,
+    config: dict[str, Any],
+    max_shard_bytes: int = 4 << 30,
+) -> Path:
+    """Writes config.json (``config``, plus FP8's ``quantization_config`` when the model holds
+    FP8 weights) and the weights under ``path``, in shards of at most ``max_shard_bytes`` (a
+    larger tensor alone) with ``model.safetensors.index.json``, or one ``model.safetensors``.
+    Tensors are copied to the host one shard at a time."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = list(checkpoint_tensors(model))
+    config = dict(config)
+    if any(t.dtype == FP8_DTYPE for _, t in tensors):
+        config.setdefault("quantization_config", FP8_QUANTIZATION)
+    (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
+    shards: list[list[tuple[str, torch.Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    if len(shards) == 1:
+        save_file(_host(shards[0]), str(path / WEIGHTS_FILE), metadata={"format": "pt"})
+        return path
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        file = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(_host(shard), str(path / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys((n for n, _ in shard), file))
+    total = sum(t.numel() * t.element_size() for _, t in tensors)
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (path / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")
+    return path
+
+
+def _host(shard: list[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    return {n: t.detach().contiguous().cpu() for n, t in shard}
