@@ -20,6 +20,7 @@ from collections.abc import Callable
 import torch
 
 from bench.core import UsageError
+from bench.core.lockstep import alternate
 from services.worker.model.fp8 import dequantize_blockwise, quantize_blockwise, scale_to_float
 from services.worker.ops.fp8_linear import act_quant_ref, fp8_linear_triton
 from services.worker.ops.fp8_scaled_mm import scaled_mm_blockwise, scaled_mm_unsupported
@@ -120,11 +121,7 @@ def run_case(name: str, m: int, args: argparse.Namespace, g: torch.Generator) ->
         fns["scaled_mm"] = lambda: scaled_mm_blockwise(x_fp8, x_scale, w_fp8, scale, x.dtype)
     errors = {v: _error(fn(), y32) for v, fn in fns.items()}
     timers = {v: _timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
-    times: dict[str, list[float]] = {v: [] for v in fns}
-    order = list(fns)
-    for r in range(args.repeats):  # lockstep: every variant once per repeat, rotating
-        for v in order[r % len(order) :] + order[: r % len(order)]:
-            times[v].append(timers[v]())
+    times = alternate(timers, args.repeats)
     fp8_bytes = n * k + scale.numel() * 4
     rows = {}
     for v in fns:

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from bench.core import UsageError
+from bench.core.lockstep import alternate
 from bench.fp8_linear import _error, _timer
 from services.worker.model.fp8 import dequantize_blockwise, quantize_blockwise
 from services.worker.model.fp8_moe import FP8Experts
@@ -116,11 +117,7 @@ def run_case(t: int, fp8: FP8Experts, bf16: Experts, args: argparse.Namespace, g
     with torch.no_grad():
         errors = {v: _error(fn(), y32) for v, fn in fns.items()}
         timers = {v: _timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
-        times: dict[str, list[float]] = {v: [] for v in fns}
-        order = list(fns)
-        for r in range(args.repeats):  # lockstep: every variant once per repeat, rotating
-            for v in order[r % len(order) :] + order[: r % len(order)]:
-                times[v].append(timers[v]())
+        times = alternate(timers, args.repeats)
     touched = int(idx.unique().numel())  # the experts whose weights are read
     scales = (fp8.gate_up_proj_scale_inv[0].numel() + fp8.down_proj_scale_inv[0].numel()) * 4
     per_expert = {"fp8": 3 * i * d + scales, "bf16": 2 * 3 * i * d}

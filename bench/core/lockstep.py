@@ -9,7 +9,7 @@ counts only the time spent in its own steps (``clock.OwnClock``)."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Protocol
 
 
@@ -30,3 +30,14 @@ def lockstep(runs: Sequence[Stepped]) -> None:
             run.step()
         active = [r for r in active if r.active]
         turn += 1
+
+
+def alternate(timers: Mapping[str, Callable[[], float]], repeats: int) -> dict[str, list[float]]:
+    """Each timer once per repeat, the first one rotating (the same reason as ``lockstep``):
+    the samples of each, by name."""
+    times: dict[str, list[float]] = {v: [] for v in timers}
+    order = list(timers)
+    for r in range(repeats):
+        for v in order[r % len(order) :] + order[: r % len(order)]:
+            times[v].append(timers[v]())
+    return times

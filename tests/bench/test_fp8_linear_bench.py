@@ -33,3 +33,20 @@ def test_arguments_parse_and_are_checked() -> None:
         run(parser.parse_args(["--m", "0"]))
     if not torch.cuda.is_available():
         assert run(parser.parse_args(["--m", "1"])) == 2  # needs a CUDA device
+
+
+def test_alternate_rotates_the_first_timer() -> None:
+    from bench.core.lockstep import alternate
+
+    calls: list[str] = []
+
+    def timer(name: str):
+        return lambda: calls.append(name) or float(len(calls))
+
+    times = alternate({v: timer(v) for v in "abc"}, 4)
+    assert calls == list("abcbcacababc")
+    assert times == {
+        "a": [1.0, 6.0, 8.0, 10.0],
+        "b": [2.0, 4.0, 9.0, 11.0],
+        "c": [3.0, 5.0, 7.0, 12.0],
+    }

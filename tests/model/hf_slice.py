@@ -28,7 +28,7 @@ from services.worker.kv.config import KVCacheConfig, bytes_per_token
 from services.worker.kv.workspace import workspace_bytes
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.moe import MoE
-from tests.model.hf_tiny import YARN, our_topk_order
+from tests.model.hf_tiny import YARN, indexer_hooks, our_topk_order
 
 LAYERS = 4
 EXPERTS = 64  # routed experts of the scaled configs (top-8 of 8 groups of 8 stays valid)
@@ -120,15 +120,8 @@ def run_reference(model: torch.nn.Module, ids: torch.Tensor) -> Pass:
     sel: dict[int, torch.Tensor] = {}
     experts: dict[int, torch.Tensor] = {}
     weights: dict[int, torch.Tensor] = {}
-    hooks = []
+    hooks = indexer_hooks(model, sel)
     for i, layer in enumerate(model.model.layers):
-        indexer = layer.self_attn.indexer
-        if indexer is not None:
-            hooks.append(
-                indexer.register_forward_hook(
-                    lambda _m, _a, out, i=i: sel.__setitem__(i, out[0].long())
-                )
-            )
         gate = getattr(layer.mlp, "gate", None)
         if gate is not None:  # (router_logits, topk_weights, topk_indices)
 

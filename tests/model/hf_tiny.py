@@ -117,9 +117,9 @@ def our_topk_order() -> Iterator[None]:
         torch.Tensor.topk = original
 
 
-def reference_selections(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, torch.Tensor]:
-    """Layer -> the indexer's top-k [T, k] in transformers' uncached full forward."""
-    out: dict[int, torch.Tensor] = {}
+def indexer_hooks(model: torch.nn.Module, out: dict[int, torch.Tensor]) -> list:
+    """Forward hooks that record each indexer's top-k [T, k] of transformers' model into
+    ``out`` (layer -> positions); the caller removes them."""
     hooks = []
     for i, layer in enumerate(model.model.layers):
         indexer = layer.self_attn.indexer
@@ -129,6 +129,13 @@ def reference_selections(model: torch.nn.Module, ids: torch.Tensor) -> dict[int,
                     lambda _m, _a, res, i=i: out.__setitem__(i, res[0].long())
                 )
             )
+    return hooks
+
+
+def reference_selections(model: torch.nn.Module, ids: torch.Tensor) -> dict[int, torch.Tensor]:
+    """Layer -> the indexer's top-k [T, k] in transformers' uncached full forward."""
+    out: dict[int, torch.Tensor] = {}
+    hooks = indexer_hooks(model, out)
     try:
         with torch.no_grad(), our_topk_order():
             model(ids.unsqueeze(0))

@@ -85,6 +85,22 @@ CASES = [
 ]
 
 
+def assert_same_run(ref: tuple, run: tuple, rows_dtype: torch.dtype | None = None) -> None:
+    """Two ``drive`` results agree bit for bit: per pass and layer the selection and the
+    attention inputs (of ``rows_dtype`` when given), then the logits and the tokens."""
+    ref_traces, ref_logits, ref_tokens = ref[:3]
+    traces, logits, tokens = run[:3]
+    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
+        for a, b in zip(ref_pass, pass_, strict=True):
+            assert a.layer == b.layer
+            assert torch.equal(a.selection, b.selection)
+            assert rows_dtype is None or a.rows.dtype == rows_dtype
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    for a, b in zip(ref_logits, logits, strict=True):
+        assert torch.equal(a, b)
+    assert tokens == ref_tokens
+
+
 @pytest.mark.parametrize(("name", "seed", "b_over_k", "resolver"), CASES)
 def test_hisparse_attention_inputs_and_logits_are_bit_identical(
     name: str, seed: int, b_over_k: int, resolver: str
@@ -92,18 +108,12 @@ def test_hisparse_attention_inputs_and_logits_are_bit_identical(
     k = preset_topology(name).index_topk
     lens = [97, 40, 161]  # crossing pages, the ring, and compression groups
     steps = 30 if resolver == "torch" else 8  # the Triton interpreter is slow on the CPU
-    ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", seed, lens, steps=steps)
-    traces, logits, tokens, kv = drive(
+    ref = drive(name, "resident", seed, lens, steps=steps)
+    run = drive(
         name, "hisparse", seed, lens, steps=steps, hot_cache_rows=b_over_k * k, resolver=resolver
     )
-    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
-        for a, b in zip(ref_pass, pass_, strict=True):
-            assert a.layer == b.layer
-            assert torch.equal(a.selection, b.selection)
-            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
-    for a, b in zip(ref_logits, logits, strict=True):
-        assert torch.equal(a, b)
-    assert tokens == ref_tokens
+    assert_same_run(ref, run)
+    kv = run[3]
     census = kv.payload.census
     assert census.host > 0 and census.hot > 0 and census.direct > 0, census
     kv.close()
@@ -127,19 +137,13 @@ def test_fp8_hisparse_attention_inputs_and_logits_are_bit_identical(
     lens = [97, 40, 161]
     steps = 20 if resolver == "torch" else 6
     kw = dict(kv_cache_dtype="fp8", dtype=dtype)
-    ref_traces, ref_logits, ref_tokens, ref_kv = drive(name, "resident", seed, lens, steps, **kw)
-    traces, logits, tokens, kv = drive(
+    ref = drive(name, "resident", seed, lens, steps, **kw)
+    run = drive(
         name, "hisparse", seed, lens, steps, hot_cache_rows=b_over_k * k, resolver=resolver, **kw
     )
-    assert kv.payload.pool(0).dtype == torch.uint8 == ref_kv.payload.pool(0).dtype
-    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
-        for a, b in zip(ref_pass, pass_, strict=True):
-            assert torch.equal(a.selection, b.selection)
-            assert a.rows.dtype == dtype
-            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
-    for a, b in zip(ref_logits, logits, strict=True):
-        assert torch.equal(a, b)
-    assert tokens == ref_tokens
+    kv = run[3]
+    assert kv.payload.pool(0).dtype == torch.uint8 == ref[3].payload.pool(0).dtype
+    assert_same_run(ref, run, rows_dtype=dtype)
     census = kv.payload.census
     assert census.host > 0 and census.hot > 0 and census.direct > 0, census
     kv.close()
@@ -164,51 +168,23 @@ def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_fp8_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(
-    name: str, dtype: str
+@pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
+def test_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(
+    name: str, dtype: str, kv_cache_dtype: str
 ) -> None:
-    """fp8 on the device: the Triton FP8 store writes packed rows and keys, the Triton
-    resolver copies packed bytes, the Triton FP8 gather dequantizes into the attention
-    workspace and Triton attention reads it, in both modes; identical inputs, logits and
-    tokens."""
+    """On the device: Triton resolver (host reads from the registered arena) and Triton
+    attention in both modes; attention inputs, logits and tokens identical. In fp8 the Triton
+    FP8 store writes packed rows and keys, the resolver copies packed bytes and the Triton FP8
+    gather dequantizes into the attention workspace."""
     k = preset_topology(name).index_topk
     lens = [300, 77, 513, 150]
     kw = dict(device="cuda", triton_attention=True, dtype=getattr(torch, dtype),
-              kv_cache_dtype="fp8")  # fmt: skip
-    ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", 9, lens, steps=40, **kw)
-    traces, logits, tokens, kv = drive(
-        name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw
-    )
-    assert kv.payload.pool(0).dtype == torch.uint8
-    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
-        for a, b in zip(ref_pass, pass_, strict=True):
-            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
-    for a, b in zip(ref_logits, logits, strict=True):
-        assert torch.equal(a, b)
-    assert tokens == ref_tokens
-    assert kv.payload.census.host > 0
-    kv.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(name: str, dtype: str) -> None:
-    """On the device: Triton resolver (host reads from the registered arena) and Triton
-    attention in both modes; attention inputs, logits and tokens identical."""
-    k = preset_topology(name).index_topk
-    lens = [300, 77, 513, 150]
-    kw = dict(device="cuda", triton_attention=True, dtype=getattr(torch, dtype))
-    ref_traces, ref_logits, ref_tokens, _ = drive(name, "resident", 9, lens, steps=40, **kw)
-    traces, logits, tokens, kv = drive(
-        name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw
-    )
-    for ref_pass, pass_ in zip(ref_traces, traces, strict=True):
-        for a, b in zip(ref_pass, pass_, strict=True):
-            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
-    for a, b in zip(ref_logits, logits, strict=True):
-        assert torch.equal(a, b)
-    assert tokens == ref_tokens
+              kv_cache_dtype=kv_cache_dtype)  # fmt: skip
+    ref = drive(name, "resident", 9, lens, steps=40, **kw)
+    run = drive(name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw)
+    kv = run[3]
+    assert (kv.payload.pool(0).dtype == torch.uint8) == (kv_cache_dtype == "fp8")
+    assert_same_run(ref, run)
     assert kv.payload.census.host > 0
     kv.close()
 
