@@ -9,14 +9,9 @@ import torch
 from safetensors.torch import save_file
 
 from services.worker.model.fp8 import FP8_MAX, quantize_blockwise
+from services.worker.model.hf_config import RELEASED_FP8
 
-FP8_QUANT = {
-    "quant_method": "fp8",
-    "fmt": "e4m3",
-    "activation_scheme": "dynamic",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": [128, 128],
-}
+FP8_QUANT = RELEASED_FP8
 
 
 def fp8_bound(w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:

@@ -19,15 +19,10 @@ from safetensors.torch import save_file
 
 from services.worker.model.checkpoint import INDEX_FILE, SCALE_SUFFIX, WEIGHTS_FILE
 from services.worker.model.fp8 import FP8_DTYPE
+from services.worker.model.hf_config import RELEASED_FP8
 from services.worker.model.mla_decoder import MLADecoder
 
 CONFIG_FILE = "config.json"
-FP8_QUANTIZATION = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "weight_block_size": [128, 128],
-}
 
 # our name after ``layers.L.`` -> the checkpoint's after ``model.layers.L.`` (prefix rules)
 _LAYER = (
@@ -115,7 +110,7 @@ def save_hf_checkpoint(
     tensors = list(checkpoint_tensors(model))
     config = dict(config)
     if any(t.dtype == FP8_DTYPE for _, t in tensors):
-        config.setdefault("quantization_config", FP8_QUANTIZATION)
+        config.setdefault("quantization_config", RELEASED_FP8)
     (path / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     shards: list[list[tuple[str, torch.Tensor]]] = [[]]
     size = 0

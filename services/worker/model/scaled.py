@@ -15,15 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from services.worker.model.hf_config import RELEASED_FP8 as _FP8
 from services.worker.model.presets import FamilyPreset
-
-_FP8 = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": [128, 128],
-}
 
 # deepseek-ai/DeepSeek-V3.2's config.json (tests/fixtures/configs/deepseek-v3.2), scaled.
 _V32: dict[str, Any] = {
