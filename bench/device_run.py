@@ -5,12 +5,13 @@ its limit is killed and the part goes on. Results, plots and a short ``table.md`
 status and the ratios of the results written) go to ``--out`` (default $OUT); the steps' logs
 to ``logs.tgz``.
 
-    main         GPU tests, and ``make run``'s defaults end to end on the GPU; resolver;
-                 capacity (resident / hisparse / adaptive in lockstep)
+    main         ``make run``'s defaults end to end on the GPU; resolver; capacity (resident /
+                 hisparse / adaptive in lockstep)
     spec         speculation against plain decoding on CUDA graphs
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
-    tests        the GPU tests alone
+    tests        the GPU tests, then the real-dimension slices against transformers
+    scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -52,8 +53,27 @@ class Step:
 
 GPU_TESTS = Step(
     "gpu-tests",
-    "-m pytest -q -m gpu tests/worker tests/kv_host_store tests/model -p no:cacheprovider",
-    200,
+    "-m pytest -q -m gpu tests/worker tests/kv_host_store tests/model -p no:cacheprovider "
+    "--ignore=tests/model/test_real_slice.py",
+    330,
+)
+# the real-dimension slices against transformers (about 80 s each: 20 GB checkpoints through
+# the machine's disk, never $OUT), their reports in the step's log
+SLICES = Step(
+    "slices",
+    "-m pytest -q -s -m gpu tests/model/test_real_slice.py -p no:cacheprovider "
+    "--basetemp=/tmp/dhisparse-slices",
+    220,
+)
+# the real-dimension models per mode on CUDA graphs, one family per step
+SCALED_STEPS = tuple(
+    Step(
+        f"scaled-{family}",
+        f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,4 "
+        f"--decode-tokens 32 --out {{out}}/scaled_{family}.json",
+        280,
+    )
+    for family in ("v32-scaled", "glm5-scaled")
 )
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs),
 # and a worker SIGKILLed mid-stream losing nothing
@@ -64,7 +84,6 @@ SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 
 
 PARTS: dict[str, tuple[Step, ...]] = {
     "main": (
-        GPU_TESTS,
         DEFAULTS,
         Step(
             "resolver", "-m bench resolver --out {out}/resolver.json --plot {out}/resolver.png", 100
@@ -113,7 +132,8 @@ PARTS: dict[str, tuple[Step, ...]] = {
             530,
         ),
     ),
-    "tests": (GPU_TESTS,),
+    "tests": (GPU_TESTS, SLICES),
+    "scaled": SCALED_STEPS,
 }
 
 

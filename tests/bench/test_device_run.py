@@ -28,8 +28,9 @@ def test_every_step_parses(part: str, tmp_path) -> None:
             assert str(args.out).startswith(str(tmp_path)), step.name  # results land in OUT
         else:
             assert argv[1] == "pytest"
-    budget = sum(s.timeout_s for s in PARTS[part])
-    assert part != "main" or budget >= 540  # the budget, not the steps' sum, bounds the part
+    # each step fits the part's default budget (540 s; the budget, not the steps' sum, bounds
+    # the part: a step left without time is skipped)
+    assert all(s.timeout_s <= 540 for s in PARTS[part])
 
 
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path) -> None:
