@@ -28,6 +28,8 @@ from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.model import build_model
+from services.worker.model.scaled import SCALED
+from services.worker.model.weight_format import WeightFormat
 from services.worker.speculative.config import SpeculationConfig
 
 
@@ -40,6 +42,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: bench-glm)")
+    ap.add_argument(
+        "--scaled", default=None, choices=sorted(SCALED),
+        help="a real-dimension model built in place with FP8 weights (bench scaled's)",
+    )  # fmt: skip
     ap.add_argument("--drafter", default=None, help="a drafter directory: profile spec rounds")
     ap.add_argument("--spec-width", type=int, default=4)
     ap.add_argument("--cprofile", action="store_true")
@@ -64,7 +70,10 @@ def run(args: argparse.Namespace) -> int:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     model = None
-    if args.model is None:
+    if args.scaled is not None:
+        model = build_model(SCALED[args.scaled], seed=0, device=args.device, dtype=dtype,
+                            weights=WeightFormat(fp8=True), in_place=True)  # fmt: skip
+    elif args.model is None:
         model = build_model(bench_model_config(8, 512), seed=0, device=args.device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
     cs = [int(c) for c in args.concurrency.split(",")]
@@ -77,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
     ]
     for mode, c, graphs in runs:
         eng = steady_engine(
-            mode, prompts[:c], args.context, args.pool_gib, args.model or BENCH_GLM,
+            mode, prompts[:c], args.context, args.pool_gib, args.scaled or args.model or BENCH_GLM,
             model, ByteTokenizer() if model is not None else None, device=args.device,
             durable_sessions=args.durable, graphs=GraphConfig(graphs),
+            **({"hot_cache_rows": 2 * model.cfg.index_topk} if args.scaled else {}),
             speculation=SpeculationConfig(args.drafter, args.spec_width, "fixed"),
             # room for every round profiled: no request ends (nor the batch shrinks) meanwhile
             max_model_len=args.context + (4096 if args.drafter else 256),

@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 
 from services.worker.model.fp8 import FP8_MAX, quantize_blockwise
-from services.worker.model.hf_config import RELEASED_FP8
+from services.worker.model.released_fp8 import RELEASED_FP8
 
 FP8_QUANT = RELEASED_FP8
 

@@ -25,16 +25,6 @@ class ConfigError(ValueError):
     """config.json asks for something this engine does not implement (a start-up error)."""
 
 
-# DeepSeek-V3.2's quantization_config as released: e4m3 weights, one UE8M0 scale per 128x128
-# block, activations quantized at run time.
-RELEASED_FP8: dict[str, Any] = {
-    "activation_scheme": "dynamic",
-    "fmt": "e4m3",
-    "quant_method": "fp8",
-    "scale_fmt": "ue8m0",
-    "weight_block_size": [128, 128],
-}
-
 # The transformers 5.17.0 class defaults of each family (DeepseekV32Config, GlmMoeDsaConfig).
 _DEFAULTS: dict[str, dict[str, Any]] = {
     "deepseek_v32": dict(

@@ -19,8 +19,8 @@ from safetensors.torch import save_file
 
 from services.worker.model.checkpoint import INDEX_FILE, SCALE_SUFFIX, WEIGHTS_FILE
 from services.worker.model.fp8 import FP8_DTYPE
-from services.worker.model.hf_config import RELEASED_FP8
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.model.released_fp8 import RELEASED_FP8
 
 CONFIG_FILE = "config.json"
 

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from services.worker.model.hf_config import RELEASED_FP8 as _FP8
 from services.worker.model.presets import FamilyPreset
+from services.worker.model.released_fp8 import RELEASED_FP8 as _FP8
 
 # deepseek-ai/DeepSeek-V3.2's config.json (tests/fixtures/configs/deepseek-v3.2), scaled.
 _V32: dict[str, Any] = {
