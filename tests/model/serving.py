@@ -3,10 +3,12 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.engine.request import SamplingParams
 
 
 def engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
@@ -25,3 +27,23 @@ def tight_pool_mib(path: Path, **kw) -> float:
     pages = 50 * probe.model_cfg.n_layers
     probe.close()
     return (fixed + pages * page_bytes) / (1 << 20)
+
+
+def reference_then_started(
+    make: Callable[[str], Engine],
+    prompts: list[list[int]],
+    params: list[SamplingParams],
+    steps: int,
+) -> tuple[list[list[int]], Engine]:
+    """(the tokens an uninterrupted engine ``make("ref")`` generates, the worker ``make("w0")``
+    serving the same requests ``r0``, ``r1``, ... for ``steps`` steps): the caller checks it,
+    then lets it die (``del``: nothing released, nothing flushed) and resumes its sessions."""
+    ref = make("ref")
+    want = [r.output_ids for r in ref.generate(prompts, params)]
+    del ref
+    first = make("w0")
+    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
+        first.add_request(f"r{i}", p, sp)
+    for _ in range(steps):
+        first.step()
+    return want, first

@@ -111,14 +111,7 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
         drafter.propose = recorded
         return engine
 
-    ref = make("ref")
-    want = [r.output_ids for r in ref.generate(prompts, params)]
-    del ref
-    first = make("w0")
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        first.add_request(f"r{i}", p, sp)
-    for _ in range(6):
-        first.step()
+    want, first = serving.reference_then_started(make, prompts, params, steps=6)
     assert first.speculator.counters.drafts > 0
     assert all(0 < len(r.output_ids) < 24 for r in first.requests.values())
     del first  # dies: nothing released, nothing flushed

@@ -276,14 +276,7 @@ def test_durable_sessions_resume_token_for_token(family, mode: str) -> None:
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
         return engine
 
-    ref = make("ref")
-    want = [r.output_ids for r in ref.generate(prompts, params)]
-    del ref
-    first = make("w0")
-    for i, (p, sp) in enumerate(zip(prompts, params, strict=True)):
-        first.add_request(f"r{i}", p, sp)
-    for _ in range(12):
-        first.step()
+    want, first = serving.reference_then_started(make, prompts, params, steps=12)
     del first  # dies: nothing released, nothing flushed
     second = make("w0")
     report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)

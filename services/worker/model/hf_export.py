@@ -21,6 +21,7 @@ from services.worker.model.checkpoint import INDEX_FILE, SCALE_SUFFIX, WEIGHTS_F
 from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.released_fp8 import RELEASED_FP8
+from services.worker.ops.fp8_moe import gate_up_halves
 
 CONFIG_FILE = "config.json"
 
@@ -57,20 +58,15 @@ def _experts(prefix: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[str,
     layer = prefix.removeprefix("layers.").split(".", 1)[0]
     out = f"model.layers.{layer}.mlp.experts."
     fp8 = gate_up.dtype == FP8_DTYPE
-    half = gate_up.shape[1] // 2
     gate_up_s = state[prefix + "gate_up_proj" + SCALE_SUFFIX] if fp8 else None
+    down_s = state[prefix + "down_proj" + SCALE_SUFFIX] if fp8 else None
     for e in range(gate_up.shape[0]):
-        parts = {"gate_proj": gate_up[e, :half], "up_proj": gate_up[e, half:], "down_proj": down[e]}
-        for proj, w in parts.items():
+        gate, up = gate_up_halves(gate_up[e], None if gate_up_s is None else gate_up_s[e])
+        down_e = (down[e], None if down_s is None else down_s[e])
+        for proj, (w, s) in (("gate_proj", gate), ("up_proj", up), ("down_proj", down_e)):
             yield f"{out}{e}.{proj}.weight", w
-        if gate_up_s is not None:
-            s_half = gate_up_s.shape[1] // 2
-            yield f"{out}{e}.gate_proj.weight{SCALE_SUFFIX}", gate_up_s[e, :s_half]
-            yield f"{out}{e}.up_proj.weight{SCALE_SUFFIX}", gate_up_s[e, s_half:]
-            yield (
-                f"{out}{e}.down_proj.weight{SCALE_SUFFIX}",
-                state[prefix + "down_proj" + SCALE_SUFFIX][e],
-            )
+            if s is not None:
+                yield f"{out}{e}.{proj}.weight{SCALE_SUFFIX}", s
 
 
 def checkpoint_tensors(model: MLADecoder) -> Iterator[tuple[str, torch.Tensor]]:

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import torch
 
-from services.worker.model.checkpoint import Checkpoint, block_size
+from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
-from services.worker.model.loader import FP8_BLOCK, load_into
+from services.worker.model.loader import fp8_as_stored, load_into
 from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
 from services.worker.model.weight_format import resolve
 from services.worker.ops.fp8_linear import Mode
@@ -81,10 +81,7 @@ def load_hf_model(
             raise ConfigError(f"config.json: dtype {cfg.dtype!r} is not one of {sorted(_DTYPES)}")
         dtype = _DTYPES[cfg.dtype]
     quantization = raw.get("quantization_config")
-    # FP8 as stored needs the kernels' 128x128 blocks; other blocks are dequantized at load
-    # (or, asked for FP8, requantized: ``loader.Fp8Target``)
-    served_as_is = quantization is not None and block_size(quantization) == FP8_BLOCK
-    fmt = resolve(weight_dtype, served_as_is, fp8_mode)
+    fmt = resolve(weight_dtype, fp8_as_stored(quantization), fp8_mode)
     with torch.device("meta"):
         model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt)
     model.to_empty(device=device)

@@ -16,11 +16,13 @@ from services.worker.model.checkpoint import SCALE_SUFFIX
 from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE, quantize_blockwise
 from services.worker.model.hf_io import hf_family, is_hf_model_dir, load_hf_model
+from services.worker.model.loader import fp8_as_stored
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel, SparseDecoder
 from services.worker.model.presets import PRESETS, Definition, FamilyPreset, preset, preset_topology
 from services.worker.model.weight_format import BF16, WeightFormat, resolve
 from services.worker.ops.fp8_linear import Mode
+from services.worker.ops.fp8_moe import gate_up_halves
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -91,11 +93,7 @@ def _fp8_matrices(
     ss = scale.view(-1, *scale.shape[-2:])
     if not name.endswith("gate_up_proj"):
         return list(zip(ws, ss, strict=True))
-    half, s_half = ws.shape[1] // 2, ss.shape[1] // 2
-    out = []
-    for w, s in zip(ws, ss, strict=True):
-        out += [(w[:half], s[:s_half]), (w[half:], s[s_half:])]
-    return out
+    return [half for w, s in zip(ws, ss, strict=True) for half in gate_up_halves(w, s)]
 
 
 def build_model(
@@ -219,7 +217,8 @@ def load_model(
     if str(spec) in PRESETS:
         d = preset(str(spec))
         family = isinstance(d, FamilyPreset)
-        fmt = resolve(weight_dtype, family and "quantization_config" in d.config, fp8_mode)
+        stored = fp8_as_stored(d.config.get("quantization_config")) if family else False
+        fmt = resolve(weight_dtype, stored, fp8_mode)
         if fmt.fp8 and not family:
             raise ValueError(f"--weight-dtype fp8: {spec!r} is not a DeepSeek-V3.2 / GLM-5 model")
         return build_model(d, seed=seed, device=device, dtype=dtype, weights=fmt)

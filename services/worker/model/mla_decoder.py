@@ -31,6 +31,7 @@ from services.worker.model.model import ForwardState, SparseDecoder
 from services.worker.model.mtp import MTP_EMBED, MTP_NAMES, MTPLayer, MTPStep
 from services.worker.model.rotary import Rotary
 from services.worker.model.weight_format import BF16, WeightFormat
+from services.worker.ops.fp8_moe import gate_up_halves
 
 # Parameters kept in fp32 whatever the serving dtype, as transformers keeps them.
 FP32_PARAMS = ("indexer.weights_proj.weight", "mlp.gate.e_score_correction_bias")
@@ -244,17 +245,13 @@ def _expert_view(
     fused = params.get(ours)
     if fused is None or e >= fused.shape[0]:
         return None
-    fp8 = fused.dtype == FP8_DTYPE
-    scale = params[ours + SCALE_SUFFIX] if fp8 else None
+    scale = params[ours + SCALE_SUFFIX][e] if fused.dtype == FP8_DTYPE else None
     if proj == "down_proj":
-        return ours, (Fp8Target(fused[e], scale[e]) if scale is not None else fused[e])
-    half = fused.shape[1] // 2
-    w = fused[e, :half] if proj == "gate_proj" else fused[e, half:]
-    if scale is None:
-        return ours, w
-    # FP8Experts: gate's scale grid over up's
-    s_half = scale.shape[1] // 2
-    return ours, Fp8Target(w, scale[e, :s_half] if proj == "gate_proj" else scale[e, s_half:])
+        w, s = fused[e], scale
+    else:
+        gate, up = gate_up_halves(fused[e], scale)
+        w, s = gate if proj == "gate_proj" else up
+    return ours, (w if s is None else Fp8Target(w, s))
 
 
 def _expected(model: MLADecoder) -> set[str]:

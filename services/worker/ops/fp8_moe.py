@@ -76,14 +76,26 @@ def tiles(n_pairs: int, n_experts: int, interpret: bool) -> Tiles:
     return Tiles(64, 128, 4, 3)
 
 
+Half = tuple[torch.Tensor, torch.Tensor | None]
+
+
+def gate_up_halves(weight: torch.Tensor, scale: torch.Tensor | None = None) -> tuple[Half, Half]:
+    """One expert's ``gate_up [2I, K]`` (gate rows, then up rows) and, for FP8, its split grid
+    ``[2 * ceil(I/128), ceil(K/128)]`` (gate's grid over up's) as ``((gate, its grid), (up,
+    its grid))``, views; the grids are None without ``scale``."""
+    i = weight.shape[0] // 2
+    if scale is None:
+        return (weight[:i], None), (weight[i:], None)
+    sr = scale.shape[0] // 2
+    return (weight[:i], scale[:sr]), (weight[i:], scale[sr:])
+
+
 def dequantize_gate_up(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     """One expert's ``gate_up [2I, K]`` e4m3 with its split grid ``[2 * ceil(I/128), ...]`` as
     fp32 [2I, K]."""
-    i = weight.shape[0] // 2
-    sr = -(-i // BLOCK)
-    gate = dequantize_blockwise(weight[:i], scale[:sr], (BLOCK, BLOCK))
-    up = dequantize_blockwise(weight[i:], scale[sr:], (BLOCK, BLOCK))
-    return torch.cat([gate, up])
+    return torch.cat(
+        [dequantize_blockwise(w, s, (BLOCK, BLOCK)) for w, s in gate_up_halves(weight, scale)]
+    )
 
 
 def sum_choices(y: torch.Tensor) -> torch.Tensor:

@@ -89,3 +89,22 @@ def draw(q: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """[..., V] distributions and Exp(1) noise -> [...] tokens: argmax(q / E) ~ q (never a
     token with q = 0 unless the whole row is 0)."""
     return torch.argmax(q / noise, dim=-1)
+
+
+def per_request(
+    r: int,
+    kmax: int,
+    widths: Sequence[int] | None,
+    temperatures: float | Sequence[float],
+    generators: Sequence[torch.Generator | None] | None,
+) -> tuple[list[int], list[float], list[torch.Generator | None]]:
+    """A ``propose`` call's arguments for its r requests: the block caps (``widths`` clamped
+    to [1, kmax], default kmax), the temperatures (one for all, or one each) and the
+    generators (default none)."""
+    caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
+    if isinstance(temperatures, float | int):
+        temps = [float(temperatures)] * r
+    else:
+        temps = [float(t) for t in temperatures]
+    gens = list(generators) if generators is not None else [None] * r
+    return caps, temps, gens

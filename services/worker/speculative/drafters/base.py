@@ -31,7 +31,7 @@ from services.worker.model.model import DSAModel
 from services.worker.speculative.draft_ring import DraftRing
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.layers import DraftLayer
-from services.worker.speculative.proposal import Proposal, exp_noise, finish
+from services.worker.speculative.proposal import Proposal, exp_noise, finish, per_request
 
 # (layer) -> context k, v: [R, S, H*D], read from the ring or gathered for training
 ContextFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]
@@ -220,13 +220,8 @@ class Drafter(nn.Module, abc.ABC):
         block pass (``draft``, or a CUDA graph of it)."""
         dev = self.fc.weight.device
         r = len(slots)
-        if isinstance(temperatures, float | int):
-            temps = [float(temperatures)] * r
-        else:
-            temps = [float(t) for t in temperatures]
-        gens = list(generators) if generators is not None else [None] * r
         kmax = self.cfg.block_size
-        caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
+        caps, temps, gens = per_request(r, kmax, widths, temperatures, generators)
         if isinstance(anchors, torch.Tensor):
             anchors = anchors.tolist()
         # one copy that does not wait for the device

@@ -19,7 +19,14 @@ import torch
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
 from services.worker.model.mtp import MTPStep
-from services.worker.speculative.proposal import Proposal, draw, exp_noise, finish, tempered
+from services.worker.speculative.proposal import (
+    Proposal,
+    draw,
+    exp_noise,
+    finish,
+    per_request,
+    tempered,
+)
 
 # (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
 MTPStepFn = Callable[
@@ -84,13 +91,7 @@ class MTPDrafter:
         tempered distribution with the request's generator. ``run`` is not used (no graphs)."""
         del run
         r, kmax, dev = len(slots), self.block_size, self.device
-        temps = (
-            [float(temperatures)] * r
-            if isinstance(temperatures, float | int)
-            else [float(t) for t in temperatures]
-        )
-        gens = list(generators) if generators is not None else [None] * r
-        caps = [kmax] * r if widths is None else [max(1, min(int(w), kmax)) for w in widths]
+        caps, temps, gens = per_request(r, kmax, widths, temperatures, generators)
         noise = None
         if any(t > 0.0 for t in temps):
             noise = exp_noise((kmax - 1, self.vocab_size), temps, gens, dev)
