@@ -12,6 +12,7 @@ to ``logs.tgz``.
     serving-32k  serving at 32K inputs, C up to 256
     tests        the GPU tests, then the real-dimension slices against transformers
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
+    scaled-32k   the same at 32K, one session
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -53,7 +54,8 @@ class Step:
 
 GPU_TESTS = Step(
     "gpu-tests",
-    "-m pytest -q -m gpu tests/worker tests/kv_host_store tests/model -p no:cacheprovider "
+    "-m pytest -v --durations=15 -m gpu tests/worker tests/kv_host_store tests/model "
+    "-p no:cacheprovider "
     "--ignore=tests/model/test_real_slice.py",
     330,
 )
@@ -65,7 +67,10 @@ SLICES = Step(
     "--basetemp=/tmp/dhisparse-slices",
     220,
 )
-# the real-dimension models per mode on CUDA graphs, one family per step
+FAMILIES = ("v32-scaled", "glm5-scaled")
+# the real-dimension models per mode on CUDA graphs, one family per step: at 8K with C = 1, 4;
+# at 32K with C = 1 (each mode prefills every timed request twice, warm-up and run, and a 32K
+# prefill takes seconds)
 SCALED_STEPS = tuple(
     Step(
         f"scaled-{family}",
@@ -73,7 +78,16 @@ SCALED_STEPS = tuple(
         f"--decode-tokens 32 --out {{out}}/scaled_{family}.json",
         280,
     )
-    for family in ("v32-scaled", "glm5-scaled")
+    for family in FAMILIES
+)
+SCALED_32K_STEPS = tuple(
+    Step(
+        f"scaled-32k-{family}",
+        f"-m bench scaled --family {family} --contexts 32768 --concurrency 1 "
+        f"--decode-tokens 32 --out {{out}}/scaled_32k_{family}.json",
+        270,
+    )
+    for family in FAMILIES
 )
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs),
 # and a worker SIGKILLed mid-stream losing nothing
@@ -134,6 +148,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
     ),
     "tests": (GPU_TESTS, SLICES),
     "scaled": SCALED_STEPS,
+    "scaled-32k": SCALED_32K_STEPS,
 }
 
 
