@@ -39,12 +39,13 @@ def run_chunks(
     slot: int = 0,
     trace: list[LayerTrace] | None = None,
 ) -> torch.Tensor:
-    """Feeds ``tokens`` to one slot in chunks of the given sizes; returns all hidden states."""
+    """Feeds ``tokens`` to one slot in chunks of the given sizes, on the tokens' device;
+    returns all hidden states."""
     assert sum(chunks) == len(tokens)
     assert kv.admit(slot, f"req-{slot}", len(tokens), len(tokens))
     out, start = [], 0
     for n in chunks:
-        batch = ForwardBatch.build([slot], [start], [n], "cpu")
+        batch = ForwardBatch.build([slot], [start], [n], tokens.device)
         out.append(model(tokens[start : start + n], batch, kv, trace=trace))
         start += n
         kv.commit(batch, [start])
