@@ -89,7 +89,7 @@ def _layers(e: int, args: argparse.Namespace, g: torch.Generator) -> tuple[FP8Ex
     )  # fmt: skip
     spec = MoESpec(e, 1, args.top_k, 1, 1, True, 1.0, i)
     with torch.device("meta"):
-        bf16 = Experts(spec, d)
+        bf16 = Experts(spec.n_routed, d, spec.intermediate)
     gate_up = torch.empty(e, 2 * i, d, dtype=torch.bfloat16, device="cuda")
     down = torch.empty(e, d, i, dtype=torch.bfloat16, device="cuda")
     for j in range(e):

@@ -160,7 +160,7 @@ def test_token_output_does_not_depend_on_the_batch() -> None:
 
 def _experts(seed: int, e: int, d: int, i: int) -> Experts:
     spec = MoESpec(e, 1, 2, 1, 1, True, 1.0, i)
-    layer = Experts(spec, d)
+    layer = Experts(spec.n_routed, d, spec.intermediate)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         layer.gate_up_proj.copy_(torch.randn(e, 2 * i, d, generator=g) * d**-0.5)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -23,6 +24,8 @@ from services.worker.model.presets import PRESETS, Definition, FamilyPreset, pre
 from services.worker.model.weight_format import BF16, WeightFormat, resolve
 from services.worker.ops.fp8_linear import Mode
 from services.worker.ops.fp8_moe import gate_up_halves
+from services.worker.parallel.layout import Cut
+from services.worker.parallel.shards import Shards
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -61,39 +64,75 @@ def init_family_weights(model: MLADecoder, seed: int) -> None:
     be, then quantized per 128x128 block (one matrix at a time) into it and its scales."""
     device = next(model.parameters()).device
     g = torch.Generator(device).manual_seed(seed)
+    layout = model.shards.layout
     with torch.no_grad():
         for name, t in [*model.named_parameters(), *model.named_buffers()]:
             if name.endswith(SCALE_SUFFIX):
                 continue  # written with its weight
+            cut = layout.cut(name)
             if t.dtype == FP8_DTYPE:
                 scale = model.get_buffer(name + SCALE_SUFFIX)
-                for w, s in _fp8_matrices(name, t, scale):
-                    r = torch.randn(w.shape, generator=g, device=device) / math.sqrt(w.shape[-1])
+                for shape, w, s, c in _fp8_matrices(name, t, scale, cut):
+                    r = torch.randn(shape, generator=g, device=device) / math.sqrt(shape[-1])
+                    if w is None or s is None:  # another rank's expert: drawn, dropped
+                        continue
                     w_fp8, s_fp8 = quantize_blockwise(r)
-                    w.copy_(w_fp8)
-                    s.copy_(s_fp8)
+                    w.copy_(w_fp8 if c is None else c.take(w_fp8))
+                    s.copy_(s_fp8 if c is None else c.blocks().take(s_fp8))
                 continue
-            r = torch.randn(t.shape, generator=g, device=device)
+            shape = tuple(t.shape) if cut is None else cut.full_shape(tuple(t.shape))
+            r = torch.randn(shape, generator=g, device=device)
             if "norm" in name and name.endswith("weight"):
                 r = 1 + 0.2 * r
             elif name.endswith("bias"):
                 r = 0.1 * r
             elif not name.startswith("embed"):
-                r = r / math.sqrt(t.shape[-1])
-            t.copy_(r)
+                r = r / math.sqrt(shape[-1])
+            t.copy_(r if cut is None else cut.take(r))
+
+
+class _Matrix(NamedTuple):
+    """One matrix of an FP8 weight as the whole model draws it: ``shape`` the full matrix's;
+    ``weight`` / ``scale`` the views this rank holds of it (None: another rank's expert) and
+    ``cut`` the part of the full matrix they hold (None: all of it)."""
+
+    shape: tuple[int, ...]
+    weight: torch.Tensor | None
+    scale: torch.Tensor | None
+    cut: Cut | None
 
 
 def _fp8_matrices(
-    name: str, weight: torch.Tensor, scale: torch.Tensor
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """(matrix, its scale grid) views of an FP8 weight, each quantized on its own: the weight
-    itself, one per expert of stacked experts, and gate and up apart within ``gate_up_proj``
-    (each on its own grid, as ``FP8Experts`` holds them)."""
+    name: str, weight: torch.Tensor, scale: torch.Tensor, cut: Cut | None = None
+) -> list[_Matrix]:
+    """The matrices of an FP8 weight, each quantized on its own, in the order a whole model
+    draws them: the weight itself, one per expert of stacked experts, and gate and up apart
+    within ``gate_up_proj`` (each on its own grid, as ``FP8Experts`` holds them). Split by
+    expert (``cut`` on dim 0 of stacked experts), every expert of the full stack is listed, so
+    that the draws stay in step; split inside the matrices, each comes with its cut."""
     ws = weight.view(-1, *weight.shape[-2:])
     ss = scale.view(-1, *scale.shape[-2:])
-    if not name.endswith("gate_up_proj"):
-        return list(zip(ws, ss, strict=True))
-    return [half for w, s in zip(ws, ss, strict=True) for half in gate_up_halves(w, s)]
+    gate_up = name.endswith("gate_up_proj")
+    stacked = weight.dim() == 3
+    inner = None
+    if cut is not None and not (stacked and cut.dim == 0):
+        d = cut.dim - 1 if stacked else cut.dim  # a stacked weight's dim d is a matrix's d - 1
+        inner = Cut(d, cut.parts[:1], cut.total // 2) if gate_up else Cut(d, cut.parts, cut.total)
+    held = list(zip(ws, ss, strict=True))
+    first = 0
+    n = len(held)
+    if stacked and cut is not None and cut.dim == 0:  # expert parallel
+        ((first, _),) = cut.parts
+        n = cut.total
+    out = []
+    for e in range(n):
+        mine = first <= e < first + len(held)
+        w, s = held[e - first] if mine else (ws[0], ss[0])
+        mats = gate_up_halves(w, s) if gate_up else ((w, s),)
+        for mw, ms in mats:
+            shape = tuple(mw.shape) if inner is None else inner.full_shape(tuple(mw.shape))
+            out.append(_Matrix(shape, mw if mine else None, ms if mine else None, inner))
+    return out
 
 
 def build_model(
@@ -103,6 +142,7 @@ def build_model(
     dtype: torch.dtype | None = None,
     weights: WeightFormat = BF16,
     in_place: bool = False,
+    shards: Shards | None = None,
 ) -> SparseDecoder:
     """A model of seeded random weights in ``dtype`` (default: the definition's): a real
     family's MLADecoder, built as a checkpoint's is (hf_config's math and topology), its
@@ -113,21 +153,24 @@ def build_model(
     A family model is initialised on the CPU and then moved, so that its weights are the same
     on every device; with ``in_place`` (and whenever it holds FP8 weights) it is allocated and
     initialised on ``device`` directly, never on the host: what real-dimension models of tens of
-    GB need (their numbers then come from ``device``'s generator)."""
+    GB need (their numbers then come from ``device``'s generator). ``shards``: a family model's
+    part on one rank of a group, holding exactly its slices of the whole model's weights."""
     if isinstance(cfg, FamilyPreset):
         family, topo = cfg.parse()
         if in_place or weights.fp8:
             with torch.device("meta"):
-                model = MLADecoder(family, topo, weights)
+                model = MLADecoder(family, topo, weights, shards)
             model.to_empty(device=device)
         else:
-            model = MLADecoder(family, topo)
+            model = MLADecoder(family, topo, shards=shards)
         # cast before the init: the FP32_PARAMS take their values in fp32 whatever the dtype
         model.cast(dtype or DTYPES[family.dtype])
         init_family_weights(model, seed)
         return model.to(device=device).eval()
-    if weights.fp8 or in_place:
-        raise ValueError(f"{cfg.name}: FP8 weights and in-place builds are for the real families")
+    if weights.fp8 or in_place or shards is not None:
+        raise ValueError(
+            f"{cfg.name}: FP8 weights, in-place builds and sharding are for the real families"
+        )
     model = DSAModel(cfg)
     init_weights(model, seed)
     return model.to(device=device, dtype=dtype or DTYPES[cfg.dtype]).eval()

@@ -16,6 +16,7 @@ from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.rotary import Rotary, apply_rope
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.parallel.shards import Shards
 
 # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as transformers).
 _LORA_NORM_EPS = 1e-6
@@ -24,11 +25,19 @@ _LORA_NORM_EPS = 1e-6
 class MLA(nn.Module):
     owner = True  # every layer of these families writes its own source
 
-    def __init__(self, cfg: MLAConfig, fmt: WeightFormat = BF16) -> None:
-        """``fmt``: FP8 holds q_a, q_b, kv_a and o in FP8; kv_b (absorbed) stays dense."""
+    def __init__(
+        self, cfg: MLAConfig, fmt: WeightFormat = BF16, shards: Shards | None = None
+    ) -> None:
+        """``fmt``: FP8 holds q_a, q_b, kv_a and o in FP8; kv_b (absorbed) stays dense.
+        ``shards``: this rank holds ``heads`` of the heads (q_b, kv_b and o_proj cut by head)
+        and o_proj's output is summed over the attention group; the stored row (q_a, kv_a and
+        their norms) is every rank's."""
         super().__init__()
+        shards = shards or Shards.single(cfg)
         self.cfg = cfg
-        h, d = cfg.num_heads, cfg.hidden_size
+        self.heads = shards.layout.heads().size
+        self.group = shards.attention
+        h, d = self.heads, cfg.hidden_size
         self.q_a_proj = linear(d, cfg.q_lora_rank, fmt)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, _LORA_NORM_EPS)
         self.q_b_proj = linear(cfg.q_lora_rank, h * cfg.qk_head_dim, fmt)
@@ -43,7 +52,7 @@ class MLA(nn.Module):
     def _kv_b(self) -> tuple[torch.Tensor, torch.Tensor]:
         """W_UK [H, qk_nope, kv_lora] and W_UV [H, v, kv_lora], views of kv_b_proj."""
         c = self.cfg
-        w = self.kv_b_proj.weight.view(c.num_heads, c.qk_nope_head_dim + c.v_head_dim, -1)
+        w = self.kv_b_proj.weight.view(self.heads, c.qk_nope_head_dim + c.v_head_dim, -1)
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def token_rows(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
@@ -56,18 +65,19 @@ class MLA(nn.Module):
         )
 
     def queries(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
-        """[N, hidden] -> (absorbed queries [N, H, kv_lora + rope], the q latent
+        """[N, hidden] -> (absorbed queries [N, heads, kv_lora + rope], the q latent
         ``q_a_layernorm(q_a_proj(x))`` [N, q_lora_rank], which the indexer reads)."""
         c = self.cfg
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(x.shape[0], c.num_heads, c.qk_head_dim)
+        q = self.q_b_proj(q_resid).view(x.shape[0], self.heads, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._kv_b()
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora]
         return torch.cat([q_lat, apply_rope(q_rope, rotary, interleaved=True)], dim=-1), q_resid
 
     def output(self, o: torch.Tensor) -> torch.Tensor:
-        """Attended latents [N, H, kv_lora] -> [N, hidden]."""
+        """Attended latents [N, heads, kv_lora] -> [N, hidden] (every head's, summed over the
+        attention group)."""
         _, w_uv = self._kv_b()
         v = torch.bmm(o.to(w_uv.dtype).transpose(0, 1), w_uv.transpose(1, 2)).transpose(0, 1)
-        return self.o_proj(v.reshape(o.shape[0], -1))
+        return self.group.all_reduce(self.o_proj(v.reshape(o.shape[0], -1)))

@@ -24,36 +24,51 @@ from services.worker.model.checkpoint import SCALE_SUFFIX, CheckpointError
 from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.hf_config import MLAConfig
-from services.worker.model.layers import RMSNorm, head_logits
+from services.worker.model.layers import RMSNorm
 from services.worker.model.loader import Fp8Target
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.model import ForwardState, SparseDecoder
 from services.worker.model.mtp import MTP_EMBED, MTP_NAMES, MTPLayer, MTPStep
 from services.worker.model.rotary import Rotary
+from services.worker.model.vocab import VocabEmbedding, vocab_logits
 from services.worker.model.weight_format import BF16, WeightFormat
 from services.worker.ops.fp8_moe import gate_up_halves
+from services.worker.parallel.shards import Shards
 
 # Parameters kept in fp32 whatever the serving dtype, as transformers keeps them.
 FP32_PARAMS = ("indexer.weights_proj.weight", "mlp.gate.e_score_correction_bias")
 
 
 class MLADecoder(SparseDecoder):
-    def __init__(self, cfg: MLAConfig, topo: ModelConfig, fmt: WeightFormat = BF16) -> None:
-        """``fmt``: the weights in the serving dtype, or FP8 (``weight_format``)."""
+    def __init__(
+        self,
+        cfg: MLAConfig,
+        topo: ModelConfig,
+        fmt: WeightFormat = BF16,
+        shards: Shards | None = None,
+    ) -> None:
+        """``fmt``: the weights in the serving dtype, or FP8 (``weight_format``). ``shards``:
+        this rank's part of a model split over several (``parallel.layout``; whole by
+        default): every tensor is built in its rank-local shape (``RankLayout.cut``)."""
         super().__init__()
         self._init_topology(topo)
+        shards = shards or Shards.single(cfg)
+        shards.layout.validate(fmt.fp8)
         self.family = cfg
         self.weight_format = fmt
-        self.embed = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(MLALayer(cfg, topo, i, fmt=fmt) for i in range(cfg.num_layers))
+        self.shards = shards
+        vocab = shards.layout.vocab()
+        self.vocab_group = shards.attention
+        self.embed = VocabEmbedding(vocab, cfg.hidden_size, shards.attention)
+        self.layers = nn.ModuleList(
+            MLALayer(cfg, topo, i, fmt=fmt, shards=shards) for i in range(cfg.num_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = (
-            None
-            if cfg.tie_word_embeddings
-            else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+            None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, vocab.size, bias=False)
         )
         drafts = topo.draft_layers
-        self.mtp = MTPLayer(cfg, topo, drafts[0], fmt) if drafts else None
+        self.mtp = MTPLayer(cfg, topo, drafts[0], fmt, shards) if drafts else None
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary(positions, self.family.rope)
@@ -118,7 +133,7 @@ class MLADecoder(SparseDecoder):
         h = x + self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
         h = h + mtp.mlp(mtp.mlp_norm(h))
         g = mtp.shared_head.norm(h)
-        logits = head_logits(g, mtp.shared_head.head.weight)
+        logits = vocab_logits(g, mtp.shared_head.head.weight, self.vocab_group)
         return MTPStep(g, logits, st.selection[i])
 
     def cast(self, dtype: torch.dtype) -> MLADecoder:

@@ -14,10 +14,12 @@ from services.worker.kv.token_ring import ExtendedRows
 from services.worker.model.attention import MLAAttention
 from services.worker.model.config import ModelConfig
 from services.worker.model.indexer import LightningIndexer
-from services.worker.model.layers import RMSNorm, SwiGLU, head_logits
+from services.worker.model.layers import RMSNorm, SwiGLU
 from services.worker.model.rotary import Rotary
 from services.worker.model.row_selection import select_rows
+from services.worker.model.vocab import vocab_logits
 from services.worker.ops import sparse_attention_ref
+from services.worker.parallel.comm import LOCAL, Comm
 
 
 @dataclass
@@ -74,6 +76,7 @@ class SparseDecoder(nn.Module):
     layers: nn.ModuleList
     norm: nn.Module
     lm_head: nn.Linear | None
+    vocab_group: Comm = LOCAL  # the ranks holding the rest of the head's rows
 
     def _init_topology(self, cfg: ModelConfig) -> None:
         cfg.validate()
@@ -148,9 +151,9 @@ class SparseDecoder(nn.Module):
         hidden states ``hidden`` [N, d] complete (the MTP layer's, ``MLADecoder``)."""
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., d_model] -> [..., vocab] fp32."""
+        """[..., d_model] -> [..., vocab] fp32 (the whole vocabulary's, on every rank)."""
         w = self.embed.weight if self.lm_head is None else self.lm_head.weight
-        return head_logits(hidden, w)
+        return vocab_logits(hidden, w, self.vocab_group)
 
     # ---- one layer --------------------------------------------------------------------------
     def _attention(

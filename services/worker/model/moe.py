@@ -13,22 +13,29 @@ from torch.nn import functional as F
 
 from services.worker.model.hf_config import MoESpec
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.shards import Shards
 
 # The public op where torch has it (2.10+); older releases expose the same kernel privately.
 _GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF001
 
 
 class MLP(nn.Module):
-    """SwiGLU with the checkpoint's names (dense layers and the shared experts)."""
+    """SwiGLU with the checkpoint's names (dense layers and the shared experts). ``d_ff``: this
+    rank's columns of the intermediate dimension; ``group`` sums the ranks' partial outputs
+    (the shared experts leave that to their MoE, which sums once for both)."""
 
-    def __init__(self, d_model: int, d_ff: int, fmt: WeightFormat = BF16) -> None:
+    def __init__(
+        self, d_model: int, d_ff: int, fmt: WeightFormat = BF16, group: Comm = LOCAL
+    ) -> None:
         super().__init__()
         self.gate_proj = linear(d_model, d_ff, fmt)
         self.up_proj = linear(d_model, d_ff, fmt)
         self.down_proj = linear(d_ff, d_model, fmt)
+        self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class Router(nn.Module):
@@ -81,28 +88,32 @@ def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch
 
 
 class Experts(nn.Module):
-    """The routed experts, fused as transformers holds them: gate_up [E, 2I, D], down [E, D, I]."""
+    """The routed experts, fused as transformers holds them: gate_up [E, 2I, D], down [E, D, I]
+    (this rank's E experts and I columns of each)."""
 
-    def __init__(self, spec: MoESpec, d_model: int) -> None:
+    def __init__(self, n_experts: int, d_model: int, intermediate: int) -> None:
         super().__init__()
-        self.n = spec.n_routed
-        self.gate_up_proj = nn.Parameter(torch.empty(spec.n_routed, 2 * spec.intermediate, d_model))
-        self.down_proj = nn.Parameter(torch.empty(spec.n_routed, d_model, spec.intermediate))
+        self.n = n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, intermediate))
 
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """x [N, D], idx / w [N, k] -> sum_j w[:, j] * expert_{idx[:, j]}(x), [N, D]."""
+        """x [N, D], idx / w [N, k] -> sum_j w[:, j] * expert_{idx[:, j]}(x), [N, D]. An id of
+        ``n`` (one past the experts held: another rank's expert) contributes nothing."""
         n, k = idx.shape
         if n == 0:
             return torch.zeros_like(x)
         flat = idx.reshape(-1)
         order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.zeros(self.n, dtype=torch.int64, device=x.device)
+        counts = torch.zeros(self.n + 1, dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
-        offsets = torch.cumsum(counts, 0).to(torch.int32)
+        offsets = torch.cumsum(counts[: self.n], 0).to(torch.int32)
         token = order // k
         gate, up = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offsets).chunk(2, -1)
         y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
-        y = y * w.reshape(-1)[order].unsqueeze(-1)
+        # rows past the held experts' are not computed (their values are undefined)
+        held = (flat[order] < self.n).unsqueeze(-1)
+        y = torch.where(held, y * w.reshape(-1)[order].unsqueeze(-1), 0)
         # back to (token, choice) order, then each token's k expert outputs summed
         unsorted = torch.empty_like(y).index_copy_(0, order, y)
         return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
@@ -110,23 +121,47 @@ class Experts(nn.Module):
 
 class MoE(nn.Module):
     """``fmt``: FP8 holds the routed experts (``FP8Experts``, the fused FP8 MoE) and the shared
-    experts in FP8; the router stays in the serving dtype (its bias in fp32)."""
+    experts in FP8; the router stays in the serving dtype (its bias in fp32).
 
-    def __init__(self, spec: MoESpec, d_model: int, fmt: WeightFormat = BF16) -> None:
+    ``shards``: this rank holds ``experts()`` of the routed experts (expert parallel) with
+    ``expert_intermediate()`` of each one's columns (tensor parallel), and its columns of the
+    shared experts; the router is every rank's. Every rank sees the same tokens (TP), so each
+    routes all of them, runs the (token, choice) pairs its experts hold, and one sum over the
+    group completes routed and shared experts together."""
+
+    def __init__(
+        self, spec: MoESpec, d_model: int, fmt: WeightFormat = BF16, shards: Shards | None = None
+    ) -> None:
         super().__init__()
+        lay = shards.layout if shards is not None else None
+        if shards is not None and shards.layout.cfg.data_parallel_attention:
+            from services.worker.parallel.layout import LayoutError
+
+            raise LayoutError("data-parallel attention is not built yet (the [parallel] issue)")
+        self.held = lay.experts() if lay is not None else None
+        n = self.held.size if self.held is not None else spec.n_routed
+        inter = lay.expert_intermediate().size if lay is not None else spec.intermediate
+        shared = spec.intermediate * spec.n_shared
+        if lay is not None:
+            shared = lay.dense(shared).size
+        self.group = shards.experts if shards is not None else LOCAL
         self.gate = Router(spec, d_model)
         if fmt.fp8:
             from services.worker.model.fp8_moe import FP8Experts
 
-            self.experts: nn.Module = FP8Experts(
-                spec.n_routed, d_model, spec.intermediate, mode=fmt.mode
-            )
+            self.experts: nn.Module = FP8Experts(n, d_model, inter, mode=fmt.mode)
         else:
-            self.experts = Experts(spec, d_model)
-        self.shared_experts = MLP(d_model, spec.intermediate * spec.n_shared, fmt)
+            self.experts = Experts(n, d_model, inter)
+        self.shared_experts = MLP(d_model, shared, fmt)
 
     def forward(self, x: torch.Tensor, given_experts: torch.Tensor | None = None) -> torch.Tensor:
         """[N, d_model] -> [N, d_model]; ``given_experts`` [N, top_k] int64 replaces the
         router's choice (``Router.forward``)."""
         w, idx = self.gate(x, given_experts)
-        return self.experts(x, idx, w) + self.shared_experts(x)
+        held = self.held
+        if held is not None and not held.whole:  # another rank's experts: id one past ours
+            local = idx - held.start
+            mine = (local >= 0) & (local < held.size)
+            idx = torch.where(mine, local, held.size)
+            w = torch.where(mine, w, 0)
+        return self.group.all_reduce(self.experts(x, idx, w) + self.shared_experts(x))

@@ -20,6 +20,7 @@ from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.weight_format import BF16, WeightFormat
+from services.worker.parallel.shards import Shards
 
 # The MTP layer's own tensors (checkpoint name after ``model.layers.{N}.`` -> ours after
 # ``mtp.``); the rest of the layer has the decoder layer's names.
@@ -35,10 +36,11 @@ MTP_EMBED = "embed_tokens.weight"
 
 
 class SharedHead(nn.Module):
-    def __init__(self, cfg: MLAConfig) -> None:
+    def __init__(self, cfg: MLAConfig, vocab_rows: int) -> None:
+        """``vocab_rows``: this rank's rows of the head (the whole vocabulary on one rank)."""
         super().__init__()
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.head = nn.Linear(cfg.hidden_size, vocab_rows, bias=False)
 
 
 class MTPLayer(MLALayer):
@@ -46,14 +48,20 @@ class MTPLayer(MLALayer):
     the NextN input fusion and its own head."""
 
     def __init__(
-        self, cfg: MLAConfig, topo: ModelConfig, layer: int, fmt: WeightFormat = BF16
+        self,
+        cfg: MLAConfig,
+        topo: ModelConfig,
+        layer: int,
+        fmt: WeightFormat = BF16,
+        shards: Shards | None = None,
     ) -> None:
-        super().__init__(cfg, topo, layer, mlp=cfg.mtp_mlp, fmt=fmt)
+        shards = shards or Shards.single(cfg)
+        super().__init__(cfg, topo, layer, mlp=cfg.mtp_mlp, fmt=fmt, shards=shards)
         d = cfg.hidden_size
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * d, d, bias=False)
-        self.shared_head = SharedHead(cfg)
+        self.shared_head = SharedHead(cfg, shards.layout.vocab().size)
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """embeds [N, d] of the tokens, hidden [N, d] the hidden states before them -> the

@@ -159,6 +159,8 @@ def fp8_moe_gemm_ref(
     af = act_dequant_ref(*act_quant_ref(rows)) if mode == "w8a8" else rows.to(torch.float32)
     out = torch.zeros(p, n_out, dtype=torch.float32, device=a.device)
     for e in flat.unique().tolist():
+        if e >= weight.shape[0]:
+            continue  # an expert held elsewhere: its pairs stay zero
         sel = (flat == e).nonzero().squeeze(1)
         if glu:
             h = af[sel] @ dequantize_gate_up(weight[e], scale[e]).T
@@ -240,7 +242,8 @@ def fp8_moe_ref(
     down_scale: torch.Tensor,
     mode: Mode = "w8a16",
 ) -> torch.Tensor:
-    """``x [T, D]``, ``idx [T, k]`` experts, ``w [T, k]`` routing weights -> ``[T, D]`` in x's
+    """``x [T, D]``, ``idx [T, k]`` experts (E, one past the last, for an expert held by
+    another rank: it adds nothing), ``w [T, k]`` routing weights -> ``[T, D]`` in x's
     dtype: ``sum_j w[t, j] * down(act)`` with ``act = silu(gate x) * up x`` rounded to x's
     dtype; every matmul in fp32 on the dequantized weights (see the module docstring)."""
     _check_moe(x, idx, w, mode)
@@ -272,4 +275,6 @@ def fp8_moe_triton(
     pair_w = w.reshape(-1)
     act = fp8_moe_gemm(x, gate_up, gate_up_scale, blocks, mode, k, glu=True)  # [P, I]
     y = fp8_moe_gemm(act, down, down_scale, blocks, mode, 1, False, pair_w, torch.float32)
+    # pairs of experts held elsewhere (id E) are computed by no block: their rows are undefined
+    y = torch.where((idx.reshape(-1, 1) < gate_up.shape[0]), y, 0)
     return sum_choices(y.view(t, k, -1)).to(x.dtype)

@@ -35,24 +35,28 @@ def max_blocks(n_pairs: int, n_experts: int, block_m: int) -> int:
 
 
 def align_blocks(idx: torch.Tensor, n_experts: int, block_m: int) -> MoEBlocks:
-    """``idx [T, top_k]`` expert ids (int32 or int64, in ``[0, n_experts)``) -> ``MoEBlocks``
-    on idx's device. Torch ops of static shape only: no ``nonzero``, ``bincount`` or ``.item()``."""
+    """``idx [T, top_k]`` expert ids (int32 or int64, in ``[0, n_experts]``; ``n_experts``
+    marks a pair of an expert held elsewhere, which no block takes) -> ``MoEBlocks`` on idx's
+    device. Torch ops of static shape only: no ``nonzero``, ``bincount`` or ``.item()``."""
     dev = idx.device
     flat = idx.reshape(-1).to(torch.int64)  # [P]
     n_pairs = flat.numel()
     n_blocks = max_blocks(n_pairs, n_experts, block_m)
     rows = n_blocks * block_m
     order = torch.argsort(flat, stable=True)  # [P] pair ids grouped by expert
-    counts = torch.zeros(n_experts, dtype=torch.int64, device=dev)
+    counts = torch.zeros(n_experts + 1, dtype=torch.int64, device=dev)  # [E + 1]: + held elsewhere
     counts.scatter_add_(0, flat, torch.ones_like(flat))
-    blocks = (counts + block_m - 1) // block_m  # [E]
+    blocks = (counts[:n_experts] + block_m - 1) // block_m  # [E]
     block_end = torch.cumsum(blocks, 0)  # [E] cumulative blocks
-    pair_start = torch.cumsum(counts, 0) - counts  # [E] first sorted position of each expert
+    pair_start = torch.cumsum(counts, 0) - counts  # [E + 1] first sorted position of each
     expert = flat[order]  # [P] ascending
     rank = torch.arange(n_pairs, device=dev) - pair_start[expert]  # position within its expert
-    padded_pos = (block_end - blocks)[expert] * block_m + rank  # [P], all < rows
-    sorted_ids = torch.full((rows,), n_pairs, dtype=torch.int32, device=dev)
+    first_row = torch.cat([block_end - blocks, block_end.new_zeros(1)]) * block_m  # [E + 1]
+    # pairs held elsewhere land on one row past the end, dropped
+    padded_pos = torch.where(expert < n_experts, first_row[expert] + rank, rows)  # [P]
+    sorted_ids = torch.full((rows + 1,), n_pairs, dtype=torch.int32, device=dev)
     sorted_ids.scatter_(0, padded_pos, order.to(torch.int32))
+    sorted_ids = sorted_ids[:rows]
     b = torch.arange(n_blocks, device=dev)
     block_expert = torch.searchsorted(block_end, b, right=True)  # == E past the used blocks
     block_expert = torch.where(block_expert < n_experts, block_expert, -1).to(torch.int32)
