@@ -10,6 +10,7 @@ import torch
 
 from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.kv.config import KVCacheConfig
+from services.worker.parallel.layout import SINGLE, ParallelConfig
 from services.worker.residency.config import ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
 
@@ -36,6 +37,7 @@ class EngineConfig:
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     graphs: GraphConfig = field(default_factory=GraphConfig)  # on a GPU
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
+    parallel: ParallelConfig = SINGLE  # the ranks one worker spans (``parallel.layout``)
     owner: str = "local"  # worker id that owns this engine's host regions
     page_size: int = 16
     max_num_seqs: int = 32

@@ -36,6 +36,8 @@ from services.worker.model.generation import eos_token_ids, token_ids
 from services.worker.model.io import DTYPES
 from services.worker.model.mtp import MTPStep
 from services.worker.model.presets import PRESETS
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.lockstep import Lockstep, StopFollowing
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
@@ -52,17 +54,31 @@ class Engine:
         model: DSAModel | None = None,
         tokenizer: Tokenizer | None = None,
         host: tuple | None = None,
+        comm: Comm = LOCAL,
     ) -> None:
         """``host``: (region store, arena mapping) of the node's kv_host_store for the hierarchy
-        modes; without it they use a private arena."""
+        modes; without it they use a private arena. ``comm``: the group of ranks this engine
+        is one of (``cfg.parallel``): every rank builds an engine over its part of the model,
+        rank 0 is driven from outside and the others ``follow`` it (``parallel.lockstep``)."""
         self.cfg = cfg
         dtype = DTYPES[cfg.dtype] if cfg.dtype else None
         sc = cfg.speculation
+        if comm.size != cfg.parallel.world_size:
+            raise ValueError(
+                f"{cfg.parallel.name} over {cfg.parallel.world_size} ranks, given a group of "
+                f"{comm.size}"
+            )
+        if comm.size > 1 and host is not None:
+            raise ValueError(
+                "a group of ranks serves from private host arenas: the node's kv_host_store "
+                "under several ranks is not built yet"
+            )
+        self.lockstep = Lockstep(comm) if comm.size > 1 else None
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
                 mtp=sc.drafter == MTPDrafter.kind, weight_dtype=cfg.weight_dtype,
-                fp8_mode=cfg.fp8_mode,
+                fp8_mode=cfg.fp8_mode, parallel=cfg.parallel, comm=comm,
             )  # fmt: skip
         if cfg.top_k_rows is not None:
             model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
@@ -99,6 +115,8 @@ class Engine:
         if sc.drafter:
             drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.mtp_step)
             self.speculator = Speculator(self, drafter, sc, cfg.max_num_seqs, cfg.page_size)
+            if self.lockstep is not None:
+                self.speculator.agree = self.lockstep.agree
         spec = self.speculator
         self.graphs: DecodeGraphs | None = None
         # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
@@ -148,6 +166,8 @@ class Engine:
         req = Request(request_id, list(prompt_ids), params, text, generator=gen)
         self.requests[request_id] = req
         self.scheduler.add(req)
+        if self.lockstep is not None:
+            self.lockstep.record("add_request", request_id, list(prompt_ids), params)
         return req
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
@@ -180,6 +200,11 @@ class Engine:
         manifest's) in a free slot, running; False (nothing changed) when no slot or device
         room is free."""
 
+        if self.lockstep is not None:
+            raise RequestError(
+                "unavailable", "resuming durable sessions into a group of ranks is not built yet"
+            )
+
         def seat(slot: int) -> bool:
             return self.kv.adopt(slot, req.request_id, regions, req.num_computed, rings)
 
@@ -201,6 +226,8 @@ class Engine:
         if req is None:
             return None
         self._finish(req, FinishReason.ABORT, None)
+        if self.lockstep is not None:
+            self.lockstep.record("abort", request_id)
         return req.output()
 
     def has_work(self) -> bool:
@@ -219,7 +246,12 @@ class Engine:
         """Runs one scheduling round: one pass over the step's prefill chunks (at most
         ``max_prefill_tokens`` tokens), then one decode token (or verify round) for each
         running request that has sampled. Returns the outputs of requests that emitted
-        tokens or finished; a chunk that does not end its prefill emits nothing."""
+        tokens or finished; a chunk that does not end its prefill emits nothing. In a group,
+        every rank's step begins with rank 0's mutations since the last (``parallel.lockstep``)."""
+        if self.lockstep is not None:
+            for op in self.lockstep.exchange():
+                if not self.lockstep.leader:
+                    getattr(self, op.name)(*op.args)
         if not self._maintained:  # else the last decode pass did it (``run_pass``)
             self.kv.maintain()
         self._maintained = False
@@ -262,6 +294,21 @@ class Engine:
         if self._check_invariants:
             self.kv.check()
         return outputs
+
+    def follow(self) -> None:
+        """On a rank other than 0: steps with rank 0, step for step, until it stops the group
+        (``stop``). Outputs stay on rank 0, whose requests these are."""
+        assert self.lockstep is not None and not self.lockstep.leader
+        try:
+            while True:
+                self.step()
+        except StopFollowing:
+            return
+
+    def stop(self) -> None:
+        """On rank 0 of a group: ends the other ranks' ``follow``."""
+        if self.lockstep is not None:
+            self.lockstep.stop()
 
     # ---- the target interface the speculator uses (``speculative.target.Target``) ----------
     @property

@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.model.fp8 import dequantize_blockwise, scale_grid, scale_to_float
+from services.worker.parallel.layout import Cut
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -227,45 +228,67 @@ class Checkpoint:
     def is_fp8(self, name: str) -> bool:
         return self._stored(name).dtype == FP8_WEIGHT_DTYPE
 
-    def _read(self, name: str) -> torch.Tensor:
-        """One stored tensor as it is stored, in host memory; maps its shard if it is not the
-        one mapped now."""
+    def _read(self, name: str, cut: Cut | None = None) -> torch.Tensor:
+        """One stored tensor as it is stored, in host memory, or only its ``cut`` (the other
+        bytes of the mapping are never read); maps its shard if it is not the one mapped now."""
         file = self._tensors[name].file
         if self._open is None or self._open[0] != file:
             self._open = None  # unmap the previous shard before mapping the next
             self._open = (file, safe_open(str(file), framework="pt", device="cpu"))
-        return self._open[1].get_tensor(name)
+        if cut is None:
+            return self._open[1].get_tensor(name)
+        sl = self._open[1].get_slice(name)
+        lead = (slice(None),) * (cut.dim % len(sl.get_shape()))
+        parts = [sl[(*lead, slice(a, b))] for a, b in cut.parts]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, len(lead))
 
     def get(
-        self, name: str, dtype: torch.dtype, device: str | torch.device = "cpu"
+        self,
+        name: str,
+        dtype: torch.dtype,
+        device: str | torch.device = "cpu",
+        cut: Cut | None = None,
     ) -> torch.Tensor:
         """The weight as ``dtype`` on ``device``. BF16/F16/F32/F64 tensors are cast; an FP8
         weight is dequantized with its scale grid (on ``device``, in float32, then cast); an
         integer tensor is returned only as its own dtype. Anything else raises CheckpointError
-        naming the tensor and its stored dtype."""
+        naming the tensor and its stored dtype. ``cut``: only that slice of it (a rank's
+        shard; on block boundaries for FP8)."""
         t = self._stored(name)
         if t.dtype == FP8_WEIGHT_DTYPE:
             if not dtype.is_floating_point:
                 raise CheckpointError(f"{name}: an FP8 weight cannot be read as {dtype}")
-            w_fp8, scale = self.get_fp8(name)
+            w_fp8, scale = self.get_fp8(name, cut)
             w = dequantize_blockwise(w_fp8.to(device), scale.to(device), self.block)
             return w.to(dtype)
         if t.dtype in FLOAT_DTYPES and dtype.is_floating_point:
-            return self._read(name).to(device=device, dtype=dtype)
+            return self._read(name, cut).to(device=device, dtype=dtype)
         if INT_DTYPES.get(t.dtype) == dtype:
-            return self._read(name).to(device=device)
+            return self._read(name, cut).to(device=device)
         raise CheckpointError(
             f"{t.file}: {name} is stored as {t.dtype}, which cannot be read as {dtype}"
         )
 
-    def get_fp8(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def get_fp8(self, name: str, cut: Cut | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """An FP8 weight as stored, for an FP8 compute path: ``(w [R, C] float8_e4m3fn,
-        scale [ceil(R/bm), ceil(C/bn)] float32)`` on the host; the block is ``self.block``."""
+        scale [ceil(R/bm), ceil(C/bn)] float32)`` on the host; the block is ``self.block``.
+        ``cut``: only that slice of the weight and the matching rows or columns of its grid;
+        a cut inside a block raises CheckpointError."""
         t = self._stored(name)
         if t.dtype != FP8_WEIGHT_DTYPE:
             raise CheckpointError(f"{t.file}: {name} is stored as {t.dtype}, not FP8")
-        w_fp8 = self._read(name)
-        return w_fp8, scale_to_float(self._read(name + SCALE_SUFFIX))
+        scale_cut = None
+        if cut is not None:
+            assert self.block is not None  # an FP8 weight has one (checked at construction)
+            block = self.block[cut.dim % 2]
+            if not cut.aligned(block):
+                raise CheckpointError(
+                    f"{t.file}: {name} {list(t.shape)}: the rank's slice {cut.parts} on dim "
+                    f"{cut.dim} splits blocks of {block}"
+                )
+            scale_cut = cut.blocks(block)
+        w_fp8 = self._read(name, cut)
+        return w_fp8, scale_to_float(self._read(name + SCALE_SUFFIX, scale_cut))
 
     def close(self) -> None:
         """Unmaps the shard mapped now; reading again maps it anew."""

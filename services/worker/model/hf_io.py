@@ -16,6 +16,9 @@ from services.worker.model.loader import fp8_as_stored, load_into
 from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
 from services.worker.model.weight_format import resolve
 from services.worker.ops.fp8_linear import Mode
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.layout import SINGLE, ParallelConfig
+from services.worker.parallel.shards import Shards
 
 __all__ = [
     "first_layers",
@@ -60,14 +63,17 @@ def load_hf_model(
     mtp: bool = False,
     weight_dtype: str = "auto",
     fp8_mode: Mode = "w8a16",
+    parallel: ParallelConfig = SINGLE,
+    comm: Comm = LOCAL,
 ) -> MLADecoder:
     """The model of a directory, in ``dtype`` (default: config.json's) on ``device``, its
     projections and experts in FP8 or not as ``weight_dtype`` says (``weight_format.resolve``:
     "auto" keeps an FP8 checkpoint in FP8, ``fp8_mode`` its activation mode); with
     ``layers``, its first ``layers`` layers only (final norm and lm_head kept; the tensors of
     the other layers are not read); with ``mtp``, its MTP layer too (the MTP drafter's, served
-    as a draft layer of the topology: docs/mtp.md). Raises ConfigError / CheckpointError (both
-    ValueError) naming what is unsupported or missing."""
+    as a draft layer of the topology: docs/mtp.md); with ``parallel`` over ``comm`` (a group of
+    ranks), this rank's part, reading only its slices of the checkpoint. Raises ConfigError /
+    CheckpointError / LayoutError (all ValueError) naming what is unsupported or missing."""
     raw = read_config(path)
     cfg = parse_config(raw)
     ignore: dict[str, str] = {}
@@ -82,12 +88,13 @@ def load_hf_model(
         dtype = _DTYPES[cfg.dtype]
     quantization = raw.get("quantization_config")
     fmt = resolve(weight_dtype, fp8_as_stored(quantization), fp8_mode)
+    shards = Shards.of(parallel, comm, cfg)
     with torch.device("meta"):
-        model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt)
+        model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt, shards)
     model.to_empty(device=device)
     model.cast(dtype)
     ckpt = Checkpoint(path, quantization)
-    ignore |= dict(ignored_patterns(cfg, mtp))
+    ignore |= dict(ignored_patterns(cfg, mtp, shards.layout))
     load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
     model.share_lm_head()
     return model.eval()

@@ -24,7 +24,8 @@ from services.worker.model.presets import PRESETS, Definition, FamilyPreset, pre
 from services.worker.model.weight_format import BF16, WeightFormat, resolve
 from services.worker.ops.fp8_linear import Mode
 from services.worker.ops.fp8_moe import gate_up_halves
-from services.worker.parallel.layout import Cut
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.layout import SINGLE, Cut, ParallelConfig
 from services.worker.parallel.shards import Shards
 
 CONFIG_FILE = "config.json"
@@ -245,13 +246,21 @@ def load_model(
     mtp: bool = False,
     weight_dtype: str = "auto",
     fp8_mode: Mode = "w8a16",
+    parallel: ParallelConfig = SINGLE,
+    comm: Comm = LOCAL,
 ) -> SparseDecoder:
     """A preset name (seeded random weights) or a directory with config.json + weights: a
     Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format. ``mtp``: with the
     checkpoint's MTP layer (Hugging Face checkpoints only). ``weight_dtype`` / ``fp8_mode``:
     how a real family's projections and experts are held (``weight_format.resolve``; a
     family preset is "FP8" under "auto" when its config has a ``quantization_config``); the
-    home-made family takes "auto" or "bf16" only."""
+    home-made family takes "auto" or "bf16" only. ``parallel`` over ``comm``: this rank's part
+    of a real family's model (``parallel.layout``); the home-made family runs on one rank."""
+    if parallel.world_size > 1 and not _is_family(spec):
+        raise ValueError(
+            f"--tensor-parallel-size {parallel.world_size}: {spec!r} is not a DeepSeek-V3.2 / "
+            "GLM-5 model; the home-made family runs on one rank"
+        )
     if mtp and (str(spec) in PRESETS or not is_hf_model_dir(resolve_path(spec))):
         raise ValueError(
             f"the MTP drafter needs a DeepSeek-V3.2 / GLM-5 checkpoint with its MTP layer; "
@@ -264,7 +273,8 @@ def load_model(
         fmt = resolve(weight_dtype, stored, fp8_mode)
         if fmt.fp8 and not family:
             raise ValueError(f"--weight-dtype fp8: {spec!r} is not a DeepSeek-V3.2 / GLM-5 model")
-        return build_model(d, seed=seed, device=device, dtype=dtype, weights=fmt)
+        shards = Shards.of(parallel, comm, d.parse()[0]) if family else None
+        return build_model(d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards)
     path = resolve_path(spec)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(
@@ -274,7 +284,7 @@ def load_model(
     if is_hf_model_dir(path):
         return load_hf_model(
             path, device=device, dtype=dtype, mtp=mtp, weight_dtype=weight_dtype,
-            fp8_mode=fp8_mode,
+            fp8_mode=fp8_mode, parallel=parallel, comm=comm,
         )  # fmt: skip
     if resolve(weight_dtype, False).fp8:
         raise ValueError(f"--weight-dtype fp8: {spec} is not a DeepSeek-V3.2 / GLM-5 model")
@@ -285,6 +295,14 @@ def load_model(
     if missing or unexpected:
         raise ValueError(f"weights do not match config: missing={missing} unexpected={unexpected}")
     return model.to(device=device, dtype=dtype or DTYPES[cfg.dtype]).eval()
+
+
+def _is_family(spec: str | Path) -> bool:
+    """Whether ``spec`` names a DeepSeek-V3.2 / GLM-5 model (a family preset or directory)."""
+    if str(spec) in PRESETS:
+        return isinstance(preset(str(spec)), FamilyPreset)
+    path = resolve_path(spec)
+    return (path / CONFIG_FILE).exists() and is_hf_model_dir(path)
 
 
 def load_config(spec: str | Path) -> ModelConfig:

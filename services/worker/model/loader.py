@@ -15,6 +15,7 @@ import torch
 
 from services.worker.model.checkpoint import Checkpoint, CheckpointError, block_size
 from services.worker.model.fp8 import quantize_blockwise
+from services.worker.parallel.layout import Cut
 
 log = logging.getLogger(__name__)
 
@@ -49,21 +50,42 @@ def fp8_as_stored(quantization: dict | None) -> bool:
     return quantization is not None and block_size(quantization) == FP8_BLOCK
 
 
-Target = torch.Tensor | Fp8Target
+class Sliced(NamedTuple):
+    """A target that takes only ``cut`` of its checkpoint tensor (a rank's shard)."""
+
+    target: torch.Tensor | Fp8Target
+    cut: Cut
+
+    @property
+    def shape(self) -> torch.Size:
+        return self.target.shape
+
+
+Target = torch.Tensor | Fp8Target | Sliced
+
+
+def _expected_shape(checkpoint: Checkpoint, name: str, target: Target) -> tuple[int, ...]:
+    stored = checkpoint.shape(name)
+    return target.cut.shape(stored) if isinstance(target, Sliced) else stored
 
 
 def _copy(checkpoint: Checkpoint, name: str, target: Target) -> None:
-    """One checkpoint tensor into its target. An FP8 target takes an FP8 weight of 128x128
-    blocks as stored (bytes and scales), and any other weight quantized here per block."""
+    """One checkpoint tensor (or its cut) into its target. An FP8 target takes an FP8 weight of
+    128x128 blocks as stored (bytes and scales), and any other weight quantized here per
+    block."""
+    cut = None
+    if isinstance(target, Sliced):
+        target, cut = target
     if not isinstance(target, Fp8Target):
-        target.copy_(checkpoint.get(name, target.dtype, target.device))
+        target.copy_(checkpoint.get(name, target.dtype, target.device, cut))
         return
     device = target.weight.device
     if checkpoint.is_fp8(name) and checkpoint.block == FP8_BLOCK:
-        w, s = checkpoint.get_fp8(name)
+        w, s = checkpoint.get_fp8(name, cut)
         w, s = w.to(device), s.to(device)
     else:
-        w, s = quantize_blockwise(checkpoint.get(name, torch.float32, device), FP8_BLOCK)
+        dense = checkpoint.get(name, torch.float32, device, cut)
+        w, s = quantize_blockwise(dense, FP8_BLOCK)
     target.weight.copy_(w)
     target.scale.copy_(s)
 
@@ -74,8 +96,8 @@ def load_into(
     ignore: Mapping[str, str] | Iterable[str] = (),
 ) -> None:
     """Copies every checkpoint tensor named in ``targets`` into its target (``copy_``, in the
-    target's dtype and on its device, or as FP8 into an ``Fp8Target``; the read tensor is
-    dropped before the next is read).
+    target's dtype and on its device, or as FP8 into an ``Fp8Target``; a ``Sliced`` target
+    reads only its cut; the read tensor is dropped before the next is read).
 
     ``ignore`` holds regular expressions (``re.match``, so anchored at the name's start), or
     maps each to the reason it is ignored (e.g. ``{r"model\\.layers\\.61\\.": "MTP layer; no
@@ -106,9 +128,9 @@ def load_into(
             f"ignored): {_listing(unexpected)}"
         )
     wrong = [
-        f"{name} {list(checkpoint.shape(name))} into {list(t.shape)}"
+        f"{name} {list(_expected_shape(checkpoint, name, t))} into {list(t.shape)}"
         for name, t in targets.items()
-        if tuple(t.shape) != checkpoint.shape(name)
+        if tuple(t.shape) != _expected_shape(checkpoint, name, t)
     ]
     if wrong:
         raise CheckpointError(

@@ -25,7 +25,7 @@ from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
-from services.worker.model.loader import Fp8Target
+from services.worker.model.loader import Fp8Target, Sliced, Target
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.model import ForwardState, SparseDecoder
 from services.worker.model.mtp import MTP_EMBED, MTP_NAMES, MTPLayer, MTPStep
@@ -33,6 +33,7 @@ from services.worker.model.rotary import Rotary
 from services.worker.model.vocab import VocabEmbedding, vocab_logits
 from services.worker.model.weight_format import BF16, WeightFormat
 from services.worker.ops.fp8_moe import gate_up_halves
+from services.worker.parallel.layout import Cut, RankLayout
 from services.worker.parallel.shards import Shards
 
 # Parameters kept in fp32 whatever the serving dtype, as transformers keeps them.
@@ -176,7 +177,7 @@ _LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
 _EXPERT = re.compile(r"mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
-def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.Tensor | Fp8Target]:
+def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, Target]:
     """For each checkpoint tensor name this model reads: the tensor (a parameter, or a view
     of one: one expert's slice of the fused expert weights) it is copied into, or for a weight
     the model holds in FP8 the ``Fp8Target`` of its e4m3 values and block scales. Names the
@@ -184,13 +185,16 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
     fills raise ``CheckpointError`` listing them."""
     params = dict(model.named_parameters()) | dict(model.named_buffers())
     mtp = model.mtp_layer if model.mtp is not None else None
-    out: dict[str, torch.Tensor | Fp8Target] = {}
+    layout = model.shards.layout
+    out: dict[str, Target] = {}
     filled: dict[str, int] = {}  # elements of each parameter some checkpoint tensor fills
     for name in names:
-        hit = _target(params, name, mtp)
+        hit = _target(params, name, mtp, layout.experts().start)
         if hit is None:
             continue
         ours, view = hit
+        cut = _checkpoint_cut(layout.cut(ours), per_expert=_EXPERT.search(name) is not None,
+                              down=ours.endswith("down_proj"))  # fmt: skip
         if isinstance(view, torch.Tensor) and view.dtype == FP8_DTYPE:
             view = _whole_fp8(params, ours, view)
         if isinstance(view, Fp8Target):
@@ -200,7 +204,7 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
         else:
             target = view
         filled[ours] = filled.get(ours, 0) + view.numel()
-        out[name] = target
+        out[name] = target if cut is None else Sliced(target, cut)
     unfilled = sorted(n for n in _expected(model) if filled.get(n, 0) != params[n].numel())
     if unfilled:
         listed = ", ".join(unfilled[:20]) + (
@@ -208,6 +212,19 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, torch.T
         )
         raise CheckpointError(f"the checkpoint lacks weights for {len(unfilled)} tensors: {listed}")
     return out
+
+
+def _checkpoint_cut(cut: Cut | None, per_expert: bool, down: bool) -> Cut | None:
+    """The slice of a checkpoint tensor a rank reads, from the cut of our tensor it fills: the
+    same for a whole tensor; for one expert's stored matrix (gate / up [I, D], down [D, I]) of
+    our stacked experts, the cut inside the matrix (none when the rank holds whole experts)."""
+    if cut is None or not per_expert:
+        return cut
+    if cut.dim == 0:  # expert parallel: whole experts, picked by index
+        return None
+    if down:  # [E, D, I] cut on I -> [D, I] cut on dim 1
+        return Cut(1, cut.parts, cut.total)
+    return Cut(0, cut.parts[:1], cut.total // 2)  # gate's (or up's) rows of [E, 2I, D]
 
 
 def _whole_fp8(params: dict[str, torch.Tensor], ours: str, view: torch.Tensor) -> Fp8Target:
@@ -223,11 +240,12 @@ def _whole_fp8(params: dict[str, torch.Tensor], ours: str, view: torch.Tensor) -
 
 
 def _target(
-    params: dict[str, torch.Tensor], name: str, mtp: int | None
+    params: dict[str, torch.Tensor], name: str, mtp: int | None, first_expert: int = 0
 ) -> tuple[str, torch.Tensor | Fp8Target] | None:
     """(our parameter, the tensor to copy into) for one checkpoint name, or None. ``mtp``: the
     index of the MTP layer the model holds as ``mtp`` (its decoder layer under the usual
-    names, its own tensors by ``MTP_NAMES``)."""
+    names, its own tensors by ``MTP_NAMES``). ``first_expert``: the first routed expert this
+    rank holds (expert parallel); experts it does not hold have no target."""
     if name in _GLOBAL_NAMES:
         ours = _GLOBAL_NAMES[name]
         return (ours, params[ours]) if ours in params else None
@@ -242,7 +260,8 @@ def _target(
             return ours, params[ours]
     e = _EXPERT.fullmatch(rest)
     if e is not None:
-        return _expert_view(params, prefix, int(e.group(1)), e.group(2))
+        local = int(e.group(1)) - first_expert
+        return None if local < 0 else _expert_view(params, prefix, local, e.group(2))
     for pattern, repl in _LAYER_NAMES:
         if re.fullmatch(pattern, rest):
             ours = prefix + re.sub(pattern, repl, rest)
@@ -279,10 +298,19 @@ def _expected(model: MLADecoder) -> set[str]:
     }
 
 
-def ignored_patterns(cfg: MLAConfig, mtp: bool = False) -> list[tuple[str, str]]:
+def ignored_patterns(
+    cfg: MLAConfig, mtp: bool = False, layout: RankLayout | None = None
+) -> list[tuple[str, str]]:
     """(regex, why) of checkpoint tensors this decoder does not read; ``mtp``: it holds the
-    MTP layer."""
+    MTP layer; ``layout``: this rank's part (the routed experts other ranks hold)."""
     out = []
+    held = layout.experts() if layout is not None else None
+    if held is not None and not held.whole:
+        others = [str(e) for e in range(held.total) if not held.start <= e < held.stop]
+        out.append((
+            rf"model\.layers\.\d+\.mlp\.experts\.({'|'.join(others)})\.",
+            f"routed experts held by other ranks ({held.start}-{held.stop - 1} are this rank's)",
+        ))  # fmt: skip
     if mtp:
         embed = re.escape(MTP_EMBED)
         out.append(

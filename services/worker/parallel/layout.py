@@ -127,7 +127,8 @@ class Cut:
         return Cut(self.dim, parts, -(-self.total // block))
 
     def aligned(self, block: int = FP8_BLOCK) -> bool:
-        return all(a % block == 0 and b % block == 0 for a, b in self.parts)
+        """Whether every range starts and ends on a block boundary (or the tensor's end)."""
+        return all(a % block == 0 and (b % block == 0 or b == self.total) for a, b in self.parts)
 
 
 @dataclass(frozen=True)

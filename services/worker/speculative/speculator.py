@@ -11,6 +11,7 @@ advances with the same committed positions."""
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,6 +71,10 @@ def make_drafter(
     return load_drafter(path, target, dtype=dtype)
 
 
+def _same(k: int) -> int:
+    return k
+
+
 class Speculator:
     """The engine's speculative path: drafting, the verify pass and the commit, over the
     narrow ``Target`` the engine offers."""
@@ -91,6 +96,8 @@ class Speculator:
         self.widths = WidthController(cfg.width_policy, self.k_max, max_slots)
         self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
+        # the width every rank of a group verifies: rank 0's choice (``Lockstep.agree``)
+        self.agree: Callable[[int], int] = _same
 
     def features(self) -> dict[int, torch.Tensor]:
         return dict.fromkeys(self.layers)  # type: ignore[arg-type]
@@ -117,7 +124,7 @@ class Speculator:
         """One verify round for ``reqs`` (all decoding); returns their outputs."""
         eng = self.target
         load = len(reqs)
-        k = self.widths.width(load)
+        k = self.agree(self.widths.width(load))
         self.counters.width = k
         t0 = time.perf_counter()
         if k <= 1:

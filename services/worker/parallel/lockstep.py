@@ -1,0 +1,70 @@
+"""Engines of a group's ranks stepping as one (tensor parallel: every rank runs the same batch).
+
+Every rank holds a whole engine — scheduler, KV hierarchy, sampler — over its part of the
+model. Rank 0 is the only one the outside world talks to (gRPC, health): each mutation it
+applies between two steps (a request added, one aborted) is recorded, and each step starts
+with one broadcast of them, which the other ranks apply in the same order before they run the
+same step. From identical inputs the ranks make identical choices (scheduling, residency, the
+resolver's locations), and their logits are identical (gathered, not recomputed), so their
+samples are too. A choice that rests on what one rank measured (the speculation width from
+step times) is rank 0's, broadcast (``agree``).
+
+The followers' loop is ``Engine.follow``; it ends when rank 0 broadcasts ``STOP``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from services.worker.parallel.comm import Comm
+
+STOP = "stop"
+
+
+@dataclass(frozen=True)
+class Op:
+    """One engine mutation: the method's name and its arguments (picklable)."""
+
+    name: str
+    args: tuple[Any, ...] = ()
+
+
+class StopFollowing(Exception):
+    """Rank 0 has stopped the group."""
+
+
+class Lockstep:
+    def __init__(self, comm: Comm) -> None:
+        self.comm = comm
+        self._pending: list[Op] = []
+        self.steps = 0
+
+    @property
+    def leader(self) -> bool:
+        return self.comm.is_leader
+
+    def record(self, name: str, *args: Any) -> None:
+        """On rank 0: a mutation just applied, for the other ranks to apply before the next
+        step."""
+        if self.leader:
+            self._pending.append(Op(name, args))
+
+    def exchange(self) -> list[Op]:
+        """At the start of every step, on every rank: rank 0's mutations since the last step
+        (rank 0 has applied them; the others apply them now). Raises StopFollowing on the
+        others once rank 0 has stopped."""
+        ops, self._pending = self._pending, []
+        ops = self.comm.broadcast_object(ops if self.leader else None)
+        if not self.leader and any(op.name == STOP for op in ops):
+            raise StopFollowing
+        self.steps += 1
+        return ops
+
+    def stop(self) -> None:
+        """On rank 0: ends the other ranks' loops (one last broadcast)."""
+        if self.leader and self.comm.size > 1:
+            self.comm.broadcast_object([Op(STOP)])
+
+    def agree(self, value: Any) -> Any:
+        """Rank 0's ``value`` on every rank (a decision from what rank 0 measured)."""
+        return self.comm.broadcast_object(value)

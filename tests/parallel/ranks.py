@@ -1,0 +1,83 @@
+"""What each rank of a test's group runs (importable: the ranks are spawned processes)."""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+from pathlib import Path
+
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import SamplingParams
+from services.worker.kv.cache import KVCache
+from services.worker.kv.config import KVCacheConfig
+from services.worker.model import load_model
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.layout import SINGLE, ParallelConfig
+from services.worker.speculative.config import SpeculationConfig
+from tests.worker.helpers import run_chunks
+
+VOCAB = 300  # hf_tiny's
+
+
+def ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def model_pass(comm: Comm, path: Path, layout: dict | None) -> dict:
+    """One prompt through a model in chunks, over a hisparse KV cache whose hot cache is smaller
+    than the prompt (the resolver recovers rows from the host): the logits (rank 0), every
+    layer's locations, this rank's tensor sizes and the collectives run."""
+    par = ParallelConfig(comm.size, **layout) if layout is not None else SINGLE
+    model = load_model(path, parallel=par, comm=comm)
+    kv = KVCache(model.cfg, KVCacheConfig(
+        mode="hisparse", max_slots=1, max_model_len=256, dtype=torch.float32, page_size=16,
+        hot_cache_rows=128, host_arena_bytes=8 << 20, kv_pool_bytes=16 << 20,
+        max_prefill_tokens=64,
+    ))  # fmt: skip
+    trace: list = []
+    tokens = ids(150, 7)
+    # chunks of at most hot / k queries past the hot cache: their selections always fit it
+    logits = model.logits(run_chunks(model, kv, tokens, [64, 64, 8, 8, 6], trace=trace))
+    kv.close()
+    sizes = {n: t.numel() for n, t in [*model.named_parameters(), *model.named_buffers()]}
+    return {
+        "logits": logits if comm.is_leader else None,
+        "locations": [t.locations for t in trace],
+        "sizes": sizes,
+        "collectives": dict(comm.calls),
+    }
+
+
+def greedy(
+    comm: Comm, path: Path, layout: dict | None, mode: str, drafter: str | None = None
+) -> dict:
+    """Greedy continuations of three prompts through the engine of every rank (rank 0 driven,
+    the others following), and what each rank's hierarchy resolved."""
+    par = ParallelConfig(comm.size, **layout) if layout is not None else SINGLE
+    spec = SpeculationConfig(drafter, 4, "fixed") if drafter else SpeculationConfig()
+    cfg = EngineConfig(
+        model=str(path), mode=mode, max_num_seqs=4, max_model_len=512, page_size=16,
+        host_arena_mib=16, hot_cache_rows=32, max_prefill_tokens=64, kv_pool_mib=48,
+        parallel=par, speculation=spec,
+    )  # fmt: skip
+    eng = Engine(cfg, comm=comm if layout is not None else LOCAL)
+    prompts = [ids(n, 100 + n).tolist() for n in (120, 45, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    tokens = None
+    if comm.is_leader or layout is None:
+        tokens = [r.output_ids for r in eng.generate(prompts, params)]
+        eng.stop()
+    else:
+        eng.follow()
+    census = eng.kv.census()
+    out = {
+        "tokens": tokens,
+        "census": None if census is None else astuple(census),
+        "steps": eng.lockstep.steps if eng.lockstep is not None else None,
+        "drafts": eng.speculator.counters.drafts if eng.speculator is not None else None,
+        "collectives": dict(comm.calls),
+    }
+    eng.close()
+    return out

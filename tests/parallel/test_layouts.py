@@ -1,0 +1,89 @@
+"""A worker's model and engine split over 2 ranks of a real gloo group (one process per rank):
+tensor parallel and TP + expert parallel give one process's logits (max |Δ| / max |logit|
+<= 1e-5, fp32) and greedy tokens, on tiny transformers checkpoints of both real families, in
+resident and adaptive modes and with a drafter; each rank holds 1/N of every sharded tensor;
+the ranks' resolvers choose the same locations; bad layouts fail at start-up."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.model.hf_config import parse_config
+from services.worker.model.hf_dir import read_config
+from services.worker.parallel.comm import LOCAL
+from services.worker.parallel.layout import LayoutError, ParallelConfig, RankLayout
+from tests.model import hf_tiny
+from tests.parallel import ranks
+from tests.parallel.group import run_group
+
+FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
+LAYOUTS = {"tp": {}, "tp+ep": {"expert_parallel": True}}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def checkpoint(request, tmp_path_factory) -> Path:
+    ref = hf_tiny.build(FAMILIES[request.param](), seed=5)
+    path = tmp_path_factory.mktemp(request.param)
+    hf_tiny.save_hub_style(ref, path, max_shard_size="40KB")
+    return path
+
+
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_sharded_model_gives_one_process_logits(checkpoint: Path, layout: str) -> None:
+    one = ranks.model_pass(LOCAL, checkpoint, None)
+    group = run_group(ranks.model_pass, 2, checkpoint, LAYOUTS[layout])
+    ref, got = one["logits"], group[0]["logits"]
+    assert (got - ref).abs().max() / ref.abs().max() <= 1e-5
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    # the same rows everywhere: every layer's locations equal across the ranks and one process
+    for a, b, c in zip(one["locations"], group[0]["locations"], group[1]["locations"], strict=True):
+        assert torch.equal(a, b) and torch.equal(b, c)
+    # each rank holds 1/N of each sharded tensor, all of each replicated one
+    cfg = parse_config(read_config(checkpoint))
+    lay = RankLayout(ParallelConfig(2, **LAYOUTS[layout]), 0, cfg)
+    sharded = [n for n in one["sizes"] if lay.cut(n) is not None]
+    assert any("experts" in n for n in sharded) and any("q_b_proj" in n for n in sharded)
+    for name, full in one["sizes"].items():
+        per_rank = [g["sizes"][name] for g in group]
+        assert per_rank == ([full // 2] * 2 if name in sharded else [full] * 2), name
+    if layout == "tp+ep":
+        n = cfg.moe.n_routed
+        assert group[0]["sizes"]["layers.1.mlp.experts.down_proj"] == (n // 2) * 64 * 32
+    for g in group:
+        assert g["collectives"].get("all_reduce", 0) > 0 and g["collectives"]["all_gather"] > 0
+
+
+@pytest.mark.parametrize(
+    "layout,mode,drafter",
+    [("tp", "resident", None), ("tp+ep", "adaptive", None), ("tp", "adaptive", None),
+     ("tp+ep", "hisparse", "dflash")],
+)  # fmt: skip
+def test_group_engine_greedy_equals_one_process(
+    checkpoint: Path, layout: str, mode: str, drafter: str | None
+) -> None:
+    one = ranks.greedy(LOCAL, checkpoint, None, mode, drafter)
+    group = run_group(ranks.greedy, 2, checkpoint, LAYOUTS[layout], mode, drafter)
+    assert group[0]["tokens"] == one["tokens"]
+    assert group[0]["census"] == group[1]["census"] == one["census"]
+    assert group[0]["steps"] == group[1]["steps"] > 0
+    if drafter:
+        assert group[0]["drafts"] == group[1]["drafts"] == one["drafts"] > 0
+    for g in group:
+        assert g["collectives"]["broadcast"] >= g["steps"]
+
+
+def test_layouts_that_do_not_divide_fail_at_start_up() -> None:
+    cfg = parse_config(hf_tiny.v32_config().to_dict())
+    with pytest.raises(LayoutError, match="attention heads"):
+        RankLayout(ParallelConfig(3), 0, cfg).validate(fp8=False)
+    six = parse_config(hf_tiny.v32_config(n_routed_experts=6, n_group=2, topk_group=1).to_dict())
+    with pytest.raises(LayoutError, match="routed experts"):
+        RankLayout(ParallelConfig(4, expert_parallel=True), 0, six).validate(fp8=False)
+    # FP8: 2 of 4 heads' q_b rows (64) per rank would cut 128 x 128 blocks
+    with pytest.raises(LayoutError, match="FP8 block"):
+        RankLayout(ParallelConfig(2), 0, cfg).validate(fp8=True)
+    with pytest.raises(LayoutError, match="need --tensor-parallel-size >= 2"):
+        ParallelConfig(1, expert_parallel=True)
