@@ -249,3 +249,31 @@ def test_contract_errors() -> None:
         FP8Experts.from_checkpoint(gates, ups, [(d, s[:1]) for d, s in downs])
     with pytest.raises(ValueError, match="gate"):
         FP8Experts.from_checkpoint(gates, ups[:1], downs)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_pairs_of_experts_held_elsewhere_add_nothing(mode) -> None:
+    """Expert parallel: a pair whose id is E (one past this rank's experts) is in no block of
+    the alignment and adds nothing: the kernel and the reference give the output of the
+    remaining pairs alone, which equals zeroing those pairs' routing weights."""
+    weights, x, idx, w = _case(7, (4, 3, 9, 200, 192, "random"), mode)
+    elsewhere = torch.rand(idx.shape, generator=torch.Generator().manual_seed(3)) < 0.4
+    idx_ep = torch.where(elsewhere, 4, idx)
+    blocks = plan(idx_ep, 4)
+    used = blocks.sorted_ids[blocks.sorted_ids < idx.numel()]
+    assert sorted(used.tolist()) == (~elsewhere).reshape(-1).nonzero().squeeze(1).tolist()
+    zeroed = torch.where(elsewhere, 0, w)
+    y = fp8_moe_triton(x, idx_ep, w, *weights, mode)
+    y_ref = fp8_moe_ref(x, idx_ep, w, *weights, mode)
+    # equal up to the fp32 matmuls' blocking over different row sets
+    torch.testing.assert_close(
+        y_ref, fp8_moe_ref(x, idx, zeroed, *weights, mode), rtol=1e-4, atol=1e-4
+    )
+    d, i = x.shape[1], weights[2].shape[2]
+    rel1, rel2 = (d + 16) * EPS32, (i + 16) * EPS32
+    assert_within(y, y_ref, moe_bound(x, idx, zeroed, weights, mode, rel1, rel2, y_ref))
+    bf16 = Experts(4, x.shape[1], i)
+    with torch.no_grad():
+        bf16.gate_up_proj.copy_(torch.randn(bf16.gate_up_proj.shape) / 15)
+        bf16.down_proj.copy_(torch.randn(bf16.down_proj.shape) / 15)
+    torch.testing.assert_close(bf16(x, idx_ep, w), bf16(x, idx, zeroed), rtol=1e-4, atol=1e-4)
