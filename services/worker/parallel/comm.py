@@ -39,9 +39,22 @@ class Comm:
         order, on every rank."""
         return t
 
+    def all_to_all(self, t: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+        """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank j; returns the rows every rank
+        sent here, in rank order, and how many came from each rank."""
+        return t, list(send)
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass anything)."""
         return obj
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        """Every rank's ``obj`` in rank order on rank 0; None on the others."""
+        return [obj]
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj`` in rank order, on every rank."""
+        return [obj]
 
     def close(self) -> None:
         """Leaves the group (the one-rank group has nothing to leave)."""
@@ -78,12 +91,35 @@ class TorchComm(Comm):
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=dim)
 
+    def all_to_all(self, t: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+        self.calls["all_to_all"] += 1
+        counts = torch.tensor(send, dtype=torch.int64, device=t.device)
+        got = torch.empty_like(counts)
+        dist.all_to_all_single(got, counts, group=self.group)
+        recv = got.tolist()
+        out = t.new_empty((sum(recv), *t.shape[1:]))
+        dist.all_to_all_single(out, t.contiguous(), recv, list(send), group=self.group)
+        return out, recv
+
     def broadcast_object(self, obj: Any = None) -> Any:
         self.calls["broadcast"] += 1
         box = [obj if self.rank == 0 else None]
         dist.broadcast_object_list(box, src=dist.get_global_rank(self.objects, 0),
                                    group=self.objects)  # fmt: skip
         return box[0]
+
+    def gather_objects(self, obj: Any) -> list[Any] | None:
+        self.calls["gather"] += 1
+        out: list[Any] | None = [None] * self.size if self.rank == 0 else None
+        dist.gather_object(obj, out, dst=dist.get_global_rank(self.objects, 0),
+                           group=self.objects)  # fmt: skip
+        return out
+
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        self.calls["all_gather_objects"] += 1
+        out: list[Any] = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.objects)
+        return out
 
     def close(self) -> None:
         if dist.is_initialized():

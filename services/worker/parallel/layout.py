@@ -194,10 +194,7 @@ class RankLayout:
 
     def validate(self, fp8: bool) -> None:
         """Raises LayoutError when N does not divide a split dimension, or (``fp8``) when a cut
-        of an FP8 weight falls inside a 128 x 128 block, or for data-parallel attention (its
-        token exchange between ranks is not built yet)."""
-        if self.cfg.data_parallel_attention:
-            raise LayoutError("--data-parallel-attention is not built yet (the [parallel] issue)")
+        of an FP8 weight falls inside a 128 x 128 block."""
         f = self.family
         checks = [
             ("attention heads (num_attention_heads)", f.num_heads, self.attention_tp),
