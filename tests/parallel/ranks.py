@@ -25,10 +25,18 @@ def ids(n: int, seed: int) -> torch.Tensor:
     return torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(seed))
 
 
-def model_pass(comm: Comm, path: Path, layout: dict | None) -> dict:
+# (prompt length, seed, chunks): chunks of at most hot / k queries past the hot cache, so
+# their selections always fit it. Under data-parallel attention rank r runs PROMPTS[r]: the
+# ranks run different passes, and their MoE rounds meet different layers.
+PROMPTS = [(150, 7, [64, 64, 8, 8, 6]), (90, 8, [40, 30, 20])]
+
+
+def model_pass(comm: Comm, path: Path, layout: dict | None, prompt: int = 0) -> dict:
     """One prompt through a model in chunks, over a hisparse KV cache whose hot cache is smaller
-    than the prompt (the resolver recovers rows from the host): the logits (rank 0), every
-    layer's locations, this rank's tensor sizes and the collectives run."""
+    than the prompt (the resolver recovers rows from the host): the logits (rank 0; under
+    data-parallel attention every rank's, of its own prompt), every layer's locations, this
+    rank's tensor sizes and the collectives run. ``prompt``: which of ``PROMPTS`` (one
+    process; a group's ranks under data-parallel attention take their rank's)."""
     par = ParallelConfig(comm.size, **layout) if layout is not None else SINGLE
     model = load_model(path, parallel=par, comm=comm)
     kv = KVCache(model.cfg, KVCacheConfig(
@@ -37,24 +45,28 @@ def model_pass(comm: Comm, path: Path, layout: dict | None) -> dict:
         max_prefill_tokens=64,
     ))  # fmt: skip
     trace: list = []
-    tokens = ids(150, 7)
-    # chunks of at most hot / k queries past the hot cache: their selections always fit it
-    logits = model.logits(run_chunks(model, kv, tokens, [64, 64, 8, 8, 6], trace=trace))
+    exchange = model.expert_exchange
+    n, seed, chunks = PROMPTS[comm.rank if exchange is not None else prompt]
+    logits = model.logits(run_chunks(model, kv, ids(n, seed), chunks, trace=trace))
+    if exchange is not None:  # this rank is done: serve the others' rounds until all are
+        exchange.idle()
     kv.close()
     sizes = {n: t.numel() for n, t in [*model.named_parameters(), *model.named_buffers()]}
     return {
-        "logits": logits if comm.is_leader else None,
+        "logits": logits if comm.is_leader or exchange is not None else None,
         "locations": [t.locations for t in trace],
         "sizes": sizes,
         "collectives": dict(comm.calls),
+        "rounds": (exchange.rounds, exchange.idle_rounds) if exchange is not None else None,
     }
 
 
 def greedy(
-    comm: Comm, path: Path, layout: dict | None, mode: str, drafter: str | None = None
-) -> dict:
-    """Greedy continuations of three prompts through the engine of every rank (rank 0 driven,
-    the others following), and what each rank's hierarchy resolved."""
+    comm: Comm, path: Path, layout: dict | None, mode: str, drafter: str | None = None,
+    n_prompts: int = 3,
+) -> dict:  # fmt: skip
+    """Greedy continuations of ``n_prompts`` prompts through the engine of every rank (rank 0
+    driven, the others following), and what each rank's hierarchy resolved and prefilled."""
     par = ParallelConfig(comm.size, **layout) if layout is not None else SINGLE
     spec = SpeculationConfig(drafter, 4, "fixed") if drafter else SpeculationConfig()
     cfg = EngineConfig(
@@ -63,7 +75,7 @@ def greedy(
         parallel=par, speculation=spec,
     )  # fmt: skip
     eng = Engine(cfg, comm=comm if layout is not None else LOCAL)
-    prompts = [ids(n, 100 + n).tolist() for n in (120, 45, 90)]
+    prompts = [ids(n, 100 + n).tolist() for n in (120, 45, 90)[:n_prompts]]
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     tokens = None
     if comm.is_leader or layout is None:
@@ -78,6 +90,7 @@ def greedy(
         "steps": eng.lockstep.steps if eng.lockstep is not None else None,
         "drafts": eng.speculator.counters.drafts if eng.speculator is not None else None,
         "collectives": dict(comm.calls),
+        "prefilled": eng.stats.prefill_tokens_computed,
     }
     eng.close()
     return out

@@ -38,6 +38,7 @@ from services.worker.model.mtp import MTPStep
 from services.worker.model.presets import PRESETS
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.lockstep import Lockstep, StopFollowing
+from services.worker.parallel.placement import Placement, RankLoad
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
@@ -59,7 +60,9 @@ class Engine:
         """``host``: (region store, arena mapping) of the node's kv_host_store for the hierarchy
         modes; without it they use a private arena. ``comm``: the group of ranks this engine
         is one of (``cfg.parallel``): every rank builds an engine over its part of the model,
-        rank 0 is driven from outside and the others ``follow`` it (``parallel.lockstep``)."""
+        rank 0 is driven from outside and the others ``follow`` it (``parallel.lockstep``).
+        Under data-parallel attention each rank serves the requests rank 0 places on it
+        (``parallel.placement``); rank 0 mirrors the others' requests from their outputs."""
         self.cfg = cfg
         dtype = DTYPES[cfg.dtype] if cfg.dtype else None
         sc = cfg.speculation
@@ -74,6 +77,10 @@ class Engine:
                 "under several ranks is not built yet"
             )
         self.lockstep = Lockstep(comm) if comm.size > 1 else None
+        self.data_parallel = comm.size > 1 and cfg.parallel.data_parallel_attention
+        self.placement = Placement(comm.size) if self.data_parallel and comm.is_leader else None
+        # rank 0 under data-parallel attention: the requests other ranks serve, by id
+        self._remote: dict[str, Request] = {}
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
@@ -86,6 +93,9 @@ class Engine:
             model.use_triton_attention()
         self.model = model
         self.model_cfg = model.cfg
+        self.exchange = model.expert_exchange
+        if self.data_parallel and self.exchange is None:
+            raise ValueError("data-parallel attention needs a model with routed experts")
         model_dir = None if cfg.model in PRESETS else resolve_path(cfg.model)
         self.tokenizer = tokenizer or load_tokenizer(model_dir)
         # Any of these ends a request: the model's, the tokenizer's, and those the checkpoint's
@@ -115,7 +125,7 @@ class Engine:
         if sc.drafter:
             drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.mtp_step)
             self.speculator = Speculator(self, drafter, sc, cfg.max_num_seqs, cfg.page_size)
-            if self.lockstep is not None:
+            if self.lockstep is not None and not self.data_parallel:
                 self.speculator.agree = self.lockstep.agree
         spec = self.speculator
         self.graphs: DecodeGraphs | None = None
@@ -140,6 +150,8 @@ class Engine:
             return "the model has compressed or windowed KV sources, or the MTP layer's lagged one"
         if self._check_invariants:  # the checks read counters back: not capturable
             return "DHISPARSE_CHECK_INVARIANTS is set"
+        if self.data_parallel:
+            return "data-parallel attention: each MoE layer exchanges a varying number of tokens"
         return None
 
     def close(self) -> None:
@@ -153,10 +165,22 @@ class Engine:
     def add_request(
         self, request_id: str, prompt_ids: list[int], params: SamplingParams
     ) -> Request:
-        """Queues a request; raises ValueError (a client error) for bad input."""
-        if request_id in self.requests:
+        """Queues a request; raises ValueError (a client error) for bad input. Under
+        data-parallel attention rank 0 places it on a rank; one another rank serves is
+        mirrored here (its outputs fill in the returned request)."""
+        if request_id in self.requests or request_id in self._remote:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_ids, params)
+        if self.placement is not None:
+            rank = self.placement.place(request_id)
+            if rank != 0:
+                assert self.lockstep is not None
+                self.lockstep.record_for(rank, "add_request", request_id, list(prompt_ids), params)
+                text = TextStream(self.tokenizer, prompt_ids, params.stop,
+                                  params.include_stop_str_in_output)  # fmt: skip
+                req = Request(request_id, list(prompt_ids), params, text, status=Status.RUNNING)
+                self._remote[request_id] = req
+                return req
         gen = None
         if params.seed is not None:
             gen = torch.Generator(device=self.device).manual_seed(params.seed)
@@ -166,7 +190,7 @@ class Engine:
         req = Request(request_id, list(prompt_ids), params, text, generator=gen)
         self.requests[request_id] = req
         self.scheduler.add(req)
-        if self.lockstep is not None:
+        if self.lockstep is not None and not self.data_parallel:
             self.lockstep.record("add_request", request_id, list(prompt_ids), params)
         return req
 
@@ -190,7 +214,7 @@ class Engine:
         params.validate(vocab)
 
     def has_request(self, request_id: str) -> bool:
-        return request_id in self.requests
+        return request_id in self.requests or request_id in self._remote
 
     def resume(
         self, req: Request, regions: list[Region], rings: dict[int, bytes], version: int
@@ -222,24 +246,39 @@ class Engine:
         return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
+        """Ends a request; its last output, or None when it is not here — or (rank 0 under
+        data-parallel attention) when another rank serves it: its output follows from there."""
+        if request_id in self._remote:
+            assert self.lockstep is not None and self.placement is not None
+            owner = self.placement.owner(request_id)
+            assert owner is not None
+            self.lockstep.record_for(owner, "abort", request_id)
+            return None
         req = self.requests.get(request_id)
         if req is None:
             return None
         self._finish(req, FinishReason.ABORT, None)
-        if self.lockstep is not None:
+        if self.lockstep is not None and not self.data_parallel:
             self.lockstep.record("abort", request_id)
         return req.output()
 
     def has_work(self) -> bool:
+        """Whether a step has something to do (rank 0: on any rank of the group)."""
+        if self.placement is not None:
+            assert self.lockstep is not None
+            if self.placement.others_busy or self.lockstep.pending:
+                return True
         return self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running)
+        others = self.placement.others_running if self.placement is not None else 0
+        return len(self.scheduler.running) + others
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting)
+        others = self.placement.others_waiting if self.placement is not None else 0
+        return len(self.scheduler.waiting) + others
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -247,11 +286,15 @@ class Engine:
         ``max_prefill_tokens`` tokens), then one decode token (or verify round) for each
         running request that has sampled. Returns the outputs of requests that emitted
         tokens or finished; a chunk that does not end its prefill emits nothing. In a group,
-        every rank's step begins with rank 0's mutations since the last (``parallel.lockstep``)."""
+        every rank's step begins with rank 0's mutations since the last (``parallel.lockstep``);
+        under data-parallel attention every rank's outputs come back from rank 0's."""
+        applied: list[RequestOutput] = []  # outputs of mutations rank 0 addressed here
         if self.lockstep is not None:
             for op in self.lockstep.exchange():
                 if not self.lockstep.leader:
-                    getattr(self, op.name)(*op.args)
+                    out = getattr(self, op.name)(*op.args)
+                    if isinstance(out, RequestOutput):
+                        applied.append(out)
         if not self._maintained:  # else the last decode pass did it (``run_pass``)
             self.kv.maintain()
         self._maintained = False
@@ -293,15 +336,65 @@ class Engine:
             self.journal.record(self.scheduler.running)
         if self._check_invariants:
             self.kv.check()
+        if self.data_parallel:
+            return self._gather_outputs(applied + outputs)
         return outputs
+
+    def _gather_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Data-parallel attention, at the end of every rank's step: serves the other ranks'
+        MoE rounds until all are done, then hands this rank's outputs and load to rank 0,
+        which returns every rank's outputs (others: none)."""
+        assert self.exchange is not None and self.lockstep is not None
+        self.exchange.idle()
+        load = RankLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            busy=self.scheduler.has_work(),
+            kv_free_bytes=self.kv.memory().free,
+        )
+        got = self.lockstep.gather((outputs, load))
+        if got is None:
+            return []
+        assert self.placement is not None
+        self.placement.report([load for _, load in got])
+        merged = list(outputs)
+        for outs, _ in got[1:]:
+            for out in outs:
+                self._mirror(out)
+            merged.extend(outs)
+        return merged
+
+    def _mirror(self, out: RequestOutput) -> None:
+        """Rank 0: another rank's output, into the request mirrored here."""
+        req = self._remote.get(out.request_id)
+        if req is None:
+            return
+        now = time.monotonic()
+        if out.new_token_ids and req.first_token_time is None:
+            req.first_token_time = now
+        for token in out.new_token_ids:  # the owner's stop checks, replayed: the same text
+            req.output_ids.append(token)
+            req.check_stop(token, self.eos_token_ids, self.cfg.max_model_len)
+        if out.finished:
+            req.status, req.finish_reason, req.stop_reason = (
+                Status.FINISHED, out.finish_reason, out.stop_reason,
+            )  # fmt: skip
+            req.error = out.error
+            del self._remote[out.request_id]
+            assert self.placement is not None
+            self.placement.forget(out.request_id)
+            self.stats.finished.append(
+                (req.arrival, req.first_token_time, now, len(req.output_ids))
+            )
 
     def follow(self) -> None:
         """On a rank other than 0: steps with rank 0, step for step, until it stops the group
-        (``stop``). Outputs stay on rank 0, whose requests these are."""
+        (``stop``). Outputs go to rank 0, whose clients' requests these are."""
         assert self.lockstep is not None and not self.lockstep.leader
         try:
             while True:
                 self.step()
+                self.stats.drain_finished()  # nobody reads a follower's
         except StopFollowing:
             return
 
@@ -440,6 +533,8 @@ class Engine:
             self.speculator.release(req.slot)
         self.scheduler.remove(req)
         self.requests.pop(req.request_id, None)
+        if self.placement is not None:
+            self.placement.forget(req.request_id)
         self.stats.finished.append(
             (req.arrival, req.first_token_time, time.monotonic(), len(req.output_ids))
         )

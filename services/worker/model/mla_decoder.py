@@ -60,6 +60,7 @@ class MLADecoder(SparseDecoder):
         self.shards = shards
         vocab = shards.layout.vocab()
         self.vocab_group = shards.attention
+        self.expert_exchange = shards.exchange
         self.embed = VocabEmbedding(vocab, cfg.hidden_size, shards.attention)
         self.layers = nn.ModuleList(
             MLALayer(cfg, topo, i, fmt=fmt, shards=shards) for i in range(cfg.num_layers)

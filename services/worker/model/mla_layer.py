@@ -39,7 +39,7 @@ class MLALayer(nn.Module):
         kind = mlp or cfg.mlp_types[layer]
         dense = shards.layout.dense(cfg.intermediate_size).size
         self.mlp: nn.Module = (
-            MoE(cfg.moe, cfg.hidden_size, fmt, shards)
+            MoE(cfg.moe, cfg.hidden_size, fmt, shards, key=layer)
             if kind == "sparse"
             else MLP(cfg.hidden_size, dense, fmt, shards.attention)
         )

@@ -20,6 +20,7 @@ from services.worker.model.row_selection import select_rows
 from services.worker.model.vocab import vocab_logits
 from services.worker.ops import sparse_attention_ref
 from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.exchange import ExpertExchange
 
 
 @dataclass
@@ -77,6 +78,8 @@ class SparseDecoder(nn.Module):
     norm: nn.Module
     lm_head: nn.Linear | None
     vocab_group: Comm = LOCAL  # the ranks holding the rest of the head's rows
+    # data-parallel attention: the MoE layers' exchange, which idle ranks serve (``idle``)
+    expert_exchange: ExpertExchange | None = None
 
     def _init_topology(self, cfg: ModelConfig) -> None:
         cfg.validate()

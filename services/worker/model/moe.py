@@ -125,41 +125,43 @@ class MoE(nn.Module):
 
     ``shards``: this rank holds ``experts()`` of the routed experts (expert parallel) with
     ``expert_intermediate()`` of each one's columns (tensor parallel), and its columns of the
-    shared experts; the router is every rank's. Every rank sees the same tokens (TP), so each
-    routes all of them, runs the (token, choice) pairs its experts hold, and one sum over the
-    group completes routed and shared experts together."""
+    shared experts; the router is every rank's. Under tensor-parallel attention every rank
+    sees the same tokens, so each routes all of them, runs the (token, choice) pairs its
+    experts hold, and one sum over the group completes routed and shared experts together.
+    Under data-parallel attention each rank has its own tokens: they meet the experts through
+    the group's exchange (``parallel.exchange``, this layer's ``key`` naming it there), and the
+    shared experts, whole on every rank, run locally."""
 
     def __init__(
-        self, spec: MoESpec, d_model: int, fmt: WeightFormat = BF16, shards: Shards | None = None
+        self, spec: MoESpec, d_model: int, fmt: WeightFormat, shards: Shards, key: int
     ) -> None:
         super().__init__()
-        lay = shards.layout if shards is not None else None
-        if shards is not None and shards.layout.cfg.data_parallel_attention:
-            from services.worker.parallel.layout import LayoutError
-
-            raise LayoutError("data-parallel attention is not built yet (the [parallel] issue)")
-        self.held = lay.experts() if lay is not None else None
-        n = self.held.size if self.held is not None else spec.n_routed
-        inter = lay.expert_intermediate().size if lay is not None else spec.intermediate
-        shared = spec.intermediate * spec.n_shared
-        if lay is not None:
-            shared = lay.dense(shared).size
-        self.group = shards.experts if shards is not None else LOCAL
+        lay = shards.layout
+        self.held = lay.experts()
+        inter = lay.expert_intermediate().size
+        self.group = shards.experts
+        self.key = key
         self.gate = Router(spec, d_model)
         if fmt.fp8:
             from services.worker.model.fp8_moe import FP8Experts
 
-            self.experts: nn.Module = FP8Experts(n, d_model, inter, mode=fmt.mode)
+            self.experts: nn.Module = FP8Experts(self.held.size, d_model, inter, mode=fmt.mode)
         else:
-            self.experts = Experts(n, d_model, inter)
-        self.shared_experts = MLP(d_model, shared, fmt)
+            self.experts = Experts(self.held.size, d_model, inter)
+        self.shared_experts = MLP(d_model, lay.dense(spec.intermediate * spec.n_shared).size, fmt)
+        # not a submodule: the exchange is the rank's, shared by its layers
+        self._exchange = shards.exchange
+        if shards.exchange is not None:
+            shards.exchange.register(key, self)
 
     def forward(self, x: torch.Tensor, given_experts: torch.Tensor | None = None) -> torch.Tensor:
         """[N, d_model] -> [N, d_model]; ``given_experts`` [N, top_k] int64 replaces the
         router's choice (``Router.forward``)."""
         w, idx = self.gate(x, given_experts)
+        if self._exchange is not None:
+            return self._exchange.run(self.key, x, idx, w) + self.shared_experts(x)
         held = self.held
-        if held is not None and not held.whole:  # another rank's experts: id one past ours
+        if not held.whole:  # another rank's experts: id one past ours
             local = idx - held.start
             mine = (local >= 0) & (local < held.size)
             idx = torch.where(mine, local, held.size)

@@ -39,10 +39,11 @@ class Comm:
         order, on every rank."""
         return t
 
-    def all_to_all(self, t: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         """Rows ``t[sum(send[:j]) : sum(send[:j+1])]`` go to rank j; returns the rows every rank
-        sent here, in rank order, and how many came from each rank."""
-        return t, list(send)
+        sent here, in rank order (``recv[j]`` of them from rank j: the counts every rank knows
+        from a header exchanged before)."""
+        return t
 
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's ``obj`` on every rank (the others pass anything)."""
@@ -50,10 +51,6 @@ class Comm:
 
     def gather_objects(self, obj: Any) -> list[Any] | None:
         """Every rank's ``obj`` in rank order on rank 0; None on the others."""
-        return [obj]
-
-    def all_gather_objects(self, obj: Any) -> list[Any]:
-        """Every rank's ``obj`` in rank order, on every rank."""
         return [obj]
 
     def close(self) -> None:
@@ -91,15 +88,11 @@ class TorchComm(Comm):
         dist.all_gather(parts, t, group=self.group)
         return torch.cat(parts, dim=dim)
 
-    def all_to_all(self, t: torch.Tensor, send: list[int]) -> tuple[torch.Tensor, list[int]]:
+    def all_to_all(self, t: torch.Tensor, send: list[int], recv: list[int]) -> torch.Tensor:
         self.calls["all_to_all"] += 1
-        counts = torch.tensor(send, dtype=torch.int64, device=t.device)
-        got = torch.empty_like(counts)
-        dist.all_to_all_single(got, counts, group=self.group)
-        recv = got.tolist()
         out = t.new_empty((sum(recv), *t.shape[1:]))
-        dist.all_to_all_single(out, t.contiguous(), recv, list(send), group=self.group)
-        return out, recv
+        dist.all_to_all_single(out, t.contiguous(), list(recv), list(send), group=self.group)
+        return out
 
     def broadcast_object(self, obj: Any = None) -> Any:
         self.calls["broadcast"] += 1
@@ -113,12 +106,6 @@ class TorchComm(Comm):
         out: list[Any] | None = [None] * self.size if self.rank == 0 else None
         dist.gather_object(obj, out, dst=dist.get_global_rank(self.objects, 0),
                            group=self.objects)  # fmt: skip
-        return out
-
-    def all_gather_objects(self, obj: Any) -> list[Any]:
-        self.calls["all_gather_objects"] += 1
-        out: list[Any] = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.objects)
         return out
 
     def close(self) -> None:

@@ -1,14 +1,16 @@
 """What a model's modules need of the parallel layout: this rank's shares (``RankLayout``) and
 the groups that complete them — the attention group, whose ranks hold the other heads, dense
 MLP columns and vocabulary rows (the world under TP, this rank alone under DP attention), and
-the experts' group (the world whenever there are several ranks)."""
+the experts' group (the world whenever there are several ranks); under data-parallel attention,
+the exchange every MoE layer's tokens go through (``exchange``)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from services.worker.model.hf_config import MLAConfig
 from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.exchange import ExpertExchange
 from services.worker.parallel.layout import SINGLE, ParallelConfig, RankLayout
 
 
@@ -16,6 +18,8 @@ from services.worker.parallel.layout import SINGLE, ParallelConfig, RankLayout
 class Shards:
     layout: RankLayout
     comm: Comm = LOCAL  # the world of the worker's ranks
+    # data-parallel attention: the MoE layers' token exchange (None: every rank has the tokens)
+    exchange: ExpertExchange | None = field(default=None)
 
     @classmethod
     def single(cls, family: MLAConfig) -> Shards:
@@ -25,7 +29,9 @@ class Shards:
     def of(cls, cfg: ParallelConfig, comm: Comm, family: MLAConfig) -> Shards:
         if comm.size != cfg.world_size:
             raise ValueError(f"a group of {comm.size} ranks for a layout of {cfg.world_size}")
-        return cls(RankLayout(cfg, comm.rank, family), comm)
+        layout = RankLayout(cfg, comm.rank, family)
+        exchange = ExpertExchange(comm, layout) if cfg.data_parallel_attention else None
+        return cls(layout, comm, exchange)
 
     @property
     def attention(self) -> Comm:

@@ -1,0 +1,77 @@
+"""Which rank of a data-parallel-attention group serves a new request (rank 0 decides).
+
+Mechanism: rank 0 records each request's rank until the request finishes, and after every
+step each rank reports its load (``RankLoad``). Policy (``least_loaded``): the rank with the
+fewest requests — running, waiting, and placed on it since its last report — then the most
+free KV bytes, then the lowest rank. A request stays on its rank to the end: its KV rows,
+hot caches and host regions are that rank's."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RankLoad:
+    """One rank's state after a step."""
+
+    running: int = 0
+    waiting: int = 0
+    busy: bool = False  # it has work for the next step
+    kv_free_bytes: int = 0
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+
+def least_loaded(loads: list[RankLoad], placed: list[int]) -> int:
+    """The rank a new request goes to (``placed[r]``: requests placed on rank r since its
+    ``loads[r]`` was reported)."""
+    return min(
+        range(len(loads)),
+        key=lambda r: (loads[r].requests + placed[r], -loads[r].kv_free_bytes, r),
+    )
+
+
+class Placement:
+    """Rank 0's record of a group of ``size`` ranks."""
+
+    def __init__(self, size: int) -> None:
+        self.loads = [RankLoad() for _ in range(size)]
+        self._placed = [0] * size
+        self._owner: dict[str, int] = {}
+
+    def place(self, request_id: str) -> int:
+        rank = least_loaded(self.loads, self._placed)
+        self._placed[rank] += 1
+        self._owner[request_id] = rank
+        return rank
+
+    def owner(self, request_id: str) -> int | None:
+        return self._owner.get(request_id)
+
+    def forget(self, request_id: str) -> None:
+        """The request has finished (or was aborted) on its rank."""
+        self._owner.pop(request_id, None)
+
+    def report(self, loads: list[RankLoad]) -> None:
+        """Every rank's load after a step (placements before it are counted in it)."""
+        self.loads = list(loads)
+        self._placed = [0] * len(loads)
+
+    @property
+    def others_busy(self) -> bool:
+        """Whether a rank other than 0 has work, or requests placed on it are not yet seen
+        in its report."""
+        return any(load.busy for load in self.loads[1:]) or any(self._placed[1:])
+
+    @property
+    def others_running(self) -> int:
+        """Running requests of the ranks other than 0, as last reported."""
+        return sum(load.running for load in self.loads[1:])
+
+    @property
+    def others_waiting(self) -> int:
+        """Waiting requests of the ranks other than 0: reported, and placed since."""
+        return sum(load.waiting for load in self.loads[1:]) + sum(self._placed[1:])
