@@ -14,6 +14,8 @@ to ``logs.tgz``.
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
+    host-layout-serving  a serving step's host recovery through the engine's resolver launches,
+                 256 requests over a >= 32 GiB arena, scattered vs grouped placement
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -153,6 +155,14 @@ PARTS: dict[str, tuple[Step, ...]] = {
             "host-layout",
             "-m bench host-layout --out {out}/host_layout.json --plot {out}/host_layout.png",
             420,
+        ),
+    ),
+    # four arenas of 32-40 GiB in turn (registration about 0.2 s/GiB), 12 cases each
+    "host-layout-serving": (
+        Step(
+            "host-layout-serving",
+            "-m bench host-layout-serving --out {out}/host_layout_serving.json",
+            360,
         ),
     ),
     "tests": (GPU_TESTS, SLICES),

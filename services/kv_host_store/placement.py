@@ -14,8 +14,8 @@ other sources' regions, the other workers' and the session state. Policies:
   when their last region goes. A launch then reads from about its group's live bytes. When
   no extent of the group has room and the arena has no free extent left, the region goes into
   any extent with room: grouping never refuses what ``packed`` would place.
-- ``scattered``: each region at a uniformly random free position: the spread a long-running,
-  fragmented arena reaches, to measure against.
+- ``scattered``: each region at a uniformly random free slot of its size: the spread a
+  long-running, fragmented arena reaches, to measure against.
 
 Every policy keeps one region one contiguous range (DESIGN §3) and never moves a region, so
 durability and adoption (which only change who owns a region) are the same under each.
@@ -74,7 +74,9 @@ class Placement:
 
 
 class ScatteredAllocator(Allocator):
-    """Each allocation at a uniformly random aligned position among those that fit."""
+    """Each allocation at a uniformly random free slot of its own size (slots: multiples of
+    the aligned size, so that equal regions never leave holes too small for each other); best
+    fit when no such slot is free."""
 
     def __init__(self, capacity: int, alignment: int = 4096, seed: int = 0) -> None:
         super().__init__(capacity, alignment)
@@ -82,20 +84,24 @@ class ScatteredAllocator(Allocator):
 
     def allocate(self, nbytes: int, group: Hashable = None) -> int | None:
         need = self.checked_size(nbytes)
-        a = self.alignment
-        # Positions a block offers: its aligned starts from which ``need`` bytes still fit.
-        fits = [(s, (n - need) // a + 1) for s, n in self.free_blocks() if n >= need]
-        total = sum(k for _, k in fits)
+        # Slots a free block offers: the multiples of ``need`` it holds whole.
+        fits = []
+        for start, size in self.free_blocks():
+            first = -(-start // need)
+            n = (start + size) // need - first
+            if n > 0:
+                fits.append((first, n))
+        total = sum(n for _, n in fits)
         if total == 0:
-            return None
+            return super().allocate(need)
         pick = self._rng.randrange(total)
-        for start, k in fits:
-            if pick < k:
-                offset = start + pick * a
+        for first, n in fits:
+            if pick < n:
+                offset = (first + pick) * need
                 taken = self.allocate_at(offset, need)
                 assert taken
                 return offset
-            pick -= k
+            pick -= n
         raise AssertionError("unreachable")
 
 
