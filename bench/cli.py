@@ -33,6 +33,9 @@ class Command:
 # fmt: off
 COMMANDS: dict[str, Command] = {
     "resolver": Command("bench.resolver", "resolver latency, host recovery bandwidth (CUDA)"),
+    "host-layout": Command("bench.host_layout", "host-row gather GB/s vs footprint, layouts (CUDA)"),
+    "host-layout-serving": Command("bench.host_layout_serving",
+                                   "serving-step host recovery per placement and order (CUDA)"),
     "capacity": Command("bench.capacity", "resident/hisparse/adaptive: sessions, decode rate"),
     "spec": Command("bench.spec", "speculative vs plain decoding, closed loop in lockstep"),
     "serving": Command("bench.serving.cli", "closed-loop serving over the engine or HTTP"),

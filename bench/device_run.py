@@ -13,6 +13,9 @@ to ``logs.tgz``.
     tests        the GPU tests, then the real-dimension slices against transformers
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
+    host-layout  host-row gather GB/s against footprint, miss and region count, per layout
+    host-layout-serving  a serving step's host recovery through the engine's resolver launches,
+                 256 requests over a >= 32 GiB arena, scattered vs grouped placement
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -144,6 +147,22 @@ PARTS: dict[str, tuple[Step, ...]] = {
             "--spec-modes adaptive --spec-concurrency 128,256 --input-lens 32768 "
             "--time-limit-s 500 --out {out}/serving_32k.json --plot {out}/serving_32k",
             530,
+        ),
+    ),
+    # a 64 GiB registered arena (about 15 s to set up), then some 700 timed copies
+    "host-layout": (
+        Step(
+            "host-layout",
+            "-m bench host-layout --out {out}/host_layout.json --plot {out}/host_layout.png",
+            420,
+        ),
+    ),
+    # four arenas of 32-40 GiB in turn (registration about 0.2 s/GiB), 12 cases each
+    "host-layout-serving": (
+        Step(
+            "host-layout-serving",
+            "-m bench host-layout-serving --out {out}/host_layout_serving.json",
+            360,
         ),
     ),
     "tests": (GPU_TESTS, SLICES),

@@ -29,6 +29,7 @@ from bench.core.progress import progress
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
+from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
 
 PAGE = 64
@@ -60,8 +61,11 @@ def bulk_ceiling(host_u8: torch.Tensor, nbytes: int) -> float:
 
 def run_case(
     nreq: int, miss_rate: float, k: int, b: int, hist: int, d: int, host: torch.Tensor,
-    iters: int, g: torch.Generator,
+    iters: int, g: torch.Generator, host_base: torch.Tensor | None = None,
+    order: HostReadOrder = HostReadOrder(),
 ) -> dict:  # fmt: skip
+    """One batch: ``host_base`` [nreq] int64 is each request's region (element offset of its
+    row 0; default: the regions side by side); ``order``: how the copy issues the reads."""
     dev = torch.device("cuda")
     per = (b + RING) // PAGE
     geo = SourceGeometry.create(nreq, PAGE, b, RING, nreq * per * PAGE, 1, hist, dev)
@@ -69,7 +73,7 @@ def run_case(
     pages = torch.arange(nreq * per, dtype=torch.int32, device=dev).view(nreq, per)
     geo.hot_pages.copy_(pages[:, : b // PAGE])
     geo.tail_pages.copy_(pages[:, b // PAGE :])
-    pool = torch.zeros(nreq * per * PAGE + 1, d, dtype=torch.bfloat16, device=dev)
+    pool = torch.zeros(nreq * per * PAGE + 1, d, dtype=host.dtype, device=dev)
     hot = HotCache(nreq, b, hist, dev)
     n_miss = round(k * miss_rate)
     n_hit = k - n_miss
@@ -85,17 +89,19 @@ def run_case(
     hot.rows.copy_(rows.to(torch.int32))
     hot.stamp.copy_(torch.randint(1, 1000, (nreq, b), generator=g))
     hot.map.scatter_(1, rows.to(dev), entries.to(dev, hot.map.dtype))
+    if host_base is None:
+        host_base = torch.arange(nreq, dtype=torch.int64) * hist * d
+    host_base = host_base.cpu()
     # The cached entries hold their rows' bytes, as after earlier steps' copies.
-    host_rows = host[: nreq * hist * d].view(nreq, hist, d)
     hot_locs = geo.hot_loc(torch.arange(nreq, device=dev).unsqueeze(1), entries.to(dev))
-    pool[hot_locs.flatten()] = (
-        host_rows[torch.arange(nreq).unsqueeze(1), rows].reshape(-1, d).to(dev)
-    )
+    for r, base in enumerate(host_base.tolist()):
+        pool[hot_locs[r]] = host[base : base + hist * d].view(hist, d)[rows[r]].to(dev)
     saved = [t.clone() for t in (hot.map, hot.rows, hot.lru, hot.stamp)]
     sel = sel.to(dev)
     slots = torch.arange(nreq, device=dev)
     plan = ChunkPlan.build([hist - 1] * nreq, [hist] * nreq, RING, dev)
-    host_base = (torch.arange(nreq, dtype=torch.int64) * hist * d).to(dev)
+    bases = host_base
+    host_base = host_base.to(dev)
     cu = torch.arange(nreq + 1, device=dev)
     ws = Workspace(nreq, k, nreq, b, dev)
     clock = torch.tensor(10_000, dtype=torch.int64, device=dev)
@@ -109,7 +115,7 @@ def run_case(
         state["locs"] = launch_resolve(sel, cu, slots, plan, geo, hot, clock, host_base, d, ws)
 
     def copy_only() -> None:
-        launch_copy(ws, pool, host)
+        launch_copy(ws, pool, host, order, sel.numel())
 
     def both() -> None:
         resolve_only()
@@ -125,7 +131,7 @@ def run_case(
     check = torch.randint(0, nreq, (8,), generator=g)
     for r in check.tolist():
         got = pool[locs[r]].cpu()
-        base = r * hist * d
+        base = int(bases[r])
         want = host[base : base + hist * d].view(hist, d)[sel[r].cpu()]
         assert torch.equal(got, want), "resolved rows differ from the host backup"
     flat = locs.flatten()
@@ -144,7 +150,7 @@ def run_case(
     g_copy = cuda_ms(graphs["copy"].replay, iters)
     g_total = cuda_ms(graphs["total"].replay, iters, restore)
     g_gather = cuda_ms(graphs["gather"].replay, iters)
-    row_bytes = d * 2
+    row_bytes = d * host.element_size()
     med = statistics.median
     return {
         "batch": nreq,

@@ -3,11 +3,14 @@
 Pure Python and unlocked (the store serializes calls). One allocation is always one contiguous
 range: a request's rows of one source must lie together so that a step's host misses fall in
 a few windows (DESIGN §3: scattered reads over a huge arena run at a third of the bulk rate).
+Where the ranges go relative to each other is a placement policy (``placement.py``); this
+allocator is its mechanism, and on its own the ``packed`` policy.
 """
 
 from __future__ import annotations
 
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
+from collections.abc import Hashable
 
 
 def _is_power_of_two(n: int) -> bool:
@@ -62,12 +65,11 @@ class Allocator:
         """Size of the largest free block: the largest allocation that succeeds now."""
         return max(self._free_sizes.values(), default=0)
 
-    def allocate(self, nbytes: int) -> int | None:
+    def allocate(self, nbytes: int, group: Hashable = None) -> int | None:
         """Offset of a new contiguous range of at least ``nbytes`` bytes, or ``None`` when no
-        free block is large enough (fragmentation included). ``nbytes`` must be positive."""
-        if nbytes <= 0:
-            raise ValueError(f"allocation size must be positive, got {nbytes}")
-        need = self.aligned_size(nbytes)
+        free block is large enough (fragmentation included). ``nbytes`` must be positive.
+        ``group`` (the placement class, ``placement.py``) does not change best fit."""
+        need = self.checked_size(nbytes)
         best_i, best_size = -1, 0
         for i, start in enumerate(self._free_starts):
             size = self._free_sizes[start]
@@ -88,6 +90,36 @@ class Allocator:
         self._live[start] = need
         self._used += need
         return start
+
+    def checked_size(self, nbytes: int) -> int:
+        """``aligned_size`` of a positive ``nbytes``; raises ``ValueError`` otherwise."""
+        if nbytes <= 0:
+            raise ValueError(f"allocation size must be positive, got {nbytes}")
+        return self.aligned_size(nbytes)
+
+    def allocate_at(self, offset: int, nbytes: int) -> bool:
+        """Takes ``[offset, offset + aligned nbytes)`` when it lies inside one free block
+        (``offset`` aligned); False, changing nothing, otherwise."""
+        need = self.checked_size(nbytes)
+        if offset % self._alignment:
+            raise ValueError(f"offset {offset} is not a multiple of {self._alignment}")
+        i = bisect_right(self._free_starts, offset) - 1
+        if i < 0:
+            return False
+        start = self._free_starts[i]
+        size = self._free_sizes[start]
+        if offset + need > start + size:
+            return False
+        del self._free_sizes[start]
+        del self._free_starts[i]
+        end = start + size
+        pieces = [(s, e) for s, e in ((start, offset), (offset + need, end)) if e > s]
+        for j, (s, e) in enumerate(pieces):
+            self._free_starts.insert(i + j, s)
+            self._free_sizes[s] = e - s
+        self._live[offset] = need
+        self._used += need
+        return True
 
     def free(self, offset: int) -> int:
         """Returns the allocation at ``offset`` to the free list, merging it with free

@@ -33,6 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         help="free a dead worker's unadopted requests after this many seconds (300)",
     )
+    parser.add_argument(
+        "--placement-policy", help="where new regions go: packed, grouped, scattered (packed)"
+    )
+    parser.add_argument("--placement-extent", help="grouped placement's extent size (256MiB)")
     parser.add_argument("--log-level", default="INFO", help="logging level (INFO)")
 
 
@@ -46,6 +50,8 @@ _SETTINGS_FLAGS = (
     "remove_arena_on_exit",
     "preallocate",
     "orphan_ttl_s",
+    "placement_policy",
+    "placement_extent",
 )
 
 

@@ -7,9 +7,9 @@ from __future__ import annotations
 import uuid
 from dataclasses import dataclass, field, replace
 
-from services.kv_host_store.allocator import Allocator
 from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.intervals import add_range, covered
+from services.kv_host_store.placement import Placement
 from services.kv_host_store.records import Region
 
 
@@ -23,8 +23,8 @@ class Holding:
 
 
 class RegionTable:
-    def __init__(self, capacity: int, alignment: int) -> None:
-        self.alloc = Allocator(capacity, alignment)
+    def __init__(self, capacity: int, alignment: int, placement: Placement = Placement()) -> None:
+        self.alloc = placement.allocator(capacity, alignment)
         self.regions: dict[str, Region] = {}
         self.requests: dict[str, Holding] = {}
         self.durable_bytes = 0
@@ -33,9 +33,10 @@ class RegionTable:
     def add(
         self, request_id: str, owner: str, generation: int, source: int, rows: int, row_bytes: int
     ) -> Region:
-        """A new region; raises ``CapacityExhausted`` (counted) when no free range fits."""
+        """A new region, placed with the other regions of ``(owner, source)`` as the placement
+        policy says; raises ``CapacityExhausted`` (counted) when no free range fits."""
         need = self.alloc.aligned_size(rows * row_bytes)
-        offset = self.alloc.allocate(rows * row_bytes)
+        offset = self.alloc.allocate(rows * row_bytes, (owner, source))
         if offset is None:
             self.refused += 1
             largest = self.alloc.largest_free()

@@ -149,8 +149,9 @@ class KVHostStoreServer:
     def __init__(self, settings: KVHostStoreSettings) -> None:
         self.settings = settings
         self.store = HostStore(
-            settings.capacity, settings.alignment, orphan_ttl_s=settings.orphan_ttl_s
-        )
+            settings.capacity, settings.alignment, orphan_ttl_s=settings.orphan_ttl_s,
+            placement=settings.placement(),
+        )  # fmt: skip
         self.store_id = uuid.uuid4().hex
         self.port = 0
         self.metrics_port = 0

@@ -12,6 +12,8 @@ from typing import Annotated
 from pydantic import BeforeValidator, ByteSize, Field, TypeAdapter, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from services.kv_host_store.placement import PLACEMENTS, Placement
+
 _BYTE_SIZE = TypeAdapter(ByteSize)
 
 
@@ -43,6 +45,16 @@ class KVHostStoreSettings(BaseSettings):
         300.0, ge=0, description="a dead owner's unadopted requests are freed after this long"
     )
     sweep_interval_s: float = Field(1.0, gt=0, description="how often orphans are looked for")
+    placement_policy: str = Field(
+        "packed", description=f"where new regions go: {', '.join(PLACEMENTS)} (placement.py)"
+    )
+    placement_extent: Bytes = Field(
+        256 << 20, gt=0, description="grouped placement: the bytes of one group's extent"
+    )
+
+    def placement(self) -> Placement:
+        """The arena's placement policy (``placement.py``)."""
+        return Placement(self.placement_policy, self.placement_extent)
 
     @model_validator(mode="after")
     def _check_layout(self) -> KVHostStoreSettings:
@@ -51,4 +63,5 @@ class KVHostStoreSettings(BaseSettings):
             raise ValueError(f"alignment must be a power of two, got {a}")
         if self.capacity % a:
             raise ValueError(f"capacity {self.capacity} must be a multiple of alignment {a}")
+        self.placement()  # an unknown policy fails here
         return self

@@ -22,6 +22,7 @@ from services.kv_host_store.errors import (
     PermissionDenied,
 )
 from services.kv_host_store.owners import OwnerTable
+from services.kv_host_store.placement import Placement
 from services.kv_host_store.records import (
     OwnerLease,
     Region,
@@ -51,6 +52,7 @@ class HostStore:
     Thread-safe: every public method holds one lock (the gRPC server runs on asyncio and the
     metrics endpoint scrapes from its own thread). Returned ``Region``s are snapshots.
     ``clock`` (seconds, monotonic) drives leases and orphan expiry; tests inject their own.
+    ``placement`` says where new regions go in the arena (``placement.py``).
     Owner-scoped calls take the caller's ``generation`` (0: an owner that never registered).
     """
 
@@ -61,8 +63,9 @@ class HostStore:
         *,
         orphan_ttl_s: float = 300.0,
         clock: Callable[[], float] = time.monotonic,
+        placement: Placement = Placement(),
     ) -> None:
-        self._t = RegionTable(capacity, alignment)
+        self._t = RegionTable(capacity, alignment, placement)
         self._lock = threading.Lock()
         self._owners = OwnerTable()
         self._clock = clock

@@ -223,3 +223,64 @@ def test_triton_resolver_on_gpu_equals_reference() -> None:
         assert torch.equal(ref.pool, tri.pool.cpu())
         for name in ("map", "rows", "lru", "stamp"):
             assert torch.equal(getattr(ref.hot, name), getattr(tri.hot, name).cpu())
+
+
+def test_sorting_queued_reads_keeps_every_copy_and_orders_the_live_ones() -> None:
+    from services.worker.hierarchy.read_order import sort_queued
+
+    g = torch.Generator().manual_seed(7)
+    for n, count in ((1, 1), (50, 0), (50, 17), (300, 300), (4096, 3000)):
+        src = torch.randint(0, 1 << 40, (n + 5,), generator=g)
+        dst = torch.randperm(n + 5, generator=g)
+        pairs = sorted(zip(src[:count].tolist(), dst[:count].tolist(), strict=True))
+        sort_queued(src, dst, torch.tensor(count), n)
+        assert torch.equal(src[:count], torch.sort(src[:count]).values)
+        assert sorted(zip(src[:count].tolist(), dst[:count].tolist(), strict=True)) == pairs
+
+
+@pytest.mark.parametrize(("seed", "optional", "k", "stage"), CASES[::2])
+def test_host_read_order_changes_no_byte(seed: int, optional: bool, k: int, stage: int) -> None:
+    """Sorted by address, as queued, and the reference: the same locations, census, hot-cache
+    state and pool, call after call."""
+    from services.worker.hierarchy.read_order import HostReadOrder
+    from services.worker.hierarchy.resolver_triton import TritonResolver
+
+    fns = (resolve_ref, TritonResolver(HostReadOrder(True)), TritonResolver(HostReadOrder(False)))
+    worlds = [World(seed, optional=optional, k=k, stage=stage) for _ in fns]
+    g = torch.Generator().manual_seed(200 + seed)
+    for clock in range(1, 5):
+        slots = torch.tensor([1, 3, 0, 2])
+        hist = [int(torch.randint(60, MAX_ROWS, (1,), generator=g)) for _ in slots]
+        per_req = [int(torch.randint(1, 5 if stage else 3, (1,), generator=g)) for _ in slots]
+        sel, cu = worlds[0].selections(per_req, hist)
+        plan = ChunkPlan.build([h - 1 for h in hist], hist, RING, "cpu")
+        outs = [run(w, fn, sel, cu, slots, plan, clock) for w, fn in zip(worlds, fns, strict=True)]
+        for (locs, census), w in zip(outs[1:], worlds[1:], strict=True):
+            assert torch.equal(locs, outs[0][0]) and torch.equal(census, outs[0][1])
+            assert torch.equal(w.pool, worlds[0].pool)
+            for name in ("map", "rows", "lru", "stamp"):
+                assert torch.equal(getattr(w.hot, name), getattr(worlds[0].hot, name)), name
+
+
+@pytest.mark.gpu
+def test_host_read_order_changes_no_byte_on_gpu() -> None:
+    from services.worker.hierarchy.read_order import HostReadOrder
+    from services.worker.hierarchy.resolver_triton import TritonResolver
+
+    for seed in range(3):
+        ref = World(seed)
+        worlds = [World(seed, device="cuda") for _ in range(2)]
+        for w in worlds:
+            w.host = w.host.pin_memory()
+        fns = [TritonResolver(HostReadOrder(b)) for b in (True, False)]
+        slots = torch.tensor([2, 1, 3])
+        hist = [300, 500, 599]
+        sel, cu = ref.selections([2, 1, 1], hist)
+        plan = ChunkPlan.build([h - 1 for h in hist], hist, RING, "cpu")
+        l0, c0 = run(ref, resolve_ref, sel, cu, slots, plan, 1)
+        plan_d = ChunkPlan.build([h - 1 for h in hist], hist, RING, "cuda")
+        for w, fn in zip(worlds, fns, strict=True):
+            locs, census = run(w, fn, sel.cuda(), cu, slots.cuda(), plan_d, 1)
+            torch.cuda.synchronize()
+            assert torch.equal(l0, locs.cpu()) and torch.equal(c0, census.cpu())
+            assert torch.equal(ref.pool, w.pool.cpu())

@@ -10,6 +10,7 @@ from typing import NamedTuple
 import torch
 
 from services.worker.hierarchy.host_copy import backup_rows_ref, restore_rows_ref
+from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.hierarchy.resolver import resolve_ref
 
 
@@ -26,12 +27,15 @@ class Backend(NamedTuple):
     reserve: Callable = _no_workspace  # the resolver's workspace at its largest, on a stream
 
 
-def get_backend(name: str) -> Backend:
+def get_backend(name: str, order: HostReadOrder = HostReadOrder()) -> Backend:
+    """The ``torch`` reference or the ``triton`` kernels; ``order``: how the Triton resolver
+    issues a step's host reads (the reference copies as it resolves)."""
     if name == "torch":
         return Backend(resolve_ref, backup_rows_ref, restore_rows_ref)
     if name == "triton":
         from services.worker.hierarchy.host_copy import backup_rows_triton, restore_rows_triton
-        from services.worker.hierarchy.resolver_triton import reserve_workspace, resolve_triton
+        from services.worker.hierarchy.resolver_triton import TritonResolver, reserve_workspace
 
-        return Backend(resolve_triton, backup_rows_triton, restore_rows_triton, reserve_workspace)
+        resolve = TritonResolver(order)
+        return Backend(resolve, backup_rows_triton, restore_rows_triton, reserve_workspace)
     raise ValueError(f"unknown resolver {name!r}; choose torch or triton")

@@ -101,7 +101,9 @@ def build_hierarchy(
         cfg.max_slots, cfg.max_model_len, p, b, ring, scratch_tokens, int(num_pages),
         cfg.spec_block, optional_history=cfg.mode == "adaptive",
     )  # fmt: skip
-    device_store = DeviceStore.build(model_cfg, shape, backups, get_backend(cfg.resolver), codec)
+    device_store = DeviceStore.build(
+        model_cfg, shape, backups, get_backend(cfg.resolver, cfg.host_reads), codec
+    )
     residency = cfg.residency if cfg.mode == "adaptive" else None
     payload = HierarchyPayload(model_cfg, device_store, residency, durable=cfg.durable)
     return payload, backups, local

@@ -11,6 +11,7 @@ import uuid
 import weakref
 
 from services.kv_host_store.arena import HostArena, map_arena
+from services.kv_host_store.placement import Placement
 from services.kv_host_store.records import (
     ArenaInfo,
     OwnerLease,
@@ -24,11 +25,16 @@ from services.kv_host_store.store import HostStore
 
 class LocalHostStore:
     def __init__(
-        self, capacity: int, path: str | None = None, *, orphan_ttl_s: float = 300.0
+        self,
+        capacity: int,
+        path: str | None = None,
+        *,
+        orphan_ttl_s: float = 300.0,
+        placement: Placement = Placement(),
     ) -> None:
         self.path = path or f"/dev/shm/dhisparse-local-{os.getpid()}-{uuid.uuid4().hex[:8]}"
         self._arena = HostArena.create(self.path, capacity)
-        self.store = HostStore(capacity, orphan_ttl_s=orphan_ttl_s)
+        self.store = HostStore(capacity, orphan_ttl_s=orphan_ttl_s, placement=placement)
         self.mapping = map_arena(self.path, capacity)
         self.store_id = uuid.uuid4().hex
         # The file must not outlive the process even when close() is never called.

@@ -15,6 +15,7 @@ Semantics are exactly ``resolver_ref.resolve_ref``'s."""
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass, field
 
 import torch
 import triton
@@ -23,6 +24,7 @@ from services.worker.hierarchy.copy_triton import copy_queued
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
+from services.worker.hierarchy.read_order import HostReadOrder, sort_queued
 from services.worker.hierarchy.resolver_kernel import resolve_kernel
 from services.worker.hierarchy.staging import StagingOverflow
 
@@ -111,30 +113,52 @@ def launch_resolve(
     return locs
 
 
-def launch_copy(ws: Workspace, pool: torch.Tensor, host: torch.Tensor) -> None:
-    """The copy kernel alone: the workspace's queued rows from the host arena into the pool."""
-    copy_queued(pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, ws.plan_src.numel())
-
-
-def resolve_triton(
-    sel: torch.Tensor,
-    cu: torch.Tensor,
-    slots: torch.Tensor,
-    plan: ChunkPlan,
-    geo: SourceGeometry,
-    hot: HotCache,
-    clock: int | torch.Tensor,
+def launch_copy(
+    ws: Workspace,
     pool: torch.Tensor,
     host: torch.Tensor,
-    host_base: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
-    arena view; the copy kernel reads it directly."""
-    ws = workspace_for(sel, cu.numel() - 1, hot.entries)
-    locs = launch_resolve(sel, cu, slots, plan, geo, hot, clock, host_base, pool.shape[1], ws)
-    launch_copy(ws, pool, host)
-    if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
-        overflow = int(ws.counters[4])  # synchronises: only on the CPU or when checking
-        if overflow:
-            raise StagingOverflow(f"{overflow} misses found no unprotected hot-cache entry")
-    return locs, ws.counters[:4].clone()
+    order: HostReadOrder = HostReadOrder(),
+    queued: int | None = None,
+) -> None:
+    """The copy kernel alone: the workspace's queued rows from the host arena into the pool,
+    in the ``order`` the policy asks for. ``queued`` bounds what the resolve launch queued
+    (its selected entries; default: the workspace's capacity)."""
+    cap = ws.plan_src.numel()
+    if order.by_address:
+        sort_queued(ws.plan_src, ws.plan_dst, ws.counters[3], cap if queued is None else queued)
+    copy_queued(pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, cap)
+
+
+@dataclass(frozen=True)
+class TritonResolver:
+    """The resolver as Triton kernels, issuing the host reads in ``order`` (a policy: any
+    order gives the same bytes)."""
+
+    order: HostReadOrder = field(default_factory=HostReadOrder)
+
+    def __call__(
+        self,
+        sel: torch.Tensor,
+        cu: torch.Tensor,
+        slots: torch.Tensor,
+        plan: ChunkPlan,
+        geo: SourceGeometry,
+        hot: HotCache,
+        clock: int | torch.Tensor,
+        pool: torch.Tensor,
+        host: torch.Tensor,
+        host_base: torch.Tensor,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Same contract as ``resolve_ref``. On a GPU ``host`` must be the pinned (registered)
+        arena view; the copy kernel reads it directly."""
+        ws = workspace_for(sel, cu.numel() - 1, hot.entries)
+        locs = launch_resolve(sel, cu, slots, plan, geo, hot, clock, host_base, pool.shape[1], ws)
+        launch_copy(ws, pool, host, self.order, sel.numel())
+        if not pool.is_cuda or os.environ.get("DHISPARSE_CHECK_INVARIANTS"):
+            overflow = int(ws.counters[4])  # synchronises: only on the CPU or when checking
+            if overflow:
+                raise StagingOverflow(f"{overflow} misses found no unprotected hot-cache entry")
+        return locs, ws.counters[:4].clone()
+
+
+resolve_triton = TritonResolver()  # host reads by address: the default policy

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.model.config import ModelConfig
 from services.worker.residency.config import ResidencyConfig
 
@@ -39,6 +40,8 @@ class KVCacheConfig:
     host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
+    # the order the Triton resolver issues a step's host reads in (exact in any order)
+    host_reads: HostReadOrder = field(default_factory=HostReadOrder)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session
