@@ -89,6 +89,21 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "prefill long prompts in chunks of --max-prefill-tokens interleaved with decoding (on)",
     )  # fmt: skip
     p.add_argument("--top-k-rows", type=int, help="the indexer's k (rows attended per query)")
+    p.add_argument(
+        "--tensor-parallel-size", type=int,
+        help="ranks (one process and one GPU each) the worker spans: attention heads, dense "
+        "MLPs, the vocabulary and the experts split over them (1)",
+    )  # fmt: skip
+    add_switch(
+        p, "expert-parallel",
+        "with --tensor-parallel-size N: each rank holds n_experts / N whole experts, tokens "
+        "exchanged between ranks (off: every expert split by its intermediate dimension)",
+    )  # fmt: skip
+    add_switch(
+        p, "data-parallel-attention",
+        "with --tensor-parallel-size N: each rank attends for its own requests (attention and "
+        "KV hierarchy per rank, MoE shared over the ranks; docs/deploy.md) (off)",
+    )  # fmt: skip
     add_switch(
         p, "durable-sessions",
         "hierarchy modes: keep what a successor needs to resume each session (on)",
@@ -114,7 +129,26 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
+    from services.worker.parallel.layout import LayoutError
+
+    settings = settings_from_args(args)
+    try:
+        if settings.tensor_parallel_size > 1:
+            from services.worker.group import launch
+
+            return launch(settings, serve_rank)
+        from services.worker.server import serve
+
+        asyncio.run(serve(settings))
+    except LayoutError as e:
+        logging.getLogger(__name__).error("%s", e)
+        return 2
+    return 0
+
+
+def serve_rank(settings: WorkerSettings, comm) -> int:
+    """Rank 0 of a worker's group: the gRPC server over the group's engine."""
     from services.worker.server import serve
 
-    asyncio.run(serve(settings_from_args(args)))
+    asyncio.run(serve(settings, comm))
     return 0

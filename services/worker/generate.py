@@ -27,14 +27,40 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from services.worker.engine.engine import Engine
+    from services.worker.parallel.layout import LayoutError
+
+    settings = settings_from_args(args)
+    try:
+        if settings.tensor_parallel_size > 1:
+            from services.worker.group import launch
+
+            return launch(settings, generate_rank, args)
+        return run(args, Engine(settings.engine_config()))
+    except LayoutError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def generate_rank(settings, comm, args: argparse.Namespace) -> int:
+    """Rank 0 of a group (``group.launch``): the prompts through the group's engine."""
+    from services.worker.engine.engine import Engine
+
+    engine = Engine(settings.engine_config(comm.rank), comm=comm)
+    try:
+        return run(args, engine)
+    finally:
+        engine.stop()
+
+
+def run(args: argparse.Namespace, engine) -> int:
+    """The prompts of ``args`` through ``engine``, printed."""
     from dhisparse.paths import resolve_path
     from dhisparse.tokenizer import chat_formatter
-    from services.worker.engine.engine import Engine
     from services.worker.engine.request import SamplingParams
     from services.worker.model.presets import PRESETS
 
-    cfg = settings_from_args(args).engine_config()
-    engine = Engine(cfg)
+    cfg = engine.cfg
     tok = engine.tokenizer
     chat = chat_formatter(tok, None if cfg.model in PRESETS else resolve_path(cfg.model))
     prompts = []

@@ -18,6 +18,7 @@ from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
 from services.worker.metrics import WorkerMetrics, config_labels
+from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)
@@ -161,18 +162,19 @@ def _log_config(engine: Engine) -> None:
 
 
 async def start_server(
-    settings: WorkerSettings, engine: Engine | None = None
+    settings: WorkerSettings, engine: Engine | None = None, comm: Comm = LOCAL
 ) -> tuple[grpc.aio.Server, AsyncEngine]:
     """Builds the engine (unless given) and starts gRPC (and metrics) serving. In a hierarchy
     mode with ``kv_store`` set, host backups go to the node's kv_host_store arena, and the
-    sessions a dead predecessor of this worker id left there are resumed."""
+    sessions a dead predecessor of this worker id left there are resumed. ``comm``: the group
+    this process is rank 0 of (``group``), whose other ranks follow its engine."""
     worker_id = settings.resolved_worker_id()
     link = None
     if engine is None:
         host = None
         if settings.kv_store and settings.mode != "resident":
             host = _connect_store(settings)
-        engine = Engine(settings.engine_config(), host=host)
+        engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
             link = _take_over(engine, host[0], worker_id, settings)
     model_name = settings.served_model_name or engine.model_cfg.name
@@ -202,9 +204,9 @@ async def start_server(
     return server, async_engine
 
 
-async def serve(settings: WorkerSettings) -> None:
-    """Serves until SIGTERM/SIGINT, then drains."""
-    server, async_engine = await start_server(settings)
+async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
+    """Serves until SIGTERM/SIGINT, then drains (and releases the group's other ranks)."""
+    server, async_engine = await start_server(settings, comm=comm)
     if settings.gc_freeze:  # the process's own heap: not in start_server, which tests call
         log.info("froze %d objects of the start-up heap", freeze_heap())
     stop = asyncio.Event()
@@ -215,3 +217,4 @@ async def serve(settings: WorkerSettings) -> None:
     log.info("worker shutting down")
     await server.stop(grace=5.0)
     async_engine.shutdown()
+    async_engine.engine.stop()  # the engine thread has ended: the followers' loops end too

@@ -9,6 +9,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from dhisparse.devices import resolve_device
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import GraphConfig
+from services.worker.parallel.layout import ParallelConfig
 from services.worker.residency.config import ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
 
@@ -61,14 +62,21 @@ class WorkerSettings(BaseSettings):
     max_prefill_tokens: int = 8192  # prefill tokens per step (chunks of longer prompts)
     chunked_prefill: bool = True
     top_k_rows: int | None = None
+    # the ranks one worker spans (``parallel.layout``; one process per rank, ``group``)
+    tensor_parallel_size: int = 1
+    expert_parallel: bool = False
+    data_parallel_attention: bool = False
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"
 
-    def engine_config(self) -> EngineConfig:
+    def engine_config(self, rank: int = 0) -> EngineConfig:
+        """The engine's configuration; ``rank``: of a worker's group, on its own GPU (rank r
+        on ``cuda:r`` when the device is ``cuda``)."""
+        device = resolve_device(self.device)
         return EngineConfig(
             model=self.model,
-            device=resolve_device(self.device),
+            device=f"cuda:{rank}" if device == "cuda" and self.tensor_parallel_size > 1 else device,
             dtype=self.dtype,
             kv_cache_dtype=self.kv_cache_dtype,
             weight_dtype=self.weight_dtype,
@@ -97,4 +105,7 @@ class WorkerSettings(BaseSettings):
             chunked_prefill=self.chunked_prefill,
             top_k_rows=self.top_k_rows,
             durable_sessions=self.durable_sessions,
+            parallel=ParallelConfig(
+                self.tensor_parallel_size, self.expert_parallel, self.data_parallel_attention
+            ),
         )

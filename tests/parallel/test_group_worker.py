@@ -1,0 +1,138 @@
+"""``dhisparse worker --tensor-parallel-size 2`` as real processes on the CPU (gloo): one process
+per rank under a supervisor; rank 0's gRPC streams one process's greedy tokens; a rank
+SIGKILLed takes the whole group down (for ``up`` or Kubernetes to restart), leaving no rank
+behind; SIGTERM drains and stops every rank; configurations no group can serve fail at
+start-up with a message that names the reason."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from dhisparse.rpc import worker_pb2 as pb
+from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.request import SamplingParams
+from services.worker.parallel.layout import ParallelConfig
+from tests.conftest import free_port
+
+PROMPT = list(b"The sparse indexer picks rows; ")
+FLAGS = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48", "--max-model-len", "512",
+         "--max-num-seqs", "4",
+         "--metrics-port", "0", "--log-level", "INFO")  # fmt: skip
+
+
+def _worker(log: Path, *flags: str) -> subprocess.Popen:
+    with open(log, "w") as out:
+        return subprocess.Popen(
+            [sys.executable, "-m", "dhisparse.cli", "worker", *FLAGS, *flags],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )  # fmt: skip
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie of an exited rank counts as gone
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split(") ")[1][0] != "Z"
+
+
+@contextmanager
+def group(
+    tmp_path: Path, *flags: str
+) -> Iterator[tuple[subprocess.Popen, pb_grpc.WorkerStub, Path]]:
+    """A 2-rank worker serving on a free port; killed, with every rank, by process group."""
+    port = free_port()
+    log = tmp_path / "worker.log"
+    proc = _worker(log, "--port", str(port), "--tensor-parallel-size", "2", *flags)
+    channel = grpc.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        stub = pb_grpc.WorkerStub(channel)
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                if stub.Health(pb.HealthRequest(), timeout=2).ok:
+                    break
+            except grpc.RpcError:
+                pass
+            assert proc.poll() is None, log.read_text()
+            assert time.monotonic() < deadline, log.read_text()
+            time.sleep(0.3)
+        yield proc, stub, log
+    finally:
+        channel.close()
+        with suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+
+
+def _rank_pids(log: Path) -> list[int]:
+    return [int(p) for p in re.findall(r"rank \d pid (\d+)", log.read_text())]
+
+
+def _generate(stub: pb_grpc.WorkerStub, rid: str, n: int) -> list[int]:
+    sampling = pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
+    return [t for resp in stub.Generate(req, timeout=120) for t in resp.token_ids]
+
+
+def _offline(n: int, mode: str) -> list[int]:
+    eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=48, max_model_len=512, max_num_seqs=4,
+                              mode=mode))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+    return eng.generate([PROMPT], params)[0].output_ids
+
+
+@pytest.mark.parametrize("layout", [(), ("--data-parallel-attention", "--expert-parallel")])
+def test_group_serves_one_process_tokens_and_stops_on_sigterm(
+    tmp_path: Path, layout: tuple[str, ...]
+) -> None:
+    with group(tmp_path, "--mode", "adaptive", *layout) as (proc, stub, log):
+        assert _generate(stub, "r1", 16) == _offline(16, "adaptive")
+        pids = _rank_pids(log)
+        assert len(pids) == 2 and all(_alive(p) for p in pids)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == 0, log.read_text()
+        assert not any(_alive(p) for p in pids)
+
+
+def test_a_dead_rank_stops_the_group(tmp_path: Path) -> None:
+    with group(tmp_path, "--mode", "resident") as (proc, _stub, log):
+        pids = _rank_pids(log)
+        os.kill(pids[1], signal.SIGKILL)
+        assert proc.wait(60) == 1
+        assert not any(_alive(p) for p in pids)
+        assert re.search(r"rank 1 \(pid \d+\) exited with status -9", log.read_text())
+
+
+def test_configurations_no_group_serves_fail_at_start_up(tmp_path: Path) -> None:
+    log = tmp_path / "w.log"
+    # 4 attention heads do not split 3 ways: every rank refuses, the supervisor exits 2
+    proc = _worker(log, "--port", str(free_port()), "--tensor-parallel-size", "3")
+    assert proc.wait(120) == 2
+    assert "splits attention heads (num_attention_heads) = 4 3 ways" in log.read_text()
+    if torch.cuda.device_count() >= 2:
+        return
+    # more ranks than GPUs: refused before any rank starts
+    proc = _worker(log, "--port", str(free_port()), "--tensor-parallel-size", "2", "--device",
+                   "cuda")  # fmt: skip
+    assert proc.wait(60) == 2
+    assert re.search(r"needs 2 GPUs, one per rank; this process sees \d", log.read_text())
+    with pytest.raises(ValueError, match="need --tensor-parallel-size >= 2"):
+        ParallelConfig(1, data_parallel_attention=True)
