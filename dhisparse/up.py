@@ -36,9 +36,11 @@ class Child:
     proc: subprocess.Popen | None = None
     restarts: int = 0
     started: float = field(default=0.0)
+    env: dict[str, str] = field(default_factory=dict)  # added to the environment
 
     def start(self) -> None:
-        self.proc = subprocess.Popen(self.argv, start_new_session=True)
+        env = {**os.environ, **self.env} if self.env else None
+        self.proc = subprocess.Popen(self.argv, start_new_session=True, env=env)
         self.started = time.monotonic()
         print(f"[up] {self.name}: pid {self.proc.pid}: {' '.join(self.argv[3:])}", flush=True)
 
@@ -107,7 +109,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="DeepSeek-V3.2 / GLM-5 projections and experts: auto (FP8 checkpoints stay FP8, "
         "default), fp8 or bf16 (docs/fp8_weights.md)",
     )  # fmt: skip
-    p.add_argument("--workers", type=int, default=1, help="worker processes (one per GPU)")
+    p.add_argument(
+        "--workers", type=int, default=1,
+        help="workers (each one GPU, or --tensor-parallel-size GPUs)",
+    )  # fmt: skip
+    p.add_argument(
+        "--tensor-parallel-size", type=int, default=1,
+        help="ranks per worker, one process and one GPU each (worker i: GPUs i*N .. i*N+N-1)",
+    )  # fmt: skip
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="each rank of a worker holds n_experts / N whole experts")  # fmt: skip
+    p.add_argument(
+        "--data-parallel-attention", action="store_true",
+        help="each rank of a worker attends for its own requests (docs/deploy.md)",
+    )  # fmt: skip
     p.add_argument("--port", type=int, default=8000, help="gateway HTTP port")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--worker-port", type=int, default=50051, help="first worker's gRPC port")
@@ -180,9 +195,32 @@ def _wait_http(url: str, deadline: float) -> bool:
     return False
 
 
-def worker_device(device: str, index: int) -> str:
-    """Worker ``index``'s device: its own GPU when ``device`` is plain ``cuda``."""
+def worker_device(device: str, index: int, ranks: int = 1) -> str:
+    """Worker ``index``'s device: its own GPU when ``device`` is plain ``cuda``; a worker of
+    several ranks is given ``cuda`` and sees its own GPUs alone (``worker_env``)."""
+    if ranks > 1:
+        return device
     return f"cuda:{index}" if device == "cuda" else device
+
+
+def worker_env(device: str, index: int, ranks: int) -> dict[str, str]:
+    """The GPUs worker ``index`` of ``ranks`` ranks sees: i*N .. i*N+N-1 of this machine's."""
+    if device != "cuda" or ranks == 1:
+        return {}
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    gpus = visible.split(",") if visible else [str(g) for g in range(index * ranks + ranks)]
+    mine = gpus[index * ranks : (index + 1) * ranks]
+    return {"CUDA_VISIBLE_DEVICES": ",".join(mine)}
+
+
+def _parallel_flags(args: argparse.Namespace) -> list[str]:
+    if args.tensor_parallel_size == 1:
+        return []
+    return [
+        "--tensor-parallel-size", str(args.tensor_parallel_size),
+        *(["--expert-parallel"] if args.expert_parallel else []),
+        *(["--data-parallel-attention"] if args.data_parallel_attention else []),
+    ]  # fmt: skip
 
 
 def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
@@ -196,7 +234,7 @@ def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
         "--metrics-port", str(args.worker_metrics_port + 10 * index),
         "--model", args.model,
         "--mode", args.mode,
-        "--device", worker_device(device, index),
+        "--device", worker_device(device, index, args.tensor_parallel_size),
         "--kv-pool-mib", str(args.kv_pool_mib),
         "--kv-cache-dtype", args.kv_cache_dtype,
         "--weight-dtype", args.weight_dtype,
@@ -204,6 +242,7 @@ def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
         "--kv-store", f"{args.host}:{args.kv_store_port}",
         *_spec_flags(args, device),
         "--worker-id", f"worker-{index}",
+        *_parallel_flags(args),
     ]  # fmt: skip
 
 
@@ -243,7 +282,8 @@ def main(args: argparse.Namespace) -> int:
         ],
         args.kv_store_port,
     )
-    workers = [Child(f"worker-{i}", worker_argv(args, i, device), args.worker_port + i)
+    workers = [Child(f"worker-{i}", worker_argv(args, i, device), args.worker_port + i,
+                     env=worker_env(device, i, args.tensor_parallel_size))
                for i in range(args.workers)]  # fmt: skip
     worker_addrs = ",".join(f"{args.host}:{w.port}" for w in workers)
     gateway = Child(

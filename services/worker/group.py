@@ -119,8 +119,11 @@ def _rank_main(
 def follow(settings: WorkerSettings, comm: Any) -> int:
     """A follower rank: its part of the model, stepping with rank 0 until rank 0 stops."""
     from services.worker.engine.engine import Engine
+    from services.worker.server import connect_store
 
-    engine = Engine(settings.engine_config(comm.rank), comm=comm)
+    # the node's store, whose regions rank 0 allocates for the group (``region_group``)
+    host = connect_store(settings) if settings.kv_store and settings.mode != "resident" else None
+    engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
     log.info("rank %d of %d ready: following rank 0", comm.rank, comm.size)
     engine.follow()
     engine.close()

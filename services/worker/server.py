@@ -118,7 +118,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
 
-def _connect_store(settings: WorkerSettings) -> tuple:
+def connect_store(settings: WorkerSettings) -> tuple:
     """(client, arena mapping) of the node's kv_host_store."""
     from services.kv_host_store.client import KVHostStoreClient
 
@@ -173,7 +173,7 @@ async def start_server(
     if engine is None:
         host = None
         if settings.kv_store and settings.mode != "resident":
-            host = _connect_store(settings)
+            host = connect_store(settings)
         engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
             link = _take_over(engine, host[0], worker_id, settings)

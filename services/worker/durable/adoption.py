@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from services.worker.durable.manifest import ManifestError
-from services.worker.durable.restore import read_manifest, restore
+from services.worker.durable.restore import read_manifest
 
 if TYPE_CHECKING:
     from services.kv_host_store.client import KVHostStoreClient
@@ -50,7 +50,7 @@ def adopt_sessions(
             version, rec = read_manifest(mapping, regions)
             if rec.request_id != rid:
                 raise ManifestError(f"manifest names request {rec.request_id!r}")
-            req = restore(engine, rec, version, regions)
+            req = engine.restore(rec, version, regions)
             why = None if req is not None else "no free slot or device room"
         except (ManifestError, ValueError) as e:
             why = str(e)

@@ -37,13 +37,16 @@ from services.worker.model.io import DTYPES
 from services.worker.model.mtp import MTPStep
 from services.worker.model.presets import PRESETS
 from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.layout import LayoutError
 from services.worker.parallel.lockstep import Lockstep, StopFollowing
 from services.worker.parallel.placement import Placement, RankLoad
+from services.worker.parallel.region_group import GroupRegionStore
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
     from services.worker.durable.journal import Journal
+    from services.worker.durable.manifest import SessionRecord
 
 __all__ = ["Engine"]
 
@@ -71,13 +74,19 @@ class Engine:
                 f"{cfg.parallel.name} over {cfg.parallel.world_size} ranks, given a group of "
                 f"{comm.size}"
             )
-        if comm.size > 1 and host is not None:
-            raise ValueError(
-                "a group of ranks serves from private host arenas: the node's kv_host_store "
-                "under several ranks is not built yet"
-            )
         self.lockstep = Lockstep(comm) if comm.size > 1 else None
         self.data_parallel = comm.size > 1 and cfg.parallel.data_parallel_attention
+        if self.data_parallel and host is not None:
+            raise LayoutError(
+                "--data-parallel-attention with the node's kv-host-store (--kv-store) is not "
+                "built yet: each rank would need its own owner, lease and adoption; serve it "
+                "from private host arenas (no --kv-store) or with tensor parallelism"
+            )
+        # tensor parallel over the node's store: one set of regions, rank 0 writes them
+        shared_host = host is not None and comm.size > 1
+        if shared_host:
+            assert host is not None
+            host = (GroupRegionStore(host[0], comm), *host[1:])
         self.placement = Placement(comm.size) if self.data_parallel and comm.is_leader else None
         # rank 0 under data-parallel attention: the requests other ranks serve, by id
         self._remote: dict[str, Request] = {}
@@ -105,8 +114,13 @@ class Engine:
             | set(eos_token_ids(model_dir))
         )
         self.device = torch.device(cfg.device)
-        self.kv = KVCache(self.model_cfg, cfg.kv_config(next(model.parameters()).dtype), host)
+        kv_cfg = cfg.kv_config(next(model.parameters()).dtype)
+        if shared_host and not comm.is_leader:
+            kv_cfg = replace(kv_cfg, host_writer=False)
+        self.kv = KVCache(self.model_cfg, kv_cfg, host)
         self.journal: Journal | None = None
+        # a follower's manifests would be rank 0's (the same sessions): rank 0 writes them
+        self._writes_manifests = comm.is_leader
         if self.kv.sessions is not None:
             from services.worker.durable.journal import Journal
 
@@ -216,6 +230,23 @@ class Engine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self._remote
 
+    def restore(self, record: SessionRecord, version: int, regions: list[Region]) -> Request | None:
+        """Resumes the durable session ``record`` (its manifest's ``version``, its host
+        ``regions``; ``durable.restore``); None when no slot or device room is free now. In a
+        tensor-parallel group every rank seats it: rank 0 records it for the others, which
+        hold the same regions and so must find room as rank 0 did."""
+        from services.worker.durable.restore import restore
+
+        req = restore(self, record, version, regions)
+        if self.lockstep is not None:
+            if self.lockstep.leader:
+                if req is not None:
+                    self.lockstep.record("restore", record, version, regions)
+            elif req is None:
+                raise RuntimeError(f"rank {self.lockstep.comm.rank} found no room for "
+                                   f"{record.request_id!r}, which rank 0 seated")  # fmt: skip
+        return req
+
     def resume(
         self, req: Request, regions: list[Region], rings: dict[int, bytes], version: int
     ) -> bool:
@@ -224,9 +255,10 @@ class Engine:
         manifest's) in a free slot, running; False (nothing changed) when no slot or device
         room is free."""
 
-        if self.lockstep is not None:
+        if self.data_parallel:
             raise RequestError(
-                "unavailable", "resuming durable sessions into a group of ranks is not built yet"
+                "unavailable",
+                "resuming durable sessions under data-parallel attention is not built yet",
             )
 
         def seat(slot: int) -> bool:
@@ -332,7 +364,8 @@ class Engine:
             self.stats.decode_s += time.perf_counter() - t0
             self.stats.decode_tokens += sum(len(o.new_token_ids) for o in outs)
             outputs.extend(outs)
-        if self.journal is not None:  # before the outputs leave: no token without its manifest
+        if self.journal is not None and self._writes_manifests:
+            # before the outputs leave: no token without its manifest
             self.journal.record(self.scheduler.running)
         if self._check_invariants:
             self.kv.check()

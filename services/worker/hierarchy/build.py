@@ -95,7 +95,7 @@ def build_hierarchy(
     store, mapping = host
     backups = HostBackups(
         store, mapping, cfg.owner, len(model_cfg.sources), codec.stored_width, codec.storage,
-        cfg.max_slots, cfg.device,
+        cfg.max_slots, cfg.device, writer=cfg.host_writer,
     )  # fmt: skip
     shape = StoreShape(
         cfg.max_slots, cfg.max_model_len, p, b, ring, scratch_tokens, int(num_pages),

@@ -169,7 +169,10 @@ class DeviceStore:
 
     # ---- copies -----------------------------------------------------------------------------
     def backup(self, locs: torch.Tensor, dst: torch.Tensor, keep: torch.Tensor) -> None:
-        """Rows ``rows[locs[i]]`` to host arena element ``dst[i]`` where ``keep[i]``, one launch."""
+        """Rows ``rows[locs[i]]`` to host arena element ``dst[i]`` where ``keep[i]``, one launch
+        (none where another process writes the host backups)."""
+        if not self.host.writer:
+            return
         self.ops.backup(self.rows, locs, dst, keep, self.host.arena)
 
     def restore(self, locs: torch.Tensor, src: torch.Tensor) -> None:

@@ -52,8 +52,12 @@ class HostBackups:
         dtype: torch.dtype,
         max_slots: int,
         device: torch.device | str,
+        writer: bool = True,
     ) -> None:
+        """``writer``: whether this process copies rows into the arena (False: another
+        process writes the same rows into the same regions, ``parallel.region_group``)."""
         self.store = store
+        self.writer = writer
         self.who = OwnerId(owner)
         self.num_sources = num_sources
         self.row_elems = row_elems
@@ -181,6 +185,8 @@ class HostBackups:
         """Backs up rows ``start ..`` of a slot's source (values [n, row_elems]). From a GPU the
         copy is asynchronous into the registered arena: it is ordered before every later
         kernel, including the resolver's host reads, so nothing waits for it."""
+        if not self.writer:
+            return
         n = values.shape[0]
         self.rows_view(slot, source, start, start + n).copy_(values, non_blocking=self.on_gpu)
 

@@ -61,7 +61,10 @@ class SessionBackup:
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """Backs up the index keys of the rows this pass committed (as ``payload.commit``
-        does the rows): asynchronous from a GPU, ordered before later work on the stream."""
+        does the rows): asynchronous from a GPU, ordered before later work on the stream;
+        none where another process writes the host backups."""
+        if not self.host.writer:
+            return
         slots = list(batch.slot_ids)
         for layer, s in self.producers.items():
             pool = self.keys.pools[layer]

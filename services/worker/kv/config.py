@@ -40,6 +40,9 @@ class KVCacheConfig:
     host_arena_bytes: int = 256 << 20  # private arena when no kv_host_store is given
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
+    # whether this process writes its host backups (False: a tensor-parallel follower, whose
+    # rank 0 writes the rows every rank reads, ``parallel.region_group``)
+    host_writer: bool = True
     # the order the Triton resolver issues a step's host reads in (exact in any order)
     host_reads: HostReadOrder = field(default_factory=HostReadOrder)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
