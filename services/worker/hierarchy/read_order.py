@@ -16,7 +16,9 @@ import torch
 
 @dataclass(frozen=True)
 class HostReadOrder:
-    by_address: bool = True  # sort a step's queued host reads by address before the copy
+    # sort a step's queued host reads by address before the copy: off, as the sort runs over
+    # every selected entry of every resolve, hits included (docs/results/host_layout.md)
+    by_address: bool = False
 
 
 # Larger than any host element offset: unused queue entries sort behind the live ones.

@@ -161,4 +161,4 @@ class TritonResolver:
         return locs, ws.counters[:4].clone()
 
 
-resolve_triton = TritonResolver()  # host reads by address: the default policy
+resolve_triton = TritonResolver()  # the default policy (``HostReadOrder``)
