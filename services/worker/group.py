@@ -100,6 +100,9 @@ def _rank_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
     )
+    # NVLink multicast off unless asked for (docs/deploy.md): it can take shared GPUs down
+    os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
+    os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
     if rank > 0:  # Ctrl-C reaches the whole process group: rank 0 alone drains
         signal.signal(signal.SIGINT, signal.SIG_IGN)
     settings = WorkerSettings(**fields)

@@ -51,6 +51,10 @@ CASES: dict[str, dict[str, str]] = {
         "worker.runtimeClassName": '""',
         "worker.tolerations": "[]",
     },
+    "tensor-parallel-8": {
+        "worker.parallel.tensorParallelSize": "8",
+        "worker.parallel.expertParallel": "true",
+    },
     "network-policy-off": {"networkPolicy.enabled": "false"},
     "network-policy-narrow": {
         "networkPolicy.metricsFrom": "[]",
@@ -138,6 +142,23 @@ def test_workers_request_gpus_with_runtime_class(helm: Helm) -> None:
     assert "runtimeClassName" not in spec
     (worker,) = spec["containers"]
     assert not any("/" in r for r in worker["resources"].get("limits", {}))
+
+
+def test_a_worker_of_eight_ranks_asks_for_eight_gpus_and_their_shared_memory(helm: Helm) -> None:
+    sts = one(helm.template(CASES["tensor-parallel-8"]), "StatefulSet", "worker")
+    spec = pod_spec(sts)
+    (worker,) = spec["containers"]
+    assert worker["resources"]["limits"]["nvidia.com/gpu"] == 8
+    assert worker["resources"]["requests"]["nvidia.com/gpu"] == 8
+    assert env_value(worker, "DHISPARSE_WORKER_TENSOR_PARALLEL_SIZE") == "8"
+    assert env_value(worker, "DHISPARSE_WORKER_EXPERT_PARALLEL") == "true"
+    assert env_value(worker, "DHISPARSE_WORKER_DATA_PARALLEL_ATTENTION") == "false"
+    assert env_value(worker, "NCCL_NVLS_ENABLE") == "0"
+    (shm,) = [v for v in spec["volumes"] if v["name"] == "dshm"]
+    assert shm["emptyDir"]["sizeLimit"] == "16384Mi"
+    # one rank: neither the group's variables nor its shared memory
+    (worker,) = pod_spec(one(helm.template(), "StatefulSet", "worker"))["containers"]
+    assert "DHISPARSE_WORKER_TENSOR_PARALLEL_SIZE" not in env_of(worker)
 
 
 def test_worker_probes_target_grpc_and_metrics_ports(helm: Helm) -> None:

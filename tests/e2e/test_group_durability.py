@@ -1,0 +1,78 @@
+"""End to end, real processes (``dhisparse up --tensor-parallel-size 2``, CPU, gloo): a rank of
+a worker's group SIGKILLed mid-stream loses no session — the supervisor stops the group, ``up``
+restarts it, the new group's rank 0 resumes the session from the node's host store (which both
+ranks read: one set of regions, rank 0 writing them) without recomputing the prompt, and the
+client's stream completes with exactly the text of an uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+
+from tests.e2e.test_durability import up_stack
+
+PROMPT = "def merge_sorted(a, b):\n    out = []\n"
+LONG = 160  # tokens: the kill lands well inside the stream
+
+
+def stream_completion(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
+    body = {"model": "tiny-glm", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True}  # fmt: skip
+    chunks: list[dict] = []
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line:
+                continue
+            if line == "data: [DONE]":
+                break
+            chunks.append(json.loads(line[6:]))
+            if on_chunk is not None and chunks[-1].get("choices"):
+                on_chunk(len(chunks))
+    text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
+    return text, chunks
+
+
+def _rank_pids(log: Path, rank: int) -> list[int]:
+    return [int(p) for p in re.findall(rf"rank {rank} pid (\d+)", log.read_text())]
+
+
+def test_a_rank_killed_mid_stream_the_group_restarts_and_the_stream_completes(
+    tmp_path: Path,
+) -> None:
+    env = {
+        "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
+        "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "90",
+        "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "up.log"
+    flags = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48",
+             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none",
+             "--tensor-parallel-size", "2")  # fmt: skip
+    with up_stack(log, *flags, env=env) as st:
+        want, _ = stream_completion(st.base, LONG)  # uninterrupted
+        (follower,) = _rank_pids(log, 1)
+        killed: list[int] = []
+
+        def kill_once(n: int) -> None:
+            if n == 40 and not killed:
+                os.kill(follower, signal.SIGKILL)
+                killed.append(follower)
+
+        text, chunks = stream_completion(st.base, LONG, kill_once)
+        assert killed, "the stream ended before the kill"
+        assert not [c for c in chunks if "error" in c], chunks[-3:]
+        assert text == want  # token for token what the uninterrupted run gave
+        assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+        assert len(st.pids("worker-0")) == 2  # `up` restarted the group
+        assert len(_rank_pids(log, 1)) == 2
+        assert re.search(r"rank 1 \(pid \d+\) exited with status -9", log.read_text())
+        assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 1
+        # the new group computed no prompt: it resumed from the host backups
+        assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0
