@@ -9,10 +9,11 @@ Nothing computed is recomputed."""
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from dhisparse.tokenizer import Tokenizer
 from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.records import Region
 from services.worker.durable import manifest
@@ -20,9 +21,21 @@ from services.worker.durable.manifest import ManifestError, SessionRecord
 from services.worker.engine.request import Request, SamplingParams
 from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.session import SessionBackup
+from services.worker.kv.cache import KVCache
 
-if TYPE_CHECKING:
-    from services.worker.engine.engine import Engine
+
+class Seats(Protocol):
+    """What ``restore`` needs of an engine (``Engine``, which calls it)."""
+
+    kv: KVCache
+    device: torch.device
+    tokenizer: Tokenizer
+
+    def has_request(self, request_id: str) -> bool: ...
+
+    def resume(
+        self, req: Request, regions: list[Region], rings: dict[int, bytes], version: int
+    ) -> bool: ...
 
 
 def read_manifest(mapping: ArenaMapping, regions: list[Region]) -> tuple[int, SessionRecord]:
@@ -41,7 +54,7 @@ def sampling_params(fields: dict) -> SamplingParams:
 
 
 def restore(
-    engine: Engine, rec: SessionRecord, version: int, regions: list[Region]
+    engine: Seats, rec: SessionRecord, version: int, regions: list[Region]
 ) -> Request | None:
     """Resumes ``rec`` in ``engine``; None when no slot or device room is free
     now. Raises ``ValueError`` for a record that does not fit this engine."""

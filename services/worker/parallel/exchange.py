@@ -22,15 +22,11 @@ are not captured as CUDA graphs."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
+from torch import nn
 
 from services.worker.parallel.comm import Comm
 from services.worker.parallel.layout import RankLayout
-
-if TYPE_CHECKING:
-    from services.worker.model.moe import MoE
 
 _ACTIVE, _KEY, _TOKENS, _SEND = 0, 1, 2, 3  # the header's fields; _SEND.. per rank
 
@@ -42,11 +38,12 @@ class ExpertExchange:
         self.comm = comm
         self.layout = layout
         self.expert_parallel = layout.cfg.expert_parallel
-        self._layers: dict[int, MoE] = {}
+        # key -> the MoE layer (``model.moe.MoE``: its ``gate`` and ``experts``)
+        self._layers: dict[int, nn.Module] = {}
         self.rounds = 0  # rounds this rank took part in
         self.idle_rounds = 0  # of them, rounds it served with no tokens of its own
 
-    def register(self, key: int, moe: MoE) -> None:
+    def register(self, key: int, moe: nn.Module) -> None:
         """MoE layer ``key`` (its layer index) of this rank's model."""
         self._layers[key] = moe
 
@@ -65,7 +62,7 @@ class ExpertExchange:
             self.idle_rounds += 1
 
     # ---- one round ----------------------------------------------------------------------------
-    def _template(self) -> MoE:
+    def _template(self) -> nn.Module:
         return next(iter(self._layers.values()))
 
     def _round(
