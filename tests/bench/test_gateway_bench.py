@@ -1,6 +1,6 @@
 """bench/gateway.py at a tiny N: real worker and gateway processes, both variants; the result
-has its documented structure, positive latencies, ordered percentiles, and both paths gave the
-same greedy output."""
+has its documented structure, positive latencies, ordered percentiles, one paired overhead per
+request, and both paths gave the same greedy output."""
 
 from __future__ import annotations
 
@@ -30,7 +30,9 @@ def test_gateway_overhead_smoke() -> None:
             o = part["overhead_ms"]
             assert o["p50"] <= o["p90"] <= o["p99"], o
         assert variant["pooled"]["gateway_ms"]["n"] == 20
-        assert variant["pooled"]["overhead_ms"]["p50"] > 0  # the gateway adds work, never less
+        # one overhead per request, paired with its own direct run; its sign is a measurement
+        # (noise on a busy machine can make a tiny N negative), so the benchmark reports it
+        assert variant["pooled"]["overhead_ms"]["n"] == 20
         spread = variant["overhead_p50_spread_ms"]
         assert spread["min"] <= spread["max"] and spread["range"] >= 0
     assert isinstance(result["meets_goal"], bool) and result["goal_p50_ms"] == 2.0
