@@ -6,7 +6,6 @@ of ``v32-scaled``, built in place in FP8: the scaled FP8 load from disk)."""
 from __future__ import annotations
 
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -16,12 +15,12 @@ from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model import build_model, load_model
 from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.hf_config import topology
-from services.worker.model.hf_export import checkpoint_tensors, save_hf_checkpoint
+from services.worker.model.hf_export import save_hf_checkpoint
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.presets import FamilyPreset, preset
 from services.worker.model.scaled import SCALED
 from services.worker.model.weight_format import WeightFormat
+from tests.model.mtp_fixture import mtp_checkpoint
 from tests.worker.helpers import run_chunks
 
 FP8 = WeightFormat(fp8=True)
@@ -58,13 +57,32 @@ def test_a_written_checkpoint_loads_back_bit_for_bit(tmp_path: Path, fp8: bool) 
     _same(model, loaded)
 
 
-def test_a_model_with_its_mtp_layer_is_refused() -> None:
-    d = preset("tiny-glm")
-    assert isinstance(d, FamilyPreset)
-    with_mtp = replace(d.parse()[0], mtp_layers=1)
-    model = MLADecoder(with_mtp, topology(with_mtp, "tiny-glm", mtp=True))
-    with pytest.raises(ValueError, match="MTP layer"):
-        list(checkpoint_tensors(model))
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_model_with_its_mtp_layer_round_trips(
+    tmp_path: Path, tmp_path_factory: pytest.TempPathFactory, tied: bool
+) -> None:
+    """The MTP layer is written as layer N under the released names, without the copy of the
+    embedding; its head is written when it is its own and left out when it is the target's
+    (``tied``), and the loader ties it back: the same tensors, the same head object."""
+    _, source = mtp_checkpoint("glm_moe_dsa", tmp_path_factory)
+    model = load_model(source, mtp=True)
+    assert isinstance(model, MLADecoder)
+    if tied:
+        model.tie_mtp_head()
+    config = json.loads((source / "config.json").read_text())
+    path = save_hf_checkpoint(model, tmp_path / "ckpt", config)
+    ckpt = Checkpoint(path, None)
+    names = set(ckpt.names())
+    ckpt.close()
+    n = config["num_hidden_layers"]
+    assert f"model.layers.{n}.eh_proj.weight" in names
+    assert f"model.layers.{n}.mlp.experts.1.down_proj.weight" in names
+    assert f"model.layers.{n}.embed_tokens.weight" not in names
+    assert (f"model.layers.{n}.shared_head.head.weight" in names) == (not tied)
+    loaded = load_model(path, mtp=True)
+    assert isinstance(loaded, MLADecoder) and loaded.mtp is not None and loaded.lm_head is not None
+    assert (loaded.mtp.shared_head.head.weight is loaded.lm_head.weight) == tied
+    _same(model, loaded)
 
 
 @pytest.mark.gpu

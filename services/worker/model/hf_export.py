@@ -3,7 +3,8 @@ checkpoint's names (``model.layers.L.self_attn.q_a_proj.weight``, one tensor per
 projection), FP8 weights as ``F8_E4M3`` with their ``weight_scale_inv`` grids, everything else
 in its dtype, config.json given by the caller (with a ``quantization_config`` when any weight is
 FP8). What ``hf_io.load_hf_model`` reads back bit for bit: the way a model built in place (a
-real-dimension one, ``scaled``) reaches disk, and the loader's check at that scale.
+real-dimension one, ``scaled``) reaches disk, the loader's check at that scale, and how a
+trained model ships (its MTP layer as layer N, without copies of the target's tensors).
 
 ``checkpoint_tensors`` is the inverse of ``mla_decoder.checkpoint_targets``'s table."""
 
@@ -20,6 +21,7 @@ from safetensors.torch import save_file
 from services.worker.model.checkpoint import INDEX_FILE, SCALE_SUFFIX, WEIGHTS_FILE
 from services.worker.model.fp8 import FP8_DTYPE
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.model.mtp import MTP_NAMES
 from services.worker.model.released_fp8 import RELEASED_FP8
 from services.worker.ops.fp8_moe import gate_up_halves
 
@@ -39,27 +41,35 @@ _GLOBAL = {
     "lm_head.weight": "lm_head.weight",
 }
 _EXPERTS = "mlp.experts."
+_MTP = "mtp."
+_MTP_OWN = {ours: theirs for theirs, ours in MTP_NAMES.items()}
 
 
 def _rename(ours: str) -> str:
     if ours in _GLOBAL:
         return _GLOBAL[ours]
     layer, rest = ours.removeprefix("layers.").split(".", 1)
+    if rest in _MTP_OWN:
+        return f"model.layers.{layer}.{_MTP_OWN[rest]}"
     for mine, theirs in _LAYER:
         if rest.startswith(mine):
             return f"model.layers.{layer}.{theirs}{rest.removeprefix(mine)}"
     raise ValueError(f"{ours}: no checkpoint name")
 
 
-def _experts(prefix: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[str, torch.Tensor]]:
-    """One layer's fused experts as the checkpoint stores them, per expert and projection:
-    gate and up are the halves of gate_up_proj (and of its scale grid, for FP8 experts)."""
-    gate_up, down = state[prefix + "gate_up_proj"], state[prefix + "down_proj"]
+def _experts(
+    prefix: str, state: dict[str, torch.Tensor], ours: str
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """One layer's fused experts (``ours``: their prefix in ``state``; ``prefix``: the same
+    with the layer's index, ``layers.L.mlp.experts.``) as the checkpoint stores them, per
+    expert and projection: gate and up are the halves of gate_up_proj (and of its scale grid,
+    for FP8 experts)."""
+    gate_up, down = state[ours + "gate_up_proj"], state[ours + "down_proj"]
     layer = prefix.removeprefix("layers.").split(".", 1)[0]
     out = f"model.layers.{layer}.mlp.experts."
     fp8 = gate_up.dtype == FP8_DTYPE
-    gate_up_s = state[prefix + "gate_up_proj" + SCALE_SUFFIX] if fp8 else None
-    down_s = state[prefix + "down_proj" + SCALE_SUFFIX] if fp8 else None
+    gate_up_s = state[ours + "gate_up_proj" + SCALE_SUFFIX] if fp8 else None
+    down_s = state[ours + "down_proj" + SCALE_SUFFIX] if fp8 else None
     for e in range(gate_up.shape[0]):
         gate, up = gate_up_halves(gate_up[e], None if gate_up_s is None else gate_up_s[e])
         down_e = (down[e], None if down_s is None else down_s[e])
@@ -71,24 +81,44 @@ def _experts(prefix: str, state: dict[str, torch.Tensor]) -> Iterator[tuple[str,
 
 def checkpoint_tensors(model: MLADecoder) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint name, tensor) of every weight the released layout stores, as views of the
-    model's tensors. A model holding its MTP layer is refused (its export is not written)."""
-    if model.mtp is not None:
-        raise ValueError("exporting a model with its MTP layer is not supported")
+    model's tensors. A model holding its MTP layer writes it as layer N
+    (``model.layers.{N}.*``: the decoder layer's names, and ``MTP_NAMES`` for its own tensors)
+    without the released copies of the target's tensors: no ``embed_tokens`` of its own, and no
+    ``shared_head.head`` when the layer's head is the target's head (or tied embedding); the
+    loader ties them back (``hf_io.load_hf_model``)."""
     state = model.state_dict()
+    shared = _target_tensors(model)
     done: set[str] = set()
     for name in state:
         scale_of_a_weight = name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in state
         if name in done or scale_of_a_weight:  # a weight's scales go with it
             continue
+        if name.startswith(_MTP) and state[name].data_ptr() in shared:
+            continue  # the target's head, shared by the MTP layer
         if _EXPERTS in name:
             prefix = name[: name.index(_EXPERTS) + len(_EXPERTS)]
             done |= {n for n in state if n.startswith(prefix)}
-            yield from _experts(prefix, state)
+            yield from _experts(_layer_name(model, prefix), state, prefix)
             continue
-        yield _rename(name), state[name]
+        theirs = _rename(_layer_name(model, name))
+        yield theirs, state[name]
         scale = name + SCALE_SUFFIX
         if scale in state:
-            yield _rename(name) + SCALE_SUFFIX, state[scale]
+            yield theirs + SCALE_SUFFIX, state[scale]
+
+
+def _target_tensors(model: MLADecoder) -> set[int]:
+    """Data pointers of the target's embedding and head: what an MTP layer may share."""
+    heads = [model.embed.weight] + ([] if model.lm_head is None else [model.lm_head.weight])
+    return {t.data_ptr() for t in heads}
+
+
+def _layer_name(model: MLADecoder, ours: str) -> str:
+    """Our name with the MTP layer's ``mtp.`` prefix as its layer, ``layers.{N}.``; its own
+    tensors (``MTP_NAMES``) keep their names there."""
+    if not ours.startswith(_MTP):
+        return ours
+    return f"layers.{model.mtp_layer}." + ours.removeprefix(_MTP)
 
 
 def save_hf_checkpoint(

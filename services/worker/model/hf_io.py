@@ -55,6 +55,12 @@ def later_layers(cfg: MLAConfig, n: int) -> dict[str, str]:
     return {rf"model\.layers\.({'|'.join(map(str, later))})\.": f"layers past the first {n}"}
 
 
+def mtp_head_name(cfg: MLAConfig) -> str:
+    """The checkpoint name of the MTP layer's head (released checkpoints store a copy of
+    ``lm_head`` there; a checkpoint without it shares the target's)."""
+    return f"model.layers.{cfg.num_layers}.shared_head.head.weight"
+
+
 def load_hf_model(
     path: str | Path,
     device: str | torch.device = "cpu",
@@ -94,6 +100,8 @@ def load_hf_model(
     model.to_empty(device=device)
     model.cast(dtype)
     ckpt = Checkpoint(path, quantization)
+    if mtp and mtp_head_name(cfg) not in ckpt.names():
+        model.tie_mtp_head()
     ignore |= dict(ignored_patterns(cfg, mtp, shards.layout))
     load_into(ckpt, checkpoint_targets(model, ckpt.names()), ignore=ignore)
     model.share_lm_head()

@@ -92,6 +92,14 @@ class MLADecoder(SparseDecoder):
         ):
             mtp.shared_head.head = head
 
+    def tie_mtp_head(self) -> None:
+        """Makes the MTP layer's head the target's (``lm_head``, or the embedding when tied),
+        for a checkpoint that stores no ``shared_head.head`` of its own (``hf_export`` leaves
+        the copy out)."""
+        assert self.mtp is not None
+        head = self.embed if self.lm_head is None else self.lm_head
+        self.mtp.shared_head.head.weight = head.weight
+
     def _follow_target(
         self, input_ids: torch.Tensor, hidden: torch.Tensor, batch: ForwardBatch, kv: KVCache
     ) -> None:
