@@ -20,6 +20,7 @@ from training.target.data import (
     heldout_windows,
     load_corpus,
     sample_crops,
+    to_tokens,
 )
 
 
@@ -61,7 +62,7 @@ def test_a_corpus_that_does_not_match_its_json_is_refused(tmp_path: Path) -> Non
 
 
 def test_crops_and_windows_are_byte_tokens_with_eos_between_files() -> None:
-    stream = torch.tensor(list(b"ab\0cde\0fgh\0"), dtype=torch.uint8)
+    stream = to_tokens(torch.tensor(list(b"ab\0cde\0fgh\0"), dtype=torch.uint8)).int()
     crops = sample_crops(stream, 6, 4, torch.Generator().manual_seed(0))
     again = sample_crops(stream, 6, 4, torch.Generator().manual_seed(0))
     assert torch.equal(crops, again) and crops.shape == (6, 4) and crops.dtype == torch.int64

@@ -2,8 +2,12 @@
 
 - ``forward``: the differentiable forward over whole sequences, dense or sparse attention,
   using the inference model's own modules, and the indexer's distillation loss, for every
-  topology of the family (compressed sources, local windows, shared and reused indices);
-- ``corpus`` / ``data``: the packed stdlib corpus, its held-out split, crops and windows;
+  topology of the home-made family (compressed sources, local windows, shared and reused
+  indices); ``mla_forward`` (with ``mla_indexer``, ``mla_moe``): the same for DeepSeek-V3.2 /
+  GLM-5, with the MTP layer and the MoE's expert balancing;
+- ``family``: what the loop needs of a family (build, losses, after-step, export);
+- ``corpus`` / ``data``: the packed stdlib byte corpus or a BPE token directory
+  (``training.corpus``), the held-out split, crops and windows;
 - ``schedule``: learning rate, attention phase and budget planning as functions of the step;
 - ``trainer`` / ``loop``: the optimizer step, checkpoints, resume, evaluation and export.
 
@@ -19,6 +23,9 @@ from typing import Any
 _EXPORTS = {
     "TrainConfig": "config",
     "TrainOutput": "forward",
+    "MLATrainOutput": "mla_forward",
+    "mla_train_forward": "mla_forward",
+    "family_of": "family",
     "lm_loss": "forward",
     "train_forward": "forward",
     "train": "loop",

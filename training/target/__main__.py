@@ -1,12 +1,14 @@
 """Trains a sparse-attention target model from scratch on the packed stdlib corpus.
 
-    python -m training.target --out DIR [--preset glm-10m] [--corpus stdlib.u8]
-        [--steps N | --steps 0 --time-budget-s S] [--resume] ...
+    python -m training.target --out DIR [--preset glm-10m | config.json] [--corpus stdlib.u8 |
+        TOKENS_DIR] [--steps N | --steps 0 --time-budget-s S] [--resume] [--init-from RUN] ...
 
-Writes DIR/history.jsonl (per logged step: loss, lm_loss, idx_kl, lr, tokens, elapsed; per
-evaluation: held-out eval_loss in nats/byte, eval_bpb, eval_ppl), DIR/ckpt.pt (resumable),
-and at the end DIR/model/ (bf16 weights, sharded; ``load_model(DIR/model)``) and
-DIR/training.json. Plot with ``python -m training.target.plot DIR --out curve.png``.
+Writes DIR/history.jsonl (per logged step: loss, lm_loss, idx_kl, mtp_loss and the experts'
+least / most share for a real family, lr, tokens, elapsed; per evaluation: held-out eval_loss
+in nats/token, eval_bpb in bits/byte, eval_ppl, eval_bpb_by_position), DIR/ckpt.pt
+(resumable), and at the end DIR/model/ (bf16 weights, sharded: the home-made format, or a
+Hugging Face checkpoint for a config.json of DeepSeek-V3.2 / GLM-5; ``load_model(DIR/model)``)
+and DIR/training.json. Plot with ``python -m training.target.plot DIR --out curve.png``.
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
     )
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--corpus", default=None)
+    ap.add_argument("--init-from", default=None, help="a run directory whose weights start this")
     ap.add_argument("--betas", type=float, nargs=2, default=defaults["betas"])
     for flag in ("resume", "compile"):
         ap.add_argument(f"--{flag}", action="store_true")
@@ -48,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> TrainConfig:
         help=f"held-out predictions per evaluation (default: {CUDA_EVAL_TOKENS} on CUDA, "
         f"{CPU_EVAL_TOKENS} on the CPU)",
     )
-    special = {"preset", "device", "corpus", "betas", "resume", "compile", "progress"}
+    special = {"preset", "device", "corpus", "init_from", "betas", "resume", "compile", "progress"}
     for name, value in defaults.items():
         if name in special or name == "eval_tokens":
             continue

@@ -19,6 +19,7 @@ RUN_ONLY = frozenset(
         "eval_tokens",
         "log_every",
         "max_shard_mb",
+        "init_from",  # checked by the checkpoint's weights instead
     }
 )
 
@@ -26,10 +27,16 @@ RUN_ONLY = frozenset(
 @dataclass(frozen=True)
 class TrainConfig:
     out: str
-    preset: str = "glm-10m"  # a preset name or a model config JSON
-    corpus: str | None = None  # corpus file (corpus.py); default: build OUT/corpus.u8 here
-    steps: int = 2000  # planned optimizer steps; 0: plan them from time_budget_s
-    time_budget_s: float = 0.0  # stop (checkpoint, export) when this invocation ran this long
+    preset: str = "glm-10m"  # a preset name, a model config JSON, or a Hugging Face config.json
+    # a byte corpus file (corpus.py; default: build OUT/corpus.u8 here) or a token directory
+    # (``python -m training.corpus``)
+    corpus: str | None = None
+    steps: int = 2000  # planned optimizer steps; 0: plan them from the budget
+    time_budget_s: float = 0.0  # stop when this invocation ran this long (see run_budget_s)
+    # the whole run's training time, over several invocations of time_budget_s each: steps are
+    # planned from it, and an invocation that runs out of its own budget checkpoints and
+    # returns (resume it) instead of ending the run; 0: the run is this one invocation
+    run_budget_s: float = 0.0
     batch_size: int = 32  # sequences per step
     seq_len: int = 1024  # tokens per sequence (each predicts the next)
     lr: float = 2e-3
@@ -40,6 +47,10 @@ class TrainConfig:
     grad_clip: float = 1.0
     dense_frac: float = 0.8  # share of planned steps with dense attention, then sparse
     index_loss_weight: float = 1.0  # λ of the indexer KL
+    kl_queries: int = 0  # queries per sequence the indexer KL is estimated on (0: all)
+    mtp_weight: float = 0.3  # the MTP layer's loss, trained jointly (real families)
+    balance_rate: float = 1e-3  # the routers' bias step (auxiliary-loss-free balancing)
+    init_from: str | None = None  # start from this training run's weights (a later phase)
     eval_every: int = 250  # held-out evaluation (sparse attention); 0: only at the end
     eval_tokens: int = 1 << 20  # held-out predictions per evaluation (at most)
     ckpt_every: int = 500  # 0: only at the end
@@ -55,6 +66,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.steps < 0 or (self.steps == 0 and self.time_budget_s <= 0):
             raise ValueError("steps=0 (planned from the budget) needs a time budget")
+        if self.run_budget_s and self.run_budget_s < self.time_budget_s:
+            raise ValueError("run_budget_s must cover at least one invocation's time_budget_s")
         if not 0.0 <= self.dense_frac <= 1.0:
             raise ValueError("dense_frac must lie in [0, 1]")
         if self.warmup < 1:

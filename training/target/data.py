@@ -1,9 +1,14 @@
-"""Training data from a corpus file: the train/held-out split, random training crops and the
-fixed held-out windows.
+"""Training data: the train / held-out token streams, random training crops and the fixed
+held-out windows, from either corpus a run can train on:
 
-The held-out part is the shortest run of whole files at the end of the corpus holding at
-least ``HELDOUT_FRAC`` of its bytes. Bytes are tokens (the byte tokenizer maps byte b to id b),
-except the file separator, which reads as ``<eos>``."""
+- a byte corpus file (``corpus.py``): bytes are tokens (the byte tokenizer maps byte b to id
+  b), except the file separator, which reads as ``<eos>``; the held-out part is the shortest
+  run of whole files at the end holding at least ``HELDOUT_FRAC`` of its bytes;
+- a token directory (``python -m training.corpus``): BPE tokens of whole documents, held-out
+  files apart from the start.
+
+Either way a ``TokenData`` holds int32 ids and the UTF-8 bytes each id stands for, so that a
+held-out loss reads in bits per byte whatever the tokenizer."""
 
 from __future__ import annotations
 
@@ -20,6 +25,39 @@ from training.target.corpus import SEPARATOR, meta_path
 
 HELDOUT_FRAC = 0.01
 EOS = ByteTokenizer().eos_token_id
+
+
+class TokenData(NamedTuple):
+    train: torch.Tensor  # [N] int32 token ids
+    heldout: torch.Tensor  # [M] int32, whole held-out files
+    byte_lengths: torch.Tensor  # [V] float32: the UTF-8 bytes each id stands for
+    sha256: str  # of the corpus (a resumed run must see the same)
+    heldout_files: int
+
+
+def load_token_data(path: str | Path) -> TokenData:
+    """A token directory (its ``tokens.json``) or a byte corpus file."""
+    path = Path(path)
+    if path.is_dir():
+        from training.corpus.tokens import load_tokens
+
+        tokens = load_tokens(path)
+        return TokenData(
+            tokens.train.to(torch.int32),
+            tokens.heldout.to(torch.int32),
+            torch.as_tensor(tokens.byte_lengths, dtype=torch.float32),
+            tokens.sha256,
+            tokens.heldout_files,
+        )
+    corpus = load_corpus(path)
+    ones = torch.ones(ByteTokenizer().vocab_size, dtype=torch.float32)  # the separator too
+    return TokenData(
+        to_tokens(corpus.train).to(torch.int32),
+        to_tokens(corpus.heldout).to(torch.int32),
+        ones,
+        corpus.sha256,
+        corpus.heldout_files,
+    )
 
 
 class Corpus(NamedTuple):
@@ -63,12 +101,14 @@ def to_tokens(raw: torch.Tensor) -> torch.Tensor:
 def sample_crops(
     stream: torch.Tensor, batch: int, length: int, gen: torch.Generator
 ) -> torch.Tensor:
-    """[batch, length] int64 tokens: random crops of ``stream`` (uint8, any device), their
+    """[batch, length] int64 tokens: random crops of ``stream`` (token ids, any device), their
     starts drawn from ``gen`` (a CPU generator: the same draws on every device)."""
+    if len(stream) < length:
+        raise ValueError(f"the training stream ({len(stream)} tokens) is shorter than {length}")
     starts = torch.randint(0, len(stream) - length + 1, (batch,), generator=gen)
     offs = torch.arange(length)
     idx = (starts.unsqueeze(1) + offs).to(stream.device)
-    return to_tokens(stream[idx])
+    return stream[idx].long()
 
 
 def heldout_windows(stream: torch.Tensor, length: int, max_tokens: int) -> torch.Tensor:
@@ -78,6 +118,6 @@ def heldout_windows(stream: torch.Tensor, length: int, max_tokens: int) -> torch
     step = length - 1
     n = min((len(stream) - 1) // step, max(1, max_tokens // step))
     if n < 1:
-        raise ValueError(f"held-out part ({len(stream)} bytes) is shorter than one window")
+        raise ValueError(f"held-out part ({len(stream)} tokens) is shorter than one window")
     idx = torch.arange(n).unsqueeze(1) * step + torch.arange(length)
-    return to_tokens(stream[idx.to(stream.device)])
+    return stream[idx.to(stream.device)].long()

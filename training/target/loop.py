@@ -30,7 +30,10 @@ def train(cfg: TrainConfig) -> Trainer:
     """Runs (or resumes) ``cfg``; returns the trainer with its model and history.
 
     ``time_budget_s`` counts from the first step of this invocation and covers the final
-    evaluation and export (estimated from the last evaluation's duration)."""
+    evaluation and export (estimated from the last evaluation's duration). With
+    ``run_budget_s`` the steps are planned from that, and an invocation that reaches its own
+    budget before the planned total checkpoints and returns (``stopped_by`` "time_budget",
+    no export): resume it to go on."""
     if cfg.steps == 0 and cfg.warmup < CALIBRATE[1]:
         raise ValueError(f"a budgeted run needs warmup >= {CALIBRATE[1]} steps to plan in")
     tr = Trainer(cfg)
@@ -53,7 +56,7 @@ def train(cfg: TrainConfig) -> Trainer:
         if cfg.time_budget_s and run_s + eval_s + _RESERVE_S >= cfg.time_budget_s:
             stopped_by = "time_budget"
             break
-        losses, lr, mode = tr.train_step()
+        losses, after, lr, mode = tr.train_step()
         step = tr.step
         bar.update(1)
         if tr.total is None and step >= CALIBRATE[0] and (not marks or step >= CALIBRATE[1]):
@@ -71,8 +74,8 @@ def train(cfg: TrainConfig) -> Trainer:
                 "step": step,
                 "mode": mode,
                 "loss": float(losses.loss),
-                "lm_loss": float(losses.lm_loss),
-                "idx_kl": float(losses.index_kl),
+                **{name: float(v) for name, v in losses.parts.items()},
+                **after,
                 "lr": lr,
                 "tokens": step * tr.tokens_per_step,
                 "elapsed": elapsed(),
@@ -92,7 +95,8 @@ def train(cfg: TrainConfig) -> Trainer:
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and not last:
             tr.checkpoint(elapsed())
     bar.close()
-    if stopped_by == "stop_at":
+    unfinished = cfg.run_budget_s and tr.total is not None and tr.step < tr.total
+    if stopped_by == "stop_at" or (stopped_by == "time_budget" and unfinished):
         tr.checkpoint(elapsed())
         return tr
     metrics = _log_eval(tr, elapsed())
@@ -123,14 +127,14 @@ def _plan(
     times = []
     for _ in range(2):
         t0 = _synced_time(tr)
-        tr.losses(crop, "sparse")
+        tr.losses(crop, "sparse", torch.Generator().manual_seed(cfg.seed + 2))
         times.append(_synced_time(tr) - t0)
     tr.opt.zero_grad(set_to_none=True)
     t0 = _synced_time(tr)
     _log_eval(tr, elapsed)
     eval_s = _synced_time(tr) - t0
     total = plan_steps(
-        cfg.time_budget_s * _PLAN_FILL,
+        (cfg.run_budget_s or cfg.time_budget_s) * _PLAN_FILL,
         time.perf_counter() - start,
         tr.step,
         dense_s,

@@ -1,5 +1,7 @@
-"""Draws a run's training curve from DIR/history.jsonl: training LM loss and held-out loss
-(nats/byte) against tokens seen, with the dense -> sparse switch marked.
+"""Draws a run's training curve from DIR/history.jsonl: on the left the training LM loss (and
+the MTP layer's, when it trains) and the held-out loss, in nats per token, against tokens
+seen, with the dense -> sparse switch marked; on the right the last evaluation's held-out bits
+per byte by position in the window (long context used reads as a falling line).
 
     python -m training.target.plot DIR --out curve.png
 """
@@ -8,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 from pathlib import Path
 
 from training.target.trainer import HISTORY_FILE
@@ -28,28 +29,36 @@ def plot(run_dir: str | Path, out: str | Path) -> Path:
     history = read_history(run_dir)
     train = [h for h in history if "lm_loss" in h]
     evals = [h for h in history if "eval_loss" in h]
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (ax, by_pos) = plt.subplots(1, 2, figsize=(12, 4.5), width_ratios=(2, 1))
+    tokens = [h["tokens"] for h in train]
     if train:
-        ax.plot([h["tokens"] for h in train], [h["lm_loss"] for h in train], lw=1, label="train")
+        ax.plot(tokens, [h["lm_loss"] for h in train], lw=1, label="train")
+    mtp = [h for h in train if "mtp_loss" in h]
+    if mtp:
+        ax.plot([h["tokens"] for h in mtp], [h["mtp_loss"] for h in mtp], lw=1, label="MTP (t+2)")
     if evals:
-        ax.plot(
-            [h["tokens"] for h in evals],
-            [h["eval_loss"] for h in evals],
-            "o-",
-            label="held-out (sparse)",
-        )
+        ax.plot([h["tokens"] for h in evals], [h["eval_loss"] for h in evals], "o-",
+                label="held-out (sparse)")  # fmt: skip
         last = evals[-1]
         ax.set_title(
-            f"{Path(run_dir).name}: held-out {last['eval_loss'] / math.log(2):.3f} bits/byte, "
+            f"{Path(run_dir).name}: held-out {last['eval_bpb']:.3f} bits/byte, "
             f"ppl {last['eval_ppl']:.2f}"
         )
+        buckets = last.get("eval_bpb_by_position", {})
+        if buckets:
+            names = list(buckets)
+            by_pos.plot(range(len(names)), [buckets[n] for n in names], "o-")
+            by_pos.set_xticks(range(len(names)), names, rotation=30)
     switch = next((h["tokens"] for h in train if h.get("mode") == "sparse"), None)
     if switch is not None:
         ax.axvline(switch, color="grey", ls="--", lw=1, label="dense -> sparse")
-    ax.set_xlabel("tokens (bytes)")
-    ax.set_ylabel("loss (nats/byte)")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats/token)")
     ax.grid(alpha=0.3)
     ax.legend()
+    by_pos.set_xlabel("position in the window")
+    by_pos.set_ylabel("held-out bits/byte")
+    by_pos.grid(alpha=0.3)
     fig.tight_layout()
     out = Path(out)
     fig.savefig(out, dpi=120)

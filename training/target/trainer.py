@@ -11,14 +11,9 @@ import json
 import platform
 from contextlib import AbstractContextManager, nullcontext
 from pathlib import Path
-from typing import NamedTuple
 
 import torch
 
-from services.worker.model.config import ModelConfig
-from services.worker.model.io import save_pretrained
-from services.worker.model.model import DSAModel
-from services.worker.model.presets import PRESETS, home_made
 from training.target.checkpoint import (
     CKPT_FILE,
     load_checkpoint,
@@ -28,21 +23,16 @@ from training.target.checkpoint import (
 )
 from training.target.config import TrainConfig
 from training.target.corpus import build_corpus
-from training.target.data import heldout_windows, load_corpus, sample_crops
+from training.target.data import heldout_windows, load_token_data, sample_crops
 from training.target.evaluate import heldout_metrics
-from training.target.forward import Mode, lm_loss, train_forward
+from training.target.family import Family, StepLosses, family_of
+from training.target.forward import Mode
 from training.target.schedule import Schedule
-from training.target.weights import init_for_training, param_groups
+from training.target.weights import param_groups
 
 HISTORY_FILE = "history.jsonl"
 MODEL_DIR = "model"
 _SHARD_HEADER_MARGIN = 1 << 16  # bytes kept free in each shard for its JSON header
-
-
-class StepLosses(NamedTuple):
-    loss: torch.Tensor  # [] detached, on the device (read it only when logging: a sync)
-    lm_loss: torch.Tensor
-    index_kl: torch.Tensor
 
 
 class Trainer:
@@ -59,17 +49,25 @@ class Trainer:
         corpus_path = Path(cfg.corpus) if cfg.corpus else self.out / "corpus.u8"
         if not cfg.corpus and not corpus_path.exists():
             build_corpus(corpus_path)
-        corpus = load_corpus(corpus_path)
-        self.corpus_sha256 = corpus.sha256
-        self.stream = corpus.train.to(self.device)  # uint8
+        data = load_token_data(corpus_path)
+        self.corpus_sha256 = data.sha256
+        self.stream = data.train.to(self.device)
+        self.byte_lengths = data.byte_lengths
         self.windows = heldout_windows(
-            corpus.heldout.to(self.device), cfg.seq_len + 1, cfg.eval_tokens
+            data.heldout.to(self.device), cfg.seq_len + 1, cfg.eval_tokens
         )
-        self.model = DSAModel(model_config(cfg.preset))
-        init_for_training(self.model, cfg.seed)
+        self.family: Family = family_of(
+            cfg.preset,
+            index_loss_weight=cfg.index_loss_weight,
+            **_mla_options(cfg),
+        )
+        self.model = self.family.build(cfg.seed)
+        if cfg.init_from:
+            self.model.load_state_dict(load_checkpoint(Path(cfg.init_from) / CKPT_FILE)["model"])
         self.model.to(device=self.device, dtype=torch.float32).train()
-        self.indexer_params = [p for n, p in self.model.named_parameters() if ".indexer." in n]
-        self.main_params = [p for n, p in self.model.named_parameters() if ".indexer." not in n]
+        named = list(self.model.named_parameters())
+        self.indexer_params = [p for n, p in named if ".indexer." in n]
+        self.main_params = [p for n, p in named if ".indexer." not in n]
         self.opt = torch.optim.AdamW(
             param_groups(self.model, cfg.weight_decay),
             lr=cfg.lr,
@@ -77,7 +75,8 @@ class Trainer:
             fused=self.device.type == "cuda",
         )
         self.gen = torch.Generator().manual_seed(cfg.seed)
-        self.forward = torch.compile(train_forward) if cfg.compile else train_forward
+        losses = self.family.losses
+        self._losses = torch.compile(losses) if cfg.compile else losses
         self.step = 0
         self.total: int | None = cfg.steps or None  # planned steps (None: not yet planned)
         self.history: list[dict] = []
@@ -107,18 +106,21 @@ class Trainer:
         return nullcontext()
 
     # ---- one step ---------------------------------------------------------------------------
-    def losses(self, crop: torch.Tensor, mode: Mode) -> StepLosses:
-        """Forward and backward of one batch ``crop`` [B, T+1]; gradients accumulate."""
+    def losses(
+        self, crop: torch.Tensor, mode: Mode, gen: torch.Generator | None = None
+    ) -> StepLosses:
+        """Forward and backward of one batch ``crop`` [B, T+1]; gradients accumulate. ``gen``
+        draws what the losses sample (the KL's queries); default: the run's generator."""
         with self.autocast():
-            out = self.forward(self.model, crop[:, :-1], mode)
-        lm = lm_loss(out.logits, crop[:, 1:])
-        loss = lm + self.cfg.index_loss_weight * out.index_kl
-        loss.backward()
-        return StepLosses(loss.detach(), lm.detach(), out.index_kl.detach())
+            out = self._losses(self.model, crop, mode, gen or self.gen)
+        out.loss.backward()
+        return StepLosses(out.loss.detach(), out.parts, out.aux)
 
-    def train_step(self) -> tuple[StepLosses, float, Mode]:
-        """Runs step ``self.step + 1``. The indexer (trained only by its KL) and the rest are
-        clipped separately, so that a burst in one loss does not shrink the other's update."""
+    def train_step(self) -> tuple[StepLosses, dict[str, float], float, Mode]:
+        """Runs step ``self.step + 1``; returns its losses, what the family logged after the
+        optimizer step, the learning rate and the attention mode. The indexer (trained only
+        by its KL) and the rest are clipped separately, so that a burst in one loss does not
+        shrink the other's update."""
         step = self.step + 1
         sched = self.schedule
         lr = sched.lr_at(step)
@@ -132,13 +134,23 @@ class Trainer:
             if params:
                 torch.nn.utils.clip_grad_norm_(params, self.cfg.grad_clip)
         self.opt.step()
+        after = self.family.after_step(self.model, losses.aux)
         self.step = step
-        return losses, lr, mode
+        return losses, after, lr, mode
 
-    def evaluate(self) -> dict[str, float]:
-        return heldout_metrics(
-            self.model, self.windows, self.cfg.batch_size, "sparse", self.autocast()
-        )
+    def evaluate(self) -> dict:
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            return heldout_metrics(
+                lambda tokens: self.family.logits(self.model, tokens),
+                self.windows,
+                self.byte_lengths,
+                self.cfg.batch_size,
+                self.autocast(),
+            )
+        finally:
+            self.model.train(was_training)
 
     # ---- bookkeeping --------------------------------------------------------------------------
     def log(self, record: dict) -> None:
@@ -183,9 +195,9 @@ class Trainer:
         """bf16 weights in shards of at most ``max_shard_mb``, plus ``training.json``."""
         model_dir = self.out / MODEL_DIR
         limit = int(self.cfg.max_shard_mb * 1e6) - _SHARD_HEADER_MARGIN
-        save_pretrained(self.model, model_dir, dtype=torch.bfloat16, max_shard_bytes=limit)
+        self.family.export(self.model, model_dir, limit)
         summary = {
-            "model": self.model.cfg.to_dict(),
+            "model": self.family.describe(self.model),
             "train": self.cfg.trajectory(),
             "params": sum(p.numel() for p in self.model.parameters()),
             "steps": self.step,
@@ -194,7 +206,8 @@ class Trainer:
             "tokens": self.step * self.tokens_per_step,
             "heldout_bits_per_byte": metrics["eval_bpb"],
             "heldout_perplexity": metrics["eval_ppl"],
-            "heldout_nats_per_byte": metrics["eval_loss"],
+            "heldout_nats_per_token": metrics["eval_loss"],
+            "heldout_bits_per_byte_by_position": metrics["eval_bpb_by_position"],
             "wall_time_s": elapsed,
             "device": device_name(self.device),
             "torch": torch.__version__,
@@ -206,10 +219,13 @@ class Trainer:
         return model_dir
 
 
-def model_config(spec: str) -> ModelConfig:
-    """A home-made preset's name or the path of a model config JSON (training.target trains
-    the home-made family only)."""
-    return home_made(spec) if spec in PRESETS else ModelConfig.load(spec)
+def _mla_options(cfg: TrainConfig) -> dict:
+    """The real families' training options (``MLAFamily``); the home-made family takes none."""
+    return {
+        "mtp_weight": cfg.mtp_weight,
+        "kl_queries": cfg.kl_queries or None,
+        "balance_rate": cfg.balance_rate,
+    }
 
 
 def device_name(device: torch.device) -> str:
