@@ -21,6 +21,8 @@ import numpy as np
 import torch
 
 from dhisparse.tokenizer import ByteTokenizer
+from training.corpus.bpe import token_byte_lengths
+from training.corpus.tokens import TOKENIZER_DIR, load_tokens
 from training.target.corpus import SEPARATOR, meta_path
 
 HELDOUT_FRAC = 0.01
@@ -39,15 +41,16 @@ def load_token_data(path: str | Path) -> TokenData:
     """A token directory (its ``tokens.json``) or a byte corpus file."""
     path = Path(path)
     if path.is_dir():
-        from training.corpus.tokens import load_tokens
-
         tokens = load_tokens(path)
+        splits = tokens.meta["splits"]
         return TokenData(
-            tokens.train.to(torch.int32),
-            tokens.heldout.to(torch.int32),
-            torch.as_tensor(tokens.byte_lengths, dtype=torch.float32),
-            tokens.sha256,
-            tokens.heldout_files,
+            tokens.train,
+            tokens.heldout,
+            torch.as_tensor(token_byte_lengths(path / TOKENIZER_DIR), dtype=torch.float32),
+            hashlib.sha256(
+                f"{splits['train']['sha256']}:{splits['heldout']['sha256']}".encode()
+            ).hexdigest(),
+            len(tokens.meta["heldout_files"]),
         )
     corpus = load_corpus(path)
     ones = torch.ones(ByteTokenizer().vocab_size, dtype=torch.float32)  # the separator too
