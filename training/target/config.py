@@ -66,8 +66,8 @@ class TrainConfig:
     def validate(self) -> None:
         if self.steps < 0 or (self.steps == 0 and self.time_budget_s <= 0):
             raise ValueError("steps=0 (planned from the budget) needs a time budget")
-        if self.run_budget_s and self.run_budget_s < self.time_budget_s:
-            raise ValueError("run_budget_s must cover at least one invocation's time_budget_s")
+        if self.run_budget_s and not self.time_budget_s:
+            raise ValueError("run_budget_s (a run of several invocations) needs time_budget_s")
         if not 0.0 <= self.dense_frac <= 1.0:
             raise ValueError("dense_frac must lie in [0, 1]")
         if self.warmup < 1:

@@ -95,7 +95,7 @@ def train(cfg: TrainConfig) -> Trainer:
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and not last:
             tr.checkpoint(elapsed())
     bar.close()
-    unfinished = cfg.run_budget_s and tr.total is not None and tr.step < tr.total
+    unfinished = cfg.run_budget_s and (tr.total is None or tr.step < tr.total)
     if stopped_by == "stop_at" or (stopped_by == "time_budget" and unfinished):
         tr.checkpoint(elapsed())
         return tr
@@ -135,7 +135,7 @@ def _plan(
     eval_s = _synced_time(tr) - t0
     total = plan_steps(
         (cfg.run_budget_s or cfg.time_budget_s) * _PLAN_FILL,
-        time.perf_counter() - start,
+        tr.elapsed_before + time.perf_counter() - start,
         tr.step,
         dense_s,
         times[-1],
