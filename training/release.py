@@ -14,13 +14,19 @@ transformers or serves with dhisparse, as small as the format allows.
 from __future__ import annotations
 
 import json
+import math
 import re
 import shutil
 from pathlib import Path
 
+import torch
+
 from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.fp8_writer import quantizes, write_fp8_checkpoint
 from services.worker.model.generation import GENERATION_CONFIG
+from services.worker.model.hf_config import parse_config, topology
+from services.worker.model.hf_export import checkpoint_tensors
+from services.worker.model.mla_decoder import FP32_PARAMS, MLADecoder
 from training.corpus.tokens import META, TOKENIZER_DIR
 from training.target.plot import plot
 from training.target.trainer import HISTORY_FILE
@@ -33,6 +39,33 @@ _WEIGHT = re.compile(r"(.+)\.weight$")
 def ragged(shape: tuple[int, ...]) -> bool:
     """Whether a weight has a dimension that is not a multiple of the FP8 block."""
     return any(d % FP8_BLOCK for d in shape)
+
+
+def stored_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int = 2) -> int:
+    """What one checkpoint tensor of the release weighs on disk: FP8 values with fp32 block
+    scales where the writer quantizes it and its blocks are whole; fp32 for the tensors kept
+    in fp32 (``weights_proj``, the router biases); else ``dtype_bytes`` per element."""
+    numel = math.prod(shape)
+    if quantizes(name, shape, "BF16") and not ragged(shape):
+        return numel + math.prod(-(-d // FP8_BLOCK) for d in shape) * 4
+    if name.endswith(FP32_PARAMS):
+        return numel * 4
+    return numel * dtype_bytes
+
+
+def release_bytes(config: dict) -> dict[str, int]:
+    """The bytes of the release of a model of ``config`` (a config.json dict): the target's
+    and its MTP layer's (built on the meta device: no weights needed)."""
+    cfg = parse_config(config)
+    with torch.device("meta"):
+        model = MLADecoder(cfg, topology(cfg, "size", mtp=cfg.mtp_layers > 0))
+    if model.mtp is not None:
+        model.tie_mtp_head()
+    mtp = f"model.layers.{cfg.num_layers}."
+    out = {"target": 0, "mtp": 0}
+    for name, t in checkpoint_tensors(model):
+        out["mtp" if name.startswith(mtp) else "target"] += stored_bytes(name, tuple(t.shape))
+    return out
 
 
 def write_release(

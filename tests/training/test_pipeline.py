@@ -27,8 +27,8 @@ from tests.model import hf_tiny
 from training.__main__ import main
 from training.corpus.documents import HELDOUT_MODULES
 from training.pipeline import RECORD, stages
-from training.recipe import MICRO
-from training.release import ragged
+from training.recipe import MICRO, SHIPPED
+from training.release import ragged, release_bytes
 
 EXTRA = ("json", "argparse.py")  # trained on, beside what is held out
 
@@ -111,3 +111,10 @@ def test_transformers_opens_it_and_its_greedy_tokens_are_the_engines(pipeline: P
             ), name
     finally:
         engine.close()
+
+
+def test_the_shipped_recipe_leaves_room_for_its_drafters() -> None:
+    """Target plus drafters within 32 MiB: the target and its MTP layer take at most 25 MiB."""
+    size = release_bytes(SHIPPED.config(eos_id=SHIPPED.tokenizer_vocab - 7, pad_id=0))
+    assert size["mtp"] > 0
+    assert size["target"] + size["mtp"] <= 25 << 20, size

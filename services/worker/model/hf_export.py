@@ -87,13 +87,13 @@ def checkpoint_tensors(model: MLADecoder) -> Iterator[tuple[str, torch.Tensor]]:
     ``shared_head.head`` when the layer's head is the target's head (or tied embedding); the
     loader ties them back (``hf_io.load_hf_model``)."""
     state = model.state_dict()
-    shared = _target_tensors(model)
+    shared = _shared_head(model)
     done: set[str] = set()
     for name in state:
         scale_of_a_weight = name.endswith(SCALE_SUFFIX) and name.removesuffix(SCALE_SUFFIX) in state
         if name in done or scale_of_a_weight:  # a weight's scales go with it
             continue
-        if name.startswith(_MTP) and state[name].data_ptr() in shared:
+        if name == shared:
             continue  # the target's head, shared by the MTP layer
         if _EXPERTS in name:
             prefix = name[: name.index(_EXPERTS) + len(_EXPERTS)]
@@ -107,10 +107,14 @@ def checkpoint_tensors(model: MLADecoder) -> Iterator[tuple[str, torch.Tensor]]:
             yield theirs + SCALE_SUFFIX, state[scale]
 
 
-def _target_tensors(model: MLADecoder) -> set[int]:
-    """Data pointers of the target's embedding and head: what an MTP layer may share."""
-    heads = [model.embed.weight] + ([] if model.lm_head is None else [model.lm_head.weight])
-    return {t.data_ptr() for t in heads}
+def _shared_head(model: MLADecoder) -> str | None:
+    """``mtp.shared_head.head.weight`` when that tensor is the target's head or tied
+    embedding (``tie_mtp_head``), else None."""
+    if model.mtp is None:
+        return None
+    head = model.mtp.shared_head.head.weight
+    targets = [model.embed.weight] + ([] if model.lm_head is None else [model.lm_head.weight])
+    return "mtp.shared_head.head.weight" if any(head is t for t in targets) else None
 
 
 def _layer_name(model: MLADecoder, ours: str) -> str:
