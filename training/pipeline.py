@@ -9,7 +9,10 @@ Stages (``out`` holds each one's directory):
 - one per phase of the recipe (``target-4k``, ``target-16k``): ``training.target`` on the
   recipe's config.json, steps planned from the phase's share of the recipe's training time,
   resumed across invocations; a later phase starts from the previous phase's weights;
-- ``release``: ``release/<name>``, the model directory that ships (``release``).
+- ``release``: ``release/<name>``, the model directory that ships (``release``);
+- one per drafter of the recipe (``dflash2``): ``training.drafter.train`` against the released
+  target on the corpus's training tokens, in one invocation of the drafter's seconds, into
+  ``release/<name>/drafters/<kind>``.
 
 ``pipeline.json`` in ``out`` records the stages done and the seconds each invocation spent."""
 
@@ -24,6 +27,8 @@ from typing import Any
 from training.corpus.bpe import eos_id
 from training.corpus.build import build as build_corpus
 from training.corpus.tokens import TOKENIZER_DIR
+from training.drafter.train import TrainConfig as DrafterTrainConfig
+from training.drafter.train import train as train_drafter
 from training.recipe import Phase, Recipe
 from training.release import write_release
 from training.target.checkpoint import CKPT_FILE
@@ -35,6 +40,7 @@ RECORD = "pipeline.json"
 CONFIG = "config.json"
 CORPUS = "corpus"
 RELEASE = "release"
+DRAFTERS = "drafters"  # in the release: one directory per drafter kind
 _MARGIN_S = 5.0  # kept free of an invocation's budget: start-up of a stage, the record
 
 
@@ -68,7 +74,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     for stage in stages(cfg.recipe):
         if stage in done:
             continue
-        if stage != CORPUS and left() < cfg.min_stage_s:
+        if stage != CORPUS and left() < max(cfg.min_stage_s, _needs(cfg.recipe, stage)):
             stopped_in = stage
             break
         if _run_stage(cfg, out, stage, left()):
@@ -85,7 +91,7 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
 
 
 def stages(recipe: Recipe) -> list[str]:
-    return [CORPUS, *(p.name for p in recipe.phases), RELEASE]
+    return [CORPUS, *(p.name for p in recipe.phases), RELEASE, *(d.kind for d in recipe.drafters)]
 
 
 def _run_stage(cfg: PipelineConfig, out: Path, stage: str, budget_s: float) -> bool:
@@ -106,12 +112,35 @@ def _run_stage(cfg: PipelineConfig, out: Path, stage: str, budget_s: float) -> b
         before = recipe.phases[i - 1].name if i else None
         tr = train(_phase_config(cfg, out, recipe.phases[i], budget_s, before))
         return tr.total is not None and tr.step >= tr.total
-    assert stage == RELEASE
-    runs = [out / p.name for p in recipe.phases]
-    write_release(
-        out / RELEASE / recipe.name, runs[-1] / MODEL_DIR, out / CORPUS, runs, recipe.name
+    release = out / RELEASE / recipe.name
+    if stage == RELEASE:
+        runs = [out / p.name for p in recipe.phases]
+        write_release(release, runs[-1] / MODEL_DIR, out / CORPUS, runs, recipe.name)
+        return True
+    (d,) = [d for d in recipe.drafters if d.kind == stage]
+    train_drafter(
+        DrafterTrainConfig(
+            target=str(release),
+            drafter=d.kind,
+            steps=1 << 40,
+            time_budget_s=d.seconds,
+            batch_size=d.batch_size,
+            seq_len=d.seq_len,
+            blocks_per_seq=d.blocks_per_seq,
+            lr=d.lr,
+            device=cfg.device,
+            corpus=str(out / CORPUS),
+            window=d.window,
+            out=str(release / DRAFTERS / d.kind),
+            progress=cfg.progress,
+        )
     )
     return True
+
+
+def _needs(recipe: Recipe, stage: str) -> float:
+    """The seconds a stage must be left to start: a drafter trains in one invocation."""
+    return next((d.seconds for d in recipe.drafters if d.kind == stage), 0.0)
 
 
 def _phase_config(

@@ -1,7 +1,8 @@
 """The shipped model's recipe: its architecture (a ``glm_moe_dsa`` config.json: GLM-5.2's
-IndexShare, MoE with a shared expert, one MTP layer) and how it is trained (a 4K phase, dense
-then sparse attention, then a short 16K phase so that the long contexts it serves are not pure
-extrapolation), as data the pipeline (``training.pipeline``) runs.
+IndexShare, MoE with a shared expert, one MTP layer trained jointly) and how it is trained (a
+4K phase, dense then sparse attention, then a short 16K phase so that the long contexts it
+serves are not pure extrapolation; then its block drafters against the released target), as
+data the pipeline (``training.pipeline``) runs.
 
 ``MICRO`` is the same recipe at a size a CPU trains in seconds (the pipeline's tests)."""
 
@@ -31,6 +32,20 @@ class Phase:
 
 
 @dataclass(frozen=True)
+class DrafterRecipe:
+    """A drafter trained against the released target (``training.drafter.train``), within
+    ``seconds`` of one invocation."""
+
+    kind: str
+    seconds: float
+    seq_len: int
+    batch_size: int
+    window: int
+    blocks_per_seq: int
+    lr: float = 1e-3
+
+
+@dataclass(frozen=True)
 class Recipe:
     name: str
     vocab_size: int  # the model's rows: the tokenizer's ids plus VOCAB_PAD
@@ -39,6 +54,7 @@ class Recipe:
     target_s: float  # training time of the target, over its phases
     eval_tokens: int  # held-out predictions per evaluation
     eval_every: int
+    drafters: tuple[DrafterRecipe, ...] = ()
     max_shard_mb: float = 15.0
 
     @property
@@ -86,6 +102,7 @@ SHIPPED = Recipe(
     target_s=1500.0,
     eval_tokens=1 << 20,
     eval_every=500,
+    drafters=(DrafterRecipe("dflash2", 300.0, 1024, 16, 256, 32),),
 )
 
 MICRO = Recipe(
@@ -115,6 +132,7 @@ MICRO = Recipe(
     target_s=12.0,
     eval_tokens=1024,
     eval_every=0,
+    drafters=(DrafterRecipe("dflash2", 3.0, 64, 2, 32, 8),),
 )
 
 RECIPES = {r.name: r for r in (SHIPPED, MICRO)}

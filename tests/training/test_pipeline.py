@@ -2,8 +2,8 @@
 a size the CPU trains in seconds): invocations of a small budget each go on where the last
 stopped until every stage is done; the release directory is FP8 where the blocks are whole
 (the rest bf16 and named in ``modules_to_not_convert``), transformers opens it unmodified with
-only the MTP layer's keys unexpected, and its greedy tokens equal the engine's on prompts of
-held-out files."""
+only the MTP layer's keys unexpected, and its greedy tokens equal the engine's, speculating
+with the trained DFlash2 drafter, on prompts of held-out files."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.model.checkpoint import Checkpoint
+from services.worker.speculative.config import SpeculationConfig
 from tests.model import hf_tiny
 from training.__main__ import main
 from training.corpus.documents import HELDOUT_MODULES
@@ -82,6 +83,8 @@ def test_the_release_is_fp8_where_blocks_are_whole(pipeline: Path) -> None:
     assert "model.layers.1.self_attn.kv_a_proj_with_mqa" in kept
     assert all(not ckpt.is_fp8(f"{m}.weight") for m in kept)
     ckpt.close()
+    drafter = json.loads((release / "drafters" / "dflash2" / "drafter.json").read_text())
+    assert drafter["kind"] == "dflash2" and drafter["vocab_size"] == config["vocab_size"]
     generation = json.loads((release / "generation_config.json").read_text())
     assert generation["eos_token_id"][0] == config["eos_token_id"]
 
@@ -100,7 +103,10 @@ def test_transformers_opens_it_and_its_greedy_tokens_are_the_engines(pipeline: P
     corpus = json.loads((release / "corpus.json").read_text())
     tokenizer = load_tokenizer(release)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    engine = Engine(EngineConfig(model=str(release), dtype="float32", kv_pool_mib=64))
+    drafter = SpeculationConfig(drafter=str(release / "drafters" / "dflash2"), width=4)
+    engine = Engine(
+        EngineConfig(model=str(release), dtype="float32", kv_pool_mib=64, speculation=drafter)
+    )
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     try:
         for name in corpus["heldout_files"][:3]:

@@ -19,6 +19,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.model import DSAModel
+from training.corpus.tokens import META, load_tokens
 from training.target.corpus import meta_path
 from training.target.data import load_corpus, to_tokens
 
@@ -26,11 +27,14 @@ from training.target.data import load_corpus, to_tokens
 def corpus_tokens(path: str | None = None, max_bytes: int = 4 << 20) -> torch.Tensor:
     """[T] int64 byte tokens of a text file or of a directory's ``*.py``/``*.txt``/``*.md``
     files in sorted order, or the training part of a packed corpus (``training.target.
-    corpus``); default: the Python standard library's own sources (always there, offline). At
-    most ``max_bytes`` bytes."""
+    corpus``), or the BPE tokens of a token directory's training part (``training.corpus``;
+    then ``max_bytes`` counts tokens); default: the Python standard library's own sources
+    (always there, offline). At most ``max_bytes`` bytes."""
     root = Path(path) if path else Path(sysconfig.get_paths()["stdlib"])
     if root.is_file() and meta_path(root).exists():  # a packed corpus: its training part
         return to_tokens(load_corpus(root).train[:max_bytes])
+    if (root / META).is_file():  # a token directory (BPE): its training part
+        return load_tokens(root).train[:max_bytes].long()
     if root.is_file():
         files = [root]
     else:
