@@ -48,6 +48,10 @@ format: $(STAMP)
 tools:
 	@PYTHON=$(PYTHON) scripts/test-tools
 
+# Two workers, a test file each at a time (module fixtures stay in one process): the suite's
+# servers and subprocesses wait on each other as much as they compute.
+PYTEST_ARGS ?= -n 2 --dist loadfile
+
 test: tools $(STAMP) proto-check lint
 	PATH="$(abspath $(BIN)):$$PATH" $(BIN)/python -m pytest -q $(PYTEST_ARGS)
 
