@@ -31,10 +31,9 @@ from training.drafter.train import TrainConfig as DrafterTrainConfig
 from training.drafter.train import train as train_drafter
 from training.recipe import Phase, Recipe
 from training.release import write_release
-from training.target.checkpoint import CKPT_FILE
+from training.target.checkpoint import CKPT_FILE, MODEL_DIR
 from training.target.config import TrainConfig
 from training.target.loop import train
-from training.target.trainer import MODEL_DIR
 
 RECORD = "pipeline.json"
 CONFIG = "config.json"

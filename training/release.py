@@ -28,8 +28,8 @@ from services.worker.model.hf_config import parse_config, topology
 from services.worker.model.hf_export import checkpoint_tensors
 from services.worker.model.mla_decoder import FP32_PARAMS, MLADecoder
 from training.corpus.tokens import META, TOKENIZER_DIR
+from training.target.checkpoint import HISTORY_FILE
 from training.target.plot import plot
-from training.target.trainer import HISTORY_FILE
 
 FP8_BLOCK = 128
 STOP_ROLES = ("<|user|>", "<|observation|>")  # a turn ends where the next one begins

@@ -171,7 +171,7 @@ def _supervise(procs: list, stopping: list[float]) -> int:
     """Waits for the group to end: rank 0's own exit (its work done, or stopped), or any
     rank's death (the rest are stopped)."""
     while True:
-        wait([p.sentinel for p in procs], timeout=0.5)
+        wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
         done = [r for r, p in enumerate(procs) if p.exitcode is not None]
         if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
             log.warning("the group did not stop within %.0f s: killing it", STOP_GRACE_S)
@@ -182,7 +182,7 @@ def _supervise(procs: list, stopping: list[float]) -> int:
             # rank 0 is done and has released the followers: they end on their own
             deadline = time.monotonic() + STOP_GRACE_S
             while time.monotonic() < deadline and any(p.exitcode is None for p in procs):
-                wait([p.sentinel for p in procs], timeout=0.5)
+                wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
             codes = [p.exitcode for p in procs]
             return procs[0].exitcode if all(c == 0 for c in codes[1:]) else 1
         first = done[0]

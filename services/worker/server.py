@@ -77,17 +77,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
 
     async def GetLoad(self, request: pb.LoadRequest, context: grpc.aio.ServicerContext):
+        """The worker's load for the gateway's admission: under data-parallel attention the
+        whole group's (every rank its own seats and KV pool; free bytes as the ranks last
+        reported them; required and optional bytes: this rank's), as requests run and wait
+        across it."""
         eng = self.engine.engine
         mem = eng.kv.memory()
+        ranks = eng.serving_ranks
         return pb.LoadResponse(
             worker_id=self.worker_id,
             num_running=eng.num_running,
             num_waiting=eng.num_waiting,
-            max_num_seqs=eng.cfg.max_num_seqs,
-            kv_capacity_bytes=mem.capacity - eng.kv.fixed_bytes(),
+            max_num_seqs=eng.cfg.max_num_seqs * ranks,
+            kv_capacity_bytes=(mem.capacity - eng.kv.fixed_bytes()) * ranks,
             kv_required_bytes=mem.required,
             kv_optional_bytes=mem.optional,
-            kv_free_bytes=mem.free,
+            kv_free_bytes=mem.free + eng.others_free_bytes(),
             mode=eng.kv.mode,
         )
 

@@ -105,6 +105,10 @@ def test_group_serves_one_process_tokens_and_stops_on_sigterm(
 ) -> None:
     with group(tmp_path, "--mode", "adaptive", *layout) as (proc, stub, log):
         assert _generate(stub, "r1", 16) == _offline(16, "adaptive")
+        # the gateway admits against the group: each DP rank brings its own seats and pool
+        load = stub.GetLoad(pb.LoadRequest(), timeout=10)
+        assert load.max_num_seqs == 4 * (2 if layout else 1)
+        assert load.kv_free_bytes > 0 and load.kv_capacity_bytes >= load.kv_free_bytes
         pids = _rank_pids(log)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)

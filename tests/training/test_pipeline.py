@@ -129,7 +129,7 @@ def test_transformers_opens_it_and_its_greedy_tokens_are_the_engines(pipeline: P
         logits = logits[len(prompt) - 1 :]
         chosen = logits.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)
         gap = logits.max(dim=-1).values - chosen
-        assert float(gap.max()) <= 1e-4 * float(logits.abs().max()), gap
+        assert float(gap.max()) <= 1e-3 * float(logits.abs().max()), gap
 
 
 def test_the_shipped_recipe_leaves_room_for_its_drafters() -> None:

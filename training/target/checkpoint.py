@@ -11,6 +11,8 @@ from typing import Any
 import torch
 
 CKPT_FILE = "ckpt.pt"
+HISTORY_FILE = "history.jsonl"  # beside it: one JSON record per logged step and evaluation
+MODEL_DIR = "model"  # beside it: the exported weights of a finished run
 
 
 def rng_state(data_gen: torch.Generator) -> dict[str, Any]:

@@ -45,7 +45,6 @@ def train(cfg: TrainConfig) -> Trainer:
     bar = tqdm(total=tr.total, initial=tr.step, disable=not cfg.progress, desc="train", unit="step")
     marks: dict[int, float] = {}
     stopped_by = "steps"
-    eval_s = 0.0  # duration of the last evaluation
     while True:
         if tr.total is not None and tr.step >= tr.total:
             break
@@ -53,7 +52,7 @@ def train(cfg: TrainConfig) -> Trainer:
             stopped_by = "stop_at"
             break
         run_s = time.perf_counter() - start
-        if cfg.time_budget_s and run_s + eval_s + _RESERVE_S >= cfg.time_budget_s:
+        if cfg.time_budget_s and run_s + tr.eval_s + _RESERVE_S >= cfg.time_budget_s:
             stopped_by = "time_budget"
             break
         losses, after, lr, mode = tr.train_step()
@@ -63,8 +62,8 @@ def train(cfg: TrainConfig) -> Trainer:
             # From the first step past CALIBRATE[0] (a resumed run may start later); a sync
             # only at the two ends, so that the steps between overlap host and device as usual.
             marks[step] = _synced_time(tr)
-            if step >= CALIBRATE[1]:
-                tr.total, eval_s, plan = _plan(tr, marks, start, elapsed())
+            if step >= CALIBRATE[1] and len(marks) > 1:
+                tr.total, tr.eval_s, plan = _plan(tr, marks, start, elapsed())
                 bar.total = tr.total
                 bar.write(json.dumps(plan))
         last = step == tr.total
@@ -91,7 +90,7 @@ def train(cfg: TrainConfig) -> Trainer:
         if cfg.eval_every and step % cfg.eval_every == 0 and not last:
             t0 = _synced_time(tr)
             _log_eval(tr, elapsed())
-            eval_s = _synced_time(tr) - t0
+            tr.eval_s = _synced_time(tr) - t0
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and not last:
             tr.checkpoint(elapsed())
     bar.close()

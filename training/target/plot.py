@@ -12,7 +12,7 @@ import argparse
 import json
 from pathlib import Path
 
-from training.target.trainer import HISTORY_FILE
+from training.target.checkpoint import HISTORY_FILE
 
 
 def read_history(run_dir: str | Path) -> list[dict]:

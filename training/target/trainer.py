@@ -16,6 +16,8 @@ import torch
 
 from training.target.checkpoint import (
     CKPT_FILE,
+    HISTORY_FILE,
+    MODEL_DIR,
     load_checkpoint,
     restore_rng,
     rng_state,
@@ -30,8 +32,6 @@ from training.target.forward import Mode
 from training.target.schedule import Schedule
 from training.target.weights import param_groups
 
-HISTORY_FILE = "history.jsonl"
-MODEL_DIR = "model"
 _SHARD_HEADER_MARGIN = 1 << 16  # bytes kept free in each shard for its JSON header
 
 
@@ -81,6 +81,7 @@ class Trainer:
         self.total: int | None = cfg.steps or None  # planned steps (None: not yet planned)
         self.history: list[dict] = []
         self.elapsed_before = 0.0  # training wall time of earlier invocations
+        self.eval_s = 0.0  # how long the last evaluation took (what a budget keeps for one)
         if cfg.resume:
             self.restore()
         else:
@@ -162,7 +163,7 @@ class Trainer:
         state = {
             "model": self.model.state_dict(),
             "optimizer": self.opt.state_dict(),
-            "schedule": {"total": self.total, "warmup": self.schedule.warmup},
+            "schedule": {"total": self.total, "eval_s": self.eval_s},
             "step": self.step,
             "rng": rng_state(self.gen),
             "history": self.history,
@@ -184,6 +185,7 @@ class Trainer:
         self.model.load_state_dict(state["model"])
         self.opt.load_state_dict(state["optimizer"])
         self.total = state["schedule"]["total"]
+        self.eval_s = state["schedule"]["eval_s"]
         self.step = state["step"]
         restore_rng(state["rng"], self.gen)
         self.history = state["history"]

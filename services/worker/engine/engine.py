@@ -312,6 +312,16 @@ class Engine:
         others = self.placement.others_waiting if self.placement is not None else 0
         return len(self.scheduler.waiting) + others
 
+    @property
+    def serving_ranks(self) -> int:
+        """The ranks that each serve their own requests: the group under data-parallel
+        attention (each with this rank's seats and KV capacity), else one."""
+        return len(self.placement.loads) if self.placement is not None else 1
+
+    def others_free_bytes(self) -> int:
+        """The other serving ranks' free KV bytes (data-parallel attention; else 0)."""
+        return self.placement.others_free_bytes if self.placement is not None else 0
+
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round: one pass over the step's prefill chunks (at most

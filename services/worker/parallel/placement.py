@@ -75,3 +75,8 @@ class Placement:
     def others_waiting(self) -> int:
         """Waiting requests of the ranks other than 0: reported, and placed since."""
         return sum(load.waiting for load in self.loads[1:]) + sum(self._placed[1:])
+
+    @property
+    def others_free_bytes(self) -> int:
+        """The other ranks' free KV bytes, as they last reported them."""
+        return sum(load.kv_free_bytes for load in self.loads[1:])
