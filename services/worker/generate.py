@@ -30,7 +30,9 @@ def main(args: argparse.Namespace) -> int:
     from services.worker.engine.engine import Engine
     from services.worker.parallel.layout import LayoutError
 
-    settings = settings_from_args(args)
+    # offline generation keeps its host backups in this process: the node's store is for
+    # serving workers (and a group's ranks must agree on it: ``group.follow``)
+    settings = settings_from_args(args).model_copy(update={"kv_store": ""})
     try:
         if settings.tensor_parallel_size > 1:
             from services.worker.group import launch

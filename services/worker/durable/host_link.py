@@ -100,8 +100,14 @@ class HostLink:
 
     def maintain(self, engine: Engine) -> None:
         """Between engine steps (engine thread): re-attaches to a restarted store once nothing
-        holds regions of the old arena."""
+        holds regions of the old arena. A group of ranks does not: each rank holds its own
+        mapping of the arena, and rank 0 alone remapping would write where the others no longer
+        read; the group goes on in the old arena, unhealthy, for its supervisor (Kubernetes,
+        ``up``) to restart it onto the new one."""
         if self.state != "restarted" or self.backups.slots:
+            return
+        if engine.lockstep is not None:
+            self.problem = "the store restarted under a group of ranks: restart the worker"
             return
         try:
             info, mapping = self.client.map_arena()
