@@ -13,9 +13,7 @@ other sources' regions, the other workers' and the session state. Policies:
   group's *extents*, ``extent_bytes`` ranges taken from the arena by best fit and given back
   when their last region goes. A launch then reads from about its group's live bytes. When
   no extent of the group has room and the arena has no free extent left, the region goes into
-  any extent with room; a region that no extent and no free range outside them can hold is
-  refused even where ``packed`` would place it across an extent's edge (free space split
-  between extents: the price of grouping, which the capacity plan's headroom covers).
+  any extent with room: grouping never refuses what ``packed`` would place.
 - ``scattered``: each region at a uniformly random free slot of its size: the spread a
   long-running, fragmented arena reaches, to measure against.
 

@@ -102,3 +102,20 @@ def tiny_run(out: Path, corpus: Path, **overrides) -> TrainConfig:
         progress=False,
     )
     return replace(cfg, **overrides)
+
+
+def open_in_transformers(path: Path) -> torch.nn.Module:
+    """The model directory as transformers 5.17 opens it (fp32, eval), having checked that it
+    loads unmodified: nothing missing or mismatched, and only the MTP layer's keys (layer N of
+    config.json's N main layers) unexpected."""
+    from transformers import AutoModelForCausalLM
+
+    model, info = AutoModelForCausalLM.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    layers = json_module.loads((Path(path) / "config.json").read_text())["num_hidden_layers"]
+    assert not info["missing_keys"] and not info["mismatched_keys"], info
+    assert info["unexpected_keys"] and all(
+        k.startswith(f"model.layers.{layers}.") for k in info["unexpected_keys"]
+    ), info["unexpected_keys"]
+    return model.eval()

@@ -6,20 +6,18 @@ ours; the engine loads it with its MTP layer, the head tied to the target's."""
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
 
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model import load_model
 from services.worker.model.mla_decoder import MLADecoder
 from tests.model import hf_tiny
-from tests.training.helpers import small_corpus, tiny_run
+from tests.training.helpers import open_in_transformers, small_corpus, tiny_run
 from tests.worker.helpers import run_chunks
 from training.target.loop import train
 
@@ -62,16 +60,9 @@ def test_the_export_opens_in_transformers_and_gives_our_logits(trained) -> None:
     assert drafting.lm_head is not None
     assert drafting.mtp.shared_head.head.weight is drafting.lm_head.weight
     ours = load_model(path, dtype=torch.float32)
-    theirs, info = AutoModelForCausalLM.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
-    assert not info["missing_keys"] and not info["mismatched_keys"]
-    assert info["unexpected_keys"] and all(
-        k.startswith(f"model.layers.{layers}.") for k in info["unexpected_keys"]
-    )
+    theirs = open_in_transformers(path)
     ids = torch.randint(0, hf_tiny.VOCAB, (40,), generator=torch.Generator().manual_seed(3))
-    want = hf_tiny.reference_logits(theirs.eval(), ids)
+    want = hf_tiny.reference_logits(theirs, ids)
     kv = KVCache(ours.cfg, KVCacheConfig(kv_pool_bytes=8 << 20, max_slots=1, max_model_len=64))
     with torch.no_grad():
         got = ours.logits(run_chunks(ours, kv, ids, [40]))

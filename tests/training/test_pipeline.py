@@ -17,7 +17,6 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from transformers import AutoModelForCausalLM
 
 from dhisparse.tokenizer import load_tokenizer
 from services.worker.engine.config import EngineConfig
@@ -26,6 +25,7 @@ from services.worker.engine.request import SamplingParams
 from services.worker.model.checkpoint import Checkpoint
 from services.worker.speculative.config import SpeculationConfig
 from tests.model import hf_tiny
+from tests.training.helpers import open_in_transformers
 from training.__main__ import main
 from training.corpus.documents import HELDOUT_MODULES
 from training.pipeline import RECORD, stages
@@ -95,14 +95,7 @@ def test_the_release_is_fp8_where_blocks_are_whole(pipeline: Path) -> None:
 def test_transformers_opens_it_and_its_greedy_tokens_are_the_engines(pipeline: Path) -> None:
     release = pipeline / "release" / MICRO.name
     transformers.logging.set_verbosity_error()
-    theirs, info = AutoModelForCausalLM.from_pretrained(
-        release, dtype=torch.float32, output_loading_info=True
-    )
-    layers = json.loads((release / "config.json").read_text())["num_hidden_layers"]
-    assert not info["missing_keys"] and not info["mismatched_keys"]
-    assert info["unexpected_keys"] and all(
-        k.startswith(f"model.layers.{layers}.") for k in info["unexpected_keys"]
-    )
+    theirs = open_in_transformers(release)
     corpus = json.loads((release / "corpus.json").read_text())
     tokenizer = load_tokenizer(release)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
@@ -125,7 +118,7 @@ def test_transformers_opens_it_and_its_greedy_tokens_are_the_engines(pipeline: P
     for prompt, out in zip(prompts, outputs[True], strict=True):
         # each token transformers' argmax, up to fp32 rounding: a barely trained model has
         # near-ties, which FP8 matmuls in another order may break the other way
-        logits = hf_tiny.reference_logits(theirs.eval(), torch.tensor(prompt + out[:-1]))
+        logits = hf_tiny.reference_logits(theirs, torch.tensor(prompt + out[:-1]))
         logits = logits[len(prompt) - 1 :]
         chosen = logits.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)
         gap = logits.max(dim=-1).values - chosen
