@@ -1,0 +1,65 @@
+"""The MLA training forward on a GPU, at the shipped recipe's dimensions, as the H200 trains it:
+bf16 autocast through the fused SDPA kernels (flash or memory-efficient only, so a fallback to
+the math kernel fails) gives fp32's logits, MTP logits and indexer KL within bf16 rounding, and
+at T = 4096 both attention modes run forward and backward with every gradient finite, the
+indexer's KL on sampled queries and on all of them."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from training.recipe import SHIPPED
+from training.target.family import MLAFamily
+from training.target.forward import lm_loss
+from training.target.mla_forward import mla_train_forward
+
+pytestmark = pytest.mark.gpu
+FUSED = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+@pytest.fixture(scope="module")
+def model():
+    family = MLAFamily(SHIPPED.config(eos_id=SHIPPED.tokenizer_vocab - 7, pad_id=0))
+    return family.build(seed=0).to("cuda")
+
+
+def _tokens(b: int, t: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, SHIPPED.tokenizer_vocab, (b, t), generator=g).to("cuda")
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got.float() - want).abs().max() / want.abs().max())
+
+
+def test_bf16_autocast_in_fused_kernels_gives_fp32s_outputs(model) -> None:
+    with torch.no_grad():  # the tied embedding starts N(0, 1/d): the logits are not zero
+        tokens = _tokens(2, 1024, 1)  # > index_topk: sparse selects
+        for mode in ("dense", "sparse"):
+            ref = mla_train_forward(model, tokens, mode)
+            with torch.autocast("cuda", torch.bfloat16), sdpa_kernel(FUSED):
+                low = mla_train_forward(model, tokens, mode)
+            assert _rel(low.logits, ref.logits) < 3e-2, mode
+            assert _rel(low.mtp_logits, ref.mtp_logits) < 3e-2, mode
+            assert abs(float(low.index_kl) - float(ref.index_kl)) < 3e-2 * float(ref.index_kl)
+
+
+@pytest.mark.parametrize("mode", ["dense", "sparse"])
+@pytest.mark.parametrize("kl_queries", [256, None])
+def test_a_4k_step_backpropagates_finite_gradients(model, mode: str, kl_queries) -> None:
+    model.zero_grad(set_to_none=True)
+    tokens = _tokens(2, 4097, 2)
+    gen = torch.Generator().manual_seed(3)
+    with torch.autocast("cuda", torch.bfloat16), sdpa_kernel(FUSED):
+        out = mla_train_forward(model, tokens[:, :-1], mode, kl_queries=kl_queries, gen=gen)
+        loss = (
+            lm_loss(out.logits, tokens[:, 1:])
+            + 0.3 * lm_loss(out.mtp_logits, tokens[:, 2:])
+            + out.index_kl
+        )
+    loss.backward()
+    assert torch.isfinite(loss)
+    for name, p in model.named_parameters():
+        assert p.grad is not None and bool(torch.isfinite(p.grad).all()), name
