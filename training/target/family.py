@@ -9,8 +9,8 @@ held-out logits and how its weights ship.
   (trained jointly, weighted ``mtp_weight``) and DeepSeek-V3's auxiliary-loss-free expert
   balancing after each step; shipped as a Hugging Face checkpoint (``hf_export``).
 
-``family_of(spec)`` picks one: a home-made preset name or config JSON, or a JSON whose
-``model_type`` is a real family's."""
+``family_of(cfg)`` picks one from ``cfg.preset``: a home-made preset name or config JSON, or a
+JSON whose ``model_type`` is a real family's."""
 
 from __future__ import annotations
 
@@ -30,6 +30,7 @@ from services.worker.model.io import save_pretrained
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel
 from services.worker.model.presets import PRESETS, home_made
+from training.target.config import TrainConfig
 from training.target.forward import Mode, lm_loss, train_forward
 from training.target.mla_forward import mla_train_forward
 from training.target.mla_moe import update_expert_bias
@@ -175,13 +176,17 @@ class MLAFamily:
         save_hf_checkpoint(shipped, out, config, max_shard_bytes=max_shard_bytes)
 
 
-def family_of(spec: str, **options: Any) -> Family:
-    """The family of a home-made preset name, or of a config JSON: a real family's when its
-    ``model_type`` is one (``options``: ``MLAFamily``'s fields), else the home-made format.
-    ``index_loss_weight`` applies to both."""
+def family_of(cfg: TrainConfig) -> Family:
+    """The family of ``cfg.preset``: a home-made preset name, or a config JSON — a real
+    family's when its ``model_type`` is one, else the home-made format — with the run's loss
+    weights and options."""
+    spec, weight = cfg.preset, cfg.index_loss_weight
     if spec in PRESETS:
-        return HomeMade(home_made(spec), options.get("index_loss_weight", 1.0))
+        return HomeMade(home_made(spec), weight)
     raw = json.loads(Path(spec).read_text())
-    if raw.get("model_type") in REAL_FAMILIES:
-        return MLAFamily(raw, name=Path(spec).stem, **options)
-    return HomeMade(ModelConfig.load(spec), options.get("index_loss_weight", 1.0))
+    if raw.get("model_type") not in REAL_FAMILIES:
+        return HomeMade(ModelConfig.load(spec), weight)
+    return MLAFamily(
+        raw, name=Path(spec).stem, index_loss_weight=weight, mtp_weight=cfg.mtp_weight,
+        kl_queries=cfg.kl_queries or None, balance_rate=cfg.balance_rate,
+    )  # fmt: skip

@@ -94,8 +94,8 @@ def train(cfg: TrainConfig) -> Trainer:
         if cfg.ckpt_every and step % cfg.ckpt_every == 0 and not last:
             tr.checkpoint(elapsed())
     bar.close()
-    unfinished = cfg.run_budget_s and (tr.total is None or tr.step < tr.total)
-    if stopped_by == "stop_at" or (stopped_by == "time_budget" and unfinished):
+    # a budget stop comes before the planned total: with a run budget, a later call goes on
+    if stopped_by == "stop_at" or (stopped_by == "time_budget" and cfg.run_budget_s):
         tr.checkpoint(elapsed())
         return tr
     metrics = _log_eval(tr, elapsed())

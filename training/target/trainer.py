@@ -56,11 +56,7 @@ class Trainer:
         self.windows = heldout_windows(
             data.heldout.to(self.device), cfg.seq_len + 1, cfg.eval_tokens
         )
-        self.family: Family = family_of(
-            cfg.preset,
-            index_loss_weight=cfg.index_loss_weight,
-            **_mla_options(cfg),
-        )
+        self.family: Family = family_of(cfg)
         self.model = self.family.build(cfg.seed)
         if cfg.init_from:
             self.model.load_state_dict(load_checkpoint(Path(cfg.init_from) / CKPT_FILE)["model"])
@@ -219,15 +215,6 @@ class Trainer:
         }
         (self.out / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
         return model_dir
-
-
-def _mla_options(cfg: TrainConfig) -> dict:
-    """The real families' training options (``MLAFamily``); the home-made family takes none."""
-    return {
-        "mtp_weight": cfg.mtp_weight,
-        "kl_queries": cfg.kl_queries or None,
-        "balance_rate": cfg.balance_rate,
-    }
 
 
 def device_name(device: torch.device) -> str:
