@@ -41,6 +41,11 @@ def main(argv: list[str] | None = None) -> int:
         default=45.0,
         help="a training stage left less time than this waits for the next call",
     )
+    r.add_argument("--target-s", type=float, default=None,
+                   help="the target's training time over its phases (default: the recipe's); "
+                   "fixed by the run's first invocation")
+    r.add_argument("--drafter-s", type=float, default=None,
+                   help="each drafter's training time (default: the recipe's)")
     r.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     cfg = PipelineConfig(
@@ -51,6 +56,8 @@ def main(argv: list[str] | None = None) -> int:
         progress=not a.no_progress,
         corpus_roots=tuple(a.root) if a.root else None,
         min_stage_s=a.min_stage_s,
+        target_s=a.target_s,
+        drafter_s=a.drafter_s,
     )
     print(json.dumps(run(cfg)))
     return 0

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +52,17 @@ class PipelineConfig:
     progress: bool = True
     corpus_roots: tuple[str, ...] | None = None  # default: this Python's stdlib and packages
     min_stage_s: float = 45.0  # a training stage left less than this waits for the next call
+    target_s: float | None = None  # the target's training time; default: the recipe's
+    drafter_s: float | None = None  # each drafter's training time; default: the recipe's
+
+    def effective_recipe(self) -> Recipe:
+        """The recipe with this run's training times."""
+        r = self.recipe
+        if self.target_s is not None:
+            r = replace(r, target_s=self.target_s)
+        if self.drafter_s is not None:
+            r = replace(r, drafters=tuple(replace(d, seconds=self.drafter_s) for d in r.drafters))
+        return r
 
 
 def run(cfg: PipelineConfig) -> dict[str, Any]:
@@ -64,6 +75,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
     record.setdefault("recipe", cfg.recipe.name)
     if record["recipe"] != cfg.recipe.name:
         raise ValueError(f"{out} holds recipe {record['recipe']!r}, not {cfg.recipe.name!r}")
+    recipe = cfg.effective_recipe()
+    times = {"target_s": recipe.target_s, "drafter_s": [d.seconds for d in recipe.drafters]}
+    cfg = replace(cfg, recipe=recipe, target_s=None, drafter_s=None)
     done: list[str] = record.setdefault("done", [])
 
     def left() -> float:
@@ -76,6 +90,9 @@ def run(cfg: PipelineConfig) -> dict[str, Any]:
         if stage != CORPUS and left() < max(cfg.min_stage_s, _needs(cfg.recipe, stage)):
             stopped_in = stage
             break
+        if stage != CORPUS and record.setdefault("times", times) != times:
+            # fixed by the first training stage: the phases' steps are planned from them
+            raise ValueError(f"{out} was planned with {record['times']}, not {times}")
         if _run_stage(cfg, out, stage, left()):
             done.append(stage)
             _write(out, record)
