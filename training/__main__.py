@@ -41,11 +41,19 @@ def main(argv: list[str] | None = None) -> int:
         default=45.0,
         help="a training stage left less time than this waits for the next call",
     )
-    r.add_argument("--target-s", type=float, default=None,
-                   help="the target's training time over its phases (default: the recipe's); "
-                   "fixed by the run's first invocation")
-    r.add_argument("--drafter-s", type=float, default=None,
-                   help="each drafter's training time (default: the recipe's)")
+    r.add_argument(
+        "--target-s",
+        type=float,
+        default=None,
+        help="the target's training time over its phases (default: the recipe's); "
+        "fixed by the run's first invocation",
+    )
+    r.add_argument(
+        "--drafter-s",
+        type=float,
+        default=None,
+        help="each drafter's training time (default: the recipe's)",
+    )
     r.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     cfg = PipelineConfig(
