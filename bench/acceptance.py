@@ -1,7 +1,7 @@
 """Acceptance length of the shipped drafters against the shipped target, measured with the
 project's own engine (issue 10).
 
-    python -m bench acceptance --model models/glm-10m --out docs/results/acceptance.json
+    python -m bench acceptance --model models/glm-dsa-mini --out docs/results/acceptance.json
 
 Prompts are windows of the corpus's held-out files (never trained on). For each drafter, width
 K (target queries per verify round, anchor included) and temperature, the prompts decode
@@ -78,7 +78,7 @@ def measure(args, drafter: str | None, width: int, temperature: float, prompts) 
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default="models/glm-10m")
+    ap.add_argument("--model", default="models/glm-dsa-mini")
     ap.add_argument("--drafters", default=None, help="default: MODEL/drafters")
     ap.add_argument("--kinds", default=",".join(DRAFTERS))
     ap.add_argument("--corpus", default="data/stdlib.u8")

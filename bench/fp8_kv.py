@@ -18,14 +18,16 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.io import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-# text prompts (``--text``): modules of the running Python's standard library, what the shipped
-# glm-10m was trained on (these files are in its training split), fixed per Python version
+# text prompts (``--text``): modules of the running Python's standard library, through the
+# model directory's tokenizer (bytes for a preset); heapq is in the shipped model's training
+# split, textwrap and fractions are held out (its corpus.json)
 TEXTS = ("heapq", "textwrap", "fractions")
 
 
@@ -69,17 +71,21 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> list[float]:
     return ((b - a).norm(dim=-1) / a.norm(dim=-1)).tolist()
 
 
-def prompts_of(lens: tuple[int, ...], seed: int, text: bool) -> list[torch.Tensor]:
-    """Random bytes, or ``lens[i]`` bytes of ``TEXTS[i]`` from an offset the seed picks."""
+def prompts_of(
+    lens: tuple[int, ...], seed: int, text: bool, tokenizer: Tokenizer | None = None
+) -> list[torch.Tensor]:
+    """Random bytes, or ``lens[i]`` ids of ``TEXTS[i]`` (through ``tokenizer``, default the
+    byte tokenizer) from an offset the seed picks."""
     g = torch.Generator().manual_seed(seed)
     if not text:
         return [torch.randint(0, 256, (n,), generator=g) for n in lens]
+    tok = tokenizer or ByteTokenizer()
     out = []
     for i, n in enumerate(lens):
         module = importlib.import_module(TEXTS[i % len(TEXTS)])
-        data = Path(module.__file__).read_bytes()
-        start = int(torch.randint(0, len(data) - n, (1,), generator=g))
-        out.append(torch.tensor(list(data[start : start + n])))
+        ids = tok.encode(Path(module.__file__).read_text())
+        start = int(torch.randint(0, len(ids) - n, (1,), generator=g))
+        out.append(torch.tensor(ids[start : start + n]))
     return out
 
 
@@ -105,7 +111,7 @@ def compare(
             max_prefill_tokens=sum(lens), dtype=dtype, kv_cache_dtype=kv_dtype,
         )  # fmt: skip
         caches.append(KVCache(cfg, kv_cfg))
-    prompts = prompts_of(lens, seed, text)
+    prompts = prompts_of(lens, seed, text, load_tokenizer(name if Path(name).is_dir() else None))
     slots = list(range(len(lens)))
     for kv in caches:
         for s, n in zip(slots, lens, strict=True):

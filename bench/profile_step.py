@@ -3,8 +3,8 @@ benchmark's model, per mode and concurrency, printing the top operators by host 
 by device time, and the step's wall time with and without the profiler.
 
     python -m bench profile-step --modes resident,hisparse,adaptive --concurrency 4,32
-    python -m bench profile-step --model models/glm-10m --context 512 --modes adaptive \
-        --drafter models/glm-10m/drafters/dflash --spec-width 4 --concurrency 1,16
+    python -m bench profile-step --model models/glm-dsa-mini --context 512 --modes adaptive \
+        --drafter models/glm-dsa-mini/drafters/dflash2 --spec-width 4 --concurrency 1,16
 
 With ``--model`` a trained checkpoint is served instead of the random capacity model (and with
 ``--drafter`` a step is a speculative round). ``--cprofile`` adds the Python functions that

@@ -3,7 +3,7 @@ drafter and width policy vs concurrency, against no speculation.
 
     python -m bench spec --out docs/results/spec.json --plot docs/results/spec.png
 
-Target: ``--model`` (default the shipped ``models/glm-10m``) in ``adaptive`` mode with the
+Target: ``--model`` (default the shipped ``models/glm-dsa-mini``) in ``adaptive`` mode with the
 drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
 held-out files. With ``--model tiny-indexshare --drafter-dir bench/drafters/tiny-indexshare``
 it runs the random target with drafters trained on its own greedy text, prompts being its
@@ -106,7 +106,7 @@ def measured(loop: ClosedLoop) -> dict:
 def add_loop_arguments(ap: argparse.ArgumentParser, concurrency: str) -> None:
     """The target, drafters, prompts, pools and closed loop (this benchmark's and
     ``python -m bench graph-keys``'s)."""
-    ap.add_argument("--model", default="models/glm-10m")
+    ap.add_argument("--model", default="models/glm-dsa-mini")
     ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
     ap.add_argument("--corpus", default="data/stdlib.u8")
     ap.add_argument("--concurrency", default=concurrency)

@@ -1,5 +1,5 @@
 """Where shipped files are found: model and drafter directories given as paths relative to the
-project root (``models/glm-10m``) resolve from any working directory."""
+project root (``models/glm-dsa-mini``) resolve from any working directory."""
 
 from __future__ import annotations
 

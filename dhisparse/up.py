@@ -59,7 +59,7 @@ class Child:
             self.proc.wait()
 
 
-DEFAULT_DRAFTER = "models/glm-10m/drafters/dflash"  # the shipped model's drafter
+DEFAULT_DRAFTER = "models/glm-dsa-mini/drafters/dflash2"  # the shipped model's drafter
 STABLE_S = 60.0  # a child that ran this long before dying restarts without backoff
 
 
@@ -72,7 +72,7 @@ def restart_delay(restarts: int) -> float:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
-        default="models/glm-10m",
+        default="models/glm-dsa-mini",
         help="model directory (default: the shipped trained model) or a preset name (random "
         "weights)",
     )

@@ -23,6 +23,11 @@ RUN groupadd --system --gid 10001 dhisparse \
  && useradd --system --uid 10001 --gid 10001 --create-home --home-dir /home/dhisparse dhisparse
 COPY --from=build /opt/venv /opt/venv
 COPY docker/healthcheck.py /opt/dhisparse/healthcheck.py
+# The shipped model's tokenizer, chat template and generation defaults (no weights): the
+# chart's default model source, read by the gateway as from a mounted model directory.
+COPY models/glm-dsa-mini/config.json models/glm-dsa-mini/generation_config.json \
+     models/glm-dsa-mini/tokenizer.json models/glm-dsa-mini/tokenizer_config.json \
+     models/glm-dsa-mini/chat_template.jinja /opt/dhisparse/models/glm-dsa-mini/
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \

@@ -43,7 +43,7 @@ RUN apt-get update \
 COPY --from=build /opt/venv /opt/venv
 COPY docker/healthcheck.py /opt/dhisparse/healthcheck.py
 # The shipped trained model pair (target + drafters), served by default.
-COPY models/glm-10m /opt/dhisparse/models/glm-10m
+COPY models/glm-dsa-mini /opt/dhisparse/models/glm-dsa-mini
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
@@ -58,7 +58,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     DHISPARSE_WORKER_PORT=50051 \
     DHISPARSE_WORKER_METRICS_PORT=9101 \
     DHISPARSE_WORKER_DEVICE=cuda \
-    DHISPARSE_WORKER_MODEL=/opt/dhisparse/models/glm-10m
+    DHISPARSE_WORKER_MODEL=/opt/dhisparse/models/glm-dsa-mini
 # Numeric, so that Kubernetes' runAsNonRoot can verify it (the store runs as the same user).
 USER 10001:10001
 WORKDIR /home/dhisparse

@@ -131,7 +131,9 @@ def _run_stage(cfg: PipelineConfig, out: Path, stage: str, budget_s: float) -> b
     release = out / RELEASE / recipe.name
     if stage == RELEASE:
         runs = [out / p.name for p in recipe.phases]
-        write_release(release, runs[-1] / MODEL_DIR, out / CORPUS, runs, recipe.name)
+        write_release(
+            release, runs[-1] / MODEL_DIR, out / CORPUS, runs, recipe.name, recipe.max_shard_mb
+        )
         return True
     (d,) = [d for d in recipe.drafters if d.kind == stage]
     train_drafter(

@@ -69,10 +69,16 @@ def release_bytes(config: dict) -> dict[str, int]:
 
 
 def write_release(
-    dst: str | Path, model_dir: str | Path, corpus: str | Path, runs: list[Path], name: str
+    dst: str | Path,
+    model_dir: str | Path,
+    corpus: str | Path,
+    runs: list[Path],
+    name: str,
+    max_shard_mb: float,
 ) -> Path:
     """Writes ``dst`` from the final phase's bf16 ``model_dir``, the corpus directory (its
-    tokenizer and tokens.json) and the training ``runs`` (each phase's directory)."""
+    tokenizer and tokens.json) and the training ``runs`` (each phase's directory), with weight
+    files of at most ``max_shard_mb`` (10^6 bytes) of tensors each."""
     dst, model_dir, corpus = Path(dst), Path(model_dir), Path(corpus)
     ckpt = Checkpoint(model_dir)
     shapes = {n: tuple(ckpt.shape(n)) for n in ckpt.names()}
@@ -83,7 +89,11 @@ def write_release(
     )
     ckpt.close()
     write_fp8_checkpoint(
-        model_dir, dst, block=(FP8_BLOCK, FP8_BLOCK), skip=lambda n: ragged(shapes[n])
+        model_dir,
+        dst,
+        block=(FP8_BLOCK, FP8_BLOCK),
+        max_shard_bytes=int(max_shard_mb * 1e6),
+        skip=lambda n: ragged(shapes[n]),
     )
     config_path = dst / "config.json"
     config = json.loads(config_path.read_text())

@@ -62,7 +62,9 @@ DEFINITIONS = {
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--model", default="models/glm-10m", help="model dir, preset, or bench-glm")
+    ap.add_argument(
+        "--model", default="models/glm-dsa-mini", help="model dir, preset, or bench-glm"
+    )
     ap.add_argument(
         "--drafter-dir",
         help="dir with dflash/ dspark/ dflash2/, or 'random' "

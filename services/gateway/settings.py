@@ -22,7 +22,7 @@ class GatewaySettings(BaseSettings):
     workers: Annotated[list[str], NoDecode] = Field(default_factory=lambda: ["127.0.0.1:50051"])
     # A preset name (``tiny-glm``: the byte tokenizer) or the workers' model directory (its
     # tokenizer, chat template and generation defaults; see ``model_dir``).
-    model: str = "models/glm-10m"
+    model: str = "models/glm-dsa-mini"
     # The name clients send as ``model``; by default the model name the workers report.
     served_model_name: str | None = None
     api_key: str | None = None

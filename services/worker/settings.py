@@ -33,7 +33,7 @@ class WorkerSettings(BaseSettings):
     # made (``services/worker/engine/heap.py``).
     gc_freeze: bool = True
 
-    model: str = "models/glm-10m"  # the shipped trained target; a preset gives random weights
+    model: str = "models/glm-dsa-mini"  # the shipped trained target; a preset gives random weights
     device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu
     dtype: str | None = None
     kv_cache_dtype: str = "auto"  # auto: the serving dtype; fp8: packed FP8 rows and keys

@@ -35,13 +35,15 @@ def test_measured_files_are_the_modules_imported_and_the_files_read() -> None:
     import bench.cli
     import bench.stale  # noqa: F401
 
-    config = ROOT / "models" / "glm-10m" / "config.json"
+    config = ROOT / "models" / "glm-dsa-mini" / "config.json"
     json.loads(config.read_text())
     files = provenance.measured_files()
-    assert {"bench/stale.py", "bench/core/__init__.py", "models/glm-10m/config.json"} <= set(files)
+    assert {"bench/stale.py", "bench/core/__init__.py", "models/glm-dsa-mini/config.json"} <= set(
+        files
+    )
     # the shards beside the config, which safetensors opens outside Python's open
-    assert {"models/glm-10m/model-00001-of-00002.safetensors",
-            "models/glm-10m/model-00002-of-00002.safetensors"} <= set(files)  # fmt: skip
+    assert {"models/glm-dsa-mini/model-00001-of-00002.safetensors",
+            "models/glm-dsa-mini/model-00002-of-00002.safetensors"} <= set(files)  # fmt: skip
     for recording in ("bench/cli.py", "bench/__main__.py", "bench/core/provenance.py"):
         assert recording not in files  # dispatching and recording measure nothing
     assert all(f.split("/")[0] in provenance.MEASURED_ROOTS for f in files)

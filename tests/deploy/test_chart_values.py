@@ -76,7 +76,7 @@ SETTINGS = {
             "gateway.apiKeySecret": '"k"',
             "redis.enabled": "false",
             "redis.url": '"redis://r:6379/0"',
-            "model.speculation.drafter": '"/opt/dhisparse/models/glm-10m/drafters/dflash"',
+            "model.speculation.drafter": '"/opt/dhisparse/models/glm-dsa-mini/drafters/dflash2"',
         },
     ],
 )

@@ -27,7 +27,7 @@ from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]
 # What `make run` serves: the shipped trained target (and, by default, its DFlash drafter).
-MODEL_DIR, MODEL_NAME = "models/glm-10m", "glm-10m"
+MODEL_DIR, MODEL_NAME = "models/glm-dsa-mini", "glm-dsa-mini"
 CODE_PROMPT = (
     "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
 )

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from services.worker.model.checkpoint import SCALE_SUFFIX, Checkpoint
-from services.worker.model.fp8_writer import write_fp8_checkpoint
+from services.worker.model.fp8_writer import reshard_checkpoint, write_fp8_checkpoint
 from services.worker.model.loader import load_into
 from tests.model.helpers import fp8_bound
 
@@ -137,6 +137,41 @@ def test_skip_keeps_tensors_in_their_dtype(tiny, tmp_path) -> None:
     dst = Checkpoint(tmp_path, quant)
     assert dst.dtype("model.layers.1.mlp.experts.0.up_proj.weight") == "F32"
     assert dst.dtype("model.layers.1.mlp.shared_experts.up_proj.weight") == "F8_E4M3"
+
+
+def _stored(ckpt: Checkpoint, name: str) -> tuple[torch.Tensor, ...]:
+    """A tensor's stored values: an FP8 weight's bytes and scales, else the values in fp32."""
+    if ckpt.is_fp8(name):
+        w, scale = ckpt.get_fp8(name)
+        return w.view(torch.uint8), scale
+    return (ckpt.get(name, torch.float32),)
+
+
+def test_resharding_copies_every_stored_tensor_bit_for_bit(tiny, tmp_path) -> None:
+    """An FP8 checkpoint split into shards of a size limit: the same tensors, bytes and
+    dtypes; a weight beside its scale; no shard's tensors over the limit; one file again with
+    a limit above the total."""
+    src_dir, _ = tiny
+    write_fp8_checkpoint(src_dir, tmp_path)
+    quant = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    before = Checkpoint(tmp_path, quant)
+    stored = {n: _stored(before, n) for n in before.names()}
+    dtypes = {n: before.dtype(n) for n in before.names()}
+    before.close()
+    files = reshard_checkpoint(tmp_path, 40_000)
+    assert len(files) > 2
+    index = json.loads((tmp_path / "model.safetensors.index.json").read_text())["weight_map"]
+    for name, file in index.items():
+        if name.endswith(SCALE_SUFFIX):
+            assert index[name.removesuffix(SCALE_SUFFIX)] == file
+    after = Checkpoint(tmp_path, quant)
+    assert sorted(after.names()) == sorted(stored)
+    for name, want in stored.items():
+        assert after.dtype(name) == dtypes[name], name
+        assert all(torch.equal(a, b) for a, b in zip(want, _stored(after, name), strict=True))
+    after.close()
+    assert reshard_checkpoint(tmp_path, 1 << 40) == ["model.safetensors"]
+    assert not (tmp_path / "model.safetensors.index.json").exists()
 
 
 def test_a_quantized_source_is_refused(tiny, tmp_path) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from services.worker.model.checkpoint import (
@@ -105,8 +106,7 @@ def write_fp8_checkpoint(
     shards = _plan(sizes, max_shard_bytes)
 
     dst.mkdir(parents=True, exist_ok=True)
-    for old in [dst / WEIGHTS_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]:
-        old.unlink(missing_ok=True)
+    _remove_weights(dst)
     for item in src.iterdir():
         if item.name in (CONFIG_FILE, WEIGHTS_FILE, INDEX_FILE) or item.suffix == ".safetensors":
             continue
@@ -115,27 +115,14 @@ def write_fp8_checkpoint(
         else:
             shutil.copy2(item, dst / item.name)
 
-    weight_map = {}
-    for i, names in enumerate(shards):
-        file = (
-            WEIGHTS_FILE
-            if len(shards) == 1
-            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        )
-        tensors = {}
-        for name in names:
-            if name in fp8:
-                w_fp8, scale = quantize_blockwise(ckpt.get(name, torch.float32), block, scale_dtype)
-                tensors[name], tensors[name + SCALE_SUFFIX] = w_fp8, scale
-            else:
-                tensors[name] = ckpt.get(name, STORED[ckpt.dtype(name)])
-        save_file(tensors, str(dst / file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(tensors, file))
-        del tensors
+    def tensors_of(name: str) -> dict[str, torch.Tensor]:
+        if name in fp8:
+            w_fp8, scale = quantize_blockwise(ckpt.get(name, torch.float32), block, scale_dtype)
+            return {name: w_fp8, name + SCALE_SUFFIX: scale}
+        return {name: ckpt.get(name, STORED[ckpt.dtype(name)])}
+
+    _write_shards(dst, shards, tensors_of, sum(sizes.values()))
     ckpt.close()
-    if len(shards) > 1:
-        index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
-        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
 
     config["quantization_config"] = {
         "quant_method": "fp8",
@@ -145,3 +132,59 @@ def write_fp8_checkpoint(
         **({"scale_fmt": "ue8m0"} if scale_dtype == "F8_E8M0" else {}),
     }
     (dst / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _write_shards(
+    dst: Path,
+    shards: list[list[str]],
+    tensors_of: Callable[[str], dict[str, torch.Tensor]],
+    total_size: int,
+) -> None:
+    """Writes ``shards`` (logical names per file) into ``dst``: one ``model.safetensors``, or
+    ``model-0000i-of-0000N.safetensors`` files and their index; ``tensors_of`` gives the stored
+    tensors of one logical name (a weight and its scale). One shard is in memory at a time."""
+    weight_map = {}
+    for i, names in enumerate(shards):
+        file = (
+            WEIGHTS_FILE
+            if len(shards) == 1
+            else f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        )
+        tensors = {}
+        for name in names:
+            tensors.update(tensors_of(name))
+        save_file(tensors, str(dst / file), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(tensors, file))
+        del tensors
+    if len(shards) > 1:
+        index = {"metadata": {"total_size": total_size}, "weight_map": weight_map}
+        (dst / INDEX_FILE).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def _remove_weights(dst: Path) -> None:
+    for old in [dst / WEIGHTS_FILE, dst / INDEX_FILE, *dst.glob("model-*-of-*.safetensors")]:
+        old.unlink(missing_ok=True)
+
+
+def reshard_checkpoint(model_dir: str | Path, max_shard_bytes: int) -> list[str]:
+    """Rewrites ``model_dir``'s weights, as they are stored (FP8 with scales or not), into
+    shards of at most ``max_shard_bytes`` (a weight and its scale share a shard); returns the
+    weight files written. The tensors are copied bit for bit."""
+    model_dir = Path(model_dir)
+    files = sorted({*model_dir.glob("model*.safetensors")})
+    stored: dict[str, torch.Tensor] = {}
+    for f in files:
+        with safe_open(str(f), "pt") as handle:
+            for key in handle.keys():  # noqa: SIM118
+                stored[key] = handle.get_tensor(key)
+    logical = [k for k in stored if not k.endswith(SCALE_SUFFIX)]
+
+    def tensors_of(name: str) -> dict[str, torch.Tensor]:
+        scale = name + SCALE_SUFFIX
+        return {name: stored[name], **({scale: stored[scale]} if scale in stored else {})}
+
+    sizes = {n: sum(t.numel() * t.element_size() for t in tensors_of(n).values()) for n in logical}
+    shards = _plan(sizes, max_shard_bytes)
+    _remove_weights(model_dir)
+    _write_shards(model_dir, shards, tensors_of, sum(sizes.values()))
+    return sorted(p.name for p in model_dir.glob("model*.safetensors"))

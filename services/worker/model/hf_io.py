@@ -13,7 +13,12 @@ from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
 from services.worker.model.loader import fp8_as_stored, load_into
-from services.worker.model.mla_decoder import MLADecoder, checkpoint_targets, ignored_patterns
+from services.worker.model.mla_decoder import (
+    MLADecoder,
+    checkpoint_targets,
+    hold_stored_dense,
+    ignored_patterns,
+)
 from services.worker.model.weight_format import resolve
 from services.worker.ops.fp8_linear import Mode
 from services.worker.parallel.comm import LOCAL, Comm
@@ -97,9 +102,11 @@ def load_hf_model(
     shards = Shards.of(parallel, comm, cfg)
     with torch.device("meta"):
         model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt, shards)
+    ckpt = Checkpoint(path, quantization)
+    if fmt.fp8 and weight_dtype == "auto":
+        hold_stored_dense(model, ckpt.names(), ckpt.is_fp8)
     model.to_empty(device=device)
     model.cast(dtype)
-    ckpt = Checkpoint(path, quantization)
     if mtp and mtp_head_name(cfg) not in ckpt.names():
         model.tie_mtp_head()
     ignore |= dict(ignored_patterns(cfg, mtp, shards.layout))

@@ -14,6 +14,7 @@ and ``mtp_step`` runs one MTP-only draft pass (docs/mtp.md)."""
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 
 import torch
 from torch import nn
@@ -23,6 +24,7 @@ from services.worker.kv.cache import KVCache
 from services.worker.model.checkpoint import SCALE_SUFFIX, CheckpointError
 from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE
+from services.worker.model.fp8_linear import FP8Linear
 from services.worker.model.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
 from services.worker.model.loader import Fp8Target, Sliced, Target
@@ -221,6 +223,38 @@ def checkpoint_targets(model: MLADecoder, names: list[str]) -> dict[str, Target]
         )
         raise CheckpointError(f"the checkpoint lacks weights for {len(unfilled)} tensors: {listed}")
     return out
+
+
+def hold_stored_dense(
+    model: MLADecoder, names: list[str], is_fp8: Callable[[str], bool]
+) -> list[str]:
+    """Rebuilds as ``nn.Linear`` (the serving dtype) every projection ``model`` holds in FP8
+    whose checkpoint weight (one of ``names``) is not stored in FP8 (``is_fp8``): an FP8
+    checkpoint's ``modules_to_not_convert``, served unquantized as transformers serves them.
+    Done on the meta device, before the weights load; returns the rebuilt modules' names."""
+    params = dict(model.named_parameters()) | dict(model.named_buffers())
+    mtp = model.mtp_layer if model.mtp is not None else None
+    first = model.shards.layout.experts().start
+    rebuilt = []
+    for name in names:
+        hit = _target(params, name, mtp, first)
+        if hit is None or is_fp8(name) or not hit[0].endswith(".weight"):
+            continue
+        path = hit[0].removesuffix(".weight")
+        parent_name, _, attr = path.rpartition(".")
+        parent = model.get_submodule(parent_name)
+        module = getattr(parent, attr)
+        if not isinstance(module, FP8Linear):
+            continue
+        dense = nn.Linear(
+            module.in_features,
+            module.out_features,
+            bias=module.bias is not None,
+            device=module.weight.device,
+        )
+        setattr(parent, attr, dense)
+        rebuilt.append(path)
+    return rebuilt
 
 
 def _checkpoint_cut(cut: Cut | None, per_expert: bool, down: bool) -> Cut | None:
