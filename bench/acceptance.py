@@ -3,7 +3,8 @@ project's own engine (issue 10).
 
     python -m bench acceptance --model models/glm-dsa-mini --out docs/results/acceptance.json
 
-Prompts are windows of the corpus's held-out files (never trained on). For each drafter, width
+Prompts are windows of the model's held-out files (never trained on; ``bench/heldout.py``).
+A kind is a drafter directory under ``--drafters``, or ``mtp``: the checkpoint's own MTP layer. For each drafter, width
 K (target queries per verify round, anchor included) and temperature, the prompts decode
 ``--decode-tokens`` tokens together in one engine; the acceptance length is the tokens a verify
 round emits on average, ``1 + accepted / drafts`` (1 = no gain, K = every draft accepted). At
@@ -23,20 +24,20 @@ import torch
 
 from bench.core.output import write_result
 from bench.core.progress import progress
+from bench.heldout import heldout_prompts
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
-from training.target.data import load_corpus, to_tokens
 
-DRAFTERS = ("dflash", "dspark", "dflash2")
+DRAFTERS = ("mtp", "dflash2")  # what the shipped model has
 
 
-def prompts_from_heldout(corpus: str, n: int, length: int, seed: int) -> list[list[int]]:
-    held = to_tokens(load_corpus(corpus).heldout)
-    g = torch.Generator().manual_seed(seed)
-    starts = torch.randint(0, len(held) - length, (n,), generator=g).tolist()
-    return [held[s : s + length].tolist() for s in starts]
+def drafter_arg(drafters: str, kind: str | None) -> str | None:
+    """The engine's drafter for ``kind``: none, ``mtp``, or the directory under ``drafters``."""
+    if kind is None or kind == "mtp":
+        return kind
+    return str(Path(drafters) / kind)
 
 
 def measure(args, drafter: str | None, width: int, temperature: float, prompts) -> dict:
@@ -46,7 +47,7 @@ def measure(args, drafter: str | None, width: int, temperature: float, prompts) 
         max_model_len=args.prompt_len + args.decode_tokens + 64,
         max_prefill_tokens=max(4096, args.prompt_len), page_size=16,
         speculation=SpeculationConfig(
-            None if drafter is None else str(Path(args.drafters) / drafter), width, "fixed"
+            drafter_arg(args.drafters, drafter), width, "fixed"
         ),
     )  # fmt: skip
     eng = Engine(cfg)
@@ -81,7 +82,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/glm-dsa-mini")
     ap.add_argument("--drafters", default=None, help="default: MODEL/drafters")
     ap.add_argument("--kinds", default=",".join(DRAFTERS))
-    ap.add_argument("--corpus", default="data/stdlib.u8")
     ap.add_argument("--widths", default="2,4,8")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts", type=int, default=16)
@@ -97,7 +97,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     args.drafters = args.drafters or str(Path(args.model) / "drafters")
-    prompts = prompts_from_heldout(args.corpus, args.prompts, args.prompt_len, args.seed)
+    prompts = heldout_prompts(args.model, args.prompts, args.prompt_len, args.seed)
     temps = [float(t) for t in args.temperatures.split(",")]
     widths = [int(w) for w in args.widths.split(",")]
     runs = [(None, 1, t) for t in temps]
@@ -122,7 +122,7 @@ def run(args: argparse.Namespace) -> int:
         "decode_tokens": args.decode_tokens,
         "results": rows,
     }
-    print(f"wrote {write_result(out, args.out, data=[args.corpus])}")
+    print(f"wrote {write_result(out, args.out)}")
     table = markdown(rows)
     print(table)
     if args.table:

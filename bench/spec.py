@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from bench.acceptance import drafter_arg
 from bench.core import UsageError
 from bench.core.clock import OwnClock
 from bench.core.lockstep import lockstep
@@ -39,7 +40,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
-DRAFTERS = ("dflash", "dspark", "dflash2")
+DRAFTERS = ("mtp", "dflash2")  # the shipped model's; mtp: its own MTP layer
 _IDS = itertools.count()
 
 
@@ -49,7 +50,7 @@ def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
         host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
         max_prefill_tokens=8192, page_size=16,
         speculation=SpeculationConfig(
-            None if drafter is None else str(Path(args.drafter_dir) / drafter), width, policy
+            drafter_arg(args.drafter_dir, drafter), width, policy
         ),
     )  # fmt: skip
 
@@ -60,9 +61,9 @@ def make_prompts(args, n: int) -> list[list[int]]:
     from training.drafter.data import corpus_tokens
 
     if Path(args.model).is_dir():  # a trained target: held-out text is in distribution
-        from bench.acceptance import prompts_from_heldout
+        from bench.heldout import heldout_prompts
 
-        return prompts_from_heldout(args.corpus, n, args.prompt_len, 12345)
+        return heldout_prompts(args.model, n, args.prompt_len, 12345)
     eng = Engine(config(args, None, "fixed", 1))
     stream = corpus_tokens(None)
     g = torch.Generator().manual_seed(12345)
@@ -108,7 +109,6 @@ def add_loop_arguments(ap: argparse.ArgumentParser, concurrency: str) -> None:
     ``python -m bench graph-keys``'s)."""
     ap.add_argument("--model", default="models/glm-dsa-mini")
     ap.add_argument("--drafter-dir", default=None, help="default: MODEL/drafters")
-    ap.add_argument("--corpus", default="data/stdlib.u8")
     ap.add_argument("--concurrency", default=concurrency)
     ap.add_argument("--decode-tokens", type=int, default=96)
     ap.add_argument("--requests-per-client", type=int, default=3, help="closed loop, measured")
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
         "results": results,
         "summary": summary,
     }
-    print(f"wrote {write_result(out, args.out, data=corpus_used(args))}")
+    print(f"wrote {write_result(out, args.out)}")
     print(json.dumps(summary, indent=2))
     if args.plot:
         plot(out, args.plot)
@@ -210,11 +210,6 @@ def summarize(results: list[dict], args) -> dict:
                 "not_3pct_below_both": online >= 0.97 * min(none, paper),
             }
     return out
-
-
-def corpus_used(args: argparse.Namespace) -> list[str]:
-    """The held-out corpus the prompts came from (a trained target's), for the provenance."""
-    return [args.corpus] if Path(args.model).is_dir() else []
 
 
 def plot(out: dict, path: str) -> None:
