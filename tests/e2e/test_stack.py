@@ -18,7 +18,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from dhisparse.tokenizer import ByteTokenizer, render_chat
+from dhisparse.tokenizer import load_tokenizer
+from dhisparse.tokenizer.formatter import chat_formatter
 from services.kv_host_store.client import KVHostStoreClient
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -26,11 +27,9 @@ from services.worker.engine.request import SamplingParams
 from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]
-# What `make run` serves: the shipped trained target (and, by default, its DFlash drafter).
+# What `make run` serves: the shipped trained target (and, by default, its DFlash2 drafter).
 MODEL_DIR, MODEL_NAME = "models/glm-dsa-mini", "glm-dsa-mini"
-CODE_PROMPT = (
-    "class Stack:\n    def __init__(self):\n        self.items = []\n\n    def push(self, item):\n"
-)
+CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'
 
 
 @dataclass(frozen=True)
@@ -87,8 +86,8 @@ def stop_stack(proc: subprocess.Popen, log: Path, arena: str) -> None:
 
 
 def offline_greedy(max_tokens: int) -> str:
-    tok = ByteTokenizer()
-    prompt = tok.encode(render_chat(tok.chat_template, MESSAGES))
+    tok = load_tokenizer(MODEL_DIR)
+    prompt = chat_formatter(tok, MODEL_DIR).encode(MESSAGES)
     req = Engine(EngineConfig(model=MODEL_DIR, kv_pool_mib=8)).generate(
         [prompt], SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     )[0]
@@ -132,9 +131,9 @@ def test_streaming_chat_completion(stack: Stack) -> None:
             if len(chunks) == 3:  # mid-stream: the request's host backups are in the store
                 regions = c.stats().regions
     assert done
-    # One region per KV source (6), and for the durable session one per index producer (2:
-    # its keys) and its manifest.
-    assert regions == (0 if stack.mode == "resident" else 6 + 2 + 1)
+    # One region per KV source (6 layers), and for the durable session one per index producer
+    # (4: the "full" indexer layers' keys) and its manifest.
+    assert regions == (0 if stack.mode == "resident" else 6 + 4 + 1)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
@@ -147,7 +146,7 @@ def test_trained_model_continues_code_coherently(stack: Stack) -> None:
     body = {"model": MODEL_NAME, "prompt": CODE_PROMPT, "max_tokens": 32, "temperature": 0}
     r = httpx.post(f"{stack.base}/v1/completions", json=body, timeout=60)
     assert r.status_code == 200, r.text
-    assert r.json()["choices"][0]["text"].startswith("        self.items.append(item)\n")
+    assert r.json()["choices"][0]["text"].startswith("\n    if not isinstance(n, int):\n")
 
 
 def test_client_error_is_a_400_with_openai_shape(stack: Stack) -> None:
