@@ -151,9 +151,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def served_name(model: str) -> str:
-    """The name clients send as ``model``: a model directory's configured name, else the
-    preset's."""
-    config = resolve_path(model) / "config.json"
+    """The name clients send as ``model``, as the worker names it: a Hugging Face directory's
+    (``hf_dir.model_name``), a home-made directory's configured name, else the preset's."""
+    from services.worker.model.hf_dir import is_hf_model_dir, model_name, read_config
+
+    path = resolve_path(model)
+    if is_hf_model_dir(path):
+        return model_name(path, read_config(path))
+    config = path / "config.json"
     if config.is_file():
         return json.loads(config.read_text()).get("name", model)
     return model
@@ -333,7 +338,7 @@ def main(args: argparse.Namespace) -> int:
             f"  curl -s http://{args.host}:{args.port}/v1/completions "
             "-H 'Content-Type: application/json' \\\n"
             f'    -d \'{{"model": "{served_name(args.model)}", '
-            '"prompt": "import os\\n\\n\\ndef main():\\n", "max_tokens": 24, "temperature": 0}\'\n'
+            '"prompt": "import os\\n\\n\\ndef main():", "max_tokens": 24, "temperature": 0}\'\n'
             "[up] Ctrl-C stops the stack.\n",
             flush=True,
         )

@@ -64,8 +64,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--resolver", choices=["auto", "torch", "triton"])
     p.add_argument(
         "--drafter",
-        help="dflash | dspark | dflash2 (random weights), mtp (the checkpoint's MTP layer) or a "
-        "drafter dir",
+        help="dflash | dspark | dflash2 (random weights), mtp (the checkpoint's MTP layer), a "
+        "drafter dir, or none (plain decoding)",
     )
     p.add_argument("--spec-width", type=int, help="K_max: target queries per verify round")
     p.add_argument("--width-policy", choices=["fixed", "paper", "online"])

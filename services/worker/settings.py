@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 
+from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dhisparse.devices import resolve_device
@@ -53,7 +54,7 @@ class WorkerSettings(BaseSettings):
     populate_payback: float = 1.0
     overlap_refills: bool = False
     reclaim_order: str = "largest"
-    drafter: str | None = None
+    drafter: str | None = None  # None (or "none"): plain decoding
     spec_width: int = 8
     width_policy: str = "fixed"
     page_size: int = 16
@@ -66,6 +67,11 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     data_parallel_attention: bool = False
+
+    @field_validator("drafter")
+    @classmethod
+    def _no_drafter(cls, v: str | None) -> str | None:
+        return None if v in ("", "none") else v
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"

@@ -67,7 +67,8 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
     out = tmp_path / "spec.json"
     common = ["--model", "tiny-indexshare", "--drafter-dir", "bench/drafters/tiny-indexshare",
               "--concurrency", "1,2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
-              "48", "--pool-mib", "64", "--host-mib", "64", "--out", str(out)]  # fmt: skip
+              "48", "--pool-mib", "64", "--host-mib", "64", "--drafters", "dflash,dspark,dflash2",
+              "--out", str(out)]  # fmt: skip
     bad = _run("spec", *common, "--requests-per-client", "1")
     assert bad.returncode == 2 and "at least 2" in bad.stderr
     proc = _run("spec", *common, "--requests-per-client", "2", "--warmup-per-client", "2")
