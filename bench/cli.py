@@ -40,6 +40,7 @@ COMMANDS: dict[str, Command] = {
     "spec": Command("bench.spec", "speculative vs plain decoding, closed loop in lockstep"),
     "serving": Command("bench.serving.cli", "closed-loop serving over the engine or HTTP"),
     "projection": Command("bench.projection", "GLM-5.3 on 8 GPUs from a serving result"),
+    "census": Command("bench.census", "where a trained model's selections fall vs random"),
     "cpu-stream": Command("bench.cpu_stream", "one stream through make run's stack on a CPU"),
     "heldout-bpb": Command("bench.heldout_bpb", "bits/byte of the shipped weights, held out"),
     "acceptance": Command("bench.acceptance", "acceptance length of the shipped drafters"),
