@@ -59,7 +59,7 @@ class Child:
             self.proc.wait()
 
 
-DEFAULT_DRAFTER = "models/glm-dsa-mini/drafters/dflash2"  # the shipped model's drafter
+DEFAULT_DRAFTER = "mtp"  # on a CPU, for a model with an MTP layer (the shipped one has)
 STABLE_S = 60.0  # a child that ran this long before dying restarts without backoff
 
 
@@ -81,8 +81,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="speculative drafter: a drafter directory, a kind (random weights), 'mtp' (the "
         "checkpoint's own MTP layer: DeepSeek-V3.2, GLM-5), 'none', or "
-        f"'auto' (default): {DEFAULT_DRAFTER} on a CPU, none on a GPU, where speculation "
-        "does not yet beat plain decoding on CUDA graphs (docs/results.md)",
+        "'auto' (default): on a CPU the model's MTP layer where it has one (the shipped model "
+        "does), else none; none on a GPU, where speculation does not yet beat plain decoding "
+        "on CUDA graphs (docs/results.md)",
     )
     p.add_argument("--spec-width", type=int, default=4, help="K_max: queries per verify round")
     p.add_argument("--width-policy", default="online", choices=["fixed", "paper", "online"])
@@ -164,12 +165,20 @@ def served_name(model: str) -> str:
     return model
 
 
+def has_mtp_layer(model: str) -> bool:
+    """Whether ``model`` is a Hugging Face directory whose config declares an MTP layer."""
+    from services.worker.model.hf_dir import is_hf_model_dir, read_config
+
+    path = resolve_path(model)
+    return is_hf_model_dir(path) and read_config(path).get("num_nextn_predict_layers", 0) > 0
+
+
 def _spec_flags(args: argparse.Namespace, device: str) -> list[str]:
     """The workers' speculative decoding flags on ``device`` (resolved: never 'auto');
     'none': plain decoding."""
     drafter = args.drafter
     if drafter == "auto":
-        drafter = DEFAULT_DRAFTER if device == "cpu" else "none"
+        drafter = DEFAULT_DRAFTER if device == "cpu" and has_mtp_layer(args.model) else "none"
     if drafter in (None, "", "none"):
         return []
     return [

@@ -4,6 +4,7 @@ is imported, so kernels run on the CPU under the interpreter."""
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 import pytest
@@ -26,10 +27,43 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
+_GIVEN: set[int] = set()
+_SLICE = 12000  # ports below the ephemeral range, shared out among the xdist workers
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A port that is free now, below the kernel's ephemeral range (outgoing connections take
+    their source ports from it, so no client socket can take it between this call and the
+    server's bind), in this xdist worker's own slice (two workers never pick the same one)
+    and not handed out before by this process."""
+    low = _ephemeral_low()
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
+    span = _SLICE // _WORKERS
+    base = low - _SLICE + (worker % _WORKERS) * span
+    if base < 1024:  # no room below the range: the kernel's choice
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return s.getsockname()[1]
+    for _ in range(10 * span):
+        p = base + random.randrange(span)
+        if p in _GIVEN:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", p))
+            except OSError:
+                continue
+        _GIVEN.add(p)
+        return p
+    raise RuntimeError(f"no free port in {base}..{base + span - 1}")
 
 
 @pytest.fixture

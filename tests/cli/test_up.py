@@ -67,10 +67,12 @@ def test_each_worker_gets_its_own_gpu() -> None:
 
 def test_auto_drafter_follows_the_resolved_device() -> None:
     """On a GPU speculation does not yet beat plain decoding on CUDA graphs, so the default
-    there is plain decoding; on a CPU it is the shipped DFlash drafter."""
+    there is plain decoding; on a CPU it is the model's own MTP layer, where it has one."""
     args = parse()
     cpu = _spec_flags(args, "cpu")
+    assert DEFAULT_DRAFTER == "mtp"
     assert cpu[:2] == ["--drafter", DEFAULT_DRAFTER] and "--spec-width" in cpu
+    assert _spec_flags(parse("--model", "tiny-glm"), "cpu") == []  # a preset: no MTP layer
     assert _spec_flags(args, "cuda") == []
     want = [] if torch.cuda.is_available() else cpu
     assert _spec_flags(args, resolve_device(args.device)) == want

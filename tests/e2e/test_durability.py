@@ -76,7 +76,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
         "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "60",
         "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
     }
-    flags = ("--kv-pool-mib", "64", "--max-model-len", "1024", "--mode", "hisparse",
+    flags = ("--kv-pool-mib", "128", "--max-model-len", "1024", "--mode", "hisparse",
              "--drafter", "none")  # fmt: skip
     with up_stack(tmp_path / "up.log", *flags, env=env) as st:
         yield st

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import httpx
 import pytest
+import torch
 
 from dhisparse.tokenizer import load_tokenizer
 from dhisparse.tokenizer.formatter import chat_formatter
@@ -27,7 +28,7 @@ from services.worker.engine.request import SamplingParams
 from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]
-# What `make run` serves: the shipped trained target (and, by default, its DFlash2 drafter).
+# What `make run` serves: the shipped trained target (and on a CPU, by default, its MTP layer).
 MODEL_DIR, MODEL_NAME = "models/glm-dsa-mini", "glm-dsa-mini"
 CODE_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""'
 
@@ -43,13 +44,14 @@ class Stack:
 def stack(request, tmp_path_factory) -> Iterator[Stack]:
     """The whole stack per serving mode; both must give the offline resident engine's text."""
     mode = request.param
-    http, worker, store = free_port(), free_port(), free_port()
+    http, worker, store, store_metrics, metrics = (free_port() for _ in range(5))
     arena = f"/dev/shm/dhisparse-e2e-{os.getpid()}-{http}"
     log = tmp_path_factory.mktemp("stack") / "up.log"
     with open(log, "w") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
              "--worker-port", str(worker), "--kv-store-port", str(store), "--arena-path", arena,
+             "--kv-store-metrics-port", str(store_metrics), "--worker-metrics-port", str(metrics),
              "--kv-pool-mib", "256", "--mode", mode, "--no-restart"],
             stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
         )  # fmt: skip
@@ -131,9 +133,11 @@ def test_streaming_chat_completion(stack: Stack) -> None:
             if len(chunks) == 3:  # mid-stream: the request's host backups are in the store
                 regions = c.stats().regions
     assert done
-    # One region per KV source (6 layers), and for the durable session one per index producer
-    # (4: the "full" indexer layers' keys) and its manifest.
-    assert regions == (0 if stack.mode == "resident" else 6 + 4 + 1)
+    # One region per KV source (6 layers, and the MTP layer's when it drafts), and for the
+    # durable session one per index producer (4 "full" indexer layers, and the MTP layer) and
+    # its manifest.
+    mtp = 0 if torch.cuda.is_available() else 1  # `make run`'s drafter: MTP on a CPU only
+    assert regions == (0 if stack.mode == "resident" else (6 + mtp) + (4 + mtp) + 1)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24

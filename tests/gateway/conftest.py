@@ -30,15 +30,10 @@ from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from services.gateway import GatewaySettings, create_app
 from services.gateway.ledger import Candidate
 from services.gateway.redis_ledger import RedisLedger
+from tests.conftest import free_port
 
 DHISPARSE = Path(sys.executable).with_name("dhisparse")
 MODEL = "tiny-glm"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def kill_process(proc: subprocess.Popen[bytes]) -> None:

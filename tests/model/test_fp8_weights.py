@@ -108,23 +108,26 @@ def test_a_dense_checkpoint_asked_for_fp8_is_quantized_at_load(checkpoints) -> N
 
 @pytest.mark.parametrize("mode", ["resident", "adaptive"])
 def test_the_engine_serves_fp8_weights_with_the_dequantized_tokens(checkpoints, mode) -> None:
-    """Greedy tokens of the FP8-held model equal those of the same checkpoint dequantized at
-    load (``--weight-dtype bf16``; fp32 here): on the CPU both compute the same products."""
+    """Greedy tokens of the FP8-held model (``--weight-dtype fp8``) equal those of the same
+    checkpoint dequantized at load (``--weight-dtype bf16``; fp32 here): on the CPU both
+    compute the same products. "auto" on a CPU is the dequantized one."""
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist() for n in (40, 75)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     outs = []
-    for weight_dtype in ("auto", "bf16"):
+    for weight_dtype in ("fp8", "bf16"):
         cfg = EngineConfig(
             model=str(checkpoints["fp8"]), mode=mode, weight_dtype=weight_dtype, dtype="float32",
             max_num_seqs=2, max_model_len=256, page_size=16, hot_cache_rows=32,
             max_prefill_tokens=32, host_arena_mib=16,
         )  # fmt: skip
         engine = Engine(cfg)
-        assert engine.model.weight_format.fp8 == (weight_dtype == "auto")
+        assert engine.model.weight_format.fp8 == (weight_dtype == "fp8")
         outs.append([r.output_ids for r in engine.generate(prompts, params)])
         engine.close()
     assert outs[0] == outs[1]
+    assert EngineConfig(weight_dtype="auto", device="cpu").served_weights() == "bf16"
+    assert EngineConfig(weight_dtype="auto", device="cuda").served_weights() == "auto"
 
 
 def test_errors_name_what_is_unsupported(checkpoints, tmp_path: Path) -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -14,14 +13,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from services.worker.parallel.comm import TorchComm
+from tests.conftest import free_port
 
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _rank(rank: int, size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
@@ -44,7 +38,7 @@ def run_group(fn: Callable[..., Any], size: int = 2, *args: Any) -> list[Any]:
     results in rank order. A rank's exception fails the call with its traceback."""
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_rank, args=(r, size, port, fn, args, out)) for r in range(size)]
     for p in procs:
         p.start()

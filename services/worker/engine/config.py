@@ -19,12 +19,12 @@ from services.worker.speculative.config import SpeculationConfig
 class EngineConfig:
     model: str = "tiny-glm"  # preset name or model directory
     device: str = "cpu"
-    dtype: str | None = None  # default: the model config's
+    dtype: str | None = None  # default: ``serving_dtype``
     # how KV rows and index keys are stored (vLLM's --kv-cache-dtype): "auto" = the serving
     # dtype; "fp8" = packed FP8 rows (docs/fp8_kv.md)
     kv_cache_dtype: str = "auto"
-    # real families: projections and experts in FP8 or the serving dtype (auto: FP8 where the
-    # checkpoint is); FP8's activation mode (services/worker/ops/fp8_linear.py)
+    # real families: projections and experts in FP8 or the serving dtype (``served_weights``);
+    # FP8's activation mode (services/worker/ops/fp8_linear.py)
     weight_dtype: str = "auto"
     fp8_mode: str = "w8a16"
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
@@ -51,6 +51,25 @@ class EngineConfig:
     # dies (manifests, index keys, write-through of imported history). None: on in hierarchy
     # modes; resident mode keeps no host backups, so it has nothing to resume from.
     durable_sessions: bool | None = None
+
+    @property
+    def on_cpu(self) -> bool:
+        return torch.device(self.device).type == "cpu"
+
+    def serving_dtype(self) -> str | None:
+        """The dtype the engine computes in: ``dtype``; else float32 on a CPU (bf16 GEMMs there
+        run without bf16 units, converting every operand: several times slower); else None,
+        the model config's."""
+        if self.dtype is not None:
+            return self.dtype
+        return "float32" if self.on_cpu else None
+
+    def served_weights(self) -> str:
+        """``weight_dtype`` as the engine loads it: "auto" on a CPU is "bf16", an FP8
+        checkpoint dequantized once at load into the serving dtype (the CPU has no FP8 kernels:
+        its reference matmul would dequantize every call; the values are the same); else as
+        given ("auto": FP8 where the checkpoint stores it, ``weight_format.resolve``)."""
+        return "bf16" if self.weight_dtype == "auto" and self.on_cpu else self.weight_dtype
 
     @property
     def durable(self) -> bool:

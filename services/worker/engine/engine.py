@@ -67,7 +67,8 @@ class Engine:
         Under data-parallel attention each rank serves the requests rank 0 places on it
         (``parallel.placement``); rank 0 mirrors the others' requests from their outputs."""
         self.cfg = cfg
-        dtype = DTYPES[cfg.dtype] if cfg.dtype else None
+        serving = cfg.serving_dtype()
+        dtype = DTYPES[serving] if serving else None
         sc = cfg.speculation
         if comm.size != cfg.parallel.world_size:
             raise ValueError(
@@ -93,7 +94,7 @@ class Engine:
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
-                mtp=sc.drafter == MTPDrafter.kind, weight_dtype=cfg.weight_dtype,
+                mtp=sc.drafter == MTPDrafter.kind, weight_dtype=cfg.served_weights(),
                 fp8_mode=cfg.fp8_mode, parallel=cfg.parallel, comm=comm,
             )  # fmt: skip
         if cfg.top_k_rows is not None:
