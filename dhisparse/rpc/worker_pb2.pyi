@@ -163,7 +163,7 @@ class ModelInfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json", "durable_sessions")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json", "durable_sessions", "startup_s")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -172,6 +172,7 @@ class ModelInfo(_message.Message):
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     KV_LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     DURABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    STARTUP_S_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -180,4 +181,5 @@ class ModelInfo(_message.Message):
     worker_id: str
     kv_layout_json: str
     durable_sessions: bool
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ..., durable_sessions: _Optional[bool] = ...) -> None: ...
+    startup_s: float
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ..., durable_sessions: _Optional[bool] = ..., startup_s: _Optional[float] = ...) -> None: ...

@@ -36,6 +36,7 @@ class ModelInfo:
     config_json: str = ""
     kv_layout_json: str = ""
     durable_sessions: bool = False  # a stream cut by a crash can be re-attached
+    startup_s: float = 0.0  # process start to serving (0: not reported)
 
 
 @dataclass(frozen=True)
@@ -102,6 +103,7 @@ def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
         config_json=info.config_json,
         kv_layout_json=info.kv_layout_json,
         durable_sessions=info.durable_sessions,
+        startup_s=info.startup_s,
     )
 
 

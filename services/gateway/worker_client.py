@@ -4,7 +4,8 @@ polled for health and load) and ``generate`` with admission, routing, retry and 
 Contract of ``WorkerPool.generate``: the returned async iterator yields the worker's deltas for
 one request. A worker that fails *before its first token* is retried on another healthy worker
 (at most ``max_retries`` times). A worker with durable sessions whose process dies *after* the
-first token is waited for (``resume_deadline_s``) and the stream re-attached to its successor
+first token is waited for (``resume_deadline``: ``resume_deadline_s``, longer for a worker that
+was slow to start) and the stream re-attached to its successor
 (``reattach``), which resumed the session from the host store; failing that — or at once for a
 worker without durable sessions (resident mode) — the stream ends with an ``APIError``.
 The admission lease stays held until the stream ends, whichever way. Closing or cancelling the
@@ -44,6 +45,11 @@ from services.gateway.routing import (
 from services.gateway.worker_conn import WorkerClient, describe
 
 log = logging.getLogger(__name__)
+
+# A stream waits for a restarted worker at least this many times its predecessor's measured
+# start-up (ModelInfo.startup_s), plus the restart delay of whatever restarts it.
+RESTART_FACTOR = 2.0
+RESTART_SLACK_S = 10.0
 
 # Failures before the first token that another worker may not share.
 _RETRYABLE = {
@@ -133,13 +139,23 @@ class WorkerPool:
         why = [f"{w.address}: {w.last_error}" for w in self.workers.values() if w.last_error]
         return f" ({'; '.join(why)})" if why else ""
 
+    def resume_deadline(self, startup_s: float) -> float:
+        """How long a stream waits for its worker's successor: ``resume_deadline_s``, or for a
+        worker that reported a slower start (``startup_s`` > 0: a group loading hundreds of GB)
+        ``RESTART_FACTOR`` times its start-up plus ``RESTART_SLACK_S`` (the restart delay):
+        the successor loads what its predecessor loaded."""
+        if startup_s <= 0:
+            return self.resume_deadline_s
+        return max(self.resume_deadline_s, RESTART_FACTOR * startup_s + RESTART_SLACK_S)
+
     async def _reattach(
-        self, worker: WorkerClient, inp: GenerationInput, received: int
+        self, worker: WorkerClient, inp: GenerationInput, received: int, startup_s: float
     ) -> AsyncIterator[GenerationDelta]:
         outcome = "failed"
+        deadline_s = self.resume_deadline(startup_s)
         try:
             async for delta in reattach(
-                worker.stub, worker.address, inp.request_id, received, self.resume_deadline_s
+                worker.stub, worker.address, inp.request_id, received, deadline_s
             ):
                 outcome = "resumed"
                 yield delta
@@ -174,6 +190,7 @@ class WorkerPool:
             worker.in_flight += 1
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
             durable = worker.model is not None and worker.model.durable_sessions
+            startup_s = worker.model.startup_s if worker.model is not None else 0.0
             call = worker.stub.Generate(request)
             started, received = False, 0
             try:
@@ -192,7 +209,7 @@ class WorkerPool:
                         "worker %s failed mid-generation of %s (%s): re-attaching",
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
-                async for delta in self._reattach(worker, inp, received):
+                async for delta in self._reattach(worker, inp, received, startup_s):
                     yield delta
                 return
             except grpc.aio.AioRpcError as e:

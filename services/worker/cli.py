@@ -12,6 +12,7 @@ from services.worker.kv.row_codec import KV_CACHE_DTYPES
 from services.worker.model.weight_format import WEIGHT_DTYPES
 from services.worker.ops.fp8_linear import MODES
 from services.worker.settings import WorkerSettings
+from services.worker.startup import mark_start
 
 # flag -> settings field; every engine knob is a flag.
 _FLAGS: dict[str, tuple[type, str]] = {
@@ -131,6 +132,7 @@ def main(args: argparse.Namespace) -> int:
     )
     from services.worker.parallel.layout import LayoutError
 
+    mark_start()  # before the ranks are spawned: they inherit it
     settings = settings_from_args(args)
     try:
         if settings.tensor_parallel_size > 1:

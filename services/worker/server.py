@@ -20,6 +20,7 @@ from services.worker.engine.heap import freeze_heap
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
+from services.worker.startup import startup_seconds
 
 log = logging.getLogger(__name__)
 
@@ -38,11 +39,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         worker_id: str,
         model_name: str,
         link: HostLink | None = None,
+        startup_s: float = 0.0,
     ) -> None:
+        """``startup_s``: seconds from the worker's start to serving (``startup``)."""
         self.engine = engine
         self.worker_id = worker_id
         self.model_name = model_name
         self.link = link
+        self.startup_s = startup_s
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
         if not request.request_id:
@@ -120,6 +124,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
                 }
             ),
             durable_sessions=eng.kv.sessions is not None,
+            startup_s=self.startup_s,
         )
 
 
@@ -183,6 +188,7 @@ async def start_server(
         if host is not None:
             link = _take_over(engine, host[0], worker_id, settings)
     model_name = settings.served_model_name or engine.model_cfg.name
+    startup_s = startup_seconds()
     metrics = WorkerMetrics(model_name)
     metrics.describe(engine)
     _log_config(engine)
@@ -196,7 +202,7 @@ async def start_server(
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(
-        WorkerServicer(async_engine, worker_id, model_name, link), server
+        WorkerServicer(async_engine, worker_id, model_name, link, startup_s), server
     )
     addr = f"{settings.host}:{settings.port}"
     if server.add_insecure_port(addr) == 0:
@@ -205,7 +211,8 @@ async def start_server(
     if settings.metrics_port:
         serve_metrics(metrics.registry, settings.host, settings.metrics_port)
     await server.start()
-    log.info("worker %s serving %s (%s mode) on %s", worker_id, model_name, engine.kv.mode, addr)
+    log.info("worker %s serving %s (%s mode) on %s, %.1f s after its start", worker_id,
+             model_name, engine.kv.mode, addr, startup_s)  # fmt: skip
     return server, async_engine
 
 

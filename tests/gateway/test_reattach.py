@@ -19,7 +19,7 @@ from services.gateway.errors import APIError
 from services.gateway.generation import GenerationInput, SamplingSpec
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import AdmissionJob, WorkerStatus
-from services.gateway.worker_client import WorkerPool
+from services.gateway.worker_client import RESTART_FACTOR, RESTART_SLACK_S, WorkerPool
 
 TOKENS = list(range(100, 130))
 
@@ -29,9 +29,11 @@ class FakeWorker(pb_grpc.WorkerServicer):
     for ``down_s`` and comes back holding the session (``resume``: ok / not_found)."""
 
     def __init__(
-        self, die_after: int, down_s: float, resume: str = "ok", durable: bool = True
-    ) -> None:
+        self, die_after: int, down_s: float, resume: str = "ok", durable: bool = True,
+        startup_s: float = 0.0,
+    ) -> None:  # fmt: skip
         self.durable = durable
+        self.startup_s = startup_s
         self.die_after = die_after
         self.down_s = down_s
         self.resume = resume
@@ -71,7 +73,7 @@ class FakeWorker(pb_grpc.WorkerServicer):
     async def GetModelInfo(self, request, context):
         return pb.ModelInfo(
             model_name="fake", max_model_len=1024, vocab_size=300, mode="hisparse",
-            durable_sessions=self.durable,
+            durable_sessions=self.durable, startup_s=self.startup_s,
         )  # fmt: skip
 
 
@@ -161,6 +163,18 @@ async def test_a_worker_that_stays_away_ends_the_stream_at_the_deadline() -> Non
     assert "mid-generation" in str(error.body())
     assert loop.time() - t0 < 5
     assert (admission.held, admission.released) == (0, 1)
+
+
+async def test_a_worker_slow_to_start_is_waited_for_past_the_deadline() -> None:
+    """A worker that took longer to start than ``resume_deadline_s`` (a group loading a large
+    model) gets its measured start-up's worth (``WorkerPool.resume_deadline``)."""
+    worker = FakeWorker(5, down_s=1.5, startup_s=0.6)
+    got, error, _, outcome = await run(worker, deadline_s=0.3)
+    assert error is None and got == TOKENS and outcome == {"resumed": 1, "failed": 0}
+    pool = WorkerPool(["127.0.0.1:1"], resume_deadline_s=60.0)
+    assert pool.resume_deadline(0.0) == 60.0  # not reported: as configured
+    assert pool.resume_deadline(5.0) == 60.0
+    assert pool.resume_deadline(300.0) == RESTART_FACTOR * 300.0 + RESTART_SLACK_S
 
 
 @pytest.mark.parametrize("durable,deadline_s", [(True, 0.0), (False, 10.0)])
