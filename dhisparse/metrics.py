@@ -141,6 +141,11 @@ HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / gene
 PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
 SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
 
+# --- worker: the ranks of a data-parallel-attention group (each its own requests and KV) ------
+RANK_REQUESTS_RUNNING = PREFIX + "rank_requests_running"  # gauge{rank}
+RANK_REQUESTS_WAITING = PREFIX + "rank_requests_waiting"  # gauge{rank}
+RANK_KV_FREE_BYTES = PREFIX + "rank_kv_free_bytes"  # gauge{rank}: its pool's free bytes
+
 # --- worker: configuration ---------------------------------------------------------------------
 # gauge{device,mode,cuda_graphs,graphs_off_reason,graph_capture,drafter,durable_sessions}, always
 # 1 (an info metric): what the worker chose at start-up

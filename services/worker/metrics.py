@@ -153,6 +153,19 @@ class WorkerMetrics:
         self.spec_width = Gauge(
             m.SPEC_BLOCK_WIDTH, "Verification block width in use (0: off)", lbl, registry=r
         )
+        rank = [*lbl, "rank"]
+        self.rank_running = Gauge(
+            m.RANK_REQUESTS_RUNNING, "Requests running on each data-parallel rank", rank,
+            registry=r,
+        )  # fmt: skip
+        self.rank_waiting = Gauge(
+            m.RANK_REQUESTS_WAITING, "Requests waiting on each data-parallel rank", rank,
+            registry=r,
+        )  # fmt: skip
+        self.rank_kv_free = Gauge(
+            m.RANK_KV_FREE_BYTES, "Free KV pool bytes of each data-parallel rank", rank,
+            registry=r,
+        )  # fmt: skip
         self._spec_seen = (0, 0, 0)
         self._spec_pos_seen: list[int] = []
         for path in ("direct", "hot", "host"):
@@ -183,6 +196,10 @@ class WorkerMetrics:
         self._count_passes(engine)
         self._count_gc()
         self.waiting.labels(md).set(engine.num_waiting)
+        for rank, load in enumerate(engine.rank_loads()):
+            self.rank_running.labels(md, str(rank)).set(load.running)
+            self.rank_waiting.labels(md, str(rank)).set(load.waiting)
+            self.rank_kv_free.labels(md, str(rank)).set(load.kv_free_bytes)
         t = time.monotonic()
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
             self._sampled = t

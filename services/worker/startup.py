@@ -11,11 +11,11 @@ STARTED_ENV = "DHISPARSE_WORKER_STARTED_AT"  # wall-clock seconds, set once per 
 _IMPORTED_AT = time.time()  # where /proc cannot say when the process started
 
 
-def process_start() -> float:
-    """Wall-clock seconds at which this process started (Linux: /proc; else this module's
-    import, a little later)."""
+def process_start(pid: int | str = "self") -> float:
+    """Wall-clock seconds at which process ``pid`` (default this one) started (Linux: /proc;
+    else, for this process, this module's import, a little later)."""
     try:
-        with open("/proc/self/stat") as f:
+        with open(f"/proc/{pid}/stat") as f:
             # the fields after the command name (which may hold spaces), the 22nd is starttime
             ticks = int(f.read().rsplit(")", 1)[1].split()[19])
         with open("/proc/stat") as f:

@@ -17,6 +17,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 
 import grpc
+import httpx
 import pytest
 import torch
 
@@ -26,6 +27,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.parallel.layout import ParallelConfig
+from services.worker.startup import process_start
 from tests.conftest import free_port
 
 PROMPT = list(b"The sparse indexer picks rows; ")
@@ -103,8 +105,23 @@ def _offline(n: int, mode: str) -> list[int]:
 def test_group_serves_one_process_tokens_and_stops_on_sigterm(
     tmp_path: Path, layout: tuple[str, ...]
 ) -> None:
-    with group(tmp_path, "--mode", "adaptive", *layout) as (proc, stub, log):
+    metrics = free_port()
+    with group(tmp_path, "--mode", "adaptive", "--metrics-port", str(metrics), *layout) as (
+        proc, stub, log
+    ):  # fmt: skip
         assert _generate(stub, "r1", 16) == _offline(16, "adaptive")
+        # the group's start-up runs from the supervisor's start, through every rank's load
+        info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
+        assert 0 < info.startup_s < time.time() - process_start(proc.pid) + 1
+        # per-rank metrics: each data-parallel rank's requests and free KV, from rank 0
+        text = httpx.get(f"http://127.0.0.1:{metrics}/metrics", timeout=10).text
+        free = re.findall(r'^dhisparse:rank_kv_free_bytes\{model="tiny-glm",rank="(\d)"\} (\S+)',
+                          text, re.M)  # fmt: skip
+        assert [r for r, _ in free] == (["0", "1"] if layout else []), text
+        assert all(float(v) > 0 for _, v in free)
+        assert ('dhisparse:rank_requests_running{model="tiny-glm",rank="1"}' in text) == bool(
+            layout
+        )
         # the gateway admits against the group: each DP rank brings its own seats and pool
         load = stub.GetLoad(pb.LoadRequest(), timeout=10)
         assert load.max_num_seqs == 4 * (2 if layout else 1)

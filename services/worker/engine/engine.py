@@ -319,6 +319,11 @@ class Engine:
         attention (each with this rank's seats and KV capacity), else one."""
         return len(self.placement.loads) if self.placement is not None else 1
 
+    def rank_loads(self) -> list[RankLoad]:
+        """Each serving rank's load as it last reported it (data-parallel attention, rank 0;
+        else none: the group serves one batch)."""
+        return list(self.placement.loads) if self.placement is not None else []
+
     def others_free_bytes(self) -> int:
         """The other serving ranks' free KV bytes (data-parallel attention; else 0)."""
         return self.placement.others_free_bytes if self.placement is not None else 0
