@@ -26,9 +26,11 @@ from grafana_json import RI, Dashboard, Panel, Row, Target, quantiles, render
 
 OUT_DIR = Path(__file__).resolve().parents[1] / "helm" / "dhisparse" / "dashboards"
 
-# Features whose metrics dhisparse/metrics.py names but no service exports yet; a panel that
-# needs one says so (Panel.requires), and the live test skips it.
+# Features whose metrics dhisparse/metrics.py names but no service exports yet, or only a
+# configuration the live test does not start exports; a panel that needs one says so
+# (Panel.requires), and the live test skips it.
 FEATURES = {
+    "data-parallel": "a worker spanning ranks with --data-parallel-attention (DESIGN §8)",
     "admission": "gateway admission against the capacity ledger (DESIGN §1)",
     "residency": "load-adaptive residency: reclaim and repopulation (DESIGN §4)",
     "hierarchy": "serving over the KV hierarchy: resolver and host reads (DESIGN §3)",
@@ -257,6 +259,42 @@ OVERVIEW = Dashboard(
                     kind="stat",
                     width=24,
                     height=4,
+                ),
+            ],
+        ),
+        Row(
+            "Data-parallel ranks (workers)",
+            [
+                Panel(
+                    "Requests per data-parallel rank",
+                    "Running and waiting requests on each rank of a worker serving with"
+                    " --data-parallel-attention (each rank its own requests, hot caches and host"
+                    " regions), as its rank 0 records them. Empty for one-rank and"
+                    " tensor-parallel workers.",
+                    [
+                        Target(
+                            f"sum by (instance, rank) (dhisparse:rank_requests_running{{{WK}}})",
+                            "{{instance}} rank {{rank}} running",
+                        ),
+                        Target(
+                            f"sum by (instance, rank) (dhisparse:rank_requests_waiting{{{WK}}})",
+                            "{{instance}} rank {{rank}} waiting",
+                        ),
+                    ],
+                    requires="data-parallel",
+                ),
+                Panel(
+                    "Free KV pool per data-parallel rank",
+                    "Each data-parallel rank's free KV pool bytes: the gateway admits against"
+                    " their sum, and rank 0 places a new request on the least loaded rank.",
+                    [
+                        Target(
+                            f"sum by (instance, rank) (dhisparse:rank_kv_free_bytes{{{WK}}})",
+                            "{{instance}} rank {{rank}}",
+                        )
+                    ],
+                    unit="bytes",
+                    requires="data-parallel",
                 ),
             ],
         ),
