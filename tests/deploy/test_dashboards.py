@@ -28,7 +28,7 @@ from tests.deploy.dashboards import (
 
 GENERATOR = ROOT / "deploy" / "grafana" / "dashboards.py"
 QUERIES = queries()
-FEATURES = {"admission", "residency", "hierarchy", "speculation"}
+FEATURES = {"admission", "residency", "hierarchy", "speculation", "data-parallel"}
 
 
 def _generator():
