@@ -71,6 +71,31 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--k", type=int, default=2048)
     ap.add_argument("--hot-cache-rows", type=int, default=4096)
     ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--no-sorted", action="store_true", help="reads as queued only")
+    ap.add_argument(
+        "--variants", action="store_true",
+        help="also the copy's launch shapes, the resolve's phases and the copy beside the "
+        "second (bench.resolver.run_case)",
+    )  # fmt: skip
+
+
+def print_variants(results: list[dict], ceilings: dict[int, float]) -> None:
+    """Each case's variants as fractions of bulk (host bytes over the variant's time)."""
+    rows = [r for r in results if "variants" in r]
+    if not rows:
+        return
+    names = list(rows[0]["variants"])
+    print("\nvariants: ms (fraction of bulk for copies and totals)")
+    for r in rows:
+        nbytes = r["misses_per_step"] * r["row_bytes"]
+        bulk_ms = nbytes / ceilings[r["row_bytes"]] / 1e6
+        print(f"{r['row_bytes']} B {r['placement']} {r['misses_per_step']} misses: "
+              f"sequential {r['graph_total_ms']:.3f} ms ({bulk_ms / r['graph_total_ms']:.2f})")  # fmt: skip
+        for name in names:
+            v = r["variants"][name]
+            frac = "" if name.startswith("resolve") or name.endswith("spread") else (
+                f" ({bulk_ms / v:.2f})")  # fmt: skip
+            print(f"    {name:>16} {v:8.3f}{frac}")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,11 +128,11 @@ def run(args: argparse.Namespace) -> int:
                 print(f"{row} B rows, {kind}: {cap / GIB:.1f} GiB arena, set up in "
                       f"{setup_s:.1f} s; source 0 spans {span / GIB:.2f} GiB")  # fmt: skip
                 for m in misses:
-                    for sort in (False, True):
+                    for sort in (False,) if args.no_sorted else (False, True):
                         res = run_case(
                             args.requests, m / (args.requests * args.k), args.k,
                             args.hot_cache_rows, args.history, d, backups.arena, args.iters, g,
-                            bases, HostReadOrder(sort),
+                            bases, HostReadOrder(sort), args.variants and not sort,
                         )  # fmt: skip
                         res.update(row_bytes=row, placement=kind, sorted=sort, span_bytes=span,
                                    arena_bytes=cap, requests_on_node=store.stats().requests,
@@ -123,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r['misses_per_step']:>7} {r['span_bytes'] / GIB:>8.2f} "
               f"{r['graph_total_ms']:>10.3f} {r['host_recovery_GBps']:>8.1f} "
               f"{r['over_bulk']:>7.2f}")  # fmt: skip
+    if args.variants:
+        print_variants(results, ceilings)
     out = {
         "benchmark": "host-layout-serving",
         "machine": torch.cuda.get_device_name(),

@@ -13,11 +13,13 @@ cache state.
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import shutil
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -26,11 +28,28 @@ from bench.core.clock import cuda_ms
 from bench.core.output import write_result
 from bench.core.plots import pyplot, save
 from bench.core.progress import progress
+from services.worker.hierarchy.copy_triton import CopyLaunch, copy_queued
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.read_order import HostReadOrder
-from services.worker.hierarchy.resolver_triton import Workspace, launch_copy, launch_resolve
+from services.worker.hierarchy.resolver_triton import (
+    Workspace,
+    launch_copy,
+    launch_resolve,
+    resolve_launcher,
+)
+
+# the copy kernel's launch shapes ``run_case(variants=True)`` times beside the default
+COPY_VARIANTS = {
+    "narrow": CopyLaunch(wide=False),
+    "wide": CopyLaunch(),
+    "wide-rows8": CopyLaunch(rows=8),
+    "wide-rows32": CopyLaunch(rows=32),
+    "wide-1/sm": CopyLaunch(programs_per_sm=1),
+    "wide-4/sm": CopyLaunch(programs_per_sm=4),
+    "wide-8warps": CopyLaunch(num_warps=8),
+}
 
 PAGE = 64
 RING = 128  # one 64-row page plus a verification block, rounded to pages as the engine does
@@ -62,10 +81,13 @@ def bulk_ceiling(host_u8: torch.Tensor, nbytes: int) -> float:
 def run_case(
     nreq: int, miss_rate: float, k: int, b: int, hist: int, d: int, host: torch.Tensor,
     iters: int, g: torch.Generator, host_base: torch.Tensor | None = None,
-    order: HostReadOrder = HostReadOrder(),
+    order: HostReadOrder = HostReadOrder(), variants: bool = False,
 ) -> dict:  # fmt: skip
     """One batch: ``host_base`` [nreq] int64 is each request's region (element offset of its
-    row 0; default: the regions side by side); ``order``: how the copy issues the reads."""
+    row 0; default: the regions side by side); ``order``: how the copy issues the reads.
+    ``variants``: also the copy kernel's launch shapes (``COPY_VARIANTS``), the resolve's two
+    phases, the copy beside the second (on a side stream) and a compact-window copy of as many
+    rows (``variants`` in the result, ms from CUDA graphs)."""
     dev = torch.device("cuda")
     per = (b + RING) // PAGE
     geo = SourceGeometry.create(nreq, PAGE, b, RING, nreq * per * PAGE, 1, hist, dev)
@@ -154,7 +176,21 @@ def run_case(
     g_gather = cuda_ms(graphs["gather"].replay, iters)
     row_bytes = d * host.element_size()
     med = statistics.median
+    extra = {}
+    if variants and copied:
+        # a compact window of as many rows: side by side from the first region's row 0
+        c_src = int(bases[0]) + torch.arange(copied, dtype=torch.int64, device=dev) * d
+        c_dst = ws.plan_dst[:copied].clone()
+        c_count = torch.tensor([copied], dtype=torch.int64, device=dev)
+        extra["variants"] = _variants(
+            lambda: resolve_launcher(sel, cu, slots, plan, geo, hot, clock, host_base, d, ws),
+            lambda launch: launch_copy(ws, pool, host, order, sel.numel(), launch),
+            lambda: copy_queued(pool, c_src, c_dst, c_count, host, copied, 16),
+            restore,
+            iters,
+        )
     return {
+        **extra,
         "batch": nreq,
         "miss_rate": miss_rate,
         "misses_per_step": copied,
@@ -169,6 +205,60 @@ def run_case(
         "copy_GBps": copied * row_bytes / med(g_copy) / 1e6 if copied else None,
         "host_recovery_GBps": copied * row_bytes / med(g_total) / 1e6 if copied else None,
     }
+
+
+def _variants(
+    resolver: Callable[[], Callable[[int], torch.Tensor]],
+    copy: Callable[[CopyLaunch], None],
+    compact: Callable[[], None],
+    restore: Callable[[], None],
+    iters: int,
+) -> dict[str, float]:
+    """Median ms (CUDA graphs) of one case's variants: the resolve's two phases, the copy in
+    each launch shape of ``COPY_VARIANTS``, the copy on a side stream beside the resolve's
+    second phase (``split_total``), and the ``compact`` window copy; every variant once per
+    round, three rounds, so drift hits them alike."""
+    side = torch.cuda.Stream()
+
+    def split() -> None:
+        launch = resolver()
+        launch(1)
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            copy(CopyLaunch())
+        launch(2)
+        torch.cuda.current_stream().wait_stream(side)
+
+    def queue() -> None:  # the state the copies replay: a restored hot cache, the queue
+        restore()
+        resolver()(1)
+
+    # variant -> what runs before each timed replay: a restored hot cache for a whole
+    # resolve, the queue for the second phase; the copies replay the queue left before them
+    fns = {
+        "resolve_phase1": (lambda: resolver()(1), restore),
+        "resolve_phase2": (lambda: resolver()(2), queue),
+        "split_total": (split, restore),
+        "compact_copy": (compact, None),
+    }
+    for name, launch in COPY_VARIANTS.items():
+        fns[f"copy_{name}"] = (functools.partial(copy, launch), None)
+    graphs = {}
+    for name, (fn, _) in fns.items():
+        queue()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graphs[name] = graph
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(3):
+        for name, graph in graphs.items():
+            queue()
+            times[name] += cuda_ms(graph.replay, max(1, iters // 3), fns[name][1])
+    res = {name: statistics.median(v) for name, v in times.items()}
+    wide = times["copy_wide"]
+    res["copy_wide_spread"] = (max(wide) - min(wide)) / res["copy_wide"]
+    return res
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

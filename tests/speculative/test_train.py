@@ -60,3 +60,22 @@ def test_cli_writes_a_loadable_checkpoint(tmp_path, capsys) -> None:
         assert (d / "drafter.json").exists() and (d / "drafter.safetensors").exists()
     drafter = load_drafter(out, target("tiny-glm"))
     assert drafter.kind == "dflash2" and drafter.cfg.window == 16
+
+
+def test_training_goes_on_from_a_saved_drafter(tmp_path) -> None:
+    """--init: the saved weights are the start, the history continues its step count, and a
+    drafter of another kind or block is refused."""
+    t = target("tiny-glm")
+    first = replace(SMALL, drafter="dflash2", steps=2, out=str(tmp_path / "a"))
+    drafter, _ = train(first, target=t)
+    more = replace(first, steps=0, init=first.out, out=str(tmp_path / "b"))
+    resumed, history = train(more, target=t)
+    assert [h["step"] for h in history] == [1, 2]
+    for (name, p), q in zip(
+        drafter.state_dict().items(), resumed.state_dict().values(), strict=True
+    ):
+        assert torch.equal(p, q), name
+    _, history = train(replace(more, steps=1), target=t)
+    assert [h["step"] for h in history] == [1, 2, 3]
+    with pytest.raises(ValueError, match="block"):
+        make_drafter(replace(more, block_size=4), t)

@@ -29,6 +29,7 @@ from services.worker.speculative.drafters import (
     Drafter,
     DrafterConfig,
     build_drafter,
+    load_drafter,
     save_drafter,
 )
 from training.drafter.data import (
@@ -72,6 +73,7 @@ class TrainConfig:
     block_size: int = 8
     window: int = 256
     target_layers: tuple[int, ...] | None = None
+    init: str | None = None  # a saved drafter to go on training (its architecture wins)
 
 
 def decay_weights(block: int, gamma: float, device: torch.device) -> torch.Tensor:
@@ -127,6 +129,14 @@ def evaluate(
 
 
 def make_drafter(cfg: TrainConfig, target: DSAModel) -> Drafter:
+    if cfg.init:
+        drafter = load_drafter(cfg.init, target)
+        if drafter.cfg.kind != cfg.drafter or drafter.block_size != cfg.block_size:
+            raise ValueError(
+                f"--init {cfg.init} is a {drafter.cfg.kind} drafter of block "
+                f"{drafter.block_size}, not {cfg.drafter} of block {cfg.block_size}"
+            )
+        return drafter
     overrides: dict = {"n_layers": cfg.layers, "block_size": cfg.block_size, "window": cfg.window}
     if cfg.target_layers is not None:
         overrides["target_layers"] = tuple(cfg.target_layers)
@@ -158,9 +168,12 @@ def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, li
     opt = torch.optim.AdamW(drafter.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     dev = next(target.parameters()).device
     weights = decay_weights(cfg.block_size, cfg.decay_gamma, dev)
-    history: list[dict] = []
+    history = _earlier_history(cfg.init)
+    first = len(history) + 1
     t0 = time.monotonic()
-    bar = tqdm(range(1, cfg.steps + 1), disable=not cfg.progress, desc=f"train {cfg.drafter}")
+    bar = tqdm(
+        range(first, first + cfg.steps), disable=not cfg.progress, desc=f"train {cfg.drafter}"
+    )
     for step in bar:
         if data.dim() == 1:
             tokens = sample_windows(data, cfg.batch_size, cfg.seq_len, gen)
@@ -185,6 +198,14 @@ def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, li
     if cfg.out:
         _save(drafter, opt, cfg, history, Path(cfg.out))
     return drafter, history
+
+
+def _earlier_history(init: str | None) -> list[dict]:
+    """The history of the drafter training goes on from (none for a fresh drafter)."""
+    path = Path(init) / "history.jsonl" if init else None
+    if path is None or not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
 def _save(
@@ -225,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--block-size", type=int, default=d.block_size)
     ap.add_argument("--window", type=int, default=d.window)
     ap.add_argument("--target-layers", type=int, nargs="+", default=None)
+    ap.add_argument("--init", default=None, help="a saved drafter to go on training")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
     cfg = replace(
@@ -252,6 +274,7 @@ def main(argv: list[str] | None = None) -> int:
         window=a.window,
         target_layers=tuple(a.target_layers) if a.target_layers else None,
         progress=not a.no_progress,
+        init=a.init,
     )
     _, history = train(cfg)
     last = history[-1] if history else {}

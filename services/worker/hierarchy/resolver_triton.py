@@ -15,13 +15,15 @@ Semantics are exactly ``resolver_ref.resolve_ref``'s."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 import triton
 
-from services.worker.hierarchy.copy_triton import copy_queued
+from services.worker.hierarchy.copy_triton import DEFAULT_LAUNCH, CopyLaunch, copy_queued
 from services.worker.hierarchy.geometry import SourceGeometry
+from services.worker.hierarchy.host_backup import REGION_ALIGN_BYTES
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.read_order import HostReadOrder, sort_queued
@@ -79,6 +81,47 @@ def reserve_workspace(
         _WORKSPACES[key] = Workspace(max_tokens, k, max_reqs, entries, device)
 
 
+def resolve_launcher(
+    sel: torch.Tensor,
+    cu: torch.Tensor,
+    slots: torch.Tensor,
+    plan: ChunkPlan,
+    geo: SourceGeometry,
+    hot: HotCache,
+    clock: int | torch.Tensor,
+    host_base: torch.Tensor,
+    row_elems: int,
+    ws: Workspace,
+) -> Callable[[int], torch.Tensor]:
+    """The resolve kernel's launch for one call, by ``PHASE`` (``resolver_kernel``: 0 the
+    whole call; 1 steps 1-3, the copy queue; 2 steps 4-6): each launch returns the call's
+    locations [N, k] (complete after phase 0 or 2); misses are queued in ``ws``, whose counters
+    are zeroed here, once."""
+    k = sel.shape[1]
+    nreq = cu.numel() - 1
+    sel = sel.contiguous()
+    locs = torch.empty_like(sel)
+    if not isinstance(clock, torch.Tensor):
+        clock = torch.tensor(clock, dtype=torch.int64, device=sel.device)
+    ws.counters.zero_()
+
+    def launch(phase: int) -> torch.Tensor:
+        resolve_kernel[(nreq,)](
+            sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
+            plan.scratch_off, hot.map, hot.map.stride(0), hot.rows, hot.lru, hot.stamp,
+            host_base, host_base.stride(0), geo.hot_pages, geo.hot_pages.stride(0),
+            geo.tail_pages, geo.tail_pages.stride(0), geo.opt_map, geo.opt_map.stride(0),
+            ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
+            clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, geo.stage_base,
+            geo.stage_rows, row_elems,
+            KP=triton.next_power_of_2(k), BP=ws.bp, HAS_OPT=geo.optional, PHASE=phase,
+            num_warps=8 if ws.bp >= 2048 else 4,
+        )  # fmt: skip
+        return locs
+
+    return launch
+
+
 def launch_resolve(
     sel: torch.Tensor,
     cu: torch.Tensor,
@@ -91,26 +134,9 @@ def launch_resolve(
     row_elems: int,
     ws: Workspace,
 ) -> torch.Tensor:
-    """The resolve kernel alone: returns locations [N, k]; queues misses in ``ws``."""
-    k = sel.shape[1]
-    nreq = cu.numel() - 1
-    sel = sel.contiguous()
-    locs = torch.empty_like(sel)
-    if not isinstance(clock, torch.Tensor):
-        clock = torch.tensor(clock, dtype=torch.int64, device=sel.device)
-    ws.counters.zero_()
-    resolve_kernel[(nreq,)](
-        sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
-        plan.scratch_off, hot.map, hot.map.stride(0), hot.rows, hot.lru, hot.stamp, host_base,
-        host_base.stride(0), geo.hot_pages, geo.hot_pages.stride(0), geo.tail_pages,
-        geo.tail_pages.stride(0), geo.opt_map, geo.opt_map.stride(0),
-        ws.victims, locs, ws.plan_src, ws.plan_dst, ws.counters,
-        clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, geo.stage_base,
-        geo.stage_rows, row_elems,
-        KP=triton.next_power_of_2(k), BP=ws.bp, HAS_OPT=geo.optional,
-        num_warps=8 if ws.bp >= 2048 else 4,
-    )  # fmt: skip
-    return locs
+    """The resolve kernel alone, in one launch: returns locations [N, k]; queues misses in
+    ``ws``."""
+    return resolve_launcher(sel, cu, slots, plan, geo, hot, clock, host_base, row_elems, ws)(0)
 
 
 def launch_copy(
@@ -119,14 +145,18 @@ def launch_copy(
     host: torch.Tensor,
     order: HostReadOrder = HostReadOrder(),
     queued: int | None = None,
+    launch: CopyLaunch = DEFAULT_LAUNCH,
 ) -> None:
     """The copy kernel alone: the workspace's queued rows from the host arena into the pool,
-    in the ``order`` the policy asks for. ``queued`` bounds what the resolve launch queued
-    (its selected entries; default: the workspace's capacity)."""
+    in the ``order`` the policy asks for, with the kernel's ``launch`` shape. ``queued`` bounds what the resolve launch queued
+    (its selected entries; default: the workspace's capacity). The queued rows lie in regions
+    aligned to ``host_backup.REGION_ALIGN_BYTES``, as the worker's are."""
     cap = ws.plan_src.numel()
     if order.by_address:
         sort_queued(ws.plan_src, ws.plan_dst, ws.counters[3], cap if queued is None else queued)
-    copy_queued(pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, cap)
+    copy_queued(
+        pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, cap, REGION_ALIGN_BYTES, launch
+    )
 
 
 @dataclass(frozen=True)
