@@ -34,22 +34,23 @@ from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.hierarchy.resolver_triton import (
+    ResolveLaunch,
     Workspace,
     launch_copy,
     launch_resolve,
     resolve_launcher,
 )
 
-# the copy kernel's launch shapes ``run_case(variants=True)`` times beside the default
+# the launch shapes ``run_case(variants=True)`` times beside the defaults
 COPY_VARIANTS = {
-    "narrow": CopyLaunch(wide=False),
-    "wide": CopyLaunch(),
-    "wide-rows8": CopyLaunch(rows=8),
-    "wide-rows32": CopyLaunch(rows=32),
-    "wide-1/sm": CopyLaunch(programs_per_sm=1),
-    "wide-4/sm": CopyLaunch(programs_per_sm=4),
-    "wide-8warps": CopyLaunch(num_warps=8),
+    "default": CopyLaunch(),
+    "rows8": CopyLaunch(rows=8),
+    "rows32": CopyLaunch(rows=32),
+    "1/sm": CopyLaunch(programs_per_sm=1),
+    "4/sm": CopyLaunch(programs_per_sm=4),
+    "8warps": CopyLaunch(num_warps=8),
 }
+RESOLVE_VARIANTS = {f"{w}warps": ResolveLaunch(num_warps=w) for w in (2, 4, 8, 16)}
 
 PAGE = 64
 RING = 128  # one 64-row page plus a verification block, rounded to pages as the engine does
@@ -85,9 +86,10 @@ def run_case(
 ) -> dict:  # fmt: skip
     """One batch: ``host_base`` [nreq] int64 is each request's region (element offset of its
     row 0; default: the regions side by side); ``order``: how the copy issues the reads.
-    ``variants``: also the copy kernel's launch shapes (``COPY_VARIANTS``), the resolve's two
-    phases, the copy beside the second (on a side stream) and a compact-window copy of as many
-    rows (``variants`` in the result, ms from CUDA graphs)."""
+    ``variants``: also the resolve's launch shapes (``RESOLVE_VARIANTS``) and, where rows miss,
+    its two phases, the copy kernel's launch shapes (``COPY_VARIANTS``), the copy beside the
+    second phase (on a side stream) and a compact-window copy of as many rows (``variants`` in
+    the result, ms from CUDA graphs)."""
     dev = torch.device("cuda")
     per = (b + RING) // PAGE
     geo = SourceGeometry.create(nreq, PAGE, b, RING, nreq * per * PAGE, 1, hist, dev)
@@ -177,7 +179,7 @@ def run_case(
     row_bytes = d * host.element_size()
     med = statistics.median
     extra = {}
-    if variants and copied:
+    if variants:
         # a compact window of as many rows: side by side from the first region's row 0
         c_src = int(bases[0]) + torch.arange(copied, dtype=torch.int64, device=dev) * d
         c_dst = ws.plan_dst[:copied].clone()
@@ -185,7 +187,7 @@ def run_case(
         extra["variants"] = _variants(
             lambda: resolve_launcher(sel, cu, slots, plan, geo, hot, clock, host_base, d, ws),
             lambda launch: launch_copy(ws, pool, host, order, sel.numel(), launch),
-            lambda: copy_queued(pool, c_src, c_dst, c_count, host, copied, 16),
+            (lambda: copy_queued(pool, c_src, c_dst, c_count, host, copied)) if copied else None,
             restore,
             iters,
         )
@@ -208,16 +210,17 @@ def run_case(
 
 
 def _variants(
-    resolver: Callable[[], Callable[[int], torch.Tensor]],
+    resolver: Callable[[], Callable[..., torch.Tensor]],
     copy: Callable[[CopyLaunch], None],
-    compact: Callable[[], None],
+    compact: Callable[[], None] | None,
     restore: Callable[[], None],
     iters: int,
 ) -> dict[str, float]:
-    """Median ms (CUDA graphs) of one case's variants: the resolve's two phases, the copy in
-    each launch shape of ``COPY_VARIANTS``, the copy on a side stream beside the resolve's
-    second phase (``split_total``), and the ``compact`` window copy; every variant once per
-    round, three rounds, so drift hits them alike."""
+    """Median ms (CUDA graphs) of one case's variants: the whole resolve in each launch shape
+    of ``RESOLVE_VARIANTS``; where rows miss (``compact`` given), the resolve's two phases, the
+    copy in each launch shape of ``COPY_VARIANTS``, the copy on a side stream beside the
+    resolve's second phase (``split_total``), and the ``compact`` window copy; every variant
+    once per round, three rounds, so drift hits them alike."""
     side = torch.cuda.Stream()
 
     def split() -> None:
@@ -236,13 +239,18 @@ def _variants(
     # variant -> what runs before each timed replay: a restored hot cache for a whole
     # resolve, the queue for the second phase; the copies replay the queue left before them
     fns = {
-        "resolve_phase1": (lambda: resolver()(1), restore),
-        "resolve_phase2": (lambda: resolver()(2), queue),
-        "split_total": (split, restore),
-        "compact_copy": (compact, None),
+        f"resolve_{name}": (lambda shape=shape: resolver()(0, shape), restore)
+        for name, shape in RESOLVE_VARIANTS.items()
     }
-    for name, launch in COPY_VARIANTS.items():
-        fns[f"copy_{name}"] = (functools.partial(copy, launch), None)
+    if compact is not None:
+        fns |= {
+            "resolve_phase1": (lambda: resolver()(1), restore),
+            "resolve_phase2": (lambda: resolver()(2), queue),
+            "split_total": (split, restore),
+            "compact_copy": (compact, None),
+        }
+        for name, launch in COPY_VARIANTS.items():
+            fns[f"copy_{name}"] = (functools.partial(copy, launch), None)
     graphs = {}
     for name, (fn, _) in fns.items():
         queue()
@@ -256,8 +264,9 @@ def _variants(
             queue()
             times[name] += cuda_ms(graph.replay, max(1, iters // 3), fns[name][1])
     res = {name: statistics.median(v) for name, v in times.items()}
-    wide = times["copy_wide"]
-    res["copy_wide_spread"] = (max(wide) - min(wide)) / res["copy_wide"]
+    for name in ("copy_default", "resolve_4warps"):
+        if name in res:
+            res[f"{name}_spread"] = (max(times[name]) - min(times[name])) / res[name]
     return res
 
 
@@ -271,6 +280,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--out", default="docs/results/resolver.json")
     ap.add_argument("--plot", default=None, help="PNG path")
+    ap.add_argument(
+        "--variants", action="store_true",
+        help="also the resolve's and the copy's launch shapes side by side (run_case)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -295,7 +308,16 @@ def run(args: argparse.Namespace) -> int:
     cases = [(b, r) for b in batches for r in rates]
     for nreq, rate in progress(cases, "resolver"):
         res = run_case(
-            nreq, rate, args.k, args.hot_cache_rows, args.history, d, host, args.iters, g
+            nreq,
+            rate,
+            args.k,
+            args.hot_cache_rows,
+            args.history,
+            d,
+            host,
+            args.iters,
+            g,
+            variants=args.variants,
         )
         res["total_over_gather"] = res["graph_total_ms"] / res["graph_plain_gather_ms"]
         if res["host_recovery_GBps"]:
@@ -312,6 +334,8 @@ def run(args: argparse.Namespace) -> int:
               f"{r['graph_total_ms']:>7.3f} {r['graph_plain_gather_ms']:>8.3f} "
               f"{r['total_ms']:>7.3f} {r['copy_GBps'] or 0:>9.1f} "
               f"{(100 * gbps / ceiling) if gbps else 0:>9.1f}")  # fmt: skip
+    if args.variants:
+        print_resolve_variants(results)
     out = {
         "benchmark": "resolver",
         "machine": torch.cuda.get_device_name(),
@@ -333,6 +357,18 @@ def run(args: argparse.Namespace) -> int:
             mapping.close()
             arena.close(remove=True)
     return 0
+
+
+def print_resolve_variants(results: list[dict]) -> None:
+    """The resolve's launch shapes beside the plain gather, ms from CUDA graphs."""
+    names = [f"resolve_{n}" for n in RESOLVE_VARIANTS]
+    print("\nresolve by launch shape, ms (CUDA graphs), and over the plain gather")
+    print(f"{'batch':>5} {'miss%':>6} " + " ".join(f"{n[8:]:>14}" for n in names)
+          + f" {'gather':>7}")  # fmt: skip
+    for r in results:
+        v, gather = r["variants"], r["graph_plain_gather_ms"]
+        cells = " ".join(f"{v[n]:7.4f} {v[n] / gather:5.2f}x" for n in names)
+        print(f"{r['batch']:>5} {100 * r['miss_rate']:>6.2f} {cells} {gather:>7.4f}")
 
 
 def plot(out: dict, path: str) -> None:

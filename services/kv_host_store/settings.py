@@ -15,7 +15,6 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 from services.kv_host_store.placement import PLACEMENTS, Placement
 
 _BYTE_SIZE = TypeAdapter(ByteSize)
-MIN_ALIGNMENT = 16  # bytes: the workers' host-read copy moves rows in words of up to this
 
 
 def parse_size(value: object) -> int:
@@ -60,11 +59,8 @@ class KVHostStoreSettings(BaseSettings):
     @model_validator(mode="after")
     def _check_layout(self) -> KVHostStoreSettings:
         a = self.alignment
-        if a & (a - 1) or a < MIN_ALIGNMENT:
-            raise ValueError(
-                f"alignment must be a power of two of at least {MIN_ALIGNMENT} bytes (workers "
-                f"read host rows in words of up to {MIN_ALIGNMENT}), got {a}"
-            )
+        if a & (a - 1):
+            raise ValueError(f"alignment must be a power of two, got {a}")
         if self.capacity % a:
             raise ValueError(f"capacity {self.capacity} must be a multiple of alignment {a}")
         self.placement()  # an unknown policy fails here

@@ -50,7 +50,6 @@ def test_environment_then_flags(monkeypatch: pytest.MonkeyPatch) -> None:
     [
         {"capacity": "1000"},  # not a multiple of the alignment
         {"alignment": 3000},  # not a power of two
-        {"alignment": 8},  # under the workers' 16-byte reads
         {"capacity": 0},
         {"capacity": "lots"},
         {"port": 70000},

@@ -18,10 +18,6 @@ from services.kv_host_store.records import Region, RowRange
 from services.worker.hierarchy.region_store import RegionStore
 from services.worker.hierarchy.reporter import DurabilityReporter, OwnerId
 
-# Every region a worker seats starts at a multiple of this many bytes of the arena (the store's
-# alignment, at least this): the host-read copy moves rows in words of up to 16 bytes.
-REGION_ALIGN_BYTES = 16
-
 
 class HostPointer:
     """A host tensor as a Triton kernel argument: under UVA a pinned (registered) host pointer
@@ -148,12 +144,7 @@ class HostBackups:
         backed = []
         for s in range(self.num_sources):
             region = by_source[s]
-            if region.offset % REGION_ALIGN_BYTES:
-                raise ValueError(
-                    f"region {region.region_id} starts at byte {region.offset}, not a multiple "
-                    f"of {REGION_ALIGN_BYTES}: the host store's alignment must be at least that"
-                )
-            assert region.row_bytes == self.row_bytes
+            assert region.offset % self.esize == 0 and region.row_bytes == self.row_bytes
             durable = (RowRange(0, committed[s]),) if committed[s] else ()
             backed.append(_Backed(region, region.offset // self.esize, durable))
         self._backed[slot] = backed

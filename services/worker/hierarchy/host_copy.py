@@ -13,8 +13,6 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.hierarchy.host_backup import REGION_ALIGN_BYTES
-
 try:
     import triton
     import triton.language as tl
@@ -106,8 +104,7 @@ def restore_rows_triton(
     store: torch.Tensor, dst_rows: torch.Tensor, src: torch.Tensor, arena: torch.Tensor
 ) -> None:
     """Same contract as ``restore_rows_ref``, with the resolver's host-read copy kernel (on a
-    GPU ``arena`` must be pinned: the kernel reads it under UVA), for rows of regions aligned
-    to ``host_backup.REGION_ALIGN_BYTES`` (every ``src[i]`` a whole row into one)."""
+    GPU ``arena`` must be pinned: the kernel reads it under UVA)."""
     from services.worker.hierarchy.copy_triton import copy_rows
 
-    copy_rows(store, src, dst_rows, arena, REGION_ALIGN_BYTES)
+    copy_rows(store, src, dst_rows, arena)

@@ -23,7 +23,6 @@ import triton
 
 from services.worker.hierarchy.copy_triton import DEFAULT_LAUNCH, CopyLaunch, copy_queued
 from services.worker.hierarchy.geometry import SourceGeometry
-from services.worker.hierarchy.host_backup import REGION_ALIGN_BYTES
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.read_order import HostReadOrder, sort_queued
@@ -51,6 +50,21 @@ class Workspace:
             and triton.next_power_of_2(entries) == self.bp
         )
 
+
+@dataclass(frozen=True)
+class ResolveLaunch:
+    """The resolve kernel's launch shape, a policy (every shape resolves alike): ``num_warps``
+    per request's program, or by the hot cache's size (8 from 2,048 entries, else 4)."""
+
+    num_warps: int | None = None
+
+    def warps(self, entries_p2: int) -> int:
+        if self.num_warps is not None:
+            return self.num_warps
+        return 8 if entries_p2 >= 2048 else 4
+
+
+DEFAULT_RESOLVE = ResolveLaunch()
 
 _WORKSPACES: dict[tuple, Workspace] = {}
 
@@ -92,11 +106,11 @@ def resolve_launcher(
     host_base: torch.Tensor,
     row_elems: int,
     ws: Workspace,
-) -> Callable[[int], torch.Tensor]:
+) -> Callable[..., torch.Tensor]:
     """The resolve kernel's launch for one call, by ``PHASE`` (``resolver_kernel``: 0 the
     whole call; 1 steps 1-3, the copy queue; 2 steps 4-6): each launch returns the call's
     locations [N, k] (complete after phase 0 or 2); misses are queued in ``ws``, whose counters
-    are zeroed here, once."""
+    are zeroed here, once. ``launch(phase, shape)``: ``shape`` is the kernel's launch shape."""
     k = sel.shape[1]
     nreq = cu.numel() - 1
     sel = sel.contiguous()
@@ -105,7 +119,7 @@ def resolve_launcher(
         clock = torch.tensor(clock, dtype=torch.int64, device=sel.device)
     ws.counters.zero_()
 
-    def launch(phase: int) -> torch.Tensor:
+    def launch(phase: int, shape: ResolveLaunch = DEFAULT_RESOLVE) -> torch.Tensor:
         resolve_kernel[(nreq,)](
             sel, sel.stride(0), cu, slots, plan.ring_lo, plan.chunk_lo, plan.in_scratch,
             plan.scratch_off, hot.map, hot.map.stride(0), hot.rows, hot.lru, hot.stamp,
@@ -115,7 +129,7 @@ def resolve_launcher(
             clock, k, hot.entries, geo.page, geo.ring, geo.scratch_base, geo.stage_base,
             geo.stage_rows, row_elems,
             KP=triton.next_power_of_2(k), BP=ws.bp, HAS_OPT=geo.optional, PHASE=phase,
-            num_warps=8 if ws.bp >= 2048 else 4,
+            num_warps=shape.warps(ws.bp),
         )  # fmt: skip
         return locs
 
@@ -148,15 +162,12 @@ def launch_copy(
     launch: CopyLaunch = DEFAULT_LAUNCH,
 ) -> None:
     """The copy kernel alone: the workspace's queued rows from the host arena into the pool,
-    in the ``order`` the policy asks for, with the kernel's ``launch`` shape. ``queued`` bounds what the resolve launch queued
-    (its selected entries; default: the workspace's capacity). The queued rows lie in regions
-    aligned to ``host_backup.REGION_ALIGN_BYTES``, as the worker's are."""
+    in the ``order`` the policy asks for, with the kernel's ``launch`` shape. ``queued`` bounds
+    what the resolve launch queued (its selected entries; default: the workspace's capacity)."""
     cap = ws.plan_src.numel()
     if order.by_address:
         sort_queued(ws.plan_src, ws.plan_dst, ws.counters[3], cap if queued is None else queued)
-    copy_queued(
-        pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, cap, REGION_ALIGN_BYTES, launch
-    )
+    copy_queued(pool, ws.plan_src, ws.plan_dst, ws.counters[3:], host, cap, launch)
 
 
 @dataclass(frozen=True)
