@@ -50,7 +50,7 @@ COPY_VARIANTS = {
     "4/sm": CopyLaunch(programs_per_sm=4),
     "8warps": CopyLaunch(num_warps=8),
 }
-RESOLVE_VARIANTS = {f"{w}warps": ResolveLaunch(num_warps=w) for w in (2, 4, 8, 16)}
+RESOLVE_VARIANTS = {f"{w}warps": ResolveLaunch(num_warps=w) for w in (4, 8, 16, 32)}
 
 PAGE = 64
 RING = 128  # one 64-row page plus a verification block, rounded to pages as the engine does
