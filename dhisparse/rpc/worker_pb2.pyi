@@ -125,7 +125,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "max_num_seqs", "kv_capacity_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_free_bytes", "mode")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "max_num_seqs", "kv_capacity_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_free_bytes", "mode", "serving_ranks")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -135,6 +135,7 @@ class LoadResponse(_message.Message):
     KV_OPTIONAL_BYTES_FIELD_NUMBER: _ClassVar[int]
     KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
+    SERVING_RANKS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -144,7 +145,8 @@ class LoadResponse(_message.Message):
     kv_optional_bytes: int
     kv_free_bytes: int
     mode: str
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_required_bytes: _Optional[int] = ..., kv_optional_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., mode: _Optional[str] = ...) -> None: ...
+    serving_ranks: int
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_required_bytes: _Optional[int] = ..., kv_optional_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., serving_ranks: _Optional[int] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()

@@ -3,8 +3,10 @@ its whole budget, as recorded in the capacity ledger (``ledger``); until then it
 bounded FIFO per model.
 
 - **Sizing:** the capacity model's bytes for prompt + max tokens on each worker (``sizing``).
-- **Routing:** workers that could ever hold the request, ranked by the router (least admitted
-  share first); the ledger admits on the first with room, atomically.
+- **Routing:** workers that could ever hold the request (within one serving rank's share of
+  the capacity: a data-parallel group runs each request on one rank), ranked by the router
+  (least admitted share first); the ledger admits on the first with room, atomically, against
+  the worker's whole capacity and seats.
 - **Waiting:** only the head of a queue tries; it retries every ``poll_s`` (another replica's
   release is seen no sooner) and at once when this gateway releases a lease or polls the
   workers. Queue full → 429 ``queue-full`` (``no-capacity`` when queueing is off), deadline →
@@ -176,7 +178,8 @@ class MemoryAdmission:
         if not sized:
             what = "has reported its capacity yet" if healthy else "is available"
             raise self._no_worker(job, f"no healthy worker {what}")
-        fits = {w.address: need for w, need in sized if need <= w.kv_capacity_bytes}
+        # one request runs on one rank of a data-parallel group: it must fit that rank's pool
+        fits = {w.address: need for w, need in sized if need <= w.request_capacity_bytes}
         if not fits:
             raise self._too_large(job, sized)
         # The router weighs what the ledger holds on each worker (every replica's leases).
@@ -219,9 +222,9 @@ class MemoryAdmission:
         self, job: AdmissionJob, sized: Sequence[tuple[WorkerStatus, int]]
     ) -> AdmissionRejected:
         """400 in the shape of vLLM's context-length error (clients match on it to trim), with
-        the longest context the largest worker's memory holds."""
+        the longest context the largest worker's memory holds for one request (one rank's)."""
         self._count(job, "too-large", 400)
-        largest = max((w for w, _ in sized), key=lambda w: w.kv_capacity_bytes)
+        largest = max((w for w, _ in sized), key=lambda w: w.request_capacity_bytes)
         longest = self._longest_context(largest, job.context_tokens)
         message = (
             f"This model's maximum context length is {longest} tokens on the KV memory of "
@@ -236,7 +239,7 @@ class MemoryAdmission:
         while hi - lo > 1:
             mid = (lo + hi) // 2
             need = self.sizer.required_bytes(worker, mid)
-            if need is not None and need <= worker.kv_capacity_bytes:
+            if need is not None and need <= worker.request_capacity_bytes:
                 lo = mid
             else:
                 hi = mid

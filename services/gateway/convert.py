@@ -48,6 +48,7 @@ class WorkerLoad:
     kv_capacity_bytes: int
     kv_free_bytes: int
     mode: str
+    serving_ranks: int = 1
 
 
 def generate_request(inp: GenerationInput) -> worker_pb2.GenerateRequest:
@@ -116,4 +117,5 @@ def worker_load(load: worker_pb2.LoadResponse) -> WorkerLoad:
         kv_capacity_bytes=load.kv_capacity_bytes,
         kv_free_bytes=load.kv_free_bytes,
         mode=load.mode,
+        serving_ranks=max(1, load.serving_ranks),  # 0: a worker from before the field
     )

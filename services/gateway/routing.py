@@ -35,6 +35,13 @@ class WorkerStatus:
     config_json: str = ""  # the model config, for the capacity model
     kv_layout_json: str = ""  # the worker's KV geometry (dtype, pages, hot cache, tail)
     admitted_bytes: int = 0  # held by leases in the admission ledger (every gateway's)
+    serving_ranks: int = 1  # ranks with their own requests and KV pool (data-parallel attention)
+
+    @property
+    def request_capacity_bytes(self) -> int:
+        """The most KV bytes one request can ever hold here: one serving rank's share of the
+        capacity (the whole of it on a one-rank or tensor-parallel worker)."""
+        return self.kv_capacity_bytes // max(1, self.serving_ranks)
 
     @property
     def estimated_load(self) -> int:

@@ -92,6 +92,7 @@ class WorkerClient:
             max_num_seqs=load.max_num_seqs if load else 0,
             kv_capacity_bytes=load.kv_capacity_bytes if load else 0,
             kv_free_bytes=load.kv_free_bytes if load else 0,
+            serving_ranks=load.serving_ranks if load else 1,
             in_flight=self.in_flight,
             in_flight_at_poll=self.in_flight_at_poll,
             model_name=model.model_name if model else "",

@@ -84,7 +84,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """The worker's load for the gateway's admission: under data-parallel attention the
         whole group's (every rank its own seats and KV pool; free bytes as the ranks last
         reported them; required and optional bytes: this rank's), as requests run and wait
-        across it."""
+        across it, and the number of serving ranks: a request runs within one rank's pool."""
         eng = self.engine.engine
         mem = eng.kv.memory()
         ranks = eng.serving_ranks
@@ -98,6 +98,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_optional_bytes=mem.optional,
             kv_free_bytes=mem.free + eng.others_free_bytes(),
             mode=eng.kv.mode,
+            serving_ranks=ranks,
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):

@@ -230,6 +230,32 @@ async def test_a_request_no_worker_can_hold_is_400_at_once() -> None:
     await admission.close()
 
 
+async def test_a_data_parallel_group_admits_a_request_within_one_ranks_pool() -> None:
+    # 4 sessions' bytes over 2 serving ranks: 2 per rank. A job of 3 sessions' bytes fits the
+    # group's sum but no rank, so it is too large; one of 2 fits, and the group holds 2 of them.
+    group = worker("dp", sessions=4, serving_ranks=2)
+    assert group.request_capacity_bytes == 2 * NEED
+    admission, _metrics, workers = make([group])
+    await admission.observe(workers)
+    with pytest.raises(AdmissionRejected) as e:
+        await admission.acquire(job("big", prompt=100, max_tokens=200), lambda: workers)
+    assert (e.value.status, e.value.reason) == (400, "too-large")
+    longest = int(e.value.message.split("maximum context length is ")[1].split()[0])
+    sizer = SessionSizer()
+    assert sizer.required_bytes(group, longest) <= 2 * NEED  # type: ignore[operator]
+    assert sizer.required_bytes(group, longest + 1) > 2 * NEED  # type: ignore[operator]
+    one_rank = int(sizer.required_bytes(group, 200) or 0)
+    assert one_rank <= 2 * NEED
+    leases = [
+        await admission.acquire(job(f"fits-{i}", prompt=100, max_tokens=100), lambda: workers)
+        for i in range(2)
+    ]
+    assert {lease.worker for lease in leases} == {"dp"}
+    for lease in leases:
+        lease.release()
+    await admission.close()
+
+
 async def test_no_worker_to_admit_on() -> None:
     admission, _, _ = make([])
     with pytest.raises(NoWorkerAvailable):

@@ -122,9 +122,11 @@ def test_group_serves_one_process_tokens_and_stops_on_sigterm(
         assert ('dhisparse:rank_requests_running{model="tiny-glm",rank="1"}' in text) == bool(
             layout
         )
-        # the gateway admits against the group: each DP rank brings its own seats and pool
+        # the gateway admits against the group: each DP rank brings its own seats and pool,
+        # and a request must fit one rank's (TP: the group serves one batch)
         load = stub.GetLoad(pb.LoadRequest(), timeout=10)
         assert load.max_num_seqs == 4 * (2 if layout else 1)
+        assert load.serving_ranks == (2 if layout else 1)
         assert load.kv_free_bytes > 0 and load.kv_capacity_bytes >= load.kv_free_bytes
         pids = _rank_pids(log)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
