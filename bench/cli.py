@@ -36,6 +36,8 @@ COMMANDS: dict[str, Command] = {
     "host-layout": Command("bench.host_layout", "host-row gather GB/s vs footprint, layouts (CUDA)"),
     "host-layout-serving": Command("bench.host_layout_serving",
                                    "serving-step host recovery per placement and order (CUDA)"),
+    "host-row-shape": Command("bench.host_row_shape",
+                              "host-row reads by row pitch and lane width (CUDA)"),
     "capacity": Command("bench.capacity", "resident/hisparse/adaptive: sessions, decode rate"),
     "spec": Command("bench.spec", "speculative vs plain decoding, closed loop in lockstep"),
     "serving": Command("bench.serving.cli", "closed-loop serving over the engine or HTTP"),

@@ -33,6 +33,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
 from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.build import hierarchy_fixed_bytes
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.kv.config import bytes_per_token
 from services.worker.kv.row_codec import KV_CACHE_DTYPES, kv_codecs
 from services.worker.kv.workspace import workspace_bytes
@@ -40,6 +41,10 @@ from services.worker.model import build_model
 from services.worker.model.scaled import SCALED
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
+
+# a hierarchy mode's variant whose IndexShare followers resolve inline at their producer
+# (``FollowerPrefetch``), e.g. ``hisparse:inline`` beside ``hisparse``
+INLINE = ":inline"
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -53,7 +58,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--contexts", default="8192,32768")
     ap.add_argument("--concurrency", default="1,4")
     ap.add_argument("--decode-tokens", type=int, default=32)
-    ap.add_argument("--modes", default=",".join(MODES))
+    ap.add_argument(
+        "--modes", default=",".join(MODES),
+        help=f"of {', '.join(MODES)}; a hierarchy mode + '{INLINE}': its followers inline",
+    )  # fmt: skip
     ap.add_argument("--hot-cache-rows", type=int, default=4096, help="B (default 2k)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--host-gib", type=float, default=32.0)
@@ -70,8 +78,9 @@ def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], li
     if bad or not fams:
         raise UsageError(f"unknown --family {bad}; known: {', '.join(SCALED)}")
     modes = [m for m in args.modes.split(",") if m]
-    if not modes or set(modes) - set(MODES):
-        raise UsageError(f"--modes takes {', '.join(MODES)}, got {args.modes!r}")
+    known = {*MODES, *(f"{m}{INLINE}" for m in MODES if m != "resident")}
+    if not modes or set(modes) - known:
+        raise UsageError(f"--modes takes {', '.join(sorted(known))}, got {args.modes!r}")
     try:
         ctxs = [int(v) for v in args.contexts.split(",") if v]
         cs = [int(v) for v in args.concurrency.split(",") if v]
@@ -95,9 +104,10 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def _engine(name: str, model, mode: str, ctx: int, c_max: int, args) -> Engine:
+def _engine(name: str, model, variant: str, ctx: int, c_max: int, args) -> Engine:
     """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
-    of the context."""
+    of the context. ``variant``: the mode, with ``INLINE`` for followers resolved inline."""
+    mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
     codecs = kv_codecs(model.cfg, args.kv_cache_dtype, dtype)
@@ -114,6 +124,7 @@ def _engine(name: str, model, mode: str, ctx: int, c_max: int, args) -> Engine:
         hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
         host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager, "second"),
         kv_cache_dtype=args.kv_cache_dtype,
+        followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
     )  # fmt: skip
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools

@@ -28,7 +28,12 @@ def test_arguments_are_checked() -> None:
         [1, 4],
         ["resident", "hisparse", "adaptive"],
     )
-    for bad in ({"family": "v4"}, {"modes": "paged"}, {"contexts": "8k"}, {"concurrency": "0"}):
+    assert scaled.parse(_args(modes="hisparse,hisparse:inline"))[3] == [
+        "hisparse",
+        "hisparse:inline",
+    ]
+    for bad in ({"family": "v4"}, {"modes": "paged"}, {"modes": "resident:inline"},
+                {"contexts": "8k"}, {"concurrency": "0"}):  # fmt: skip
         with pytest.raises(UsageError):
             scaled.parse(_args(**bad))
 
@@ -55,6 +60,7 @@ def test_fp8_kv_in_lockstep_on_the_cpu() -> None:
     model = build_model(preset("tiny-glm"), weights=WeightFormat(fp8=True))
     args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=32, kv_cache_dtype="fp8")  # fmt: skip
-    rows = scaled.run_context("tiny-glm", model, 80, [2], ["resident", "hisparse"], args)
+    rows = scaled.run_context("tiny-glm", model, 80, [2], ["resident", "hisparse:inline"], args)
+    assert [r["mode"] for r in rows] == ["resident", "hisparse:inline"]
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == 2

@@ -12,6 +12,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.model.row_selection import key_rows
 from services.worker.speculative.config import SpeculationConfig
 
@@ -38,13 +39,14 @@ def _drive(
     capture: str = "second",
     drafter: str | None = None,
     kv_cache_dtype: str = "auto",
+    followers: FollowerPrefetch = FollowerPrefetch(),
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     eng = Engine(
         EngineConfig(
             model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=128, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
             graphs=GraphConfig(graphs, capture), speculation=SpeculationConfig(drafter, width=4),
-            kv_cache_dtype=kv_cache_dtype,
+            kv_cache_dtype=kv_cache_dtype, followers=followers,
         )
     )  # fmt: skip
     seen: list[tuple[str, int, torch.Tensor]] = []
@@ -94,6 +96,30 @@ def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str) ->
         assert graphed.kv.payload.census.host > 0
     eager.close()
     graphed.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_followers_resolved_in_a_parallel_branch_equal_inline(mode: str) -> None:
+    """tiny-glm's IndexShare followers (layers 1-2 and 4-5) resolved on a side stream, in graph
+    replays a parallel branch of the graph: the same logits as replays that resolve them
+    inline at their producer, and as eager inline steps."""
+    inline = FollowerPrefetch(overlap=False)
+    eager, ref = _drive(mode, graphs=False, followers=inline)
+    serial, base = _drive(mode, graphs=True, followers=inline)
+    branched, got = _drive(mode, graphs=True)
+    assert branched.kv.payload.selections.side_stream is not None
+    assert serial.kv.payload.selections.side_stream is None
+    assert branched.graphs is not None and branched.graphs.replays > 50
+    for run in (base, got):
+        assert [(r, n) for r, n, _ in run] == [(r, n) for r, n, _ in ref]
+        for (r, n, a), (_, _, b) in zip(ref, run, strict=True):
+            assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    assert branched.kv.payload.census == serial.kv.payload.census
+    if mode == "hisparse":
+        assert branched.kv.payload.census.host > 0
+    for e in (eager, serial, branched):
+        e.close()
 
 
 @pytest.mark.gpu

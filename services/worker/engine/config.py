@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.engine.cuda_graph import GraphConfig
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.kv.config import KVCacheConfig
 from services.worker.parallel.layout import SINGLE, ParallelConfig
 from services.worker.residency.config import ResidencyConfig
@@ -51,6 +52,8 @@ class EngineConfig:
     # dies (manifests, index keys, write-through of imported history). None: on in hierarchy
     # modes; resident mode keeps no host backups, so it has nothing to resume from.
     durable_sessions: bool | None = None
+    # hierarchy modes: when an index producer's followers resolve (a policy, exact either way)
+    followers: FollowerPrefetch = field(default_factory=FollowerPrefetch)
 
     @property
     def on_cpu(self) -> bool:
@@ -104,6 +107,7 @@ class EngineConfig:
             durable=self.durable,
             dtype=dtype,
             kv_cache_dtype=self.kv_cache_dtype,
+            followers=self.followers,
             device=self.device,
         )
 

@@ -105,5 +105,7 @@ def build_hierarchy(
         model_cfg, shape, backups, get_backend(cfg.resolver, cfg.host_reads), codec
     )
     residency = cfg.residency if cfg.mode == "adaptive" else None
-    payload = HierarchyPayload(model_cfg, device_store, residency, durable=cfg.durable)
+    payload = HierarchyPayload(
+        model_cfg, device_store, residency, durable=cfg.durable, prefetch=cfg.followers
+    )
     return payload, backups, local

@@ -20,6 +20,7 @@ from services.kv_host_store.records import Region
 from services.worker.hierarchy import tail
 from services.worker.hierarchy.commit import commit_pass
 from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.hierarchy.plan import PlannedAhead, Planner
 from services.worker.hierarchy.prefill import Prefixes
 from services.worker.hierarchy.resolver import Census
@@ -41,9 +42,11 @@ class HierarchyPayload:
         store: DeviceStore,
         residency: ResidencyConfig | None = None,
         durable: bool = False,
+        prefetch: FollowerPrefetch = FollowerPrefetch(),
     ) -> None:
         """``residency``: adaptive residency's settings (mode ``adaptive``); None: ``hisparse``.
-        ``durable``: sessions survive this process, so imported history is written through."""
+        ``durable``: sessions survive this process, so imported history is written through.
+        ``prefetch``: when an index producer's followers resolve."""
         shape = store.shape
         if shape.hot_cache_rows < cfg.index_topk:
             raise ValueError(
@@ -58,7 +61,7 @@ class HierarchyPayload:
         self.prefixes = Prefixes(cfg, store)
         slot_index = torch.full((shape.max_slots,), -1, dtype=torch.int64, device=self.device)
         self.pass_state = PassState(slot_index=slot_index)
-        self.selections = Selections(store, self.pass_state)
+        self.selections = Selections(store, self.pass_state, prefetch)
         self._next: PlannedAhead | None = None  # the likely next decode pass's plans
         self._epoch = 0  # advances when a slot is seated or released
         # a decode or verify pass whose rows are all committed backs up every row it wrote
@@ -248,9 +251,13 @@ class HierarchyPayload:
             self._next = self.planner.ahead(batch, self.store.tail_hi, self._epoch)
 
     def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
+        """The resolver's workspaces at their largest on ``stream`` and on the stream the
+        followers resolve on (a parallel branch of the captured graph)."""
         k = self.cfg.index_topk
-        for entries in {h.entries for h in self.store.hot}:
-            self.store.ops.reserve(self.device, stream, tokens, k, max_batch, entries)
+        side = self.selections.side_stream
+        for s in (stream,) if side is None else (stream, side):
+            for entries in {h.entries for h in self.store.hot}:
+                self.store.ops.reserve(self.device, s, tokens, k, max_batch, entries)
 
     # ---- accounting -------------------------------------------------------------------------
     def memory(self, admitted: int) -> tuple[int, int, int]:

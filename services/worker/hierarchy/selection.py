@@ -3,20 +3,25 @@
 Rows in a request's chunk or tail ring resolve directly; older rows come from the hot cache or
 are read from the host by the resolver, which also counts how each was served (the census).
 The followers of an index producer share its selection, so their resolutions can start as
-soon as it exists and overlap the layers computed in between (``prefetch``)."""
+soon as it exists and overlap the layers computed in between (``prefetch``): on a GPU they run
+on a side stream, and inside a captured CUDA graph that stream's work is a parallel branch of
+the graph, joined where each follower's attention reads its locations."""
 
 from __future__ import annotations
 
 import torch
 
 from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.hierarchy.resolver import Census
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_state import PassState
 
 
 class Selections:
-    def __init__(self, store: DeviceStore, state: PassState) -> None:
+    def __init__(
+        self, store: DeviceStore, state: PassState, prefetch: FollowerPrefetch = FollowerPrefetch()
+    ) -> None:
         self.store = store
         self.state = state
         self.device = store.device
@@ -24,7 +29,14 @@ class Selections:
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
-        self._side = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        gpu = self.device.type == "cuda" and prefetch.overlap
+        self._side = torch.cuda.Stream(self.device) if gpu else None
+
+    @property
+    def side_stream(self) -> int | None:
+        """The side stream's handle (its resolver workspace must be reserved before a graph
+        is captured), or None when followers resolve inline."""
+        return None if self._side is None else self._side.cuda_stream
 
     @property
     def census(self) -> Census:
@@ -40,9 +52,10 @@ class Selections:
         """Starts resolving ``(layer, source)`` pairs that share ``selection`` (the followers of
         an index producer) so their host reads overlap the layers computed in between. On a
         GPU they run on a side stream that first waits for everything issued so far: earlier
-        readers of those sources are done, and the selection is complete."""
-        if self._side is None or torch.cuda.is_current_stream_capturing():
-            # inline (a graph being captured orders the work by its own dependencies)
+        readers of those sources are done, and the selection is complete. Under a graph
+        capture the side stream joins the capture (a fork) and each ``resolve`` of a follower
+        joins it back; every prefetched layer is resolved in the same pass."""
+        if self._side is None:
             for layer, source in layers:
                 self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
             return

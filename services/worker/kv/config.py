@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
 from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.model.config import ModelConfig
 from services.worker.residency.config import ResidencyConfig
@@ -45,6 +46,8 @@ class KVCacheConfig:
     host_writer: bool = True
     # the order the Triton resolver issues a step's host reads in (exact in any order)
     host_reads: HostReadOrder = field(default_factory=HostReadOrder)
+    # when an index producer's followers resolve: beside the layers in between, or inline
+    followers: FollowerPrefetch = field(default_factory=FollowerPrefetch)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     spec_block: int = 1  # K_max of speculative verification (1: none); sizes staging
     durable: bool = False  # hierarchy: back up what a successor needs to resume each session
