@@ -5,7 +5,6 @@
 - ``resolver`` / ``resolver_kernel`` / ``resolver_triton``: selected positions to locations,
   misses read from the host (torch reference, the fused Triton kernel, its launch);
 - ``read_order``: the order a step's host reads are issued in (a policy; exact in any order);
-- ``follower_prefetch``: when an index producer's followers resolve (a policy; exact either way);
 - ``host_backup`` / ``host_copy``: every committed row in the node's host arena, and the bulk
   copies between it and the device;
 - ``staging``: where a verify round's overflow beyond the hot cache goes (eq. 11);
