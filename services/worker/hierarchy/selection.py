@@ -29,14 +29,18 @@ class Selections:
         # Follower resolutions started early, on a side stream on a GPU:
         # layer -> (locs, census, event)
         self._prefetched: dict[int, tuple[torch.Tensor, torch.Tensor, torch.cuda.Event | None]] = {}
+        # Two side streams: one for eager passes, one that joins graph captures. The
+        # resolver's workspace is cached per stream, and a capture's must keep its address
+        # (reserved at its largest before the first capture) while an eager pass's may grow.
         gpu = self.device.type == "cuda" and prefetch.overlap
         self._side = torch.cuda.Stream(self.device) if gpu else None
+        self._graph_side = torch.cuda.Stream(self.device) if gpu else None
 
     @property
     def side_stream(self) -> int | None:
-        """The side stream's handle (its resolver workspace must be reserved before a graph
-        is captured), or None when followers resolve inline."""
-        return None if self._side is None else self._side.cuda_stream
+        """The handle of the side stream captured graphs resolve followers on (its resolver
+        workspace must be reserved before a capture), or None when followers resolve inline."""
+        return None if self._graph_side is None else self._graph_side.cuda_stream
 
     @property
     def census(self) -> Census:
@@ -60,14 +64,18 @@ class Selections:
                 self._prefetched[layer] = (*self._resolve(source, batch, selection), None)
             return
         main = torch.cuda.current_stream(self.device)
-        self._side.wait_stream(main)
-        with torch.cuda.stream(self._side):
+        side = self._side
+        if torch.cuda.is_current_stream_capturing():
+            side = self._graph_side
+        assert side is not None
+        side.wait_stream(main)
+        with torch.cuda.stream(side):
             for layer, source in layers:
                 locs, census = self._resolve(source, batch, selection)
                 locs.record_stream(main)
                 census.record_stream(main)
                 event = torch.cuda.Event()
-                event.record(self._side)
+                event.record(side)
                 self._prefetched[layer] = (locs, census, event)
 
     def resolve(
