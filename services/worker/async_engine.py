@@ -90,7 +90,11 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.attach_timeout_s = attach_timeout_s
         deadline = time.monotonic() + attach_timeout_s
-        self._detached = {rid: _Detached(engine.requests[rid], deadline) for rid in detached}
+        self._detached = {}
+        for rid in detached:
+            req = engine.request(rid)
+            assert req is not None, rid
+            self._detached[rid] = _Detached(req, deadline)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
