@@ -169,10 +169,19 @@ def test_configurations_no_group_serves_fail_at_start_up(tmp_path: Path) -> None
         ParallelConfig(1, data_parallel_attention=True)
 
 
+def _wait_owned(client: KVHostStoreClient, owners: dict[str, str]) -> None:
+    """Until the store's requests are ``owners`` (request id -> owner)."""
+    deadline = time.monotonic() + 10
+    while (got := {i.request_id: i.owner for i in client.list_requests()}) != owners:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+
+
 def test_data_parallel_ranks_each_own_their_regions_at_the_node_store(tmp_path: Path) -> None:
     """DP attention over a real kv-host-store process: the first request runs on rank 0, the
     next on rank 1 (the least loaded), each rank's regions are registered under its own owner
-    and released when its request ends; the tokens are one process's. A rank whose lease is
+    and released when its request ends or its client leaves; the tokens are one process's. A
+    rank whose lease is
     lost (a newer generation of its owner registered) makes the group report unhealthy."""
     arena = Path("/dev/shm") / f"dhisparse-test-dp-{uuid.uuid4().hex}"
     store = start_store_process(arena)
@@ -192,10 +201,17 @@ def test_data_parallel_ranks_each_own_their_regions_at_the_node_store(tmp_path: 
             got_b += [t for resp in b for t in resp.token_ids]
             assert got_a == _offline(24, "hisparse")
             assert got_b == _offline(24, "hisparse", second)
-            deadline = time.monotonic() + 10
-            while client.list_requests():  # each rank released its own request's regions
-                assert time.monotonic() < deadline, client.list_requests()
-                time.sleep(0.1)
+            _wait_owned(client, {})  # each rank released its own request's regions
+            # a client that leaves a request rank 1 serves: rank 0 routes the abort there, and
+            # rank 1 releases the request's regions
+            c = stub.Generate(_request("c", 400), timeout=120)
+            next(c)
+            d = stub.Generate(_request("d", 400, second), timeout=120)
+            next(d)
+            d.cancel()
+            _wait_owned(client, {"c": "w/dp0"})
+            c.cancel()
+            _wait_owned(client, {})
             assert stub.Health(pb.HealthRequest(), timeout=5).ok
             # rank 1's generation superseded: its next renewal is refused, and its report after
             # the next step tells rank 0
