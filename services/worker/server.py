@@ -53,7 +53,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         params = sampling_from_proto(request.sampling)
-        outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), params)
+        rank = request.dp_rank if request.HasField("dp_rank") else None
+        outputs = self.engine.generate(
+            request.request_id, list(request.prompt_token_ids), params, rank
+        )
         async for resp in self._stream(outputs, context):
             yield resp
 

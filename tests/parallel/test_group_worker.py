@@ -93,9 +93,14 @@ def _rank_pids(log: Path) -> list[int]:
     return [int(p) for p in re.findall(r"rank \d pid (\d+)", log.read_text())]
 
 
-def _request(rid: str, n: int, prompt: list[int] = PROMPT) -> pb.GenerateRequest:
+def _request(
+    rid: str, n: int, prompt: list[int] = PROMPT, rank: int | None = None
+) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+    if rank is not None:
+        req.dp_rank = rank
+    return req
 
 
 def _generate(stub: pb_grpc.WorkerStub, rid: str, n: int) -> list[int]:
@@ -179,10 +184,10 @@ def _wait_owned(client: KVHostStoreClient, owners: dict[str, str]) -> None:
 
 def test_data_parallel_ranks_each_own_their_regions_at_the_node_store(tmp_path: Path) -> None:
     """DP attention over a real kv-host-store process: the first request runs on rank 0, the
-    next on rank 1 (the least loaded), each rank's regions are registered under its own owner
-    and released when its request ends or its client leaves; the tokens are one process's. A
-    rank whose lease is
-    lost (a newer generation of its owner registered) makes the group report unhealthy."""
+    next on rank 1 (the least loaded), and a request that names its rank runs there; each
+    rank's regions are registered under its own owner and released when its request ends or
+    its client leaves; the tokens are one process's. A rank whose lease is lost (a newer
+    generation of its owner registered) makes the group report unhealthy."""
     arena = Path("/dev/shm") / f"dhisparse-test-dp-{uuid.uuid4().hex}"
     store = start_store_process(arena)
     client = KVHostStoreClient(store.target)
@@ -202,16 +207,22 @@ def test_data_parallel_ranks_each_own_their_regions_at_the_node_store(tmp_path: 
             assert got_a == _offline(24, "hisparse")
             assert got_b == _offline(24, "hisparse", second)
             _wait_owned(client, {})  # each rank released its own request's regions
-            # a client that leaves a request rank 1 serves: rank 0 routes the abort there, and
-            # rank 1 releases the request's regions
-            c = stub.Generate(_request("c", 400), timeout=120)
+            # requests that name their rank run there (the gateway's lease holds room on it),
+            # where the least loaded rank would have been rank 0 for the first; a client that
+            # leaves one: rank 0 routes the abort, and rank 1 releases the request's regions
+            c = stub.Generate(_request("c", 400, rank=1), timeout=120)
             next(c)
-            d = stub.Generate(_request("d", 400, second), timeout=120)
+            d = stub.Generate(_request("d", 400, second, rank=1), timeout=120)
             next(d)
+            _wait_owned(client, {"c": "w/dp1", "d": "w/dp1"})
             d.cancel()
-            _wait_owned(client, {"c": "w/dp0"})
+            _wait_owned(client, {"c": "w/dp1"})
             c.cancel()
             _wait_owned(client, {})
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("e", 4, rank=2), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "dp_rank 2 is not a rank of this worker" in (e.value.details() or "")
             assert stub.Health(pb.HealthRequest(), timeout=5).ok
             # rank 1's generation superseded: its next renewal is refused, and its report after
             # the next step tells rank 0

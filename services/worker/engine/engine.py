@@ -181,16 +181,26 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rank: int | None = None,
     ) -> Request:
         """Queues a request; raises ValueError (a client error) for bad input. Under
-        data-parallel attention rank 0 places it on a rank; one another rank serves is
+        data-parallel attention rank 0 places it on a rank (``rank``, where the caller's
+        admission holds room for it; else the least loaded); one another rank serves is
         mirrored here (its outputs fill in the returned request)."""
         if request_id in self.requests or request_id in self._remote:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_ids, params)
+        if rank is not None and not 0 <= rank < self.serving_ranks:
+            raise ValueError(
+                f"dp_rank {rank} is not a rank of this worker, which serves "
+                f"{self.serving_ranks} data-parallel rank(s)"
+            )
         if self.placement is not None:
-            rank = self.placement.place(request_id)
+            rank = self.placement.place(request_id, rank)
             if rank != 0:
                 assert self.lockstep is not None
                 self.lockstep.record_for(rank, "add_request", request_id, list(prompt_ids), params)

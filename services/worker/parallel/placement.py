@@ -1,10 +1,11 @@
 """Which rank of a data-parallel-attention group serves a new request (rank 0 decides).
 
 Mechanism: rank 0 records each request's rank until the request finishes, and after every
-step each rank reports its load (``RankLoad``). Policy (``least_loaded``): the rank with the
-fewest requests — running, waiting, and placed on it since its last report — then the most
-free KV bytes, then the lowest rank. A request stays on its rank to the end: its KV rows,
-hot caches and host regions are that rank's."""
+step each rank reports its load (``RankLoad``). Policy: the rank the request names (the
+gateway's lease holds room on that rank: ``GenerateRequest.dp_rank``); else
+(``least_loaded``) the rank with the fewest requests — running, waiting, and placed on it
+since its last report — then the most free KV bytes, then the lowest rank. A request stays on
+its rank to the end: its KV rows, hot caches and host regions are that rank's."""
 
 from __future__ import annotations
 
@@ -45,8 +46,11 @@ class Placement:
         self._placed = [0] * size
         self._owner: dict[str, int] = {}
 
-    def place(self, request_id: str) -> int:
-        rank = least_loaded(self.loads, self._placed)
+    def place(self, request_id: str, rank: int | None = None) -> int:
+        """The rank that serves the new request: ``rank`` when it names one, else the least
+        loaded."""
+        if rank is None:
+            rank = least_loaded(self.loads, self._placed)
         self._placed[rank] += 1
         self._owner[request_id] = rank
         return rank
