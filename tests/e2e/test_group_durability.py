@@ -121,6 +121,9 @@ def test_data_parallel_ranks_killed_mid_stream_each_resume_their_own_sessions(
             assert re.search(
                 rf"rank {rank} \(pid {victim}\) exited with status -9", log.read_text()
             )
-            # the new group: each rank resumed its own session, and no rank computed a prompt
+            # the new group: each rank resumed its own session (the gateway's leases put one
+            # stream on each rank), and no rank computed a prompt
+            resumed = re.findall(r"rank (\d) \S+adoption: resumed", log.read_text())
+            assert sorted(resumed[-2:]) == ["0", "1"] and len(resumed) == 2 * (groups - 1)
             assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 2
             assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0
