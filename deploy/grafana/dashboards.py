@@ -285,8 +285,9 @@ OVERVIEW = Dashboard(
                 ),
                 Panel(
                     "Free KV pool per data-parallel rank",
-                    "Each data-parallel rank's free KV pool bytes: the gateway admits against"
-                    " their sum, and rank 0 places a new request on the least loaded rank.",
+                    "Each data-parallel rank's free KV pool bytes: the gateway admits each"
+                    " request against one rank's share and names the rank, where rank 0 runs"
+                    " it.",
                     [
                         Target(
                             f"sum by (instance, rank) (dhisparse:rank_kv_free_bytes{{{WK}}})",

@@ -5,8 +5,9 @@ bounded FIFO per model.
 - **Sizing:** the capacity model's bytes for prompt + max tokens on each worker (``sizing``).
 - **Routing:** workers that could ever hold the request (within one serving rank's share of
   the capacity: a data-parallel group runs each request on one rank), ranked by the router
-  (least admitted share first); the ledger admits on the first with room, atomically, against
-  the worker's whole capacity and seats.
+  (least admitted share first); the ledger admits on the first account with room, atomically:
+  a worker's whole capacity and seats, or the least admitted of a data-parallel group's ranks
+  with room (each its share of the group's), and the lease names that rank (``accounts``).
 - **Waiting:** only the head of a queue tries; it retries every ``poll_s`` (another replica's
   release is seen no sooner) and at once when this gateway releases a lease or polls the
   workers. Queue full → 429 ``queue-full`` (``no-capacity`` when queueing is off), deadline →
@@ -29,7 +30,7 @@ from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
 from services.gateway.leases import LeaseKeeper
-from services.gateway.ledger import Candidate, Ledger, LedgerUnavailable
+from services.gateway.ledger import Ledger, LedgerUnavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import (
     AdmissionJob,
@@ -185,7 +186,12 @@ class MemoryAdmission:
         # The router weighs what the ledger holds on each worker (every replica's leases).
         known = [self._with_usage(w) for w, _ in sized if w.address in fits]
         order = self.router.rank(known, exclude)
-        candidates = [Candidate(a, fits[a]) for a in order if a in fits]
+        candidates = [
+            (account, fits[address])
+            for address in order
+            if address in fits
+            for account in self.leases.accounts(address)
+        ]
         try:
             return await self.leases.acquire(uuid.uuid4().hex, candidates)
         except LedgerUnavailable as e:

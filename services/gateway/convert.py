@@ -51,7 +51,9 @@ class WorkerLoad:
     serving_ranks: int = 1
 
 
-def generate_request(inp: GenerationInput) -> worker_pb2.GenerateRequest:
+def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb2.GenerateRequest:
+    """The worker's request for ``inp``; ``rank``: the data-parallel rank to run it on (None:
+    the worker places it)."""
     s = inp.sampling
     sampling = worker_pb2.SamplingParams(
         temperature=s.temperature,
@@ -68,9 +70,12 @@ def generate_request(inp: GenerationInput) -> worker_pb2.GenerateRequest:
     )
     if s.seed is not None:
         sampling.seed = s.seed
-    return worker_pb2.GenerateRequest(
+    request = worker_pb2.GenerateRequest(
         request_id=inp.request_id, prompt_token_ids=list(inp.prompt_token_ids), sampling=sampling
     )
+    if rank is not None:
+        request.dp_rank = rank
+    return request
 
 
 def generation_delta(resp: worker_pb2.GenerateResponse) -> GenerationDelta:

@@ -1,6 +1,7 @@
 """This gateway's side of the capacity ledger: the leases it holds (renewed every TTL/3 while
-their requests run, released when they end), the workers' capacity it registers on every poll,
-the leases of dead workers it releases, and the per-worker gauges.
+their requests run, released when they end), the workers' capacity it registers on every poll
+(per account: a whole worker, or each rank of a data-parallel group, ``accounts``), the leases
+of dead workers it releases, and the per-worker gauges.
 
 A lease that this gateway fails to release or renew is never lost for good: it expires with
 its TTL and the next poll of any gateway reclaims it.
@@ -16,6 +17,7 @@ from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import replace
 from typing import Any
 
+from services.gateway.accounts import Account, accounts
 from services.gateway.ledger import Admitted, Candidate, Ledger, LedgerUnavailable, WorkerUsage
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import WorkerStatus
@@ -24,18 +26,27 @@ log = logging.getLogger(__name__)
 
 
 class LedgerLease:
-    """A lease in the ledger; ``release`` is idempotent and returns at once (the ledger write
-    runs in the background)."""
+    """A lease in the ledger on one account; ``release`` is idempotent and returns at once (the
+    ledger write runs in the background)."""
 
-    def __init__(self, keeper: LeaseKeeper, worker: str, lease_id: str, need: int) -> None:
+    def __init__(self, keeper: LeaseKeeper, account: Account, lease_id: str, need: int) -> None:
         self._keeper = keeper
-        self._worker = worker
+        self.account = account
         self.lease_id = lease_id
         self.need_bytes = need
 
     @property
     def worker(self) -> str:
-        return self._worker
+        return self.account.worker
+
+    @property
+    def rank(self) -> int | None:
+        """The data-parallel rank whose share the lease holds (None: the whole worker)."""
+        return self.account.rank
+
+    @property
+    def key(self) -> str:
+        return self.account.key
 
     def release(self) -> None:
         self._keeper.release(self)
@@ -59,7 +70,8 @@ class LeaseKeeper:
         self.metrics = metrics
         self.served_model_name = served_model_name
         self._live: dict[str, LedgerLease] = {}  # by lease id
-        self._usage: dict[str, WorkerUsage] = {}  # the ledger's view, as last seen
+        self._usage: dict[str, WorkerUsage] = {}  # the ledger's view by account, as last seen
+        self._accounts: dict[str, list[Account]] = {}  # by worker, as it last reported
         self._unhealthy_since: dict[str, float] = {}
         self._background: set[asyncio.Task[Any]] = set()
         self._renewer: asyncio.Task[None] | None = None
@@ -68,15 +80,36 @@ class LeaseKeeper:
     def live_leases(self) -> int:
         return len(self._live)
 
+    def accounts(self, worker: str) -> list[Account]:
+        """``worker``'s accounts as it last reported them (healthy); none before."""
+        return self._accounts.get(worker, [])
+
     def usage(self, worker: str) -> WorkerUsage | None:
-        return self._usage.get(worker)
+        """The ledger's view of ``worker``: the sum over its accounts (None: none seen)."""
+        seen = [u for a in self.accounts(worker) if (u := self._usage.get(a.key)) is not None]
+        if not seen:
+            return self._usage.get(worker)
+        return WorkerUsage(
+            sum(u.capacity_bytes for u in seen), sum(u.max_sessions for u in seen),
+            sum(u.admitted_bytes for u in seen), sum(u.sessions for u in seen),
+        )  # fmt: skip
 
     # ---- acquire and release ----------------------------------------------------------------
-    async def acquire(self, lease_id: str, candidates: Sequence[Candidate]) -> LedgerLease | None:
-        """The ledger's ``acquire``, shielded: if the caller is cancelled after the ledger
+    async def acquire(
+        self, lease_id: str, candidates: Sequence[tuple[Account, int]]
+    ) -> LedgerLease | None:
+        """A lease on the first of ``candidates`` (account, bytes needed there), in order, with
+        room: the ledger's ``acquire``, shielded: if the caller is cancelled after the ledger
         recorded the lease, the lease is released rather than left to its TTL. Raises
         ``LedgerUnavailable``."""
-        task = asyncio.ensure_future(self.ledger.acquire(lease_id, candidates, self.lease_ttl_s))
+        by_key = {a.key: (a, need) for a, need in candidates}
+        # a worker's ranks are one choice: the ledger takes the least admitted with room
+        ledger_candidates = [
+            Candidate(a.key, need, "" if a.rank is None else a.worker) for a, need in candidates
+        ]
+        task = asyncio.ensure_future(
+            self.ledger.acquire(lease_id, ledger_candidates, self.lease_ttl_s)
+        )
         try:
             admitted = await asyncio.shield(task)
         except asyncio.CancelledError:
@@ -85,8 +118,8 @@ class LeaseKeeper:
         if admitted is None:
             return None
         self._usage[admitted.worker] = admitted.usage
-        need = next(c.need_bytes for c in candidates if c.worker == admitted.worker)
-        lease = LedgerLease(self, admitted.worker, lease_id, need)
+        account, need = by_key[admitted.worker]
+        lease = LedgerLease(self, account, lease_id, need)
         self._live[lease_id] = lease
         return lease
 
@@ -103,19 +136,20 @@ class LeaseKeeper:
     def release(self, lease: LedgerLease) -> None:
         if self._live.pop(lease.lease_id, None) is None:
             return
-        self._spawn(self._release_in_ledger(lease.worker, lease.lease_id, lease.need_bytes))
+        self._spawn(self._release_in_ledger(lease.key, lease.lease_id, lease.need_bytes))
 
-    async def _release_in_ledger(self, worker: str, lease_id: str, need: int) -> None:
+    async def _release_in_ledger(self, key: str, lease_id: str, need: int) -> None:
+        """Releases ``lease_id`` on account ``key``."""
         try:
-            await self.ledger.release(worker, lease_id)
+            await self.ledger.release(key, lease_id)
         except LedgerUnavailable as e:
             log.warning(
-                "lease %s on %s not released (%s): it expires with its TTL", lease_id, worker, e
+                "lease %s on %s not released (%s): it expires with its TTL", lease_id, key, e
             )
             return
-        usage = self._usage.get(worker)
+        usage = self._usage.get(key)
         if usage is not None:
-            self._usage[worker] = replace(
+            self._usage[key] = replace(
                 usage,
                 admitted_bytes=max(0, usage.admitted_bytes - need),
                 sessions=max(0, usage.sessions - 1),
@@ -134,9 +168,9 @@ class LeaseKeeper:
     # ---- renewal ----------------------------------------------------------------------------
     async def renew_all(self) -> None:
         """Extends every lease this gateway holds by a TTL."""
-        by_worker: dict[str, list[str]] = {}
+        by_worker: dict[str, list[str]] = {}  # by account
         for lease in list(self._live.values()):
-            by_worker.setdefault(lease.worker, []).append(lease.lease_id)
+            by_worker.setdefault(lease.key, []).append(lease.lease_id)
 
         async def renew(worker: str, ids: list[str]) -> None:
             try:
@@ -164,41 +198,47 @@ class LeaseKeeper:
 
     # ---- workers ----------------------------------------------------------------------------
     async def observe(self, workers: Sequence[WorkerStatus]) -> None:
-        """Registers the healthy workers' capacity (which also reclaims their expired leases),
+        """Registers the healthy workers' accounts (which also reclaims their expired leases),
         releases the leases of workers dead past the grace period and refreshes the gauges."""
         now = time.monotonic()
         healthy = [w for w in workers if w.healthy and w.kv_capacity_bytes > 0]
         for w in healthy:
             self._unhealthy_since.pop(w.address, None)
+            self._accounts[w.address] = accounts(w)
+        registered = [a for w in healthy for a in self._accounts[w.address]]
         results = await asyncio.gather(
-            *(
-                self.ledger.register(w.address, w.kv_capacity_bytes, w.max_num_seqs)
-                for w in healthy
-            ),
+            *(self.ledger.register(a.key, a.capacity_bytes, a.max_sessions) for a in registered),
             return_exceptions=True,
         )
-        for w, result in zip(healthy, results, strict=True):
+        for a, result in zip(registered, results, strict=True):
             if isinstance(result, WorkerUsage):
-                self._usage[w.address] = result
+                self._usage[a.key] = result
             else:
-                log.warning("could not register worker %s in the ledger: %s", w.address, result)
+                log.warning("could not register %s in the ledger: %s", a.key, result)
         down = [w.address for w in workers if not w.healthy]
         for address in down:
             since = self._unhealthy_since.setdefault(address, now)
             if now - since >= self.worker_dead_after_s:
                 await self._release_dead(address)
         with contextlib.suppress(LedgerUnavailable):
-            self._usage.update(await self.ledger.usage(down))
+            self._usage.update(await self.ledger.usage([k for a in down for k in self._keys(a)]))
         self._export(workers)
 
+    def _keys(self, worker: str) -> list[str]:
+        """``worker``'s account keys (its address before it reported any)."""
+        return [a.key for a in self.accounts(worker)] or [worker]
+
     async def _release_dead(self, address: str) -> None:
-        try:
-            n = await self.ledger.release_dead_worker(address, self.worker_dead_after_s)
-        except LedgerUnavailable as e:
-            log.warning("could not release the leases of dead worker %s: %s", address, e)
-            return
-        if n is None:
-            return  # another gateway saw it healthy recently
+        n = 0
+        for key in self._keys(address):  # registered together: all seen at the same poll
+            try:
+                released = await self.ledger.release_dead_worker(key, self.worker_dead_after_s)
+            except LedgerUnavailable as e:
+                log.warning("could not release the leases of dead worker %s: %s", key, e)
+                return
+            if released is None:
+                return  # another gateway saw it healthy recently
+            n += released
         for lease_id, lease in list(self._live.items()):
             if lease.worker == address:
                 del self._live[lease_id]
@@ -215,7 +255,7 @@ class LeaseKeeper:
             return
         m = self.metrics
         for w in workers:
-            usage = self._usage.get(w.address)
+            usage = self.usage(w.address)
             if usage is None:
                 continue
             model = self.served_model_name or w.model_name

@@ -42,16 +42,31 @@ class WorkerUsage:
 @dataclass(frozen=True)
 class Candidate:
     """A worker admission would use, and what the request needs there (workers may differ in
-    model config and serving mode, hence in bytes per session)."""
+    model config and serving mode, hence in bytes per session). Consecutive candidates of one
+    non-empty ``group`` are one choice (the ranks of a data-parallel worker, ``accounts``): the
+    ledger takes the one of them with room whose capacity is least admitted."""
 
     worker: str
     need_bytes: int
+    group: str = ""
 
 
 @dataclass(frozen=True)
 class Admitted:
     worker: str
     usage: WorkerUsage  # the worker right after the lease was recorded
+
+
+def groups(candidates: Sequence[Candidate]) -> list[list[Candidate]]:
+    """``candidates`` as the choices ``acquire`` tries in order: each run of one non-empty
+    ``group``, every other candidate alone."""
+    out: list[list[Candidate]] = []
+    for c in candidates:
+        if out and c.group and out[-1][-1].group == c.group:
+            out[-1].append(c)
+        else:
+            out.append([c])
+    return out
 
 
 class Ledger(Protocol):
@@ -64,8 +79,10 @@ class Ledger(Protocol):
     ) -> Admitted | None:
         """Records lease ``lease_id`` on the first candidate, in the given order, with room for
         it (``admitted + need <= capacity`` and ``sessions < max_sessions``), after reclaiming
-        that worker's expired leases; None when none has room. Atomic: no other operation
-        sees a state between the check and the record. Unregistered workers have no room."""
+        that worker's expired leases; None when none has room. Within a ``group`` of
+        consecutive candidates, the one with room whose admitted share of its capacity is
+        least (ties: the first). Atomic: no other operation sees a state between the check
+        and the record. Unregistered workers have no room."""
 
     async def renew(self, worker: str, lease_ids: Sequence[str], ttl_s: float) -> list[str]:
         """Extends the leases to now + ``ttl_s``; returns the ids that are no longer held
@@ -104,6 +121,10 @@ class _LocalWorker:
                 del self.leases[lease_id]
                 self.admitted_bytes -= need
 
+    @property
+    def admitted_share(self) -> float:
+        return self.admitted_bytes / self.capacity_bytes if self.capacity_bytes > 0 else 0.0
+
     def has_room(self, need: int) -> bool:
         if self.admitted_bytes + need > self.capacity_bytes:
             return False
@@ -133,12 +154,17 @@ class LocalLedger:
     ) -> Admitted | None:
         with self._lock:
             now = self._clock()
-            for c in candidates:
-                w = self._workers.get(c.worker)
-                if w is None:
-                    continue
-                w.reclaim(now)
-                if w.has_room(c.need_bytes):
+            for group in groups(candidates):
+                roomy = []
+                for c in group:
+                    w = self._workers.get(c.worker)
+                    if w is None:
+                        continue
+                    w.reclaim(now)
+                    if w.has_room(c.need_bytes):
+                        roomy.append((w.admitted_share, c, w))
+                if roomy:
+                    _, c, w = min(roomy, key=lambda x: x[0])  # the first of the least
                     w.leases[lease_id] = (c.need_bytes, now + ttl_s)
                     w.admitted_bytes += c.need_bytes
                     return Admitted(c.worker, w.usage())

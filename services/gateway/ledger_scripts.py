@@ -59,27 +59,48 @@ return usage(KEYS[1], KEYS[2])
 )
 
 # KEYS: w l e per candidate, in preference order. ARGV: lease id, ttl_ms, keep_ms, then the
-# bytes needed on each candidate. Returns {i, usage...} for the candidate admitted (1-based),
+# bytes needed on each candidate, then each candidate's group ('' alone). Consecutive
+# candidates of one group are one choice: the one with room and the least admitted share of
+# its capacity (ties: the first). Returns {i, usage...} for the candidate admitted (1-based),
 # or {0}.
 ACQUIRE = (
     _PRELUDE
     + """
 local now = now_ms()
 local id, ttl, keep_ms = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-for i = 1, #KEYS / 3 do
-  local w, l, e = KEYS[3 * i - 2], KEYS[3 * i - 1], KEYS[3 * i]
-  if redis.call('HEXISTS', w, 'capacity') == 1 then
-    reclaim(w, l, e, now)
-    local need = tonumber(ARGV[3 + i])
-    local u = usage(w, l)
-    if u[3] + need <= u[1] and (u[2] <= 0 or u[4] < u[2]) then
-      redis.call('HSET', l, id, need)
-      redis.call('ZADD', e, now + ttl, id)
-      redis.call('HINCRBY', w, 'admitted', need)
-      keep(w, l, e, keep_ms)
-      return {i, u[1], u[2], u[3] + need, u[4] + 1}
+local n = #KEYS / 3
+local function group(i) return ARGV[3 + n + i] end
+local i = 1
+while i <= n do
+  local j = i
+  if group(i) ~= '' then
+    while j < n and group(j + 1) == group(i) do j = j + 1 end
+  end
+  local pick, pick_share, pick_u = nil, nil, nil
+  for k = i, j do
+    local w, l, e = KEYS[3 * k - 2], KEYS[3 * k - 1], KEYS[3 * k]
+    if redis.call('HEXISTS', w, 'capacity') == 1 then
+      reclaim(w, l, e, now)
+      local u = usage(w, l)
+      local need = tonumber(ARGV[3 + k])
+      if u[3] + need <= u[1] and (u[2] <= 0 or u[4] < u[2]) then
+        local share = 0
+        if u[1] > 0 then share = u[3] / u[1] end
+        if pick == nil or share < pick_share then pick, pick_share, pick_u = k, share, u end
+      end
     end
   end
+  if pick ~= nil then
+    local w, l, e = KEYS[3 * pick - 2], KEYS[3 * pick - 1], KEYS[3 * pick]
+    local need = tonumber(ARGV[3 + pick])
+    redis.call('HSET', l, id, need)
+    redis.call('ZADD', e, now + ttl, id)
+    redis.call('HINCRBY', w, 'admitted', need)
+    keep(w, l, e, keep_ms)
+    local u = pick_u
+    return {pick, u[1], u[2], u[3] + need, u[4] + 1}
+  end
+  i = j + 1
 end
 return {0}
 """

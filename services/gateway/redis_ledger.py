@@ -77,6 +77,7 @@ class RedisLedger:
             return None
         keys = [k for c in candidates for k in self.keys(c.worker)]
         args = [lease_id, _ms(ttl_s), KEY_IDLE_TTL_MS, *(c.need_bytes for c in candidates)]
+        args += [c.group for c in candidates]
         out = await self._call(self._acquire, keys, args)
         i = int(out[0])
         return Admitted(candidates[i - 1].worker, _usage(out[1:])) if i else None

@@ -103,10 +103,14 @@ class Router(Protocol):
 
 
 class Lease(Protocol):
-    """A right to run one request on ``worker``. ``release`` is idempotent."""
+    """A right to run one request on ``worker`` (on its data-parallel rank ``rank``, when the
+    lease holds room on one rank: ``accounts``). ``release`` is idempotent."""
 
     @property
     def worker(self) -> str: ...
+
+    @property
+    def rank(self) -> int | None: ...
 
     def release(self) -> None: ...
 
@@ -165,6 +169,7 @@ class LeastLoadedRouter:
 @dataclass
 class _PlainLease:
     worker: str
+    rank: int | None = None  # the worker places the request
 
     def release(self) -> None:
         pass

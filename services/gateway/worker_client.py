@@ -170,7 +170,6 @@ class WorkerPool:
         job = AdmissionJob(
             inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens, inp.model
         )
-        request = convert.generate_request(inp)
         if self.metrics is not None:
             self.metrics.resume_outcomes(inp.model)
         tried: list[str] = []
@@ -191,7 +190,8 @@ class WorkerPool:
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
             durable = worker.model is not None and worker.model.durable_sessions
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
-            call = worker.stub.Generate(request)
+            # the rank whose share the lease holds runs it (a data-parallel group)
+            call = worker.stub.Generate(convert.generate_request(inp, lease.rank))
             started, received = False, 0
             try:
                 try:

@@ -90,7 +90,11 @@ class AsyncEngine:
         self._stop = threading.Event()
         self.attach_timeout_s = attach_timeout_s
         deadline = time.monotonic() + attach_timeout_s
-        self._detached = {rid: _Detached(engine.requests[rid], deadline) for rid in detached}
+        self._detached = {}
+        for rid in detached:
+            req = engine.request(rid)
+            assert req is not None, rid
+            self._detached[rid] = _Detached(req, deadline)
         self.error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -104,13 +108,18 @@ class AsyncEngine:
         self.engine.validate_request(prompt_ids, params)
 
     async def generate(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rank: int | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Streams the request's outputs; the last one is finished. Leaving early (the caller
-        was cancelled) aborts the request."""
+        was cancelled) aborts the request. ``rank``: the data-parallel rank to run it on
+        (``Engine.add_request``)."""
         self.validate(prompt_ids, params)
         stream = self._open(request_id)
-        self._send("add", request_id, prompt_ids, params)
+        self._send("add", request_id, prompt_ids, params, rank)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -197,13 +206,13 @@ class AsyncEngine:
             except queue.Empty:
                 return
             if op == "add":
-                request_id, prompt_ids, params = args
+                request_id, prompt_ids, params, rank = args
                 if self._detached.pop(request_id, None) is not None:
                     # The gateway started this request over (it failed before its first token
                     # reached it): the resumed copy has nobody to stream to.
                     self.engine.abort(request_id)
                 try:
-                    self.engine.add_request(request_id, prompt_ids, params)
+                    self.engine.add_request(request_id, prompt_ids, params, rank)
                 except ValueError as e:
                     self._deliver(request_id, e)
             elif op == "attach":

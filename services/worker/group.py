@@ -120,15 +120,25 @@ def _rank_main(
 
 
 def follow(settings: WorkerSettings, comm: Any) -> int:
-    """A follower rank: its part of the model, stepping with rank 0 until rank 0 stops."""
+    """A follower rank: its part of the model, stepping with rank 0 until rank 0 stops. Over
+    the node's store a TP follower reads the regions rank 0 allocates for the group
+    (``parallel.region_group``); a data-parallel rank is an owner of its own: it registers,
+    renews its lease, resumes its own sessions and tells rank 0 which (``share_resumed``),
+    as rank 0 does at the same point (``server.start_server``)."""
+    from services.worker.durable.adoption import take_over
     from services.worker.engine.engine import Engine
     from services.worker.server import connect_store
 
-    # the node's store, whose regions rank 0 allocates for the group (``region_group``)
     host = connect_store(settings) if settings.kv_store and settings.mode != "resident" else None
     engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
+    link = None
+    if host is not None and engine.data_parallel:
+        link = take_over(engine, host[0], settings.lease_ttl_s)
+        engine.share_resumed()
     log.info("rank %d of %d ready: following rank 0", comm.rank, comm.size)
     engine.follow()
+    if link is not None:
+        link.close()
     engine.close()
     return 0
 

@@ -186,10 +186,10 @@ class WorkerMetrics:
 
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         md = self.model
-        computed = engine.stats.prefill_tokens_computed
+        computed = engine.prefill_tokens_computed
         self.prefill_computed.labels(md).inc(computed - self._prefill_seen)
         self._prefill_seen = computed
-        resumed = engine.stats.sessions_resumed
+        resumed = engine.sessions_resumed
         self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
         self._resumed_seen = resumed
         self.running.labels(md).set(engine.num_running)

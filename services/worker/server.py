@@ -14,6 +14,7 @@ from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
 from services.worker.convert import output_to_proto, sampling_from_proto
+from services.worker.durable.adoption import take_over
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
@@ -52,7 +53,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         params = sampling_from_proto(request.sampling)
-        outputs = self.engine.generate(request.request_id, list(request.prompt_token_ids), params)
+        rank = request.dp_rank if request.HasField("dp_rank") else None
+        outputs = self.engine.generate(
+            request.request_id, list(request.prompt_token_ids), params, rank
+        )
         async for resp in self._stream(outputs, context):
             yield resp
 
@@ -106,6 +110,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
         if self.link is not None and not self.link.healthy:
             return pb.HealthResponse(ok=False, status=self.link.status())
+        problems = self.engine.engine.store_problems()  # the other data-parallel ranks' links
+        if problems:
+            return pb.HealthResponse(ok=False, status="; ".join(problems))
         return pb.HealthResponse(ok=True, status="serving")
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
@@ -140,25 +147,6 @@ def connect_store(settings: WorkerSettings) -> tuple:
     return client, mapping
 
 
-def _take_over(engine: Engine, client, worker_id: str, settings: WorkerSettings) -> HostLink:
-    """Registers this process with the store (a new generation of ``worker_id``) and resumes
-    the durable sessions earlier generations left behind."""
-    from services.worker.durable.adoption import adopt_sessions
-
-    link = HostLink(client, worker_id, settings.lease_ttl_s, engine.kv.host_backups)
-    generation = link.register()
-    if engine.kv.sessions is not None:
-        report = adopt_sessions(engine, client, worker_id, generation)
-        if report.resumed or report.released:
-            log.info(
-                "took over %d sessions of earlier generations (%d released)",
-                len(report.resumed),
-                len(report.released),
-            )
-    link.start()
-    return link
-
-
 def _log_config(engine: Engine) -> None:
     """One line with what the worker chose; a warning when a GPU runs without CUDA graphs."""
     labels = config_labels(engine)
@@ -187,7 +175,9 @@ async def start_server(
             host = connect_store(settings)
         engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
-            link = _take_over(engine, host[0], worker_id, settings)
+            link = take_over(engine, host[0], settings.lease_ttl_s)
+            if engine.data_parallel:  # every rank has taken over its own: rank 0 learns theirs
+                engine.share_resumed()
     model_name = settings.served_model_name or engine.model_cfg.name
     startup_s = startup_seconds()
     metrics = WorkerMetrics(model_name)
@@ -196,7 +186,7 @@ async def start_server(
     async_engine = AsyncEngine(
         engine,
         on_step=metrics.on_step,
-        detached=list(engine.requests),  # only resumed sessions exist before serving
+        detached=engine.request_ids(),  # only resumed sessions exist before serving
         attach_timeout_s=settings.attach_timeout_s,
         between_steps=link.maintain if link is not None else None,
         on_shutdown=link.close if link is not None else None,

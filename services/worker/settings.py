@@ -80,6 +80,9 @@ class WorkerSettings(BaseSettings):
         """The engine's configuration; ``rank``: of a worker's group, on its own GPU (rank r
         on ``cuda:r`` when the device is ``cuda``)."""
         device = resolve_device(self.device)
+        parallel = ParallelConfig(
+            self.tensor_parallel_size, self.expert_parallel, self.data_parallel_attention
+        )
         return EngineConfig(
             model=self.model,
             device=f"cuda:{rank}" if device == "cuda" and self.tensor_parallel_size > 1 else device,
@@ -103,7 +106,7 @@ class WorkerSettings(BaseSettings):
                 reclaim_order=self.reclaim_order,
             ),
             speculation=SpeculationConfig(self.drafter, self.spec_width, self.width_policy),
-            owner=self.resolved_worker_id(),
+            owner=parallel.store_owner(self.resolved_worker_id(), rank),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,
             max_model_len=self.max_model_len,
@@ -111,7 +114,5 @@ class WorkerSettings(BaseSettings):
             chunked_prefill=self.chunked_prefill,
             top_k_rows=self.top_k_rows,
             durable_sessions=self.durable_sessions,
-            parallel=ParallelConfig(
-                self.tensor_parallel_size, self.expert_parallel, self.data_parallel_attention
-            ),
+            parallel=parallel,
         )

@@ -1,14 +1,17 @@
 """End to end, real processes (``dhisparse up --tensor-parallel-size 2``, CPU, gloo): a rank of
 a worker's group SIGKILLed mid-stream loses no session — the supervisor stops the group, ``up``
-restarts it, the new group's rank 0 resumes the session from the node's host store (which both
-ranks read: one set of regions, rank 0 writing them) without recomputing the prompt, and the
-client's stream completes with exactly the text of an uninterrupted run."""
+restarts it, the new group resumes the session from the node's host store without recomputing
+the prompt, and the client's stream completes with exactly the text of an uninterrupted run.
+Tensor parallel: rank 0 resumes it (both ranks read one set of regions, rank 0 writing them).
+Data-parallel attention: each rank resumes its own sessions (its own owner at the store), and
+rank 0 streams every rank's to the re-attaching gateway."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from tests.e2e.test_durability import stream_sse, up_stack
@@ -17,8 +20,10 @@ PROMPT = "def merge_sorted(a, b):\n    out = []\n"
 LONG = 160  # tokens: the kill lands well inside the stream
 
 
-def stream_completion(base: str, max_tokens: int, on_chunk=None) -> tuple[str, list[dict]]:
-    body = {"model": "tiny-glm", "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0,
+def stream_completion(
+    base: str, max_tokens: int, on_chunk=None, prompt: str = PROMPT
+) -> tuple[str, list[dict]]:
+    body = {"model": "tiny-glm", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True}  # fmt: skip
     chunks = stream_sse(f"{base}/v1/completions", body, on_chunk)
     text = "".join(c["choices"][0].get("text") or "" for c in chunks if c.get("choices"))
@@ -63,3 +68,62 @@ def test_a_rank_killed_mid_stream_the_group_restarts_and_the_stream_completes(
         assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 1
         # the new group computed no prompt: it resumed from the host backups
         assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0
+
+
+SECOND = "class Heap:\n    def __init__(self):\n"
+
+
+def _both(base: str, max_tokens: int, on_chunk=None) -> list[tuple[str, list[dict]]]:
+    """Two concurrent streams (``PROMPT``'s with ``on_chunk``, then ``SECOND``'s): a
+    data-parallel group places them on different ranks."""
+    with ThreadPoolExecutor(2) as pool:
+        first = pool.submit(stream_completion, base, max_tokens, on_chunk)
+        second = pool.submit(stream_completion, base, max_tokens, None, SECOND)
+        return [first.result(), second.result()]
+
+
+def test_data_parallel_ranks_killed_mid_stream_each_resume_their_own_sessions(
+    tmp_path: Path,
+) -> None:
+    """Two streams, one on each rank; rank 1 SIGKILLed mid-stream, then (in the restarted
+    group) rank 0: each time both streams complete with the uninterrupted text, each rank
+    having resumed its own session and computed no prompt."""
+    env = {
+        "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
+        "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "90",
+        "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
+        "OMP_NUM_THREADS": "1",
+    }
+    log = tmp_path / "up.log"
+    flags = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48",
+             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none",
+             "--tensor-parallel-size", "2", "--data-parallel-attention",
+             "--expert-parallel")  # fmt: skip
+    n = 120
+    with up_stack(log, *flags, env=env) as st:
+        want = [text for text, _ in _both(st.base, n)]  # uninterrupted
+        for rank, groups in ((1, 2), (0, 3)):
+            victim = _rank_pids(log, rank)[-1]
+            killed: list[int] = []
+
+            def kill_once(k: int, victim: int = victim, killed: list[int] = killed) -> None:
+                if k == 30 and not killed:
+                    os.kill(victim, signal.SIGKILL)
+                    killed.append(victim)
+
+            got = _both(st.base, n, kill_once)
+            assert killed, "the stream ended before the kill"
+            for (text, chunks), expected in zip(got, want, strict=True):
+                assert not [c for c in chunks if "error" in c], chunks[-3:]
+                assert text == expected  # token for token what the uninterrupted run gave
+                assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+            assert len(st.pids("worker-0")) == groups  # `up` restarted the group
+            assert re.search(
+                rf"rank {rank} \(pid {victim}\) exited with status -9", log.read_text()
+            )
+            # the new group: each rank resumed its own session (the gateway's leases put one
+            # stream on each rank), and no rank computed a prompt
+            resumed = re.findall(r"rank (\d) \S+adoption: resumed", log.read_text())
+            assert sorted(resumed[-2:]) == ["0", "1"] and len(resumed) == 2 * (groups - 1)
+            assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 2
+            assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0

@@ -13,8 +13,9 @@ import pytest
 from dhisparse import metrics as names
 from dhisparse.capacity import profile_from_model_config, required_bytes
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
-from services.gateway.ledger import Candidate, LocalLedger
+from services.gateway.ledger import Candidate, Ledger, LocalLedger
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.redis_ledger import RedisLedger
 from services.gateway.routing import (
     AdmissionJob,
     AdmissionRejected,
@@ -253,6 +254,55 @@ async def test_a_data_parallel_group_admits_a_request_within_one_ranks_pool() ->
     assert {lease.worker for lease in leases} == {"dp"}
     for lease in leases:
         lease.release()
+    await admission.close()
+
+
+@pytest.mark.parametrize("kind", ["local", "redis"])
+async def test_a_data_parallel_groups_leases_hold_room_on_the_rank_they_name(
+    kind: str, request: pytest.FixtureRequest
+) -> None:
+    """Each rank of a data-parallel group is an account of its own in the ledger (the
+    in-process one, or Redis shared by replicas): a lease holds room on one rank and names
+    it. Each rank holds one large job but not a large and a small one: with both large jobs
+    admitted, the group's free sum would hold a small one, yet no rank can, so it waits, and
+    is admitted on the rank whose large job ends."""
+    sizer = SessionSizer()
+    small, large = job("small"), job("large", prompt=100, max_tokens=200)
+    probe = worker("probe")
+    need_small = int(sizer.required_bytes(probe, small.context_tokens) or 0)
+    need_large = int(sizer.required_bytes(probe, large.context_tokens) or 0)
+    per_rank = need_large + need_small - 1
+    group = worker("dp", serving_ranks=2, kv_capacity_bytes=2 * per_rank, max_num_seqs=8)
+    assert 2 * (per_rank - need_large) >= need_small  # the sum would admit it
+    if kind == "redis":
+        server = request.getfixturevalue("redis_server")
+        ledger: Ledger = RedisLedger(server.url, prefix=server.prefix())
+    else:
+        ledger = LocalLedger()
+    admission = MemoryAdmission(ledger, AdmissionConfig(poll_s=0.01))
+    workers = [group]
+    await admission.observe(workers)
+    # admitted concurrently, they take different ranks (the ledger's choice is atomic)
+    held = list(await asyncio.gather(*(admission.acquire(large, lambda: workers) for _ in "ab")))
+    assert sorted((lease.worker, lease.rank) for lease in held) == [("dp", 0), ("dp", 1)]
+    held.sort(key=lambda lease: lease.rank or 0)
+    usage = await ledger.usage(["dp/dp0", "dp/dp1"])
+    assert [usage[k].admitted_bytes for k in ("dp/dp0", "dp/dp1")] == [need_large] * 2
+    assert [usage[k].capacity_bytes for k in ("dp/dp0", "dp/dp1")] == [per_rank] * 2
+    assert [usage[k].max_sessions for k in ("dp/dp0", "dp/dp1")] == [4, 4]
+    waiting = asyncio.create_task(admission.acquire(small, lambda: workers))
+    await asyncio.sleep(0.1)
+    assert not waiting.done() and admission.queue_depth(MODEL) == 1
+    held[1].release()
+    admitted = await asyncio.wait_for(waiting, 5)
+    assert (admitted.worker, admitted.rank) == ("dp", 1)
+    usage = await ledger.usage(["dp/dp0", "dp/dp1"])
+    assert [usage[k].admitted_bytes for k in ("dp/dp0", "dp/dp1")] == [need_large, need_small]
+    # the router and the gauges see the group as the sum of its ranks
+    summed = admission.leases.usage("dp")
+    assert summed is not None and summed.admitted_bytes == need_large + need_small
+    held[0].release()
+    admitted.release()
     await admission.close()
 
 

@@ -117,6 +117,30 @@ async def test_first_candidate_with_room_wins(subject: Subject) -> None:
     await subject.check()
 
 
+async def test_a_group_of_candidates_takes_its_least_admitted_member_with_room(
+    subject: Subject,
+) -> None:
+    """The ranks of a data-parallel worker are one choice: the ledger takes the one with room
+    whose capacity is least admitted (ties: the first), so concurrent admissions spread."""
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    await ledger.register("b", 2 * CAP, 0)
+    group = [Candidate("a", 300, "g"), Candidate("b", 300, "g")]
+    picks = [(await ledger.acquire(f"l{i}", group, 30)).worker for i in range(5)]  # type: ignore[union-attr]
+    # shares after each: a .3; b .15; b .3; a .6 (a tie: the first); b .45
+    assert picks == ["a", "b", "b", "a", "b"]
+    # the least admitted member ("b") has no room for what it needs: the other takes it
+    roomy = [Candidate("a", 300, "g"), Candidate("b", 1200, "g")]
+    assert (await ledger.acquire("m", roomy, 30)).worker == "a"  # type: ignore[union-attr]
+    # no member has room: the next choice is tried
+    full = [Candidate("a", 500, "g"), Candidate("b", 1200, "g"), Candidate("b", 1)]
+    got = await ledger.acquire("n", full, 30)
+    assert got is not None and got.worker == "b" and got.usage.admitted_bytes == 901
+    usage = await ledger.usage(["a", "b"])
+    assert (usage["a"].admitted_bytes, usage["b"].admitted_bytes) == (900, 901)
+    await subject.check()
+
+
 async def test_session_limit(subject: Subject) -> None:
     ledger = subject.ledger
     await ledger.register("a", CAP, 2)

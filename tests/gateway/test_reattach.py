@@ -92,6 +92,7 @@ class CountingAdmission:
 
         class Lease:
             worker = workers()[0].address
+            rank = None
             done = False
 
             def release(self) -> None:

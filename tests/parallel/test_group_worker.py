@@ -2,7 +2,9 @@
 per rank under a supervisor; rank 0's gRPC streams one process's greedy tokens; a rank
 SIGKILLed takes the whole group down (for ``up`` or Kubernetes to restart), leaving no rank
 behind; SIGTERM drains and stops every rank; configurations no group can serve fail at
-start-up with a message that names the reason."""
+start-up with a message that names the reason. Under data-parallel attention over a real
+kv-host-store process each rank is an owner of its own at the store, and a rank whose link to
+the store fails makes the group unhealthy."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -23,12 +26,14 @@ import torch
 
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.kv_host_store.client import KVHostStoreClient
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.request import SamplingParams
 from services.worker.parallel.layout import ParallelConfig
 from services.worker.startup import process_start
 from tests.conftest import free_port
+from tests.kv_host_store.conftest import kill_process, start_store_process
 
 PROMPT = list(b"The sparse indexer picks rows; ")
 FLAGS = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48", "--max-model-len", "512",
@@ -88,17 +93,25 @@ def _rank_pids(log: Path) -> list[int]:
     return [int(p) for p in re.findall(r"rank \d pid (\d+)", log.read_text())]
 
 
-def _generate(stub: pb_grpc.WorkerStub, rid: str, n: int) -> list[int]:
+def _request(
+    rid: str, n: int, prompt: list[int] = PROMPT, rank: int | None = None
+) -> pb.GenerateRequest:
     sampling = pb.SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=PROMPT, sampling=sampling)
-    return [t for resp in stub.Generate(req, timeout=120) for t in resp.token_ids]
+    req = pb.GenerateRequest(request_id=rid, prompt_token_ids=prompt, sampling=sampling)
+    if rank is not None:
+        req.dp_rank = rank
+    return req
 
 
-def _offline(n: int, mode: str) -> list[int]:
+def _generate(stub: pb_grpc.WorkerStub, rid: str, n: int) -> list[int]:
+    return [t for resp in stub.Generate(_request(rid, n), timeout=120) for t in resp.token_ids]
+
+
+def _offline(n: int, mode: str, prompt: list[int] = PROMPT) -> list[int]:
     eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=48, max_model_len=512, max_num_seqs=4,
                               mode=mode))  # fmt: skip
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
-    return eng.generate([PROMPT], params)[0].output_ids
+    return eng.generate([prompt], params)[0].output_ids
 
 
 @pytest.mark.parametrize("layout", [(), ("--data-parallel-attention", "--expert-parallel")])
@@ -159,3 +172,68 @@ def test_configurations_no_group_serves_fail_at_start_up(tmp_path: Path) -> None
     assert re.search(r"needs 2 GPUs, one per rank; this process sees \d", log.read_text())
     with pytest.raises(ValueError, match="need --tensor-parallel-size >= 2"):
         ParallelConfig(1, data_parallel_attention=True)
+
+
+def _wait_owned(client: KVHostStoreClient, owners: dict[str, str]) -> None:
+    """Until the store's requests are ``owners`` (request id -> owner)."""
+    deadline = time.monotonic() + 10
+    while (got := {i.request_id: i.owner for i in client.list_requests()}) != owners:
+        assert time.monotonic() < deadline, got
+        time.sleep(0.1)
+
+
+def test_data_parallel_ranks_each_own_their_regions_at_the_node_store(tmp_path: Path) -> None:
+    """DP attention over a real kv-host-store process: the first request runs on rank 0, the
+    next on rank 1 (the least loaded), and a request that names its rank runs there; each
+    rank's regions are registered under its own owner and released when its request ends or
+    its client leaves; the tokens are one process's. A rank whose lease is lost (a newer
+    generation of its owner registered) makes the group report unhealthy."""
+    arena = Path("/dev/shm") / f"dhisparse-test-dp-{uuid.uuid4().hex}"
+    store = start_store_process(arena)
+    client = KVHostStoreClient(store.target)
+    second = list(b"Host backups hold every row; ")
+    try:
+        with group(tmp_path, "--mode", "hisparse", "--kv-store", store.target, "--worker-id",
+                   "w", "--lease-ttl-s", "1.5", "--data-parallel-attention",
+                   "--expert-parallel") as (_proc, stub, _log):  # fmt: skip
+            a = stub.Generate(_request("a", 24), timeout=120)
+            got_a = list(next(a).token_ids)  # running on rank 0 before "b" arrives
+            b = stub.Generate(_request("b", 24, second), timeout=120)
+            got_b = list(next(b).token_ids)
+            owners = {info.request_id: info.owner for info in client.list_requests()}
+            assert owners == {"a": "w/dp0", "b": "w/dp1"}
+            got_a += [t for resp in a for t in resp.token_ids]
+            got_b += [t for resp in b for t in resp.token_ids]
+            assert got_a == _offline(24, "hisparse")
+            assert got_b == _offline(24, "hisparse", second)
+            _wait_owned(client, {})  # each rank released its own request's regions
+            # requests that name their rank run there (the gateway's lease holds room on it),
+            # where the least loaded rank would have been rank 0 for the first; a client that
+            # leaves one: rank 0 routes the abort, and rank 1 releases the request's regions
+            c = stub.Generate(_request("c", 400, rank=1), timeout=120)
+            next(c)
+            d = stub.Generate(_request("d", 400, second, rank=1), timeout=120)
+            next(d)
+            _wait_owned(client, {"c": "w/dp1", "d": "w/dp1"})
+            d.cancel()
+            _wait_owned(client, {"c": "w/dp1"})
+            c.cancel()
+            _wait_owned(client, {})
+            with pytest.raises(grpc.RpcError) as e:
+                list(stub.Generate(_request("e", 4, rank=2), timeout=30))
+            assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+            assert "dp_rank 2 is not a rank of this worker" in (e.value.details() or "")
+            assert stub.Health(pb.HealthRequest(), timeout=5).ok
+            # rank 1's generation superseded: its next renewal is refused, and its report after
+            # the next step tells rank 0
+            client.register_owner("w/dp1", 1.5)
+            time.sleep(1.0)
+            with suppress(grpc.RpcError):  # on rank 1 the request fails: its owner is fenced
+                _generate(stub, "c", 2)
+            health = stub.Health(pb.HealthRequest(), timeout=5)
+            assert not health.ok
+            assert "rank 1: host KV store unavailable (superseded)" in health.status, health
+    finally:
+        client.close()
+        kill_process(store.proc)
+        arena.unlink(missing_ok=True)

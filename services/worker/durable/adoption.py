@@ -1,7 +1,8 @@
 """A worker process taking over the sessions its predecessor left in the host store.
 
-On start, after registering a new generation, a worker adopts every request that earlier
-generations of its own worker id still hold (those processes are gone: the store fences their
+On start, after registering a new generation (``take_over``), a worker adopts every request
+that earlier generations of its own owner id (its worker id; a data-parallel rank's own,
+``ParallelConfig.store_owner``) still hold (those processes are gone: the store fences their
 calls off), reads each one's manifest and resumes it in the engine. A request that cannot be
 resumed (no valid manifest, no room) is released so that its capacity returns; it is reported,
 and the gateway's re-attach for it gets NOT_FOUND.
@@ -13,6 +14,7 @@ import logging
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from services.worker.durable.host_link import HostLink
 from services.worker.durable.manifest import ManifestError
 from services.worker.durable.restore import read_manifest
 
@@ -68,3 +70,25 @@ def adopt_sessions(
         except Exception as e:  # it expires with the orphans otherwise
             log.warning("release of %s failed: %s", rid, e)
     return report
+
+
+def take_over(
+    engine: Engine, client: KVHostStoreClient | LocalHostStore, lease_ttl_s: float
+) -> HostLink:
+    """Registers ``engine``'s owner (its host regions') with the store as a new generation,
+    resumes the durable sessions earlier generations left, and starts renewing the lease from
+    a thread of its own; returns the link, which ``engine`` reports through
+    (``Engine.host_link``). Every rank of a data-parallel group takes over its own owner."""
+    owner = engine.kv.host_backups.owner
+    link = HostLink(client, owner, lease_ttl_s, engine.kv.host_backups)
+    generation = link.register()
+    engine.host_link = link
+    if engine.kv.sessions is not None:
+        report = adopt_sessions(engine, client, owner, generation)
+        if report.resumed or report.released:
+            log.info(
+                "%s took over %d sessions of earlier generations (%d released)", owner,
+                len(report.resumed), len(report.released),
+            )  # fmt: skip
+    link.start()
+    return link

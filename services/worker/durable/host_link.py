@@ -1,5 +1,7 @@
 """The worker process's registration with the node's host store: its generation, the lease it
-renews from a background thread, and what it does when the store goes away.
+renews from a background thread, and what it does when the store goes away. Each rank of a
+data-parallel-attention group holds one of its own (its own owner id, generation and renewing
+thread); a tensor-parallel group holds one, rank 0's.
 
 States: ``ok``; ``down`` (the store does not answer: admissions fail fast, running requests go
 on — their bytes are in this process's mapping of the arena); ``restarted`` (a store answers
@@ -102,8 +104,9 @@ class HostLink:
         """Between engine steps (engine thread): re-attaches to a restarted store once nothing
         holds regions of the old arena. A group of ranks does not: each rank holds its own
         mapping of the arena, and rank 0 alone remapping would write where the others no longer
-        read; the group goes on in the old arena, unhealthy, for its supervisor (Kubernetes,
-        ``up``) to restart it onto the new one."""
+        read (TP), or the ranks would remap at different steps with different generations (data-
+        parallel attention, each rank its own owner); the group goes on in the old arena,
+        unhealthy, for its supervisor (Kubernetes, ``up``) to restart it onto the new one."""
         if self.state != "restarted" or self.backups.slots:
             return
         if engine.lockstep is not None:

@@ -39,7 +39,8 @@ class EngineConfig:
     graphs: GraphConfig = field(default_factory=GraphConfig)  # on a GPU
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     parallel: ParallelConfig = SINGLE  # the ranks one worker spans (``parallel.layout``)
-    owner: str = "local"  # worker id that owns this engine's host regions
+    owner: str = "local"  # the store's owner of this engine's host regions (a worker id, or
+    # a data-parallel rank's: ``ParallelConfig.store_owner``)
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096

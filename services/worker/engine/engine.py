@@ -37,14 +37,15 @@ from services.worker.model.io import DTYPES
 from services.worker.model.mtp import MTPStep
 from services.worker.model.presets import PRESETS
 from services.worker.parallel.comm import LOCAL, Comm
-from services.worker.parallel.layout import LayoutError
 from services.worker.parallel.lockstep import Lockstep, StopFollowing
+from services.worker.parallel.mirror import Resumed, mirror, mirror_resumed
 from services.worker.parallel.placement import Placement, RankLoad
 from services.worker.parallel.region_group import GroupRegionStore
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
+    from services.worker.durable.host_link import HostLink
     from services.worker.durable.journal import Journal
     from services.worker.durable.manifest import SessionRecord
 
@@ -65,7 +66,11 @@ class Engine:
         is one of (``cfg.parallel``): every rank builds an engine over its part of the model,
         rank 0 is driven from outside and the others ``follow`` it (``parallel.lockstep``).
         Under data-parallel attention each rank serves the requests rank 0 places on it
-        (``parallel.placement``); rank 0 mirrors the others' requests from their outputs."""
+        (``parallel.placement``); rank 0 mirrors the others' requests from their outputs
+        (``parallel.mirror``). Over the node's store a tensor-parallel group holds one set of
+        regions that rank 0 writes (``parallel.region_group``), while each data-parallel rank
+        is an owner of its own (``cfg.owner``) that writes, journals and resumes its own
+        requests' regions."""
         self.cfg = cfg
         serving = cfg.serving_dtype()
         dtype = DTYPES[serving] if serving else None
@@ -77,20 +82,17 @@ class Engine:
             )
         self.lockstep = Lockstep(comm) if comm.size > 1 else None
         self.data_parallel = comm.size > 1 and cfg.parallel.data_parallel_attention
-        if self.data_parallel and host is not None:
-            raise LayoutError(
-                "--data-parallel-attention with the node's kv-host-store (--kv-store) is not "
-                "built yet: each rank would need its own owner, lease and adoption; serve it "
-                "from private host arenas (no --kv-store) or with tensor parallelism"
-            )
         # tensor parallel over the node's store: one set of regions, rank 0 writes them
-        shared_host = host is not None and comm.size > 1
+        shared_host = host is not None and comm.size > 1 and not self.data_parallel
         if shared_host:
             assert host is not None
             host = (GroupRegionStore(host[0], comm), *host[1:])
         self.placement = Placement(comm.size) if self.data_parallel and comm.is_leader else None
         # rank 0 under data-parallel attention: the requests other ranks serve, by id
         self._remote: dict[str, Request] = {}
+        # this rank's registration with the node's store (``durable.host_link``), set by whoever
+        # registers it; a data-parallel rank reports its state to rank 0 with its load
+        self.host_link: HostLink | None = None
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
@@ -120,8 +122,9 @@ class Engine:
             kv_cfg = replace(kv_cfg, host_writer=False)
         self.kv = KVCache(self.model_cfg, kv_cfg, host)
         self.journal: Journal | None = None
-        # a follower's manifests would be rank 0's (the same sessions): rank 0 writes them
-        self._writes_manifests = comm.is_leader
+        # a TP follower's manifests would be rank 0's (the same sessions): rank 0 writes them;
+        # every data-parallel rank writes its own requests'
+        self._writes_manifests = comm.is_leader or self.data_parallel
         if self.kv.sessions is not None:
             from services.worker.durable.journal import Journal
 
@@ -178,22 +181,30 @@ class Engine:
 
     # ---- requests ---------------------------------------------------------------------------
     def add_request(
-        self, request_id: str, prompt_ids: list[int], params: SamplingParams
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: SamplingParams,
+        rank: int | None = None,
     ) -> Request:
         """Queues a request; raises ValueError (a client error) for bad input. Under
-        data-parallel attention rank 0 places it on a rank; one another rank serves is
+        data-parallel attention rank 0 places it on a rank (``rank``, where the caller's
+        admission holds room for it; else the least loaded); one another rank serves is
         mirrored here (its outputs fill in the returned request)."""
         if request_id in self.requests or request_id in self._remote:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_ids, params)
+        if rank is not None and not 0 <= rank < self.serving_ranks:
+            raise ValueError(
+                f"dp_rank {rank} is not a rank of this worker, which serves "
+                f"{self.serving_ranks} data-parallel rank(s)"
+            )
         if self.placement is not None:
-            rank = self.placement.place(request_id)
+            rank = self.placement.place(request_id, rank)
             if rank != 0:
                 assert self.lockstep is not None
                 self.lockstep.record_for(rank, "add_request", request_id, list(prompt_ids), params)
-                text = TextStream(self.tokenizer, prompt_ids, params.stop,
-                                  params.include_stop_str_in_output)  # fmt: skip
-                req = Request(request_id, list(prompt_ids), params, text, status=Status.RUNNING)
+                req = mirror(self.tokenizer, request_id, prompt_ids, params)
                 self._remote[request_id] = req
                 return req
         gen = None
@@ -231,15 +242,25 @@ class Engine:
     def has_request(self, request_id: str) -> bool:
         return request_id in self.requests or request_id in self._remote
 
+    def request(self, request_id: str) -> Request | None:
+        """The request of that id: served here, or (rank 0 under data-parallel attention)
+        mirrored from the rank that serves it; None when there is none."""
+        return self.requests.get(request_id) or self._remote.get(request_id)
+
+    def request_ids(self) -> list[str]:
+        """Every request this engine serves or (rank 0) mirrors."""
+        return [*self.requests, *self._remote]
+
     def restore(self, record: SessionRecord, version: int, regions: list[Region]) -> Request | None:
         """Resumes the durable session ``record`` (its manifest's ``version``, its host
         ``regions``; ``durable.restore``); None when no slot or device room is free now. In a
         tensor-parallel group every rank seats it: rank 0 records it for the others, which
-        hold the same regions and so must find room as rank 0 did."""
+        hold the same regions and so must find room as rank 0 did. A data-parallel rank
+        resumes its own sessions alone (rank 0 learns of them: ``share_resumed``)."""
         from services.worker.durable.restore import restore
 
         req = restore(self, record, version, regions)
-        if self.lockstep is not None:
+        if self.lockstep is not None and not self.data_parallel:
             if self.lockstep.leader:
                 if req is not None:
                     self.lockstep.record("restore", record, version, regions)
@@ -255,12 +276,6 @@ class Engine:
         committed in its host ``regions``; ``rings``: its token-ring snapshots; ``version``: its
         manifest's) in a free slot, running; False (nothing changed) when no slot or device
         room is free."""
-
-        if self.data_parallel:
-            raise RequestError(
-                "unavailable",
-                "resuming durable sessions under data-parallel attention is not built yet",
-            )
 
         def seat(slot: int) -> bool:
             return self.kv.adopt(slot, req.request_id, regions, req.num_computed, rings)
@@ -279,14 +294,19 @@ class Engine:
         return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Ends a request; its last output, or None when it is not here — or (rank 0 under
-        data-parallel attention) when another rank serves it: its output follows from there."""
+        """Ends a request; its last output, or None when it is not here. Rank 0 under
+        data-parallel attention ends the mirror of a request another rank serves at once, and
+        that rank ends the request itself before its next step runs (its output of the abort
+        stays there: rank 0 gave this one)."""
         if request_id in self._remote:
             assert self.lockstep is not None and self.placement is not None
             owner = self.placement.owner(request_id)
             assert owner is not None
             self.lockstep.record_for(owner, "abort", request_id)
-            return None
+            req = self._remote[request_id]
+            req.status, req.finish_reason = Status.FINISHED, FinishReason.ABORT
+            self._end_mirror(req)
+            return req.output()
         req = self.requests.get(request_id)
         if req is None:
             return None
@@ -328,6 +348,25 @@ class Engine:
         """The other serving ranks' free KV bytes (data-parallel attention; else 0)."""
         return self.placement.others_free_bytes if self.placement is not None else 0
 
+    @property
+    def prefill_tokens_computed(self) -> int:
+        """Prompt tokens the worker has computed: this rank's, and under data-parallel
+        attention (rank 0) the other ranks' as they last reported."""
+        others = self.placement.others_prefill_tokens if self.placement is not None else 0
+        return self.stats.prefill_tokens_computed + others
+
+    @property
+    def sessions_resumed(self) -> int:
+        """Durable sessions the worker has resumed (as ``prefill_tokens_computed``)."""
+        others = self.placement.others_sessions_resumed if self.placement is not None else 0
+        return self.stats.sessions_resumed + others
+
+    def store_problems(self) -> list[str]:
+        """Rank 0 under data-parallel attention: each other rank whose link to the node's
+        host store was not ok at its last report (a rank reports after every step, and at
+        start-up); else none: the other ranks of a TP group hold no link of their own."""
+        return self.placement.store_problems() if self.placement is not None else []
+
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Runs one scheduling round: one pass over the step's prefill chunks (at most
@@ -336,13 +375,10 @@ class Engine:
         tokens or finished; a chunk that does not end its prefill emits nothing. In a group,
         every rank's step begins with rank 0's mutations since the last (``parallel.lockstep``);
         under data-parallel attention every rank's outputs come back from rank 0's."""
-        applied: list[RequestOutput] = []  # outputs of mutations rank 0 addressed here
         if self.lockstep is not None:
             for op in self.lockstep.exchange():
                 if not self.lockstep.leader:
-                    out = getattr(self, op.name)(*op.args)
-                    if isinstance(out, RequestOutput):
-                        applied.append(out)
+                    getattr(self, op.name)(*op.args)
         if not self._maintained:  # else the last decode pass did it (``run_pass``)
             self.kv.maintain()
         self._maintained = False
@@ -386,7 +422,7 @@ class Engine:
         if self._check_invariants:
             self.kv.check()
         if self.data_parallel:
-            return self._gather_outputs(applied + outputs)
+            return self._gather_outputs(outputs)
         return outputs
 
     def _gather_outputs(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
@@ -395,13 +431,7 @@ class Engine:
         which returns every rank's outputs (others: none)."""
         assert self.exchange is not None and self.lockstep is not None
         self.exchange.idle()
-        load = RankLoad(
-            running=len(self.scheduler.running),
-            waiting=len(self.scheduler.waiting),
-            busy=self.scheduler.has_work(),
-            kv_free_bytes=self.kv.memory().free,
-        )
-        got = self.lockstep.gather((outputs, load))
+        got = self.lockstep.gather((outputs, self._load()))
         if got is None:
             return []
         assert self.placement is not None
@@ -413,14 +443,43 @@ class Engine:
             merged.extend(outs)
         return merged
 
+    def _load(self) -> RankLoad:
+        """This rank's state, for rank 0 (data-parallel attention)."""
+        link = self.host_link
+        return RankLoad(
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            busy=self.scheduler.has_work(),
+            kv_free_bytes=self.kv.memory().free,
+            prefill_tokens=self.stats.prefill_tokens_computed,
+            sessions_resumed=self.stats.sessions_resumed,
+            store_problem="" if link is None or link.healthy else link.status(),
+        )
+
+    def share_resumed(self) -> None:
+        """Data-parallel attention, once at start-up on every rank, after each has adopted its
+        own durable sessions from the node's store (``durable.adoption``): every rank's load
+        and resumed sessions go to rank 0, which places each session on its rank and mirrors
+        it (a client re-attaches through rank 0, ``Resume``)."""
+        assert self.lockstep is not None and self.data_parallel
+        mine = [Resumed.of(req) for req in self.requests.values()]
+        got = self.lockstep.gather((mine, self._load()))
+        if got is None:
+            return
+        assert self.placement is not None
+        self.placement.report([load for _, load in got])
+        for rank, (sessions, _) in enumerate(got[1:], start=1):
+            for session in sessions:
+                self._remote[session.request_id] = mirror_resumed(self.tokenizer, session)
+                self.placement.assign(session.request_id, rank)
+
     def _mirror(self, out: RequestOutput) -> None:
         """Rank 0: another rank's output, into the request mirrored here."""
         req = self._remote.get(out.request_id)
         if req is None:
             return
-        now = time.monotonic()
         if out.new_token_ids and req.first_token_time is None:
-            req.first_token_time = now
+            req.first_token_time = time.monotonic()
         for token in out.new_token_ids:  # the owner's stop checks, replayed: the same text
             req.output_ids.append(token)
             req.check_stop(token, self.eos_token_ids, self.cfg.max_model_len)
@@ -429,12 +488,16 @@ class Engine:
                 Status.FINISHED, out.finish_reason, out.stop_reason,
             )  # fmt: skip
             req.error = out.error
-            del self._remote[out.request_id]
-            assert self.placement is not None
-            self.placement.forget(out.request_id)
-            self.stats.finished.append(
-                (req.arrival, req.first_token_time, now, len(req.output_ids))
-            )
+            self._end_mirror(req)
+
+    def _end_mirror(self, req: Request) -> None:
+        """Rank 0: a mirrored request has finished (its status set)."""
+        del self._remote[req.request_id]
+        assert self.placement is not None
+        self.placement.forget(req.request_id)
+        self.stats.finished.append(
+            (req.arrival, req.first_token_time, time.monotonic(), len(req.output_ids))
+        )
 
     def follow(self) -> None:
         """On a rank other than 0: steps with rank 0, step for step, until it stops the group

@@ -58,6 +58,16 @@ class ParallelConfig:
     def world_size(self) -> int:
         return self.tensor_parallel_size
 
+    def store_owner(self, worker_id: str, rank: int) -> str:
+        """The owner id under which rank ``rank``'s host regions are registered at the node's
+        store: the worker id for one rank and for a tensor-parallel group (one set of regions,
+        ``parallel.region_group``); under data-parallel attention each rank is an owner of its
+        own, ``<worker id>/dp<rank>``, the same across restarts, so the restarted group's rank
+        r adopts what rank r left (``durable.adoption``)."""
+        if self.data_parallel_attention:
+            return f"{worker_id}/dp{rank}"
+        return worker_id
+
     @property
     def name(self) -> str:
         if self.world_size == 1:

@@ -1,10 +1,11 @@
 """Which rank of a data-parallel-attention group serves a new request (rank 0 decides).
 
 Mechanism: rank 0 records each request's rank until the request finishes, and after every
-step each rank reports its load (``RankLoad``). Policy (``least_loaded``): the rank with the
-fewest requests — running, waiting, and placed on it since its last report — then the most
-free KV bytes, then the lowest rank. A request stays on its rank to the end: its KV rows,
-hot caches and host regions are that rank's."""
+step each rank reports its load (``RankLoad``). Policy: the rank the request names (the
+gateway's lease holds room on that rank: ``GenerateRequest.dp_rank``); else
+(``least_loaded``) the rank with the fewest requests — running, waiting, and placed on it
+since its last report — then the most free KV bytes, then the lowest rank. A request stays on
+its rank to the end: its KV rows, hot caches and host regions are that rank's."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class RankLoad:
-    """One rank's state after a step."""
+    """One rank's state after a step (and at start-up, after it resumed its sessions)."""
 
     running: int = 0
     waiting: int = 0
     busy: bool = False  # it has work for the next step
     kv_free_bytes: int = 0
+    prefill_tokens: int = 0  # prompt tokens it has computed since it started
+    sessions_resumed: int = 0  # durable sessions it has resumed since it started
+    store_problem: str = ""  # why its link to the node's host store is not ok ("": it is)
 
     @property
     def requests(self) -> int:
@@ -42,11 +46,19 @@ class Placement:
         self._placed = [0] * size
         self._owner: dict[str, int] = {}
 
-    def place(self, request_id: str) -> int:
-        rank = least_loaded(self.loads, self._placed)
+    def place(self, request_id: str, rank: int | None = None) -> int:
+        """The rank that serves the new request: ``rank`` when it names one, else the least
+        loaded."""
+        if rank is None:
+            rank = least_loaded(self.loads, self._placed)
         self._placed[rank] += 1
         self._owner[request_id] = rank
         return rank
+
+    def assign(self, request_id: str, rank: int) -> None:
+        """Records that ``rank`` serves ``request_id`` already (a session it resumed at
+        start-up: its report counts it)."""
+        self._owner[request_id] = rank
 
     def owner(self, request_id: str) -> int | None:
         return self._owner.get(request_id)
@@ -80,3 +92,22 @@ class Placement:
     def others_free_bytes(self) -> int:
         """The other ranks' free KV bytes, as they last reported them."""
         return sum(load.kv_free_bytes for load in self.loads[1:])
+
+    @property
+    def others_prefill_tokens(self) -> int:
+        """Prompt tokens the other ranks have computed, as they last reported."""
+        return sum(load.prefill_tokens for load in self.loads[1:])
+
+    @property
+    def others_sessions_resumed(self) -> int:
+        """Durable sessions the other ranks have resumed, as they last reported."""
+        return sum(load.sessions_resumed for load in self.loads[1:])
+
+    def store_problems(self) -> list[str]:
+        """Each other rank whose link to the node's host store was not ok at its last
+        report, with why."""
+        return [
+            f"rank {r}: {load.store_problem}"
+            for r, load in enumerate(self.loads)
+            if r > 0 and load.store_problem
+        ]
