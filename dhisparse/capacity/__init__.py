@@ -24,10 +24,18 @@ A8. Engine presets get B = 2k and their config's dtype unless told otherwise.
 A9. A Hugging Face model directory (DeepSeek-V3.2, GLM-5) is sized by ``model_size``: its
     parameters from config.json alone, and bytes per token in bf16 and in FP8 laid out as the
     GLM-5.3 profile is (one byte per element, 132 B index keys).
+A10. Workers that span N GPUs (``layouts``): each rank's weights are the worker's tensors
+    (``weights``) cut by the layouts' one table (``services.worker.parallel.layout``); a
+    session needs the same bytes on each GPU under every layout (the MLA latent row is one
+    head, replicated under TP); a TP worker holds one GPU's pool of sessions, a DP-attention
+    worker N. The MTP layer's head is counted as the target's (the released checkpoints'
+    copy equals it), and an FP8 checkpoint's unquantized modules are those its
+    ``modules_to_not_convert`` names.
 """
 
 from __future__ import annotations
 
+from dhisparse.capacity.admitted import HostSizing, SpeculationTest
 from dhisparse.capacity.builtin import (
     default_deployment,
     dsv4_flash,
@@ -38,6 +46,7 @@ from dhisparse.capacity.builtin import (
     profile_from_model_dir,
     profile_names,
 )
+from dhisparse.capacity.layouts import LayoutAdmission, LayoutPlan, Refusal, layouts_of
 from dhisparse.capacity.model import (
     GIB,
     MODES,
@@ -67,6 +76,7 @@ from dhisparse.capacity.profile import (
     Profile,
     SourceGroup,
 )
+from dhisparse.capacity.weights import ModelWeights, PartBytes, RankWeights, model_weights_of
 
 __all__ = [
     "GIB",
@@ -74,13 +84,21 @@ __all__ = [
     "TB",
     "Deployment",
     "DrafterProfile",
+    "HostSizing",
     "IndexGroup",
+    "LayoutAdmission",
+    "LayoutPlan",
     "Mode",
     "ModelSize",
+    "ModelWeights",
+    "PartBytes",
     "Plan",
     "Profile",
+    "RankWeights",
+    "Refusal",
     "SessionBytes",
     "SourceGroup",
+    "SpeculationTest",
     "TokenBytes",
     "build_plan",
     "default_deployment",
@@ -91,8 +109,10 @@ __all__ = [
     "glm53_paper_deployment",
     "host_bytes",
     "host_sessions",
+    "layouts_of",
     "model_size",
     "model_size_from_dir",
+    "model_weights_of",
     "pool_range",
     "profile_from_model_config",
     "profile_from_model_dir",

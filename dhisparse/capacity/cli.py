@@ -1,4 +1,5 @@
-"""``dhisparse plan``: size GPUs and host memory with the capacity model (no torch import)."""
+"""``dhisparse plan``: size GPUs and host memory with the capacity model (no torch import); with
+the worker's parallel flags, workers that span GPUs, one column per layout."""
 
 from __future__ import annotations
 
@@ -12,11 +13,17 @@ from dhisparse.capacity.builtin import (
     profile_from_model_dir,
     profile_names,
 )
+from dhisparse.capacity.layouts import ALL, layouts_of
 from dhisparse.capacity.model import GIB, TB
 from dhisparse.capacity.model_size import model_size_from_dir
 from dhisparse.capacity.plan import build_plan
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 from dhisparse.capacity.report import render_json, render_table
+from dhisparse.capacity.weights import ModelWeights, model_weights_of
+from dhisparse.flags import add_switch
+from services.worker.model.held_weights import SERVING_DTYPE_BYTES
+from services.worker.model.quantization_config import WEIGHT_DTYPES
+from services.worker.parallel.layout import ParallelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -61,13 +68,65 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
     g = parser.add_argument_group("deployment (defaults: the profile's reference deployment)")
-    g.add_argument("--pool-gib", type=float, help="per-GPU memory for required allocations")
-    g.add_argument("--gpus", type=int, help="GPUs, each with its own sessions, per host")
+    memory = g.add_mutually_exclusive_group()
+    memory.add_argument("--pool-gib", type=float, help="per-GPU memory for required allocations")
+    memory.add_argument(
+        "--gpu-gib",
+        type=float,
+        help="per-GPU memory (HBM): each layout's KV pool is what its weights per GPU and "
+        "--reserve-gib leave (--model DIR or a family preset)",
+    )
+    g.add_argument(
+        "--reserve-gib",
+        type=float,
+        help="with --gpu-gib: per-GPU memory besides weights and KV pool (activations, CUDA "
+        "graphs, NCCL buffers; default 0)",
+    )
+    g.add_argument(
+        "--gpus",
+        type=int,
+        help="GPUs per host, each with its own sessions (with --tensor-parallel-size N: a "
+        "multiple of N, N per worker; default N)",
+    )
     g.add_argument("--fixed-gib", type=float, help="other fixed per-GPU allocations")
     g.add_argument("--slots", type=int, help="N: request slots per GPU (ring and staging)")
     host = g.add_mutually_exclusive_group()
     host.add_argument("--host-gib", type=float, help="host memory for backups, GiB")
     host.add_argument("--host-tb", type=float, help="host memory for backups, TB")
+
+    p = parser.add_argument_group(
+        "workers that span GPUs (the worker's flags; docs/deploy.md 'Workers that span GPUs')"
+    )
+    p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        metavar="N",
+        help="GPUs per worker: size the layout the flags below give, or --layouts",
+    )
+    add_switch(p, "expert-parallel", "each rank holds n_experts / N whole experts (off)")
+    add_switch(
+        p,
+        "data-parallel-attention",
+        "each rank attends for its own requests from its own KV pool (off)",
+    )
+    p.add_argument(
+        "--layouts",
+        metavar="LIST",
+        help=f"{ALL} (every layout over N GPUs the model divides into), or a comma-separated "
+        "list of tp, tp+ep, dp-attention, dp-attention+ep: one column each",
+    )
+    p.add_argument(
+        "--weight-dtype",
+        choices=list(WEIGHT_DTYPES),
+        default="auto",
+        help="weights as the worker holds them: fp8, the serving dtype (bf16), or auto: fp8 "
+        "where the checkpoint is",
+    )
+    p.add_argument(
+        "--dtype",
+        choices=sorted(SERVING_DTYPE_BYTES),
+        help="the serving dtype (default: the model config's)",
+    )
 
     e = parser.add_argument_group("speculation pays (eq. 13)")
     e.add_argument("--tpot-ratio", type=float, help="TPOT_spec / TPOT_base")
@@ -78,7 +137,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         profile = _profile(args)
         drafter = _drafter(args, profile)
-        deployment = _deployment(args)
+        layouts = _layouts(args)
+        weights = _weights(args, layouts)
+        deployment = _deployment(args, layouts)
         plan = build_plan(
             profile,
             args.context,
@@ -87,6 +148,9 @@ def main(args: argparse.Namespace) -> int:
             tpot_ratio=args.tpot_ratio,
             load=args.concurrency,
             model=model_size_from_dir(args.model, mtp=_mtp(args)) if args.model else None,
+            layouts=layouts,
+            weights=weights,
+            refuse=args.layouts != ALL,
         )
     except (ValueError, OSError) as exc:
         print(f"dhisparse plan: error: {exc}", file=sys.stderr)
@@ -141,16 +205,66 @@ def _drafter(args: argparse.Namespace, profile: Profile) -> DrafterProfile | Non
     return DrafterProfile(name="custom", **given)
 
 
-def _deployment(args: argparse.Namespace) -> Deployment:
+def _layouts(args: argparse.Namespace) -> tuple[ParallelConfig, ...]:
+    """The layouts to size: those of the parallel flags (or of ``--gpu-gib`` alone: one GPU),
+    or none (GPUs that each hold their own sessions)."""
+    flags = (args.tensor_parallel_size, args.layouts, args.expert_parallel,
+             args.data_parallel_attention, args.gpu_gib)  # fmt: skip
+    if all(f is None for f in flags):
+        return ()
+    n = args.tensor_parallel_size if args.tensor_parallel_size is not None else 1
+    return layouts_of(
+        n, args.layouts, bool(args.expert_parallel), bool(args.data_parallel_attention)
+    )
+
+
+def _weights(args: argparse.Namespace, layouts: tuple[ParallelConfig, ...]) -> ModelWeights | None:
+    """The model's weights as the worker would hold them, for the layouts (None: no layouts,
+    or a profile without a model's weights)."""
+    given = args.dtype is not None or args.weight_dtype != "auto"
+    if not layouts:
+        if given:
+            raise ValueError(
+                "--dtype and --weight-dtype size the weights of a layout: give "
+                "--tensor-parallel-size N or --gpu-gib"
+            )
+        return None
+    weights = model_weights_of(
+        args.model or args.profile, weight_dtype=args.weight_dtype, dtype=args.dtype,
+        mtp=_mtp(args),
+    )  # fmt: skip
+    if weights is None and given:
+        raise ValueError(
+            "--dtype and --weight-dtype size a model's weights: give --model DIR (DeepSeek-V3.2, "
+            "GLM-5) or a family preset"
+        )
+    return weights
+
+
+def _deployment(args: argparse.Namespace, layouts: tuple[ParallelConfig, ...]) -> Deployment:
     dep = default_deployment(args.profile) if args.profile else Deployment()
     pool = _bytes(args.pool_gib, GIB)
-    return dep.with_overrides(
+    if args.reserve_gib is not None and args.gpu_gib is None:
+        raise ValueError("--reserve-gib is taken from --gpu-gib: give both")
+    gpus = args.gpus
+    if layouts and gpus is None:
+        gpus = layouts[0].world_size  # one worker
+    dep = dep.with_overrides(
         pool_bytes=pool,
-        gpus=args.gpus,
+        gpus=gpus,
         fixed_bytes=_bytes(args.fixed_gib, GIB),
         slots=args.slots,
         host_bytes=_bytes(args.host_gib, GIB) or _bytes(args.host_tb, TB),
         note="" if pool is not None else None,  # a given pool is no longer the implied one
+    )
+    if args.gpu_gib is None:
+        return dep
+    return replace(
+        dep,
+        pool_bytes=None,
+        hbm_bytes=_bytes(args.gpu_gib, GIB),
+        reserve_bytes=_bytes(args.reserve_gib, GIB) or 0,
+        note="",
     )
 
 

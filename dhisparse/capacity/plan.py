@@ -1,27 +1,34 @@
 """A capacity plan: every figure of the capacity model for one profile, context length,
-drafter and deployment, gathered for ``dhisparse plan`` (table and JSON)."""
+drafter and deployment, gathered for ``dhisparse plan`` (table and JSON): on GPUs that each
+hold their own sessions, or, for parallel layouts, on workers that span N GPUs each
+(``layouts``)."""
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from dhisparse.capacity.admitted import (
+    HostSizing,
+    SpeculationTest,
+    host_sizing,
+    speculation_test,
+)
+from dhisparse.capacity.layouts import LayoutPlan, Refusal, plan_layouts
 from dhisparse.capacity.model import (
     MODES,
     Mode,
     SessionBytes,
     draft_ring_bytes,
-    host_bytes,
-    host_sessions,
     ring_rows,
     session_bytes,
-    sessions_kept_share,
     sessions_per_gpu,
-    speculation_pays,
     staging_bytes,
 )
 from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
+from dhisparse.capacity.weights import ModelWeights
+from services.worker.parallel.layout import ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -49,29 +56,6 @@ class Admission:
 
 
 @dataclass(frozen=True)
-class HostSizing:
-    """Host memory for the backups of the sessions the hierarchy admits."""
-
-    per_session: int
-    sessions: int | None  # hierarchy sessions over all GPUs (None: no pool given)
-    bytes: int | None
-    capacity: int | None
-    holds: int | None  # sessions whose backups the host can hold
-
-
-@dataclass(frozen=True)
-class SpeculationTest:
-    """Eq. 13 on the hierarchy's session counts: pays while share > TPOT ratio."""
-
-    n_spec: int
-    n_base: int
-    load: int | None
-    share: float
-    tpot_ratio: float | None
-    pays: bool | None
-
-
-@dataclass(frozen=True)
 class Plan:
     profile: Profile
     context_tokens: int
@@ -84,6 +68,11 @@ class Plan:
     host: HostSizing
     speculation: SpeculationTest | None
     model: ModelSize | None = None  # parameters and bytes per token of a Hugging Face model
+    # Workers spanning N GPUs, one plan per layout (then ``admissions`` is empty and ``host``
+    # per session only: each layout sizes its own); the layouts the model cannot be split by.
+    layouts: tuple[LayoutPlan, ...] = ()
+    refused: tuple[Refusal, ...] = ()
+    weight_format: str | None = None  # how the layouts' weights are held
 
     def ratio(self, with_drafter: bool = False) -> float:
         """Resident bytes over hierarchy bytes per session."""
@@ -103,6 +92,7 @@ class Plan:
         if self.spec:
             d["ratio"]["spec"] = self.ratio(True)
         d["model"] = self.model.as_dict() if self.model is not None else None
+        d["layouts"] = [lp.as_dict() for lp in self.layouts]
         d["profile"].update(
             payload_sources=self.profile.payload_sources,
             index_producers=self.profile.index_producers,
@@ -120,11 +110,23 @@ def build_plan(
     tpot_ratio: float | None = None,
     load: int | None = None,
     model: ModelSize | None = None,
+    layouts: Sequence[ParallelConfig] = (),
+    weights: ModelWeights | None = None,
+    refuse: bool = True,
 ) -> Plan:
     """All figures for one configuration. N (slots) is the deployment's, else the sessions the
     hierarchy with the drafter admits per GPU, else unknown (no per-GPU sizing). ``model``: the
-    size of the model the profile comes from, reported with the plan."""
+    size of the model the profile comes from, reported with the plan.
+
+    ``layouts``: size workers that span GPUs instead, each layout on the deployment's node
+    (``layouts.plan_layouts``), with ``weights`` the model's (None: a profile without them);
+    ``refuse``: a layout that does not divide the model is an error (else it is reported)."""
     dep = deployment or Deployment()
+    if layouts:
+        return _layout_plan(
+            profile, context_tokens, drafter, dep, layouts, weights, refuse,
+            tpot_ratio=tpot_ratio, load=load, model=model,
+        )  # fmt: skip
     base = tuple(session_bytes(profile, context_tokens, m) for m in MODES)
     spec = (
         tuple(session_bytes(profile, context_tokens, m, drafter) for m in MODES) if drafter else ()
@@ -159,22 +161,10 @@ def build_plan(
             slots_sizing = _slot_sizing(profile, drafter, n_slots)
 
     base_sessions = hier_base.total if hier_base else None
-    host = HostSizing(
-        per_session=host_bytes(profile, context_tokens),
-        sessions=base_sessions,
-        bytes=host_bytes(profile, context_tokens, base_sessions) if base_sessions else None,
-        capacity=dep.host_bytes,
-        holds=host_sessions(profile, context_tokens, dep.host_bytes) if dep.host_bytes else None,
-    )
-
+    host = host_sizing(profile, context_tokens, base_sessions, dep.host_bytes)
     speculation = None
     if hier_spec is not None and base_sessions:
-        n_spec = hier_spec.total
-        share = sessions_kept_share(n_spec, base_sessions, load)
-        pays = None
-        if tpot_ratio is not None:
-            pays = speculation_pays(n_spec, base_sessions, tpot_ratio, load)
-        speculation = SpeculationTest(n_spec, base_sessions, load, share, tpot_ratio, pays)
+        speculation = speculation_test(hier_spec.total, base_sessions, load, tpot_ratio)
 
     return Plan(
         profile=profile,
@@ -188,6 +178,49 @@ def build_plan(
         host=host,
         speculation=speculation,
         model=model,
+    )
+
+
+def _layout_plan(
+    profile: Profile,
+    context_tokens: int,
+    drafter: DrafterProfile | None,
+    dep: Deployment,
+    layouts: Sequence[ParallelConfig],
+    weights: ModelWeights | None,
+    refuse: bool,
+    *,
+    tpot_ratio: float | None,
+    load: int | None,
+    model: ModelSize | None,
+) -> Plan:
+    plans, refused = plan_layouts(
+        profile, context_tokens, drafter, dep, layouts, weights, refuse=refuse,
+        tpot_ratio=tpot_ratio, load=load,
+    )  # fmt: skip
+    slots_sizing = None
+    if drafter is not None:
+        first = plans[0].admitted("hierarchy", drafter.name)
+        n_slots = dep.slots if dep.slots is not None else (first.per_gpu if first else None)
+        if n_slots:
+            slots_sizing = _slot_sizing(profile, drafter, n_slots)
+    return Plan(
+        profile=profile,
+        context_tokens=context_tokens,
+        drafter=drafter,
+        deployment=dep,
+        base=tuple(session_bytes(profile, context_tokens, m) for m in MODES),
+        spec=tuple(session_bytes(profile, context_tokens, m, drafter) for m in MODES)
+        if drafter
+        else (),
+        slots=slots_sizing,
+        admissions=(),
+        host=host_sizing(profile, context_tokens, None, dep.host_bytes),
+        speculation=None,
+        model=model,
+        layouts=plans,
+        refused=refused,
+        weight_format=weights.format if weights is not None else None,
     )
 
 

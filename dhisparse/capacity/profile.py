@@ -157,7 +157,12 @@ class Deployment:
     *plus* the fixed allocations a drafter brings; ``fixed_bytes`` is any other fixed per-GPU
     allocation taken from it. ``slots`` is N, the request slots per GPU that the draft ring and
     staging are reserved for; ``None`` sizes them for the sessions that fit. ``gpus`` is the
-    number of GPUs (each holding its own sessions) that share one host of ``host_bytes``."""
+    number of GPUs that share one host of ``host_bytes``: each holding its own sessions, or,
+    in the plan of a parallel layout (``layouts``), grouped in workers of N GPUs.
+
+    Instead of a pool, ``hbm_bytes`` is each GPU's memory: a layout's pool is then what is left
+    after the weights each of its ranks holds and ``reserve_bytes`` (activations, CUDA graphs,
+    NCCL buffers: what the worker uses besides weights and its KV pool)."""
 
     pool_bytes: int | None = None
     gpus: int = 1
@@ -165,15 +170,20 @@ class Deployment:
     slots: int | None = None
     host_bytes: int | None = None
     note: str = ""
+    hbm_bytes: int | None = None
+    reserve_bytes: int = 0
 
     def __post_init__(self) -> None:
         _positive(gpus=self.gpus)
-        for name in ("pool_bytes", "slots", "host_bytes"):
+        for name in ("pool_bytes", "slots", "host_bytes", "hbm_bytes"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.fixed_bytes < 0:
-            raise ValueError(f"fixed_bytes must be >= 0, got {self.fixed_bytes}")
+        for name in ("fixed_bytes", "reserve_bytes"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.pool_bytes is not None and self.hbm_bytes is not None:
+            raise ValueError("give a KV pool per GPU or the GPU's memory, not both")
 
     def with_overrides(self, **changes: int | str | None) -> Deployment:
         """A copy with the given fields replaced; ``None`` values leave a field as it is."""

@@ -8,15 +8,15 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 
-from dhisparse.capacity.model import GIB, TB, ring_rows
+from dhisparse.capacity.layout_report import layout_rows
+from dhisparse.capacity.model import ring_rows
 from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.plan import Plan
 from dhisparse.capacity.profile import Profile
+from dhisparse.capacity.units import binary, binary_unit, decimal
 
 _W = 40  # label column
 _C = 13  # value columns
-_BINARY = (("GiB", GIB), ("MiB", 1 << 20), ("KiB", 1 << 10))
-_DECIMAL = (("TB", TB), ("GB", 10**9), ("MB", 10**6), ("kB", 10**3))
 
 
 def render_json(plan: Plan) -> str:
@@ -30,6 +30,9 @@ def render_table(plan: Plan) -> str:
     lines += ["", *_session_rows(plan)]
     if plan.slots is not None:
         lines += ["", *_slot_rows(plan)]
+    if plan.layouts:
+        lines += ["", *layout_rows(plan)]
+        return "\n".join(lines) + "\n"
     if plan.admissions:
         lines += ["", *_admission_rows(plan)]
     lines += ["", *_host_rows(plan)]
@@ -54,7 +57,7 @@ def _header(plan: Plan) -> list[str]:
     ]
     if plan.drafter:
         d = plan.drafter
-        fixed = f", fixed {_binary(d.fixed_bytes)}/GPU" if d.fixed_bytes else ""
+        fixed = f", fixed {binary(d.fixed_bytes)}/GPU" if d.fixed_bytes else ""
         lines.append(
             f"  drafter      {d.name}: W={d.window}, K_max={d.k_max}, "
             f"{d.row_bytes:,} B/row draft K/V{fixed} (besides ring and staging)"
@@ -118,7 +121,7 @@ def _source(p: Profile, i: int) -> str:
 
 def _session_rows(plan: Plan) -> list[str]:
     resident, hierarchy = plan.base
-    unit = _binary_unit(resident.total)
+    unit = binary_unit(resident.total)
     row = _row_in(unit)
     title = f"per-session GPU memory ({unit[0]})"
     out = [f"{title:<{_W}}{'resident':>{_C}}{'hierarchy':>{_C}}"]
@@ -155,7 +158,7 @@ def _slot_rows(plan: Plan) -> list[str]:
     s = plan.slots
     assert s is not None and plan.drafter is not None
     chi, n_src = plan.profile.chi, plan.profile.payload_sources
-    name, size = _binary_unit(max(s.staging_bytes_per_source, s.fixed_bytes, s.ring_bytes))
+    name, size = binary_unit(max(s.staging_bytes_per_source, s.fixed_bytes, s.ring_bytes))
 
     def line(label: str, nbytes: int, note: str = "") -> str:
         return f"  {label:<{_W - 2}}{nbytes / size:>{_C}.3f} {name}{note}"
@@ -182,7 +185,7 @@ def _admission_rows(plan: Plan) -> list[str]:
     dep = plan.deployment
     assert dep.pool_bytes is not None
     gpus = f" × {dep.gpus} GPUs" if dep.gpus > 1 else ""
-    out = [f"sessions (pool {_binary(dep.pool_bytes)}/GPU{gpus}; per GPU (total))"]
+    out = [f"sessions (pool {binary(dep.pool_bytes)}/GPU{gpus}; per GPU (total))"]
     if dep.note:
         out.append(f"  {dep.note}")
     out.append(f"{'':<{_W}}{'resident':>{_C}}{'hierarchy':>{_C}}")
@@ -200,12 +203,12 @@ def _host_rows(plan: Plan) -> list[str]:
     h = plan.host
     out = [
         "host backups (sparse-source rows; index keys stay on the GPU)",
-        f"  {'per session':<{_W - 2}}{_decimal(h.per_session):>{_C + 3}}",
+        f"  {'per session':<{_W - 2}}{decimal(h.per_session):>{_C + 3}}",
     ]
     if h.sessions and h.bytes is not None:
-        out.append(f"  {f'{h.sessions} sessions':<{_W - 2}}{_decimal(h.bytes):>{_C + 3}}")
+        out.append(f"  {f'{h.sessions} sessions':<{_W - 2}}{decimal(h.bytes):>{_C + 3}}")
     if h.capacity is not None and h.holds is not None:
-        label = f"a {_decimal(h.capacity, digits=3, strip=True)} host holds"
+        label = f"a {decimal(h.capacity, digits=3, strip=True)} host holds"
         out.append(f"  {label:<{_W - 2}}{h.holds:>{_C}} sessions")
     return out
 
@@ -236,19 +239,3 @@ def _row_in(unit: tuple[str, int]) -> Callable[[str, int, int], str]:
         return f"  {label:<{_W - 2}}" + "".join(f"{c:>{_C}}" for c in cells)
 
     return row
-
-
-def _binary_unit(nbytes: int) -> tuple[str, int]:
-    """The largest binary unit in which ``nbytes`` is at least 0.1 (GiB for paper sizes)."""
-    return next((u for u in _BINARY if nbytes >= u[1] // 10), _BINARY[-1])
-
-
-def _binary(nbytes: int) -> str:
-    name, size = _binary_unit(nbytes)
-    return f"{nbytes / size:.3f} {name}"
-
-
-def _decimal(nbytes: int, digits: int = 3, strip: bool = False) -> str:
-    name, size = next((u for u in _DECIMAL if nbytes >= u[1] // 10), _DECIMAL[-1])
-    value = f"{nbytes / size:.{digits}g}" if strip else f"{nbytes / size:.{digits}f}"
-    return f"{value} {name}"

@@ -11,7 +11,13 @@ from collections.abc import Sequence
 import pytest
 
 from dhisparse import metrics as names
-from dhisparse.capacity import profile_from_model_config, required_bytes
+from dhisparse.capacity import (
+    Deployment,
+    build_plan,
+    profile_from_model_config,
+    required_bytes,
+    session_bytes,
+)
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.ledger import Candidate, Ledger, LocalLedger
 from services.gateway.metrics import GatewayMetrics
@@ -22,11 +28,12 @@ from services.gateway.routing import (
     NoWorkerAvailable,
     WorkerStatus,
 )
-from services.gateway.sizing import SessionSizer
+from services.gateway.sizing import SessionSizer, capacity_mode
 from services.worker.model.config import ModelConfig
 from services.worker.model.hf_config import parse_config, topology
 from services.worker.model.hf_dir import read_config
 from services.worker.model.presets import preset_topology
+from services.worker.parallel.layout import ParallelConfig
 from tests.fixtures import CONFIGS
 
 MODEL = "tiny-glm"
@@ -253,6 +260,44 @@ async def test_a_data_parallel_group_admits_a_request_within_one_ranks_pool() ->
     ]
     assert {lease.worker for lease in leases} == {"dp"}
     for lease in leases:
+        lease.release()
+    await admission.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+@pytest.mark.parametrize("dp", [False, True], ids=["tp", "dp-attention"])
+async def test_a_worker_spanning_gpus_admits_the_sessions_its_plan_gives(
+    dp: bool, mode: str
+) -> None:
+    """A worker over 2 GPUs reports (GetLoad) one GPU's pool under TP, whose ranks all store
+    every session (the MLA latent row is one head, replicated), and its ranks' pools summed
+    under DP attention, with 2 serving ranks. The gateway charges a session its bytes on one
+    GPU (the latent row once) against one rank's account, so it admits exactly the sessions
+    ``dhisparse plan`` gives the layout per worker: one pool's under TP, two under DP."""
+    cfg = ParallelConfig(2, data_parallel_attention=dp)
+    profile = profile_from_model_config(CONFIG, page_size=16)
+    kind = capacity_mode(mode)
+    pool = 5 * NEED + NEED // 2  # per GPU
+    plan = build_plan(profile, 100, deployment=Deployment(pool_bytes=pool, gpus=2), layouts=[cfg])
+    planned = plan.layouts[0].admitted(kind, None)
+    assert planned is not None and planned.per_worker == planned.per_gpu * (2 if dp else 1)
+    group = worker("w", mode=mode, kv_capacity_bytes=pool * cfg.serving_ranks,
+                   serving_ranks=cfg.serving_ranks)  # fmt: skip
+    # a session's bytes as the gateway sizes them: the plan's per GPU (in the hierarchy, the
+    # verification block's one more index key falls in the last key page at 100 tokens)
+    assert SessionSizer().required_bytes(group, 100) == session_bytes(profile, 100, kind).total
+    admission, _metrics, workers = make([group], max_queue=0)
+    await admission.observe(workers)
+    held = [
+        await admission.acquire(job(f"r{i}"), lambda: workers) for i in range(planned.per_worker)
+    ]
+    with pytest.raises(AdmissionRejected) as e:
+        await admission.acquire(job("one-more"), lambda: workers)
+    assert (e.value.status, e.value.reason) == (429, "no-capacity")
+    assert sorted(lease.rank or 0 for lease in held) == sorted(
+        r for r in range(cfg.serving_ranks) for _ in range(planned.per_gpu)
+    )
+    for lease in held:
         lease.release()
     await admission.close()
 

@@ -94,3 +94,16 @@ def greedy(
     }
     eng.close()
     return out
+
+
+def held_bytes(comm: Comm, loads: list[tuple[Path, dict | None, bool]]) -> list[dict[str, int]]:
+    """For each (checkpoint, layout, MTP layer) of ``loads``: this rank's model as the worker
+    loads it (``layout`` None: one process's, whole), its parameters' and buffers' bytes by
+    name."""
+    out = []
+    for path, layout, mtp in loads:
+        par = ParallelConfig(comm.size, **layout) if layout is not None else SINGLE
+        model = load_model(path, mtp=mtp, parallel=par, comm=comm if layout is not None else LOCAL)
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        out.append({n: t.numel() * t.element_size() for n, t in tensors})
+    return out

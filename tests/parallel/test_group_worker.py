@@ -107,9 +107,14 @@ def _generate(stub: pb_grpc.WorkerStub, rid: str, n: int) -> list[int]:
     return [t for resp in stub.Generate(_request(rid, n), timeout=120) for t in resp.token_ids]
 
 
-def _offline(n: int, mode: str, prompt: list[int] = PROMPT) -> list[int]:
-    eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=48, max_model_len=512, max_num_seqs=4,
-                              mode=mode))  # fmt: skip
+def _offline_engine(mode: str) -> Engine:
+    """One process's engine with the group's flags."""
+    return Engine(EngineConfig(model="tiny-glm", kv_pool_mib=48, max_model_len=512, max_num_seqs=4,
+                               mode=mode))  # fmt: skip
+
+
+def _offline(n: int, mode: str, prompt: list[int] = PROMPT, eng: Engine | None = None) -> list[int]:
+    eng = eng or _offline_engine(mode)
     params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     return eng.generate([prompt], params)[0].output_ids
 
@@ -122,7 +127,8 @@ def test_group_serves_one_process_tokens_and_stops_on_sigterm(
     with group(tmp_path, "--mode", "adaptive", "--metrics-port", str(metrics), *layout) as (
         proc, stub, log
     ):  # fmt: skip
-        assert _generate(stub, "r1", 16) == _offline(16, "adaptive")
+        one = _offline_engine("adaptive")
+        assert _generate(stub, "r1", 16) == _offline(16, "adaptive", eng=one)
         # the group's start-up runs from the supervisor's start, through every rank's load
         info = stub.GetModelInfo(pb.ModelInfoRequest(), timeout=10)
         assert 0 < info.startup_s < time.time() - process_start(proc.pid) + 1
@@ -141,6 +147,10 @@ def test_group_serves_one_process_tokens_and_stops_on_sigterm(
         assert load.max_num_seqs == 4 * (2 if layout else 1)
         assert load.serving_ranks == (2 if layout else 1)
         assert load.kv_free_bytes > 0 and load.kv_capacity_bytes >= load.kv_free_bytes
+        # the capacity the gateway charges sessions' per-GPU bytes against: one GPU's pool
+        # under TP (every rank stores every session's rows), each rank's under DP attention
+        per_gpu = one.kv.memory().capacity - one.kv.fixed_bytes()
+        assert load.kv_capacity_bytes == per_gpu * load.serving_ranks
         pids = _rank_pids(log)
         assert len(pids) == 2 and all(_alive(p) for p in pids)
         proc.send_signal(signal.SIGTERM)

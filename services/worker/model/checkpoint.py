@@ -16,6 +16,7 @@ import torch
 from safetensors import safe_open
 
 from services.worker.model.fp8 import dequantize_blockwise, scale_grid, scale_to_float
+from services.worker.model.quantization_config import CheckpointError, block_size
 from services.worker.parallel.layout import Cut
 
 WEIGHTS_FILE = "model.safetensors"
@@ -39,20 +40,6 @@ INT_DTYPES = {
 FP8_WEIGHT_DTYPE = "F8_E4M3"
 SCALE_STORED_DTYPES = {"F32", "BF16", "F8_E8M0"}
 MAX_HEADER_BYTES = 100 * 2**20  # safetensors' own limit
-
-# quantization_config: the values each field may take (None: the field is absent).
-QUANT_FIELDS: dict[str, tuple[Any, ...]] = {
-    "quant_method": ("fp8",),
-    "fmt": (None, "e4m3"),
-    "activation_scheme": (None, "dynamic"),
-    "scale_fmt": (None, "ue8m0"),
-}
-# Fields that only describe which modules are FP8; the stored dtypes say that already.
-QUANT_INFO_FIELDS = {"modules_to_not_convert"}
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be served as it is; the message names the file, tensor or field."""
 
 
 @dataclass(frozen=True)
@@ -94,35 +81,6 @@ def read_header(path: Path) -> dict[str, StoredTensor]:
             )
         out[name] = StoredTensor(path, dtype, shape, start)
     return out
-
-
-def block_size(quantization: dict | None) -> tuple[int, int] | None:
-    """The FP8 weight block ``(bm, bn)`` that a config's ``quantization_config`` gives, or None
-    without one; a field this reader does not support raises CheckpointError naming it."""
-    if quantization is None:
-        return None
-    if not isinstance(quantization, dict):
-        raise CheckpointError(f"quantization_config must be an object, got {quantization!r}")
-    for field, allowed in QUANT_FIELDS.items():
-        if quantization.get(field) not in allowed:
-            raise CheckpointError(
-                f"quantization_config.{field} = {quantization.get(field)!r} is not supported "
-                f"(supported: {', '.join(repr(a) for a in allowed if a is not None)})"
-            )
-    unknown = set(quantization) - set(QUANT_FIELDS) - QUANT_INFO_FIELDS - {"weight_block_size"}
-    if unknown:
-        raise CheckpointError(f"quantization_config.{', '.join(sorted(unknown))}: not supported")
-    block = quantization.get("weight_block_size")
-    if not (
-        isinstance(block, list | tuple)
-        and len(block) == 2
-        and all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)
-    ):
-        raise CheckpointError(
-            f"quantization_config.weight_block_size = {block!r} is not supported "
-            "(supported: two positive integers [bm, bn])"
-        )
-    return block[0], block[1]
 
 
 class Checkpoint:

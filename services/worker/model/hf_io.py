@@ -12,13 +12,14 @@ import torch
 from services.worker.model.checkpoint import Checkpoint
 from services.worker.model.hf_config import ConfigError, MLAConfig, parse_config, topology
 from services.worker.model.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
-from services.worker.model.loader import fp8_as_stored, load_into
+from services.worker.model.loader import load_into
 from services.worker.model.mla_decoder import (
     MLADecoder,
     checkpoint_targets,
     hold_stored_dense,
     ignored_patterns,
 )
+from services.worker.model.quantization_config import fp8_as_stored
 from services.worker.model.weight_format import resolve
 from services.worker.ops.fp8_linear import Mode
 from services.worker.parallel.comm import LOCAL, Comm

@@ -17,10 +17,10 @@ from services.worker.model.checkpoint import SCALE_SUFFIX
 from services.worker.model.config import ModelConfig
 from services.worker.model.fp8 import FP8_DTYPE, quantize_blockwise
 from services.worker.model.hf_io import hf_family, is_hf_model_dir, load_hf_model
-from services.worker.model.loader import fp8_as_stored
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.model import DSAModel, SparseDecoder
 from services.worker.model.presets import PRESETS, Definition, FamilyPreset, preset, preset_topology
+from services.worker.model.quantization_config import fp8_as_stored
 from services.worker.model.weight_format import BF16, WeightFormat, resolve
 from services.worker.ops.fp8_linear import Mode
 from services.worker.ops.fp8_moe import gate_up_halves

@@ -13,8 +13,9 @@ from typing import NamedTuple
 
 import torch
 
-from services.worker.model.checkpoint import Checkpoint, CheckpointError, block_size
+from services.worker.model.checkpoint import Checkpoint, CheckpointError
 from services.worker.model.fp8 import quantize_blockwise
+from services.worker.model.quantization_config import FP8_BLOCK
 from services.worker.parallel.layout import Cut
 
 log = logging.getLogger(__name__)
@@ -38,16 +39,6 @@ class Fp8Target(NamedTuple):
     @property
     def shape(self) -> torch.Size:
         return self.weight.shape
-
-
-FP8_BLOCK = (128, 128)
-
-
-def fp8_as_stored(quantization: dict | None) -> bool:
-    """Whether a checkpoint of this ``quantization_config`` serves its FP8 weights as stored:
-    FP8 with the kernels' 128x128 blocks (other blocks are dequantized at load, or requantized
-    into an ``Fp8Target``)."""
-    return quantization is not None and block_size(quantization) == FP8_BLOCK
 
 
 class Sliced(NamedTuple):

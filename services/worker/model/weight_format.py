@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 from torch import nn
 
+from services.worker.model.quantization_config import WEIGHT_DTYPES, serves_fp8
 from services.worker.ops.fp8_linear import MODES, Mode
 
-WEIGHT_DTYPES = ("auto", "fp8", "bf16")
+__all__ = ["ABSORBED", "BF16", "WEIGHT_DTYPES", "WeightFormat", "linear", "resolve"]
+
 # FP8 in a released checkpoint, kept in the serving dtype here: absorbed MLA needs it as
 # per-head batched-matmul operands.
 ABSORBED = ("kv_b_proj",)
@@ -42,10 +44,7 @@ def resolve(weight_dtype: str, checkpoint_fp8: bool, mode: Mode = "w8a16") -> We
     """The format a load serves: ``weight_dtype`` "fp8" or "bf16" (the serving dtype, an FP8
     checkpoint dequantized at load) as asked, or "auto": FP8 exactly when the checkpoint's
     FP8 can be served as stored (``checkpoint_fp8``)."""
-    if weight_dtype not in WEIGHT_DTYPES:
-        raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
-    fp8 = checkpoint_fp8 if weight_dtype == "auto" else weight_dtype == "fp8"
-    return WeightFormat(fp8=fp8, mode=mode)
+    return WeightFormat(fp8=serves_fp8(weight_dtype, checkpoint_fp8), mode=mode)
 
 
 def linear(d_in: int, d_out: int, fmt: WeightFormat) -> nn.Module:

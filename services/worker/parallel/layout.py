@@ -15,16 +15,21 @@ Layouts over N ranks:
   by expert (with EP) or by intermediate dimension, over all N ranks.
 
 FP8 weights of 128 x 128 blocks are never split inside a block: ``validate`` refuses a
-configuration whose cuts would."""
+configuration whose cuts would.
+
+Pure Python (torch only where a cut is applied to a tensor, ``Cut.take``): ``dhisparse plan``
+sizes every layout's weights per rank with this table, without torch."""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from services.worker.model.hf_config import MLAConfig
+
+if TYPE_CHECKING:
+    import torch
 
 FP8_BLOCK = 128
 
@@ -57,6 +62,14 @@ class ParallelConfig:
     @property
     def world_size(self) -> int:
         return self.tensor_parallel_size
+
+    @property
+    def serving_ranks(self) -> int:
+        """Ranks that each serve requests of their own from a KV pool of their own: every rank
+        under data-parallel attention; otherwise one, the group (the MLA latent row is one
+        head, so every tensor-parallel rank stores every request's rows: the group holds one
+        GPU's pool of sessions)."""
+        return self.world_size if self.data_parallel_attention else 1
 
     def store_owner(self, worker_id: str, rank: int) -> str:
         """The owner id under which rank ``rank``'s host regions are registered at the node's
@@ -112,6 +125,8 @@ class Cut:
     total: int  # the full dimension
 
     def take(self, t: torch.Tensor) -> torch.Tensor:
+        import torch  # the table itself is pure Python (the capacity model reads it)
+
         d = self.dim % t.dim()
         pieces = [t.narrow(d, a, b - a) for a, b in self.parts]
         return pieces[0] if len(pieces) == 1 else torch.cat(pieces, d)
@@ -194,13 +209,14 @@ class RankLayout:
         ``MLADecoder``; a ``*_scale_inv`` block grid follows its weight), or None for a
         replicated one."""
         if name.endswith("_scale_inv"):
-            c = self.cut(name.removesuffix("_scale_inv"))
-            return None if c is None else c.blocks()
-        f = self.family
-        for pattern, rule in _RULES:
-            if re.search(pattern, name):
-                return _cut(self, rule, f)
-        return None
+            weight = name.removesuffix("_scale_inv")
+            c = self.cut(weight)
+            if c is None:
+                return None
+            # stacked experts hold one grid per expert: their expert dimension is not blocked
+            return c if c.dim == 0 and _rule(weight) in _STACKED else c.blocks()
+        rule = _rule(name)
+        return None if rule is None else _cut(self, rule, self.family)
 
     def validate(self, fp8: bool) -> None:
         """Raises LayoutError when N does not divide a split dimension, or (``fp8``) when a cut
@@ -258,6 +274,13 @@ _RULES: tuple[tuple[str, str], ...] = (
     (r"mlp\.down_proj\.weight$", "dense_cols"),
     (r"^(embed\.weight|lm_head\.weight|mtp\.shared_head\.head\.weight)$", "vocab_rows"),
 )
+
+
+_STACKED = ("experts_gate_up", "experts_down")
+
+
+def _rule(name: str) -> str | None:
+    return next((rule for pattern, rule in _RULES if re.search(pattern, name)), None)
 
 
 def _range(s: Span, unit: int = 1) -> tuple[tuple[tuple[int, int], ...], int]:

@@ -1,0 +1,29 @@
+"""The README's layout comparison (section "Sizing: `dhisparse plan`"), run as written from the
+repository root: the table it shows is the table the command prints."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from dhisparse.cli import main
+
+ROOT = Path(__file__).resolve().parents[2]
+FENCE = re.compile(r"^```\n(\$ dhisparse plan .*?)^```", re.S | re.M)
+
+
+def test_the_readme_layout_example_prints_what_it_shows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    blocks = [b for b in FENCE.findall((ROOT / "README.md").read_text()) if "--layouts" in b]
+    assert len(blocks) == 1
+    command, shown = blocks[0].split("\nworkers of ", 1)
+    argv = shlex.split(command.removeprefix("$ ").replace("\\\n", " "))
+    assert argv[:2] == ["dhisparse", "plan"]
+    monkeypatch.chdir(ROOT)  # the example's model path is relative to the repository root
+    assert main(argv[1:]) == 0
+    out = capsys.readouterr().out
+    assert "workers of " + shown == out[out.index("workers of ") :]
