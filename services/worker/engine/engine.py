@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -45,11 +45,20 @@ from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
-    from services.worker.durable.host_link import HostLink
     from services.worker.durable.journal import Journal
     from services.worker.durable.manifest import SessionRecord
 
-__all__ = ["Engine"]
+__all__ = ["Engine", "StoreLink"]
+
+
+class StoreLink(Protocol):
+    """What the engine reads of its registration with the node's host store
+    (``durable.host_link.HostLink``)."""
+
+    @property
+    def healthy(self) -> bool: ...
+
+    def status(self) -> str: ...
 
 
 class Engine:
@@ -92,7 +101,7 @@ class Engine:
         self._remote: dict[str, Request] = {}
         # this rank's registration with the node's store (``durable.host_link``), set by whoever
         # registers it; a data-parallel rank reports its state to rank 0 with its load
-        self.host_link: HostLink | None = None
+        self.host_link: StoreLink | None = None
         if model is None:
             model = load_model(
                 cfg.model, device=cfg.device, dtype=dtype, seed=cfg.seed,
