@@ -17,6 +17,7 @@ rank 0, which drains its streams and releases the others."""
 
 from __future__ import annotations
 
+import faulthandler
 import logging
 import multiprocessing as mp
 import os
@@ -100,6 +101,7 @@ def _rank_main(
     logging.basicConfig(
         level=logging.INFO, format=f"%(asctime)s %(levelname)s rank {rank} %(name)s: %(message)s"
     )
+    faulthandler.enable()  # a rank that dies of a signal leaves its Python stacks in the log
     # NVLink multicast off unless asked for (docs/deploy.md): it can take shared GPUs down
     os.environ.setdefault("NCCL_NVLS_ENABLE", "0")
     os.environ.setdefault("TORCH_SYMM_MEM_DISABLE_MULTICAST", "1")
