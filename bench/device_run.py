@@ -74,14 +74,23 @@ FAMILIES = ("v32-scaled", "glm5-scaled")
 # the real-dimension models per mode on CUDA graphs, one family per step: at 8K with C = 1, 4;
 # at 32K with C = 1 (each mode prefills every timed request twice, warm-up and run, and a 32K
 # prefill takes seconds)
+# GLM-5.2's hierarchy modes also with their IndexShare followers inline (five engines: private
+# host arenas of 12 GiB each fit the machine)
+SCALED_8K_ARGS = {
+    "v32-scaled": ("v32", ""),
+    "glm5-scaled": (
+        "glm5",
+        " --host-gib 12 --modes resident,hisparse,hisparse:inline,adaptive,adaptive:inline",
+    ),
+}
 SCALED_STEPS = tuple(
     Step(
         f"scaled-{family}",
         f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,4 "
-        f"--decode-tokens 32 --out {{out}}/scaled_{family}.json",
+        f"--decode-tokens 32{extra} --out {{out}}/scaled_{short}_8k.json",
         280,
     )
-    for family in FAMILIES
+    for family, (short, extra) in SCALED_8K_ARGS.items()
 )
 SCALED_32K_STEPS = tuple(
     Step(
