@@ -53,6 +53,7 @@ def generate_rank(settings, comm, args: argparse.Namespace) -> int:
         return run(args, engine)
     finally:
         engine.stop()
+        engine.close()
 
 
 def run(args: argparse.Namespace, engine) -> int:

@@ -116,9 +116,21 @@ def _rank_main(
             code = follow(settings, comm)
     except (LayoutError, ValueError) as e:  # the configuration, refused while building
         log.error("%s", e)
-        code = CONFIG_ERROR
+        comm.close()
+        sys.exit(CONFIG_ERROR)  # with the interpreter's teardown: what was built is released
     comm.close()
-    sys.exit(code)
+    _exit(code)
+
+
+def _exit(code: int) -> None:
+    """Ends a rank's process once its work is done, its engine closed (a private host arena
+    removed) and its group closed, without the interpreter's teardown, in which
+    torch.distributed's native objects (process groups, their transport threads) would be
+    destroyed in whatever order module teardown reaches them."""
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def follow(settings: WorkerSettings, comm: Any) -> int:

@@ -221,3 +221,4 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     await server.stop(grace=5.0)
     async_engine.shutdown()
     async_engine.engine.stop()  # the engine thread has ended: the followers' loops end too
+    async_engine.engine.close()
