@@ -18,6 +18,15 @@ from tests.e2e.test_durability import stream_sse, up_stack
 
 PROMPT = "def merge_sorted(a, b):\n    out = []\n"
 LONG = 160  # tokens: the kill lands well inside the stream
+# fast leases and health polls, a resume deadline past a group's restart, one thread per rank
+ENV = {
+    "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
+    "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "90",
+    "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
+    "OMP_NUM_THREADS": "1",
+}
+GROUP = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48", "--max-model-len",
+         "1024", "--mode", "hisparse", "--drafter", "none", "--tensor-parallel-size", "2")  # fmt: skip
 
 
 def stream_completion(
@@ -37,17 +46,8 @@ def _rank_pids(log: Path, rank: int) -> list[int]:
 def test_a_rank_killed_mid_stream_the_group_restarts_and_the_stream_completes(
     tmp_path: Path,
 ) -> None:
-    env = {
-        "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
-        "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "90",
-        "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
-        "OMP_NUM_THREADS": "1",
-    }
     log = tmp_path / "up.log"
-    flags = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48",
-             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none",
-             "--tensor-parallel-size", "2")  # fmt: skip
-    with up_stack(log, *flags, env=env) as st:
+    with up_stack(log, *GROUP, env=ENV) as st:
         want, _ = stream_completion(st.base, LONG)  # uninterrupted
         (follower,) = _rank_pids(log, 1)
         killed: list[int] = []
@@ -88,19 +88,10 @@ def test_data_parallel_ranks_killed_mid_stream_each_resume_their_own_sessions(
     """Two streams, one on each rank; rank 1 SIGKILLed mid-stream, then (in the restarted
     group) rank 0: each time both streams complete with the uninterrupted text, each rank
     having resumed its own session and computed no prompt."""
-    env = {
-        "DHISPARSE_WORKER_LEASE_TTL_S": "1.5",
-        "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "90",
-        "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
-        "OMP_NUM_THREADS": "1",
-    }
     log = tmp_path / "up.log"
-    flags = ("--model", "tiny-glm", "--device", "cpu", "--kv-pool-mib", "48",
-             "--max-model-len", "1024", "--mode", "hisparse", "--drafter", "none",
-             "--tensor-parallel-size", "2", "--data-parallel-attention",
-             "--expert-parallel")  # fmt: skip
+    flags = (*GROUP, "--data-parallel-attention", "--expert-parallel")
     n = 120
-    with up_stack(log, *flags, env=env) as st:
+    with up_stack(log, *flags, env=ENV) as st:
         want = [text for text, _ in _both(st.base, n)]  # uninterrupted
         for rank, groups in ((1, 2), (0, 3)):
             victim = _rank_pids(log, rank)[-1]
