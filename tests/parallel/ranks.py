@@ -19,6 +19,13 @@ from services.worker.speculative.config import SpeculationConfig
 from tests.worker.helpers import run_chunks
 
 VOCAB = 300  # hf_tiny's
+# the two-rank layouts the tests run, by ``ParallelConfig.name``: its flags
+LAYOUTS = {
+    "tp": {},
+    "tp+ep": {"expert_parallel": True},
+    "dp-attention": {"data_parallel_attention": True},
+    "dp-attention+ep": {"data_parallel_attention": True, "expert_parallel": True},
+}
 
 
 def ids(n: int, seed: int) -> torch.Tensor:

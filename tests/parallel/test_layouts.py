@@ -23,12 +23,7 @@ from tests.parallel import ranks
 from tests.parallel.group import run_group
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
-LAYOUTS = {
-    "tp": {},
-    "tp+ep": {"expert_parallel": True},
-    "dp": {"data_parallel_attention": True},
-    "dp+ep": {"data_parallel_attention": True, "expert_parallel": True},
-}
+LAYOUTS = ranks.LAYOUTS
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +46,14 @@ def _close(got: torch.Tensor, ref: torch.Tensor) -> None:
 
 @pytest.mark.parametrize(
     "family,layout",
-    [(V32, "tp"), (GLM, "tp"), (V32, "tp+ep"), (GLM, "tp+ep"), (V32, "dp+ep"), (GLM, "dp")],
+    [
+        (V32, "tp"),
+        (GLM, "tp"),
+        (V32, "tp+ep"),
+        (GLM, "tp+ep"),
+        (V32, "dp-attention+ep"),
+        (GLM, "dp-attention"),
+    ],
 )
 def test_sharded_model_gives_one_process_logits(
     checkpoints: dict[str, Path], family: str, layout: str
@@ -99,7 +101,7 @@ def test_sharded_model_gives_one_process_logits(
 @pytest.mark.parametrize(
     "family,layout,mode,drafter",
     [(GLM, "tp", "adaptive", None), (GLM, "tp+ep", "hisparse", "dflash"),
-     (V32, "dp+ep", "hisparse", "dflash"), (V32, "dp", "resident", None)],
+     (V32, "dp-attention+ep", "hisparse", "dflash"), (V32, "dp-attention", "resident", None)],
 )  # fmt: skip
 def test_group_engine_greedy_equals_one_process(
     checkpoints: dict[str, Path], family: str, layout: str, mode: str, drafter: str | None
@@ -124,7 +126,7 @@ def test_group_engine_greedy_equals_one_process(
 
 
 def test_one_request_on_two_data_parallel_ranks_completes(checkpoints: dict[str, Path]) -> None:
-    checkpoint, layout = checkpoints[GLM], "dp+ep"
+    checkpoint, layout = checkpoints[GLM], "dp-attention+ep"
     one = ranks.greedy(LOCAL, checkpoint, None, "adaptive", None, 1)
     group = run_group(ranks.greedy, 2, checkpoint, LAYOUTS[layout], "adaptive", None, 1)
     assert group[0]["tokens"] == one["tokens"]

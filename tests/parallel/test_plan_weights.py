@@ -29,12 +29,7 @@ from tests.parallel.group import run_group
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "models" / "glm-dsa-mini"  # FP8, modules_to_not_convert, an MTP layer
-LAYOUTS = {
-    "tp": {},
-    "tp+ep": {"expert_parallel": True},
-    "dp-attention": {"data_parallel_attention": True},
-    "dp-attention+ep": {"data_parallel_attention": True, "expert_parallel": True},
-}
+LAYOUTS = ranks.LAYOUTS
 
 
 @pytest.fixture(scope="module")
