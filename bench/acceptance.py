@@ -27,7 +27,7 @@ from bench.core.progress import progress
 from bench.heldout import heldout_prompts
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 DRAFTERS = ("mtp", "dflash2")  # what the shipped model has

@@ -38,16 +38,16 @@ import torch
 from bench.core import UsageError
 from bench.core.progress import progress
 from bench.heldout import heldout_prompts
+from dhisparse.family.hf_dir import hf_family, read_config
+from dhisparse.family.presets import FamilyPreset
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig, bytes_per_token
-from services.worker.model.hf_dir import hf_family, read_config
-from services.worker.model.hf_export import save_hf_checkpoint
-from services.worker.model.io import build_model, load_model
-from services.worker.model.presets import FamilyPreset
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.weights.hf_export import save_hf_checkpoint
+from services.worker.weights.model_io import build_model, load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")

@@ -20,9 +20,9 @@ import torch
 
 from dhisparse.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model.io import load_model
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import load_model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # text prompts (``--text``): modules of the running Python's standard library, through the

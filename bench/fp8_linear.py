@@ -21,7 +21,11 @@ import torch
 
 from bench.core import UsageError
 from bench.core.lockstep import alternate
-from services.worker.model.fp8 import dequantize_blockwise, quantize_blockwise, scale_to_float
+from services.worker.ops.fp8_blockwise import (
+    dequantize_blockwise,
+    quantize_blockwise,
+    scale_to_float,
+)
 from services.worker.ops.fp8_linear import act_quant_ref, fp8_linear_triton
 from services.worker.ops.fp8_scaled_mm import scaled_mm_blockwise, scaled_mm_unsupported
 

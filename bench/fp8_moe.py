@@ -26,10 +26,10 @@ from torch import nn
 from bench.core import UsageError
 from bench.core.lockstep import alternate
 from bench.fp8_linear import _error, _timer
-from services.worker.model.fp8 import dequantize_blockwise, quantize_blockwise
-from services.worker.model.fp8_moe import FP8Experts
-from services.worker.model.hf_config import MoESpec
-from services.worker.model.moe import Experts
+from dhisparse.family.hf_config import MoESpec
+from services.worker.model.fp8_experts import FP8Experts
+from services.worker.model.mla_moe import Experts
+from services.worker.ops.fp8_blockwise import dequantize_blockwise, quantize_blockwise
 from services.worker.ops.fp8_moe import (
     dequantize_gate_up,
     fp8_moe_ref,

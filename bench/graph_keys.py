@@ -21,8 +21,8 @@ from pathlib import Path
 from bench import spec
 from bench.core.lockstep import lockstep
 from bench.core.output import write_result
-from services.worker.engine.cuda_graph import CaptureSchedule, DecodeGraphs, draft_key, pass_key
 from services.worker.engine.engine import Engine
+from services.worker.graphs.cuda_graph import CaptureSchedule, DecodeGraphs, draft_key, pass_key
 
 
 class KeyCounter:

@@ -22,9 +22,9 @@ from tqdm import tqdm
 
 from bench.heldout import heldout_of
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import load_model
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import load_model
 from training.target.data import heldout_windows
 from training.target.evaluate import heldout_metrics
 

@@ -27,7 +27,7 @@ from bench.resolver import RING, bulk_ceiling, run_case
 from services.kv_host_store.placement import Placement
 from services.worker.hierarchy.host_backup import HostBackups
 from services.worker.hierarchy.local_store import LocalHostStore
-from services.worker.hierarchy.read_order import HostReadOrder
+from services.worker.kv.config import HostReadOrder
 
 GIB = 1 << 30
 ROW_DTYPES = {1152: torch.bfloat16, 656: torch.uint8}  # MLA rows: bf16, FP8-packed

@@ -24,13 +24,13 @@ import torch
 
 from bench.core.model import BENCH_GLM, bench_model_config
 from bench.core.steps import steady_engine
+from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
-from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
-from services.worker.model import build_model
-from services.worker.model.scaled import SCALED
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.model.weight_format import WeightFormat
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.model_io import build_model
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -39,7 +39,7 @@ from dhisparse.capacity import (
     profile_from_model_config,
     speculation_pays,
 )
-from services.worker.model.config import ModelConfig
+from dhisparse.family.config import ModelConfig
 
 CONTEXT = 100_000
 CAPACITY_MODE = {"resident": "resident", "hisparse": "hierarchy", "adaptive": "hierarchy"}

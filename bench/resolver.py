@@ -32,7 +32,6 @@ from services.worker.hierarchy.copy_triton import CopyLaunch, copy_queued
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
-from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.hierarchy.resolver_triton import (
     ResolveLaunch,
     Workspace,
@@ -40,6 +39,7 @@ from services.worker.hierarchy.resolver_triton import (
     launch_resolve,
     resolve_launcher,
 )
+from services.worker.kv.config import HostReadOrder
 
 # the launch shapes ``run_case(variants=True)`` times beside the defaults
 COPY_VARIANTS = {

@@ -1,7 +1,7 @@
 """``python -m bench scaled``: the real families at real per-layer dimensions on one GPU —
 resident, hisparse and adaptive serving side by side, decode replayed as CUDA graphs.
 
-For each ``--family`` (``services/worker/model/scaled.py``: DeepSeek-V3.2 with 16 layers and 64
+For each ``--family`` (``dhisparse/family/scaled.py``: DeepSeek-V3.2 with 16 layers and 64
 experts, GLM-5.2 with 20 layers and 64 experts) the model is built in place on the GPU with
 random weights (``--weights``: FP8 as the released checkpoints, or bf16), then at each
 ``--contexts`` length and ``--concurrency`` C the three modes' engines run C requests of that
@@ -26,21 +26,20 @@ import torch
 from bench.capacity.sweep import MODES, Sweep
 from bench.core import UsageError
 from bench.core.lockstep import lockstep
+from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
-from services.worker.engine.request import SamplingParams
-from services.worker.hierarchy.build import hierarchy_fixed_bytes
-from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
-from services.worker.kv.config import bytes_per_token
+from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.kv.config import FollowerPrefetch, bytes_per_token
 from services.worker.kv.row_codec import KV_CACHE_DTYPES, kv_codecs
 from services.worker.kv.workspace import workspace_bytes
-from services.worker.model import build_model
-from services.worker.model.scaled import SCALED
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
+from services.worker.request.request import SamplingParams
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
+from services.worker.weights.model_io import build_model
 
 # a hierarchy mode's variant whose IndexShare followers resolve inline at their producer
 # (``FollowerPrefetch``), e.g. ``hisparse:inline`` beside ``hisparse``

@@ -37,7 +37,7 @@ from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 DRAFTERS = ("mtp", "dflash2")  # the shipped model's; mtp: its own MTP layer

@@ -26,7 +26,7 @@ from bench.core.output import write_result
 from bench.core.steps import steady_engine
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.kv.batch import ForwardBatch
-from services.worker.model import build_model
+from services.worker.weights.model_io import build_model
 
 
 class Timeline:

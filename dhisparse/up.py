@@ -154,7 +154,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def served_name(model: str) -> str:
     """The name clients send as ``model``, as the worker names it: a Hugging Face directory's
     (``hf_dir.model_name``), a home-made directory's configured name, else the preset's."""
-    from services.worker.model.hf_dir import is_hf_model_dir, model_name, read_config
+    from dhisparse.family.hf_dir import is_hf_model_dir, model_name, read_config
 
     path = resolve_path(model)
     if is_hf_model_dir(path):
@@ -167,7 +167,7 @@ def served_name(model: str) -> str:
 
 def has_mtp_layer(model: str) -> bool:
     """Whether ``model`` is a Hugging Face directory whose config declares an MTP layer."""
-    from services.worker.model.hf_dir import is_hf_model_dir, read_config
+    from dhisparse.family.hf_dir import is_hf_model_dir, read_config
 
     path = resolve_path(model)
     return is_hf_model_dir(path) and read_config(path).get("num_nextn_predict_layers", 0) > 0

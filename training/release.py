@@ -21,24 +21,24 @@ from pathlib import Path
 
 import torch
 
-from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.fp8_writer import quantizes, write_fp8_checkpoint
-from services.worker.model.generation import GENERATION_CONFIG
-from services.worker.model.hf_config import parse_config, topology
-from services.worker.model.hf_export import checkpoint_tensors
+from dhisparse.family.generation import GENERATION_CONFIG
+from dhisparse.family.hf_config import parse_config, topology
+from dhisparse.family.quantization_config import FP8_EDGE
 from services.worker.model.mla_decoder import FP32_PARAMS, MLADecoder
+from services.worker.weights.checkpoint import Checkpoint
+from services.worker.weights.fp8_writer import quantizes, write_fp8_checkpoint
+from services.worker.weights.hf_export import checkpoint_tensors
 from training.corpus.tokens import META, TOKENIZER_DIR
 from training.target.checkpoint import HISTORY_FILE
 from training.target.plot import plot
 
-FP8_BLOCK = 128
 STOP_ROLES = ("<|user|>", "<|observation|>")  # a turn ends where the next one begins
 _WEIGHT = re.compile(r"(.+)\.weight$")
 
 
 def ragged(shape: tuple[int, ...]) -> bool:
     """Whether a weight has a dimension that is not a multiple of the FP8 block."""
-    return any(d % FP8_BLOCK for d in shape)
+    return any(d % FP8_EDGE for d in shape)
 
 
 def stored_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int = 2) -> int:
@@ -47,7 +47,7 @@ def stored_bytes(name: str, shape: tuple[int, ...], dtype_bytes: int = 2) -> int
     in fp32 (``weights_proj``, the router biases); else ``dtype_bytes`` per element."""
     numel = math.prod(shape)
     if quantizes(name, shape, "BF16") and not ragged(shape):
-        return numel + math.prod(-(-d // FP8_BLOCK) for d in shape) * 4
+        return numel + math.prod(-(-d // FP8_EDGE) for d in shape) * 4
     if name.endswith(FP32_PARAMS):
         return numel * 4
     return numel * dtype_bytes
@@ -91,7 +91,7 @@ def write_release(
     write_fp8_checkpoint(
         model_dir,
         dst,
-        block=(FP8_BLOCK, FP8_BLOCK),
+        block=(FP8_EDGE, FP8_EDGE),
         max_shard_bytes=int(max_shard_mb * 1e6),
         skip=lambda n: ragged(shapes[n]),
     )

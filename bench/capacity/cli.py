@@ -25,9 +25,9 @@ import torch
 from bench.core.model import bench_model_config
 from bench.core.output import write_result
 from bench.core.plots import pyplot, save
-from services.worker.engine.cuda_graph import CAPTURE_POLICIES
+from services.worker.graphs.cuda_graph import CAPTURE_POLICIES
 from services.worker.kv.config import bytes_per_token
-from services.worker.model import build_model
+from services.worker.weights.model_io import build_model
 
 from .sweep import MODES, Setup, run_modes
 

@@ -14,16 +14,17 @@ from bench.core.clock import OwnClock
 from bench.core.lockstep import lockstep
 from bench.core.model import BENCH_GLM
 from bench.core.steps import StepRates
+from dhisparse.family.config import ModelConfig
 from dhisparse.tokenizer import Tokenizer
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses, freeze_heap
-from services.worker.engine.request import SamplingParams
-from services.worker.hierarchy.build import hierarchy_fixed_bytes
+from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.kv.config import ResidencyConfig
 from services.worker.kv.workspace import workspace_bytes
-from services.worker.model import DSAModel, ModelConfig
-from services.worker.residency.config import ResidencyConfig
+from services.worker.model.preset_decoder import DSAModel
+from services.worker.request.request import SamplingParams
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
 
 MODES = ("resident", "hisparse", "adaptive")
 

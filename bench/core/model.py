@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.worker.model import LayerSpec, ModelConfig, SourceSpec
+from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 
 BENCH_GLM = "bench-glm"
 

@@ -12,7 +12,7 @@ import statistics
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 
 
 class StepRates:

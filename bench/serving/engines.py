@@ -5,10 +5,10 @@ from __future__ import annotations
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.hierarchy.build import hierarchy_fixed_bytes
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.workspace import workspace_bytes
+from services.worker.request.request import SamplingParams
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
 from services.worker.speculative.config import SpeculationConfig
 
 from .config import EngineKey

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 from bench.core.clock import OwnClock, WallClock
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import Request, SamplingParams
+from services.worker.request.request import Request, SamplingParams
 
 from .config import Load
 

@@ -182,7 +182,7 @@ def http_level(
     with tempfile.TemporaryDirectory(prefix="dhisparse-bench-model-") as tmp:
         model_arg = b.target.spec
         if model_arg == BENCH_GLM:  # the worker process loads it from a directory
-            from services.worker.model.io import save_pretrained
+            from services.worker.weights.model_io import save_pretrained
 
             save_pretrained(b.target.model, tmp)
             model_arg = tmp

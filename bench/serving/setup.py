@@ -11,11 +11,12 @@ import torch
 
 from bench.core.model import BENCH_GLM, bench_model_config
 from dhisparse.capacity import profile_from_model_config, session_bytes
+from dhisparse.family.presets import PRESETS
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.kv.config import bytes_per_token
-from services.worker.model import DSAModel, build_model, load_model
-from services.worker.model.presets import PRESETS
+from services.worker.model.preset_decoder import DSAModel
 from services.worker.speculative.drafters.io import DRAFTERS
+from services.worker.weights.model_io import build_model, load_model
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -25,7 +25,7 @@ A9. A Hugging Face model directory (DeepSeek-V3.2, GLM-5) is sized by ``model_si
     parameters from config.json alone, and bytes per token in bf16 and in FP8 laid out as the
     GLM-5.3 profile is (one byte per element, 132 B index keys).
 A10. Workers that span N GPUs (``layouts``): each rank's weights are the worker's tensors
-    (``weights``) cut by the layouts' one table (``services.worker.parallel.layout``); a
+    (``weights``) cut by the layouts' one table (``dhisparse.family.parallel_layout``); a
     session needs the same bytes on each GPU under every layout (the MLA latent row is one
     head, replicated under TP); a TP worker holds one GPU's pool of sessions, a DP-attention
     worker N. The MTP layer's head is counted as the target's (the released checkpoints'

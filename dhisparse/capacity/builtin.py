@@ -1,7 +1,7 @@
 """Built-in profiles: the paper's GLM-5.3 layout, a DeepSeek-V4-style layout, and every preset
 the engine can load (derived from its ``ModelConfig``, never restated).
 
-``services.worker.model.config``, ``.presets`` and ``.hf_dir`` (with ``hf_config``) are pure
+``dhisparse.family.config``, ``.presets`` and ``.hf_dir`` (with ``hf_config``) are pure
 Python; importing them keeps ``dhisparse plan`` free of torch (tests/capacity check that this
 stays true).
 """
@@ -15,10 +15,10 @@ from pathlib import Path
 
 from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
-from services.worker.kv.fp8_format import index_key_format, mla_row_format
-from services.worker.model.config import ModelConfig
-from services.worker.model.hf_dir import hf_family, is_hf_model_dir
-from services.worker.model.presets import PRESETS, preset_topology
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.fp8_kv_format import index_key_format, mla_row_format
+from dhisparse.family.hf_dir import hf_family, is_hf_model_dir
+from dhisparse.family.presets import PRESETS, preset_topology
 
 # ---- GLM-5.3 (DESIGN §6; paper §3.4, Table 1) ---------------------------------------------------
 GLM53_PAYLOAD_LAYERS = 78

@@ -20,10 +20,10 @@ from dhisparse.capacity.plan import build_plan
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 from dhisparse.capacity.report import render_json, render_table
 from dhisparse.capacity.weights import ModelWeights, model_weights_of
+from dhisparse.family.held_weights import SERVING_DTYPE_BYTES
+from dhisparse.family.parallel_layout import ParallelConfig
+from dhisparse.family.quantization_config import WEIGHT_DTYPES
 from dhisparse.flags import add_switch
-from services.worker.model.held_weights import SERVING_DTYPE_BYTES
-from services.worker.model.quantization_config import WEIGHT_DTYPES
-from services.worker.parallel.layout import ParallelConfig
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

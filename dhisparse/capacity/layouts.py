@@ -29,7 +29,7 @@ from dhisparse.capacity.admitted import (
 from dhisparse.capacity.model import MODES, Mode, sessions_per_gpu
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 from dhisparse.capacity.weights import ModelWeights, RankWeights
-from services.worker.parallel.layout import LayoutError, ParallelConfig
+from dhisparse.family.parallel_layout import LayoutError, ParallelConfig
 
 ALL = "all"
 

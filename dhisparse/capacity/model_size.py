@@ -13,10 +13,10 @@ from pathlib import Path
 
 from dhisparse.capacity.builtin import profile_from_model_config
 from dhisparse.capacity.profile import Profile
-from services.worker.model.config import ModelConfig
-from services.worker.model.hf_config import MLAConfig
-from services.worker.model.hf_dir import hf_family, is_hf_model_dir
-from services.worker.model.hf_size import ParamCount, param_count
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.hf_config import MLAConfig
+from dhisparse.family.hf_dir import hf_family, is_hf_model_dir
+from dhisparse.family.hf_size import ParamCount, param_count
 
 FP8_INDEX_SCALE_BYTES = 4  # one fp32 scale per 128-element FP8 index key (132 B keys)
 

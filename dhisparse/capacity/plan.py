@@ -28,7 +28,7 @@ from dhisparse.capacity.model import (
 from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
 from dhisparse.capacity.weights import ModelWeights
-from services.worker.parallel.layout import ParallelConfig
+from dhisparse.family.parallel_layout import ParallelConfig
 
 
 @dataclass(frozen=True)

@@ -15,21 +15,21 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from services.worker.model.held_weights import (
+from dhisparse.family.held_weights import (
     PARTS,
     SERVING_DTYPE_BYTES,
     HeldTensor,
     held_tensors,
 )
-from services.worker.model.hf_config import MLAConfig, parse_config
-from services.worker.model.hf_dir import is_hf_model_dir, read_config
-from services.worker.model.presets import PRESETS, FamilyPreset, preset
-from services.worker.model.quantization_config import (
+from dhisparse.family.hf_config import MLAConfig, parse_config
+from dhisparse.family.hf_dir import is_hf_model_dir, read_config
+from dhisparse.family.parallel_layout import ParallelConfig, RankLayout
+from dhisparse.family.presets import PRESETS, FamilyPreset, preset
+from dhisparse.family.quantization_config import (
     fp8_as_stored,
     modules_not_converted,
     serves_fp8,
 )
-from services.worker.parallel.layout import ParallelConfig, RankLayout
 
 
 @dataclass(frozen=True)

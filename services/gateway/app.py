@@ -11,6 +11,8 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel
 
+from dhisparse.family.generation import GenerationDefaults
+from dhisparse.family.presets import PRESETS
 from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.chat import create_chat_completion
@@ -41,8 +43,6 @@ from services.gateway.settings import GatewaySettings
 from services.gateway.sizing import SessionSizer
 from services.gateway.streaming import ClientDisconnected
 from services.gateway.worker_client import WorkerPool
-from services.worker.model.generation import GenerationDefaults
-from services.worker.model.presets import PRESETS
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from dhisparse.family.generation import GenerationDefaults
 from dhisparse.tokenizer import ChatFormatter, Tokenizer, chat_formatter
 from services.gateway.errors import model_not_found, service_unavailable
 from services.gateway.fanout import ChoiceStream, collect, start_choices
@@ -17,7 +18,6 @@ from services.gateway.openapi import SchemaLimits
 from services.gateway.preprocess import Limits, template_roles
 from services.gateway.settings import GatewaySettings
 from services.gateway.worker_client import WorkerPool
-from services.worker.model.generation import GenerationDefaults
 
 log = logging.getLogger(__name__)
 

@@ -9,6 +9,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from dhisparse.family.generation import GenerationDefaults
 from dhisparse.tokenizer import ChatFormatter, ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_overflow
 from services.gateway.generation import SEED_MODULUS, SamplingSpec
@@ -18,7 +19,6 @@ from services.gateway.protocol import (
     ChatMessage,
     CompletionRequest,
 )
-from services.worker.model.generation import GenerationDefaults
 
 # Template variables the gateway sets itself; chat_template_kwargs may not override them
 # (tools stay refused: the server does not parse tool calls).

@@ -16,8 +16,8 @@ import logging
 from functools import lru_cache
 
 from dhisparse.capacity import Mode, Profile, profile_from_model_config, required_bytes
+from dhisparse.family.config import ModelConfig
 from services.gateway.routing import WorkerStatus
-from services.worker.model.config import ModelConfig
 
 log = logging.getLogger(__name__)
 

@@ -20,8 +20,8 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import Request, RequestOutput, SamplingParams
-from services.worker.engine.stop import TextStream
+from services.worker.request.request import Request, RequestOutput, SamplingParams
+from services.worker.request.stop import TextStream
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ import asyncio
 import logging
 
 from dhisparse.flags import add_switch
-from services.worker.engine.cuda_graph import CAPTURE_POLICIES
+from services.worker.graphs.cuda_graph import CAPTURE_POLICIES
 from services.worker.kv.row_codec import KV_CACHE_DTYPES
 from services.worker.model.weight_format import WEIGHT_DTYPES
 from services.worker.ops.fp8_linear import MODES
@@ -130,7 +130,7 @@ def main(args: argparse.Namespace) -> int:
     logging.basicConfig(
         level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
-    from services.worker.parallel.layout import LayoutError
+    from dhisparse.family.parallel_layout import LayoutError
 
     mark_start()  # before the ranks are spawned: they inherit it
     settings = settings_from_args(args)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.tokenizer import Tokenizer
-from services.worker.engine.request import FinishReason, RequestOutput, SamplingParams
+from services.worker.request.request import FinishReason, RequestOutput, SamplingParams
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,

@@ -27,8 +27,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    from dhisparse.family.parallel_layout import LayoutError
     from services.worker.engine.engine import Engine
-    from services.worker.parallel.layout import LayoutError
 
     # offline generation keeps its host backups in this process: the node's store is for
     # serving workers (and a group's ranks must agree on it: ``group.follow``)
@@ -58,10 +58,10 @@ def generate_rank(settings, comm, args: argparse.Namespace) -> int:
 
 def run(args: argparse.Namespace, engine) -> int:
     """The prompts of ``args`` through ``engine``, printed."""
+    from dhisparse.family.presets import PRESETS
     from dhisparse.paths import resolve_path
     from dhisparse.tokenizer import chat_formatter
-    from services.worker.engine.request import SamplingParams
-    from services.worker.model.presets import PRESETS
+    from services.worker.request.request import SamplingParams
 
     cfg = engine.cfg
     tok = engine.tokenizer

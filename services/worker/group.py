@@ -31,7 +31,7 @@ from multiprocessing.connection import wait
 from typing import Any
 
 from dhisparse.devices import resolve_device
-from services.worker.parallel.layout import LayoutError, ParallelConfig
+from dhisparse.family.parallel_layout import LayoutError, ParallelConfig
 from services.worker.settings import WorkerSettings
 
 log = logging.getLogger(__name__)

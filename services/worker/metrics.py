@@ -13,7 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dhisparse import metrics as m
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
-from services.worker.engine.request import RequestOutput
+from services.worker.request.request import RequestOutput
 
 
 def config_labels(engine: Engine) -> dict[str, str]:

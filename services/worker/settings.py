@@ -8,10 +8,10 @@ from pydantic import field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dhisparse.devices import resolve_device
+from dhisparse.family.parallel_layout import ParallelConfig
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import GraphConfig
-from services.worker.parallel.layout import ParallelConfig
-from services.worker.residency.config import ResidencyConfig
+from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.kv.config import ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
 
 

@@ -12,7 +12,7 @@ from bench.core.provenance import blob_hash
 from bench.projection import project
 from bench.serving.scaling import Hardware, TargetModel, pcie_break_even, step
 from dhisparse.capacity import glm53, glm53_paper_deployment, sessions_per_gpu
-from services.worker.model.presets import preset_topology
+from dhisparse.family.presets import preset_topology
 from tests.bench.helpers import bench
 
 

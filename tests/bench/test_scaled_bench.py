@@ -10,9 +10,9 @@ import pytest
 
 from bench import scaled
 from bench.core import UsageError
-from services.worker.model import build_model
-from services.worker.model.presets import preset
+from dhisparse.family.presets import preset
 from services.worker.model.weight_format import WeightFormat
+from services.worker.weights.model_io import build_model
 
 
 def _args(**over) -> argparse.Namespace:

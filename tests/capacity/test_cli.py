@@ -11,7 +11,7 @@ import pytest
 
 from dhisparse.capacity import GIB, glm53, session_bytes
 from dhisparse.cli import main
-from services.worker.model.presets import PRESETS, preset_topology
+from dhisparse.family.presets import PRESETS, preset_topology
 
 PAPER = ["plan", "--profile", "glm-5.3", "--context", "100000", "--drafter", "dflash2"]
 
@@ -100,7 +100,7 @@ def test_plan_imports_no_torch() -> None:
         "from dhisparse.cli import main\n"
         "assert main(['plan', '--profile', 'tiny-dsv4', '--context', '100']) == 0\n"
         "assert main(['plan', '--profile', 'glm-5.3', '--context', '100', '--json']) == 0\n"
-        "import dhisparse.capacity, services.worker.model.config, services.worker.model.presets\n"
+        "import dhisparse.capacity, dhisparse.family.config, dhisparse.family.presets\n"
         "bad = sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.'))\n"
         "assert not bad, bad\n"
     )

@@ -19,7 +19,7 @@ from dhisparse.capacity.layouts import layouts_of
 from dhisparse.capacity.plan import build_plan
 from dhisparse.capacity.weights import PartBytes, model_weights_of
 from dhisparse.cli import main
-from services.worker.parallel.layout import ParallelConfig
+from dhisparse.family.parallel_layout import ParallelConfig
 from tests.fixtures import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]

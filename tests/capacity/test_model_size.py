@@ -14,10 +14,10 @@ import pytest
 
 from dhisparse.capacity import model_size_from_dir, profile_from_model_dir
 from dhisparse.cli import main
-from services.worker.model.hf_config import parse_config, topology
-from services.worker.model.hf_dir import read_config
-from services.worker.model.hf_size import param_count
-from services.worker.model.presets import home_made
+from dhisparse.family.hf_config import parse_config, topology
+from dhisparse.family.hf_dir import read_config
+from dhisparse.family.hf_size import param_count
+from dhisparse.family.presets import home_made
 from tests.fixtures import CONFIGS, RELEASED
 
 ROOT = Path(__file__).resolve().parents[2]

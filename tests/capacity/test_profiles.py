@@ -17,8 +17,8 @@ from dhisparse.capacity import (
     session_bytes,
 )
 from dhisparse.capacity.builtin import selection_group_width
-from services.worker.model.config import LayerSpec, ModelConfig, SourceSpec
-from services.worker.model.presets import PRESETS, preset_topology
+from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
+from dhisparse.family.presets import PRESETS, preset_topology
 
 
 def glm53_model_config() -> ModelConfig:

@@ -17,7 +17,7 @@ from dhisparse import metrics as names
 from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from tests.e2e.test_durability import Stack, killer, stream_chat, up_stack
 from tests.model import hf_tiny
 from tests.tokenizer.helpers import (

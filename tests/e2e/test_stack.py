@@ -24,7 +24,7 @@ from dhisparse.tokenizer.formatter import chat_formatter
 from services.kv_host_store.client import KVHostStoreClient
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from tests.conftest import free_port
 
 MESSAGES = [{"role": "user", "content": "Write a haiku about sparse attention."}]

@@ -18,6 +18,11 @@ from dhisparse.capacity import (
     required_bytes,
     session_bytes,
 )
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.hf_config import parse_config, topology
+from dhisparse.family.hf_dir import read_config
+from dhisparse.family.parallel_layout import ParallelConfig
+from dhisparse.family.presets import preset_topology
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.ledger import Candidate, Ledger, LocalLedger
 from services.gateway.metrics import GatewayMetrics
@@ -29,11 +34,6 @@ from services.gateway.routing import (
     WorkerStatus,
 )
 from services.gateway.sizing import SessionSizer, capacity_mode
-from services.worker.model.config import ModelConfig
-from services.worker.model.hf_config import parse_config, topology
-from services.worker.model.hf_dir import read_config
-from services.worker.model.presets import preset_topology
-from services.worker.parallel.layout import ParallelConfig
 from tests.fixtures import CONFIGS
 
 MODEL = "tiny-glm"
@@ -465,8 +465,8 @@ def test_the_index_keys_the_gateway_sizes_are_the_pages_a_worker_admission_takes
     worker's admission reserves for them."""
     from dhisparse.capacity import session_bytes
     from services.gateway.sizing import capacity_mode
-    from services.worker.kv.cache import KVCache
     from services.worker.kv.config import KVCacheConfig
+    from services.worker.serving.cache import KVCache
 
     kv = KVCache(
         CONFIG,
@@ -504,8 +504,8 @@ def test_an_fp8_worker_is_sized_in_its_packed_bytes(mode: str) -> None:
     gateway sizes exactly those, as it sizes the index-key pages an admission takes."""
     from dhisparse.capacity import session_bytes
     from services.gateway.sizing import capacity_mode
-    from services.worker.kv.cache import KVCache
     from services.worker.kv.config import KVCacheConfig
+    from services.worker.serving.cache import KVCache
 
     def cache(kv_cache_dtype: str) -> KVCache:
         return KVCache(

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
+from dhisparse.family.generation import GenerationDefaults
 from dhisparse.tokenizer import DeepseekV32Formatter, TemplateFormatter
 from services.gateway import GatewaySettings, create_app
-from services.worker.model.generation import GenerationDefaults
 from tests.tokenizer.helpers import DSV32_SPECIALS, dsv32_tokenizer_config, train_tokenizer
 
 from .conftest import WorkerProcess, gateway_client

@@ -24,8 +24,8 @@ import redis.asyncio as aioredis
 
 from dhisparse import metrics as names
 from dhisparse.capacity import profile_from_model_config, required_bytes
+from dhisparse.family.presets import preset_topology
 from services.gateway.redis_ledger import RedisLedger
-from services.worker.model.presets import preset_topology
 
 from .conftest import (
     MODEL,

@@ -7,6 +7,7 @@ from dataclasses import replace
 
 import pytest
 
+from dhisparse.family.generation import GenerationDefaults
 from dhisparse.tokenizer import ByteTokenizer, DeepseekV32Formatter, TemplateFormatter
 from services.gateway.errors import APIError
 from services.gateway.generation import SamplingSpec
@@ -21,7 +22,6 @@ from services.gateway.preprocess import (
     template_roles,
 )
 from services.gateway.protocol import ChatCompletionRequest, ChatMessage, CompletionRequest
-from services.worker.model.generation import GenerationDefaults
 
 TOK = ByteTokenizer()
 CHAT = TemplateFormatter(TOK)

@@ -137,9 +137,9 @@ def test_the_readme_concept_table_points_at_modules_that_exist() -> None:
 def test_every_serving_mode_implements_the_whole_payload_protocol() -> None:
     """No caller asks a payload what it is (no getattr/hasattr on payloads): every mode has
     every member of ``PayloadBackend``, with the same kind (method or property)."""
-    from services.worker.hierarchy.payload import HierarchyPayload
     from services.worker.kv.backend import PayloadBackend
-    from services.worker.kv.resident import ResidentPayload
+    from services.worker.serving.hierarchy_payload import HierarchyPayload
+    from services.worker.serving.resident import ResidentPayload
 
     members = {n for n in vars(PayloadBackend) if not n.startswith("_")} | set(
         PayloadBackend.__annotations__

@@ -8,8 +8,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from services.worker.model.fp8 import FP8_MAX, quantize_blockwise
-from services.worker.model.released_fp8 import RELEASED_FP8
+from dhisparse.family.released_fp8 import RELEASED_FP8
+from services.worker.ops.fp8_blockwise import FP8_MAX, quantize_blockwise
 
 FP8_QUANT = RELEASED_FP8
 

@@ -23,11 +23,11 @@ from transformers import (
 )
 
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig, bytes_per_token
 from services.worker.kv.workspace import workspace_bytes
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.moe import MoE
+from services.worker.model.mla_moe import MoE
+from services.worker.serving.cache import KVCache
 from tests.model.hf_tiny import YARN, indexer_hooks, our_topk_order
 
 LAYERS = 4

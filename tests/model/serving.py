@@ -8,7 +8,7 @@ from pathlib import Path
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 
 
 def engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:

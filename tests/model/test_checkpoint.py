@@ -9,9 +9,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from services.worker.model import checkpoint as checkpoint_module
-from services.worker.model.checkpoint import Checkpoint, CheckpointError, read_header
-from services.worker.model.fp8 import dequantize_blockwise
+from services.worker.ops.fp8_blockwise import dequantize_blockwise
+from services.worker.weights import checkpoint as checkpoint_module
+from services.worker.weights.checkpoint import Checkpoint, CheckpointError, read_header
 from tests.model.helpers import FP8_QUANT, fp8_bound, quantized, write
 
 SHAPES = {"a.weight": (576, 300), "b.weight": (130, 257), "c.weight": (64, 64)}

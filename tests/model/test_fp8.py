@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model.fp8 import (
+from services.worker.ops.fp8_blockwise import (
     FP8_MAX,
     decode_e8m0,
     dequantize_blockwise,

@@ -13,18 +13,18 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dhisparse.family.presets import preset
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.model import build_model, load_model
-from services.worker.model.checkpoint import Checkpoint, CheckpointError
-from services.worker.model.fp8 import FP8_DTYPE, quantize_blockwise, scale_to_float
-from services.worker.model.fp8_linear import FP8Linear
-from services.worker.model.fp8_moe import FP8Experts
-from services.worker.model.fp8_writer import write_fp8_checkpoint
+from services.worker.model.fp8_experts import FP8Experts
+from services.worker.model.fp8_linear_layer import FP8Linear
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.presets import preset
 from services.worker.model.weight_format import WeightFormat
+from services.worker.ops.fp8_blockwise import FP8_DTYPE, quantize_blockwise, scale_to_float
+from services.worker.request.request import SamplingParams
+from services.worker.weights.checkpoint import Checkpoint, CheckpointError
+from services.worker.weights.fp8_writer import write_fp8_checkpoint
+from services.worker.weights.model_io import build_model, load_model
 from tests.model import hf_tiny
 
 FP8 = WeightFormat(fp8=True)

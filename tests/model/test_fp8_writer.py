@@ -10,9 +10,10 @@ import re
 import pytest
 import torch
 
-from services.worker.model.checkpoint import SCALE_SUFFIX, Checkpoint
-from services.worker.model.fp8_writer import reshard_checkpoint, write_fp8_checkpoint
-from services.worker.model.loader import load_into
+from dhisparse.family.quantization_config import SCALE_SUFFIX
+from services.worker.weights.checkpoint import Checkpoint
+from services.worker.weights.fp8_writer import reshard_checkpoint, write_fp8_checkpoint
+from services.worker.weights.loader import load_into
 from tests.model.helpers import fp8_bound
 
 transformers = pytest.importorskip("transformers")

@@ -11,15 +11,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv.cache import KVCache
+from dhisparse.family.presets import FamilyPreset, preset
+from dhisparse.family.scaled import SCALED
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import build_model, load_model
-from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.hf_export import save_hf_checkpoint
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.presets import FamilyPreset, preset
-from services.worker.model.scaled import SCALED
 from services.worker.model.weight_format import WeightFormat
+from services.worker.serving.cache import KVCache
+from services.worker.weights.checkpoint import Checkpoint
+from services.worker.weights.hf_export import save_hf_checkpoint
+from services.worker.weights.model_io import build_model, load_model
 from tests.model.mtp_fixture import mtp_checkpoint
 from tests.worker.helpers import run_chunks
 

@@ -8,8 +8,8 @@ import json
 import pytest
 import torch
 
-from services.worker.model.hf_config import parse_config
-from services.worker.model.hf_size import param_count
+from dhisparse.family.hf_config import parse_config
+from dhisparse.family.hf_size import param_count
 from tests.fixtures import CONFIGS, RELEASED
 from tests.model import hf_tiny
 

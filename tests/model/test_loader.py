@@ -8,8 +8,8 @@ import logging
 import pytest
 import torch
 
-from services.worker.model.checkpoint import Checkpoint, CheckpointError
-from services.worker.model.loader import load_into
+from services.worker.weights.checkpoint import Checkpoint, CheckpointError
+from services.worker.weights.loader import load_into
 from tests.model.helpers import FP8_QUANT, quantized, write
 
 MTP = r"model\.layers\.2\."

@@ -12,9 +12,9 @@ import torch
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.local_store import LocalHostStore
-from services.worker.residency.config import ResidencyConfig
+from services.worker.kv.config import ResidencyConfig
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from tests.model import hf_tiny, serving

@@ -12,20 +12,19 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dhisparse.family.hf_config import ConfigError
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.hierarchy.local_store import LocalHostStore
-from services.worker.kv.cache import KVCache
-from services.worker.kv.config import KVCacheConfig
-from services.worker.model import load_model
-from services.worker.model.checkpoint import Checkpoint, CheckpointError
-from services.worker.model.fp8_writer import write_fp8_checkpoint
-from services.worker.model.hf_config import ConfigError
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.residency.config import ResidencyConfig
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.checkpoint import Checkpoint, CheckpointError
+from services.worker.weights.fp8_writer import write_fp8_checkpoint
+from services.worker.weights.model_io import load_model
 from tests.model import hf_tiny, serving
 from tests.worker.helpers import run_chunks
 

@@ -44,8 +44,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.model import load_model
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.weights.model_io import load_model
 from tests.model import hf_slice, hf_tiny
 
 FAMILIES = sorted(hf_slice.SLICES)

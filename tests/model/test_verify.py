@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from dhisparse.cli import main
-from services.worker.model.checkpoint import Checkpoint
-from services.worker.model.fp8_writer import write_fp8_checkpoint
 from services.worker.verify import compare
+from services.worker.weights.checkpoint import Checkpoint
+from services.worker.weights.fp8_writer import write_fp8_checkpoint
 from tests.model import hf_tiny
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}

@@ -7,15 +7,15 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.family.parallel_layout import SINGLE, ParallelConfig
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import load_model
 from services.worker.parallel.comm import LOCAL, Comm
-from services.worker.parallel.layout import SINGLE, ParallelConfig
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.model_io import load_model
 from tests.worker.helpers import run_chunks
 
 VOCAB = 300  # hf_tiny's

@@ -24,13 +24,13 @@ import httpx
 import pytest
 import torch
 
+from dhisparse.family.parallel_layout import ParallelConfig
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.kv_host_store.client import KVHostStoreClient
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.parallel.layout import ParallelConfig
+from services.worker.request.request import SamplingParams
 from services.worker.startup import process_start
 from tests.conftest import free_port
 from tests.kv_host_store.conftest import kill_process, start_store_process

@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.model.hf_config import parse_config
-from services.worker.model.hf_dir import read_config
+from dhisparse.family.hf_config import parse_config
+from dhisparse.family.hf_dir import read_config
+from dhisparse.family.parallel_layout import LayoutError, ParallelConfig, RankLayout
 from services.worker.parallel.comm import LOCAL
-from services.worker.parallel.layout import LayoutError, ParallelConfig, RankLayout
 from tests.model import hf_tiny
 from tests.parallel import ranks
 from tests.parallel.group import run_group

@@ -16,12 +16,12 @@ import torch
 
 from dhisparse.capacity.weights import ModelWeights, model_weights, model_weights_of
 from dhisparse.cli import main
-from services.worker.model.hf_config import parse_config, topology
-from services.worker.model.hf_dir import read_config
+from dhisparse.family.hf_config import parse_config, topology
+from dhisparse.family.hf_dir import read_config
+from dhisparse.family.parallel_layout import LayoutError, ParallelConfig, RankLayout
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.weight_format import WeightFormat
 from services.worker.parallel.comm import LOCAL
-from services.worker.parallel.layout import LayoutError, ParallelConfig, RankLayout
 from services.worker.parallel.shards import Shards
 from tests.model import hf_tiny
 from tests.parallel import ranks

@@ -6,9 +6,10 @@ import functools
 
 import torch
 
-from services.worker.model import build_model, preset
-from services.worker.model.model import SparseDecoder
+from dhisparse.family.presets import preset
+from services.worker.model.decoder import SparseDecoder
 from services.worker.speculative import Drafter, DrafterConfig, build_drafter
+from services.worker.weights.model_io import build_model
 from training.drafter.data import run_target
 
 KINDS = ["dflash", "dspark", "dflash2"]

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.speculative import ConfidenceScheduler, DFlashDrafter, DrafterConfig, Proposal
 from services.worker.speculative.reference import plain_generate, speculative_generate
 from tests.speculative.helpers import KINDS, PRESETS, drafter, target

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.verify import (
     Verdict,
     target_probs,

@@ -9,11 +9,13 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.family.presets import home_made
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import DSAModel, LayerTrace, build_model
-from services.worker.model.presets import home_made
+from services.worker.model.decoder import LayerTrace
+from services.worker.model.preset_decoder import DSAModel
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import build_model
 from training.target.config import TrainConfig
 from training.target.corpus import build_corpus
 

@@ -8,8 +8,9 @@ from pathlib import Path
 
 import torch
 
-from services.worker.model import DSAModel, load_model, preset
-from services.worker.model.io import INDEX_FILE, WEIGHTS_FILE, save_pretrained
+from dhisparse.family.presets import preset
+from services.worker.model.preset_decoder import DSAModel
+from services.worker.weights.model_io import INDEX_FILE, WEIGHTS_FILE, load_model, save_pretrained
 from training.target.weights import init_for_training
 
 LIMIT = 15_000_000

@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model import DSAModel, preset_topology
+from dhisparse.family.presets import preset_topology
+from services.worker.model.preset_decoder import DSAModel
 from services.worker.ops import index_scores, select_topk
 from tests.training.helpers import inference_pass, random_model, random_tokens
 from training.target.forward import lm_loss, train_forward

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.model import load_model
+from services.worker.weights.model_io import load_model
 from tests.training.helpers import micro_dsv4, micro_glm, small_corpus, tiny_run
 from training.target.__main__ import main
 from training.target.loop import train

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import load_model
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import load_model
 from tests.model import hf_tiny
 from tests.model.mtp_fixture import FAMILIES, mtp_checkpoint
 from tests.model.mtp_reference import MTPReference

@@ -21,9 +21,9 @@ import transformers
 from dhisparse.tokenizer import load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.model.checkpoint import Checkpoint
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.checkpoint import Checkpoint
 from tests.model import hf_tiny
 from tests.training.helpers import open_in_transformers
 from training.__main__ import main

@@ -25,9 +25,9 @@ from dhisparse.paths import ROOT
 from dhisparse.tokenizer import load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.model import load_model
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.model_io import load_model
 from tests.training.helpers import open_in_transformers
 
 MODEL = ROOT / "models" / "glm-dsa-mini"

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.kv.fp8_format import Fp8RowFormat
+from dhisparse.family.fp8_kv_format import Fp8RowFormat
 
 
 def random_rows(fmt: Fp8RowFormat, n: int, seed: int, dtype: torch.dtype) -> torch.Tensor:

@@ -5,7 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.model.fp8 import dequantize_blockwise, quantize_blockwise, scale_to_float
+from services.worker.ops.fp8_blockwise import (
+    dequantize_blockwise,
+    quantize_blockwise,
+    scale_to_float,
+)
 from services.worker.ops.fp8_linear import act_dequant_ref, act_quant_ref
 
 EPS32 = 2.0**-23

@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 
-from services.worker.model.fp8 import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
-from services.worker.model.fp8_moe import FP8Experts
+from services.worker.model.fp8_experts import FP8Experts
+from services.worker.ops.fp8_blockwise import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from services.worker.ops.fp8_linear import act_dequant_ref, act_quant_ref
 from services.worker.ops.fp8_moe import dequantize_gate_up, fp8_moe_gemm_ref, sum_choices
 

@@ -6,12 +6,14 @@ from dataclasses import replace
 
 import torch
 
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.presets import preset
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
 from services.worker.kv.workspace import workspace_bytes
-from services.worker.model import LayerTrace, ModelConfig, build_model, preset
-from services.worker.model.model import SparseDecoder
+from services.worker.model.decoder import LayerTrace, SparseDecoder
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import build_model
 
 
 def make(name: str, seed: int = 0, **kv_kwargs) -> tuple[SparseDecoder, KVCache]:

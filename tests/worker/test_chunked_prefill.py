@@ -15,16 +15,16 @@ from dataclasses import replace
 import pytest
 import torch
 
-import services.worker.model.model as model_mod
+import services.worker.model.decoder as model_mod
+from dhisparse.family.presets import preset_topology
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import Request, SamplingParams
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.config import bytes_per_token
 from services.worker.kv.workspace import index_score_bytes
-from services.worker.model import preset_topology
+from services.worker.request.request import Request, SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests.worker.batch_invariant import batch_invariant
 

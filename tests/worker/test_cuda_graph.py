@@ -1,5 +1,5 @@
 """CUDA graphs of the decode and verify passes and of the drafter's block pass
-(``services/worker/engine/cuda_graph.py``): replayed decode steps and speculative rounds give
+(``services/worker/graphs/cuda_graph.py``): replayed decode steps and speculative rounds give
 the eager ones' logits bit for bit in every serving mode, while requests arrive and finish (so
 batch sizes, index-key widths and hierarchy plans change between replays)."""
 
@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import GraphConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
+from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.kv.config import FollowerPrefetch
 from services.worker.model.row_selection import key_rows
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 

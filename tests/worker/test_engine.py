@@ -9,7 +9,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig as _EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import FinishReason, SamplingParams
+from services.worker.request.request import FinishReason, SamplingParams
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 

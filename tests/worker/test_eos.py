@@ -8,11 +8,12 @@ from pathlib import Path
 
 import pytest
 
+from dhisparse.family.generation import GenerationDefaults, eos_token_ids, token_ids
+from dhisparse.family.presets import preset
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import FinishReason, SamplingParams
-from services.worker.model import build_model, preset, save_pretrained
-from services.worker.model.generation import GenerationDefaults, eos_token_ids, token_ids
+from services.worker.request.request import FinishReason, SamplingParams
+from services.worker.weights.model_io import build_model, save_pretrained
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32, 119, 111, 114, 108, 100]
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.kv.fp8_codec import pack, unpack
-from services.worker.kv.fp8_format import index_key_format, mla_row_format
+from dhisparse.family.fp8_kv_format import index_key_format, mla_row_format
+from services.worker.ops.fp8_kv_codec import pack, unpack
 
 T, S, H, D = 8192, 8, 32, 128  # keys, queries, index heads, index head dim
 

@@ -12,18 +12,20 @@ import pytest
 import torch
 
 from dhisparse import up
+from dhisparse.family.fp8_kv_format import index_key_format, mla_row_format
+from dhisparse.family.presets import preset, preset_topology
 from services.worker import cli
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.kv.fp8_codec import pack, unpack
-from services.worker.kv.fp8_format import index_key_format, mla_row_format
 from services.worker.kv.workspace import attention_rows_bytes, workspace_bytes
-from services.worker.model import LayerTrace, build_model, preset, preset_topology
+from services.worker.model.decoder import LayerTrace
+from services.worker.ops.fp8_kv_codec import pack, unpack
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
 from services.worker.settings import WorkerSettings
+from services.worker.weights.model_io import build_model
 
 TINY = preset_topology("tiny-glm")
 

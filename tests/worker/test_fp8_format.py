@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.kv.fp8_codec import pack, tile_scales, unpack
-from services.worker.kv.fp8_format import (
+from dhisparse.family.fp8_kv_format import (
     Fp8RowFormat,
     fp8_bytes_per_token,
     index_key_format,
     mla_row_format,
 )
-from services.worker.model.hf_dir import hf_family
+from dhisparse.family.hf_dir import hf_family
+from services.worker.ops.fp8_kv_codec import pack, tile_scales, unpack
 from tests.worker.fp8_cases import random_rows
 
 CONFIGS = Path(__file__).parents[1] / "fixtures" / "configs"

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.kv.fp8_codec import pack
-from services.worker.kv.fp8_format import Fp8RowFormat, index_key_format, mla_row_format
+from dhisparse.family.fp8_kv_format import Fp8RowFormat, index_key_format, mla_row_format
 from services.worker.ops.fp8_kv import fp8_gather_ref, fp8_store_ref
+from services.worker.ops.fp8_kv_codec import pack
 from tests.worker.fp8_cases import random_rows
 
 FORMATS = {

@@ -20,13 +20,13 @@ import triton.language as tl
 from safetensors.torch import save_file
 from torch import nn
 
-from services.worker.model.fp8 import (
+from services.worker.model.fp8_linear_layer import FP8Linear
+from services.worker.ops.fp8_bits import round_to_e4m3
+from services.worker.ops.fp8_blockwise import (
     FP8_DTYPE,
     quantize_blockwise,
     scale_to_float,
 )
-from services.worker.model.fp8_linear import FP8Linear
-from services.worker.ops.fp8_bits import round_to_e4m3
 from services.worker.ops.fp8_linear import (
     act_dequant_ref,
     act_quant_ref,
@@ -154,8 +154,8 @@ def test_w8a8_error_against_w8a16(capsys) -> None:
 def test_fp8_linear_from_checkpoint_matches_nn_linear(tmp_path, scale_dtype) -> None:
     """A pair written by write_fp8_checkpoint, read back by Checkpoint.get_fp8, in FP8Linear:
     equal to nn.Linear on the dequantized weight; the CPU forward is fp8_linear_ref itself."""
-    from services.worker.model.checkpoint import Checkpoint
-    from services.worker.model.fp8_writer import write_fp8_checkpoint
+    from services.worker.weights.checkpoint import Checkpoint
+    from services.worker.weights.fp8_writer import write_fp8_checkpoint
 
     name = "model.layers.0.mlp.down_proj.weight"
     g = torch.Generator().manual_seed(11)

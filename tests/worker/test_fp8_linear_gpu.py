@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model.fp8_linear import FP8Linear
+from services.worker.model.fp8_linear_layer import FP8Linear
 from services.worker.ops.fp8_linear import fp8_linear_ref, fp8_linear_triton
 from tests.worker.fp8_linear_cases import EPS32, assert_within, bound, make_case
 

@@ -19,10 +19,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.model.fp8 import FP8_DTYPE, quantize_blockwise
-from services.worker.model.fp8_moe import FP8Experts
-from services.worker.model.hf_config import MoESpec
-from services.worker.model.moe import Experts
+from dhisparse.family.hf_config import MoESpec
+from services.worker.model.fp8_experts import FP8Experts
+from services.worker.model.mla_moe import Experts
+from services.worker.ops.fp8_blockwise import FP8_DTYPE, quantize_blockwise
 from services.worker.ops.fp8_moe import (
     fp8_moe_gemm,
     fp8_moe_gemm_ref,
@@ -206,7 +206,7 @@ def test_fp8_experts_matches_moe_experts(scale_dtype, i) -> None:
 def test_from_checkpoint_pairs() -> None:
     """Per-expert checkpoint pairs (e8m0 scales as stored) land in the stacked buffers as fp32;
     ``dequantized`` gives back each pair's dequantized weight."""
-    from services.worker.model.fp8 import dequantize_blockwise
+    from services.worker.ops.fp8_blockwise import dequantize_blockwise
 
     gates, ups, downs = make_experts(4, 3, 200, 192, "F8_E8M0")
     layer = FP8Experts.from_checkpoint(gates, ups, downs, "w8a8")

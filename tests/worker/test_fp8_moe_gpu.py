@@ -13,7 +13,7 @@ import functools
 import pytest
 import torch
 
-from services.worker.model.fp8_moe import FP8Experts
+from services.worker.model.fp8_experts import FP8Experts
 from services.worker.ops.fp8_moe import fp8_moe_ref, fp8_moe_triton
 from tests.worker.fp8_moe_cases import EPS32, assert_within, make_experts, make_inputs, moe_bound
 

@@ -11,7 +11,7 @@ from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.server import start_server
 from services.worker.settings import WorkerSettings
 

@@ -5,13 +5,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dhisparse.family.presets import preset, preset_topology
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model import LayerTrace, build_model, preset, preset_topology
+from services.worker.model.decoder import LayerTrace
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import build_model
 from tests.worker.helpers import make, with_workspace
 
 

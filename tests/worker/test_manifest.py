@@ -9,7 +9,7 @@ import pytest
 from services.worker.durable import manifest
 from services.worker.durable.manifest import HEADER_BYTES, ManifestError, SessionRecord
 from services.worker.durable.restore import sampling_params
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 
 
 def record(n_out: int) -> SessionRecord:

@@ -10,8 +10,8 @@ from dhisparse import metrics as m
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
-from services.worker.engine.request import SamplingParams
 from services.worker.metrics import WorkerMetrics
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 

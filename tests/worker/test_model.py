@@ -6,17 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.presets import preset, preset_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import TokenRing
-from services.worker.model import (
-    LayerTrace,
-    ModelConfig,
-    build_model,
-    load_model,
-    preset,
-    preset_topology,
-)
-from services.worker.model.io import save_pretrained
+from services.worker.model.decoder import LayerTrace
+from services.worker.weights.model_io import build_model, load_model, save_pretrained
 from tests.worker.helpers import make, random_tokens, run_chunks
 
 PRESET_NAMES = ["tiny-glm", "tiny-dsv4"]

@@ -12,15 +12,13 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
+from dhisparse.family.presets import preset, preset_topology
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
-from services.worker.kv.config import KVCacheConfig
-from services.worker.model import build_model, preset, preset_topology
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
+from services.worker.request.request import SamplingParams
 from services.worker.residency.completions import ManualCompletions
-from services.worker.residency.config import ResidencyConfig
 from services.worker.residency.optional_history import page_key, page_of_key
 from services.worker.residency.policy import (
     Holder,
@@ -28,6 +26,8 @@ from services.worker.residency.policy import (
     reclaim_order,
     requests_to_reclaim,
 )
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import build_model
 from tests.worker.helpers import with_workspace
 
 # ---- policy ------------------------------------------------------------------------------

@@ -11,8 +11,9 @@ import torch
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
-from services.worker.hierarchy.resolver import Census, resolve_ref
+from services.worker.hierarchy.resolver import resolve_ref
 from services.worker.hierarchy.staging import StagingOverflow
+from services.worker.kv.reports import Census
 
 SLOTS, B, MAX_ROWS, D, RING, P = 4, 64, 600, 8, 24, 8
 NUM_PAGES = 200
@@ -242,8 +243,8 @@ def test_sorting_queued_reads_keeps_every_copy_and_orders_the_live_ones() -> Non
 def test_host_read_order_changes_no_byte(seed: int, optional: bool, k: int, stage: int) -> None:
     """Sorted by address, as queued, and the reference: the same locations, census, hot-cache
     state and pool, call after call."""
-    from services.worker.hierarchy.read_order import HostReadOrder
     from services.worker.hierarchy.resolver_triton import TritonResolver
+    from services.worker.kv.config import HostReadOrder
 
     fns = (resolve_ref, TritonResolver(HostReadOrder(True)), TritonResolver(HostReadOrder(False)))
     worlds = [World(seed, optional=optional, k=k, stage=stage) for _ in fns]
@@ -264,8 +265,8 @@ def test_host_read_order_changes_no_byte(seed: int, optional: bool, k: int, stag
 
 @pytest.mark.gpu
 def test_host_read_order_changes_no_byte_on_gpu() -> None:
-    from services.worker.hierarchy.read_order import HostReadOrder
     from services.worker.hierarchy.resolver_triton import TritonResolver
+    from services.worker.kv.config import HostReadOrder
 
     for seed in range(3):
         ref = World(seed)

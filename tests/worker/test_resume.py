@@ -19,9 +19,9 @@ from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
-from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.request.request import SamplingParams
+from services.worker.request.stop import TextStream
 from services.worker.speculative.config import SpeculationConfig
 
 PROMPTS = [list(range(10, 50)), list(range(60, 85))]

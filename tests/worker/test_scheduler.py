@@ -7,8 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from services.worker.engine.request import Request, SamplingParams, Status
 from services.worker.engine.scheduler import ScheduleOutput, Scheduler
+from services.worker.request.request import Request, SamplingParams, Status
 
 
 class FakeKV:

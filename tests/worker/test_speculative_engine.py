@@ -9,7 +9,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.request import SamplingParams
+from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)

@@ -4,13 +4,13 @@ is measured against what selection allocates in ``test_chunked_prefill.py`` (on 
 
 from __future__ import annotations
 
+from dhisparse.family.presets import preset_topology
 from services.worker.kv.config import KVCacheConfig
 from services.worker.kv.workspace import (
     index_score_bytes,
     padded_keys,
     workspace_bytes,
 )
-from services.worker.model import preset_topology
 from services.worker.model.row_selection import key_rows
 
 

@@ -16,9 +16,9 @@ import torch
 
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
+from services.worker.serving.cache import KVCache
 from training.corpus.tokens import META, load_tokens
 from training.target.corpus import meta_path
 from training.target.data import load_corpus, to_tokens
@@ -63,7 +63,7 @@ class TargetPass(NamedTuple):
     logits: torch.Tensor  # [B, L, V] fp32
 
 
-def _cache(target: DSAModel, slots: int, length: int) -> KVCache:
+def _cache(target: SparseDecoder, slots: int, length: int) -> KVCache:
     p = next(target.parameters())
     cfg = KVCacheConfig(
         kv_pool_bytes=max(64 << 20, 4 * slots * length * 4096),
@@ -76,7 +76,7 @@ def _cache(target: DSAModel, slots: int, length: int) -> KVCache:
 
 
 @torch.no_grad()
-def run_target(target: DSAModel, tokens: torch.Tensor, layers: tuple[int, ...]) -> TargetPass:
+def run_target(target: SparseDecoder, tokens: torch.Tensor, layers: tuple[int, ...]) -> TargetPass:
     """One prefill of every sequence of ``tokens`` [B, L] (each its own request) -> the
     outputs of ``layers`` and the logits at every position."""
     b, length = tokens.shape
@@ -95,7 +95,7 @@ def run_target(target: DSAModel, tokens: torch.Tensor, layers: tuple[int, ...]) 
 
 
 @torch.no_grad()
-def target_continuations(target: DSAModel, prompts: torch.Tensor, length: int) -> torch.Tensor:
+def target_continuations(target: SparseDecoder, prompts: torch.Tensor, length: int) -> torch.Tensor:
     """[B, P] prompts -> [B, length] the prompts continued by the target's greedy decoding
     (self-generated data: what the drafter will be asked to predict when serving)."""
     b, p = prompts.shape

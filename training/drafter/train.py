@@ -22,8 +22,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from services.worker.model import load_model
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
 from services.worker.speculative.drafters import (
     KINDS,
     Drafter,
@@ -32,6 +31,7 @@ from services.worker.speculative.drafters import (
     load_drafter,
     save_drafter,
 )
+from services.worker.weights.model_io import load_model
 from training.drafter.data import (
     Blocks,
     TargetPass,
@@ -108,7 +108,7 @@ def block_loss(
 @torch.no_grad()
 def evaluate(
     drafter: Drafter,
-    target: DSAModel,
+    target: SparseDecoder,
     tokens: torch.Tensor,
     blocks_per_seq: int = 16,
     gamma: float = 4.0,
@@ -128,7 +128,7 @@ def evaluate(
     return {"loss": float(loss), **metrics}
 
 
-def make_drafter(cfg: TrainConfig, target: DSAModel) -> Drafter:
+def make_drafter(cfg: TrainConfig, target: SparseDecoder) -> Drafter:
     if cfg.init:
         drafter = load_drafter(cfg.init, target)
         if drafter.cfg.kind != cfg.drafter or drafter.block_size != cfg.block_size:
@@ -144,7 +144,7 @@ def make_drafter(cfg: TrainConfig, target: DSAModel) -> Drafter:
     return build_drafter(dcfg, target, seed=cfg.seed)
 
 
-def _sequences(cfg: TrainConfig, target: DSAModel, gen: torch.Generator) -> torch.Tensor:
+def _sequences(cfg: TrainConfig, target: SparseDecoder, gen: torch.Generator) -> torch.Tensor:
     stream = corpus_tokens(cfg.corpus)
     if cfg.data == "corpus":
         return stream
@@ -154,7 +154,7 @@ def _sequences(cfg: TrainConfig, target: DSAModel, gen: torch.Generator) -> torc
     return target_continuations(target, prompts, cfg.seq_len)
 
 
-def train(cfg: TrainConfig, target: DSAModel | None = None) -> tuple[Drafter, list[dict]]:
+def train(cfg: TrainConfig, target: SparseDecoder | None = None) -> tuple[Drafter, list[dict]]:
     """Runs ``cfg.steps`` steps; returns the drafter and per-step metrics. Saves to
     ``cfg.out`` (and ``cfg.out/checkpoint-N`` every ``save_every`` steps) when given."""
     torch.manual_seed(cfg.seed)

@@ -19,7 +19,7 @@ from dataclasses import fields
 
 import torch
 
-from services.worker.model.presets import PRESETS
+from dhisparse.family.presets import PRESETS
 from training.target.config import TrainConfig
 from training.target.loop import train
 

@@ -23,13 +23,13 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import nn
 
-from services.worker.model.config import ModelConfig
-from services.worker.model.hf_config import parse_config, topology
-from services.worker.model.hf_export import save_hf_checkpoint
-from services.worker.model.io import save_pretrained
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.hf_config import parse_config, topology
+from dhisparse.family.presets import PRESETS, home_made
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.model import DSAModel
-from services.worker.model.presets import PRESETS, home_made
+from services.worker.model.preset_decoder import DSAModel
+from services.worker.weights.hf_export import save_hf_checkpoint
+from services.worker.weights.model_io import save_pretrained
 from training.target.config import TrainConfig
 from training.target.forward import Mode, lm_loss, train_forward
 from training.target.mla_forward import mla_train_forward

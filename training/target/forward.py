@@ -26,7 +26,7 @@ from typing import Literal, NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.model import DSAModel
+from services.worker.model.preset_decoder import DSAModel
 from training.target.indexer_loss import (
     attention_target,
     batched_index_scores,

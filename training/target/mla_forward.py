@@ -35,7 +35,7 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-from services.worker.model.mla import MLA
+from services.worker.model.mla_attention import MLA
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.rotary import Rotary, apply_rope

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from services.worker.model.dsa_indexer import DSAIndexer
+from services.worker.model.mla_indexer import DSAIndexer
 from services.worker.model.rotary import Rotary
 from services.worker.ops import select_topk
 from training.target.indexer_loss import batched_index_scores

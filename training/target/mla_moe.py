@@ -22,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.moe import Experts, MoE
+from services.worker.model.mla_moe import Experts, MoE
 
 
 class ExpertShare(NamedTuple):

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.model import DSAModel
+from services.worker.model.preset_decoder import DSAModel
 
 _RESIDUAL_OUT = ("attn.w_o.weight", "mlp.down.weight")
 # MLADecoder: the projections that write the residual stream.

@@ -12,18 +12,32 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.worker.durable.host_link import HostLink
-from services.worker.durable.manifest import ManifestError
+from services.worker.durable.manifest import ManifestError, SessionRecord
 from services.worker.durable.restore import read_manifest
 
 if TYPE_CHECKING:
     from services.kv_host_store.client import KVHostStoreClient
-    from services.worker.engine.engine import Engine
+    from services.kv_host_store.records import Region
     from services.worker.hierarchy.local_store import LocalHostStore
+    from services.worker.request.request import Request
+    from services.worker.serving.cache import KVCache
 
 log = logging.getLogger(__name__)
+
+
+class Adopter(Protocol):
+    """What adoption needs of an engine (``Engine``): its KV state, the link it reports its
+    store registration through, and a way to resume one session."""
+
+    kv: KVCache
+    host_link: object | None
+
+    def restore(
+        self, record: SessionRecord, version: int, regions: list[Region]
+    ) -> Request | None: ...
 
 
 @dataclass
@@ -33,7 +47,7 @@ class AdoptionReport:
 
 
 def adopt_sessions(
-    engine: Engine, store: KVHostStoreClient | LocalHostStore, owner: str, generation: int
+    engine: Adopter, store: KVHostStoreClient | LocalHostStore, owner: str, generation: int
 ) -> AdoptionReport:
     """Adopts and resumes the requests of ``owner``'s earlier generations. ``store``: the
     host-store client (or ``LocalHostStore``) whose arena ``engine`` maps; ``engine`` must run
@@ -73,7 +87,7 @@ def adopt_sessions(
 
 
 def take_over(
-    engine: Engine, client: KVHostStoreClient | LocalHostStore, lease_ttl_s: float
+    engine: Adopter, client: KVHostStoreClient | LocalHostStore, lease_ttl_s: float
 ) -> HostLink:
     """Registers ``engine``'s owner (its host regions') with the store as a new generation,
     resumes the durable sessions earlier generations left, and starts renewing the lease from

@@ -16,18 +16,24 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 from services.kv_host_store.errors import StoreError
 from services.worker.kv.errors import describe
 
 if TYPE_CHECKING:
     from services.kv_host_store.client import KVHostStoreClient
-    from services.worker.engine.engine import Engine
     from services.worker.hierarchy.host_backup import HostBackups
     from services.worker.hierarchy.local_store import LocalHostStore
 
 log = logging.getLogger(__name__)
+
+
+class Grouped(Protocol):
+    """What ``HostLink.maintain`` reads of an engine: whether it steps with a group of ranks
+    (``lockstep`` is not None)."""
+
+    lockstep: object | None
 
 
 class HostLink:
@@ -100,7 +106,7 @@ class HostLink:
             log.warning("host store link %s: %s", state, problem)
         self.state, self.problem = state, problem
 
-    def maintain(self, engine: Engine) -> None:
+    def maintain(self, engine: Grouped) -> None:
         """Between engine steps (engine thread): re-attaches to a restarted store once nothing
         holds regions of the old arena. A group of ranks does not: each rank holds its own
         mapping of the arena, and rank 0 alone remapping would write where the others no longer

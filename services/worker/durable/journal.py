@@ -16,8 +16,8 @@ import torch
 
 from services.worker.durable import manifest
 from services.worker.durable.manifest import SessionRecord
-from services.worker.engine.request import Request
-from services.worker.kv.cache import KVCache
+from services.worker.request.request import Request
+from services.worker.serving.cache import KVCache
 
 _SLACK = 256  # JSON digits that grow as a request does (counts, times)
 

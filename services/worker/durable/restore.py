@@ -18,10 +18,10 @@ from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.records import Region
 from services.worker.durable import manifest
 from services.worker.durable.manifest import ManifestError, SessionRecord
-from services.worker.engine.request import Request, SamplingParams
-from services.worker.engine.stop import TextStream
 from services.worker.hierarchy.session import SessionBackup
-from services.worker.kv.cache import KVCache
+from services.worker.request.request import Request, SamplingParams
+from services.worker.request.stop import TextStream
+from services.worker.serving.cache import KVCache
 
 
 class Seats(Protocol):

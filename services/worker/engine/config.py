@@ -8,11 +8,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.cuda_graph import GraphConfig
-from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
-from services.worker.kv.config import KVCacheConfig
-from services.worker.parallel.layout import SINGLE, ParallelConfig
-from services.worker.residency.config import ResidencyConfig
+from dhisparse.family.parallel_layout import SINGLE, ParallelConfig
+from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.kv.config import FollowerPrefetch, KVCacheConfig, ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
 
 

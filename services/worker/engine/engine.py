@@ -10,12 +10,25 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from dhisparse.family.generation import eos_token_ids, token_ids
+from dhisparse.family.presets import PRESETS
 from dhisparse.paths import resolve_path
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.kv_host_store.records import Region
 from services.worker.engine.config import EngineConfig
-from services.worker.engine.cuda_graph import DecodeGraphs, DraftGraphs
-from services.worker.engine.request import (
+from services.worker.engine.scheduler import Scheduler
+from services.worker.engine.stats import EngineStats
+from services.worker.graphs.cuda_graph import DecodeGraphs, DraftGraphs
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.transfers import readback, to_device
+from services.worker.model.decoder import SparseDecoder
+from services.worker.model.mla_mtp import MTPStep
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.rank_group.lockstep import Lockstep, StopFollowing
+from services.worker.rank_group.mirror import Resumed, mirror, mirror_resumed
+from services.worker.rank_group.placement import Placement, RankLoad
+from services.worker.rank_group.region_group import GroupRegionStore
+from services.worker.request.request import (
     FinishReason,
     Request,
     RequestError,
@@ -24,25 +37,12 @@ from services.worker.engine.request import (
     Status,
     TokenLogprob,
 )
-from services.worker.engine.sampling import sample_token, token_logprob
-from services.worker.engine.scheduler import Scheduler
-from services.worker.engine.stats import EngineStats
-from services.worker.engine.stop import TextStream
-from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
-from services.worker.kv.transfers import readback, to_device
-from services.worker.model import DSAModel, load_model
-from services.worker.model.generation import eos_token_ids, token_ids
-from services.worker.model.io import DTYPES
-from services.worker.model.mtp import MTPStep
-from services.worker.model.presets import PRESETS
-from services.worker.parallel.comm import LOCAL, Comm
-from services.worker.parallel.lockstep import Lockstep, StopFollowing
-from services.worker.parallel.mirror import Resumed, mirror, mirror_resumed
-from services.worker.parallel.placement import Placement, RankLoad
-from services.worker.parallel.region_group import GroupRegionStore
+from services.worker.request.sampling import sample_token, token_logprob
+from services.worker.request.stop import TextStream
+from services.worker.serving.cache import KVCache
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.speculative.speculator import Speculator, make_drafter
+from services.worker.weights.model_io import DTYPES, load_model
 
 if TYPE_CHECKING:
     from services.worker.durable.journal import Journal
@@ -65,7 +65,7 @@ class Engine:
     def __init__(
         self,
         cfg: EngineConfig,
-        model: DSAModel | None = None,
+        model: SparseDecoder | None = None,
         tokenizer: Tokenizer | None = None,
         host: tuple | None = None,
         comm: Comm = LOCAL,
@@ -165,9 +165,11 @@ class Engine:
                 max_width=spec.k_max if spec is not None else 1,
             )  # fmt: skip
             if spec is not None:
-                spec.graphs = DraftGraphs(spec.drafter, cfg.max_num_seqs)
+                spec.graphs = DraftGraphs(
+                    spec.drafter.draft, spec.drafter.fc.weight.device, cfg.max_num_seqs
+                )
 
-    def _graphs_off(self, cfg: EngineConfig, model: DSAModel) -> str | None:
+    def _graphs_off(self, cfg: EngineConfig, model: SparseDecoder) -> str | None:
         """Why decode and verify passes are not replayed as CUDA graphs, or None when they are."""
         if not cfg.graphs.enabled:
             return "turned off (--no-cuda-graphs)"
@@ -602,7 +604,7 @@ class Engine:
     ) -> torch.Tensor:
         """[N, V] fp32 logits of every new token of a decode or verify ``batch`` (tokens [N]),
         replayed from a CUDA graph where one covers the pass; writes the pass's rows into the
-        KV cache (the caller commits). ``features``: as ``DSAModel.forward`` takes them."""
+        KV cache (the caller commits). ``features``: as ``SparseDecoder.forward`` takes them."""
         if self.graphs is not None and self.graphs.covers(batch):
             return self.graphs.logits(tokens, batch, features)
         return self.model.logits(self.model(tokens, batch, self.kv, features=features))

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
-from services.worker.engine.request import Request, Status
-from services.worker.kv.cache import KVCache
 from services.worker.kv.errors import HostStoreUnavailable
+from services.worker.request.request import Request, Status
+from services.worker.serving.cache import KVCache
 
 
 class Chunk(NamedTuple):

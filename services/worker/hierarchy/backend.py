@@ -10,8 +10,8 @@ from typing import NamedTuple
 import torch
 
 from services.worker.hierarchy.host_copy import backup_rows_ref, restore_rows_ref
-from services.worker.hierarchy.read_order import HostReadOrder
 from services.worker.hierarchy.resolver import resolve_ref
+from services.worker.kv.config import HostReadOrder
 
 
 def _no_workspace(

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.worker.hierarchy.backend import Backend
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.host_backup import HostBackups
@@ -25,7 +26,6 @@ from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.staging import StagingLayout, lay_out_staging
 from services.worker.kv.paged import PagePool, SharedPages
 from services.worker.kv.row_codec import RowCodec
-from services.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

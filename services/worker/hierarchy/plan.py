@@ -15,8 +15,8 @@ import torch
 from services.worker.kv.transfers import to_device
 
 if TYPE_CHECKING:
+    from dhisparse.family.config import ModelConfig
     from services.worker.kv.batch import ForwardBatch
-    from services.worker.model.config import ModelConfig
 
 
 @dataclass(frozen=True)

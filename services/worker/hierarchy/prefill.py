@@ -18,10 +18,10 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.worker.hierarchy.device_store import DeviceStore
 from services.worker.hierarchy.plan import ChunkPlan, PassPlans, host_plans, upload_plans
 from services.worker.kv.batch import ForwardBatch
-from services.worker.model.config import ModelConfig
 
 
 class Prefixes:

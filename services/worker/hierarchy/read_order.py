@@ -1,4 +1,5 @@
-"""The order a step's host reads are issued in: a policy, apart from the copy kernel.
+"""The order a step's host reads are issued in (``kv.config.HostReadOrder``): a policy, apart
+from the copy kernel.
 
 The resolver queues a step's misses request by request, in whatever order the requests'
 programs ran, and the copy kernel's persistent grid walks that queue a window of entries at a
@@ -9,17 +10,7 @@ one, so the pool ends up with the same bytes, and attention with the same inputs
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
-
-
-@dataclass(frozen=True)
-class HostReadOrder:
-    # sort a step's queued host reads by address before the copy: off, as the sort runs over
-    # every selected entry of every resolve, hits included (docs/results/host_layout.md)
-    by_address: bool = False
-
 
 # Larger than any host element offset: unused queue entries sort behind the live ones.
 _PAST_END = torch.iinfo(torch.int64).max

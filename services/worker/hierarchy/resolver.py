@@ -11,31 +11,12 @@ is copied once and hits for the next. Locations come back in selection order."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
 from services.worker.hierarchy.staging import StagingOverflow
-
-
-@dataclass(frozen=True)
-class Census:
-    """Selected entries by how they resolved, and distinct rows copied from the host.
-
-    Resolvers return it as a [4] int64 device tensor (direct, hot, host, copied) so that
-    counting never synchronises; ``Census.of`` reads one."""
-
-    direct: int = 0
-    hot: int = 0
-    host: int = 0
-    copied: int = 0
-
-    @staticmethod
-    def of(t: torch.Tensor) -> Census:
-        return Census(*(int(x) for x in t.tolist()))
 
 
 def resolve_ref(

@@ -25,9 +25,10 @@ from services.worker.hierarchy.copy_triton import DEFAULT_LAUNCH, CopyLaunch, co
 from services.worker.hierarchy.geometry import SourceGeometry
 from services.worker.hierarchy.hot_cache import HotCache
 from services.worker.hierarchy.plan import ChunkPlan
-from services.worker.hierarchy.read_order import HostReadOrder, sort_queued
+from services.worker.hierarchy.read_order import sort_queued
 from services.worker.hierarchy.resolver_kernel import resolve_kernel
 from services.worker.hierarchy.staging import StagingOverflow
+from services.worker.kv.config import HostReadOrder
 
 
 class Workspace:

@@ -12,10 +12,10 @@ from __future__ import annotations
 import torch
 
 from services.worker.hierarchy.device_store import DeviceStore
-from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
-from services.worker.hierarchy.resolver import Census
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.config import FollowerPrefetch
 from services.worker.kv.pass_state import PassState
+from services.worker.kv.reports import Census
 
 
 class Selections:

@@ -17,12 +17,12 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.kv_host_store.records import Region
 from services.worker.hierarchy.host_backup import HostBackups
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.index_keys import IndexKeys
 from services.worker.kv.token_ring import TokenRing
-from services.worker.model.config import ModelConfig
 
 MANIFEST_SOURCE = -1
 

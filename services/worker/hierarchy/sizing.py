@@ -3,7 +3,7 @@ scratch and hot-cache metadata. Pure arithmetic over the model config."""
 
 from __future__ import annotations
 
-from services.worker.model.config import ModelConfig
+from dhisparse.family.config import ModelConfig
 
 
 def fixed_bytes(

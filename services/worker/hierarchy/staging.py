@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from services.worker.model.config import ModelConfig
+from dhisparse.family.config import ModelConfig
 
 
 class StagingOverflow(RuntimeError):

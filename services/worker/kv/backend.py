@@ -21,8 +21,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_state import PassState
 
 if TYPE_CHECKING:
-    from services.worker.hierarchy.resolver import Census
-    from services.worker.residency.optional_history import ResidencyStats
+    from services.worker.kv.reports import Census, ResidencyStats
 
 
 class PayloadBackend(Protocol):

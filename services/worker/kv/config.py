@@ -1,5 +1,6 @@
 """What a worker's KV state is configured with, and the byte arithmetic shared with the
-benchmarks: the serving modes, the pool classes of eq. 3, and bytes per token."""
+benchmarks: the serving modes and their settings (the hierarchy's host-read order and
+followers' prefetch, adaptive residency's), the pool classes of eq. 3, and bytes per token."""
 
 from __future__ import annotations
 
@@ -7,12 +8,55 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.hierarchy.follower_prefetch import FollowerPrefetch
-from services.worker.hierarchy.read_order import HostReadOrder
-from services.worker.model.config import ModelConfig
-from services.worker.residency.config import ResidencyConfig
+from dhisparse.family.config import ModelConfig
 
 MODES = ("resident", "hisparse", "adaptive")
+# whom reclaim takes first (``residency.policy``)
+RECLAIM_ORDERS = ("largest", "smallest", "oldest", "newest")
+
+
+@dataclass(frozen=True)
+class HostReadOrder:
+    """The order a step's host reads are issued in (``hierarchy.read_order``)."""
+
+    # sort a step's queued host reads by address before the copy: off, as the sort runs over
+    # every selected entry of every resolve, hits included (docs/results/host_layout.md)
+    by_address: bool = False
+
+
+@dataclass(frozen=True)
+class FollowerPrefetch:
+    """When an index producer's followers are resolved (``hierarchy.selection``). Either way
+    the locations and the bytes copied are the same.
+
+    A producer's selection serves the follower layers after it (IndexShare), each with a source
+    of its own, so their resolutions — hot-cache lookups and host reads — can start as soon as
+    the selection exists. Overlapped, they run on a side stream beside the producer's attention
+    and the layers in between (inside a captured CUDA graph: a parallel branch of the graph);
+    inline, they run on the pass's own stream before the producer's attention."""
+
+    overlap: bool = True  # on a GPU: beside the layers in between (False: inline)
+
+
+@dataclass(frozen=True)
+class ResidencyConfig:
+    """What load-adaptive residency is configured with (mode ``adaptive``)."""
+
+    reserve_pages: int = 0  # M_res of eq. 3, in pages: kept free for admissions
+    populate_pages: int = 256  # optional pages refilled per attempt
+    # refill a request's history only while it has at least this many times V/k decode steps
+    # left (a refilled page pays back its copy after about V/k steps; 0: always)
+    populate_payback: float = 1.0
+    overlap_refills: bool = False  # GPU: refill copies on a side stream beside decode passes
+    reclaim_order: str = "largest"  # largest | smallest | oldest | newest
+
+    def __post_init__(self) -> None:
+        if self.reclaim_order not in RECLAIM_ORDERS:
+            raise ValueError(
+                f"unknown reclaim order {self.reclaim_order!r}; choose from {RECLAIM_ORDERS}"
+            )
+        if self.reserve_pages < 0 or self.populate_pages < 0 or self.populate_payback < 0:
+            raise ValueError("reserve_pages, populate_pages and populate_payback must be >= 0")
 
 
 @dataclass(frozen=True)

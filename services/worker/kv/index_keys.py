@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.worker.kv.paged import PagedGroup, SharedPages
 from services.worker.kv.row_codec import RowCodec
-from services.worker.model.config import ModelConfig
 
 
 class IndexKeys(PagedGroup):

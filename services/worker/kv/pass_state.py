@@ -9,13 +9,23 @@ wrote (``written``) for the commit; it touches nothing else of a payload."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 if TYPE_CHECKING:
-    from services.worker.hierarchy.plan import ChunkPlan
     from services.worker.kv.batch import ForwardBatch
+
+
+class PassPlan(Protocol):
+    """What a pass state reads of a mode's plan of where a source's new rows go (the
+    hierarchy's ``ChunkPlan``)."""
+
+    @property
+    def all_direct(self) -> bool:
+        """Every selected row resolves directly: no hot-cache scan, no host reads."""
+        ...
+
 
 # per source: (slots [n], rows [n], store locations [n]) a pass wrote
 Written = dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -29,7 +39,7 @@ class PassState:
     this pass wrote, backed up at commit."""
 
     batch: ForwardBatch | None = None
-    plans: list[ChunkPlan] = field(default_factory=list)
+    plans: list[PassPlan] = field(default_factory=list)
     plan_rows: torch.Tensor | None = None
     plan_index: tuple[int, ...] = ()
     written: Written = field(default_factory=dict)
@@ -41,7 +51,7 @@ class PassState:
     def begin(
         self,
         batch: ForwardBatch,
-        plans: list[ChunkPlan],
+        plans: list[PassPlan],
         plan_rows: torch.Tensor | None,
         plan_index: tuple[int, ...],
     ) -> None:

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.kv.fp8_format import Fp8RowFormat, index_key_format, mla_row_format
-from services.worker.model.config import ModelConfig
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.fp8_kv_format import Fp8RowFormat, index_key_format, mla_row_format
 from services.worker.ops.fp8_kv import fp8_gather_ref, fp8_store_ref
 
 KV_CACHE_DTYPES = ("auto", "fp8")

@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model.config import ModelConfig
 
 # The model's index scoring (``model.row_selection``) takes these shapes, and the bound below
 # follows them: prefill queries are scored against a request's keys per block of SCORE_BLOCK,

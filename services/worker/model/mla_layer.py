@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from torch import nn
 
-from services.worker.model.config import ModelConfig
-from services.worker.model.dsa_indexer import DSAIndexer
-from services.worker.model.hf_config import MLAConfig
+from dhisparse.family.config import ModelConfig
+from dhisparse.family.hf_config import MLAConfig
 from services.worker.model.layers import RMSNorm
-from services.worker.model.mla import MLA
-from services.worker.model.moe import MLP, MoE
+from services.worker.model.mla_attention import MLA
+from services.worker.model.mla_indexer import DSAIndexer
+from services.worker.model.mla_moe import MLP, MoE
 from services.worker.model.weight_format import BF16, WeightFormat
 from services.worker.parallel.shards import Shards
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.model.rope_spec import RopeSpec
+from dhisparse.family.rope_spec import RopeSpec
 
 
 def inv_freq(rope: RopeSpec, dim: int, device: torch.device | str = "cpu") -> torch.Tensor:

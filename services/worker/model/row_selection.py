@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import torch
 
+from dhisparse.family.config import ModelConfig
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
-from services.worker.model.config import ModelConfig
 from services.worker.ops import index_scores, select_topk
+from services.worker.serving.cache import KVCache
 
 
 def key_rows(rows: int) -> int:

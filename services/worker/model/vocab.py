@@ -9,9 +9,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from dhisparse.family.parallel_layout import Span
 from services.worker.model.layers import head_logits
 from services.worker.parallel.comm import LOCAL, Comm
-from services.worker.parallel.layout import Span
 
 
 class VocabEmbedding(nn.Embedding):

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from services.worker.model.quantization_config import WEIGHT_DTYPES, serves_fp8
+from dhisparse.family.quantization_config import WEIGHT_DTYPES, serves_fp8
 from services.worker.ops.fp8_linear import MODES, Mode
 
 __all__ = ["ABSORBED", "BF16", "WEIGHT_DTYPES", "WeightFormat", "linear", "resolve"]
@@ -52,6 +52,6 @@ def linear(d_in: int, d_out: int, fmt: WeightFormat) -> nn.Module:
     (both expose ``weight``; FP8Linear also ``weight_scale_inv``)."""
     if not fmt.fp8:
         return nn.Linear(d_in, d_out, bias=False)
-    from services.worker.model.fp8_linear import FP8Linear
+    from services.worker.model.fp8_linear_layer import FP8Linear
 
     return FP8Linear(d_in, d_out, mode=fmt.mode)

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.kv.fp8_codec import pack, unpack
-from services.worker.kv.fp8_format import Fp8RowFormat
+from dhisparse.family.fp8_kv_format import Fp8RowFormat
+from services.worker.ops.fp8_kv_codec import pack, unpack
 
 
 def fp8_store_ref(

@@ -1,7 +1,7 @@
 """The FP8 block-scaled linear layer ``y = x @ W^T (+ bias)``, W stored as DeepSeek's FP8
 checkpoints store it: e4m3 values ``W_fp8 [N, K]`` and one scale per 128x128 block
 ``scale [ceil(N/128), ceil(K/128)]`` (``weight_scale_inv``; ``W = W_fp8 * scale`` per block,
-ragged last blocks included; see ``services/worker/model/fp8.py``).
+ragged last blocks included; see ``services/worker/ops/fp8_blockwise.py``).
 
 Two activation modes (``MODES``):
 - ``"w8a16"``: x stays in its dtype (bf16, fp16 or fp32); the weight is dequantized per block.
@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from services.worker.model.fp8 import (
+from services.worker.ops.fp8_blockwise import (
     FP8_DTYPE,
     FP8_MAX,
     dequantize_blockwise,

@@ -3,7 +3,7 @@ choice) pair ``p`` with expert ``e``, ``y_p = w_p * down[e](silu(gate[e] x) * up
 each token's ``top_k`` outputs summed.
 
 Weights as the checkpoint stores each expert's, stacked over experts (e4m3 values, one fp32
-scale per 128x128 block, ragged last blocks included; ``services/worker/model/fp8.py``):
+scale per 128x128 block, ragged last blocks included; ``services/worker/ops/fp8_blockwise.py``):
 - ``gate_up [E, 2I, D]``: gate rows ``[0, I)``, up rows ``[I, 2I)``; its scale grid
   ``[E, 2 * ceil(I/128), ceil(D/128)]`` is gate's grid over up's grid. When I % 128 == 0 that is
   the grid of the stacked [2I, D] weight; otherwise a 128-row block of the stack would straddle
@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 from torch.nn import functional as F
 
-from services.worker.model.fp8 import FP8_DTYPE, dequantize_blockwise
+from services.worker.ops.fp8_blockwise import FP8_DTYPE, dequantize_blockwise
 from services.worker.ops.fp8_linear import (
     BLOCK,
     MODES,

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from services.worker.kv.fp8_format import Fp8RowFormat
+from dhisparse.family.fp8_kv_format import Fp8RowFormat
 from services.worker.ops.fp8_store_kernel import fp8_store_kernel
 
 

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from dhisparse.family.parallel_layout import RankLayout
 from services.worker.parallel.comm import Comm
-from services.worker.parallel.layout import RankLayout
 
 _ACTIVE, _KEY, _TOKENS, _SEND = 0, 1, 2, 3  # the header's fields; _SEND.. per rank
 

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.worker.model.hf_config import MLAConfig
+from dhisparse.family.hf_config import MLAConfig
+from dhisparse.family.parallel_layout import SINGLE, ParallelConfig, RankLayout
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.exchange import ExpertExchange
-from services.worker.parallel.layout import SINGLE, ParallelConfig, RankLayout
 
 
 @dataclass(frozen=True, eq=False)

@@ -62,16 +62,6 @@ def page_of_key(key: int) -> tuple[int, int]:
     return key >> 32, key & 0xFFFFFFFF
 
 
-@dataclass
-class ResidencyStats:
-    reclaim_events: int = 0
-    reclaim_pages: int = 0
-    reclaim_latency: list[float] = field(default_factory=list)  # seconds, drained by readers
-    repopulated_pages: int = 0  # published (their copy completed)
-    refill_pages: int = 0  # whose copy was queued (the step that queues it pays for it)
-    admissions_waited: int = 0
-
-
 class OptionalHistory:
     """Who holds which optional pages: one ``Owner`` per admission (an id that outlives its
     slot's reuse, so a page still draining after its request ended is never mistaken for the

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-RECLAIM_ORDERS = ("largest", "smallest", "oldest", "newest")
+from services.worker.kv.config import RECLAIM_ORDERS
 
 
 @dataclass(frozen=True)

@@ -17,11 +17,11 @@ import time
 import torch
 
 from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.kv.reports import ResidencyStats
 from services.worker.residency.completions import InFlight
 from services.worker.residency.optional_history import (
     OptionalHistory,
     OptPage,
-    ResidencyStats,
     State,
     page_key,
     page_rows,

@@ -12,13 +12,13 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.kv.config import ResidencyConfig
+from services.worker.kv.reports import ResidencyStats
 from services.worker.residency.completions import InFlight
-from services.worker.residency.config import ResidencyConfig
 from services.worker.residency.optional_history import (
     OptionalHistory,
     OptPage,
     Owner,
-    ResidencyStats,
     State,
     page_of_key,
     page_rows,

@@ -22,13 +22,13 @@ from collections.abc import Callable
 import torch
 
 from services.worker.hierarchy.device_store import DeviceStore
+from services.worker.kv.config import ResidencyConfig
+from services.worker.kv.reports import ResidencyStats
 from services.worker.residency.check import check_residency
 from services.worker.residency.completions import Completions, InFlight
-from services.worker.residency.config import ResidencyConfig
 from services.worker.residency.optional_history import (
     OptionalHistory,
     OptPage,
-    ResidencyStats,
     State,
     import_pages,
     page_key,

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.worker.engine.request import SamplingParams
-from services.worker.engine.sampling import sample_token
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
+from services.worker.request.request import SamplingParams
+from services.worker.request.sampling import sample_token
+from services.worker.serving.cache import KVCache
 from services.worker.speculative.drafters.base import Drafter
 from services.worker.speculative.verify import verify
 
@@ -46,7 +46,7 @@ class SpecOutput:
     stats: SpecStats
 
 
-def _kv(target: DSAModel, max_len: int, block: int) -> KVCache:
+def _kv(target: SparseDecoder, max_len: int, block: int) -> KVCache:
     device = next(target.parameters()).device
     dtype = next(target.parameters()).dtype
     cfg = KVCacheConfig(
@@ -65,7 +65,7 @@ def _kv(target: DSAModel, max_len: int, block: int) -> KVCache:
 
 
 def _forward(
-    target: DSAModel,
+    target: SparseDecoder,
     kv: KVCache,
     ids: list[int],
     start: int,
@@ -81,13 +81,13 @@ def _forward(
     return batch, target.logits(hidden)
 
 
-def _ended(token: int, target: DSAModel, params: SamplingParams) -> bool:
+def _ended(token: int, target: SparseDecoder, params: SamplingParams) -> bool:
     return token == target.cfg.eos_token_id and not params.ignore_eos
 
 
 @torch.no_grad()
 def plain_generate(
-    target: DSAModel,
+    target: SparseDecoder,
     prompt: list[int],
     max_tokens: int,
     params: SamplingParams,
@@ -109,7 +109,7 @@ def plain_generate(
 
 @torch.no_grad()
 def speculative_generate(
-    target: DSAModel,
+    target: SparseDecoder,
     drafter: Drafter,
     prompt: list[int],
     max_tokens: int,

@@ -17,12 +17,12 @@ from dataclasses import dataclass, field
 import torch
 
 from dhisparse.paths import resolve_path
-from services.worker.engine.cuda_graph import DraftGraphs
-from services.worker.engine.request import Request
+from services.worker.graphs.cuda_graph import DraftGraphs
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
+from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
-from services.worker.model.model import DSAModel
+from services.worker.request.request import Request
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
@@ -49,7 +49,7 @@ class SpecCounters:
 
 
 def make_drafter(
-    spec: str, target: DSAModel, block: int, seed: int, mtp_step: MTPStepFn | None = None
+    spec: str, target: SparseDecoder, block: int, seed: int, mtp_step: MTPStepFn | None = None
 ) -> RuntimeDrafter:
     """``spec``: a drafter kind (random weights, seeded), ``mtp`` (the target's own MTP layer,
     run by ``mtp_step``) or a checkpoint directory."""

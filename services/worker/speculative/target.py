@@ -7,8 +7,8 @@ from typing import Protocol
 
 import torch
 
-from services.worker.engine.request import Request, RequestOutput
 from services.worker.kv.batch import ForwardBatch
+from services.worker.request.request import Request, RequestOutput
 
 
 class Target(Protocol):

@@ -14,8 +14,8 @@ from typing import NamedTuple
 
 import torch
 
-from services.worker.engine.request import SamplingParams
-from services.worker.engine.sampling import apply_top_k_top_p
+from services.worker.request.request import SamplingParams
+from services.worker.request.sampling import apply_top_k_top_p
 
 
 class Verdict(NamedTuple):

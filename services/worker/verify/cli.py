@@ -65,9 +65,9 @@ def main(args: argparse.Namespace) -> int:
     try:
         import torch
 
-        from services.worker.model.hf_config import parse_config
-        from services.worker.model.hf_io import read_config
+        from dhisparse.family.hf_config import parse_config
         from services.worker.verify.compare import verify
+        from services.worker.weights.hf_load import read_config
 
         if args.threads:
             torch.set_num_threads(args.threads)

@@ -9,13 +9,13 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.family.hf_config import parse_config
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.cache import KVCache
 from services.worker.kv.config import KVCacheConfig, bytes_per_token
-from services.worker.model.hf_config import parse_config
-from services.worker.model.hf_io import load_hf_model, read_config
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.serving.cache import KVCache
 from services.worker.verify.reference import load_reference, reference_logits, run_reference
+from services.worker.weights.hf_load import load_hf_model, read_config
 
 _ROWS = 256  # query positions per block when comparing selections and logits
 

@@ -20,11 +20,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from services.worker.model.checkpoint import Checkpoint, CheckpointError
-from services.worker.model.hf_config import MLAConfig
-from services.worker.model.hf_io import first_layers, later_layers
-from services.worker.model.loader import load_into
-from services.worker.model.mla_decoder import ignored_patterns
+from dhisparse.family.hf_config import MLAConfig
+from services.worker.weights.checkpoint import Checkpoint, CheckpointError
+from services.worker.weights.hf_load import first_layers, later_layers
+from services.worker.weights.loader import load_into
+from services.worker.weights.mla_names import ignored_patterns
 
 # config.json lists with one entry per layer, cut to the first N
 _PER_LAYER = ("indexer_types", "mlp_layer_types", "layer_types", "index_topk_pattern")

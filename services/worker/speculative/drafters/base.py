@@ -26,8 +26,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from services.worker.kv.transfers import to_device
+from services.worker.model.decoder import SparseDecoder
 from services.worker.model.layers import RMSNorm
-from services.worker.model.model import DSAModel
 from services.worker.speculative.draft_ring import DraftRing
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.layers import DraftLayer
@@ -46,14 +46,14 @@ class _Borrowed:
     """The target, whose embeddings and lm_head the drafter uses but does not own: a plain
     attribute, not a submodule, so it is neither saved with nor trained by the drafter."""
 
-    def __init__(self, target: DSAModel) -> None:
+    def __init__(self, target: SparseDecoder) -> None:
         self.target = target
 
 
 class Drafter(nn.Module, abc.ABC):
     kind: ClassVar[str] = ""
 
-    def __init__(self, cfg: DrafterConfig, target: DSAModel) -> None:
+    def __init__(self, cfg: DrafterConfig, target: SparseDecoder) -> None:
         super().__init__()
         cfg.validate()
         tc = target.cfg

@@ -6,7 +6,7 @@ import json
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
 
-from services.worker.model.config import ModelConfig
+from dhisparse.family.config import ModelConfig
 
 KINDS = ("dflash", "dspark", "dflash2")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
 from services.worker.speculative.drafters.base import Drafter, accept_length, token_loss
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.proposal import draw, tempered
@@ -23,7 +23,7 @@ from services.worker.speculative.proposal import draw, tempered
 class DFlash2Drafter(Drafter):
     kind = "dflash2"
 
-    def __init__(self, cfg: DrafterConfig, target: DSAModel) -> None:
+    def __init__(self, cfg: DrafterConfig, target: SparseDecoder) -> None:
         super().__init__(cfg, target)
         r = cfg.selector_rank
         self.sel_a = nn.Embedding(cfg.vocab_size, r)

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
 from services.worker.speculative.confidence import ConfidenceScheduler
 from services.worker.speculative.drafters.base import Drafter, accept_length, token_loss
 from services.worker.speculative.drafters.config import DrafterConfig
@@ -25,7 +25,7 @@ from services.worker.speculative.proposal import draw, tempered
 class DSparkDrafter(Drafter):
     kind = "dspark"
 
-    def __init__(self, cfg: DrafterConfig, target: DSAModel) -> None:
+    def __init__(self, cfg: DrafterConfig, target: SparseDecoder) -> None:
         super().__init__(cfg, target)
         self.markov_in = nn.Embedding(cfg.vocab_size, cfg.markov_rank)  # W1
         self.markov_out = nn.Linear(cfg.markov_rank, cfg.vocab_size, bias=False)  # W2

@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from services.worker.model.model import DSAModel
+from services.worker.model.decoder import SparseDecoder
 from services.worker.speculative.drafters.base import Drafter
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.dflash import DFlashDrafter
@@ -28,7 +28,7 @@ DRAFTERS: dict[str, type[Drafter]] = {
 
 
 def build_drafter(
-    cfg: DrafterConfig, target: DSAModel, seed: int = 0, dtype: torch.dtype = torch.float32
+    cfg: DrafterConfig, target: SparseDecoder, seed: int = 0, dtype: torch.dtype = torch.float32
 ) -> Drafter:
     """A drafter of ``cfg.kind`` with seeded initial weights, on the target's device."""
     device = next(target.parameters()).device
@@ -46,7 +46,9 @@ def save_drafter(drafter: Drafter, path: str | Path) -> None:
     save_file(tensors, str(path / WEIGHTS_FILE), metadata={"format": "pt"})
 
 
-def load_drafter(path: str | Path, target: DSAModel, dtype: torch.dtype = torch.float32) -> Drafter:
+def load_drafter(
+    path: str | Path, target: SparseDecoder, dtype: torch.dtype = torch.float32
+) -> Drafter:
     path = Path(path)
     cfg = DrafterConfig.load(path / CONFIG_FILE)
     if cfg.target != target.cfg.name:

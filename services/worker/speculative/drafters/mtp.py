@@ -18,7 +18,7 @@ import torch
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
-from services.worker.model.mtp import MTPStep
+from services.worker.model.mla_mtp import MTPStep
 from services.worker.speculative.proposal import (
     Proposal,
     draw,

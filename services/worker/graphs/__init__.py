@@ -1,0 +1,1 @@
+"""CUDA graphs of the decode, verify and draft passes (``cuda_graph``)."""

@@ -1,0 +1,356 @@
+"""CUDA graphs of the decode and verify passes and of the drafter's block pass.
+
+A decode or verify pass, the model's forward and logits over a batch whose requests all add
+the same number of tokens W (1 in a decode step, the block width K in a speculative verify
+round), is captured once per (batch size, W, index-key width, which sources share a plan and
+which are all direct, whether the drafter's target features are taken) and replayed with the
+live batch copied into the graph's input tensors. The drafter's block pass (``Drafter.draft``)
+is captured once per (batch size, whether any request samples).
+
+A launch-bound decode step spends most of its time issuing ~700 small kernels from Python; a
+replay issues them in one call. Everything the pass decides on the host happens before the
+replay: the engine begins the pass on the KV cache (the hierarchy's plans: one copy into the
+plan rows the graph reads) and picks the graph. Inside the graph nothing reads the host: the
+resolver's clock is a device scalar, its workspace is reserved at its largest before the first
+capture, top-k masks with ``masked_fill``, and the index keys are gathered at a bucketed width
+(``model.key_rows``) that eager decode and verify passes use too, so a replay computes what the
+eager pass computes, bit for bit (``tests/worker/test_cuda_graph.py``, on a GPU).
+
+A key is captured the second time a step meets it (with ``consecutive``, the second time in a
+row): a capture costs several eager steps, and while requests arrive or finish one per step the
+batch size changes every step, so most keys would never be replayed. Earlier sightings run eagerly;
+the capturing one runs eagerly on the capture stream (warming every kernel the capture records)
+and its result is used; the capture follows, without executing, and later steps with that key
+replay. The graphs of one kind share one memory pool and never run concurrently; at most
+``limit`` are kept, the least recently used dropped first."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.pass_state import PassState, Written
+from services.worker.model.decoder import SparseDecoder
+from services.worker.model.row_selection import key_rows
+from services.worker.serving.cache import KVCache
+
+# A drafter's block pass (``Drafter.draft``): (slots, committed, anchors, temperatures, noise)
+# -> (tokens, q, confidence)
+DraftPass = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    tuple[torch.Tensor, torch.Tensor, torch.Tensor | None],
+]
+
+# when a key is captured: at its second sighting, or once two passes in a row meet it
+CAPTURE_POLICIES = ("second", "consecutive")
+
+
+@dataclass(frozen=True)
+class GraphConfig:
+    """CUDA graphs on a GPU: whether decode and verify passes are captured and replayed, and
+    when a key is captured (``CAPTURE_POLICIES``: at its ``second`` sighting, or when
+    ``consecutive`` passes meet it, so a batch that changes every step, as in ramps and drains,
+    is never captured)."""
+
+    enabled: bool = True
+    capture: str = "second"
+
+    def __post_init__(self) -> None:
+        if self.capture not in CAPTURE_POLICIES:
+            raise ValueError(
+                f"unknown graph capture policy {self.capture!r}; choose from {CAPTURE_POLICIES}"
+            )
+
+
+def pass_key(state: PassState, batch: ForwardBatch, features: dict | None) -> tuple:
+    """The graph key of a decode or verify pass over ``batch``, once it began (``state``): batch
+    size, queries per request, index-key width, which sources share a plan and which are all
+    direct, and the feature layers taken."""
+    return (
+        batch.num_requests,
+        batch.lens[0],
+        key_rows(max(batch.ends())),
+        *state.graph_key(),
+        None if features is None else tuple(sorted(features)),
+    )
+
+
+def draft_key(slots: torch.Tensor, noise: torch.Tensor | None) -> tuple:
+    """The graph key of a drafter's block pass: batch size, and whether any request samples."""
+    return (len(slots), noise is not None)
+
+
+class CaptureSchedule:
+    """When each key is captured, and the graphs held: at most ``limit``, the least recently
+    used dropped first. No device here: ``python -m bench graph-keys`` runs it on the CPU to count
+    what a run would capture, replay and run eagerly."""
+
+    def __init__(self, limit: int, capture_after: int, consecutive: bool) -> None:
+        self.limit = limit
+        self._graphs: OrderedDict[tuple, object] = OrderedDict()
+        self.capture_after = capture_after  # the sighting of a key that captures it
+        # count only sightings in a row: a batch that changes every step stays eager
+        self.consecutive = consecutive
+        self._seen: OrderedDict[tuple, int] = OrderedDict()  # keys not captured: sightings
+        self._last: tuple | None = None  # the previous pass's key
+        self.eager = 0  # passes run eagerly before their key was captured
+        self.captures = 0
+        self.replays = 0
+
+    def lookup(self, key: tuple) -> tuple[object | None, bool]:
+        """(the key's graph or None, whether to capture it now); counts the sighting."""
+        g = self._graphs.get(key)
+        last, self._last = self._last, key
+        if g is not None:
+            self._graphs.move_to_end(key)
+            self.replays += 1
+            return g, False
+        seen = self._seen.pop(key, 0) + 1
+        if self.consecutive and key != last:
+            seen = 1
+        if seen >= self.capture_after:
+            return None, True
+        self._seen[key] = seen
+        if len(self._seen) > 4 * self.limit:
+            self._seen.popitem(last=False)
+        self.eager += 1
+        return None, False
+
+    def store(self, key: tuple, graph: object) -> None:
+        """Holds the graph captured for ``key``, dropping the least recently used past
+        ``limit``."""
+        if len(self._graphs) >= self.limit:
+            self._graphs.popitem(last=False)
+        self._graphs[key] = graph
+        self.captures += 1
+
+    def __len__(self) -> int:
+        return len(self._graphs)
+
+
+class _Captures(CaptureSchedule):
+    """A ``CaptureSchedule`` of graphs of one kind on a CUDA device: one memory pool, captured
+    on one side stream."""
+
+    def __init__(
+        self, device: torch.device, limit: int, capture_after: int, consecutive: bool
+    ) -> None:
+        super().__init__(limit, capture_after, consecutive)
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+        self.pool = torch.cuda.graph_pool_handle()
+
+    def _run_then_capture(self, run: Callable[[], object]) -> object:
+        """Runs ``run`` eagerly on the capture stream: its result is the step's."""
+        main = torch.cuda.current_stream(self.device)
+        self.stream.wait_stream(main)
+        with torch.cuda.stream(self.stream):
+            out = run()
+        main.wait_stream(self.stream)
+        return out
+
+    def _record(self, run: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Captures ``run`` (without executing it): (the graph, its outputs)."""
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: a metrics thread reading counters meanwhile does not break the capture
+        with torch.cuda.graph(
+            graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
+        ):
+            out = run()
+        return graph, out
+
+
+@dataclass
+class _PassGraph:
+    graph: torch.cuda.CUDAGraph
+    batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
+    tokens: torch.Tensor  # [N] the new tokens (with the batch's slots and positions, refilled)
+    plan_rows: torch.Tensor | None  # [U, 5, R] the hierarchy plans' rows the graph reads
+    written: Written  # the rows the captured pass writes (read by the commit)
+    logits: torch.Tensor  # [N, V] the output
+    features: dict[int, torch.Tensor] | None  # the target features the pass took
+
+
+class DecodeGraphs(_Captures):
+    """Replays captured decode and verify passes of ``model`` over ``kv`` (a CUDA device):
+    batches of at most ``max_batch`` requests that each add the same W <= ``max_width``
+    tokens."""
+
+    def __init__(
+        self,
+        model: SparseDecoder,
+        kv: KVCache,
+        max_batch: int,
+        limit: int = 64,
+        capture_after: int = 2,
+        consecutive: bool = False,
+        max_width: int = 1,
+    ) -> None:
+        super().__init__(next(model.parameters()).device, limit, capture_after, consecutive)
+        self.model = model
+        self.kv = kv
+        self.max_batch = max_batch
+        self.max_width = max_width
+        self._reserved = False
+
+    @staticmethod
+    def supports(model: SparseDecoder) -> bool:
+        """Sources without token rings (no compression, no local window) and no lag (the MTP
+        layer's, whose rows need the carry): their passes write every row where it lives, with
+        no host-sized scatter."""
+        return all(
+            src.compress == 1 and src.window == 0 and src.lag == 0 for src in model.cfg.sources
+        )
+
+    def covers(self, batch: ForwardBatch) -> bool:
+        """Whether ``batch`` is a pass these graphs take: every request adds W <= max_width
+        tokens (a prefill of short uniform chunks is too, but the engine asks only for
+        decode and verify passes)."""
+        w = batch.lens[0]
+        return (
+            w <= self.max_width
+            and batch.num_requests <= self.max_batch
+            and all(n == w for n in batch.lens)
+        )
+
+    def logits(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        features: dict[int, torch.Tensor | None] | None = None,
+    ) -> torch.Tensor:
+        """[N, V] fp32 logits of every new token of ``batch`` (``covers``), whose new tokens are
+        ``tokens`` [N]; writes the pass's rows into the KV cache as the eager forward does (the
+        caller commits). ``features``: as ``SparseDecoder.forward`` takes them, filled."""
+        assert self.covers(batch), "a pass of one width W <= max_width per request"
+        self.kv.begin(batch)
+        state = self.kv.pass_state
+        key = pass_key(state, batch, features)
+        g, capture = self.lookup(key)
+        if capture:
+            return self._capture(key, tokens, batch, features)
+        if g is None:
+            return self._eager(tokens, batch, features)
+        assert isinstance(g, _PassGraph)
+        g.tokens.copy_(tokens)
+        g.batch.slots.copy_(batch.slots)
+        g.batch.positions.copy_(batch.positions)
+        if g.batch.token_slot is not g.batch.slots:  # a verify pass: per-token inputs too
+            g.batch.token_slot.copy_(batch.token_slot)
+            g.batch.starts_t.copy_(batch.starts_t)
+        if g.plan_rows is not None:
+            assert state.plan_rows is not None
+            g.plan_rows.copy_(state.plan_rows)
+        g.graph.replay()
+        state.written.update(g.written)
+        if features is not None and g.features is not None:
+            features.update({i: f.clone() for i, f in g.features.items()})
+        return g.logits.clone()  # the next replay overwrites the graph's own
+
+    def _eager(
+        self, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None = None
+    ) -> torch.Tensor:
+        hidden = self.model(tokens, batch, self.kv, features=features, begin=False)
+        if batch.is_decode:
+            hidden = hidden[batch.last_token_index]
+        return self.model.logits(hidden)
+
+    def _capture(
+        self, key: tuple, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None
+    ) -> torch.Tensor:
+        """Runs this step eagerly on the capture stream, then captures its pass for the key."""
+        self._reserve()
+        state = self.kv.pass_state
+        out = self._run_then_capture(lambda: self._eager(tokens, batch, features))
+        # The graph's inputs: its own copies, which a replay refills.
+        slots, positions = batch.slots.clone(), batch.positions.clone()
+        token_slot, starts_t = slots, positions  # a decode pass: one token per request
+        if not batch.is_decode:
+            token_slot, starts_t = batch.token_slot.clone(), batch.starts_t.clone()
+        static = dataclasses.replace(
+            batch, slots=slots, positions=positions, token_slot=token_slot, starts_t=starts_t,
+            token_req=batch.token_req.clone(), cu_lens=batch.cu_lens.clone(),
+        )  # fmt: skip
+        g_tokens = tokens.clone()
+        written = dict(state.written)  # this step's, for its commit
+        plan_rows = state.plan_rows
+        g_features = None if features is None else dict.fromkeys(features)
+        graph, logits = self._record(lambda: self._eager(g_tokens, static, g_features))
+        assert isinstance(logits, torch.Tensor)
+        captured = dict(state.written)  # what every replay writes
+        state.written.clear()
+        state.written.update(written)
+        held = _PassGraph(graph, static, g_tokens, plan_rows, captured, logits, g_features)
+        self.store(key, held)
+        return out
+
+    def _reserve(self) -> None:
+        """The resolver's workspace on the capture stream, at its largest (see
+        ``reserve_workspace``)."""
+        if self._reserved:
+            return
+        self._reserved = True
+        self.kv.reserve_graph_workspace(
+            self.stream.cuda_stream, self.max_batch * self.max_width, self.max_batch
+        )
+
+
+@dataclass
+class _DraftGraph:
+    graph: torch.cuda.CUDAGraph
+    inputs: tuple[torch.Tensor, ...]  # slots, committed, anchors, temperatures[, noise]
+    outputs: tuple[torch.Tensor | None, ...]  # tokens, q, confidence
+
+
+class DraftGraphs(_Captures):
+    """Replays captured block passes ``draft`` of a drafter whose weights are on ``device``, for
+    batches of at most ``max_batch`` requests; the drafter's ring is read inside the graph, at
+    its fixed address."""
+
+    def __init__(
+        self,
+        draft: DraftPass,
+        device: torch.device,
+        max_batch: int,
+        limit: int = 64,
+        capture_after: int = 2,
+    ) -> None:
+        super().__init__(device, limit, capture_after, consecutive=False)
+        self.run = draft
+        self.max_batch = max_batch
+
+    def draft(
+        self,
+        slots: torch.Tensor,
+        num_committed: torch.Tensor,
+        anchors: torch.Tensor,
+        temperatures: torch.Tensor,
+        noise: torch.Tensor | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """``Drafter.draft``, replayed once its key was captured."""
+        inputs = (slots, num_committed, anchors, temperatures) + (() if noise is None else (noise,))
+        if len(slots) > self.max_batch:
+            return self.run(*inputs[:4], noise)
+        key = draft_key(slots, noise)
+        g, capture = self.lookup(key)
+        if capture:
+            out = self._run_then_capture(lambda: self.run(*inputs[:4], noise))
+            static = tuple(x.clone() for x in inputs)
+            s_noise = static[4] if noise is not None else None
+            graph, outputs = self._record(lambda: self.run(*static[:4], s_noise))
+            self.store(key, _DraftGraph(graph, static, outputs))  # type: ignore[arg-type]
+            return out  # type: ignore[return-value]
+        if g is None:
+            return self.run(*inputs[:4], noise)
+        assert isinstance(g, _DraftGraph)
+        for dst, src in zip(g.inputs, inputs, strict=True):
+            dst.copy_(src)
+        g.graph.replay()
+        tokens, q, conf = (None if o is None else o.clone() for o in g.outputs)
+        assert tokens is not None and q is not None
+        return tokens, q, conf

@@ -1,0 +1,169 @@
+"""DeepSeek-V3 mixture of experts (DeepSeek-V3.2 and GLM-5): a sigmoid router with a
+choice-only correction bias and group-limited top-k, routed experts run as one grouped GEMM
+over the tokens sorted by expert, and always-on shared experts.
+
+The forward has static shapes and no host synchronisation: every (token, choice) pair is one
+row of the grouped GEMM, whatever the routing, and the per-expert offsets stay on the device."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dhisparse.family.hf_config import MoESpec
+from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.parallel.comm import LOCAL, Comm
+from services.worker.parallel.shards import Shards
+
+# The public op where torch has it (2.10+); older releases expose the same kernel privately.
+_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF001
+
+
+class MLP(nn.Module):
+    """SwiGLU with the checkpoint's names (dense layers and the shared experts). ``d_ff``: this
+    rank's columns of the intermediate dimension; ``group`` sums the ranks' partial outputs
+    (the shared experts leave that to their MoE, which sums once for both)."""
+
+    def __init__(
+        self, d_model: int, d_ff: int, fmt: WeightFormat = BF16, group: Comm = LOCAL
+    ) -> None:
+        super().__init__()
+        self.gate_proj = linear(d_model, d_ff, fmt)
+        self.up_proj = linear(d_model, d_ff, fmt)
+        self.down_proj = linear(d_ff, d_model, fmt)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+
+
+class Router(nn.Module):
+    def __init__(self, spec: MoESpec, d_model: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.n_routed, d_model))
+        self.register_buffer("e_score_correction_bias", torch.zeros(spec.n_routed))
+
+    def forward(
+        self, x: torch.Tensor, given: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """[N, d_model] -> (weights [N, top_k] fp32, experts [N, top_k] int64).
+
+        Scores s = sigmoid(logits) in fp32; the choice uses s + bias, within the ``topk_group``
+        groups whose two best choice scores sum highest; the weights are the chosen experts'
+        unbiased s, normalised to sum 1 (when ``norm_topk_prob``), times the routed scale.
+        ``given`` [N, top_k] int64: the experts to weigh instead of choosing them (a reference's
+        choice, injected); their weights come from these scores the same way."""
+        sp = self.spec
+        s = F.linear(x.float(), self.weight.float()).sigmoid()
+        if given is None:
+            choice = s + self.e_score_correction_bias.float()
+            grouped = choice.view(-1, sp.n_group, sp.n_routed // sp.n_group)
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [N, G]
+            groups = group_scores.topk(sp.topk_group, dim=-1, sorted=False).indices
+            keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, groups, True)
+            keep = keep.unsqueeze(-1).expand_as(grouped).reshape(-1, sp.n_routed)
+            choice = choice.masked_fill(~keep, float("-inf"))
+            given = choice.topk(sp.top_k, dim=-1, sorted=False).indices
+        idx = given
+        w = s.gather(1, idx)
+        if sp.norm_topk_prob:
+            w = w / (w.sum(dim=-1, keepdim=True) + 1e-20)
+        return w * sp.routed_scaling, idx
+
+
+def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+    """Rows ``offsets[e-1]:offsets[e]`` of x [M, K] times w[e] [K, N] -> [M, N]; offsets:
+    [E] int32 cumulative row counts on the device.
+
+    torch's grouped GEMM runs it on the CPU and, on a GPU, in bf16; other GPU dtypes (fp32,
+    which the exactness tests use) take a batched matmul of each row with its expert's weight,
+    gathered: the same static shapes, M x K x N elements of workspace."""
+    if x.is_cuda and x.dtype != torch.bfloat16:
+        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
+        expert = torch.searchsorted(offsets, rows, right=True).clamp(max=w.shape[0] - 1)
+        return torch.bmm(x.unsqueeze(1), w[expert]).squeeze(1)
+    return _GROUPED_MM(x, w, offs=offsets)
+
+
+class Experts(nn.Module):
+    """The routed experts, fused as transformers holds them: gate_up [E, 2I, D], down [E, D, I]
+    (this rank's E experts and I columns of each)."""
+
+    def __init__(self, n_experts: int, d_model: int, intermediate: int) -> None:
+        super().__init__()
+        self.n = n_experts
+        self.gate_up_proj = nn.Parameter(torch.empty(n_experts, 2 * intermediate, d_model))
+        self.down_proj = nn.Parameter(torch.empty(n_experts, d_model, intermediate))
+
+    def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """x [N, D], idx / w [N, k] -> sum_j w[:, j] * expert_{idx[:, j]}(x), [N, D]. An id of
+        ``n`` (one past the experts held: another rank's expert) contributes nothing."""
+        n, k = idx.shape
+        if n == 0:
+            return torch.zeros_like(x)
+        flat = idx.reshape(-1)
+        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
+        counts = torch.zeros(self.n + 1, dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
+        offsets = torch.cumsum(counts[: self.n], 0).to(torch.int32)
+        token = order // k
+        gate, up = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offsets).chunk(2, -1)
+        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
+        # rows past the held experts' are not computed (their values are undefined)
+        held = (flat[order] < self.n).unsqueeze(-1)
+        y = torch.where(held, y * w.reshape(-1)[order].unsqueeze(-1), 0)
+        # back to (token, choice) order, then each token's k expert outputs summed
+        unsorted = torch.empty_like(y).index_copy_(0, order, y)
+        return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    """``fmt``: FP8 holds the routed experts (``FP8Experts``, the fused FP8 MoE) and the shared
+    experts in FP8; the router stays in the serving dtype (its bias in fp32).
+
+    ``shards``: this rank holds ``experts()`` of the routed experts (expert parallel) with
+    ``expert_intermediate()`` of each one's columns (tensor parallel), and its columns of the
+    shared experts; the router is every rank's. Under tensor-parallel attention every rank
+    sees the same tokens, so each routes all of them, runs the (token, choice) pairs its
+    experts hold, and one sum over the group completes routed and shared experts together.
+    Under data-parallel attention each rank has its own tokens: they meet the experts through
+    the group's exchange (``parallel.exchange``, this layer's ``key`` naming it there), and the
+    shared experts, whole on every rank, run locally."""
+
+    def __init__(
+        self, spec: MoESpec, d_model: int, fmt: WeightFormat, shards: Shards, key: int
+    ) -> None:
+        super().__init__()
+        lay = shards.layout
+        self.held = lay.experts()
+        inter = lay.expert_intermediate().size
+        self.group = shards.experts
+        self.key = key
+        self.gate = Router(spec, d_model)
+        if fmt.fp8:
+            from services.worker.model.fp8_experts import FP8Experts
+
+            self.experts: nn.Module = FP8Experts(self.held.size, d_model, inter, mode=fmt.mode)
+        else:
+            self.experts = Experts(self.held.size, d_model, inter)
+        self.shared_experts = MLP(d_model, lay.dense(spec.intermediate * spec.n_shared).size, fmt)
+        # not a submodule: the exchange is the rank's, shared by its layers
+        self._exchange = shards.exchange
+        if shards.exchange is not None:
+            shards.exchange.register(key, self)
+
+    def forward(self, x: torch.Tensor, given_experts: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, d_model] -> [N, d_model]; ``given_experts`` [N, top_k] int64 replaces the
+        router's choice (``Router.forward``)."""
+        w, idx = self.gate(x, given_experts)
+        if self._exchange is not None:
+            return self._exchange.run(self.key, x, idx, w) + self.shared_experts(x)
+        held = self.held
+        if not held.whole:  # another rank's experts: id one past ours
+            local = idx - held.start
+            mine = (local >= 0) & (local < held.size)
+            idx = torch.where(mine, local, held.size)
+            w = torch.where(mine, w, 0)
+        return self.group.all_reduce(self.experts(x, idx, w) + self.shared_experts(x))

@@ -1,0 +1,139 @@
+"""Resident serving: every KV row of every request stays in device page pools (the baseline
+the hierarchy modes are compared against)."""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+
+import torch
+
+from dhisparse.family.config import ModelConfig
+from services.kv_host_store.records import Region
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.paged import PagedGroup
+from services.worker.kv.pass_state import PassState
+from services.worker.kv.row_codec import RowCodec
+
+
+class ResidentPayload(PagedGroup):
+    mode = "resident"
+
+    def __init__(
+        self,
+        cfg: ModelConfig,
+        tokens_capacity: int,
+        page_size: int,
+        max_slots: int,
+        max_model_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+        codec: RowCodec | None = None,
+    ) -> None:
+        """``codec``: how rows are stored (default: as computed, in ``dtype``)."""
+        self.codec = RowCodec(cfg.d_kv, dtype) if codec is None else codec
+        compress = {s: src.compress for s, src in enumerate(cfg.sources)}
+        super().__init__(
+            compress, self.codec.stored_width, tokens_capacity, page_size, max_slots,
+            max_model_len, self.codec.storage, device,
+        )  # fmt: skip
+        self.pass_state = PassState()  # rows are written where they live: no plans
+
+    # ---- a forward pass ---------------------------------------------------------------------
+    def begin(self, batch: ForwardBatch) -> None:
+        self.pass_state.begin(batch, [], None, ())
+
+    @property
+    def prefill_room(self) -> None:
+        return None  # every row is written to its page: a chunk reads its prefix there
+
+    def prefetch(
+        self, layers: list[tuple[int, int]], batch: ForwardBatch, selection: torch.Tensor
+    ) -> None:
+        pass  # resolution is a page-table lookup
+
+    def pool(self, source: int) -> torch.Tensor:
+        return self.pools[source].data
+
+    def write_rows(
+        self, source: int, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor
+    ) -> None:
+        pool = self.pools[source]
+        if self.codec.fp8 is None:
+            pool.write(slots, rows, values)
+        else:
+            self.codec.store(pool.data, pool.locations(slots, rows), values)
+
+    def resolve(
+        self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
+    ) -> torch.Tensor:
+        slots = batch.token_slot.unsqueeze(1).expand_as(selection)
+        return self.pools[source].locations(slots, selection)
+
+    def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        pass  # nothing to back up
+
+    def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
+        pass  # page-table lookups take no workspace
+
+    # ---- slots ------------------------------------------------------------------------------
+    @property
+    def required_pages(self) -> int:
+        return 0  # pages grow with ensure()
+
+    def admit(
+        self,
+        slot: int,
+        request_id: str,
+        max_tokens: int,
+        session: dict[int, tuple[int, int]] | None = None,
+        extra_pages: int = 0,
+    ) -> bool:
+        return True  # pages grow with ensure()
+
+    def adopt(
+        self,
+        slot: int,
+        request_id: str,
+        regions: list[Region],
+        committed: list[int],
+        extra_pages: int = 0,
+    ) -> bool:
+        raise RuntimeError("resident serving keeps no host backups to adopt a session from")
+
+    @property
+    def refusal(self) -> str | None:
+        return None  # no host store to refuse
+
+    # ---- between steps ----------------------------------------------------------------------
+    def maintain(self) -> None:
+        pass  # nothing moves between steps
+
+    def note_queue(self, budgets: Counter[int], pages: Callable[[int], int]) -> None:
+        pass  # no optional history to keep out of the queue's way
+
+    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
+        pass  # nothing to refill
+
+    def settling(self) -> bool:
+        return False  # nothing in flight
+
+    def check(self) -> None:
+        pass  # every row is resident: the invariant holds by construction
+
+    # ---- accounting -------------------------------------------------------------------------
+    def memory(self, admitted: int) -> tuple[int, int, int]:
+        return self.used_bytes, 0, 0
+
+    def fixed_bytes(self) -> int:
+        return 0
+
+    def layout(self) -> dict[str, int | None]:
+        return {"hot_cache_rows": None, "tail_rows": None}
+
+    @property
+    def census(self) -> None:
+        return None
+
+    def residency_stats(self) -> None:
+        return None
