@@ -183,10 +183,10 @@ def census(args, model: str, prompt: list[int], mode: str) -> dict:
         # the hot cache from empty
         while len(req.output_ids) < 1 + args.warmup_steps:
             eng.step()
-        before = eng.kv.census()
+        before = eng.kv.payload.census
         while eng.has_work():
             eng.step()
-        after = eng.kv.census()
+        after = eng.kv.payload.census
         measured = args.decode_steps - 1 - args.warmup_steps  # steps between the two counts
         direct, hot, host = (getattr(after, f) - getattr(before, f) for f in ("direct", "hot",
                                                                               "host"))  # fmt: skip

@@ -51,8 +51,8 @@ class KeyCounter:
     covers = DecodeGraphs.covers
 
     def logits(self, tokens, batch, features=None):
-        self.kv.begin(batch)
-        self._count("pass", pass_key(self.kv.pass_state, batch, features))
+        self.kv.payload.begin(batch)
+        self._count("pass", pass_key(self.kv.payload.pass_state, batch, features))
         return DecodeGraphs._eager(self, tokens, batch, features)  # type: ignore[arg-type]
 
     def draft(self, slots, num_committed, anchors, temperatures, noise):
@@ -69,7 +69,7 @@ def count(args, name: str, c: int, prompts: list[list[int]]) -> dict:
             f"{args.model}: its passes are not captured (compressed or windowed sources)"
         )
     keys = KeyCounter(eng, eng.speculator.k_max if eng.speculator is not None else 1)
-    eng.graphs = keys  # type: ignore[assignment]
+    eng.passes.graphs = keys  # type: ignore[assignment]
     if eng.speculator is not None:
         eng.speculator.graphs = keys  # type: ignore[assignment]
     lockstep([spec.closed_loop(eng, prompts[:c], args, args.warmup_per_client)])

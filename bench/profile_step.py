@@ -62,7 +62,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--series", type=int, default=0,
         help="also time this many steps one by one right after the prefills (synchronised), "
-        "with the time in kv.maintain(): the transient after admission",
+        "with the time in kv.payload.maintain(): the transient after admission",
     )  # fmt: skip
 
 
@@ -115,9 +115,12 @@ def run(args: argparse.Namespace) -> int:
                 eng.step()
             sync()
         what = f"spec K={args.spec_width}" if args.drafter else "decode"
-        what += " graphs" if eng.graphs is not None else " eager"
+        what += " graphs" if eng.passes.graphs is not None else " eager"
         print(f"\n===== {mode} C={c} {what}: {plain * 1e3:.2f} ms/step")
-        for kind, gs in (("pass", eng.graphs), ("draft", getattr(eng.speculator, "graphs", None))):
+        for kind, gs in (
+            ("pass", eng.passes.graphs),
+            ("draft", getattr(eng.speculator, "graphs", None)),
+        ):
             if gs is not None:
                 print(f"===== {kind} graphs: {gs.captures} captured, {gs.replays} replays, "
                       f"{gs.eager} eager")  # fmt: skip
@@ -143,17 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
-    """Per-step wall time (ms, synchronised) and the part spent in ``kv.maintain()``."""
+    """Per-step wall time (ms, synchronised) and the part spent in ``kv.payload.maintain()``."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spent = [0.0]
-    maintain = eng.kv.maintain
+    maintain = eng.kv.payload.maintain
 
     def timed() -> None:
         t = time.perf_counter()
         maintain()
         spent[0] += time.perf_counter() - t
 
-    eng.kv.maintain = timed  # type: ignore[method-assign]
+    eng.kv.payload.maintain = timed  # type: ignore[method-assign]
     walls, maint = [], []
     for _ in range(steps):
         sync()
@@ -163,15 +166,15 @@ def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
         maint.append(spent[0] * 1e3)
-    eng.kv.maintain = maintain  # type: ignore[method-assign]
+    eng.kv.payload.maintain = maintain  # type: ignore[method-assign]
     print(f"\n===== series {label}: step ms " + " ".join(f"{w:.1f}" for w in walls))
     print(f"===== series {label}: maintain ms " + " ".join(f"{m:.1f}" for m in maint))
-    st = eng.kv.residency_stats()
+    st = eng.kv.payload.residency_stats()
     if st is not None:
         print(
             f"===== series {label}: reclaims {st.reclaim_events} repopulated {st.repopulated_pages}"
         )
-    census = eng.kv.census()
+    census = eng.kv.payload.census
     if census is not None:
         print(f"===== series {label}: census {census}")
 
@@ -184,7 +187,7 @@ def print_phases(eng: Engine, steps: int, cuda: bool, label: str) -> None:
     for name, owner, attr in (
         ("maintain", eng.kv, "maintain"),
         ("schedule", eng.scheduler, "schedule"),
-        ("forward", eng.graphs or eng.model, "logits" if eng.graphs else "forward"),
+        ("forward", eng.passes.graphs or eng.model, "logits" if eng.passes.graphs else "forward"),
         ("commit", eng.kv, "commit"),
         ("begin", eng.kv, "begin"),
         ("replay", torch.cuda.CUDAGraph, "replay"),

@@ -134,7 +134,7 @@ def _engine(name: str, model, variant: str, ctx: int, c_max: int, args) -> Engin
 
 
 def _graph_counts(engine: Engine) -> dict[str, int]:
-    g = engine.graphs
+    g = engine.passes.graphs
     if g is None:
         return {"replays": 0, "captures": 0, "eager": 0}
     return {"replays": g.replays, "captures": g.captures, "eager": g.eager}

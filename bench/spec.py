@@ -185,7 +185,10 @@ def graph_counts(eng: Engine) -> dict[str, int]:
     """CUDA graph counters of the engine's passes and its drafter's block passes (none off the
     GPU): a short run pays for every capture, which long serving spreads thin."""
     out = {}
-    for kind, graphs in (("pass", eng.graphs), ("draft", getattr(eng.speculator, "graphs", None))):
+    for kind, graphs in (
+        ("pass", eng.passes.graphs),
+        ("draft", getattr(eng.speculator, "graphs", None)),
+    ):
         if graphs is not None:
             for what in ("captures", "replays", "eager"):
                 out[f"{kind}_graph_{what}"] = getattr(graphs, what)

@@ -80,7 +80,7 @@ class Sweep:
     ) -> None:
         self.engine, self.mode, self.c, self.args = engine, mode, c, args
         params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-        self.census0 = engine.kv.census()
+        self.census0 = engine.kv.payload.census
         self._host = self.census0.host if self.census0 is not None else 0
         self.reqs = [engine.add_request(f"{mode}-{c}-{i}", prompts[i], params) for i in range(c)]
         self.stats0 = (engine.stats.decode_s, engine.stats.decode_tokens)
@@ -114,7 +114,7 @@ class Sweep:
         self.split[kind][0] += self.engine.stats.decode_s - decode_s
         self.split[kind][1] += 1
         if self.args.trace:
-            census = self.engine.kv.census()
+            census = self.engine.kv.payload.census
             host = census.host if census is not None else 0
             self.trace.append([
                 self.engine.num_running, round(1e3 * (self.engine.stats.decode_s - decode_s), 3),
@@ -133,8 +133,8 @@ class Sweep:
 
     def _events(self) -> tuple[int, int, int]:
         """Counts of ``KINDS`` so far."""
-        res = self.engine.kv.residency_stats()
-        graphs = self.engine.graphs
+        res = self.engine.kv.payload.residency_stats()
+        graphs = self.engine.passes.graphs
         return (
             graphs.captures if graphs is not None else 0,
             graphs.eager if graphs is not None else 0,
@@ -167,7 +167,7 @@ class Sweep:
             "steps_by_kind": {k: v[1] for k, v in self.split.items()},
             "gc_pause_s": round(self.gc_s, 4),  # the collector's pauses inside its steps
         }
-        census1 = self.engine.kv.census()
+        census1 = self.engine.kv.payload.census
         if census1 is not None:
             d = {
                 k: getattr(census1, k) - getattr(self.census0, k)
@@ -179,11 +179,11 @@ class Sweep:
                 census_host=d["host"] / total,
                 host_bytes_per_token=d["copied"] * self.engine.kv.row_bytes / max(1, c * args.decode_tokens),
             )  # fmt: skip
-        res = self.engine.kv.residency_stats()
+        res = self.engine.kv.payload.residency_stats()
         if res is not None:
             row.update(reclaims=res.reclaim_events, repopulated=res.repopulated_pages)
-        if self.engine.graphs is not None:  # captured so far (a capture step runs eagerly)
-            row.update(graphs_captured=self.engine.graphs.captures)
+        if self.engine.passes.graphs is not None:  # captured so far (a capture step runs eagerly)
+            row.update(graphs_captured=self.engine.passes.graphs.captures)
         if args.trace:
             row["trace"] = self.trace
         return row
@@ -239,7 +239,7 @@ def probe_capacity(engine: Engine, mode: str, args, prompts: list[list[int]]) ->
         engine.step()
         steps += 1
         running = engine.num_running
-        stable = 0 if running > peak or engine.kv.settling() else stable + 1
+        stable = 0 if running > peak or engine.kv.payload.settling() else stable + 1
         peak = max(peak, running)
     for rid in ids:
         engine.abort(rid)

@@ -58,12 +58,12 @@ class Counters:
 
     @staticmethod
     def read(eng: Engine) -> Counters:
-        c = eng.kv.census()
+        c = eng.kv.payload.census
         census = None if c is None else (c.direct, c.hot, c.host, c.copied)
         sp = eng.speculator
         spec = None if sp is None else (sp.counters.drafts, sp.counters.draft_tokens,
                                         sp.counters.accepted)  # fmt: skip
-        st = eng.kv.residency_stats()
+        st = eng.kv.payload.residency_stats()
         resid = None
         if st is not None:
             resid = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages,
@@ -198,7 +198,7 @@ class ClosedLoop:
             eng.num_waiting, spec.counters.width if spec is not None else 0, sending,
         ))  # fmt: skip
         self.peak = max(self.peak, decode + prefill, eng.num_running)
-        if len(self.steps) % 8 == 0 and eng.kv.mode == "adaptive":
+        if len(self.steps) % 8 == 0 and eng.kv.payload.mode == "adaptive":
             self.opt_peak = max(self.opt_peak or 0, eng.kv.memory().optional)
 
     def result(self) -> LoopResult:
@@ -207,7 +207,7 @@ class ClosedLoop:
         start = self.start or Counters.read(eng)
         end = Counters.read(eng)
         w1 = min(self.w1, self.clock.now())
-        res = eng.kv.residency_stats()
+        res = eng.kv.payload.residency_stats()
         lats = list(res.reclaim_latency[start.residency[4] :]) if res and start.residency else []
         for rid, rec in self.live.items():  # the run ended with these in flight: abort them
             if rec.admitted is None and self.requests[rid].admitted_time is not None:

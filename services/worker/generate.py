@@ -52,7 +52,7 @@ def generate_rank(settings, comm, args: argparse.Namespace) -> int:
     try:
         return run(args, engine)
     finally:
-        engine.stop()
+        engine.group.stop()
         engine.close()
 
 

@@ -146,11 +146,11 @@ def follow(settings: WorkerSettings, comm: Any) -> int:
     host = connect_store(settings) if settings.kv_store and settings.mode != "resident" else None
     engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
     link = None
-    if host is not None and engine.data_parallel:
+    if host is not None and engine.group.data_parallel:
         link = take_over(engine, host[0], settings.lease_ttl_s)
-        engine.share_resumed()
+        engine.group.share_resumed(engine)
     log.info("rank %d of %d ready: following rank 0", comm.rank, comm.size)
-    engine.follow()
+    engine.group.follow(engine, engine.stats.drain_finished)
     if link is not None:
         link.close()
     engine.close()

@@ -23,9 +23,9 @@ def config_labels(engine: Engine) -> dict[str, str]:
     cfg = engine.cfg
     return {
         "device": str(engine.device),
-        "mode": engine.kv.mode,
+        "mode": engine.kv.payload.mode,
         "kv_cache_dtype": engine.kv.cfg.kv_cache_dtype,
-        "cuda_graphs": "on" if engine.graphs is not None else "off",
+        "cuda_graphs": "on" if engine.passes.graphs is not None else "off",
         "graphs_off_reason": engine.graphs_off_reason or "",
         "graph_capture": cfg.graphs.capture,
         "drafter": cfg.speculation.drafter or "none",
@@ -196,7 +196,7 @@ class WorkerMetrics:
         self._count_passes(engine)
         self._count_gc()
         self.waiting.labels(md).set(engine.num_waiting)
-        for rank, load in enumerate(engine.rank_loads()):
+        for rank, load in enumerate(engine.group.rank_loads()):
             self.rank_running.labels(md, str(rank)).set(load.running)
             self.rank_waiting.labels(md, str(rank)).set(load.waiting)
             self.rank_kv_free.labels(md, str(rank)).set(load.kv_free_bytes)
@@ -204,7 +204,7 @@ class WorkerMetrics:
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
             self._sampled = t
             self._sample(engine)
-        st = engine.kv.residency_stats()
+        st = engine.kv.payload.residency_stats()
         if st is not None:
             now3 = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages)
             for metric, new, old in zip(
@@ -253,7 +253,7 @@ class WorkerMetrics:
     def _count_passes(self, engine: Engine) -> None:
         """Decode passes by path since the last step: every decode step runs one pass (a
         speculative round's verify pass included), replayed, captured or eager."""
-        graphs = engine.graphs
+        graphs = engine.passes.graphs
         replays, captures = (graphs.replays, graphs.captures) if graphs is not None else (0, 0)
         now = (replays, captures, engine.stats.decode_steps - replays - captures)
         for path, new, old in zip(
@@ -277,7 +277,7 @@ class WorkerMetrics:
         mem = engine.kv.memory()
         for cls in ("required", "optional", "reserve", "free"):
             self.pool_bytes.labels(md, cls).set(getattr(mem, cls))
-        census = engine.kv.census()  # copies the counts from the device
+        census = engine.kv.payload.census  # copies the counts from the device
         if census is None:
             return
         now = (census.direct, census.hot, census.host, census.copied)

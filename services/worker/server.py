@@ -91,7 +91,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         across it, and the number of serving ranks: a request runs within one rank's pool."""
         eng = self.engine.engine
         mem = eng.kv.memory()
-        ranks = eng.serving_ranks
+        ranks = eng.group.serving_ranks
         return pb.LoadResponse(
             worker_id=self.worker_id,
             num_running=eng.num_running,
@@ -100,8 +100,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_capacity_bytes=(mem.capacity - eng.kv.fixed_bytes()) * ranks,
             kv_required_bytes=mem.required,
             kv_optional_bytes=mem.optional,
-            kv_free_bytes=mem.free + eng.others_free_bytes(),
-            mode=eng.kv.mode,
+            kv_free_bytes=mem.free + eng.group.others_free_bytes(),
+            mode=eng.kv.payload.mode,
             serving_ranks=ranks,
         )
 
@@ -110,7 +110,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
         if self.link is not None and not self.link.healthy:
             return pb.HealthResponse(ok=False, status=self.link.status())
-        problems = self.engine.engine.store_problems()  # the other data-parallel ranks' links
+        problems = self.engine.engine.group.store_problems()  # the other data-parallel ranks' links
         if problems:
             return pb.HealthResponse(ok=False, status="; ".join(problems))
         return pb.HealthResponse(ok=True, status="serving")
@@ -121,7 +121,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             model_name=self.model_name,
             max_model_len=eng.cfg.max_model_len,
             vocab_size=eng.model_cfg.vocab_size,
-            mode=eng.kv.mode,
+            mode=eng.kv.payload.mode,
             config_json=json.dumps(eng.model_cfg.to_dict()),
             worker_id=self.worker_id,
             kv_layout_json=json.dumps(
@@ -152,7 +152,7 @@ def _log_config(engine: Engine) -> None:
     labels = config_labels(engine)
     shown = (f"{k}={v!r}" if " " in v or not v else f"{k}={v}" for k, v in labels.items())
     log.info("worker config: %s", " ".join(shown))
-    if engine.device.type == "cuda" and engine.graphs is None:
+    if engine.device.type == "cuda" and engine.passes.graphs is None:
         log.warning(
             "CUDA graphs are off on %s: %s; decode passes run eagerly",
             engine.device,
@@ -176,8 +176,10 @@ async def start_server(
         engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
             link = take_over(engine, host[0], settings.lease_ttl_s)
-            if engine.data_parallel:  # every rank has taken over its own: rank 0 learns theirs
-                engine.share_resumed()
+            if (
+                engine.group.data_parallel
+            ):  # every rank has taken over its own: rank 0 learns theirs
+                engine.group.share_resumed(engine)
     model_name = settings.served_model_name or engine.model_cfg.name
     startup_s = startup_seconds()
     metrics = WorkerMetrics(model_name)
@@ -188,7 +190,11 @@ async def start_server(
         on_step=metrics.on_step,
         detached=engine.request_ids(),  # only resumed sessions exist before serving
         attach_timeout_s=settings.attach_timeout_s,
-        between_steps=link.maintain if link is not None else None,
+        between_steps=(
+            (lambda eng: link.maintain(eng.group.lockstep is not None))
+            if link is not None
+            else None
+        ),
         on_shutdown=link.close if link is not None else None,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -203,7 +209,7 @@ async def start_server(
         serve_metrics(metrics.registry, settings.host, settings.metrics_port)
     await server.start()
     log.info("worker %s serving %s (%s mode) on %s, %.1f s after its start", worker_id,
-             model_name, engine.kv.mode, addr, startup_s)  # fmt: skip
+             model_name, engine.kv.payload.mode, addr, startup_s)  # fmt: skip
     return server, async_engine
 
 
@@ -220,5 +226,5 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     log.info("worker shutting down")
     await server.stop(grace=5.0)
     async_engine.shutdown()
-    async_engine.engine.stop()  # the engine thread has ended: the followers' loops end too
+    async_engine.engine.group.stop()  # the engine thread has ended: the followers' loops end too
     async_engine.engine.close()

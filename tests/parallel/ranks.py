@@ -87,14 +87,14 @@ def greedy(
     tokens = None
     if comm.is_leader or layout is None:
         tokens = [r.output_ids for r in eng.generate(prompts, params)]
-        eng.stop()
+        eng.group.stop()
     else:
-        eng.follow()
-    census = eng.kv.census()
+        eng.group.follow(eng, eng.stats.drain_finished)
+    census = eng.kv.payload.census
     out = {
         "tokens": tokens,
         "census": None if census is None else astuple(census),
-        "steps": eng.lockstep.steps if eng.lockstep is not None else None,
+        "steps": eng.group.lockstep.steps if eng.group.lockstep is not None else None,
         "drafts": eng.speculator.counters.drafts if eng.speculator is not None else None,
         "collectives": dict(comm.calls),
         "prefilled": eng.stats.prefill_tokens_computed,

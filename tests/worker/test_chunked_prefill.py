@@ -146,7 +146,7 @@ def test_chunked_greedy_tokens_equal_a_whole_prefill(whole, model: str, mode: st
     got = engine.generate(prompts(*LENS), GREEDY)
     assert [r.output_ids for r in got] == [r.output_ids for r in whole[model]]
     assert beside >= 5
-    engine.kv.check()
+    engine.kv.payload.check()
     engine.close()
 
 
@@ -247,7 +247,7 @@ def test_chunked_prefill_on_the_gpu_with_graphs_and_triton(mode: str) -> None:
     engine = Engine(gpu_config(mode, 200))
     got = engine.generate(ps, params)
     assert [r.output_ids for r in got] == [r.output_ids for r in want]
-    assert engine.graphs is not None and engine.graphs.replays > 0
+    assert engine.passes.graphs is not None and engine.passes.graphs.replays > 0
     engine.close()
 
 

@@ -28,7 +28,7 @@ def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
 
 
 def test_no_graphs_off_the_gpu() -> None:
-    assert Engine(EngineConfig(model="tiny-glm")).graphs is None
+    assert Engine(EngineConfig(model="tiny-glm")).passes.graphs is None
     with pytest.raises(ValueError, match="graph capture policy"):
         Engine(EngineConfig(model="tiny-glm", graphs=GraphConfig(capture="always")))
 
@@ -85,10 +85,10 @@ def _drive(
 def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str) -> None:
     eager, ref = _drive(mode, graphs=False)
     graphed, got = _drive(mode, graphs=True, capture=capture)
-    assert eager.graphs is None and graphed.graphs is not None
-    assert graphed.graphs.captures > 1 and graphed.graphs.replays > 50
+    assert eager.passes.graphs is None and graphed.passes.graphs is not None
+    assert graphed.passes.graphs.captures > 1 and graphed.passes.graphs.replays > 50
     # a key is captured at its second sighting: batch sizes seen for one step stay eager
-    assert graphed.graphs.eager >= graphed.graphs.captures
+    assert graphed.passes.graphs.eager >= graphed.passes.graphs.captures
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
         assert torch.equal(a, b), f"{r} token {n}: logits differ"
@@ -110,7 +110,7 @@ def test_followers_resolved_in_a_parallel_branch_equal_inline(mode: str) -> None
     branched, got = _drive(mode, graphs=True)
     assert branched.kv.payload.selections.side_stream is not None
     assert serial.kv.payload.selections.side_stream is None
-    assert branched.graphs is not None and branched.graphs.replays > 50
+    assert branched.passes.graphs is not None and branched.passes.graphs.replays > 50
     for run in (base, got):
         assert [(r, n) for r, n, _ in run] == [(r, n) for r, n, _ in ref]
         for (r, n, a), (_, _, b) in zip(ref, run, strict=True):
@@ -131,10 +131,10 @@ def test_replayed_speculative_rounds_equal_the_eager_rounds(mode: str, drafter: 
     eager, ref = _drive(mode, graphs=False, drafter=drafter)
     graphed, got = _drive(mode, graphs=True, drafter=drafter)
     plain, base = _drive(mode, graphs=True)
-    assert graphed.graphs is not None and graphed.speculator is not None
+    assert graphed.passes.graphs is not None and graphed.speculator is not None
     drafts = graphed.speculator.graphs
     assert drafts is not None and drafts.captures > 0 and drafts.replays > 10
-    assert graphed.graphs.replays > 10
+    assert graphed.passes.graphs.replays > 10
     assert graphed.speculator.counters.accepted == eager.speculator.counters.accepted
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
@@ -158,8 +158,8 @@ def test_replayed_fp8_decode_steps_equal_the_eager_steps(mode: str) -> None:
     eager, ref = _drive(mode, graphs=False, kv_cache_dtype="fp8")
     graphed, got = _drive(mode, graphs=True, kv_cache_dtype="fp8")
     assert graphed.kv.payload.pool(0).dtype == torch.uint8
-    assert graphed.graphs is not None and graphed.graphs.captures > 1
-    assert graphed.graphs.replays > 50
+    assert graphed.passes.graphs is not None and graphed.passes.graphs.captures > 1
+    assert graphed.passes.graphs.replays > 50
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
         assert torch.equal(a, b), f"{r} token {n}: logits differ"
@@ -180,7 +180,7 @@ def test_replayed_fp8_speculative_rounds_equal_the_eager_rounds(mode: str) -> No
     """Verify passes over fp8 rows, replayed: the eager rounds' logits and accepted tokens."""
     eager, ref = _drive(mode, graphs=False, drafter="dflash", kv_cache_dtype="fp8")
     graphed, got = _drive(mode, graphs=True, drafter="dflash", kv_cache_dtype="fp8")
-    assert graphed.graphs is not None and graphed.graphs.replays > 10
+    assert graphed.passes.graphs is not None and graphed.passes.graphs.replays > 10
     assert graphed.speculator.counters.accepted == eager.speculator.counters.accepted
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):

@@ -38,7 +38,7 @@ def _restarted_link(store: Store, backups: Backups) -> HostLink:
 def test_a_group_stays_on_the_old_arena_and_reports_why() -> None:
     store, backups = Store(), Backups()
     link = _restarted_link(store, backups)
-    link.maintain(SimpleNamespace(lockstep=object()))
+    link.maintain(in_group=True)
     assert store.mapped == 0 and backups.remapped == []
     assert not link.healthy and "group of ranks" in link.status()
 
@@ -48,5 +48,5 @@ def test_a_single_process_re_attaches(monkeypatch) -> None:
     link = _restarted_link(store, backups)
     registered = []
     monkeypatch.setattr(link, "register", lambda: registered.append(1) or 1)
-    link.maintain(SimpleNamespace(lockstep=None))
+    link.maintain(in_group=False)
     assert store.mapped == 1 and len(backups.remapped) == 1 and registered == [1]

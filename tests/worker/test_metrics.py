@@ -42,7 +42,7 @@ def test_the_census_is_sampled_and_exact_once_idle() -> None:
     assert _rows(metrics) == first  # not sampled again within the interval
     while engine.has_work():
         metrics.on_step(engine, engine.step())
-    c = engine.kv.census()
+    c = engine.kv.payload.census
     assert _rows(metrics) == c.direct + c.hot + c.host > first  # sampled once idle: exact
     engine.close()
 

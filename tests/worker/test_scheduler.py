@@ -19,6 +19,10 @@ class FakeKV:
         self.prefill_room = prefill_room
         self.held: dict[int, int] = {}
 
+    @property
+    def payload(self) -> FakeKV:  # where the scheduler reads ``prefill_room``
+        return self
+
     def ensure(self, slot: int, num_tokens: int) -> bool:
         more = num_tokens - self.held.get(slot, 0)
         if more > 0 and sum(self.held.values()) + more > self.capacity:

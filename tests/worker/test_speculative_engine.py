@@ -87,7 +87,8 @@ def test_requests_near_their_end_keep_the_pass_at_one_width(plain, mode: str) ->
     passes: list[tuple[tuple[int, ...], list[int]]] = []
 
     def recording(eng: Engine) -> Engine:
-        forward = eng.forward_logits
+        assert eng.speculator is not None
+        forward = eng.speculator.forward
 
         def record(tokens, batch, features=None):
             caps = [
@@ -98,7 +99,7 @@ def test_requests_near_their_end_keep_the_pass_at_one_width(plain, mode: str) ->
             passes.append((batch.lens, caps))
             return forward(tokens, batch, features)
 
-        eng.forward_logits = record  # type: ignore[method-assign]
+        eng.speculator.forward = record
         return eng
 
     eng = recording(Engine(config("tiny-glm", mode, drafter="dflash", spec_width=4)))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 from services.kv_host_store.errors import StoreError
 from services.worker.kv.errors import describe
@@ -27,13 +27,6 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.local_store import LocalHostStore
 
 log = logging.getLogger(__name__)
-
-
-class Grouped(Protocol):
-    """What ``HostLink.maintain`` reads of an engine: whether it steps with a group of ranks
-    (``lockstep`` is not None)."""
-
-    lockstep: object | None
 
 
 class HostLink:
@@ -106,16 +99,16 @@ class HostLink:
             log.warning("host store link %s: %s", state, problem)
         self.state, self.problem = state, problem
 
-    def maintain(self, engine: Grouped) -> None:
+    def maintain(self, in_group: bool) -> None:
         """Between engine steps (engine thread): re-attaches to a restarted store once nothing
-        holds regions of the old arena. A group of ranks does not: each rank holds its own
-        mapping of the arena, and rank 0 alone remapping would write where the others no longer
-        read (TP), or the ranks would remap at different steps with different generations (data-
-        parallel attention, each rank its own owner); the group goes on in the old arena,
+        holds regions of the old arena. A group of ranks (``in_group``) does not: each rank holds
+        its own mapping of the arena, and rank 0 alone remapping would write where the others no
+        longer read (TP), or the ranks would remap at different steps with different generations
+        (data-parallel attention, each rank its own owner); the group goes on in the old arena,
         unhealthy, for its supervisor (Kubernetes, ``up``) to restart it onto the new one."""
         if self.state != "restarted" or self.backups.slots:
             return
-        if engine.lockstep is not None:
+        if in_group:
             self.problem = "the store restarted under a group of ranks: restart the worker"
             return
         try:

@@ -57,7 +57,7 @@ class Scheduler:
         chunked: bool = True,
     ) -> None:
         """``manifest_bytes``: the manifest half a durable session needs (durable KV only).
-        ``kv.prefill_room`` bounds each prefill pass's device footprint (see there)."""
+        ``kv.payload.prefill_room`` bounds each prefill pass's device footprint (see there)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.kv = kv
@@ -128,7 +128,7 @@ class Scheduler:
                 out.decode.append(req)
         # 2. Prefills under way continue, oldest first, within the step's budget.
         budget = self.max_prefill_tokens
-        room = self.kv.prefill_room
+        room = self.kv.payload.prefill_room
         for req in list(self.running):
             if budget == 0:
                 break
@@ -175,7 +175,7 @@ class Scheduler:
         return out
 
     def _footprint(self, req: Request, tokens: int) -> int:
-        """What a chunk of ``tokens`` holds of ``kv.prefill_room``: its tokens and the computed
+        """What a chunk of ``tokens`` holds of ``kv.payload.prefill_room``: its tokens and the computed
         prefix of its request."""
         return req.num_computed + tokens
 

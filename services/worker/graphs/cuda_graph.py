@@ -228,8 +228,8 @@ class DecodeGraphs(_Captures):
         ``tokens`` [N]; writes the pass's rows into the KV cache as the eager forward does (the
         caller commits). ``features``: as ``SparseDecoder.forward`` takes them, filled."""
         assert self.covers(batch), "a pass of one width W <= max_width per request"
-        self.kv.begin(batch)
-        state = self.kv.pass_state
+        self.kv.payload.begin(batch)
+        state = self.kv.payload.pass_state
         key = pass_key(state, batch, features)
         g, capture = self.lookup(key)
         if capture:
@@ -265,7 +265,7 @@ class DecodeGraphs(_Captures):
     ) -> torch.Tensor:
         """Runs this step eagerly on the capture stream, then captures its pass for the key."""
         self._reserve()
-        state = self.kv.pass_state
+        state = self.kv.payload.pass_state
         out = self._run_then_capture(lambda: self._eager(tokens, batch, features))
         # The graph's inputs: its own copies, which a replay refills.
         slots, positions = batch.slots.clone(), batch.positions.clone()
@@ -295,7 +295,7 @@ class DecodeGraphs(_Captures):
         if self._reserved:
             return
         self._reserved = True
-        self.kv.reserve_graph_workspace(
+        self.kv.payload.reserve_graph_workspace(
             self.stream.cuda_stream, self.max_batch * self.max_width, self.max_batch
         )
 

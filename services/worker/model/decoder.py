@@ -117,7 +117,7 @@ class SparseDecoder(nn.Module):
         given_selections = given_selections or {}
         given_experts = given_experts or {}
         if begin:
-            kv.begin(batch)
+            kv.payload.begin(batch)
         h = self.embed(input_ids)
         st = ForwardState(rotary=self.rotary(batch.positions))
         for i, layer in enumerate(self.layers):

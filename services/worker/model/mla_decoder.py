@@ -129,7 +129,7 @@ class MLADecoder(SparseDecoder):
         p-1 (never committed: the verify pass rewrites it) and attends the whole MTP history
         through ``kv``, by its own indexer or, with ``selection`` [R, k], those rows."""
         assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
-        kv.begin(batch)
+        kv.payload.begin(batch)
         if hidden is None:
             hidden = kv.carry.rows_at(batch.slots, batch.positions - 1)
         mtp, i = self.mtp, self.mtp_layer

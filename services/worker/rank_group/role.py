@@ -291,4 +291,3 @@ class RankGroup:
         assert self.placement is not None
         self.placement.forget(req.request_id)
         member.finished(req)
-

@@ -17,7 +17,6 @@ from services.worker.kv.backend import PayloadBackend
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_per_token
 from services.worker.kv.index_keys import IndexKeys
-from services.worker.kv.pass_state import PassState
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.kv.token_ring import TokenRing
 from services.worker.kv.workspace import attention_block_tokens, workspace_bytes
@@ -28,7 +27,6 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.local_store import LocalHostStore
     from services.worker.hierarchy.region_store import RegionStore
     from services.worker.hierarchy.session import SessionBackup
-    from services.worker.kv.reports import Census, ResidencyStats
 
 __all__ = ["CARRY", "KVCache"]
 
@@ -152,10 +150,6 @@ class KVCache:
                 hi = mid - 1
         return lo
 
-    @property
-    def mode(self) -> str:
-        return self.payload.mode
-
     # ---- slots ------------------------------------------------------------------------------
     @property
     def keys_shared(self) -> bool:
@@ -257,10 +251,6 @@ class KVCache:
         self._admitted.add(slot)
         return True
 
-    def admission_refusal(self) -> str | None:
-        """Why the host store refused the last admission for capacity, if it did."""
-        return self.payload.refusal
-
     def release(self, slot: int) -> None:
         self._admitted.discard(slot)
         self._ensured.pop(slot, None)
@@ -270,19 +260,6 @@ class KVCache:
             r.clear(slot)
 
     # ---- a forward pass ---------------------------------------------------------------------
-    def begin(self, batch: ForwardBatch) -> None:
-        self.payload.begin(batch)
-
-    @property
-    def prefill_room(self) -> int | None:
-        """See ``PayloadBackend.prefill_room``: the scheduler keeps every prefill pass within
-        it."""
-        return self.payload.prefill_room
-
-    def reserve_graph_workspace(self, stream: int, tokens: int, max_batch: int) -> None:
-        """See ``PayloadBackend.reserve_graph_workspace``."""
-        self.payload.reserve_graph_workspace(stream, tokens, max_batch)
-
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         self.payload.commit(batch, num_tokens)
         if self.sessions is not None:
@@ -303,16 +280,7 @@ class KVCache:
         flat = rows.view(n, self.model_cfg.d_kv)
         return flat, torch.where(locs >= 0, at, torch.full_like(at, -1))
 
-    @property
-    def pass_state(self) -> PassState:
-        """The current pass as the payload holds it (see ``kv/pass_state.py``)."""
-        return self.payload.pass_state
-
     # ---- accounting -------------------------------------------------------------------------
-    def maintain(self) -> None:
-        """Between steps: completions, reclaim and repopulation (adaptive mode)."""
-        self.payload.maintain()
-
     def note_queue(self, budgets: Iterable[int]) -> None:
         """The token budgets (``max_tokens`` of ``admit``) of the requests still waiting after
         this step's admissions: adaptive residency keeps the pages their admissions will take
@@ -332,15 +300,6 @@ class KVCache:
         adaptive residency refills only the history of requests that will run long enough to
         pay for the copy, and asks only when it has pages to refill."""
         self.payload.note_horizons(functools.cache(lambda: dict(horizons())))
-
-    def settling(self) -> bool:
-        """Whether memory is still on its way back (copies or drains in flight): an admission
-        that does not fit now may fit after a few steps."""
-        return self.payload.settling()
-
-    def check(self) -> None:
-        """Checks the residency invariant and eq. 3 (tests and ``DHISPARSE_CHECK_INVARIANTS``)."""
-        self.payload.check()
 
     def memory(self) -> MemoryUsage:
         """The pool by class (eq. 3). Fixed allocations (rings, the index-score workspace,
@@ -374,15 +333,6 @@ class KVCache:
             if self.index_keys.pools
             else None,
         }
-
-    def census(self) -> Census | None:
-        """Selected rows resolved direct / hot / host and rows copied from the host so far, or
-        None in resident serving (synchronises on a GPU)."""
-        return self.payload.census
-
-    def residency_stats(self) -> ResidencyStats | None:
-        """Adaptive residency's counters, or None in the other modes."""
-        return self.payload.residency_stats()
 
     @property
     def row_bytes(self) -> int:

@@ -23,6 +23,7 @@ from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.request.request import Request
+from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
@@ -75,6 +76,10 @@ def _same(k: int) -> int:
     return k
 
 
+# the target's verify pass: (tokens [N], batch, features) -> [N, V] fp32 logits
+VerifyPass = Callable[[torch.Tensor, ForwardBatch, dict | None], torch.Tensor]
+
+
 class Speculator:
     """The engine's speculative path: drafting, the verify pass and the commit, over the
     narrow ``Target`` the engine offers."""
@@ -82,12 +87,20 @@ class Speculator:
     def __init__(
         self,
         target: Target,
+        kv: KVCache,
+        forward: VerifyPass,
         drafter: RuntimeDrafter,
         cfg: SpeculationConfig,
         max_slots: int,
         page_size: int,
+        max_model_len: int,
     ) -> None:
+        """``kv``: the cache the target's passes write, ``forward``: the target's verify pass
+        (logits of every new token of a batch, its rows written uncommitted)."""
         self.target = target
+        self.kv = kv
+        self.forward = forward
+        self.max_model_len = max_model_len
         self.drafter = drafter
         # The widest block verified: the configured width, within the drafter's block.
         self.k_max = max(1, min(cfg.width, drafter.block_size))
@@ -98,6 +111,10 @@ class Speculator:
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
         # the width every rank of a group verifies: rank 0's choice (``Lockstep.agree``)
         self.agree: Callable[[int], int] = _same
+
+    def capture(self, max_batch: int) -> None:
+        """Replays the drafter's block passes from CUDA graphs (on a GPU)."""
+        self.graphs = DraftGraphs(self.drafter.draft, self.drafter.device, max_batch)
 
     def features(self) -> dict[int, torch.Tensor]:
         return dict.fromkeys(self.layers)  # type: ignore[arg-type]
@@ -154,7 +171,7 @@ class Speculator:
             ids.extend([anchor] * (passed[r] - widths[r]))
         batch = ForwardBatch.build([r.slot for r in reqs], starts, passed, eng.device)
         feats = self.features()
-        logits = eng.forward_logits(to_device(ids, eng.device), batch, feats)  # [sum K, V]
+        logits = self.forward(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
         for r, req in enumerate(reqs):
             req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_ids)
@@ -167,7 +184,7 @@ class Speculator:
             [eng.generator(r) for r in reqs], drafts=proposed,
         )  # fmt: skip
         committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
-        eng.commit(batch, committed)
+        self.kv.commit(batch, committed)
         keep = to_device(
             [j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)],
             eng.device,
@@ -196,11 +213,10 @@ class Speculator:
     def _cap(self, req: Request, k: int) -> int:
         """The most queries ``req`` can verify this round (anchor included): within its token
         budget and context, and with KV room for all of them (else one query)."""
-        eng = self.target
-        left = min(req.params.max_tokens - len(req.output_ids), eng.max_model_len - req.num_tokens)
+        left = min(req.params.max_tokens - len(req.output_ids), self.max_model_len - req.num_tokens)
         cap = max(1, min(k, left))
         assert req.slot is not None
-        if not eng.ensure_room(req.slot, req.num_tokens - 1 + cap):
+        if not self.kv.ensure(req.slot, req.num_tokens - 1 + cap):
             cap = 1
         return cap
 
@@ -209,4 +225,4 @@ class Speculator:
         what it commits are written, then never read)."""
         end = req.num_tokens - 1 + k
         assert req.slot is not None
-        return end <= self.target.max_model_len and self.target.ensure_room(req.slot, end)
+        return end <= self.max_model_len and self.kv.ensure(req.slot, end)

@@ -237,6 +237,11 @@ class Drafter(nn.Module, abc.ABC):
         )
 
     @torch.no_grad()
+    @property
+    def device(self) -> torch.device:
+        """Where the drafter's weights (and its block passes) are."""
+        return self.fc.weight.device
+
     def draft(
         self,
         slots: torch.Tensor,

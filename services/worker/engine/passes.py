@@ -1,0 +1,81 @@
+"""Forward passes of the model over the KV cache: eager, or replayed from a CUDA graph where one
+covers the pass (decode and verify passes, ``graphs.cuda_graph``). What a pass computes, and
+what its tokens become, is the engine's; running it is this module's."""
+
+from __future__ import annotations
+
+import torch
+
+from services.worker.graphs.cuda_graph import DecodeGraphs
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.transfers import to_device
+from services.worker.model.decoder import SparseDecoder
+from services.worker.model.mla_mtp import MTPStep
+from services.worker.serving.cache import KVCache
+
+
+class ModelPasses:
+    """``graphs``: the captured decode and verify passes, or None when every pass runs eagerly
+    (set once the engine knows the widest verify block)."""
+
+    def __init__(self, model: SparseDecoder, kv: KVCache, device: torch.device) -> None:
+        self.model = model
+        self.kv = kv
+        self.device = device
+        self.graphs: DecodeGraphs | None = None
+
+    def sampled_logits(
+        self, tokens: torch.Tensor, batch: ForwardBatch, sampled: list[int], features: dict | None
+    ) -> torch.Tensor:
+        """[len(sampled), V] fp32 logits at the last token of each request ``sampled`` (indices
+        into ``batch``'s requests) of a plain pass over ``tokens`` [N]; writes the pass's rows
+        into the KV cache (the caller commits). A decode pass, in which every request samples,
+        is replayed from its graph where one covers it."""
+        if self.graphs is not None and batch.is_decode and not batch.prefill:
+            return self.graphs.logits(tokens, batch, features)
+        hidden = self.model(tokens, batch, self.kv, features=features)
+        last = batch.last_token_index
+        if len(sampled) < batch.num_requests:
+            last = last[to_device(sampled, self.device)]
+        return self.model.logits(hidden[last])
+
+    def forward_logits(
+        self, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None = None
+    ) -> torch.Tensor:
+        """[N, V] fp32 logits of every new token of a decode or verify ``batch`` (tokens [N]),
+        replayed from a CUDA graph where one covers the pass; writes the pass's rows into the
+        KV cache (the caller commits). ``features``: as ``SparseDecoder.forward`` takes them."""
+        if self.graphs is not None and self.graphs.covers(batch):
+            return self.graphs.logits(tokens, batch, features)
+        return self.model.logits(self.model(tokens, batch, self.kv, features=features))
+
+    def mtp_step(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        selection: torch.Tensor | None,
+    ) -> MTPStep:
+        """One MTP-only draft pass over the KV cache (``MLADecoder.mtp_step``)."""
+        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
+
+
+def graphs_off(
+    enabled: bool,
+    model: SparseDecoder,
+    device: torch.device,
+    check_invariants: bool,
+    data_parallel: bool,
+) -> str | None:
+    """Why decode and verify passes are not replayed as CUDA graphs, or None when they are."""
+    if not enabled:
+        return "turned off (--no-cuda-graphs)"
+    if device.type != "cuda":
+        return f"device {device} is not a GPU"
+    if not DecodeGraphs.supports(model):
+        return "the model has compressed or windowed KV sources, or the MTP layer's lagged one"
+    if check_invariants:  # the checks read counters back: not capturable
+        return "DHISPARSE_CHECK_INVARIANTS is set"
+    if data_parallel:
+        return "data-parallel attention: each MoE layer exchanges a varying number of tokens"
+    return None
