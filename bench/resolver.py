@@ -359,7 +359,8 @@ def run(args: argparse.Namespace) -> int:
             res["recovery_over_bulk"] = res["host_recovery_GBps"] / ceiling
         results.append(res)
     print("\nms per resolve, in lockstep with the plain gather; graph = replayed from a CUDA "
-          "graph (GPU time), eager = launched from Python; /gather = g.total / g.gather")  # fmt: skip
+          "graph (GPU time), eager = launched from Python; /gather = g.total / g.gather"
+          )  # fmt: skip
     print(f"{'batch':>5} {'miss%':>6} {'misses':>7} {'g.resolve':>9} {'g.copy':>7} "
           f"{'g.total':>7} {'g.gather':>8} {'/gather':>7} {'eager':>7} {'copyGB/s':>9} "
           f"{'rec.%bulk':>9}")  # fmt: skip

@@ -47,7 +47,7 @@ import shlex
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -75,13 +75,20 @@ _HASHES: dict[tuple[Path, str], tuple[int, int, str]] = {}  # (path, scheme) -> 
 _OWN = threading.local()  # .reading: this thread reads for provenance, not for the benchmark
 
 
-def _read(path: Path) -> bytes:
-    """A file's bytes, read without counting as something the benchmark read."""
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Files opened inside are bookkeeping (finding, hashing), not what a result measured."""
     _OWN.reading = True
     try:
-        return path.read_bytes()
+        yield
     finally:
         _OWN.reading = False
+
+
+def _read(path: Path) -> bytes:
+    """A file's bytes, read without counting as something the benchmark read."""
+    with unrecorded():
+        return path.read_bytes()
 
 
 def _cached(path: Path, scheme: str, compute) -> str:
