@@ -14,8 +14,8 @@ Two hashes, for two questions:
   recorded by ``measured_hash`` under ``HASH_SCHEME`` (``"code-ast-v1"``, named in the
   provenance as ``hash_scheme``): a ``.py`` file by the SHA-256 of its syntax tree with the
   docstrings of module, classes and functions removed, written out field by field without
-  line numbers and without the fields a Python version adds empty (``canonical_ast``: the GPU
-  machine's 3.12 and the CPU's 3.11 give the same hash); any other file (weights, JSON,
+  line numbers and without the fields a Python version adds empty (``digest.code_digest``: the
+  GPU machine's 3.12 and the CPU's 3.11 give the same hash); any other file (weights, JSON,
   tokenizer files, templates) by its bytes, as git's blob hash. So correcting a docstring or
   a comment, or reformatting, leaves a result fresh; changing code, or moving or renaming a
   file it ran, makes it stale. A ``.py`` file that does not parse is hashed by its bytes.
@@ -33,7 +33,6 @@ from what that file recorded."""
 
 from __future__ import annotations
 
-import ast
 import contextlib
 import datetime
 import hashlib
@@ -50,12 +49,14 @@ import threading
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
+from bench.core.digest import blob_hash, code_digest
+
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED_ROOTS = ("services", "dhisparse", "models", "bench")
 PREPARED = "bench/PROVENANCE.json"
 NOT_MEASURED = frozenset({
-    "bench/__main__.py", "bench/cli.py", "bench/core/provenance.py", "bench/core/output.py",
-    PREPARED,
+    "bench/__main__.py", "bench/cli.py", "bench/core/provenance.py", "bench/core/digest.py",
+    "bench/core/output.py", PREPARED,
 })  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors",)
 BLOB_SCHEME = "git-blob"  # results recorded before ``hash_scheme`` existed
@@ -64,11 +65,6 @@ HASH_SCHEME = "code-ast-v1"
 
 class ProvenanceError(RuntimeError):
     """The code a result measured cannot be named: the result must not be written."""
-
-
-def blob_hash(data: bytes) -> str:
-    """Git's object id of a blob with these bytes (``git hash-object``)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
 
 
 _HASHES: dict[tuple[Path, str], tuple[int, int, str]] = {}  # (path, scheme) -> (mtime, size, hash)
@@ -105,64 +101,6 @@ def _cached(path: Path, scheme: str, compute) -> str:
 def file_hash(path: Path) -> str:
     """The blob hash of a file (``git hash-object``): the same bytes, the same hash."""
     return _cached(path, BLOB_SCHEME, blob_hash)
-
-
-_DOCUMENTED = (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)
-
-
-def _fstring_parts(values: list[ast.expr]) -> list[object]:
-    """An f-string's parts with its literal text merged and empty literals dropped: 3.12's
-    parser ends a format spec with an empty literal that 3.11 and 3.13 do not write."""
-    out: list[object] = []
-    for v in values:
-        if isinstance(v, ast.Constant) and isinstance(v.value, str):
-            if out and isinstance(out[-1], str):
-                out[-1] += v.value
-            elif v.value:
-                out.append(v.value)
-        else:
-            out.append(v)
-    return out
-
-
-def canonical_ast(node: object) -> str:
-    """A syntax tree written out field by field: node types and values, no positions, and no
-    field that is None or an empty list (those a newer Python adds, e.g. 3.12's
-    ``type_params``, are empty in code that parses on the older one); f-strings by their parts
-    (``_fstring_parts``)."""
-    if isinstance(node, ast.JoinedStr):
-        return f"JoinedStr({canonical_ast(_fstring_parts(node.values))})"
-    if isinstance(node, ast.AST):
-        fields = []
-        for name in node._fields:
-            value = getattr(node, name, None)
-            if value is None or (isinstance(value, list) and not value):
-                continue
-            fields.append(f"{name}={canonical_ast(value)}")
-        return f"{type(node).__name__}({', '.join(fields)})"
-    if isinstance(node, list):
-        return "[" + ", ".join(canonical_ast(v) for v in node) + "]"
-    return repr(node)
-
-
-def code_digest(source: bytes) -> str:
-    """The SHA-256 of a module's code: its syntax tree without docstrings (the first
-    statement of a module, class or function body when it is a string), comments and layout
-    (``canonical_ast``). Source that does not parse is hashed by its bytes."""
-    try:
-        tree = ast.parse(source)
-    except (SyntaxError, ValueError):
-        return blob_hash(source)
-    for node in ast.walk(tree):
-        if isinstance(node, _DOCUMENTED) and node.body:
-            first = node.body[0]
-            if (
-                isinstance(first, ast.Expr)
-                and isinstance(first.value, ast.Constant)
-                and isinstance(first.value.value, str)
-            ):
-                node.body = node.body[1:]
-    return hashlib.sha256(canonical_ast(tree).encode()).hexdigest()
 
 
 def measured_hash(path: Path, scheme: str = HASH_SCHEME) -> str:

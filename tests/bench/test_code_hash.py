@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.core import provenance
+from bench.core import digest, provenance
 from bench.stale import check
 
 MODULE = '''"""A module."""
@@ -134,16 +134,16 @@ def test_what_a_newer_parser_adds_empty_does_not_count() -> None:
     """3.12 gives functions an empty ``type_params`` and ends an f-string's format spec with an
     empty literal; 3.11 and 3.13 do not: the canonical form is the same."""
     tree = ast.parse(MODULE)
-    plain = provenance.canonical_ast(tree)
+    plain = digest.canonical_ast(tree)
     for node in ast.walk(tree):
         if isinstance(node, ast.FunctionDef | ast.ClassDef):
             node.type_params = []
         if isinstance(node, ast.FormattedValue) and node.format_spec is not None:
             node.format_spec.values.append(ast.Constant(value=""))
-    assert provenance.canonical_ast(tree) == plain
+    assert digest.canonical_ast(tree) == plain
     assert "type_params" not in plain
 
 
 def test_source_that_does_not_parse_counts_by_its_bytes() -> None:
     broken = b"def f(:\n"
-    assert provenance.code_digest(broken) == provenance.blob_hash(broken)
+    assert digest.code_digest(broken) == digest.blob_hash(broken)
