@@ -11,6 +11,7 @@ import; that code is named only where a test imports it too."""
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import shlex
 import time
 from collections import Counter
@@ -23,6 +24,8 @@ import pytest
 from bench.core import provenance
 
 TESTS = "tests"
+# the packages the tests compare against or run under (besides provenance's torch and triton)
+PACKAGES = ("pytest", "transformers")
 # the plugins that would take tests out of this process, or write beside the tree
 PYTEST_FLAGS = ("-p", "no:cacheprovider", "-p", "no:xdist")
 MESSAGE_CHARS = 600
@@ -104,10 +107,18 @@ class SuiteRun:
         return {
             "exit_status": self.exit_status,
             "seconds": round(self.seconds, 2),
+            "packages": {name: _version(name) for name in PACKAGES},
             "totals": self.totals(),
             "tests": self.tests,
             "collection_errors": self.collection_errors,
         }
+
+
+def _version(package: str) -> str | None:
+    try:
+        return importlib.metadata.version(package)
+    except importlib.metadata.PackageNotFoundError:
+        return None
 
 
 def run_pytest(args: Sequence[str]) -> SuiteRun:

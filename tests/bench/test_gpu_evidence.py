@@ -116,6 +116,7 @@ def test_gpu_tests_records_each_outcome_and_goes_stale_with_its_tests(tree: Path
     assert doc["totals"] == {"passed": 1, "failed": 1, "error": 0, "skipped": 1, "tests": 3,
                              "collection_errors": 0}  # fmt: skip
     assert doc["exit_status"] == 1
+    assert doc["packages"]["pytest"] == pytest.__version__
     prov = doc["provenance"]
     assert prov["hash_scheme"] == provenance.HASH_SCHEME and prov["source"] == "git"
     assert {"bench/gpu_tests.py", "bench/core/suite.py"} <= prov["files"].keys()
