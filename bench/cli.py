@@ -54,7 +54,7 @@ COMMANDS: dict[str, Command] = {
                        results=False, torch=False),
     "stale": Command("bench.stale", "committed results whose measured code has changed",
                      results=False, torch=False),
-    "ratios": Command("bench.ratios", "the ratios table of resolver, capacity, spec results",
+    "ratios": Command("bench.ratios", "README's results table from the result JSONs",
                       results=False, torch=False),
     "device-run": Command("bench.device_run", "one part of the GPU runs: one device command",
                           results=False, torch=False),
@@ -65,6 +65,11 @@ COMMANDS: dict[str, Command] = {
                       results=False),
     "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
     "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
+    # torch=False: the stack `up` starts inherits the environment as `make run` gives it
+    "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",
+                        torch=False),
+    "gpu-tests": Command("bench.gpu_tests", "the GPU test suite, each test's outcome (CUDA)"),
+    "slices": Command("bench.slices", "real-dimension slices vs transformers: errors (CUDA)"),
 }
 # fmt: on
 

@@ -5,12 +5,13 @@ its limit is killed and the part goes on. Results, plots and a short ``table.md`
 status and the ratios of the results written) go to ``--out`` (default $OUT); the steps' logs
 to ``logs.tgz``.
 
-    main         ``make run``'s defaults end to end on the GPU; resolver; capacity (resident /
-                 hisparse / adaptive in lockstep)
+    main         ``make run``'s defaults end to end on the GPU (``bench defaults``); resolver;
+                 capacity (resident / hisparse / adaptive in lockstep)
     spec         speculation against plain decoding on CUDA graphs
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
-    tests        the GPU tests, then the real-dimension slices against transformers
+    tests        the GPU tests (``bench gpu-tests``), then the real-dimension slices against
+                 transformers (``bench slices``)
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
@@ -55,19 +56,13 @@ class Step:
         return [sys.executable, *shlex.split(self.command.replace("{out}", str(out)))]
 
 
-GPU_TESTS = Step(
-    "gpu-tests",
-    "-m pytest -v --durations=15 -m gpu tests/worker tests/kv_host_store tests/model "
-    "-p no:cacheprovider "
-    "--ignore=tests/model/test_real_slice.py",
-    330,
-)
+# every test marked gpu but the slices, each test's outcome in gpu_tests.json
+GPU_TESTS = Step("gpu-tests", "-m bench gpu-tests --out {out}/gpu_tests.json", 330)
 # the real-dimension slices against transformers (about 80 s each: 20 GB checkpoints through
-# the machine's disk, never $OUT), their reports in the step's log
+# the machine's disk, never $OUT), their figures in slices.json
 SLICES = Step(
     "slices",
-    "-m pytest -q -s -m gpu tests/model/test_real_slice.py -p no:cacheprovider "
-    "--basetemp=/tmp/dhisparse-slices",
+    "-m bench slices --pytest-args '-s --basetemp=/tmp/dhisparse-slices' --out {out}/slices.json",
     220,
 )
 FAMILIES = ("v32-scaled", "glm5-scaled")
@@ -101,9 +96,9 @@ SCALED_32K_STEPS = tuple(
     )
     for family in FAMILIES
 )
-# `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs),
-# and a worker SIGKILLed mid-stream losing nothing
-DEFAULTS = Step("defaults", "-m pytest -q tests/e2e/test_defaults.py -p no:cacheprovider", 150)
+# `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs,
+# drafter, KV pool), and a worker SIGKILLed mid-stream 3 times losing nothing
+DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
 BUILD_CORPUS = Step("corpus", f"-m training.target.corpus --out {CORPUS}", 60)
 SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
 SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
@@ -216,7 +211,7 @@ def _tail(path: Path, lines: int) -> str:
 
 def report(part: str, outcomes: list[Outcome], out: Path, logs: Path) -> str:
     """``table.md``: where the tree came from, each step's status and time, the GPU tests'
-    summary line, and the ratios of the results this part wrote."""
+    summary line, and README's rows of the results this part wrote (``bench ratios``)."""
     src = provenance.source()
     lines = [f"# device-run {part}: commit {src['commit'][:12]}"
              + (" (dirty)" if src["dirty"] else "") + f", provenance from {src['source']}", "",
@@ -225,9 +220,9 @@ def report(part: str, outcomes: list[Outcome], out: Path, logs: Path) -> str:
     tests = logs / f"{GPU_TESTS.name}.log"
     if tests.exists():
         lines += ["", "GPU tests:", "", "```", _tail(tests, 3), "```"]
-    written = {name: out / f"{name}.json" for name in ratios.TABLES}
-    if any(p.exists() for p in written.values()):
-        lines += ["", ratios.table({n: p for n, p in written.items() if p.exists()})]
+    rows = ratios.table(out, present_only=True)
+    if rows.count("\n") > len(ratios.HEADER):
+        lines += ["", rows]
     return "\n".join(lines) + "\n"
 
 

@@ -1,112 +1,271 @@
-"""``python -m bench ratios``: the short table of ratios that README's "Measured results" quotes,
-read from the three result JSONs (resolver, capacity in three modes, speculation against plain
-decoding), each row with the commit and the command that measured it. A result that is not
-there reads "not yet measured"."""
+"""``python -m bench ratios``: README's table of measured results, every row computed from a
+result JSON under ``docs/results/`` (never from ``docs/results/archive/``).
+
+    python -m bench ratios                  # prints the table
+    python -m bench ratios --write-readme   # rewrites it in README.md, between the markers
+
+Each row (``ROWS``, at most 12) says what it compares, its value, where it was measured (the
+commit, "dirty" when the measured code differed from it, and the GPU or the CPU) and the command
+that reproduces it: the result's own, from its provenance, without the options that only name
+output files (``OUTPUT_OPTIONS``). A row whose JSON is not in ``docs/results/`` reads "not
+measured at HEAD" with the command that measures it. README holds the table between the lines
+``MARKERS``; a test fails when it differs from this command's output."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
-Rows = list[tuple[str, str]]  # (what the ratio compares, its value)
+from bench.core.provenance import ROOT
+
+RESULTS = "docs/results"
+README = "README.md"
+MARKERS = ("<!-- bench ratios -->", "<!-- /bench ratios -->")
+OUTPUT_OPTIONS = ("--out", "--plot", "--table", "--trace", "--log-dir")
+NOT_MEASURED = "not measured at HEAD"
+HEADER = ["| result | value | measured at | command |", "|---|---|---|---|"]
+
+
+@dataclass(frozen=True)
+class Row:
+    what: str  # what the value compares, and the goal where there is one
+    file: str  # the result JSON, under docs/results/
+    value: Callable[[dict], str]
+    measure: str  # the command that measures it, for when the JSON is not there
 
 
 def _x(v: float) -> str:
     return f"{v:.2f}×"
 
 
-def _span(vs: list[float]) -> str:
-    lo, hi = min(vs), max(vs)
-    return _x(lo) if f"{lo:.2f}" == f"{hi:.2f}" else f"{lo:.2f}–{hi:.2f}×"
+def _met(ok: bool) -> str:
+    return "met" if ok else "not met"
 
 
-def resolver_rows(doc: dict) -> Rows:
-    rs = doc["results"]
-    hit = sorted((r for r in rs if r["miss_rate"] == 0), key=lambda r: r["batch"])
-    batches = " / ".join(str(r["batch"]) for r in hit)
-    rows = [(
-        f"resolver: all-hit resolve / plain gather, batch {batches}",
-        " / ".join(_x(r["graph_total_ms"] / r["graph_plain_gather_ms"]) for r in hit),
-    )]  # fmt: skip
-    many = [r for r in rs if r["misses_per_step"] >= 4096 and r.get("recovery_over_bulk")]
-    if many:
-        rows.append((
-            "resolver: host recovery / bulk copy, steps of ≥ 4,096 missed rows",
-            f"{min(r['recovery_over_bulk'] for r in many):.0%}–"
-            f"{max(r['recovery_over_bulk'] for r in many):.0%}",
-        ))  # fmt: skip
-    return rows
+def _span(vs: list[float], fmt: str = "{:.2f}") -> str:
+    lo, hi = fmt.format(min(vs)), fmt.format(max(vs))
+    return lo if lo == hi else f"{lo}–{hi}"
 
 
-def capacity_rows(doc: dict) -> Rows:
+def resolver_all_hit(doc: dict) -> str:
+    hit = sorted((r for r in doc["results"] if r["miss_rate"] == 0), key=lambda r: r["batch"])
+    ratios = [r["total_over_gather"] for r in hit]
+    return (f"{' / '.join(_x(v) for v in ratios)} at batch "
+            f"{' / '.join(str(r['batch']) for r in hit)} ({_met(max(ratios) <= 1.3)})")  # fmt: skip
+
+
+def resolver_recovery(doc: dict) -> str:
+    many = [r["recovery_over_bulk"] for r in doc["results"] if r["misses_per_step"] >= 4096]
+    if not many:
+        return "no case missed 4,096 rows in a step"
+    return f"{_span(many, '{:.0%}')} ({_met(min(many) >= 0.8)})"
+
+
+def scaled(doc: dict) -> str:
+    (fam,) = doc["families"]
+    rate = {(r["mode"], r["concurrency"]): r["decode_tokens_per_s"] for r in fam["rows"]}
+    cs = sorted({c for mode, c in rate if mode == "resident"})
+    cells = [f"{mode} " + " / ".join(_x(rate[(mode, c)] / rate[("resident", c)]) for c in cs)
+             for mode in ("hisparse", "adaptive")]  # fmt: skip
+    resident = " / ".join(f"{rate[('resident', c)]:.1f}" for c in cs)
+    return (f"{', '.join(cells)} at C = {' / '.join(map(str, cs))} (resident {resident} tok/s; "
+            f"{fam['parameters'] / 1e9:.1f} B parameters, {fam['weights']} weights)")  # fmt: skip
+
+
+def heldout(doc: dict) -> str:
+    return f"{doc['eval_bpb']:.3f} ({_met(doc['eval_bpb'] <= 1.10)})"
+
+
+def acceptance(doc: dict) -> str:
+    mtp = sorted((r for r in doc["results"] if r["drafter"] == "mtp" and r["temperature"] == 0),
+                 key=lambda r: r["width"])  # fmt: skip
+    greedy = all(
+        r.get("equals_plain_greedy")
+        for r in doc["results"]
+        if r["temperature"] == 0 and r["drafter"] != "none"
+    )
+    first = mtp[0]
+    lengths = " / ".join(f"{r['acceptance_length']:.2f}" for r in mtp)
+    return (f"{lengths} at K = {' / '.join(str(r['width']) for r in mtp)} "
+            f"({_met(first['width'] == 2 and first['acceptance_length'] >= 1.6)}); every "
+            f"drafter's greedy tokens equal plain decoding's: {'yes' if greedy else 'no'}"
+            )  # fmt: skip
+
+
+def cpu_stream(doc: dict) -> str:
     s = doc["summary"]
-    rows = []
-    if "capacity_sessions" in s:
-        cap = s["capacity_sessions"]
-        rows.append((
-            "capacity: sessions held, adaptive / resident",
-            f"{_x(s['capacity_ratio_adaptive_over_resident'])} ({cap['adaptive']} / "
-            f"{cap['resident']})",
-        ))  # fmt: skip
-        fits = s["adaptive_vs_resident_where_resident_fits"]
-        rows.append((f"capacity: adaptive / resident decode rate where resident fits (C = "
-                     f"{', '.join(fits)})", _span(list(fits.values()))))  # fmt: skip
-    if "adaptive_vs_hisparse" in s:
-        vs = s["adaptive_vs_hisparse"]
-        rows.append((f"capacity: adaptive / hisparse decode rate (C = {', '.join(vs)})",
-                     _span(list(vs.values()))))  # fmt: skip
-    return rows
+    spec, plain = s["make run"]["median_tokens_per_s"], s["plain decoding"]["median_tokens_per_s"]
+    return (f"{_x(spec / plain)} ({spec:.1f} / {plain:.1f} tok/s, drafter {doc['drafter']}; "
+            f"≥ 20 tok/s {_met(spec >= doc['goal_tokens_per_s'])})")  # fmt: skip
 
 
-def spec_rows(doc: dict) -> Rows:
-    tps = {(r["config"], r["concurrency"]): r["decode_tokens_per_s"] for r in doc["results"]}
-    cs = sorted({c for _, c in tps})
-    drafters = sorted({k.split("/")[0] for k, _ in tps if k != "none"})
-    rows = []
-    for d in drafters:
-        for policy in ("paper", "online"):
-            if (f"{d}/{policy}", cs[0]) in tps:
-                ratios = [_x(tps[(f"{d}/{policy}", c)] / tps[("none", c)]) for c in cs]
-                rows.append((f"spec: {d} {policy} / plain decoding, C = "
-                             f"{' / '.join(map(str, cs))}", " / ".join(ratios)))  # fmt: skip
-    cells = [v for v in doc.get("summary", {}).values() if "within_3pct_of_the_better" in v]
-    if cells:
-        met = sum(bool(v["within_3pct_of_the_better"]) for v in cells)
-        rows.append(("spec: online policy within 3% of the better of plain and paper",
-                     f"{met} of {len(cells)} cells"))  # fmt: skip
-    return rows
+def gateway(doc: dict) -> str:
+    v = doc["variants"]
+    p50 = v["non_stream"]["pooled"]["overhead_ms"]["p50"]
+    stream = v["stream"]["pooled"]["overhead_ms"]["p50"]
+    return f"{p50:.2f} ms, streaming {stream:.2f} ms ({_met(p50 <= 2.0)}; {doc['config']['model']})"
 
 
-TABLES: dict[str, Callable[[dict], Rows]] = {
-    "resolver": resolver_rows,
-    "capacity": capacity_rows,
-    "spec": spec_rows,
-}
+def census(doc: dict) -> str:
+    rows = {(r["weights"], r["context"]): r for r in doc["rows"]}
+    cells = []
+    for ctx in sorted({c for _, c in rows}):
+        t, r = rows[("trained", ctx)], rows.get(("random", ctx))
+        recall = f"{t['dense_mass_recall']:.2f}" + (f" / {r['dense_mass_recall']:.2f}" if r else "")
+        cells.append(f"{ctx // 1024}K: {recall}, {t['hisparse']['host']:.0%} from host")
+    return f"k = {doc['rows'][0]['k']}; " + "; ".join(cells)
 
 
-def table(paths: dict[str, Path]) -> str:
-    """The markdown table over the results at ``paths`` (name in ``TABLES`` -> JSON path)."""
-    lines = ["| ratio | measured | commit | command |", "|---|---|---|---|"]
-    for name, path in paths.items():
-        if not path.exists():
-            lines.append(f"| {name} | not yet measured | – | – |")
+def slices(doc: dict) -> str:
+    ss = list(doc["slices"].values())
+    errors = ", ".join(f"{s['family']} {s['injected_logit_error']:.2%}" for s in ss)
+    recall = [
+        v for s in ss if s["selection_recall_sparse"] for v in s["selection_recall_sparse"].values()
+    ]
+    overlap = [v for s in ss if s["routing_overlap"] for v in s["routing_overlap"].values()]
+    t = doc["totals"]
+    return (f"{errors}; uninjected: selection recall {_span(recall, '{:.3f}')}, routing overlap "
+            f"{_span(overlap, '{:.3f}')}; tests {t['passed']} passed, {t['failed']} failed"
+            )  # fmt: skip
+
+
+def gpu_tests(doc: dict) -> str:
+    t = doc["totals"]
+    out = f"{t['passed']} passed, {t['failed']} failed, {t['error']} errors, {t['skipped']} skipped"
+    return out + (
+        f", {t['collection_errors']} files not collected" if t["collection_errors"] else ""
+    )
+
+
+def defaults(doc: dict) -> str:
+    stalls = " / ".join(f"{s:.1f}" if s is not None else "–" for s in doc["stalls_s"])
+    pool = doc["kv_pool"]["bytes"]
+    return (f"{doc['device']}, {doc['mode']}, CUDA graphs {doc['cuda_graphs']}, drafter "
+            f"{doc['drafter']}, KV pool {pool / 2**20:.0f} MiB; text identical after each of "
+            f"{doc['kills']} kills: {'yes' if doc['text_identical'] else 'no'}, stalls {stalls} s; "
+            f"{doc['tokens_per_s']:.1f} tok/s unkilled")  # fmt: skip
+
+
+GPU = "on a GPU: `python -m bench device-run {}`"
+ROWS: tuple[Row, ...] = (
+    Row("resolver, all rows hit: resolve + copy launch / plain gather of the same rows, CUDA "
+        "graphs alternated in lockstep (goal ≤ 1.3×)", "resolver.json", resolver_all_hit,
+        f"`python -m bench resolver` ({GPU.format('main')})"),
+    Row("resolver: host recovery / bulk host-to-device copy, steps of ≥ 4,096 missed rows "
+        "(goal ≥ 80%)", "resolver.json", resolver_recovery,
+        f"`python -m bench resolver` ({GPU.format('main')})"),
+    Row("scaled DeepSeek-V3.2 at real dimensions, 8K context: decode rate over resident's",
+        "scaled_v32_8k.json", scaled,
+        "`python -m bench scaled --family v32-scaled --contexts 8192 --concurrency 1,4 "
+        f"--decode-tokens 32` ({GPU.format('scaled')})"),
+    Row("scaled GLM-5.2 at real dimensions, 8K context: decode rate over resident's",
+        "scaled_glm5_8k.json", scaled,
+        "`python -m bench scaled --family glm5-scaled --contexts 8192 --concurrency 1,4 "
+        f"--decode-tokens 32` ({GPU.format('scaled')})"),
+    Row("the shipped model: held-out bits/byte, FP8 weights as shipped (goal ≤ 1.10)",
+        "heldout_bpb.json", heldout, "`python -m bench heldout-bpb`"),
+    Row("the shipped model: MTP acceptance length, T = 0 (goal ≥ 1.6 at K = 2)",
+        "acceptance.json", acceptance,
+        "`python -m bench acceptance --prompts 8 --prompt-len 256 --decode-tokens 64`"),
+    Row("the shipped model, one CPU stream through `make run`'s stack, 512-token prompt, 128 "
+        "new tokens: speculative / plain decoding, end to end (goal ≥ 20 tok/s)",
+        "cpu_stream.json", cpu_stream, "`python -m bench cpu-stream`"),
+    Row("gateway: overhead per request over a direct gRPC call, p50 (goal ≤ 2 ms)",
+        "gateway.json", gateway, "`python -m bench gateway`"),
+    Row("the shipped model's selection census, one request: dense attention mass in the top-k, "
+        "trained / random weights; rows hisparse reads from host (trained)", "census.json", census,
+        "`python -m bench census --contexts 4096,16384`"),
+    Row("bf16 engine vs bf16 transformers, 4-layer real-dimension slices, transformers' "
+        "choices injected: relative logit error", "slices.json", slices,
+        f"`python -m bench slices` ({GPU.format('tests')})"),
+    Row("the GPU test suite (every test marked gpu but the slices)", "gpu_tests.json",
+        gpu_tests, f"`python -m bench gpu-tests` ({GPU.format('tests')})"),
+    Row("`make run`'s defaults (`dhisparse up`, no flags), README's chat example, worker 0 "
+        "SIGKILLed mid-stream", "defaults.json", defaults,
+        f"`python -m bench defaults` ({GPU.format('main')})"),
+)  # fmt: skip
+
+
+def _measured_at(prov: dict) -> str:
+    commit = (prov.get("commit") or "?")[:7] + (" (dirty)" if prov.get("dirty") else "")
+    gpu = (prov.get("gpu") or {}).get("name")
+    return f"{commit}, {gpu.removeprefix('NVIDIA ') if gpu else 'CPU'}"
+
+
+def _command(prov: dict) -> str:
+    """The result's command without the options that only name output files."""
+    argv = shlex.split(prov.get("command") or "")
+    if not argv:
+        return "–"
+    kept, skip = [], False
+    for a in argv:
+        if skip:
+            skip = False
+        elif a in OUTPUT_OPTIONS:
+            skip = True
+        elif not a.startswith(tuple(f"{o}=" for o in OUTPUT_OPTIONS)):
+            kept.append(a)
+    return f"`{shlex.join(kept)}`"
+
+
+def table(results: Path, rows: tuple[Row, ...] = ROWS, present_only: bool = False) -> str:
+    """The markdown table of ``rows`` over the result JSONs in ``results`` (their files,
+    nothing below); ``present_only``: only the rows whose JSON is there."""
+    lines = list(HEADER)
+    for row in rows:
+        path = results / row.file
+        if not path.is_file():
+            if not present_only:
+                lines.append(f"| {row.what} | {NOT_MEASURED} | – | {row.measure} |")
             continue
         doc = json.loads(path.read_text())
         prov = doc.get("provenance") or {}
-        commit = (prov.get("commit") or "–")[:12] + (" (dirty)" if prov.get("dirty") else "")
-        command = f"`{prov['command']}`" if prov.get("command") else "–"
-        for what, value in TABLES[name](doc):
-            lines.append(f"| {what} | {value} | {commit} | {command} |")
+        lines.append(f"| {row.what} | {row.value(doc)} | {_measured_at(prov)} | "
+                     f"{_command(prov)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
+def readme_section(text: str) -> str | None:
+    """README's text between the marker lines (None: no markers)."""
+    lines = text.splitlines(keepends=True)
+    try:
+        start = next(i for i, ln in enumerate(lines) if ln.strip() == MARKERS[0])
+        end = next(i for i, ln in enumerate(lines) if ln.strip() == MARKERS[1] and i > start)
+    except StopIteration:
+        return None
+    return "".join(lines[start + 1 : end])
+
+
+def with_table(text: str, new: str) -> str:
+    """README's text with the section between the markers replaced by ``new``."""
+    old = readme_section(text)
+    if old is None:
+        raise ValueError(f"no lines {MARKERS[0]!r} ... {MARKERS[1]!r} in {README}")
+    head, _, rest = text.partition(MARKERS[0])
+    return head + MARKERS[0] + "\n" + new + rest[rest.index(MARKERS[1]) :]
+
+
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    for name in TABLES:
-        ap.add_argument(f"--{name}", default=f"docs/results/{name}.json", help="result JSON")
+    ap.add_argument("--results", default=RESULTS, help="where the result JSONs are")
+    ap.add_argument("--write-readme", action="store_true", help=f"rewrite {README}'s table")
+    ap.add_argument("--readme", default=README, help="the README to rewrite")
 
 
 def run(args: argparse.Namespace) -> int:
-    print(table({name: Path(getattr(args, name)) for name in TABLES}), end="")
+    md = table(ROOT / args.results)
+    if not args.write_readme:
+        print(md, end="")
+        return 0
+    readme = ROOT / args.readme
+    try:
+        readme.write_text(with_table(readme.read_text(), md))
+    except ValueError as e:
+        print(f"python -m bench ratios: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote the table ({md.count(chr(10)) - 2} rows) into {readme}")
     return 0

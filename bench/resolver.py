@@ -8,6 +8,14 @@ One source, k selected rows per request, B hot-cache entries per request, rows o
 serving (a pinned tensor if /dev/shm is too small; the JSON says which). Each request's misses
 are spread uniformly over its own contiguous region. Every timed run starts from the same hot
 cache state.
+
+Each case times four things in lockstep, eagerly and then replayed from CUDA graphs: the
+resolve, the copy of the rows it queued, both (what a decode step runs), and a plain device
+gather (``index_select``) of the rows the resolve located: one run of each per round, the first
+rotating, on the same inputs, for ``--iters`` rounds (``bench.core.lockstep.alternate``), so a
+phase of the machine weighs on all four alike. ``total_over_gather`` is the replayed medians'
+``graph_total_ms / graph_plain_gather_ms``: what the resolver costs a step over reading the
+same rows from a fully resident cache (``resolve_over_gather``: the resolve alone).
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 import torch
 
 from bench.core.clock import cuda_ms
+from bench.core.lockstep import alternate
 from bench.core.output import write_result
 from bench.core.plots import pyplot, save
 from bench.core.progress import progress
@@ -145,9 +154,9 @@ def run_case(
         resolve_only()
         copy_only()
 
-    t_resolve = cuda_ms(resolve_only, iters, restore)
-    t_copy = cuda_ms(copy_only, iters)
-    t_total = cuda_ms(both, iters, restore)
+    restore()
+    both()
+    torch.cuda.synchronize()
     locs = state["locs"]
     copied = int(ws.counters[3])
     assert copied == nreq * n_miss, (copied, nreq * n_miss)
@@ -161,21 +170,27 @@ def run_case(
         same = torch.equal(got.contiguous().view(torch.uint8), want.contiguous().view(torch.uint8))
         assert same, "resolved rows differ from the host backup"
     flat = locs.flatten()
-    t_gather = cuda_ms(lambda: torch.index_select(pool, 0, flat), iters)
+
+    def gather() -> None:
+        torch.index_select(pool, 0, flat)
+
+    # name -> (the work, what runs before each timed run: a restored hot cache for a resolve;
+    # the copy reads the queue every resolve from that state leaves, the gather ``flat``)
+    work = {"resolve": (resolve_only, restore), "copy": (copy_only, None),
+            "total": (both, restore), "gather": (gather, None)}  # fmt: skip
+    eager = in_lockstep(work, iters)
     # The same work replayed from CUDA graphs: GPU time without Python launch overhead, as an
     # engine that captures its decode step sees it.
     graphs = {}
-    for name, fn in (("resolve", resolve_only), ("copy", copy_only), ("total", both),
-                     ("gather", lambda: torch.index_select(pool, 0, flat))):  # fmt: skip
+    for name, (fn, _) in work.items():
         restore()
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             fn()
         graphs[name] = graph
-    g_resolve = cuda_ms(graphs["resolve"].replay, iters, restore)
-    g_copy = cuda_ms(graphs["copy"].replay, iters)
-    g_total = cuda_ms(graphs["total"].replay, iters, restore)
-    g_gather = cuda_ms(graphs["gather"].replay, iters)
+    replayed = in_lockstep({n: (graphs[n].replay, setup) for n, (_, setup) in work.items()}, iters)
+    t_resolve, t_copy, t_total, t_gather = (eager[n] for n in work)
+    g_resolve, g_copy, g_total, g_gather = (replayed[n] for n in work)
     row_bytes = d * host.element_size()
     med = statistics.median
     extra = {}
@@ -188,6 +203,7 @@ def run_case(
             lambda: resolve_launcher(sel, cu, slots, plan, geo, hot, clock, host_base, d, ws),
             lambda launch: launch_copy(ws, pool, host, order, sel.numel(), launch),
             (lambda: copy_queued(pool, c_src, c_dst, c_count, host, copied)) if copied else None,
+            gather,
             restore,
             iters,
         )
@@ -204,23 +220,42 @@ def run_case(
         "graph_copy_ms": med(g_copy),
         "graph_total_ms": med(g_total),
         "graph_plain_gather_ms": med(g_gather),
+        "timing": f"lockstep, {iters} rounds",
+        "total_over_gather": med(g_total) / med(g_gather),
+        "resolve_over_gather": med(g_resolve) / med(g_gather),
         "copy_GBps": copied * row_bytes / med(g_copy) / 1e6 if copied else None,
         "host_recovery_GBps": copied * row_bytes / med(g_total) / 1e6 if copied else None,
     }
+
+
+def in_lockstep(
+    work: dict[str, tuple[Callable[[], object], Callable[[], None] | None]], rounds: int
+) -> dict[str, list[float]]:
+    """Device ms of each ``work`` item (name -> (the work, what runs before it, untimed)),
+    one run of each per round, the first rotating, ``rounds`` rounds; each timed run after
+    one untimed run of the same (``cuda_ms``)."""
+    timers = {name: functools.partial(_one_ms, fn, setup) for name, (fn, setup) in work.items()}
+    return alternate(timers, rounds)
+
+
+def _one_ms(fn: Callable[[], object], setup: Callable[[], None] | None) -> float:
+    return cuda_ms(fn, 1, setup)[0]
 
 
 def _variants(
     resolver: Callable[[], Callable[..., torch.Tensor]],
     copy: Callable[[CopyLaunch], None],
     compact: Callable[[], None] | None,
+    gather: Callable[[], None],
     restore: Callable[[], None],
     iters: int,
 ) -> dict[str, float]:
     """Median ms (CUDA graphs) of one case's variants: the whole resolve in each launch shape
-    of ``RESOLVE_VARIANTS``; where rows miss (``compact`` given), the resolve's two phases, the
-    copy in each launch shape of ``COPY_VARIANTS``, the copy on a side stream beside the
-    resolve's second phase (``split_total``), and the ``compact`` window copy; every variant
-    once per round, three rounds, so drift hits them alike."""
+    of ``RESOLVE_VARIANTS`` and the plain ``gather`` they are compared with; where rows miss
+    (``compact`` given), the resolve's two phases, the copy in each launch shape of
+    ``COPY_VARIANTS``, the copy on a side stream beside the resolve's second phase
+    (``split_total``), and the ``compact`` window copy; every variant once per round, three
+    rounds, so drift hits them alike."""
     side = torch.cuda.Stream()
 
     def split() -> None:
@@ -242,6 +277,7 @@ def _variants(
         f"resolve_{name}": (lambda shape=shape: resolver()(0, shape), restore)
         for name, shape in RESOLVE_VARIANTS.items()
     }
+    fns["plain_gather"] = (gather, None)
     if compact is not None:
         fns |= {
             "resolve_phase1": (lambda: resolver()(1), restore),
@@ -319,20 +355,21 @@ def run(args: argparse.Namespace) -> int:
             g,
             variants=args.variants,
         )
-        res["total_over_gather"] = res["graph_total_ms"] / res["graph_plain_gather_ms"]
         if res["host_recovery_GBps"]:
             res["recovery_over_bulk"] = res["host_recovery_GBps"] / ceiling
         results.append(res)
-    print("\nms per resolve; graph = replayed from a CUDA graph (GPU time), eager = launched "
-          "from Python")  # fmt: skip
+    print("\nms per resolve, in lockstep with the plain gather; graph = replayed from a CUDA "
+          "graph (GPU time), eager = launched from Python; /gather = g.total / g.gather"
+          )  # fmt: skip
     print(f"{'batch':>5} {'miss%':>6} {'misses':>7} {'g.resolve':>9} {'g.copy':>7} "
-          f"{'g.total':>7} {'g.gather':>8} {'eager':>7} {'copyGB/s':>9} {'rec.%bulk':>9}")  # fmt: skip
+          f"{'g.total':>7} {'g.gather':>8} {'/gather':>7} {'eager':>7} {'copyGB/s':>9} "
+          f"{'rec.%bulk':>9}")  # fmt: skip
     for r in results:
         gbps = r["host_recovery_GBps"]
         print(f"{r['batch']:>5} {100 * r['miss_rate']:>6.2f} {r['misses_per_step']:>7} "
               f"{r['graph_resolve_ms']:>9.3f} {r['graph_copy_ms']:>7.3f} "
               f"{r['graph_total_ms']:>7.3f} {r['graph_plain_gather_ms']:>8.3f} "
-              f"{r['total_ms']:>7.3f} {r['copy_GBps'] or 0:>9.1f} "
+              f"{r['total_over_gather']:>7.2f} {r['total_ms']:>7.3f} {r['copy_GBps'] or 0:>9.1f} "
               f"{(100 * gbps / ceiling) if gbps else 0:>9.1f}")  # fmt: skip
     if args.variants:
         print_resolve_variants(results)
@@ -360,13 +397,15 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_resolve_variants(results: list[dict]) -> None:
-    """The resolve's launch shapes beside the plain gather, ms from CUDA graphs."""
+    """The resolve's launch shapes beside the plain gather of the same rounds, ms from CUDA
+    graphs."""
     names = [f"resolve_{n}" for n in RESOLVE_VARIANTS]
     print("\nresolve by launch shape, ms (CUDA graphs), and over the plain gather")
     print(f"{'batch':>5} {'miss%':>6} " + " ".join(f"{n[8:]:>14}" for n in names)
           + f" {'gather':>7}")  # fmt: skip
     for r in results:
-        v, gather = r["variants"], r["graph_plain_gather_ms"]
+        v = r["variants"]
+        gather = v["plain_gather"]
         cells = " ".join(f"{v[n]:7.4f} {v[n] / gather:5.2f}x" for n in names)
         print(f"{r['batch']:>5} {100 * r['miss_rate']:>6.2f} {cells} {gather:>7.4f}")
 

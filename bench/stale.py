@@ -2,7 +2,9 @@
 
 Every result JSON under ``docs/results/`` outside ``docs/results/archive/`` is checked: each
 file its provenance names (the code it measured and the results it derives from) must hash as
-it did then. A result without provenance is stale too. Lists what changed, per result, and
+it did then, under the provenance's ``hash_scheme`` (``bench/core/provenance.py``: code without
+docstrings and comments for ``code-ast-v1``; bytes for results recorded before it, which name
+no scheme). A result without provenance is stale too. Lists what changed, per result, and
 exits 1 when anything is stale (0 when nothing is), so a test can hold the docs to HEAD."""
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bench.core.provenance import ROOT, file_hash
+from bench.core.provenance import BLOB_SCHEME, ROOT, measured_hash
 
 RESULTS = "docs/results"
 ARCHIVE = "docs/results/archive"
@@ -25,7 +27,7 @@ class Stale:
     reasons: tuple[str, ...]  # changed, deleted or missing files, or why it has no provenance
 
 
-def _differing(recorded: dict, root: Path, what: str) -> list[str]:
+def _differing(recorded: dict, root: Path, what: str, scheme: str) -> list[str]:
     out = []
     for p, h in sorted(recorded.items()):
         if Path(p).is_absolute():  # outside the repository: not comparable
@@ -33,7 +35,7 @@ def _differing(recorded: dict, root: Path, what: str) -> list[str]:
         f = root / p
         if not f.is_file():
             out.append(f"{p} ({what} deleted)")
-        elif file_hash(f) != h:
+        elif measured_hash(f, scheme) != h:
             out.append(f"{p} ({what} changed)")
     return out
 
@@ -48,9 +50,13 @@ def check(path: Path, root: Path) -> Stale | None:
     prov = doc.get("provenance") if isinstance(doc, dict) else None
     if not isinstance(prov, dict) or not isinstance(prov.get("files"), dict):
         return Stale(name, None, ("no provenance (it names no code it measured)",))
-    reasons = _differing(prov["files"], root, "code") + _differing(
-        prov.get("inputs") or {}, root, "input"
-    )
+    scheme = prov.get("hash_scheme", BLOB_SCHEME)
+    try:
+        reasons = _differing(prov["files"], root, "code", scheme) + _differing(
+            prov.get("inputs") or {}, root, "input", scheme
+        )
+    except ValueError as e:  # a scheme this tree does not know
+        return Stale(name, prov.get("commit"), (str(e),))
     return Stale(name, prov.get("commit"), tuple(reasons)) if reasons else None
 
 

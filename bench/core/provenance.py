@@ -4,12 +4,26 @@ The code a result measured is the set of files under the measured roots (``servi
 ``dhisparse/``, ``models/``, ``bench/``) that the benchmark's process used: every module it
 had imported when it wrote the result (``sys.modules``), every file it opened for reading
 (an audit hook, ``track_reads``), and the weight files beside an opened file (safetensors
-opens its shards outside Python's ``open``). Each file is recorded by its git blob hash, the
-hash ``git hash-object`` gives, so a tree without ``.git`` computes the same hashes and
-``python -m bench stale`` can compare a result with any later tree: a result goes stale when
-code it measured changed, not when other files did. The dispatcher (``bench/cli.py``) and the
+opens its shards outside Python's ``open``). The dispatcher (``bench/cli.py``) and the
 recording of results (this module, ``output.py``) measure nothing and are left out: adding a
 subcommand leaves every result fresh.
+
+Two hashes, for two questions:
+
+- *Did the code a result measured change?* (``python -m bench stale``.) Each measured file is
+  recorded by ``measured_hash`` under ``HASH_SCHEME`` (``"code-ast-v1"``, named in the
+  provenance as ``hash_scheme``): a ``.py`` file by the SHA-256 of its syntax tree with the
+  docstrings of module, classes and functions removed, written out field by field without
+  line numbers and without the fields a Python version adds empty (``digest.code_digest``: the
+  GPU machine's 3.12 and the CPU's 3.11 give the same hash); any other file (weights, JSON,
+  tokenizer files, templates) by its bytes, as git's blob hash. So correcting a docstring or
+  a comment, or reformatting, leaves a result fresh; changing code, or moving or renaming a
+  file it ran, makes it stale. A ``.py`` file that does not parse is hashed by its bytes.
+  Results recorded before the scheme existed carry no ``hash_scheme`` and are compared by
+  git blob hashes (``BLOB_SCHEME``), as they were recorded.
+- *Is this tree the one that was prepared?* (``prepare`` / ``check_tree``.) A copy of the tree
+  must be the same bytes, so these keep git's blob hash of every file (``file_hash``, what
+  ``git hash-object`` gives): a tree without ``.git`` computes the same hashes.
 
 ``commit`` and ``dirty`` come from git when the tree is a checkout. A tree copied without
 ``.git`` (the GPU machine's) takes them from ``bench/PROVENANCE.json``, which ``python -m bench
@@ -32,50 +46,72 @@ import shlex
 import subprocess
 import sys
 import threading
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from pathlib import Path
+
+from bench.core.digest import blob_hash, code_digest
 
 ROOT = Path(__file__).resolve().parents[2]
 MEASURED_ROOTS = ("services", "dhisparse", "models", "bench")
 PREPARED = "bench/PROVENANCE.json"
 NOT_MEASURED = frozenset({
-    "bench/__main__.py", "bench/cli.py", "bench/core/provenance.py", "bench/core/output.py",
-    PREPARED,
+    "bench/__main__.py", "bench/cli.py", "bench/core/provenance.py", "bench/core/digest.py",
+    "bench/core/output.py", PREPARED,
 })  # fmt: skip
 WEIGHT_SUFFIXES = (".safetensors",)
+BLOB_SCHEME = "git-blob"  # results recorded before ``hash_scheme`` existed
+HASH_SCHEME = "code-ast-v1"
 
 
 class ProvenanceError(RuntimeError):
     """The code a result measured cannot be named: the result must not be written."""
 
 
-def blob_hash(data: bytes) -> str:
-    """Git's object id of a blob with these bytes (``git hash-object``)."""
-    return hashlib.sha1(b"blob %d\0" % len(data) + data, usedforsecurity=False).hexdigest()
-
-
-_HASHES: dict[Path, tuple[int, int, str]] = {}  # path -> (mtime_ns, size, blob hash)
+_HASHES: dict[tuple[Path, str], tuple[int, int, str]] = {}  # (path, scheme) -> (mtime, size, hash)
 _OWN = threading.local()  # .reading: this thread reads for provenance, not for the benchmark
 
 
-def _read(path: Path) -> bytes:
-    """A file's bytes, read without counting as something the benchmark read."""
+@contextlib.contextmanager
+def unrecorded() -> Iterator[None]:
+    """Files opened inside are bookkeeping (finding, hashing), not what a result measured."""
     _OWN.reading = True
     try:
-        return path.read_bytes()
+        yield
     finally:
         _OWN.reading = False
 
 
-def file_hash(path: Path) -> str:
-    """The blob hash of a file, recomputed only when its mtime or size moved."""
+def _read(path: Path) -> bytes:
+    """A file's bytes, read without counting as something the benchmark read."""
+    with unrecorded():
+        return path.read_bytes()
+
+
+def _cached(path: Path, scheme: str, compute) -> str:
+    """``compute(bytes)`` of a file, recomputed only when its mtime or size moved."""
     st = path.stat()
-    known = _HASHES.get(path)
+    known = _HASHES.get((path, scheme))
     if known is not None and known[:2] == (st.st_mtime_ns, st.st_size):
         return known[2]
-    h = blob_hash(_read(path))
-    _HASHES[path] = (st.st_mtime_ns, st.st_size, h)
+    h = compute(_read(path))
+    _HASHES[(path, scheme)] = (st.st_mtime_ns, st.st_size, h)
     return h
+
+
+def file_hash(path: Path) -> str:
+    """The blob hash of a file (``git hash-object``): the same bytes, the same hash."""
+    return _cached(path, BLOB_SCHEME, blob_hash)
+
+
+def measured_hash(path: Path, scheme: str = HASH_SCHEME) -> str:
+    """The hash ``stale`` compares under ``scheme`` (module docstring): under
+    ``HASH_SCHEME`` a ``.py`` file's code (``code_digest``), any other file's bytes; under
+    ``BLOB_SCHEME`` every file's bytes. Raises ``ValueError`` for an unknown scheme."""
+    if scheme == BLOB_SCHEME or (scheme == HASH_SCHEME and path.suffix != ".py"):
+        return file_hash(path)
+    if scheme == HASH_SCHEME:
+        return _cached(path, scheme, code_digest)
+    raise ValueError(f"unknown hash scheme {scheme!r}")
 
 
 def has_git(root: Path = ROOT) -> bool:
@@ -213,8 +249,10 @@ def track_reads() -> None:
     _READS = reads
 
 
-def measured_files(root: Path = ROOT) -> list[str]:
-    """The files of the measured roots this process used so far (module docstring)."""
+def measured_files(root: Path = ROOT, roots: Iterable[str] = MEASURED_ROOTS) -> list[str]:
+    """The files under ``roots`` (default: the measured roots) this process used so far
+    (module docstring)."""
+    roots = tuple(roots)
     if _READS is None:
         raise ProvenanceError(
             "the files this process read were not tracked from its start (call "
@@ -236,7 +274,7 @@ def measured_files(root: Path = ROOT) -> list[str]:
                      if w.suffix in WEIGHT_SUFFIXES and w.is_file()}  # fmt: skip
     return sorted(
         p for p in used
-        if p.split("/", 1)[0] in MEASURED_ROOTS and "__pycache__" not in p
+        if p.split("/", 1)[0] in roots and "__pycache__" not in p
         and p not in NOT_MEASURED and (root / p).is_file()
     )  # fmt: skip
 
@@ -257,7 +295,7 @@ def include_modules(names: Iterable[str]) -> None:
 
 
 def code_hash(files: dict[str, str]) -> str:
-    """One hash of (path, blob hash) pairs: equal exactly when the measured files are."""
+    """One hash of (path, hash) pairs: equal exactly when the measured files are."""
     lines = "".join(f"{h}  {p}\n" for p, h in sorted(files.items()))
     return hashlib.sha256(lines.encode()).hexdigest()
 
@@ -326,9 +364,10 @@ def collect(
 ) -> dict:
     """The provenance of a result written now. ``inputs``: files in the repository the result
     derives from (another result), checked by ``stale`` like code; ``data``: files outside it
-    (a corpus), recorded by SHA-256. Raises ``ProvenanceError`` when it cannot be named."""
+    (a corpus), recorded by SHA-256. Code and inputs are recorded by ``measured_hash``.
+    Raises ``ProvenanceError`` when it cannot be named."""
     src = source(root)
-    files = {p: file_hash(root / p) for p in measured_files(root)}
+    files = {p: measured_hash(root / p) for p in measured_files(root)}
     if src["recorded"] is not None:
         differing = _differing(src["recorded"], files, root)
         if differing:
@@ -337,9 +376,10 @@ def collect(
         "commit": src["commit"],
         "dirty": src["dirty"],
         "source": src["source"],
+        "hash_scheme": HASH_SCHEME,
         "code_hash": code_hash(files),
         "files": files,
-        "inputs": {_relative(p, root): file_hash(Path(p).resolve()) for p in inputs},
+        "inputs": {_relative(p, root): measured_hash(Path(p).resolve()) for p in inputs},
         "data": {_relative(p, root): hashlib.sha256(_read(Path(p))).hexdigest() for p in data},
         "gpu": gpu(),
         "versions": versions(),

@@ -16,13 +16,13 @@ def _run(name: str, *args: str) -> subprocess.CompletedProcess:
 
 def _measured(doc: dict) -> dict[str, str]:
     """The result's per-file hashes, checked against the files as they are."""
-    from bench.core.provenance import file_hash
+    from bench.core.provenance import measured_hash
 
     prov = doc["provenance"]
     assert prov["source"] == "git" and len(prov["commit"]) == 40
     assert prov["command"].startswith("python -m bench ")
     for path, h in prov["files"].items():
-        assert file_hash(ROOT / path) == h, path
+        assert measured_hash(ROOT / path) == h, path
     return prov["files"]
 
 

@@ -4,13 +4,14 @@ each step's status."""
 
 from __future__ import annotations
 
+import json
 import shlex
 import time
 from pathlib import Path
 
 import pytest
 
-from bench import device_run
+from bench import device_run, ratios
 from bench.cli import COMMANDS, parser_for
 from bench.device_run import PARTS, Outcome, Step, report, run_step
 
@@ -73,3 +74,10 @@ def test_the_table_reports_each_step(tmp_path) -> None:
     md = report("main", outcomes, tmp_path, logs)
     assert "| gpu-tests | ok | 51 |" in md and "| spec | timed out after 90 s | 90 |" in md
     assert "36 passed in 50.1s" in md and "provenance from git" in md
+    assert "| result |" not in md  # no result written: no rows
+    # README's rows of the results the part wrote (``bench ratios``), only those
+    totals = {"passed": 36, "failed": 0, "error": 0, "skipped": 0, "collection_errors": 0}
+    (tmp_path / "gpu_tests.json").write_text(json.dumps({"totals": totals, "provenance": {}}))
+    md = report("tests", outcomes, tmp_path, logs)
+    assert "| the GPU test suite" in md and "| 36 passed, 0 failed, 0 errors, 0 skipped |" in md
+    assert ratios.NOT_MEASURED not in md

@@ -1,7 +1,8 @@
-"""Provenance and ``python -m bench stale``: a result names the files it measured by their git
-blob hashes; it goes stale when one of them changes and not when another file does; a tree
-without ``.git`` writes results only with the ``bench/PROVENANCE.json`` that ``prepare`` wrote
-for exactly that tree; the committed results are true at HEAD."""
+"""Provenance and ``python -m bench stale``: a result names the files it measured by the hash of
+their code (``test_code_hash.py``); it goes stale when one of them changes and not when another
+file does; a tree without ``.git`` writes results only with the ``bench/PROVENANCE.json`` that
+``prepare`` wrote (git blob hashes) for exactly that tree; the committed results are true at
+HEAD."""
 
 from __future__ import annotations
 
@@ -117,16 +118,20 @@ def test_prepare_then_run_without_git(checkout: Path, device_tree: Path, tmp_pat
     assert prov["commit"] == head and prov["dirty"] is False
     recorded = json.loads((tree / provenance.PREPARED).read_text())["files"]
     assert {"bench/projection.py", "dhisparse/capacity/__init__.py"} <= prov["files"].keys()
-    assert all(recorded[p] == h for p, h in prov["files"].items())
+    assert all(recorded[p] == provenance.file_hash(tree / p) for p in prov["files"])
+    assert prov["hash_scheme"] == provenance.HASH_SCHEME
+    assert all(provenance.measured_hash(tree / p) == h for p, h in prov["files"].items())
     assert prov["code_hash"] == provenance.code_hash(prov["files"])
     # Fresh in that tree; an edit elsewhere leaves it fresh, an edit to code it ran does not.
     assert check(out, tree) is None
     unrelated = tree / "services" / "gateway" / "app.py"
     assert "services/gateway/app.py" not in prov["files"]
-    unrelated.write_text(unrelated.read_text() + "\n# edited\n")
+    unrelated.write_text(unrelated.read_text() + "\nEDITED = 1\n")
     assert check(out, tree) is None
     measured = tree / "bench" / "serving" / "scaling.py"
-    measured.write_text(measured.read_text() + "\n# edited\n")
+    measured.write_text(measured.read_text() + "\n# a comment: still the code it ran\n")
+    assert check(out, tree) is None
+    measured.write_text(measured.read_text() + "\nEDITED = 1\n")
     found = check(out, tree)
     assert found is not None and found.commit == head
     assert found.reasons == ("bench/serving/scaling.py (code changed)",)

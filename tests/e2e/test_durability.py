@@ -7,65 +7,29 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
 import pytest
 
+from bench.core import up
+from bench.core.up import UpStack as Stack
 from dhisparse.up import restart_delay
 from tests.conftest import free_port
-from tests.e2e.test_stack import MESSAGES, MODEL_NAME, offline_greedy, stop_stack, wait_serving
+from tests.e2e.test_stack import MESSAGES, MODEL_NAME, offline_greedy
 
 LONG = 240  # tokens: the kill lands well inside the stream
 
 
-@dataclass
-class Stack:
-    base: str
-    worker_metrics: str
-    log: Path
-
-    def pids(self, name: str) -> list[int]:
-        """PIDs ``up`` started for child ``name``, oldest first."""
-        return [int(p) for p in re.findall(rf"\[up\] {name}: pid (\d+)", self.log.read_text())]
-
-    def metric(self, url: str, name: str, **labels: str) -> float | None:
-        text = httpx.get(url, timeout=5).text
-        for line in text.splitlines():
-            named = line.startswith(name + "{") or line.startswith(name + " ")
-            if named and all(f'{k}="{v}"' in line for k, v in labels.items()):
-                return float(line.rsplit(" ", 1)[1])
-        return None
-
-
 @contextmanager
 def up_stack(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
-    """``dhisparse up`` on free ports (and a fresh arena path), restarts on, then ``flags``;
-    ``env`` adds to the environment. Stopped, its children killed by PID, on exit."""
-    http, worker, store, store_metrics, metrics = (free_port() for _ in range(5))
-    arena = f"/dev/shm/dhisparse-e2e-up-{os.getpid()}-{http}"
-    with open(log, "w") as out:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
-             "--worker-port", str(worker), "--kv-store-port", str(store),
-             "--kv-store-metrics-port", str(store_metrics), "--arena-path", arena,
-             "--worker-metrics-port", str(metrics), *flags],
-            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )  # fmt: skip
-    try:
-        wait_serving(proc, log)
-        yield Stack(f"http://127.0.0.1:{http}", f"http://127.0.0.1:{metrics}/metrics", log)
-    finally:
-        stop_stack(proc, log, arena)
+    """``dhisparse up`` (``bench/core/up.py``) on ports of this xdist worker's own slice."""
+    with up.up_stack(log, *flags, env=env, free_port=free_port) as st:
+        yield st
 
 
 @pytest.fixture

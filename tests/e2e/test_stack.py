@@ -3,22 +3,18 @@ test talks HTTP to the gateway and compares with offline generation on the engin
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
 import pytest
 import torch
 
+from bench.core.up import stop_stack, wait_serving
 from dhisparse.tokenizer import load_tokenizer
 from dhisparse.tokenizer.formatter import chat_formatter
 from services.kv_host_store.client import KVHostStoreClient
@@ -61,30 +57,6 @@ def stack(request, tmp_path_factory) -> Iterator[Stack]:
         yield Stack(base, f"127.0.0.1:{store}", mode)
     finally:
         stop_stack(proc, log, arena)
-
-
-def wait_serving(proc: subprocess.Popen, log: Path, timeout_s: float = 180) -> None:
-    """Until `dhisparse up` says it serves; fails with its log if it dies or takes too long."""
-    deadline = time.monotonic() + timeout_s
-    while "dhisparse is serving" not in log.read_text():
-        assert proc.poll() is None, log.read_text()
-        assert time.monotonic() < deadline, f"stack did not come up:\n{log.read_text()}"
-        time.sleep(0.3)
-
-
-def stop_stack(proc: subprocess.Popen, log: Path, arena: str) -> None:
-    """Stops `dhisparse up`, then kills its children by PID whatever state it left them in."""
-    children = [int(p) for p in re.findall(r"pid (\d+)", log.read_text())]
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-    for pid in children:
-        with contextlib.suppress(ProcessLookupError):
-            os.kill(pid, signal.SIGKILL)
-    Path(arena).unlink(missing_ok=True)
 
 
 def offline_greedy(max_tokens: int) -> str:

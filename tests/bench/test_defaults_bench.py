@@ -1,0 +1,44 @@
+"""``python -m bench defaults`` on this machine's defaults (the CPU here): ``dhisparse up`` with no
+serving flags, README's chat example streamed whole and with worker 0 SIGKILLed mid-stream; the
+result names what the worker chose, the texts match and each kill's stall is recorded. The
+request is README's chat example."""
+
+from __future__ import annotations
+
+import json
+import re
+
+from bench import defaults
+from bench.stale import check
+from tests.bench.helpers import ROOT, bench
+
+
+def test_the_request_is_readmes_chat_example() -> None:
+    text = (ROOT / "README.md").read_text()
+    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
+    (chat,) = [b for b in blocks if "curl " in b and "/v1/chat/completions" in b]
+    body = json.loads(re.search(r"-d '(.*?)'", chat, re.S).group(1))
+    assert body == defaults.REQUEST
+
+
+def test_the_defaults_here_give_the_same_text_across_a_kill(tmp_path) -> None:
+    out = tmp_path / "defaults.json"
+    proc = bench("defaults", "--kills", "1", "--out", str(out), timeout=400)
+    doc = json.loads(out.read_text())
+    assert proc.returncode == 0, (proc.stderr[-3000:], doc.get("trials"))
+    assert doc["device"] == "cpu" and doc["mode"] == "adaptive"
+    assert doc["cuda_graphs"] == "off" and doc["durable_sessions"] == "on"
+    assert doc["drafter"] == "mtp"  # the CPU default for the shipped model
+    assert doc["kv_pool"]["bytes"] > 0 and doc["kv_pool"]["kv_pool_mib_flag"]
+    assert doc["kills"] == 1 and doc["text_identical"] is True
+    (trial,) = doc["trials"]
+    assert trial["killed"] and trial["text_identical"] and trial["finish_reason"] == "length"
+    assert trial["stall_s"] > 0 and doc["stalls_s"] == [trial["stall_s"]]
+    assert trial["sessions_resumed"] == 1 and trial["prefill_tokens_computed"] == 0
+    assert doc["whole"]["completion_tokens"] == defaults.REQUEST["max_tokens"]
+    assert doc["tokens_per_s"] > 0
+    prov = doc["provenance"]
+    assert {"bench/defaults.py", "bench/core/up.py", "services/worker/server.py"} <= set(
+        prov["files"]
+    )  # the stack's code, which its processes ran
+    assert check(out, ROOT) is None
