@@ -29,7 +29,8 @@ class Hardware:
     """Per-GPU ceilings; defaults are the H200 figures measured in this project."""
 
     hbm_gbs: float = 4281.0  # HBM device-to-device copy, read+write (ENVIRONMENT.md)
-    pcie_gbs: float = 25.2  # resolver host recovery, 256 requests x 10% misses (results.md)
+    pcie_gbs: float = 25.2  # resolver host recovery, 256 requests x 10% misses
+    # (docs/results/archive/results_10m.md)
     tflops: float = 1979.0  # dense FP8 peak of an H200 (vendor figure)
     mfu: float = 0.5  # share of the peak a decode step reaches (assumption)
     gpus: int = 8  # GPUs of the node, each holding its own sessions

@@ -1,5 +1,5 @@
-"""The README's layout comparison (section "Sizing: `dhisparse plan`"), run as written from the
-repository root: the table it shows is the table the command prints."""
+"""The layout comparison in docs/capacity.md (section "`dhisparse plan`, by example"), run as
+written from the repository root: the table it shows is the table the command prints."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ ROOT = Path(__file__).resolve().parents[2]
 FENCE = re.compile(r"^```\n(\$ dhisparse plan .*?)^```", re.S | re.M)
 
 
-def test_the_readme_layout_example_prints_what_it_shows(
+def test_the_documented_layout_example_prints_what_it_shows(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    blocks = [b for b in FENCE.findall((ROOT / "README.md").read_text()) if "--layouts" in b]
+    doc = (ROOT / "docs" / "capacity.md").read_text()
+    blocks = [b for b in FENCE.findall(doc) if "--layouts" in b]
     assert len(blocks) == 1
     command, shown = blocks[0].split("\nworkers of ", 1)
     argv = shlex.split(command.removeprefix("$ ").replace("\\\n", " "))
