@@ -239,10 +239,6 @@ def profile_names() -> list[str]:
     return [*BUILTIN, *sorted(PRESETS)]
 
 
-def is_preset(name: str) -> bool:
-    return name in PRESETS and name not in BUILTIN
-
-
 def get_profile(
     name: str, *, kv_dtype_bytes: int | None = None, kv_cache_dtype: str = "auto"
 ) -> Profile:

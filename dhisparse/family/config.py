@@ -100,11 +100,6 @@ class ModelConfig:
         """The drafter's layers (the MTP layer), after every target layer."""
         return tuple(i for i, s in enumerate(self.layers) if s.draft)
 
-    @property
-    def num_target_layers(self) -> int:
-        """Layers the target's forward runs."""
-        return self.n_layers - len(self.draft_layers)
-
     def rows_for_tokens(self, source: int, num_tokens: int) -> int:
         """Complete stored rows of ``source`` after ``num_tokens`` tokens (eq. 8; a lagged
         source's row t needs token t + lag)."""

@@ -1,8 +1,8 @@
 """Where the store places a new region: the placement policy, apart from the allocator that
 carries it out.
 
-A GPU reads scattered host rows at a rate set by the footprint the reads span (the device's
-address translation, not the kernel, binds it). One resolver launch reads one KV source's rows
+A GPU reads scattered host rows at a rate set by the footprint the reads span, not by the
+kernel, nor by the host's page size (docs/results/README.md). One resolver launch reads one KV source's rows
 of the requests one worker decodes, so those regions should lie together, and away from the
 other sources' regions, the other workers' and the session state. Policies:
 

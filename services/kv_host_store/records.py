@@ -41,12 +41,6 @@ class Region:
     def durable_rows(self) -> int:
         return sum(r.rows for r in self.durable)
 
-    def row_offset(self, row: int) -> int:
-        """Arena byte offset of ``row`` of this region."""
-        if not 0 <= row < self.num_rows:
-            raise IndexError(f"row {row} outside region of {self.num_rows} rows")
-        return self.offset + row * self.row_bytes
-
 
 @dataclass(frozen=True)
 class ReleaseResult:

@@ -18,8 +18,13 @@ The paper's concepts, each where it is defined:
     verification        services/worker/speculative/verify.py
     manifest            services/worker/durable/manifest.py
 
-Packages: ``model`` (the DSA family), ``ops`` (indexer and sparse attention, torch and Triton),
-``kv`` (the serving modes' common state and the payload protocol), ``hierarchy`` (modes
-``hisparse`` and ``adaptive``), ``residency`` (adaptive residency), ``speculative``
-(speculative decoding), ``durable`` (sessions that survive their worker), ``engine``
-(scheduling, sampling, CUDA graphs)."""
+Packages, bottom to top (every import points down: ``tests/house/test_floors.py``):
+``request`` (requests, sampling, stop strings), ``ops`` (kernels, each with a torch reference),
+``parallel`` (collectives and shares of a model split over ranks), ``kv`` (the KV contract:
+the payload protocol, pools, index keys, settings), ``hierarchy`` (the hierarchy's parts),
+``residency`` (adaptive residency), ``serving`` (the serving modes), ``model`` (the model as
+torch modules), ``weights`` (checkpoints in and out), ``verify`` (a checkpoint against
+transformers), ``durable`` (sessions that survive their worker), ``graphs`` (CUDA graphs),
+``speculative`` (speculative decoding), ``rank_group`` (a worker over several ranks),
+``engine`` (scheduling and stepping); then the front: ``async_engine``, ``server``,
+``settings``, ``metrics``, ``group`` (the launcher of a rank group), the CLIs."""

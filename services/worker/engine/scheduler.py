@@ -28,7 +28,7 @@ from services.worker.serving.cache import KVCache
 
 
 class Chunk(NamedTuple):
-    """``tokens`` prefill tokens of ``req`` this step, ``all_ids[num_computed:][:tokens]``."""
+    """``tokens`` prefill tokens of ``req`` this step, from ``num_computed`` on."""
 
     req: Request
     tokens: int

@@ -80,7 +80,6 @@ class HostBackups:
         self.arena = mapping.tensor[:usable].view(self.dtype)  # [capacity / esize] elements
         if self.on_gpu:
             mapping.pin()
-        self.arena_ptr = HostPointer(self.arena)
 
     @property
     def owner(self) -> str:
@@ -168,10 +167,6 @@ class HostBackups:
         return self.arena[b + start * self.row_elems : b + end * self.row_elems].view(
             -1, self.row_elems
         )
-
-    def session_region(self, slot: int, source: int) -> Region | None:
-        """The slot's session region of (negative) ``source``, if it has one."""
-        return self._session.get(slot, {}).get(source)
 
     def session_rows(
         self, slot: int, source: int, start: int, end: int, dtype: torch.dtype

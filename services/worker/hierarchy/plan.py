@@ -208,35 +208,3 @@ class PlannedAhead:
             and batch.is_decode
             and batch.sources is None
         )
-
-
-@dataclass(frozen=True)
-class PoolLayout:
-    """Location space of a source's device pool: ``[hot | ring | scratch]``."""
-
-    max_slots: int
-    hot_entries: int  # B
-    ring: int  # T
-    scratch: int
-
-    @property
-    def ring_base(self) -> int:
-        return self.max_slots * self.hot_entries
-
-    @property
-    def scratch_base(self) -> int:
-        return self.ring_base + self.max_slots * self.ring
-
-    @property
-    def rows(self) -> int:
-        return self.scratch_base + self.scratch
-
-    def direct_locations(
-        self, rows: torch.Tensor, req: torch.Tensor, slots: torch.Tensor, plan: ChunkPlan
-    ) -> torch.Tensor:
-        """Locations of rows that resolve directly (undefined elsewhere). rows, req: same shape;
-        req indexes the batch, slots[req] the slot."""
-        in_chunk_scratch = (plan.in_scratch[req] != 0) & (rows >= plan.chunk_lo[req])
-        scratch_loc = self.scratch_base + plan.scratch_off[req] + (rows - plan.chunk_lo[req])
-        ring_loc = self.ring_base + slots[req] * self.ring + rows.clamp(min=0) % self.ring
-        return torch.where(in_chunk_scratch, scratch_loc, ring_loc)

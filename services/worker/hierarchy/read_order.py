@@ -3,9 +3,8 @@ from the copy kernel.
 
 The resolver queues a step's misses request by request, in whatever order the requests'
 programs ran, and the copy kernel's persistent grid walks that queue a window of entries at a
-time. Sorted by host address, each window covers a narrow range of the arena, and the device's
-address translation (what binds scattered host reads over a large footprint) sees the reads in
-order. Any order is exact: every queued copy carries its own destination row and no two share
+time. Sorted by host address, each window covers a narrow range of the arena: the reads of a
+window span a small footprint, which is what sets the rate of scattered host reads. Any order is exact: every queued copy carries its own destination row and no two share
 one, so the pool ends up with the same bytes, and attention with the same inputs."""
 
 from __future__ import annotations

@@ -76,10 +76,6 @@ class ForwardBatch:
             slot_ids=tuple(slots), prefill=prefill, sources=sources,
         )  # fmt: skip
 
-    def writes(self, source: int) -> bool:
-        """Whether this pass writes rows of ``source``."""
-        return self.sources is None or source in self.sources
-
     def imports(self, r: int) -> bool:
         """Whether request r's chunk is imported history: a prefill chunk, or any chunk that
         starts a request's rows (decode steps and verify rounds never do)."""

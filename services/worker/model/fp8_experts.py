@@ -4,8 +4,8 @@ e4m3 weights of the checkpoint, computed by ``services/worker/ops/fp8_moe.py``.
 On CUDA the forward is the grouped Triton kernel (static shapes, no host synchronisation: it
 can be captured in a CUDA graph and replayed with new routing); on the CPU it is the torch
 reference ``fp8_moe_ref``, the documented CPU path and the very function the kernel's tests
-compare against, not a fallback: the device decides, nothing else. Not wired into the model
-loader yet."""
+compare against, not a fallback: the device decides, nothing else. The loader fills it from
+an FP8 checkpoint's experts as stored, one expert's matrices at a time (``weights.mla_names``)."""
 
 from __future__ import annotations
 

@@ -5,7 +5,8 @@ block-scaled matmul of ``services/worker/ops/fp8_linear.py``.
 On CUDA the forward is the Triton kernel; on the CPU it is the torch reference
 ``fp8_linear_ref`` (dequantize, one fp32 matmul), which is the documented CPU path and the very
 function the kernel's tests compare against, not a fallback: the device decides, nothing else.
-Not wired into the model loader yet."""
+The loader fills it from an FP8 checkpoint as stored (``weights.loader``), or quantizes a bf16
+one into it (``--weight-dtype fp8``)."""
 
 from __future__ import annotations
 

@@ -132,13 +132,9 @@ class Request:
     # tokens adopted already computed from a dead worker (a resumed session): never computed here
     resumed_tokens: int = 0
 
-    @property
-    def all_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
     def ids_from(self, start: int, end: int | None = None) -> list[int]:
-        """``all_ids[start:end]`` without copying the whole history (a decode step reads one
-        token, a prefill chunk a slice of the prompt)."""
+        """``(prompt_ids + output_ids)[start:end]`` without copying the whole history (a decode
+        step reads one token, a prefill chunk a slice of the prompt)."""
         n = len(self.prompt_ids)
         if end is not None and end <= n:
             return self.prompt_ids[start:end]

@@ -5,4 +5,5 @@
 - ``repopulation``: bounded round-robin refill when memory frees;
 - ``policy``: whom to reclaim and whom to refill (pure, no tensors);
 - ``residency``: admission, the accounts of eq. 3 and the copies between steps;
-- ``completions`` / ``check`` / ``config``: when copies are done, the invariant, settings."""
+- ``completions`` / ``check``: when copies are done, the invariant (settings:
+  ``kv.config.ResidencyConfig``)."""

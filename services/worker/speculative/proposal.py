@@ -8,7 +8,7 @@ proposals depend only on its own generator, and a whole block samples in one vec
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import torch
 
@@ -27,11 +27,6 @@ class Proposal:
     def drafts(self, r: int) -> torch.Tensor:
         """[K_r-1] request r's proposals."""
         return self.tokens[r, : self.widths[r] - 1]
-
-    def truncate(self, widths: Sequence[int]) -> Proposal:
-        """Narrows request r to ``min(widths[r], K_r)`` queries (never widens)."""
-        new = [max(1, min(w, k)) for w, k in zip(widths, self.widths, strict=True)]
-        return replace(self, widths=new, **_masked(self.tokens, self.probs, new))
 
 
 def _masked(

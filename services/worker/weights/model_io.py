@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.parallel_layout import SINGLE, Cut, ParallelConfig
-from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, preset, preset_topology
+from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, preset
 from dhisparse.family.quantization_config import SCALE_SUFFIX, fp8_as_stored
 from dhisparse.paths import resolve_path
 from services.worker.model.decoder import SparseDecoder
@@ -26,7 +26,7 @@ from services.worker.ops.fp8_linear import Mode
 from services.worker.ops.fp8_moe import gate_up_halves
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
-from services.worker.weights.hf_load import hf_family, is_hf_model_dir, load_hf_model
+from services.worker.weights.hf_load import is_hf_model_dir, load_hf_model
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -303,13 +303,3 @@ def _is_family(spec: str | Path) -> bool:
         return isinstance(preset(str(spec)), FamilyPreset)
     path = resolve_path(spec)
     return (path / CONFIG_FILE).exists() and is_hf_model_dir(path)
-
-
-def load_config(spec: str | Path) -> ModelConfig:
-    """The topology of a preset or a model directory (either format)."""
-    if str(spec) in PRESETS:
-        return preset_topology(str(spec))
-    path = resolve_path(spec)
-    if is_hf_model_dir(path):
-        return hf_family(path)[1]
-    return ModelConfig.load(path / CONFIG_FILE)
