@@ -228,6 +228,11 @@ def report(part: str, outcomes: list[Outcome], out: Path, logs: Path) -> str:
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("part", choices=sorted(PARTS))
+    ap.add_argument(
+        "--only", default="",
+        help="comma-separated step names of any part to run instead of the part's own (the "
+        "part names the run's table)",
+    )  # fmt: skip
     ap.add_argument("--out", default=os.environ.get("OUT"), help="output folder (default $OUT)")
     ap.add_argument("--budget-s", type=float, default=540, help="the whole part's time")
 
@@ -237,6 +242,13 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("no output folder: give --out or set OUT")
     provenance.check_tree()  # every step would refuse to write its results otherwise
     steps = PARTS[args.part]
+    if args.only:
+        known = {step.name: step for part in PARTS.values() for step in part}
+        names = [n for n in args.only.split(",") if n]
+        unknown = [n for n in names if n not in known]
+        if unknown:
+            raise UsageError(f"no step {', '.join(unknown)}; steps: {', '.join(sorted(known))}")
+        steps = tuple(known[n] for n in names)
     if any(s.corpus for s in steps) and not (provenance.ROOT / CORPUS).exists():
         steps = (BUILD_CORPUS, *steps)
     out = Path(args.out).resolve()
