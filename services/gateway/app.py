@@ -110,6 +110,7 @@ def create_app(
         settings.workers,
         admission=admission or memory_admission(settings, metrics),
         poll_interval_s=settings.health_interval_s,
+        health_misses=settings.health_misses,
         max_retries=settings.max_retries,
         resume_deadline_s=settings.resume_deadline_s,
         metrics=metrics,

@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-interval-s", type=float, help="seconds between polls of the workers (1)"
     )
     parser.add_argument(
+        "--health-misses", type=int,
+        help="polls a worker may miss in a row before it counts as unhealthy (3)",
+    )  # fmt: skip
+    parser.add_argument(
         "--redis-url",
         help="Redis URL of the capacity ledger shared by gateway replicas (default: in-process)",
     )

@@ -33,6 +33,8 @@ class GatewaySettings(BaseSettings):
     # Largest top-logprobs count per token, as vLLM's max_logprobs.
     max_logprobs: int = Field(20, ge=0)
     health_interval_s: float = Field(1.0, gt=0)
+    # Health polls a worker may miss in a row before it counts as unhealthy.
+    health_misses: int = Field(3, ge=1)
     # A worker that fails before the first token is retried on another one, at most this often.
     max_retries: int = Field(2, ge=0)
     # A worker that dies after the first token is waited for this long (it is restarted under
