@@ -92,7 +92,7 @@ class SchemaLimits:
     max_logprobs: int
     vocab_size: int
     roles: tuple[str, ...]
-    empty_text_prompt_ok: bool  # the tokenizer adds a BOS, so "" is a prompt of one token
+    empty_text_prompt_ok: bool  # the tokenizer adds special tokens (a BOS): "" is a prompt
     max_request_bytes: int
     api_key: bool
     served_model: str | None = None

@@ -35,7 +35,7 @@ def _one_process() -> list[list[int]]:
     eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=48, max_model_len=512, max_num_seqs=4))
     tok = eng.tokenizer
     params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-    prompts = [tok.encode(t, add_bos=tok.bos_token_id is not None) for t in PROMPTS]
+    prompts = [tok.encode_prompt(t) for t in PROMPTS]
     return [r.output_ids for r in eng.generate(prompts, params)]
 
 
