@@ -640,6 +640,12 @@ class Engine:
                 break
         return req.output(tuple(emitted), text, tuple(lps))
 
+    def fail_running(self, error: RequestError) -> list[RequestOutput]:
+        """After ``step`` raised: ends every admitted request with ``error`` (a pass that failed
+        midway may have left any of their KV rows half written), freeing their slots and KV;
+        waiting requests stay queued. Their last outputs carry the error."""
+        return [self._fail(req, error) for req in list(self.scheduler.running)]
+
     def _fail(self, req: Request, error: RequestError) -> RequestOutput:
         """Ends a request the engine cannot serve (its output carries ``error``)."""
         req.error = error
