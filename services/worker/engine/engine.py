@@ -13,7 +13,7 @@ import torch
 from dhisparse.paths import resolve_path
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.kv_host_store.records import Region
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import EngineConfig, device_free_bytes, with_sized_pool
 from services.worker.engine.cuda_graph import DecodeGraphs, DraftGraphs
 from services.worker.engine.request import (
     FinishReason,
@@ -126,6 +126,7 @@ class Engine:
             | set(eos_token_ids(model_dir))
         )
         self.device = torch.device(cfg.device)
+        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device))
         kv_cfg = cfg.kv_config(next(model.parameters()).dtype)
         if shared_host and not comm.is_leader:
             kv_cfg = replace(kv_cfg, host_writer=False)
