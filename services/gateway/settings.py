@@ -54,7 +54,8 @@ class GatewaySettings(BaseSettings):
     lease_ttl_s: float = Field(10.0, gt=0)
     # Worker requests that may wait for capacity per model (0: none wait; 429 at once).
     max_queue: int = Field(256, ge=0)
-    # How long a request waits for capacity before a 503.
+    # How long a request may wait for capacity: one expected to wait longer is refused at once
+    # (429 with Retry-After, ``queue_wait``); past it, a waiter gets a 503.
     queue_deadline_s: float = Field(30.0, gt=0)
     # How often the head of a queue retries (other replicas' releases are seen no sooner).
     admission_poll_s: float = Field(0.025, gt=0)
