@@ -233,7 +233,8 @@ class MemoryAdmission:
         if service is None:
             return
         now = time.monotonic()
-        at = service.admission_at(position, now)
+        waiting = len(self._queues.get(job.model, ())) + 1
+        at = service.admission_at(position, now, waiting)
         if at is None or at <= deadline:
             return
         wait = at - now

@@ -117,16 +117,17 @@ class ModelService:
         self._free_seats += 1
         self._version += 1
 
-    def admission_at(self, position: int, now: float) -> float | None:
-        """When the request at ``position`` (1: the head) is expected to be admitted (monotonic
-        seconds); None while unknown (no completion measured, or no seat here)."""
+    def admission_at(self, position: int, now: float, waiting: int) -> float | None:
+        """When the request at ``position`` (1: the head) of a queue of ``waiting`` requests
+        is expected to be admitted (monotonic seconds); None while unknown (no completion
+        measured, or no seat here). One plan of ``waiting`` entries serves every position."""
         service_s = self.time.mean_s
         if service_s is None or not (self._running or self._free_seats):
             return None
         version, at, plan = self._plan
         if version != self._version or now - at > self.REFRESH_S or len(plan) < position:
             ages = [now - t for t in self._running.values()] + [service_s] * self._free_seats
-            waits = expected_admissions(ages, service_s, max(position, 2 * len(plan)))
+            waits = expected_admissions(ages, service_s, max(position, waiting))
             plan = [now + w for w in waits]
             self._plan = (self._version, now, plan)
         return plan[position - 1]

@@ -15,7 +15,12 @@ import httpx
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.gateway import GatewaySettings, create_app
-from services.gateway.queue_wait import ServiceTime, expected_admissions, retry_after_s
+from services.gateway.queue_wait import (
+    ModelService,
+    ServiceTime,
+    expected_admissions,
+    retry_after_s,
+)
 from services.gateway.routing import AdmissionRejected
 from tests.gateway.conftest import gateway_client
 from tests.gateway.test_admission import CONFIG_JSON, MODEL, job, make, sample, worker
@@ -33,6 +38,21 @@ def test_a_request_waits_for_the_seat_that_frees_first() -> None:
     t.observe(2.0)
     assert t.mean_s == 1.5
     assert [retry_after_s(w) for w in (0.01, 1.0, 1.2, 7.9)] == [1, 1, 2, 8]
+
+
+def test_the_plan_is_the_size_of_the_queue_however_often_it_changes() -> None:
+    """Every admission and release changes the plan; each new one covers the queue, no more
+    (a plan that grew with each change would take the gateway's memory and time)."""
+    service = ModelService()
+    t0 = time.monotonic()
+    service.released(service.admitted(t0 - 1.0), t0)  # a service time of 1 s
+    assert service.time.mean_s == 1.0
+    start = time.monotonic()
+    for _ in range(64):
+        serial = service.admitted(t0)  # one seat, free in 1 s: the 10th waits 10 s
+        assert service.admission_at(10, t0, waiting=10) == t0 + 10.0
+        service.released(serial, t0 + 1.0)
+    assert time.monotonic() - start < 1.0
 
 
 SERVICE_S, DEADLINE_S = 0.3, 0.75  # waves of admissions at 0.3, 0.6 (in time), 0.9 (late)
