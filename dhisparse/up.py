@@ -2,7 +2,9 @@
 child processes. A child that dies is restarted (as Kubernetes restarts a pod): at once the
 first time, then with exponential backoff while it keeps dying. A restarted worker keeps its
 ``--worker-id``, so in a hierarchy mode it takes over the sessions its predecessor left in the
-host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops them all.
+host store and the gateway re-attaches their streams. Ctrl-C or SIGTERM stops them all. A child
+that dies before it comes up stops ``up`` at once, with the child's exit status and the last line
+it wrote to stderr (its error): a configuration that cannot start is not restarted.
 
 Its defaults run the system the paper describes: ``adaptive`` mode with durable sessions, on
 the GPU when CUDA is available (CUDA graphs on, the worker's default), with a host arena that
@@ -17,9 +19,13 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 import urllib.request
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 from dhisparse.devices import AUTO, resolve_device
 from dhisparse.paths import resolve_path
@@ -37,12 +43,26 @@ class Child:
     restarts: int = 0
     started: float = field(default=0.0)
     env: dict[str, str] = field(default_factory=dict)  # added to the environment
+    # the last lines the child wrote to stderr (passed on to ours as they come)
+    stderr_tail: deque[str] = field(default_factory=lambda: deque(maxlen=20))
 
     def start(self) -> None:
         env = {**os.environ, **self.env} if self.env else None
-        self.proc = subprocess.Popen(self.argv, start_new_session=True, env=env)
+        self.stderr_tail.clear()
+        self.proc = subprocess.Popen(
+            self.argv, start_new_session=True, env=env, stderr=subprocess.PIPE
+        )
         self.started = time.monotonic()
+        assert self.proc.stderr is not None
+        threading.Thread(
+            target=_pass_on, args=(self.proc.stderr, self.stderr_tail), daemon=True,
+            name=f"{self.name}-stderr",
+        ).start()  # fmt: skip
         print(f"[up] {self.name}: pid {self.proc.pid}: {' '.join(self.argv[3:])}", flush=True)
+
+    def last_error(self) -> str:
+        """The last non-empty line the child wrote to stderr ("" when none)."""
+        return next((line for line in reversed(self.stderr_tail) if line.strip()), "")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -57,6 +77,18 @@ class Child:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+def _pass_on(src: BinaryIO, tail: deque[str]) -> None:
+    """Copies a child's stderr to ours line by line, keeping the last lines in ``tail``."""
+    out = sys.stderr.buffer
+    for line in iter(src.readline, b""):
+        tail.append(line.decode(errors="replace").rstrip("\n"))
+        try:
+            out.write(line)
+            out.flush()
+        except (OSError, ValueError):  # our stderr is gone: keep draining the child's
+            pass
 
 
 DEFAULT_DRAFTER = "mtp"  # on a CPU, for a model with an MTP layer (the shipped one has)
@@ -142,7 +174,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "space of the arena's filesystem and the available memory",
     )
     p.add_argument("--arena-path", default=f"/dev/shm/dhisparse-arena-{os.getuid()}")
-    p.add_argument("--kv-pool-mib", type=float, default=256.0)
+    p.add_argument(
+        "--kv-pool-mib", type=float,
+        help="each worker's KV pool in MiB (default: the worker sizes it: on a GPU 80%% of "
+        "its memory free once the model is loaded, 256 on a CPU; it logs what it chose)",
+    )  # fmt: skip
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--no-restart", action="store_true", help="stop the stack when a child dies")
     p.add_argument(
@@ -187,26 +223,40 @@ def _spec_flags(args: argparse.Namespace, device: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _wait_port(host: str, port: int, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection((host, port), timeout=0.5):
-                return True
-        except OSError:
-            time.sleep(0.2)
-    return False
+def _port_open(host: str, port: int) -> bool:
+    try:
+        with socket.create_connection((host, port), timeout=0.5):
+            return True
+    except OSError:
+        return False
 
 
-def _wait_http(url: str, deadline: float) -> bool:
-    while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(url, timeout=1.0) as r:
-                if r.status == 200:
-                    return True
-        except OSError:
-            pass
-        time.sleep(0.3)
-    return False
+def _http_ok(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=1.0) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
+def _wait_up(child: Child, ready: Callable[[], bool], timeout_s: float) -> int:
+    """0 once ``ready()``; else, printed with why, the status ``up`` exits with: the child's
+    own (1 for a signal) when it died first, with its last stderr line; 1 after
+    ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while not ready():
+        if not child.alive():
+            code = child.proc.returncode if child.proc is not None else None
+            time.sleep(0.2)  # its last lines reach the tail
+            error = child.last_error() or "no message"
+            print(f"[up] {child.name} exited with status {code} during start-up: {error}",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            return code if code is not None and code > 0 else 1
+        if time.monotonic() > deadline:
+            print(f"[up] {child.name} did not come up within {timeout_s:.0f} s", file=sys.stderr)
+            return 1
+        time.sleep(0.2)
+    return 0
 
 
 def worker_device(device: str, index: int, ranks: int = 1) -> str:
@@ -249,7 +299,7 @@ def worker_argv(args: argparse.Namespace, index: int, device: str) -> list[str]:
         "--model", args.model,
         "--mode", args.mode,
         "--device", worker_device(device, index, args.tensor_parallel_size),
-        "--kv-pool-mib", str(args.kv_pool_mib),
+        *(["--kv-pool-mib", str(args.kv_pool_mib)] if args.kv_pool_mib is not None else []),
         "--kv-cache-dtype", args.kv_cache_dtype,
         "--weight-dtype", args.weight_dtype,
         "--max-model-len", str(args.max_model_len),
@@ -276,7 +326,9 @@ def main(args: argparse.Namespace) -> int:
         how = " (auto: no CUDA device)" if device == "cpu" else " (auto: CUDA is available)"
     spec = _spec_flags(args, device)
     drafter = spec[1] if spec else "none"
-    print(f"[up] device {device}{how}, mode {args.mode}, drafter {drafter}", flush=True)
+    pool = "sized by each worker" if args.kv_pool_mib is None else f"{args.kv_pool_mib:g} MiB"
+    print(f"[up] device {device}{how}, mode {args.mode}, drafter {drafter}, KV pool {pool}",
+          flush=True)  # fmt: skip
     py = [sys.executable, "-m", "dhisparse.cli"]
     store = Child(
         "kv-host-store",
@@ -328,19 +380,17 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     try:
         store.start()
-        if not _wait_port(args.host, store.port, time.monotonic() + 60):
-            print("[up] kv-host-store did not come up", file=sys.stderr)
-            return 1
+        if code := _wait_up(store, lambda: _port_open(args.host, store.port), 60):
+            return code
         for w in workers:
             w.start()
         for w in workers:
-            if not _wait_port(args.host, w.port, time.monotonic() + 180):
-                print(f"[up] {w.name} did not come up", file=sys.stderr)
-                return 1
+            if code := _wait_up(w, lambda w=w: _port_open(args.host, w.port), 180):
+                return code
         gateway.start()
-        if not _wait_http(f"http://{args.host}:{args.port}/health", time.monotonic() + 60):
-            print("[up] gateway did not become healthy", file=sys.stderr)
-            return 1
+        health = f"http://{args.host}:{args.port}/health"
+        if code := _wait_up(gateway, lambda: _http_ok(health), 60):
+            return code
         print(
             f"\n[up] dhisparse is serving {served_name(args.model)} ({args.model}) at "
             f"http://{args.host}:{args.port}/v1\n"

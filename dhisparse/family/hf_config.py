@@ -3,20 +3,25 @@
 topology the KV layer sees as a ``ModelConfig`` (one KV source per layer; index producers and
 followers).
 
-Keys are read as the hub ships them and as transformers 5.17.0 writes them: the legacy
-``rope_scaling`` + ``rope_theta`` as well as ``rope_parameters``; GLM's ``indexer_types``,
-``index_topk_pattern``, or ``index_topk_freq`` + ``index_skip_topk_offset``. Absent keys take the
-transformers class defaults of the family. A key that changes the math and is not understood, or
-a value this engine does not implement, is a ``ConfigError`` naming it: a model is never served
-with part of its definition ignored."""
+Keys are read as the hub ships them and as every transformers release from 5.17.0 writes them:
+the legacy ``rope_scaling`` + ``rope_theta`` as well as ``rope_parameters``; GLM's
+``indexer_types``, ``index_topk_pattern``, or ``index_topk_freq`` + ``index_skip_topk_offset``;
+``layer_types`` naming the indexed attention ``deepseek_sparse_attention`` (5.17) or
+``indexed_attention`` (later releases). Absent keys take the transformers class defaults of the
+family. A key with no effect on inference is accepted and named in one log line. A key that is
+not understood, or a value this engine does not implement, is a ``ConfigError`` naming it: a
+model is never served with part of its definition ignored."""
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.rope_spec import RopeSpec
+
+log = logging.getLogger(__name__)
 
 Family = Literal["deepseek_v32", "glm_moe_dsa"]
 
@@ -47,15 +52,22 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     ),
 }  # fmt: skip
 
-# Keys with no effect on inference (metadata, training-only settings, deployment hints).
-_INERT = frozenset({
+# What a file is and how it was written; read where needed, never worth a log line.
+_METADATA = frozenset({
     "architectures", "model_type", "transformers_version", "auto_map", "_name_or_path",
-    "torch_dtype", "dtype", "use_cache", "initializer_range", "pad_token_id", "output_attentions",
+    "torch_dtype", "dtype", "tokenizer_class", "quantization_config", "num_key_value_heads",
+    "num_nextn_predict_layers", "head_dim", "qk_head_dim",
+})  # fmt: skip
+# Keys with no effect on inference (training-only settings, outputs, deployment hints): accepted
+# whatever their value, and named in one log line.
+_INERT = frozenset({
+    "use_cache", "initializer_range", "pad_token_id", "output_attentions",
     "output_hidden_states", "return_dict", "chunk_size_feed_forward", "is_encoder_decoder",
     "id2label", "label2id", "problem_type", "attention_dropout", "aux_loss_alpha", "seq_aux",
-    "ep_size", "quantization_config", "head_dim", "qk_head_dim", "tokenizer_class",
-    "num_key_value_heads", "num_nextn_predict_layers",
+    "ep_size", "output_router_logits",
 })  # fmt: skip
+# ``layer_types`` entries that name the indexed (DSA) attention these families run.
+_INDEXED_LAYERS = ("indexed_attention", "deepseek_sparse_attention")
 # Keys whose value is fixed for these families: any other value is a different model.
 _FIXED: dict[str, tuple[Any, ...]] = {
     "hidden_act": ("silu",),
@@ -137,7 +149,8 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
         raise ConfigError(
             f"model_type {family!r} is not supported; supported: {', '.join(sorted(_DEFAULTS))}"
         )
-    known = set(_DEFAULTS[family]) | _INERT | set(_FIXED) | {"mlp_layer_types", "layer_types"}
+    known = set(_DEFAULTS[family]) | _METADATA | _INERT | set(_FIXED)
+    known |= {"mlp_layer_types", "layer_types"}
     known |= {"rope_parameters", "rope_scaling", "rope_theta", "indexer_rope_interleave"}
     known |= {"index_share_for_mtp_iteration"}
     if family == "glm_moe_dsa":
@@ -145,6 +158,9 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"config.json: unsupported field(s) {unknown} for {family}")
+    ignored = sorted(_INERT & set(raw))
+    if ignored:
+        log.info("config.json: ignored, no effect on inference: %s", ", ".join(ignored))
     for key, allowed in _FIXED.items():
         if key in raw and raw[key] not in allowed:
             raise ConfigError(f"config.json: {key}={raw[key]!r} is not supported ({allowed[0]!r})")
@@ -155,9 +171,7 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
     if c.get("num_key_value_heads", heads) != heads:
         raise ConfigError("config.json: num_key_value_heads must equal num_attention_heads (MLA)")
     n = c["num_hidden_layers"]
-    layer_types = c.get("layer_types") or ["deepseek_sparse_attention"] * n
-    if list(layer_types) != ["deepseek_sparse_attention"] * n:
-        raise ConfigError(f"config.json: layer_types {layer_types!r} is not supported")
+    _check_layer_types(c.get("layer_types"), n)
     if c["n_routed_experts"] % c["n_group"] or c["n_routed_experts"] // c["n_group"] < 2:
         raise ConfigError("config.json: n_group must split n_routed_experts in groups of >= 2")
     if c["qk_rope_head_dim"] > c["index_head_dim"] or c["qk_rope_head_dim"] % 2:
@@ -208,6 +222,28 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
         mtp_mlp="sparse" if n >= int(c["first_k_dense_replace"]) else "dense",
         mtp_index_share=bool(c.get("index_share_for_mtp_iteration", False)),
     )
+
+
+def _check_layer_types(layer_types: list[str] | None, n: int) -> None:
+    """Raises ConfigError unless every one of the ``n`` layers runs indexed attention (absent:
+    all do), naming the other kinds and their layers."""
+    if layer_types is None:
+        return
+    if len(layer_types) != n:
+        raise ConfigError(f"config.json: layer_types has {len(layer_types)} entries for {n} layers")
+    other: dict[str, list[int]] = {}
+    for i, kind in enumerate(layer_types):
+        if kind not in _INDEXED_LAYERS:
+            other.setdefault(str(kind), []).append(i)
+    if other:
+        named = "; ".join(
+            f"{kind!r} at layers {at[:8]}{' ...' if len(at) > 8 else ''}"
+            for kind, at in other.items()
+        )
+        raise ConfigError(
+            f"config.json: layer_types has {named}: only indexed attention "
+            f"({', '.join(_INDEXED_LAYERS)}) is implemented"
+        )
 
 
 def _rope(raw: dict[str, Any], c: dict[str, Any]) -> RopeSpec:

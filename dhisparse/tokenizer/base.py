@@ -25,6 +25,11 @@ class Tokenizer(Protocol):
 
     def encode(self, text: str, add_bos: bool = False) -> list[int]: ...
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """A raw prompt (a completion's, not a chat's) with the special tokens the checkpoint's
+        own rule adds, as transformers' ``tokenizer(text)`` gives it: no BOS unless that rule
+        adds one."""
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str: ...
 
     def token_text(self, token_id: int) -> str:

@@ -51,6 +51,10 @@ class ByteTokenizer:
                 ids.extend(piece.encode("utf-8"))
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """The byte-level models start every prompt with BOS."""
+        return self.encode(text, add_bos=True)
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         out: list[str] = []
         buf = bytearray()

@@ -69,6 +69,12 @@ class HFTokenizer:
             ids = [self.bos_token_id, *ids]
         return ids
 
+    def encode_prompt(self, text: str) -> list[int]:
+        """The post-processor of tokenizer.json decides (none: nothing is added). transformers
+        5 drops tokenizer_config.json's ``add_bos_token`` / ``add_eos_token`` when a
+        tokenizer.json is there, which it always is here."""
+        return self._tok.encode(text, add_special_tokens=True).ids
+
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(ids, skip_special_tokens=skip_special_tokens)
 

@@ -10,8 +10,12 @@ bounded FIFO per model.
   with room (each its share of the group's), and the lease names that rank (``accounts``).
 - **Waiting:** only the head of a queue tries; it retries every ``poll_s`` (another replica's
   release is seen no sooner) and at once when this gateway releases a lease or polls the
-  workers. Queue full → 429 ``queue-full`` (``no-capacity`` when queueing is off), deadline →
-  503 ``deadline``, a request larger than every worker → 400 ``too-large``. Cancelling a waiter
+  workers. A request is served or refused at once: one whose expected wait, from the queue's
+  measured service (``queue_wait``), is longer than its deadline gets 429 ``expected-wait``
+  with ``Retry-After`` = that wait, on arrival or as soon as a completion changes the estimate
+  (until a first request has completed, requests wait). Queue full → 429 ``queue-full``
+  (``no-capacity`` when queueing is off), deadline (an estimate that was too hopeful) → 503
+  ``deadline``, a request larger than every worker → 400 ``too-large``. Cancelling a waiter
   (client gone) takes it out of the queue.
 - **Leases:** renewed every TTL/3 while their request runs; released when it ends. A worker no
   gateway has seen healthy for ``worker_dead_after_s`` has all its leases released.
@@ -32,6 +36,7 @@ from dataclasses import dataclass, replace
 from services.gateway.leases import LeaseKeeper
 from services.gateway.ledger import Ledger, LedgerUnavailable
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.queue_wait import ModelService, TimedLease, retry_after_s
 from services.gateway.routing import (
     AdmissionJob,
     AdmissionRejected,
@@ -90,6 +95,7 @@ class MemoryAdmission:
             served_model_name=served_model_name,
         )
         self._queues: dict[str, deque[_Waiter]] = {}
+        self._service: dict[str, ModelService] = {}
 
     @property
     def ledger(self) -> Ledger:
@@ -116,6 +122,8 @@ class MemoryAdmission:
             if lease is not None:
                 return self._admitted(job, lease, start)
             tried = True
+        if not retry:
+            self._refuse_a_long_wait(job, len(queue) + 1, start + self.cfg.queue_deadline_s)
         if not retry and len(queue) >= self.cfg.max_queue:
             if self.cfg.max_queue == 0:
                 raise self._reject(
@@ -151,6 +159,7 @@ class MemoryAdmission:
                         "deadline",
                         f"No capacity for the request within {self.cfg.queue_deadline_s:g}s",
                     )
+                self._refuse_a_long_wait(job, queue.index(waiter) + 1, deadline)
                 timeout = min(self.cfg.poll_s, remaining) if head else remaining
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.turn.wait(), timeout)
@@ -205,9 +214,43 @@ class MemoryAdmission:
         return replace(w, admitted_bytes=usage.admitted_bytes) if usage is not None else w
 
     def _admitted(self, job: AdmissionJob, lease: Lease, start: float) -> Lease:
+        now = time.monotonic()
         if self.metrics is not None:
-            self.metrics.allocation_wait.labels(job.model).observe(time.monotonic() - start)
-        return lease
+            self.metrics.allocation_wait.labels(job.model).observe(now - start)
+        service = self._service.setdefault(job.model, ModelService())
+        serial = service.admitted(now)
+
+        def released() -> None:
+            service.released(serial, time.monotonic())
+            self._reassess(job.model)
+
+        return TimedLease(lease, released)
+
+    def _refuse_a_long_wait(self, job: AdmissionJob, position: int, deadline: float) -> None:
+        """Raises 429 ``expected-wait`` when the request at ``position`` of its queue is
+        expected to be admitted after ``deadline`` (``queue_wait``)."""
+        service = self._service.get(job.model)
+        if service is None:
+            return
+        now = time.monotonic()
+        waiting = len(self._queues.get(job.model, ())) + 1
+        at = service.admission_at(position, now, waiting)
+        if at is None or at <= deadline:
+            return
+        wait = at - now
+        self._count(job, "expected-wait", 429)
+        raise AdmissionRejected(
+            429,
+            f"The admission queue is expected to reach this request in {wait:.1f}s, past its "
+            f"{self.cfg.queue_deadline_s:g}s deadline: retry later",
+            reason="expected-wait",
+            retry_after_s=retry_after_s(wait),
+        )
+
+    def _reassess(self, model: str) -> None:
+        """Wakes every waiter of ``model``: the expected waits changed."""
+        for waiter in self._queues.get(model, ()):
+            waiter.turn.set()
 
     # ---- rejections -------------------------------------------------------------------------
     def _count(self, job: AdmissionJob, reason: str, status: int) -> None:
@@ -258,6 +301,7 @@ class MemoryAdmission:
             queue = self._queues[model] = deque()
             if self.metrics is not None:  # the series exist before the first rejection
                 self.metrics.rejected.labels(model, "queue-full", "429")
+                self.metrics.rejected.labels(model, "expected-wait", "429")
                 self.metrics.rejected.labels(model, "deadline", "503")
                 self._set_depth(model)
         return queue

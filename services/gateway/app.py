@@ -48,6 +48,26 @@ log = logging.getLogger(__name__)
 
 # nginx's "client closed request"; nobody reads it, but access logs show what happened.
 _CLIENT_CLOSED = 499
+# Embeddings are padded past the tokenizer's ids (for kernel and tensor-parallel alignment) by
+# fewer rows than this; more spare rows mean a tokenizer of another model.
+PADDING_ROWS = 1024
+
+
+def vocab_mismatch(tokenizer_vocab: int, model_vocab: int) -> str | None:
+    """Why the gateway's tokenizer does not fit the workers' model: ids past the model's
+    embedding, or more spare rows than padding explains; None when it fits."""
+    if tokenizer_vocab > model_vocab:
+        return (
+            f"tokenizer vocab {tokenizer_vocab} exceeds the model's {model_vocab}: ids past "
+            f"{model_vocab - 1} have no embedding; is --model the same as the workers'?"
+        )
+    if model_vocab - tokenizer_vocab >= PADDING_ROWS:
+        return (
+            f"tokenizer vocab {tokenizer_vocab} is {model_vocab - tokenizer_vocab} short of the "
+            f"model's {model_vocab}, more than padding explains: is --model the same as the "
+            "workers'?"
+        )
+    return None
 
 
 def _log_ignored_fields(body: BaseModel, endpoint: str) -> None:
@@ -110,6 +130,7 @@ def create_app(
         settings.workers,
         admission=admission or memory_admission(settings, metrics),
         poll_interval_s=settings.health_interval_s,
+        health_misses=settings.health_misses,
         max_retries=settings.max_retries,
         resume_deadline_s=settings.resume_deadline_s,
         metrics=metrics,
@@ -132,13 +153,9 @@ def create_app(
             log.warning("no worker answered yet (%s); polling", ", ".join(settings.workers))
         else:
             log.info("serving %s (max_model_len %d)", ctx.served_model_name(), info.max_model_len)
-            if info.vocab_size and info.vocab_size != tokenizer.vocab_size:
-                log.warning(
-                    "tokenizer vocab %d differs from the model's %d: is --model the same as "
-                    "the workers'?",
-                    tokenizer.vocab_size,
-                    info.vocab_size,
-                )
+            mismatch = info.vocab_size and vocab_mismatch(tokenizer.vocab_size, info.vocab_size)
+            if mismatch:
+                log.warning("%s", mismatch)
         try:
             yield
         finally:

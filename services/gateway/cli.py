@@ -32,6 +32,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--health-interval-s", type=float, help="seconds between polls of the workers (1)"
     )
     parser.add_argument(
+        "--health-misses", type=int,
+        help="polls a worker may miss in a row before it counts as unhealthy (3)",
+    )  # fmt: skip
+    parser.add_argument(
         "--redis-url",
         help="Redis URL of the capacity ledger shared by gateway replicas (default: in-process)",
     )
@@ -42,7 +46,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--max-queue", type=int, help="requests that may wait for capacity per model (256)"
     )
     parser.add_argument(
-        "--queue-deadline-s", type=float, help="seconds a request waits before a 503 (30)"
+        "--queue-deadline-s",
+        type=float,
+        help="seconds a request may wait for capacity (30): one expected to wait longer is "
+        "refused at once with 429 and Retry-After",
     )
     parser.add_argument(
         "--admission-poll-s", type=float, help="seconds between a waiting request's tries"

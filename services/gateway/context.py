@@ -97,7 +97,7 @@ class GatewayContext:
             max_logprobs=self.settings.max_logprobs,
             vocab_size=(info.vocab_size if info else 0) or self.tokenizer.vocab_size,
             roles=self.chat_roles,
-            empty_text_prompt_ok=bool(self.tokenizer.encode("", add_bos=True)),
+            empty_text_prompt_ok=bool(self.tokenizer.encode_prompt("")),
             max_request_bytes=self.settings.max_request_bytes,
             api_key=bool(self.settings.api_key),
             served_model=self.served_model_name() if named else None,

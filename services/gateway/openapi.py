@@ -32,7 +32,8 @@ _ERROR_MEANINGS: dict[int, str] = {
     401: "The gateway has an API key and the request lacks it ('Authorization: Bearer <key>').",
     404: "The model asked for is not the one served.",
     413: "The body is larger than the gateway's limit (max_request_bytes).",
-    429: "Admission's queue for the model is full; retry after Retry-After seconds.",
+    429: "Admission's queue for the model is full, or would not reach the request within its "
+    "deadline; retry after Retry-After seconds.",
     500: "A fault of the server or a worker.",
     503: "No worker can take the request now; retry after Retry-After seconds.",
 }
@@ -44,6 +45,7 @@ _RETRY_HEADERS: JsonSchema = {
             "type": "string",
             "enum": [
                 "queue-full",
+                "expected-wait",
                 "no-capacity",
                 "deadline",
                 "too-large",
@@ -92,7 +94,7 @@ class SchemaLimits:
     max_logprobs: int
     vocab_size: int
     roles: tuple[str, ...]
-    empty_text_prompt_ok: bool  # the tokenizer adds a BOS, so "" is a prompt of one token
+    empty_text_prompt_ok: bool  # the tokenizer adds special tokens (a BOS): "" is a prompt
     max_request_bytes: int
     api_key: bool
     served_model: str | None = None

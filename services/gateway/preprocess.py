@@ -92,10 +92,11 @@ def chat_prompt_ids(formatter: ChatFormatter, req: ChatCompletionRequest) -> lis
 def completion_prompt_ids(
     tokenizer: Tokenizer, prompt: str | list[int], vocab_size: int
 ) -> list[int]:
-    """A text prompt is tokenized with BOS (as Hugging Face and vLLM do for completions); token
-    ids are passed through after a range check."""
+    """A text prompt is tokenized with the special tokens the checkpoint's rule adds (as
+    transformers and vLLM do for completions: ``Tokenizer.encode_prompt``); token ids are
+    passed through after a range check."""
     if isinstance(prompt, str):
-        ids = tokenizer.encode(prompt, add_bos=True)
+        ids = tokenizer.encode_prompt(prompt)
     else:
         bad = [t for t in prompt if not 0 <= t < vocab_size]
         if bad:

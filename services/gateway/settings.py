@@ -33,6 +33,8 @@ class GatewaySettings(BaseSettings):
     # Largest top-logprobs count per token, as vLLM's max_logprobs.
     max_logprobs: int = Field(20, ge=0)
     health_interval_s: float = Field(1.0, gt=0)
+    # Health polls a worker may miss in a row before it counts as unhealthy.
+    health_misses: int = Field(3, ge=1)
     # A worker that fails before the first token is retried on another one, at most this often.
     max_retries: int = Field(2, ge=0)
     # A worker that dies after the first token is waited for this long (it is restarted under
@@ -52,7 +54,8 @@ class GatewaySettings(BaseSettings):
     lease_ttl_s: float = Field(10.0, gt=0)
     # Worker requests that may wait for capacity per model (0: none wait; 429 at once).
     max_queue: int = Field(256, ge=0)
-    # How long a request waits for capacity before a 503.
+    # How long a request may wait for capacity: one expected to wait longer is refused at once
+    # (429 with Retry-After, ``queue_wait``); past it, a waiter gets a 503.
     queue_deadline_s: float = Field(30.0, gt=0)
     # How often the head of a queue retries (other replicas' releases are seen no sooner).
     admission_poll_s: float = Field(0.025, gt=0)

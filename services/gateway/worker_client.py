@@ -66,7 +66,8 @@ _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE
 
 
 class WorkerPool:
-    """All configured workers, polled every ``poll_interval_s``."""
+    """All configured workers, polled every ``poll_interval_s``; ``health_misses`` polls
+    missed in a row mark a worker unhealthy."""
 
     def __init__(
         self,
@@ -74,11 +75,12 @@ class WorkerPool:
         *,
         admission: Admission | None = None,
         poll_interval_s: float = 1.0,
+        health_misses: int = 3,
         max_retries: int = 2,
         resume_deadline_s: float = 60.0,
         metrics: GatewayMetrics | None = None,
     ) -> None:
-        self.workers = {a: WorkerClient(a) for a in addresses}
+        self.workers = {a: WorkerClient(a, health_misses) for a in addresses}
         self.admission: Admission = admission or ImmediateAdmission()
         self.poll_interval_s = poll_interval_s
         self.max_retries = max_retries

@@ -21,10 +21,17 @@ def describe(e: grpc.aio.AioRpcError) -> str:
 
 
 class WorkerClient:
-    """One worker: its channel and what the last poll learned."""
+    """One worker: its channel and what the last poll learned. A poll the worker does not
+    answer is a miss; ``misses_allowed`` misses in a row mark it unhealthy (one lost poll is a
+    busy event loop or a dropped packet, not a dead worker). A worker that answers it is not
+    ok is unhealthy at once."""
 
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, misses_allowed: int = 3) -> None:
+        if misses_allowed < 1:
+            raise ValueError(f"misses_allowed must be >= 1, got {misses_allowed}")
         self.address = address
+        self.misses_allowed = misses_allowed
+        self.misses = 0  # polls missed in a row
         self._channel: grpc.aio.Channel | None = None
         self._stub: worker_pb2_grpc.WorkerStub | None = None
         self.healthy = False
@@ -70,10 +77,19 @@ class WorkerClient:
                 self.load = convert.worker_load(load)
                 self.in_flight_at_poll = self.in_flight
                 self.healthy, self.last_error = True, None
+            self.misses = 0
         except grpc.aio.AioRpcError as e:
-            self.healthy, self.last_error = False, describe(e)
-            # A worker that comes back may be a restarted process serving another model.
-            self.model = None
+            self.misses += 1
+            self.last_error = describe(e)
+            if self.misses < self.misses_allowed and self.healthy:
+                log.info(
+                    "worker %s missed a health poll (%d of %d in a row): %s",
+                    self.address, self.misses, self.misses_allowed, self.last_error,
+                )  # fmt: skip
+            else:
+                self.healthy = False
+                # A worker that comes back may be a restarted process serving another model.
+                self.model = None
         if was_healthy != self.healthy:
             log.info(
                 "worker %s is %s%s",

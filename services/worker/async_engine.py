@@ -7,7 +7,13 @@ thread, fed through a command queue. Outputs go back to each caller's asyncio qu
 Sessions resumed from a dead worker start *detached*: they run, but nobody listens until the
 gateway re-attaches (``resume``); the first output of an attach catches the caller up on every
 token it has not received. A detached session nobody attaches within ``attach_timeout_s`` is
-aborted, which returns its capacity."""
+aborted, which returns its capacity.
+
+A step that raises fails the requests it ran (``Engine.fail_running``: their callers get the
+error) and the engine serves on. It stops (``EngineDeadError`` for every caller, unhealthy
+until restarted) when a rank group's step fails (its ranks cannot drop a step one-sided), when
+``MAX_FAILED_STEPS`` steps fail in a row (the engine is broken, not one batch), or when anything
+else on the engine thread raises."""
 
 from __future__ import annotations
 
@@ -20,10 +26,12 @@ from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
 from services.worker.engine.engine import Engine
-from services.worker.request.request import Request, RequestOutput, SamplingParams
+from services.worker.request.request import Request, RequestError, RequestOutput, SamplingParams
 from services.worker.request.stop import TextStream
 
 log = logging.getLogger(__name__)
+
+MAX_FAILED_STEPS = 3  # steps failing in a row that stop the engine
 
 
 class EngineDeadError(RuntimeError):
@@ -96,6 +104,7 @@ class AsyncEngine:
             assert req is not None, rid
             self._detached[rid] = _Detached(req, deadline)
         self.error: BaseException | None = None
+        self._failed_steps = 0  # in a row
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
 
@@ -248,6 +257,20 @@ class AsyncEngine:
                 if self.engine.abort(rid) is not None:
                     log.warning("resumed session %s was not re-attached in time: aborted", rid)
 
+    def _fail_step(self, error: Exception) -> list[RequestOutput]:
+        """The outputs that end the requests of a step that raised ``error``; re-raises it
+        when the engine cannot go on (module docstring)."""
+        self._failed_steps += 1
+        if self.engine.lockstep is not None or self._failed_steps >= MAX_FAILED_STEPS:
+            raise error
+        log.exception("engine step failed: failing the requests it ran, serving on")
+        outputs = self.engine.fail_running(
+            RequestError("internal", f"engine step failed: {error!r}")
+        )
+        for out in outputs:
+            self._detached.pop(out.request_id, None)
+        return outputs
+
     def _run(self) -> None:
         try:
             while not self._stop.is_set():
@@ -260,7 +283,11 @@ class AsyncEngine:
                     self._wake.wait(0.5)
                     self._wake.clear()
                     continue
-                outputs = self.engine.step()
+                try:
+                    outputs = self.engine.step()
+                    self._failed_steps = 0
+                except Exception as e:
+                    outputs = self._fail_step(e)
                 # A detached session's caller gets its outputs with its catch-up on attach.
                 self._deliver_all(
                     [(o.request_id, o) for o in outputs if o.request_id not in self._detached]

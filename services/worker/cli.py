@@ -7,6 +7,7 @@ import asyncio
 import logging
 
 from dhisparse.flags import add_switch
+from services.worker.engine.config import CPU_KV_POOL_MIB, GPU_KV_POOL_SHARE
 from services.worker.graphs.cuda_graph import CAPTURE_POLICIES
 from services.worker.kv.row_codec import KV_CACHE_DTYPES
 from services.worker.model.weight_format import WEIGHT_DTYPES
@@ -59,7 +60,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "passes (off)",
     )  # fmt: skip
     p.add_argument("--reclaim-order", choices=["largest", "smallest", "oldest", "newest"])
-    p.add_argument("--kv-pool-mib", type=float, help="KV pool size in MiB")
+    p.add_argument(
+        "--kv-pool-mib", type=float,
+        help=f"KV pool size in MiB (default: on a GPU {GPU_KV_POOL_SHARE:.0%}% of its memory free "
+        f"once the model is loaded; {CPU_KV_POOL_MIB:.0f} on a CPU)",
+    )  # fmt: skip
     p.add_argument("--hot-cache-rows", type=int, help="hot cache rows B per request and source")
     p.add_argument("--host-arena-mib", type=float, help="private host arena (no kv-store)")
     p.add_argument("--resolver", choices=["auto", "torch", "triton"])

@@ -71,7 +71,7 @@ def run(args: argparse.Namespace, engine) -> int:
         if args.chat:  # the chat format places the BOS itself
             prompts.append(chat.encode([{"role": "user", "content": text}]))
         else:
-            prompts.append(tok.encode(text, add_bos=tok.bos_token_id is not None))
+            prompts.append(tok.encode_prompt(text))
     params = [
         SamplingParams(
             temperature=args.temperature,

@@ -10,10 +10,11 @@ rank r on ``cuda:r`` (pick the GPUs with ``CUDA_VISIBLE_DEVICES``), and a gloo g
 step inputs. The group's timeout is long: a follower waits inside a collective for as long as
 rank 0 has nothing to run.
 
-Supervision: when any rank exits, the supervisor stops the others and exits with an error
+Supervision: when any rank dies, the supervisor stops the others and exits with an error
 (2 for a configuration a rank refused, else 1), and whatever restarts workers — ``dhisparse
 up``, Kubernetes — starts the whole group again. SIGTERM or SIGINT to the supervisor stops
-rank 0, which drains its streams and releases the others."""
+rank 0, which drains its streams and releases the others. A follower's exit 0 is that release,
+not a death: the group ends with rank 0's status."""
 
 from __future__ import annotations
 
@@ -193,13 +194,22 @@ def launch(settings: WorkerSettings, leader: Leader, *args: Any) -> int:
 
 def _supervise(procs: list, stopping: list[float]) -> int:
     """Waits for the group to end: rank 0's own exit (its work done, or stopped), or any
-    rank's death (the rest are stopped)."""
+    rank's death (the rest are stopped). A follower exits 0 only once rank 0 has released it
+    (``Engine.stop``): rank 0 is ending too, and gets ``STOP_GRACE_S`` to exit."""
+    released: float | None = None  # when a follower's normal exit was first seen
     while True:
         wait([p.sentinel for p in procs if p.exitcode is None], timeout=0.5)
         done = [r for r, p in enumerate(procs) if p.exitcode is not None]
         if stopping and time.monotonic() - stopping[0] > STOP_GRACE_S:
             log.warning("the group did not stop within %.0f s: killing it", STOP_GRACE_S)
             return 1
+        if released is None and any(r > 0 and procs[r].exitcode == 0 for r in done):
+            released = time.monotonic()
+        if released is not None and time.monotonic() - released > STOP_GRACE_S:
+            log.error("rank 0 released the group but did not exit within %.0f s", STOP_GRACE_S)
+            return 1
+        # released followers: the group is ending, and rank 0's exit says how
+        done = [r for r in done if r == 0 or procs[r].exitcode != 0]
         if not done:
             continue
         if 0 in done and procs[0].exitcode == 0:
@@ -211,8 +221,6 @@ def _supervise(procs: list, stopping: list[float]) -> int:
             return procs[0].exitcode if all(c == 0 for c in codes[1:]) else 1
         first = done[0]
         code = procs[first].exitcode
-        if stopping and code == 0:
-            continue
         log.error(
             "rank %d (pid %d) exited with status %s: stopping the group", first,
             procs[first].pid, code,

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 _ERROR_STATUS = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
+    "internal": grpc.StatusCode.INTERNAL,
 }
 
 

@@ -42,7 +42,8 @@ class WorkerSettings(BaseSettings):
     fp8_mode: str = "w8a16"
     seed: int = 0
     mode: str = "adaptive"  # the paper's system; resident: the baseline
-    kv_pool_mib: float = 256.0
+    # None: sized at start-up (on a GPU from its free memory: ``engine.config.auto_kv_pool_mib``)
+    kv_pool_mib: float | None = None
     hot_cache_rows: int | None = None
     host_arena_mib: float = 256.0
     resolver: str = "auto"

@@ -5,6 +5,7 @@ a host arena that must fit the machine."""
 from __future__ import annotations
 
 import argparse
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 from dhisparse.devices import resolve_device
 from dhisparse.up import DEFAULT_DRAFTER, _spec_flags, add_arguments, worker_argv
 from tests.conftest import free_port
+from tests.e2e.test_stack import stop_stack
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -97,3 +99,31 @@ def test_an_arena_that_does_not_fit_stops_up_before_it_starts_anything(tmp_path:
     assert "does not fit" in r.stderr and "lower --kv-store-capacity" in r.stderr, r.stderr
     assert "pid" not in r.stdout  # no child was started
     assert not arena.exists()
+
+
+def test_a_worker_that_dies_at_start_up_stops_up_with_its_error(tmp_path: Path) -> None:
+    """A pool too small for one request: the worker refuses to start, and ``up`` exits with
+    its status and its message at once instead of waiting for it (or restarting it)."""
+    http, worker, store, store_metrics, metrics = (free_port() for _ in range(5))
+    arena = Path("/dev/shm") / f"dhisparse-test-up-{tmp_path.name}"
+    log = tmp_path / "up.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "dhisparse.cli", "up", "--port", str(http),
+             "--worker-port", str(worker), "--kv-store-port", str(store),
+             "--kv-store-metrics-port", str(store_metrics), "--arena-path", str(arena),
+             "--worker-metrics-port", str(metrics), "--kv-pool-mib", "1", "--drafter", "none"],
+            stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+        )  # fmt: skip
+    try:
+        code = proc.wait(120)
+    finally:
+        stop_stack(proc, log, str(arena))
+    text = log.read_text()
+    assert code == 1, text
+    assert re.search(
+        r"\[up\] worker-0 exited with status 1 during start-up: ValueError: a KV pool of "
+        r"1048576 B leaves 0 pages",
+        text,
+    ), text
+    assert "restart" not in text and "gateway: pid" not in text

@@ -146,3 +146,20 @@ async def test_deepseek_v32_directory_uses_its_encoder(
         assert roles == ["system", "developer", "user", "assistant"]
         bad = await _chat(client, chat_template_kwargs={"thinking": "sure"})
         assert bad.status_code == 400 and "thinking must be true or false" in bad.text
+
+
+async def test_a_raw_prompt_gets_the_special_tokens_of_the_checkpoints_rule(
+    worker: WorkerProcess, dsv32_dir: Path
+) -> None:
+    """DeepSeek-V3.2's tokenizer_config names a BOS and says ``add_bos_token: false``, and this
+    tokenizer.json has no post-processor: transformers adds nothing to a raw prompt, nor does
+    ``/v1/completions``."""
+    from transformers import AutoTokenizer
+
+    prompt = "Say hello."
+    want = AutoTokenizer.from_pretrained(dsv32_dir)(prompt)["input_ids"]
+    _, gateway = _gateway(worker, dsv32_dir)
+    async with gateway as client:
+        r = await client.post("/v1/completions", json={"prompt": prompt, "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["prompt_tokens"] == len(want) == len(prompt.encode())

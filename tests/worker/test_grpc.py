@@ -9,6 +9,7 @@ import pytest
 
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.worker.async_engine import MAX_FAILED_STEPS
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
@@ -157,3 +158,74 @@ async def test_resume_of_a_session_it_does_not_hold_is_not_found(worker) -> None
         async for _ in stub.Resume(pb.ResumeRequest(request_id="gone", tokens_received=3)):
             pass
     assert e.value.code() == grpc.StatusCode.NOT_FOUND
+
+
+async def test_a_failing_step_fails_its_requests_and_later_ones_are_served(
+    worker, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The model's forward raises once, in a decode pass of a running request: that request's
+    stream ends with INTERNAL and the error's message, the failure is logged with its
+    traceback, and the engine goes on: a later request gets the offline engine's tokens."""
+    stub, engine = worker
+    model = engine.engine.model
+    forward = model.forward
+    passes = 0
+
+    def fails_once(*args, **kwargs):
+        nonlocal passes
+        passes += 1
+        if passes == 3:  # the prefill, two decode passes
+            raise RuntimeError("injected fault in the forward")
+        return forward(*args, **kwargs)
+
+    model.forward = fails_once
+    got: list[int] = []
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for resp in stub.Generate(
+                pb.GenerateRequest(request_id="f1", prompt_token_ids=PROMPT, sampling=greedy(20))
+            ):
+                got.extend(resp.token_ids)
+    finally:
+        del model.forward
+    assert failed.value.code() == grpc.StatusCode.INTERNAL
+    assert "injected fault in the forward" in (failed.value.details() or "")
+    assert len(got) == 2  # what the passes before the fault sampled
+    assert any(r.exc_info and "injected fault" in r.getMessage() + str(r.exc_info[1])
+               for r in caplog.records)  # fmt: skip
+    later = [
+        t
+        async for resp in stub.Generate(
+            pb.GenerateRequest(request_id="f2", prompt_token_ids=PROMPT, sampling=greedy(12))
+        )
+        for t in resp.token_ids
+    ]
+    offline = Engine(EngineConfig(kv_pool_mib=8)).generate(
+        [PROMPT], SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    )[0]
+    assert later == offline.output_ids
+    assert (await stub.Health(pb.HealthRequest())).ok
+    assert engine.engine.num_running == 0
+
+
+async def test_steps_failing_in_a_row_stop_the_engine(worker) -> None:
+    """A forward that always raises is a broken engine, not a bad batch: the first failed
+    steps fail their requests (INTERNAL), then the engine stops and reports unhealthy."""
+    stub, engine = worker
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("broken forward")
+
+    engine.engine.model.forward = broken
+    codes = []
+    for i in range(MAX_FAILED_STEPS):
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            async for _ in stub.Generate(
+                pb.GenerateRequest(request_id=f"b{i}", prompt_token_ids=PROMPT, sampling=greedy(4))
+            ):
+                pass
+        codes.append(failed.value.code())
+    want = [grpc.StatusCode.INTERNAL] * (MAX_FAILED_STEPS - 1) + [grpc.StatusCode.UNAVAILABLE]
+    assert codes == want
+    health = await stub.Health(pb.HealthRequest())
+    assert not health.ok and "broken forward" in health.status

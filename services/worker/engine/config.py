@@ -4,7 +4,9 @@ passed whole (the worker builds them from its settings)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import logging
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -12,6 +14,36 @@ from dhisparse.family.parallel_layout import SINGLE, ParallelConfig
 from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.kv.config import FollowerPrefetch, KVCacheConfig, ResidencyConfig
 from services.worker.speculative.config import SpeculationConfig
+
+if TYPE_CHECKING:
+    from services.worker.parallel.comm import Comm
+
+log = logging.getLogger(__name__)
+
+
+# The KV pool when none is given (``auto_kv_pool_mib``): on a CPU a fixed size; on a GPU this
+# share of the device memory free once the model is loaded, the rest left to activations,
+# CUDA graphs and the allocator.
+CPU_KV_POOL_MIB = 256.0
+GPU_KV_POOL_SHARE = 0.8
+
+
+def auto_kv_pool_mib(free_bytes: int | None) -> float:
+    """The KV pool in MiB for a device with ``free_bytes`` free once the model is loaded (None:
+    a CPU, whose memory the pool does not measure): ``GPU_KV_POOL_SHARE`` of them, whole
+    MiB; ``CPU_KV_POOL_MIB`` on a CPU."""
+    if free_bytes is None:
+        return CPU_KV_POOL_MIB
+    return float(int(GPU_KV_POOL_SHARE * free_bytes) >> 20)
+
+
+def device_free_bytes(device: str) -> int | None:
+    """Bytes free on ``device`` (a GPU's, as the driver reports them); None on a CPU."""
+    d = torch.device(device)
+    if d.type != "cuda":
+        return None
+    free, _total = torch.cuda.mem_get_info(d)
+    return int(free)
 
 
 @dataclass(frozen=True)
@@ -28,7 +60,7 @@ class EngineConfig:
     fp8_mode: str = "w8a16"
     seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
     mode: str = "resident"  # resident | hisparse | adaptive
-    kv_pool_mib: float = 256.0
+    kv_pool_mib: float | None = CPU_KV_POOL_MIB  # None: sized by the engine (auto_kv_pool_mib)
     hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
     host_arena_mib: float = 256.0  # private host arena when no kv_host_store is attached
     resolver: str = "auto"  # torch | triton | auto (triton on a GPU)
@@ -88,6 +120,8 @@ class EngineConfig:
         return max(self.max_prefill_tokens, self.max_model_len)
 
     def kv_config(self, dtype: torch.dtype) -> KVCacheConfig:
+        if self.kv_pool_mib is None:
+            raise ValueError("kv_pool_mib is sized by the engine before the KV cache is built")
         block = self.speculation.block
         return KVCacheConfig(
             mode=self.mode,
@@ -117,3 +151,27 @@ class EngineConfig:
         if choice not in ("torch", "triton"):
             raise ValueError(f"unknown backend {choice!r}; choose torch, triton or auto")
         return choice
+
+
+def with_sized_pool(cfg: EngineConfig, comm: Comm, free: int | None) -> EngineConfig:
+    """``cfg`` with its KV pool sized (``auto_kv_pool_mib``) when it gives none, from ``free``
+    bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU); the
+    size is logged either way. A group's ranks (every one calls this at the same point) take
+    the smallest free memory among them: they hold one batch's rows (or, data-parallel, seats
+    the gateway counts alike)."""
+    if cfg.kv_pool_mib is not None:
+        log.info("KV pool: %.0f MiB (--kv-pool-mib)", cfg.kv_pool_mib)
+        return cfg
+    if free is not None and comm.size > 1:
+        every = comm.gather_objects(free)
+        free = comm.broadcast_object(min(every) if every else None)
+    mib = auto_kv_pool_mib(free)
+    if free is None:
+        log.info("KV pool: %.0f MiB (auto: the CPU default; --kv-pool-mib sets it)", mib)
+    else:
+        log.info(
+            "KV pool: %.0f MiB (auto: %.0f%% of the %.0f MiB free on %s once the model is "
+            "loaded; --kv-pool-mib sets it)",
+            mib, 100 * GPU_KV_POOL_SHARE, free / (1 << 20), cfg.device,
+        )  # fmt: skip
+    return replace(cfg, kv_pool_mib=mib)

@@ -12,7 +12,7 @@ import torch
 
 from dhisparse.tokenizer import Tokenizer
 from services.kv_host_store.records import Region
-from services.worker.engine.config import EngineConfig
+from services.worker.engine.config import EngineConfig, device_free_bytes, with_sized_pool
 from services.worker.engine.loading import serving_model, tokenizer_and_ends
 from services.worker.engine.passes import ModelPasses, graphs_off
 from services.worker.engine.scheduler import Scheduler
@@ -79,6 +79,7 @@ class Engine:
             raise ValueError("data-parallel attention needs a model with routed experts")
         self.tokenizer, self.eos_token_ids = tokenizer_and_ends(cfg, model, tokenizer)
         self.device = torch.device(cfg.device)
+        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device))
         kv_cfg = cfg.kv_config(next(model.parameters()).dtype)
         if host is not None and not self.group.writes_host:
             kv_cfg = replace(kv_cfg, host_writer=False)
@@ -140,9 +141,8 @@ class Engine:
         rank: int | None = None,
     ) -> Request:
         """Queues a request; raises ValueError (a client error) for bad input. Under
-        data-parallel attention rank 0 places it on a rank (``rank``, where the caller's
-        admission holds room for it; else the least loaded); one another rank serves is
-        mirrored here (its outputs fill in the returned request)."""
+        data-parallel attention it may go to another rank (``rank``: where the caller's
+        admission holds room; ``RankGroup.place``), and the request returned is its mirror."""
         if self.request(request_id) is not None:
             raise ValueError(f"duplicate request id {request_id!r}")
         self.validate_request(prompt_ids, params)
@@ -150,9 +150,8 @@ class Engine:
         remote = self.group.place(self.tokenizer, request_id, prompt_ids, params, rank)
         if remote is not None:
             return remote
-        gen = None
-        if params.seed is not None:
-            gen = torch.Generator(device=self.device).manual_seed(params.seed)
+        seeded = params.seed is not None
+        gen = torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None
         text = TextStream(
             self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
         )
@@ -196,9 +195,7 @@ class Engine:
     def restore(self, record: SessionRecord, version: int, regions: list[Region]) -> Request | None:
         """Resumes the durable session ``record`` (its manifest's ``version``, its host
         ``regions``; ``durable.restore``); None when no slot or device room is free now. In a
-        tensor-parallel group every rank seats it: rank 0 records it for the others, which
-        hold the same regions and so must find room as rank 0 did. A data-parallel rank
-        resumes its own sessions alone (rank 0 learns of them: ``share_resumed``)."""
+        group, the ranks that hold the same regions seat it too (``RankGroup.restored``)."""
         from services.worker.durable.restore import restore
 
         req = restore(self, record, version, regions)
@@ -230,10 +227,8 @@ class Engine:
         return True
 
     def abort(self, request_id: str) -> RequestOutput | None:
-        """Ends a request; its last output, or None when it is not here. Rank 0 under
-        data-parallel attention ends the mirror of a request another rank serves at once, and
-        that rank ends the request itself before its next step runs (its output of the abort
-        stays there: rank 0 gave this one)."""
+        """Ends a request; its last output, or None when it is not here (a mirrored one:
+        ``RankGroup.abort_mirrored``)."""
         mirrored = self.group.abort_mirrored(request_id, self)
         if mirrored is not None:
             return mirrored
@@ -409,6 +404,12 @@ class Engine:
                 self._finish(req, finish, stop_reason)
                 break
         return req.output(tuple(emitted), text, tuple(lps))
+
+    def fail_running(self, error: RequestError) -> list[RequestOutput]:
+        """After ``step`` raised: ends every admitted request with ``error`` (a pass that failed
+        midway may have left any of their KV rows half written), freeing their slots and KV;
+        waiting requests stay queued. Their last outputs carry the error."""
+        return [self._fail(req, error) for req in list(self.scheduler.running)]
 
     def _fail(self, req: Request, error: RequestError) -> RequestOutput:
         """Ends a request the engine cannot serve (its output carries ``error``)."""

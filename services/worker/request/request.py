@@ -88,7 +88,9 @@ class TokenLogprob:
 class RequestError:
     """Why the engine gave up on a request it could not serve (not the client's fault)."""
 
-    code: str  # "unavailable" (the host store is down) | "resource_exhausted" (it is full)
+    # "unavailable" (the host store is down) | "resource_exhausted" (it is full) | "internal"
+    # (a step that ran it failed: ``Engine.fail_running``)
+    code: str
     message: str
 
 

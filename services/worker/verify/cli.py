@@ -49,7 +49,7 @@ def prompt_ids(model_dir: str, args: argparse.Namespace, vocab_size: int) -> lis
     from dhisparse.tokenizer import load_tokenizer
 
     tok = load_tokenizer(model_dir)
-    ids = tok.encode(Path(args.prompt_file).read_text(), add_bos=tok.bos_token_id is not None)
+    ids = tok.encode_prompt(Path(args.prompt_file).read_text())
     ids = ids[: args.tokens]
     if not ids:
         raise ValueError(f"{args.prompt_file}: no tokens")
