@@ -5,7 +5,7 @@ alone.
 The tensors are the worker's (``held_weights``), in the format it holds them: FP8 blocks with
 their fp32 scales where the checkpoint is FP8 (or ``--weight-dtype fp8``), the serving dtype
 elsewhere. A rank's share of each is the layout's one table of cuts
-(``parallel.layout.RankLayout.cut``): a tensor the table cuts is *split* (the rank holds its
+(``parallel_layout.RankLayout.cut``): a tensor the table cuts is *split* (the rank holds its
 slice), any other *replicated* (every rank holds it whole). Every rank holds the same bytes:
 a layout divides every split dimension evenly, or ``RankLayout.validate`` refuses it with the
 message the worker gives at start-up."""

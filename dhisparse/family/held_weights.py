@@ -1,7 +1,7 @@
 """The tensors a worker's DeepSeek-V3.2 / GLM-5 model holds (``MLADecoder``'s parameters and
 buffers), listed from its config alone: our name, the whole model's shape, how each is stored
 and which part of the model it belongs to. Pure Python: ``dhisparse plan`` applies each
-layout's cuts (``parallel.layout.RankLayout.cut``) to this list to size a rank's weights,
+layout's cuts (``parallel_layout.RankLayout.cut``) to this list to size a rank's weights,
 without torch or the weights; tests check it against the models the worker builds.
 
 Storage follows ``weight_format``: with FP8 weights, the projections a released FP8 checkpoint

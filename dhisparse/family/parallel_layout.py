@@ -73,7 +73,7 @@ class ParallelConfig:
     def store_owner(self, worker_id: str, rank: int) -> str:
         """The owner id under which rank ``rank``'s host regions are registered at the node's
         store: the worker id for one rank and for a tensor-parallel group (one set of regions,
-        ``parallel.region_group``); under data-parallel attention each rank is an owner of its
+        ``rank_group.region_group``); under data-parallel attention each rank is an owner of its
         own, ``<worker id>/dp<rank>``, the same across restarts, so the restarted group's rank
         r adopts what rank r left (``durable.adoption``)."""
         if self.data_parallel_attention:

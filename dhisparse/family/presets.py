@@ -174,7 +174,7 @@ PRESETS: dict[str, Callable[[], Definition]] = {
 
 
 def preset(name: str) -> Definition:
-    """A preset's definition (what ``io.build_model`` builds)."""
+    """A preset's definition (what ``weights.model_io.build_model`` builds)."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     return PRESETS[name]()

@@ -261,7 +261,7 @@ class AsyncEngine:
         """The outputs that end the requests of a step that raised ``error``; re-raises it
         when the engine cannot go on (module docstring)."""
         self._failed_steps += 1
-        if self.engine.lockstep is not None or self._failed_steps >= MAX_FAILED_STEPS:
+        if self.engine.group.lockstep is not None or self._failed_steps >= MAX_FAILED_STEPS:
             raise error
         log.exception("engine step failed: failing the requests it ran, serving on")
         outputs = self.engine.fail_running(

@@ -4,7 +4,7 @@ started and supervised together by the process the user started (``dhisparse wor
 
 Rank 0 is the worker the outside world sees — the gRPC server, the scheduler, health and
 metrics (or, offline, the prompts and their outputs); the other ranks build their part of the
-model and follow rank 0 step for step (``parallel.lockstep``). The ranks form one
+model and follow rank 0 step for step (``rank_group.lockstep``). The ranks form one
 torch.distributed group on this node: gloo on the CPU; on GPUs NCCL for the model's tensors,
 rank r on ``cuda:r`` (pick the GPUs with ``CUDA_VISIBLE_DEVICES``), and a gloo group for the
 step inputs. The group's timeout is long: a follower waits inside a collective for as long as
@@ -137,7 +137,7 @@ def _exit(code: int) -> None:
 def follow(settings: WorkerSettings, comm: Any) -> int:
     """A follower rank: its part of the model, stepping with rank 0 until rank 0 stops. Over
     the node's store a TP follower reads the regions rank 0 allocates for the group
-    (``parallel.region_group``); a data-parallel rank is an owner of its own: it registers,
+    (``rank_group.region_group``); a data-parallel rank is an owner of its own: it registers,
     renews its lease, resumes its own sessions and tells rank 0 which (``share_resumed``),
     as rank 0 does at the same point (``server.start_server``)."""
     from services.worker.durable.adoption import take_over

@@ -64,7 +64,7 @@ class WorkerSettings(BaseSettings):
     max_prefill_tokens: int = 8192  # prefill tokens per step (chunks of longer prompts)
     chunked_prefill: bool = True
     top_k_rows: int | None = None
-    # the ranks one worker spans (``parallel.layout``; one process per rank, ``group``)
+    # the ranks one worker spans (``family.parallel_layout``; one process per rank, ``group``)
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     data_parallel_attention: bool = False

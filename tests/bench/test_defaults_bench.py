@@ -29,7 +29,9 @@ def test_the_defaults_here_give_the_same_text_across_a_kill(tmp_path) -> None:
     assert doc["device"] == "cpu" and doc["mode"] == "adaptive"
     assert doc["cuda_graphs"] == "off" and doc["durable_sessions"] == "on"
     assert doc["drafter"] == "mtp"  # the CPU default for the shipped model
-    assert doc["kv_pool"]["bytes"] > 0 and doc["kv_pool"]["kv_pool_mib_flag"]
+    pool = doc["kv_pool"]  # the worker sizes it (no flag) and says so at start-up
+    assert pool["bytes"] > 0 and pool["kv_pool_mib_flag"] is None
+    assert any("KV pool: 256 MiB (auto" in line for line in pool["startup_lines"]), pool
     assert doc["kills"] == 1 and doc["text_identical"] is True
     (trial,) = doc["trials"]
     assert trial["killed"] and trial["text_identical"] and trial["finish_reason"] == "length"

@@ -51,7 +51,8 @@ def test_the_worker_and_up_flags_reach_the_kv_config() -> None:
     cli.add_arguments(p)
     settings = cli.settings_from_args(p.parse_args(["--kv-cache-dtype", "fp8"]))
     cfg = settings.engine_config()
-    assert cfg.kv_cache_dtype == "fp8" and cfg.kv_config(torch.bfloat16).kv_cache_dtype == "fp8"
+    sized = replace(cfg, kv_pool_mib=64.0)  # the worker sizes an automatic pool at start-up
+    assert cfg.kv_cache_dtype == "fp8" and sized.kv_config(torch.bfloat16).kv_cache_dtype == "fp8"
     with pytest.raises(SystemExit):
         p.parse_args(["--kv-cache-dtype", "fp16"])
     q = argparse.ArgumentParser()

@@ -6,9 +6,12 @@ GPU), on a CPU a fixed size; the engine logs what it chose; a group's ranks agre
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 
 import pytest
+import torch
 
+from dhisparse.family.presets import preset_topology
 from services.worker.engine.config import (
     CPU_KV_POOL_MIB,
     GPU_KV_POOL_SHARE,
@@ -19,6 +22,7 @@ from services.worker.engine.config import (
 )
 from services.worker.engine.engine import Engine
 from services.worker.parallel.comm import LOCAL
+from services.worker.serving.cache import KVCache, pool_ceiling
 from tests.parallel.group import run_group
 
 GIB = 1 << 30
@@ -71,3 +75,35 @@ def _rank_pool(comm, free: list[int]) -> float | None:
 def test_a_groups_ranks_size_one_pool_from_the_least_free_memory() -> None:
     sizes = run_group(_rank_pool, 2, [12 * GIB, 9 * GIB])
     assert sizes == [auto_kv_pool_mib(9 * GIB)] * 2
+
+
+def test_the_pool_stops_at_what_the_seats_can_use(caplog: pytest.LogCaptureFixture) -> None:
+    ceiling = 700 << 20
+    with caplog.at_level(logging.INFO, logger="services.worker.engine.config"):
+        cfg = with_sized_pool(
+            EngineConfig(device="cuda:0", kv_pool_mib=None), LOCAL, 80 * GIB, ceiling
+        )
+    assert cfg.kv_pool_mib == 700
+    assert "KV pool: 700 MiB (auto: all that 32 seats of" in caplog.text
+    # a ceiling above the share leaves the share
+    cfg = with_sized_pool(EngineConfig(device="cuda:0", kv_pool_mib=None), LOCAL, GIB, 80 * GIB)
+    assert cfg.kv_pool_mib == auto_kv_pool_mib(GIB)
+
+
+@pytest.mark.parametrize("model", ["tiny-glm", "tiny-indexshare"])
+def test_a_pool_at_the_ceiling_holds_every_seats_whole_context(model: str) -> None:
+    """Resident serving at the ceiling seats every slot's whole context; the hierarchy modes
+    build at it too (their hot caches and tails beside every context)."""
+    base = EngineConfig(model=model, max_num_seqs=4, max_model_len=1024, kv_pool_mib=0)
+    model_cfg = preset_topology(model)
+    ceiling = pool_ceiling(model_cfg, base.kv_config(torch.float32))
+    for mode in ("resident", "adaptive"):
+        cfg = replace(base, mode=mode, kv_pool_mib=ceiling / (1 << 20)).kv_config(torch.float32)
+        kv = KVCache(model_cfg, cfg)
+        try:
+            if mode == "resident":
+                assert kv.tokens_capacity >= cfg.max_slots * cfg.max_model_len
+            else:
+                assert kv.tokens_capacity >= cfg.max_model_len - 1
+        finally:
+            kv.close()

@@ -68,7 +68,7 @@ class EngineConfig:
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     graphs: GraphConfig = field(default_factory=GraphConfig)  # on a GPU
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
-    parallel: ParallelConfig = SINGLE  # the ranks one worker spans (``parallel.layout``)
+    parallel: ParallelConfig = SINGLE  # the ranks one worker spans (``family.parallel_layout``)
     owner: str = "local"  # the store's owner of this engine's host regions (a worker id, or
     # a data-parallel rank's: ``ParallelConfig.store_owner``)
     page_size: int = 16
@@ -153,9 +153,12 @@ class EngineConfig:
         return choice
 
 
-def with_sized_pool(cfg: EngineConfig, comm: Comm, free: int | None) -> EngineConfig:
+def with_sized_pool(
+    cfg: EngineConfig, comm: Comm, free: int | None, ceiling: int | None = None
+) -> EngineConfig:
     """``cfg`` with its KV pool sized (``auto_kv_pool_mib``) when it gives none, from ``free``
-    bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU); the
+    bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU), and
+    at most ``ceiling`` bytes (what its seats can use: ``serving.cache.pool_ceiling``); the
     size is logged either way. A group's ranks (every one calls this at the same point) take
     the smallest free memory among them: they hold one batch's rows (or, data-parallel, seats
     the gateway counts alike)."""
@@ -168,6 +171,14 @@ def with_sized_pool(cfg: EngineConfig, comm: Comm, free: int | None) -> EngineCo
     mib = auto_kv_pool_mib(free)
     if free is None:
         log.info("KV pool: %.0f MiB (auto: the CPU default; --kv-pool-mib sets it)", mib)
+    elif ceiling is not None and mib > -(-ceiling >> 20):
+        mib = float(-(-ceiling >> 20))
+        log.info(
+            "KV pool: %.0f MiB (auto: all that %d seats of %d tokens can use, below %.0f%% of "
+            "the %.0f MiB free on %s; --kv-pool-mib sets it)",
+            mib, cfg.max_num_seqs, cfg.max_model_len, 100 * GPU_KV_POOL_SHARE, free / (1 << 20),
+            cfg.device,
+        )  # fmt: skip
     else:
         log.info(
             "KV pool: %.0f MiB (auto: %.0f%% of the %.0f MiB free on %s once the model is "

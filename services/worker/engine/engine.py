@@ -35,7 +35,7 @@ from services.worker.request.request import (
 )
 from services.worker.request.sampling import sample_token, token_logprob
 from services.worker.request.stop import TextStream
-from services.worker.serving.cache import KVCache
+from services.worker.serving.cache import KVCache, pool_ceiling
 from services.worker.speculative.speculator import Speculator, make_drafter
 
 if TYPE_CHECKING:
@@ -79,8 +79,10 @@ class Engine:
             raise ValueError("data-parallel attention needs a model with routed experts")
         self.tokenizer, self.eos_token_ids = tokenizer_and_ends(cfg, model, tokenizer)
         self.device = torch.device(cfg.device)
-        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device))
-        kv_cfg = cfg.kv_config(next(model.parameters()).dtype)
+        dtype = next(model.parameters()).dtype
+        ceiling = pool_ceiling(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
+        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), ceiling)
+        kv_cfg = cfg.kv_config(dtype)
         if host is not None and not self.group.writes_host:
             kv_cfg = replace(kv_cfg, host_writer=False)
         self.kv = KVCache(self.model_cfg, kv_cfg, host)

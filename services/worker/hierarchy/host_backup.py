@@ -55,7 +55,7 @@ class HostBackups:
         writer: bool = True,
     ) -> None:
         """``writer``: whether this process copies rows into the arena (False: another
-        process writes the same rows into the same regions, ``parallel.region_group``)."""
+        process writes the same rows into the same regions, ``rank_group.region_group``)."""
         self.store = store
         self.writer = writer
         self.who = OwnerId(owner)

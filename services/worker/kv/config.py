@@ -86,7 +86,7 @@ class KVCacheConfig:
     owner: str = "local"  # worker id the host regions belong to
     resolver: str = "torch"  # torch | triton
     # whether this process writes its host backups (False: a tensor-parallel follower, whose
-    # rank 0 writes the rows every rank reads, ``parallel.region_group``)
+    # rank 0 writes the rows every rank reads, ``rank_group.region_group``)
     host_writer: bool = True
     # the order the Triton resolver issues a step's host reads in (exact in any order)
     host_reads: HostReadOrder = field(default_factory=HostReadOrder)

@@ -44,7 +44,7 @@ class MLADecoder(SparseDecoder):
         shards: Shards | None = None,
     ) -> None:
         """``fmt``: the weights in the serving dtype, or FP8 (``weight_format``). ``shards``:
-        this rank's part of a model split over several (``parallel.layout``; whole by
+        this rank's part of a model split over several (``family.parallel_layout``; whole by
         default): every tensor is built in its rank-local shape (``RankLayout.cut``)."""
         super().__init__()
         self._init_topology(topo)

@@ -1,5 +1,5 @@
 """FP8 KV store and gather over a uint8 pool of packed rows, in plain torch: the references of
-``fp8_store_triton`` and ``fp8_gather_triton`` (the codec is ``kv/fp8_codec.py``)."""
+``fp8_store_triton`` and ``fp8_gather_triton`` (the codec is ``fp8_kv_codec.py``)."""
 
 from __future__ import annotations
 

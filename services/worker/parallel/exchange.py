@@ -38,7 +38,7 @@ class ExpertExchange:
         self.comm = comm
         self.layout = layout
         self.expert_parallel = layout.cfg.expert_parallel
-        # key -> the MoE layer (``model.moe.MoE``: its ``gate`` and ``experts``)
+        # key -> the MoE layer (``model.mla_moe.MoE``: its ``gate`` and ``experts``)
         self._layers: dict[int, nn.Module] = {}
         self.rounds = 0  # rounds this rank took part in
         self.idle_rounds = 0  # of them, rounds it served with no tokens of its own

@@ -10,7 +10,7 @@ samples are too. A choice that rests on what one rank measured (the speculation 
 step times) is rank 0's, broadcast (``agree``).
 
 Under data-parallel attention each rank serves its own requests: rank 0 places each new
-request on one rank (``parallel.placement``) and addresses its mutations to that rank alone
+request on one rank (``rank_group.placement``) and addresses its mutations to that rank alone
 (``record_for``); after every step each rank's outputs and load go to rank 0 (``gather``).
 
 The followers' loop is ``Engine.follow``; it ends when rank 0 broadcasts ``STOP``."""

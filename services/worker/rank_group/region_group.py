@@ -2,7 +2,7 @@
 regions for the group, which every rank reads and rank 0 alone writes.
 
 Every TP rank computes the same KV rows and index keys (the latent row and the indexer are
-replicated) and makes the same allocation calls in the same order (``parallel.lockstep``).
+replicated) and makes the same allocation calls in the same order (``rank_group.lockstep``).
 Rank 0 makes each call to the store and broadcasts its answer — the region, or the error the
 store raised — so every rank holds the same regions; durable marks and releases are rank 0's
 alone. Rank 0 is the only writer of the arena (``KVCacheConfig.host_writer``): its backups of

@@ -255,7 +255,7 @@ def load_model(
     how a real family's projections and experts are held (``weight_format.resolve``; a
     family preset is "FP8" under "auto" when its config has a ``quantization_config``); the
     home-made family takes "auto" or "bf16" only. ``parallel`` over ``comm``: this rank's part
-    of a real family's model (``parallel.layout``); the home-made family runs on one rank."""
+    of a real family's model (``family.parallel_layout``); the home-made family runs on one rank."""
     if parallel.world_size > 1 and not _is_family(spec):
         raise ValueError(
             f"--tensor-parallel-size {parallel.world_size}: {spec!r} is not a DeepSeek-V3.2 / "
