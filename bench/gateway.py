@@ -44,11 +44,12 @@ import grpc
 import numpy as np
 
 from bench.core import provenance
-from bench.core.processes import HOST, free_port, http_ok, wait_ready
+from bench.core.processes import HOST, free_port, wait_ready
 from bench.core.processes import stop as stop_processes
 from dhisparse.family.generation import GenerationDefaults
 from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from dhisparse.tokenizer import chat_formatter, load_tokenizer
+from dhisparse.up import http_ok
 from services.gateway import GatewaySettings, convert
 from services.gateway.generation import GenerationInput
 from services.gateway.preprocess import Limits, chat_prompt_ids, chat_sampling, resolve_max_tokens

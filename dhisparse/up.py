@@ -223,7 +223,8 @@ def _spec_flags(args: argparse.Namespace, device: str) -> list[str]:
     ]  # fmt: skip
 
 
-def _port_open(host: str, port: int) -> bool:
+def port_open(host: str, port: int) -> bool:
+    """Whether something accepts TCP connections at ``host:port``."""
     try:
         with socket.create_connection((host, port), timeout=0.5):
             return True
@@ -231,7 +232,8 @@ def _port_open(host: str, port: int) -> bool:
         return False
 
 
-def _http_ok(url: str) -> bool:
+def http_ok(url: str) -> bool:
+    """Whether ``url`` answers 200."""
     try:
         with urllib.request.urlopen(url, timeout=1.0) as r:
             return r.status == 200
@@ -380,16 +382,16 @@ def main(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, _stop)
     try:
         store.start()
-        if code := _wait_up(store, lambda: _port_open(args.host, store.port), 60):
+        if code := _wait_up(store, lambda: port_open(args.host, store.port), 60):
             return code
         for w in workers:
             w.start()
         for w in workers:
-            if code := _wait_up(w, lambda w=w: _port_open(args.host, w.port), 180):
+            if code := _wait_up(w, lambda w=w: port_open(args.host, w.port), 180):
                 return code
         gateway.start()
         health = f"http://{args.host}:{args.port}/health"
-        if code := _wait_up(gateway, lambda: _http_ok(health), 60):
+        if code := _wait_up(gateway, lambda: http_ok(health), 60):
             return code
         print(
             f"\n[up] dhisparse is serving {served_name(args.model)} ({args.model}) at "

@@ -9,9 +9,10 @@ import signal
 import socket
 import subprocess
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from pathlib import Path
+
+from dhisparse import up
 
 HOST = "127.0.0.1"
 
@@ -23,19 +24,7 @@ def free_port() -> int:
 
 
 def port_open(port: int) -> bool:
-    try:
-        with socket.create_connection((HOST, port), timeout=0.5):
-            return True
-    except OSError:
-        return False
-
-
-def http_ok(url: str) -> bool:
-    try:
-        with urllib.request.urlopen(url, timeout=1.0) as r:
-            return r.status == 200
-    except OSError:
-        return False
+    return up.port_open(HOST, port)
 
 
 def wait_ready(

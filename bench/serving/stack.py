@@ -10,8 +10,9 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from bench.core.processes import HOST, free_port, http_ok, port_open, wait_ready
+from bench.core.processes import HOST, free_port, port_open, wait_ready
 from bench.core.processes import stop as stop_processes
+from dhisparse.up import http_ok
 from services.worker.engine.config import EngineConfig
 
 
