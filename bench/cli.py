@@ -68,6 +68,8 @@ COMMANDS: dict[str, Command] = {
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it
     "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",
                         torch=False),
+    "burst": Command("bench.burst", "a burst of completions against make run's defaults",
+                     torch=False),
     "gpu-tests": Command("bench.gpu_tests", "the GPU test suite, each test's outcome (CUDA)"),
     "slices": Command("bench.slices", "real-dimension slices vs transformers: errors (CUDA)"),
 }
