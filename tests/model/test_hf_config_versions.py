@@ -11,11 +11,11 @@ import shutil
 from pathlib import Path
 
 import pytest
-from services.worker.engine.request import SamplingParams
-from services.worker.model.hf_config import ConfigError, parse_config
 
+from dhisparse.family.hf_config import ConfigError, parse_config
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.request.request import SamplingParams
 from tests.fixtures import CONFIGS, SAVED_BY_NEWEST
 from tests.model import hf_tiny
 
@@ -52,7 +52,7 @@ def test_a_key_without_effect_on_the_math_is_named_in_one_log_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
     raw = _read(SAVED_BY_NEWEST / "glm-5.1") | {"output_router_logits": True}
-    with caplog.at_level(logging.INFO, logger="services.worker.model.hf_config"):
+    with caplog.at_level(logging.INFO, logger="dhisparse.family.hf_config"):
         parse_config(raw)
     (line,) = [r.getMessage() for r in caplog.records]
     assert "output_router_logits" in line and "no effect" in line

@@ -12,12 +12,11 @@ import subprocess
 import sys
 import time
 
-from services.worker.engine.request import SamplingParams
-
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.generate import add_arguments, run
 from services.worker.group import launch
+from services.worker.request.request import SamplingParams
 from services.worker.settings import WorkerSettings
 
 PROMPTS = ("The sparse indexer", "picks rows", "of the history")
@@ -46,7 +45,7 @@ def slow_leader(settings: WorkerSettings, comm, args: argparse.Namespace) -> int
     try:
         return run(args, engine)
     finally:
-        engine.stop()
+        engine.group.stop()
         time.sleep(RANK0_TAIL_S)
         engine.close()
 
