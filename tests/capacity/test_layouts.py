@@ -3,7 +3,7 @@ case (the paper's GLM-5.3 profile and pool: TP holds one GPU's pool of sessions,
 of them, which is the paper's 4-GPU total), DeepSeek-V3.2's weights per GPU by part from its
 released dims, the pool an HBM size leaves, the table and JSON of ``--layouts all``, and bad
 flags refused by name. (The weights against the models the worker builds:
-tests/parallel/test_plan_weights.py.)"""
+tests/capacity/test_plan_weights.py.)"""
 
 from __future__ import annotations
 

@@ -19,9 +19,9 @@ from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
+from tests import hf_tiny
 from tests.conftest import free_port
 from tests.e2e.test_stack import stop_stack, wait_serving
-from tests.model import hf_tiny
 from tests.tokenizer.helpers import (
     GLM46_TEMPLATE,
     GLM_SPECIALS,

@@ -18,8 +18,8 @@ from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
+from tests import hf_tiny
 from tests.e2e.test_durability import Stack, killer, stream_chat, up_stack
-from tests.model import hf_tiny
 from tests.tokenizer.helpers import (
     GLM46_TEMPLATE,
     GLM_SPECIALS,

@@ -15,10 +15,10 @@ from services.worker.kv.config import KVCacheConfig
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.serving.cache import KVCache
 from services.worker.weights.model_io import load_model
-from tests.model import hf_tiny
-from tests.model.mtp_fixture import FAMILIES, mtp_checkpoint
-from tests.model.mtp_reference import MTPReference
+from tests import hf_tiny
 from tests.worker.helpers import run_chunks
+from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
+from tests.worker.mtp_reference import MTPReference
 from training.target.forward import lm_loss
 from training.target.indexer_loss import (
     attention_target,

@@ -16,7 +16,7 @@ from services.worker.kv.config import KVCacheConfig
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.serving.cache import KVCache
 from services.worker.weights.model_io import load_model
-from tests.model import hf_tiny
+from tests import hf_tiny
 from tests.training.helpers import open_in_transformers, small_corpus, tiny_run
 from tests.worker.helpers import run_chunks
 from training.target.loop import train

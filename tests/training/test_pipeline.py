@@ -24,7 +24,7 @@ from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.weights.checkpoint import Checkpoint
-from tests.model import hf_tiny
+from tests import hf_tiny
 from tests.training.helpers import open_in_transformers
 from training.__main__ import main
 from training.corpus.documents import HELDOUT_MODULES

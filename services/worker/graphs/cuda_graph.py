@@ -14,7 +14,7 @@ plan rows the graph reads) and picks the graph. Inside the graph nothing reads t
 resolver's clock is a device scalar, its workspace is reserved at its largest before the first
 capture, top-k masks with ``masked_fill``, and the index keys are gathered at a bucketed width
 (``model.key_rows``) that eager decode and verify passes use too, so a replay computes what the
-eager pass computes, bit for bit (``tests/worker/test_cuda_graph.py``, on a GPU).
+eager pass computes, bit for bit (``tests/worker/graphs/test_cuda_graph.py``, on a GPU).
 
 A key is captured the second time a step meets it (with ``consecutive``, the second time in a
 row): a capture costs several eager steps, and while requests arrive or finish one per step the

@@ -5,7 +5,7 @@ staging, session backups) moves *stored* rows: ``stored_width`` elements of ``st
 plain bytes in fp8. Only writers (``store``) and readers (``gather``) see the codec.
 
 On CUDA the FP8 store and gather are the Triton kernels; elsewhere the torch references, which
-write the same bytes and read the same values (``tests/worker/test_fp8_kv.py``)."""
+write the same bytes and read the same values (``tests/worker/ops/test_fp8_kv.py``)."""
 
 from __future__ import annotations
 

@@ -1,0 +1,131 @@
+"""The MTP drafter in the engine (``--drafter mtp``) on tiny checkpoints of both families with an
+appended MTP layer: verified greedy output is transformers' greedy continuation in every serving
+mode, and a durable session that speculates survives its worker without a prompt recompute."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.durable.adoption import adopt_sessions
+from services.worker.durable.host_link import HostLink
+from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.kv.config import ResidencyConfig
+from services.worker.request.request import SamplingParams
+from services.worker.speculative.config import SpeculationConfig
+from services.worker.speculative.drafters.mtp import MTPDrafter
+from tests import hf_tiny
+from tests.worker.model import serving
+from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
+from tests.worker.mtp_reference import MTPReference
+
+SPEC = SpeculationConfig("mtp", 4, "fixed")
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[MTPReference, Path]:
+    return mtp_checkpoint(request.param, tmp_path_factory)
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist()
+
+
+def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
+    return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> None:
+    """Six requests, three arriving while the first three speculate, prompts prefilled in
+    chunks of at most 64 tokens: every output is transformers' greedy continuation; the MTP
+    layer drafted for every round; in hisparse most selected rows come from host, in adaptive
+    admissions reclaim optional history."""
+    ref, path = family
+    kw: dict = {}
+    if mode == "adaptive":
+        kw = dict(
+            kv_pool_mib=serving.tight_pool_mib(path, speculation=SPEC),
+            residency=ResidencyConfig(populate_pages=4),
+        )
+    eng = _engine(path, mode, **kw)
+    assert isinstance(eng.speculator.drafter, MTPDrafter)
+    assert eng.graphs_off_reason is not None
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((200, 90, 260, 60, 180, 230)):
+        if i == 3:
+            for _ in range(12):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", _ids(n, 400 + n), params))
+    while eng.has_work():
+        eng.step()
+    for r in reqs:
+        assert len(r.output_ids) == 20
+        assert r.output_ids == hf_tiny.greedy_under_reference(
+            ref.target, r.prompt_ids, r.output_ids
+        )
+    c = eng.speculator.counters
+    assert c.drafts > 0 and c.draft_tokens > 0
+    if mode == "hisparse":
+        census = eng.kv.payload.census
+        assert census.host > census.hot, census
+    if mode == "adaptive":
+        st = eng.kv.payload.residency.stats
+        assert st.reclaim_events > 0, st
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: str) -> None:
+    """An engine speculating with the MTP drafter is dropped mid-stream; its successor adopts
+    the sessions from the host store — the MTP layer's rows, index keys and carry included —
+    and continues them speculating, token for token as an uninterrupted run (greedy, and
+    seeded sampling), without computing a prompt token."""
+    _, path = family
+    store = LocalHostStore(64 << 20)
+    prompts = [_ids(n, 500 + n) for n in (100, 40)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True),
+    ]
+
+    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
+
+    def make(owner: str) -> Engine:
+        engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        log = drafts.setdefault(owner, {})
+        drafter = engine.speculator.drafter
+        propose = drafter.propose
+
+        def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
+            prop = propose(slots, anchors, num_committed, widths, *args, **kw)
+            for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
+                log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
+            return prop
+
+        drafter.propose = recorded
+        return engine
+
+    want, first = serving.reference_then_started(make, prompts, params, steps=6)
+    assert first.speculator.counters.drafts > 0
+    assert all(0 < len(r.output_ids) < 24 for r in first.requests.values())
+    del first  # dies: nothing released, nothing flushed
+    second = make("w0")
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == ["r0", "r1"]
+    reqs = [second.requests["r0"], second.requests["r1"]]
+    while second.has_work():
+        second.step()
+    assert [r.output_ids for r in reqs] == want
+    assert second.stats.prefill_tokens_computed == 0
+    # the resumed MTP drafts as the uninterrupted one did: its whole context came back
+    resumed = drafts["w0"]
+    assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
+    second.close()
+    store.close()

@@ -1,0 +1,52 @@
+"""The MTP drafter on the GPU (H200), over the tiny checkpoints with an appended MTP layer:
+speculative greedy output, in every serving mode, is transformers' greedy continuation (fp32),
+with the MTP layer drafting every round. The MTP passes run eagerly (no CUDA graphs yet: the
+engine says why); the Triton resolver and sparse attention serve target and MTP layer alike."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.request.request import SamplingParams
+from services.worker.speculative.config import SpeculationConfig
+from tests import hf_tiny
+from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
+from tests.worker.mtp_reference import MTPReference
+
+pytestmark = pytest.mark.gpu
+
+LENGTHS = (200, 90, 260, 60)
+NEW_TOKENS = 32
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family(request, tmp_path_factory) -> tuple[MTPReference, Path]:
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    return mtp_checkpoint(request.param, tmp_path_factory)
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_mtp_speculation_on_the_gpu_is_transformers_greedy(family, mode: str) -> None:
+    ref, path = family
+    g = torch.Generator().manual_seed(23)
+    prompts = [torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    cfg = EngineConfig(
+        model=str(path), mode=mode, device="cuda", dtype="float32", kv_pool_mib=96,
+        host_arena_mib=64, max_num_seqs=4, max_model_len=1024, page_size=16,
+        max_prefill_tokens=128, hot_cache_rows=None if mode == "resident" else 32,
+        speculation=SpeculationConfig("mtp", 4, "fixed"),
+    )  # fmt: skip
+    eng = Engine(cfg)
+    params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
+    outs = [r.output_ids for r in eng.generate(prompts, params)]
+    assert eng.speculator is not None and eng.speculator.counters.drafts > 0
+    eng.close()
+    for prompt, out in zip(prompts, outs, strict=True):
+        assert len(out) == NEW_TOKENS
+        assert out == hf_tiny.greedy_under_reference(ref.target, prompt, out)
