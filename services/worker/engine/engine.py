@@ -68,8 +68,7 @@ class Engine:
         # this rank's part in its group (alone: a group of one)
         self.group = RankGroup(comm, cfg.parallel.data_parallel_attention, cfg.max_model_len)
         host = self.group.host(host)
-        # this rank's registration with the node's store (``durable.host_link``), set by whoever
-        # registers it; a data-parallel rank reports its state to rank 0 with its load
+        # this rank's store registration (``durable.host_link``), set by whoever registers it
         self.host_link: HostLink | None = None
         model = serving_model(cfg, model, comm)
         self.model = model
@@ -285,8 +284,7 @@ class Engine:
             and self.scheduler.waiting
             and not self.kv.payload.settling()
         ):
-            # Nothing runs and the head still cannot be admitted into an empty cache: it can
-            # never fit, so end it rather than wait forever.
+            # nothing runs and the head cannot enter an empty cache: it never will, so end it
             head = self.scheduler.waiting[0]
             refusal = self.kv.payload.refusal
             if refusal is not None:  # the host store is full, not the device
