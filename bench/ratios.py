@@ -66,6 +66,19 @@ def resolver_recovery(doc: dict) -> str:
     return f"{_span(many, '{:.0%}')} ({_met(min(many) >= 0.8)})"
 
 
+def resolver(doc: dict) -> str:
+    return f"all hit {resolver_all_hit(doc)}; host recovery {resolver_recovery(doc)}"
+
+
+def burst(doc: dict) -> str:
+    s = doc["summary"]
+    refused = s["refusal_s"]
+    return (f"{s['served']} served, {s['served_per_s']:.2f} requests/s "
+            f"({s['tokens_per_s']:.1f} tok/s); {s['refused_429']} refused with 429 and "
+            f"Retry-After, after {refused['median']:.2f} s (median) to {refused['max']:.1f} s; "
+            f"{s['other']} other statuses")  # fmt: skip
+
+
 def scaled(doc: dict) -> str:
     (fam,) = doc["families"]
     rate = {(r["mode"], r["concurrency"]): r["decode_tokens_per_s"] for r in fam["rows"]}
@@ -153,11 +166,9 @@ def defaults(doc: dict) -> str:
 
 GPU = "on a GPU: `python -m bench device-run {}`"
 ROWS: tuple[Row, ...] = (
-    Row("resolver, all rows hit: resolve + copy launch / plain gather of the same rows, CUDA "
-        "graphs alternated in lockstep (goal ≤ 1.3×)", "resolver.json", resolver_all_hit,
-        f"`python -m bench resolver` ({GPU.format('main')})"),
-    Row("resolver: host recovery / bulk host-to-device copy, steps of ≥ 4,096 missed rows "
-        "(goal ≥ 80%)", "resolver.json", resolver_recovery,
+    Row("resolver: resolve + copy launch / plain gather of the same rows when all hit, CUDA "
+        "graphs alternated in lockstep (goal ≤ 1.3×); host recovery / bulk host-to-device copy "
+        "in steps of ≥ 4,096 missed rows (goal ≥ 80%)", "resolver.json", resolver,
         f"`python -m bench resolver` ({GPU.format('main')})"),
     Row("scaled DeepSeek-V3.2 at real dimensions, 8K context: decode rate over resident's",
         "scaled_v32_8k.json", scaled,
@@ -175,6 +186,8 @@ ROWS: tuple[Row, ...] = (
     Row("the shipped model, one CPU stream through `make run`'s stack, 512-token prompt, 128 "
         "new tokens: speculative / plain decoding, end to end (goal ≥ 20 tok/s)",
         "cpu_stream.json", cpu_stream, "`python -m bench cpu-stream`"),
+    Row("`make run`'s defaults on the CPU: 120 completions of 32 tokens at once, each served or "
+        "refused at once (queue deadline 30 s)", "burst.json", burst, "`python -m bench burst`"),
     Row("gateway: overhead per request over a direct gRPC call, p50 (goal ≤ 2 ms)",
         "gateway.json", gateway, "`python -m bench gateway`"),
     Row("the shipped model's selection census, one request: dense attention mass in the top-k, "

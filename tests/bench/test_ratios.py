@@ -85,6 +85,11 @@ def results() -> dict[str, dict]:
             "summary": {"make run": {"median_tokens_per_s": 24.75},
                         "plain decoding": {"median_tokens_per_s": 18.50}},
             "provenance": _prov("python -m bench cpu-stream", dirty=True)},
+        "burst.json": {
+            "summary": {"served": 56, "served_per_s": 1.8144, "tokens_per_s": 58.06,
+                        "refused_429": 64, "refusal_s": {"median": 0.2093, "max": 10.8355},
+                        "other": 0},
+            "provenance": _prov("python -m bench burst --out docs/results/burst.json")},
         "gateway.json": {
             "config": {"model": "tiny-glm"},
             "variants": {k: {"pooled": {"overhead_ms": {"p50": v}}} for k, v in pooled.items()},
@@ -113,8 +118,7 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
     assert len(rows) == len(ratios.ROWS) <= 12
     values = [r[1] for r in rows]
     assert values == [
-        "1.02× / 1.26× / 0.14× at batch 1 / 4 / 256 (met)",
-        "37%–69% (not met)",
+        "all hit 1.02× / 1.26× / 0.14× at batch 1 / 4 / 256 (met); host recovery 37%–69% (not met)",
         "hisparse 0.93× / 0.90×, adaptive 0.98× / 0.93× at C = 1 / 4 (resident 75.2 / 199.1 "
         "tok/s; 43.5 B parameters, fp8 weights)",
         "hisparse 0.93× / 0.90×, adaptive 0.98× / 0.93× at C = 1 / 4 (resident 75.2 / 199.1 "
@@ -122,6 +126,8 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
         "0.956 (met)",
         "1.85 / 3.76 at K = 2 / 8 (met); every drafter's greedy tokens equal plain decoding's: yes",
         "1.34× (24.8 / 18.5 tok/s, drafter mtp; ≥ 20 tok/s met)",
+        "56 served, 1.81 requests/s (58.1 tok/s); 64 refused with 429 and Retry-After, after "
+        "0.21 s (median) to 10.8 s; 0 other statuses",
         "3.28 ms, streaming 4.11 ms (not met; tiny-glm)",
         "k = 512; 4K: 0.82 / 0.12, 8% from host; 16K: 0.57 / 0.03, 32% from host",
         "deepseek_v32 1.57%, glm_moe_dsa 1.21%; uninjected: selection recall 0.985–0.999, "
@@ -132,12 +138,13 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
     ]
     at = {r[0]: r[2] for r in rows}
     assert at[ratios.ROWS[0].what] == "0123456, H200"
-    assert at[ratios.ROWS[6].what] == "0123456 (dirty), CPU"
+    assert at[ratios.ROWS[5].what] == "0123456 (dirty), CPU"
     assert at[ratios.ROWS[-1].what] == "0123456, H100 80GB HBM3"
     commands = [r[3] for r in rows]
     # the result's own command, the options that only name output files left out
     assert commands[0] == "`python -m bench resolver`"
-    assert commands[5] == "`python -m bench acceptance --prompts 8`"
+    assert commands[4] == "`python -m bench acceptance --prompts 8`"
+    assert commands[6] == "`python -m bench burst`"
     assert commands[7] == "`python -m bench gateway`"
     assert commands[8] == "`python -m bench census`"
 
