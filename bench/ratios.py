@@ -186,8 +186,9 @@ ROWS: tuple[Row, ...] = (
     Row("the shipped model, one CPU stream through `make run`'s stack, 512-token prompt, 128 "
         "new tokens: speculative / plain decoding, end to end (goal ≥ 20 tok/s)",
         "cpu_stream.json", cpu_stream, "`python -m bench cpu-stream`"),
-    Row("`make run`'s defaults on the CPU: 120 completions of 32 tokens at once, each served or "
-        "refused at once (queue deadline 30 s)", "burst.json", burst, "`python -m bench burst`"),
+    Row("`make run`'s defaults on the CPU: 120 completions of 32 tokens at once; each served, or "
+        "refused with 429 as soon as its expected wait passes its queue deadline (30 s)",
+        "burst.json", burst, "`python -m bench burst`"),
     Row("gateway: overhead per request over a direct gRPC call, p50 (goal ≤ 2 ms)",
         "gateway.json", gateway, "`python -m bench gateway`"),
     Row("the shipped model's selection census, one request: dense attention mass in the top-k, "

@@ -2,7 +2,8 @@
 carries it out.
 
 A GPU reads scattered host rows at a rate set by the footprint the reads span, not by the
-kernel, nor by the host's page size (docs/results/README.md). One resolver launch reads one KV source's rows
+kernel, nor by the host's page size (ENVIRONMENT.md beside the repository, and the host-layout
+runs in docs/results/archive/). One resolver launch reads one KV source's rows
 of the requests one worker decodes, so those regions should lie together, and away from the
 other sources' regions, the other workers' and the session state. Policies:
 
