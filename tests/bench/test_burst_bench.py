@@ -5,18 +5,14 @@ result counts both and the rate served. The prompt is README's completion exampl
 from __future__ import annotations
 
 import json
-import re
 
 from bench import burst
 from bench.stale import check
-from tests.bench.helpers import ROOT, bench
+from tests.bench.helpers import ROOT, bench, readme_curl_bodies
 
 
 def test_the_prompt_is_readmes_completion_example() -> None:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
-    (completion, *_) = [b for b in blocks if "curl " in b and "/v1/completions" in b]
-    sent = json.loads(re.search(r"-d '(.*?)'", completion, re.S).group(1))
+    sent, *_ = readme_curl_bodies("/v1/completions")
     assert sent["prompt"] == burst.PROMPT and sent["model"] == burst.MODEL
 
 

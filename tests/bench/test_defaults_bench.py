@@ -6,18 +6,14 @@ request is README's chat example."""
 from __future__ import annotations
 
 import json
-import re
 
 from bench import defaults
 from bench.stale import check
-from tests.bench.helpers import ROOT, bench
+from tests.bench.helpers import ROOT, bench, readme_curl_bodies
 
 
 def test_the_request_is_readmes_chat_example() -> None:
-    text = (ROOT / "README.md").read_text()
-    blocks = re.findall(r"^```bash\n(.*?)^```", text, re.S | re.M)
-    (chat,) = [b for b in blocks if "curl " in b and "/v1/chat/completions" in b]
-    body = json.loads(re.search(r"-d '(.*?)'", chat, re.S).group(1))
+    (body,) = readme_curl_bodies("/v1/chat/completions")
     assert body == defaults.REQUEST
 
 
