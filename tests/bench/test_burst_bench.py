@@ -8,7 +8,8 @@ import json
 
 from bench import burst
 from bench.stale import check
-from tests.bench.helpers import ROOT, bench, readme_curl_bodies
+from tests.bench.helpers import ROOT, bench
+from tests.bench.readme import readme_curl_bodies
 
 
 def test_the_prompt_is_readmes_completion_example() -> None:

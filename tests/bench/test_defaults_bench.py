@@ -9,7 +9,8 @@ import json
 
 from bench import defaults
 from bench.stale import check
-from tests.bench.helpers import ROOT, bench, readme_curl_bodies
+from tests.bench.helpers import ROOT, bench
+from tests.bench.readme import readme_curl_bodies
 
 
 def test_the_request_is_readmes_chat_example() -> None:
