@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from dhisparse.rpc import worker_pb2
@@ -67,15 +68,37 @@ def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb
         want_logprobs=s.want_logprobs,
         include_stop_str_in_output=s.include_stop_str_in_output,
         min_tokens=s.min_tokens,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        repetition_penalty=s.repetition_penalty,
+        min_p=s.min_p,
+        logit_bias=dict(s.logit_bias),
     )
     if s.seed is not None:
         sampling.seed = s.seed
+    if s.grammar is not None:
+        sampling.grammar.kind = s.grammar.kind
+        sampling.grammar.spec = s.grammar.spec
+    if s.prompt_logprobs is not None:
+        sampling.prompt_logprobs = s.prompt_logprobs
     request = worker_pb2.GenerateRequest(
         request_id=inp.request_id, prompt_token_ids=list(inp.prompt_token_ids), sampling=sampling
     )
     if rank is not None:
         request.dp_rank = rank
     return request
+
+
+def _logprobs(entries: Iterable[worker_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
+    return tuple(
+        TokenLogprob(
+            token_id=lp.token_id,
+            token=lp.token,
+            logprob=lp.logprob,
+            top=tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top),
+        )
+        for lp in entries
+    )
 
 
 def generation_delta(resp: worker_pb2.GenerateResponse) -> GenerationDelta:
@@ -86,16 +109,9 @@ def generation_delta(resp: worker_pb2.GenerateResponse) -> GenerationDelta:
         stop_reason=resp.stop_reason or None,
         prompt_tokens=resp.prompt_tokens,
         completion_tokens=resp.completion_tokens,
-        logprobs=tuple(
-            TokenLogprob(
-                token_id=lp.token_id,
-                token=lp.token,
-                logprob=lp.logprob,
-                top=tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top),
-            )
-            for lp in resp.logprobs
-        ),
+        logprobs=_logprobs(resp.logprobs),
         cached_prompt_tokens=resp.cached_prompt_tokens,
+        prompt_logprobs=_logprobs(resp.prompt_logprobs),
     )
 
 

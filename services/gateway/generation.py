@@ -16,6 +16,14 @@ SEED_MODULUS = 2**63
 
 
 @dataclass(frozen=True)
+class GrammarSpec:
+    """A grammar the output must follow (``Grammar`` in worker.proto)."""
+
+    kind: Literal["json_object", "json_schema", "structural_tag"]
+    spec: str = ""  # the JSON schema or structural tag as JSON text ("" for json_object)
+
+
+@dataclass(frozen=True)
 class SamplingSpec:
     """Validated sampling parameters of one worker request."""
 
@@ -31,6 +39,13 @@ class SamplingSpec:
     want_logprobs: bool = False  # the sampled token's logprob
     top_logprobs: int = 0  # alternatives per token
     include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0  # 0 = off
+    frequency_penalty: float = 0.0  # 0 = off
+    repetition_penalty: float = 1.0  # 1 = off
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids in the vocabulary
+    grammar: GrammarSpec | None = None  # None: unconstrained
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's and the top n
 
     def for_choice(self, index: int) -> SamplingSpec:
         """Choice ``index`` of an n-way request: distinct but reproducible when seeded."""
@@ -74,6 +89,7 @@ class GenerationDelta:
     completion_tokens: int  # total so far
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_prompt_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on a request's first delta, when asked
 
 
 @dataclass

@@ -4,7 +4,12 @@ from __future__ import annotations
 
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.tokenizer import Tokenizer
-from services.worker.request.request import FinishReason, RequestOutput, SamplingParams
+from services.worker.request.request import (
+    FinishReason,
+    Grammar,
+    RequestOutput,
+    SamplingParams,
+)
 
 _FINISH = {
     None: pb.FINISH_REASON_UNSPECIFIED,
@@ -29,6 +34,13 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logprobs=p.logprobs if p.want_logprobs else None,
         include_stop_str_in_output=p.include_stop_str_in_output,
         min_tokens=p.min_tokens,
+        presence_penalty=p.presence_penalty,
+        frequency_penalty=p.frequency_penalty,
+        repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
+        min_p=p.min_p,
+        logit_bias=tuple(sorted(p.logit_bias.items())),
+        grammar=Grammar(p.grammar.kind, p.grammar.spec) if p.grammar.kind else None,
+        prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
     )
 
 

@@ -25,6 +25,14 @@ FLOAT32_MAX = 3.4028234663852886e38
 
 
 @dataclass(frozen=True)
+class Grammar:
+    """A grammar the output must follow (``Grammar`` in worker.proto)."""
+
+    kind: str  # "json_object" | "json_schema" | "structural_tag"
+    spec: str = ""  # the JSON schema or structural tag as JSON text ("" for json_object)
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 1.0  # 0 = greedy (so is anything below GREEDY_BELOW)
     top_p: float = 1.0
@@ -37,6 +45,13 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; 0: the sampled token's; n: and the top n
     include_stop_str_in_output: bool = False
     min_tokens: int = 0
+    presence_penalty: float = 0.0  # over the generated tokens; 0 = off
+    frequency_penalty: float = 0.0  # over the generated tokens; 0 = off
+    repetition_penalty: float = 1.0  # over the prompt's and generated tokens; 1 = off
+    min_p: float = 0.0  # 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
+    grammar: Grammar | None = None  # None: unconstrained
+    prompt_logprobs: int | None = None  # None: none; n: each prompt token's and the top n
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < GREEDY_BELOW:
