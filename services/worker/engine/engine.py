@@ -360,7 +360,7 @@ class Engine:
             spec.follow(reqs, batch, starts, feats)
         sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
         for j, r in enumerate(sampled):
-            r.ban_early_stops(logits[j : j + 1], self.eos_token_ids)
+            r.shape_logits(logits[j : j + 1], (), self.eos_token_ids)
         # every greedy request's token in one argmax, read back in one copy
         greedy_ids = (
             readback(logits.argmax(-1)) if any(r.params.greedy for r in sampled) else (lambda: [])

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import enum
+import math
 import time
-from collections.abc import Collection
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from services.worker.request.penalties import Penalties
 from services.worker.request.stop import TextStream
 
 
@@ -61,6 +63,15 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def penalized(self) -> bool:
+        """Whether it sets a logit bias or a penalty (``Penalties``)."""
+        return bool(self.logit_bias) or (
+            self.repetition_penalty != 1.0
+            or self.frequency_penalty != 0.0
+            or self.presence_penalty != 0.0
+        )
+
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError with a message fit for a client."""
         if not 0.0 <= self.temperature <= FLOAT32_MAX:
@@ -84,6 +95,29 @@ class SamplingParams:
             raise ValueError(f"stop_token_ids out of vocabulary: {bad}")
         if any(not s for s in self.stop):
             raise ValueError("stop strings must be non-empty")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -2.0 <= value <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {value}")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise ValueError(
+                f"repetition_penalty must be a finite number > 0, got {self.repetition_penalty}"
+            )
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        self._validate_logit_bias(vocab_size)
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        ids = [t for t, _ in self.logit_bias]
+        bad = [t for t in ids if not 0 <= t < vocab_size]
+        if bad:
+            raise ValueError(f"logit_bias token ids out of vocabulary [0, {vocab_size}): {bad}")
+        twice = sorted({t for t in ids if ids.count(t) > 1})
+        if twice:
+            raise ValueError(f"logit_bias lists token ids more than once: {twice}")
+        wild = [(t, b) for t, b in self.logit_bias if not -100.0 <= b <= 100.0]
+        if wild:
+            raise ValueError(f"logit_bias values must be in [-100, 100], got {wild}")
 
 
 class Status(enum.Enum):
@@ -148,6 +182,8 @@ class Request:
     error: RequestError | None = None
     # tokens adopted already computed from a dead worker (a resumed session): never computed here
     resumed_tokens: int = 0
+    # its logit bias and penalties on the device, built at its first shaping (if it sets any)
+    penalties: Penalties | None = field(default=None, repr=False)
 
     def ids_from(self, start: int, end: int | None = None) -> list[int]:
         """``(prompt_ids + output_ids)[start:end]`` without copying the whole history (a decode
@@ -169,7 +205,31 @@ class Request:
         yet. A request's last chunk samples its first token; earlier chunks sample nothing."""
         return self.num_tokens - self.num_computed > 1 or not self.output_ids
 
-    def ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
+    def shape_logits(
+        self, logits: torch.Tensor, drafts: Sequence[int], eos_token_ids: Collection[int]
+    ) -> None:
+        """logits: [n, V] fp32, in place, before any sampling or verification reads them. Row i
+        scores the request's next token after its output so far and ``drafts[:i]`` (a decode
+        step: n = 1, no drafts; a verify block of K rows: its K - 1 proposals), as if those
+        drafts had been emitted. In vLLM's order: the ``min_tokens`` bans (row i is output
+        position len(output_ids) + i), ``logit_bias``, the repetition penalty, the frequency
+        and presence penalties. A request that sets none of them pays nothing beyond a few
+        Python comparisons."""
+        if len(drafts) != logits.shape[0] - 1:
+            raise ValueError(f"{len(drafts)} drafts for {logits.shape[0]} rows")
+        self._ban_early_stops(logits, eos_token_ids)
+        p = self.params
+        if p.penalized:
+            if self.penalties is None:
+                self.penalties = Penalties(
+                    p.logit_bias, p.repetition_penalty, p.frequency_penalty, p.presence_penalty,
+                    self.prompt_ids, logits.shape[-1], logits.device,
+                )  # fmt: skip
+            self.penalties.apply(logits, drafts, self.output_ids)
+        # A mask of allowed tokens (a grammar's) goes here, the last step: every step above
+        # keeps -inf at -inf, so it would hold wherever it ran.
+
+    def _ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
         """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, the
         EOS ids and stop tokens cannot be sampled (in place)."""
         p = self.params

@@ -174,7 +174,10 @@ class Speculator:
         logits = self.forward(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
         for r, req in enumerate(reqs):
-            req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_ids)
+            # row j scores the token after the anchor and proposals 1..j
+            req.shape_logits(
+                logits[cu[r] : cu[r] + widths[r]], proposed[r][: widths[r] - 1], eng.eos_token_ids
+            )
         verified = logits
         if passed != widths:  # each request's first K_r rows
             rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]

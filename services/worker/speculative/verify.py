@@ -15,7 +15,7 @@ from typing import NamedTuple
 import torch
 
 from services.worker.request.request import SamplingParams
-from services.worker.request.sampling import apply_top_k_top_p
+from services.worker.request.sampling import sampling_probs
 
 
 class Verdict(NamedTuple):
@@ -24,11 +24,9 @@ class Verdict(NamedTuple):
 
 
 def target_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """[K, V] logits -> [K, V] fp32 probabilities the engine would sample from: temperature,
-    then top-k/top-p, then softmax (the order ``sample_token`` uses)."""
-    x = logits.float() / params.temperature
-    rows = [apply_top_k_top_p(row, params.top_k, params.top_p) for row in x]
-    return torch.softmax(torch.stack(rows), dim=-1)
+    """[K, V] shaped logits -> [K, V] fp32 probabilities the engine would sample from
+    (``sampling_probs``, as ``sample_token``: temperature, min-p, top-k, top-p, softmax)."""
+    return sampling_probs(logits, params)
 
 
 def verify_greedy(target_logits: torch.Tensor, draft_tokens: torch.Tensor) -> Verdict:
@@ -78,8 +76,8 @@ def verify(
     params: SamplingParams,
     generator: torch.Generator | None,
 ) -> Verdict:
-    """One request's round. target_logits: [K, V] fp32 (the caller applies any per-position
-    bans such as min_tokens first); draft_tokens: [K-1] int64; draft_probs: [K-1, V] or None.
+    """One request's round. target_logits: [K, V] fp32, row j shaped as the token after the
+    anchor and proposals x_1..x_j (``Request.shape_logits``, by the caller); draft_tokens: [K-1] int64; draft_probs: [K-1, V] or None.
 
     Greedy params compare argmaxes (q is not needed); otherwise speculative sampling, whose
     emitted tokens are distributed exactly as sampling from the target one token at a time."""
