@@ -6,7 +6,8 @@ proposals, and only positions n .. n+A are committed (eq. 7): the KV cache store
 position, so the rows of rejected proposals are simply overwritten by the next round's chunk,
 which starts at n' = n+A+1 with the correction or bonus as its anchor. With greedy sampling
 the output equals ``plain_generate``'s token for token, whatever the drafter proposes.
-(``min_tokens`` and stop strings are not modelled here; EOS ends a sequence unless ignored.)
+(``min_tokens``, logit biases, penalties and stop strings are not modelled here: the engine
+applies them, ``Request.shape_logits``; EOS ends a sequence unless ignored.)
 """
 
 from __future__ import annotations
