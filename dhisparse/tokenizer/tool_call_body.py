@@ -4,7 +4,9 @@
 The arguments are written as ``{"key": value, ...}`` (``json.dumps``'s separators). A string
 parameter's value is the text between its tags as written, streamed as it arrives. Any other
 value is the JSON its text holds once whole (the text as written, stripped), or that stripped
-text as a string when it is not JSON. Text between parameters other than the tags is skipped.
+text as a string when it is not JSON; it ends at the first closing tag outside its JSON strings
+(a JSON string may hold the tag: xgrammar's grammars let it). Text between parameters other
+than the tags is skipped.
 
 A body cut short (the reply ended inside the call) still closes into a JSON object: a string
 value keeps what arrived, a parameter whose non-string value never closed is left out."""
@@ -50,6 +52,31 @@ def json_value(text: str) -> str:
     except ValueError:
         return json.dumps(stripped, ensure_ascii=False)
     return stripped
+
+
+def _inside_json_string(text: str) -> bool:
+    """Whether ``text``, the start of a value, ends inside a JSON string of it (only a value
+    that opens as an array, an object or a string has one)."""
+    if text.lstrip()[:1] not in ('"', "[", "{"):
+        return False
+    inside = escaped = False
+    for ch in text:
+        if escaped:
+            escaped = False
+        elif ch == "\\" and inside:
+            escaped = True
+        elif ch == '"':
+            inside = not inside
+    return inside
+
+
+def _json_end(text: str, close: str) -> int:
+    """Where the value at the start of ``text`` ends: the first ``close`` outside its JSON
+    strings; -1 when none has arrived."""
+    at = text.find(close)
+    while at != -1 and _inside_json_string(text[:at]):
+        at = text.find(close, at + 1)
+    return at
 
 
 def _string_part(text: str) -> str:
@@ -136,11 +163,12 @@ class CallBody:
                 self._state = "between"
             return bool(text) or tag is not None
         if self._state == "json":
-            found = buf.split([s.value_close])
-            if found is None:
+            end = _json_end(buf.text, s.value_close)
+            if end == -1:
                 return False
             self._write_key()
-            self._write(json_value(found[0]))
+            self._write(json_value(buf.text[:end]))
+            buf.text = buf.text[end + len(s.value_close) :]
             self._state = "between"
             return True
         return False
