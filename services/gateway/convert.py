@@ -81,6 +81,8 @@ def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb
         sampling.grammar.spec = s.grammar.spec
     if s.prompt_logprobs is not None:
         sampling.prompt_logprobs = s.prompt_logprobs
+    if not s.skip_special_tokens:
+        sampling.skip_special_tokens = False
     request = worker_pb2.GenerateRequest(
         request_id=inp.request_id, prompt_token_ids=list(inp.prompt_token_ids), sampling=sampling
     )

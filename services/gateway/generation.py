@@ -46,6 +46,7 @@ class SamplingSpec:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias), ids in the vocabulary
     grammar: GrammarSpec | None = None  # None: unconstrained
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's and the top n
+    skip_special_tokens: bool = True  # special tokens left out of the text
 
     def for_choice(self, index: int) -> SamplingSpec:
         """Choice ``index`` of an n-way request: distinct but reproducible when seeded."""

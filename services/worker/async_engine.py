@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from services.worker.engine.engine import Engine
 from services.worker.request.request import Request, RequestError, RequestOutput, SamplingParams
-from services.worker.request.stop import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +59,7 @@ def catch_up(engine: Engine, req: Request, tokens_received: int) -> RequestOutpu
     tokens, and the text the caller would have been sent for them (the text stream replayed
     to that point tells where the caller's text ends)."""
     p = req.params
-    sent = TextStream(engine.tokenizer, req.prompt_ids, p.stop, p.include_stop_str_in_output)
+    sent = p.text_stream(engine.tokenizer, req.prompt_ids)
     for token in req.output_ids[:tokens_received]:
         sent.push(token)
     text = req.text.detok.text[sent.emitted : req.text.emitted]

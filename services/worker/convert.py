@@ -41,6 +41,7 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         logit_bias=tuple(sorted(p.logit_bias.items())),
         grammar=Grammar(p.grammar.kind, p.grammar.spec) if p.grammar.kind else None,
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
+        skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )
 
 

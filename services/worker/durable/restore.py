@@ -19,8 +19,7 @@ from services.kv_host_store.records import Region
 from services.worker.durable import manifest
 from services.worker.durable.manifest import ManifestError, SessionRecord
 from services.worker.hierarchy.session import SessionBackup
-from services.worker.request.request import Request, SamplingParams
-from services.worker.request.stop import TextStream
+from services.worker.request.request import Grammar, Request, SamplingParams
 from services.worker.serving.cache import KVCache
 
 
@@ -50,7 +49,12 @@ def read_manifest(mapping: ArenaMapping, regions: list[Region]) -> tuple[int, Se
 
 
 def sampling_params(fields: dict) -> SamplingParams:
-    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    """``SamplingParams`` from the manifest's JSON of them (``manifest.params_dict``)."""
+    out = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    out["logit_bias"] = tuple((int(t), float(b)) for t, b in fields.get("logit_bias", ()))
+    if fields.get("grammar") is not None:
+        out["grammar"] = Grammar(**fields["grammar"])
+    return SamplingParams(**out)
 
 
 def restore(
@@ -76,9 +80,7 @@ def restore(
         gen = torch.Generator(device=engine.device).manual_seed(params.seed)
         if rec.generator_state is not None:
             gen.set_state(torch.frombuffer(bytearray(rec.generator_state), dtype=torch.uint8))
-    text = TextStream(
-        engine.tokenizer, rec.prompt_ids, params.stop, params.include_stop_str_in_output
-    )
+    text = params.text_stream(engine.tokenizer, rec.prompt_ids)
     for token in rec.output_ids:  # the text the client has been sent so far, and what is held
         text.push(token)
     now = time.monotonic()

@@ -34,7 +34,6 @@ from services.worker.request.request import (
     TokenLogprob,
 )
 from services.worker.request.sampling import sample_token, token_logprob
-from services.worker.request.stop import TextStream
 from services.worker.serving.cache import KVCache, pool_ceiling
 from services.worker.speculative.speculator import Speculator, make_drafter
 
@@ -153,9 +152,7 @@ class Engine:
             return remote
         seeded = params.seed is not None
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None
-        text = TextStream(
-            self.tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output
-        )
+        text = params.text_stream(self.tokenizer, prompt_ids)
         req = Request(request_id, list(prompt_ids), params, text, generator=gen)
         self.requests[request_id] = req
         self.scheduler.add(req)

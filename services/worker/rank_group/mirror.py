@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 from dhisparse.tokenizer import Tokenizer
 from services.worker.request.request import Request, SamplingParams, Status
-from services.worker.request.stop import TextStream
 
 
 @dataclass(frozen=True)
@@ -47,7 +46,7 @@ def mirror(
 ) -> Request:
     """A running request's mirror, its text stream past ``output_ids`` (the tokens the owner
     has emitted so far)."""
-    text = TextStream(tokenizer, prompt_ids, params.stop, params.include_stop_str_in_output)
+    text = params.text_stream(tokenizer, prompt_ids)
     for token in output_ids or ():
         text.push(token)
     req = Request(request_id, list(prompt_ids), params, text, status=Status.RUNNING)

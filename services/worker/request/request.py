@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from dhisparse.tokenizer import Tokenizer
 from services.worker.request.penalties import Penalties
 from services.worker.request.stop import TextStream
 
@@ -54,6 +55,7 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, bias)
     grammar: Grammar | None = None  # None: unconstrained
     prompt_logprobs: int | None = None  # None: none; n: each prompt token's and the top n
+    skip_special_tokens: bool = True  # special tokens left out of the text
 
     def __post_init__(self) -> None:
         if 0.0 < self.temperature < GREEDY_BELOW:
@@ -62,6 +64,14 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    def text_stream(self, tokenizer: Tokenizer, prompt_ids: list[int]) -> TextStream:
+        """The incremental text of an output under these parameters (stop strings, special
+        tokens)."""
+        return TextStream(
+            tokenizer, prompt_ids, self.stop, self.include_stop_str_in_output,
+            self.skip_special_tokens,
+        )  # fmt: skip
 
     @property
     def penalized(self) -> bool:

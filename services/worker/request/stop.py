@@ -13,8 +13,9 @@ class TextStream:
         prompt_ids: list[int],
         stop: tuple[str, ...] = (),
         include_stop: bool = False,
+        skip_special_tokens: bool = True,
     ) -> None:
-        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids)
+        self.detok = IncrementalDetokenizer(tokenizer, prompt_ids, skip_special_tokens)
         self.stop = stop
         self.include_stop = include_stop
         self.hold = max((len(s) for s in stop), default=1) - 1

@@ -9,7 +9,7 @@ import pytest
 from services.worker.durable import manifest
 from services.worker.durable.manifest import HEADER_BYTES, ManifestError, SessionRecord
 from services.worker.durable.restore import sampling_params
-from services.worker.request.request import SamplingParams
+from services.worker.request.request import Grammar, SamplingParams
 
 
 def record(n_out: int) -> SessionRecord:
@@ -38,6 +38,18 @@ def test_record_round_trips() -> None:
     assert sampling_params(rec.params) == SamplingParams(
         temperature=0.7, seed=3, max_tokens=50, stop=("\n\n",)
     )
+
+
+def test_every_sampling_field_round_trips() -> None:
+    """Penalties, biases and a grammar survive the manifest's JSON (a resumed session keeps
+    its constraints)."""
+    params = SamplingParams(
+        temperature=0.5, stop=("x",), stop_token_ids=(7, 9), presence_penalty=0.5,
+        frequency_penalty=-0.25, repetition_penalty=1.2, min_p=0.1,
+        logit_bias=((3, -1.5), (11, 2.0)), grammar=Grammar("json_schema", '{"type": "object"}'),
+        prompt_logprobs=2, skip_special_tokens=False,
+    )  # fmt: skip
+    assert sampling_params(manifest.params_dict(params)) == params
 
 
 def test_newest_valid_half_wins() -> None:
