@@ -103,7 +103,7 @@ class JsonSchemaSpec(BaseModel):
     description: str | None = None
     # "schema" would shadow BaseModel.schema.
     json_schema: dict[str, Any] | None = Field(
-        None, alias="schema", description="Omitted: any JSON value."
+        None, alias="schema", description="Omitted: any JSON object (as json_object)."
     )
     strict: bool | None = None
 
