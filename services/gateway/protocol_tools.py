@@ -42,7 +42,6 @@ class FunctionDefinition(BaseModel):
         description='A JSON Schema with "type": "object"; omitted: no arguments.',
         json_schema_extra=_parameters_schema,
     )
-    strict: bool | None = None
 
     @field_validator("parameters")
     @classmethod
@@ -105,7 +104,6 @@ class JsonSchemaSpec(BaseModel):
     json_schema: dict[str, Any] | None = Field(
         None, alias="schema", description="Omitted: any JSON object (as json_object)."
     )
-    strict: bool | None = None
 
 
 class JsonSchemaFormat(BaseModel):
