@@ -312,8 +312,9 @@ def test_schema_states_the_servers_limits(api: schemathesis.BaseSchema) -> None:
     schemas = api.raw_schema["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["model"]["anyOf"][0]["enum"] == [MODEL]
-    assert _limits(api) == {"max_n": 16, "max_model_len": 4096}
-    assert chat["top_k"]["anyOf"][0]["maximum"] == TOKENIZER.vocab_size
+    vocab_size = TOKENIZER.vocab_size
+    assert _limits(api) == {"max_n": 16, "max_model_len": 4096, "vocab_size": vocab_size}
+    assert chat["top_k"]["anyOf"][0]["maximum"] == vocab_size
     assert chat["top_logprobs"]["anyOf"][0]["maximum"] == 20
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "user", "assistant"]
     seed = chat["seed"]["anyOf"][0]
