@@ -68,7 +68,14 @@ CHAT_RULES = """Rules beyond the schema (each a 400 with the OpenAI error body):
 - `chat_template_kwargs` are the chat template's arguments (`enable_thinking`,
   `reasoning_effort`; `thinking` for DeepSeek-V3.2's format), which it may refuse; `documents`
   among them must be a list of objects; `messages`, `add_generation_prompt` and `tools` there
-  are ignored.
+  are ignored (`tools` and `reasoning_effort` are fields of their own).
+- Tool names are unique; a named `tool_choice` must name one of `tools`.
+- An assistant message's tool call `arguments` are a JSON object as text; a `tool` message's
+  `tool_call_id` must be the id of a tool call of an earlier assistant message.
+- `logit_bias` token ids must be in the model's vocabulary.
+- Tools (unless `tool_choice` is "none") need a model with a tool-call format; a JSON
+  `response_format` beside tools needs `tool_choice` "none", "required" or a named function;
+  a schema the grammar engine cannot compile is refused (param `tools` or `response_format`).
 
 Load and availability give 429/503 with Retry-After; an error after a stream has started comes
 as one `data:` event holding the error body, then `[DONE]`."""

@@ -12,16 +12,17 @@ from typing import Any
 from dhisparse.family.generation import GenerationDefaults
 from dhisparse.tokenizer import ChatFormatter, ChatTemplateError, Tokenizer
 from services.gateway.errors import bad_request, context_overflow
-from services.gateway.generation import SEED_MODULUS, SamplingSpec
+from services.gateway.generation import SEED_MODULUS, GrammarSpec, SamplingSpec
 from services.gateway.protocol import (
     GREEDY_BELOW,
     ChatCompletionRequest,
     ChatMessage,
     CompletionRequest,
+    ToolCall,
 )
 
-# Template variables the gateway sets itself; chat_template_kwargs may not override them
-# (tools stay refused: the server does not parse tool calls).
+# Template variables the gateway sets itself (tools from the request's own field);
+# chat_template_kwargs may not override them.
 _RESERVED_TEMPLATE_VARS = frozenset({"messages", "add_generation_prompt", "tools"})
 _OPENAI_ROLES = ("system", "developer", "user", "assistant", "tool")
 
@@ -40,18 +41,41 @@ class Limits:
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
 
 
+@dataclass(frozen=True)
+class ChatPrompt:
+    """A chat rendered in the model's format: the text, and its token ids."""
+
+    text: str
+    token_ids: list[int]
+
+
+def _tool_call(call: ToolCall) -> dict[str, Any]:
+    return {
+        "id": call.id,
+        "type": call.type,
+        "function": {"name": call.function.name, "arguments": call.function.parsed_arguments()},
+    }
+
+
 def chat_messages(messages: Sequence[ChatMessage]) -> list[dict[str, Any]]:
-    """Messages as the chat template expects them: ``content`` a string. Text parts (the only
-    kind ``ChatMessage`` admits) are joined with newlines (vLLM's "string" content format)."""
+    """Messages as chat templates read them (vLLM's conversion): ``content`` a string (text
+    parts joined with newlines, vLLM's "string" content format); ``name`` when given; on
+    assistant turns ``tool_calls`` with ``function.arguments`` parsed into a mapping (an empty
+    list left out) and the reasoning as both ``reasoning_content`` and ``reasoning``; on tool
+    messages ``tool_call_id``."""
     out: list[dict[str, Any]] = []
     for m in messages:
-        if m.content is None or isinstance(m.content, str):
-            content = m.content or ""
-        else:
-            content = "\n".join(part.text for part in m.content)
-        message: dict[str, Any] = {"role": m.role, "content": content}
+        message: dict[str, Any] = {"role": m.role, "content": m.text()}
         if m.name is not None:
             message["name"] = m.name
+        if m.role == "assistant":
+            if m.tool_calls:
+                message["tool_calls"] = [_tool_call(c) for c in m.tool_calls]
+            reasoning = m.reasoning_text()
+            if reasoning is not None:
+                message["reasoning_content"] = message["reasoning"] = reasoning
+        if m.role == "tool" and m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
         out.append(message)
     return out
 
@@ -71,22 +95,40 @@ def template_roles(formatter: ChatFormatter) -> tuple[str, ...]:
     return tuple(roles)
 
 
-def chat_prompt_ids(formatter: ChatFormatter, req: ChatCompletionRequest) -> list[int]:
+def template_kwargs(req: ChatCompletionRequest) -> dict[str, Any]:
+    """The chat template's variables besides messages and tools: ``reasoning_effort`` when
+    the request gives it, then ``chat_template_kwargs`` (which win, as in vLLM; the names the
+    gateway sets itself are left out)."""
+    kwargs: dict[str, Any] = {}
+    if req.reasoning_effort is not None:
+        kwargs["reasoning_effort"] = req.reasoning_effort
+    for k, v in (req.chat_template_kwargs or {}).items():
+        if k not in _RESERVED_TEMPLATE_VARS:
+            kwargs[k] = v
+    return kwargs
+
+
+def chat_prompt(formatter: ChatFormatter, req: ChatCompletionRequest) -> ChatPrompt:
     """Renders the chat in the model's format and tokenizes it. The prompt carries any BOS
-    itself, so none is added here (vLLM's ``add_special_tokens=False`` for chat).
-    ``chat_template_kwargs`` reach the format as template variables (``enable_thinking``,
+    itself, so none is added here (vLLM's ``add_special_tokens=False`` for chat). The request's
+    ``tools`` reach the format whatever ``tool_choice`` is (vLLM's default: "none" constrains
+    the reply, not the prompt); ``template_kwargs`` are its variables (``enable_thinking``,
     ``reasoning_effort``; DeepSeek-V3.2 reads ``thinking``)."""
-    kwargs = {
-        k: v
-        for k, v in (req.chat_template_kwargs or {}).items()
-        if k not in _RESERVED_TEMPLATE_VARS
-    }
     try:
-        return formatter.encode(
-            chat_messages(req.messages), add_generation_prompt=req.add_generation_prompt, **kwargs
+        text = formatter.render(
+            chat_messages(req.messages),
+            add_generation_prompt=req.add_generation_prompt,
+            tools=req.template_tools(),
+            **template_kwargs(req),
         )
     except ChatTemplateError as e:
         raise bad_request(str(e), "messages") from e
+    return ChatPrompt(text, formatter.tokenizer.encode(text))
+
+
+def chat_prompt_ids(formatter: ChatFormatter, req: ChatCompletionRequest) -> list[int]:
+    """``chat_prompt``'s token ids."""
+    return chat_prompt(formatter, req).token_ids
 
 
 def completion_prompt_ids(
@@ -137,6 +179,12 @@ def _check_server_limits(req: ChatCompletionRequest | CompletionRequest, limits:
             raise bad_request(
                 f"stop token id {t} is out of range [0, {limits.vocab_size})", "stop_token_ids"
             )
+    for key in req.logit_bias or ():
+        if int(key) >= limits.vocab_size:
+            raise bad_request(
+                f"logit_bias token id {key} is out of range [0, {limits.vocab_size})",
+                "logit_bias",
+            )
 
 
 def _temperature(requested: float | None, defaults: GenerationDefaults) -> float:
@@ -161,6 +209,7 @@ def _sampling(
     top_logprobs: int,
     limits: Limits,
     logprobs_param: str,
+    grammar: GrammarSpec | None = None,
 ) -> SamplingSpec:
     _check_server_limits(req, limits)
     if top_logprobs > limits.max_logprobs:
@@ -182,12 +231,25 @@ def _sampling(
         want_logprobs=want_logprobs,
         top_logprobs=top_logprobs,
         include_stop_str_in_output=req.include_stop_str_in_output,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+        min_p=req.min_p or 0.0,
+        logit_bias=tuple(sorted({int(k): v for k, v in (req.logit_bias or {}).items()}.items())),
+        grammar=grammar,
     )
 
 
-def chat_sampling(req: ChatCompletionRequest, max_tokens: int, limits: Limits) -> SamplingSpec:
+def chat_sampling(
+    req: ChatCompletionRequest,
+    max_tokens: int,
+    limits: Limits,
+    grammar: GrammarSpec | None = None,
+) -> SamplingSpec:
+    """The chat request's sampling; ``grammar`` is what ``constraints.grammar_for`` built of
+    its tools and response format (None: unconstrained)."""
     top = (req.top_logprobs or 0) if req.logprobs else 0
-    return _sampling(req, max_tokens, req.logprobs, top, limits, "top_logprobs")
+    return _sampling(req, max_tokens, req.logprobs, top, limits, "top_logprobs", grammar)
 
 
 def completion_sampling(req: CompletionRequest, max_tokens: int, limits: Limits) -> SamplingSpec:

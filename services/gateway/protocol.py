@@ -4,8 +4,10 @@ them: OpenAI's fields plus the common extras (``top_k``, ``min_tokens``, ``ignor
 
 Unknown fields are kept in ``model_extra`` (the app logs and ignores them). Range checks live
 here so that a bad value is a 400 before anything is tokenized; checks that need the server's
-configuration (``n`` against ``max_n``, the context length) live in ``preprocess``. Features the
-engine lacks (penalties, logit bias, JSON mode, tools, echo) are refused with a 400 when a
+configuration (``n`` against ``max_n``, the context length, token ids in the vocabulary) live in
+``preprocess``; whether the model can follow ``tools`` or a ``response_format`` is
+``constraints``' question. The messages are ``protocol_messages``' and the tools and formats
+``protocol_tools``'. Features the server lacks (echo, suffix) are refused with a 400 when a
 request asks for them, rather than silently ignored.
 
 The generated JSON Schema states every rule checked here: field constraints where pydantic
@@ -20,9 +22,27 @@ from __future__ import annotations
 import json
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StringConstraints,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
+from services.gateway.protocol_messages import ChatMessage, ToolCall, answered_calls_precede
+from services.gateway.protocol_tools import (
+    REASONING_EFFORTS,
+    NamedToolChoice,
+    ResponseFormat,
+    ToolChoice,
+    ToolDefinition,
+)
 from services.gateway.schema_edit import JsonSchema, stating
+
+__all__ = ["ChatCompletionRequest", "ChatMessage", "CompletionRequest", "ToolCall"]
 
 _INT64_MIN, _INT64_MAX = -(2**63), 2**63 - 1
 # Temperatures travel to the workers as float32: a larger one would arrive as infinity.
@@ -43,11 +63,21 @@ _TOP_LOGPROBS_NEED_LOGPROBS: JsonSchema = {
     },
     "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
 }
+_CHOICE_NEEDS_TOOLS: JsonSchema = {
+    "if": {
+        "properties": {"tool_choice": {"anyOf": [{"const": "required"}, {"type": "object"}]}},
+        "required": ["tool_choice"],
+    },
+    "then": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+}
 _MIN_TOKENS = (
     "At least this many tokens before a stop; must not exceed max_tokens "
     "(max_completion_tokens for chat) when that is given."
 )
 _NEUTRAL_ONLY = "Not supported by this server: accepted only at its neutral value."
+# logit_bias: keys are token ids written as decimal strings, biases OpenAI's range.
+TokenIdKey = Annotated[str, StringConstraints(pattern=r"^[0-9]{1,10}$")]
+LogitBias = Annotated[float, Field(ge=-100, le=100)]
 
 
 def _stop_schema(schema: JsonSchema) -> None:
@@ -86,36 +116,16 @@ class _GenerationRequest(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = Field(None, description="Only with stream: true.")
     user: str | None = None  # accepted and ignored, as OpenAI's own servers do
-    # Accepted only at their neutral values: the engine does not implement them.
-    frequency_penalty: float | None = Field(
-        None,
-        ge=-2,
-        le=2,
-        description=_NEUTRAL_ONLY,
-        json_schema_extra=stating(number={"minimum": 0, "maximum": 0}),
-    )
-    presence_penalty: float | None = Field(
-        None,
-        ge=-2,
-        le=2,
-        description=_NEUTRAL_ONLY,
-        json_schema_extra=stating(number={"minimum": 0, "maximum": 0}),
-    )
+    frequency_penalty: float | None = Field(None, ge=-2, le=2, description="0: off.")
+    presence_penalty: float | None = Field(None, ge=-2, le=2, description="0: off.")
     repetition_penalty: float | None = Field(
-        None,
-        gt=0,
-        description=_NEUTRAL_ONLY,
-        json_schema_extra=stating(number={"minimum": 1, "maximum": 1}),
+        None, gt=0, le=FLOAT32_MAX, description="1: off; above 1 discourages repeats."
     )
-    min_p: float | None = Field(
+    min_p: float | None = Field(None, ge=0, le=1, description="0: off.")
+    logit_bias: dict[TokenIdKey, LogitBias] | None = Field(
         None,
-        ge=0,
-        le=1,
-        description=_NEUTRAL_ONLY,
-        json_schema_extra=stating(number={"maximum": 0}),
-    )
-    logit_bias: dict[str, float] | None = Field(
-        None, description=_NEUTRAL_ONLY, json_schema_extra=stating(object={"maxProperties": 0})
+        description="Token id (as a string, in the vocabulary) -> bias added to its logit.",
+        json_schema_extra=stating(object={"additionalProperties": False}),
     )
 
     @model_validator(mode="before")
@@ -156,16 +166,6 @@ class _GenerationRequest(BaseModel):
                 f"min_tokens ({self.min_tokens}) must be less than or equal to "
                 f"max_tokens ({max_tokens})"
             )
-        unsupported = {
-            "frequency_penalty": self.frequency_penalty not in (None, 0),
-            "presence_penalty": self.presence_penalty not in (None, 0),
-            "repetition_penalty": self.repetition_penalty not in (None, 1),
-            "min_p": self.min_p not in (None, 0),
-            "logit_bias": bool(self.logit_bias),
-        }
-        for name, asked in unsupported.items():
-            if asked:
-                raise ValueError(f"{name} is not supported by this server")
         return self
 
     @property
@@ -173,46 +173,11 @@ class _GenerationRequest(BaseModel):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
-class TextContentPart(BaseModel):
-    """The one kind of content part the model reads."""
-
-    model_config = ConfigDict(extra="allow")
-
-    type: Literal["text"]
-    text: str
-
-
-# A union tagged by ``type``, of one member while the model reads text only.
-ContentPart = Annotated[TextContentPart, Field(discriminator="type")]
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
-    role: str = Field(description="One the model's chat template renders.")
-    content: str | list[ContentPart] | None = Field(
-        None, description="A string, or text parts (joined with newlines)."
-    )
-    name: str | None = None
-
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_parts_only(cls, content: Any) -> Any:
-        # Ahead of the union's own errors, which would list every member's complaint.
-        for part in content if isinstance(content, list) else ():
-            if isinstance(part, dict) and part.get("type") != "text":
-                raise ValueError(
-                    f"content part type {part.get('type')!r} is not supported; this model "
-                    "accepts text only"
-                )
-            if isinstance(part, dict) and part.get("text") is None:
-                raise ValueError("a text part needs 'text'")
-        return content
-
-
 class ChatCompletionRequest(_GenerationRequest):
     model_config = ConfigDict(
-        json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS]}
+        json_schema_extra={
+            "allOf": [_STREAM_OPTIONS_NEED_STREAM, _TOP_LOGPROBS_NEED_LOGPROBS, _CHOICE_NEEDS_TOOLS]
+        }
     )
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -227,32 +192,67 @@ class ChatCompletionRequest(_GenerationRequest):
     chat_template_kwargs: dict[str, Any] | None = Field(
         None, description="Arguments of the model's chat template (vLLM's field)."
     )
-    tools: list[dict[str, Any]] | None = Field(
-        None, description=_NEUTRAL_ONLY, json_schema_extra=stating(array={"maxItems": 0})
+    tools: list[ToolDefinition] | None = Field(
+        None, description="Function tools; their names are unique."
     )
-    tool_choice: Any = Field(
-        None, description=_NEUTRAL_ONLY, json_schema_extra={"enum": ["none", None]}
-    )
-    response_format: dict[str, Any] | None = Field(
+    tool_choice: ToolChoice | None = Field(
         None,
-        description="Text only.",
-        json_schema_extra=stating(object={"properties": {"type": {"const": "text"}}}),
+        description=(
+            'Omitted: "auto" with tools, else "none". A named function must be one of tools; '
+            '"required" and a named function need tools.'
+        ),
+    )
+    parallel_tool_calls: bool = Field(True, description="false: at most one call a turn.")
+    response_format: ResponseFormat | None = None
+    reasoning_effort: Literal[REASONING_EFFORTS] | None = Field(  # type: ignore[valid-type]
+        None, description="A chat template variable (chat_template_kwargs may override it)."
     )
 
     def requested_max_tokens(self) -> int | None:
         # max_tokens is OpenAI's deprecated alias; the newer field wins (as in vLLM).
         return self.max_completion_tokens or self.max_tokens
 
+    def effective_tool_choice(self) -> ToolChoice:
+        """``tool_choice`` with OpenAI's default: "auto" when tools are given, else "none"."""
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def template_tools(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat format reads them; None without any."""
+        return [t.as_template_tool() for t in self.tools] if self.tools else None
+
+    @field_validator("messages")
+    @classmethod
+    def _tool_results_answer_calls(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        answered_calls_precede(messages)
+        return messages
+
+    @field_validator("tools")
+    @classmethod
+    def _unique_names(cls, tools: list[ToolDefinition] | None) -> list[ToolDefinition] | None:
+        names = [t.function.name for t in tools or ()]
+        repeated = sorted({n for n in names if names.count(n) > 1})
+        if repeated:
+            raise ValueError(f"tool names must be unique; repeated: {', '.join(repeated)}")
+        return tools
+
+    @field_validator("tool_choice")
+    @classmethod
+    def _choice_among_tools(cls, choice: ToolChoice | None, info: ValidationInfo) -> Any:
+        if "tools" not in info.data:
+            return choice  # tools failed their own checks
+        names = [t.function.name for t in info.data["tools"] or ()]
+        if isinstance(choice, NamedToolChoice) and choice.function.name not in names:
+            raise ValueError(f"tool_choice names function {choice.function.name!r}, not a tool")
+        if choice == "required" and not names:
+            raise ValueError('tool_choice "required" needs tools')
+        return choice
+
     @model_validator(mode="after")
     def _check_chat(self) -> ChatCompletionRequest:
         if self.top_logprobs and not self.logprobs:
             raise ValueError("when using top_logprobs, logprobs must be set to true")
-        if self.tools:
-            raise ValueError("tools are not supported by this server")
-        if self.tool_choice not in (None, "none"):
-            raise ValueError("tool_choice is not supported by this server")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise ValueError("response_format other than text is not supported by this server")
         return self
 
 

@@ -43,10 +43,13 @@ def assert_error(r: httpx.Response, status: int, error_type: str) -> dict[str, A
         ({"seed": 2**70}, "seed"),
         ({"stream": "maybe"}, "stream"),
         ({"stream_options": {"include_usage": True}}, None),  # without stream
-        ({"frequency_penalty": 0.5}, None),
-        ({"logit_bias": {"1": 5}}, None),
-        ({"tools": [{"type": "function", "function": {"name": "f"}}]}, None),
-        ({"response_format": {"type": "json_object"}}, None),
+        ({"frequency_penalty": 2.5}, "frequency_penalty"),
+        ({"logit_bias": {"1": 500}}, "logit_bias"),
+        ({"logit_bias": {"100000": 5}}, "logit_bias"),
+        ({"tools": [{"type": "function", "function": {"name": "a b"}}]}, "tools"),
+        ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+        ({"response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": [*MSG, {"role": "tool", "tool_call_id": "x", "content": "?"}]}, "messages"),
     ],
 )
 async def test_bad_chat_params_are_400(

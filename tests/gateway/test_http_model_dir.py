@@ -107,7 +107,7 @@ async def test_template_and_generation_defaults_come_from_the_directory(
 @pytest.mark.parametrize(
     ("body", "message"),
     [
-        ({"messages": [{"role": "tool", "content": "x"}]}, "unsupported role: tool"),
+        ({"messages": [{"role": "ipython", "content": "x"}]}, "unsupported role: ipython"),
         ({"chat_template_kwargs": {"reasoning_effort": "low"}}, "reasoning_effort must be high"),
         ({"chat_template_kwargs": {"count": "x"}}, "TypeError"),
         ({"chat_template_kwargs": {"documents": "not a list"}}, "documents must be a list"),

@@ -18,7 +18,11 @@ predicts them from the body alone):
 - the prompt's tokens plus the budget past the model's context (the prompt's length in tokens
   is known only after rendering and tokenizing);
 - chat: ``chat_template_kwargs.documents`` that is not a list of objects (the built-in template
-  refuses no other argument).
+  refuses no other argument);
+- chat: repeated tool names, a named ``tool_choice`` that names none of the tools, tool call
+  ``arguments`` that are not a JSON object's text, a ``tool_call_id`` that answers no earlier
+  call (``_broken_tool_rule``);
+- ``logit_bias`` token ids past the vocabulary (a run-time limit in a key).
 
 Rejections that depend on the server's state rather than the body (429/503 from admission, a
 prompt past a worker's KV capacity, a body past ``max_request_bytes``) cannot occur here: one
@@ -84,7 +88,8 @@ def _limits(api: schemathesis.BaseSchema) -> dict[str, int]:
     props = api.raw_schema["components"]["schemas"]["ChatCompletionRequest"]["properties"]
     max_n = props["n"]["maximum"]
     max_tokens = next(p["maximum"] for p in props["max_tokens"]["anyOf"] if "maximum" in p)
-    return {"max_n": max_n, "max_model_len": max_tokens + 1}
+    vocab_size = next(p["maximum"] for p in props["top_k"]["anyOf"] if "maximum" in p)
+    return {"max_n": max_n, "max_model_len": max_tokens + 1, "vocab_size": vocab_size}
 
 
 def _short_budget(body: Any) -> Any:
@@ -124,9 +129,37 @@ def _completion_prompts(prompt: Any) -> list[Any]:
     return list(prompt)
 
 
+def _broken_tool_rule(body: dict[str, Any]) -> str | None:
+    """The rule of tools and tool histories that a chat ``body`` breaks (the validators check
+    the tools, then the messages one by one, then the history)."""
+    names = [t["function"]["name"] for t in body.get("tools") or ()]
+    if len(set(names)) < len(names):
+        return "tool names must be unique"
+    choice = body.get("tool_choice")
+    if isinstance(choice, dict) and choice["function"]["name"] not in names:
+        return "not a tool"
+    for m in body["messages"]:
+        for call in m.get("tool_calls") or ():
+            arguments = call["function"].get("arguments", "")
+            try:
+                parsed = json.loads(arguments) if arguments else {}
+            except ValueError:
+                return "tool call arguments are not JSON"
+            if not isinstance(parsed, dict):
+                return "tool call arguments must be a JSON object"
+    calls: set[str] = set()
+    for m in body["messages"]:
+        calls.update(call["id"] for call in m.get("tool_calls") or ())
+        if m["role"] == "tool" and m.get("tool_call_id") not in calls:
+            return "answers no tool call"
+    return None
+
+
 def _broken_rule(path: str, body: dict[str, Any], limits: dict[str, int]) -> str | None:
     """The rule beyond the schema that ``body`` breaks, as a fragment of the error message the
     gateway documents for it; None when it breaks none."""
+    if path == CHAT and (rule := _broken_tool_rule(body)) is not None:
+        return rule
     budget = body.get("max_tokens")
     if path == CHAT:
         budget = body.get("max_completion_tokens") or budget
@@ -150,6 +183,8 @@ def _broken_rule(path: str, body: dict[str, Any], limits: dict[str, int]) -> str
     room = limits["max_model_len"] - (budget or 1)
     if any(length > room for length in lengths):
         return f"This model's maximum context length is {limits['max_model_len']} tokens"
+    if any(int(key) >= limits["vocab_size"] for key in body.get("logit_bias") or ()):
+        return "logit_bias token id"
     return None
 
 
@@ -277,8 +312,9 @@ def test_schema_states_the_servers_limits(api: schemathesis.BaseSchema) -> None:
     schemas = api.raw_schema["components"]["schemas"]
     chat = schemas["ChatCompletionRequest"]["properties"]
     assert chat["model"]["anyOf"][0]["enum"] == [MODEL]
-    assert _limits(api) == {"max_n": 16, "max_model_len": 4096}
-    assert chat["top_k"]["anyOf"][0]["maximum"] == TOKENIZER.vocab_size
+    vocab_size = TOKENIZER.vocab_size
+    assert _limits(api) == {"max_n": 16, "max_model_len": 4096, "vocab_size": vocab_size}
+    assert chat["top_k"]["anyOf"][0]["maximum"] == vocab_size
     assert chat["top_logprobs"]["anyOf"][0]["maximum"] == 20
     assert schemas["ChatMessage"]["properties"]["role"]["enum"] == ["system", "user", "assistant"]
     seed = chat["seed"]["anyOf"][0]

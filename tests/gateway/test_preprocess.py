@@ -91,12 +91,12 @@ def test_template_kwargs_may_have_any_name() -> None:
 
 
 def test_bad_role_is_a_400() -> None:
-    req = ChatCompletionRequest.model_validate({"messages": [{"role": "tool", "content": "x"}]})
+    req = ChatCompletionRequest.model_validate({"messages": [{"role": "ipython", "content": "x"}]})
     with pytest.raises(APIError) as e:
         chat_prompt_ids(CHAT, req)
     assert e.value.status == 400
     assert e.value.param == "messages"
-    assert "unsupported role: tool" in e.value.message
+    assert "unsupported role: ipython" in e.value.message
 
 
 def test_completion_prompt_ids() -> None:

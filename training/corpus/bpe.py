@@ -4,7 +4,7 @@ Hugging Face tokenizer directory that transformers and ``dhisparse.tokenizer`` b
 The directory: ``tokenizer.json`` (BPE over GPT-2's byte alphabet, ByteLevel pre-tokenizer
 without a prefix space and its decoder, no normalizer), ``tokenizer_config.json``
 (``PreTrainedTokenizerFast``, eos and pad ``<|endoftext|>``, no BOS, ``added_tokens_decoder``)
-and ``chat_template.jinja``. The special tokens are GLM's and take the last ids, after the
+and ``chat_template.jinja`` (this package's copy of GLM-4.7's). The special tokens are GLM's and take the last ids, after the
 256 bytes and the merges, as in GLM's vocabularies.
 """
 
@@ -33,23 +33,9 @@ SPECIAL_TOKENS = (
 )
 VOCAB_SIZE = 8192
 MODEL_MAX_LENGTH = 4096
-ROLES = ("system", "user", "assistant", "observation")
-# GLM-5's shape without tools or reasoning: [gMASK]<sop>, then <|role|>\n{content} per
-# message; "tool" results are GLM's observations.
-CHAT_TEMPLATE = (
-    "[gMASK]<sop>"
-    "{% for message in messages %}"
-    "{% set role = 'observation' if message['role'] == 'tool' else message['role'] %}"
-    "{% if role not in " + repr(list(ROLES)) + " %}"
-    "{{ raise_exception('unsupported role: ' ~ message['role']) }}"
-    "{% endif %}"
-    "{% if message['content'] is not string %}"
-    "{{ raise_exception('message content must be a string') }}"
-    "{% endif %}"
-    "<|{{ role }}|>\n{{ message['content'] }}"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
-)
+# GLM-4.7's released chat template (GLM-5's family: tools, reasoning, [gMASK]<sop>); with this
+# vocabulary its <think>, <tool_call> and the like are plain text.
+CHAT_TEMPLATE = (Path(__file__).parent / "chat_template.jinja").read_text(encoding="utf-8")
 
 
 def byte_alphabet() -> dict[str, int]:
