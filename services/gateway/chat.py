@@ -7,20 +7,29 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
+from dhisparse.tokenizer import Tokenizer
+from dhisparse.tokenizer.reply import Reply
+from services.gateway.chat_reply import (
+    ReplyFormat,
+    finish_reason,
+    message,
+    reasoning_tokens,
+)
+from services.gateway.constraints import grammar_for, reasoning_open
 from services.gateway.context import GatewayContext
 from services.gateway.fanout import ChoiceStream, merge
 from services.gateway.generation import GenerationInput
-from services.gateway.preprocess import chat_prompt_ids, chat_sampling, resolve_max_tokens
+from services.gateway.preprocess import chat_prompt, chat_sampling, resolve_max_tokens
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.responses import (
     ChatChoice,
     ChatCompletionChunk,
     ChatCompletionResponse,
-    ChatResponseMessage,
     ChatStreamChoice,
     DeltaMessage,
     Usage,
@@ -39,9 +48,18 @@ async def create_chat_completion(
     arrival = time.monotonic()
     model = ctx.resolve_model(req.model)
     limits = ctx.limits()
-    prompt_ids = chat_prompt_ids(ctx.formatter, req)
+    prompt = chat_prompt(ctx.formatter, req)
+    prompt_ids = prompt.token_ids
     max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens(), limits)
-    sampling = chat_sampling(req, max_tokens, limits)
+    grammar = grammar_for(req, prompt.text, ctx.reply_style)
+    sampling = chat_sampling(req, max_tokens, limits, grammar)
+    if ctx.reply_style is not None:  # its markers may be special tokens: the parser reads them
+        sampling = replace(sampling, skip_special_tokens=False)
+    fmt = ReplyFormat(
+        style=ctx.reply_style,
+        reasoning_open=reasoning_open(prompt.text, ctx.reply_style),
+        tools=req.template_tools() if req.effective_tool_choice() != "none" else None,
+    )
     response_id = new_id("chatcmpl")
     inputs = [
         GenerationInput(f"{response_id}-{i}", tuple(prompt_ids), sampling.for_choice(i), model)
@@ -51,11 +69,13 @@ async def create_chat_completion(
     if req.stream:
         streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
         chunks = chat_chunks(
-            response_id, model, streams, len(prompt_ids), top, include_usage=req.include_usage
-        )
+            response_id, model, streams, len(prompt_ids), top, fmt, ctx.tokenizer,
+            include_usage=req.include_usage,
+        )  # fmt: skip
         return sse_response(chunks)
     # One wait for the first tokens and the rest alike (one disconnect watch, not two).
     results = await cancel_on_disconnect(request, ctx.complete(inputs, model, arrival))
+    replies = [fmt.whole(r.text) for r in results]
     body = ChatCompletionResponse(
         id=response_id,
         created=now(),
@@ -63,16 +83,33 @@ async def create_chat_completion(
         choices=[
             ChatChoice(
                 index=r.index,
-                message=ChatResponseMessage(content=r.text),
+                message=message(reply),
                 logprobs=chat_logprobs(r.logprobs, top) if top is not None else None,
-                finish_reason=r.finish_reason or "abort",
+                finish_reason=finish_reason(r.finish_reason, bool(reply.tool_calls)),
                 stop_reason=r.stop_reason,
             )
-            for r in results
+            for r, reply in zip(results, replies, strict=True)
         ],
-        usage=Usage.of(len(prompt_ids), sum(r.completion_tokens for r in results)),
+        usage=Usage.of(
+            len(prompt_ids),
+            sum(r.completion_tokens for r in results),
+            _reasoning_tokens(
+                fmt,
+                ctx.tokenizer,
+                [(r.token_ids, reply) for r, reply in zip(results, replies, strict=True)],
+            ),
+        ),
     )
     return JSONResponse(body.model_dump())
+
+
+def _reasoning_tokens(
+    fmt: ReplyFormat, tokenizer: Tokenizer, choices: Sequence[tuple[Sequence[int], Reply]]
+) -> int | None:
+    """The choices' reasoning tokens together; None for a format that does not reason."""
+    if fmt.style is None:
+        return None
+    return sum(reasoning_tokens(tokenizer, ids, reply.reasoning_end) for ids, reply in choices)
 
 
 async def chat_chunks(
@@ -81,13 +118,15 @@ async def chat_chunks(
     streams: Sequence[ChoiceStream],
     prompt_tokens: int,
     top_logprobs: int | None,
+    fmt: ReplyFormat,
+    tokenizer: Tokenizer,
     *,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """The stream's chunks as JSON: each choice's role first, then its content deltas; the
-    delta that ends a choice carries its ``finish_reason`` (null before). With
-    ``include_usage`` every chunk has ``usage: null`` and a last chunk with no choices carries
-    the totals."""
+    """The stream's chunks as JSON: each choice's role first, then its deltas (reasoning,
+    content, tool calls as ``ReplyStream`` splits them); the chunk that ends a choice carries
+    its ``finish_reason`` (null before). With ``include_usage`` every chunk has ``usage: null``
+    and a last chunk with no choices carries the totals."""
     created = now()
     exclude = None if include_usage else {"usage"}
 
@@ -98,29 +137,44 @@ async def chat_chunks(
     for i in range(len(streams)):
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     completion_tokens = [0] * len(streams)
+    replies = [fmt.stream() for _ in streams]
+    texts = [""] * len(streams)
+    token_ids: list[list[int]] = [[] for _ in streams]
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
-            continue  # a token that is not yet readable text (an incomplete UTF-8 sequence)
-        yield chunk(
-            ChatStreamChoice(
-                index=i,
-                delta=DeltaMessage(content=delta.text),
-                logprobs=(
-                    chat_logprobs(delta.logprobs, top_logprobs)
-                    if top_logprobs is not None
-                    else None
-                ),
-                finish_reason=delta.finish_reason,
-                stop_reason=delta.stop_reason,
-            )
+        texts[i] += delta.text
+        token_ids[i].extend(delta.token_ids)
+        last = delta.finish_reason is not None
+        deltas = replies[i].feed(delta.text, last=last)
+        logprobs = (
+            chat_logprobs(delta.logprobs, top_logprobs)
+            if top_logprobs is not None and delta.logprobs
+            else None
         )
+        if not deltas and (last or logprobs is not None):
+            deltas = [DeltaMessage(content="")]
+        for j, d in enumerate(deltas):
+            final = last and j == len(deltas) - 1
+            yield chunk(
+                ChatStreamChoice(
+                    index=i,
+                    delta=d,
+                    logprobs=logprobs if j == 0 else None,
+                    finish_reason=(
+                        finish_reason(delta.finish_reason, replies[i].called) if final else None
+                    ),
+                    stop_reason=delta.stop_reason if final else None,
+                )
+            )
     if include_usage:
+        whole = [(ids, fmt.whole(t)) for ids, t in zip(token_ids, texts, strict=True)]
         final = ChatCompletionChunk(
             id=response_id,
             created=created,
             model=model,
             choices=[],
-            usage=Usage.of(prompt_tokens, sum(completion_tokens)),
+            usage=Usage.of(
+                prompt_tokens, sum(completion_tokens), _reasoning_tokens(fmt, tokenizer, whole)
+            ),
         )
         yield final.model_dump_json()

@@ -3,7 +3,8 @@
 with xgrammar against the model's vocabulary).
 
 A model family writes tool calls in its own format: the xgrammar "model style" names it
-(``tool_style``: DeepSeek-V3.2's DSML, GLM-4.7/GLM-5's ``<tool_call>`` XML). The reasoning
+(``dhisparse.tokenizer.reply.reply_style``: DeepSeek-V3.2's DSML, GLM-4.7/GLM-5's
+``<tool_call>`` XML). The reasoning
 mode follows the prompt: a prompt that ends in an open ``<think>`` (both families' generation
 prompt in thinking mode) makes the reply continue its reasoning up to ``</think>`` before the
 constrained part; a prompt that closes the block (``</think>``, thinking off) or has none
@@ -24,18 +25,11 @@ from services.gateway.generation import GrammarSpec
 from services.gateway.protocol import ChatCompletionRequest
 from services.gateway.protocol_tools import JsonObjectFormat, JsonSchemaFormat, NamedToolChoice
 
-Style = Literal["deepseek_v3_2", "glm_4_7"]
+Style = str  # a reply style (``reply_style``), which is also xgrammar's model style
 ReasoningMode = Literal["enabled", "disabled"]
 
-# config.json model_type -> the xgrammar style of the family's tool calls.
-_STYLES: dict[str, Style] = {"deepseek_v32": "deepseek_v3_2", "glm_moe_dsa": "glm_4_7"}
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-
-
-def tool_style(model_type: str | None) -> Style | None:
-    """The tool-call format of a ``model_type``; None for a model without one."""
-    return _STYLES.get(model_type or "")
 
 
 def reasoning_open(prompt_text: str, style: Style | None) -> bool:

@@ -31,6 +31,9 @@ class GatewayContext:
     formatter: ChatFormatter
     generation: GenerationDefaults = field(default_factory=GenerationDefaults)
     chat_roles: tuple[str, ...] = ()  # what the chat format renders (``template_roles``)
+    # the family's reply format (``dhisparse.tokenizer.reply``): reasoning and tool calls are
+    # parsed in it; None: replies are plain text and tools are refused
+    reply_style: str | None = None
 
     @classmethod
     def of(
@@ -42,6 +45,7 @@ class GatewayContext:
         *,
         formatter: ChatFormatter | None = None,
         generation: GenerationDefaults | None = None,
+        reply_style: str | None = None,
     ) -> GatewayContext:
         """``formatter``: by default the tokenizer's own template."""
         formatter = formatter or chat_formatter(tokenizer)
@@ -53,6 +57,7 @@ class GatewayContext:
             formatter,
             generation or GenerationDefaults(),
             template_roles(formatter),
+            reply_style,
         )
 
     def served_model_name(self) -> str:

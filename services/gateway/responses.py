@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import Iterable
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
 from typing_extensions import TypedDict
@@ -23,18 +23,38 @@ def now() -> int:
     return int(time.time())
 
 
+class CompletionTokensDetails(BaseModel):
+    reasoning_tokens: int = 0
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    # chat replies of a reasoning format: how many completion tokens the reasoning took
+    completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
-    def of(cls, prompt_tokens: int, completion_tokens: int) -> Usage:
+    def of(
+        cls, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+    ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            completion_tokens_details=(
+                None
+                if reasoning_tokens is None
+                else CompletionTokensDetails(reasoning_tokens=reasoning_tokens)
+            ),
         )
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        out = handler(self)
+        if out.get("completion_tokens_details") is None:
+            out.pop("completion_tokens_details", None)
+        return out
 
 
 # --- chat -------------------------------------------------------------------------------------
@@ -52,9 +72,49 @@ class ChatLogprobs(BaseModel):
     content: list[ChatTokenLogprob] | None = None
 
 
+class FunctionCall(BaseModel):
+    """A tool call's function: whole in a message; in a stream delta, the name comes once and
+    ``arguments`` in fragments whose concatenation is the JSON text."""
+
+    name: str | None = None
+    arguments: str | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
+class ResponseToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    """One stream delta of a tool call: ``id``, ``type`` and the name on its first."""
+
+    index: int
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCall | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        return {k: v for k, v in handler(self).items() if v is not None}
+
+
 class ChatResponseMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None = None
+    reasoning_content: str | None = None  # SGLang's and DeepSeek's name
+    reasoning: str | None = None  # vLLM's name, the same text
+    tool_calls: list[ResponseToolCall] | None = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # content stays (null beside tool calls, as OpenAI sends it); the rest only when set
+        out = handler(self)
+        return {k: v for k, v in out.items() if v is not None or k == "content"}
 
 
 class ChatChoice(BaseModel):
@@ -79,11 +139,17 @@ class DeltaDict(TypedDict, total=False):
 
     role: Literal["assistant"]
     content: str
+    reasoning_content: str
+    reasoning: str
+    tool_calls: list[dict[str, Any]]
 
 
 class DeltaMessage(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None
+    tool_calls: list[DeltaToolCall] | None = None
 
     @model_serializer(mode="wrap")
     def _drop_unset(self, handler: SerializerFunctionWrapHandler) -> DeltaDict:

@@ -24,7 +24,8 @@ from dhisparse.tokenizer import (
     chat_formatter,
     load_tokenizer,
 )
-from services.gateway.constraints import Style, grammar_for, reasoning_open, tool_style
+from dhisparse.tokenizer.reply import reply_style as tool_style
+from services.gateway.constraints import Style, grammar_for, reasoning_open
 from services.gateway.errors import APIError
 from services.gateway.generation import GrammarSpec
 from services.gateway.preprocess import chat_prompt
