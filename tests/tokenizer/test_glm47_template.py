@@ -109,11 +109,19 @@ def _check_equal(path: Path) -> int:
     return n
 
 
+# The shipped model was trained on code, never on reasoning: its copy of the template thinks
+# only when asked (enable_thinking true), where the released one thinks unless told not to.
+RELEASED_PROMPT = "'</think>' if (enable_thinking is defined and not enable_thinking) else '<think>'"
+SHIPPED_PROMPT = "'<think>' if (enable_thinking is defined and enable_thinking) else '</think>'"
+
+
 def test_the_fixture_is_the_released_template_and_the_shipped_model_uses_it() -> None:
     assert hashlib.sha256(TEMPLATE_FILE.read_bytes()).hexdigest() == SHA256
-    assert (SHIPPED / "chat_template.jinja").read_text(encoding="utf-8") == TEMPLATE
+    assert TEMPLATE.count(RELEASED_PROMPT) == 1
+    shipped = TEMPLATE.replace(RELEASED_PROMPT, SHIPPED_PROMPT)
+    assert (SHIPPED / "chat_template.jinja").read_text(encoding="utf-8") == shipped
     training_copy = ROOT / "training" / "corpus" / "chat_template.jinja"
-    assert training_copy.read_text(encoding="utf-8") == TEMPLATE
+    assert training_copy.read_text(encoding="utf-8") == shipped
 
 
 def test_agent_histories_render_as_transformers(tmp_path_factory: pytest.TempPathFactory) -> None:

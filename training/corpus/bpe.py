@@ -4,8 +4,10 @@ Hugging Face tokenizer directory that transformers and ``dhisparse.tokenizer`` b
 The directory: ``tokenizer.json`` (BPE over GPT-2's byte alphabet, ByteLevel pre-tokenizer
 without a prefix space and its decoder, no normalizer), ``tokenizer_config.json``
 (``PreTrainedTokenizerFast``, eos and pad ``<|endoftext|>``, no BOS, ``added_tokens_decoder``)
-and ``chat_template.jinja`` (this package's copy of GLM-4.7's). The special tokens are GLM's and take the last ids, after the
-256 bytes and the merges, as in GLM's vocabularies.
+and ``chat_template.jinja`` (this package's copy of GLM-4.7's, which thinks only when
+``enable_thinking`` is true: the model is trained on code, not on reasoning). The special
+tokens are GLM's and take the last ids, after the 256 bytes and the merges, as in GLM's
+vocabularies.
 """
 
 from __future__ import annotations
