@@ -38,7 +38,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
     seed: int | None = None
-    max_tokens: int = 16  # 0: the prompt is computed (and scored, if asked) and nothing generated
+    max_tokens: int = 16  # 0 (with prompt_logprobs): the prompt is scored and nothing generated
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -71,8 +71,10 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be <= vocab size {vocab_size}, got {self.top_k}")
-        if self.max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(
+                f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}"
+            )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:

@@ -74,7 +74,9 @@ def check(prompt: list[int], got: tuple, want: torch.Tensor, top: int) -> None:
         assert len(lp.top) == top
         if top:
             assert [t for t, _ in lp.top] == i[j].tolist()
-            torch.testing.assert_close(torch.tensor([x for _, x in lp.top]), v[j], atol=1e-4, rtol=0)
+            torch.testing.assert_close(
+                torch.tensor([x for _, x in lp.top]), v[j], atol=1e-4, rtol=0
+            )
 
 
 @pytest.mark.parametrize("budget", [None, 7, 16, 64])
@@ -123,6 +125,14 @@ def test_max_tokens_zero_ends_after_the_prefill_with_no_token() -> None:
     assert len(engine.scheduler.free_slots) == 4
 
 
+def test_max_tokens_zero_needs_prompt_logprobs_and_their_range_is_checked() -> None:
+    SamplingParams(max_tokens=0, prompt_logprobs=0).validate(256)
+    with pytest.raises(ValueError, match="max_tokens"):
+        SamplingParams(max_tokens=0).validate(256)
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        SamplingParams(prompt_logprobs=21).validate(256)
+
+
 def test_a_preempted_partial_prefill_sends_its_prompt_logprobs_once() -> None:
     """As ``test_chunked_prefill``'s preemption case: r0's decode preempts r1 part-way through
     its prefill; r1 recomputes from its first token, and scores nothing twice."""
@@ -143,7 +153,7 @@ def test_a_preempted_partial_prefill_sends_its_prompt_logprobs_once() -> None:
         preempt(victim, out)
 
     engine.scheduler._preempt = recorded  # type: ignore[method-assign]
-    outs = run(engine, {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(ps, params))})
+    outs = run(engine, {f"r{i}": (p, sp) for i, (p, sp) in enumerate(zip(ps, params, strict=True))})
     assert preempted and 0 < preempted[0] < 149, preempted
     sent = [o for o in outs["r1"] if o.prompt_logprobs]
     assert len(sent) == 1 and sent[0] is outs["r1"][0]
@@ -162,7 +172,9 @@ def test_a_session_resumed_part_way_through_its_prefill_sends_none(store) -> Non
     p = prompts(150)[0]
 
     def make(owner: str) -> Engine:
-        engine = Engine(config("tiny-glm", 16, "hisparse", owner=owner), host=(store, store.mapping))
+        engine = Engine(
+            config("tiny-glm", 16, "hisparse", owner=owner), host=(store, store.mapping)
+        )
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
         return engine
 
