@@ -208,6 +208,7 @@ def _limit_generation(props: JsonSchema, limits: SchemaLimits) -> None:
 def _limit_completion(request: JsonSchema, limits: SchemaLimits) -> None:
     props = request["properties"]
     constrain(props["logprobs"], "integer", maximum=min(20, limits.max_logprobs))
+    constrain(props["prompt_logprobs"], "integer", maximum=min(20, limits.max_logprobs))
     constrain(props["best_of"], "integer", maximum=limits.max_n)
     request.setdefault("allOf", []).extend(_best_of_clauses(limits.max_n))
     prompt = props["prompt"]

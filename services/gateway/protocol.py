@@ -270,16 +270,40 @@ def _prompt_schema(schema: JsonSchema) -> None:
                 items["items"]["minimum"] = 0
 
 
+# ``max_tokens`` 0 (the prompt alone, scored) only with ``echo`` (vLLM's rule).
+_NO_TOKENS_NEED_ECHO: JsonSchema = {
+    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
+    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
+}
+
+
 class CompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
+    model_config = ConfigDict(
+        json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _NO_TOKENS_NEED_ECHO]}
+    )
 
     # A string, a list of token ids, or a batch of either; each prompt yields n choices.
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
         description="A batch of prompts times n must not exceed the server's largest n.",
         json_schema_extra=_prompt_schema,
     )
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="The prompt's tokens plus these must fit the model's context; 0 only with "
+        "echo (the prompt alone).",
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = Field(False, description=_NEUTRAL_ONLY, json_schema_extra={"const": False})
+    echo: bool = Field(
+        False, description="Each choice's text (and logprobs) begins with its prompt's."
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM's extra: each prompt token's logprob and this many alternatives, "
+        "as choices[i].prompt_logprobs.",
+    )
     suffix: str | None = Field(
         None, description=_NEUTRAL_ONLY, json_schema_extra=stating(string={"maxLength": 0})
     )
@@ -287,8 +311,8 @@ class CompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens may be 0 only with echo")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:
