@@ -270,17 +270,8 @@ def _prompt_schema(schema: JsonSchema) -> None:
                 items["items"]["minimum"] = 0
 
 
-# ``max_tokens`` 0 (the prompt alone, scored) only with ``echo`` (vLLM's rule).
-_NO_TOKENS_NEED_ECHO: JsonSchema = {
-    "if": {"properties": {"max_tokens": {"const": 0}}, "required": ["max_tokens"]},
-    "then": {"properties": {"echo": {"const": True}}, "required": ["echo"]},
-}
-
-
 class CompletionRequest(_GenerationRequest):
-    model_config = ConfigDict(
-        json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM, _NO_TOKENS_NEED_ECHO]}
-    )
+    model_config = ConfigDict(json_schema_extra={"allOf": [_STREAM_OPTIONS_NEED_STREAM]})
 
     # A string, a list of token ids, or a batch of either; each prompt yields n choices.
     prompt: str | list[int] | list[str] | list[list[int]] = Field(
@@ -290,8 +281,8 @@ class CompletionRequest(_GenerationRequest):
     max_tokens: int | None = Field(
         None,
         ge=0,
-        description="The prompt's tokens plus these must fit the model's context; 0 only with "
-        "echo (the prompt alone).",
+        description="The prompt's tokens plus these must fit the model's context; 0 (the prompt "
+        "alone) only with echo.",
     )
     logprobs: int | None = Field(None, ge=0, le=20)
     echo: bool = Field(
