@@ -1,6 +1,7 @@
 """``/v1/completions``: tokenize each prompt of the batch, fan out ``n`` worker requests per
 prompt (choice index = prompt index * n + i, as OpenAI numbers them), and answer with one
-``text_completion`` or a stream of them."""
+``text_completion`` or a stream of them; with ``echo`` each choice begins with its prompt
+(``echo``)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from services.gateway.context import GatewayContext
+from services.gateway.echo import PromptEcho, echo_text
 from services.gateway.errors import bad_request
 from services.gateway.fanout import ChoiceStream, merge
 from services.gateway.generation import GenerationInput
@@ -48,42 +50,48 @@ async def create_completion(
         )
     response_id = new_id("cmpl")
     inputs: list[GenerationInput] = []
+    echoes: list[str] = []  # by choice: the prompt it echoes
     prompt_tokens = 0
-    top: int | None = None
     for p in prompts:
         ids = completion_prompt_ids(ctx.tokenizer, p, limits.vocab_size)
         prompt_tokens += len(ids)
         max_tokens = resolve_max_tokens(len(ids), req.max_tokens, limits)
         sampling = completion_sampling(req, max_tokens, limits)
-        top = sampling.top_logprobs if sampling.want_logprobs else None
+        if req.echo:
+            echoes += [echo_text(ctx.tokenizer, p, ids)] * req.n
         for i in range(req.n):
             inputs.append(
                 GenerationInput(
                     f"{response_id}-{len(inputs)}", tuple(ids), sampling.for_choice(i), model
                 )
             )
+    prompt = PromptEcho(tuple(echoes) if req.echo else None, req.logprobs, req.prompt_logprobs)
     if req.stream:
         streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
         chunks = completion_chunks(
-            response_id, model, streams, prompt_tokens, top, include_usage=req.include_usage
+            response_id, model, streams, prompt_tokens, prompt, include_usage=req.include_usage
         )
         return sse_response(chunks)
     # One wait for the first tokens and the rest alike (one disconnect watch, not two).
     results = await cancel_on_disconnect(request, ctx.complete(inputs, model, arrival))
+    choices = []
+    for r in results:
+        text, logprobs, scored = prompt.begin(r.index, r.text, r.prompt_logprobs, r.logprobs)
+        choices.append(
+            CompletionChoice(
+                index=r.index,
+                text=text,
+                logprobs=logprobs,
+                finish_reason=r.finish_reason or "abort",
+                stop_reason=r.stop_reason,
+                prompt_logprobs=scored,
+            )
+        )
     body = CompletionResponse(
         id=response_id,
         created=now(),
         model=model,
-        choices=[
-            CompletionChoice(
-                index=r.index,
-                text=r.text,
-                logprobs=completion_logprobs(r.logprobs, top) if top is not None else None,
-                finish_reason=r.finish_reason or "abort",
-                stop_reason=r.stop_reason,
-            )
-            for r in results
-        ],
+        choices=choices,
         usage=Usage.of(prompt_tokens, sum(r.completion_tokens for r in results)),
     )
     return JSONResponse(body.model_dump())
@@ -94,24 +102,32 @@ async def completion_chunks(
     model: str,
     streams: Sequence[ChoiceStream],
     prompt_tokens: int,
-    top_logprobs: int | None,
+    prompt: PromptEcho,
     *,
     include_usage: bool,
 ) -> AsyncIterator[str]:
-    """Text deltas per choice; the one that ends a choice carries its ``finish_reason``. With
+    """Text deltas per choice; the one that ends a choice carries its ``finish_reason``. A
+    choice's first chunk begins with its prompt when ``prompt`` echoes it (its text, and its
+    tokens' logprobs) and carries vLLM's ``prompt_logprobs`` when asked. With
     ``include_usage`` a last chunk with no choices carries the totals."""
     created = now()
     exclude = None if include_usage else {"usage"}
     completion_tokens = [0] * len(streams)
     text_len = [0] * len(streams)  # for the logprobs' text_offset
+    opening = [prompt.opens] * len(streams)  # the choice's next chunk carries its prompt
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
-        if not delta.text and delta.finish_reason is None and not delta.logprobs:
+        text, logprobs, scored = delta.text, None, None
+        if opening[i]:
+            opening[i] = False
+            text, logprobs, scored = prompt.begin(
+                i, delta.text, delta.prompt_logprobs, delta.logprobs
+            )
+        elif not delta.text and delta.finish_reason is None and not delta.logprobs:
             continue  # a token that is not yet readable text
-        logprobs = None
-        if top_logprobs is not None:
-            logprobs = completion_logprobs(delta.logprobs, top_logprobs, text_len[i])
-        text_len[i] += len(delta.text)
+        elif prompt.top is not None:
+            logprobs = completion_logprobs(delta.logprobs, prompt.top, text_len[i])
+        text_len[i] += len(text)
         chunk = CompletionResponse(
             id=response_id,
             created=created,
@@ -119,10 +135,11 @@ async def completion_chunks(
             choices=[
                 CompletionChoice(
                     index=i,
-                    text=delta.text,
+                    text=text,
                     logprobs=logprobs,
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
+                    prompt_logprobs=scored,
                 )
             ],
         )

@@ -105,8 +105,10 @@ class ChoiceResult:
     stop_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()  # from the first delta, when asked
 
     def add(self, delta: GenerationDelta) -> None:
+        self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
         self.text += delta.text
         self.token_ids.extend(delta.token_ids)
         self.logprobs.extend(delta.logprobs)

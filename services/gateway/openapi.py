@@ -82,6 +82,7 @@ as one `data:` event holding the error body, then `[DONE]`."""
 
 COMPLETION_RULES = """Rules beyond the schema (each a 400 with the OpenAI error body):
 - `min_tokens` must not exceed `max_tokens` when that is given.
+- `max_tokens` may be 0 (the prompt alone) only with `echo`.
 - The prompts of a batch times `n` must not exceed the server's largest `n`.
 - Each prompt's tokens plus `max_tokens` must fit the model's context (vLLM's wording: "This
   model's maximum context length is ..."); without `max_tokens` the prompt alone must leave room
@@ -215,6 +216,7 @@ def _limit_generation(props: JsonSchema, limits: SchemaLimits) -> None:
 def _limit_completion(request: JsonSchema, limits: SchemaLimits) -> None:
     props = request["properties"]
     constrain(props["logprobs"], "integer", maximum=min(20, limits.max_logprobs))
+    constrain(props["prompt_logprobs"], "integer", maximum=min(20, limits.max_logprobs))
     constrain(props["best_of"], "integer", maximum=limits.max_n)
     request.setdefault("allOf", []).extend(_best_of_clauses(limits.max_n))
     prompt = props["prompt"]

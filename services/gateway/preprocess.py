@@ -6,7 +6,7 @@ leaves one out). Every failure is a client error (``APIError`` 400)."""
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from dhisparse.family.generation import GenerationDefaults
@@ -254,4 +254,21 @@ def chat_sampling(
 
 def completion_sampling(req: CompletionRequest, max_tokens: int, limits: Limits) -> SamplingSpec:
     want = req.logprobs is not None
-    return _sampling(req, max_tokens, want, req.logprobs or 0, limits, "logprobs")
+    spec = _sampling(req, max_tokens, want, req.logprobs or 0, limits, "logprobs")
+    return replace(spec, prompt_logprobs=_prompt_logprobs(req, max_tokens, limits))
+
+
+def _prompt_logprobs(req: CompletionRequest, max_tokens: int, limits: Limits) -> int | None:
+    """Alternatives per prompt token the worker scores: as many as ``prompt_logprobs`` (vLLM's
+    extra) or, with ``echo``, ``logprobs`` asks, the larger; 0 for an echo of no tokens that
+    asks neither (the worker scores the prompt of a request of ``max_tokens`` 0); else none."""
+    asked = [n for n in (req.prompt_logprobs, req.logprobs if req.echo else None) if n is not None]
+    if not asked:
+        return 0 if max_tokens == 0 else None
+    if req.prompt_logprobs is not None and req.prompt_logprobs > limits.max_logprobs:
+        raise bad_request(
+            f"at most {limits.max_logprobs} logprobs per token may be requested, "
+            f"got {req.prompt_logprobs}",
+            "prompt_logprobs",
+        )
+    return max(asked)

@@ -278,8 +278,23 @@ class CompletionRequest(_GenerationRequest):
         description="A batch of prompts times n must not exceed the server's largest n.",
         json_schema_extra=_prompt_schema,
     )
+    max_tokens: int | None = Field(
+        None,
+        ge=0,
+        description="The prompt's tokens plus these must fit the model's context; 0 (the prompt "
+        "alone) only with echo.",
+    )
     logprobs: int | None = Field(None, ge=0, le=20)
-    echo: bool = Field(False, description=_NEUTRAL_ONLY, json_schema_extra={"const": False})
+    echo: bool = Field(
+        False, description="Each choice's text (and logprobs) begins with its prompt's."
+    )
+    prompt_logprobs: int | None = Field(
+        None,
+        ge=0,
+        le=20,
+        description="vLLM's extra: each prompt token's logprob and this many alternatives, "
+        "as choices[i].prompt_logprobs.",
+    )
     suffix: str | None = Field(
         None, description=_NEUTRAL_ONLY, json_schema_extra=stating(string={"maxLength": 0})
     )
@@ -287,8 +302,8 @@ class CompletionRequest(_GenerationRequest):
 
     @model_validator(mode="after")
     def _check_completion(self) -> CompletionRequest:
-        if self.echo:
-            raise ValueError("echo is not supported by this server")
+        if self.max_tokens == 0 and not self.echo:
+            raise ValueError("max_tokens may be 0 only with echo")
         if self.suffix:
             raise ValueError("suffix is not supported by this server")
         if self.best_of is not None and self.best_of != self.n:

@@ -9,6 +9,7 @@ from services.worker.request.request import (
     Grammar,
     RequestOutput,
     SamplingParams,
+    TokenLogprob,
 )
 
 _FINISH = {
@@ -56,16 +57,17 @@ def output_to_proto(out: RequestOutput, tokenizer: Tokenizer) -> pb.GenerateResp
         completion_tokens=out.completion_tokens,
         cached_prompt_tokens=out.cached_prompt_tokens,
     )
-    for lp in out.logprobs:
-        resp.logprobs.append(
-            pb.TokenLogprob(
-                token_id=lp.token_id,
-                token=tokenizer.token_text(lp.token_id),
-                logprob=lp.logprob,
-                top=[
-                    pb.TopLogprob(token_id=t, token=tokenizer.token_text(t), logprob=v)
-                    for t, v in lp.top
-                ],
-            )
-        )
+    resp.logprobs.extend(_token_logprob(lp, tokenizer) for lp in out.logprobs)
+    resp.prompt_logprobs.extend(_token_logprob(lp, tokenizer) for lp in out.prompt_logprobs)
     return resp
+
+
+def _token_logprob(lp: TokenLogprob, tokenizer: Tokenizer) -> pb.TokenLogprob:
+    return pb.TokenLogprob(
+        token_id=lp.token_id,
+        token=tokenizer.token_text(lp.token_id),
+        logprob=lp.logprob,
+        top=[
+            pb.TopLogprob(token_id=t, token=tokenizer.token_text(t), logprob=v) for t, v in lp.top
+        ],
+    )

@@ -85,9 +85,8 @@ async def test_logprobs_legacy_format(client: httpx.AsyncClient) -> None:
     assert lp["text_offset"] == sorted(lp["text_offset"])
 
 
-async def test_echo_and_bad_prompts_are_400(client: httpx.AsyncClient) -> None:
+async def test_bad_prompts_are_400(client: httpx.AsyncClient) -> None:
     for body in (
-        {"prompt": PROMPT, "echo": True},
         {"prompt": [1, 99999]},
         {"prompt": []},
         {"prompt": {"text": "x"}},

@@ -15,6 +15,8 @@ predicts them from the body alone):
   ``max_tokens``) — one field compared with another, which JSON Schema cannot state;
 - ``/v1/completions``: the prompts of a batch times ``n`` past the server's ``max_n`` (a
   product of two fields);
+- ``/v1/completions``: ``max_tokens`` 0 without ``echo`` (schemathesis generates no bodies
+  from a schema clause stating it);
 - the prompt's tokens plus the budget past the model's context (the prompt's length in tokens
   is known only after rendering and tokenizing);
 - chat: ``chat_template_kwargs.documents`` that is not a list of objects (the built-in template
@@ -165,6 +167,8 @@ def _broken_rule(path: str, body: dict[str, Any], limits: dict[str, int]) -> str
         budget = body.get("max_completion_tokens") or budget
     if budget is not None and body.get("min_tokens", 0) > budget:
         return f"min_tokens ({int(body['min_tokens'])}) must be less than or equal to max_tokens"
+    if path == COMPLETIONS and budget == 0 and not body.get("echo"):
+        return "max_tokens may be 0 only with echo"
     documents = (body.get("chat_template_kwargs") or {}).get("documents")
     listed = isinstance(documents, list) and all(isinstance(d, dict) for d in documents)
     if path == CHAT and documents is not None and not listed:

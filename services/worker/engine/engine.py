@@ -24,6 +24,7 @@ from services.worker.model.decoder import SparseDecoder
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.rank_group.placement import RankLoad
 from services.worker.rank_group.role import RankGroup
+from services.worker.request import prompt_logprobs
 from services.worker.request.request import (
     FinishReason,
     Request,
@@ -334,8 +335,10 @@ class Engine:
         """One forward over each request's uncomputed tokens (one decode token each), or with
         ``chunks`` a prefill pass over the next ``chunks[i]`` tokens of each; every token it
         computes is committed. Each request whose pass reaches its newest token samples one
-        token; a prefill chunk that ends short of it samples nothing (its generator does not
-        advance) and has no output."""
+        token (one that asks for none, ``max_tokens`` 0, ends there); a prefill chunk that ends
+        short of it samples nothing (its generator does not advance) and has no output. A
+        prefill pass scores the prompt positions of the requests that ask for prompt logprobs
+        (``request.prompt_logprobs``); their first output carries them."""
         starts = [r.num_computed for r in reqs]
         lens = chunks or [r.num_tokens - r.num_computed for r in reqs]
         ends = [a + n for a, n in zip(starts, lens, strict=True)]
@@ -347,9 +350,19 @@ class Engine:
             starts, lens, self.device, prefill=chunks is not None,
         )  # fmt: skip
         done = [i for i, (r, e) in enumerate(zip(reqs, ends, strict=True)) if e == r.num_tokens]
+        # a request that asks for no tokens ends once its prompt is computed
+        prefilled = [reqs[i] for i in done if reqs[i].params.max_tokens == 0]
+        done = [i for i in done if reqs[i].params.max_tokens > 0]
+        scoring, rows = (
+            prompt_logprobs.plan(reqs, starts, ends, batch.cu[:-1]) if chunks else ([], [])
+        )
         spec = self.speculator
         feats = spec.features() if spec is not None else None
-        logits = self.passes.sampled_logits(to_device(ids, self.device), batch, done, feats)
+        logits, scored = self.passes.sampled_logits(
+            to_device(ids, self.device), batch, done, feats, rows
+        )
+        if scored is not None:
+            prompt_logprobs.score_pass(scoring, scored, self.model.logits)
         self.kv.commit(batch, ends)
         for r, e in zip(reqs, ends, strict=True):
             r.num_computed = e
@@ -377,6 +390,9 @@ class Engine:
             else:
                 token = sample_token(row[0], r.params, self.generator(r))
             outs.append(self.emit(r, [token], row))
+        for r in prefilled:
+            self._finish(r, FinishReason.LENGTH, None)
+            outs.append(r.output(text=r.text.finish(), prompt_logprobs=prompt_logprobs.take(r)))
         return outs
 
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
@@ -400,7 +416,7 @@ class Engine:
             if finish is not None:
                 self._finish(req, finish, stop_reason)
                 break
-        return req.output(tuple(emitted), text, tuple(lps))
+        return req.output(tuple(emitted), text, tuple(lps), prompt_logprobs.take(req))
 
     def fail_running(self, error: RequestError) -> list[RequestOutput]:
         """After ``step`` raised: ends every admitted request with ``error`` (a pass that failed

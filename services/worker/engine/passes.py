@@ -4,6 +4,8 @@ what its tokens become, is the engine's; running it is this module's."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from services.worker.graphs.cuda_graph import DecodeGraphs
@@ -12,6 +14,15 @@ from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_mtp import MTPStep
 from services.worker.serving.cache import KVCache
+
+
+class PassLogits(NamedTuple):
+    """What a plain pass gives back: ``sampled`` [S, V] fp32 logits at the last token of each
+    request that samples, and ``scored`` [R, d_model] the hidden states of the rows asked for
+    (prompt logprobs; None when none were)."""
+
+    sampled: torch.Tensor
+    scored: torch.Tensor | None
 
 
 class ModelPasses:
@@ -25,19 +36,27 @@ class ModelPasses:
         self.graphs: DecodeGraphs | None = None
 
     def sampled_logits(
-        self, tokens: torch.Tensor, batch: ForwardBatch, sampled: list[int], features: dict | None
-    ) -> torch.Tensor:
-        """[len(sampled), V] fp32 logits at the last token of each request ``sampled`` (indices
-        into ``batch``'s requests) of a plain pass over ``tokens`` [N]; writes the pass's rows
-        into the KV cache (the caller commits). A decode pass, in which every request samples,
-        is replayed from its graph where one covers it."""
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        sampled: list[int],
+        features: dict | None,
+        scored: list[int] | None = None,
+    ) -> PassLogits:
+        """Logits at the last token of each request ``sampled`` (indices into ``batch``'s
+        requests) of a plain pass over ``tokens`` [N], and the hidden states of the rows
+        ``scored`` (indices into ``tokens``; a prefill pass's only); writes the pass's rows into
+        the KV cache (the caller commits). A decode pass, in which every request samples, is
+        replayed from its graph where one covers it."""
         if self.graphs is not None and batch.is_decode and not batch.prefill:
-            return self.graphs.logits(tokens, batch, features)
+            assert not scored, "a decode pass scores no prompt rows"
+            return PassLogits(self.graphs.logits(tokens, batch, features), None)
         hidden = self.model(tokens, batch, self.kv, features=features)
         last = batch.last_token_index
         if len(sampled) < batch.num_requests:
             last = last[to_device(sampled, self.device)]
-        return self.model.logits(hidden[last])
+        kept = hidden[to_device(scored, self.device)] if scored else None
+        return PassLogits(self.model.logits(hidden[last]), kept)
 
     def forward_logits(
         self, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None = None

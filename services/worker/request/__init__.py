@@ -1,2 +1,3 @@
 """Requests as the engine sees them (``request``), sampling from logits (``sampling``) and
-incremental text with stop strings (``stop``): the worker's bottom floor."""
+incremental text with stop strings (``stop``), the prompt's own logprobs (``prompt_logprobs``):
+the worker's bottom floor."""

@@ -41,7 +41,7 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int = -1  # <= 0: off
     seed: int | None = None
-    max_tokens: int = 16
+    max_tokens: int = 16  # 0 (with prompt_logprobs): the prompt is scored and nothing generated
     stop: tuple[str, ...] = ()
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
@@ -92,12 +92,16 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k > vocab_size:
             raise ValueError(f"top_k must be <= vocab size {vocab_size}, got {self.top_k}")
-        if self.max_tokens < 1:
-            raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.max_tokens < (0 if self.prompt_logprobs is not None else 1):
+            raise ValueError(
+                f"max_tokens must be >= 1 (0 only with prompt_logprobs), got {self.max_tokens}"
+            )
         if self.min_tokens < 0 or self.min_tokens > self.max_tokens:
             raise ValueError("min_tokens must be in [0, max_tokens]")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise ValueError(f"logprobs must be in [0, 20], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= 20:
+            raise ValueError(f"prompt_logprobs must be in [0, 20], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**64:
             raise ValueError("seed must be in [0, 2^64)")
         bad = [t for t in self.stop_token_ids if not 0 <= t < vocab_size]
@@ -167,6 +171,8 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: RequestError | None = None  # set on the last output of a request that failed
     cached_prompt_tokens: int = 0  # prompt tokens not computed for this request (resumed)
+    # on the first output of a request that asked for them (``prompt_logprobs.take``)
+    prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -194,6 +200,9 @@ class Request:
     resumed_tokens: int = 0
     # its logit bias and penalties on the device, built at its first shaping (if it sets any)
     penalties: Penalties | None = field(default=None, repr=False)
+    # scores of prompt tokens 1, 2, ... recorded so far, until sent (``prompt_logprobs``)
+    prompt_scored: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs_sent: bool = False
 
     def ids_from(self, start: int, end: int | None = None) -> list[int]:
         """``(prompt_ids + output_ids)[start:end]`` without copying the whole history (a decode
@@ -271,6 +280,7 @@ class Request:
         tokens: tuple[int, ...] = (),
         text: str = "",
         logprobs: tuple[TokenLogprob, ...] = (),
+        prompt_logprobs: tuple[TokenLogprob, ...] = (),
     ) -> RequestOutput:
         return RequestOutput(
             request_id=self.request_id,
@@ -283,4 +293,5 @@ class Request:
             logprobs=logprobs,
             error=self.error,
             cached_prompt_tokens=min(self.resumed_tokens, len(self.prompt_ids)),
+            prompt_logprobs=prompt_logprobs,
         )

@@ -79,6 +79,26 @@ async def test_concurrent_streams_and_logprobs(worker) -> None:
             assert lp.top[0].token_id == lp.token_id
 
 
+async def test_prompt_logprobs_come_once_with_each_tokens_text(worker) -> None:
+    """Every prompt token's entry on the first response (the first a placeholder), with the
+    tokens' text; with max_tokens 0 that response is the only one and holds no token."""
+    stub, engine = worker
+    tok = engine.engine.tokenizer
+    for n in (3, 0):
+        req = pb.GenerateRequest(
+            request_id=f"p{n}", prompt_token_ids=PROMPT, sampling=greedy(n, prompt_logprobs=2)
+        )
+        resps = [r async for r in stub.Generate(req)]
+        first = resps[0].prompt_logprobs
+        assert [lp.token_id for lp in first] == PROMPT
+        assert [lp.token for lp in first] == [tok.token_text(t) for t in PROMPT]
+        assert first[0].logprob == 0 and not first[0].top
+        assert all(len(lp.top) == 2 and lp.logprob <= 0 for lp in first[1:])
+        assert all(not r.prompt_logprobs for r in resps[1:])
+        assert sum(len(r.token_ids) for r in resps) == n
+        assert resps[-1].finish_reason == pb.FINISH_REASON_LENGTH
+
+
 async def test_invalid_arguments_get_a_status_with_a_message(worker) -> None:
     stub, _ = worker
     cases = [
