@@ -72,13 +72,28 @@ def vocab_mismatch(tokenizer_vocab: int, model_vocab: int) -> str | None:
     return None
 
 
-def _log_ignored_fields(body: BaseModel, endpoint: str) -> None:
-    if body.model_extra:
+def ignored_fields(body: BaseModel) -> list[str]:
+    """The fields of a request body the server does not read: unknown top-level fields and
+    unknown fields of its messages (``messages[i].name``)."""
+    out = sorted(body.model_extra or ())
+    for i, m in enumerate(getattr(body, "messages", None) or ()):
+        out += [f"messages[{i}].{k}" for k in sorted(m.model_extra or ())]
+    return out
+
+
+def _warn_ignored(body: BaseModel, endpoint: str, response: Response) -> Response:
+    """Logs the fields the server ignores and names them in the response's ``Warning`` header
+    (RFC 7234's code 299, "miscellaneous persistent warning")."""
+    ignored = ignored_fields(body)
+    if ignored:
         log.warning(
             "%s: the following fields were present in the request but ignored: %s",
             endpoint,
-            sorted(body.model_extra),
+            ignored,
         )
+        names = ", ".join(ignored).encode("ascii", "backslashreplace").decode()
+        response.headers["Warning"] = f'299 dhisparse "ignored fields: {names}"'
+    return response
 
 
 def memory_admission(settings: GatewaySettings, metrics: GatewayMetrics) -> MemoryAdmission:
@@ -179,9 +194,9 @@ def create_app(
         responses=generation_responses(ChatCompletionResponse, ChatCompletionChunk),
     )
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
-        _log_ignored_fields(body, "chat/completions")
         try:
-            return await create_chat_completion(body, request, ctx)
+            response = await create_chat_completion(body, request, ctx)
+            return _warn_ignored(body, "chat/completions", response)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
 
@@ -191,9 +206,9 @@ def create_app(
         responses=generation_responses(CompletionResponse, CompletionResponse),
     )
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        _log_ignored_fields(body, "completions")
         try:
-            return await create_completion(body, request, ctx)
+            response = await create_completion(body, request, ctx)
+            return _warn_ignored(body, "completions", response)
         except ClientDisconnected:
             return Response(status_code=_CLIENT_CLOSED)
 

@@ -7,8 +7,8 @@ here so that a bad value is a 400 before anything is tokenized; checks that need
 configuration (``n`` against ``max_n``, the context length, token ids in the vocabulary) live in
 ``preprocess``; whether the model can follow ``tools`` or a ``response_format`` is
 ``constraints``' question. The messages are ``protocol_messages``' and the tools and formats
-``protocol_tools``'. Features the server lacks (echo, suffix) are refused with a 400 when a
-request asks for them, rather than silently ignored.
+``protocol_tools``'. Features the server lacks (``suffix``, ``best_of`` other than ``n``) are
+refused with a 400 when a request asks for them, rather than silently ignored.
 
 The generated JSON Schema states every rule checked here: field constraints where pydantic
 checks them, ``schema_edit.stating`` on a field whose rule a validator checks with a message of

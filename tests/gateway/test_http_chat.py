@@ -216,9 +216,15 @@ async def test_image_part_is_400(client: httpx.AsyncClient) -> None:
     assert "image_url" in r.json()["error"]["message"]
 
 
-async def test_unknown_fields_are_ignored(client: httpx.AsyncClient) -> None:
-    r = await chat(client, max_tokens=1, frobnicate=True, user="u-1", presence_penalty=0)
+async def test_unknown_fields_are_ignored_and_named(client: httpx.AsyncClient) -> None:
+    messages = [{"role": "user", "content": "hi", "colour": "blue"}]
+    r = await chat(
+        client, max_tokens=1, frobnicate=True, user="u-1", presence_penalty=0, messages=messages
+    )
     assert r.status_code == 200, r.text
+    assert r.headers["Warning"] == '299 dhisparse "ignored fields: frobnicate, messages[0].colour"'
+    plain = await chat(client, max_tokens=1, user="u-1")
+    assert "Warning" not in plain.headers
 
 
 async def test_worker_is_idle_after_requests(
