@@ -6,10 +6,14 @@ import enum
 import time
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from services.worker.request.stop import TextStream
+
+if TYPE_CHECKING:
+    from services.worker.request.grammar_state import GrammarState
 
 
 class FinishReason(enum.Enum):
@@ -148,6 +152,8 @@ class Request:
     error: RequestError | None = None
     # tokens adopted already computed from a dead worker (a resumed session): never computed here
     resumed_tokens: int = 0
+    # its grammar's matcher, past every emitted token (None: unconstrained)
+    grammar: GrammarState | None = None
 
     def ids_from(self, start: int, end: int | None = None) -> list[int]:
         """``(prompt_ids + output_ids)[start:end]`` without copying the whole history (a decode

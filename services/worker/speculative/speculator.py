@@ -175,6 +175,8 @@ class Speculator:
         cu = batch.cu
         for r, req in enumerate(reqs):
             req.ban_early_stops(logits[cu[r] : cu[r] + widths[r]], eng.eos_token_ids)
+            if req.grammar is not None:  # a draft it forbids has probability 0: rejected
+                req.grammar.apply(logits[cu[r] : cu[r] + widths[r]], proposed[r])
         verified = logits
         if passed != widths:  # each request's first K_r rows
             rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]
