@@ -36,7 +36,9 @@ def tokenizer_info(
         for text, i in backend.get_vocab(with_added_tokens=True).items():
             if i < vocab_size and not tokenizer.is_special(i):
                 encoded[i] = text
-        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())
+        # vocab type and prefix space read from tokenizer.json by xgrammar's own detector, the
+        # one from_huggingface uses (that entry point wants a transformers tokenizer)
+        meta = xgr.TokenizerInfo._detect_metadata_from_hf(backend.to_str())  # noqa: SLF001
         return xgr.TokenizerInfo(
             encoded, meta["vocab_type"], vocab_size=vocab_size, stop_token_ids=stops,
             add_prefix_space=meta["add_prefix_space"],

@@ -107,7 +107,9 @@ def _dsml_calls(text: str) -> list[tuple[str, dict]]:
     assert text.startswith("\n\n<｜DSML｜function_calls>\n")
     assert text.endswith("</｜DSML｜function_calls>")
     calls = []
-    for name, body in re.findall(r'<｜DSML｜invoke name="(.*?)">(.*?)</｜DSML｜invoke>', text, re.S):
+    for name, body in re.findall(
+        r'<｜DSML｜invoke name="(.*?)">(.*?)</｜DSML｜invoke>', text, re.S
+    ):
         args = {}
         for key, is_string, value in re.findall(
             r'<｜DSML｜parameter name="(.*?)" string="(true|false)">(.*?)</｜DSML｜parameter>',

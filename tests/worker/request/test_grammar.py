@@ -21,8 +21,8 @@ from tests.worker.request.grammar_cases import (
     mini_tokenizer,
     random_walk,
     reference_mask,
-    tool_call_tag,
     tokenizer,
+    tool_call_tag,
 )
 
 GRAMMARS = {
@@ -54,7 +54,7 @@ def test_block_masks_equal_the_matcher_stepped_token_by_token(name: str, grammar
             rows = len(drafts) + 1
             bad = int(torch.randint(0, rows, (1,), generator=g)) if rows > 1 else rows
             if bad < rows - 1:  # a draft the grammar forbids there
-                forbidden = (~allowed(reference_mask(compiled, walk[: at + bad], vocab), vocab))
+                forbidden = ~allowed(reference_mask(compiled, walk[: at + bad], vocab), vocab)
                 drafts[bad] = int(forbidden.nonzero()[seed % 5, 0])
             masks = st.fill(rows, drafts).clone()
             for i in range(rows):
@@ -130,6 +130,7 @@ def test_the_cache_holds_each_grammar_once() -> None:
     c = compiler("byte")
     spec = json.dumps({"type": "object", "properties": {"k": {"type": "string"}}})
     assert c.compile(Grammar("json_schema", spec)) is c.compile(Grammar("json_schema", spec))
+
 
 BAD = [
     (Grammar("regex", "a+"), "kind must be one of"),
