@@ -19,7 +19,7 @@ from services.kv_host_store.records import Region
 from services.worker.durable import manifest
 from services.worker.durable.manifest import ManifestError, SessionRecord
 from services.worker.hierarchy.session import SessionBackup
-from services.worker.request.request import Request, SamplingParams
+from services.worker.request.request import Grammar, Request, SamplingParams
 from services.worker.request.stop import TextStream
 from services.worker.serving.cache import KVCache
 
@@ -50,7 +50,9 @@ def read_manifest(mapping: ArenaMapping, regions: list[Region]) -> tuple[int, Se
 
 
 def sampling_params(fields: dict) -> SamplingParams:
-    return SamplingParams(**{k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()})
+    params = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    grammar = fields.get("grammar")
+    return SamplingParams(**params | {"grammar": Grammar(**grammar) if grammar else None})
 
 
 def restore(

@@ -11,8 +11,11 @@ import jsonschema
 import pytest
 import torch
 
+from services.worker.durable.adoption import adopt_sessions
+from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.request.request import FinishReason, Grammar, Request, SamplingParams
 from tests.worker.request.grammar_cases import (
     ANY_TEXT,
@@ -77,6 +80,39 @@ def test_a_complete_grammar_ends_a_request_that_ignores_eos() -> None:
     )
     for req in eng.generate(prompts(), params):
         jsonschema.validate(json.loads(finished_in_grammar(eng, req)), SCHEMA)
+
+
+def test_a_resumed_session_keeps_its_grammar() -> None:
+    """A durable session under a grammar, resumed by a successor engine midway (its matcher
+    rebuilt past the tokens already emitted): the uninterrupted run's tokens."""
+    store = LocalHostStore(64 << 20)
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=192, grammar=JSON_SCHEMA)
+
+    def make(owner: str) -> Engine:
+        cfg = EngineConfig(
+            model="tiny-glm", mode="hisparse", kv_pool_mib=48, max_num_seqs=4,
+            max_model_len=512, owner=owner,
+        )  # fmt: skip
+        eng = Engine(cfg, host=(store, store.mapping))
+        HostLink(store, owner, 30.0, eng.kv.host_backups).register()
+        return eng
+
+    want = make("ref").generate(prompts(1), params)[0]
+    first = make("w0")
+    first.add_request("r0", prompts(1)[0], params)
+    for _ in range(12):
+        first.step()
+    del first  # dies: the arena and the store outlive it
+    second = make("w0")
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == ["r0"]
+    req = second.requests["r0"]
+    assert 0 < len(req.output_ids) < len(want.output_ids)
+    while second.has_work():
+        second.step()
+    assert req.output_ids == want.output_ids
+    jsonschema.validate(json.loads(finished_in_grammar(second, req)), SCHEMA)
+    store.close()
 
 
 def test_a_grammar_that_allows_the_greedy_tokens_changes_nothing() -> None:
