@@ -82,6 +82,19 @@ def test_a_complete_grammar_ends_a_request_that_ignores_eos() -> None:
         jsonschema.validate(json.loads(finished_in_grammar(eng, req)), SCHEMA)
 
 
+def test_a_token_the_grammar_rejects_fails_the_request() -> None:
+    """Never sampled (its mask forbids it); emitted anyway, it ends the request with an
+    internal error and is not appended."""
+    eng = engine()
+    req = eng.add_request("r", prompts(1)[0], SamplingParams(max_tokens=8, grammar=JSON_SCHEMA))
+    eng.step()
+    before = list(req.output_ids)
+    out = eng.emit(req, [ord("x")], torch.zeros(1, eng.model_cfg.vocab_size))
+    assert out.finish_reason is FinishReason.ABORT and out.new_token_ids == ()
+    assert out.error is not None and out.error.code == "internal"
+    assert req.output_ids == before and not eng.has_work()
+
+
 def test_a_resumed_session_keeps_its_grammar() -> None:
     """A durable session under a grammar, resumed by a successor engine midway (its matcher
     rebuilt past the tokens already emitted): the uninterrupted run's tokens."""
