@@ -1,2 +1,4 @@
-"""Requests as the engine sees them (``request``), sampling from logits (``sampling``) and
-incremental text with stop strings (``stop``): the worker's bottom floor."""
+"""Requests as the engine sees them (``request``), sampling from logits (``sampling``),
+incremental text with stop strings (``stop``) and grammars that constrain the output
+(``grammar``: the worker's compiler; ``grammar_state``: one request's matcher and masks): the
+worker's bottom floor."""
