@@ -63,6 +63,12 @@ class HFTokenizer:
                     f"added token {t.content!r} is declared with id {t.id} but lands at {got}"
                 )
 
+    @property
+    def backend(self) -> _HFTokenizer:
+        """The ``tokenizers`` tokenizer, its added tokens included (for vocabulary-level tools
+        such as a grammar's token masks)."""
+        return self._tok
+
     def encode(self, text: str, add_bos: bool = False) -> list[int]:
         ids = self._tok.encode(text, add_special_tokens=False).ids
         if add_bos and self.bos_token_id is not None:

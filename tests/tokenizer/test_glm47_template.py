@@ -111,7 +111,9 @@ def _check_equal(path: Path) -> int:
 
 # The shipped model was trained on code, never on reasoning: its copy of the template thinks
 # only when asked (enable_thinking true), where the released one thinks unless told not to.
-RELEASED_PROMPT = "'</think>' if (enable_thinking is defined and not enable_thinking) else '<think>'"
+RELEASED_PROMPT = (
+    "'</think>' if (enable_thinking is defined and not enable_thinking) else '<think>'"
+)
 SHIPPED_PROMPT = "'<think>' if (enable_thinking is defined and enable_thinking) else '</think>'"
 
 

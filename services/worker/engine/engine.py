@@ -25,6 +25,7 @@ from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.rank_group.placement import RankLoad
 from services.worker.rank_group.role import RankGroup
 from services.worker.request import prompt_logprobs
+from services.worker.request.grammar import GrammarCompiler
 from services.worker.request.request import (
     FinishReason,
     Request,
@@ -77,6 +78,7 @@ class Engine:
         if self.group.data_parallel and self.exchange is None:
             raise ValueError("data-parallel attention needs a model with routed experts")
         self.tokenizer, self.eos_token_ids = tokenizer_and_ends(cfg, model, tokenizer)
+        self.grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self.device = torch.device(cfg.device)
         dtype = next(model.parameters()).dtype
         ceiling = pool_ceiling(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
@@ -155,6 +157,8 @@ class Engine:
         gen = torch.Generator(device=self.device).manual_seed(params.seed) if seeded else None
         text = params.text_stream(self.tokenizer, prompt_ids)
         req = Request(request_id, list(prompt_ids), params, text, generator=gen)
+        if params.grammar is not None:
+            req.grammar = self.grammars.state(params.grammar)
         self.requests[request_id] = req
         self.scheduler.add(req)
         self.group.record("add_request", request_id, list(prompt_ids), params)
@@ -178,6 +182,7 @@ class Engine:
                 f"{self.kv.tokens_capacity} tokens"
             )
         params.validate(vocab)
+        self.grammars.check(params)
 
     def has_request(self, request_id: str) -> bool:
         return self.request(request_id) is not None
@@ -212,6 +217,8 @@ class Engine:
         def seat(slot: int) -> bool:
             return self.kv.adopt(slot, req.request_id, regions, req.num_computed, rings)
 
+        if req.params.grammar is not None:  # past the tokens the client has been sent
+            req.grammar = self.grammars.state(req.params.grammar, req.output_ids)
         if not self.scheduler.seat_running(req, seat):
             return False
         assert req.slot is not None
@@ -397,7 +404,8 @@ class Engine:
 
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Emits ``tokens`` (logits [len(tokens), V] they were chosen from) one by one, stopping
-        at the first stop condition; returns one output for them."""
+        at the first stop condition (a request's grammar, advanced by each, ends it once
+        complete); returns one output for them."""
         p = req.params
         if req.first_token_time is None:
             req.first_token_time = time.monotonic()
@@ -405,6 +413,11 @@ class Engine:
         lps: list[TokenLogprob] = []
         text = ""
         for i, token in enumerate(tokens):
+            if req.grammar is not None and not req.grammar.accept(token):
+                # its mask forbade the token: a sampling bug, not the client's fault
+                req.error = RequestError("internal", f"token {token} breaks the grammar")
+                self._finish(req, FinishReason.ABORT, None)
+                break
             if p.logprobs is not None:
                 lps.append(token_logprob(logits[i], token, p.logprobs))
             req.output_ids.append(token)
@@ -412,6 +425,8 @@ class Engine:
             finish, stop_reason, delta = req.check_stop(
                 token, self.eos_token_ids, self.cfg.max_model_len
             )
+            if finish is None and req.grammar is not None and req.grammar.terminated:
+                finish, delta = FinishReason.STOP, delta + req.text.finish()
             text += delta
             if finish is not None:
                 self._finish(req, finish, stop_reason)

@@ -7,12 +7,16 @@ import math
 import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from dhisparse.tokenizer import Tokenizer
 from services.worker.request.penalties import Penalties
 from services.worker.request.stop import TextStream
+
+if TYPE_CHECKING:
+    from services.worker.request.grammar_state import GrammarState
 
 
 class FinishReason(enum.Enum):
@@ -203,6 +207,8 @@ class Request:
     # scores of prompt tokens 1, 2, ... recorded so far, until sent (``prompt_logprobs``)
     prompt_scored: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs_sent: bool = False
+    # its grammar's matcher, past every emitted token (None: unconstrained)
+    grammar: GrammarState | None = None
 
     def ids_from(self, start: int, end: int | None = None) -> list[int]:
         """``(prompt_ids + output_ids)[start:end]`` without copying the whole history (a decode
@@ -232,8 +238,8 @@ class Request:
         step: n = 1, no drafts; a verify block of K rows: its K - 1 proposals), as if those
         drafts had been emitted. In vLLM's order: the ``min_tokens`` bans (row i is output
         position len(output_ids) + i), ``logit_bias``, the repetition penalty, the frequency
-        and presence penalties. A request that sets none of them pays nothing beyond a few
-        Python comparisons."""
+        and presence penalties, then the grammar's mask. A request that sets none of them pays
+        nothing beyond a few Python comparisons."""
         if len(drafts) != logits.shape[0] - 1:
             raise ValueError(f"{len(drafts)} drafts for {logits.shape[0]} rows")
         self._ban_early_stops(logits, eos_token_ids)
@@ -245,8 +251,8 @@ class Request:
                     self.prompt_ids, logits.shape[-1], logits.device,
                 )  # fmt: skip
             self.penalties.apply(logits, drafts, self.output_ids)
-        # A mask of allowed tokens (a grammar's) goes here, the last step: every step above
-        # keeps -inf at -inf, so it would hold wherever it ran.
+        if self.grammar is not None:  # last: a draft it forbids gets probability 0 (rejected)
+            self.grammar.apply(logits, drafts)
 
     def _ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
         """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, the

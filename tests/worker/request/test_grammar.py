@@ -1,0 +1,158 @@
+"""Grammar masks against xgrammar's own matcher stepped token by token, applied as a plain torch
+reference would; the vocabulary as xgrammar reads it; bad specs refused."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from services.worker.request.grammar_vocab import tokenizer_info
+from services.worker.request.request import Grammar, SamplingParams
+from tests.worker.request.grammar_cases import (
+    ANY_TEXT,
+    JSON_OBJECT,
+    JSON_SCHEMA,
+    MINI_EOS,
+    MINI_VOCAB,
+    allowed,
+    compiler,
+    mini_tokenizer,
+    random_walk,
+    reference_mask,
+    tokenizer,
+    tool_call_tag,
+)
+
+GRAMMARS = {
+    "json_object": JSON_OBJECT,
+    "json_schema": JSON_SCHEMA,
+    "any_text": ANY_TEXT,
+    "dsml": tool_call_tag("deepseek_v3_2"),
+    "glm": tool_call_tag("glm_4_7"),
+}
+
+
+@pytest.mark.parametrize("name", ["mini", "byte"])
+@pytest.mark.parametrize("grammar", sorted(GRAMMARS))
+def test_block_masks_equal_the_matcher_stepped_token_by_token(name: str, grammar: str) -> None:
+    """Row i of a block's masks is the mask after the output and drafts[:i], for blocks of
+    valid drafts and blocks whose drafts break the grammar midway (later rows allow all); the
+    state is unchanged after filling."""
+    c = compiler(name)
+    compiled = c.compile(GRAMMARS[grammar])
+    vocab = c.vocab_size
+    for seed in range(3):
+        walk = random_walk(compiled, 40, vocab, tuple(c.stop_token_ids), seed)
+        g = torch.Generator().manual_seed(seed)
+        st = c.state(GRAMMARS[grammar])
+        at = 0
+        while at < len(walk):
+            k = int(torch.randint(1, 7, (1,), generator=g))
+            drafts = walk[at : at + k - 1]
+            rows = len(drafts) + 1
+            bad = int(torch.randint(0, rows, (1,), generator=g)) if rows > 1 else rows
+            if bad < rows - 1:  # a draft the grammar forbids there
+                forbidden = ~allowed(reference_mask(compiled, walk[: at + bad], vocab), vocab)
+                drafts[bad] = int(forbidden.nonzero()[seed % 5, 0])
+            masks = st.fill(rows, drafts).clone()
+            for i in range(rows):
+                if i <= bad or bad >= rows - 1:
+                    ref = reference_mask(compiled, walk[:at] + drafts[:i], vocab)
+                    assert torch.equal(masks[i], ref), (seed, at, i)
+                else:
+                    assert (masks[i] == -1).all()
+            # unchanged: the next mask is the one after the output
+            again = st.fill(1)
+            assert torch.equal(again[0], reference_mask(compiled, walk[:at], vocab))
+            take = min(k, len(walk) - at)
+            for t in walk[at : at + take]:
+                assert st.accept(t)
+            at += take
+
+
+@pytest.mark.parametrize("rows", [1, 3])
+def test_apply_masks_logits_as_the_bitmask_says(rows: int) -> None:
+    """On the CPU: forbidden tokens become -inf, allowed ones keep their logits exactly."""
+    c = compiler("mini")
+    compiled = c.compile(JSON_SCHEMA)
+    walk = random_walk(compiled, 12, MINI_VOCAB, MINI_EOS, seed=1)
+    st = c.state(JSON_SCHEMA, walk[:5])
+    drafts = walk[5 : 5 + rows - 1]
+    logits = torch.randn(rows, MINI_VOCAB, generator=torch.Generator().manual_seed(rows))
+    want = logits.clone()
+    for i in range(rows):
+        ok = allowed(reference_mask(compiled, walk[: 5 + i], MINI_VOCAB), MINI_VOCAB)
+        want[i] = want[i].masked_fill(~ok, float("-inf"))
+    st.apply(logits, drafts)
+    assert torch.equal(logits, want)
+
+
+def test_extra_ids_and_special_tokens_are_never_allowed() -> None:
+    """Ids past the tokenizer's 8128 (the logits are 8192 wide) and special tokens are never
+    allowed; the stop tokens are allowed once the grammar is complete, and only then."""
+    c = compiler("mini")
+    tok = mini_tokenizer()
+    st = c.state(JSON_OBJECT)
+    specials = [i for i in range(tok.vocab_size) if tok.is_special(i)]
+    text = '{"name": "Ada Lovelace", "née": "日本", "born": 1815, "tags": ["a", [true, null]]}'
+    ids = tok.encode(text)
+    for t in ids:
+        ok = allowed(st.fill(1)[0], MINI_VOCAB)
+        assert not ok[tok.vocab_size :].any()
+        assert not ok[specials].any()
+        assert st.accept(t)
+    ok = allowed(st.fill(1)[0], MINI_VOCAB)
+    assert ok.nonzero()[:, 0].tolist() == sorted(MINI_EOS)
+    assert st.accept(MINI_EOS[0]) and st.terminated
+
+
+def test_the_vocabulary_is_the_text_each_token_decodes_to() -> None:
+    tok = mini_tokenizer()
+    info = tokenizer_info(tok, MINI_VOCAB, MINI_EOS)
+    assert info.vocab_size == MINI_VOCAB and sorted(info.stop_token_ids) == sorted(MINI_EOS)
+    decoded = info.decoded_vocab
+    checked = 0
+    for i in range(tok.vocab_size):
+        text = tok.decode([i], skip_special_tokens=False)
+        if tok.is_special(i):
+            assert decoded[i] == b""
+        elif "\ufffd" not in text:
+            assert decoded[i] == text.encode(), i
+            checked += 1
+    assert checked > 7000
+    byte_info = tokenizer_info(tokenizer("byte"), 264, (257,))
+    assert byte_info.decoded_vocab[:256] == [bytes([i]) for i in range(256)]
+
+
+def test_the_cache_holds_each_grammar_once() -> None:
+    c = compiler("byte")
+    spec = json.dumps({"type": "object", "properties": {"k": {"type": "string"}}})
+    assert c.compile(Grammar("json_schema", spec)) is c.compile(Grammar("json_schema", spec))
+
+
+BAD = [
+    (Grammar("regex", "a+"), "kind must be one of"),
+    (Grammar("json_schema", '{"type": "object"'), "not valid JSON"),
+    (Grammar("json_schema", '{"type": "nope"}'), 'Unsupported type "nope"'),
+    (Grammar("json_schema", '{"$ref": "#/missing"}'), "invalid json_schema"),
+    (Grammar("structural_tag", "[1,"), "not valid JSON"),
+    (Grammar("structural_tag", '{"type": "structural_tag", "format": {"type": "zzz"}}'),
+     "Format type not recognized: zzz"),
+    (Grammar("structural_tag", '{"type": "structural_tag", "format": {"type": "tag", "begin": "a"}}'),
+     "must have a content field"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("grammar", "reason"), BAD)
+def test_bad_specs_are_refused_with_a_reason(grammar: Grammar, reason: str) -> None:
+    with pytest.raises(ValueError) as e:
+        compiler("byte").check(SamplingParams(grammar=grammar))
+    assert reason in str(e.value)
+    assert not str(e.value).startswith("[")  # no xgrammar source location
+
+
+def test_min_tokens_with_a_grammar_is_refused() -> None:
+    with pytest.raises(ValueError, match="min_tokens"):
+        compiler("byte").check(SamplingParams(min_tokens=2, grammar=JSON_OBJECT))
