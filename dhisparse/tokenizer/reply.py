@@ -42,6 +42,10 @@ __all__ = [
 ]
 
 STYLES = ("deepseek_v3_2", "glm_4_7")
+# The most whitespace characters in a row that a constrained reply may write where its grammar
+# allows formatting whitespace (xgrammar's ``max_whitespace_cnt``): enough for indented JSON,
+# and a model that drifts into whitespace still reaches the end of its structure.
+GRAMMAR_MAX_WHITESPACE = 16
 _STYLE_OF_MODEL = {"deepseek_v32": "deepseek_v3_2", "glm_moe_dsa": "glm_4_7"}
 
 

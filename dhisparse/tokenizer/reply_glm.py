@@ -32,6 +32,7 @@ GLM_CALL = CallSyntax(
     value_open="<arg_value>",
     value_close="</arg_value>",
     call_close=CALL_CLOSE,
+    strip_strings=True,
 )
 
 

@@ -2,7 +2,9 @@
 ``arg_key``/``arg_value`` pairs), read as they arrive into the JSON text of its arguments.
 
 The arguments are written as ``{"key": value, ...}`` (``json.dumps``'s separators). A string
-parameter's value is the text between its tags as written, streamed as it arrives. Any other
+parameter's value is the text between its tags as written (stripped where the format's
+grammar counts whitespace around a value as formatting: ``strip_strings``), streamed as it
+arrives. Any other
 value is the JSON its text holds once whole (the text as written, stripped), or that stripped
 text as a string when it is not JSON; it ends at the first closing tag outside its JSON strings
 (a JSON string may hold the tag: xgrammar's grammars let it). Text between parameters other
@@ -31,13 +33,15 @@ class CallSyntax:
     """The tags of a call's body: a parameter opens with ``param_open``, its key ends with one
     of ``key_ends`` (each saying whether the value is a string, or None), its value lies
     between ``value_open`` (empty: right after the key) and ``value_close``; ``call_close``
-    ends the call."""
+    ends the call. ``strip_strings``: whitespace around a string value is formatting, not
+    part of it (GLM's ``<arg_value>``, which xgrammar's grammar lets pad with whitespace)."""
 
     param_open: str
     key_ends: Mapping[str, bool | None]
     value_open: str
     value_close: str
     call_close: str
+    strip_strings: bool = False
 
 
 def _not_json(constant: str) -> None:
@@ -97,6 +101,8 @@ class CallBody:
         self._key = ""
         self._hint: bool | None = None
         self._written = 0
+        self._value_began = False  # a string value's first character other than padding came
+        self._held = ""  # a string value's trailing whitespace, written once text follows it
         self.events: list[ReplyEvent] = [ToolArgumentsDelta(index, "{")]
 
     @property
@@ -116,8 +122,22 @@ class CallBody:
             self._write_key()
             self._write('"')
             self._state = "string"
+            self._value_began, self._held = False, ""
         else:
             self._state = "json"
+
+    def _write_string(self, text: str) -> None:
+        """A part of a string value; under ``strip_strings`` its padding is left out."""
+        if self._syntax.strip_strings:
+            if not self._value_began:
+                text = text.lstrip()
+                self._value_began = bool(text)
+            text = self._held + text
+            kept = text.rstrip()
+            self._held = text[len(kept) :]
+            text = kept
+        if text:
+            self._write(_string_part(text))
 
     def _close(self) -> None:
         self._write("}")
@@ -157,7 +177,7 @@ class CallBody:
         if self._state == "string":
             text, tag = buf.take_until([s.value_close], final=final)
             if text:
-                self._write(_string_part(text))
+                self._write_string(text)
             if tag is not None:
                 self._write('"')
                 self._state = "between"

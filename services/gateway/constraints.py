@@ -20,6 +20,7 @@ from __future__ import annotations
 import json
 from typing import Any, Literal
 
+from dhisparse.tokenizer.reply import GRAMMAR_MAX_WHITESPACE
 from services.gateway.errors import APIError, bad_request
 from services.gateway.generation import GrammarSpec
 from services.gateway.protocol import ChatCompletionRequest
@@ -100,6 +101,7 @@ def _tools_grammar(
             tool_choice,
             reasoning=reasoning,
             parallel_tool_calls=req.parallel_tool_calls,
+            max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE,
         )
         spec = tag.model_dump_json()
         xgrammar.Grammar.from_structural_tag(spec)
@@ -133,7 +135,7 @@ def _reasoning_then_json(schema: dict[str, Any]) -> GrammarSpec:
                     content=st.AnyTextFormat(excludes=[THINK_OPEN, THINK_CLOSE]),
                     end=THINK_CLOSE,
                 ),
-                st.JSONSchemaFormat(json_schema=schema),
+                st.JSONSchemaFormat(json_schema=schema, max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE),
             ]
         )
     )

@@ -51,7 +51,10 @@ TOOLS = [
 ]
 SCHEMAS = {"get_weather": WEATHER, "get_time": TIME}
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris for three days?"}]
-MAX_TOKENS = 160
+MAX_TOKENS = 320
+# GLM-4.7's template thinks by default, and a random model's reasoning need never end: these
+# tests ask the tiny GLM-5 to answer at once (the reasoning test turns thinking on).
+NO_THINKING = {"chat_template_kwargs": {"enable_thinking": False}}
 
 
 def _glm_dir(path: Path) -> Path:
@@ -89,6 +92,11 @@ def model_of(client: OpenAI) -> str:
     return client.models.list().data[0].id
 
 
+def create(client: OpenAI, **kw: object):
+    """A chat completion of the served model, thinking off."""
+    return client.chat.completions.create(model=model_of(client), extra_body=NO_THINKING, **kw)
+
+
 def valid_calls(calls) -> list[tuple[str, dict]]:
     out = []
     for c in calls:
@@ -121,35 +129,39 @@ def streamed_calls(stream) -> tuple[list[tuple[str, str]], str | None]:
     ids=["named", "required"],
 )
 def test_forced_calls_are_valid_and_stream_as_they_answer(client: OpenAI, choice) -> None:
-    kw = dict(model=model_of(client), messages=MESSAGES, tools=TOOLS, tool_choice=choice,
+    kw = dict(messages=MESSAGES, tools=TOOLS, tool_choice=choice, parallel_tool_calls=False,
               max_tokens=MAX_TOKENS, temperature=0)  # fmt: skip
-    whole = client.chat.completions.create(**kw)
-    (c,) = whole.choices
+    (c,) = create(client, **kw).choices
     calls = valid_calls(c.message.tool_calls or ())
-    assert calls, c.message
+    assert len(calls) == 1, c.message
     if isinstance(choice, dict):
-        assert {name for name, _ in calls} == {"get_weather"}
+        assert calls[0][0] == "get_weather"
     assert c.finish_reason == "tool_calls"
-    streamed, finish = streamed_calls(client.chat.completions.create(**kw, stream=True))
+    streamed, finish = streamed_calls(create(client, **kw, stream=True))
     assert [(n, json.loads(a)) for n, a in streamed] == calls
     assert finish == "tool_calls"
 
 
-def test_one_call_without_parallel_calls_and_sampled_calls_are_valid(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model=model_of(client), messages=MESSAGES, tools=TOOLS, tool_choice="required",
-        parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=1.0, seed=7, n=2,
+def test_sampled_and_parallel_calls_are_valid(client: OpenAI) -> None:
+    """Sampled, and with parallel calls allowed: every call that ended is valid (a random
+    model may go on calling until max_tokens cuts its last call short)."""
+    r = create(
+        client, messages=MESSAGES, tools=TOOLS, tool_choice="required", max_tokens=MAX_TOKENS,
+        temperature=1.0, seed=7, n=2,
     )  # fmt: skip
     for c in r.choices:
-        assert len(valid_calls(c.message.tool_calls or ())) == 1, c.message
+        calls = c.message.tool_calls or []
+        assert calls, c.message
+        assert c.finish_reason in ("tool_calls", "length")
+        valid_calls(calls if c.finish_reason == "tool_calls" else calls[:-1])
 
 
 def test_json_schema_replies_are_valid(client: OpenAI) -> None:
     fmt = {"type": "json_schema", "json_schema": {"name": "w", "schema": WEATHER, "strict": True}}
     for temperature in (0, 1.0):
-        r = client.chat.completions.create(
-            model=model_of(client), messages=MESSAGES, response_format=fmt,
-            max_tokens=MAX_TOKENS, temperature=temperature, seed=3,
+        r = create(
+            client, messages=MESSAGES, response_format=fmt, max_tokens=MAX_TOKENS,
+            temperature=temperature, seed=3,
         )  # fmt: skip
         (c,) = r.choices
         assert c.finish_reason == "stop", c
@@ -157,8 +169,8 @@ def test_json_schema_replies_are_valid(client: OpenAI) -> None:
 
 
 def test_json_object_replies_parse(client: OpenAI) -> None:
-    r = client.chat.completions.create(
-        model=model_of(client), messages=MESSAGES, response_format={"type": "json_object"},
+    r = create(
+        client, messages=MESSAGES, response_format={"type": "json_object"},
         max_tokens=MAX_TOKENS, temperature=0, logit_bias={"0": -100},
     )  # fmt: skip
     (c,) = r.choices
@@ -169,19 +181,18 @@ def test_json_object_replies_parse(client: OpenAI) -> None:
 
 
 def test_a_history_with_calls_and_results_is_served(client: OpenAI) -> None:
-    first = client.chat.completions.create(
-        model=model_of(client), messages=MESSAGES, tools=TOOLS, tool_choice="required",
-        max_tokens=MAX_TOKENS, temperature=0,
+    first = create(
+        client, messages=MESSAGES, tools=TOOLS, tool_choice="required",
+        parallel_tool_calls=False, max_tokens=MAX_TOKENS, temperature=0,
     ).choices[0].message  # fmt: skip
+    assert first.tool_calls, first
     calls = [c.model_dump() for c in first.tool_calls or ()]
     history = [
         *MESSAGES,
         {"role": "assistant", "content": first.content, "tool_calls": calls},
         *[{"role": "tool", "tool_call_id": c["id"], "content": '{"ok": true}'} for c in calls],
     ]
-    r = client.chat.completions.create(
-        model=model_of(client), messages=history, tools=TOOLS, max_tokens=8, temperature=0
-    )
+    r = create(client, messages=history, tools=TOOLS, max_tokens=8, temperature=0)
     assert r.choices[0].finish_reason in ("stop", "length", "tool_calls")
     with pytest.raises(BadRequestError, match="call_nope"):
         client.chat.completions.create(

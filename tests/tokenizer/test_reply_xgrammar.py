@@ -90,7 +90,12 @@ def _written(style: str, rng: random.Random) -> tuple[str, str, list[tuple[str, 
     if style == "glm_4_7":
         written = (t + _glm(rng, n, a) for t, (n, a) in zip(texts, calls, strict=False))
         text = "".join(written) + texts[-1]
-        return text, "".join(t.strip() for t in texts), calls
+        # whitespace around a string value is formatting in GLM's format: it reads back stripped
+        read = [
+            (n, {k: v.strip() if TYPES[n][k] == "string" else v for k, v in a.items()})
+            for n, a in calls
+        ]
+        return text, "".join(t.strip() for t in texts), read
     # Two blocks: the first holds all calls but the last.
     blocks = [calls[:-1], calls[-1:]] if len(calls) > 1 else [calls]
     text, content = "", ""

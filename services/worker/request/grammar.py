@@ -12,6 +12,7 @@ from collections.abc import Collection, Sequence
 import xgrammar as xgr
 
 from dhisparse.tokenizer import Tokenizer
+from dhisparse.tokenizer.reply import GRAMMAR_MAX_WHITESPACE
 from services.worker.request.grammar_state import GrammarState
 from services.worker.request.grammar_vocab import tokenizer_info
 from services.worker.request.request import Grammar, SamplingParams
@@ -96,7 +97,9 @@ class GrammarCompiler:
         try:
             if kind == "structural_tag":
                 return compiler.compile_structural_tag(spec)
-            return compiler.compile_json_schema(spec, strict_mode=kind == "json_schema")
+            return compiler.compile_json_schema(
+                spec, strict_mode=kind == "json_schema", max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE
+            )
         except RuntimeError as e:
             reason = _XGR_PREFIX.sub("", str(e).strip())
             raise ValueError(f"invalid {kind}: {reason}") from None
