@@ -79,7 +79,7 @@ def family(request) -> str:
 
 @pytest.fixture(scope="module")
 def client(family: str, tmp_path_factory) -> Iterator[OpenAI]:
-    flags: tuple[str, ...] = ("--kv-pool-mib", "256", "--max-model-len", "2048", "--no-restart")
+    flags: tuple[str, ...] = ("--kv-pool-mib", "512", "--max-model-len", "2048", "--no-restart")
     if family != "shipped":  # the shipped model drafts with its MTP layer (the default)
         make = _glm_dir if family == "glm5-tiny" else _v32_dir
         model = make(tmp_path_factory.mktemp(family))
