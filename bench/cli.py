@@ -70,6 +70,8 @@ COMMANDS: dict[str, Command] = {
                         torch=False),
     "burst": Command("bench.burst", "a burst of completions against make run's defaults",
                      torch=False),
+    "grammar-cost": Command("bench.grammar_cost",
+                            "constrained decoding's cost per decode step, lockstep"),
     "gpu-tests": Command("bench.gpu_tests", "the GPU test suite, each test's outcome (CUDA)"),
     "slices": Command("bench.slices", "real-dimension slices vs transformers: errors (CUDA)"),
 }

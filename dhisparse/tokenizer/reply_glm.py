@@ -7,9 +7,9 @@ A call is ``<tool_call>NAME`` (the name ends at a newline, at the first ``<arg_k
 string when the tool's JSON schema types that parameter ``"string"``; otherwise it is the JSON
 it holds, or a string when it holds none (``CallBody``).
 
-Content is each stretch of text between tool calls without its surrounding whitespace, as the
-chat template writes it (``content.strip()``, a newline before each ``<tool_call>``), so
-whitespace is held back only until text follows it. A reply cut inside a call: a call whose name
+Content is the answer's text as written but for the whitespace that separates it from a tool
+call (the chat template writes a newline before each ``<tool_call>``), so whitespace is held
+back only until text, a call or the end follows it. A reply cut inside a call: a call whose name
 was read stays a call, its arguments closed as ``CallBody`` says; one cut before its name ends
 is dropped, like a nameless call."""
 
@@ -52,27 +52,35 @@ def string_parameters(tools: Sequence[Mapping[str, Any]], name: str) -> frozense
     return frozenset()
 
 
-class _Stripped:
-    """Releases stretches of text without their leading and trailing whitespace, holding back
-    only whitespace that may yet be trailing."""
+class _Content:
+    """Releases the answer's text as written but for the whitespace that only separates it
+    from a tool call: the whitespace before ``<tool_call>`` and after ``</tool_call>``. Only
+    whitespace that may yet precede a call is held back."""
 
     def __init__(self) -> None:
-        self._started = False
+        self._after_call = False  # the stretch follows a call: its leading whitespace goes
         self._space = ""
 
     def add(self, text: str) -> str:
-        if not self._started:
+        if self._after_call:
             text = text.lstrip()
-            self._started = bool(text)
+            self._after_call = not text
         body = self._space + text
         kept = body.rstrip()
         self._space = body[len(kept) :]
         return kept
 
-    def end(self) -> None:
-        """Ends a stretch: the whitespace held back is dropped."""
-        self._started = False
+    def before_call(self) -> None:
+        """A call follows: the whitespace held back is dropped."""
         self._space = ""
+
+    def after_call(self) -> None:
+        self._after_call = True
+
+    def end(self) -> str:
+        """The answer has ended: the whitespace held back, which no call follows."""
+        space, self._space = self._space, ""
+        return space
 
 
 class GlmAnswer(AnswerReader):
@@ -82,7 +90,7 @@ class GlmAnswer(AnswerReader):
     def __init__(self, tools: Sequence[Mapping[str, Any]] | None) -> None:
         super().__init__()
         self._tools = tuple(tools or ())
-        self._content = _Stripped()
+        self._content = _Content()
         self._state: Literal["content", "name", "nameless"] = "content"
 
     def read_outside(self, out: list[ReplyEvent], *, final: bool) -> bool:
@@ -95,7 +103,7 @@ class GlmAnswer(AnswerReader):
             if kept:
                 out.append(ContentDelta(kept))
             if tag is not None:
-                self._content.end()
+                self._content.before_call()
                 self._state = "name"
             return bool(text) or tag is not None
         if self._state == "nameless":
@@ -120,6 +128,9 @@ class GlmAnswer(AnswerReader):
 
     def body_closed(self) -> None:
         self._state = "content"
+        self._content.after_call()
 
     def end_outside(self, out: list[ReplyEvent]) -> None:
-        self._content.end()
+        space = self._content.end()
+        if space:
+            out.append(ContentDelta(space))

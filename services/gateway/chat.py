@@ -53,13 +53,13 @@ async def create_chat_completion(
     max_tokens = resolve_max_tokens(len(prompt_ids), req.requested_max_tokens(), limits)
     grammar = grammar_for(req, prompt.text, ctx.reply_style)
     sampling = chat_sampling(req, max_tokens, limits, grammar)
-    if ctx.reply_style is not None:  # its markers may be special tokens: the parser reads them
-        sampling = replace(sampling, skip_special_tokens=False)
     fmt = ReplyFormat(
         style=ctx.reply_style,
         reasoning_open=reasoning_open(prompt.text, ctx.reply_style),
         tools=req.template_tools() if req.effective_tool_choice() != "none" else None,
     )
+    if fmt.reads_markers:  # they may be special tokens: the text must keep them
+        sampling = replace(sampling, skip_special_tokens=False)
     response_id = new_id("chatcmpl")
     inputs = [
         GenerationInput(f"{response_id}-{i}", tuple(prompt_ids), sampling.for_choice(i), model)

@@ -40,6 +40,12 @@ class ReplyFormat:
     reasoning_open: bool = False
     tools: Sequence[Mapping[str, Any]] | None = None
 
+    @property
+    def reads_markers(self) -> bool:
+        """Whether the parser looks for the format's tags (reasoning or tool calls), which a
+        tokenizer may hold as special tokens (so the worker's text must keep those)."""
+        return self.style is not None and (self.reasoning_open or bool(self.tools))
+
     def whole(self, text: str) -> Reply:
         if self.style is None:
             return Reply(content=text, reasoning="", tool_calls=())

@@ -107,6 +107,7 @@ class GatewayContext:
             api_key=bool(self.settings.api_key),
             served_model=self.served_model_name() if named else None,
             max_model_len=self.pool.max_model_len(),
+            tool_calls=self.reply_style is not None,
         )
 
     async def start(

@@ -91,13 +91,20 @@ def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb
     return request
 
 
+# JSON has no infinity: a logprob of -inf (a token the request's grammar, bias or bans forbid)
+# is sent as this, as vLLM and OpenAI do.
+LOGPROB_FLOOR = -9999.0
+
+
 def _logprobs(entries: Iterable[worker_pb2.TokenLogprob]) -> tuple[TokenLogprob, ...]:
     return tuple(
         TokenLogprob(
             token_id=lp.token_id,
             token=lp.token,
-            logprob=lp.logprob,
-            top=tuple(TopLogprob(t.token_id, t.token, t.logprob) for t in lp.top),
+            logprob=max(lp.logprob, LOGPROB_FLOOR),
+            top=tuple(
+                TopLogprob(t.token_id, t.token, max(t.logprob, LOGPROB_FLOOR)) for t in lp.top
+            ),
         )
         for lp in entries
     )

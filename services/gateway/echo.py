@@ -24,9 +24,6 @@ from services.gateway.errors import APIError
 from services.gateway.generation import TokenLogprob
 from services.gateway.responses import CompletionLogprobs, PromptLogprob, completion_logprobs
 
-# JSON has no infinity: a logprob of -inf is sent as this, as vLLM and OpenAI do.
-LOGPROB_FLOOR = -9999.0
-
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
@@ -56,10 +53,7 @@ def echoed_logprobs(
     head = CompletionLogprobs(
         text_offset=[0], token_logprobs=[None], tokens=[first.token], top_logprobs=[None]
     )
-    floored = [
-        TokenLogprob(lp.token_id, lp.token, max(lp.logprob, LOGPROB_FLOOR), lp.top) for lp in rest
-    ]
-    tail = completion_logprobs([*floored, *generated], top, len(first.token))
+    tail = completion_logprobs([*rest, *generated], top, len(first.token))
     return CompletionLogprobs(
         text_offset=head.text_offset + tail.text_offset,
         token_logprobs=head.token_logprobs + tail.token_logprobs,
@@ -77,7 +71,7 @@ def vllm_prompt_logprobs(prompt: Sequence[TokenLogprob], top: int) -> PromptLogp
         ranks = {t.token_id: k + 1 for k, t in enumerate(lp.top)}
         entry = {
             lp.token_id: PromptLogprob(
-                logprob=max(lp.logprob, LOGPROB_FLOOR),
+                logprob=lp.logprob,
                 rank=ranks.get(lp.token_id),
                 decoded_token=lp.token,
             )
@@ -85,9 +79,7 @@ def vllm_prompt_logprobs(prompt: Sequence[TokenLogprob], top: int) -> PromptLogp
         for k, t in enumerate(alternatives):
             entry.setdefault(
                 t.token_id,
-                PromptLogprob(
-                    logprob=max(t.logprob, LOGPROB_FLOOR), rank=k + 1, decoded_token=t.token
-                ),
+                PromptLogprob(logprob=t.logprob, rank=k + 1, decoded_token=t.token),
             )
         out.append(entry)
     return out

@@ -107,6 +107,7 @@ class SchemaLimits:
     api_key: bool
     served_model: str | None = None
     max_model_len: int | None = None
+    tool_calls: bool = True  # the model has a tool-call format (else tools need "none")
 
 
 def error_responses(*statuses: int) -> dict[int | str, dict[str, Any]]:
@@ -246,6 +247,13 @@ def _limit_access(schema: JsonSchema, limits: SchemaLimits) -> None:
                     operation["security"] = [{"bearer": []}]
 
 
+# A model without a tool-call format takes tools only under tool_choice "none".
+_NO_TOOL_CALLS: JsonSchema = {
+    "if": {"properties": {"tools": {"type": "array", "minItems": 1}}, "required": ["tools"]},
+    "then": {"properties": {"tool_choice": {"const": "none"}}, "required": ["tool_choice"]},
+}
+
+
 def specialize(base: JsonSchema, limits: SchemaLimits) -> JsonSchema:
     """``base`` with the running server's limits placed into it."""
     schema = copy.deepcopy(base)
@@ -257,6 +265,8 @@ def specialize(base: JsonSchema, limits: SchemaLimits) -> JsonSchema:
     constrain(top_logprobs, "integer", maximum=min(20, limits.max_logprobs))
     if limits.roles:  # none: the chat route refuses every chat (the model has no template)
         components["ChatMessage"]["properties"]["role"]["enum"] = list(limits.roles)
+    if not limits.tool_calls:
+        chat.setdefault("allOf", []).append(_NO_TOOL_CALLS)
     _limit_completion(completion, limits)
     _limit_access(schema, limits)
     return schema

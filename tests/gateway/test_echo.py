@@ -1,22 +1,37 @@
 """The echo module on hand-built worker entries: legacy logprobs with the prompt's first (null
 first, offsets running on), vLLM's ``prompt_logprobs`` (the token first, ranks by position,
-null where the token is outside the alternatives sent, -inf floored), and the 503 when a
+null where the token is outside the alternatives sent), and the 503 when a
 choice that needs its prompt's scores has none."""
 
 from __future__ import annotations
 
 import pytest
 
-from services.gateway.echo import LOGPROB_FLOOR, PromptEcho, echoed_logprobs, vllm_prompt_logprobs
+from dhisparse.rpc import worker_pb2
+from services.gateway.convert import LOGPROB_FLOOR, generation_delta
+from services.gateway.echo import PromptEcho, echoed_logprobs, vllm_prompt_logprobs
 from services.gateway.errors import APIError
 from services.gateway.generation import TokenLogprob, TopLogprob
 
 PROMPT = (
     TokenLogprob(1, "<s>", 0.0),  # the worker's placeholder
     TokenLogprob(7, "ab", -1.5, (TopLogprob(7, "ab", -1.5), TopLogprob(9, "c", -2.0))),
-    TokenLogprob(5, "d", float("-inf"), (TopLogprob(9, "c", -0.1), TopLogprob(8, "e", -3.0))),
+    TokenLogprob(5, "d", LOGPROB_FLOOR, (TopLogprob(9, "c", -0.1), TopLogprob(8, "e", -3.0))),
 )
 GENERATED = (TokenLogprob(8, "e", -0.2, (TopLogprob(8, "e", -0.2),)),)
+
+
+def test_minus_infinity_arrives_floored() -> None:
+    """JSON has no infinity: a forbidden token's -inf, generated or in the prompt, alternative
+    or sampled, becomes LOGPROB_FLOOR as the worker's answer is read."""
+    inf = float("-inf")
+    entry = worker_pb2.TokenLogprob(
+        token_id=5, token="d", logprob=inf,
+        top=[worker_pb2.TopLogprob(token_id=9, token="c", logprob=inf)],
+    )  # fmt: skip
+    delta = generation_delta(worker_pb2.GenerateResponse(logprobs=[entry], prompt_logprobs=[entry]))
+    for lp in (*delta.logprobs, *delta.prompt_logprobs):
+        assert lp.logprob == LOGPROB_FLOOR and lp.top[0].logprob == LOGPROB_FLOOR
 
 
 def test_echoed_logprobs_put_the_prompt_first() -> None:

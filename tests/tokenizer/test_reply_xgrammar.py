@@ -95,7 +95,12 @@ def _written(style: str, rng: random.Random) -> tuple[str, str, list[tuple[str, 
             (n, {k: v.strip() if TYPES[n][k] == "string" else v for k, v in a.items()})
             for n, a in calls
         ]
-        return text, "".join(t.strip() for t in texts), read
+        # content as written but for the whitespace beside each call
+        content = "".join(
+            (t.lstrip() if i > 0 else t).rstrip() if i < len(calls) else (t.lstrip() if i else t)
+            for i, t in enumerate(texts)
+        )
+        return text, content, read
     # Two blocks: the first holds all calls but the last.
     blocks = [calls[:-1], calls[-1:]] if len(calls) > 1 else [calls]
     text, content = "", ""

@@ -294,8 +294,11 @@ def test_the_chat_template_renders_as_transformers_renders_it(built) -> None:
             )
             ids = ids["input_ids"] if hasattr(ids, "keys") else ids
             assert fmt.encode(messages, add_generation_prompt=gen) == list(ids)
-    # GLM-4.7's template (GLM-5's family): the generation prompt opens a reasoning block.
-    assert fmt.render(CHATS[0]) == "[gMASK]<sop><|user|>Hello!<|assistant|><think>"
+    # GLM-4.7's template (GLM-5's family), thinking only when asked: the generation prompt
+    # closes the reasoning block unless enable_thinking opens it.
+    assert fmt.render(CHATS[0]) == "[gMASK]<sop><|user|>Hello!<|assistant|></think>"
+    thinking = fmt.render(CHATS[0], enable_thinking=True)
+    assert thinking == "[gMASK]<sop><|user|>Hello!<|assistant|><think>"
     assert fmt.render(CHATS[2], add_generation_prompt=False).endswith(
         '<|observation|><tool_response>{"ok": true}</tool_response>'
     )

@@ -1,0 +1,120 @@
+"""What constrained decoding costs a decode step (``python -m bench grammar-cost``): the engine
+decoding a batch of ``--batch`` requests, each with a JSON-schema grammar, beside the same batch
+unconstrained, in lockstep (round i of each variant back to back, one engine).
+
+    python -m bench grammar-cost --out docs/results/grammar_cost.json
+
+Every round adds the batch's requests (held-out prompts of ``--prompt-len`` ids), runs their
+prefill, then times ``--steps`` decode steps (``Engine.step``, synchronized) and aborts them.
+The grammar is an array of strings with no bound (``SCHEMA``), so no request ends inside the
+window. Reported: each variant's median step time over the rounds, the overhead of the grammar
+(constrained / unconstrained - 1) and, apart, what filling the batch's masks alone takes on
+the host per step (``GrammarState.fill``: xgrammar's matcher, one request after another). The
+issue's goal is an overhead of at most 5% at a batch of 64 on the GPU."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+
+import torch
+
+from bench.heldout import heldout_prompts
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.request.request import Grammar, SamplingParams
+
+MODEL = "models/glm-dsa-mini"
+SCHEMA = json.dumps({"type": "array", "items": {"type": "string"}})
+GOAL = 0.05
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_round(eng: Engine, prompts: list[list[int]], grammar: Grammar | None, steps: int) -> dict:
+    """Decode step times (s) of one batch, and the host time of its mask fills per step."""
+    params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, grammar=grammar)
+    tag = "g" if grammar else "f"
+    reqs = [eng.add_request(f"{tag}-{i}-{time.monotonic_ns()}", p, params)
+            for i, p in enumerate(prompts)]  # fmt: skip
+    while any(r.prefilling for r in reqs):
+        eng.step()
+    times = []
+    for _ in range(steps):
+        _sync(eng.device)
+        t0 = time.perf_counter()
+        eng.step()
+        _sync(eng.device)
+        times.append(time.perf_counter() - t0)
+    fill = 0.0
+    if grammar is not None:  # the masks alone, at the states the batch reached
+        t0 = time.perf_counter()
+        for r in reqs:
+            assert r.grammar is not None
+            r.grammar.fill(1)
+        fill = time.perf_counter() - t0
+    for r in reqs:
+        eng.abort(r.request_id)
+    return {"step_s": statistics.median(times), "mask_fill_s": fill}
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--batch", type=int, default=64)
+    ap.add_argument("--prompt-len", type=int, default=256)
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--kv-pool-mib", type=float, default=1024.0)
+    ap.add_argument("--seed", type=int, default=5)
+
+
+def run(args: argparse.Namespace) -> dict:
+    eng = Engine(
+        EngineConfig(
+            model=args.model, device=args.device, mode="resident", kv_pool_mib=args.kv_pool_mib,
+            max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 64,
+        )
+    )  # fmt: skip
+    prompts = heldout_prompts(args.model, args.batch, args.prompt_len, args.seed)
+    variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
+    for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache
+        one_round(eng, prompts, g, 2)
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    for i in range(args.rounds):
+        for v, g in variants.items():
+            row = one_round(eng, prompts, g, args.steps)
+            rows[v].append(row)
+            print(f"round {i} {v}: step {row['step_s'] * 1e3:.2f} ms", flush=True)
+    eng.close()
+    step = {v: statistics.median(r["step_s"] for r in rs) for v, rs in rows.items()}
+    overhead = step["json_schema"] / step["unconstrained"] - 1
+    spread = [r["step_s"] for r in rows["unconstrained"]]
+    fill = statistics.median(r["mask_fill_s"] for r in rows["json_schema"])
+    print(f"batch {args.batch} on {args.device}: {step['unconstrained'] * 1e3:.2f} ms a step "
+          f"unconstrained, {step['json_schema'] * 1e3:.2f} ms with a grammar "
+          f"({overhead:+.1%}); the masks alone {fill * 1e3:.2f} ms on the host")  # fmt: skip
+    return {
+        "benchmark": "grammar-cost",
+        "device": args.device,
+        "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
+        "model": args.model,
+        "batch": args.batch,
+        "prompt_len": args.prompt_len,
+        "steps": args.steps,
+        "rounds": args.rounds,
+        "schema": json.loads(SCHEMA),
+        "median_step_s": step,
+        "overhead": overhead,
+        "unconstrained_step_spread_s": [min(spread), max(spread)],
+        "median_mask_fill_s": fill,
+        "goal_overhead": GOAL,
+        "goal_applies": args.device == "cuda" and args.batch == 64,
+        "meets_goal": overhead <= GOAL,
+        "per_round": rows,
+    }
