@@ -79,6 +79,7 @@ def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb
     if s.grammar is not None:
         sampling.grammar.kind = s.grammar.kind
         sampling.grammar.spec = s.grammar.spec
+        sampling.grammar.reasoning_open = s.grammar.reasoning_open
     if s.prompt_logprobs is not None:
         sampling.prompt_logprobs = s.prompt_logprobs
     if not s.skip_special_tokens:

@@ -40,7 +40,11 @@ def sampling_from_proto(p: pb.SamplingParams) -> SamplingParams:
         repetition_penalty=p.repetition_penalty if p.repetition_penalty > 0 else 1.0,
         min_p=p.min_p,
         logit_bias=tuple(sorted(p.logit_bias.items())),
-        grammar=Grammar(p.grammar.kind, p.grammar.spec) if p.grammar.kind else None,
+        grammar=(
+            Grammar(p.grammar.kind, p.grammar.spec, p.grammar.reasoning_open)
+            if p.grammar.kind
+            else None
+        ),
         prompt_logprobs=p.prompt_logprobs if p.HasField("prompt_logprobs") else None,
         skip_special_tokens=p.skip_special_tokens if p.HasField("skip_special_tokens") else True,
     )

@@ -1,7 +1,7 @@
-"""The reply's grammar (``constraints``) against the real formats: what each family's own chat
-format renders for an assistant turn with tool calls (GLM-4.7's template on the shipped model,
-DeepSeek-V3.2's encoder) must be a reply the grammar built from the prompt accepts, as xgrammar
-matches it; what breaks the choice (another tool, a second call without parallel calls, text
+"""The reply's grammar (``constraints``, then the worker's ``grammar_specs`` that builds and
+compiles it) against the real formats: what each family's own chat format renders for an
+assistant turn with tool calls (GLM-4.7's template on the shipped model, DeepSeek-V3.2's
+encoder) must be a reply the grammar built from the prompt accepts, as xgrammar matches it; what breaks the choice (another tool, a second call without parallel calls, text
 where a call is required, JSON off the schema) must not be. Whether reasoning is open follows
 the rendered prompts of both families."""
 
@@ -13,7 +13,6 @@ import sys
 from typing import Any
 
 import pytest
-import xgrammar
 from xgrammar.testing import _is_grammar_accept_string
 
 from dhisparse.paths import ROOT
@@ -30,6 +29,8 @@ from services.gateway.errors import APIError
 from services.gateway.generation import GrammarSpec
 from services.gateway.preprocess import chat_prompt
 from services.gateway.protocol import ChatCompletionRequest
+from services.worker.request.grammar_specs import grammar_of
+from services.worker.request.request import Grammar
 
 SHIPPED = ROOT / "models" / "glm-dsa-mini"
 GLM = chat_formatter(load_tokenizer(SHIPPED), SHIPPED)
@@ -65,12 +66,8 @@ def req(**kw: Any) -> ChatCompletionRequest:
 
 
 def _accepts(spec: GrammarSpec, reply: str) -> bool:
-    if spec.kind == "structural_tag":
-        grammar = xgrammar.Grammar.from_structural_tag(spec.spec)
-    elif spec.kind == "json_schema":
-        grammar = xgrammar.Grammar.from_json_schema(spec.spec)
-    else:
-        grammar = xgrammar.Grammar.builtin_json_grammar()
+    """Whether the grammar the worker builds of ``spec`` accepts ``reply``."""
+    grammar = grammar_of(Grammar(spec.kind, spec.spec, spec.reasoning_open))
     return _is_grammar_accept_string(grammar, reply)
 
 
@@ -127,7 +124,8 @@ def test_the_formats_own_tool_calls_are_what_the_grammar_accepts(
 
     def grammar(**kw: Any) -> GrammarSpec:
         spec = grammar_for(req(tools=TOOLS, **kw), prompt, style)
-        assert spec is not None and spec.kind == "structural_tag"
+        assert spec is not None and spec.kind == "tool_calls"
+        assert spec.reasoning_open is thinking
         return spec
 
     required, forced, auto = grammar(tool_choice="required"), grammar(tool_choice=named), grammar()
@@ -151,14 +149,14 @@ def test_json_formats_follow_the_open_reasoning(
     closed = chat_prompt(fmt, req(chat_template_kwargs={flag: False})).text
     opened = chat_prompt(fmt, req(chat_template_kwargs={flag: True})).text
     plain = grammar_for(req(response_format=as_schema), closed, style)
-    assert plain == GrammarSpec("json_schema", json.dumps(schema))
+    assert plain == GrammarSpec("json_schema", json.dumps(schema), False)
     assert _accepts(plain, '{"a": 1}') and not _accepts(plain, '{"a": "x"}')
     thought = grammar_for(req(response_format=as_schema), opened, style)
-    assert thought is not None and thought.kind == "structural_tag"
+    assert thought == GrammarSpec("json_schema", json.dumps(schema), True)
     assert _accepts(thought, 'Think first.</think>{"a": 1}')
     assert not _accepts(thought, '{"a": 1}') and not _accepts(thought, 'x</think>{"a": "x"}')
     any_object = grammar_for(req(response_format={"type": "json_object"}), closed, style)
-    assert any_object == GrammarSpec("json_object")
+    assert any_object == GrammarSpec("json_object", "", False)
     assert _accepts(any_object, '{"b": [1, 2]}')
     nameless = {"type": "json_schema", "json_schema": {"name": "r"}}
     assert grammar_for(req(response_format=nameless), closed, style) == any_object
@@ -166,7 +164,7 @@ def test_json_formats_follow_the_open_reasoning(
     assert grammar_for(req(), opened, style) is None
 
 
-def test_what_cannot_be_enforced_is_a_400_naming_the_param() -> None:
+def test_what_the_gateway_refuses_is_a_400_naming_the_param() -> None:
     def refused(r: ChatCompletionRequest, style: Style | None) -> tuple[str, str | None]:
         with pytest.raises(APIError) as e:
             grammar_for(r, "<|assistant|></think>", style)
@@ -176,15 +174,23 @@ def test_what_cannot_be_enforced_is_a_400_naming_the_param() -> None:
     message, param = refused(req(tools=TOOLS), None)
     assert (message, param) == ("this model has no tool-call format", "tools")
     assert grammar_for(req(tools=TOOLS, tool_choice="none"), "x", None) is None
-    unknown = {"type": "object", "properties": {"a": {"type": "frob"}}}
-    bad_schema = {"type": "json_schema", "json_schema": {"name": "r", "schema": unknown}}
-    assert refused(req(response_format=bad_schema), "glm_4_7")[1] == "response_format"
-    bad_tool = {"type": "function", "function": {"name": "f", "parameters": unknown}}
-    assert refused(req(tools=[bad_tool], tool_choice="required"), "glm_4_7")[1] == "tools"
     both = req(tools=TOOLS, response_format={"type": "json_object"})
     assert refused(both, "glm_4_7")[1] == "response_format"
     forced = req(tools=TOOLS, tool_choice="required", response_format={"type": "json_object"})
     assert grammar_for(forced, "x", "glm_4_7") is not None  # the reply is the calls
+
+
+def test_what_xgrammar_cannot_read_the_worker_refuses() -> None:
+    """A schema or tool xgrammar cannot compile passes the gateway and is the worker's
+    ValueError (its INVALID_ARGUMENT, the client's 400: test_http_errors)."""
+    unknown = {"type": "object", "properties": {"a": {"type": "frob"}}}
+    bad_schema = {"type": "json_schema", "json_schema": {"name": "r", "schema": unknown}}
+    bad_tool = {"type": "function", "function": {"name": "f", "parameters": unknown}}
+    for r in (req(response_format=bad_schema), req(tools=[bad_tool], tool_choice="required")):
+        spec = grammar_for(r, "<|assistant|></think>", "glm_4_7")
+        assert spec is not None
+        with pytest.raises((ValueError, RuntimeError)):
+            grammar_of(Grammar(spec.kind, spec.spec, spec.reasoning_open))
 
 
 def test_the_gateway_imports_no_xgrammar() -> None:

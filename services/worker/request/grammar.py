@@ -3,7 +3,6 @@ a cache of compiled grammars keyed by the grammar (its kind and spec)."""
 
 from __future__ import annotations
 
-import json
 import re
 import threading
 from collections import OrderedDict
@@ -12,12 +11,10 @@ from collections.abc import Collection, Sequence
 import xgrammar as xgr
 
 from dhisparse.tokenizer import Tokenizer
-from dhisparse.tokenizer.reply import GRAMMAR_MAX_WHITESPACE
+from services.worker.request.grammar_specs import grammar_of
 from services.worker.request.grammar_state import GrammarState
 from services.worker.request.grammar_vocab import tokenizer_info
 from services.worker.request.request import Grammar, SamplingParams
-
-KINDS = ("json_object", "json_schema", "structural_tag")
 
 # xgrammar's errors begin with a time, a source location and the check that failed
 _XGR_PREFIX = re.compile(r"^\[[^\]]*\] \S+:\d+: (Check failed: .*? is false: )?", re.DOTALL)
@@ -27,11 +24,8 @@ class GrammarCompiler:
     """Compiles grammars against one tokenizer (built on first use), thread-safe: the front
     compiles a request's grammar when it validates it, the engine thread finds it cached.
 
-    Kinds: ``json_object`` (any JSON object), ``json_schema`` (spec: the schema, JSON text; as
-    OpenAI's strict structured output, properties and items outside the schema are not
-    allowed) and ``structural_tag`` (spec: an xgrammar structural tag, JSON text, e.g. one of
-    ``xgrammar.get_model_structural_tag`` for a model's tool-call format). JSON may carry any
-    whitespace between its tokens."""
+    The kinds and what is built of them: ``grammar_specs`` (a ``json_schema`` is OpenAI's
+    strict structured output: properties and items outside the schema are not allowed)."""
 
     def __init__(
         self,
@@ -84,25 +78,11 @@ class GrammarCompiler:
         return st
 
     def _compile(self, grammar: Grammar) -> xgr.CompiledGrammar:
-        kind, spec = grammar.kind, grammar.spec
-        if kind not in KINDS:
-            raise ValueError(f"grammar kind must be one of {list(KINDS)}, got {kind!r}")
-        if kind == "json_object":
-            spec = '{"type": "object"}'
         try:
-            json.loads(spec)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"{kind} spec is not valid JSON: {e}") from None
-        compiler = self._xgr_compiler()
-        try:
-            if kind == "structural_tag":
-                return compiler.compile_structural_tag(spec)
-            return compiler.compile_json_schema(
-                spec, strict_mode=kind == "json_schema", max_whitespace_cnt=GRAMMAR_MAX_WHITESPACE
-            )
+            return self._xgr_compiler().compile_grammar(grammar_of(grammar))
         except RuntimeError as e:
             reason = _XGR_PREFIX.sub("", str(e).strip())
-            raise ValueError(f"invalid {kind}: {reason}") from None
+            raise ValueError(f"invalid {grammar.kind}: {reason}") from None
 
     def _xgr_compiler(self) -> xgr.GrammarCompiler:
         with self._lock:

@@ -35,8 +35,9 @@ FLOAT32_MAX = 3.4028234663852886e38
 class Grammar:
     """A grammar the output must follow (``Grammar`` in worker.proto)."""
 
-    kind: str  # "json_object" | "json_schema" | "structural_tag"
-    spec: str = ""  # the JSON schema or structural tag as JSON text ("" for json_object)
+    kind: str  # "json_object" | "json_schema" | "tool_calls" | "structural_tag"
+    spec: str = ""  # JSON text: the schema, the tools' call or the structural tag ("": none)
+    reasoning_open: bool = False  # the reply first ends the reasoning block the prompt opened
 
 
 @dataclass(frozen=True)
