@@ -9,11 +9,12 @@ WORKDIR /src
 COPY pyproject.toml ./
 COPY dhisparse ./dhisparse
 COPY services ./services
-# The gateway never imports torch or triton (tests/deploy/test_docker.py checks it), so the
-# project's dependencies are installed without them, read from pyproject.toml so that the list
-# cannot drift; then the project itself, without its dependencies.
+# The gateway never imports torch, triton or xgrammar (the workers compile grammars;
+# tests/deploy/test_docker.py checks it), so the project's dependencies are installed without
+# them (xgrammar would pull torch in), read from pyproject.toml so that the list cannot drift;
+# then the project itself, without its dependencies.
 RUN python -m venv /opt/venv \
- && python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[\s<>=!~;\[]', d)[0] not in ('torch', 'triton')))" > /tmp/requirements.txt \
+ && python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; print('\n'.join(d for d in deps if re.split(r'[\s<>=!~;\[]', d)[0] not in ('torch', 'triton', 'xgrammar')))" > /tmp/requirements.txt \
  && /opt/venv/bin/pip install -r /tmp/requirements.txt \
  && /opt/venv/bin/pip install --no-deps . \
  && find /opt/venv -name __pycache__ -prune -exec rm -rf {} +

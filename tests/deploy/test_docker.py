@@ -180,14 +180,14 @@ def test_copied_sources_pass_the_dockerignore() -> None:
 
 @pytest.mark.parametrize("package", ["services.gateway", "services.kv_host_store"])
 def test_slim_images_need_no_torch(package: str) -> None:
-    """The gateway and store images leave torch and triton out: importing every module of the
-    service (as the image's `dhisparse` does) must not pull them in."""
+    """The gateway and store images leave torch, triton and xgrammar out: importing every module
+    of the service (as the image's `dhisparse` does) must not pull them in."""
     code = f"""
 import importlib, pkgutil, sys
 import dhisparse.cli, {package} as pkg
 for m in pkgutil.iter_modules(pkg.__path__):
     importlib.import_module(pkg.__name__ + "." + m.name)
-bad = sorted({{"torch", "triton"}} & set(sys.modules))
+bad = sorted({{"torch", "triton", "xgrammar"}} & set(sys.modules))
 assert not bad, bad
 """
     r = subprocess.run(
