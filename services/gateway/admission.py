@@ -122,8 +122,9 @@ class MemoryAdmission:
             if lease is not None:
                 return self._admitted(job, lease, start)
             tried = True
+        deadline = start + self.cfg.queue_deadline_s
         if not retry:
-            self._refuse_a_long_wait(job, len(queue) + 1, start + self.cfg.queue_deadline_s)
+            self._refuse_a_long_wait(job, len(queue) + 1, deadline, time.monotonic())
         if not retry and len(queue) >= self.cfg.max_queue:
             if self.cfg.max_queue == 0:
                 raise self._reject(
@@ -141,7 +142,6 @@ class MemoryAdmission:
         else:
             queue.append(waiter)
         self._set_depth(job.model)
-        deadline = start + self.cfg.queue_deadline_s
         try:
             while True:
                 waiter.turn.clear()
@@ -151,7 +151,8 @@ class MemoryAdmission:
                     if lease is not None:
                         return self._admitted(job, lease, start)
                 tried = False
-                remaining = deadline - time.monotonic()
+                now = time.monotonic()
+                remaining = deadline - now
                 if remaining <= 0:
                     raise self._reject(
                         job,
@@ -159,7 +160,7 @@ class MemoryAdmission:
                         "deadline",
                         f"No capacity for the request within {self.cfg.queue_deadline_s:g}s",
                     )
-                self._refuse_a_long_wait(job, queue.index(waiter) + 1, deadline)
+                self._refuse_a_long_wait(job, queue.index(waiter) + 1, deadline, now)
                 timeout = min(self.cfg.poll_s, remaining) if head else remaining
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(waiter.turn.wait(), timeout)
@@ -226,13 +227,16 @@ class MemoryAdmission:
 
         return TimedLease(lease, released)
 
-    def _refuse_a_long_wait(self, job: AdmissionJob, position: int, deadline: float) -> None:
+    def _refuse_a_long_wait(
+        self, job: AdmissionJob, position: int, deadline: float, now: float
+    ) -> None:
         """Raises 429 ``expected-wait`` when the request at ``position`` of its queue is
-        expected to be admitted after ``deadline`` (``queue_wait``)."""
+        expected to be admitted after ``deadline`` (``queue_wait``), as of ``now``: the time
+        its caller found the deadline ahead, so that a wait expected to end at once is never
+        refused for a deadline that passed in between (that one is the caller's 503)."""
         service = self._service.get(job.model)
         if service is None:
             return
-        now = time.monotonic()
         waiting = len(self._queues.get(job.model, ())) + 1
         at = service.admission_at(position, now, waiting)
         if at is None or at <= deadline:
