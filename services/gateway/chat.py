@@ -13,7 +13,6 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 
 from dhisparse.tokenizer import Tokenizer
-from dhisparse.tokenizer.reply import Reply
 from services.gateway.chat_reply import (
     ReplyFormat,
     finish_reason,
@@ -96,7 +95,10 @@ async def create_chat_completion(
             _reasoning_tokens(
                 fmt,
                 ctx.tokenizer,
-                [(r.token_ids, reply) for r, reply in zip(results, replies, strict=True)],
+                [
+                    (r.token_ids, reply.reasoning_end)
+                    for r, reply in zip(results, replies, strict=True)
+                ],
             ),
         ),
     )
@@ -104,12 +106,13 @@ async def create_chat_completion(
 
 
 def _reasoning_tokens(
-    fmt: ReplyFormat, tokenizer: Tokenizer, choices: Sequence[tuple[Sequence[int], Reply]]
+    fmt: ReplyFormat, tokenizer: Tokenizer, choices: Sequence[tuple[Sequence[int], int]]
 ) -> int | None:
-    """The choices' reasoning tokens together; None for a format that does not reason."""
+    """The choices' reasoning tokens together, from each one's token ids and the character
+    offset where its reasoning ended; None for a format that does not reason."""
     if fmt.style is None:
         return None
-    return sum(reasoning_tokens(tokenizer, ids, reply.reasoning_end) for ids, reply in choices)
+    return sum(reasoning_tokens(tokenizer, ids, end) for ids, end in choices)
 
 
 async def chat_chunks(
@@ -138,11 +141,9 @@ async def chat_chunks(
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     completion_tokens = [0] * len(streams)
     replies = [fmt.stream() for _ in streams]
-    texts = [""] * len(streams)
     token_ids: list[list[int]] = [[] for _ in streams]
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
-        texts[i] += delta.text
         token_ids[i].extend(delta.token_ids)
         last = delta.finish_reason is not None
         deltas = replies[i].feed(delta.text, last=last)
@@ -167,14 +168,14 @@ async def chat_chunks(
                 )
             )
     if include_usage:
-        whole = [(ids, fmt.whole(t)) for ids, t in zip(token_ids, texts, strict=True)]
+        ends = [(ids, r.reasoning_end) for ids, r in zip(token_ids, replies, strict=True)]
         final = ChatCompletionChunk(
             id=response_id,
             created=created,
             model=model,
             choices=[],
             usage=Usage.of(
-                prompt_tokens, sum(completion_tokens), _reasoning_tokens(fmt, tokenizer, whole)
+                prompt_tokens, sum(completion_tokens), _reasoning_tokens(fmt, tokenizer, ends)
             ),
         )
         yield final.model_dump_json()

@@ -106,6 +106,11 @@ class ReplyStream:
         )
         self.called = False  # a tool call began
 
+    @property
+    def reasoning_end(self) -> int:
+        """Where the reasoning ended in the text fed so far (``Reply.reasoning_end``)."""
+        return 0 if self._parser is None else self._parser.reasoning_end
+
     def feed(self, text: str, *, last: bool) -> list[DeltaMessage]:
         """The deltas ``text`` releases (``last``: the choice's final text, so nothing is held)."""
         if self._parser is None:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from dhisparse.tokenizer.reasoning import THINK_OPEN
 from services.gateway.errors import bad_request
 from services.gateway.generation import GrammarSpec
 from services.gateway.protocol import ChatCompletionRequest
@@ -24,7 +25,6 @@ from services.gateway.protocol_tools import JsonObjectFormat, JsonSchemaFormat, 
 
 Style = str  # a reply style (``reply_style``), which is also xgrammar's model style
 
-THINK_OPEN = "<think>"
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 
