@@ -62,7 +62,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--series", type=int, default=0,
         help="also time this many steps one by one right after the prefills (synchronised), "
-        "with the time in kv.payload.maintain(): the transient after admission",
+        "with the time in kv.payload.residency.maintain(): the transient after admission",
     )  # fmt: skip
 
 
@@ -146,17 +146,17 @@ def run(args: argparse.Namespace) -> int:
 
 
 def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
-    """Per-step wall time (ms, synchronised) and the part spent in ``kv.payload.maintain()``."""
+    """Per-step wall time (ms, synchronised) and the part spent in ``kv.payload.residency.maintain()``."""
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     spent = [0.0]
-    maintain = eng.kv.payload.maintain
+    maintain = eng.kv.payload.residency.maintain
 
     def timed() -> None:
         t = time.perf_counter()
         maintain()
         spent[0] += time.perf_counter() - t
 
-    eng.kv.payload.maintain = timed  # type: ignore[method-assign]
+    eng.kv.payload.residency.maintain = timed  # type: ignore[method-assign]
     walls, maint = [], []
     for _ in range(steps):
         sync()
@@ -166,10 +166,10 @@ def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:
         sync()
         walls.append((time.perf_counter() - t0) * 1e3)
         maint.append(spent[0] * 1e3)
-    eng.kv.payload.maintain = maintain  # type: ignore[method-assign]
+    eng.kv.payload.residency.maintain = maintain  # type: ignore[method-assign]
     print(f"\n===== series {label}: step ms " + " ".join(f"{w:.1f}" for w in walls))
     print(f"===== series {label}: maintain ms " + " ".join(f"{m:.1f}" for m in maint))
-    st = eng.kv.payload.residency_stats()
+    st = eng.kv.payload.residency.stats
     if st is not None:
         print(
             f"===== series {label}: reclaims {st.reclaim_events} repopulated {st.repopulated_pages}"

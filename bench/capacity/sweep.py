@@ -133,7 +133,7 @@ class Sweep:
 
     def _events(self) -> tuple[int, int, int]:
         """Counts of ``KINDS`` so far."""
-        res = self.engine.kv.payload.residency_stats()
+        res = self.engine.kv.payload.residency.stats
         graphs = self.engine.passes.graphs
         return (
             graphs.captures if graphs is not None else 0,
@@ -179,7 +179,7 @@ class Sweep:
                 census_host=d["host"] / total,
                 host_bytes_per_token=d["copied"] * self.engine.kv.row_bytes / max(1, c * args.decode_tokens),
             )  # fmt: skip
-        res = self.engine.kv.payload.residency_stats()
+        res = self.engine.kv.payload.residency.stats
         if res is not None:
             row.update(reclaims=res.reclaim_events, repopulated=res.repopulated_pages)
         if self.engine.passes.graphs is not None:  # captured so far (a capture step runs eagerly)
@@ -239,7 +239,7 @@ def probe_capacity(engine: Engine, mode: str, args, prompts: list[list[int]]) ->
         engine.step()
         steps += 1
         running = engine.num_running
-        stable = 0 if running > peak or engine.kv.payload.settling() else stable + 1
+        stable = 0 if running > peak or engine.kv.payload.residency.settling() else stable + 1
         peak = max(peak, running)
     for rid in ids:
         engine.abort(rid)

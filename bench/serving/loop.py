@@ -63,7 +63,7 @@ class Counters:
         sp = eng.speculator
         spec = None if sp is None else (sp.counters.drafts, sp.counters.draft_tokens,
                                         sp.counters.accepted)  # fmt: skip
-        st = eng.kv.payload.residency_stats()
+        st = eng.kv.payload.residency.stats
         resid = None
         if st is not None:
             resid = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages,
@@ -207,7 +207,7 @@ class ClosedLoop:
         start = self.start or Counters.read(eng)
         end = Counters.read(eng)
         w1 = min(self.w1, self.clock.now())
-        res = eng.kv.payload.residency_stats()
+        res = eng.kv.payload.residency.stats
         lats = list(res.reclaim_latency[start.residency[4] :]) if res and start.residency else []
         for rid, rec in self.live.items():  # the run ended with these in flight: abort them
             if rec.admitted is None and self.requests[rid].admitted_time is not None:

@@ -196,7 +196,7 @@ class WorkerMetrics:
         self._count_passes(engine)
         self._count_gc()
         self.waiting.labels(md).set(engine.num_waiting)
-        for rank, load in enumerate(engine.group.rank_loads()):
+        for rank, load in enumerate(engine.group.loads.reported()):
             self.rank_running.labels(md, str(rank)).set(load.running)
             self.rank_waiting.labels(md, str(rank)).set(load.waiting)
             self.rank_kv_free.labels(md, str(rank)).set(load.kv_free_bytes)
@@ -204,7 +204,7 @@ class WorkerMetrics:
         if t - self._sampled >= self.sample_every_s or not engine.has_work():
             self._sampled = t
             self._sample(engine)
-        st = engine.kv.payload.residency_stats()
+        st = engine.kv.payload.residency.stats
         if st is not None:
             now3 = (st.reclaim_events, st.reclaim_pages, st.repopulated_pages)
             for metric, new, old in zip(

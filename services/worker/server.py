@@ -92,7 +92,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         across it, and the number of serving ranks: a request runs within one rank's pool."""
         eng = self.engine.engine
         mem = eng.kv.memory()
-        ranks = eng.group.serving_ranks
+        ranks = eng.group.loads.serving_ranks
         return pb.LoadResponse(
             worker_id=self.worker_id,
             num_running=eng.num_running,
@@ -101,7 +101,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_capacity_bytes=(mem.capacity - eng.kv.fixed_bytes()) * ranks,
             kv_required_bytes=mem.required,
             kv_optional_bytes=mem.optional,
-            kv_free_bytes=mem.free + eng.group.others_free_bytes(),
+            kv_free_bytes=mem.free + eng.group.loads.others_free_bytes(),
             mode=eng.kv.payload.mode,
             serving_ranks=ranks,
         )
@@ -111,7 +111,9 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
         if self.link is not None and not self.link.healthy:
             return pb.HealthResponse(ok=False, status=self.link.status())
-        problems = self.engine.engine.group.store_problems()  # the other data-parallel ranks' links
+        problems = (
+            self.engine.engine.group.loads.store_problems()
+        )  # the other data-parallel ranks' links
         if problems:
             return pb.HealthResponse(ok=False, status="; ".join(problems))
         return pb.HealthResponse(ok=True, status="serving")

@@ -163,3 +163,39 @@ def test_no_payload_is_probed_for_what_it_is() -> None:
             if re.search(r"(getattr|hasattr|isinstance)\([^)]*payload", line):
                 probes.append(f"{path.relative_to(ROOT)}:{no}: {line.strip()}")
     assert not probes, "\n".join(probes)
+
+
+def test_every_residency_implements_the_whole_control_protocol() -> None:
+    """What moves optional history between steps is one interface: adaptive residency and the
+    fixed residency of the other modes each have every member of ``ResidencyControl``."""
+    from services.worker.kv.backend import FixedResidency, ResidencyControl
+    from services.worker.residency.residency import Residency
+
+    members = {n for n in vars(ResidencyControl) if not n.startswith("_")}
+    assert {"maintain", "note_queue", "note_horizons", "settling", "check"} <= members
+    for cls in (FixedResidency, Residency):
+        for name in sorted(members):
+            assert callable(getattr(cls, name, None)), f"{cls.__name__} lacks {name}"
+    assert "stats" in ResidencyControl.__annotations__
+    assert FixedResidency.stats is None and "stats" in Residency.__init__.__code__.co_names
+
+
+ENGINE_LINES = 450
+CLASS_METHODS = 25
+
+
+def test_the_engine_and_every_class_stay_small() -> None:
+    """``engine/engine.py`` within 450 lines, and no class of the house (Protocols included)
+    with more than 25 methods: a class that grows past it holds two concepts."""
+    engine = SERVICES / "worker" / "engine" / "engine.py"
+    assert len(engine.read_text().splitlines()) <= ENGINE_LINES
+    large = []
+    for root in (SERVICES, ROOT / "dhisparse", ROOT / "bench"):
+        for path in sorted(root.rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.ClassDef):
+                    kinds = (ast.FunctionDef, ast.AsyncFunctionDef)
+                    n = sum(isinstance(b, kinds) for b in node.body)
+                    if n > CLASS_METHODS:
+                        large.append(f"{path.relative_to(ROOT)}: {node.name} has {n} methods")
+    assert not large, "\n".join(large)

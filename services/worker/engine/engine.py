@@ -25,7 +25,10 @@ from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.rank_group.placement import RankLoad
 from services.worker.rank_group.role import RankGroup
 from services.worker.request import prompt_logprobs
+from services.worker.request.emission import append_tokens
 from services.worker.request.grammar import GrammarCompiler
+from services.worker.request.grammar_masks import Block, GrammarMasks
+from services.worker.request.prompt_check import check_prompt
 from services.worker.request.request import (
     FinishReason,
     Request,
@@ -33,9 +36,8 @@ from services.worker.request.request import (
     RequestOutput,
     SamplingParams,
     Status,
-    TokenLogprob,
 )
-from services.worker.request.sampling import sample_token, token_logprob
+from services.worker.request.sampling import sample_token
 from services.worker.serving.cache import KVCache, pool_ceiling
 from services.worker.speculative.speculator import Speculator, make_drafter
 
@@ -80,6 +82,7 @@ class Engine:
         self.tokenizer, self.eos_token_ids = tokenizer_and_ends(cfg, model, tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self.device = torch.device(cfg.device)
+        self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device)
         dtype = next(model.parameters()).dtype
         ceiling = pool_ceiling(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
         cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), ceiling)
@@ -166,21 +169,8 @@ class Engine:
 
     def validate_request(self, prompt_ids: list[int], params: SamplingParams) -> None:
         """Checks that need no engine state (safe from any thread); raises ValueError."""
-        if not prompt_ids:
-            raise ValueError("the prompt is empty")
         vocab = self.model_cfg.vocab_size
-        if any(not 0 <= t < vocab for t in prompt_ids):
-            raise ValueError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.cfg.max_model_len:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens leaves no room in the context of "
-                f"{self.cfg.max_model_len} tokens"
-            )
-        if len(prompt_ids) >= self.kv.tokens_capacity:
-            raise ValueError(
-                f"prompt of {len(prompt_ids)} tokens exceeds this worker's KV capacity of "
-                f"{self.kv.tokens_capacity} tokens"
-            )
+        check_prompt(prompt_ids, vocab, self.cfg.max_model_len, self.kv.tokens_capacity)
         params.validate(vocab)
         self.grammars.check(params)
 
@@ -247,26 +237,26 @@ class Engine:
 
     def has_work(self) -> bool:
         """Whether a step has something to do (rank 0: on any rank of the group)."""
-        return self.group.others_busy() or self.scheduler.has_work()
+        return self.group.loads.others_busy() or self.scheduler.has_work()
 
     @property
     def num_running(self) -> int:
-        return len(self.scheduler.running) + self.group.others_running
+        return len(self.scheduler.running) + self.group.loads.others_running
 
     @property
     def num_waiting(self) -> int:
-        return len(self.scheduler.waiting) + self.group.others_waiting
+        return len(self.scheduler.waiting) + self.group.loads.others_waiting
 
     @property
     def prefill_tokens_computed(self) -> int:
         """Prompt tokens the worker has computed: this rank's, and under data-parallel
         attention (rank 0) the other ranks' as they last reported."""
-        return self.stats.prefill_tokens_computed + self.group.others_prefill_tokens
+        return self.stats.prefill_tokens_computed + self.group.loads.others_prefill_tokens
 
     @property
     def sessions_resumed(self) -> int:
         """Durable sessions the worker has resumed (as ``prefill_tokens_computed``)."""
-        return self.stats.sessions_resumed + self.group.others_sessions_resumed
+        return self.stats.sessions_resumed + self.group.loads.others_sessions_resumed
 
     # ---- stepping ---------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -278,7 +268,7 @@ class Engine:
         under data-parallel attention every rank's outputs come back from rank 0's."""
         self.group.begin_step(self)
         if not self._maintained:  # else the last decode pass did it (``run_pass``)
-            self.kv.payload.maintain()
+            self.kv.payload.residency.maintain()
         self._maintained = False
         sched = self.scheduler.schedule()
         outputs: list[RequestOutput] = []
@@ -287,7 +277,7 @@ class Engine:
         if (
             not (sched.prefill or sched.decode)
             and self.scheduler.waiting
-            and not self.kv.payload.settling()
+            and not self.kv.payload.residency.settling()
         ):
             # nothing runs and the head cannot enter an empty cache: it never will, so end it
             head = self.scheduler.waiting[0]
@@ -317,7 +307,7 @@ class Engine:
             # before the outputs leave: no token without its manifest
             self.journal.record(self.scheduler.running)
         if self._check_invariants:
-            self.kv.payload.check()
+            self.kv.payload.residency.check()
         return self.group.end_step(self, outputs, self.exchange)
 
     def load(self) -> RankLoad:
@@ -368,6 +358,11 @@ class Engine:
         logits, scored = self.passes.sampled_logits(
             to_device(ids, self.device), batch, done, feats, rows
         )
+        sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
+        # the grammars' masks, filled on the host while the device runs the forward
+        self.grammar_masks.fill(
+            [Block(r.grammar, j, 1) for j, r in enumerate(sampled) if r.grammar is not None]
+        )
         if scored is not None:
             prompt_logprobs.score_pass(scoring, scored, self.model.logits)
         self.kv.commit(batch, ends)
@@ -375,9 +370,9 @@ class Engine:
             r.num_computed = e
         if spec is not None:  # the drafter's context follows every committed position
             spec.follow(reqs, batch, starts, feats)
-        sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
         for j, r in enumerate(sampled):
             r.shape_logits(logits[j : j + 1], (), self.eos_token_ids)
+        self.grammar_masks.apply(logits)
         # every greedy request's token in one argmax, read back in one copy
         greedy_ids = (
             readback(logits.argmax(-1)) if any(r.params.greedy for r in sampled) else (lambda: [])
@@ -386,7 +381,7 @@ class Engine:
             # Between this pass and the next, while the device runs this one: copy
             # completions, reclaims and refills (adaptive mode). Their device work queues
             # after the tokens' copy, so it does not delay them.
-            self.kv.payload.maintain()
+            self.kv.payload.residency.maintain()
             self._maintained = True
         greedy = greedy_ids()
         outs = []
@@ -403,35 +398,12 @@ class Engine:
         return outs
 
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
-        """Emits ``tokens`` (logits [len(tokens), V] they were chosen from) one by one, stopping
-        at the first stop condition (a request's grammar, advanced by each, ends it once
-        complete); returns one output for them."""
-        p = req.params
-        if req.first_token_time is None:
-            req.first_token_time = time.monotonic()
-        emitted: list[int] = []
-        lps: list[TokenLogprob] = []
-        text = ""
-        for i, token in enumerate(tokens):
-            if req.grammar is not None and not req.grammar.accept(token):
-                # its mask forbade the token: a sampling bug, not the client's fault
-                req.error = RequestError("internal", f"token {token} breaks the grammar")
-                self._finish(req, FinishReason.ABORT, None)
-                break
-            if p.logprobs is not None:
-                lps.append(token_logprob(logits[i], token, p.logprobs))
-            req.output_ids.append(token)
-            emitted.append(token)
-            finish, stop_reason, delta = req.check_stop(
-                token, self.eos_token_ids, self.cfg.max_model_len
-            )
-            if finish is None and req.grammar is not None and req.grammar.terminated:
-                finish, delta = FinishReason.STOP, delta + req.text.finish()
-            text += delta
-            if finish is not None:
-                self._finish(req, finish, stop_reason)
-                break
-        return req.output(tuple(emitted), text, tuple(lps), prompt_logprobs.take(req))
+        """Appends ``tokens`` (chosen from ``logits`` [len(tokens), V]) to ``req`` up to its
+        first stop condition (``emission.append_tokens``); one output for them."""
+        got = append_tokens(req, tokens, logits, self.eos_token_ids, self.cfg.max_model_len)
+        if got.finish is not None:
+            self._finish(req, got.finish, got.stop_reason)
+        return req.output(got.tokens, got.text, got.logprobs, prompt_logprobs.take(req))
 
     def fail_running(self, error: RequestError) -> list[RequestOutput]:
         """After ``step`` raised: ends every admitted request with ``error`` (a pass that failed

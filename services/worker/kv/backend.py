@@ -10,7 +10,6 @@ census, no residency), so no caller ever asks a payload what it is.
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Protocol
 
@@ -24,9 +23,58 @@ if TYPE_CHECKING:
     from services.worker.kv.reports import Census, ResidencyStats
 
 
+class ResidencyControl(Protocol):
+    """What a serving mode does between steps to move its optional history (adaptive
+    residency, ``services.worker.residency``); a mode without optional history does nothing
+    (``FixedResidency``)."""
+
+    stats: ResidencyStats | None  # adaptive residency's counters; None in the other modes
+
+    def maintain(self) -> None:
+        """Between steps: copy completions, reclaim and repopulation."""
+
+    def note_queue(self, pages: int) -> None:
+        """The pool pages that fresh admissions of the requests still waiting after this
+        step's admissions take: kept out of optional history."""
+
+    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
+        """``horizons()``: decode steps each running slot may still take; only requests that
+        run long enough to pay for the copy are refilled."""
+
+    def settling(self) -> bool:
+        """Whether memory is still on its way back (copies or drains in flight)."""
+
+    def check(self) -> None:
+        """Raises AssertionError when the mode's invariants are broken (tests)."""
+
+
+class FixedResidency:
+    """The residency of a mode whose rows stay where admission put them (resident, hisparse):
+    nothing moves between steps, nothing is in flight, and the invariants hold by
+    construction."""
+
+    stats = None
+
+    def maintain(self) -> None:
+        pass
+
+    def note_queue(self, pages: int) -> None:
+        pass
+
+    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
+        pass
+
+    def settling(self) -> bool:
+        return False
+
+    def check(self) -> None:
+        pass
+
+
 class PayloadBackend(Protocol):
     mode: str
     pass_state: PassState  # the current pass, from ``begin`` to ``commit``
+    residency: ResidencyControl  # what moves optional history between steps
 
     # ---- a forward pass ---------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
@@ -117,25 +165,6 @@ class PayloadBackend(Protocol):
     def refusal(self) -> str | None:
         """Why the host store refused the last admission for capacity, if it did."""
 
-    # ---- between steps ----------------------------------------------------------------------
-    def maintain(self) -> None:
-        """Between steps: copy completions, reclaim and repopulation (adaptive residency)."""
-
-    def note_queue(self, budgets: Counter[int], pages: Callable[[int], int]) -> None:
-        """The token budgets of the requests still waiting after this step's admissions (how
-        many of each), and the pool pages a fresh admission of a budget takes: adaptive
-        residency keeps those pages out of optional history."""
-
-    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
-        """``horizons()``: decode steps each running slot may still take; adaptive residency
-        refills only requests that run long enough to pay for the copy."""
-
-    def settling(self) -> bool:
-        """Whether memory is still on its way back (copies or drains in flight)."""
-
-    def check(self) -> None:
-        """Raises AssertionError when the mode's invariants are broken (tests)."""
-
     # ---- accounting -------------------------------------------------------------------------
     def memory(self, admitted: int) -> tuple[int, int, int]:
         """Bytes of the mode's pool by class of eq. 3: (required, including the mode's fixed
@@ -152,9 +181,6 @@ class PayloadBackend(Protocol):
     def census(self) -> Census | None:
         """Selected rows resolved direct / hot / host so far (synchronises on a GPU); None in
         resident serving, which resolves by page table."""
-
-    def residency_stats(self) -> ResidencyStats | None:
-        """Adaptive residency's counters; None in the other modes."""
 
     @property
     def nbytes(self) -> int: ...

@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from dhisparse.tokenizer import Tokenizer
 from services.worker.parallel.comm import Comm
 from services.worker.parallel.exchange import ExpertExchange
+from services.worker.rank_group.loads import RankLoads
 from services.worker.rank_group.lockstep import Lockstep, StopFollowing
 from services.worker.rank_group.mirror import Resumed, mirror, mirror_resumed
 from services.worker.rank_group.placement import Placement, RankLoad
@@ -56,6 +57,8 @@ class RankGroup:
         self.lockstep = Lockstep(comm) if comm.size > 1 else None
         self.data_parallel = comm.size > 1 and data_parallel_attention
         self.placement = Placement(comm.size) if self.data_parallel and comm.is_leader else None
+        # the serving ranks' loads (rank 0 under data-parallel attention: the others' too)
+        self.loads = RankLoads(self.placement, self.lockstep)
         self._remote: dict[str, Request] = {}  # rank 0 under data-parallel attention: mirrors
         self._max_model_len = max_model_len
 
@@ -85,10 +88,11 @@ class RankGroup:
     # ---- requests -----------------------------------------------------------------------------
     def check_rank(self, rank: int | None) -> None:
         """Raises ValueError for a ``dp_rank`` that is not a serving rank of this group."""
-        if rank is not None and not 0 <= rank < self.serving_ranks:
+        serving = self.loads.serving_ranks
+        if rank is not None and not 0 <= rank < serving:
             raise ValueError(
                 f"dp_rank {rank} is not a rank of this worker, which serves "
-                f"{self.serving_ranks} data-parallel rank(s)"
+                f"{serving} data-parallel rank(s)"
             )
 
     def place(
@@ -159,48 +163,6 @@ class RankGroup:
         """A request this rank served has ended."""
         if self.placement is not None:
             self.placement.forget(request_id)
-
-    # ---- the other ranks' load (rank 0 under data-parallel attention; else none) --------------
-    def others_busy(self) -> bool:
-        if self.placement is None:
-            return False
-        assert self.lockstep is not None
-        return self.placement.others_busy or self.lockstep.pending
-
-    @property
-    def others_running(self) -> int:
-        return self.placement.others_running if self.placement is not None else 0
-
-    @property
-    def others_waiting(self) -> int:
-        return self.placement.others_waiting if self.placement is not None else 0
-
-    @property
-    def others_prefill_tokens(self) -> int:
-        return self.placement.others_prefill_tokens if self.placement is not None else 0
-
-    @property
-    def others_sessions_resumed(self) -> int:
-        return self.placement.others_sessions_resumed if self.placement is not None else 0
-
-    @property
-    def serving_ranks(self) -> int:
-        """The ranks that each serve their own requests: the group under data-parallel
-        attention (each with this rank's seats and KV capacity), else one."""
-        return len(self.placement.loads) if self.placement is not None else 1
-
-    def rank_loads(self) -> list[RankLoad]:
-        """Each serving rank's load as it last reported it."""
-        return list(self.placement.loads) if self.placement is not None else []
-
-    def others_free_bytes(self) -> int:
-        return self.placement.others_free_bytes if self.placement is not None else 0
-
-    def store_problems(self) -> list[str]:
-        """Each other rank whose link to the node's host store was not ok at its last report
-        (a rank reports after every step, and at start-up); the other ranks of a tensor-
-        parallel group hold no link of their own."""
-        return self.placement.store_problems() if self.placement is not None else []
 
     # ---- stepping -----------------------------------------------------------------------------
     def begin_step(self, member: Member) -> None:

@@ -239,8 +239,9 @@ class Request:
         step: n = 1, no drafts; a verify block of K rows: its K - 1 proposals), as if those
         drafts had been emitted. In vLLM's order: the ``min_tokens`` bans (row i is output
         position len(output_ids) + i), ``logit_bias``, the repetition penalty, the frequency
-        and presence penalties, then the grammar's mask. A request that sets none of them pays
-        nothing beyond a few Python comparisons."""
+        and presence penalties. The grammar's mask comes last, applied by the pass to every
+        constrained request's rows at once (``grammar_masks.GrammarMasks``). A request that
+        sets none of them pays nothing beyond a few Python comparisons."""
         if len(drafts) != logits.shape[0] - 1:
             raise ValueError(f"{len(drafts)} drafts for {logits.shape[0]} rows")
         self._ban_early_stops(logits, eos_token_ids)
@@ -252,8 +253,6 @@ class Request:
                     self.prompt_ids, logits.shape[-1], logits.device,
                 )  # fmt: skip
             self.penalties.apply(logits, drafts, self.output_ids)
-        if self.grammar is not None:  # last: a draft it forbids gets probability 0 (rejected)
-            self.grammar.apply(logits, drafts)
 
     def _ban_early_stops(self, logits: torch.Tensor, eos_token_ids: Collection[int]) -> None:
         """logits: [n, V] for the request's next n tokens: before ``min_tokens`` are out, the

@@ -287,21 +287,20 @@ class KVCache:
         """The token budgets (``max_tokens`` of ``admit``) of the requests still waiting after
         this step's admissions: adaptive residency keeps the pages their admissions will take
         (hot cache, tail and index keys) out of optional history. A long queue shares a few
-        budgets: each is priced once, and only when the payload asks."""
+        budgets: each is priced once (a fresh slot's pages depend only on its budget)."""
         fresh = self._fresh_pages
-
-        def pages(budget: int) -> int:  # a fresh slot's pages depend only on the budget
+        pages = 0
+        for budget, n in Counter(budgets).items():
             if budget not in fresh:
                 fresh[budget] = self.admission_pages(None, budget, budget)
-            return fresh[budget]
-
-        self.payload.note_queue(Counter(budgets), pages)
+            pages += n * fresh[budget]
+        self.payload.residency.note_queue(pages)
 
     def note_horizons(self, horizons: Callable[[], Iterable[tuple[int, int]]]) -> None:
         """``horizons()``: (slot, decode steps it may still take) of the running requests;
         adaptive residency refills only the history of requests that will run long enough to
         pay for the copy, and asks only when it has pages to refill."""
-        self.payload.note_horizons(functools.cache(lambda: dict(horizons())))
+        self.payload.residency.note_horizons(functools.cache(lambda: dict(horizons())))
 
     def memory(self) -> MemoryUsage:
         """The pool by class (eq. 3). Fixed allocations (rings, the index-score workspace,

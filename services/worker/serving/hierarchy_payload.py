@@ -10,8 +10,6 @@ the selected rows."""
 from __future__ import annotations
 
 import sys
-from collections import Counter
-from collections.abc import Callable
 
 import torch
 
@@ -23,11 +21,12 @@ from services.worker.hierarchy.device_store import DeviceStore
 from services.worker.hierarchy.plan import PlannedAhead, Planner
 from services.worker.hierarchy.prefill import Prefixes
 from services.worker.hierarchy.selection import Selections
+from services.worker.kv.backend import FixedResidency, ResidencyControl
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import FollowerPrefetch, ResidencyConfig
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.kv.pass_state import PassState
-from services.worker.kv.reports import Census, ResidencyStats
+from services.worker.kv.reports import Census
 from services.worker.residency.completions import CudaCompletions, ImmediateCompletions
 from services.worker.residency.residency import Residency
 from services.worker.serving.hierarchy_commit import commit_pass
@@ -67,16 +66,18 @@ class HierarchyPayload:
             shape.max_slots * store.num_sources * shape.spec_block,
             dtype=torch.bool, device=self.device,
         )  # fmt: skip
-        self.residency: Residency | None = None
+        self._adaptive: Residency | None = None  # mode ``adaptive``
         if residency is not None:
             done = (
                 CudaCompletions(self.device)
                 if self.device.type == "cuda"
                 else ImmediateCompletions()
             )
-            self.residency = Residency(
+            self._adaptive = Residency(
                 store, done, residency, topk=cfg.index_topk, write_through=durable
             )
+        # what moves optional history between steps (hisparse: nothing)
+        self.residency: ResidencyControl = self._adaptive or FixedResidency()
         self._refusal: str | None = None
 
     # ---- admission ------------------------------------------------------------------------
@@ -146,45 +147,24 @@ class HierarchyPayload:
         return True
 
     def _room(self, need: int) -> bool:
-        if self.residency is not None:
-            return self.residency.make_room(need)
+        if self._adaptive is not None:
+            return self._adaptive.make_room(need)
         return self.store.pages.free >= need
 
     def _seat(self, slot: int, committed: list[int]) -> None:
         self.store.seat(slot, committed)
         self.prefixes.forget(slot)
         self._epoch += 1
-        if self.residency is not None:
-            self.residency.on_admit(slot, [0] * self.store.num_sources)
+        if self._adaptive is not None:
+            self._adaptive.on_admit(slot, [0] * self.store.num_sources)
 
     def release(self, slot: int) -> None:
-        if self.residency is not None:
-            self.residency.release(slot)
+        if self._adaptive is not None:
+            self._adaptive.release(slot)
         self.store.unseat(slot)
         self.store.host.release(slot)
         self.prefixes.forget(slot)
         self._epoch += 1
-
-    # ---- between steps ----------------------------------------------------------------------
-    def maintain(self) -> None:
-        """Between steps: copy completions, reclaim and repopulation (adaptive mode)."""
-        if self.residency is not None:
-            self.residency.maintain()
-
-    def note_queue(self, budgets: Counter[int], pages: Callable[[int], int]) -> None:
-        if self.residency is not None:
-            self.residency.note_queue(sum(n * pages(b) for b, n in budgets.items()))
-
-    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
-        if self.residency is not None:
-            self.residency.note_horizons(horizons)
-
-    def settling(self) -> bool:
-        return self.residency is not None and self.residency.settling()
-
-    def check(self) -> None:
-        if self.residency is not None:
-            self.residency.check()
 
     # ---- a forward pass -------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
@@ -239,7 +219,7 @@ class HierarchyPayload:
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         """The first ``num_tokens[r]`` tokens of each request are final (see ``commit.py``)."""
         commit_pass(
-            self.cfg, self.store, self.pass_state, self.residency, num_tokens, self.all_rows
+            self.cfg, self.store, self.pass_state, self._adaptive, num_tokens, self.all_rows
         )
         if batch.prefill:
             self.prefixes.committed(batch)
@@ -261,10 +241,10 @@ class HierarchyPayload:
     def memory(self, admitted: int) -> tuple[int, int, int]:
         """Page-pool bytes by class of eq. 3, the fixed allocations counted as required."""
         page_bytes, pages = self.store.page_bytes, self.store.pages
-        if self.residency is None:
+        if self._adaptive is None:
             required, optional, reserve = pages.total - pages.free, 0, 0
         else:
-            r = self.residency
+            r = self._adaptive
             required, optional, reserve = r.required_pages, r.optional_pages, r.reserve
         fixed = self.fixed_bytes()
         return required * page_bytes + fixed, optional * page_bytes, reserve * page_bytes
@@ -278,9 +258,6 @@ class HierarchyPayload:
     @property
     def census(self) -> Census:
         return self.selections.census
-
-    def residency_stats(self) -> ResidencyStats | None:
-        return None if self.residency is None else self.residency.stats
 
     @property
     def nbytes(self) -> int:

@@ -3,13 +3,11 @@ the hierarchy modes are compared against)."""
 
 from __future__ import annotations
 
-from collections import Counter
-from collections.abc import Callable
-
 import torch
 
 from dhisparse.family.config import ModelConfig
 from services.kv_host_store.records import Region
+from services.worker.kv.backend import FixedResidency
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.paged import PagedGroup
 from services.worker.kv.pass_state import PassState
@@ -38,6 +36,7 @@ class ResidentPayload(PagedGroup):
             max_model_len, self.codec.storage, device,
         )  # fmt: skip
         self.pass_state = PassState()  # rows are written where they live: no plans
+        self.residency = FixedResidency()  # every row stays where it was written
 
     # ---- a forward pass ---------------------------------------------------------------------
     def begin(self, batch: ForwardBatch) -> None:
@@ -105,22 +104,6 @@ class ResidentPayload(PagedGroup):
     def refusal(self) -> str | None:
         return None  # no host store to refuse
 
-    # ---- between steps ----------------------------------------------------------------------
-    def maintain(self) -> None:
-        pass  # nothing moves between steps
-
-    def note_queue(self, budgets: Counter[int], pages: Callable[[int], int]) -> None:
-        pass  # no optional history to keep out of the queue's way
-
-    def note_horizons(self, horizons: Callable[[], dict[int, int]]) -> None:
-        pass  # nothing to refill
-
-    def settling(self) -> bool:
-        return False  # nothing in flight
-
-    def check(self) -> None:
-        pass  # every row is resident: the invariant holds by construction
-
     # ---- accounting -------------------------------------------------------------------------
     def memory(self, admitted: int) -> tuple[int, int, int]:
         return self.used_bytes, 0, 0
@@ -133,7 +116,4 @@ class ResidentPayload(PagedGroup):
 
     @property
     def census(self) -> None:
-        return None
-
-    def residency_stats(self) -> None:
         return None

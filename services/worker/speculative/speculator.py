@@ -22,6 +22,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.request.grammar_masks import Block
 from services.worker.request.request import Request
 from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
@@ -173,11 +174,20 @@ class Speculator:
         feats = self.features()
         logits = self.forward(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
+        # the grammars' masks, filled on the host while the device verifies
+        eng.grammar_masks.fill(
+            [
+                Block(req.grammar, cu[r], widths[r], proposed[r][: widths[r] - 1])
+                for r, req in enumerate(reqs)
+                if req.grammar is not None
+            ]
+        )
         for r, req in enumerate(reqs):
             # row j scores the token after the anchor and proposals 1..j
             req.shape_logits(
                 logits[cu[r] : cu[r] + widths[r]], proposed[r][: widths[r] - 1], eng.eos_token_ids
             )
+        eng.grammar_masks.apply(logits)
         verified = logits
         if passed != widths:  # each request's first K_r rows
             rows = [j for r, w in enumerate(widths) for j in range(cu[r], cu[r] + w)]

@@ -8,6 +8,7 @@ from typing import Protocol
 
 import torch
 
+from services.worker.request.grammar_masks import GrammarMasks
 from services.worker.request.request import Request, RequestOutput
 
 
@@ -15,6 +16,7 @@ class Target(Protocol):
     device: torch.device
 
     eos_token_ids: frozenset[int]  # any of them ends a request
+    grammar_masks: GrammarMasks  # one pass's grammar masks: filled, then applied
 
     def run_pass(self, reqs: list[Request]) -> list[RequestOutput]:
         """A plain pass: one forward over each request's uncomputed tokens (one, when decoding)

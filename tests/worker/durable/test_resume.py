@@ -242,7 +242,7 @@ def test_durability_by_mode(store) -> None:
         assert engine.kv.host_backups.durable(
             req.slot, s, 0, engine.kv.payload.store.committed[req.slot][s]
         )
-    engine.kv.payload.check()
+    engine.kv.payload.residency.check()
 
 
 def test_resume_under_speculative_decoding(store) -> None:

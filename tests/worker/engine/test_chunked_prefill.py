@@ -146,7 +146,7 @@ def test_chunked_greedy_tokens_equal_a_whole_prefill(whole, model: str, mode: st
     got = engine.generate(prompts(*LENS), GREEDY)
     assert [r.output_ids for r in got] == [r.output_ids for r in whole[model]]
     assert beside >= 5
-    engine.kv.payload.check()
+    engine.kv.payload.residency.check()
     engine.close()
 
 

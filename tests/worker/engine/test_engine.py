@@ -169,7 +169,7 @@ def test_maintenance_runs_between_steps_while_the_device_runs_the_decode_pass(mo
                      host_arena_mib=32)
     )  # fmt: skip
     calls: list[str] = []
-    for owner, name in ((eng.kv.payload, "maintain"), (eng.kv, "commit")):
+    for owner, name in ((eng.kv.payload.residency, "maintain"), (eng.kv, "commit")):
         fn = getattr(owner, name)
         setattr(owner, name, lambda *a, _fn=fn, _n=name, **k: (calls.append(_n), _fn(*a, **k))[1])
     params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)

@@ -11,6 +11,8 @@ import xgrammar as xgr
 
 from dhisparse.tokenizer import ByteTokenizer, HFTokenizer, Tokenizer
 from services.worker.request.grammar import GrammarCompiler
+from services.worker.request.grammar_masks import Block, GrammarMasks
+from services.worker.request.grammar_state import GrammarState
 from services.worker.request.request import Grammar
 
 MINI = Path(__file__).resolve().parents[3] / "models" / "glm-dsa-mini"
@@ -120,3 +122,20 @@ def random_walk(
         assert m.accept_token(t)
         out.append(t)
     return out
+
+
+def block_allowed(
+    states: list[tuple[GrammarState, int, list[int]]], vocab: int, width: int | None = None
+) -> torch.Tensor:
+    """[rows, V] bool: the tokens each row may take after one pass's masks of
+    ``states`` ((grammar, rows, drafts) per request, their blocks one after another, then
+    ``width`` rows in all when given), as ``GrammarMasks`` fills and applies them to logits."""
+    masks = GrammarMasks(vocab, torch.device("cpu"))
+    blocks, first = [], 0
+    for st, rows, drafts in states:
+        blocks.append(Block(st, first, rows, drafts))
+        first += rows
+    logits = torch.zeros(width or first, vocab)
+    masks.fill(blocks)
+    masks.apply(logits)
+    return logits != float("-inf")

@@ -8,6 +8,7 @@ import json
 import pytest
 import torch
 
+from services.worker.request.grammar_masks import Block, GrammarMasks
 from services.worker.request.grammar_vocab import tokenizer_info
 from services.worker.request.request import Grammar, SamplingParams
 from tests.worker.request.grammar_cases import (
@@ -17,6 +18,7 @@ from tests.worker.request.grammar_cases import (
     MINI_EOS,
     MINI_VOCAB,
     allowed,
+    block_allowed,
     compiler,
     mini_tokenizer,
     random_walk,
@@ -56,16 +58,16 @@ def test_block_masks_equal_the_matcher_stepped_token_by_token(name: str, grammar
             if bad < rows - 1:  # a draft the grammar forbids there
                 forbidden = ~allowed(reference_mask(compiled, walk[: at + bad], vocab), vocab)
                 drafts[bad] = int(forbidden.nonzero()[seed % 5, 0])
-            masks = st.fill(rows, drafts).clone()
+            got = block_allowed([(st, rows, drafts)], vocab)
             for i in range(rows):
                 if i <= bad or bad >= rows - 1:
-                    ref = reference_mask(compiled, walk[:at] + drafts[:i], vocab)
-                    assert torch.equal(masks[i], ref), (seed, at, i)
+                    ref = allowed(reference_mask(compiled, walk[:at] + drafts[:i], vocab), vocab)
+                    assert torch.equal(got[i], ref), (seed, at, i)
                 else:
-                    assert (masks[i] == -1).all()
+                    assert got[i].all()
             # unchanged: the next mask is the one after the output
-            again = st.fill(1)
-            assert torch.equal(again[0], reference_mask(compiled, walk[:at], vocab))
+            again = block_allowed([(st, 1, [])], vocab)
+            assert torch.equal(again[0], allowed(reference_mask(compiled, walk[:at], vocab), vocab))
             take = min(k, len(walk) - at)
             for t in walk[at : at + take]:
                 assert st.accept(t)
@@ -85,8 +87,49 @@ def test_apply_masks_logits_as_the_bitmask_says(rows: int) -> None:
     for i in range(rows):
         ok = allowed(reference_mask(compiled, walk[: 5 + i], MINI_VOCAB), MINI_VOCAB)
         want[i] = want[i].masked_fill(~ok, float("-inf"))
-    st.apply(logits, drafts)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+    masks.fill([Block(st, 0, rows, drafts)])
+    masks.apply(logits)
     assert torch.equal(logits, want)
+
+
+def test_one_pass_masks_every_request_as_alone() -> None:
+    """A pass of several constrained requests (decode rows and verify blocks, a draft the
+    grammar rejects, a terminated grammar) and unconstrained rows between them: each block's
+    rows are the masks it gets alone, the unconstrained rows keep their logits exactly, and
+    every grammar's state is unchanged after."""
+    c = compiler("mini")
+    compiled = c.compile(JSON_SCHEMA)
+    walks = [random_walk(compiled, 16, MINI_VOCAB, MINI_EOS, seed=s) for s in range(4)]
+    states = [c.state(JSON_SCHEMA, w[:6]) for w in walks]
+    done = c.state(JSON_OBJECT, mini_tokenizer().encode("{}"))
+    assert done.accept(MINI_EOS[0]) and done.terminated
+    forbidden = int((~allowed(reference_mask(compiled, walks[2][:7], MINI_VOCAB), MINI_VOCAB))
+                    .nonzero()[3, 0])  # fmt: skip
+    blocks = [
+        (states[0], 1, []),
+        (states[1], 4, walks[1][6:9]),
+        (states[2], 3, [walks[2][6], forbidden]),
+        (done, 2, [MINI_EOS[0]]),
+        (states[3], 2, walks[3][6:7]),
+    ]
+    alone = [block_allowed([b], MINI_VOCAB) for b in blocks]
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(18, MINI_VOCAB, generator=g)
+    want = logits.clone()
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+    placed, first = [], 0
+    for (st, rows, drafts), ok in zip(blocks, alone, strict=True):
+        first += 1  # an unconstrained row before each block
+        placed.append(Block(st, first, rows, drafts))
+        want[first : first + rows] = want[first : first + rows].masked_fill(~ok, float("-inf"))
+        first += rows
+    masks.fill(placed)
+    masks.apply(logits)
+    assert torch.equal(logits, want)
+    for st, w in zip(states, walks, strict=True):
+        after = block_allowed([(st, 1, [])], MINI_VOCAB)[0]
+        assert torch.equal(after, allowed(reference_mask(compiled, w[:6], MINI_VOCAB), MINI_VOCAB))
 
 
 def test_extra_ids_and_special_tokens_are_never_allowed() -> None:
@@ -99,11 +142,11 @@ def test_extra_ids_and_special_tokens_are_never_allowed() -> None:
     text = '{"name": "Ada Lovelace", "née": "日本", "born": 1815, "tags": ["a", [true, null]]}'
     ids = tok.encode(text)
     for t in ids:
-        ok = allowed(st.fill(1)[0], MINI_VOCAB)
+        ok = block_allowed([(st, 1, [])], MINI_VOCAB)[0]
         assert not ok[tok.vocab_size :].any()
         assert not ok[specials].any()
         assert st.accept(t)
-    ok = allowed(st.fill(1)[0], MINI_VOCAB)
+    ok = block_allowed([(st, 1, [])], MINI_VOCAB)[0]
     assert ok.nonzero()[:, 0].tolist() == sorted(MINI_EOS)
     assert st.accept(MINI_EOS[0]) and st.terminated
 

@@ -179,11 +179,11 @@ class Churn(RuleBasedStateMachine):
 
     @rule()
     def maintain(self) -> None:
-        self.kv.payload.maintain()
+        self.kv.payload.residency.maintain()
 
     @invariant()
     def eq3_and_every_row_ready_or_backed(self) -> None:
-        self.kv.payload.check()
+        self.kv.payload.residency.check()
         mem = self.kv.memory()
         assert mem.required + mem.optional + mem.reserve <= mem.capacity
 
@@ -258,24 +258,24 @@ def scripted_run(model, kv: KVCache, shadow: KVCache, device: str) -> None:
 
     for slot in range(SLOTS):
         while not kv.admit(slot, f"r{slot}", 120, 512):
-            kv.payload.maintain()  # reclaim completes, then the admission goes through
+            kv.payload.residency.maintain()  # reclaim completes, then the admission goes through
         assert shadow.admit(slot, f"s{slot}", 120, 512)
         tokens[slot] = torch.randint(0, 256, (120,), generator=gen).tolist()
         forward([slot], [tokens[slot]])
-        kv.payload.check()
+        kv.payload.residency.check()
         for _ in range(3):
             forward(sorted(tokens), [[tokens[s][-1]] for s in sorted(tokens)])
-            kv.payload.maintain()
-            kv.payload.check()
+            kv.payload.residency.maintain()
+            kv.payload.residency.check()
     assert res.stats.reclaim_events > 0 and res.stats.reclaim_pages > 0
     direct_before = kv.payload.census.direct
     kv.release(0)
     shadow.release(0)
     del tokens[0]
     for _ in range(12):  # on a GPU a refill is published once its copy is seen complete
-        kv.payload.maintain()
+        kv.payload.residency.maintain()
         forward(sorted(tokens), [[tokens[s][-1]] for s in sorted(tokens)])
-        kv.payload.check()
+        kv.payload.residency.check()
     assert res.stats.repopulated_pages > 0
     assert kv.payload.census.direct > direct_before
     kv.close()
@@ -307,7 +307,7 @@ def test_index_keys_take_pages_of_the_payload_pool(mode: str) -> None:
     held = (pages.total - pages.free) * kv.payload.store.page * store.shape[1] * 4
     assert mem.required + mem.optional - kv.fixed_bytes() == held  # keys counted once
     kv.release(0)
-    kv.payload.maintain()
+    kv.payload.residency.maintain()
     assert pages.free == free0
     kv.close()
 
@@ -330,8 +330,8 @@ def test_repopulation_leaves_the_queue_its_admission_pages() -> None:
         MODEL(torch.tensor(prompt), batch, kv)
         kv.commit(batch, [140])
         for _ in range(3):
-            kv.payload.maintain()
-            kv.payload.check()
+            kv.payload.residency.maintain()
+            kv.payload.residency.check()
             assert res.room() >= need * (SLOTS - 1 - slot)
     assert res.stats.reclaim_events == 0
     # One finishes and a new request waits: the freed pages refill history, but only beyond
@@ -339,8 +339,8 @@ def test_repopulation_leaves_the_queue_its_admission_pages() -> None:
     kv.release(0)
     kv.note_queue([512])
     for _ in range(3):
-        kv.payload.maintain()
-        kv.payload.check()
+        kv.payload.residency.maintain()
+        kv.payload.residency.check()
         assert res.room() >= need
     assert res.stats.repopulated_pages > 0
     assert kv.admit(0, "next", 140, 512)
@@ -361,7 +361,7 @@ def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> No
         batch = ForwardBatch.build([slot], [0], [140], "cpu")
         MODEL(torch.randint(0, 256, (140,), generator=gen), batch, kv)
         kv.commit(batch, [140])
-        kv.payload.maintain()
+        kv.payload.residency.maintain()
     kv.release(0)
     kv.note_queue([])
     payback = -(-140 // K)  # V/k decode steps
@@ -380,8 +380,8 @@ def test_refill_goes_only_to_requests_that_run_long_enough_to_pay_for_it() -> No
             0 <= src < kv.payload.store.num_sources and 0 <= i < -(-140 // 16) for src, i in pages
         )
     for _ in range(4):
-        kv.payload.maintain()
-        kv.payload.check()
+        kv.payload.residency.maintain()
+        kv.payload.residency.check()
     for s in short:
         assert (
             len(res.history.owner(res.history.current_id(s)).wanted) == wanted[s]

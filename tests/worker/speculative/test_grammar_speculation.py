@@ -12,6 +12,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.request.grammar_masks import Block, GrammarMasks
 from services.worker.request.request import FinishReason, Grammar, SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.verify import verify_batch
@@ -51,7 +52,9 @@ def test_a_draft_the_grammar_forbids_is_rejected(greedy: bool) -> None:
             logits[i, t] = 30.0
         draft_probs = torch.zeros(1, 3, MINI_VOCAB)
         draft_probs[0, torch.arange(3), torch.tensor(drafts)] = 1.0
-        c.state(JSON_SCHEMA, out).apply(logits, drafts)
+        masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+        masks.fill([Block(c.state(JSON_SCHEMA, out), 0, 4, drafts)])
+        masks.apply(logits)
         (v,) = verify_batch(
             logits, [4], torch.tensor([drafts]), draft_probs, [params], [g], drafts=[drafts]
         )
