@@ -3,12 +3,14 @@ body handed to its ``CallBody`` while one is open."""
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
+
 from dhisparse.tokenizer.reply_types import ReplyEvent
 from dhisparse.tokenizer.text_buffer import TextBuffer
 from dhisparse.tokenizer.tool_call_body import CallBody
 
 
-class AnswerReader:
+class AnswerReader(ABC):
     """Reads an answer from ``buf`` step by step; a subclass reads what lies outside call
     bodies (``read_outside``) and opens a body with ``open_body``."""
 
@@ -41,15 +43,18 @@ class AnswerReader:
         self._body = body
         self.calls += 1
 
+    @abstractmethod
     def read_outside(self, out: list[ReplyEvent], *, final: bool) -> bool:
         """Reads what it can outside a call body; whether it read anything."""
-        raise NotImplementedError
 
     def body_closed(self) -> None:
-        """A call's body has been read up to and with its closing tag."""
+        """A call's body has been read up to and with its closing tag (by default nothing
+        follows from it)."""
+        return
 
     def end_outside(self, out: list[ReplyEvent]) -> None:
-        """The answer has ended (outside any body)."""
+        """The answer has ended (outside any body); by default nothing is left to release."""
+        return
 
     def _step(self, out: list[ReplyEvent], *, final: bool) -> bool:
         if self._body is None:

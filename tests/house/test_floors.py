@@ -3,7 +3,7 @@ and ``services/``, with every import pointing down or along its own floor — mo
 function-local and ``TYPE_CHECKING`` imports alike. A lower package that needs a higher one's
 behaviour takes it as an argument, or as a Protocol it defines.
 
-The worker's floors, bottom to top: requests and sampling; kernels (FP8 numerics included);
+The worker's floors, bottom to top: small host-device copies; requests and sampling; kernels (FP8 numerics included);
 the parallel collectives a module runs; the KV contract; the hierarchy's parts; adaptive
 residency; the serving modes; the model; weights; checking a checkpoint; durable sessions;
 graph capture; speculation; the rank group; the engine; the front (async engine, gRPC server,
@@ -23,6 +23,7 @@ FLOORS: tuple[tuple[str, ...], ...] = (
     ("dhisparse.family",),
     ("dhisparse.capacity",),
     ("services.kv_host_store",),
+    ("services.worker.transfers",),
     ("services.worker.request",),
     ("services.worker.ops",),
     ("services.worker.parallel",),

@@ -19,7 +19,6 @@ from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.stats import EngineStats
 from services.worker.graphs.cuda_graph import DecodeGraphs
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.transfers import readback, to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.rank_group.placement import RankLoad
@@ -40,6 +39,7 @@ from services.worker.request.request import (
 from services.worker.request.sampling import sample_token
 from services.worker.serving.cache import KVCache, pool_ceiling
 from services.worker.speculative.speculator import Speculator, make_drafter
+from services.worker.transfers import readback, to_device
 
 if TYPE_CHECKING:
     from services.worker.durable.host_link import HostLink

@@ -10,10 +10,10 @@ import torch
 
 from services.worker.graphs.cuda_graph import DecodeGraphs
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_mtp import MTPStep
 from services.worker.serving.cache import KVCache
+from services.worker.transfers import to_device
 
 
 class PassLogits(NamedTuple):

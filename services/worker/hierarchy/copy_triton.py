@@ -14,7 +14,7 @@ import triton
 
 from services.worker.hierarchy.copy_kernel import copy_rows_kernel
 from services.worker.hierarchy.host_backup import HostPointer
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 
 @dataclass(frozen=True)

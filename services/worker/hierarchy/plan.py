@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 if TYPE_CHECKING:
     from dhisparse.family.config import ModelConfig

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 
 @dataclass(frozen=True)

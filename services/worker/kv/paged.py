@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 
 class PagePool:

@@ -21,11 +21,11 @@ from typing import Any
 import xgrammar as xgr
 from xgrammar import structural_tag as st
 
+from dhisparse.tokenizer.reasoning import THINK_CLOSE, THINK_OPEN
 from dhisparse.tokenizer.reply import GRAMMAR_MAX_WHITESPACE, STYLES
 from services.worker.request.request import Grammar
 
 KINDS = ("json_object", "json_schema", "tool_calls", "structural_tag")
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 _ANY_OBJECT = '{"type": "object"}'
 
 

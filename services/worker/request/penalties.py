@@ -16,6 +16,8 @@ from collections.abc import Sequence
 
 import torch
 
+from services.worker.transfers import to_device
+
 
 class Penalties:
     """One request's bias and penalty state on ``device`` over a vocabulary of ``vocab``
@@ -41,8 +43,8 @@ class Penalties:
         self.bias: torch.Tensor | None = None  # [B] fp32
         if logit_bias:
             ids, bias = zip(*logit_bias, strict=True)
-            self.bias_ids = _on_device(ids, device, torch.int64)
-            self.bias = _on_device(bias, device, torch.float32)
+            self.bias_ids = to_device(ids, device, torch.int64)
+            self.bias = to_device(bias, device, torch.float32)
         counted = self.repetition != 1.0 or self.frequency != 0.0 or self.presence != 0.0
         # [V] int32: how often each token occurs among output_ids[:self.num_counted]
         self.counts = torch.zeros(vocab, dtype=torch.int32, device=device) if counted else None
@@ -50,7 +52,7 @@ class Penalties:
         self.in_prompt: torch.Tensor | None = None  # [V] bool, for the repetition penalty
         if self.repetition != 1.0:
             self.in_prompt = torch.zeros(vocab, dtype=torch.bool, device=device)
-            self.in_prompt[_on_device(prompt_ids, device, torch.int64)] = True
+            self.in_prompt[to_device(prompt_ids, device, torch.int64)] = True
 
     def apply(self, logits: torch.Tensor, drafts: Sequence[int], output_ids: Sequence[int]) -> None:
         """logits: [n, V] fp32, in place; row i scores the token after ``output_ids`` and
@@ -64,7 +66,7 @@ class Penalties:
         counts = self.counts.unsqueeze(0)  # [1, V], or [n, V] with the drafts
         if n > 1:
             # row i adds one count for each of drafts[:i]: a one-hot per draft, summed down
-            d = _on_device(drafts[: n - 1], self.device, torch.int64)
+            d = to_device(drafts[: n - 1], self.device, torch.int64)
             step = torch.zeros(n, self.vocab, dtype=torch.int32, device=self.device)
             step[1:].scatter_(1, d.unsqueeze(1), 1)
             counts = counts + step.cumsum(0, dtype=torch.int32)
@@ -83,17 +85,6 @@ class Penalties:
         if self.counts is None or self.num_counted == len(output_ids):
             return
         assert self.num_counted < len(output_ids), "the output never shrinks"
-        new = _on_device(output_ids[self.num_counted :], self.device, torch.int64)
+        new = to_device(output_ids[self.num_counted :], self.device, torch.int64)
         self.counts.index_add_(0, new, torch.ones_like(new, dtype=torch.int32))
         self.num_counted = len(output_ids)
-
-
-def _on_device(
-    data: Sequence[int] | Sequence[float], device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """A short host list as a tensor on ``device``. On a GPU it crosses from pinned memory in
-    one asynchronous copy, so the host does not wait for the kernels queued before it (as
-    ``kv.transfers.to_device``, a floor above this one)."""
-    if device.type != "cuda":
-        return torch.tensor(data, dtype=dtype, device=device)
-    return torch.tensor(data, dtype=dtype, pin_memory=True).to(device, non_blocking=True)

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.worker.hierarchy.device_store import DeviceStore
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 
 class State(enum.Enum):

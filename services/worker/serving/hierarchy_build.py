@@ -75,8 +75,12 @@ def build_hierarchy(
     b = hot_rows(model_cfg, cfg)
     ring = tail_rows(p, cfg.ring_extra)
     scratch_tokens = prefill_scratch_tokens(cfg)
-    fixed = fixed_other + fixed_bytes(
-        model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, codec.row_bytes
+    fixed = (
+        fixed_other
+        + fixed_bytes(
+            model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, codec.row_bytes
+        )
+        + staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, codec.row_bytes)
     )
     page_bytes = p * codec.row_bytes
     num_pages = (cfg.kv_pool_bytes - fixed) // page_bytes

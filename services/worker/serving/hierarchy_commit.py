@@ -12,7 +12,7 @@ from dhisparse.family.config import ModelConfig
 from services.worker.hierarchy import tail
 from services.worker.hierarchy.device_store import DeviceStore
 from services.worker.kv.pass_state import PassState
-from services.worker.kv.transfers import to_device
+from services.worker.transfers import to_device
 
 if TYPE_CHECKING:
     from services.worker.residency.residency import Residency

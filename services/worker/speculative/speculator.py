@@ -19,7 +19,6 @@ import torch
 from dhisparse.paths import resolve_path
 from services.worker.graphs.cuda_graph import DraftGraphs
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.request.grammar_masks import Block
@@ -33,6 +32,7 @@ from services.worker.speculative.drafters.runtime import RuntimeDrafter
 from services.worker.speculative.target import Target
 from services.worker.speculative.verify import verify_batch
 from services.worker.speculative.width_policy import WidthController
+from services.worker.transfers import to_device
 
 
 @dataclass

@@ -107,3 +107,31 @@ def test_a_pool_at_the_ceiling_holds_every_seats_whole_context(model: str) -> No
                 assert kv.tokens_capacity >= cfg.max_model_len - 1
         finally:
             kv.close()
+
+
+@pytest.mark.parametrize("spec_block", [1, 5])
+def test_a_pool_that_cannot_hold_the_fixed_allocations_is_refused_at_start_up(
+    spec_block: int,
+) -> None:
+    """The hierarchy's fixed allocations include its staging for speculative verification: a
+    pool too small for them is a start-up error naming the sizes, never a worker that starts
+    with more required than its pool (so that every request would be refused); a pool that
+    starts has its fixed allocations within it."""
+    model_cfg = preset_topology("tiny-glm")
+    base = EngineConfig(model="tiny-glm", mode="adaptive", max_num_seqs=8, max_model_len=2048)
+    fixed = None
+    for mib in (1, 2, 4, 8, 16, 32, 64):
+        cfg = replace(base, kv_pool_mib=mib).kv_config(torch.float32)
+        cfg = replace(cfg, spec_block=spec_block)
+        try:
+            kv = KVCache(model_cfg, cfg)
+        except ValueError as e:
+            assert "after fixed allocations" in str(e) and fixed is None
+            continue
+        try:
+            mem = kv.memory()
+            assert mem.required <= mem.capacity and mem.free > 0
+            fixed = kv.fixed_bytes()
+        finally:
+            kv.close()
+    assert fixed is not None

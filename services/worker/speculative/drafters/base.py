@@ -25,13 +25,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.layers import RMSNorm
 from services.worker.speculative.draft_ring import DraftRing
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.layers import DraftLayer
 from services.worker.speculative.proposal import Proposal, exp_noise, finish, per_request
+from services.worker.transfers import to_device
 
 # (layer) -> context k, v: [R, S, H*D], read from the ring or gathered for training
 ContextFn = Callable[[int], tuple[torch.Tensor, torch.Tensor]]

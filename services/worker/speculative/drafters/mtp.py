@@ -17,7 +17,6 @@ from typing import ClassVar
 import torch
 
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.transfers import to_device
 from services.worker.model.mla_mtp import MTPStep
 from services.worker.speculative.proposal import (
     Proposal,
@@ -27,6 +26,7 @@ from services.worker.speculative.proposal import (
     per_request,
     tempered,
 )
+from services.worker.transfers import to_device
 
 # (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
 MTPStepFn = Callable[
