@@ -6,6 +6,7 @@ status and the ratios of the results written) go to ``--out`` (default $OUT); th
 to ``logs.tgz``.
 
     main         ``make run``'s defaults end to end on the GPU (``bench defaults``); resolver;
+                 constrained decoding's cost (``bench grammar-cost``);
                  capacity (resident / hisparse / adaptive in lockstep)
     spec         speculation against plain decoding on CUDA graphs
     serving      serving at 8K inputs over the engine and over HTTP
@@ -99,6 +100,10 @@ SCALED_32K_STEPS = tuple(
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs,
 # drafter, KV pool), and a worker SIGKILLed mid-stream 3 times losing nothing
 DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
+# constrained decoding's cost per decode step at C = 64, beside the same batch unconstrained
+GRAMMAR_COST = Step(
+    "grammar-cost", "-m bench grammar-cost --rounds 5 --out {out}/grammar_cost_gpu.json", 150
+)
 BUILD_CORPUS = Step("corpus", f"-m training.target.corpus --out {CORPUS}", 60)
 SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
 SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
@@ -109,6 +114,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
         Step(
             "resolver", "-m bench resolver --out {out}/resolver.json --plot {out}/resolver.png", 100
         ),
+        GRAMMAR_COST,
         Step(
             "capacity",
             "-m bench capacity --host-gib 12 --probe-sessions 64 --trace "
