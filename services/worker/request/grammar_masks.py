@@ -7,6 +7,8 @@ device computes; the copy and the kernel queue behind the forward on the logits'
 
 from __future__ import annotations
 
+import functools
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -34,15 +36,30 @@ class Block:
             )
 
 
+def default_threads() -> int:
+    """Threads that fill a pass's masks: half the machine's cores (xgrammar's advice), at most
+    8, at least 1."""
+    return max(1, min(8, (os.cpu_count() or 2) // 2))
+
+
+@functools.cache
+def _batch_matcher(threads: int) -> xgr.BatchGrammarMatcher:
+    """One batch matcher, with its pool of ``threads`` threads, per thread count for the
+    whole process: every engine of the process fills its masks with it."""
+    return xgr.BatchGrammarMatcher(threads)
+
+
 class GrammarMasks:
     """The masks of one pass at a time, in one reused host buffer (pinned for a GPU)."""
 
-    def __init__(self, vocab_size: int, device: torch.device) -> None:
-        """``vocab_size``: the logits' width (the compiled grammars' tokenizer info's)."""
+    def __init__(self, vocab_size: int, device: torch.device, threads: int | None = None) -> None:
+        """``vocab_size``: the logits' width (the compiled grammars' tokenizer info's);
+        ``threads``: the fill's threads (None: ``default_threads()``)."""
         self.vocab_size = vocab_size
         self.device = device
+        self.threads = default_threads() if threads is None else threads
         self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
-        self._matcher = xgr.BatchGrammarMatcher()
+        self._matcher = _batch_matcher(self.threads)
         self._host = torch.empty((0, self.words), dtype=torch.int32)
         self._copied: torch.cuda.Event | None = None  # the last copy out of the host buffer
         self._pending: tuple[torch.Tensor, list[int]] | None = None  # filled, not yet applied
