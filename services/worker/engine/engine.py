@@ -26,7 +26,7 @@ from services.worker.rank_group.role import RankGroup
 from services.worker.request import prompt_logprobs
 from services.worker.request.emission import append_tokens
 from services.worker.request.grammar import GrammarCompiler
-from services.worker.request.grammar_masks import Block, GrammarMasks
+from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
 from services.worker.request.prompt_check import check_prompt
 from services.worker.request.request import (
     FinishReason,
@@ -82,7 +82,8 @@ class Engine:
         self.tokenizer, self.eos_token_ids = tokenizer_and_ends(cfg, model, tokenizer)
         self.grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self.device = torch.device(cfg.device)
-        self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device)
+        rows = cfg.max_num_seqs * max(1, sc.width)  # the most rows a pass samples
+        self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device, rows)
         dtype = next(model.parameters()).dtype
         ceiling = pool_ceiling(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
         cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), ceiling)
@@ -136,6 +137,7 @@ class Engine:
         self.passes.graphs = None
         if self.speculator is not None:
             self.speculator.graphs = None
+        self.grammar_masks.close()
         self.kv.close()
 
     # ---- requests ---------------------------------------------------------------------------
@@ -308,6 +310,7 @@ class Engine:
             self.journal.record(self.scheduler.running)
         if self._check_invariants:
             self.kv.payload.residency.check()
+        self.grammar_masks.prefetch(self.scheduler.running, ahead=self.speculator is None)
         return self.group.end_step(self, outputs, self.exchange)
 
     def load(self) -> RankLoad:
@@ -359,10 +362,7 @@ class Engine:
             to_device(ids, self.device), batch, done, feats, rows
         )
         sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
-        # the grammars' masks, filled on the host while the device runs the forward
-        self.grammar_masks.fill(
-            [Block(r.grammar, j, 1) for j, r in enumerate(sampled) if r.grammar is not None]
-        )
+        self.grammar_masks.fill(decode_blocks(sampled))  # while the device runs the forward
         if scored is not None:
             prompt_logprobs.score_pass(scoring, scored, self.model.logits)
         self.kv.commit(batch, ends)
@@ -386,11 +386,8 @@ class Engine:
         greedy = greedy_ids()
         outs = []
         for j, r in enumerate(sampled):
-            row = logits[j : j + 1]
-            if r.params.greedy:
-                token = greedy[j]
-            else:
-                token = sample_token(row[0], r.params, self.generator(r))
+            row, gen = logits[j : j + 1], self.generator(r)
+            token = greedy[j] if r.params.greedy else sample_token(row[0], r.params, gen)
             outs.append(self.emit(r, [token], row))
         for r in prefilled:
             self._finish(r, FinishReason.LENGTH, None)

@@ -71,7 +71,7 @@ class GrammarCompiler:
     def state(self, grammar: Grammar, output_ids: Sequence[int] = ()) -> GrammarState:
         """A fresh matcher for one request, advanced past ``output_ids`` (a resumed request's
         emitted tokens); raises ValueError when the grammar rejects them."""
-        st = GrammarState(self.compile(grammar))
+        st = GrammarState(self.compile(grammar), repr(grammar))
         for i, token in enumerate(output_ids):
             if not st.accept(token):
                 raise ValueError(f"output token {i} ({token}) breaks the request's grammar")

@@ -1,18 +1,27 @@
 """One request's place in its grammar: the tokens it has emitted (a wrapper of
-``xgrammar.GrammarMatcher``). The masks of its next rows are filled with every other
-constrained request's of the same pass (``grammar_masks``)."""
+``xgrammar.GrammarMatcher``). The masks of its next rows are filled by another process, whose
+mirror of this matcher follows ``tokens`` (``grammar_masks``)."""
 
 from __future__ import annotations
 
+import itertools
+
 import xgrammar as xgr
+
+_ids = itertools.count()
 
 
 class GrammarState:
     """The grammar matcher of one request, advanced by every token it emits. Once the grammar
     is complete only the stop tokens are allowed; accepting one terminates it."""
 
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, key: str) -> None:
+        """``key``: the grammar's identity (equal keys: equal compiled grammars)."""
         self.matcher = xgr.GrammarMatcher(compiled)
+        self.compiled = compiled
+        self.key = key
+        self.id = next(_ids)  # unique in the process
+        self.tokens: list[int] = []  # every token accepted
 
     @property
     def terminated(self) -> bool:
@@ -22,4 +31,7 @@ class GrammarState:
     def accept(self, token: int) -> bool:
         """Advances past an emitted token; False (nothing changed) when the grammar rejects
         it."""
-        return self.matcher.accept_token(token)
+        if not self.matcher.accept_token(token):
+            return False
+        self.tokens.append(token)
+        return True

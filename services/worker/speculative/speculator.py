@@ -174,7 +174,7 @@ class Speculator:
         feats = self.features()
         logits = self.forward(to_device(ids, eng.device), batch, feats)  # [sum K, V]
         cu = batch.cu
-        # the grammars' masks, filled on the host while the device verifies
+        # the grammars' masks, filled by their process while the device verifies
         eng.grammar_masks.fill(
             [
                 Block(req.grammar, cu[r], widths[r], proposed[r][: widths[r] - 1])

@@ -124,13 +124,19 @@ def random_walk(
     return out
 
 
+@functools.cache
+def shared_masks(vocab: int) -> GrammarMasks:
+    """One ``GrammarMasks`` (and its filler process) per vocabulary for the test session."""
+    return GrammarMasks(vocab, torch.device("cpu"), max_rows=64)
+
+
 def block_allowed(
     states: list[tuple[GrammarState, int, list[int]]], vocab: int, width: int | None = None
 ) -> torch.Tensor:
     """[rows, V] bool: the tokens each row may take after one pass's masks of
     ``states`` ((grammar, rows, drafts) per request, their blocks one after another, then
     ``width`` rows in all when given), as ``GrammarMasks`` fills and applies them to logits."""
-    masks = GrammarMasks(vocab, torch.device("cpu"))
+    masks = shared_masks(vocab)
     blocks, first = [], 0
     for st, rows, drafts in states:
         blocks.append(Block(st, first, rows, drafts))

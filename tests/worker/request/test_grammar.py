@@ -4,13 +4,15 @@ reference would; the vocabulary as xgrammar reads it; bad specs refused."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 
 import pytest
 import torch
 
-from services.worker.request.grammar_masks import Block, GrammarMasks
+from services.worker.request.grammar_masks import Block, GrammarMasks, decode_blocks
 from services.worker.request.grammar_vocab import tokenizer_info
-from services.worker.request.request import Grammar, SamplingParams
+from services.worker.request.request import Grammar, Request, SamplingParams
 from tests.worker.request.grammar_cases import (
     ANY_TEXT,
     JSON_OBJECT,
@@ -23,6 +25,7 @@ from tests.worker.request.grammar_cases import (
     mini_tokenizer,
     random_walk,
     reference_mask,
+    shared_masks,
     tokenizer,
     tool_call_tag,
 )
@@ -87,7 +90,7 @@ def test_apply_masks_logits_as_the_bitmask_says(rows: int) -> None:
     for i in range(rows):
         ok = allowed(reference_mask(compiled, walk[: 5 + i], MINI_VOCAB), MINI_VOCAB)
         want[i] = want[i].masked_fill(~ok, float("-inf"))
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+    masks = shared_masks(MINI_VOCAB)
     masks.fill([Block(st, 0, rows, drafts)])
     masks.apply(logits)
     assert torch.equal(logits, want)
@@ -117,7 +120,7 @@ def test_one_pass_masks_every_request_as_alone() -> None:
     g = torch.Generator().manual_seed(3)
     logits = torch.randn(18, MINI_VOCAB, generator=g)
     want = logits.clone()
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+    masks = shared_masks(MINI_VOCAB)
     placed, first = [], 0
     for (st, rows, drafts), ok in zip(blocks, alone, strict=True):
         first += 1  # an unconstrained row before each block
@@ -199,3 +202,55 @@ def test_bad_specs_are_refused_with_a_reason(grammar: Grammar, reason: str) -> N
 def test_min_tokens_with_a_grammar_is_refused() -> None:
     with pytest.raises(ValueError, match="min_tokens"):
         compiler("byte").check(SamplingParams(min_tokens=2, grammar=JSON_OBJECT))
+
+
+def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> None:
+    """After a step, the next decode row of every running constrained request is filled ahead
+    in the process; the next pass uses it when the request's tokens are unchanged, and asks
+    again for one that accepted a token since. Both equal the matcher stepped token by token;
+    a request no longer running is forgotten by the process, and a later pass reopens it."""
+    c = compiler("mini")
+    compiled = c.compile(JSON_SCHEMA)
+    walks = [random_walk(compiled, 12, MINI_VOCAB, MINI_EOS, seed=s) for s in range(3)]
+    reqs = []
+    for i, w in enumerate(walks):
+        req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
+        req.grammar = c.state(JSON_SCHEMA, w[:4])
+        reqs.append(req)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8)
+    try:
+        masks.fill(decode_blocks(reqs))  # starts the process and opens the three
+        masks.apply(torch.zeros(3, MINI_VOCAB))
+        masks.prefetch(reqs[:2], ahead=True)  # r2 is no longer running: forgotten
+        assert reqs[1].grammar is not None and reqs[1].grammar.accept(walks[1][4])
+        logits = torch.zeros(3, MINI_VOCAB)
+        masks.fill(decode_blocks(reqs))
+        masks.apply(logits)
+        for i, (w, at) in enumerate(zip(walks, (4, 5, 4), strict=True)):
+            want = allowed(reference_mask(compiled, w[:at], MINI_VOCAB), MINI_VOCAB)
+            assert torch.equal(logits[i] != float("-inf"), want), i
+    finally:
+        masks.close()
+
+
+def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another() -> None:
+    c = compiler("mini")
+    req = Request("r", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
+    req.grammar = c.state(JSON_OBJECT)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4)
+    try:
+        masks.fill(decode_blocks([req]))
+        masks.apply(torch.zeros(1, MINI_VOCAB))
+        pid = masks.filler_pid
+        assert pid is not None
+        os.kill(pid, signal.SIGKILL)
+        masks.fill(decode_blocks([req]))
+        with pytest.raises(RuntimeError, match="grammar mask process died"):
+            masks.apply(torch.zeros(1, MINI_VOCAB))
+        masks.fill(decode_blocks([req]))
+        logits = torch.zeros(1, MINI_VOCAB)
+        masks.apply(logits)
+        want = allowed(reference_mask(c.compile(JSON_OBJECT), [], MINI_VOCAB), MINI_VOCAB)
+        assert torch.equal(logits[0] != float("-inf"), want)
+    finally:
+        masks.close()

@@ -12,7 +12,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.request.grammar_masks import Block, GrammarMasks
+from services.worker.request.grammar_masks import Block
 from services.worker.request.request import FinishReason, Grammar, SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.verify import verify_batch
@@ -28,6 +28,7 @@ from tests.worker.request.grammar_cases import (
     compiler,
     random_walk,
     reference_mask,
+    shared_masks,
     tool_call_tag,
 )
 
@@ -52,7 +53,7 @@ def test_a_draft_the_grammar_forbids_is_rejected(greedy: bool) -> None:
             logits[i, t] = 30.0
         draft_probs = torch.zeros(1, 3, MINI_VOCAB)
         draft_probs[0, torch.arange(3), torch.tensor(drafts)] = 1.0
-        masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"))
+        masks = shared_masks(MINI_VOCAB)
         masks.fill([Block(c.state(JSON_SCHEMA, out), 0, 4, drafts)])
         masks.apply(logits)
         (v,) = verify_batch(
