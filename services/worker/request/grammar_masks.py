@@ -80,31 +80,34 @@ class _Filler:
         self.conn = Connection(ours.detach())
         self._send((tokenizer.serialize_json(), regions))
         self.opened: dict[int, int] = {}  # request id -> tokens the mirror has accepted
+        self._queue: list[tuple] = []  # commands sent with the next fill, in one message
         self.keys: set[str] = set()  # grammars whose compiled form the process holds
         self.tags = 0
         self.answered = 0  # fills answered so far (answers come in order)
         self._stop = weakref.finalize(self, _stop, self.conn, self.proc, self.shms)
 
     def sync(self, st: GrammarState) -> None:
-        """The process's mirror of ``st`` at ``st``'s tokens."""
+        """The process's mirror of ``st`` at ``st``'s tokens (from the next fill on)."""
         done = self.opened.get(st.id)
         if done is None:
             blob = None if st.key in self.keys else st.compiled.serialize_json()
             self.keys.add(st.key)
-            self._send(("open", st.id, st.key, blob, list(st.tokens)))
+            self._queue.append(("open", st.id, st.key, blob, list(st.tokens)))
         elif done < len(st.tokens):
-            self._send(("advance", st.id, st.tokens[done:]))
+            self._queue.append(("advance", st.id, st.tokens[done:]))
         self.opened[st.id] = len(st.tokens)
 
     def close_except(self, live: set[int]) -> None:
         for rid in [r for r in self.opened if r not in live]:
             del self.opened[rid]
-            self._send(("close", rid))
+            self._queue.append(("close", rid))
 
     def fill(self, region: int, entries: list[tuple[int, int, int, list[int]]]) -> int:
         """Asks for ``entries``' rows of ``region``; the tag to wait for."""
         self.tags += 1
-        self._send(("fill", self.tags, region, entries))
+        self._queue.append(("fill", self.tags, region, entries))
+        self._send(("batch", self._queue))
+        self._queue = []
         return self.tags
 
     def wait(self, tag: int) -> None:

@@ -14,7 +14,9 @@ commands arrive in order, each ``fill`` answered with its tag once its rows are 
   row + rows - 1`` of shared-memory region ``region``: row i is the mask after the request's
   tokens and ``drafts[:i]`` (rows after a rejected or terminating draft allow everything), the
   matcher unchanged after;
-- ``("stop",)``."""
+- ``("stop",)``;
+- ``("batch", commands)``: the commands in order (the engine sends each fill with the
+  commands before it in one message)."""
 
 from __future__ import annotations
 
@@ -66,40 +68,53 @@ def serve(conn: Connection) -> None:
     try:
         while True:
             msg = conn.recv()
-            kind = msg[0]
-            if kind == "fill":
-                _, tag, region, entries = msg
-                for rid, row, rows, drafts in entries:
-                    fill_rows(matchers[rid], views[region], row, rows, drafts)
-                conn.send(tag)
-            elif kind == "advance":
-                _, rid, tokens = msg
-                m = matchers[rid]
-                for t in tokens:
-                    if not m.accept_token(t):
-                        raise RuntimeError(
-                            f"request {rid}: the engine accepted {t}, its mirror not"
-                        )
-            elif kind == "open":
-                _, rid, key, blob, tokens = msg
-                if blob is not None:
-                    compiled[key] = xgr.CompiledGrammar.deserialize_json(blob, info)
-                matchers[rid] = m = xgr.GrammarMatcher(compiled[key])
-                for t in tokens:
-                    if not m.accept_token(t):
-                        raise RuntimeError(f"request {rid}: its grammar rejects token {t}")
-            elif kind == "close":
-                matchers.pop(msg[1], None)
-            elif kind == "stop":
-                return
-            else:
-                raise ValueError(f"unknown command {kind!r}")
+            for cmd in msg[1] if msg[0] == "batch" else [msg]:
+                if not _run(cmd, conn, info, views, compiled, matchers):
+                    return
     except EOFError:
         return  # the engine is gone
     finally:
         views.clear()
         for shm in shms:
             shm.close()
+
+
+def _run(
+    cmd: tuple,
+    conn: Connection,
+    info: xgr.TokenizerInfo,
+    views: list[np.ndarray],
+    compiled: dict[str, xgr.CompiledGrammar],
+    matchers: dict[int, xgr.GrammarMatcher],
+) -> bool:
+    """Carries out one command; False once told to stop."""
+    kind = cmd[0]
+    if kind == "fill":
+        _, tag, region, entries = cmd
+        for rid, row, rows, drafts in entries:
+            fill_rows(matchers[rid], views[region], row, rows, drafts)
+        conn.send(tag)
+    elif kind == "advance":
+        _, rid, tokens = cmd
+        m = matchers[rid]
+        for t in tokens:
+            if not m.accept_token(t):
+                raise RuntimeError(f"request {rid}: the engine accepted {t}, its mirror not")
+    elif kind == "open":
+        _, rid, key, blob, tokens = cmd
+        if blob is not None:
+            compiled[key] = xgr.CompiledGrammar.deserialize_json(blob, info)
+        matchers[rid] = m = xgr.GrammarMatcher(compiled[key])
+        for t in tokens:
+            if not m.accept_token(t):
+                raise RuntimeError(f"request {rid}: its grammar rejects token {t}")
+    elif kind == "close":
+        matchers.pop(cmd[1], None)
+    elif kind == "stop":
+        return False
+    else:
+        raise ValueError(f"unknown command {kind!r}")
+    return True
 
 
 if __name__ == "__main__":  # run by path, so that no package of the worker is imported
