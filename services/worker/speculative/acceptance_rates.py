@@ -1,0 +1,124 @@
+"""Measured acceptance by draft position, for the online width policy (DESIGN §5, eq. 13).
+
+Position i (1-based) of a verify round is reached when proposals 1..i-1 were accepted and the
+request verified at least i proposals; it is a hit when proposal i is accepted too. The
+conditional rate ``c_i = hits_i / reached_i`` does not depend on the width the round ran at, so
+a round at width K measures the acceptance of every width up to K at once, and the tokens a
+session gains per round at width K are ``tau_K = 1 + sum_{j<K} prod_{i<=j} c_i``.
+
+The estimate is a decayed count (each round's counts weigh ``decay`` times the previous
+round's, and a round without speculation ages it alike), and a change detector compares the
+last rounds (up to ``window``) against the estimate before them: when a position's recent rate
+lies more than ``z`` standard deviations of the difference (plus ``slack``) from it, the content changed, and
+the estimate of every position is replaced by the counts of the rounds since the change rather
+than blended, so the policy sees the new acceptance within a few rounds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+
+@dataclass
+class _Round:
+    hits: list[int]
+    reached: list[int]
+    weight: float = 1.0  # what the estimate weighs this round's counts by now
+
+
+@dataclass
+class AcceptanceRates:
+    positions: int  # the deepest draft position measured (K_max - 1)
+    decay: float = 0.95
+    window: int = 8  # rounds of the recent counts the change detector reads
+    z: float = 4.5
+    slack: float = 0.05
+    min_reached: int = 8  # trials of a position, recent and before, before it is tested
+    _hits: list[float] = field(default_factory=list)
+    _reached: list[float] = field(default_factory=list)
+    _recent: deque[_Round] = field(default_factory=deque)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.decay <= 1.0 or self.window < 1:
+            raise ValueError("decay must lie in (0, 1] and the window hold a round at least")
+        self._hits = [0.0] * self.positions
+        self._reached = [0.0] * self.positions
+
+    def observe(self, accepted: Sequence[int], proposed: Sequence[int]) -> bool:
+        """One verify round: request r verified ``proposed[r]`` proposals and accepted the first
+        ``accepted[r]``. True when the round's window shows a change of acceptance (the
+        estimate then holds the recent counts only)."""
+        hits, reached = [0] * self.positions, [0] * self.positions
+        for a, n in zip(accepted, proposed, strict=True):
+            if not 0 <= a <= n <= self.positions:
+                raise ValueError(f"accepted {a} of {n} proposals (positions: {self.positions})")
+            for i in range(min(a + 1, n)):  # positions 1..a were hits, a+1 (if any) a miss
+                reached[i] += 1
+                hits[i] += i < a
+        self.age()
+        for i in range(self.positions):
+            self._hits[i] += hits[i]
+            self._reached[i] += reached[i]
+        self._recent.append(_Round(hits, reached))
+        if len(self._recent) > self.window:
+            self._recent.popleft()
+        since = self._change()
+        if since is None:
+            return False
+        new = list(self._recent)[-since:]
+        self._hits = [float(sum(r.hits[i] for r in new)) for i in range(self.positions)]
+        self._reached = [float(sum(r.reached[i] for r in new)) for i in range(self.positions)]
+        self._recent.clear()
+        return True
+
+    def age(self) -> None:
+        """A round without speculation: what was measured before weighs ``decay`` less, so a
+        probe after a long time off reads the acceptance of now."""
+        self._hits = [self.decay * h for h in self._hits]
+        self._reached = [self.decay * n for n in self._reached]
+        for r in self._recent:
+            r.weight *= self.decay
+
+    def _change(self) -> int | None:
+        """The rounds since acceptance changed, if it did: the last rounds of the window whose
+        rate at some position lies furthest (in standard deviations) beyond the threshold from
+        the estimate before them; None when no suffix of the window does."""
+        best, since = 0.0, None
+        rounds = list(self._recent)
+        for i in range(self.positions):
+            n = h = wn = wh = 0.0
+            for m, r in enumerate(reversed(rounds), start=1):
+                n, h = n + r.reached[i], h + r.hits[i]
+                wn, wh = wn + r.weight * r.reached[i], wh + r.weight * r.hits[i]
+                old_n = self._reached[i] - wn
+                if n < self.min_reached or old_n < self.min_reached:
+                    continue
+                old = (self._hits[i] - wh) / old_n
+                p = min(max(old, 0.05), 0.95)
+                sd = math.sqrt(p * (1 - p) * (1 / n + 1 / old_n))  # both rates are measured
+                excess = abs(h / n - old) - self.z * sd - self.slack
+                if excess > best:
+                    best, since = excess, m
+        return since
+
+    def rate(self, position: int) -> float | None:
+        """``c_i`` for position i (1-based); None while it was never reached."""
+        n = self._reached[position - 1]
+        return self._hits[position - 1] / n if n > 0 else None
+
+    def length(self, width: int) -> float | None:
+        """Expected tokens a session emits per round at ``width`` (anchor included; 0 and 1:
+        one); None while a position below ``width`` was never reached."""
+        total, reach = 1.0, 1.0
+        for i in range(1, width):
+            c = self.rate(i)
+            if c is None:
+                if reach < 1e-6:  # no round gets this deep: the width adds nothing here
+                    return total
+                return None
+            reach *= c
+            total += reach
+        return total
