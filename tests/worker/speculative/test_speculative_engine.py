@@ -137,3 +137,27 @@ def test_speculative_greedy_over_fp8_kv_equals_plain_fp8_greedy(mode: str) -> No
     assert eng.speculator.counters.drafts > 0
     eng.close()
     ref.close()
+
+
+def test_the_online_policy_is_off_while_admissions_wait_for_memory() -> None:
+    """A pool that holds two of four requests: while the others wait for memory (slots are
+    free), every verify round runs width 0; once nothing waits, the policy speculates again."""
+    cfg = EngineConfig(
+        model="tiny-glm", mode="resident", kv_pool_mib=2, max_num_seqs=4, max_model_len=512,
+        max_prefill_tokens=512, speculation=SpeculationConfig("dflash", 4, "online"),
+    )  # fmt: skip
+    eng = Engine(cfg)
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"r{i}", torch.randint(0, 256, (300,), generator=g).tolist(), params)
+    waiting, free = [], []
+    while eng.scheduler.has_work():
+        steps = eng.stats.decode_steps
+        eng.step()
+        if eng.stats.decode_steps > steps:
+            w = eng.speculator.counters.width
+            (waiting if eng.scheduler.waiting else free).append(w)
+    assert len(waiting) > 10 and set(waiting) == {0}
+    assert free and max(free) > 1
+    eng.close()
