@@ -44,8 +44,8 @@ class WidthController:
     left out keep their ratios). A probe that leaves its width clearly behind (by more than
     the policy's margin) doubles the period, up to ``refresh_every * max_backoff``: a width
     that keeps losing costs ever less to watch. A probe that finds a close contender probes it
-    again after ``refresh_every``, until the policy decides; so does a change of the current
-    width. A rise of acceptance while speculating narrower than K_max probes K_max at once."""
+    again after ``refresh_every``, until the policy decides; a change of the current width
+    starts the period afresh at ``refresh_every``. A rise of acceptance while speculating narrower than K_max probes K_max at once."""
 
     def __init__(
         self,
@@ -126,7 +126,7 @@ class WidthController:
         before = self.online.current
         k = self.online.decide(load, self.sessions)
         if before is not None and self.online.current != before:
-            self.period, self._next = self.refresh_every, None
+            self.period, self._next, self._since_probe = self.refresh_every, None, 0
         return k
 
     def _to_measure(self, load: int) -> tuple[list[int], bool]:
@@ -169,7 +169,9 @@ class WidthController:
         ``accepted[r]`` (both empty at width 0)."""
         if self.policy != "online":
             return
-        if width > 1:
+        if width <= 1:  # acceptance measured before weighs less after every round off
+            self.online.acceptance.age()
+        else:
             before = self.online.acceptance.length(self.k_max)
             if self.online.observe_acceptance(accepted, proposed):
                 after = self.online.acceptance.length(self.k_max)

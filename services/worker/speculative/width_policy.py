@@ -86,10 +86,7 @@ class OnlinePolicy:
         self.acceptance = AcceptanceRates(positions=max(1, max(self.widths) - 1))
 
     def observe_round(self, width: int, load: int, round_s: float) -> None:
-        """A round at ``width`` with ``load`` sessions took ``round_s`` seconds; a round
-        without speculation ages the acceptance measured before it."""
-        if width <= 1:
-            self.acceptance.age()
+        """A round at ``width`` with ``load`` sessions took ``round_s`` seconds."""
         key = (load_bucket(load), width)
         old = self._round.get(key)
         self._round[key] = round_s if old is None else old + self.alpha * (round_s - old)
