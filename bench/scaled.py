@@ -203,18 +203,20 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
     vocab = model.family.vocab_size
     g = torch.Generator().manual_seed(args.seed + ctx)
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(max(cs))]
-    engines = {m: _engine(name, model, m, ctx, max(cs), args) for m in modes}
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rates = acceptance_rates(args)
-    if rates is not None:  # the target's greedy continuations, from a plain run first
+    refs: dict[tuple[int, ...], list[int]] = {}
+    if rates is not None:  # the target's greedy continuations, from a plain run first (alone)
         plain = _engine(name, model, "resident", ctx, max(cs), args, speculate=False)
-        ref = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
-        outs = plain.generate(prompts, ref)
+        outs = plain.generate(prompts, params)
         plain.close()
         refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(prompts, outs, strict=True)}
+    engines = {m: _engine(name, model, m, ctx, max(cs), args) for m in modes}
+    controls = {}
+    if rates is not None:
         controls = {m: control(e, refs, rates, seed=args.seed) for m, e in engines.items()}
     device = next(model.parameters()).device.type
     sweep_args = SimpleNamespace(decode_tokens=args.decode_tokens, trace=False, device=device)
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     pauses = GcPauses()
     for c in cs:
