@@ -10,8 +10,8 @@ fewer routed experts (``shared/notes/real-models.md`` §1.7 and §2.7).
 
 Both keep their checkpoint's FP8 ``quantization_config``, so ``weights="auto"`` is FP8, and
 its MTP layer (``num_nextn_predict_layers`` 1): built with it (``build_model(..., mtp=True)``,
-``--drafter mtp``), the model holds layer N as the released checkpoints do, its head the
-target's. Pure Python, like ``presets``."""
+``--drafter mtp``), a model holds that layer as layer N, random like the rest, its head the
+target's as in the released checkpoints. Pure Python, like ``presets``."""
 
 from __future__ import annotations
 

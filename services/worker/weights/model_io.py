@@ -261,10 +261,10 @@ def load_model(
     """A preset name (seeded random weights) or a directory with config.json + weights: a
     Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format. ``mtp``: with the
     checkpoint's MTP layer (Hugging Face checkpoints and the real families' presets, whose
-    config must name one). ``weight_dtype`` / ``fp8_mode``:
-    how a real family's projections and experts are held (``weight_format.resolve``; a
-    family preset is "FP8" under "auto" when its config has a ``quantization_config``); the
-    home-made family takes "auto" or "bf16" only. ``parallel`` over ``comm``: this rank's part
+    config must name one). ``weight_dtype`` / ``fp8_mode``: how a real family's projections
+    and experts are held (``weight_format.resolve``; a family preset is "FP8" under "auto"
+    when its config has a ``quantization_config``); the home-made family takes "auto" or
+    "bf16" only. ``parallel`` over ``comm``: this rank's part
     of a real family's model (``family.parallel_layout``); the home-made family runs on one rank."""
     if parallel.world_size > 1 and not _is_family(spec):
         raise ValueError(
