@@ -8,10 +8,12 @@ session gains per round at width K are ``tau_K = 1 + sum_{j<K} prod_{i<=j} c_i``
 
 The estimate is a decayed count (each round's counts weigh ``decay`` times the previous
 round's, and a round without speculation ages it alike), and a change detector compares the
-last rounds (up to ``window``) against the estimate before them: when a position's recent rate
-lies more than ``z`` standard deviations of the difference (plus ``slack``) from it, the content changed, and
-the estimate of every position is replaced by the counts of the rounds since the change rather
-than blended, so the policy sees the new acceptance within a few rounds.
+last rounds (up to ``window``) against the estimate before them: when a position's recent hits
+are less likely than ``alpha`` under it (a binomial tail; and the rates differ by more than
+``slack``), the content changed, and the estimate of every position is replaced by the counts
+of the rounds since the change (the estimate before weighing one trial, so a position those
+rounds did not reach keeps a rate) rather than blended: the policy sees the new acceptance
+within a few rounds.
 """
 
 from __future__ import annotations
@@ -34,9 +36,9 @@ class AcceptanceRates:
     positions: int  # the deepest draft position measured (K_max - 1)
     decay: float = 0.95
     window: int = 8  # rounds of the recent counts the change detector reads
-    z: float = 4.5
-    slack: float = 0.05
-    min_reached: int = 8  # trials of a position, recent and before, before it is tested
+    alpha: float = 1e-6  # how unlikely the recent hits must be under the estimate
+    slack: float = 0.05  # a smaller change of a rate is no change
+    min_reached: int = 6  # recent trials of a position before it is tested (twice as many before)
     _hits: list[float] = field(default_factory=list)
     _reached: list[float] = field(default_factory=list)
     _recent: deque[_Round] = field(default_factory=deque)
@@ -69,8 +71,11 @@ class AcceptanceRates:
         if since is None:
             return False
         new = list(self._recent)[-since:]
-        self._hits = [float(sum(r.hits[i] for r in new)) for i in range(self.positions)]
-        self._reached = [float(sum(r.reached[i] for r in new)) for i in range(self.positions)]
+        for i in range(self.positions):  # the estimate before weighs one trial
+            before = self.rate(i + 1)
+            prior = (before, 1.0) if before is not None else (0.0, 0.0)
+            self._hits[i] = sum(r.hits[i] for r in new) + prior[0]
+            self._reached[i] = sum(r.reached[i] for r in new) + prior[1]
         self._recent.clear()
         return True
 
@@ -83,25 +88,26 @@ class AcceptanceRates:
             r.weight *= self.decay
 
     def _change(self) -> int | None:
-        """The rounds since acceptance changed, if it did: the last rounds of the window whose
-        rate at some position lies furthest (in standard deviations) beyond the threshold from
-        the estimate before them; None when no suffix of the window does."""
-        best, since = 0.0, None
+        """The rounds since acceptance changed, if it did: of the window's last rounds at
+        each position, those whose hits are least likely (below ``alpha``) under the
+        estimate before them; None when none are."""
+        best, since = math.log(self.alpha), None
         rounds = list(self._recent)
         for i in range(self.positions):
-            n = h = wn = wh = 0.0
+            n = h = 0
+            wn = wh = 0.0
             for m, r in enumerate(reversed(rounds), start=1):
                 n, h = n + r.reached[i], h + r.hits[i]
                 wn, wh = wn + r.weight * r.reached[i], wh + r.weight * r.hits[i]
                 old_n = self._reached[i] - wn
-                if n < self.min_reached or old_n < self.min_reached:
+                if n < self.min_reached or old_n < 2 * self.min_reached:
                     continue
                 old = (self._hits[i] - wh) / old_n
-                p = min(max(old, 0.05), 0.95)
-                sd = math.sqrt(p * (1 - p) * (1 / n + 1 / old_n))  # both rates are measured
-                excess = abs(h / n - old) - self.z * sd - self.slack
-                if excess > best:
-                    best, since = excess, m
+                if abs(h / n - old) <= self.slack:
+                    continue
+                tail = _log_tail(h, n, min(max(old, 0.02), 0.98), old_n)
+                if tail < best:
+                    best, since = tail, m
         return since
 
     def rate(self, position: int) -> float | None:
@@ -122,3 +128,20 @@ class AcceptanceRates:
             reach *= c
             total += reach
         return total
+
+
+def _log_tail(hits: int, n: int, p: float, n_before: float) -> float:
+    """log P(as few hits as ``hits`` of ``n``, or as many, whichever side they lie on) for
+    Binomial(n, p): exact for few trials, else the normal approximation with the variance of
+    both rates (``p`` was measured over ``n_before`` trials)."""
+    if n * min(p, 1 - p) < 15:
+        ks = range(hits, n + 1) if hits > n * p else range(hits + 1)
+        logs = [
+            math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1)
+            + k * math.log(p) + (n - k) * math.log1p(-p)
+            for k in ks
+        ]  # fmt: skip
+        top = max(logs)
+        return top + math.log(sum(math.exp(x - top) for x in logs))
+    z = abs(hits / n - p) / math.sqrt(p * (1 - p) * (1 / n + 1 / n_before))
+    return math.log(max(0.5 * math.erfc(z / math.sqrt(2)), 1e-300))

@@ -201,7 +201,7 @@ class WidthController:
             self.online.observe_ratio(w, self._anchor, load, sum(ts) / sum(anchor))
         scores = self.online.scores(load, self.sessions)
         bar = (1.0 - self.online.margin) * scores.get(self._anchor, 0.0)
-        close = [w for w in self._paired if scores.get(w, 0.0) >= bar]
+        close = [w for w in self._paired if w in scores and scores[w] >= bar]
         if close:
             self.period, self._next = self.refresh_every, max(close, key=lambda w: scores[w])
         else:

@@ -78,7 +78,8 @@ def test_a_steady_acceptance_raises_no_change(load: int) -> None:
 
 @pytest.mark.parametrize(("load", "within"), [(2, 6), (8, 3)])
 def test_a_drop_of_acceptance_is_detected_within_a_few_rounds(load: int, within: int) -> None:
-    """(At one session a round is one trial: the decayed estimate follows the drop there.)"""
+    """(At one session a round is one trial, and a change takes longer to be certain of:
+    ``test_width_controller.test_acceptance_dropping_at_one_session``.)"""
     acc = AcceptanceRates(positions=7)
     rng = random.Random(2)
     for _ in range(100):

@@ -153,6 +153,21 @@ def test_acceptance_dropping_then_rising_mid_run() -> None:
     assert back[-50:].count(8) >= 45
 
 
+def test_acceptance_dropping_at_one_session() -> None:
+    """At C = 1 a round is one trial of the first position: the drop shows within a few
+    rounds still. Over 12 traces width 8 is left within 20 rounds every time, and speculation
+    is off within 12 rounds in most."""
+    left, off = [], []
+    for seed in range(12):
+        t = Trace(controller(), rng=random.Random(seed))
+        t.run(1, LOW, GOOD, 150)
+        after = t.run(1, LOW, POOR, 80)
+        left.append(next(i for i, w in enumerate(after) if w != 8))
+        off.append(next(i for i, w in enumerate(after) if w == 0))
+    assert max(left) <= 20
+    assert sorted(off)[6] <= 12
+
+
 def test_acceptance_dropping_to_a_narrower_width() -> None:
     """A fair drop: width 4 now serves most. The acceptance of width 4 is measured by width 8's
     own rounds, so the controller moves within a few rounds, without a probe."""
