@@ -53,13 +53,19 @@ class AcceptanceRates:
         """One verify round: request r verified ``proposed[r]`` proposals and accepted the first
         ``accepted[r]``. True when the round's window shows a change of acceptance (the
         estimate then holds the recent counts only)."""
-        hits, reached = [0] * self.positions, [0] * self.positions
+        # requests whose hits (positions 1..a) and reached positions (those and a + 1, within
+        # the n verified) end at each depth; a position's counts are those ending deeper
+        hit_ends, reach_ends = [0] * (self.positions + 1), [0] * (self.positions + 1)
         for a, n in zip(accepted, proposed, strict=True):
             if not 0 <= a <= n <= self.positions:
                 raise ValueError(f"accepted {a} of {n} proposals (positions: {self.positions})")
-            for i in range(min(a + 1, n)):  # positions 1..a were hits, a+1 (if any) a miss
-                reached[i] += 1
-                hits[i] += i < a
+            hit_ends[a] += 1
+            reach_ends[min(a + 1, n)] += 1
+        hits, reached = [0] * self.positions, [0] * self.positions
+        h = r = 0
+        for i in range(self.positions - 1, -1, -1):
+            h, r = h + hit_ends[i + 1], r + reach_ends[i + 1]
+            hits[i], reached[i] = h, r
         self.age()
         for i in range(self.positions):
             self._hits[i] += hits[i]
@@ -133,7 +139,11 @@ class AcceptanceRates:
 def _log_tail(hits: int, n: int, p: float, n_before: float) -> float:
     """log P(as few hits as ``hits`` of ``n``, or as many, whichever side they lie on) for
     Binomial(n, p): exact for few trials, else the normal approximation with the variance of
-    both rates (``p`` was measured over ``n_before`` trials)."""
+    both rates (``p`` was measured over ``n_before`` trials). Within 3 standard deviations
+    (a tail above 1e-3, far from any threshold) it answers that bound, without the sum."""
+    z = abs(hits / n - p) / math.sqrt(p * (1 - p) * (1 / n + 1 / n_before))
+    if z < 3.0:
+        return math.log(1e-3)
     if n * min(p, 1 - p) < 15:
         ks = range(hits, n + 1) if hits > n * p else range(hits + 1)
         logs = [
@@ -143,5 +153,4 @@ def _log_tail(hits: int, n: int, p: float, n_before: float) -> float:
         ]  # fmt: skip
         top = max(logs)
         return top + math.log(sum(math.exp(x - top) for x in logs))
-    z = abs(hits / n - p) / math.sqrt(p * (1 - p) * (1 / n + 1 / n_before))
     return math.log(max(0.5 * math.erfc(z / math.sqrt(2)), 1e-300))
