@@ -51,8 +51,8 @@ class AcceptanceRates:
 
     def observe(self, accepted: Sequence[int], proposed: Sequence[int]) -> bool:
         """One verify round: request r verified ``proposed[r]`` proposals and accepted the first
-        ``accepted[r]``. True when the round's window shows a change of acceptance (the
-        estimate then holds the recent counts only)."""
+        ``accepted[r]``. True when the window shows a change of acceptance (the estimate then
+        holds the counts since the change)."""
         # requests whose hits (positions 1..a) and reached positions (those and a + 1, within
         # the n verified) end at each depth; a position's counts are those ending deeper
         hit_ends, reach_ends = [0] * (self.positions + 1), [0] * (self.positions + 1)
@@ -86,8 +86,9 @@ class AcceptanceRates:
         return True
 
     def age(self) -> None:
-        """A round without speculation: what was measured before weighs ``decay`` less, so a
-        probe after a long time off reads the acceptance of now."""
+        """What was measured before weighs ``decay`` less: at every round, with speculation
+        (``observe``) or without (the width controller's call), so that a probe after a long
+        time off reads the acceptance of now."""
         self._hits = [self.decay * h for h in self._hits]
         self._reached = [self.decay * n for n in self._reached]
         for r in self._recent:
