@@ -12,7 +12,15 @@ compiled, graphs captured), so the timed ones show the steady state.
 Reported per family: weight bytes resident on the GPU (parameters and buffers, and the
 allocator's count after the build), build time; per mode, context and C: decode tokens/s (the
 aggregate and the median step rate), CUDA-graph replays, captures and eager passes during the
-timed requests (steady state: replays > 0, eager = 0), sessions admitted."""
+timed requests (steady state: replays > 0, eager = 0), sessions admitted.
+
+With ``--drafter mtp`` the model is built with its MTP layer and every engine speculates
+(``--spec-width``, ``--width-policy``). A random MTP layer's proposals are almost never
+accepted, so by default its proposals are put under the bench's acceptance control
+(``bench/spec_control.py``, ``--acceptance``): the MTP layer still runs (its cost is real), the
+proposals are the target's own greedy continuation (a plain run of the same prompts first)
+corrupted at the shipped model's measured per-position acceptance; rows then report the
+acceptance length the verifier measured."""
 
 from __future__ import annotations
 
@@ -26,6 +34,7 @@ import torch
 from bench.capacity.sweep import MODES, Sweep
 from bench.core import UsageError
 from bench.core.lockstep import lockstep
+from bench.spec_control import control, shipped_rates
 from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
@@ -39,6 +48,8 @@ from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
 from services.worker.request.request import SamplingParams
 from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
+from services.worker.speculative.config import SpeculationConfig
+from services.worker.speculative.width_policy import WIDTH_POLICIES
 from services.worker.weights.model_io import build_model
 
 # a hierarchy mode's variant whose IndexShare followers resolve inline at their producer
@@ -67,6 +78,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs of decode passes")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--drafter", default="none", choices=("none", "mtp"),
+                    help="mtp: the family's MTP layer, built in place with the model")  # fmt: skip
+    ap.add_argument("--spec-width", type=int, default=4, help="K_max with --drafter mtp")
+    ap.add_argument("--width-policy", default="fixed", choices=WIDTH_POLICIES)
+    ap.add_argument(
+        "--acceptance", default="shipped",
+        help="with --drafter mtp: 'shipped' (the shipped model's MTP acceptance by draft "
+        "position, docs/results/acceptance.json), rates by position ('0.85,0.75,...'), or "
+        "'model' (the random MTP layer's own proposals)",
+    )  # fmt: skip
     ap.add_argument("--out", default="docs/results/scaled.json")
 
 
@@ -90,6 +111,29 @@ def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], li
     return fams, ctxs, cs, modes
 
 
+def acceptance_rates(args: argparse.Namespace) -> tuple[float, ...] | None:
+    """The acceptance control's rates by draft position (None: no control); raises
+    UsageError on bad ones."""
+    if args.drafter == "none" or args.acceptance == "model":
+        return None
+    if args.spec_width < 2:
+        raise UsageError("--spec-width: a verify round needs an anchor and a proposal (>= 2)")
+    if args.acceptance == "shipped":
+        rates = shipped_rates()
+    else:
+        try:
+            rates = tuple(float(v) for v in args.acceptance.split(","))
+        except ValueError:
+            raise UsageError(
+                f"--acceptance takes shipped, model or rates, not {args.acceptance!r}"
+            ) from None
+    if len(rates) < args.spec_width - 1 or not all(0.0 <= c <= 1.0 for c in rates):
+        raise UsageError(
+            f"--acceptance: {args.spec_width - 1} rates in [0, 1] are needed, got {rates}"
+        )
+    return rates
+
+
 def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     """Bytes of the model's tensors on the device, by dtype."""
     out: dict[str, int] = {}
@@ -103,9 +147,12 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
     return out
 
 
-def _engine(name: str, model, variant: str, ctx: int, c_max: int, args) -> Engine:
+def _engine(
+    name: str, model, variant: str, ctx: int, c_max: int, args, speculate: bool = True
+) -> Engine:
     """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
-    of the context. ``variant``: the mode, with ``INLINE`` for followers resolved inline."""
+    of the context. ``variant``: the mode, with ``INLINE`` for followers resolved inline;
+    ``speculate``: with ``--drafter``'s speculation, if any."""
     mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
@@ -124,6 +171,10 @@ def _engine(name: str, model, variant: str, ctx: int, c_max: int, args) -> Engin
         host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager, "second"),
         kv_cache_dtype=args.kv_cache_dtype,
         followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
+        speculation=SpeculationConfig(
+            args.drafter if speculate and args.drafter != "none" else None, args.spec_width,
+            args.width_policy,
+        ),
     )  # fmt: skip
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
@@ -140,28 +191,53 @@ def _graph_counts(engine: Engine) -> dict[str, int]:
     return {"replays": g.replays, "captures": g.captures, "eager": g.eager}
 
 
+def _spec_counts(engine: Engine) -> tuple[int, int]:
+    """(verify rounds, proposals accepted) so far; (0, 0) without speculation."""
+    spec = engine.speculator
+    return (0, 0) if spec is None else (spec.counters.drafts, spec.counters.accepted)
+
+
 def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], args) -> list[dict]:
     """Every mode at one context: engines built, warmed with each C's requests, then each C
     timed in lockstep (on the model's device: a CPU run is the smoke test)."""
     vocab = model.family.vocab_size
     g = torch.Generator().manual_seed(args.seed + ctx)
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(max(cs))]
+    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
+    rates = acceptance_rates(args)
+    refs: dict[tuple[int, ...], list[int]] = {}
+    if rates is not None:  # the target's greedy continuations, from a plain run first (alone)
+        plain = _engine(name, model, "resident", ctx, max(cs), args, speculate=False)
+        outs = plain.generate(prompts, params)
+        plain.close()
+        refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(prompts, outs, strict=True)}
     engines = {m: _engine(name, model, m, ctx, max(cs), args) for m in modes}
+    controls = {}
+    if rates is not None:
+        controls = {m: control(e, refs, rates, seed=args.seed) for m, e in engines.items()}
     device = next(model.parameters()).device.type
     sweep_args = SimpleNamespace(decode_tokens=args.decode_tokens, trace=False, device=device)
-    params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rows = []
     pauses = GcPauses()
     for c in cs:
         for engine in engines.values():  # warm-up: the same shapes as the timed requests
             engine.generate(prompts[:c], params)
         before = {m: _graph_counts(e) for m, e in engines.items()}
+        spec0 = {m: _spec_counts(e) for m, e in engines.items()}
         sweeps = [Sweep(engines[m], m, c, sweep_args, prompts, pauses) for m in modes]
         lockstep(sweeps)
         for sw in sweeps:
             row = sw.row()
             after = _graph_counts(sw.engine)
             row["graphs"] = {k: after[k] - before[sw.mode][k] for k in after}
+            if sw.engine.speculator is not None:
+                (d0, a0), (d1, a1) = spec0[sw.mode], _spec_counts(sw.engine)
+                row["acceptance_length"] = 1.0 + (a1 - a0) / max(d1 - d0, 1)
+                row["width_in_use"] = sw.engine.speculator.counters.width
+                if rates is not None:
+                    row["acceptance_control"] = {
+                        "rates": list(rates), "misses": controls[sw.mode].misses,
+                    }  # fmt: skip
             row["graphs_off_reason"] = sw.engine.graphs_off_reason
             row["context"] = ctx
             rows.append(row)
@@ -179,6 +255,7 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
 
 def run(args: argparse.Namespace) -> dict:
     fams, ctxs, cs, modes = parse(args)
+    acceptance_rates(args)  # bad rates are refused before the build
     if not torch.cuda.is_available():
         raise UsageError("bench scaled runs on a CUDA GPU (real-dimension models of 40+ GB)")
     fmt = WeightFormat(fp8=args.weights == "fp8", mode=args.fp8_mode)
@@ -187,7 +264,7 @@ def run(args: argparse.Namespace) -> dict:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
         model = build_model(SCALED[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
-                            weights=fmt, in_place=True)  # fmt: skip
+                            weights=fmt, in_place=True, mtp=args.drafter == "mtp")  # fmt: skip
         torch.cuda.synchronize()
         built_s = time.perf_counter() - t0
         wb = weight_bytes(model)
@@ -219,5 +296,8 @@ def run(args: argparse.Namespace) -> dict:
         "machine": torch.cuda.get_device_name(),
         "decode_tokens": args.decode_tokens,
         "hot_cache_rows": args.hot_cache_rows,
+        "drafter": args.drafter,
+        "spec_width": args.spec_width if args.drafter != "none" else None,
+        "width_policy": args.width_policy if args.drafter != "none" else None,
         "families": families,
     }

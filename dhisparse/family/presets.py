@@ -37,11 +37,11 @@ class FamilyPreset:
     # vocabulary's padding); a byte vocabulary has no padding, and its last id is a chat token.
     mask_token_id: int
 
-    def parse(self) -> tuple[MLAConfig, ModelConfig]:
+    def parse(self, mtp: bool = False) -> tuple[MLAConfig, ModelConfig]:
         """(the model's math, the engine's topology), as ``hf_dir.hf_family`` reads them from a
-        model directory."""
+        model directory; ``mtp``: the topology with the config's MTP layer (``--drafter mtp``)."""
         cfg = parse_config(self.config)
-        return cfg, replace(topology(cfg, self.name), mask_token_id=self.mask_token_id)
+        return cfg, replace(topology(cfg, self.name, mtp=mtp), mask_token_id=self.mask_token_id)
 
 
 Definition = ModelConfig | FamilyPreset

@@ -8,8 +8,10 @@ fewer routed experts (``shared/notes/real-models.md`` §1.7 and §2.7).
 - ``glm5-scaled``: GLM-5.2 with 20 layers (3 dense, 17 MoE; indexers on layers 0, 1, 2, 6, 10,
   14 and 18, IndexShare followers between) and 64 routed experts: 47.67 B parameters.
 
-Both keep their checkpoint's FP8 ``quantization_config``, so ``weights="auto"`` is FP8.
-Pure Python, like ``presets``."""
+Both keep their checkpoint's FP8 ``quantization_config``, so ``weights="auto"`` is FP8, and
+its MTP layer (``num_nextn_predict_layers`` 1): built with it (``build_model(..., mtp=True)``,
+``--drafter mtp``), a model holds that layer as layer N, random like the rest, its head the
+target's as in the released checkpoints. Pure Python, like ``presets``."""
 
 from __future__ import annotations
 
@@ -35,7 +37,7 @@ _V32: dict[str, Any] = {
         "mscale_all_dim": 1.0, "original_max_position_embeddings": 4096,
     },
     "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
-    "torch_dtype": "bfloat16", "quantization_config": _FP8,
+    "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16", "quantization_config": _FP8,
 }  # fmt: skip
 
 
@@ -68,7 +70,8 @@ _GLM5: dict[str, Any] = {
     "rms_norm_eps": 1e-5, "max_position_embeddings": 1048576, "rope_interleave": True,
     "rope_parameters": {"rope_theta": 8000000, "rope_type": "default"},
     "eos_token_id": [154820, 154827, 154829], "pad_token_id": 154820,
-    "tie_word_embeddings": False, "dtype": "bfloat16", "quantization_config": _FP8,
+    "tie_word_embeddings": False, "num_nextn_predict_layers": 1, "dtype": "bfloat16",
+    "quantization_config": _FP8,
 }  # fmt: skip
 
 SCALED: dict[str, FamilyPreset] = {

@@ -14,7 +14,7 @@ The paper's concepts, each where it is defined:
     repopulation        services/worker/residency/repopulation.py
     draft ring          services/worker/speculative/draft_ring.py
     drafters            services/worker/speculative/drafters/
-    width policy        services/worker/speculative/width_policy.py
+    width policy        services/worker/speculative/width_policy.py (run: width_controller.py)
     verification        services/worker/speculative/verify.py
     manifest            services/worker/durable/manifest.py
 

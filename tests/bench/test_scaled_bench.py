@@ -1,6 +1,7 @@
 """``python -m bench scaled`` on the CPU at tiny scale: its argument checks, and one context's
 lockstep run of the three modes over an FP8-held real-family model (``tiny-glm``), which is what
-the GPU run does at real dimensions."""
+the GPU run does at real dimensions; and speculating with a scaled preset's MTP layer (shrunk)
+under the acceptance control."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ from bench.core import UsageError
 from dhisparse.family.presets import preset
 from services.worker.model.weight_format import WeightFormat
 from services.worker.weights.model_io import build_model
+from tests.worker.scaled_shrunk import shrunk
 
 
 def _args(**over) -> argparse.Namespace:
@@ -64,3 +66,33 @@ def test_fp8_kv_in_lockstep_on_the_cpu() -> None:
     assert [r["mode"] for r in rows] == ["resident", "hisparse:inline"]
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == 2
+
+
+def test_speculation_arguments_are_checked() -> None:
+    assert scaled.acceptance_rates(_args()) is None  # no drafter
+    assert scaled.acceptance_rates(_args(drafter="mtp", acceptance="model")) is None
+    shipped = scaled.acceptance_rates(_args(drafter="mtp", spec_width=8))
+    assert shipped is not None and len(shipped) == 7
+    assert scaled.acceptance_rates(_args(drafter="mtp", acceptance="0.9,0.5,0.5")) == (
+        0.9, 0.5, 0.5,
+    )  # fmt: skip
+    for bad in ("0.9,0.5", "0.9,x,0.5", "0.9,1.5,0.5"):
+        with pytest.raises(UsageError):
+            scaled.acceptance_rates(_args(drafter="mtp", acceptance=bad))
+
+
+def test_one_context_speculating_under_the_acceptance_control_on_the_cpu() -> None:
+    """``--drafter mtp``: a scaled preset (shrunk) built with its MTP layer, every mode's engine
+    speculating, its proposals under the acceptance control: the verifier measures about the
+    configured acceptance, and no round left the plain run's reference."""
+    d = shrunk("v32-scaled", num_hidden_layers=2)
+    model = build_model(d, seed=2, mtp=True)
+    args = _args(decode_tokens=24, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=64, drafter="mtp", spec_width=4,
+                 acceptance="0.95,0.9,0.9")  # fmt: skip
+    rows = scaled.run_context(d.name, model, 48, [2], ["resident", "hisparse"], args)
+    assert [r["mode"] for r in rows] == ["resident", "hisparse"]
+    for r in rows:
+        assert r["acceptance_control"] == {"rates": [0.95, 0.9, 0.9], "misses": 0}
+        assert r["acceptance_length"] > 2.5 and r["width_in_use"] == 4
+        assert r["decode_tokens_per_s"] > 0

@@ -299,7 +299,7 @@ class Engine:
             self.stats.decode_steps += 1
             t0 = time.perf_counter()
             if self.speculator is not None:
-                outs = self.speculator.round(sched.decode)
+                outs = self.speculator.round(sched.decode, sched.memory_waits)
             else:
                 outs = self.run_pass(sched.decode)
             self.stats.decode_s += time.perf_counter() - t0

@@ -40,6 +40,7 @@ class ScheduleOutput:
     decode: list[Request] = field(default_factory=list)  # compute the last token
     preempted: list[Request] = field(default_factory=list)
     failed: list[tuple[Request, str]] = field(default_factory=list)  # could not be set up: why
+    memory_waits: int = 0  # requests left waiting because the head's admission found no room
 
     @property
     def prefill_tokens(self) -> int:
@@ -157,6 +158,7 @@ class Scheduler:
                 out.failed.append((req, str(e)))
                 continue
             if not admitted:
+                out.memory_waits = len(self.waiting)
                 break
             self.free_slots.pop()
             self.waiting.popleft()

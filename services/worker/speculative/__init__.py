@@ -3,8 +3,10 @@
 - ``drafters``: DFlash, DSpark and DFlash2 over one interface (``Drafter``);
 - ``draft_ring``: the drafter's KV for the last W committed positions per slot (eq. 9/10);
 - ``verify``: lossless verification (Leviathan et al.), greedy and sampled;
-- ``width_policy``: which block width to verify by load (fixed, the paper's schedule, the
-  online policy of eq. 13); ``confidence``: DSpark's per-request widths;
+- ``width_policy``: which block width to verify by load (the paper's schedule, the online
+  policy of eq. 13), ``acceptance_rates``: the acceptance it measures by draft position,
+  ``width_controller``: the width of each round and the measuring it takes; ``confidence``:
+  DSpark's per-request widths;
 - ``speculator``: the engine's speculative round over the narrow ``target`` interface;
 - ``reference``: an engine-free loop the engine is checked against; ``config``: settings.
 

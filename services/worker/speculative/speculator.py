@@ -31,7 +31,7 @@ from services.worker.speculative.drafters.mtp import MTPDrafter, MTPStepFn
 from services.worker.speculative.drafters.runtime import RuntimeDrafter
 from services.worker.speculative.target import Target
 from services.worker.speculative.verify import verify_batch
-from services.worker.speculative.width_policy import WidthController
+from services.worker.speculative.width_controller import WidthController
 from services.worker.transfers import to_device
 
 
@@ -107,7 +107,11 @@ class Speculator:
         self.k_max = max(1, min(cfg.width, drafter.block_size))
         drafter.init_ring(max_slots, page_size=page_size)
         self.layers = tuple(drafter.target_layers)
-        self.widths = WidthController(cfg.width_policy, self.k_max, max_slots)
+        # The drafter's ring and staging are reserved for K_max and all slots at start, so every
+        # width, off included, keeps the same sessions here.
+        self.widths = WidthController(
+            cfg.width_policy, self.k_max, dict.fromkeys(range(self.k_max + 1), max_slots)
+        )
         self.counters = SpecCounters(per_position=[0] * (self.k_max - 1))
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
         # the width every rank of a group verifies: rank 0's choice (``Lockstep.agree``)
@@ -138,16 +142,17 @@ class Speculator:
         self.drafter.release(slot)
 
     @torch.no_grad()
-    def round(self, reqs: list[Request]) -> list:
-        """One verify round for ``reqs`` (all decoding); returns their outputs."""
+    def round(self, reqs: list[Request], memory_waits: int = 0) -> list:
+        """One verify round for ``reqs`` (all decoding); returns their outputs.
+        ``memory_waits``: admissions waiting because memory binds (the width policy reads it)."""
         eng = self.target
         load = len(reqs)
-        k = self.agree(self.widths.width(load))
+        k = self.agree(self.widths.width(load, memory_waits))
         self.counters.width = k
         t0 = time.perf_counter()
         if k <= 1:
             outs = eng.run_pass(reqs)
-            self.widths.observe(0, load, time.perf_counter() - t0, len(reqs))
+            self.widths.observe(0, load, time.perf_counter() - t0)
             return outs
         caps = [self._cap(r, k) for r in reqs]
         anchors = [r.output_ids[-1] for r in reqs]
@@ -207,7 +212,6 @@ class Speculator:
             per_slot=max(v.num_accepted for v in verdicts) + 1,
         )  # fmt: skip
         outs = []
-        emitted = 0
         for r, (req, v) in enumerate(zip(reqs, verdicts, strict=True)):
             c = self.counters
             c.drafts += 1
@@ -217,10 +221,11 @@ class Speculator:
                 c.per_position[i] += 1
             req.num_computed = committed[r]
             new = [*proposed[r][: v.num_accepted], v.next_token]
-            out = eng.emit(req, new, logits[cu[r] : cu[r] + len(new)])
-            emitted += len(out.new_token_ids)
-            outs.append(out)
-        self.widths.observe(k, load, time.perf_counter() - t0, emitted)
+            outs.append(eng.emit(req, new, logits[cu[r] : cu[r] + len(new)]))
+        self.widths.observe(
+            k, load, time.perf_counter() - t0,
+            [v.num_accepted for v in verdicts], [w - 1 for w in widths],
+        )  # fmt: skip
         return outs
 
     def _cap(self, req: Request, k: int) -> int:

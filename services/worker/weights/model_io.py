@@ -67,7 +67,9 @@ def init_family_weights(model: MLADecoder, seed: int) -> None:
     g = torch.Generator(device).manual_seed(seed)
     layout = model.shards.layout
     with torch.no_grad():
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        tensors = [*model.named_parameters(), *model.named_buffers()]
+        # the MTP layer's last: the target's numbers are the same with or without it
+        for name, t in sorted(tensors, key=lambda nt: nt[0].startswith("mtp.")):
             if name.endswith(SCALE_SUFFIX):
                 continue  # written with its weight
             cut = layout.cut(name)
@@ -144,6 +146,7 @@ def build_model(
     weights: WeightFormat = BF16,
     in_place: bool = False,
     shards: Shards | None = None,
+    mtp: bool = False,
 ) -> SparseDecoder:
     """A model of seeded random weights in ``dtype`` (default: the definition's): a real
     family's MLADecoder, built as a checkpoint's is (hf_config's math and topology), its
@@ -155,22 +158,28 @@ def build_model(
     on every device; with ``in_place`` (and whenever it holds FP8 weights) it is allocated and
     initialised on ``device`` directly, never on the host: what real-dimension models of tens of
     GB need (their numbers then come from ``device``'s generator). ``shards``: a family model's
-    part on one rank of a group, holding exactly its slices of the whole model's weights."""
+    part on one rank of a group, holding exactly its slices of the whole model's weights.
+    ``mtp``: a family model with its config's MTP layer (random too; its head is the
+    target's, as the released checkpoints' copy is), drawn after the target's tensors, which
+    are therefore the same with or without it."""
     if isinstance(cfg, FamilyPreset):
-        family, topo = cfg.parse()
+        family, topo = cfg.parse(mtp=mtp)
         if in_place or weights.fp8:
             with torch.device("meta"):
                 model = MLADecoder(family, topo, weights, shards)
             model.to_empty(device=device)
         else:
             model = MLADecoder(family, topo, shards=shards)
+        if mtp:
+            model.tie_mtp_head()
         # cast before the init: the FP32_PARAMS take their values in fp32 whatever the dtype
         model.cast(dtype or DTYPES[family.dtype])
         init_family_weights(model, seed)
         return model.to(device=device).eval()
-    if weights.fp8 or in_place or shards is not None:
+    if weights.fp8 or in_place or shards is not None or mtp:
         raise ValueError(
-            f"{cfg.name}: FP8 weights, in-place builds and sharding are for the real families"
+            f"{cfg.name}: FP8 weights, in-place builds, sharding and the MTP layer are for the "
+            "real families"
         )
     model = DSAModel(cfg)
     init_weights(model, seed)
@@ -251,30 +260,36 @@ def load_model(
 ) -> SparseDecoder:
     """A preset name (seeded random weights) or a directory with config.json + weights: a
     Hugging Face DeepSeek-V3.2 / GLM-5 checkpoint, or the home-made format. ``mtp``: with the
-    checkpoint's MTP layer (Hugging Face checkpoints only). ``weight_dtype`` / ``fp8_mode``:
-    how a real family's projections and experts are held (``weight_format.resolve``; a
-    family preset is "FP8" under "auto" when its config has a ``quantization_config``); the
-    home-made family takes "auto" or "bf16" only. ``parallel`` over ``comm``: this rank's part
+    checkpoint's MTP layer (Hugging Face checkpoints and the real families' presets, whose
+    config must name one). ``weight_dtype`` / ``fp8_mode``: how a real family's projections
+    and experts are held (``weight_format.resolve``; a family preset is "FP8" under "auto"
+    when its config has a ``quantization_config``); the home-made family takes "auto" or
+    "bf16" only. ``parallel`` over ``comm``: this rank's part
     of a real family's model (``family.parallel_layout``); the home-made family runs on one rank."""
     if parallel.world_size > 1 and not _is_family(spec):
         raise ValueError(
             f"--tensor-parallel-size {parallel.world_size}: {spec!r} is not a DeepSeek-V3.2 / "
             "GLM-5 model; the home-made family runs on one rank"
         )
-    if mtp and (str(spec) in PRESETS or not is_hf_model_dir(resolve_path(spec))):
-        raise ValueError(
-            f"the MTP drafter needs a DeepSeek-V3.2 / GLM-5 checkpoint with its MTP layer; "
-            f"{spec!r} is not one"
-        )
+    no_mtp = ValueError(
+        f"the MTP drafter needs a DeepSeek-V3.2 / GLM-5 checkpoint or preset with its MTP layer; "
+        f"{spec!r} is not one"
+    )
+    if mtp and str(spec) not in PRESETS and not is_hf_model_dir(resolve_path(spec)):
+        raise no_mtp
     if str(spec) in PRESETS:
         d = preset(str(spec))
         family = isinstance(d, FamilyPreset)
+        if mtp and not family:
+            raise no_mtp
         stored = fp8_as_stored(d.config.get("quantization_config")) if family else False
         fmt = resolve(weight_dtype, stored, fp8_mode)
         if fmt.fp8 and not family:
             raise ValueError(f"--weight-dtype fp8: {spec!r} is not a DeepSeek-V3.2 / GLM-5 model")
         shards = Shards.of(parallel, comm, d.parse()[0]) if family else None
-        return build_model(d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards)
+        return build_model(
+            d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards, mtp=mtp
+        )
     path = resolve_path(spec)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(

@@ -146,3 +146,21 @@ def test_unchunked_a_prompt_runs_whole_and_alone_past_the_budget() -> None:
 def test_a_budget_below_one_token_is_refused() -> None:
     with pytest.raises(ValueError, match="max_prefill_tokens"):
         scheduler(FakeKV(), budget=0)
+
+
+def test_admissions_left_waiting_for_memory_are_counted() -> None:
+    """What the width policy reads: requests left waiting because the head's admission found
+    no KV room; none when only the slots or the prefill budget hold them back."""
+    sched = scheduler(FakeKV(capacity=100), budget=256)
+    for i in range(3):
+        sched.add(request(f"m{i}", 60, max_tokens=40))
+    assert step(sched).memory_waits == 2  # the first fits; the second finds no room
+    assert step(sched).memory_waits == 2
+    slots = scheduler(FakeKV(), budget=256, slots=1)
+    for i in range(3):
+        slots.add(request(f"s{i}", 60))
+    assert step(slots).memory_waits == 0 and len(slots.waiting) == 2
+    budget = scheduler(FakeKV(), budget=16)
+    for i in range(3):
+        budget.add(request(f"b{i}", 60))
+    assert step(budget).memory_waits == 0 and len(budget.waiting) == 2

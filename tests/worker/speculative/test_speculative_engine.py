@@ -137,3 +137,29 @@ def test_speculative_greedy_over_fp8_kv_equals_plain_fp8_greedy(mode: str) -> No
     assert eng.speculator.counters.drafts > 0
     eng.close()
     ref.close()
+
+
+def test_the_online_policy_speculates_while_admissions_wait_for_memory_it_holds_none_of() -> None:
+    """A pool that holds two of four requests: the others wait for memory (slots are free),
+    and the scheduler counts them for the width policy; the engine reserves the drafter's
+    ring and staging for every slot at start, so speculating holds no memory that turning it
+    off would free, and the policy goes on speculating."""
+    cfg = EngineConfig(
+        model="tiny-glm", mode="resident", kv_pool_mib=2, max_num_seqs=4, max_model_len=512,
+        max_prefill_tokens=512, speculation=SpeculationConfig("dflash", 4, "online"),
+    )  # fmt: skip
+    eng = Engine(cfg)
+    g = torch.Generator().manual_seed(3)
+    params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+    for i in range(4):
+        eng.add_request(f"r{i}", torch.randint(0, 256, (300,), generator=g).tolist(), params)
+    waiting, free = [], []
+    while eng.scheduler.has_work():
+        steps = eng.stats.decode_steps
+        eng.step()
+        if eng.stats.decode_steps > steps:
+            w = eng.speculator.counters.width
+            (waiting if eng.scheduler.waiting else free).append(w)
+    assert len(waiting) > 10 and max(waiting) > 1
+    assert free and max(free) > 1
+    eng.close()
