@@ -7,11 +7,15 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from services.worker.ops.fp4_e2m1 import E2M1_VALUES, FP4_GROUP
+from services.worker.ops.fp8_blockwise import quantize_blockwise
 
 VOCAB = 300
 
@@ -109,4 +113,54 @@ def save_module_names(model: DeepseekV4ForCausalLM, path: Path) -> Path:
     model.config.save_pretrained(path)
     tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
     save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+# ---- the released form: FP8 e4m3 dense weights, FP4 e2m1 routed experts ----------------------
+_FP8 = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+)
+_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` -> (packed int8 [R, C / 2], scale [R, C / 32] float8_e8m0fnu): each group of
+    32 columns scaled by the power of two that brings its amax to at most 6, each value rounded
+    to the nearest e2m1 magnitude (ties to the lower), the lower nibble the even column."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // FP4_GROUP, FP4_GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6))), 1.0)
+    v = (groups / scale).view(rows, cols)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    code = (v.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (v < 0).long()
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.view(rows, -1).to(torch.float8_e8m0fnu)
+
+
+def save_released_form(model: DeepseekV4ForCausalLM, path: Path, block: int = 16) -> Path:
+    """``save_hub_style``, then quantised as DeepSeek releases V4: the attention projections,
+    the indexer's query projection and the shared experts FP8 e4m3 in ``block`` x ``block``
+    blocks with UE8M0 scales ``X.scale``; the routed experts FP4 e2m1 (``expert_dtype`` fp4);
+    ``quantization_config`` as the release states it, but for the block."""
+    save_hub_style(model, path)
+    tensors = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        base = name.removesuffix(".weight")
+        if _FP8.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_blockwise(
+                t, (block, block), "F8_E8M0"
+            )
+        elif _FP4.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_fp4(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    raw["expert_dtype"] = "fp4"
+    raw["quantization_config"] = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [block, block],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path

@@ -9,8 +9,10 @@ A checkpoint meets the loader in one of three namings, all read:
   and ``experts.down_proj`` [E, H, I].
 
 The MTP layer (``mtp.*``) is not run here; its tensors are left unread and named in one log
-line. The released FP8 / FP4 form (``quantization_config``, FP8 and packed FP4 tensors) is
-refused."""
+line. The released form is read too: FP8 e4m3 weights with block scales (``X.scale`` or
+``X.weight_scale_inv``, the block from ``quantization_config``) and FP4 e2m1 routed experts
+(``expert_dtype`` "fp4", packed two per byte, one UE8M0 scale per 32 columns), dequantised on
+load."""
 
 from __future__ import annotations
 
@@ -20,11 +22,14 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
-from dhisparse.family.quantization_config import CheckpointError
+from dhisparse.family.quantization_config import SCALE_SUFFIX, CheckpointError, block_size
 from dhisparse.family.v4_config import V4Config, parse_v4_config
 from services.worker.model.v4_decoder import V4Decoder
-from services.worker.weights.checkpoint import Checkpoint
+from services.worker.ops.fp4_e2m1 import dequantize_fp4
+from services.worker.ops.fp8_blockwise import dequantize_blockwise
+from services.worker.weights.checkpoint import INDEX_FILE, WEIGHTS_FILE
 
 log = logging.getLogger(__name__)
 
@@ -57,8 +62,6 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.kv_norm\.", ".norm."),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
 )
-# FP8 e4m3 weights, their UE8M0 scales, FP4 e2m1 experts packed two per byte.
-_QUANTIZED = frozenset({"F8_E4M3", "F8_E8M0", "I8", "U8"})
 _FUSED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
 
 
@@ -88,37 +91,75 @@ def native_tensors(name: str, t: torch.Tensor) -> dict[str, torch.Tensor]:
     return out
 
 
-def read_v4_config(path: str | Path) -> V4Config:
+def _stored(path: Path) -> dict[str, Path]:
+    """Tensor name -> the safetensors file that holds it (one file, or the index's shards)."""
+    index = path / INDEX_FILE
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        return {name: path / shard for name, shard in weight_map.items()}
+    single = path / WEIGHTS_FILE
+    if not single.exists():
+        raise CheckpointError(f"{path}: neither {WEIGHTS_FILE} nor {INDEX_FILE}")
+    with safe_open(str(single), framework="pt") as f:
+        return dict.fromkeys(f.keys(), single)
+
+
+def _scale_name(weight: str, names: dict[str, Path]) -> str | None:
+    """The scale tensor of ``X.weight``: DeepSeek's ``X.scale`` or transformers'
+    ``X.weight_scale_inv``."""
+    for name in (weight.removesuffix(".weight") + ".scale", weight + SCALE_SUFFIX):
+        if name in names:
+            return name
+    return None
+
+
+def _is_scale(name: str) -> bool:
+    """A quantized weight's scales (not the hyper-connections' ``attn_hc.scale``)."""
+    return name.endswith(SCALE_SUFFIX) or (
+        name.endswith(".scale") and not name.endswith("hc.scale")
+    )
+
+
+def read_v4_config(path: str | Path) -> tuple[V4Config, tuple[int, int] | None]:
+    """(the model, the FP8 block of its ``quantization_config`` or None)."""
     raw = json.loads((Path(path) / "config.json").read_text())
-    if raw.get("quantization_config") is not None:
-        raise CheckpointError(
-            f"{path}: the released FP8 / FP4 form of DeepSeek-V4 (quantization_config) is not "
-            "supported yet; give an unquantised (bf16 / fp32) checkpoint"
-        )
-    return parse_v4_config(raw)
+    return parse_v4_config(raw), block_size(raw.get("quantization_config"))
 
 
 def load_v4_model(path: str | Path, dtype: torch.dtype = torch.float32) -> V4Decoder:
     """The V4 checkpoint in ``path`` as a ``V4Decoder`` of ``dtype`` on the CPU; every parameter
-    must come from the checkpoint and every tensor but the MTP layer's must be used."""
-    cfg = read_v4_config(path)
+    must come from the checkpoint and every tensor but the MTP layer's must be used. FP8 e4m3
+    weights (block scales) and FP4 e2m1 experts (per-32 scales) are dequantised here, in fp32,
+    then cast to ``dtype``."""
+    path = Path(path)
+    cfg, block = read_v4_config(path)
     model = V4Decoder(cfg).to(dtype)
     want = model.state_dict()
+    names = _stored(path)
     found: dict[str, torch.Tensor] = {}
-    skipped = 0
-    with Checkpoint(path) as ckpt:
-        for stored in ckpt.names():
-            if re.match(r"^(model\.)?mtp\.", stored):
-                skipped += 1
-                continue
-            if ckpt.dtype(stored) in _QUANTIZED:
-                raise CheckpointError(
-                    f"{path}: {stored} is stored as {ckpt.dtype(stored)}: the FP8 / FP4 form is "
-                    "not supported yet"
-                )
-            target = want.get(native_name(stored))
-            kind = target.dtype if target is not None and not target.is_floating_point() else dtype
-            found |= native_tensors(stored, ckpt.get(stored, kind))
+    skipped, used_scales = 0, set()
+    for stored in sorted(names):
+        if re.match(r"^(model\.)?mtp\.", stored):
+            skipped += 1
+            continue
+        if _is_scale(stored):
+            continue
+        t = _read(names, stored)
+        if t.dtype in (torch.float8_e4m3fn, torch.int8, torch.uint8):
+            scale = _scale_name(stored, names)
+            if scale is None:
+                raise CheckpointError(f"{path}: {stored} is stored as {t.dtype} without a scale")
+            used_scales.add(scale)
+            t = _dequantize(path, stored, t, _read(names, scale), block, cfg)
+        target = want.get(native_name(stored))
+        if target is not None and not target.is_floating_point():
+            t = t.to(target.dtype)
+        elif t.is_floating_point():
+            t = t.to(dtype)
+        found |= native_tensors(stored, t)
+    unused = sorted(n for n in names if _is_scale(n) and n not in used_scales)
+    if unused and not all(re.match(r"^(model\.)?mtp\.", n) for n in unused):
+        raise CheckpointError(f"{path}: scales {unused[:8]} scale no quantized weight")
     if skipped:
         log.info("%s: %d MTP tensors (mtp.*) not loaded: the MTP layer is not run", path, skipped)
     missing, unexpected = sorted(set(want) - set(found)), sorted(set(found) - set(want))
@@ -133,3 +174,28 @@ def load_v4_model(path: str | Path, dtype: torch.dtype = torch.float32) -> V4Dec
             )
     model.load_state_dict(found, strict=True)
     return model.eval()
+
+
+def _read(names: dict[str, Path], name: str) -> torch.Tensor:
+    with safe_open(str(names[name]), framework="pt") as f:
+        return f.get_tensor(name)
+
+
+def _dequantize(
+    path: Path, name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+    cfg: V4Config,
+) -> torch.Tensor:  # fmt: skip
+    """An FP8 block-scaled weight or an FP4 packed expert as float32; CheckpointError naming
+    the tensor when the config does not declare its format or its scales do not fit."""
+    try:
+        if w.dtype == torch.float8_e4m3fn:
+            if block is None:
+                raise CheckpointError("FP8 but config.json has no quantization_config")
+            return dequantize_blockwise(w, scale, block)
+        if cfg.expert_dtype != "fp4":
+            raise CheckpointError(
+                f"packed FP4 but config.json has expert_dtype {cfg.expert_dtype!r}"
+            )
+        return dequantize_fp4(w, scale)
+    except (CheckpointError, ValueError) as e:
+        raise CheckpointError(f"{path}: {name} {list(w.shape)} {w.dtype}: {e}") from None

@@ -12,10 +12,13 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
+from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
 from dhisparse.family.quantization_config import CheckpointError
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_indexer import Indexer
+from services.worker.ops.fp4_e2m1 import dequantize_fp4
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny, hf_tiny_v4
 
@@ -151,7 +154,39 @@ def test_greedy_tokens_equal_transformers(ref, saved) -> None:
     assert gen[0, 21:].tolist() == ours
 
 
-def test_missing_tensors_and_the_quantized_form_are_refused(saved, tmp_path) -> None:
+def test_the_released_fp8_fp4_form_equals_transformers_dequantizing_it(ref, tmp_path) -> None:
+    """Dense projections FP8 e4m3 in 16x16 blocks, routed experts FP4 e2m1 with per-32 UE8M0
+    scales: dequantised on load, the logits are those of transformers loading the same files
+    with ``FineGrainedFP8Config(dequantize=True)``, and not those of the unquantised model."""
+    path = hf_tiny_v4.save_released_form(ref, tmp_path / "released")
+    stored = load_file(str(path / "model.safetensors"))
+    assert stored["layers.2.ffn.experts.3.w1.weight"].dtype == torch.int8
+    assert stored["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
+    assert stored["layers.0.attn.wq_a.scale"].shape == (2, 4)
+    ids = _ids(40, 13)
+    model = load_v4_model(path)
+    got = model(ids, model.new_state())
+    oracle = DeepseekV4ForCausalLM.from_pretrained(
+        path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    _close(got, hf_tiny.reference_logits(oracle, ids))
+    unquantised = hf_tiny.reference_logits(ref, ids)
+    assert (got - unquantised).abs().max() > 1e-2 * unquantised.abs().max()
+
+
+def test_fp4_dequantisation_equals_transformers() -> None:
+    g = torch.Generator().manual_seed(4)
+    packed = torch.randint(-128, 128, (6, 32), generator=g, dtype=torch.int8)
+    exponents = torch.randint(120, 134, (6, 2), generator=g, dtype=torch.uint8)
+    scale = exponents.view(torch.float8_e8m0fnu)
+    want = Fp8Dequantize(None)._dequantize_one(packed, scale, torch.float32)
+    assert torch.equal(dequantize_fp4(packed, scale), want)
+    w = torch.randn(4, 64, generator=g)
+    back = dequantize_fp4(*hf_tiny_v4.quantize_fp4(w))
+    assert (back - w).abs().max() <= 0.25 * w.abs().max()
+
+
+def test_missing_tensors_and_undeclared_formats_are_refused(ref, saved, tmp_path) -> None:
     path = tmp_path / "broken"
     path.mkdir()
     (path / "config.json").write_text((saved["hub"] / "config.json").read_text())
@@ -160,15 +195,19 @@ def test_missing_tensors_and_the_quantized_form_are_refused(saved, tmp_path) -> 
     save_file(weights, str(path / "model.safetensors"))
     with pytest.raises(CheckpointError, match=r"missing \['layers.1.attn.indexer.compressor.ape'"):
         load_v4_model(path)
-    weights["layers.1.attn.indexer.compressor.ape"] = torch.zeros(4, 32)
-    weights["layers.0.attn.wq_a.weight"] = weights["layers.0.attn.wq_a.weight"].to(
-        torch.float8_e4m3fn
-    )
-    save_file(weights, str(path / "model.safetensors"))
-    with pytest.raises(CheckpointError, match="F8_E4M3"):
-        load_v4_model(path)
-    raw = json.loads((path / "config.json").read_text())
-    raw["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
-    (path / "config.json").write_text(json.dumps(raw))
-    with pytest.raises(CheckpointError, match="FP8 / FP4"):
-        load_v4_model(path)
+    released = hf_tiny_v4.save_released_form(ref, tmp_path / "released")
+    raw = json.loads((released / "config.json").read_text())
+    for key, match in (("quantization_config", "FP8 but"), ("expert_dtype", "packed FP4 but")):
+        (released / "config.json").write_text(
+            json.dumps({k: v for k, v in raw.items() if k != key})
+        )
+        with pytest.raises(CheckpointError, match=match):
+            load_v4_model(released)
+    (released / "config.json").write_text(json.dumps(raw))
+    weights = load_file(str(released / "model.safetensors"))
+    weights.pop("layers.2.ffn.experts.0.w2.scale")
+    save_file(weights, str(released / "model.safetensors"))
+    with pytest.raises(
+        CheckpointError, match=r"experts\.0\.w2\.weight is stored as torch\.int8 without"
+    ):
+        load_v4_model(released)
