@@ -145,6 +145,13 @@ class MLAConfig:
 def parse_config(raw: dict[str, Any]) -> MLAConfig:
     """config.json (as a dict) -> MLAConfig; raises ConfigError naming the offending key."""
     family = raw.get("model_type")
+    if family == "deepseek_v4":
+        raise ConfigError(
+            "model_type 'deepseek_v4' is not served by the engine yet: its model "
+            "(services/worker/model/v4_decoder.py, load_v4_model) runs one sequence in fp32 on "
+            "the CPU; the engine's KV sources do not carry its window, compressed rows and index "
+            "keys (issue 44)"
+        )
     if family not in _DEFAULTS:
         raise ConfigError(
             f"model_type {family!r} is not supported; supported: {', '.join(sorted(_DEFAULTS))}"

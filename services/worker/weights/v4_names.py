@@ -126,14 +126,14 @@ def read_v4_config(path: str | Path) -> tuple[V4Config, tuple[int, int] | None]:
     return parse_v4_config(raw), block_size(raw.get("quantization_config"))
 
 
-def load_v4_model(path: str | Path, dtype: torch.dtype = torch.float32) -> V4Decoder:
-    """The V4 checkpoint in ``path`` as a ``V4Decoder`` of ``dtype`` on the CPU; every parameter
-    must come from the checkpoint and every tensor but the MTP layer's must be used. FP8 e4m3
-    weights (block scales) and FP4 e2m1 experts (per-32 scales) are dequantised here, in fp32,
-    then cast to ``dtype``."""
+def load_v4_model(path: str | Path) -> V4Decoder:
+    """The V4 checkpoint in ``path`` as a ``V4Decoder`` in fp32 on the CPU (every tensor read
+    whole: tiny checkpoints); every parameter must come from the checkpoint and every tensor but
+    the MTP layer's must be used. FP8 e4m3 weights (block scales) and FP4 e2m1 experts (per-32
+    scales) are dequantised here, in fp32."""
     path = Path(path)
     cfg, block = read_v4_config(path)
-    model = V4Decoder(cfg).to(dtype)
+    model = V4Decoder(cfg)
     want = model.state_dict()
     names = _stored(path)
     found: dict[str, torch.Tensor] = {}
@@ -155,7 +155,7 @@ def load_v4_model(path: str | Path, dtype: torch.dtype = torch.float32) -> V4Dec
         if target is not None and not target.is_floating_point():
             t = t.to(target.dtype)
         elif t.is_floating_point():
-            t = t.to(dtype)
+            t = t.float()
         found |= native_tensors(stored, t)
     unused = sorted(n for n in names if _is_scale(n) and n not in used_scales)
     if unused and not all(re.match(r"^(model\.)?mtp\.", n) for n in unused):
