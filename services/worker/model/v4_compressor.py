@@ -14,7 +14,7 @@ last finished window's Ca slice, and the rows so far."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -32,11 +32,7 @@ class CompressorState:
     pending_gate: torch.Tensor | None = None  # [p, width] their gates (ape not yet added)
     carry_kv: torch.Tensor | None = None  # [rate, dim] overlapping: last window's Ca
     carry_gate: torch.Tensor | None = None  # [rate, dim] its gates, ape added
-    rows: list[torch.Tensor] = field(default_factory=list)  # [w, dim] per call, in order
-
-    def all_rows(self, dim: int, like: torch.Tensor) -> torch.Tensor:
-        """[rows, dim]: every row written so far."""
-        return torch.cat(self.rows) if self.rows else like.new_zeros((0, dim))
+    rows: torch.Tensor | None = None  # [rows, dim] every row so far
 
 
 class Compressor(nn.Module):
@@ -66,8 +62,10 @@ class Compressor(nn.Module):
         n_windows = kv.shape[0] // self.rate
         done = n_windows * self.rate
         state.pending_kv, state.pending_gate = kv[done:], gate[done:]
+        if state.rows is None:
+            state.rows = x.new_zeros((0, self.dim))
+        first = state.rows.shape[0]
         if n_windows:
-            first = sum(r.shape[0] for r in state.rows)
             kv = kv[:done].view(n_windows, self.rate, -1)
             gate = gate[:done].view(n_windows, self.rate, -1) + self.ape
             if self.overlap:
@@ -75,8 +73,10 @@ class Compressor(nn.Module):
             weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
             pooled = self.norm((kv * weights).sum(dim=1))  # [w, dim]
             positions = (torch.arange(n_windows, device=x.device) + first) * self.rate
-            state.rows.append(rope_tail(pooled, positions, self.rope, self.rope_dim))
-        return state.all_rows(self.dim, x)
+            state.rows = torch.cat(
+                [state.rows, rope_tail(pooled, positions, self.rope, self.rope_dim)]
+            )
+        return state.rows
 
     def _overlap(
         self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState

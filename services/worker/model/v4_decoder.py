@@ -51,7 +51,9 @@ class Block(nn.Module):
         _hc_params(self, "attn", cfg)
         _hc_params(self, "ffn", cfg)
 
-    def _mix(self, site: str, streams: torch.Tensor):
+    def _mix(
+        self, site: str, streams: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         c = self.cfg
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
         return hyper_mix(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
