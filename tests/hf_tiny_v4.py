@@ -80,7 +80,8 @@ def save_hub_style(model: DeepseekV4ForCausalLM, path: Path) -> Path:
     """The checkpoint as the hub ships it: DeepSeek's names without the ``model.`` prefix
     (``embed.weight``, ``hc_head_fn``, ``norm.weight``, ``head.weight``) and the legacy config
     keys (``compress_ratios`` with a trailing MTP entry, ``num_hash_layers``,
-    ``qk_rope_head_dim``, ``rope_scaling`` + ``rope_theta`` + ``compress_rope_theta``)."""
+    ``qk_rope_head_dim``, ``rope_scaling`` + ``rope_theta`` + ``compress_rope_theta``; the
+    legacy ``compress_rate_hca`` where the HCA rate is not the releases' 128)."""
     model.save_pretrained(path)
     weights = load_file(str(path / "model.safetensors"))
     renamed = {}
@@ -93,7 +94,8 @@ def save_hub_style(model: DeepseekV4ForCausalLM, path: Path) -> Path:
     ratios = {"sliding_attention": 0, "compressed_sparse_attention": 4,
               "heavily_compressed_attention": 128}  # fmt: skip
     raw["compress_ratios"] = [ratios[t] for t in raw.pop("layer_types")] + [0]
-    raw["compress_rate_hca"] = rates["heavily_compressed_attention"]
+    if rates["heavily_compressed_attention"] != 128:  # the releases' rate needs no key
+        raw["compress_rate_hca"] = rates["heavily_compressed_attention"]
     raw["num_hash_layers"] = raw.pop("mlp_layer_types").count("hash_moe")
     raw["qk_rope_head_dim"] = int(raw["head_dim"] * raw.pop("partial_rotary_factor"))
     compress = raw.pop("rope_parameters")["compress"]

@@ -57,6 +57,16 @@ def _close(got: torch.Tensor, want: torch.Tensor) -> None:
     assert err <= RTOL, f"relative max error {err:.3g}"
 
 
+def test_no_tensor_of_the_reference_is_left_at_its_zero_or_one_init(ref) -> None:
+    for name, t in ref.state_dict().items():
+        if "inv_freq" not in name:
+            assert not (t == 0).all() and not (t == 1).all(), name
+    for layer in ref.model.layers[:2]:
+        picks = layer.mlp.gate.tid2eid  # hash layers: distinct experts per token
+        assert (picks[:, 0] != picks[:, 1]).all()
+        assert len(picks.unique()) == ref.config.n_routed_experts
+
+
 def test_every_naming_loads_the_model_transformers_built(ref, saved) -> None:
     hub = load_v4_model(saved["hub"])
     assert hub.cfg.attention == ("sliding", "csa", "hca", "csa")
@@ -80,6 +90,25 @@ def test_prefill_logits_equal_transformers(ref, saved, name: str, length: int) -
     ids = _ids(length, length)
     model = load_v4_model(saved[name])
     _close(model(ids, model.new_state()), hf_tiny.reference_logits(ref, ids))
+
+
+def test_the_released_rates_csa_4_and_hca_128_equal_transformers(tmp_path) -> None:
+    """Two layers at the releases' rates, read from the hub's ``compress_ratios`` alone: 150
+    tokens fill one HCA row and 37 CSA rows (the indexer keeps 4)."""
+    config = hf_tiny_v4.v4_config(
+        num_hidden_layers=2,
+        layer_types=["compressed_sparse_attention", "heavily_compressed_attention"],
+        compress_rates=None, mlp_layer_types=["hash_moe", "moe"], sliding_window=16,
+    )  # fmt: skip
+    ref = hf_tiny_v4.build(config, seed=8)
+    path = hf_tiny_v4.save_hub_style(ref, tmp_path / "released_rates")
+    assert "compress_rate_hca" not in json.loads((path / "config.json").read_text())
+    model = load_v4_model(path)
+    assert model.cfg.compress == (4, 128)
+    ids = _ids(150, 17)
+    state = model.new_state()
+    got = torch.cat([model(ids[:130], state), model(ids[130:], state)])
+    _close(got, hf_tiny.reference_logits(ref, ids))
 
 
 def test_prefill_decode_and_chunks_equal_one_transformers_forward(ref, saved) -> None:
