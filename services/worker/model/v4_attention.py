@@ -68,16 +68,47 @@ class Attention(nn.Module):
                 rate, self.rope, self.rope_dim, self.eps,
             )  # fmt: skip
 
-    def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState
-    ) -> torch.Tensor:
-        """x: [N, hidden], the sequence's next N tokens at positions [N] -> [N, hidden]."""
+    def project(
+        self, x: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [N, hidden] at positions [N] -> (q latent [N, q_lora_rank], q [N, heads,
+        head_dim], the tokens' K=V rows [N, head_dim]), q and rows rotated."""
         n = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))
         q = rms_normalise(self.wq_b(q_latent).view(n, self.heads, self.head_dim), self.eps)
         q = rope_tail(q, positions, self.rope, self.rope_dim)
         kv = rope_tail(self.norm(self.wkv(x)), positions, self.rope, self.rope_dim)
+        return q_latent, q, kv
 
+    def attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
+        """q: [N, heads, head_dim] over K=V ``keys`` [K, head_dim] (shared by the queries) or
+        [N, K, head_dim] (each query's), ``allowed`` [N, K] -> [N, heads, head_dim]: the softmax
+        with the heads' sinks as one more logit each."""
+        n = q.shape[0]
+        shared = keys.dim() == 2
+        scores = torch.einsum("nhd,kd->nhk" if shared else "nhd,nkd->nhk", q, keys) * self.scale
+        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
+        sink = self.attn_sink.view(1, -1, 1).expand(n, -1, 1).to(scores.dtype)
+        logits = torch.cat([scores, sink], dim=-1)
+        logits = logits - logits.amax(dim=-1, keepdim=True)
+        probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
+        return torch.einsum("nhk,kd->nhd" if shared else "nhk,nkd->nhd", probs, keys)
+
+    def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The attention's output [N, heads, head_dim] at the queries' positions -> [N, hidden]:
+        de-rotated, then the grouped output projection."""
+        n = out.shape[0]
+        out = rope_tail(out, positions, self.rope, self.rope_dim, inverse=True)
+        grouped = out.reshape(n, self.groups, -1)  # [N, groups, heads * head_dim / groups]
+        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora, in]
+        mixed = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
+        return self.wo_b(mixed)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState
+    ) -> torch.Tensor:
+        """x: [N, hidden], the sequence's next N tokens at positions [N] -> [N, hidden]."""
+        q_latent, q, kv = self.project(x, positions)
         keys, key_pos = kv, positions
         if state.window is not None:
             keys, key_pos = torch.cat([state.window, kv]), torch.cat([state.window_pos, positions])
@@ -97,16 +128,4 @@ class Attention(nn.Module):
                 chosen = visible_rows(positions, rows.shape[0], self.rate)
             keys = torch.cat([keys, rows])
             allowed = torch.cat([allowed, chosen], dim=-1)
-
-        scores = torch.einsum("nhd,kd->nhk", q, keys) * self.scale
-        scores = scores.masked_fill(~allowed.unsqueeze(1), float("-inf"))
-        sink = self.attn_sink.view(1, -1, 1).expand(n, -1, 1).to(scores.dtype)
-        logits = torch.cat([scores, sink], dim=-1)
-        logits = logits - logits.amax(dim=-1, keepdim=True)
-        probs = logits.softmax(dim=-1)[..., :-1]
-        out = torch.einsum("nhk,kd->nhd", probs.to(keys.dtype), keys)
-        out = rope_tail(out, positions, self.rope, self.rope_dim, inverse=True)
-        grouped = out.reshape(n, self.groups, -1)  # [N, groups, heads * head_dim / groups]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora, in]
-        mixed = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
-        return self.wo_b(mixed)
+        return self.output(self.attend(q, keys, allowed), positions)

@@ -10,7 +10,9 @@ rotated at position ``w * rate``, the window's first token, and a query at posit
 w iff ``w < (t + 1) // rate``.
 
 The state carries what a later call needs: the projected tokens of the unfinished window, the
-last finished window's Ca slice, and the rows so far."""
+last finished window's projections (overlapping), and the rows so far. ``project`` and
+``pool`` are the same math without the state, for a caller that keeps the projections itself
+(the engine's per-slot rings, ``v4_serving``)."""
 
 from __future__ import annotations
 
@@ -30,8 +32,8 @@ class CompressorState:
 
     pending_kv: torch.Tensor | None = None  # [p, width] projected tokens of the open window
     pending_gate: torch.Tensor | None = None  # [p, width] their gates (ape not yet added)
-    carry_kv: torch.Tensor | None = None  # [rate, dim] overlapping: last window's Ca
-    carry_gate: torch.Tensor | None = None  # [rate, dim] its gates, ape added
+    carry_kv: torch.Tensor | None = None  # [1, rate, width] overlapping: the last window's
+    carry_gate: torch.Tensor | None = None  # [1, rate, width] its gates (ape not added)
     rows: torch.Tensor | None = None  # [rows, dim] every row so far
 
 
@@ -52,6 +54,28 @@ class Compressor(nn.Module):
         self.ape = nn.Parameter(torch.empty(rate, width))
         self.norm = RMSNorm(dim, eps)
 
+    def project(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] -> [N, 2 * width]: each token's ``wkv`` then ``wgate`` projection,
+        what a window's row is pooled from."""
+        return torch.cat([self.wkv(x), self.wgate(x)], dim=-1)
+
+    def pool(
+        self, kv: torch.Tensor, gate: torch.Tensor, prev_kv: torch.Tensor | None,
+        prev_gate: torch.Tensor | None, rows: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The rows ``rows`` [w] from their windows' projections ``kv``, ``gate``
+        [w, rate, width] (ape not added) -> [w, dim], rotated at each window's first token.
+        Overlapping: ``prev_kv`` / ``prev_gate`` [w, rate, width] are the previous windows'
+        (gate -inf where a row has none: row 0); non-overlapping: None."""
+        gate = gate + self.ape
+        if self.overlap:
+            d = self.dim
+            kv = torch.cat([prev_kv[..., :d], kv[..., d:]], dim=1)
+            gate = torch.cat([prev_gate[..., :d] + self.ape[:, :d], gate[..., d:]], dim=1)
+        weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
+        pooled = self.norm((kv * weights).sum(dim=1))  # [w, dim]
+        return rope_tail(pooled, rows * self.rate, self.rope, self.rope_dim)
+
     def extend(self, x: torch.Tensor, state: CompressorState) -> torch.Tensor:
         """x: [N, hidden] the next N tokens of the sequence -> [rows, dim], every row so far
         (those of the windows these tokens finish appended to ``state``)."""
@@ -67,34 +91,23 @@ class Compressor(nn.Module):
         first = state.rows.shape[0]
         if n_windows:
             kv = kv[:done].view(n_windows, self.rate, -1)
-            gate = gate[:done].view(n_windows, self.rate, -1) + self.ape
-            if self.overlap:
-                kv, gate = self._overlap(kv, gate, state)
-            weights = gate.softmax(dim=1, dtype=torch.float32).to(kv.dtype)
-            pooled = self.norm((kv * weights).sum(dim=1))  # [w, dim]
-            positions = (torch.arange(n_windows, device=x.device) + first) * self.rate
-            state.rows = torch.cat(
-                [state.rows, rope_tail(pooled, positions, self.rope, self.rope_dim)]
-            )
+            gate = gate[:done].view(n_windows, self.rate, -1)
+            prev_kv = prev_gate = None
+            if self.overlap:  # window w - 1's projections; before the first, none (gate -inf)
+                carry_kv = torch.zeros_like(kv[:1]) if state.carry_kv is None else state.carry_kv
+                carry_gate = (
+                    torch.full_like(gate[:1], float("-inf"))
+                    if state.carry_gate is None
+                    else state.carry_gate
+                )
+                prev_kv, prev_gate = (
+                    torch.cat([carry_kv, kv[:-1]]),
+                    torch.cat([carry_gate, gate[:-1]]),
+                )
+                state.carry_kv, state.carry_gate = kv[-1:].clone(), gate[-1:].clone()
+            rows = torch.arange(n_windows, device=x.device) + first
+            state.rows = torch.cat([state.rows, self.pool(kv, gate, prev_kv, prev_gate, rows)])
         return state.rows
-
-    def _overlap(
-        self, kv: torch.Tensor, gate: torch.Tensor, state: CompressorState
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """[w, rate, 2 dim] -> [w, 2 rate, dim]: window w's slots are window w - 1's Ca then
-        its own Cb; before the first window the Ca slots weigh nothing (gate -inf)."""
-        d = self.dim
-        ca_kv, ca_gate = kv[..., :d], gate[..., :d]
-        prev_kv = torch.zeros_like(ca_kv[:1]) if state.carry_kv is None else state.carry_kv[None]
-        prev_gate = (
-            torch.full_like(ca_gate[:1], float("-inf"))
-            if state.carry_gate is None
-            else state.carry_gate[None]
-        )
-        state.carry_kv, state.carry_gate = ca_kv[-1].clone(), ca_gate[-1].clone()
-        slots_kv = torch.cat([torch.cat([prev_kv, ca_kv[:-1]]), kv[..., d:]], dim=1)
-        slots_gate = torch.cat([torch.cat([prev_gate, ca_gate[:-1]]), gate[..., d:]], dim=1)
-        return slots_kv, slots_gate
 
 
 def visible_rows(positions: torch.Tensor, n_rows: int, rate: int) -> torch.Tensor:

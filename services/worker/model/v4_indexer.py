@@ -31,6 +31,15 @@ class Indexer(nn.Module):
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
         self.compressor = Compressor(hidden, dim, rate, True, rope, rope_dim, eps)
 
+    def queries(
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(q [N, heads, dim] rotated, weights [N, heads] = weights_proj(x) * heads^-0.5), both
+        fp32."""
+        q = self.wq_b(q_latent).view(-1, self.heads, self.dim)
+        q = rope_tail(q, positions, self.rope, self.rope_dim).float()
+        return q, self.weights_proj(x).float() * self.heads**-0.5
+
     def select(
         self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
         state: CompressorState,
@@ -38,10 +47,8 @@ class Indexer(nn.Module):
         """x: [N, hidden], q_latent: [N, q_lora_rank] at positions [N] -> [N, rows] bool, the
         rows each query attends (its top-k of the visible rows); extends the key state."""
         keys = self.compressor.extend(x, state).float()  # [rows, dim]
-        q = self.wq_b(q_latent).view(-1, self.heads, self.dim)
-        q = rope_tail(q, positions, self.rope, self.rope_dim).float()
+        q, weights = self.queries(x, q_latent, positions)
         scores = F.relu(torch.einsum("nhd,sd->nhs", q, keys)) * self.dim**-0.5
-        weights = self.weights_proj(x).float() * self.heads**-0.5  # [N, heads]
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [N, rows]
         visible = visible_rows(positions, keys.shape[0], self.rate)
         scores = scores.masked_fill(~visible, float("-inf"))
