@@ -147,10 +147,9 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
     family = raw.get("model_type")
     if family == "deepseek_v4":
         raise ConfigError(
-            "model_type 'deepseek_v4' is not served by the engine yet: its model "
-            "(services/worker/model/v4_decoder.py, load_v4_model) runs one sequence in fp32 on "
-            "the CPU; the engine's KV sources do not carry its window, compressed rows and index "
-            "keys (issue 44)"
+            "model_type 'deepseek_v4' is served by the engine's V4 model (dhisparse generate / "
+            "up --mode resident, on the CPU in float32: docs/models.md), not by the "
+            "DeepSeek-V3.2 / GLM-5 path that reads this config (verify, plan, training)"
         )
     if family not in _DEFAULTS:
         raise ConfigError(

@@ -16,6 +16,7 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.rope_spec import RopeSpec
 
@@ -290,3 +291,24 @@ def _rope(params: dict[str, Any], c: dict[str, Any]) -> RopeSpec:
         attention_factor=params.get("attention_factor"),
         truncate=bool(params.get("truncate", True)),
     )
+
+
+def v4_topology(cfg: V4Config, name: str) -> ModelConfig:
+    """The engine's KV topology of a V4 model: one source per layer, which that layer owns and
+    runs its own selection over. A sliding layer's source keeps its K=V rows of the last
+    ``sliding_window`` positions (the source's token ring; no row is stored in the payload). A
+    CSA / HCA layer's source stores one compressed row per ``rate`` tokens in the payload,
+    beside the same window; a CSA layer's index keys are its indexer's compressed rows
+    (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail rotated)."""
+    sources = tuple(
+        SourceSpec(compress=max(rate, 1), window=cfg.sliding_window) for rate in cfg.compress
+    )
+    return ModelConfig(
+        name=name, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_heads=cfg.num_heads,
+        d_latent=cfg.head_dim - cfg.rope_dim, d_rope=cfg.rope_dim, d_ff=cfg.moe_intermediate,
+        n_index_heads=cfg.index_n_heads, d_index=cfg.index_head_dim, index_topk=cfg.index_topk,
+        sources=sources, layers=tuple(LayerSpec(source=i) for i in range(cfg.num_layers)),
+        max_position=cfg.max_position, eos_token_id=cfg.eos_token_ids[0],
+        bos_token_id=cfg.bos_token_id, mask_token_id=None,
+        tie_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype,
+    )  # fmt: skip

@@ -12,6 +12,7 @@ embeds each token into ``hc_mult`` equal streams and ends with the hyper head, `
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -63,8 +64,17 @@ class Block(nn.Module):
         state: AttentionState,
     ) -> torch.Tensor:  # fmt: skip
         """streams: [N, hc_mult, hidden] -> the same after attention and the MoE."""
+        return self.run(streams, ids, lambda x: self.attn(x, positions, state))
+
+    def run(
+        self, streams: torch.Tensor, ids: torch.Tensor,
+        attention: Callable[[torch.Tensor], torch.Tensor],
+    ) -> torch.Tensor:  # fmt: skip
+        """The block around ``attention`` (``attn_norm`` of the collapsed streams [N, hidden]
+        -> its output [N, hidden]): streams [N, hc_mult, hidden] -> the same after attention
+        and the MoE, ``ids`` [N] the tokens (hash routing)."""
         post, comb, x = self._mix("attn", streams)
-        streams = hyper_merge(streams, self.attn(self.attn_norm(x), positions, state), post, comb)
+        streams = hyper_merge(streams, attention(self.attn_norm(x)), post, comb)
         post, comb, x = self._mix("ffn", streams)
         return hyper_merge(streams, self.ffn(self.ffn_norm(x), ids), post, comb)
 
@@ -85,18 +95,27 @@ class V4Decoder(nn.Module):
     def new_state(self) -> V4State:
         return V4State(layers=[AttentionState() for _ in self.layers])
 
-    @torch.no_grad()
-    def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:
-        """ids: [N] the sequence's next N tokens -> logits [N, vocab] (fp32); ``state``
-        advances by N tokens."""
+    def streams(self, ids: torch.Tensor) -> torch.Tensor:
+        """ids: [N] -> [N, hc_mult, hidden], each token's embedding on every stream."""
+        return self.embed(ids).unsqueeze(1).expand(-1, self.cfg.hc_mult, -1).contiguous()
+
+    def final(self, streams: torch.Tensor) -> torch.Tensor:
+        """The last block's streams [N, hc_mult, hidden] -> the normed hidden states
+        [N, hidden] that ``head`` maps to logits."""
         c = self.cfg
-        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        streams = self.embed(ids).unsqueeze(1).expand(-1, c.hc_mult, -1).contiguous()
-        for block, layer_state in zip(self.layers, state.layers, strict=True):
-            streams = block(streams, ids, positions, layer_state)
-        state.length += ids.shape[0]
         x = hyper_head(
             streams, self.hc_head_fn, self.hc_head_base, self.hc_head_scale, c.hc_eps,
             c.rms_norm_eps,
         )  # fmt: skip
-        return self.head(self.norm(x)).float()
+        return self.norm(x)
+
+    @torch.no_grad()
+    def forward(self, ids: torch.Tensor, state: V4State) -> torch.Tensor:
+        """ids: [N] the sequence's next N tokens -> logits [N, vocab] (fp32); ``state``
+        advances by N tokens."""
+        positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
+        streams = self.streams(ids)
+        for block, layer_state in zip(self.layers, state.layers, strict=True):
+            streams = block(streams, ids, positions, layer_state)
+        state.length += ids.shape[0]
+        return self.head(self.final(streams)).float()

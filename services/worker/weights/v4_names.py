@@ -24,9 +24,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from dhisparse.family.hf_config import ConfigError
+from dhisparse.family.hf_dir import model_name
 from dhisparse.family.quantization_config import SCALE_SUFFIX, CheckpointError, block_size
 from dhisparse.family.v4_config import V4Config, parse_v4_config
 from services.worker.model.v4_decoder import V4Decoder
+from services.worker.model.v4_serving import V4Model
 from services.worker.ops.fp4_e2m1 import dequantize_fp4
 from services.worker.ops.fp8_blockwise import dequantize_blockwise
 from services.worker.weights.checkpoint import INDEX_FILE, WEIGHTS_FILE
@@ -199,3 +202,30 @@ def _dequantize(
         return dequantize_fp4(w, scale)
     except (CheckpointError, ValueError) as e:
         raise CheckpointError(f"{path}: {name} {list(w.shape)} {w.dtype}: {e}") from None
+
+
+def load_v4_served(
+    path: str | Path, device: str | torch.device, dtype: torch.dtype | None, mtp: bool,
+    weight_dtype: str, world_size: int,
+) -> V4Model:  # fmt: skip
+    """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``: fp32
+    weights (FP8 / FP4 ones dequantised at load), one rank, no MTP layer. Anything else asked
+    for (``dtype`` other than float32, ``weight_dtype`` fp8, ``mtp``, ``world_size`` > 1) is a
+    ConfigError naming it: only fp32 serving is checked against transformers."""
+    unsupported = [
+        what
+        for what, asked in (
+            (f"dtype {dtype}", dtype not in (None, torch.float32)),
+            (f"--weight-dtype {weight_dtype}", weight_dtype not in ("auto", "bf16")),
+            ("the MTP drafter (--drafter mtp)", mtp),
+            (f"{world_size} ranks (tensor / expert parallel)", world_size > 1),
+        )
+        if asked
+    ]
+    if unsupported:
+        raise ConfigError(
+            f"DeepSeek-V4 ({path}) is served in float32 on one rank, its FP8 / FP4 weights "
+            f"dequantised at load, without its MTP layer; not with {', '.join(unsupported)}"
+        )
+    raw = json.loads((Path(path) / "config.json").read_text())
+    return V4Model(load_v4_model(path).to(device), model_name(path, raw))

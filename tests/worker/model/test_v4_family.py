@@ -15,12 +15,10 @@ from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 from transformers.integrations.finegrained_fp8 import Fp8Dequantize
 
-from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.quantization_config import CheckpointError
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_indexer import Indexer
 from services.worker.ops.fp4_e2m1 import dequantize_fp4
-from services.worker.weights.model_io import load_model
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny, hf_tiny_v4
 
@@ -215,11 +213,6 @@ def test_fp4_dequantisation_equals_transformers() -> None:
     w = torch.randn(4, 64, generator=g)
     back = dequantize_fp4(*hf_tiny_v4.quantize_fp4(w))
     assert (back - w).abs().max() <= 0.25 * w.abs().max()
-
-
-def test_the_engine_refuses_v4_at_start_up_by_name(saved) -> None:
-    with pytest.raises(ConfigError, match="'deepseek_v4' is not served by the engine yet"):
-        load_model(saved["hub"])
 
 
 def test_missing_tensors_and_undeclared_formats_are_refused(ref, saved, tmp_path) -> None:

@@ -1,0 +1,157 @@
+"""DeepSeek-V4 served by the engine (``model/v4_serving.py``) against transformers 5.17.0 (the
+oracle), in fp32 on the CPU, on a tiny random checkpoint with every branch active (sliding
+window, CSA with its indexer, HCA, mHC, hash and learned routing): teacher-forced logits of
+two requests sharing every pass through the KV cache, in prefill chunks and decode steps;
+greedy tokens of batched requests through ``Engine.generate`` with chunked prefill and through
+``dhisparse generate``; what V4 is not served with stops start-up, named."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dhisparse.cli import main as cli_main
+from dhisparse.family.hf_config import ConfigError
+from dhisparse.family.hf_dir import hf_family
+from dhisparse.tokenizer import load_tokenizer
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.config import KVCacheConfig
+from services.worker.model.v4_serving import V4Model
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.model_io import load_model
+from tests import hf_tiny, hf_tiny_v4
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ref() -> torch.nn.Module:
+    return hf_tiny_v4.build(hf_tiny_v4.v4_config(), seed=5)
+
+
+@pytest.fixture(scope="module")
+def path(ref, tmp_path_factory) -> Path:
+    return hf_tiny_v4.save_hub_style(ref, tmp_path_factory.mktemp("v4"))
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, hf_tiny_v4.VOCAB, (n,), generator=g)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= RTOL, f"relative max error {err:.3g}"
+
+
+def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> None:
+    model = load_model(path)
+    assert isinstance(model, V4Model)
+    cfg = model.cfg
+    assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (8, 8), (4, 8)]
+    assert cfg.d_kv == 32 and cfg.d_index == 16 and cfg.index_topk == 4
+    assert [spec.source for spec in cfg.layers] == [0, 1, 2, 3]
+
+
+def test_two_requests_sharing_passes_give_transformers_logits(ref, path) -> None:
+    """Slots 2 and 0 in the same passes at different positions: prefill chunks of both, one
+    continuing while the other starts, decode steps of both, then a last chunk of one beside
+    the other's decode step; every token's logits as one transformers forward over its whole
+    sequence gives them (CSA and HCA rows completed within chunks and across passes)."""
+    model = load_model(path)
+    kv = KVCache(model.cfg, KVCacheConfig(max_slots=3, max_model_len=128, dtype=torch.float32))
+    seqs = {2: _ids(45, 21), 0: _ids(38, 22)}
+    for slot, ids in seqs.items():
+        assert kv.admit(slot, f"r{slot}", len(ids), len(ids))
+    passes = [
+        [(2, 13)], [(2, 10), (0, 7)], [(2, 1), (0, 17)], *([[(2, 1), (0, 1)]] * 6),
+        [(2, 15), (0, 1)], [(0, 7)],
+    ]  # fmt: skip
+    done = dict.fromkeys(seqs, 0)
+    got: dict[int, list[torch.Tensor]] = {slot: [] for slot in seqs}
+    for chunks in passes:
+        slots = [slot for slot, _ in chunks]
+        lens = [n for _, n in chunks]
+        batch = ForwardBatch.build(slots, [done[s] for s in slots], lens, "cpu")
+        tokens = torch.cat([seqs[s][done[s] : done[s] + n] for s, n in chunks])
+        logits = model.logits(model(tokens, batch, kv))
+        for (slot, n), part in zip(chunks, logits.split(lens), strict=True):
+            got[slot].append(part)
+            done[slot] += n
+        kv.commit(batch, [done[s] for s in slots])
+    for slot, ids in seqs.items():
+        assert done[slot] == len(ids)
+        _close(torch.cat(got[slot]), hf_tiny.reference_logits(ref, ids))
+    kv.close()
+
+
+PROMPTS = (37, 9, 50, 22)
+
+
+def test_engine_generate_batched_with_chunked_prefill_equals_transformers_greedy(ref, path) -> None:
+    """Four requests through ``Engine.generate`` with three seats, prefill chunks of at most
+    16 tokens beside the others' decode steps: 14 greedy tokens each, transformers' greedy
+    continuations."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="resident", max_num_seqs=3, max_model_len=128,
+        max_prefill_tokens=16, kv_pool_mib=8,
+    ))  # fmt: skip
+    passes: list[list[int]] = []
+    run_pass = eng.run_pass
+
+    def recorded(reqs: list, lens: list[int] | None = None) -> list:
+        passes.append(list(lens) if lens is not None else [1] * len(reqs))
+        return run_pass(reqs, lens)
+
+    eng.run_pass = recorded
+    prompts = [_ids(n, 300 + n).tolist() for n in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    assert max(map(max, passes)) == 16 and max(map(len, passes)) == 3, passes
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_ids) == 14
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, prompt, req.output_ids)
+    eng.close()
+
+
+def test_dhisparse_generate_prints_transformers_greedy(ref, path, capsys) -> None:
+    texts = ["the V4 engine", "a window, compressed rows and sinks"]
+    argv = ["generate", "--model", str(path), "--mode", "resident", "--max-tokens", "10"]
+    assert cli_main([*argv, "--ignore-eos", "--json", *(f"--prompt={t}" for t in texts)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tok = load_tokenizer(path)
+    assert [line["prompt"] for line in lines] == texts
+    for text, line in zip(texts, lines, strict=True):
+        out = line["token_ids"]
+        assert len(out) == 10
+        assert out == hf_tiny.greedy_under_reference(ref, tok.encode_prompt(text), out)
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"mode": "hisparse"}, "--mode hisparse"),
+        ({"mode": "adaptive"}, "--mode adaptive"),
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+        ({"attention_backend": "triton"}, "--attention-backend triton"),
+        ({"speculation": SpeculationConfig(drafter="dflash")}, "--drafter dflash"),
+        ({"dtype": "bfloat16"}, "dtype torch.bfloat16"),
+        ({"speculation": SpeculationConfig(drafter="mtp")}, "--drafter mtp"),
+    ],
+)
+def test_what_v4_is_not_served_with_stops_start_up_by_name(path, setting, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        Engine(EngineConfig(model=str(path), **({"mode": "resident"} | setting)))
+
+
+def test_the_v3_path_refuses_a_v4_directory_by_name(path) -> None:
+    with pytest.raises(ConfigError, match="'deepseek_v4' is served by the engine's V4 model"):
+        hf_family(path)
