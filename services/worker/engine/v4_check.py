@@ -1,5 +1,6 @@
-"""What the engine serves DeepSeek-V4 with: resident mode, on the CPU, fp32 rows, no drafter
-(``model.v4_serving``); anything else it is configured with stops start-up, named."""
+"""What the engine serves DeepSeek-V4 with: resident or hisparse mode (no durable sessions),
+on the CPU, fp32 rows, no drafter (``model.v4_serving``); anything else it is configured with
+stops start-up, named."""
 
 from __future__ import annotations
 
@@ -30,9 +31,15 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     unsupported = [
         what
         for what, asked in (
-            (f"--mode {cfg.mode} (hisparse / adaptive)", cfg.mode != "resident"),
+            (f"--mode {cfg.mode}", cfg.mode not in ("resident", "hisparse")),
+            (
+                "durable sessions (their snapshots hold no compressor rings; "
+                "--no-durable-sessions)",
+                cfg.mode != "resident" and cfg.durable,
+            ),
             (f"--device {cfg.device} (GPU kernels, CUDA graphs)", cfg.device != "cpu"),
             (f"--kv-cache-dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype not in ("auto",)),
+            (f"--resolver {cfg.resolver}", cfg.backend(cfg.resolver) != "torch"),
             (
                 f"--attention-backend {cfg.attention_backend}",
                 cfg.backend(cfg.attention_backend) != "torch",
@@ -46,6 +53,7 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     ]
     if unsupported:
         raise ValueError(
-            "DeepSeek-V4 is served in resident mode on the CPU in float32, without a drafter; "
+            "DeepSeek-V4 is served in resident or hisparse mode on the CPU in float32, without "
+            "a drafter or durable sessions; "
             f"not with {', '.join(unsupported)}"
         )

@@ -28,6 +28,7 @@ from dhisparse.family.v4_config import v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.kv.transfers import to_device
+from services.worker.model.decoder import LayerTrace
 from services.worker.model.row_selection import select_rows
 from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
@@ -120,17 +121,18 @@ class V4Model(nn.Module):
         input_ids: torch.Tensor,
         batch: ForwardBatch,
         kv: KVCache,
-        trace: list | None = None,
+        trace: list[LayerTrace] | None = None,
         features: dict[int, torch.Tensor] | None = None,
         begin: bool = True,
     ) -> torch.Tensor:
         """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, hidden] (after the
         hyper head and ``norm``). Writes the pass's rows, index keys and ring entries into
         ``kv`` as ``SparseDecoder.forward`` does; ``begin=False``: the caller began the pass.
-        ``trace`` and ``features`` (layer traces, a drafter's target features) are not
-        available for V4 and raise."""
-        if trace is not None or features is not None:
-            raise ValueError("DeepSeek-V4 records no layer traces or drafter features")
+        ``trace``: filled with each CSA / HCA layer's selection, locations and the compressed
+        rows it read (the window rows come from the token rings in every mode). ``features``
+        (a drafter's target features) are not available for V4 and raise."""
+        if features is not None:
+            raise ValueError("DeepSeek-V4 gives no drafter features")
         if begin:
             kv.payload.begin(batch)
         rings = self.slot_rings(kv)
@@ -139,7 +141,7 @@ class V4Model(nn.Module):
             streams = block.run(
                 streams,
                 input_ids,
-                lambda x, i=i, a=block.attn: self._attention(i, a, x, batch, kv, rings),
+                lambda x, i=i, a=block.attn: self._attention(i, a, x, batch, kv, rings, trace),
             )
         return self.net.final(streams)
 
@@ -149,9 +151,10 @@ class V4Model(nn.Module):
 
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-        rings: SlotRings,
+        rings: SlotRings, trace: list[LayerTrace] | None,
     ) -> torch.Tensor:  # fmt: skip
-        """Layer ``i``'s attention over source ``i`` for x [N, hidden] -> [N, hidden]."""
+        """Layer ``i``'s attention over source ``i`` for x [N, hidden] -> [N, hidden]; a CSA /
+        HCA layer appends what it read of the payload to ``trace``."""
         pos = batch.positions
         q_latent, q, rows = attn.project(x, pos)
         ext = kv.rings[i].extend(batch, rows)
@@ -176,10 +179,30 @@ class V4Model(nn.Module):
                 selection = select_rows(self.cfg, i, iq, iw * idx.dim**-0.5, batch, kv, i)
             else:
                 selection = every_visible_row(batch, attn.rate)
-            pool, at = kv.attention_rows(i, kv.payload.resolve(i, i, batch, selection))
-            keys = torch.cat([keys, pool[at.clamp(min=0)]], dim=1)
-            allowed = torch.cat([allowed, at >= 0], dim=1)
+            chosen, locs = selected_rows(i, batch, kv, selection)
+            if trace is not None:
+                trace.append(LayerTrace(i, selection, locs, chosen))
+            keys = torch.cat([keys, chosen], dim=1)
+            allowed = torch.cat([allowed, locs >= 0], dim=1)
         return attn.output(attn.attend(q, keys, allowed), pos)
+
+
+def selected_rows(
+    i: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N, S, d_kv], zero where ``selection`` [N, S] pads, and their locations [N, S],
+    -1 there) of source ``i``. With a hot cache of B rows per request (the hierarchy modes)
+    the payload resolves at most B columns at a time and each block's rows are read before the
+    next block is resolved, so an HCA selection of every visible row (more than B) never
+    outgrows it; the rows read are the same."""
+    block = kv.payload.layout()["hot_cache_rows"] or max(selection.shape[1], 1)
+    rows, locs = [], []
+    for a in range(0, selection.shape[1], block):
+        at_block = kv.payload.resolve(i, i, batch, selection[:, a : a + block])
+        pool, at = kv.attention_rows(i, at_block)
+        rows.append(pool[at.clamp(min=0)].masked_fill((at < 0).unsqueeze(-1), 0))
+        locs.append(at_block)
+    return torch.cat(rows, dim=1), torch.cat(locs, dim=1)
 
 
 def every_visible_row(batch: ForwardBatch, rate: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig
+from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
 from services.worker.serving.cache import KVCache
@@ -135,11 +136,96 @@ def test_dhisparse_generate_prints_transformers_greedy(ref, path, capsys) -> Non
         assert out == hf_tiny.greedy_under_reference(ref, tok.encode_prompt(text), out)
 
 
+def _drive(
+    model: V4Model, mode: str, lens: list[int], steps: int, **kv_kw
+) -> tuple[list[list[LayerTrace]], list[torch.Tensor], list[list[int]], KVCache]:
+    """Prefills fresh random prompts of ``lens`` tokens together (one pass), then decodes them
+    together greedily for ``steps`` steps: (per pass the CSA / HCA layers' traces, per pass the
+    logits, the tokens, the cache)."""
+    kv = KVCache(model.cfg, KVCacheConfig(
+        mode=mode, max_slots=len(lens) + 1, max_model_len=256, page_size=4,
+        kv_pool_bytes=16 << 20, host_arena_bytes=16 << 20, dtype=torch.float32, **kv_kw,
+    ))  # fmt: skip
+    prompts = [_ids(n, 500 + n) for n in lens]
+    slots = list(range(1, len(lens) + 1))
+    for slot, p in zip(slots, prompts, strict=True):
+        assert kv.admit(slot, f"r{slot}", len(p), len(p) + steps)
+    batch = ForwardBatch.build(slots, [0] * len(lens), lens, "cpu", prefill=True)
+    trace: list[LayerTrace] = []
+    logits = model.logits(model(torch.cat(prompts), batch, kv, trace=trace))
+    kv.commit(batch, lens)
+    logits = logits[batch.last_token_index]
+    traces, all_logits = [trace], [logits]
+    tokens = [[t] for t in logits.argmax(-1).tolist()]
+    done = list(lens)
+    for _ in range(steps):
+        for slot, n in zip(slots, done, strict=True):
+            assert kv.ensure(slot, n + 1)
+        batch = ForwardBatch.build(slots, done, [1] * len(slots), "cpu")
+        trace = []
+        ids = torch.tensor([t[-1] for t in tokens])
+        logits = model.logits(model(ids, batch, kv, trace=trace))
+        done = [n + 1 for n in done]
+        kv.commit(batch, done)
+        traces.append(trace), all_logits.append(logits)
+        for t, nxt in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+            t.append(nxt)
+    return traces, all_logits, tokens, kv
+
+
+def test_hisparse_reads_the_rows_resident_reads(path) -> None:
+    """Three requests of 150, 61 and 197 tokens, 24 decode steps, a hot cache of 8 rows per
+    request and source (twice index_topk; an HCA query sees up to 27 rows, resolved 8 at a
+    time): per pass and CSA / HCA layer the selection and the compressed rows attention reads
+    are bit-identical to resident serving's, so are the logits and the tokens; rows came from
+    the host and from the hot cache."""
+    model = load_model(path)
+    lens = [150, 61, 197]
+    ref = _drive(model, "resident", lens, 24)
+    run = _drive(model, "hisparse", lens, 24, hot_cache_rows=8)
+    for ref_pass, run_pass in zip(ref[0], run[0], strict=True):
+        assert [t.layer for t in ref_pass] == [t.layer for t in run_pass] == [1, 2, 3]
+        for a, b in zip(ref_pass, run_pass, strict=True):
+            assert torch.equal(a.selection, b.selection), a.layer
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    assert max(t.selection.shape[1] for t in ref[0][-1]) == 27
+    for a, b in zip(ref[1], run[1], strict=True):
+        assert torch.equal(a, b)
+    assert ref[2] == run[2]
+    census = run[3].payload.census
+    assert census.host > 0 and census.hot > 0 and census.direct > 0, census
+    ref[3].close()
+    run[3].close()
+
+
+def test_engine_hisparse_generate_equals_transformers_greedy(ref, path) -> None:
+    """Three requests in hisparse mode (hot cache of 8 rows, prefill chunks of at most 32
+    tokens): 16 greedy tokens each, transformers' greedy continuations; some rows came from
+    the host."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="hisparse", durable_sessions=False, max_num_seqs=3,
+        max_model_len=256, page_size=4, hot_cache_rows=8, max_prefill_tokens=32,
+        kv_pool_mib=8, host_arena_mib=16,
+    ))  # fmt: skip
+    prompts = [_ids(n, 700 + n).tolist() for n in (120, 45, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_ids) == 16
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, prompt, req.output_ids)
+    assert eng.kv.payload.census.host > 0, eng.kv.payload.census
+    eng.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
-        ({"mode": "hisparse"}, "--mode hisparse"),
-        ({"mode": "adaptive"}, "--mode adaptive"),
+        ({"mode": "hisparse"}, "durable sessions"),
+        ({"mode": "adaptive", "durable_sessions": False}, "--mode adaptive"),
+        (
+            {"mode": "hisparse", "durable_sessions": False, "resolver": "triton"},
+            "--resolver triton",
+        ),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
         ({"attention_backend": "triton"}, "--attention-backend triton"),
         ({"speculation": SpeculationConfig(drafter="dflash")}, "--drafter dflash"),
