@@ -1,6 +1,6 @@
-"""What the engine serves DeepSeek-V4 with: resident or hisparse mode (no durable sessions),
-on the CPU, fp32 rows, no drafter (``model.v4_serving``); anything else it is configured with
-stops start-up, named."""
+"""What the engine serves DeepSeek-V4 with: any serving mode without durable sessions, on the
+CPU, fp32 rows, no drafter (``model.v4_serving``); anything else it is configured with stops
+start-up, named."""
 
 from __future__ import annotations
 
@@ -31,7 +31,6 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     unsupported = [
         what
         for what, asked in (
-            (f"--mode {cfg.mode}", cfg.mode not in ("resident", "hisparse")),
             (
                 "durable sessions (their snapshots hold no compressor rings; "
                 "--no-durable-sessions)",
@@ -53,7 +52,7 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     ]
     if unsupported:
         raise ValueError(
-            "DeepSeek-V4 is served in resident or hisparse mode on the CPU in float32, without "
-            "a drafter or durable sessions; "
+            "DeepSeek-V4 is served on the CPU in float32, without a drafter or durable "
+            "sessions; "
             f"not with {', '.join(unsupported)}"
         )

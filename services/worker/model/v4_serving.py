@@ -57,10 +57,6 @@ class SlotRings:
                 width = 2 * comp.wkv.out_features
                 self.rings[i, part] = TokenRing(c.max_slots, size, width, c.dtype, c.device)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(r.nbytes for r in self.rings.values())
-
 
 def completed_rows(batch: ForwardBatch, rate: int) -> tuple[list[int], list[int]]:
     """(batch request, row index) of every row of ``rate`` tokens the pass's chunks complete:

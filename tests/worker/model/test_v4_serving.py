@@ -2,8 +2,10 @@
 oracle), in fp32 on the CPU, on a tiny random checkpoint with every branch active (sliding
 window, CSA with its indexer, HCA, mHC, hash and learned routing): teacher-forced logits of
 two requests sharing every pass through the KV cache, in prefill chunks and decode steps;
-greedy tokens of batched requests through ``Engine.generate`` with chunked prefill and through
-``dhisparse generate``; what V4 is not served with stops start-up, named."""
+greedy tokens of batched requests through ``Engine.generate`` with chunked prefill (resident,
+hisparse, adaptive reclaiming history) and through ``dhisparse generate``; hisparse's
+compressed rows bit-identical to resident's; what V4 is not served with stops start-up,
+named."""
 
 from __future__ import annotations
 
@@ -20,7 +22,7 @@ from dhisparse.tokenizer import load_tokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.config import KVCacheConfig
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
@@ -217,11 +219,42 @@ def test_engine_hisparse_generate_equals_transformers_greedy(ref, path) -> None:
     eng.close()
 
 
+def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path) -> None:
+    """Six requests, three arriving while the first three decode, in adaptive mode with a pool
+    of 90 pages beyond its fixed allocations: admissions reclaim optional history, and the 20
+    greedy tokens of each request are transformers' greedy continuations."""
+    kw = dict(model=str(path), mode="adaptive", durable_sessions=False, max_num_seqs=4,
+              max_model_len=512, hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
+    probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    probe.close()
+    eng = Engine(EngineConfig(
+        **kw, kv_pool_mib=(fixed + 90 * page_bytes) / (1 << 20),
+        residency=ResidencyConfig(populate_pages=4),
+    ))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
+        if i == 3:
+            for _ in range(12):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", _ids(n, 900 + n).tolist(), params))
+    while eng.has_work():
+        eng.step()
+    for req in reqs:
+        assert len(req.output_ids) == 20
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, req.prompt_ids, req.output_ids)
+    stats = eng.kv.payload.residency.stats
+    assert stats.reclaim_events > 0 and stats.reclaim_pages > 0, stats
+    eng.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
         ({"mode": "hisparse"}, "durable sessions"),
-        ({"mode": "adaptive", "durable_sessions": False}, "--mode adaptive"),
+        ({"mode": "adaptive"}, "durable sessions"),
         (
             {"mode": "hisparse", "durable_sessions": False, "resolver": "triton"},
             "--resolver triton",
