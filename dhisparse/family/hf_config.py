@@ -148,8 +148,8 @@ def parse_config(raw: dict[str, Any]) -> MLAConfig:
     if family == "deepseek_v4":
         raise ConfigError(
             "model_type 'deepseek_v4' is served by the engine's V4 model (dhisparse generate / "
-            "up --mode resident, on the CPU in float32: docs/models.md), not by the "
-            "DeepSeek-V3.2 / GLM-5 path that reads this config (verify, plan, training)"
+            "up, on the CPU in float32: docs/models.md), not by the DeepSeek-V3.2 / GLM-5 path "
+            "that reads this config (verify, plan, training)"
         )
     if family not in _DEFAULTS:
         raise ConfigError(

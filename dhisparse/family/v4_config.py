@@ -299,7 +299,9 @@ def v4_topology(cfg: V4Config, name: str) -> ModelConfig:
     ``sliding_window`` positions (the source's token ring; no row is stored in the payload). A
     CSA / HCA layer's source stores one compressed row per ``rate`` tokens in the payload,
     beside the same window; a CSA layer's index keys are its indexer's compressed rows
-    (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail rotated)."""
+    (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail rotated).
+    ``extra["state_rings"]``: the compressors' per-slot rings the cache keeps
+    (``v4_state_rings``)."""
     sources = tuple(
         SourceSpec(compress=max(rate, 1), window=cfg.sliding_window) for rate in cfg.compress
     )
@@ -311,4 +313,23 @@ def v4_topology(cfg: V4Config, name: str) -> ModelConfig:
         max_position=cfg.max_position, eos_token_id=cfg.eos_token_ids[0],
         bos_token_id=cfg.bos_token_id, mask_token_id=None,
         tie_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype,
+        extra={"state_rings": [[rows, width] for _, _, rows, width in v4_state_rings(cfg)]},
     )  # fmt: skip
+
+
+def v4_state_rings(cfg: V4Config) -> tuple[tuple[int, str, int, int], ...]:
+    """(layer, part, rows, width) of each compressor's per-slot ring of token projections
+    (``wkv`` then ``wgate``, ``width`` elements), in the KV cache's order: per CSA / HCA layer
+    its attention's compressor (``"kv"``), then a CSA layer's indexer's (``"index"``). An
+    overlapping (CSA) compressor keeps ``2 * rate`` positions, a row pooling its window and the
+    one before; HCA's keeps ``rate``."""
+    out = []
+    for i, (kind, rate) in enumerate(zip(cfg.attention, cfg.compress, strict=True)):
+        if kind == "sliding":
+            continue
+        overlap = kind == "csa"
+        dim = 2 * cfg.head_dim if overlap else cfg.head_dim
+        out.append((i, "kv", rate * (2 if overlap else 1), 2 * dim))
+        if overlap:
+            out.append((i, "index", 2 * rate, 4 * cfg.index_head_dim))
+    return tuple(out)

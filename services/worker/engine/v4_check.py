@@ -1,6 +1,5 @@
-"""What the engine serves DeepSeek-V4 with: any serving mode without durable sessions, on the
-CPU, fp32 rows, no drafter (``model.v4_serving``); anything else it is configured with stops
-start-up, named."""
+"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU, fp32 rows, no
+drafter (``model.v4_serving``); anything else it is configured with stops start-up, named."""
 
 from __future__ import annotations
 
@@ -31,11 +30,6 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     unsupported = [
         what
         for what, asked in (
-            (
-                "durable sessions (their snapshots hold no compressor rings; "
-                "--no-durable-sessions)",
-                cfg.mode != "resident" and cfg.durable,
-            ),
             (f"--device {cfg.device} (GPU kernels, CUDA graphs)", cfg.device != "cpu"),
             (f"--kv-cache-dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype not in ("auto",)),
             (f"--resolver {cfg.resolver}", cfg.backend(cfg.resolver) != "torch"),
@@ -52,7 +46,6 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     ]
     if unsupported:
         raise ValueError(
-            "DeepSeek-V4 is served on the CPU in float32, without a drafter or durable "
-            "sessions; "
+            "DeepSeek-V4 is served on the CPU in float32, without a drafter; "
             f"not with {', '.join(unsupported)}"
         )

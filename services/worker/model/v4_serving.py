@@ -6,8 +6,9 @@ Per layer and pass:
 
 - the chunk's K=V rows join source ``i``'s token ring; each query attends the ring's rows of
   its last ``sliding_window`` positions;
-- a CSA / HCA layer's compressor projects the chunk's tokens into a per-slot ring of
-  projections (``SlotRings``: the open window's tokens and, overlapping, the window before);
+- a CSA / HCA layer's compressor projects the chunk's tokens into its per-slot ring of
+  projections (a state ring of the cache, ``v4_state_rings``: the open window's tokens and,
+  overlapping, the window before), snapshotted with a durable session like the token rings;
   each row a chunk completes is pooled from the ring and written to the payload at its row
   index; a CSA layer's indexer does the same with its own compressor into the index keys;
 - a CSA query attends the rows the indexer's top-k over the index keys selects
@@ -24,7 +25,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from dhisparse.family.v4_config import v4_topology
+from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.kv.transfers import to_device
@@ -33,29 +34,7 @@ from services.worker.model.row_selection import select_rows
 from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
 from services.worker.model.v4_decoder import V4Decoder
-from services.worker.serving.cache import KVCache
-
-
-class SlotRings:
-    """Per slot, each compressor's projections (``Compressor.project``) of its last positions:
-    ``2 * rate`` for an overlapping compressor (a row pools its window and the one before),
-    ``rate`` otherwise. Keyed by ``(layer, "kv")`` and, CSA, ``(layer, "index")``."""
-
-    def __init__(self, net: V4Decoder, kv: KVCache) -> None:
-        self.kv = kv  # the cache whose slots these are
-        c = kv.cfg
-        self.rings: dict[tuple[int, str], TokenRing] = {}
-        for i, block in enumerate(net.layers):
-            attn: Attention = block.attn
-            if attn.kind == "sliding":
-                continue
-            parts = [("kv", attn.compressor)]
-            if attn.kind == "csa":
-                parts.append(("index", attn.indexer.compressor))
-            for part, comp in parts:
-                size = comp.rate * (2 if comp.overlap else 1)
-                width = 2 * comp.wkv.out_features
-                self.rings[i, part] = TokenRing(c.max_slots, size, width, c.dtype, c.device)
+from services.worker.serving.cache import STATE_RINGS, KVCache
 
 
 def completed_rows(batch: ForwardBatch, rate: int) -> tuple[list[int], list[int]]:
@@ -100,13 +79,10 @@ class V4Model(nn.Module):
         self.family = net.cfg
         self.cfg = v4_topology(net.cfg, name)
         self.cfg.validate()
-        self._rings: SlotRings | None = None
-
-    def slot_rings(self, kv: KVCache) -> SlotRings:
-        """The compressors' per-slot rings for ``kv``'s slots (made on its first pass)."""
-        if self._rings is None or self._rings.kv is not kv:
-            self._rings = SlotRings(self.net, kv)
-        return self._rings
+        # (layer, "kv" | "index") -> the key of its compressor's ring in the cache's snapshot
+        self.ring_keys = {
+            (i, part): STATE_RINGS - j for j, (i, part, _, _) in enumerate(v4_state_rings(net.cfg))
+        }
 
     def use_triton_attention(self) -> None:
         raise ValueError("DeepSeek-V4 attention has no Triton kernel: use the torch backend")
@@ -131,7 +107,7 @@ class V4Model(nn.Module):
             raise ValueError("DeepSeek-V4 gives no drafter features")
         if begin:
             kv.payload.begin(batch)
-        rings = self.slot_rings(kv)
+        rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
         streams = self.net.streams(input_ids)
         for i, block in enumerate(self.net.layers):
             streams = block.run(
@@ -147,7 +123,7 @@ class V4Model(nn.Module):
 
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-        rings: SlotRings, trace: list[LayerTrace] | None,
+        rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
     ) -> torch.Tensor:  # fmt: skip
         """Layer ``i``'s attention over source ``i`` for x [N, hidden] -> [N, hidden]; a CSA /
         HCA layer appends what it read of the payload to ``trace``."""
@@ -160,13 +136,13 @@ class V4Model(nn.Module):
             reqs, done = completed_rows(batch, attn.rate)
             req_t, row_t = to_device(reqs, pos.device), to_device(done, pos.device)
             slots = batch.slots[req_t]
-            ext_rows = rings.rings[i, "kv"].extend(batch, attn.compressor.project(x))
+            ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
             if done:
                 rows_new = pooled_rows(attn.compressor, ext_rows, req_t, row_t)
                 kv.payload.write_rows(i, slots, row_t, rows_new)
             if attn.kind == "csa":
                 idx = attn.indexer
-                ext_keys = rings.rings[i, "index"].extend(batch, idx.compressor.project(x))
+                ext_keys = rings[i, "index"].extend(batch, idx.compressor.project(x))
                 if done:
                     keys_new = pooled_rows(idx.compressor, ext_keys, req_t, row_t)
                     kv.index_keys.write(i, slots, row_t, keys_new)

@@ -3,9 +3,9 @@ oracle), in fp32 on the CPU, on a tiny random checkpoint with every branch activ
 window, CSA with its indexer, HCA, mHC, hash and learned routing): teacher-forced logits of
 two requests sharing every pass through the KV cache, in prefill chunks and decode steps;
 greedy tokens of batched requests through ``Engine.generate`` with chunked prefill (resident,
-hisparse, adaptive reclaiming history) and through ``dhisparse generate``; hisparse's
-compressed rows bit-identical to resident's; what V4 is not served with stops start-up,
-named."""
+hisparse, adaptive reclaiming history), through ``dhisparse generate`` and after a durable
+session's adoption; hisparse's compressed rows bit-identical to resident's; what V4 is not
+served with stops start-up, named."""
 
 from __future__ import annotations
 
@@ -19,8 +19,11 @@ from dhisparse.cli import main as cli_main
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.hf_dir import hf_family
 from dhisparse.tokenizer import load_tokenizer
+from services.worker.durable.adoption import adopt_sessions
+from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.decoder import LayerTrace
@@ -30,6 +33,7 @@ from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.weights.model_io import load_model
 from tests import hf_tiny, hf_tiny_v4
+from tests.worker.model import serving
 
 RTOL = 1e-4
 
@@ -125,9 +129,11 @@ def test_engine_generate_batched_with_chunked_prefill_equals_transformers_greedy
     eng.close()
 
 
-def test_dhisparse_generate_prints_transformers_greedy(ref, path, capsys) -> None:
+@pytest.mark.parametrize("mode", [[], ["--mode", "resident"]])
+def test_dhisparse_generate_prints_transformers_greedy(ref, path, capsys, mode) -> None:
+    """As configured by default (adaptive, durable sessions) and in resident mode."""
     texts = ["the V4 engine", "a window, compressed rows and sinks"]
-    argv = ["generate", "--model", str(path), "--mode", "resident", "--max-tokens", "10"]
+    argv = ["generate", "--model", str(path), *mode, "--max-tokens", "10"]
     assert cli_main([*argv, "--ignore-eos", "--json", *(f"--prompt={t}" for t in texts)]) == 0
     lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     tok = load_tokenizer(path)
@@ -205,7 +211,7 @@ def test_engine_hisparse_generate_equals_transformers_greedy(ref, path) -> None:
     tokens): 16 greedy tokens each, transformers' greedy continuations; some rows came from
     the host."""
     eng = Engine(EngineConfig(
-        model=str(path), mode="hisparse", durable_sessions=False, max_num_seqs=3,
+        model=str(path), mode="hisparse", max_num_seqs=3,
         max_model_len=256, page_size=4, hot_cache_rows=8, max_prefill_tokens=32,
         kv_pool_mib=8, host_arena_mib=16,
     ))  # fmt: skip
@@ -223,7 +229,7 @@ def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path
     """Six requests, three arriving while the first three decode, in adaptive mode with a pool
     of 90 pages beyond its fixed allocations: admissions reclaim optional history, and the 20
     greedy tokens of each request are transformers' greedy continuations."""
-    kw = dict(model=str(path), mode="adaptive", durable_sessions=False, max_num_seqs=4,
+    kw = dict(model=str(path), mode="adaptive", max_num_seqs=4,
               max_model_len=512, hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
     probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
     page_bytes = 16 * probe.model_cfg.d_kv * 4
@@ -250,15 +256,44 @@ def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path
     eng.close()
 
 
+def test_durable_sessions_resume_token_for_token(ref, path) -> None:
+    """A hisparse engine dropped mid-generation is succeeded by one that adopts its sessions
+    from the host store (compressed rows, index keys, the window and the compressors' rings)
+    and continues them without recomputing a prompt: the tokens of an uninterrupted engine,
+    transformers' greedy ones."""
+    store = LocalHostStore(64 << 20)
+    prompts = [_ids(n, 800 + n).tolist() for n in (101, 42)]
+    params = [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)] * 2
+
+    def make(owner: str) -> Engine:
+        engine = Engine(EngineConfig(
+            model=str(path), mode="hisparse", max_num_seqs=2, max_model_len=256,
+            hot_cache_rows=16, max_prefill_tokens=64, kv_pool_mib=8, owner=owner,
+        ), host=(store, store.mapping))  # fmt: skip
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        return engine
+
+    want, first = serving.reference_then_started(make, prompts, params, steps=9)
+    del first  # dies: nothing released, nothing flushed
+    second = make("w0")
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == ["r0", "r1"]
+    reqs = [second.requests["r0"], second.requests["r1"]]
+    while second.has_work():
+        second.step()
+    assert [r.output_ids for r in reqs] == want
+    assert second.stats.prefill_tokens_computed == 0
+    for prompt, out in zip(prompts, want, strict=True):
+        assert out == hf_tiny.greedy_under_reference(ref, prompt, out)
+    second.close()
+    store.close()
+
+
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
-        ({"mode": "hisparse"}, "durable sessions"),
-        ({"mode": "adaptive"}, "durable sessions"),
-        (
-            {"mode": "hisparse", "durable_sessions": False, "resolver": "triton"},
-            "--resolver triton",
-        ),
+        ({"mode": "hisparse", "resolver": "triton"}, "--resolver triton"),
+        ({"device": "cuda"}, "--device cuda"),
         ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
         ({"attention_backend": "triton"}, "--attention-backend triton"),
         ({"speculation": SpeculationConfig(drafter="dflash")}, "--drafter dflash"),
