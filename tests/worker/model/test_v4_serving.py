@@ -4,8 +4,8 @@ window, CSA with its indexer, HCA, mHC, hash and learned routing): teacher-force
 two requests sharing every pass through the KV cache, in prefill chunks and decode steps;
 greedy tokens of batched requests through ``Engine.generate`` with chunked prefill (resident,
 hisparse, adaptive reclaiming history), through ``dhisparse generate`` and after a durable
-session's adoption; hisparse's compressed rows bit-identical to resident's; what V4 is not
-served with stops start-up, named."""
+session's adoption; prompt logprobs; hisparse's compressed rows bit-identical to resident's;
+what V4 is not served with stops start-up, named."""
 
 from __future__ import annotations
 
@@ -126,6 +126,34 @@ def test_engine_generate_batched_with_chunked_prefill_equals_transformers_greedy
     for prompt, req in zip(prompts, reqs, strict=True):
         assert len(req.output_ids) == 14
         assert req.output_ids == hf_tiny.greedy_under_reference(ref, prompt, req.output_ids)
+    eng.close()
+
+
+def test_prompt_logprobs_equal_transformers(ref, path) -> None:
+    """A prompt of 70 tokens prefilled in chunks of 16 beside another request: the engine's
+    logprob of each prompt token (and the top 4) is ``log_softmax`` of transformers' logits."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="resident", max_num_seqs=2, max_model_len=128,
+        max_prefill_tokens=16, kv_pool_mib=8,
+    ))  # fmt: skip
+    prompt, beside = _ids(70, 31).tolist(), _ids(30, 32).tolist()
+    eng.add_request(
+        "asked", prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4)
+    )
+    eng.add_request("beside", beside, SamplingParams(temperature=0.0, max_tokens=2))
+    first = None
+    while eng.has_work():
+        for out in eng.step():
+            if out.request_id == "asked" and first is None:
+                first = out
+    assert first is not None and len(first.prompt_logprobs) == len(prompt)
+    want = torch.log_softmax(hf_tiny.reference_logits(ref, torch.tensor(prompt))[:-1], dim=-1)
+    got = first.prompt_logprobs[1:]
+    assert [lp.token_id for lp in got] == prompt[1:]
+    expect = want[torch.arange(len(prompt) - 1), prompt[1:]]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]), expect, atol=2e-4, rtol=0)
+    top = torch.tensor([[v for _, v in lp.top] for lp in got])
+    torch.testing.assert_close(top, torch.topk(want, 4, dim=-1).values, atol=2e-4, rtol=0)
     eng.close()
 
 
