@@ -10,6 +10,7 @@ what V4 is not served with stops start-up, named."""
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 from dhisparse.cli import main as cli_main
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.hf_dir import hf_family
+from dhisparse.family.v4_config import v4_state_rings
 from dhisparse.tokenizer import load_tokenizer
 from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
@@ -30,6 +32,7 @@ from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
 from services.worker.serving.cache import KVCache
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.weights.model_io import load_model
 from tests import hf_tiny, hf_tiny_v4
@@ -66,6 +69,21 @@ def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> N
     assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (8, 8), (4, 8)]
     assert cfg.d_kv == 32 and cfg.d_index == 16 and cfg.index_topk == 4
     assert [spec.source for spec in cfg.layers] == [0, 1, 2, 3]
+    # the compressors' rings: CSA layers 1 and 3 (attention, indexer), HCA layer 2
+    state = list(v4_state_rings(model.family))
+    assert state == [
+        (1, "kv", 8, 128), (1, "index", 8, 64), (2, "kv", 8, 64), (3, "kv", 8, 128),
+        (3, "index", 8, 64),
+    ]  # fmt: skip
+    kv_cfg = KVCacheConfig(mode="hisparse", max_slots=3, max_model_len=64, dtype=torch.float32)
+    kv = KVCache(cfg, kv_cfg)
+    state_bytes = 3 * sum(rows * width for *_, rows, width in state) * 4
+    source_bytes = 4 * 3 * (8 + kv_cfg.ring_extra) * cfg.d_kv * 4
+    assert kv.ring_bytes == source_bytes + state_bytes
+    bare = replace(cfg, extra={})
+    fixed = hierarchy_fixed_bytes(cfg, kv_cfg) - hierarchy_fixed_bytes(bare, kv_cfg)
+    assert fixed == state_bytes
+    kv.close()
 
 
 def test_two_requests_sharing_passes_give_transformers_logits(ref, path) -> None:
