@@ -145,6 +145,12 @@ class MLAConfig:
 def parse_config(raw: dict[str, Any]) -> MLAConfig:
     """config.json (as a dict) -> MLAConfig; raises ConfigError naming the offending key."""
     family = raw.get("model_type")
+    if family == "deepseek_v4":
+        raise ConfigError(
+            "model_type 'deepseek_v4' is served by the engine's V4 model (dhisparse generate / "
+            "up, on the CPU in float32: docs/models.md), not by the DeepSeek-V3.2 / GLM-5 path "
+            "that reads this config (verify, plan, training)"
+        )
     if family not in _DEFAULTS:
         raise ConfigError(
             f"model_type {family!r} is not supported; supported: {', '.join(sorted(_DEFAULTS))}"

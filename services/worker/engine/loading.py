@@ -10,6 +10,7 @@ from dhisparse.family.presets import PRESETS
 from dhisparse.paths import resolve_path
 from dhisparse.tokenizer import Tokenizer, load_tokenizer
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.v4_check import check_v4_serving
 from services.worker.model.decoder import SparseDecoder
 from services.worker.parallel.comm import Comm
 from services.worker.speculative.drafters.mtp import MTPDrafter
@@ -19,6 +20,7 @@ from services.worker.weights.model_io import DTYPES, load_model
 def serving_model(cfg: EngineConfig, model: SparseDecoder | None, comm: Comm) -> SparseDecoder:
     """``model`` (or the one ``cfg.model`` names, loaded as this rank's part) as the engine
     serves it: the top-k and the attention backend ``cfg`` asks for."""
+    check_v4_serving(cfg, model)
     if model is None:
         serving = cfg.serving_dtype()
         model = load_model(

@@ -30,9 +30,10 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.region_store import RegionStore
     from services.worker.hierarchy.session import SessionBackup
 
-__all__ = ["CARRY", "KVCache", "pool_ceiling"]
+__all__ = ["CARRY", "STATE_RINGS", "KVCache", "pool_ceiling"]
 
 CARRY = -1  # the carry's key among the token rings a durable session snapshots
+STATE_RINGS = -2  # the first key of a model's state rings among them (then -3, -4, ...)
 
 
 class KVCache:
@@ -78,6 +79,12 @@ class KVCache:
         self.snapshot_rings = dict(self.rings)
         if self.carry is not None:
             self.snapshot_rings[CARRY] = self.carry
+        # a model's own per-slot state, ``extra["state_rings"]`` [(rows, width), ...] of its
+        # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j
+        for j, (rows, width) in enumerate(model_cfg.extra.get("state_rings", ())):
+            self.snapshot_rings[STATE_RINGS - j] = TokenRing(
+                cfg.max_slots, rows, width, cfg.dtype, cfg.device
+            )
         self._local_store: LocalHostStore | None = None
         self.host_backups: HostBackups | None = None
         # durable sessions: keys, manifest and ring snapshots (hierarchy)

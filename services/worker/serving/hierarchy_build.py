@@ -46,6 +46,8 @@ def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
         if src.window > 0 or src.compress > 1:
             rows = max(src.window, src.compress) + cfg.ring_extra
             rings += cfg.max_slots * rows * model_cfg.d_kv * esize
+    for rows, width in model_cfg.extra.get("state_rings", ()):  # the model's state rings too
+        rings += cfg.max_slots * rows * width * esize
     scratch_tokens = prefill_scratch_tokens(cfg)
     b = hot_rows(model_cfg, cfg)
     return (

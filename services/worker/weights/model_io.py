@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dhisparse.family.config import ModelConfig
+from dhisparse.family.hf_dir import read_config
 from dhisparse.family.parallel_layout import SINGLE, Cut, ParallelConfig
 from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, preset
 from dhisparse.family.quantization_config import SCALE_SUFFIX, fp8_as_stored
@@ -27,6 +28,7 @@ from services.worker.ops.fp8_moe import gate_up_halves
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
 from services.worker.weights.hf_load import is_hf_model_dir, load_hf_model
+from services.worker.weights.v4_names import load_v4_served
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -296,6 +298,8 @@ def load_model(
             f"{spec!r} is neither a preset ({', '.join(sorted(PRESETS))}) nor a model "
             f"directory with {CONFIG_FILE}"
         )
+    if is_hf_model_dir(path) and read_config(path).get("model_type") == "deepseek_v4":
+        return load_v4_served(path, device, dtype, mtp, weight_dtype, parallel.world_size)
     if is_hf_model_dir(path):
         return load_hf_model(
             path, device=device, dtype=dtype, mtp=mtp, weight_dtype=weight_dtype,

@@ -1,0 +1,51 @@
+"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU, fp32 rows, no
+drafter (``model.v4_serving``); anything else it is configured with stops start-up, named."""
+
+from __future__ import annotations
+
+from torch import nn
+
+from dhisparse.family.hf_dir import is_hf_model_dir, read_config
+from dhisparse.family.presets import PRESETS
+from dhisparse.paths import resolve_path
+from services.worker.engine.config import EngineConfig
+from services.worker.model.v4_serving import V4Model
+
+
+def serves_v4(cfg: EngineConfig, model: nn.Module | None) -> bool:
+    """Whether the engine serves a V4 model: ``model``, else the directory ``cfg.model``
+    names (read from its config.json, before any weight is)."""
+    if model is not None:
+        return isinstance(model, V4Model)
+    if cfg.model in PRESETS or not is_hf_model_dir(resolve_path(cfg.model)):
+        return False
+    return read_config(resolve_path(cfg.model)).get("model_type") == "deepseek_v4"
+
+
+def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
+    """For a V4 model (``serves_v4``): raises ValueError naming every setting of ``cfg`` it is
+    not served with."""
+    if not serves_v4(cfg, model):
+        return
+    unsupported = [
+        what
+        for what, asked in (
+            (f"--device {cfg.device} (GPU kernels, CUDA graphs)", cfg.device != "cpu"),
+            (f"--kv-cache-dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype not in ("auto",)),
+            (f"--resolver {cfg.resolver}", cfg.backend(cfg.resolver) != "torch"),
+            (
+                f"--attention-backend {cfg.attention_backend}",
+                cfg.backend(cfg.attention_backend) != "torch",
+            ),
+            (
+                f"--drafter {cfg.speculation.drafter} (speculative decoding)",
+                bool(cfg.speculation.drafter),
+            ),
+        )
+        if asked
+    ]
+    if unsupported:
+        raise ValueError(
+            "DeepSeek-V4 is served on the CPU in float32, without a drafter; "
+            f"not with {', '.join(unsupported)}"
+        )

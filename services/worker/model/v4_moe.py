@@ -1,0 +1,84 @@
+"""DeepSeek-V4's mixture of experts: every layer routes each token to ``top_k`` of
+``n_routed`` experts and adds one shared expert.
+
+Scores are ``sqrt(softplus(x @ gate.weight^T))``. A ``moe`` layer picks the top-k of
+``scores + bias`` (the bias steers the choice only); a ``hash`` layer takes the experts its
+frozen ``tid2eid[token]`` table names. Either way the chosen scores, normalised to sum 1 and
+times ``routed_scaling``, weight the experts' outputs. Every expert (routed and shared) is a
+SwiGLU whose gate is clamped to <= ``swiglu_limit`` and whose up projection to
+[-limit, limit].
+
+The routed experts run as a loop over the experts that any token chose: the reference form,
+for the CPU and tiny checkpoints."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from dhisparse.family.v4_config import V4Config
+
+
+class Expert(nn.Module):
+    """``w1`` (gate) and ``w3`` (up) [inter, hidden], ``w2`` (down) [hidden, inter]."""
+
+    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+        super().__init__()
+        self.w1 = nn.Linear(hidden, inter, bias=False)
+        self.w2 = nn.Linear(inter, hidden, bias=False)
+        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.limit = limit
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = self.w1(x).clamp(max=self.limit)
+        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
+        return self.w2(F.silu(gate) * up)
+
+
+class Gate(nn.Module):
+    """``weight`` [n_routed, hidden]; ``bias`` [n_routed] (moe) or ``tid2eid`` [vocab, top_k]
+    (hash)."""
+
+    def __init__(self, cfg: V4Config, hashed: bool) -> None:
+        super().__init__()
+        self.top_k, self.scaling, self.hashed = cfg.top_k, cfg.routed_scaling, hashed
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed, cfg.hidden_size))
+        if hashed:
+            self.register_buffer(
+                "tid2eid", torch.zeros(cfg.vocab_size, cfg.top_k, dtype=torch.long)
+            )
+        else:
+            self.bias = nn.Parameter(torch.empty(cfg.n_routed))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x: [N, hidden], ids: [N] -> (experts [N, top_k] long, weights [N, top_k])."""
+        scores = F.softplus(F.linear(x, self.weight)).sqrt()
+        if self.hashed:
+            experts = self.tid2eid[ids].long()
+        else:
+            experts = torch.topk(scores + self.bias, self.top_k, dim=-1).indices
+        weights = scores.gather(1, experts)
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+        return experts, weights * self.scaling
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: V4Config, layer: int) -> None:
+        super().__init__()
+        inter, limit = cfg.moe_intermediate, cfg.swiglu_limit
+        self.gate = Gate(cfg, cfg.mlp[layer] == "hash")
+        self.experts = nn.ModuleList(
+            Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed)
+        )
+        self.shared_experts = Expert(cfg.hidden_size, inter, limit)
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden], ids: [N] the tokens' ids (hash routing) -> [N, hidden]."""
+        experts, weights = self.gate(x, ids)
+        out = torch.zeros_like(x)
+        for e in torch.unique(experts).tolist():
+            token, slot = torch.where(experts == e)
+            y = self.experts[e](x[token]) * weights[token, slot, None]
+            out.index_add_(0, token, y.to(out.dtype))
+        return out + self.shared_experts(x)

@@ -1,0 +1,186 @@
+"""DeepSeek-V4 as the engine's model: the step-1 module tree (``V4Decoder``) run over a batch
+of requests, each at its own position, with its KV state in the engine's cache
+(``dhisparse.family.v4_config.v4_topology``: source ``i`` is layer ``i``'s).
+
+Per layer and pass:
+
+- the chunk's K=V rows join source ``i``'s token ring; each query attends the ring's rows of
+  its last ``sliding_window`` positions;
+- a CSA / HCA layer's compressor projects the chunk's tokens into its per-slot ring of
+  projections (a state ring of the cache, ``v4_state_rings``: the open window's tokens and,
+  overlapping, the window before), snapshotted with a durable session like the token rings;
+  each row a chunk completes is pooled from the ring and written to the payload at its row
+  index; a CSA layer's indexer does the same with its own compressor into the index keys;
+- a CSA query attends the rows the indexer's top-k over the index keys selects
+  (``row_selection.select_rows``), an HCA query every row it sees (``w < (t + 1) // rate``);
+  the payload resolves them to locations and attention reads ``pool[location]``, beside the
+  window rows, with the heads' sinks;
+- the hyper-connections and the MoE are per token (hash routing by the pass's token ids).
+
+A slot's rings hold only positions its earlier passes wrote, and every read of a position
+before 0 is masked, so a slot needs no clearing between requests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dhisparse.family.v4_config import v4_state_rings, v4_topology
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.token_ring import ExtendedRows, TokenRing
+from services.worker.kv.transfers import to_device
+from services.worker.model.decoder import LayerTrace
+from services.worker.model.row_selection import select_rows
+from services.worker.model.v4_attention import Attention
+from services.worker.model.v4_compressor import Compressor
+from services.worker.model.v4_decoder import V4Decoder
+from services.worker.serving.cache import STATE_RINGS, KVCache
+
+
+def completed_rows(batch: ForwardBatch, rate: int) -> tuple[list[int], list[int]]:
+    """(batch request, row index) of every row of ``rate`` tokens the pass's chunks complete:
+    rows ``start // rate .. end // rate - 1`` of each request."""
+    reqs, rows = [], []
+    for r, (start, n) in enumerate(zip(batch.starts, batch.lens, strict=True)):
+        span = range(start // rate, (start + n) // rate)
+        reqs += [r] * len(span)
+        rows += span
+    return reqs, rows
+
+
+def pooled_rows(
+    comp: Compressor, ext: ExtendedRows, reqs: torch.Tensor, rows: torch.Tensor
+) -> torch.Tensor:
+    """[g, dim] the compressed rows ``rows`` [g] of batch requests ``reqs`` [g], pooled from
+    the projections in ``ext`` (this pass's and the slot ring's before it)."""
+    m, width = comp.rate, comp.wkv.out_features
+    offs = torch.arange(m, device=rows.device)
+    own = ext.index(reqs[:, None].expand(-1, m), rows[:, None] * m + offs)  # [g, m]
+    proj = ext.rows[own]
+    prev_kv = prev_gate = None
+    if comp.overlap:  # the window before: none before row 0 (position < 0: gate -inf)
+        before = ext.index(reqs[:, None].expand(-1, m), (rows[:, None] - 1) * m + offs)
+        prev = ext.rows[before.clamp(min=0)]
+        missing = (before < 0).unsqueeze(-1)
+        prev_kv = prev[..., :width].masked_fill(missing, 0)
+        prev_gate = prev[..., width:].masked_fill(missing, float("-inf"))
+    return comp.pool(proj[..., :width], proj[..., width:], prev_kv, prev_gate, rows)
+
+
+class V4Model(nn.Module):
+    """The engine's model interface over ``net``: ``cfg`` (the KV topology), ``forward``
+    (tokens, batch, cache -> final hidden states), ``logits``. ``family``: the model's math."""
+
+    expert_exchange = None  # one rank: no expert exchange
+
+    def __init__(self, net: V4Decoder, name: str) -> None:
+        super().__init__()
+        self.net = net
+        self.family = net.cfg
+        self.cfg = v4_topology(net.cfg, name)
+        self.cfg.validate()
+        # (layer, "kv" | "index") -> the key of its compressor's ring in the cache's snapshot
+        self.ring_keys = {
+            (i, part): STATE_RINGS - j for j, (i, part, _, _) in enumerate(v4_state_rings(net.cfg))
+        }
+
+    def use_triton_attention(self) -> None:
+        raise ValueError("DeepSeek-V4 attention has no Triton kernel: use the torch backend")
+
+    @torch.no_grad()
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        trace: list[LayerTrace] | None = None,
+        features: dict[int, torch.Tensor] | None = None,
+        begin: bool = True,
+    ) -> torch.Tensor:
+        """input_ids: [N] new tokens of ``batch`` -> final hidden states [N, hidden] (after the
+        hyper head and ``norm``). Writes the pass's rows, index keys and ring entries into
+        ``kv`` as ``SparseDecoder.forward`` does; ``begin=False``: the caller began the pass.
+        ``trace``: filled with each CSA / HCA layer's selection, locations and the compressed
+        rows it read (the window rows come from the token rings in every mode). ``features``
+        (a drafter's target features) are not available for V4 and raise."""
+        if features is not None:
+            raise ValueError("DeepSeek-V4 gives no drafter features")
+        if begin:
+            kv.payload.begin(batch)
+        rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
+        streams = self.net.streams(input_ids)
+        for i, block in enumerate(self.net.layers):
+            streams = block.run(
+                streams,
+                input_ids,
+                lambda x, i=i, a=block.attn: self._attention(i, a, x, batch, kv, rings, trace),
+            )
+        return self.net.final(streams)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> [..., vocab] fp32."""
+        return self.net.head(hidden).float()
+
+    def _attention(
+        self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+        rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layer ``i``'s attention over source ``i`` for x [N, hidden] -> [N, hidden]; a CSA /
+        HCA layer appends what it read of the payload to ``trace``."""
+        pos = batch.positions
+        q_latent, q, rows = attn.project(x, pos)
+        ext = kv.rings[i].extend(batch, rows)
+        window = ext.window_locs(attn.window)  # [N, W] positions t - W + 1 .. t, -1: before 0
+        keys, allowed = ext.rows[window.clamp(min=0)], window >= 0
+        if attn.kind != "sliding":
+            reqs, done = completed_rows(batch, attn.rate)
+            req_t, row_t = to_device(reqs, pos.device), to_device(done, pos.device)
+            slots = batch.slots[req_t]
+            ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
+            if done:
+                rows_new = pooled_rows(attn.compressor, ext_rows, req_t, row_t)
+                kv.payload.write_rows(i, slots, row_t, rows_new)
+            if attn.kind == "csa":
+                idx = attn.indexer
+                ext_keys = rings[i, "index"].extend(batch, idx.compressor.project(x))
+                if done:
+                    keys_new = pooled_rows(idx.compressor, ext_keys, req_t, row_t)
+                    kv.index_keys.write(i, slots, row_t, keys_new)
+                iq, iw = idx.queries(x, q_latent, pos)
+                # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
+                selection = select_rows(self.cfg, i, iq, iw * idx.dim**-0.5, batch, kv, i)
+            else:
+                selection = every_visible_row(batch, attn.rate)
+            chosen, locs = selected_rows(i, batch, kv, selection)
+            if trace is not None:
+                trace.append(LayerTrace(i, selection, locs, chosen))
+            keys = torch.cat([keys, chosen], dim=1)
+            allowed = torch.cat([allowed, locs >= 0], dim=1)
+        return attn.output(attn.attend(q, keys, allowed), pos)
+
+
+def selected_rows(
+    i: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rows [N, S, d_kv], zero where ``selection`` [N, S] pads, and their locations [N, S],
+    -1 there) of source ``i``. With a hot cache of B rows per request (the hierarchy modes)
+    the payload resolves at most B columns at a time and each block's rows are read before the
+    next block is resolved, so an HCA selection of every visible row (more than B) never
+    outgrows it; the rows read are the same."""
+    block = kv.payload.layout()["hot_cache_rows"] or max(selection.shape[1], 1)
+    rows, locs = [], []
+    for a in range(0, selection.shape[1], block):
+        at_block = kv.payload.resolve(i, i, batch, selection[:, a : a + block])
+        pool, at = kv.attention_rows(i, at_block)
+        rows.append(pool[at.clamp(min=0)].masked_fill((at < 0).unsqueeze(-1), 0))
+        locs.append(at_block)
+    return torch.cat(rows, dim=1), torch.cat(locs, dim=1)
+
+
+def every_visible_row(batch: ForwardBatch, rate: int) -> torch.Tensor:
+    """[N, S] every compressed row each query sees (``w < (t + 1) // rate``) in row order,
+    ``-1`` beyond; S: the most any request sees after its chunk (at least 1)."""
+    width = max(1, *(end // rate for end in batch.ends()))
+    rows = torch.arange(width, device=batch.positions.device)
+    seen = ((batch.positions + 1) // rate).unsqueeze(1)
+    return torch.where(rows < seen, rows, torch.full_like(rows, -1))

@@ -1,0 +1,121 @@
+"""DeepSeek-V4's config.json read as the hub ships it and as transformers 5.17.0 writes it, both
+folded the way ``DeepseekV4Config`` folds them (the oracle); keys without effect on the math are
+named in one log line, values that change it are refused by name."""
+
+from __future__ import annotations
+
+import json
+import logging
+
+import pytest
+from transformers import DeepseekV4Config
+
+from dhisparse.family.hf_config import ConfigError
+from dhisparse.family.v4_config import V4Config, parse_v4_config
+from tests.fixtures import CONFIGS
+
+HUB = CONFIGS / "deepseek-v4-flash" / "config.json"
+SAVED = CONFIGS / "transformers-5.17" / "deepseek-v4-flash" / "config.json"
+_KIND = {"sliding": "sliding_attention", "csa": "compressed_sparse_attention",
+         "hca": "heavily_compressed_attention"}  # fmt: skip
+
+
+def _read(path) -> dict:
+    return json.loads(path.read_text())
+
+
+def _agrees_with_transformers(raw: dict, cfg: V4Config) -> None:
+    """Our fold of ``raw`` is transformers' fold of it."""
+    ref = DeepseekV4Config(**raw)
+    assert [_KIND[k] for k in cfg.attention] == ref.layer_types
+    rates = [0 if k == "sliding" else ref.compress_rates[_KIND[k]] for k in cfg.attention]
+    assert list(cfg.compress) == rates
+    assert [{"hash": "hash_moe", "moe": "moe"}[k] for k in cfg.mlp] == ref.mlp_layer_types
+    assert cfg.rope_dim == ref.qk_rope_head_dim
+    for spec, params in ((cfg.main_rope, ref.rope_parameters["main"]),
+                         (cfg.compress_rope, ref.rope_parameters["compress"])):  # fmt: skip
+        assert spec.kind == params["rope_type"]
+        assert spec.theta == params["rope_theta"]
+        if spec.kind == "yarn":
+            assert spec.factor == params["factor"]
+            assert spec.original_max_position == params["original_max_position_embeddings"]
+            assert spec.attention_factor == params["attention_factor"]
+
+
+def test_the_hub_form_and_the_form_transformers_writes_are_the_same_model() -> None:
+    hub, saved = _read(HUB), _read(SAVED)
+    cfg = parse_v4_config(hub)
+    assert parse_v4_config(saved) == cfg
+    _agrees_with_transformers(hub, cfg)
+    _agrees_with_transformers(saved, cfg)
+    assert cfg.num_layers == 43 and len(cfg.attention) == 43
+    assert (cfg.attention.count("sliding"), cfg.attention.count("csa"),
+            cfg.attention.count("hca")) == (2, 21, 20)  # fmt: skip
+    assert cfg.compress[:4] == (0, 0, 4, 128)
+    assert cfg.mlp[:4] == ("hash", "hash", "hash", "moe")
+    assert (cfg.num_heads, cfg.head_dim, cfg.rope_dim) == (64, 512, 64)
+    assert (cfg.n_routed, cfg.top_k, cfg.routed_scaling) == (256, 6, 1.5)
+    assert cfg.main_rope.kind == "default" and cfg.main_rope.theta == 10000
+    assert cfg.compress_rope.kind == "yarn" and cfg.compress_rope.theta == 160000
+    assert cfg.compress_rope.table_factor == 1.0
+    assert cfg.softmax_scale == pytest.approx(512**-0.5)
+    assert cfg.expert_dtype == "fp4" and cfg.mtp_layers == 1
+
+
+@pytest.mark.parametrize(
+    "over",
+    [
+        {},  # transformers' defaults: 2 HCA, then CSA / HCA alternating, 3 hash layers
+        {"num_hidden_layers": 5, "compress_ratios": [0, 4, 128, 4, 0, 0], "num_hash_layers": 1},
+        {"num_hidden_layers": 3, "compress_ratios": [4, 128, 0], "compress_rate_hca": 16},
+        {"num_hidden_layers": 2, "qk_rope_head_dim": 32, "head_dim": 128,
+         "rope_scaling": {"type": "yarn", "factor": 4, "original_max_position_embeddings": 4096}},
+        {"rope_parameters": {"rope_type": "default", "rope_theta": 5e4}},
+    ],
+)  # fmt: skip
+def test_legacy_and_default_keys_fold_as_transformers_folds_them(over: dict) -> None:
+    raw = {"model_type": "deepseek_v4"} | over
+    _agrees_with_transformers(raw, parse_v4_config(raw))
+
+
+def test_a_key_without_effect_on_the_math_is_named_in_one_log_line(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    raw = _read(SAVED) | {"output_router_logits": True}
+    with caplog.at_level(logging.INFO, logger="dhisparse.family.v4_config"):
+        parse_v4_config(raw)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "output_router_logits" in line and "no effect" in line
+
+
+@pytest.mark.parametrize(
+    ("over", "named"),
+    [
+        ({"scoring_func": "softmax"}, "scoring_func"),
+        ({"n_shared_experts": 2}, "n_shared_experts"),
+        ({"num_key_value_heads": 8}, "num_key_value_heads"),
+        ({"norm_topk_prob": False}, "norm_topk_prob"),
+        ({"compress_ratios": [0, 16]}, "compress_ratios"),
+        ({"layer_types": ["full_attention"] * 43}, "layer_types"),
+        ({"mlp_layer_types": ["dense"] * 43}, "mlp_layer_types"),
+        ({"o_groups": 7}, "o_groups"),
+        ({"kv_lora_rank": 512}, "kv_lora_rank"),
+        ({"expert_dtype": "int4"}, "expert_dtype"),
+    ],
+)
+def test_a_value_that_changes_the_math_is_refused_by_name(over: dict, named: str) -> None:
+    raw = _read(HUB)
+    if "layer_types" in over or "mlp_layer_types" in over:
+        raw = _read(SAVED)
+    if named == "compress_ratios":
+        raw.pop("compress_ratios")
+    with pytest.raises(ConfigError, match=named):
+        parse_v4_config(raw | over)
+
+
+def test_rope_that_changes_the_math_is_refused() -> None:
+    raw = _read(HUB)
+    with pytest.raises(ConfigError, match="llama3"):
+        parse_v4_config(raw | {"rope_scaling": {"type": "llama3", "factor": 8}})
+    with pytest.raises(ConfigError, match="mscale"):
+        parse_v4_config(raw | {"rope_scaling": raw["rope_scaling"] | {"mscale": 1.0}})

@@ -1,0 +1,168 @@
+"""Tiny random DeepSeek-V4 checkpoints, built and saved by transformers 5.17.0 (the oracle),
+with every tensor that initialises to zero or one moved off it: attention sinks, compressor
+and indexer position biases, router correction biases, norms, the hyper-connections' bases
+and scales, and ``tid2eid`` (distinct experts per token)."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
+
+from services.worker.ops.fp4_e2m1 import E2M1_VALUES, FP4_GROUP
+from services.worker.ops.fp8_blockwise import quantize_blockwise
+
+VOCAB = 300
+
+# A sliding-only layer, CSA (rate 4, with its indexer) and HCA (rate 8) layers, two hash-routed
+# MoE layers; a window of 8 and index_topk 4, so prompts of a few dozen tokens are sparse on
+# every branch; swiglu_limit low enough that the clamps act on unit-scale activations.
+LAYERS = (
+    "sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+    "compressed_sparse_attention",
+)  # fmt: skip
+YARN = {"rope_type": "yarn", "factor": 16.0, "original_max_position_embeddings": 64,
+        "beta_fast": 32, "beta_slow": 1}  # fmt: skip
+
+
+def v4_config(**over) -> DeepseekV4Config:
+    kw = dict(
+        vocab_size=VOCAB, hidden_size=64, moe_intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, head_dim=32, partial_rotary_factor=0.25, q_lora_rank=32,
+        o_groups=2, o_lora_rank=16, sliding_window=8, layer_types=list(LAYERS),
+        compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+        mlp_layer_types=["hash_moe", "hash_moe", "moe", "moe"], n_routed_experts=8,
+        num_experts_per_tok=2, index_n_heads=16, index_head_dim=16, index_topk=4, hc_mult=4,
+        swiglu_limit=1.5, max_position_embeddings=1024, rope_parameters=dict(YARN),
+        bos_token_id=0, eos_token_id=1,
+    )  # fmt: skip
+    return DeepseekV4Config(**(kw | over))
+
+
+def build(config: DeepseekV4Config, seed: int = 0) -> DeepseekV4ForCausalLM:
+    """A transformers V4 model of ``config`` in fp32 with seeded weights of unit-scale
+    activations: projections N(0, 1/fan_in), embeddings N(0, 1), norm weights and the
+    hyper-connection scales 1 + N(0, 0.2^2), sinks N(0, 1), position biases N(0, 0.5^2),
+    correction and hyper-connection biases N(0, 0.1^2); each token's hash experts distinct."""
+    config._attn_implementation = "eager"
+    model = DeepseekV4ForCausalLM(config).float().eval()
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, t in [*model.named_parameters(), *model.named_buffers()]:
+            if "inv_freq" in name:
+                continue
+            if name.endswith("tid2eid"):
+                picks = torch.rand(t.shape[0], config.n_routed_experts, generator=g).argsort(-1)
+                t.copy_(picks[:, : t.shape[1]])
+                continue
+            r = torch.randn(t.shape, generator=g)
+            if name.endswith(("norm.weight", "layernorm.weight", ".scale", "hc_scale")):
+                t.copy_(1 + 0.2 * r)
+            elif name.endswith("sinks"):
+                t.copy_(r)
+            elif name.endswith("position_bias"):
+                t.copy_(0.5 * r)
+            elif name.endswith(("e_score_correction_bias", ".base", "hc_base")):
+                t.copy_(0.1 * r)
+            elif "embed_tokens" in name:
+                t.copy_(r)
+            else:
+                t.copy_(r / math.sqrt(t.shape[-1]))
+    return model
+
+
+def save_hub_style(model: DeepseekV4ForCausalLM, path: Path) -> Path:
+    """The checkpoint as the hub ships it: DeepSeek's names without the ``model.`` prefix
+    (``embed.weight``, ``hc_head_fn``, ``norm.weight``, ``head.weight``) and the legacy config
+    keys (``compress_ratios`` with a trailing MTP entry, ``num_hash_layers``,
+    ``qk_rope_head_dim``, ``rope_scaling`` + ``rope_theta`` + ``compress_rope_theta``; the
+    legacy ``compress_rate_hca`` where the HCA rate is not the releases' 128)."""
+    model.save_pretrained(path)
+    weights = load_file(str(path / "model.safetensors"))
+    renamed = {}
+    for name, t in weights.items():
+        name = name.removeprefix("model.").replace("embed_tokens.", "embed.")
+        renamed[name.replace("hc_head.hc_", "hc_head_")] = t
+    save_file(renamed, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    rates = raw.pop("compress_rates")
+    ratios = {"sliding_attention": 0, "compressed_sparse_attention": 4,
+              "heavily_compressed_attention": 128}  # fmt: skip
+    raw["compress_ratios"] = [ratios[t] for t in raw.pop("layer_types")] + [0]
+    if rates["heavily_compressed_attention"] != 128:  # the releases' rate needs no key
+        raw["compress_rate_hca"] = rates["heavily_compressed_attention"]
+    raw["num_hash_layers"] = raw.pop("mlp_layer_types").count("hash_moe")
+    raw["qk_rope_head_dim"] = int(raw["head_dim"] * raw.pop("partial_rotary_factor"))
+    compress = raw.pop("rope_parameters")["compress"]
+    raw["rope_scaling"] = {
+        "type": "yarn", **{k: compress[k] for k in ("factor", "original_max_position_embeddings",
+                                                    "beta_fast", "beta_slow")},
+    }  # fmt: skip
+    raw["compress_rope_theta"] = compress["rope_theta"]
+    raw["torch_dtype"] = raw.pop("dtype")
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path
+
+
+def save_module_names(model: DeepseekV4ForCausalLM, path: Path) -> Path:
+    """The checkpoint under transformers' module names (a raw ``state_dict``: fused experts,
+    ``self_attn.compressor.indexer.*``), with the config ``save_pretrained`` writes."""
+    model.config.save_pretrained(path)
+    tensors = {k: v.contiguous() for k, v in model.state_dict().items()}
+    save_file(tensors, str(path / "model.safetensors"))
+    return path
+
+
+# ---- the released form: FP8 e4m3 dense weights, FP4 e2m1 routed experts ----------------------
+_FP8 = re.compile(
+    r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+)
+_FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
+
+
+def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``w [R, C]`` -> (packed int8 [R, C / 2], scale [R, C / 32] float8_e8m0fnu): each group of
+    32 columns scaled by the power of two that brings its amax to at most 6, each value rounded
+    to the nearest e2m1 magnitude (ties to the lower), the lower nibble the even column."""
+    rows, cols = w.shape
+    groups = w.float().view(rows, cols // FP4_GROUP, FP4_GROUP)
+    amax = groups.abs().amax(-1, keepdim=True)
+    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6))), 1.0)
+    v = (groups / scale).view(rows, cols)
+    magnitudes = torch.tensor(E2M1_VALUES[:8])
+    code = (v.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (v < 0).long()
+    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
+    return packed, scale.view(rows, -1).to(torch.float8_e8m0fnu)
+
+
+def save_released_form(model: DeepseekV4ForCausalLM, path: Path, block: int = 16) -> Path:
+    """``save_hub_style``, then quantised as DeepSeek releases V4: the attention projections,
+    the indexer's query projection and the shared experts FP8 e4m3 in ``block`` x ``block``
+    blocks with UE8M0 scales ``X.scale``; the routed experts FP4 e2m1 (``expert_dtype`` fp4);
+    ``quantization_config`` as the release states it, but for the block."""
+    save_hub_style(model, path)
+    tensors = {}
+    for name, t in load_file(str(path / "model.safetensors")).items():
+        base = name.removesuffix(".weight")
+        if _FP8.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_blockwise(
+                t, (block, block), "F8_E8M0"
+            )
+        elif _FP4.search(name):
+            tensors[name], tensors[base + ".scale"] = quantize_fp4(t)
+        else:
+            tensors[name] = t
+    save_file(tensors, str(path / "model.safetensors"))
+    raw = json.loads((path / "config.json").read_text())
+    raw["expert_dtype"] = "fp4"
+    raw["quantization_config"] = {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "scale_fmt": "ue8m0",
+        "weight_block_size": [block, block],
+    }  # fmt: skip
+    (path / "config.json").write_text(json.dumps(raw, indent=2))
+    return path

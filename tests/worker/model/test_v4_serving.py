@@ -1,0 +1,357 @@
+"""DeepSeek-V4 served by the engine (``model/v4_serving.py``) against transformers 5.17.0 (the
+oracle), in fp32 on the CPU, on a tiny random checkpoint with every branch active (sliding
+window, CSA with its indexer, HCA, mHC, hash and learned routing): teacher-forced logits of
+two requests sharing every pass through the KV cache, in prefill chunks and decode steps;
+greedy tokens of batched requests through ``Engine.generate`` with chunked prefill (resident,
+hisparse, adaptive reclaiming history), through ``dhisparse generate`` and after a durable
+session's adoption; prompt logprobs; hisparse's compressed rows bit-identical to resident's;
+what V4 is not served with stops start-up, named."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from dhisparse.cli import main as cli_main
+from dhisparse.family.hf_config import ConfigError
+from dhisparse.family.hf_dir import hf_family
+from dhisparse.family.v4_config import v4_state_rings
+from dhisparse.tokenizer import load_tokenizer
+from services.worker.durable.adoption import adopt_sessions
+from services.worker.durable.host_link import HostLink
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
+from services.worker.model.decoder import LayerTrace
+from services.worker.model.v4_serving import V4Model
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
+from services.worker.speculative.config import SpeculationConfig
+from services.worker.weights.model_io import load_model
+from tests import hf_tiny, hf_tiny_v4
+from tests.worker.model import serving
+
+RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def ref() -> torch.nn.Module:
+    return hf_tiny_v4.build(hf_tiny_v4.v4_config(), seed=5)
+
+
+@pytest.fixture(scope="module")
+def path(ref, tmp_path_factory) -> Path:
+    return hf_tiny_v4.save_hub_style(ref, tmp_path_factory.mktemp("v4"))
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, hf_tiny_v4.VOCAB, (n,), generator=g)
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    assert got.shape == want.shape
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= RTOL, f"relative max error {err:.3g}"
+
+
+def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> None:
+    model = load_model(path)
+    assert isinstance(model, V4Model)
+    cfg = model.cfg
+    assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (8, 8), (4, 8)]
+    assert cfg.d_kv == 32 and cfg.d_index == 16 and cfg.index_topk == 4
+    assert [spec.source for spec in cfg.layers] == [0, 1, 2, 3]
+    # the compressors' rings: CSA layers 1 and 3 (attention, indexer), HCA layer 2
+    state = list(v4_state_rings(model.family))
+    assert state == [
+        (1, "kv", 8, 128), (1, "index", 8, 64), (2, "kv", 8, 64), (3, "kv", 8, 128),
+        (3, "index", 8, 64),
+    ]  # fmt: skip
+    kv_cfg = KVCacheConfig(mode="hisparse", max_slots=3, max_model_len=64, dtype=torch.float32)
+    kv = KVCache(cfg, kv_cfg)
+    state_bytes = 3 * sum(rows * width for *_, rows, width in state) * 4
+    source_bytes = 4 * 3 * (8 + kv_cfg.ring_extra) * cfg.d_kv * 4
+    assert kv.ring_bytes == source_bytes + state_bytes
+    bare = replace(cfg, extra={})
+    fixed = hierarchy_fixed_bytes(cfg, kv_cfg) - hierarchy_fixed_bytes(bare, kv_cfg)
+    assert fixed == state_bytes
+    kv.close()
+
+
+def test_two_requests_sharing_passes_give_transformers_logits(ref, path) -> None:
+    """Slots 2 and 0 in the same passes at different positions: prefill chunks of both, one
+    continuing while the other starts, decode steps of both, then a last chunk of one beside
+    the other's decode step; every token's logits as one transformers forward over its whole
+    sequence gives them (CSA and HCA rows completed within chunks and across passes)."""
+    model = load_model(path)
+    kv = KVCache(model.cfg, KVCacheConfig(max_slots=3, max_model_len=128, dtype=torch.float32))
+    seqs = {2: _ids(45, 21), 0: _ids(38, 22)}
+    for slot, ids in seqs.items():
+        assert kv.admit(slot, f"r{slot}", len(ids), len(ids))
+    passes = [
+        [(2, 13)], [(2, 10), (0, 7)], [(2, 1), (0, 17)], *([[(2, 1), (0, 1)]] * 6),
+        [(2, 15), (0, 1)], [(0, 7)],
+    ]  # fmt: skip
+    done = dict.fromkeys(seqs, 0)
+    got: dict[int, list[torch.Tensor]] = {slot: [] for slot in seqs}
+    for chunks in passes:
+        slots = [slot for slot, _ in chunks]
+        lens = [n for _, n in chunks]
+        batch = ForwardBatch.build(slots, [done[s] for s in slots], lens, "cpu")
+        tokens = torch.cat([seqs[s][done[s] : done[s] + n] for s, n in chunks])
+        logits = model.logits(model(tokens, batch, kv))
+        for (slot, n), part in zip(chunks, logits.split(lens), strict=True):
+            got[slot].append(part)
+            done[slot] += n
+        kv.commit(batch, [done[s] for s in slots])
+    for slot, ids in seqs.items():
+        assert done[slot] == len(ids)
+        _close(torch.cat(got[slot]), hf_tiny.reference_logits(ref, ids))
+    kv.close()
+
+
+PROMPTS = (37, 9, 50, 22)
+
+
+def test_engine_generate_batched_with_chunked_prefill_equals_transformers_greedy(ref, path) -> None:
+    """Four requests through ``Engine.generate`` with three seats, prefill chunks of at most
+    16 tokens beside the others' decode steps: 14 greedy tokens each, transformers' greedy
+    continuations."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="resident", max_num_seqs=3, max_model_len=128,
+        max_prefill_tokens=16, kv_pool_mib=8,
+    ))  # fmt: skip
+    passes: list[list[int]] = []
+    run_pass = eng.run_pass
+
+    def recorded(reqs: list, lens: list[int] | None = None) -> list:
+        passes.append(list(lens) if lens is not None else [1] * len(reqs))
+        return run_pass(reqs, lens)
+
+    eng.run_pass = recorded
+    prompts = [_ids(n, 300 + n).tolist() for n in PROMPTS]
+    params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    assert max(map(max, passes)) == 16 and max(map(len, passes)) == 3, passes
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_ids) == 14
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, prompt, req.output_ids)
+    eng.close()
+
+
+def test_prompt_logprobs_equal_transformers(ref, path) -> None:
+    """A prompt of 70 tokens prefilled in chunks of 16 beside another request: the engine's
+    logprob of each prompt token (and the top 4) is ``log_softmax`` of transformers' logits."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="resident", max_num_seqs=2, max_model_len=128,
+        max_prefill_tokens=16, kv_pool_mib=8,
+    ))  # fmt: skip
+    prompt, beside = _ids(70, 31).tolist(), _ids(30, 32).tolist()
+    eng.add_request(
+        "asked", prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4)
+    )
+    eng.add_request("beside", beside, SamplingParams(temperature=0.0, max_tokens=2))
+    first = None
+    while eng.has_work():
+        for out in eng.step():
+            if out.request_id == "asked" and first is None:
+                first = out
+    assert first is not None and len(first.prompt_logprobs) == len(prompt)
+    want = torch.log_softmax(hf_tiny.reference_logits(ref, torch.tensor(prompt))[:-1], dim=-1)
+    got = first.prompt_logprobs[1:]
+    assert [lp.token_id for lp in got] == prompt[1:]
+    expect = want[torch.arange(len(prompt) - 1), prompt[1:]]
+    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]), expect, atol=2e-4, rtol=0)
+    top = torch.tensor([[v for _, v in lp.top] for lp in got])
+    torch.testing.assert_close(top, torch.topk(want, 4, dim=-1).values, atol=2e-4, rtol=0)
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", [[], ["--mode", "resident"]])
+def test_dhisparse_generate_prints_transformers_greedy(ref, path, capsys, mode) -> None:
+    """As configured by default (adaptive, durable sessions) and in resident mode."""
+    texts = ["the V4 engine", "a window, compressed rows and sinks"]
+    argv = ["generate", "--model", str(path), *mode, "--max-tokens", "10"]
+    assert cli_main([*argv, "--ignore-eos", "--json", *(f"--prompt={t}" for t in texts)]) == 0
+    lines = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    tok = load_tokenizer(path)
+    assert [line["prompt"] for line in lines] == texts
+    for text, line in zip(texts, lines, strict=True):
+        out = line["token_ids"]
+        assert len(out) == 10
+        assert out == hf_tiny.greedy_under_reference(ref, tok.encode_prompt(text), out)
+
+
+def _drive(
+    model: V4Model, mode: str, lens: list[int], steps: int, **kv_kw
+) -> tuple[list[list[LayerTrace]], list[torch.Tensor], list[list[int]], KVCache]:
+    """Prefills fresh random prompts of ``lens`` tokens together (one pass), then decodes them
+    together greedily for ``steps`` steps: (per pass the CSA / HCA layers' traces, per pass the
+    logits, the tokens, the cache)."""
+    kv = KVCache(model.cfg, KVCacheConfig(
+        mode=mode, max_slots=len(lens) + 1, max_model_len=256, page_size=4,
+        kv_pool_bytes=16 << 20, host_arena_bytes=16 << 20, dtype=torch.float32, **kv_kw,
+    ))  # fmt: skip
+    prompts = [_ids(n, 500 + n) for n in lens]
+    slots = list(range(1, len(lens) + 1))
+    for slot, p in zip(slots, prompts, strict=True):
+        assert kv.admit(slot, f"r{slot}", len(p), len(p) + steps)
+    batch = ForwardBatch.build(slots, [0] * len(lens), lens, "cpu", prefill=True)
+    trace: list[LayerTrace] = []
+    logits = model.logits(model(torch.cat(prompts), batch, kv, trace=trace))
+    kv.commit(batch, lens)
+    logits = logits[batch.last_token_index]
+    traces, all_logits = [trace], [logits]
+    tokens = [[t] for t in logits.argmax(-1).tolist()]
+    done = list(lens)
+    for _ in range(steps):
+        for slot, n in zip(slots, done, strict=True):
+            assert kv.ensure(slot, n + 1)
+        batch = ForwardBatch.build(slots, done, [1] * len(slots), "cpu")
+        trace = []
+        ids = torch.tensor([t[-1] for t in tokens])
+        logits = model.logits(model(ids, batch, kv, trace=trace))
+        done = [n + 1 for n in done]
+        kv.commit(batch, done)
+        traces.append(trace), all_logits.append(logits)
+        for t, nxt in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+            t.append(nxt)
+    return traces, all_logits, tokens, kv
+
+
+def test_hisparse_reads_the_rows_resident_reads(path) -> None:
+    """Three requests of 150, 61 and 197 tokens, 24 decode steps, a hot cache of 8 rows per
+    request and source (twice index_topk; an HCA query sees up to 27 rows, resolved 8 at a
+    time): per pass and CSA / HCA layer the selection and the compressed rows attention reads
+    are bit-identical to resident serving's, so are the logits and the tokens; rows came from
+    the host and from the hot cache."""
+    model = load_model(path)
+    lens = [150, 61, 197]
+    ref = _drive(model, "resident", lens, 24)
+    run = _drive(model, "hisparse", lens, 24, hot_cache_rows=8)
+    for ref_pass, run_pass in zip(ref[0], run[0], strict=True):
+        assert [t.layer for t in ref_pass] == [t.layer for t in run_pass] == [1, 2, 3]
+        for a, b in zip(ref_pass, run_pass, strict=True):
+            assert torch.equal(a.selection, b.selection), a.layer
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    assert max(t.selection.shape[1] for t in ref[0][-1]) == 27
+    for a, b in zip(ref[1], run[1], strict=True):
+        assert torch.equal(a, b)
+    assert ref[2] == run[2]
+    census = run[3].payload.census
+    assert census.host > 0 and census.hot > 0 and census.direct > 0, census
+    ref[3].close()
+    run[3].close()
+
+
+def test_engine_hisparse_generate_equals_transformers_greedy(ref, path) -> None:
+    """Three requests in hisparse mode (hot cache of 8 rows, prefill chunks of at most 32
+    tokens): 16 greedy tokens each, transformers' greedy continuations; some rows came from
+    the host."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode="hisparse", max_num_seqs=3,
+        max_model_len=256, page_size=4, hot_cache_rows=8, max_prefill_tokens=32,
+        kv_pool_mib=8, host_arena_mib=16,
+    ))  # fmt: skip
+    prompts = [_ids(n, 700 + n).tolist() for n in (120, 45, 90)]
+    params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_ids) == 16
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, prompt, req.output_ids)
+    assert eng.kv.payload.census.host > 0, eng.kv.payload.census
+    eng.close()
+
+
+def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path) -> None:
+    """Six requests, three arriving while the first three decode, in adaptive mode with a pool
+    of 90 pages beyond its fixed allocations: admissions reclaim optional history, and the 20
+    greedy tokens of each request are transformers' greedy continuations."""
+    kw = dict(model=str(path), mode="adaptive", max_num_seqs=4,
+              max_model_len=512, hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
+    probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    probe.close()
+    eng = Engine(EngineConfig(
+        **kw, kv_pool_mib=(fixed + 90 * page_bytes) / (1 << 20),
+        residency=ResidencyConfig(populate_pages=4),
+    ))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
+        if i == 3:
+            for _ in range(12):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", _ids(n, 900 + n).tolist(), params))
+    while eng.has_work():
+        eng.step()
+    for req in reqs:
+        assert len(req.output_ids) == 20
+        assert req.output_ids == hf_tiny.greedy_under_reference(ref, req.prompt_ids, req.output_ids)
+    stats = eng.kv.payload.residency.stats
+    assert stats.reclaim_events > 0 and stats.reclaim_pages > 0, stats
+    eng.close()
+
+
+def test_durable_sessions_resume_token_for_token(ref, path) -> None:
+    """A hisparse engine dropped mid-generation is succeeded by one that adopts its sessions
+    from the host store (compressed rows, index keys, the window and the compressors' rings)
+    and continues them without recomputing a prompt: the tokens of an uninterrupted engine,
+    transformers' greedy ones."""
+    store = LocalHostStore(64 << 20)
+    prompts = [_ids(n, 800 + n).tolist() for n in (101, 42)]
+    params = [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)] * 2
+
+    def make(owner: str) -> Engine:
+        engine = Engine(EngineConfig(
+            model=str(path), mode="hisparse", max_num_seqs=2, max_model_len=256,
+            hot_cache_rows=16, max_prefill_tokens=64, kv_pool_mib=8, owner=owner,
+        ), host=(store, store.mapping))  # fmt: skip
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        return engine
+
+    want, first = serving.reference_then_started(make, prompts, params, steps=9)
+    del first  # dies: nothing released, nothing flushed
+    second = make("w0")
+    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
+    assert report.resumed == ["r0", "r1"]
+    reqs = [second.requests["r0"], second.requests["r1"]]
+    while second.has_work():
+        second.step()
+    assert [r.output_ids for r in reqs] == want
+    assert second.stats.prefill_tokens_computed == 0
+    for prompt, out in zip(prompts, want, strict=True):
+        assert out == hf_tiny.greedy_under_reference(ref, prompt, out)
+    second.close()
+    store.close()
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ({"mode": "hisparse", "resolver": "triton"}, "--resolver triton"),
+        ({"device": "cuda"}, "--device cuda"),
+        ({"kv_cache_dtype": "fp8"}, "--kv-cache-dtype fp8"),
+        ({"attention_backend": "triton"}, "--attention-backend triton"),
+        ({"speculation": SpeculationConfig(drafter="dflash")}, "--drafter dflash"),
+        ({"dtype": "bfloat16"}, "dtype torch.bfloat16"),
+        ({"speculation": SpeculationConfig(drafter="mtp")}, "--drafter mtp"),
+    ],
+)
+def test_what_v4_is_not_served_with_stops_start_up_by_name(path, setting, named) -> None:
+    with pytest.raises(ValueError, match=named):
+        Engine(EngineConfig(model=str(path), **({"mode": "resident"} | setting)))
+
+
+def test_the_v3_path_refuses_a_v4_directory_by_name(path) -> None:
+    with pytest.raises(ConfigError, match="'deepseek_v4' is served by the engine's V4 model"):
+        hf_family(path)
