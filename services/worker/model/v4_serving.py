@@ -28,13 +28,13 @@ from torch import nn
 from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
-from services.worker.kv.transfers import to_device
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.row_selection import select_rows
 from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.serving.cache import STATE_RINGS, KVCache
+from services.worker.transfers import to_device
 
 
 def completed_rows(batch: ForwardBatch, rate: int) -> tuple[list[int], list[int]]:
