@@ -58,7 +58,7 @@ class Step:
 
 
 # every test marked gpu but the slices, each test's outcome in gpu_tests.json
-GPU_TESTS = Step("gpu-tests", "-m bench gpu-tests --out {out}/gpu_tests.json", 330)
+GPU_TESTS = Step("gpu-tests", "-m bench gpu-tests --out {out}/gpu_tests.json", 420)
 # the real-dimension slices against transformers (about 80 s each: 20 GB checkpoints through
 # the machine's disk, never $OUT), their figures in slices.json
 SLICES = Step(

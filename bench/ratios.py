@@ -121,7 +121,8 @@ def gateway(doc: dict) -> str:
     v = doc["variants"]
     p50 = v["non_stream"]["pooled"]["overhead_ms"]["p50"]
     stream = v["stream"]["pooled"]["overhead_ms"]["p50"]
-    return f"{p50:.2f} ms, streaming {stream:.2f} ms ({_met(p50 <= 2.0)}; {doc['config']['model']})"
+    return (f"{p50:.2f} ms ({_met(p50 <= 2.0)}), streaming {stream:.2f} ms "
+            f"({_met(stream <= 2.0)}); {doc['config']['model']}")  # fmt: skip
 
 
 def census(doc: dict) -> str:

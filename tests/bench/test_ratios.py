@@ -128,7 +128,7 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
         "1.34× (24.8 / 18.5 tok/s, drafter mtp; ≥ 20 tok/s met)",
         "56 served, 1.81 requests/s (58.1 tok/s); 64 refused with 429 and Retry-After, after "
         "0.21 s (median) to 10.8 s; 0 other statuses",
-        "3.28 ms, streaming 4.11 ms (not met; tiny-glm)",
+        "3.28 ms (not met), streaming 4.11 ms (not met); tiny-glm",
         "k = 512; 4K: 0.82 / 0.12, 8% from host; 16K: 0.57 / 0.03, 32% from host",
         "deepseek_v32 1.57%, glm_moe_dsa 1.21%; uninjected: selection recall 0.985–0.999, "
         "routing overlap 0.956–0.995; tests 2 passed, 0 failed",
