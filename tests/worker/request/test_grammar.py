@@ -6,6 +6,10 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -254,3 +258,39 @@ def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another() ->
         assert torch.equal(logits[0] != float("-inf"), want)
     finally:
         masks.close()
+
+
+ENGINE_DIES = """
+import os, sys, torch
+from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
+from services.worker.request.request import Request, SamplingParams
+from tests.worker.request.grammar_cases import JSON_OBJECT, MINI_VOCAB, compiler
+req = Request("r", [1, 2], SamplingParams(), text=None)
+req.grammar = compiler("mini").state(JSON_OBJECT)
+masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4)
+masks.fill(decode_blocks([req]))
+masks.apply(torch.zeros(1, MINI_VOCAB))
+print(masks.filler_pid, flush=True)
+os._exit(0)  # as a SIGKILLed engine: nothing is closed
+"""
+
+
+def test_the_filler_process_ends_with_an_engine_that_dies() -> None:
+    """An engine process that dies without closing anything leaves no filler behind: the
+    filler reads the end of its socket and exits."""
+    root = Path(__file__).resolve().parents[3]
+    proc = subprocess.run(
+        [sys.executable, "-c", ENGINE_DIES], cwd=root, capture_output=True, text=True,
+        timeout=120, env={**os.environ, "PYTHONPATH": str(root)},
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    pid = int(proc.stdout.split()[-1])
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return
+        time.sleep(0.1)
+    os.kill(pid, signal.SIGKILL)
+    raise AssertionError(f"the filler {pid} outlived its engine")
