@@ -166,3 +166,16 @@ def save_released_form(model: DeepseekV4ForCausalLM, path: Path, block: int = 16
     }  # fmt: skip
     (path / "config.json").write_text(json.dumps(raw, indent=2))
     return path
+
+
+def token_ids(n: int, seed: int) -> torch.Tensor:
+    """[n] random token ids of the tiny vocabulary (its two lowest ids, BOS and EOS, left out)."""
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(2, VOCAB, (n,), generator=g)
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
+    """Same shape, and the largest difference within ``rtol`` of ``want``'s largest value."""
+    assert got.shape == want.shape
+    err = (got - want).abs().max() / want.abs().max()
+    assert err <= rtol, f"relative max error {err:.3g}"

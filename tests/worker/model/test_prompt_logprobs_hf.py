@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.request.request import SamplingParams
 from tests import hf_tiny
 from tests.worker.model import serving
 
@@ -36,20 +35,9 @@ def test_prompt_logprobs_equal_transformers(family) -> None:
     ref, path = family
     eng = serving.engine(path, "resident", kv_pool_mib=48)
     prompt, beside = _ids(170, 1), _ids(90, 2)
-    asked = SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=TOP)
-    eng.add_request("asked", prompt, asked)
-    eng.add_request("beside", beside, SamplingParams(temperature=0.0, max_tokens=2))
-    first = None
-    while eng.has_work():
-        for out in eng.step():
-            if out.request_id == "asked" and first is None:
-                first = out
-    assert first is not None and len(first.prompt_logprobs) == len(prompt)
-    want = torch.log_softmax(hf_tiny.reference_logits(ref, torch.tensor(prompt))[:-1], dim=-1)
-    got = first.prompt_logprobs[1:]
-    assert [lp.token_id for lp in got] == prompt[1:]
-    expect = want[torch.arange(len(prompt) - 1), prompt[1:]]
-    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]), expect, atol=2e-4, rtol=0)
+    got, want = serving.scored_prompt(
+        eng, lambda p: hf_tiny.reference_logits(ref, torch.tensor(p)), prompt, beside, TOP
+    )
     top_v, top_i = torch.topk(want, TOP, dim=-1)
     for j, lp in enumerate(got):
         torch.testing.assert_close(

@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dhisparse.family.hf_config import ConfigError
-from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.hierarchy.local_store import LocalHostStore
@@ -276,15 +275,6 @@ def test_durable_sessions_resume_token_for_token(family, mode: str) -> None:
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
         return engine
 
-    want, first = serving.reference_then_started(make, prompts, params, steps=12)
-    del first  # dies: nothing released, nothing flushed
-    second = make("w0")
-    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
-    assert report.resumed == ["r0", "r1"]
-    reqs = [second.requests["r0"], second.requests["r1"]]
-    while second.has_work():
-        second.step()
-    assert [r.output_ids for r in reqs] == want
-    assert second.stats.prefill_tokens_computed == 0
+    _, second = serving.resumed_after_death(make, store, prompts, params, steps=12)
     second.close()
     store.close()

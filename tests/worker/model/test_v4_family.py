@@ -44,15 +44,8 @@ def saved(ref, tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, hf_tiny_v4.VOCAB, (n,), generator=g)
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max() / want.abs().max()
-    assert err <= RTOL, f"relative max error {err:.3g}"
+    hf_tiny_v4.assert_close(got, want, RTOL)
 
 
 def test_no_tensor_of_the_reference_is_left_at_its_zero_or_one_init(ref) -> None:
@@ -85,7 +78,7 @@ def test_every_naming_loads_the_model_transformers_built(ref, saved) -> None:
 def test_prefill_logits_equal_transformers(ref, saved, name: str, length: int) -> None:
     """One forward over a fresh random prompt: 45 tokens is past the window, has 11 CSA rows
     of which the indexer keeps 4, and 5 HCA rows; 11 tokens is short of the HCA rate."""
-    ids = _ids(length, length)
+    ids = hf_tiny_v4.token_ids(length, length)
     model = load_v4_model(saved[name])
     _close(model(ids, model.new_state()), hf_tiny.reference_logits(ref, ids))
 
@@ -103,7 +96,7 @@ def test_the_released_rates_csa_4_and_hca_128_equal_transformers(tmp_path) -> No
     assert "compress_rate_hca" not in json.loads((path / "config.json").read_text())
     model = load_v4_model(path)
     assert model.cfg.compress == (4, 128)
-    ids = _ids(150, 17)
+    ids = hf_tiny_v4.token_ids(150, 17)
     state = model.new_state()
     got = torch.cat([model(ids[:130], state), model(ids[130:], state)])
     _close(got, hf_tiny.reference_logits(ref, ids))
@@ -113,7 +106,7 @@ def test_prefill_decode_and_chunks_equal_one_transformers_forward(ref, saved) ->
     """Teacher-forced over a prefill of 13, seven one-token decode steps (across CSA and HCA
     window boundaries) and a chunk of 17: each step's logits as transformers' one uncached
     forward over the whole sequence gives them, and as its cached decode gives them."""
-    ids = _ids(37, 7)
+    ids = hf_tiny_v4.token_ids(37, 7)
     model = load_v4_model(saved["hub"])
     state = model.new_state()
     steps = [(0, 13), *((i, i + 1) for i in range(13, 20)), (20, 37)]
@@ -131,7 +124,7 @@ def test_prefill_decode_and_chunks_equal_one_transformers_forward(ref, saved) ->
 def test_the_indexer_keeps_the_rows_transformers_keeps(ref, saved, monkeypatch) -> None:
     """Per CSA layer and query, the set of compressed rows attended: ours against
     transformers' top-k (its -1 picks dropped), over a prompt with 4 times index_topk rows."""
-    ids = _ids(64, 11)
+    ids = hf_tiny_v4.token_ids(64, 11)
     want: dict[int, torch.Tensor] = {}
     hooks = [
         layer.self_attn.compressor.indexer.register_forward_hook(
@@ -171,7 +164,7 @@ def _greedy(model: V4Decoder, prompt: torch.Tensor, n: int) -> list[int]:
 
 
 def test_greedy_tokens_equal_transformers(ref, saved) -> None:
-    prompt = _ids(21, 5)
+    prompt = hf_tiny_v4.token_ids(21, 5)
     model = load_v4_model(saved["module_names"])
     ours = _greedy(model, prompt, 16)
     assert hf_tiny.greedy_under_reference(ref, prompt.tolist(), ours) == ours
@@ -192,7 +185,7 @@ def test_the_released_fp8_fp4_form_equals_transformers_dequantizing_it(ref, tmp_
     assert stored["layers.2.ffn.experts.3.w1.weight"].dtype == torch.int8
     assert stored["layers.0.attn.wq_a.weight"].dtype == torch.float8_e4m3fn
     assert stored["layers.0.attn.wq_a.scale"].shape == (2, 4)
-    ids = _ids(40, 13)
+    ids = hf_tiny_v4.token_ids(40, 13)
     model = load_v4_model(path)
     got = model(ids, model.new_state())
     oracle = DeepseekV4ForCausalLM.from_pretrained(

@@ -21,7 +21,6 @@ from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.hf_dir import hf_family
 from dhisparse.family.v4_config import v4_state_rings
 from dhisparse.tokenizer import load_tokenizer
-from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -51,15 +50,8 @@ def path(ref, tmp_path_factory) -> Path:
     return hf_tiny_v4.save_hub_style(ref, tmp_path_factory.mktemp("v4"))
 
 
-def _ids(n: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randint(2, hf_tiny_v4.VOCAB, (n,), generator=g)
-
-
 def _close(got: torch.Tensor, want: torch.Tensor) -> None:
-    assert got.shape == want.shape
-    err = (got - want).abs().max() / want.abs().max()
-    assert err <= RTOL, f"relative max error {err:.3g}"
+    hf_tiny_v4.assert_close(got, want, RTOL)
 
 
 def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> None:
@@ -93,7 +85,7 @@ def test_two_requests_sharing_passes_give_transformers_logits(ref, path) -> None
     sequence gives them (CSA and HCA rows completed within chunks and across passes)."""
     model = load_model(path)
     kv = KVCache(model.cfg, KVCacheConfig(max_slots=3, max_model_len=128, dtype=torch.float32))
-    seqs = {2: _ids(45, 21), 0: _ids(38, 22)}
+    seqs = {2: hf_tiny_v4.token_ids(45, 21), 0: hf_tiny_v4.token_ids(38, 22)}
     for slot, ids in seqs.items():
         assert kv.admit(slot, f"r{slot}", len(ids), len(ids))
     passes = [
@@ -137,7 +129,7 @@ def test_engine_generate_batched_with_chunked_prefill_equals_transformers_greedy
         return run_pass(reqs, lens)
 
     eng.run_pass = recorded
-    prompts = [_ids(n, 300 + n).tolist() for n in PROMPTS]
+    prompts = [hf_tiny_v4.token_ids(n, 300 + n).tolist() for n in PROMPTS]
     params = SamplingParams(temperature=0.0, max_tokens=14, ignore_eos=True)
     reqs = eng.generate(prompts, [params] * len(prompts))
     assert max(map(max, passes)) == 16 and max(map(len, passes)) == 3, passes
@@ -154,22 +146,10 @@ def test_prompt_logprobs_equal_transformers(ref, path) -> None:
         model=str(path), mode="resident", max_num_seqs=2, max_model_len=128,
         max_prefill_tokens=16, kv_pool_mib=8,
     ))  # fmt: skip
-    prompt, beside = _ids(70, 31).tolist(), _ids(30, 32).tolist()
-    eng.add_request(
-        "asked", prompt, SamplingParams(temperature=0.0, max_tokens=2, prompt_logprobs=4)
+    prompt, beside = hf_tiny_v4.token_ids(70, 31).tolist(), hf_tiny_v4.token_ids(30, 32).tolist()
+    got, want = serving.scored_prompt(
+        eng, lambda p: hf_tiny.reference_logits(ref, torch.tensor(p)), prompt, beside, 4
     )
-    eng.add_request("beside", beside, SamplingParams(temperature=0.0, max_tokens=2))
-    first = None
-    while eng.has_work():
-        for out in eng.step():
-            if out.request_id == "asked" and first is None:
-                first = out
-    assert first is not None and len(first.prompt_logprobs) == len(prompt)
-    want = torch.log_softmax(hf_tiny.reference_logits(ref, torch.tensor(prompt))[:-1], dim=-1)
-    got = first.prompt_logprobs[1:]
-    assert [lp.token_id for lp in got] == prompt[1:]
-    expect = want[torch.arange(len(prompt) - 1), prompt[1:]]
-    torch.testing.assert_close(torch.tensor([lp.logprob for lp in got]), expect, atol=2e-4, rtol=0)
     top = torch.tensor([[v for _, v in lp.top] for lp in got])
     torch.testing.assert_close(top, torch.topk(want, 4, dim=-1).values, atol=2e-4, rtol=0)
     eng.close()
@@ -200,7 +180,7 @@ def _drive(
         mode=mode, max_slots=len(lens) + 1, max_model_len=256, page_size=4,
         kv_pool_bytes=16 << 20, host_arena_bytes=16 << 20, dtype=torch.float32, **kv_kw,
     ))  # fmt: skip
-    prompts = [_ids(n, 500 + n) for n in lens]
+    prompts = [hf_tiny_v4.token_ids(n, 500 + n) for n in lens]
     slots = list(range(1, len(lens) + 1))
     for slot, p in zip(slots, prompts, strict=True):
         assert kv.admit(slot, f"r{slot}", len(p), len(p) + steps)
@@ -261,7 +241,7 @@ def test_engine_hisparse_generate_equals_transformers_greedy(ref, path) -> None:
         max_model_len=256, page_size=4, hot_cache_rows=8, max_prefill_tokens=32,
         kv_pool_mib=8, host_arena_mib=16,
     ))  # fmt: skip
-    prompts = [_ids(n, 700 + n).tolist() for n in (120, 45, 90)]
+    prompts = [hf_tiny_v4.token_ids(n, 700 + n).tolist() for n in (120, 45, 90)]
     params = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     reqs = eng.generate(prompts, [params] * len(prompts))
     for prompt, req in zip(prompts, reqs, strict=True):
@@ -291,7 +271,7 @@ def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path
         if i == 3:
             for _ in range(12):
                 eng.step()
-        reqs.append(eng.add_request(f"r{i}", _ids(n, 900 + n).tolist(), params))
+        reqs.append(eng.add_request(f"r{i}", hf_tiny_v4.token_ids(n, 900 + n).tolist(), params))
     while eng.has_work():
         eng.step()
     for req in reqs:
@@ -308,7 +288,7 @@ def test_durable_sessions_resume_token_for_token(ref, path) -> None:
     and continues them without recomputing a prompt: the tokens of an uninterrupted engine,
     transformers' greedy ones."""
     store = LocalHostStore(64 << 20)
-    prompts = [_ids(n, 800 + n).tolist() for n in (101, 42)]
+    prompts = [hf_tiny_v4.token_ids(n, 800 + n).tolist() for n in (101, 42)]
     params = [SamplingParams(temperature=0.0, max_tokens=18, ignore_eos=True)] * 2
 
     def make(owner: str) -> Engine:
@@ -319,16 +299,7 @@ def test_durable_sessions_resume_token_for_token(ref, path) -> None:
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
         return engine
 
-    want, first = serving.reference_then_started(make, prompts, params, steps=9)
-    del first  # dies: nothing released, nothing flushed
-    second = make("w0")
-    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
-    assert report.resumed == ["r0", "r1"]
-    reqs = [second.requests["r0"], second.requests["r1"]]
-    while second.has_work():
-        second.step()
-    assert [r.output_ids for r in reqs] == want
-    assert second.stats.prefill_tokens_computed == 0
+    want, second = serving.resumed_after_death(make, store, prompts, params, steps=9)
     for prompt, out in zip(prompts, want, strict=True):
         assert out == hf_tiny.greedy_under_reference(ref, prompt, out)
     second.close()

@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from services.worker.durable.adoption import adopt_sessions
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.hierarchy.local_store import LocalHostStore
@@ -112,18 +111,11 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
         drafter.propose = recorded
         return engine
 
-    want, first = serving.reference_then_started(make, prompts, params, steps=6)
-    assert first.speculator.counters.drafts > 0
-    assert all(0 < len(r.output_ids) < 24 for r in first.requests.values())
-    del first  # dies: nothing released, nothing flushed
-    second = make("w0")
-    report = adopt_sessions(second, store, "w0", second.kv.host_backups.generation)
-    assert report.resumed == ["r0", "r1"]
-    reqs = [second.requests["r0"], second.requests["r1"]]
-    while second.has_work():
-        second.step()
-    assert [r.output_ids for r in reqs] == want
-    assert second.stats.prefill_tokens_computed == 0
+    def started(first: Engine) -> None:
+        assert first.speculator.counters.drafts > 0
+        assert all(0 < len(r.output_ids) < 24 for r in first.requests.values())
+
+    _, second = serving.resumed_after_death(make, store, prompts, params, 6, started)
     # the resumed MTP drafts as the uninterrupted one did: its whole context came back
     resumed = drafts["w0"]
     assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
