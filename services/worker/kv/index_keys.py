@@ -9,6 +9,9 @@ import torch
 from dhisparse.family.config import ModelConfig
 from services.worker.kv.paged import PagedGroup, SharedPages
 from services.worker.kv.row_codec import RowCodec
+from services.worker.ops.fusion import fused
+from services.worker.ops.index_scores_paged import index_scores_paged
+from services.worker.ops.indexer import index_scores
 
 
 class IndexKeys(PagedGroup):
@@ -62,3 +65,24 @@ class IndexKeys(PagedGroup):
             return pool.gather_padded(slots, num_rows, max_rows)
         locs = pool.padded_locations(slots, num_rows, max_rows)
         return self.codec.gather(self.stored(layer), locs)
+
+    def decode_scores(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        w: torch.Tensor,
+        slots: torch.Tensor,
+        num_rows: torch.Tensor,
+        width: int,
+    ) -> torch.Tensor:
+        """Producer ``layer``'s index scores of one query token per slot over the slot's rows
+        ``0 .. num_rows[i] - 1``: q [R, H, d_index], w [R, H] fp32 -> [R, width] fp32, 0 beyond
+        (``index_scores`` of ``gather(layer, slots, num_rows, width)``). Fused, one kernel
+        reads the keys where they are stored."""
+        if not fused(q):
+            return index_scores(q, w, self.gather(layer, slots, num_rows, width))
+        pool = self.pools[layer]
+        return index_scores_paged(
+            q, w, self.stored(layer), pool.page_table, pool.page_size, slots, num_rows, width,
+            self.codec.fp8,
+        )  # fmt: skip

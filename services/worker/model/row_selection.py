@@ -43,8 +43,8 @@ def select_rows(
     # the host knows how far each request sees: no read-back
     ends = [cfg.rows_for_tokens(s, e) for e in batch.ends()]
     if batch.is_decode:
-        keys = kv.index_keys.gather(i, batch.slots, num_visible, key_rows(max(ends)))
-        return select_topk(index_scores(q, w, keys), num_visible, k)
+        scores = kv.index_keys.decode_scores(i, q, w, batch.slots, num_visible, key_rows(max(ends)))
+        return select_topk(scores, num_visible, k)
     if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
         # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
         width = key_rows(max(ends))
