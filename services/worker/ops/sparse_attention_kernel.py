@@ -2,7 +2,9 @@
 selected rows), an online softmax over its split of the query's rows gathered by location, and
 in the first split over the local-window rows too (see ``sparse_attention_triton.py``, which
 launches it). With one split the program writes the normalised output; with more it writes its
-split's running max, denominator and unnormalised accumulator, which the launcher combines.
+split's running max, denominator and unnormalised accumulator, and with ``COMBINE`` the last
+program of a (token, head block) to arrive (``arrivals.py``) combines the splits in split order
+into the output and resets its counter; without, the launcher combines them.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -55,6 +57,28 @@ def _accumulate(
 
 
 @triton.jit
+def _combine(
+    part, stride_ps, ml, den_off, H, splits, mask, hmask, HB: tl.constexpr, DVP: tl.constexpr,
+    out,
+):  # fmt: skip
+    """The splits' partial softmaxes of one (token, head block), in split order:
+    ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits (a split that
+    read no row has m = -inf and adds nothing)."""
+    top = tl.full([HB], float("-inf"), tl.float32)
+    for s in range(0, splits):
+        top = tl.maximum(top, tl.load(ml + s * H, mask=hmask, other=float("-inf")))
+    top = tl.where(top == float("-inf"), 0.0, top)
+    num = tl.zeros([HB, DVP], tl.float32)
+    den = tl.zeros([HB], tl.float32)
+    for s in range(0, splits):
+        w = tl.exp(tl.load(ml + s * H, mask=hmask, other=float("-inf")) - top)
+        den += tl.load(ml + den_off + s * H, mask=hmask, other=0.0) * w
+        num += tl.load(part + s * stride_ps, mask=mask, other=0.0) * w[:, None]
+    den = tl.where(hmask, den, 1.0)  # heads past H: nothing to divide
+    tl.store(out, (num / den[:, None]).to(out.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def sparse_attention_kernel(
     q_ptr, stride_qn, stride_qh,
     pool_ptr, stride_pool,
@@ -62,10 +86,10 @@ def sparse_attention_kernel(
     win_pool_ptr, stride_win_pool,
     win_locs_ptr, stride_win_locs, W,
     out_ptr, stride_on, stride_oh,
-    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr,
+    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr,
     H, D, DV, scale, ROWS_PER_SPLIT,
     HB: tl.constexpr, DC: tl.constexpr, DVP: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_WIN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr,
+    HAS_WIN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     hb = tl.program_id(1)
@@ -96,9 +120,22 @@ def sparse_attention_kernel(
         # partials: acc [N, S, H, DVP] fp32, (max, denominator) [2, N, S, H] fp32
         part = part_ptr + n * stride_pn + sp * stride_ps + offs_h[:, None] * stride_ph
         tl.store(part + offs_v[None, :], acc, mask=hmask[:, None] & vmask[None, :])
-        ml = ml_ptr + (n * tl.num_programs(2) + sp) * H + offs_h
+        splits = tl.num_programs(2)
+        ml = ml_ptr + (n * splits + sp) * H + offs_h
+        den_off = tl.num_programs(0) * splits * H
         tl.store(ml, m_i, mask=hmask)
-        tl.store(ml + tl.num_programs(0) * tl.num_programs(2) * H, l_i, mask=hmask)
+        tl.store(ml + den_off, l_i, mask=hmask)
+        if COMBINE:
+            tile = count_ptr + n * tl.num_programs(1) + hb
+            # release: this split's partials are visible before its arrival is counted
+            if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
+                _combine(
+                    part_ptr + n * stride_pn + offs_h[:, None] * stride_ph + offs_v[None, :],
+                    stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
+                    hmask[:, None] & vmask[None, :], hmask, HB, DVP,
+                    out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
+                )  # fmt: skip
+                tl.atomic_xchg(tile, 0)
     else:
         out = acc / l_i[:, None]
         tl.store(

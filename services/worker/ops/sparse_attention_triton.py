@@ -4,7 +4,8 @@ One program per (query token, block of heads, split of the selected rows): the q
 gathered from the pool by location, BLOCK_K at a time, and an online softmax accumulates over
 them (and, in the first split, over its local-window rows). Decode batches have few tokens, so
 the rows are split (flash-decoding) until the launch has ``TARGET_PROGRAMS`` programs, and the
-splits' partial softmaxes are combined here; a launch of many tokens takes one split. The split
+splits' partial softmaxes are combined by the last split to finish (fused; in torch here
+otherwise, ``combine_splits``); a launch of many tokens takes one split. The split
 count is a function of the shapes only, so equal batches compute in the same order. Scores are accumulated over the row width in chunks of DC so that wide rows
 (576 elements in GLM/DeepSeek MLA) stay within registers and shared memory; every head of the
 block shares each gathered row (MQA), so a row is read once per head block. Matches
@@ -16,6 +17,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from services.worker.ops.arrivals import arrival_counters
+from services.worker.ops.fusion import fused
 from services.worker.ops.launch import TARGET_PROGRAMS
 from services.worker.ops.sparse_attention_kernel import sparse_attention_kernel
 
@@ -29,10 +32,12 @@ def sparse_attention_triton(
     win_pool: torch.Tensor | None = None,
     win_locs: torch.Tensor | None = None,
     splits: int | None = None,
+    combine: bool | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sparse_attention_ref``: q [N, H, d_kv], pool [S, d_kv], locs [N, k]
     int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]. ``splits``:
-    the row splits to aim for (default ``row_splits``'s choice)."""
+    the row splits to aim for (default ``row_splits``'s choice). ``combine``: whether the
+    kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does."""
     n, h, d = q.shape
     if pool.shape[1] != d or locs.shape[0] != n:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
@@ -57,6 +62,8 @@ def sparse_attention_triton(
     part = torch.empty(n, splits, h, dvp, dtype=torch.float32, device=q.device) if split else out
     ml = torch.empty(2, n, splits, h, dtype=torch.float32, device=q.device) if split else out
     grid = (n, triton.cdiv(h, hb), splits)
+    combine = split and (fused(q) if combine is None else combine)
+    counts = arrival_counters(q.device, n * grid[1]) if combine else ml
     sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         pool, pool.stride(0),
@@ -64,14 +71,14 @@ def sparse_attention_triton(
         win_pool, win_pool.stride(0),
         win_locs, win_locs.stride(0), win_locs.shape[1] if has_win else 0,
         out, out.stride(0), out.stride(1),
-        part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml,
+        part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml, counts,
         h, d, d_v, scale, per,
         HB=hb, DC=64, DVP=dvp, BLOCK_K=BLOCK_K, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
-        PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split,
+        PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, COMBINE=combine,
         num_stages=2,
     )  # fmt: skip
-    if split:
+    if split and not combine:
         combine_splits(part[..., :d_v], ml[0], ml[1], out)
     return out
 

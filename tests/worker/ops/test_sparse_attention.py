@@ -38,11 +38,14 @@ def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w) -> N
     )
 
 
+@pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize(("seed", "w", "splits"), [(3, 0, 3), (4, 8, 4), (5, 8, 2)])
-def test_split_rows_combine_to_the_reference(seed, w, splits) -> None:
+def test_split_rows_combine_to_the_reference(seed, w, splits, combine) -> None:
     """Flash-decoding splits (the decode path on a GPU) under the interpreter: k = 100 rows in
     splits of whole 32-row chunks (the last one short), the window in the first split, and one
-    query whose last split holds padding only."""
+    query whose last split holds padding only; the splits combined by the kernel's last program
+    (``combine``, which leaves every arrival counter at 0) or by ``combine_splits``."""
+    from services.worker.ops.arrivals import arrival_counters
     from services.worker.ops.sparse_attention_triton import row_splits, sparse_attention_triton
 
     assert row_splits(8, 2048, interpret=False) == (32, 64)
@@ -53,9 +56,10 @@ def test_split_rows_combine_to_the_reference(seed, w, splits) -> None:
     locs[1, 64:] = -1
     args = (q, pool, locs, dv, scale, win_pool, win_locs)
     torch.testing.assert_close(
-        sparse_attention_triton(*args, splits=splits), sparse_attention_ref(*args),
-        rtol=1e-4, atol=1e-5,
+        sparse_attention_triton(*args, splits=splits, combine=combine),
+        sparse_attention_ref(*args), rtol=1e-4, atol=1e-5,
     )  # fmt: skip
+    assert not arrival_counters(q.device, 1).any()
 
 
 @pytest.mark.gpu
@@ -73,3 +77,28 @@ def test_triton_sparse_attention_on_gpu(dtype) -> None:
             sparse_attention_triton(*args).float(), sparse_attention_ref(*args).float(),
             rtol=tol, atol=tol,
         )  # fmt: skip
+
+
+@pytest.mark.gpu
+def test_kernel_combine_matches_torch_combine_on_gpu_and_replays() -> None:
+    """Decode shapes (split rows) on the GPU: the kernel's own combine against
+    ``combine_splits``, repeated launches and CUDA-graph replays give the same output, and
+    every arrival counter is 0 after each."""
+    from services.worker.ops.arrivals import arrival_counters
+    from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+
+    args = case(11, 4, 64, 576, 512, 2048, 0, "cuda", torch.bfloat16)
+    torch_combined = sparse_attention_triton(*args, combine=False)
+    first = sparse_attention_triton(*args, combine=True)
+    torch.testing.assert_close(first.float(), torch_combined.float(), rtol=1e-2, atol=1e-2)
+    for _ in range(3):
+        assert torch.equal(sparse_attention_triton(*args, combine=True), first)
+    assert not arrival_counters(first.device, 1).any()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = sparse_attention_triton(*args, combine=True)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)
+    assert not arrival_counters(first.device, 1).any()
