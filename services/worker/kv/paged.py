@@ -12,6 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.worker.ops.fusion import fused
+from services.worker.ops.page_locations import page_locations, page_locations_ref
 from services.worker.transfers import to_device
 
 
@@ -146,11 +148,11 @@ class PagedRows:
         return n
 
     def locations(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """slots, rows: same shape; ``-1`` rows map to ``-1``."""
-        r = rows.clamp(min=0)
-        page = self.page_table[slots, r // self.page_size]
-        loc = page * self.page_size + r % self.page_size
-        return torch.where(rows >= 0, loc, torch.full_like(loc, -1))
+        """slots [N] (or rows' shape), rows [N, ...]: the rows' locations in ``data``, of rows'
+        shape; ``-1`` rows map to ``-1``. Fused, one kernel."""
+        if fused(rows):
+            return page_locations(self.page_table, self.page_size, slots, rows)
+        return page_locations_ref(self.page_table, self.page_size, slots, rows)
 
     def write(self, slots: torch.Tensor, rows: torch.Tensor, values: torch.Tensor) -> None:
         self.data[self.locations(slots, rows)] = values.to(self.data.dtype)
@@ -175,7 +177,7 @@ class PagedRows:
             lmax = int(num_rows.max()) if num_rows.numel() else 0
         rows = torch.arange(lmax, device=slots.device).unsqueeze(0).expand(len(slots), lmax)
         rows = torch.where(rows < num_rows.unsqueeze(1), rows, torch.full_like(rows, -1))
-        return self.locations(slots.unsqueeze(1).expand_as(rows), rows)
+        return self.locations(slots, rows)
 
 
 class PagedGroup:

@@ -66,8 +66,7 @@ class ResidentPayload(PagedGroup):
     def resolve(
         self, layer: int, source: int, batch: ForwardBatch, selection: torch.Tensor
     ) -> torch.Tensor:
-        slots = batch.token_slot.unsqueeze(1).expand_as(selection)
-        return self.pools[source].locations(slots, selection)
+        return self.pools[source].locations(batch.token_slot, selection)
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         pass  # nothing to back up
