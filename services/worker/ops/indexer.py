@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import torch
 
+from services.worker.ops.fusion import fused
+from services.worker.ops.select_topk_triton import MAX_WIDTH, select_topk_triton
+
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     """``I[t, s] = sum_h w[t, h] * relu(q[t, h] . keys[t, s])``.
@@ -22,7 +25,15 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.
 
 
 def select_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torch.Tensor:
-    """The model's ordered top-k selection.
+    """The model's ordered top-k selection (``select_topk_ref``'s contract); fused, one kernel
+    for rows of at most ``MAX_WIDTH`` scores (``select_topk_triton``)."""
+    if fused(scores) and scores.shape[1] <= MAX_WIDTH:
+        return select_topk_triton(scores, num_visible, k)
+    return select_topk_ref(scores, num_visible, k)
+
+
+def select_topk_ref(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torch.Tensor:
+    """The model's ordered top-k selection, in torch.
 
     scores: [T, S] fp32, num_visible: [T] (rows 0..num_visible-1 are visible to query t).
     Returns positions [T, k] int64 in selection order: score descending, ties broken by the
