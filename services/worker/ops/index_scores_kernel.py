@@ -41,7 +41,9 @@ def index_scores_kernel(
     mask_s = (offs_s < visible) & (offs_s < S)
     page = tl.load(table_ptr + slot * stride_table + offs_s // PAGE, mask=mask_s, other=0)
     loc = page.to(tl.int64) * PAGE + offs_s % PAGE  # [BLOCK_S]
-    row = key_ptr + loc * stride_key  # [BLOCK_S] row starts
+    # Row starts share only the stride's alignment (the wrapper checks 4 B for fp8 rows); the
+    # hint keeps the compiler from assuming more from loc's structure and vectorizing wider.
+    row = key_ptr + tl.multiple_of(loc * stride_key, 4 if FP8 else 1)  # [BLOCK_S]
     mask_k = mask_s[:, None] & mask_d[None, :]
     if FP8:
         b = tl.load(row[:, None] + offs_d[None, :], mask=mask_k, other=0).to(tl.int32)

@@ -1,9 +1,10 @@
-"""The sparse MQA attention kernel: one program per (query token, block of heads, split of the
-selected rows), an online softmax over its split of the query's rows gathered by location, and
+"""The sparse MQA attention kernel: one program per (query token, block of HB heads, split of the
+selected rows and block of VB value columns), an online softmax over its split of the query's
+rows gathered by location (each value block recomputes the split's scores), and
 in the first split over the local-window rows too (see ``sparse_attention_triton.py``, which
 launches it). With one split the program writes the normalised output; with more it writes its
 split's running max, denominator and unnormalised accumulator, and with ``COMBINE`` the last
-program of a (token, head block) to arrive (``arrivals.py``) combines the splits in split order
+program of a (token, head block, value block) to arrive (``arrivals.py``) combines the splits in split order
 into the output and resets its counter; without, the launcher combines them.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
@@ -50,7 +51,7 @@ def _accumulate(
             pool_ptr + loc[:, None] * stride_pool + offs_v[None, :],
             mask=valid[:, None] & vmask[None, :],
             other=0.0,
-        )  # [BLOCK_K, DVP]
+        )  # [BLOCK_K, VB]
         acc = acc * alpha[:, None] + tl.dot(p.to(vals.dtype), vals, input_precision=PREC)
         m_i = m_new
     return m_i, l_i, acc
@@ -58,17 +59,17 @@ def _accumulate(
 
 @triton.jit
 def _combine(
-    part, stride_ps, ml, den_off, H, splits, mask, hmask, HB: tl.constexpr, DVP: tl.constexpr,
+    part, stride_ps, ml, den_off, H, splits, mask, hmask, HB: tl.constexpr, VB: tl.constexpr,
     out,
 ):  # fmt: skip
-    """The splits' partial softmaxes of one (token, head block), in split order:
+    """The splits' partial softmaxes of one (token, head block, value block), in split order:
     ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits (a split that
     read no row has m = -inf and adds nothing)."""
     top = tl.full([HB], float("-inf"), tl.float32)
     for s in range(0, splits):
         top = tl.maximum(top, tl.load(ml + s * H, mask=hmask, other=float("-inf")))
     top = tl.where(top == float("-inf"), 0.0, top)
-    num = tl.zeros([HB, DVP], tl.float32)
+    num = tl.zeros([HB, VB], tl.float32)
     den = tl.zeros([HB], tl.float32)
     for s in range(0, splits):
         w = tl.exp(tl.load(ml + s * H, mask=hmask, other=float("-inf")) - top)
@@ -87,23 +88,24 @@ def sparse_attention_kernel(
     win_locs_ptr, stride_win_locs, W,
     out_ptr, stride_on, stride_oh,
     part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr,
-    H, D, DV, scale, ROWS_PER_SPLIT,
-    HB: tl.constexpr, DC: tl.constexpr, DVP: tl.constexpr, BLOCK_K: tl.constexpr,
+    H, D, DV, scale, ROWS_PER_SPLIT, VBLOCKS,
+    HB: tl.constexpr, DC: tl.constexpr, VB: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_WIN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     hb = tl.program_id(1)
-    sp = tl.program_id(2)
+    sp = tl.program_id(2) // VBLOCKS  # the program's split of the rows
+    vb = tl.program_id(2) % VBLOCKS  # and its block of VB value columns
     row_lo = sp * ROWS_PER_SPLIT
     row_hi = tl.minimum(row_lo + ROWS_PER_SPLIT, K)
     offs_h = hb * HB + tl.arange(0, HB)
     hmask = offs_h < H
-    offs_v = tl.arange(0, DVP)
+    offs_v = vb * VB + tl.arange(0, VB)
     vmask = offs_v < DV
     q_row = q_ptr + n * stride_qn
     m_i = tl.full([HB], float("-inf"), tl.float32)
     l_i = tl.zeros([HB], tl.float32)
-    acc = tl.zeros([HB, DVP], tl.float32)
+    acc = tl.zeros([HB, VB], tl.float32)
     m_i, l_i, acc = _accumulate(
         q_row, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool,
         locs_ptr + n * stride_locs, row_lo, row_hi, scale, D, offs_v, vmask, BLOCK_K, DC, HB,
@@ -117,22 +119,23 @@ def sparse_attention_kernel(
             vmask, BLOCK_K, DC, HB, PREC,
         )  # fmt: skip
     if SPLIT:
-        # partials: acc [N, S, H, DVP] fp32, (max, denominator) [2, N, S, H] fp32
+        # partials: acc [N, S, H, >= DV] fp32, (max, denominator) [2, N, S, H] fp32; every
+        # value block of a split stores the same max and denominator
         part = part_ptr + n * stride_pn + sp * stride_ps + offs_h[:, None] * stride_ph
         tl.store(part + offs_v[None, :], acc, mask=hmask[:, None] & vmask[None, :])
-        splits = tl.num_programs(2)
+        splits = tl.num_programs(2) // VBLOCKS
         ml = ml_ptr + (n * splits + sp) * H + offs_h
         den_off = tl.num_programs(0) * splits * H
         tl.store(ml, m_i, mask=hmask)
         tl.store(ml + den_off, l_i, mask=hmask)
         if COMBINE:
-            tile = count_ptr + n * tl.num_programs(1) + hb
+            tile = count_ptr + (n * tl.num_programs(1) + hb) * VBLOCKS + vb
             # release: this split's partials are visible before its arrival is counted
             if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
                 _combine(
                     part_ptr + n * stride_pn + offs_h[:, None] * stride_ph + offs_v[None, :],
                     stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
-                    hmask[:, None] & vmask[None, :], hmask, HB, DVP,
+                    hmask[:, None] & vmask[None, :], hmask, HB, VB,
                     out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
                 )  # fmt: skip
                 tl.atomic_xchg(tile, 0)

@@ -14,6 +14,8 @@ block shares each gathered row (MQA), so a row is read once per head block. Matc
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -33,11 +35,13 @@ def sparse_attention_triton(
     win_locs: torch.Tensor | None = None,
     splits: int | None = None,
     combine: bool | None = None,
+    tiles: AttentionTiles | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sparse_attention_ref``: q [N, H, d_kv], pool [S, d_kv], locs [N, k]
     int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]. ``splits``:
     the row splits to aim for (default ``row_splits``'s choice). ``combine``: whether the
-    kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does."""
+    kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does.
+    ``tiles``: the programs' shape (default ``attention_tiles``'s)."""
     n, h, d = q.shape
     if pool.shape[1] != d or locs.shape[0] != n:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
@@ -53,17 +57,20 @@ def sparse_attention_triton(
         win_pool, win_locs = pool, locs  # unused
     out = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
     dvp = triton.next_power_of_2(d_v)
-    hb = head_block(h, dvp)
+    t = tiles or attention_tiles(h, dvp)
+    hb, vb = t.heads, min(t.values, dvp)
+    vblocks = triton.cdiv(d_v, vb)
     k = locs.shape[1]
-    splits, per = row_splits(n * triton.cdiv(h, hb), k, q.device.type == "cpu", splits)
+    programs = n * triton.cdiv(h, hb) * vblocks
+    splits, per = row_splits(programs, k, q.device.type == "cpu", splits, t.block_k)
     if n == 0:
         return out
     split = splits > 1
     part = torch.empty(n, splits, h, dvp, dtype=torch.float32, device=q.device) if split else out
     ml = torch.empty(2, n, splits, h, dtype=torch.float32, device=q.device) if split else out
-    grid = (n, triton.cdiv(h, hb), splits)
+    grid = (n, triton.cdiv(h, hb), splits * vblocks)
     combine = split and (fused(q) if combine is None else combine)
-    counts = arrival_counters(q.device, n * grid[1]) if combine else ml
+    counts = arrival_counters(q.device, n * grid[1] * vblocks) if combine else ml
     sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
         pool, pool.stride(0),
@@ -72,11 +79,11 @@ def sparse_attention_triton(
         win_locs, win_locs.stride(0), win_locs.shape[1] if has_win else 0,
         out, out.stride(0), out.stride(1),
         part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml, counts,
-        h, d, d_v, scale, per,
-        HB=hb, DC=64, DVP=dvp, BLOCK_K=BLOCK_K, HAS_WIN=has_win,
+        h, d, d_v, scale, per, vblocks,
+        HB=hb, DC=64, VB=vb, BLOCK_K=t.block_k, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
         PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, COMBINE=combine,
-        num_stages=2,
+        num_warps=t.warps, num_stages=2,
     )  # fmt: skip
     if split and not combine:
         combine_splits(part[..., :d_v], ml[0], ml[1], out)
@@ -86,22 +93,38 @@ def sparse_attention_triton(
 BLOCK_K = 32  # rows gathered per step
 
 
-def head_block(h: int, dvp: int) -> int:
-    """Heads per program: up to 64, at least 16 (tl.dot's minimum on a GPU); 16 for values of
-    512 (MLA's latent), whose fp32 accumulator of HB x 512 then stays in registers."""
+@dataclass(frozen=True)
+class AttentionTiles:
+    """A program's share of a launch: ``heads`` heads (a power of two, >= 16: tl.dot's
+    minimum) and ``values`` value columns (a power of two) of one token, ``block_k`` rows per
+    step, ``warps`` warps. Its fp32 accumulator is heads x values."""
+
+    heads: int
+    values: int
+    block_k: int = BLOCK_K
+    warps: int = 4
+
+
+def attention_tiles(h: int, dvp: int) -> AttentionTiles:
+    """Up to 64 heads per program, at least 16; 16 for values of 512 (MLA's latent), whose
+    fp32 accumulator of 16 x 512 then stays in registers. ``python -m bench roofline``
+    measures the step; ``python -m bench sparse-attention`` sweeps the shapes."""
     cap = 16 if dvp >= 512 else 64
-    return max(16, min(cap, triton.next_power_of_2(h)))
+    return AttentionTiles(max(16, min(cap, triton.next_power_of_2(h))), dvp)
 
 
-def row_splits(programs: int, k: int, interpret: bool, want: int | None = None) -> tuple[int, int]:
-    """(splits, rows per split, a multiple of BLOCK_K) for a launch of ``programs`` (token,
-    head block) programs over k selected rows: one split when the launch already fills the
-    GPU, and under the interpreter; ``want`` splits when given (no more than BLOCK_K chunks)."""
-    chunks = max(1, triton.cdiv(k, BLOCK_K))
+def row_splits(
+    programs: int, k: int, interpret: bool, want: int | None = None, block_k: int = BLOCK_K
+) -> tuple[int, int]:
+    """(splits, rows per split, a multiple of block_k) for a launch of ``programs`` (token,
+    head block, value block) programs over k selected rows: one split when the launch already
+    fills the GPU, and under the interpreter; ``want`` splits when given (no more than
+    ``block_k``-row chunks)."""
+    chunks = max(1, triton.cdiv(k, block_k))
     if want is None:
         fills = interpret or programs >= TARGET_PROGRAMS
         want = 1 if fills else triton.cdiv(TARGET_PROGRAMS, programs)
-    per = triton.cdiv(chunks, min(want, chunks)) * BLOCK_K
+    per = triton.cdiv(chunks, min(want, chunks)) * block_k
     return max(1, triton.cdiv(k, per)), per
 
 

@@ -38,15 +38,21 @@ def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w) -> N
     )
 
 
+@pytest.mark.parametrize("values", [64, 16])
 @pytest.mark.parametrize("combine", [True, False])
-@pytest.mark.parametrize(("seed", "w", "splits"), [(3, 0, 3), (4, 8, 4), (5, 8, 2)])
-def test_split_rows_combine_to_the_reference(seed, w, splits, combine) -> None:
+@pytest.mark.parametrize(("seed", "w", "splits"), [(3, 0, 3), (4, 8, 4), (5, 8, 2), (6, 8, 1)])
+def test_split_rows_combine_to_the_reference(seed, w, splits, combine, values) -> None:
     """Flash-decoding splits (the decode path on a GPU) under the interpreter: k = 100 rows in
     splits of whole 32-row chunks (the last one short), the window in the first split, and one
     query whose last split holds padding only; the splits combined by the kernel's last program
-    (``combine``, which leaves every arrival counter at 0) or by ``combine_splits``."""
+    (``combine``, which leaves every arrival counter at 0) or by ``combine_splits``; the values
+    in one block or in blocks of 16 columns."""
     from services.worker.ops.arrivals import arrival_counters
-    from services.worker.ops.sparse_attention_triton import row_splits, sparse_attention_triton
+    from services.worker.ops.sparse_attention_triton import (
+        AttentionTiles,
+        row_splits,
+        sparse_attention_triton,
+    )
 
     assert row_splits(8, 2048, interpret=False) == (32, 64)
     assert row_splits(300, 2048, interpret=False) == (1, 2048)
@@ -56,7 +62,9 @@ def test_split_rows_combine_to_the_reference(seed, w, splits, combine) -> None:
     locs[1, 64:] = -1
     args = (q, pool, locs, dv, scale, win_pool, win_locs)
     torch.testing.assert_close(
-        sparse_attention_triton(*args, splits=splits, combine=combine),
+        sparse_attention_triton(
+            *args, splits=splits, combine=combine, tiles=AttentionTiles(16, values)
+        ),
         sparse_attention_ref(*args), rtol=1e-4, atol=1e-5,
     )  # fmt: skip
     assert not arrival_counters(q.device, 1).any()
