@@ -15,6 +15,7 @@ from dhisparse.family.hf_config import MoESpec
 from services.worker.model.weight_format import BF16, WeightFormat, linear
 from services.worker.ops.fusion import fused
 from services.worker.ops.moe_route_triton import route_triton, router_logits
+from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
 
@@ -37,7 +38,10 @@ class MLP(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        # fused: one kernel for silu and the product (ops/silu_mul_triton.py)
+        h = silu_mul_triton(gate, up) if fused(gate) else F.silu(gate) * up
+        return self.group.all_reduce(self.down_proj(h))
 
 
 class Router(nn.Module):

@@ -11,6 +11,7 @@ import functools
 
 import pytest
 import torch
+from torch.nn import functional as F
 
 from dhisparse.family.hf_config import MoESpec
 from dhisparse.family.scaled import SCALED
@@ -23,6 +24,7 @@ from services.worker.ops.fusion import unfused_kernels
 from services.worker.ops.moe_align import align_blocks
 from services.worker.ops.moe_align_triton import FUSED_MAX_PAIRS, align_blocks_triton
 from services.worker.ops.moe_combine_triton import combine_triton
+from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.shards import Shards
 from tests.worker.ops.fp8_moe_cases import make_experts, make_inputs
 from tests.worker.ops.test_moe_route import WEIGHT_REL
@@ -176,3 +178,16 @@ def test_fused_moe_layer_in_a_cuda_graph() -> None:
         graph.replay()
         with torch.no_grad():
             assert torch.equal(out, moe(x))
+
+
+def test_silu_mul_on_gpu() -> None:
+    """The shared experts' activation (I = 2048 columns): torch's or one bf16 step from it (the
+    GPU's fast exp against torch's expf), nearly all equal."""
+    for t in (1, 64, 4096):
+        gate = (torch.randn(t, INTER, device="cuda") * 4).bfloat16()
+        up = torch.randn(t, INTER, device="cuda").bfloat16()
+        out = silu_mul_triton(gate, up)
+        with unfused_kernels():
+            ref = F.silu(gate) * up
+        assert ((out.float() - ref.float()).abs() <= 2.0**-7 * ref.float().abs()).all()
+        assert (out == ref).float().mean() >= 0.99
