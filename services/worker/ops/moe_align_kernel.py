@@ -39,15 +39,19 @@ def moe_align_kernel(
     # the padding rows of its last block
     offs_m = tl.arange(0, BLOCK_M)
     pad = first_row + count + offs_m
-    tl.store(sorted_ids_ptr + pad, n_pairs, mask=pad < first_row + n_own * BLOCK_M)
+    pad_ids = tl.zeros([BLOCK_M], dtype=tl.int32) + n_pairs
+    tl.store(sorted_ids_ptr + pad, pad_ids, mask=pad < first_row + n_own * BLOCK_M)
     for b in range(0, n_own, BLOCK_M):
         own = b + offs_m
-        tl.store(block_expert_ptr + first_block + own, expert, mask=own < n_own)
+        own_expert = tl.zeros([BLOCK_M], dtype=tl.int32) + expert
+        tl.store(block_expert_ptr + first_block + own, own_expert, mask=own < n_own)
     if expert == n_experts - 1:
         used = first_block + n_own
         for b in range(used, n_blocks, BLOCK_M):
             offs_b = b + offs_m
-            tl.store(block_expert_ptr + offs_b, -1, mask=offs_b < n_blocks)
+            none = tl.full([BLOCK_M], -1, dtype=tl.int32)
+            tl.store(block_expert_ptr + offs_b, none, mask=offs_b < n_blocks)
         for r in range(used * BLOCK_M, n_blocks * BLOCK_M, CHUNK):
             offs_r = r + tl.arange(0, CHUNK)
-            tl.store(sorted_ids_ptr + offs_r, n_pairs, mask=offs_r < n_blocks * BLOCK_M)
+            rest_ids = tl.zeros([CHUNK], dtype=tl.int32) + n_pairs
+            tl.store(sorted_ids_ptr + offs_r, rest_ids, mask=offs_r < n_blocks * BLOCK_M)
