@@ -13,6 +13,9 @@ from torch.nn import functional as F
 
 from dhisparse.family.hf_config import MoESpec
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.ops.fusion import fused
+from services.worker.ops.moe_route_triton import route_triton, router_logits
+from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
 
@@ -35,7 +38,10 @@ class MLP(nn.Module):
         self.group = group
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.group.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        # fused: one kernel for silu and the product (ops/silu_mul_triton.py)
+        h = silu_mul_triton(gate, up) if fused(gate) else F.silu(gate) * up
+        return self.group.all_reduce(self.down_proj(h))
 
 
 class Router(nn.Module):
@@ -54,8 +60,17 @@ class Router(nn.Module):
         groups whose two best choice scores sum highest; the weights are the chosen experts'
         unbiased s, normalised to sum 1 (when ``norm_topk_prob``), times the routed scale.
         ``given`` [N, top_k] int64: the experts to weigh instead of choosing them (a reference's
-        choice, injected); their weights come from these scores the same way."""
+        choice, injected); their weights come from these scores the same way.
+
+        Fused (``fused(x)``): the GEMM with fp32 output from the stored operands, then one
+        kernel (``ops/moe_route_triton.py``): the same expert set, emitted best first (lower
+        id first on equal scores); otherwise the torch form below."""
         sp = self.spec
+        if fused(x):
+            return route_triton(
+                router_logits(x, self.weight), self.e_score_correction_bias, sp.top_k,
+                sp.n_group, sp.topk_group, sp.norm_topk_prob, sp.routed_scaling, given,
+            )  # fmt: skip
         s = F.linear(x.float(), self.weight.float()).sigmoid()
         if given is None:
             choice = s + self.e_score_correction_bias.float()

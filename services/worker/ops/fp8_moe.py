@@ -47,7 +47,10 @@ from services.worker.ops.fp8_linear import (
     act_quant_ref,
 )
 from services.worker.ops.fp8_moe_kernel import fp8_moe_kernel
-from services.worker.ops.moe_align import MoEBlocks, align_blocks
+from services.worker.ops.fusion import fused
+from services.worker.ops.moe_align import MoEBlocks
+from services.worker.ops.moe_align_triton import align
+from services.worker.ops.moe_combine_triton import combine_triton, fits
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -173,9 +176,10 @@ def fp8_moe_gemm_ref(
 
 
 def plan(idx: torch.Tensor, n_experts: int) -> MoEBlocks:
-    """The kernel's block alignment of ``idx [T, top_k]`` (static shapes, on idx's device)."""
+    """The kernel's block alignment of ``idx [T, top_k]`` (static shapes, on idx's device):
+    ``align_blocks``' output, by its Triton kernels where ``align`` takes them."""
     t = tiles(idx.numel(), n_experts, idx.device.type == "cpu")
-    return align_blocks(idx, n_experts, t.block_m)
+    return align(idx, n_experts, t.block_m)
 
 
 def fp8_moe_gemm(
@@ -275,6 +279,8 @@ def fp8_moe_triton(
     pair_w = w.reshape(-1)
     act = fp8_moe_gemm(x, gate_up, gate_up_scale, blocks, mode, k, glu=True)  # [P, I]
     y = fp8_moe_gemm(act, down, down_scale, blocks, mode, 1, False, pair_w, torch.float32)
+    if fused(y) and fits(k):  # the lines below in one kernel, bit for bit
+        return combine_triton(y, idx, gate_up.shape[0], x.dtype)
     # pairs of experts held elsewhere (id E) are computed by no block: their rows are undefined
     y = torch.where((idx.reshape(-1, 1) < gate_up.shape[0]), y, 0)
     return sum_choices(y.view(t, k, -1)).to(x.dtype)
