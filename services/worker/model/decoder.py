@@ -11,6 +11,7 @@ from torch import nn
 from dhisparse.family.config import ModelConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows
+from services.worker.model.layers import RMSNorm
 from services.worker.model.rotary import Rotary
 from services.worker.model.row_selection import select_rows
 from services.worker.model.vocab import vocab_logits
@@ -52,7 +53,8 @@ class SparseDecoder(nn.Module):
     sparse attention reads exactly those rows.
 
     A family provides ``cfg`` (the topology), ``embed``, ``layers`` (each with ``spec``,
-    ``attn_norm``, ``attn``, ``indexer`` or None, ``mlp_norm``, ``mlp``), ``norm``,
+    ``attn_norm``, ``attn``, ``indexer`` or None, ``mlp_norm``, ``mlp``), ``norm`` (the norms
+    ``RMSNorm``s, whose ``add_norm`` joins the residual),
     ``lm_head`` (None: tied to ``embed``) and ``rotary(positions)``; its attention has
     ``owner``, ``scale``, ``token_rows(x, rotary)``, ``queries(x, rotary) -> (q, q_latent)``
     and ``output(o)``; its indexer ``keys(x, rows, rotary)`` and
@@ -61,7 +63,7 @@ class SparseDecoder(nn.Module):
     cfg: ModelConfig
     embed: nn.Embedding
     layers: nn.ModuleList
-    norm: nn.Module
+    norm: RMSNorm
     lm_head: nn.Linear | None
     vocab_group: Comm = LOCAL  # the ranks holding the rest of the head's rows
     # data-parallel attention: the MoE layers' exchange, which idle ranks serve (``idle``)
@@ -120,16 +122,20 @@ class SparseDecoder(nn.Module):
             kv.payload.begin(batch)
         h = self.embed(input_ids)
         st = ForwardState(rotary=self.rotary(batch.positions))
+        # Each residual join is one kernel with the norm after it (``add_norm``): the MLP's
+        # output joins h before the next layer's attn_norm, the last layer's before ``norm``.
+        next_norms = [layer.attn_norm for layer in self.layers[1:]] + [self.norm]
+        x = self.layers[0].attn_norm(h) if len(self.layers) else h
         for i, layer in enumerate(self.layers):
-            x = layer.attn_norm(h)
-            h = h + self._attention(i, layer, x, batch, kv, st, trace, given_selections.get(i))
-            x = layer.mlp_norm(h)
-            h = h + (layer.mlp(x) if i not in given_experts else layer.mlp(x, given_experts[i]))
+            a = self._attention(i, layer, x, batch, kv, st, trace, given_selections.get(i))
+            x, h = layer.mlp_norm.add_norm(a, h)  # h = h + a; x = mlp_norm(h)
+            m = layer.mlp(x) if i not in given_experts else layer.mlp(x, given_experts[i])
+            x, h = next_norms[i].add_norm(m, h)  # h = h + m; x = the next norm of h
             if features is not None and i in features:
                 features[i] = h
         if selections is not None:
             selections.update(st.selection)
-        out = self.norm(h)
+        out = x if len(self.layers) else self.norm(h)
         self._follow_target(input_ids, out, batch, kv)
         return out
 

@@ -5,17 +5,41 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from services.worker.ops.fusion import fused
+from services.worker.ops.rms_norm import add_rms_norm_triton, rms_norm_triton
+
+
+def fusable(x: torch.Tensor) -> bool:
+    """``fused(x)`` in a pass that records no gradient: the fused kernels have no backward, so
+    a pass that trains (a drafter's norms) runs the torch forms."""
+    return fused(x) and not torch.is_grad_enabled()
+
 
 class RMSNorm(nn.Module):
+    """RMSNorm in fp32, returned in x's dtype: one Triton kernel where ``fusable(x)``, else the
+    torch form below."""
+
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if fusable(x):
+            return rms_norm_triton(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (xf * self.weight.float()).to(x.dtype)
+
+    def add_norm(
+        self, x: torch.Tensor, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The residual join before this norm: -> (``self(residual + x)``, ``residual + x``),
+        one kernel where fused (the sum bit for bit torch's ``residual + x``)."""
+        if fusable(x) and x.dtype == residual.dtype and x.shape == residual.shape:
+            return add_rms_norm_triton(x, residual, self.weight, self.eps)
+        summed = residual + x
+        return self(summed), summed
 
 
 def head_logits(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

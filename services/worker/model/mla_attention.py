@@ -13,9 +13,11 @@ import torch
 from torch import nn
 
 from dhisparse.family.hf_config import MLAConfig
-from services.worker.model.layers import RMSNorm
+from services.worker.model.layers import RMSNorm, fusable
 from services.worker.model.rotary import Rotary, apply_rope
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.ops.norm_rope import mla_row_triton
+from services.worker.ops.rope import rope_triton
 from services.worker.parallel.shards import Shards
 
 # q_a_layernorm and kv_a_layernorm use the RMSNorm default, not rms_norm_eps (as transformers).
@@ -56,22 +58,34 @@ class MLA(nn.Module):
         return w[:, : c.qk_nope_head_dim], w[:, c.qk_nope_head_dim :]
 
     def token_rows(self, x: torch.Tensor, rotary: Rotary) -> torch.Tensor:
-        """[N, hidden] -> [N, kv_lora + rope] stored rows (rope in transformers' layout)."""
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
-            [self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1
-        )
+        """[N, hidden] -> [N, kv_lora + rope] stored rows (rope in transformers' layout); the
+        norm and the RoPE one kernel where fused."""
+        kv = self.kv_a_proj_with_mqa(x)
+        if fusable(kv):
+            cos, sin = rotary.tables(self.cfg.qk_rope_head_dim)
+            norm = self.kv_a_layernorm
+            return mla_row_triton(kv, norm.weight, norm.eps, cos, sin, interleaved=True)
+        latent, k_rope = kv.split([self.cfg.kv_lora_rank, self.cfg.qk_rope_head_dim], dim=-1)
         return torch.cat(
             [self.kv_a_layernorm(latent), apply_rope(k_rope, rotary, interleaved=True)], -1
         )
 
     def queries(self, x: torch.Tensor, rotary: Rotary) -> tuple[torch.Tensor, torch.Tensor]:
         """[N, hidden] -> (absorbed queries [N, heads, kv_lora + rope], the q latent
-        ``q_a_layernorm(q_a_proj(x))`` [N, q_lora_rank], which the indexer reads)."""
+        ``q_a_layernorm(q_a_proj(x))`` [N, q_lora_rank], which the indexer reads). Where fused,
+        the W_UK GEMM and the RoPE kernel write straight into the queries' columns."""
         c = self.cfg
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
         q = self.q_b_proj(q_resid).view(x.shape[0], self.heads, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._kv_b()
+        if fusable(q):  # the GEMM and the RoPE write their columns of one output: no cat
+            out = q.new_empty(x.shape[0], self.heads, c.kv_lora_rank + c.qk_rope_head_dim)
+            lat = out[..., : c.kv_lora_rank]
+            torch.bmm(q_nope.transpose(0, 1), w_uk, out=lat.transpose(0, 1))
+            cos, sin = rotary.tables(c.qk_rope_head_dim)
+            rope_triton(q_rope, cos, sin, True, out=out[..., c.kv_lora_rank :])
+            return out, q_resid
         q_lat = torch.bmm(q_nope.transpose(0, 1), w_uk).transpose(0, 1)  # [N, H, kv_lora]
         return torch.cat([q_lat, apply_rope(q_rope, rotary, interleaved=True)], dim=-1), q_resid
 

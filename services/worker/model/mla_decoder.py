@@ -135,9 +135,9 @@ class MLADecoder(SparseDecoder):
         mtp, i = self.mtp, self.mtp_layer
         x = mtp.fuse(self.embed(tokens), hidden)
         st = ForwardState(rotary=self.rotary(batch.positions - 1))
-        h = x + self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
-        h = h + mtp.mlp(mtp.mlp_norm(h))
-        g = mtp.shared_head.norm(h)
+        a = self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
+        y, h = mtp.mlp_norm.add_norm(a, x)  # h = x + a; y = mlp_norm(h)
+        g, _ = mtp.shared_head.norm.add_norm(mtp.mlp(y), h)  # shared_head.norm(h + mlp(y))
         logits = vocab_logits(g, mtp.shared_head.head.weight, self.vocab_group)
         return MTPStep(g, logits, st.selection[i])
 

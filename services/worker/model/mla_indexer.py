@@ -14,8 +14,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.hf_config import MLAConfig
+from services.worker.model.layers import fusable
 from services.worker.model.rotary import Rotary, apply_rope
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.ops.norm_rope import index_key_triton
+from services.worker.ops.rope import rope_triton
 
 _K_NORM_EPS = 1e-6
 
@@ -34,7 +37,12 @@ class DSAIndexer(nn.Module):
         self.weight_scale = self.n_heads**-0.5 * self.d_index**-0.5
 
     def _rope(self, t: torch.Tensor, rotary: Rotary) -> torch.Tensor:
+        """RoPE of the first ``d_rope`` elements of t's last dimension, the rest kept; one
+        kernel where fused."""
         r = self.d_rope
+        if fusable(t):
+            cos, sin = rotary.tables(r)
+            return rope_triton(t, cos, sin, self.interleaved)
         rot = apply_rope(t[..., :r], rotary, interleaved=self.interleaved)
         return torch.cat([rot, t[..., r:]], dim=-1)
 
@@ -42,7 +50,12 @@ class DSAIndexer(nn.Module):
         """Index keys [N, d_index] of the pass's tokens (``rows``, the stored rows, are not
         read: these keys come from the hidden state)."""
         del rows
-        return self._rope(self.k_norm(self.wk(x)), rotary)
+        k = self.wk(x)
+        if fusable(k):  # the LayerNorm and the RoPE in one kernel
+            cos, sin = rotary.tables(self.d_rope)
+            norm = self.k_norm
+            return index_key_triton(k, norm.weight, norm.bias, norm.eps, cos, sin, self.interleaved)
+        return self._rope(self.k_norm(k), rotary)
 
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, rotary: Rotary
