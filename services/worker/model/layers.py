@@ -9,14 +9,8 @@ from services.worker.ops.fusion import fused
 from services.worker.ops.rms_norm import add_rms_norm_triton, rms_norm_triton
 
 
-def fusable(x: torch.Tensor) -> bool:
-    """``fused(x)`` in a pass that records no gradient: the fused kernels have no backward, so
-    a pass that trains (a drafter's norms) runs the torch forms."""
-    return fused(x) and not torch.is_grad_enabled()
-
-
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32, returned in x's dtype: one Triton kernel where ``fusable(x)``, else the
+    """RMSNorm in fp32, returned in x's dtype: one Triton kernel where ``fused(x)``, else the
     torch form below."""
 
     def __init__(self, dim: int, eps: float) -> None:
@@ -25,7 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fusable(x):
+        if fused(x):
             return rms_norm_triton(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -36,7 +30,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual join before this norm: -> (``self(residual + x)``, ``residual + x``),
         one kernel where fused (the sum bit for bit torch's ``residual + x``)."""
-        if fusable(x) and x.dtype == residual.dtype and x.shape == residual.shape:
+        if fused(x) and x.dtype == residual.dtype and x.shape == residual.shape:
             return add_rms_norm_triton(x, residual, self.weight, self.eps)
         summed = residual + x
         return self(summed), summed

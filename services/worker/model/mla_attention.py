@@ -13,9 +13,10 @@ import torch
 from torch import nn
 
 from dhisparse.family.hf_config import MLAConfig
-from services.worker.model.layers import RMSNorm, fusable
+from services.worker.model.layers import RMSNorm
 from services.worker.model.rotary import Rotary, apply_rope
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.ops.fusion import fused
 from services.worker.ops.norm_rope import mla_row_triton
 from services.worker.ops.rope import rope_triton
 from services.worker.parallel.shards import Shards
@@ -61,7 +62,7 @@ class MLA(nn.Module):
         """[N, hidden] -> [N, kv_lora + rope] stored rows (rope in transformers' layout); the
         norm and the RoPE one kernel where fused."""
         kv = self.kv_a_proj_with_mqa(x)
-        if fusable(kv):
+        if fused(kv):
             cos, sin = rotary.tables(self.cfg.qk_rope_head_dim)
             norm = self.kv_a_layernorm
             return mla_row_triton(kv, norm.weight, norm.eps, cos, sin, interleaved=True)
@@ -79,7 +80,7 @@ class MLA(nn.Module):
         q = self.q_b_proj(q_resid).view(x.shape[0], self.heads, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._kv_b()
-        if fusable(q):  # the GEMM and the RoPE write their columns of one output: no cat
+        if fused(q):  # the GEMM and the RoPE write their columns of one output: no cat
             out = q.new_empty(x.shape[0], self.heads, c.kv_lora_rank + c.qk_rope_head_dim)
             lat = out[..., : c.kv_lora_rank]
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=lat.transpose(0, 1))

@@ -14,9 +14,9 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.hf_config import MLAConfig
-from services.worker.model.layers import fusable
 from services.worker.model.rotary import Rotary, apply_rope
 from services.worker.model.weight_format import BF16, WeightFormat, linear
+from services.worker.ops.fusion import fused
 from services.worker.ops.norm_rope import index_key_triton
 from services.worker.ops.rope import rope_triton
 
@@ -40,7 +40,7 @@ class DSAIndexer(nn.Module):
         """RoPE of the first ``d_rope`` elements of t's last dimension, the rest kept; one
         kernel where fused."""
         r = self.d_rope
-        if fusable(t):
+        if fused(t):
             cos, sin = rotary.tables(r)
             return rope_triton(t, cos, sin, self.interleaved)
         rot = apply_rope(t[..., :r], rotary, interleaved=self.interleaved)
@@ -51,7 +51,7 @@ class DSAIndexer(nn.Module):
         read: these keys come from the hidden state)."""
         del rows
         k = self.wk(x)
-        if fusable(k):  # the LayerNorm and the RoPE in one kernel
+        if fused(k):  # the LayerNorm and the RoPE in one kernel
             cos, sin = rotary.tables(self.d_rope)
             norm = self.k_norm
             return index_key_triton(k, norm.weight, norm.bias, norm.eps, cos, sin, self.interleaved)

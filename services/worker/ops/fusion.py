@@ -2,7 +2,8 @@
 
 A fused op (norms, RoPE, the MoE router, the split-K sum of the FP8 matmul, ...) runs its
 Triton kernel on a CUDA tensor and its torch form elsewhere: the device decides, as for the FP8
-matmul. Inside ``unfused_kernels()`` every fused op runs its torch form on every device, so a
+matmul. The kernels have no backward, so a pass that records gradients (a drafter's training)
+runs the torch forms too; serving passes record none. Inside ``unfused_kernels()`` every fused op runs its torch form on every device, so a
 benchmark can serve one model with and without fusion side by side (a CUDA graph captured
 inside it keeps the torch form when replayed outside), and a test can compare the two through a
 whole model. The choice holds in the thread (and asyncio context) that entered it."""
@@ -19,9 +20,9 @@ _UNFUSED: ContextVar[bool] = ContextVar("dhisparse_unfused_kernels", default=Fal
 
 
 def fused(t: torch.Tensor) -> bool:
-    """True when an op on ``t`` runs its fused Triton kernel: ``t`` is on a CUDA device and no
-    ``unfused_kernels()`` is active."""
-    return t.is_cuda and not _UNFUSED.get()
+    """True when an op on ``t`` runs its fused Triton kernel: ``t`` is on a CUDA device, no
+    gradient is recorded and no ``unfused_kernels()`` is active."""
+    return t.is_cuda and not _UNFUSED.get() and not torch.is_grad_enabled()
 
 
 @contextmanager

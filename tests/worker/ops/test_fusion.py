@@ -1,5 +1,6 @@
-"""The fusion switch: fused kernels on CUDA tensors only, and never inside ``unfused_kernels``
-(which nests and restores the outer choice, also when its block raises)."""
+"""The fusion switch: fused kernels on CUDA tensors only, never in a pass that records
+gradients, and never inside ``unfused_kernels`` (which nests and restores the outer choice,
+also when its block raises)."""
 
 from __future__ import annotations
 
@@ -21,10 +22,12 @@ def test_unfused_block_turns_fusion_off_and_restores_it() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     t = torch.zeros(1, device="cuda")
-    assert fused(t)
-    with pytest.raises(RuntimeError), unfused_kernels():
-        with unfused_kernels():
+    assert not fused(t)  # gradients are recorded
+    with torch.no_grad():
+        assert fused(t)
+        with pytest.raises(RuntimeError), unfused_kernels():
+            with unfused_kernels():
+                assert not fused(t)
             assert not fused(t)
-        assert not fused(t)
-        raise RuntimeError
-    assert fused(t)
+            raise RuntimeError
+        assert fused(t)

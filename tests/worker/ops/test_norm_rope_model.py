@@ -1,4 +1,4 @@
-"""The model's fused paths under the interpreter: with ``fusable`` forced on, MLA's stored row
+"""The model's fused paths under the interpreter: with ``fused`` forced on, MLA's stored row
 and queries, the indexer's keys and queries, RMSNorm and its residual join run the Triton
 kernels on CPU tensors, and give the torch forms' outputs at the reduced V3.2 (YaRN,
 rotate-half indexer) and GLM (theta 8e6, interleaved indexer) dims in bf16: the residual sum and
@@ -48,7 +48,7 @@ def test_the_fused_paths_give_the_torch_forms_outputs(family: str, monkeypatch) 
     cfg = parse_config(SLICES[family](small=True).to_dict())
     plain = _outputs(cfg, seed=1)
     for module in (layers, mla_attention, mla_indexer):
-        monkeypatch.setattr(module, "fusable", lambda t: True)
+        monkeypatch.setattr(module, "fused", lambda t: True)
     fused = _outputs(cfg, seed=1)
     names = ["rows", "q", "q_latent", "keys", "index q", "index w", "normed", "summed", "norm"]
     for name, f, p in zip(names, fused, plain, strict=True):
