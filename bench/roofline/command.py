@@ -52,6 +52,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda")
     ap.add_argument(
+        "--weights", default="fp8", choices=("fp8", "dense"),
+        help="projections and experts in FP8 (the released checkpoints') or the serving dtype",
+    )  # fmt: skip
+    ap.add_argument(
         "--tiny", action="store_true",
         help="the family's tiny model instead of its real dimensions (CPU runs and tests)",
     )  # fmt: skip
@@ -90,7 +94,7 @@ def run(args: argparse.Namespace) -> dict:
         "bench": "roofline",
         "config": {k: getattr(args, k) for k in (
             "mode", "context", "steps", "warmup", "profile_steps", "kv_cache_dtype",
-            "max_prefill_tokens", "device", "tiny",
+            "max_prefill_tokens", "device", "tiny", "weights",
         )} | {"concurrency": sorted(cs), "variants": names, "prefill": lengths},
         "limits": {
             "device": limits.device, "copy_bytes_per_s": limits.copy_bytes_per_s,
@@ -107,7 +111,7 @@ def family(
     limits: Limits,
 ) -> dict:  # fmt: skip
     t0 = time.perf_counter()
-    preset, model = build(name, args.device, args.tiny)
+    preset, model = build(name, args.device, args.tiny, fp8=args.weights == "fp8")
     built_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(cs[0])]

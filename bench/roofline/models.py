@@ -1,7 +1,7 @@
 """The models the roofline measures: a real-dimension family built in place with FP8 weights
 (``dhisparse/family/scaled.py``, as ``bench scaled`` builds it), or for runs on the CPU a tiny
 model of the same family (every per-layer size shrunk, the topology kept: V3.2's expert
-groups, GLM-5.2's IndexShare followers), FP8 too so the projections are the same kind of layer.
+groups, GLM-5.2's IndexShare followers).
 And the model's sizes as the byte model (``cost.Dims``) reads them."""
 
 from __future__ import annotations
@@ -38,13 +38,15 @@ def tiny(name: str) -> FamilyPreset:
     return FamilyPreset(f"{name}-tiny", base | over, mask_token_id=TINY_VOCAB - 1)
 
 
-def build(name: str, device: str, tiny_model: bool) -> tuple[FamilyPreset, torch.nn.Module]:
-    """(the preset, its model with FP8 projections and experts, built in place on ``device``):
-    bf16 on a GPU, fp32 on the CPU."""
+def build(
+    name: str, device: str, tiny_model: bool, fp8: bool = True
+) -> tuple[FamilyPreset, torch.nn.Module]:
+    """(the preset, its model built in place on ``device``, bf16 on a GPU and fp32 on the CPU):
+    projections and experts in FP8 (``fp8``, as the released checkpoints) or in that dtype."""
     preset = tiny(name) if tiny_model else SCALED[name]
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     model = build_model(preset, seed=0, device=device, dtype=dtype,
-                        weights=WeightFormat(fp8=True), in_place=True)  # fmt: skip
+                        weights=WeightFormat(fp8=fp8), in_place=True)  # fmt: skip
     return preset, model
 
 
