@@ -13,11 +13,12 @@ from torch.profiler import ProfilerActivity, profile
 from bench.roofline.align import align
 from bench.roofline.cost import PassShape
 from bench.roofline.regions import Instruments, step_span
-from bench.roofline.trace import Kernel, by_step, graph_launch_us, innermost, kernels, ranges
+from bench.roofline.trace import Kernel, Range, by_step, graph_launch_us, innermost, kernels, ranges
 from bench.roofline.variants import Served, Variant
 
 UNATTRIBUTED = "unattributed"  # a replayed kernel with no eager counterpart
 OUTSIDE = "outside"  # an eager kernel launched outside every labelled range
+NO_LAUNCH = "launch not found"  # a kernel whose launch call the trace lacks
 
 
 @dataclass(frozen=True)
@@ -73,10 +74,17 @@ def labelled_step(served: Served, v: Variant) -> tuple[list[tuple[Kernel, str]],
         served.sync()
     events = prof.events()
     spans = ranges(events)
-    labelled = [(k, innermost(k.launch_us, spans) or OUTSIDE) for k in kernels(events, served.cuda)]
+    labelled = [(k, region(k, spans)) for k in kernels(events, served.cuda)]
     if len(inst.passes) != 1:
         raise RuntimeError(f"a decode step ran {len(inst.passes)} forward passes, not one")
     return labelled, inst.passes[0].shape()
+
+
+def region(k: Kernel, spans: list[Range]) -> str:
+    """The region an eager kernel was launched in."""
+    if k.launch_us is None:
+        return NO_LAUNCH
+    return innermost(k.launch_us, spans) or OUTSIDE
 
 
 def profile_steps(served: Served, v: Variant, steps: int) -> StepKernels:

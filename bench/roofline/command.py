@@ -5,8 +5,9 @@ device's limits; the step against its roofline; kernel count and graph-launch ho
     python -m bench roofline --scaled glm5-scaled,v32-scaled --concurrency 1,4,16,64 \
         --context 8192 --variants fused,unfused --prefill 8192
 
-Per family, one engine serves max(C) never-ending greedy requests of ``--context`` tokens;
-each C is measured from the largest down, ending the requests beyond it. The variants
+Per family, one engine serves never-ending greedy requests of ``--context`` tokens; the C are
+measured from the smallest up, each admitting (prefilling) the requests it adds, so that a
+``--time-limit-s`` cuts the largest C (said in the output), never the smaller ones. The variants
 (``variants.py``: ``unfused`` inside ``fusion.unfused_kernels()``) are stepped alternately
 while timing (``bench/core/lockstep.py``'s ``alternate``), so the host's slow and fast phases
 fall on both alike. Attribution: ``attribution.py``; bytes and FLOPs: ``cost.py``; limits:
@@ -34,8 +35,10 @@ from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.kv.row_codec import KV_CACHE_DTYPES
+from services.worker.request.request import SamplingParams
 
 MODES = ("resident", "hisparse", "adaptive")
+_DECODE = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -51,6 +54,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES)
     ap.add_argument("--max-prefill-tokens", type=int, default=8192)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument(
+        "--time-limit-s", type=float, default=None,
+        help="skip (and say so) a C whose admission would pass it, and prefills past it",
+    )  # fmt: skip
     ap.add_argument(
         "--weights", default="fp8", choices=("fp8", "dense"),
         help="projections and experts in FP8 (the released checkpoints') or the serving dtype",
@@ -78,23 +85,24 @@ def run(args: argparse.Namespace) -> dict:
     names = [v for v in args.variants.split(",") if v]
     if not names or set(names) - set(VARIANTS) or len(set(names)) < len(names):
         raise UsageError(f"--variants takes {', '.join(VARIANTS)}, got {args.variants!r}")
-    cs = sorted(set(_ints(args.concurrency, "--concurrency")), reverse=True)
+    cs = sorted(set(_ints(args.concurrency, "--concurrency")))
     lengths = _ints(args.prefill, "--prefill")
-    if not cs:
-        raise UsageError("--concurrency needs at least one C")
+    if not cs and not lengths:
+        raise UsageError("nothing to measure: give --concurrency, --prefill or both")
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda on a machine without CUDA (use --device cpu --tiny)")
     limits = measure(torch.device(args.device))
-    print(f"== {limits.device}: copy {limits.copy_bytes_per_s / 1e9:.0f} GB/s (measured), "
-          f"matmul {limits.matmul_flops_per_s / 1e12:.1f} TFLOP/s (measured), compute limit "
-          f"{limits.compute / 1e12:.1f} TFLOP/s ({limits.compute_source})")  # fmt: skip
-    families = {f: family(f, args, cs, names, lengths, limits) for f in fams}
+    print(f"== {limits.device}: copy {limits.copy_bytes_per_s / 1e9:.1f} GB/s (measured), "
+          f"matmul {limits.matmul_flops_per_s / 1e12:.4g} TFLOP/s (measured), compute limit "
+          f"{limits.compute / 1e12:.4g} TFLOP/s ({limits.compute_source})")  # fmt: skip
+    deadline = time.monotonic() + (args.time_limit_s or float("inf"))
+    families = {f: family(f, args, cs, names, lengths, limits, deadline) for f in fams}
     return {
         "bench": "roofline",
         "config": {k: getattr(args, k) for k in (
             "mode", "context", "steps", "warmup", "profile_steps", "kv_cache_dtype",
-            "max_prefill_tokens", "device", "tiny", "weights",
+            "max_prefill_tokens", "device", "tiny", "weights", "time_limit_s",
         )} | {"concurrency": sorted(cs), "variants": names, "prefill": lengths},
         "limits": {
             "device": limits.device, "copy_bytes_per_s": limits.copy_bytes_per_s,
@@ -108,20 +116,25 @@ def run(args: argparse.Namespace) -> dict:
 
 def family(
     name: str, args: argparse.Namespace, cs: list[int], names: list[str], lengths: list[int],
-    limits: Limits,
+    limits: Limits, deadline: float,
 ) -> dict:  # fmt: skip
     t0 = time.perf_counter()
     preset, model = build(name, args.device, args.tiny, fp8=args.weights == "fp8")
     built_s = time.perf_counter() - t0
     g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(cs[0])]
-    room = args.context + len(cs) * len(names) * (args.warmup + args.steps + args.profile_steps + 2)
+    prompts = [
+        torch.randint(0, 256, (args.context,), generator=g).tolist()
+        for _ in range(max(cs, default=0))
+    ]
+    # every running request decodes through each later stage's prefill and measurements
+    per_stage = len(names) * (args.warmup + args.steps + args.profile_steps + 2)
+    room = args.context + len(cs) * per_stage + max(cs, default=0) + 64
     eng = steady_engine(
-        args.mode, prompts, args.context, 0.0, preset.name, model, ByteTokenizer(),
+        args.mode, [], args.context, 0.0, preset.name, model, ByteTokenizer(),
         device=args.device, graphs=GraphConfig(args.device == "cuda"), kv_pool_mib=None,
         kv_cache_dtype=args.kv_cache_dtype, max_prefill_tokens=args.max_prefill_tokens,
-        hot_cache_rows=2 * model.family.index_topk,
-        max_model_len=max([room + 64, *(n + 64 for n in lengths)]),
+        hot_cache_rows=2 * model.family.index_topk, max_num_seqs=max(cs, default=1),
+        max_model_len=max([room, *(n + 64 for n in lengths)]),
     )  # fmt: skip
     served = Served(eng, names)
     codecs = eng.kv.codecs
@@ -135,11 +148,28 @@ def family(
     )
     print(f"\n==== {name}{' (tiny)' if args.tiny else ''}, {args.mode}, context {args.context}: "
           f"built in {built_s:.1f} s; decode {how}")  # fmt: skip
-    decode = {}
+    decode: dict[str, dict] = {}
+    rate = None  # prompt tokens/s of the last admission
+    stage_s = 0.0  # the last C's measurements
     for c in cs:
-        served.keep(c)
-        decode[str(c)] = concurrency(served, c, args, dims, limits)
-    pre = {str(n): prefill(served, n, dims, limits) for n in lengths}
+        new = c - eng.num_running
+        need = None if rate is None else new * args.context / rate + stage_s
+        if need is not None and time.monotonic() + need > deadline:
+            decode[str(c)] = {"skipped": f"admitting {new} more requests and measuring "
+                              f"need about {need:.0f} s, past --time-limit-s"}  # fmt: skip
+            print(f"\n--- C={c}: {decode[str(c)]['skipped']}")
+            break
+        took = served.admit(prompts[eng.num_running : c], _DECODE)
+        rate = new * args.context / took
+        t = time.monotonic()
+        decode[str(c)] = concurrency(served, c, args, dims, limits) | {"admit_s": took}
+        stage_s = time.monotonic() - t
+    pre: dict[str, dict] = {}
+    for n in lengths:
+        if time.monotonic() > deadline:
+            pre[str(n)] = {"skipped": "past --time-limit-s"}
+            continue
+        pre[str(n)] = prefill(served, n, dims, limits)
     eng.close()
     del eng, served, model
     if args.device == "cuda":

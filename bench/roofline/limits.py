@@ -79,7 +79,7 @@ def measure(device: torch.device) -> Limits:
     cuda = device.type == "cuda"
     name = torch.cuda.get_device_name(device) if cuda else "cpu"
     peaks = table_peak(name) if cuda else None
-    return Limits(
+    limits = Limits(
         device=name,
         copy_bytes_per_s=copy_rate(device, (2 << 30) if cuda else (64 << 20)),
         matmul_flops_per_s=matmul_rate(
@@ -88,3 +88,6 @@ def measure(device: torch.device) -> Limits:
         peak_bf16=peaks[0] if peaks else None,
         peak_fp8=peaks[1] if peaks else None,
     )
+    if cuda:  # the engine sizes its KV pool from the free memory: give the buffers back
+        torch.cuda.empty_cache()
+    return limits

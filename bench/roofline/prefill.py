@@ -12,11 +12,11 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from bench.roofline import report
-from bench.roofline.attribution import OUTSIDE
+from bench.roofline.attribution import region
 from bench.roofline.cost import Dims, passes_costs
 from bench.roofline.limits import Limits
 from bench.roofline.regions import Instruments, step_span
-from bench.roofline.trace import innermost, kernels, ranges
+from bench.roofline.trace import kernels, ranges
 from bench.roofline.variants import Served, Variant
 from services.worker.request.request import SamplingParams
 
@@ -70,7 +70,7 @@ def one(served: Served, v: Variant, prompt: list[int], dims: Dims, limits: Limit
     timed: dict[str, tuple[float, float]] = {}
     ks = kernels(events, served.cuda)
     for k in ks:
-        r = innermost(k.launch_us, spans) or OUTSIDE
+        r = region(k, spans)
         n, us = timed.get(r, (0.0, 0.0))
         timed[r] = (n + 1, us + k.us)
     costs = passes_costs(dims, [p.shape() for p in inst.passes])

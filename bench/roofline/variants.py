@@ -20,6 +20,7 @@ import torch
 from services.worker.engine.engine import Engine
 from services.worker.graphs.cuda_graph import DecodeGraphs
 from services.worker.ops.fusion import unfused_kernels
+from services.worker.request.request import SamplingParams
 
 VARIANTS = ("fused", "unfused")
 
@@ -80,6 +81,21 @@ class Served:
         self.sync()
         t0 = time.perf_counter()
         self.step(v)
+        self.sync()
+        return time.perf_counter() - t0
+
+    def admit(self, prompts: list[list[int]], params: SamplingParams) -> float:
+        """Adds a request per prompt and steps as variant 0 (whose graphs are the engine's own:
+        the running requests' decode passes may capture some) until every request is
+        prefilled; the seconds it took."""
+        eng = self.eng
+        first = len(eng.request_ids())
+        self.sync()
+        t0 = time.perf_counter()
+        for i, prompt in enumerate(prompts):
+            eng.add_request(f"decode-{first + i}", prompt, params)
+        while eng.num_waiting or any(r.num_computed == 0 for r in eng.scheduler.running):
+            self.step(self.variants[0])
         self.sync()
         return time.perf_counter() - t0
 
