@@ -19,6 +19,10 @@ from bench.roofline.variants import Served, Variant
 UNATTRIBUTED = "unattributed"  # a replayed kernel with no eager counterpart
 OUTSIDE = "outside"  # an eager kernel launched outside every labelled range
 NO_LAUNCH = "launch not found"  # a kernel whose launch call the trace lacks
+# regions that run once per pass or step, not in each decoder layer
+NOT_PER_LAYER = frozenset(
+    {"embed", "norm", "lm_head", "step", "kv.begin", "kv.commit", OUTSIDE, NO_LAUNCH, UNATTRIBUTED}
+)
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ from bench.core import UsageError
 from bench.core.lockstep import alternate
 from bench.core.steps import steady_engine
 from bench.roofline import report
-from bench.roofline.attribution import profile_steps
-from bench.roofline.cost import passes_costs
+from bench.roofline.attribution import NOT_PER_LAYER, profile_steps
+from bench.roofline.cost import Dims, passes_costs
 from bench.roofline.limits import Limits, measure
 from bench.roofline.models import build, dims_of
 from bench.roofline.prefill import prefill
@@ -98,6 +98,7 @@ def run(args: argparse.Namespace) -> dict:
           f"{limits.compute / 1e12:.4g} TFLOP/s ({limits.compute_source})")  # fmt: skip
     deadline = time.monotonic() + (args.time_limit_s or float("inf"))
     families = {f: family(f, args, cs, names, lengths, limits, deadline) for f in fams}
+    report.print_summary(families)
     return {
         "bench": "roofline",
         "config": {k: getattr(args, k) for k in (
@@ -139,13 +140,9 @@ def family(
     served = Served(eng, names)
     codecs = eng.kv.codecs
     dims = dims_of(model, codecs.rows.row_bytes, codecs.keys.row_bytes)
-    how = (
-        "CUDA graphs"
-        if served.graphs
-        else (
-            "eager: no graphs on this device, the labelled eager step is both timing and attribution"
-        )
-    )
+    how = "CUDA graphs"
+    if not served.graphs:
+        how = "eager: no graphs on this device, the labelled eager step is timing and attribution"
     print(f"\n==== {name}{' (tiny)' if args.tiny else ''}, {args.mode}, context {args.context}: "
           f"built in {built_s:.1f} s; decode {how}")  # fmt: skip
     decode: dict[str, dict] = {}
@@ -162,7 +159,7 @@ def family(
         took = served.admit(prompts[eng.num_running : c], _DECODE)
         rate = new * args.context / took
         t = time.monotonic()
-        decode[str(c)] = concurrency(served, c, args, dims, limits) | {"admit_s": took}
+        decode[str(c)] = {"admit_s": took, "variants": concurrency(served, c, args, dims, limits)}
         stage_s = time.monotonic() - t
     pre: dict[str, dict] = {}
     for n in lengths:
@@ -178,7 +175,9 @@ def family(
             "graphs": args.device == "cuda", "decode": decode, "prefill": pre}  # fmt: skip
 
 
-def concurrency(served: Served, c: int, args: argparse.Namespace, dims, limits: Limits) -> dict:
+def concurrency(
+    served: Served, c: int, args: argparse.Namespace, dims: Dims, limits: Limits
+) -> dict:
     """Every variant at C = ``c``: warm-up, timed steps in alternation, then the profiles."""
     for v in served.variants:
         for _ in range(args.warmup):
@@ -194,12 +193,16 @@ def concurrency(served: Served, c: int, args: argparse.Namespace, dims, limits: 
         step = report.spread(times[v.name])
         rows = report.regions(sk.by_region(), costs, limits)
         roof = report.roofline(costs, limits, step["median_ms"] * 1e-3)
-        per_step = sum(n for n, _ in sk.by_region().values())
-        layers = len(dims.layers)
+        timed = sk.by_region()
+        per_step = sum(n for n, _ in timed.values())
+        in_layers = sum(n for r, (n, _) in timed.items() if r not in NOT_PER_LAYER)
         out[v.name] = {
             "step": step, "graphs_during_timing": graphs, "roofline": roof,
-            "kernels_per_step": per_step, "kernels_per_layer": per_step / layers,
-            "device_us_per_step": sum(us for _, us in sk.by_region().values()),
+            "kernels_per_step": per_step,
+            # the kernels of the layers' own regions (not the head, embedding, the engine's
+            # step or kernels without a region), per decoder layer
+            "kernels_per_layer": in_layers / len(dims.layers),
+            "device_us_per_step": sum(us for _, us in timed.values()),
             "graph_launch_us_per_step": None if sk.graph_launch_us is None
             else sk.graph_launch_us / sk.steps,
             "graph_launches_per_step": sk.graph_launches / sk.steps,

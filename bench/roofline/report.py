@@ -71,3 +71,29 @@ def print_kernels(rows: Sequence[dict], limit: int = 15) -> None:
     for row in rows[:limit]:
         region = max(row["regions"], key=row["regions"].get)
         print(f"  {row['name'][:68]:<70}{row['count']:>8.1f}{row['us']:>10.1f}  {region}")
+
+
+def print_summary(families: Mapping[str, dict]) -> None:
+    """One line per (family, C, variant) and per prefill: the run at a glance."""
+    print(f"\n{'family':<14}{'C':>5} {'variant':<9}{'step ms':>10} {'IQR ms':<19}{'roof ms':>9}"
+          f"{'ratio':>7}{'kern':>7}{'/layer':>8}{'launch µs':>11}")  # fmt: skip
+    for fam, r in families.items():
+        for c, stage in r["decode"].items():
+            if "skipped" in stage:
+                print(f"{fam:<14}{c:>5} skipped: {stage['skipped']}")
+                continue
+            for v, d in stage["variants"].items():
+                s, roof = d["step"], d["roofline"]
+                print(
+                    f"{fam:<14}{c:>5} {v:<9}{s['median_ms']:>10.3f} "
+                    f"{s['q1_ms']:.3f}-{s['q3_ms']:<9.3f}{roof['roofline_s'] * 1e3:>9.3f}"
+                    f"{fmt(roof['ratio'], '.3f'):>7}{d['kernels_per_step']:>7.0f}"
+                    f"{d['kernels_per_layer']:>8.1f}{fmt(d['graph_launch_us_per_step'], '.0f'):>11}"
+                )
+        for n, variants in r["prefill"].items():
+            if "skipped" in variants:
+                print(f"{fam:<14} prefill {n}: skipped: {variants['skipped']}")
+                continue
+            for v, d in variants.items():
+                print(f"{fam:<14} prefill {n} {v}: {d['ttft_s']:.3f} s to the first token, "
+                      f"{fmt(d['frac_peak'], '.3f')} of the compute limit")  # fmt: skip

@@ -60,7 +60,8 @@ def test_the_result_has_every_family_concurrency_and_variant(result: dict) -> No
     assert fam["graphs"] is False and set(fam["decode"]) == {"1", "2"}
     for c in ("1", "2"):
         for v in ("fused", "unfused"):
-            r = fam["decode"][c][v]
+            assert fam["decode"][c]["admit_s"] > 0
+            r = fam["decode"][c]["variants"][v]
             assert r["attribution"] == "labelled" and r["graph_launch_us_per_step"] is None
             assert r["step"]["samples"] == 2 and r["step"]["median_ms"] > 0
             assert r["step"]["min_ms"] <= r["step"]["median_ms"] <= r["step"]["max_ms"]
@@ -73,7 +74,7 @@ def test_the_result_has_every_family_concurrency_and_variant(result: dict) -> No
 
 
 def test_every_region_that_must_be_there_is_there_with_kernels(result: dict) -> None:
-    r = result["families"][FAMILY]["decode"]["2"]["fused"]
+    r = result["families"][FAMILY]["decode"]["2"]["variants"]["fused"]
     rows = {row["region"]: row for row in r["regions"]}
     missing = [m for m in MUST if m not in rows]
     assert not missing, missing
@@ -84,7 +85,7 @@ def test_every_region_that_must_be_there_is_there_with_kernels(result: dict) -> 
 
 
 def test_projection_bytes_are_the_weights_and_activations_of_the_model(result: dict, model) -> None:
-    r = result["families"][FAMILY]["decode"]["2"]["fused"]
+    r = result["families"][FAMILY]["decode"]["2"]["variants"]["fused"]
     rows = {row["region"]: row for row in r["regions"]}
     n, act = 2, 4  # two decode tokens, fp32 activations on the CPU
     want = 0
@@ -96,7 +97,7 @@ def test_projection_bytes_are_the_weights_and_activations_of_the_model(result: d
 
 
 def test_expert_bytes_follow_the_experts_the_router_chose(result: dict, model) -> None:
-    r = result["families"][FAMILY]["decode"]["2"]["fused"]
+    r = result["families"][FAMILY]["decode"]["2"]["variants"]["fused"]
     chosen = r["experts"]
     moe = [i for i, layer in enumerate(model.layers) if hasattr(layer.mlp, "gate")]
     assert sorted(int(i) for i in chosen) == moe
