@@ -1,7 +1,11 @@
 """Every kernel of a step, with the region it belongs to: profile a few steps as served
 (replayed graphs on a GPU), profile one eager step with region labels, and give each replayed
 kernel the region of the eager kernel it aligns with (``align``). Without graphs (the CPU) the
-labelled eager step is the step itself: no alignment, every kernel has its label."""
+labelled eager step is the step itself: no alignment, every kernel has its label.
+
+The eager step is the same engine's next step with its graphs detached for that step: the same
+requests, KV state and kernels' shapes (one token later), with no second engine to build, fill
+and keep in memory beside the first."""
 
 from __future__ import annotations
 

@@ -8,11 +8,12 @@ device's limits; the step against its roofline; kernel count and graph-launch ho
 Per family, one engine serves never-ending greedy requests of ``--context`` tokens; the C are
 measured from the smallest up, each admitting (prefilling) the requests it adds, so that a
 ``--time-limit-s`` cuts the largest C (said in the output), never the smaller ones. The variants
-(``variants.py``: ``unfused`` inside ``fusion.unfused_kernels()``) are stepped alternately
-while timing (``bench/core/lockstep.py``'s ``alternate``), so the host's slow and fast phases
-fall on both alike. Attribution: ``attribution.py``; bytes and FLOPs: ``cost.py``; limits:
-``limits.py``. On the CPU (``--device cpu --tiny``) there are no graphs: the eager, labelled
-step is both the timing and the attribution, and the output says so."""
+share that engine, each with its own captured graphs (``variants.py``: ``unfused`` steps inside
+``fusion.unfused_kernels()``), and are stepped alternately while timing
+(``bench/core/lockstep.py``'s ``alternate``), so the host's slow and fast phases fall on both
+alike. Attribution: ``attribution.py``; bytes and FLOPs: ``cost.py``; limits: ``limits.py``.
+On the CPU (``--device cpu --tiny``) there are no graphs: the timed steps are eager and the
+regions come from the labelled eager step itself, and the output says so."""
 
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import argparse
 import time
 
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from bench.core import UsageError
 from bench.core.lockstep import alternate
@@ -38,6 +40,10 @@ from services.worker.kv.row_codec import KV_CACHE_DTYPES
 from services.worker.request.request import SamplingParams
 
 MODES = ("resident", "hisparse", "adaptive")
+NO_GRAPHS = (
+    "eager: no graphs on this device, so no replay to align; the timed steps are eager and the "
+    "regions come from the labelled eager step itself"
+)
 _DECODE = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
 
 
@@ -92,6 +98,10 @@ def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     if cuda and not torch.cuda.is_available():
         raise UsageError("--device cuda on a machine without CUDA (use --device cpu --tiny)")
+    if cuda:  # CUPTI attached before any graph is captured: a replayed graph's kernels reported
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]):
+            torch.ones(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
     limits = measure(torch.device(args.device))
     print(f"== {limits.device}: copy {limits.copy_bytes_per_s / 1e9:.1f} GB/s (measured), "
           f"matmul {limits.matmul_flops_per_s / 1e12:.4g} TFLOP/s (measured), compute limit "
@@ -140,9 +150,7 @@ def family(
     served = Served(eng, names)
     codecs = eng.kv.codecs
     dims = dims_of(model, codecs.rows.row_bytes, codecs.keys.row_bytes)
-    how = "CUDA graphs"
-    if not served.graphs:
-        how = "eager: no graphs on this device, the labelled eager step is timing and attribution"
+    how = "CUDA graphs" if served.graphs else NO_GRAPHS
     print(f"\n==== {name}{' (tiny)' if args.tiny else ''}, {args.mode}, context {args.context}: "
           f"built in {built_s:.1f} s; decode {how}")  # fmt: skip
     decode: dict[str, dict] = {}
@@ -172,7 +180,8 @@ def family(
     if args.device == "cuda":
         torch.cuda.empty_cache()
     return {"built_s": built_s, "row_bytes": dims.row_bytes, "key_bytes": dims.key_bytes,
-            "graphs": args.device == "cuda", "decode": decode, "prefill": pre}  # fmt: skip
+            "graphs": args.device == "cuda", "decode_passes": how,
+            "decode": decode, "prefill": pre}  # fmt: skip
 
 
 def concurrency(
@@ -222,7 +231,8 @@ def _print(c: int, variant: str, r: dict) -> None:
           f"roofline {roof['roofline_s'] * 1e3:.3f} ms ({roof['bound']}: "
           f"{roof['bytes'] / 1e9:.3f} GB, {roof['flops'] / 1e12:.3f} TFLOP); "
           f"ratio {report.fmt(roof['ratio'], '.3f')}")  # fmt: skip
-    print(f"    {r['kernels_per_step']:.0f} kernels/step ({r['kernels_per_layer']:.1f}/layer), "
+    print(f"    {r['kernels_per_step']:.0f} kernels/step ({r['kernels_per_layer']:.1f}/layer; "
+          f"the labelled eager step ran {r['eager_kernels']}), "
           f"{r['device_us_per_step']:.0f} µs of kernels/step, cudaGraphLaunch "
           f"{report.fmt(r['graph_launch_us_per_step'], '.0f')} µs/step host "
           f"({r['graph_launches_per_step']:.1f} launches); regions {r['attribution']}; graphs during timing "
