@@ -11,6 +11,7 @@ import argparse
 import pytest
 
 from bench import roofline
+from bench.core import UsageError
 from bench.core.steps import steady_engine
 from bench.roofline.attribution import UNATTRIBUTED, labelled_step, profile_steps
 from bench.roofline.models import build
@@ -29,6 +30,14 @@ def _args(*argv: str) -> argparse.Namespace:
     ap = argparse.ArgumentParser()
     roofline.add_arguments(ap)
     return ap.parse_args(list(argv))
+
+
+def test_arguments_are_checked_before_anything_runs() -> None:
+    for bad in (["--scaled", "v4"], ["--variants", "fused,fused"], ["--variants", "fast"],
+                ["--concurrency", "0"], ["--concurrency", "4k"],
+                ["--concurrency", "", "--prefill", ""]):  # fmt: skip
+        with pytest.raises(UsageError):
+            roofline.run(_args("--device", "cpu", "--tiny", *bad))
 
 
 @pytest.fixture(scope="module")
