@@ -76,6 +76,7 @@ COMMANDS: dict[str, Command] = {
                             "constrained decoding's cost per decode step, lockstep"),
     "gpu-tests": Command("bench.gpu_tests", "the GPU test suite, each test's outcome (CUDA)"),
     "slices": Command("bench.slices", "real-dimension slices vs transformers: errors (CUDA)"),
+    "roofline": Command("bench.roofline", "decode step and prefill kernels vs the roofline"),
 }
 # fmt: on
 

@@ -18,6 +18,10 @@ to ``logs.tgz``.
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
     host-layout-serving  a serving step's host recovery through the engine's resolver launches,
                  256 requests over a >= 32 GiB arena, scattered vs grouped placement
+    roofline     every kernel of the real-dimension decode step, by region, against its
+                 roofline (``bench roofline``): both families at 8K, C = 1, 4, 16, 64,
+                 fused and unfused kernels in lockstep
+    roofline-prefill  the same for one 8K prompt per family: time to first token vs peak
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -94,6 +98,31 @@ SCALED_32K_STEPS = tuple(
         f"-m bench scaled --family {family} --contexts 32768 --concurrency 1 "
         f"--decode-tokens 32 --out {{out}}/scaled_32k_{family}.json",
         270,
+    )
+    for family in FAMILIES
+)
+# every kernel of the real-dimension decode step against its roofline (``bench roofline``): one
+# family per step, resident at 8K, C = 1, 4, 16, 64 admitted in turn (C = 64 prefills 64 8K
+# prompts), fused and unfused kernels in lockstep; a C whose prefill would pass the step's
+# limit is skipped and said so, the smaller ones already measured
+ROOFLINE_STEPS = tuple(
+    Step(
+        f"roofline-{family}",
+        f"-m bench roofline --scaled {family} --mode resident --context 8192 "
+        f"--concurrency 1,4,16,64 --variants fused,unfused --time-limit-s 200 "
+        f"--out {{out}}/roofline_{family}_8k.json",
+        240,
+    )
+    for family in FAMILIES
+)
+# one 8K prompt per family and variant: time to first token against the bf16 peak
+ROOFLINE_PREFILL_STEPS = tuple(
+    Step(
+        f"roofline-prefill-{family}",
+        f"-m bench roofline --scaled {family} --mode resident --concurrency '' "
+        f"--prefill 8192 --variants fused,unfused "
+        f"--out {{out}}/roofline_prefill_{family}_8k.json",
+        200,
     )
     for family in FAMILIES
 )
@@ -180,6 +209,8 @@ PARTS: dict[str, tuple[Step, ...]] = {
     ),
     "tests": (GPU_TESTS, SLICES),
     "scaled": SCALED_STEPS,
+    "roofline": ROOFLINE_STEPS,
+    "roofline-prefill": ROOFLINE_PREFILL_STEPS,
     "scaled-32k": SCALED_32K_STEPS,
 }
 
