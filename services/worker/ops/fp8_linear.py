@@ -9,14 +9,20 @@ Two activation modes (``MODES``):
   group), as DeepSeek's reference ``act_quant`` does (``act_quant_ref``), then FP8 x FP8.
 
 ``fp8_linear_ref`` is the plain-torch reference, in fp32; ``fp8_linear_triton`` checks shapes
-and picks the grid of the kernel in ``fp8_linear_kernel.py``. Both return x's dtype. They agree
-up to fp32 reassociation: the products are the same numbers (for w8a8, the kernel quantizes x
-bit for bit as ``act_quant_ref`` does), only the order of the fp32 sums and where the block
-scales are multiplied in differ."""
+and lays out the launch of the kernel in ``fp8_linear_kernel.py`` (tiles by batch bucket:
+``fp8_linear_tiles.py``; K splits for decode shapes: ``fp8_linear_splits.py``). Both return
+x's dtype. They agree up to fp32 reassociation: the products are the same numbers (for w8a8,
+the kernel quantizes x bit for bit as ``act_quant_ref`` does), only the order of the fp32 sums
+and where the block scales are multiplied in differ.
+
+A launch with several K splits sums them inside the kernel (one launch; ``fused(x)``), or,
+inside ``unfused_kernels()``, writes the fp32 partials and sums them with torch
+(``out.sum(dim=0)``, the bias, the cast: two more kernels). The kernel sums in split order,
+``sum_splits_ref``'s order bit for bit, which is torch's up to 4 splits."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, NamedTuple
 
 import torch
 import triton
@@ -30,7 +36,13 @@ from services.worker.ops.fp8_blockwise import (
     scale_to_float,
 )
 from services.worker.ops.fp8_linear_kernel import fp8_linear_kernel
-from services.worker.ops.launch import TARGET_PROGRAMS
+from services.worker.ops.fp8_linear_splits import (
+    device_split_counters,
+    k_splits,
+    split_blocks,
+)
+from services.worker.ops.fp8_linear_tiles import Tiles, launch_block_m, tiles_for
+from services.worker.ops.fusion import fused
 
 Mode = Literal["w8a16", "w8a8"]
 MODES: tuple[Mode, ...] = ("w8a16", "w8a8")
@@ -103,28 +115,96 @@ def fp8_linear_ref(
     return y.to(x.dtype).reshape(*lead, weight.shape[0])
 
 
-def _tiles(m: int, interpret: bool) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, num_warps, num_stages). Under the interpreter a program is slow, so
-    few large tiles; on a GPU, small M (decode) takes narrow tiles for more programs, and
-    tl.dot needs at least 16 rows. A fixed table, not autotuned (the interpreter cannot
-    autotune); ``python -m bench fp8-linear`` measures it."""
-    if interpret:
-        return min(64, max(16, triton.next_power_of_2(m))), 128, 1, 1
-    if m <= 16:
-        return 16, 64, 4, 4
-    if m <= 64:
-        return triton.next_power_of_2(m), 64, 4, 4
-    return 128, 128, 8, 3
+class LaunchPlan(NamedTuple):
+    """A launch's layout: ``block_m`` rows per tile, a ``grid_m`` x ``grid_n`` grid of output
+    tiles, ``splits`` splits of K of ``per`` K blocks each (the last one may be shorter)."""
+
+    tiles: Tiles
+    block_m: int
+    grid_m: int
+    grid_n: int
+    splits: int
+    per: int
 
 
-def k_splits(tiles_mn: int, k_blocks: int, interpret: bool) -> int:
-    """How many K splits a launch of ``tiles_mn`` output tiles takes: enough programs for
-    ``TARGET_PROGRAMS`` (decode shapes such as [576, 7168] have few output tiles and a long
-    K), at most one per K block; one under the interpreter. A function of the shape only, so
-    a given shape always sums in the same order (deterministic, replayable in a graph)."""
-    if interpret or tiles_mn >= TARGET_PROGRAMS:
-        return 1
-    return max(1, min(k_blocks, -(-TARGET_PROGRAMS // tiles_mn)))
+def plan_launch(
+    m: int, n: int, k: int, tiles: Tiles | None, splits: int | None, interpret: bool
+) -> LaunchPlan:
+    """The layout of ``[M, K] @ [N, K]^T`` with ``tiles`` (default ``tiles_for``'s) and
+    ``splits`` K splits asked (default ``k_splits``'s for the tiles' ``split_programs``)."""
+    t = tiles if tiles is not None else tiles_for(m, interpret)
+    block_m = launch_block_m(t, m)
+    grid_m, grid_n = triton.cdiv(m, block_m), triton.cdiv(n, t.block_n)
+    k_blocks = triton.cdiv(k, BLOCK)
+    asked = splits if splits is not None else k_splits(grid_m * grid_n, k_blocks, interpret,
+                                                       t.split_programs)  # fmt: skip
+    s, per = split_blocks(k_blocks, asked, t.k_step)
+    return LaunchPlan(t, block_m, grid_m, grid_n, s, per)
+
+
+def _launch(
+    x2: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    bias: torch.Tensor | None,
+    mode: Mode,
+    y: torch.Tensor,
+    part: torch.Tensor | None,
+    counters: torch.Tensor | None,
+    plan: LaunchPlan,
+) -> None:
+    """One kernel launch: ``x2 [M, K]`` against ``weight [N, K]`` with its fp32 ``scale``.
+    Without ``part`` (one split) it writes ``y [M, N]``; with ``part [splits, M, N]`` fp32 it
+    writes the partial sums there, and with ``counters`` as well it also sums them into y."""
+    interpret = x2.device.type == "cpu"
+    t, m, n, k = plan.tiles, x2.shape[0], weight.shape[0], x2.shape[1]
+    p = part if part is not None else y  # unused without SPLIT
+    fp8_linear_kernel[(plan.grid_m, plan.grid_n, plan.splits)](
+        x2, x2.stride(0), x2.stride(1),
+        weight, weight.stride(0), weight.stride(1),
+        scale, scale.stride(0), scale.stride(1),
+        bias if bias is not None else scale,  # unused without HAS_BIAS
+        y, y.stride(0), y.stride(1),
+        p, p.stride(0) if part is not None else 0, p.stride(-2), p.stride(-1),
+        counters if counters is not None else scale,  # unused without SUM_SPLITS
+        m, n, k, plan.per, plan.splits,
+        BLOCK_M=plan.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK, K_STEP=t.k_step,
+        SPLIT=part is not None, SUM_SPLITS=counters is not None,
+        A8=mode == "w8a8", HAS_BIAS=bias is not None,
+        DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[x2.dtype],
+        # fp32 products, never TF32: fp32 activations then match the reference closely.
+        PREC="ieee",
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )  # fmt: skip
+
+
+def _prepare(
+    x: torch.Tensor, weight: torch.Tensor, weight_scale: torch.Tensor, mode: Mode
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(x as [M, K], the scale grid as fp32)`` after checking the contract."""
+    _check(x, weight, weight_scale, mode)
+    x2 = x.reshape(-1, x.shape[-1])
+    scale = weight_scale if weight_scale.dtype == torch.float32 else scale_to_float(weight_scale)
+    return x2, scale
+
+
+def fp8_linear_partials(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    weight_scale: torch.Tensor,
+    mode: Mode = "w8a16",
+    splits: int | None = None,
+    tiles: Tiles | None = None,
+) -> torch.Tensor:
+    """The kernel's fp32 partial sums of ``x [M, K] @ W^T`` over its K splits, without bias:
+    ``[splits, M, N]`` (the splits of ``plan_launch``; one where K is one split)."""
+    x2, scale = _prepare(x, weight, weight_scale, mode)
+    m, k, n = x2.shape[0], x2.shape[1], weight.shape[0]
+    plan = plan_launch(m, n, k, tiles, splits, x2.device.type == "cpu")
+    part = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x2.device)
+    if m > 0:
+        _launch(x2, weight, scale, None, mode, part[0], part, None, plan)
+    return part
 
 
 def fp8_linear_triton(
@@ -134,48 +214,46 @@ def fp8_linear_triton(
     bias: torch.Tensor | None = None,
     mode: Mode = "w8a16",
     splits: int | None = None,
+    tiles: Tiles | None = None,
+    sum_splits: bool | None = None,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``fp8_linear_ref``; the scales are read as fp32 (an e8m0 or bf16 grid
     is widened here: pass fp32, as ``FP8Linear`` holds it, to avoid that copy per call).
-    ``splits``: K splits (default ``k_splits``'s); with more than one, the fp32 partial sums
-    [splits, M, N] are added in split order, then the bias, then the cast."""
-    _check(x, weight, weight_scale, mode)
+
+    ``tiles``: the launch configuration (default ``tiles_for``'s); ``splits``: K splits
+    (default ``k_splits``'s). With more than one split, the fp32 partial sums ``[splits, M,
+    N]`` are added in split order, then the bias, then the cast: inside the kernel when
+    ``sum_splits`` (default ``fused(x)``: one launch, ``sum_splits_ref``'s order bit for bit),
+    else by torch (``out.sum(dim=0)``, two more kernels). ``counters``: the split-K arrival
+    counters the kernel uses (default one buffer per device; ``make_split_counters`` states
+    when a caller needs its own). Capturable in a CUDA graph once run eagerly on the device."""
+    x2, scale = _prepare(x, weight, weight_scale, mode)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
-    lead, k = x.shape[:-1], x.shape[-1]
-    n = weight.shape[0]
-    x2 = x.reshape(-1, k)
-    m = x2.shape[0]
-    scale = weight_scale if weight_scale.dtype == torch.float32 else scale_to_float(weight_scale)
+    lead, (m, k), n = x.shape[:-1], x2.shape, weight.shape[0]
     y = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0:
         return y.reshape(*lead, n)
-    interpret = x.device.type == "cpu"
-    block_m, block_n, warps, stages = _tiles(m, interpret)
-    tiles = triton.cdiv(m, block_m) * triton.cdiv(n, block_n)
-    k_blocks = triton.cdiv(k, BLOCK)
-    s = splits if splits is not None else k_splits(tiles, k_blocks, interpret)
-    per = triton.cdiv(k_blocks, s)
-    s = triton.cdiv(k_blocks, per)  # no empty split
-    out = y if s == 1 else torch.empty(s, m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n), s)
-    fp8_linear_kernel[grid](
-        x2, x2.stride(0), x2.stride(1),
-        weight, weight.stride(0), weight.stride(1),
-        scale, scale.stride(0), scale.stride(1),
-        bias if bias is not None else scale,  # unused without HAS_BIAS
-        out, out.stride(0) if s > 1 else 0, out.stride(-2), out.stride(-1),
-        m, n, k, per,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK,
-        A8=mode == "w8a8", HAS_BIAS=bias is not None and s == 1,
-        DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[x.dtype],
-        # fp32 products, never TF32: fp32 activations then match the reference closely.
-        PREC="ieee",
-        num_warps=warps, num_stages=stages,
-    )  # fmt: skip
-    if s > 1:
-        acc = out.sum(dim=0)
-        if bias is not None:
-            acc += bias.to(torch.float32)
-        y = acc.to(x.dtype)
+    plan = plan_launch(m, n, k, tiles, splits, x.device.type == "cpu")
+    if plan.splits == 1:
+        _launch(x2, weight, scale, bias, mode, y, None, None, plan)
+        return y.reshape(*lead, n)
+    out = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
+    if fused(x) if sum_splits is None else sum_splits:
+        cnt = counters if counters is not None else device_split_counters(x.device)
+        if cnt.dtype != torch.int32 or cnt.device != x.device:
+            raise ValueError(f"counters must be int32 on {x.device}, got {cnt.dtype} {cnt.device}")
+        if cnt.numel() < plan.grid_m * plan.grid_n:
+            raise ValueError(
+                f"{plan.grid_m * plan.grid_n} output tiles split {plan.splits} ways: more than "
+                f"the {cnt.numel()} split-K counters"
+            )
+        _launch(x2, weight, scale, bias, mode, y, out, cnt, plan)
+        return y.reshape(*lead, n)
+    _launch(x2, weight, scale, None, mode, y, out, None, plan)
+    acc = out.sum(dim=0)
+    if bias is not None:
+        acc += bias.to(torch.float32)
+    y = acc.to(x.dtype)
     return y.reshape(*lead, n)

@@ -1,8 +1,20 @@
 """The FP8 block-scaled matmul kernel ``y = x @ dequant(W)^T (+ bias)``: one program per
 [BLOCK_M, BLOCK_N] tile of y and split of K, a loop over that split's K blocks of 128 aligned
-to the weight's scale grid (see ``fp8_linear.py``, which launches it, sums the splits and holds
-the torch references). With one split the program writes y itself (bias included); with more
-it writes its fp32 partial sum at ``y[split]`` and adds no bias.
+to the weight's scale grid, ``K_STEP`` (1 or 2) scale blocks per iteration (see
+``fp8_linear.py``, which launches it and holds the torch references).
+
+How the splits of K end (compile-time ``SPLIT`` and ``SUM_SPLITS``):
+- one split (``SPLIT=False``): the program writes its tile of y, bias included;
+- ``SPLIT=True, SUM_SPLITS=False``: it writes its fp32 partial sum at ``part[split]`` and adds
+  no bias; the wrapper sums the splits with torch;
+- ``SPLIT=True, SUM_SPLITS=True``: it writes its partial, then takes a ticket from its tile's
+  arrival counter. The program that arrives last sums the ``SPLITS`` partials in split order
+  (from zero, ``0 + part[0] + part[1] + ...``: the result does not depend on which program
+  arrives last), adds the bias, writes y and sets the counter back to 0, so the counters are
+  zero between launches (replayable in a CUDA graph). Ordering: a CTA barrier puts every
+  thread's partial store before the ticket's acq_rel atomic (the release), the last arriver's
+  atomic (the acquire) and the barrier Triton places after a scalar atomic put its loads of
+  the others' partials after it, and those loads bypass L1 (``.cg``).
 
 Two activation modes, chosen at compile time by ``A8``:
 - W8A16 (``A8=False``): the e4m3 weight tile is widened to ``DOT_DTYPE`` (x's dtype on a GPU,
@@ -15,8 +27,12 @@ Two activation modes, chosen at compile time by ``A8``:
   accumulated in fp32, and the partial sum is scaled by x_scale * w_scale. Every program
   quantizes the x tiles it reads (the same values each time); no x_fp8 is written.
 
+``K_STEP`` does not change the arithmetic: the blocks are added to the accumulator one by one
+in K order either way.
+
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
-from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
+from the project's argument-count rule (``pyproject.toml``), and holds only the kernel and the
+device functions it inlines."""
 
 from __future__ import annotations
 
@@ -30,60 +46,129 @@ AMAX_MIN = tl.constexpr(1e-4)
 
 
 @triton.jit
+def _add_scaled_block(
+    acc, kb, kb_end, k_limit,
+    x_ptr, stride_xm, stride_xk,
+    w_ptr, stride_wn, stride_wk,
+    w_scale_row, stride_wsk,
+    offs_m, offs_n, mask_m, mask_n,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    A8: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
+):  # fmt: skip
+    """``acc`` plus K block ``kb``'s scaled product. Columns from ``k_limit`` on read as zero
+    (a block at or past ``kb_end``, the split's end, reads nothing); the scale address stays
+    within the split's blocks (its value is unused past them)."""
+    k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_k = k < k_limit
+    x = tl.load(
+        x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
+        mask=mask_m[:, None] & mask_k[None, :],
+        other=0.0,
+    )  # [BLOCK_M, BLOCK_K]
+    w = tl.load(
+        w_ptr + k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
+        mask=mask_k[:, None] & mask_n[None, :],
+        other=0.0,
+    )  # [BLOCK_K, BLOCK_N] e4m3, W^T's tile
+    # BLOCK_K is the scale block: K block kb has the weight scales of column kb.
+    w_scale = tl.load(w_scale_row + tl.minimum(kb, kb_end - 1) * stride_wsk, mask=mask_n, other=0.0)
+    if A8:
+        xf = x.to(tl.float32)
+        amax = tl.maximum(tl.max(tl.abs(xf), axis=1), AMAX_MIN)  # [BLOCK_M]
+        x_scale = tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32))
+        xq = tl.math.div_rn(xf, x_scale[:, None])
+        xq = round_to_e4m3(tl.clamp(xq, -FP8_MAX, FP8_MAX)).to(tl.float8e4nv)
+        part = tl.dot(xq, w, out_dtype=tl.float32)
+        return acc + part * (x_scale[:, None] * w_scale[None, :])
+    # Through fp32: exact, and the interpreter's direct e4m3 -> bf16 cast is wrong.
+    w = w.to(tl.float32).to(DOT_DTYPE)
+    part = tl.dot(x.to(DOT_DTYPE), w, input_precision=PREC, out_dtype=tl.float32)
+    return acc + part * w_scale[None, :]
+
+
+@triton.jit
+def _cast_rtne(v, DTYPE: tl.constexpr):
+    """fp32 ``v`` in ``DTYPE``, rounded to nearest even as torch's cast rounds. bf16 by its
+    bits (NaN kept NaN): the interpreter's own fp32 -> bf16 cast truncates, and the bits give
+    the same value as the GPU's conversion, so y is torch's on every backend."""
+    if tl.bfloat16 == DTYPE:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
+        bits = tl.where(v != v, 0x7FC0, bits)
+        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    return v.to(DTYPE)
+
+
+@triton.jit
+def _store_y(acc, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n, mask_m, mask_n,
+             HAS_BIAS: tl.constexpr):  # fmt: skip
+    """Writes ``acc (+ bias)`` in y's dtype; the bias is added in fp32 before the cast."""
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    tl.store(
+        y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
+        _cast_rtne(acc, y_ptr.dtype.element_ty),
+        mask=mask_m[:, None] & mask_n[None, :],
+    )
+
+
+@triton.jit
 def fp8_linear_kernel(
     x_ptr, stride_xm, stride_xk,
     w_ptr, stride_wn, stride_wk,
     w_scale_ptr, stride_wsn, stride_wsk,
     bias_ptr,
-    y_ptr, stride_ys, stride_ym, stride_yn,
-    M, N, K, KB_PER_SPLIT,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    y_ptr, stride_ym, stride_yn,
+    part_ptr, stride_ps, stride_pm, stride_pn,
+    counter_ptr,
+    M, N, K, KB_PER_SPLIT, SPLITS,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, K_STEP: tl.constexpr,
+    SPLIT: tl.constexpr, SUM_SPLITS: tl.constexpr,
     A8: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
-    pid_s = tl.program_id(2)  # split-K: this program's K blocks, its partial sum at y[pid_s]
+    pid_s = tl.program_id(2)  # split-K: this program's K blocks, its partial sum at part[pid_s]
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
     mask_m = offs_m < M
     mask_n = offs_n < N
-    # BLOCK_K is the scale block: K block kb has the weight scales of column kb.
     w_scale_row = w_scale_ptr + (offs_n // BLOCK_K) * stride_wsn  # [BLOCK_N]
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     kb_end = tl.minimum((pid_s + 1) * KB_PER_SPLIT, tl.cdiv(K, BLOCK_K))
-    for kb in range(pid_s * KB_PER_SPLIT, kb_end):
-        k = kb * BLOCK_K + offs_k
-        mask_k = k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + k[None, :] * stride_xk,
-            mask=mask_m[:, None] & mask_k[None, :],
-            other=0.0,
-        )  # [BLOCK_M, BLOCK_K]
-        w = tl.load(
-            w_ptr + k[:, None] * stride_wk + offs_n[None, :] * stride_wn,
-            mask=mask_k[:, None] & mask_n[None, :],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N] e4m3, W^T's tile
-        w_scale = tl.load(w_scale_row + kb * stride_wsk, mask=mask_n, other=0.0)  # [BLOCK_N]
-        if A8:
-            xf = x.to(tl.float32)
-            amax = tl.maximum(tl.max(tl.abs(xf), axis=1), AMAX_MIN)  # [BLOCK_M]
-            x_scale = tl.math.div_rn(amax, tl.full([BLOCK_M], FP8_MAX, tl.float32))
-            xq = tl.math.div_rn(xf, x_scale[:, None])
-            xq = round_to_e4m3(tl.clamp(xq, -FP8_MAX, FP8_MAX)).to(tl.float8e4nv)
-            part = tl.dot(xq, w, out_dtype=tl.float32)
-            acc += part * (x_scale[:, None] * w_scale[None, :])
-        else:
-            # Through fp32: exact, and the interpreter's direct e4m3 -> bf16 cast is wrong.
-            w = w.to(tl.float32).to(DOT_DTYPE)
-            part = tl.dot(x.to(DOT_DTYPE), w, input_precision=PREC, out_dtype=tl.float32)
-            acc += part * w_scale[None, :]
-    if HAS_BIAS:
-        bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
-        acc += bias.to(tl.float32)[None, :]
-    tl.store(
-        y_ptr + pid_s * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-        acc.to(y_ptr.dtype.element_ty),
-        mask=mask_m[:, None] & mask_n[None, :],
-    )
+    k_limit = tl.minimum(K, kb_end * BLOCK_K)  # the split's last column + 1
+    for kb in range(pid_s * KB_PER_SPLIT, kb_end, K_STEP):
+        acc = _add_scaled_block(
+            acc, kb, kb_end, k_limit, x_ptr, stride_xm, stride_xk, w_ptr, stride_wn, stride_wk,
+            w_scale_row, stride_wsk, offs_m, offs_n, mask_m, mask_n,
+            BLOCK_M, BLOCK_K, A8, DOT_DTYPE, PREC,
+        )  # fmt: skip
+        if K_STEP == 2:
+            added = _add_scaled_block(
+                acc, kb + 1, kb_end, k_limit, x_ptr, stride_xm, stride_xk, w_ptr, stride_wn,
+                stride_wk, w_scale_row, stride_wsk, offs_m, offs_n, mask_m, mask_n,
+                BLOCK_M, BLOCK_K, A8, DOT_DTYPE, PREC,
+            )  # fmt: skip
+            # A selection, not an add of zeros: a missing block leaves acc bit for bit.
+            acc = tl.where(kb + 1 < kb_end, added, acc)
+    if SPLIT:
+        mask = mask_m[:, None] & mask_n[None, :]
+        part_tile = part_ptr + offs_m[:, None] * stride_pm + offs_n[None, :] * stride_pn
+        tl.store(part_tile + pid_s * stride_ps, acc, mask=mask)
+        if SUM_SPLITS:
+            tl.debug_barrier()  # every thread's partial store precedes the ticket (release)
+            counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
+            ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if ticket == SPLITS - 1:
+                total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for s in range(0, SPLITS):
+                    total += tl.load(
+                        part_tile + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
+                _store_y(total, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n,
+                         mask_m, mask_n, HAS_BIAS)  # fmt: skip
+                tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
+    else:
+        _store_y(acc, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n, mask_m, mask_n,
+                 HAS_BIAS)  # fmt: skip

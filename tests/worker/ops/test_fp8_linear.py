@@ -61,7 +61,7 @@ def test_split_k_sums_the_splits_in_order() -> None:
     """Split-K (the decode path for long K on a GPU) under the interpreter: 2 and 3 splits of
     4 K blocks (one split shorter), with and without a bias, equal the reference as closely as
     one split does."""
-    from services.worker.ops.fp8_linear import k_splits
+    from services.worker.ops.fp8_linear_splits import k_splits
 
     assert k_splits(9, 56, interpret=False) == 30 and k_splits(300, 56, interpret=False) == 1
     assert k_splits(9, 3, interpret=False) == 3 and k_splits(9, 56, interpret=True) == 1
