@@ -9,8 +9,8 @@ How the splits of K end (compile-time ``SPLIT`` and ``SUM_SPLITS``):
   no bias; the wrapper sums the splits with torch;
 - ``SPLIT=True, SUM_SPLITS=True``: it writes its partial, then takes a ticket from its tile's
   arrival counter. The program that arrives last sums the ``SPLITS`` partials in split order
-  (from zero, ``0 + part[0] + part[1] + ...``: the result does not depend on which program
-  arrives last), adds the bias, writes y and sets the counter back to 0, so the counters are
+  (from zero, ``0 + part[0] + part[1] + ...``, four loads in flight: the result does not
+  depend on which program arrives last), adds the bias, writes y and sets the counter back to 0, so the counters are
   zero between launches (replayable in a CUDA graph). Ordering: a CTA barrier puts every
   thread's partial store before the ticket's acq_rel atomic (the release), the last arriver's
   atomic (the acquire) and the barrier Triton places after a scalar atomic put its loads of
@@ -100,6 +100,18 @@ def _cast_rtne(v, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _split_partial(part_tile, s, SPLITS, stride_ps, mask):
+    """Split ``s``'s fp32 partial tile, read past L1 (other programs wrote it); zeros for an
+    ``s`` past the last split (read at the last one's address). Adding those zeros leaves the
+    sum's bits: a sum started at +0.0 is never -0.0, and x + 0.0 is x for every other x."""
+    p = tl.load(
+        part_tile + tl.minimum(s, SPLITS - 1) * stride_ps, mask=mask, other=0.0,
+        cache_modifier=".cg",
+    )  # fmt: skip
+    return tl.where(s < SPLITS, p, 0.0)
+
+
+@triton.jit
 def _store_y(acc, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n, mask_m, mask_n,
              HAS_BIAS: tl.constexpr):  # fmt: skip
     """Writes ``acc (+ bias)`` in y's dtype; the bias is added in fp32 before the cast."""
@@ -161,11 +173,17 @@ def fp8_linear_kernel(
             counter = counter_ptr + pid_m * tl.num_programs(1) + pid_n
             ticket = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if ticket == SPLITS - 1:
+                # Four partials in flight per step, added one by one in split order.
                 total = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-                for s in range(0, SPLITS):
-                    total += tl.load(
-                        part_tile + s * stride_ps, mask=mask, other=0.0, cache_modifier=".cg"
-                    )
+                for s in range(0, SPLITS, 4):
+                    p0 = _split_partial(part_tile, s, SPLITS, stride_ps, mask)
+                    p1 = _split_partial(part_tile, s + 1, SPLITS, stride_ps, mask)
+                    p2 = _split_partial(part_tile, s + 2, SPLITS, stride_ps, mask)
+                    p3 = _split_partial(part_tile, s + 3, SPLITS, stride_ps, mask)
+                    total += p0
+                    total += p1
+                    total += p2
+                    total += p3
                 _store_y(total, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n,
                          mask_m, mask_n, HAS_BIAS)  # fmt: skip
                 tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
