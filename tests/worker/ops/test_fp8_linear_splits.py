@@ -13,8 +13,16 @@ regroups them in ways that depend on the shape, so there the comparison is with
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from services.worker.ops.fp8_linear import (
     fp8_linear_partials,
@@ -32,6 +40,7 @@ from services.worker.ops.fp8_linear_tiles import DEFAULT_TILES, Tiles, launch_bl
 from tests.worker.ops.fp8_linear_cases import EPS32, assert_within, bound, make_case
 
 CPU = torch.device("cpu")
+ROOT = Path(__file__).resolve().parents[3]
 
 # (M, N, K, splits asked, bias, mode, x dtype, tiles); tiles None: the interpreter's default.
 # Small tiles give several output tiles, so several counters; K 600 and 700 end ragged.
@@ -128,3 +137,62 @@ def test_contract_errors() -> None:
     with pytest.raises(ValueError, match="int32"):
         fp8_linear_triton(x, w_fp8, scale, splits=2, tiles=NARROW, sum_splits=True,
                           counters=small.long())  # fmt: skip
+
+
+def compile_for_sm90(tiles: Tiles) -> dict[str, bool]:
+    """What the fused split-K kernel compiled for sm_90 (Triton's compiler and ptxas, no GPU)
+    contains, with pointers and row strides 16-aligned as the launches' are. Runs outside
+    the interpreter (``test_kernel_compiles_for_sm90`` calls it in a subprocess)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from services.worker.ops.fp8_linear_kernel import fp8_linear_kernel as kernel
+
+    names = kernel.arg_names
+    pointers = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "w_scale_ptr": "*fp32",
+                "bias_ptr": "*fp32", "y_ptr": "*bf16", "part_ptr": "*fp32",
+                "counter_ptr": "*i32"}  # fmt: skip
+    unit = ("stride_xk", "stride_wk", "stride_wsk", "stride_yn", "stride_pn")
+    consts = {
+        "BLOCK_M": tiles.block_m, "BLOCK_N": tiles.block_n, "BLOCK_K": 128,
+        "K_STEP": tiles.k_step, "SPLIT": True, "SUM_SPLITS": True, "A8": False,
+        "HAS_BIAS": True, "DOT_DTYPE": tl.bfloat16, "PREC": "ieee", **dict.fromkeys(unit, 1),
+    }  # fmt: skip
+    aligned = [*pointers, "stride_xm", "stride_wn", "stride_ym", "stride_ps", "stride_pm", "K"]
+    src = ASTSource(
+        fn=kernel,
+        signature={n: pointers.get(n, "constexpr" if n in consts else "i32") for n in names},
+        constexprs={(names.index(n),): v for n, v in consts.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )  # fmt: skip
+    compiled = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": tiles.num_warps, "num_stages": tiles.num_stages},
+    )  # fmt: skip
+    ptx = compiled.asm["ptx"]
+    return {
+        "pipelined": "async_copy_global_to_local" in compiled.asm["ttgir"],
+        "acq_rel_ticket": "atom.global.gpu.acq_rel.add" in ptx and "bar.sync" in ptx,
+        "partials_past_l1": "ld.global.cg" in ptx,
+    }
+
+
+@pytest.mark.parametrize("tiles", [Tiles(16, 64, 4, 4), Tiles(64, 128, 8, 3, 528, 2)])
+def test_kernel_compiles_for_sm90(tiles: Tiles) -> None:
+    """Without a GPU: the kernel compiles for sm_90, its K loop is software-pipelined
+    (asynchronous copies), the ticket is a gpu-scope acq_rel atomic after a CTA barrier and
+    the partials are read past L1."""
+    code = (
+        "import json; from services.worker.ops.fp8_linear_tiles import Tiles; "
+        "from tests.worker.ops.test_fp8_linear_splits import compile_for_sm90; "
+        f"print(json.dumps(compile_for_sm90({tiles!r})))"
+    )
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["TRITON_DEFAULT_FP_FUSION"] = "1"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    if proc.returncode != 0 and "ptxas" in proc.stderr:
+        pytest.skip(f"no ptxas for sm_90 here: {proc.stderr[-300:]}")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    found = json.loads(proc.stdout.splitlines()[-1])
+    assert found == dict.fromkeys(found, True) and len(found) == 3, found
