@@ -2,13 +2,9 @@
 [ceil(N/128), ceil(K/128)]`` fp32 (the checkpoint's names and layout), computed by the
 block-scaled matmul of ``services/worker/ops/fp8_linear.py``.
 
-On CUDA the forward is the Triton kernel, which sums its K splits itself with arrival counters
-that the layer owns (made on its first fused CUDA forward, which is eager: the engine warms up
-before it captures a graph), so that no two layers share counters; a layer's own calls are
-ordered, as every call of one model's step is (``make_split_counters``'s contract). On the CPU
-it is the torch reference ``fp8_linear_ref`` (dequantize, one fp32 matmul), which is the
-documented CPU path and the very function the kernel's tests compare against, not a fallback:
-the device decides, nothing else.
+On CUDA the forward is the Triton kernel; on the CPU it is the torch reference
+``fp8_linear_ref`` (dequantize, one fp32 matmul), which is the documented CPU path and the very
+function the kernel's tests compare against, not a fallback: the device decides, nothing else.
 The loader fills it from an FP8 checkpoint as stored (``weights.loader``), or quantizes a bf16
 one into it (``--weight-dtype fp8``)."""
 
@@ -19,8 +15,6 @@ from torch import nn
 
 from services.worker.ops.fp8_blockwise import FP8_DTYPE, scale_grid, scale_to_float
 from services.worker.ops.fp8_linear import BLOCK, MODES, Mode, fp8_linear_ref, fp8_linear_triton
-from services.worker.ops.fp8_linear_splits import make_split_counters
-from services.worker.ops.fusion import fused
 
 
 class FP8Linear(nn.Module):
@@ -54,9 +48,6 @@ class FP8Linear(nn.Module):
         )
         b = torch.zeros(out_features, dtype=bias_dtype, device=device) if bias else None
         self.register_buffer("bias", b)
-        # Not a buffer: no state_dict entry, and a model built on "meta" and materialized by
-        # to_empty would leave a buffer uninitialized; counters must start at zero.
-        self.split_counters: torch.Tensor | None = None
 
     @classmethod
     def from_checkpoint(
@@ -89,14 +80,7 @@ class FP8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.device.type == "cuda":
-            counters = None
-            if fused(x):
-                if self.split_counters is None or self.split_counters.device != x.device:
-                    self.split_counters = make_split_counters(x.device)
-                counters = self.split_counters
-            return fp8_linear_triton(
-                x, self.weight, self.weight_scale_inv, self.bias, self.mode, counters=counters
-            )
+            return fp8_linear_triton(x, self.weight, self.weight_scale_inv, self.bias, self.mode)
         return fp8_linear_ref(x, self.weight, self.weight_scale_inv, self.bias, self.mode)
 
     def extra_repr(self) -> str:

@@ -28,6 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.ops.arrivals import arrival_counters
 from services.worker.ops.fp8_blockwise import (
     FP8_DTYPE,
     FP8_MAX,
@@ -36,11 +37,7 @@ from services.worker.ops.fp8_blockwise import (
     scale_to_float,
 )
 from services.worker.ops.fp8_linear_kernel import fp8_linear_kernel
-from services.worker.ops.fp8_linear_splits import (
-    device_split_counters,
-    k_splits,
-    split_blocks,
-)
+from services.worker.ops.fp8_linear_splits import k_splits, split_blocks
 from services.worker.ops.fp8_linear_tiles import Tiles, launch_block_m, tiles_for
 from services.worker.ops.fusion import fused
 
@@ -225,9 +222,10 @@ def fp8_linear_triton(
     (default ``k_splits``'s). With more than one split, the fp32 partial sums ``[splits, M,
     N]`` are added in split order, then the bias, then the cast: inside the kernel when
     ``sum_splits`` (default ``fused(x)``: one launch, ``sum_splits_ref``'s order bit for bit),
-    else by torch (``out.sum(dim=0)``, two more kernels). ``counters``: the split-K arrival
-    counters the kernel uses (default one buffer per device; ``make_split_counters`` states
-    when a caller needs its own). Capturable in a CUDA graph once run eagerly on the device."""
+    else by torch (``out.sum(dim=0)``, two more kernels). ``counters``: the int32 arrival
+    counters the kernel uses, zero between launches (default the device's, ``arrivals.py``,
+    whose contract holds: launches that share a buffer never run at once). Capturable in a
+    CUDA graph once run eagerly on the device."""
     x2, scale = _prepare(x, weight, weight_scale, mode)
     if bias is not None and tuple(bias.shape) != (weight.shape[0],):
         raise ValueError(f"bias {tuple(bias.shape)} does not fit weight {tuple(weight.shape)}")
@@ -241,13 +239,12 @@ def fp8_linear_triton(
         return y.reshape(*lead, n)
     out = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
     if fused(x) if sum_splits is None else sum_splits:
-        cnt = counters if counters is not None else device_split_counters(x.device)
-        if cnt.dtype != torch.int32 or cnt.device != x.device:
-            raise ValueError(f"counters must be int32 on {x.device}, got {cnt.dtype} {cnt.device}")
-        if cnt.numel() < plan.grid_m * plan.grid_n:
+        tiles_mn = plan.grid_m * plan.grid_n
+        cnt = counters if counters is not None else arrival_counters(x.device, tiles_mn)
+        if cnt.dtype != torch.int32 or cnt.device != x.device or cnt.numel() < tiles_mn:
             raise ValueError(
-                f"{plan.grid_m * plan.grid_n} output tiles split {plan.splits} ways: more than "
-                f"the {cnt.numel()} split-K counters"
+                f"counters must be at least {tiles_mn} int32 on {x.device}, got "
+                f"{cnt.numel()} {cnt.dtype} on {cnt.device}"
             )
         _launch(x2, weight, scale, bias, mode, y, out, cnt, plan)
         return y.reshape(*lead, n)

@@ -11,7 +11,7 @@ How the splits of K end (compile-time ``SPLIT`` and ``SUM_SPLITS``):
   arrival counter. The program that arrives last sums the ``SPLITS`` partials in split order
   (from zero, ``0 + part[0] + part[1] + ...``, four loads in flight: the result does not
   depend on which program arrives last), adds the bias, writes y and sets the counter back to 0, so the counters are
-  zero between launches (replayable in a CUDA graph). Ordering: a CTA barrier puts every
+  zero between launches (replayable in a CUDA graph; ``arrivals.py``). Ordering: a CTA barrier puts every
   thread's partial store before the ticket's acq_rel atomic (the release), the last arriver's
   atomic (the acquire) and the barrier Triton places after a scalar atomic put its loads of
   the others' partials after it, and those loads bypass L1 (``.cg``).
@@ -39,6 +39,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from services.worker.ops.cast_bits import round_to
 from services.worker.ops.fp8_bits import round_to_e4m3
 
 FP8_MAX = tl.constexpr(448.0)
@@ -87,19 +88,6 @@ def _add_scaled_block(
 
 
 @triton.jit
-def _cast_rtne(v, DTYPE: tl.constexpr):
-    """fp32 ``v`` in ``DTYPE``, rounded to nearest even as torch's cast rounds. bf16 by its
-    bits (NaN kept NaN): the interpreter's own fp32 -> bf16 cast truncates, and the bits give
-    the same value as the GPU's conversion, so y is torch's on every backend."""
-    if tl.bfloat16 == DTYPE:
-        bits = v.to(tl.uint32, bitcast=True)
-        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16
-        bits = tl.where(v != v, 0x7FC0, bits)
-        return bits.to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return v.to(DTYPE)
-
-
-@triton.jit
 def _split_partial(part_tile, s, SPLITS, stride_ps, mask):
     """Split ``s``'s fp32 partial tile, read past L1 (other programs wrote it); zeros for an
     ``s`` past the last split (read at the last one's address). Adding those zeros leaves the
@@ -114,13 +102,14 @@ def _split_partial(part_tile, s, SPLITS, stride_ps, mask):
 @triton.jit
 def _store_y(acc, bias_ptr, y_ptr, stride_ym, stride_yn, offs_m, offs_n, mask_m, mask_n,
              HAS_BIAS: tl.constexpr):  # fmt: skip
-    """Writes ``acc (+ bias)`` in y's dtype; the bias is added in fp32 before the cast."""
+    """Writes ``acc (+ bias)`` in y's dtype, rounded as torch rounds (``round_to``: the same bits
+    under the interpreter); the bias is added in fp32 before the cast."""
     if HAS_BIAS:
         bias = tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0)
         acc += bias.to(tl.float32)[None, :]
     tl.store(
         y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :] * stride_yn,
-        _cast_rtne(acc, y_ptr.dtype.element_ty),
+        round_to(acc, y_ptr.dtype.element_ty),
         mask=mask_m[:, None] & mask_n[None, :],
     )
 

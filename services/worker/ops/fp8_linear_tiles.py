@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 import triton
 
-from services.worker.ops.fp8_linear_splits import MAX_SPLIT_TILES
+from services.worker.ops.arrivals import CAPACITY
 from services.worker.ops.launch import TARGET_PROGRAMS
 
 
@@ -38,8 +38,8 @@ class Tiles:
             raise ValueError(f"tiles of at least 16x16 (tl.dot), got {self.block_m}x{self.block_n}")
         if self.num_stages < 1 or self.k_step not in (1, 2):
             raise ValueError(f"num_stages >= 1 and k_step 1 or 2, got {self}")
-        if not 1 <= self.split_programs <= MAX_SPLIT_TILES:
-            raise ValueError(f"split_programs must be in 1..{MAX_SPLIT_TILES}, got {self}")
+        if not 1 <= self.split_programs <= CAPACITY:
+            raise ValueError(f"split_programs must be in 1..{CAPACITY}, got {self}")
 
     def label(self) -> str:
         """A short name for tables: ``n64w4s4p264k1``."""

@@ -24,18 +24,13 @@ import torch
 import triton
 import triton.language as tl
 
+from services.worker.ops.arrivals import CAPACITY
 from services.worker.ops.fp8_linear import (
     fp8_linear_partials,
     fp8_linear_ref,
     fp8_linear_triton,
 )
-from services.worker.ops.fp8_linear_splits import (
-    MAX_SPLIT_TILES,
-    k_splits,
-    make_split_counters,
-    split_blocks,
-    sum_splits_ref,
-)
+from services.worker.ops.fp8_linear_splits import k_splits, split_blocks, sum_splits_ref
 from services.worker.ops.fp8_linear_tiles import DEFAULT_TILES, Tiles, launch_block_m, tiles_for
 from tests.worker.ops.fp8_linear_cases import EPS32, assert_within, bound, make_case
 
@@ -57,6 +52,11 @@ CASES = [
 ]
 
 
+def own_counters() -> torch.Tensor:
+    """A zeroed counter buffer of this test's own (the device's is shared)."""
+    return torch.zeros(CAPACITY, dtype=torch.int32)
+
+
 TORCH_IN_ORDER = 4  # torch's sum(dim=0) adds up to this many terms in order
 
 
@@ -72,7 +72,7 @@ def test_fused_split_sum_equals_the_torch_sum_bit_for_bit(case: int) -> None:
     m, n, k, splits, with_bias, mode, x_dtype, tiles = CASES[case]
     x, w_fp8, scale, bias = make_case(100 + case, m, n, k, "F32", x_dtype)
     b = bias.to(x_dtype) if with_bias and case % 2 else (bias if with_bias else None)
-    counters = make_split_counters(CPU)
+    counters = own_counters()
     kw = {"splits": splits, "tiles": tiles}
     fused = fp8_linear_triton(x, w_fp8, scale, b, mode, sum_splits=True, counters=counters, **kw)
     assert not counters.any(), "the last arriver resets its tile's counter"
@@ -88,7 +88,7 @@ def test_fused_split_sum_equals_the_torch_sum_bit_for_bit(case: int) -> None:
 
 def test_counters_stay_zero_over_repeated_calls() -> None:
     x, w_fp8, scale, bias = make_case(7, 20, 72, 700, "F32", torch.bfloat16)
-    counters = make_split_counters(CPU)
+    counters = own_counters()
     first = fp8_linear_triton(x, w_fp8, scale, bias, splits=3, tiles=NARROW, sum_splits=True,
                               counters=counters)  # fmt: skip
     for _ in range(2):
@@ -117,7 +117,7 @@ def test_splits_and_tiles_are_functions_of_the_shape() -> None:
         t = tiles_for(m, interpret=False)
         assert launch_block_m(t, m) == bound_m
         assert t == next(tiles for top, tiles in DEFAULT_TILES if m <= top)
-    assert all(t.split_programs <= MAX_SPLIT_TILES for _, t in DEFAULT_TILES)
+    assert all(t.split_programs <= CAPACITY for _, t in DEFAULT_TILES)
     assert tiles_for(3, interpret=True).split_programs == 1
     assert Tiles(16, 64, 4, 4, 264, 2).label() == "n64w4s4p264k2"
 
@@ -128,13 +128,13 @@ def test_contract_errors() -> None:
     with pytest.raises(ValueError, match="k_step"):
         Tiles(16, 64, 4, 4, k_step=3)
     with pytest.raises(ValueError, match="split_programs"):
-        Tiles(16, 64, 4, 4, split_programs=MAX_SPLIT_TILES + 1)
+        Tiles(16, 64, 4, 4, split_programs=CAPACITY + 1)
     x, w_fp8, scale, _ = make_case(0, 40, 72, 600, "F32", torch.float32)
     small = torch.zeros(4, dtype=torch.int32)
-    with pytest.raises(ValueError, match="counters"):
+    with pytest.raises(ValueError, match="at least 9 int32"):
         fp8_linear_triton(x, w_fp8, scale, splits=2, tiles=NARROW, sum_splits=True,
                           counters=small)  # fmt: skip
-    with pytest.raises(ValueError, match="int32"):
+    with pytest.raises(ValueError, match="int64"):
         fp8_linear_triton(x, w_fp8, scale, splits=2, tiles=NARROW, sum_splits=True,
                           counters=small.long())  # fmt: skip
 

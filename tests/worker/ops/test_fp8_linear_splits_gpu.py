@@ -12,9 +12,10 @@ import pytest
 import torch
 
 from services.worker.model.fp8_linear_layer import FP8Linear
+from services.worker.ops.arrivals import CAPACITY, arrival_counters
 from services.worker.ops.fp8_blockwise import quantize_blockwise
 from services.worker.ops.fp8_linear import fp8_linear_partials, fp8_linear_triton
-from services.worker.ops.fp8_linear_splits import make_split_counters, sum_splits_ref
+from services.worker.ops.fp8_linear_splits import sum_splits_ref
 from services.worker.ops.fp8_linear_tiles import Tiles
 from services.worker.ops.fusion import unfused_kernels
 from tests.worker.ops.fp8_linear_cases import BF16_ULP, EPS32, assert_within
@@ -62,7 +63,7 @@ def activations(seed: int, m: int, k: int, dtype: torch.dtype) -> torch.Tensor:
 def test_fused_split_sum_on_gpu(name: str) -> None:
     n, k = SHAPES[name]
     w_fp8, scale, bias = weights(1, n, k)
-    counters = make_split_counters(CUDA)
+    counters = torch.zeros(CAPACITY, dtype=torch.int32, device=CUDA)
     for i, (m, dtype, mode, tiles, with_bias) in enumerate(CALLS):
         x = activations(10 + i, m, k, dtype)
         b = bias if with_bias else None
@@ -88,12 +89,13 @@ def test_fused_split_sum_on_gpu(name: str) -> None:
 def test_repeated_launches_and_graph_replays_leave_counters_zero() -> None:
     n, k = SHAPES["v32.kv_a_proj_with_mqa"]
     w_fp8, scale, bias = weights(2, n, k)
-    counters = make_split_counters(CUDA)
+    counters = torch.zeros(CAPACITY, dtype=torch.int32, device=CUDA)
     for tiles in (None, WIDE):
         x = activations(3, 4, k, torch.bfloat16)
-        eager = fp8_linear_triton(x, w_fp8, scale, bias, tiles=tiles, counters=counters)
+        kw = {"tiles": tiles, "sum_splits": True, "counters": counters}
+        eager = fp8_linear_triton(x, w_fp8, scale, bias, **kw)
         for _ in range(20):
-            again = fp8_linear_triton(x, w_fp8, scale, bias, tiles=tiles, counters=counters)
+            again = fp8_linear_triton(x, w_fp8, scale, bias, **kw)
             assert torch.equal(again, eager)
         assert not counters.any()
 
@@ -101,39 +103,33 @@ def test_repeated_launches_and_graph_replays_leave_counters_zero() -> None:
         stream = torch.cuda.Stream()
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            fp8_linear_triton(static_x, w_fp8, scale, bias, tiles=tiles, counters=counters)
+            fp8_linear_triton(static_x, w_fp8, scale, bias, **kw)
         torch.cuda.current_stream().wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            outs = [
-                fp8_linear_triton(static_x, w_fp8, scale, bias, tiles=tiles, counters=counters)
-                for _ in range(3)
-            ]
+            outs = [fp8_linear_triton(static_x, w_fp8, scale, bias, **kw) for _ in range(3)]
         for seed in range(5):
             new_x = activations(20 + seed, 4, k, torch.bfloat16)
             static_x.copy_(new_x)
             graph.replay()
             torch.cuda.synchronize()
-            want = fp8_linear_triton(new_x, w_fp8, scale, bias, tiles=tiles, counters=counters)
+            want = fp8_linear_triton(new_x, w_fp8, scale, bias, **kw)
             assert all(torch.equal(out, want) for out in outs), f"replay {seed}"
             assert not counters.any()
 
 
-def test_fp8_linear_module_owns_its_counters() -> None:
-    """The module's CUDA forward sums its splits in the kernel with counters of its own, and
-    inside ``unfused_kernels()`` with torch; both equal the op's two forms."""
+def test_fp8_linear_module_sums_in_the_kernel() -> None:
+    """The module's CUDA forward (no gradient recorded) sums its splits in the kernel with the
+    device's arrival counters, and inside ``unfused_kernels()`` with torch; both equal the
+    op's two forms, and the device's counters are zero after."""
     n, k = SHAPES["glm5.kv_a_proj_with_mqa"]
     w_fp8, scale, bias = weights(4, n, k)
     x = activations(5, 2, k, torch.bfloat16)
-    one = FP8Linear.from_checkpoint(w_fp8, scale, bias)
-    two = FP8Linear.from_checkpoint(w_fp8, scale, bias)
+    layer = FP8Linear.from_checkpoint(w_fp8, scale, bias)
     with torch.no_grad():
-        y = one(x)
-        assert two(x).equal(y)
-        assert one.split_counters is not None and two.split_counters is not None
-        assert one.split_counters.data_ptr() != two.split_counters.data_ptr()
-        assert not one.split_counters.any()
+        y = layer(x)
+        assert not arrival_counters(CUDA, 1).any()
         assert y.equal(fp8_linear_triton(x, w_fp8, scale, bias, sum_splits=True))
         with unfused_kernels():
-            torch_sum = one(x)
+            torch_sum = layer(x)
         assert torch_sum.equal(fp8_linear_triton(x, w_fp8, scale, bias, sum_splits=False))
