@@ -1,7 +1,8 @@
 """The variants served side by side: one engine (one KV cache, one set of requests) and, per
 variant, its own set of captured decode graphs. The ``unfused`` variant's steps (warm-up, graph
 capture, every timed and profiled step) run inside ``fusion.unfused_kernels()``, so its graphs
-hold the torch forms; the ``fused`` variant's run as the engine serves.
+hold the torch forms; the ``fused`` variant's inside ``fusion.kernel_fusion()``, as an engine
+with ``--fused-kernels`` runs its passes.
 
 One engine rather than one per variant: two KV caches of C requests at the context, beside
 tens of GB of weights, do not fit one device at the larger C, and each would prefill every
@@ -12,14 +13,14 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.graphs.cuda_graph import DecodeGraphs
-from services.worker.ops.fusion import unfused_kernels
+from services.worker.ops.fusion import kernel_fusion
 from services.worker.request.request import SamplingParams
 
 VARIANTS = ("fused", "unfused")
@@ -31,7 +32,7 @@ class Variant:
     graphs: DecodeGraphs | None  # None: the engine runs eagerly (no graphs on this device)
 
     def kernels(self) -> AbstractContextManager[None]:
-        return unfused_kernels() if self.name == "unfused" else nullcontext()
+        return kernel_fusion(self.name == "fused")
 
     def counters(self) -> dict[str, int]:
         g = self.graphs

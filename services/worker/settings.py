@@ -49,6 +49,7 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    fused_kernels: bool = False
     graph_capture: str = "second"
     reserve_pages: int = 0
     populate_pages: int = 256
@@ -99,6 +100,7 @@ class WorkerSettings(BaseSettings):
             resolver=self.resolver,
             attention_backend=self.attention_backend,
             graphs=GraphConfig(self.cuda_graphs, self.graph_capture),
+            fused_kernels=self.fused_kernels,
             residency=ResidencyConfig(
                 reserve_pages=self.reserve_pages,
                 populate_pages=self.populate_pages,

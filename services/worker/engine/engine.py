@@ -106,7 +106,7 @@ class Engine:
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran the payload's maintain()
-        self.passes = ModelPasses(model, self.kv, self.device)
+        self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels)
         self.speculator: Speculator | None = None
         if sc.drafter:
             drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.passes.mtp_step)

@@ -12,6 +12,7 @@ from services.worker.graphs.cuda_graph import DecodeGraphs
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_mtp import MTPStep
+from services.worker.ops.fusion import kernel_fusion
 from services.worker.serving.cache import KVCache
 from services.worker.transfers import to_device
 
@@ -27,12 +28,16 @@ class PassLogits(NamedTuple):
 
 class ModelPasses:
     """``graphs``: the captured decode and verify passes, or None when every pass runs eagerly
-    (set once the engine knows the widest verify block)."""
+    (set once the engine knows the widest verify block). ``fused``: every pass, eager or
+    captured, runs the fused kernels (``ops.fusion``)."""
 
-    def __init__(self, model: SparseDecoder, kv: KVCache, device: torch.device) -> None:
+    def __init__(
+        self, model: SparseDecoder, kv: KVCache, device: torch.device, fused: bool = False
+    ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
+        self.fused = fused
         self.graphs: DecodeGraphs | None = None
 
     def sampled_logits(
@@ -48,6 +53,17 @@ class ModelPasses:
         ``scored`` (indices into ``tokens``; a prefill pass's only); writes the pass's rows into
         the KV cache (the caller commits). A decode pass, in which every request samples, is
         replayed from its graph where one covers it."""
+        with kernel_fusion(self.fused):
+            return self._sampled_logits(tokens, batch, sampled, features, scored)
+
+    def _sampled_logits(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        sampled: list[int],
+        features: dict | None,
+        scored: list[int] | None,
+    ) -> PassLogits:
         if self.graphs is not None and batch.is_decode and not batch.prefill:
             assert not scored, "a decode pass scores no prompt rows"
             return PassLogits(self.graphs.logits(tokens, batch, features), None)
@@ -64,9 +80,10 @@ class ModelPasses:
         """[N, V] fp32 logits of every new token of a decode or verify ``batch`` (tokens [N]),
         replayed from a CUDA graph where one covers the pass; writes the pass's rows into the
         KV cache (the caller commits). ``features``: as ``SparseDecoder.forward`` takes them."""
-        if self.graphs is not None and self.graphs.covers(batch):
-            return self.graphs.logits(tokens, batch, features)
-        return self.model.logits(self.model(tokens, batch, self.kv, features=features))
+        with kernel_fusion(self.fused):
+            if self.graphs is not None and self.graphs.covers(batch):
+                return self.graphs.logits(tokens, batch, features)
+            return self.model.logits(self.model(tokens, batch, self.kv, features=features))
 
     def mtp_step(
         self,
@@ -76,7 +93,8 @@ class ModelPasses:
         selection: torch.Tensor | None,
     ) -> MTPStep:
         """One MTP-only draft pass over the KV cache (``MLADecoder.mtp_step``)."""
-        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
+        with kernel_fusion(self.fused):
+            return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
 
 
 def graphs_off(

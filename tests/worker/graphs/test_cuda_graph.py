@@ -40,13 +40,14 @@ def _drive(
     drafter: str | None = None,
     kv_cache_dtype: str = "auto",
     followers: FollowerPrefetch = FollowerPrefetch(),
+    fused: bool = False,
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     eng = Engine(
         EngineConfig(
             model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=128, host_arena_mib=64,
             max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
             graphs=GraphConfig(graphs, capture), speculation=SpeculationConfig(drafter, width=4),
-            kv_cache_dtype=kv_cache_dtype, followers=followers,
+            kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )
     )  # fmt: skip
     seen: list[tuple[str, int, torch.Tensor]] = []
@@ -80,11 +81,13 @@ def _drive(
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("capture", ["second", "consecutive"])
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
-def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str) -> None:
-    eager, ref = _drive(mode, graphs=False)
-    graphed, got = _drive(mode, graphs=True, capture=capture)
+def test_replayed_decode_steps_equal_the_eager_steps(mode: str, capture: str, fused: bool) -> None:
+    """``fused``: both engines run the fused kernels (``--fused-kernels``)."""
+    eager, ref = _drive(mode, graphs=False, fused=fused)
+    graphed, got = _drive(mode, graphs=True, capture=capture, fused=fused)
     assert eager.passes.graphs is None and graphed.passes.graphs is not None
     assert graphed.passes.graphs.captures > 1 and graphed.passes.graphs.replays > 50
     # a key is captured at its second sighting: batch sizes seen for one step stay eager

@@ -11,6 +11,7 @@ from services.worker.engine.engine import Engine
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.decoder import LayerTrace
+from services.worker.ops.fusion import kernel_fusion
 from services.worker.request.request import SamplingParams
 from services.worker.serving.cache import KVCache
 from services.worker.weights.model_io import build_model
@@ -168,22 +169,27 @@ def test_hisparse_engine_greedy_matches_resident(name: str) -> None:
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("name", ["tiny-glm", "tiny-dsv4"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 @pytest.mark.parametrize("kv_cache_dtype", ["auto", "fp8"])
 def test_hisparse_on_gpu_is_bit_identical_with_the_triton_kernels(
-    name: str, dtype: str, kv_cache_dtype: str
+    name: str, dtype: str, kv_cache_dtype: str, fused: bool
 ) -> None:
     """On the device: Triton resolver (host reads from the registered arena) and Triton
     attention in both modes; attention inputs, logits and tokens identical. In fp8 the Triton
     FP8 store writes packed rows and keys, the resolver copies packed bytes and the Triton FP8
-    gather dequantizes into the attention workspace."""
+    gather dequantizes into the attention workspace. ``fused``: both modes run the fused
+    kernels (index keys scored where each mode stores them, page lookups, top-k, ...)."""
     k = preset_topology(name).index_topk
     lens = [300, 77, 513, 150]
     kw = dict(device="cuda", triton_attention=True, dtype=getattr(torch, dtype),
               kv_cache_dtype=kv_cache_dtype)  # fmt: skip
-    ref = drive(name, "resident", 9, lens, steps=40, **kw)
-    run = drive(name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw)
+    with kernel_fusion(fused):
+        ref = drive(name, "resident", 9, lens, steps=40, **kw)
+        run = drive(
+            name, "hisparse", 9, lens, steps=40, hot_cache_rows=2 * k, resolver="triton", **kw
+        )
     kv = run[3]
     assert (kv.payload.pool(0).dtype == torch.uint8) == (kv_cache_dtype == "fp8")
     assert_same_run(ref, run)

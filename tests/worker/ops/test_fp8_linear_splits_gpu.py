@@ -17,8 +17,16 @@ from services.worker.ops.fp8_blockwise import quantize_blockwise
 from services.worker.ops.fp8_linear import fp8_linear_partials, fp8_linear_triton
 from services.worker.ops.fp8_linear_splits import sum_splits_ref
 from services.worker.ops.fp8_linear_tiles import Tiles
-from services.worker.ops.fusion import unfused_kernels
+from services.worker.ops.fusion import kernel_fusion, unfused_kernels
 from tests.worker.ops.fp8_linear_cases import BF16_ULP, EPS32, assert_within
+
+
+@pytest.fixture(autouse=True)
+def _fused_kernels():
+    """Fusion on (the engine's ``--fused-kernels``): each test's unfused side opts out."""
+    with kernel_fusion():
+        yield
+
 
 pytestmark = pytest.mark.gpu
 

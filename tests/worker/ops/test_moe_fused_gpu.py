@@ -20,7 +20,7 @@ from services.worker.model.mla_moe import MoE, Router
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_blockwise import FP8_DTYPE
 from services.worker.ops.fp8_moe import plan, sum_choices
-from services.worker.ops.fusion import unfused_kernels
+from services.worker.ops.fusion import kernel_fusion, unfused_kernels
 from services.worker.ops.moe_align import align_blocks
 from services.worker.ops.moe_align_triton import FUSED_MAX_PAIRS, align_blocks_triton
 from services.worker.ops.moe_combine_triton import combine_triton
@@ -28,6 +28,14 @@ from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.shards import Shards
 from tests.worker.ops.fp8_moe_cases import make_experts, make_inputs
 from tests.worker.ops.test_moe_route import WEIGHT_REL
+
+
+@pytest.fixture(autouse=True)
+def _fused_kernels():
+    """Fusion on (the engine's ``--fused-kernels``): each test's unfused side opts out."""
+    with kernel_fusion():
+        yield
+
 
 D, INTER, TOP_K = 7168, 2048, 8
 GROUPINGS = [(256, 8, 4), (256, 1, 1), (64, 8, 4), (64, 1, 1)]  # (E, n_group, topk_group)

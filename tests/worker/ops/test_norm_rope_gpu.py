@@ -20,7 +20,7 @@ from services.worker.model.layers import RMSNorm
 from services.worker.model.mla_attention import MLA
 from services.worker.model.mla_indexer import DSAIndexer
 from services.worker.model.rotary import Rotary
-from services.worker.ops.fusion import unfused_kernels
+from services.worker.ops.fusion import kernel_fusion, unfused_kernels
 from services.worker.ops.norm_rope import (
     index_key_ref,
     index_key_triton,
@@ -39,6 +39,14 @@ from tests.worker.ops.norm_rope_cases import (
     layer_norm_scale,
     norm_bound,
 )
+
+
+@pytest.fixture(autouse=True)
+def _fused_kernels():
+    """Fusion on (the engine's ``--fused-kernels``): each test's unfused side opts out."""
+    with kernel_fusion():
+        yield
+
 
 pytestmark = pytest.mark.gpu
 

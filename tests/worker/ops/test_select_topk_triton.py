@@ -7,6 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from services.worker.ops.fusion import kernel_fusion
 from services.worker.ops.indexer import select_topk, select_topk_ref
 from services.worker.ops.select_topk_triton import KERNEL_WIDTH, MAX_WIDTH, select_topk_triton
 
@@ -46,5 +47,5 @@ def test_kernel_equals_torch_selection_on_gpu(t, s) -> None:
     want = select_topk_ref(scores, visible, 2048)
     assert torch.equal(select_topk_triton(scores, visible, 2048), want)
     if s <= MAX_WIDTH:
-        with torch.no_grad():  # fused: the kernel
+        with torch.no_grad(), kernel_fusion():  # fused: the kernel
             assert torch.equal(select_topk(scores, visible, 2048), want)
