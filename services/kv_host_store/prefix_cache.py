@@ -90,9 +90,9 @@ class PrefixCache:
         index.add(record_id, hashes, token_ids)
         self._records[record_id] = _Record(tuple(regions), page_size, len(hashes), nbytes)
         self.nbytes += nbytes
-        for old in index.covered_by(record_id):
-            if self._records[old].refs == 0:  # type: ignore[index]
-                self._drop(str(old))
+        for old in map(str, index.covered_by(record_id)):
+            if self._records[old].refs == 0:
+                self._drop(old)
         return True
 
     def acquire(

@@ -52,7 +52,7 @@ class PrefixStats:
     queries: int = 0  # admissions that looked up a prefix of at least one page
     hits: int = 0  # admissions that imported a cached prefix
     hit_tokens: int = 0  # tokens they imported instead of computing
-    left: int = 0  # requests whose pages were handed to the store
+    left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
     not_left: int = 0  # requests whose pages could not be (the store full or down)
 
 
@@ -161,9 +161,9 @@ class PrefixReuse:
     def leave(self, slot: int, req: Request) -> None:
         """Hands the complete pages of ``req``'s committed tokens to the store as a cached
         prefix, before ``slot`` is released. Nothing for a request that failed (a pass may have
-        left its rows half written), whose rows are not all on the host, or whose pages a
-        cached prefix already holds; a store full of live rows, or down, keeps nothing
-        (counted in ``stats.not_left``, logged)."""
+        left its rows half written) or whose rows are not all on the host; the store frees
+        the copy when a cached prefix already holds every page. A store full of live rows, or
+        down, keeps nothing (counted in ``stats.not_left``, logged)."""
         tokens = req.num_computed // self.page * self.page
         if req.error is not None or tokens == 0:
             return
@@ -188,11 +188,6 @@ class PrefixReuse:
 
     def _hand_over(self, slot: int, hashes: list[str], ids: list[int]) -> None:
         store, who = self.host.store, self.host.who
-        held = store.acquire_prefix(who.owner, who.generation, hashes, ids, self.page)
-        if held is not None:
-            self._release(held)
-            if held.pages == len(hashes):
-                return
         tokens = len(ids)
         mine = [r for r in self.host.regions(slot) if r.source != MANIFEST_SOURCE]
         sources = [r for r in mine if r.source >= 0]
@@ -206,5 +201,5 @@ class PrefixReuse:
         arena = self.host.mapping.tensor
         for r in mine:
             copy_rows(arena, r, by_source[r.source], self._rows(r.source, tokens))
-        store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page)
-        self.stats.left += 1
+        if store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page):
+            self.stats.left += 1

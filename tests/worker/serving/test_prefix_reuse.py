@@ -58,18 +58,22 @@ def second_turn(first: Request, question: list[int]) -> list[int]:
     return [*first.prompt_ids, *first.output_ids, *question]
 
 
-@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+@pytest.mark.parametrize(
+    "mode,kv_cache_dtype", [("hisparse", "auto"), ("adaptive", "auto"), ("adaptive", "fp8")]
+)
 def test_the_next_turn_computes_only_its_new_tokens_with_the_uncached_tokens(
-    store: LocalHostStore, mode: str
+    store: LocalHostStore, mode: str, kv_cache_dtype: str
 ) -> None:
-    """Turn 1 on worker w0, turn 2 on worker w1 of the same node: w1 imports what w0 left."""
+    """Turn 1 on worker w0, turn 2 on worker w1 of the same node: w1 imports what w0 left
+    (in fp8, packed rows and keys, copied as they are)."""
+    kw = dict(mode=mode, kv_cache_dtype=kv_cache_dtype)
     with batch_invariant():
-        w0, w1 = make(store, "w0", mode=mode), make(store, "w1", mode=mode)
+        w0, w1 = make(store, "w0", **kw), make(store, "w1", **kw)
         first = run(w0, list(range(10, 100)))
         assert w0.scheduler.prefix is not None and w0.scheduler.prefix.stats.left == 1
         prompt = second_turn(first, [7, 8, 9, 10, 11])
         turn = run(w1, prompt)
-        ref = run(make(store, "ref", mode=mode, prefix_cache=False), prompt)
+        ref = run(make(store, "ref", prefix_cache=False, **kw), prompt)
     assert turn.output_ids == ref.output_ids
     assert ref.computed == len(prompt) and turn.computed <= 0.1 * len(prompt)
     stats = w1.scheduler.prefix.stats
