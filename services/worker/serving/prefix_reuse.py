@@ -53,7 +53,7 @@ class PrefixStats:
     hits: int = 0  # admissions that imported a cached prefix
     hit_tokens: int = 0  # tokens they imported instead of computing
     left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
-    not_left: int = 0  # requests whose pages could not be (the store full or down)
+    not_left: int = 0  # requests whose pages could not be (the store full or down, rows missing)
 
 
 def copy_rows(arena: torch.Tensor, src: Region, dst: Region, rows: int) -> None:
@@ -161,9 +161,9 @@ class PrefixReuse:
     def leave(self, slot: int, req: Request) -> None:
         """Hands the complete pages of ``req``'s committed tokens to the store as a cached
         prefix, before ``slot`` is released. Nothing for a request that failed (a pass may have
-        left its rows half written) or whose rows are not all on the host; the store frees
-        the copy when a cached prefix already holds every page. A store full of live rows, or
-        down, keeps nothing (counted in ``stats.not_left``, logged)."""
+        left its rows half written); the store frees the copy when a cached prefix already
+        holds every page. A store full of live rows, or down, or rows not all on the host keep
+        nothing (counted in ``stats.not_left``, logged)."""
         tokens = req.num_computed // self.page * self.page
         if req.error is not None or tokens == 0:
             return
@@ -172,6 +172,8 @@ class PrefixReuse:
             self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
             for s in range(len(cfg.sources))
         ):
+            self.stats.not_left += 1
+            log.debug("%s: rows of its %d tokens are not all on the host", req.request_id, tokens)
             return
         ids = req.ids_from(0, tokens)
         hashes = page_hashes(self.salt, ids)
@@ -199,7 +201,12 @@ class PrefixReuse:
         )
         by_source = {r.source: r for r in regions}
         arena = self.host.mapping.tensor
-        for r in mine:
-            copy_rows(arena, r, by_source[r.source], self._rows(r.source, tokens))
-        if store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page):
+        try:
+            for r in mine:
+                copy_rows(arena, r, by_source[r.source], self._rows(r.source, tokens))
+            kept = store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page)
+        except BaseException:
+            self.host.release_regions(regions)  # still this worker's: not handed over
+            raise
+        if kept:
             self.stats.left += 1
