@@ -140,6 +140,13 @@ RESOLVER_ROWS = PREFIX + "resolver_rows"  # counter{path=direct|hot|host}
 HOST_READ_BYTES = PREFIX + "host_read_bytes"  # counter; per token = rate / generation_tokens rate
 PREFILL_TOKENS_COMPUTED = PREFIX + "prefill_tokens_computed"  # counter (resume = no recompute)
 SESSIONS_RESUMED = PREFIX + "sessions_resumed"  # counter: adopted from a dead worker, continued
+# prefix reuse (services/worker/serving/prefix_reuse.py): admissions that looked up a cached
+# prefix, those that imported one, and the prompt tokens imported instead of computed
+PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries"  # counter
+PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits"  # counter
+PREFIX_CACHE_HIT_TOKENS = PREFIX + "prefix_cache_hit_tokens"  # counter
+# requests whose pages were handed to the store as a cached prefix, or could not be
+PREFIX_CACHE_LEFT = PREFIX + "prefix_cache_left"  # counter{outcome=cached|refused}
 
 # --- worker: the ranks of a data-parallel-attention group (each its own requests and KV) ------
 RANK_REQUESTS_RUNNING = PREFIX + "rank_requests_running"  # gauge{rank}
@@ -178,3 +185,6 @@ HOST_STORE_REFUSED = PREFIX + "host_store_allocations_refused"  # counter
 HOST_STORE_OWNERS = PREFIX + "host_store_owners"  # gauge: worker processes with a live lease
 HOST_STORE_ADOPTIONS = PREFIX + "host_store_adoptions"  # counter
 HOST_STORE_ORPHANS_EXPIRED = PREFIX + "host_store_orphans_expired"  # counter
+HOST_STORE_PREFIX_RECORDS = PREFIX + "host_store_prefix_records"  # gauge: cached prefixes
+HOST_STORE_PREFIX_BYTES = PREFIX + "host_store_prefix_bytes"  # gauge: arena bytes they hold
+HOST_STORE_PREFIX_EVICTIONS = PREFIX + "host_store_prefix_evictions"  # counter: for room

@@ -465,6 +465,55 @@ KV = Dashboard(
             ],
         ),
         Row(
+            "Prefix reuse",
+            [
+                Panel(
+                    "Prefix cache hit rate",
+                    "Share of admissions that looked up a cached prefix and imported one"
+                    " (a conversation's next turn computes only its new tokens).",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:prefix_cache_hits_total{{{M}}}{RI})) / "
+                            f"sum(rate(dhisparse:prefix_cache_queries_total{{{M}}}{RI}))",
+                            "hit rate",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=8,
+                ),
+                Panel(
+                    "Prompt tokens imported and computed",
+                    "Prompt tokens imported from cached prefixes (host rows, no compute) and"
+                    " prompt tokens whose KV was computed, per second.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:prefix_cache_hit_tokens_total{{{M}}}{RI}))",
+                            "imported",
+                        ),
+                        Target(
+                            f"sum(rate(dhisparse:prefill_tokens_computed_total{{{M}}}{RI}))",
+                            "computed",
+                        ),
+                    ],
+                    width=8,
+                ),
+                Panel(
+                    "Pages left behind",
+                    "Requests that left their complete pages in the host store as a cached"
+                    " prefix, and those the store could not hold (full of live rows, or down).",
+                    [
+                        Target(
+                            "sum by (outcome) (rate("
+                            f"dhisparse:prefix_cache_left_total{{{M}}}{RI}))",
+                            "{{outcome}}",
+                        )
+                    ],
+                    unit="ops",
+                    width=8,
+                ),
+            ],
+        ),
+        Row(
             "Reclaim and repopulation",
             [
                 Panel(
@@ -702,6 +751,48 @@ HOST_STORE = Dashboard(
                     ],
                     unit="ops",
                     width=24,
+                ),
+            ],
+        ),
+        Row(
+            "Cached prefixes",
+            [
+                Panel(
+                    "Cached prefix bytes",
+                    "Arena bytes held by cached prefixes the store owns (evicted"
+                    " least-recently-used when an allocation needs the room).",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_prefix_bytes{{{INST}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="bytes",
+                    width=8,
+                ),
+                Panel(
+                    "Cached prefixes",
+                    "Cached prefixes each store holds.",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:host_store_prefix_records{{{INST}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    width=8,
+                ),
+                Panel(
+                    "Prefix evictions",
+                    "Cached prefixes evicted per second to make room for an allocation.",
+                    [
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_prefix_evictions_total{{{INST}}}{RI}))",
+                            "{{instance}}",
+                        )
+                    ],
+                    unit="ops",
+                    width=8,
                 ),
             ],
         ),

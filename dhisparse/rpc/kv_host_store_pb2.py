@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!dhisparse/rpc/kv_host_store.proto\x12\rdhisparse.rpc\"\x0e\n\x0c\x41renaRequest\"V\n\tArenaInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x11\n\talignment\x18\x03 \x01(\x03\x12\x10\n\x08store_id\x18\x04 \x01(\t\"}\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\x05\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\x12\x11\n\trow_bytes\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"&\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\"\xc1\x01\n\x06Region\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x10\n\x08num_rows\x18\x06 \x01(\x03\x12\x11\n\trow_bytes\x18\x07 \x01(\x03\x12(\n\x07\x64urable\x18\x08 \x03(\x0b\x32\x17.dhisparse.rpc.RowRange\x12\x12\n\ngeneration\x18\t \x01(\x03\"n\n\x12MarkDurableRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\tstart_row\x18\x03 \x01(\x03\x12\x0f\n\x07\x65nd_row\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"+\n\x13MarkDurableResponse\x12\x14\n\x0c\x64urable_rows\x18\x01 \x01(\x03\"F\n\rLookupRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"8\n\x0eLookupResponse\x12&\n\x07regions\x18\x01 \x03(\x0b\x32\x15.dhisparse.rpc.Region\"Z\n\x0eReleaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tregion_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"8\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xef\x01\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07regions\x18\x03 \x01(\x05\x12\x10\n\x08requests\x18\x04 \x01(\x05\x12\x15\n\rdurable_bytes\x18\x05 \x01(\x03\x12\x1b\n\x13\x61llocations_refused\x18\x06 \x01(\x03\x12\x1a\n\x12largest_free_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bowners_live\x18\x08 \x01(\x05\x12\x11\n\tadoptions\x18\t \x01(\x03\x12\x17\n\x0forphans_expired\x18\n \x01(\x03\":\n\x14RegisterOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"D\n\nOwnerLease\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"6\n\x11RenewOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"8\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x16\n\x14ReleaseOwnerResponse\"<\n\x13ListRequestsRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64optable_only\x18\x02 \x01(\x08\"\x8b\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0f\n\x07regions\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tadoptable\x18\x06 \x01(\x08\x12\x12\n\ndead_for_s\x18\x07 \x01(\x01\"D\n\x14ListRequestsResponse\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.dhisparse.rpc.RequestInfo\"E\n\x0c\x41\x64optRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"7\n\rAdoptResponse\x12&\n\x07regions\x18\x01 \x03(\x0b\x32\x15.dhisparse.rpc.Region2\xd0\x06\n\x0bKVHostStore\x12\x41\n\x08GetArena\x12\x1b.dhisparse.rpc.ArenaRequest\x1a\x18.dhisparse.rpc.ArenaInfo\x12\x41\n\x08\x41llocate\x12\x1e.dhisparse.rpc.AllocateRequest\x1a\x15.dhisparse.rpc.Region\x12T\n\x0bMarkDurable\x12!.dhisparse.rpc.MarkDurableRequest\x1a\".dhisparse.rpc.MarkDurableResponse\x12\x45\n\x06Lookup\x12\x1c.dhisparse.rpc.LookupRequest\x1a\x1d.dhisparse.rpc.LookupResponse\x12H\n\x07Release\x12\x1d.dhisparse.rpc.ReleaseRequest\x1a\x1e.dhisparse.rpc.ReleaseResponse\x12\x42\n\x05Stats\x12\x1b.dhisparse.rpc.StatsRequest\x1a\x1c.dhisparse.rpc.StatsResponse\x12O\n\rRegisterOwner\x12#.dhisparse.rpc.RegisterOwnerRequest\x1a\x19.dhisparse.rpc.OwnerLease\x12I\n\nRenewOwner\x12 .dhisparse.rpc.RenewOwnerRequest\x1a\x19.dhisparse.rpc.OwnerLease\x12W\n\x0cReleaseOwner\x12\".dhisparse.rpc.ReleaseOwnerRequest\x1a#.dhisparse.rpc.ReleaseOwnerResponse\x12W\n\x0cListRequests\x12\".dhisparse.rpc.ListRequestsRequest\x1a#.dhisparse.rpc.ListRequestsResponse\x12\x42\n\x05\x41\x64opt\x12\x1b.dhisparse.rpc.AdoptRequest\x1a\x1c.dhisparse.rpc.AdoptResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!dhisparse/rpc/kv_host_store.proto\x12\rdhisparse.rpc\"\x0e\n\x0c\x41renaRequest\"V\n\tArenaInfo\x12\x0c\n\x04path\x18\x01 \x01(\t\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x02 \x01(\x03\x12\x11\n\talignment\x18\x03 \x01(\x03\x12\x10\n\x08store_id\x18\x04 \x01(\t\"}\n\x0f\x41llocateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x0e\n\x06source\x18\x03 \x01(\x05\x12\x10\n\x08num_rows\x18\x04 \x01(\x03\x12\x11\n\trow_bytes\x18\x05 \x01(\x03\x12\x12\n\ngeneration\x18\x06 \x01(\x03\"&\n\x08RowRange\x12\r\n\x05start\x18\x01 \x01(\x03\x12\x0b\n\x03\x65nd\x18\x02 \x01(\x03\"\xc1\x01\n\x06Region\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\r\n\x05owner\x18\x03 \x01(\t\x12\x0e\n\x06source\x18\x04 \x01(\x05\x12\x0e\n\x06offset\x18\x05 \x01(\x03\x12\x10\n\x08num_rows\x18\x06 \x01(\x03\x12\x11\n\trow_bytes\x18\x07 \x01(\x03\x12(\n\x07\x64urable\x18\x08 \x03(\x0b\x32\x17.dhisparse.rpc.RowRange\x12\x12\n\ngeneration\x18\t \x01(\x03\"n\n\x12MarkDurableRequest\x12\x11\n\tregion_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x11\n\tstart_row\x18\x03 \x01(\x03\x12\x0f\n\x07\x65nd_row\x18\x04 \x01(\x03\x12\x12\n\ngeneration\x18\x05 \x01(\x03\"+\n\x13MarkDurableResponse\x12\x14\n\x0c\x64urable_rows\x18\x01 \x01(\x03\"F\n\rLookupRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"8\n\x0eLookupResponse\x12&\n\x07regions\x18\x01 \x03(\x0b\x32\x15.dhisparse.rpc.Region\"Z\n\x0eReleaseRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\nrequest_id\x18\x02 \x01(\t\x12\x11\n\tregion_id\x18\x03 \x01(\t\x12\x12\n\ngeneration\x18\x04 \x01(\x03\"8\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x13\n\x0b\x62ytes_freed\x18\x02 \x01(\x03\"\x0e\n\x0cStatsRequest\"\xcc\x02\n\rStatsResponse\x12\x16\n\x0e\x63\x61pacity_bytes\x18\x01 \x01(\x03\x12\x12\n\nused_bytes\x18\x02 \x01(\x03\x12\x0f\n\x07regions\x18\x03 \x01(\x05\x12\x10\n\x08requests\x18\x04 \x01(\x05\x12\x15\n\rdurable_bytes\x18\x05 \x01(\x03\x12\x1b\n\x13\x61llocations_refused\x18\x06 \x01(\x03\x12\x1a\n\x12largest_free_bytes\x18\x07 \x01(\x03\x12\x13\n\x0bowners_live\x18\x08 \x01(\x05\x12\x11\n\tadoptions\x18\t \x01(\x03\x12\x17\n\x0forphans_expired\x18\n \x01(\x03\x12\x16\n\x0eprefix_records\x18\x0b \x01(\x05\x12\x14\n\x0cprefix_bytes\x18\x0c \x01(\x03\x12\x18\n\x10prefix_evictions\x18\r \x01(\x03\x12\x13\n\x0bprefix_hits\x18\x0e \x01(\x03\":\n\x14RegisterOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x13\n\x0blease_ttl_s\x18\x02 \x01(\x01\"D\n\nOwnerLease\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x13\n\x0blease_ttl_s\x18\x03 \x01(\x01\"6\n\x11RenewOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"8\n\x13ReleaseOwnerRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x16\n\x14ReleaseOwnerResponse\"<\n\x13ListRequestsRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x16\n\x0e\x61\x64optable_only\x18\x02 \x01(\x08\"\x8b\x01\n\x0bRequestInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x0f\n\x07regions\x18\x04 \x01(\x05\x12\r\n\x05\x62ytes\x18\x05 \x01(\x03\x12\x11\n\tadoptable\x18\x06 \x01(\x08\x12\x12\n\ndead_for_s\x18\x07 \x01(\x01\"D\n\x14ListRequestsResponse\x12,\n\x08requests\x18\x01 \x03(\x0b\x32\x1a.dhisparse.rpc.RequestInfo\"E\n\x0c\x41\x64optRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\"7\n\rAdoptResponse\x12&\n\x07regions\x18\x01 \x03(\x0b\x32\x15.dhisparse.rpc.Region\"\x86\x01\n\x12\x43\x61\x63hePrefixRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05owner\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12\x13\n\x0bpage_hashes\x18\x04 \x03(\t\x12\x11\n\ttoken_ids\x18\x05 \x03(\x05\x12\x11\n\tpage_size\x18\x06 \x01(\x05\"%\n\x13\x43\x61\x63hePrefixResponse\x12\x0e\n\x06\x63\x61\x63hed\x18\x01 \x01(\x08\"t\n\x14\x41\x63quirePrefixRequest\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\x12\x13\n\x0bpage_hashes\x18\x03 \x03(\t\x12\x11\n\ttoken_ids\x18\x04 \x03(\x05\x12\x11\n\tpage_size\x18\x05 \x01(\x05\"}\n\x15\x41\x63quirePrefixResponse\x12\x0b\n\x03hit\x18\x01 \x01(\x08\x12\x10\n\x08lease_id\x18\x02 \x01(\t\x12\r\n\x05pages\x18\x03 \x01(\x05\x12\x0e\n\x06tokens\x18\x04 \x01(\x03\x12&\n\x07regions\x18\x05 \x03(\x0b\x32\x15.dhisparse.rpc.Region\"(\n\x14ReleasePrefixRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\t\"\x17\n\x15ReleasePrefixResponse2\xde\x08\n\x0bKVHostStore\x12\x41\n\x08GetArena\x12\x1b.dhisparse.rpc.ArenaRequest\x1a\x18.dhisparse.rpc.ArenaInfo\x12\x41\n\x08\x41llocate\x12\x1e.dhisparse.rpc.AllocateRequest\x1a\x15.dhisparse.rpc.Region\x12T\n\x0bMarkDurable\x12!.dhisparse.rpc.MarkDurableRequest\x1a\".dhisparse.rpc.MarkDurableResponse\x12\x45\n\x06Lookup\x12\x1c.dhisparse.rpc.LookupRequest\x1a\x1d.dhisparse.rpc.LookupResponse\x12H\n\x07Release\x12\x1d.dhisparse.rpc.ReleaseRequest\x1a\x1e.dhisparse.rpc.ReleaseResponse\x12\x42\n\x05Stats\x12\x1b.dhisparse.rpc.StatsRequest\x1a\x1c.dhisparse.rpc.StatsResponse\x12O\n\rRegisterOwner\x12#.dhisparse.rpc.RegisterOwnerRequest\x1a\x19.dhisparse.rpc.OwnerLease\x12I\n\nRenewOwner\x12 .dhisparse.rpc.RenewOwnerRequest\x1a\x19.dhisparse.rpc.OwnerLease\x12W\n\x0cReleaseOwner\x12\".dhisparse.rpc.ReleaseOwnerRequest\x1a#.dhisparse.rpc.ReleaseOwnerResponse\x12W\n\x0cListRequests\x12\".dhisparse.rpc.ListRequestsRequest\x1a#.dhisparse.rpc.ListRequestsResponse\x12\x42\n\x05\x41\x64opt\x12\x1b.dhisparse.rpc.AdoptRequest\x1a\x1c.dhisparse.rpc.AdoptResponse\x12T\n\x0b\x43\x61\x63hePrefix\x12!.dhisparse.rpc.CachePrefixRequest\x1a\".dhisparse.rpc.CachePrefixResponse\x12Z\n\rAcquirePrefix\x12#.dhisparse.rpc.AcquirePrefixRequest\x1a$.dhisparse.rpc.AcquirePrefixResponse\x12Z\n\rReleasePrefix\x12#.dhisparse.rpc.ReleasePrefixRequest\x1a$.dhisparse.rpc.ReleasePrefixResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -56,27 +56,39 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STATSREQUEST']._serialized_start=956
   _globals['_STATSREQUEST']._serialized_end=970
   _globals['_STATSRESPONSE']._serialized_start=973
-  _globals['_STATSRESPONSE']._serialized_end=1212
-  _globals['_REGISTEROWNERREQUEST']._serialized_start=1214
-  _globals['_REGISTEROWNERREQUEST']._serialized_end=1272
-  _globals['_OWNERLEASE']._serialized_start=1274
-  _globals['_OWNERLEASE']._serialized_end=1342
-  _globals['_RENEWOWNERREQUEST']._serialized_start=1344
-  _globals['_RENEWOWNERREQUEST']._serialized_end=1398
-  _globals['_RELEASEOWNERREQUEST']._serialized_start=1400
-  _globals['_RELEASEOWNERREQUEST']._serialized_end=1456
-  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1458
-  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1480
-  _globals['_LISTREQUESTSREQUEST']._serialized_start=1482
-  _globals['_LISTREQUESTSREQUEST']._serialized_end=1542
-  _globals['_REQUESTINFO']._serialized_start=1545
-  _globals['_REQUESTINFO']._serialized_end=1684
-  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1686
-  _globals['_LISTREQUESTSRESPONSE']._serialized_end=1754
-  _globals['_ADOPTREQUEST']._serialized_start=1756
-  _globals['_ADOPTREQUEST']._serialized_end=1825
-  _globals['_ADOPTRESPONSE']._serialized_start=1827
-  _globals['_ADOPTRESPONSE']._serialized_end=1882
-  _globals['_KVHOSTSTORE']._serialized_start=1885
-  _globals['_KVHOSTSTORE']._serialized_end=2733
+  _globals['_STATSRESPONSE']._serialized_end=1305
+  _globals['_REGISTEROWNERREQUEST']._serialized_start=1307
+  _globals['_REGISTEROWNERREQUEST']._serialized_end=1365
+  _globals['_OWNERLEASE']._serialized_start=1367
+  _globals['_OWNERLEASE']._serialized_end=1435
+  _globals['_RENEWOWNERREQUEST']._serialized_start=1437
+  _globals['_RENEWOWNERREQUEST']._serialized_end=1491
+  _globals['_RELEASEOWNERREQUEST']._serialized_start=1493
+  _globals['_RELEASEOWNERREQUEST']._serialized_end=1549
+  _globals['_RELEASEOWNERRESPONSE']._serialized_start=1551
+  _globals['_RELEASEOWNERRESPONSE']._serialized_end=1573
+  _globals['_LISTREQUESTSREQUEST']._serialized_start=1575
+  _globals['_LISTREQUESTSREQUEST']._serialized_end=1635
+  _globals['_REQUESTINFO']._serialized_start=1638
+  _globals['_REQUESTINFO']._serialized_end=1777
+  _globals['_LISTREQUESTSRESPONSE']._serialized_start=1779
+  _globals['_LISTREQUESTSRESPONSE']._serialized_end=1847
+  _globals['_ADOPTREQUEST']._serialized_start=1849
+  _globals['_ADOPTREQUEST']._serialized_end=1918
+  _globals['_ADOPTRESPONSE']._serialized_start=1920
+  _globals['_ADOPTRESPONSE']._serialized_end=1975
+  _globals['_CACHEPREFIXREQUEST']._serialized_start=1978
+  _globals['_CACHEPREFIXREQUEST']._serialized_end=2112
+  _globals['_CACHEPREFIXRESPONSE']._serialized_start=2114
+  _globals['_CACHEPREFIXRESPONSE']._serialized_end=2151
+  _globals['_ACQUIREPREFIXREQUEST']._serialized_start=2153
+  _globals['_ACQUIREPREFIXREQUEST']._serialized_end=2269
+  _globals['_ACQUIREPREFIXRESPONSE']._serialized_start=2271
+  _globals['_ACQUIREPREFIXRESPONSE']._serialized_end=2396
+  _globals['_RELEASEPREFIXREQUEST']._serialized_start=2398
+  _globals['_RELEASEPREFIXREQUEST']._serialized_end=2438
+  _globals['_RELEASEPREFIXRESPONSE']._serialized_start=2440
+  _globals['_RELEASEPREFIXRESPONSE']._serialized_end=2463
+  _globals['_KVHOSTSTORE']._serialized_start=2466
+  _globals['_KVHOSTSTORE']._serialized_end=3584
 # @@protoc_insertion_point(module_scope)

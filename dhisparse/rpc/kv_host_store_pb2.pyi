@@ -129,7 +129,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes", "owners_live", "adoptions", "orphans_expired")
+    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes", "owners_live", "adoptions", "orphans_expired", "prefix_records", "prefix_bytes", "prefix_evictions", "prefix_hits")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,10 @@ class StatsResponse(_message.Message):
     OWNERS_LIVE_FIELD_NUMBER: _ClassVar[int]
     ADOPTIONS_FIELD_NUMBER: _ClassVar[int]
     ORPHANS_EXPIRED_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_RECORDS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     regions: int
@@ -150,7 +154,11 @@ class StatsResponse(_message.Message):
     owners_live: int
     adoptions: int
     orphans_expired: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., owners_live: _Optional[int] = ..., adoptions: _Optional[int] = ..., orphans_expired: _Optional[int] = ...) -> None: ...
+    prefix_records: int
+    prefix_bytes: int
+    prefix_evictions: int
+    prefix_hits: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., owners_live: _Optional[int] = ..., adoptions: _Optional[int] = ..., orphans_expired: _Optional[int] = ..., prefix_records: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
     __slots__ = ("owner", "lease_ttl_s")
@@ -237,3 +245,63 @@ class AdoptResponse(_message.Message):
     REGIONS_FIELD_NUMBER: _ClassVar[int]
     regions: _containers.RepeatedCompositeFieldContainer[Region]
     def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class CachePrefixRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "generation", "page_hashes", "token_ids", "page_size")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    generation: int
+    page_hashes: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    page_size: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., page_hashes: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class CachePrefixResponse(_message.Message):
+    __slots__ = ("cached",)
+    CACHED_FIELD_NUMBER: _ClassVar[int]
+    cached: bool
+    def __init__(self, cached: _Optional[bool] = ...) -> None: ...
+
+class AcquirePrefixRequest(_message.Message):
+    __slots__ = ("owner", "generation", "page_hashes", "token_ids", "page_size")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    generation: int
+    page_hashes: _containers.RepeatedScalarFieldContainer[str]
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    page_size: int
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ..., page_hashes: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ...) -> None: ...
+
+class AcquirePrefixResponse(_message.Message):
+    __slots__ = ("hit", "lease_id", "pages", "tokens", "regions")
+    HIT_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    PAGES_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    hit: bool
+    lease_id: str
+    pages: int
+    tokens: int
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, hit: _Optional[bool] = ..., lease_id: _Optional[str] = ..., pages: _Optional[int] = ..., tokens: _Optional[int] = ..., regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class ReleasePrefixRequest(_message.Message):
+    __slots__ = ("lease_id",)
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    lease_id: str
+    def __init__(self, lease_id: _Optional[str] = ...) -> None: ...
+
+class ReleasePrefixResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

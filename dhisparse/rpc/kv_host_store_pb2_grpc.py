@@ -89,6 +89,21 @@ class KVHostStoreStub:
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
                 _registered_method=True)
+        self.CachePrefix = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/CachePrefix',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixResponse.FromString,
+                _registered_method=True)
+        self.AcquirePrefix = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/AcquirePrefix',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixResponse.FromString,
+                _registered_method=True)
+        self.ReleasePrefix = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/ReleasePrefix',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixResponse.FromString,
+                _registered_method=True)
 
 
 class KVHostStoreServicer:
@@ -172,6 +187,28 @@ class KVHostStoreServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def CachePrefix(self, request, context):
+        """Cached prefixes (owned by the store, named by their pages' chained hashes). CachePrefix
+        hands every region of a request to the store as the record of complete pages of tokens;
+        AcquirePrefix leases the record holding the most leading pages of a query (no eviction
+        while leased); ReleasePrefix returns the lease.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AcquirePrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ReleasePrefix(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_KVHostStoreServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -229,6 +266,21 @@ def add_KVHostStoreServicer_to_server(servicer, server):
                     servicer.Adopt,
                     request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.SerializeToString,
+            ),
+            'CachePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.CachePrefix,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixResponse.SerializeToString,
+            ),
+            'AcquirePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.AcquirePrefix,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixResponse.SerializeToString,
+            ),
+            'ReleasePrefix': grpc.unary_unary_rpc_method_handler(
+                    servicer.ReleasePrefix,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -528,6 +580,87 @@ class KVHostStore:
             '/dhisparse.rpc.KVHostStore/Adopt',
             dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
             dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CachePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/CachePrefix',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AcquirePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/AcquirePrefix',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AcquirePrefixResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ReleasePrefix(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/ReleasePrefix',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.ReleasePrefixResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from services.kv_host_store.arena import ArenaMapping, map_arena
 from services.kv_host_store.records import (
     ArenaInfo,
     OwnerLease,
+    PrefixHit,
     Region,
     ReleaseResult,
     RequestInfo,
@@ -134,6 +135,33 @@ class KVHostStoreClient:
     def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
         m = pb.AdoptRequest(request_id=request_id, owner=owner, generation=generation)
         return [convert.region_from_proto(r) for r in self._call(self._stub.Adopt, m).regions]
+
+    def cache_prefix(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> bool:
+        m = pb.CachePrefixRequest(
+            request_id=request_id, owner=owner, generation=generation, page_hashes=hashes,
+            token_ids=token_ids, page_size=page_size,
+        )  # fmt: skip
+        return self._call(self._stub.CachePrefix, m).cached
+
+    def acquire_prefix(
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
+    ) -> PrefixHit | None:
+        m = pb.AcquirePrefixRequest(
+            owner=owner, generation=generation, page_hashes=hashes, token_ids=token_ids,
+            page_size=page_size,
+        )  # fmt: skip
+        return convert.prefix_hit_from_proto(self._call(self._stub.AcquirePrefix, m))
+
+    def release_prefix(self, lease_id: str) -> None:
+        self._call(self._stub.ReleasePrefix, pb.ReleasePrefixRequest(lease_id=lease_id))
 
     def close(self) -> None:
         self._channel.close()

@@ -17,6 +17,7 @@ from services.kv_host_store.errors import (
 from services.kv_host_store.records import (
     ArenaInfo,
     OwnerLease,
+    PrefixHit,
     Region,
     ReleaseResult,
     RequestInfo,
@@ -89,6 +90,10 @@ def stats_to_proto(s: StoreStats) -> pb.StatsResponse:
         owners_live=s.owners_live,
         adoptions=s.adoptions,
         orphans_expired=s.orphans_expired,
+        prefix_records=s.prefix_records,
+        prefix_bytes=s.prefix_bytes,
+        prefix_evictions=s.prefix_evictions,
+        prefix_hits=s.prefix_hits,
     )
 
 
@@ -104,6 +109,10 @@ def stats_from_proto(m: pb.StatsResponse) -> StoreStats:
         owners_live=m.owners_live,
         adoptions=m.adoptions,
         orphans_expired=m.orphans_expired,
+        prefix_records=m.prefix_records,
+        prefix_bytes=m.prefix_bytes,
+        prefix_evictions=m.prefix_evictions,
+        prefix_hits=m.prefix_hits,
     )
 
 
@@ -153,3 +162,19 @@ def request_info_from_proto(m: pb.RequestInfo) -> RequestInfo:
         adoptable=m.adoptable,
         dead_for_s=m.dead_for_s,
     )
+
+
+def prefix_hit_to_proto(h: PrefixHit | None) -> pb.AcquirePrefixResponse:
+    if h is None:
+        return pb.AcquirePrefixResponse(hit=False)
+    return pb.AcquirePrefixResponse(
+        hit=True, lease_id=h.lease_id, pages=h.pages, tokens=h.tokens,
+        regions=[region_to_proto(r) for r in h.regions],
+    )  # fmt: skip
+
+
+def prefix_hit_from_proto(m: pb.AcquirePrefixResponse) -> PrefixHit | None:
+    if not m.hit:
+        return None
+    regions = tuple(region_from_proto(r) for r in m.regions)
+    return PrefixHit(m.lease_id, m.pages, m.tokens, regions)

@@ -59,6 +59,19 @@ class StoreCollector(Collector):
             "Requests of dead workers freed because nobody adopted them in time",
             value=s.orphans_expired,
         )
+        yield GaugeMetricFamily(
+            names.HOST_STORE_PREFIX_RECORDS, "Cached prefixes the store owns",
+            value=s.prefix_records,
+        )  # fmt: skip
+        yield GaugeMetricFamily(
+            names.HOST_STORE_PREFIX_BYTES, "Arena bytes held by cached prefixes",
+            value=s.prefix_bytes,
+        )  # fmt: skip
+        yield CounterMetricFamily(
+            names.HOST_STORE_PREFIX_EVICTIONS,
+            "Cached prefixes evicted (least recently used) to make room for an allocation",
+            value=s.prefix_evictions,
+        )
 
 
 def build_registry(store: HostStore) -> CollectorRegistry:

@@ -60,6 +60,10 @@ class StoreStats:
     owners_live: int = 0  # registered owners whose lease runs
     adoptions: int = 0  # requests adopted from dead owners since the store started
     orphans_expired: int = 0  # requests of dead owners freed unadopted since the store started
+    prefix_records: int = 0  # cached prefixes (``prefix_cache``)
+    prefix_bytes: int = 0  # aligned arena bytes they hold
+    prefix_evictions: int = 0  # cached prefixes evicted for room since the store started
+    prefix_hits: int = 0  # leases taken on a cached prefix since the store started
 
 
 @dataclass(frozen=True)
@@ -93,3 +97,15 @@ class RequestInfo:
     nbytes: int  # aligned bytes its regions hold
     adoptable: bool  # its owner is dead (lease expired, released, or a newer generation)
     dead_for_s: float  # seconds since its owner died (0 while it lives)
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    """A lease on a cached prefix: its first ``pages`` complete pages (``tokens`` tokens) match
+    the query. ``regions``: the record's regions (per KV source and session source id, rows
+    from 0), readable until the lease is released; nobody writes them."""
+
+    lease_id: str
+    pages: int
+    tokens: int
+    regions: tuple[Region, ...]

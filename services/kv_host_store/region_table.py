@@ -5,6 +5,7 @@ arguments and ownership and holds the lock around every use."""
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from services.kv_host_store.errors import CapacityExhausted
@@ -31,12 +32,25 @@ class RegionTable:
         self.refused = 0
 
     def add(
-        self, request_id: str, owner: str, generation: int, source: int, rows: int, row_bytes: int
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        source: int,
+        rows: int,
+        row_bytes: int,
+        evict: Callable[[], bool] = lambda: False,
     ) -> Region:
         """A new region, placed with the other regions of ``(owner, source)`` as the placement
-        policy says; raises ``CapacityExhausted`` (counted) when no free range fits."""
+        policy says. While no free range fits, ``evict()`` frees something (a cached prefix)
+        and it tries again; raises ``CapacityExhausted`` (counted) once ``evict()`` has nothing
+        left to free."""
         need = self.alloc.aligned_size(rows * row_bytes)
+        while self.alloc.largest_free() < need and evict():
+            pass
         offset = self.alloc.allocate(rows * row_bytes, (owner, source))
+        while offset is None and evict():  # a placement may refuse even a large enough hole
+            offset = self.alloc.allocate(rows * row_bytes, (owner, source))
         if offset is None:
             self.refused += 1
             largest = self.alloc.largest_free()
@@ -72,6 +86,17 @@ class RegionTable:
         if not req.region_ids:
             del self.requests[region.request_id]
         self.durable_bytes -= region.durable_rows * region.row_bytes
+        return self.alloc.free(region.offset)
+
+    def detach(self, request_id: str) -> tuple[list[Region], int]:
+        """Forgets a request and its regions, keeping their bytes allocated (they are the
+        prefix cache's now, ``free_detached`` returns them); (its regions, aligned bytes)."""
+        req = self.requests.pop(request_id)
+        regions = [self.regions.pop(r) for r in sorted(req.region_ids)]
+        self.durable_bytes -= sum(r.durable_rows * r.row_bytes for r in regions)
+        return regions, sum(self.alloc.aligned_size(r.nbytes) for r in regions)
+
+    def free_detached(self, region: Region) -> int:
         return self.alloc.free(region.offset)
 
     def of(self, req: Holding) -> list[Region]:

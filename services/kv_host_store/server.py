@@ -137,6 +137,33 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
         )
         return pb.AdoptResponse(regions=[convert.region_to_proto(r) for r in regions])
 
+    @_maps_store_errors
+    async def CachePrefix(
+        self, request: pb.CachePrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.CachePrefixResponse:
+        cached = self._store.cache_prefix(
+            request.request_id, request.owner, request.generation, list(request.page_hashes),
+            list(request.token_ids), request.page_size,
+        )  # fmt: skip
+        return pb.CachePrefixResponse(cached=cached)
+
+    @_maps_store_errors
+    async def AcquirePrefix(
+        self, request: pb.AcquirePrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AcquirePrefixResponse:
+        hit = self._store.acquire_prefix(
+            request.owner, request.generation, list(request.page_hashes),
+            list(request.token_ids), request.page_size,
+        )  # fmt: skip
+        return convert.prefix_hit_to_proto(hit)
+
+    @_maps_store_errors
+    async def ReleasePrefix(
+        self, request: pb.ReleasePrefixRequest, context: grpc.aio.ServicerContext
+    ) -> pb.ReleasePrefixResponse:
+        self._store.release_prefix(request.lease_id)
+        return pb.ReleasePrefixResponse()
+
 
 class KVHostStoreServer:
     """Arena file + store + gRPC server + metrics endpoint, started and stopped together.

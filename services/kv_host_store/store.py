@@ -7,6 +7,11 @@ that owner may allocate more, mark durable, look up or release. When the owner p
 requests become adoptable: ``adopt`` transfers one to a live owner (regions stay where they are:
 nothing is copied), and calls still in flight from the dead generation are refused. Requests
 nobody adopts within ``orphan_ttl_s`` of their owner's death are freed by ``expire_orphans``.
+
+A request may also be handed to the store as a *cached prefix* (``cache_prefix``,
+``prefix_cache``): the store owns it from then on, leases it to admissions whose prompt begins
+with its pages, and evicts it least-recently-used when an allocation finds no room — never
+while leased, and never a worker's own regions.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ from services.kv_host_store.errors import (
 )
 from services.kv_host_store.owners import OwnerTable
 from services.kv_host_store.placement import Placement
+from services.kv_host_store.prefix_cache import PrefixCache
 from services.kv_host_store.records import (
     OwnerLease,
+    PrefixHit,
     Region,
     ReleaseResult,
     RequestInfo,
@@ -72,6 +79,7 @@ class HostStore:
         self.orphan_ttl_s = orphan_ttl_s
         self._adoptions = 0
         self._orphans_expired = 0
+        self._prefixes = PrefixCache(self._t.free_detached)
 
     @property
     def capacity(self) -> int:
@@ -131,7 +139,8 @@ class HostStore:
         ``request_id``; no rows are durable yet. Raises ``PermissionDenied`` when the request
         belongs to another owner, ``FailedPrecondition`` for a stale generation and
         ``CapacityExhausted`` (naming requested vs largest free bytes) when no contiguous free
-        range fits. A request may hold several regions of one source."""
+        range fits, even with every unleased cached prefix evicted. A request may hold several
+        regions of one source."""
         check_id("request_id", request_id)
         check_id("owner", owner)
         check_int("source", source, *INT32)
@@ -142,7 +151,8 @@ class HostStore:
             req = self._t.requests.get(request_id)
             if req is not None:
                 _check_holder(request_id, req, owner, generation)
-            return self._t.add(request_id, owner, generation, source, num_rows, row_bytes)
+            evict = self._prefixes.evict_one
+            return self._t.add(request_id, owner, generation, source, num_rows, row_bytes, evict)
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
@@ -191,6 +201,51 @@ class HostStore:
                 victims = self._t.of(self._owned_request(rid, owner, generation))
             freed = sum(self._t.free(region) for region in victims)
             return ReleaseResult(released=len(victims), bytes_freed=freed)
+
+    # -- cached prefixes ---------------------------------------------------------------------
+
+    def cache_prefix(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> bool:
+        """Hands every region of ``request_id`` to the store as the cached prefix of
+        ``len(hashes)`` complete pages of ``token_ids`` (``prefix_index.page_hashes``): each
+        region holds, from row 0, the rows of those pages, complete. The request is gone from
+        its owner's holdings either way; False when a cached prefix already held every page
+        (its regions are freed)."""
+        check_id("request_id", request_id)
+        check_int("page_size", page_size, lo=1)
+        with self._lock:
+            self._owned_request(request_id, owner, generation)
+            regions, nbytes = self._t.detach(request_id)
+            return self._prefixes.add(regions, nbytes, hashes, token_ids, page_size)
+
+    def acquire_prefix(
+        self,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> PrefixHit | None:
+        """A lease for ``(owner, generation)`` on the cached prefix holding the most leading
+        pages of the query; None when none holds its first page. The lease keeps the record
+        from eviction until ``release_prefix`` (or its owner's death)."""
+        check_id("owner", owner)
+        check_int("page_size", page_size, lo=1)
+        with self._lock:
+            self._owners.check_caller(owner, generation)
+            return self._prefixes.acquire(hashes, token_ids, page_size, owner, generation)
+
+    def release_prefix(self, lease_id: str) -> None:
+        check_id("lease_id", lease_id)
+        with self._lock:
+            self._prefixes.release(lease_id)
 
     # -- adoption and orphans ----------------------------------------------------------------
 
@@ -256,6 +311,7 @@ class HostStore:
                 for region in self._t.of(req):
                     self._t.free(region)
             self._orphans_expired += len(expired)
+            self._prefixes.drop_leases(lambda o, g: self._owners.dead_since(o, g, now) is not None)
             return len(expired)
 
     def stats(self) -> StoreStats:
@@ -272,4 +328,8 @@ class HostStore:
                 owners_live=self._owners.live_count(self._clock()),
                 adoptions=self._adoptions,
                 orphans_expired=self._orphans_expired,
+                prefix_records=len(self._prefixes),
+                prefix_bytes=self._prefixes.nbytes,
+                prefix_evictions=self._prefixes.evictions,
+                prefix_hits=self._prefixes.hits,
             )

@@ -117,6 +117,11 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         p, "durable-sessions",
         "hierarchy modes: keep what a successor needs to resume each session (on)",
     )  # fmt: skip
+    add_switch(
+        p, "prefix-cache",
+        "hierarchy modes: finished requests leave their complete pages in the node's host "
+        "store and admissions import the longest cached prefix of their prompt (on)",
+    )  # fmt: skip
 
 
 def settings_from_args(args: argparse.Namespace) -> WorkerSettings:

@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dhisparse import metrics as m
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
+from services.worker.prefix_metrics import PrefixMetrics
 from services.worker.request.request import RequestOutput
 
 
@@ -30,6 +31,7 @@ def config_labels(engine: Engine) -> dict[str, str]:
         "graph_capture": cfg.graphs.capture,
         "drafter": cfg.speculation.drafter or "none",
         "durable_sessions": "on" if engine.kv.sessions is not None else "off",
+        "prefix_cache": "on" if engine.scheduler.prefix is not None else "off",
     }
 
 
@@ -84,6 +86,7 @@ class WorkerMetrics:
         self.sessions_resumed.labels(model_name)
         self.prefill_computed.labels(model_name)
         self._resumed_seen = 0
+        self.prefix = PrefixMetrics(r, model_name)
         self.decode_passes = Counter(
             m.DECODE_PASSES,
             "Decode passes by path: replayed CUDA graph, captured, or eager",
@@ -192,6 +195,8 @@ class WorkerMetrics:
         resumed = engine.sessions_resumed
         self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
         self._resumed_seen = resumed
+        prefix = engine.scheduler.prefix
+        self.prefix.update(None if prefix is None else prefix.stats)
         self.running.labels(md).set(engine.num_running)
         self._count_passes(engine)
         self._count_gc()

@@ -30,6 +30,7 @@ class WorkerSettings(BaseSettings):
     # its client within this long.
     attach_timeout_s: float = 60.0
     durable_sessions: bool | None = None  # None: on in hierarchy modes (see EngineConfig)
+    prefix_cache: bool = True  # hierarchy modes: reuse cached prefixes (see EngineConfig)
     # Freeze the Python heap once the engine is built: later collections skip what start-up
     # made (``services/worker/engine/heap.py``).
     gc_freeze: bool = True
@@ -117,5 +118,6 @@ class WorkerSettings(BaseSettings):
             chunked_prefill=self.chunked_prefill,
             top_k_rows=self.top_k_rows,
             durable_sessions=self.durable_sessions,
+            prefix_cache=self.prefix_cache,
             parallel=parallel,
         )

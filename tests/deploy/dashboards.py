@@ -37,6 +37,10 @@ TYPES: dict[str, str] = {
     metrics.HOST_READ_BYTES: "counter",
     metrics.PREFILL_TOKENS_COMPUTED: "counter",
     metrics.SESSIONS_RESUMED: "counter",
+    metrics.PREFIX_CACHE_QUERIES: "counter",
+    metrics.PREFIX_CACHE_HITS: "counter",
+    metrics.PREFIX_CACHE_HIT_TOKENS: "counter",
+    metrics.PREFIX_CACHE_LEFT: "counter",
     metrics.RANK_REQUESTS_RUNNING: "gauge",
     metrics.RANK_REQUESTS_WAITING: "gauge",
     metrics.RANK_KV_FREE_BYTES: "gauge",
@@ -60,6 +64,9 @@ TYPES: dict[str, str] = {
     metrics.HOST_STORE_OWNERS: "gauge",
     metrics.HOST_STORE_ADOPTIONS: "counter",
     metrics.HOST_STORE_ORPHANS_EXPIRED: "counter",
+    metrics.HOST_STORE_PREFIX_RECORDS: "gauge",
+    metrics.HOST_STORE_PREFIX_BYTES: "gauge",
+    metrics.HOST_STORE_PREFIX_EVICTIONS: "counter",
 }
 
 # How each type's series are named in PromQL (prometheus_client's exposition).

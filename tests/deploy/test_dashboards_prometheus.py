@@ -51,6 +51,9 @@ class Stack:
 
 
 def _start(argv: list[str], log: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    # the services run this checkout's code, whichever checkout the console script came from
+    env = dict(env or os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     with log.open("wb") as out:
         return subprocess.Popen(
             argv, stdout=out, stderr=subprocess.STDOUT, cwd=ROOT, env=env, start_new_session=True

@@ -22,6 +22,7 @@ from services.kv_host_store.server import KVHostStoreServer
 from services.kv_host_store.settings import KVHostStoreSettings
 
 DHISPARSE = Path(sys.executable).with_name("dhisparse")
+ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"listening grpc=\S+:(\d+) metrics=\S+:(\d+)")
 CAPACITY = 64 << 20
 
@@ -68,7 +69,12 @@ def start_store_process(arena_path: Path, *extra: str, timeout: float = 60.0) ->
     """Runs `dhisparse kv-host-store` on free ports; returns once it logged its ports."""
     cmd = [str(DHISPARSE), "kv-host-store", "--port", "0", "--metrics-port", "0"]
     cmd += ["--arena-path", str(arena_path), "--capacity", str(CAPACITY), *extra]
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    # the store runs this checkout's code, whichever checkout the console script was installed from
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "PYTHONPATH": path}
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
     lines: queue.Queue[str | None] = queue.Queue()
     log: list[str] = []
 

@@ -84,6 +84,9 @@ class EngineConfig:
     # dies (manifests, index keys, write-through of imported history). None: on in hierarchy
     # modes; resident mode keeps no host backups, so it has nothing to resume from.
     durable_sessions: bool | None = None
+    # hierarchy modes: requests leave their complete pages in the node's host store and
+    # admissions import the longest cached prefix (``serving.prefix_reuse``; --no-prefix-cache)
+    prefix_cache: bool = True
     # hierarchy modes: when an index producer's followers resolve (a policy, exact either way)
     followers: FollowerPrefetch = field(default_factory=FollowerPrefetch)
 

@@ -15,6 +15,7 @@ from services.kv_host_store.records import Region
 from services.worker.engine.config import EngineConfig, device_free_bytes, with_sized_pool
 from services.worker.engine.loading import serving_model, tokenizer_and_ends
 from services.worker.engine.passes import ModelPasses, graphs_off
+from services.worker.engine.prefix_setup import prefix_reuse
 from services.worker.engine.scheduler import Scheduler
 from services.worker.engine.stats import EngineStats
 from services.worker.graphs.cuda_graph import DecodeGraphs
@@ -99,7 +100,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
             manifest_bytes=self.journal.manifest_bytes if self.journal else None,
-            chunked=cfg.chunked_prefill,
+            chunked=cfg.chunked_prefill, prefix=prefix_reuse(cfg, self.kv),
         )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()

@@ -25,6 +25,7 @@ from typing import NamedTuple
 from services.worker.kv.errors import HostStoreUnavailable
 from services.worker.request.request import Request, Status
 from services.worker.serving.cache import KVCache
+from services.worker.serving.prefix_reuse import PrefixReuse
 
 
 class Chunk(NamedTuple):
@@ -56,9 +57,11 @@ class Scheduler:
         max_model_len: int,
         manifest_bytes: Callable[[Request], int] | None = None,
         chunked: bool = True,
+        prefix: PrefixReuse | None = None,
     ) -> None:
         """``manifest_bytes``: the manifest half a durable session needs (durable KV only).
-        ``kv.payload.prefill_room`` bounds each prefill pass's device footprint (see there)."""
+        ``kv.payload.prefill_room`` bounds each prefill pass's device footprint (see there).
+        ``prefix``: prefix reuse (admissions import cached prefixes; requests leave theirs)."""
         if max_prefill_tokens < 1:
             raise ValueError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.kv = kv
@@ -66,6 +69,7 @@ class Scheduler:
         self.max_model_len = max_model_len
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked = chunked
+        self.prefix = prefix
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -95,6 +99,8 @@ class Scheduler:
 
     def _free(self, req: Request) -> None:
         if req.slot is not None:
+            if self.prefix is not None:
+                self.prefix.leave(req.slot, req)
             self.kv.release(req.slot)
             self.free_slots.append(req.slot)
             req.slot = None
@@ -150,8 +156,12 @@ class Scheduler:
             slot = self.free_slots[-1]
             manifest = 0 if self.manifest_bytes is None else self.manifest_bytes(req)
             try:
-                admitted = self.kv.admit(
-                    slot, req.request_id, req.num_tokens, self._budget(req), manifest
+                imported = self._import(slot, req, manifest)
+                admitted = bool(imported) or (
+                    imported is None
+                    and self.kv.admit(
+                        slot, req.request_id, req.num_tokens, self._budget(req), manifest
+                    )
                 )
             except HostStoreUnavailable as e:  # fail fast; the engine reports it
                 self.waiting.popleft()
@@ -162,19 +172,29 @@ class Scheduler:
                 break
             self.free_slots.pop()
             self.waiting.popleft()
-            req.slot, req.status, req.num_computed = slot, Status.RUNNING, 0
+            req.slot, req.status, req.num_computed = slot, Status.RUNNING, imported or 0
             if req.admitted_time is None:
                 req.admitted_time = time.monotonic()  # allocation wait ends
             self.running.append(req)
+            if imported:  # its prefill starts past the prefix; the next step runs it if not now
+                n = self._chunk(req, budget, room, bool(out.prefill))
+                if n == 0:
+                    continue
             out.prefill.append(Chunk(req, n))
             budget -= n
-            room = None if room is None else room - n
+            room = None if room is None else room - self._footprint(req, n)
         # read in adaptive mode only
         self.kv.note_queue(self._budget(r) for r in self.waiting)
         self.kv.note_horizons(
             lambda: [(r.slot, self._budget(r) - r.num_tokens) for r in self.running]
         )
         return out
+
+    def _import(self, slot: int, req: Request, manifest: int) -> int | None:
+        """``PrefixReuse.admit``: tokens imported, 0 (no room now) or None (no prefix)."""
+        if self.prefix is None:
+            return None
+        return self.prefix.admit(slot, req, self._budget(req), manifest)
 
     def _footprint(self, req: Request, tokens: int) -> int:
         """What a chunk of ``tokens`` holds of ``kv.payload.prefill_room``: its tokens and the computed

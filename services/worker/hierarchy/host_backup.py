@@ -107,6 +107,17 @@ class HostBackups:
         """Allocates one contiguous region per source, and the session regions ``{source id:
         (rows, row bytes)}``. Raises what the store raises (``CapacityExhausted``, or a
         transport error when it is down), with nothing left allocated."""
+        regions = self.allocate_regions(request_id, rows_per_source, session)
+        self._seat(slot, request_id, regions, [0] * self.num_sources)
+
+    def allocate_regions(
+        self,
+        request_id: str,
+        rows_per_source: list[int],
+        session: dict[int, tuple[int, int]] | None = None,
+    ) -> list[Region]:
+        """``admit``'s regions, seated nowhere (for ``attach``, or to hand to the store as a
+        cached prefix); raises as ``admit`` does, with nothing left allocated."""
         regions: list[Region] = []
         try:
             for s, rows in enumerate(rows_per_source):
@@ -114,10 +125,18 @@ class HostBackups:
             for s, (rows, row_bytes) in (session or {}).items():
                 regions.append(self._allocate(request_id, s, rows, row_bytes))
         except Exception:
-            for r in regions:
-                self._durability.release(r.region_id)
+            self.release_regions(regions)
             raise
-        self._seat(slot, request_id, regions, [0] * self.num_sources)
+        return regions
+
+    def release_regions(self, regions: list[Region]) -> None:
+        """Frees regions that no slot holds (queued to the store, as every release is)."""
+        for r in regions:
+            self._durability.release(r.region_id)
+
+    def regions(self, slot: int) -> list[Region]:
+        """The slot's regions: one per source, then its session regions."""
+        return [b.region for b in self._backed[slot]] + list(self._session[slot].values())
 
     def _allocate(self, request_id: str, source: int, rows: int, row_bytes: int) -> Region:
         w = self.who

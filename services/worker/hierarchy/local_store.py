@@ -15,6 +15,7 @@ from services.kv_host_store.placement import Placement
 from services.kv_host_store.records import (
     ArenaInfo,
     OwnerLease,
+    PrefixHit,
     Region,
     ReleaseResult,
     RequestInfo,
@@ -82,6 +83,25 @@ class LocalHostStore:
 
     def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
         return self.store.adopt(request_id, owner, generation)
+
+    def cache_prefix(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> bool:
+        return self.store.cache_prefix(request_id, owner, generation, hashes, token_ids, page_size)
+
+    def acquire_prefix(
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
+    ) -> PrefixHit | None:
+        return self.store.acquire_prefix(owner, generation, hashes, token_ids, page_size)
+
+    def release_prefix(self, lease_id: str) -> None:
+        self.store.release_prefix(lease_id)
 
     def stats(self) -> StoreStats:
         return self.store.stats()

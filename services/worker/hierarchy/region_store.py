@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Protocol
 
-from services.kv_host_store.records import Region
+from services.kv_host_store.records import PrefixHit, Region
 
 
 class RegionStore(Protocol):
@@ -28,3 +28,19 @@ class RegionStore(Protocol):
     def release_request(self, owner: str, request_id: str, generation: int = 0) -> object: ...
 
     def release_region(self, owner: str, region_id: str, generation: int = 0) -> object: ...
+
+    def cache_prefix(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> bool: ...
+
+    def acquire_prefix(
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
+    ) -> PrefixHit | None: ...
+
+    def release_prefix(self, lease_id: str) -> None: ...

@@ -175,7 +175,7 @@ class RequestOutput:
     completion_tokens: int
     logprobs: tuple[TokenLogprob, ...] = ()
     error: RequestError | None = None  # set on the last output of a request that failed
-    cached_prompt_tokens: int = 0  # prompt tokens not computed for this request (resumed)
+    cached_prompt_tokens: int = 0  # prompt tokens not computed for it (resumed, cached prefix)
     # on the first output of a request that asked for them (``prompt_logprobs.take``)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
@@ -201,7 +201,8 @@ class Request:
     admitted_time: float | None = None  # first admission (allocation wait = this - arrival)
     first_token_time: float | None = None
     error: RequestError | None = None
-    # tokens adopted already computed from a dead worker (a resumed session): never computed here
+    # tokens not computed here: adopted from a dead worker (a resumed session), or imported from
+    # a cached prefix (``serving.prefix_reuse``)
     resumed_tokens: int = 0
     # its logit bias and penalties on the device, built at its first shaping (if it sets any)
     penalties: Penalties | None = field(default=None, repr=False)

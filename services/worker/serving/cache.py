@@ -240,17 +240,20 @@ class KVCache:
         regions: list[Region],
         num_tokens: int,
         rings: dict[int, bytes],
+        max_tokens: int | None = None,
     ) -> bool:
-        """Seats an adopted durable session whose first ``num_tokens`` tokens are committed in
-        its host ``regions``: rows stay where they are, index keys and token rings are rebuilt,
-        the hot cache starts empty. False (nothing taken) when the device has no room."""
+        """Seats an adopted durable session (or a request importing a cached prefix) whose
+        first ``num_tokens`` tokens are committed in its host ``regions``: rows stay where
+        they are, index keys and token rings are rebuilt, the hot cache starts empty; index
+        keys are reserved for ``max_tokens`` tokens (as ``admit`` does; None: ``num_tokens``).
+        False (nothing taken) when the device has no room."""
         if self.sessions is None:
             raise RuntimeError("adoption needs a hierarchy mode with durable sessions")
         committed = [
             self.model_cfg.rows_for_tokens(s, num_tokens)
             for s in range(len(self.model_cfg.sources))
         ]
-        keys_to = self._keys_reserved(num_tokens, num_tokens)
+        keys_to = self._keys_reserved(num_tokens, max_tokens or num_tokens)
         key_pages = self._key_pages(slot, keys_to)
         if not self.payload.adopt(slot, request_id, regions, committed, key_pages):
             return False

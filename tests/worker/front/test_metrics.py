@@ -129,6 +129,7 @@ def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
         "graph_capture": "second",
         "drafter": "dflash",
         "durable_sessions": "off",  # a private arena dies with the process: nothing to resume
+        "prefix_cache": "off",  # no host store to leave pages in
     }
     engine.close()
 

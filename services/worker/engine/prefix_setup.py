@@ -1,0 +1,70 @@
+"""Whether an engine reuses cached prefixes (``serving.prefix_reuse``), and the salt that names
+its pages: what its rows depend on besides their tokens."""
+
+from __future__ import annotations
+
+import logging
+
+from dhisparse.family.presets import PRESETS
+from dhisparse.paths import resolve_path
+from services.kv_host_store.prefix_index import PrefixSalt
+from services.worker.engine.config import EngineConfig
+from services.worker.serving.cache import KVCache
+from services.worker.serving.prefix_reuse import PrefixReuse
+
+log = logging.getLogger(__name__)
+
+# the files of a checkpoint directory whose contents decide its rows
+_WEIGHT_SUFFIXES = (".safetensors", ".json")
+
+
+def model_identity(model: str, seed: int) -> str:
+    """A preset's name and seed (its weights are drawn from it), or a checkpoint's weights and
+    configuration files by name, size and modification time (two workers of a node loading the
+    same files agree; a checkpoint replaced in place does not match its predecessor)."""
+    if model in PRESETS:
+        return f"preset:{model}:seed={seed}"
+    root = resolve_path(model)
+    files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
+    parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
+    return "checkpoint:" + ",".join(parts)
+
+
+def prefix_salt(cfg: EngineConfig, kv: KVCache) -> PrefixSalt:
+    """The salt of ``cfg``'s rows: its model, the numerics it computes rows with (serving
+    dtype, weight format, attention kernels, top-k, parallel layout), KV dtype and page size."""
+    numerics = "|".join((
+        str(kv.cfg.dtype), cfg.served_weights(), cfg.fp8_mode,
+        cfg.backend(cfg.attention_backend), f"topk={kv.model_cfg.index_topk}", cfg.parallel.name,
+    ))  # fmt: skip
+    return PrefixSalt(
+        model_identity(cfg.model, cfg.seed), numerics, kv.cfg.kv_cache_dtype, kv.cfg.page_size
+    )
+
+
+def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
+    """Why ``cfg``'s engine does not reuse prefixes, or None when it does."""
+    if not cfg.prefix_cache:
+        return "--no-prefix-cache"
+    if cfg.mode == "resident":
+        return "resident mode keeps no host rows (no GPU page is shared)"
+    if kv.sessions is None:
+        return "durable sessions are off, or the host arena is private to this process"
+    if kv.snapshot_rings:
+        return "the model has token rings or a carry (windowed, compressed or MTP sources)"
+    if cfg.speculation.drafter:
+        return "speculation is on (a drafter's context of imported tokens is not rebuilt)"
+    if cfg.parallel.world_size > 1:
+        return f"a worker of {cfg.parallel.world_size} ranks"
+    return None
+
+
+def prefix_reuse(cfg: EngineConfig, kv: KVCache) -> PrefixReuse | None:
+    """The engine's prefix reuse, or None (logged with the reason)."""
+    why = off_reason(cfg, kv)
+    if why is not None:
+        log.info("prefix cache off: %s", why)
+        return None
+    salt = prefix_salt(cfg, kv)
+    log.info("prefix cache on: pages of %d tokens, model %s", salt.page_size, salt.model)
+    return PrefixReuse(kv, salt)

@@ -1,0 +1,212 @@
+"""Prefix reuse over the hierarchy (DESIGN §9): a request whose tokens begin with pages another
+request left in the node's host store computes only the rest.
+
+*Leaving pages behind.* When a request gives up its slot (it finished, or was preempted), the
+complete pages of its committed tokens — every source's rows and every index producer's keys,
+all already in its host regions — are copied into fresh regions of the arena and handed to the
+store as a cached prefix, named by the pages' chained hashes (``kv_host_store.prefix_index``).
+The store owns them from then on (``kv_host_store.prefix_cache``): no worker's death touches
+them, and they are evicted least-recently-used under arena pressure, never while leased.
+
+*Admission.* A waiting request looks up the longest cached run of its leading pages, leaving at
+least one token to compute (the pass that samples needs its logits). On a hit its host regions
+are allocated as for any admission, the matched rows and keys are copied into them under a
+lease, and the request is seated exactly as a resumed durable session is (``KVCache.adopt``):
+rows stay on the host and the resolver reads them on demand, index keys come back to the GPU,
+the tail ring is refilled; its first ``tokens`` tokens count as computed and its prefill runs
+from there. The copy is a host memcpy; no row or key is computed.
+
+Exactness: rows are shared only between requests whose salt (model and weights' identity,
+numerics, KV dtype, page size) and leading tokens are equal, so the imported rows are the rows
+this worker would compute for those tokens, up to the rounding of the pass that computed them.
+
+Not (yet) here: models with token rings or a carry (windowed, compressed or MTP sources: their
+ring at the page boundary is not kept), speculation (a drafter's context of the imported tokens
+is not rebuilt), requests that ask for prompt logprobs (every prompt position must be scored),
+and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is shared).
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from dataclasses import dataclass
+
+import torch
+
+from services.kv_host_store.errors import CapacityExhausted
+from services.kv_host_store.prefix_index import PrefixSalt, page_hashes
+from services.kv_host_store.records import PrefixHit, Region
+from services.worker.hierarchy.session import MANIFEST_SOURCE, key_source
+from services.worker.kv.errors import HostStoreUnavailable, describe
+from services.worker.request.request import Request
+from services.worker.serving.cache import KVCache
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefixStats:
+    """Cumulative counters, read by metrics and tests."""
+
+    queries: int = 0  # admissions that looked up a prefix of at least one page
+    hits: int = 0  # admissions that imported a cached prefix
+    hit_tokens: int = 0  # tokens they imported instead of computing
+    left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
+    not_left: int = 0  # requests whose pages could not be (the store full or down, rows missing)
+
+
+def copy_rows(arena: torch.Tensor, src: Region, dst: Region, rows: int) -> None:
+    """The first ``rows`` rows of region ``src`` into region ``dst`` (``arena``: the whole
+    arena as uint8)."""
+    if src.row_bytes != dst.row_bytes or rows > min(src.num_rows, dst.num_rows):
+        raise ValueError(
+            f"cannot copy {rows} rows of {src.row_bytes} B from a region of {src.num_rows} rows "
+            f"into one of {dst.num_rows} rows of {dst.row_bytes} B"
+        )
+    n = rows * src.row_bytes
+    arena[dst.offset : dst.offset + n].copy_(arena[src.offset : src.offset + n])
+
+
+class PrefixReuse:
+    def __init__(self, kv: KVCache, salt: PrefixSalt) -> None:
+        """``kv``: a hierarchy mode's KV state with durable sessions (host rows and keys);
+        ``salt``: what this worker's rows depend on besides their tokens."""
+        if kv.sessions is None or kv.host_backups is None:
+            raise ValueError("prefix reuse needs a hierarchy mode with durable sessions")
+        if kv.snapshot_rings:
+            raise ValueError("prefix reuse does not cover token rings or a carry yet")
+        if salt.page_size != kv.cfg.page_size:
+            raise ValueError(f"salt of page size {salt.page_size}, KV pages of {kv.cfg.page_size}")
+        self.kv = kv
+        self.host = kv.host_backups
+        self.salt = salt
+        self.page = salt.page_size
+        cfg = kv.model_cfg
+        # region source id -> the KV source whose rows it counts: sources, then index keys
+        self._source_of = {s: s for s in range(len(cfg.sources))} | {
+            key_source(layer): s for layer, s in kv.sessions.producers.items()
+        }
+        self.stats = PrefixStats()
+
+    def _rows(self, region_source: int, tokens: int) -> int:
+        return self.kv.model_cfg.rows_for_tokens(self._source_of[region_source], tokens)
+
+    # ---- admission ----------------------------------------------------------------------
+    def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
+        """Admits waiting ``req`` into free ``slot`` with the longest cached prefix of its
+        tokens (``budget``, ``manifest_bytes``: as ``KVCache.admit`` takes them). Returns the
+        tokens imported — its ``num_computed`` to be — or 0 when a prefix is cached but the
+        device has no room now (nothing taken), or None when there is no usable prefix (admit
+        it as usual). Raises ``HostStoreUnavailable`` when the store fails."""
+        if req.params.prompt_logprobs is not None:
+            return None
+        ids = req.ids_from(0, req.num_tokens - 1)
+        hashes = page_hashes(self.salt, ids)
+        if not hashes:
+            return None
+        self.stats.queries += 1
+        store, who = self.host.store, self.host.who
+        try:
+            hit = store.acquire_prefix(
+                who.owner, who.generation, hashes, ids[: len(hashes) * self.page], self.page
+            )
+        except Exception as e:
+            raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
+        if hit is None:
+            return None
+        try:
+            return self._import(slot, req, hit, budget, manifest_bytes)
+        finally:
+            self._release(hit)
+
+    def _import(
+        self, slot: int, req: Request, hit: PrefixHit, budget: int, manifest_bytes: int
+    ) -> int | None:
+        kv, cfg = self.kv, self.kv.model_cfg
+        assert kv.sessions is not None
+        rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
+        session = kv.sessions.regions(budget, manifest_bytes)
+        try:
+            regions = self.host.allocate_regions(req.request_id, rows, session)
+        except CapacityExhausted:
+            return None  # the admission without it meets the same refusal, and reports it
+        except Exception as e:
+            raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
+        cached = {r.source: r for r in hit.regions}
+        arena = self.host.mapping.tensor
+        try:
+            for r in regions:
+                if r.source != MANIFEST_SOURCE:
+                    copy_rows(arena, cached[r.source], r, self._rows(r.source, hit.tokens))
+            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, {}, budget)
+        except BaseException:
+            self.host.release_regions(regions)
+            raise
+        if not seated:
+            self.host.release_regions(regions)
+            return 0
+        req.resumed_tokens = hit.tokens
+        self.stats.hits += 1
+        self.stats.hit_tokens += hit.tokens
+        return hit.tokens
+
+    def _release(self, hit: PrefixHit) -> None:
+        try:
+            self.host.store.release_prefix(hit.lease_id)
+        except Exception as e:  # the store drops it with this process's generation
+            log.warning("could not return prefix lease %s: %s", hit.lease_id, describe(e))
+
+    # ---- leaving pages behind -----------------------------------------------------------
+    def leave(self, slot: int, req: Request) -> None:
+        """Hands the complete pages of ``req``'s committed tokens to the store as a cached
+        prefix, before ``slot`` is released. Nothing for a request that failed (a pass may have
+        left its rows half written); the store frees the copy when a cached prefix already
+        holds every page. A store full of live rows, or down, or rows not all on the host keep
+        nothing (counted in ``stats.not_left``, logged)."""
+        tokens = req.num_computed // self.page * self.page
+        if req.error is not None or tokens == 0:
+            return
+        cfg = self.kv.model_cfg
+        if not all(
+            self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
+            for s in range(len(cfg.sources))
+        ):
+            self.stats.not_left += 1
+            log.debug("%s: rows of its %d tokens are not all on the host", req.request_id, tokens)
+            return
+        ids = req.ids_from(0, tokens)
+        hashes = page_hashes(self.salt, ids)
+        if self.host.on_gpu:  # the step's host copies were queued on the stream
+            torch.cuda.current_stream(self.host.device).synchronize()
+        try:
+            self._hand_over(slot, hashes, ids)
+        except CapacityExhausted as e:
+            self.stats.not_left += 1
+            log.debug("no room to cache %d tokens of %s: %s", tokens, req.request_id, e)
+        except Exception as e:
+            self.stats.not_left += 1
+            log.warning("could not cache the prefix of %s: %s", req.request_id, describe(e))
+
+    def _hand_over(self, slot: int, hashes: list[str], ids: list[int]) -> None:
+        store, who = self.host.store, self.host.who
+        tokens = len(ids)
+        mine = [r for r in self.host.regions(slot) if r.source != MANIFEST_SOURCE]
+        sources = [r for r in mine if r.source >= 0]
+        rid = f"prefix-{uuid.uuid4().hex}"
+        regions = self.host.allocate_regions(
+            rid,
+            [self._rows(r.source, tokens) for r in sources],
+            {r.source: (self._rows(r.source, tokens), r.row_bytes) for r in mine if r.source < 0},
+        )
+        by_source = {r.source: r for r in regions}
+        arena = self.host.mapping.tensor
+        try:
+            for r in mine:
+                copy_rows(arena, r, by_source[r.source], self._rows(r.source, tokens))
+            kept = store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page)
+        except BaseException:
+            self.host.release_regions(regions)  # still this worker's: not handed over
+            raise
+        if kept:
+            self.stats.left += 1
