@@ -33,7 +33,9 @@ import triton
 from triton.runtime.errors import OutOfResources
 
 from bench.core import UsageError
+from bench.core.cuda_timer import graph_timer
 from bench.core.lockstep import alternate
+from bench.roofline.limits import copy_rate
 from services.worker.ops.fp8_blockwise import dequantize_blockwise, quantize_blockwise
 from services.worker.ops.fp8_linear import act_quant_ref, fp8_linear_triton, plan_launch
 from services.worker.ops.fp8_linear_tiles import Tiles, tiles_for
@@ -109,55 +111,12 @@ def candidate(label: str, m: int) -> Tiles:
     return Tiles(tiles_for(m, interpret=False).block_m, n, w, s, p, k)
 
 
-def _timer(fn: Callable[[], object], inner: int, graph: bool) -> Callable[[], float]:
-    """A function returning the device ms of one call of ``fn`` (``inner`` calls per event
-    pair, in one CUDA graph replay unless ``graph`` is False)."""
-    if graph:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                fn()  # warm-up: compile, autotune caches, cuBLAS workspaces
-        torch.cuda.current_stream().wait_stream(stream)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            for _ in range(inner):
-                fn()
-        launch = g.replay
-    else:
-        fn()
-
-        def launch() -> None:
-            for _ in range(inner):
-                fn()
-
-    def once() -> float:
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        launch()
-        b.record()
-        b.synchronize()
-        return a.elapsed_time(b) / inner
-
-    return once
-
-
 def _error(y: torch.Tensor, y32: torch.Tensor) -> dict[str, float]:
     d = y.float() - y32
     return {
         "rel_fro": (d.norm() / y32.norm()).item(),
         "max_over_max": (d.abs().max() / y32.abs().max()).item(),
     }
-
-
-def copy_rate_gb_s(mib: int = 1024, repeats: int = 10) -> float:
-    """The device's copy rate: a ``mib`` MiB device-to-device copy, bytes read + written over
-    the median time."""
-    src = torch.empty(mib << 20, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    times = _timer(lambda: dst.copy_(src), 1, graph=False)
-    ms = statistics.median(times() for _ in range(repeats))
-    return 2 * src.numel() / (ms * 1e-3) / 1e9
 
 
 def _rotating(make: Callable[[int], torch.Tensor]) -> Callable[[], torch.Tensor]:
@@ -212,7 +171,7 @@ def run_case(name: str, m: int, args: argparse.Namespace, copy_gb_s: float) -> d
         # A candidate differs from the default only by the order of fp32 sums (splits).
         errors[v] = {**_error(y, y32), "vs_default": _error(y, y_default)["rel_fro"]}
     inner = max(args.inner, fp8_copies)
-    times = alternate({v: _timer(fn, inner, not args.no_graph) for v, fn in fns.items()},
+    times = alternate({v: graph_timer(fn, inner, not args.no_graph) for v, fn in fns.items()},
                       args.repeats)  # fmt: skip
     act = x.numel() * x.element_size()
     rows = {}
@@ -295,7 +254,7 @@ def run(args: argparse.Namespace) -> int | dict:
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
-    copy_gb_s = copy_rate_gb_s()
+    copy_gb_s = copy_rate(torch.device("cuda"), 1 << 30) / 1e9
     print(f"device copy rate: {copy_gb_s:.0f} GB/s (read + write)", flush=True)
     cases = []
     for name, m in itertools.product(names, ms):

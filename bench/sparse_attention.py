@@ -18,8 +18,9 @@ import sys
 
 import torch
 
+from bench.core.cuda_timer import graph_timer
 from bench.core.lockstep import alternate
-from bench.fp8_linear import _timer
+from bench.roofline.limits import copy_rate
 from services.worker.ops.sparse_attention_triton import (
     AttentionTiles,
     attention_tiles,
@@ -48,16 +49,6 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="docs/results/sparse_attention.json")
 
 
-def copy_rate(inner: int, repeats: int) -> float:
-    """Device-to-device copy, read + write bytes per second (GB/s)."""
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    ms = statistics.median(
-        alternate({"copy": _timer(lambda: y.copy_(x), inner, True)}, repeats)["copy"]
-    )
-    return 2 * x.numel() / (ms * 1e-3) / 1e9
-
-
 def run_case(heads: int, n: int, args: argparse.Namespace, g: torch.Generator) -> dict:
     dev = torch.device("cuda")
     pool = (torch.randn(args.pool_rows, D, generator=g) * 0.5).to(dev, torch.bfloat16)
@@ -70,7 +61,7 @@ def run_case(heads: int, n: int, args: argparse.Namespace, g: torch.Generator) -
     }
     want = fns["default"]().float()
     diffs = {name: (fn().float() - want).abs().max().item() for name, fn in fns.items()}
-    times = alternate({v: _timer(fn, args.inner, True) for v, fn in fns.items()}, args.repeats)
+    times = alternate({v: graph_timer(fn, args.inner, True) for v, fn in fns.items()}, args.repeats)
     row_bytes = n * args.k * D * 2
     rows = {}
     for name, t in shapes.items():
@@ -105,7 +96,7 @@ def run(args: argparse.Namespace) -> int | dict:
     fams = [f for f in args.families.split(",") if f]
     ns = [int(v) for v in args.n.split(",") if v]
     cases = [run_case(FAMILIES[f], n, args, g) for f in fams for n in ns]
-    rate = copy_rate(args.inner, args.repeats)
+    rate = copy_rate(torch.device("cuda"), 1 << 30) / 1e9
     print(_table(cases))
     print(f"device copy rate: {rate:.0f} GB/s (read + write)")
     return {
