@@ -7,7 +7,7 @@ routing weight, sum over choices), and bf16 torch grouped_mm (``moe.Experts`` on
 dequantized weights in bf16). Routing is uniform at random (distinct experts per token, as the
 router chooses them), fixed per case. Each variant is captured in a CUDA graph of ``--inner``
 calls (or launched eagerly with ``--no-graph``) and timed with CUDA events; the variants
-alternate within each repeat, the first one rotating (``bench/fp8_linear.py``'s timer), and the
+alternate within each repeat, the first one rotating (``bench/core/cuda_timer.py``), and the
 medians over ``--repeats`` are reported. Bandwidth is the bytes of the experts the routing
 touches (e4m3 values and fp32 scales, or bf16) over the median time. Error is against the fp32
 computation on the dequantized weights (``fp8_moe_ref`` of fp32 x): relative Frobenius, and
@@ -24,8 +24,9 @@ import torch
 from torch import nn
 
 from bench.core import UsageError
+from bench.core.cuda_timer import graph_timer
 from bench.core.lockstep import alternate
-from bench.fp8_linear import _error, _timer
+from bench.fp8_linear import _error
 from dhisparse.family.hf_config import MoESpec
 from services.worker.model.fp8_experts import FP8Experts
 from services.worker.model.mla_moe import Experts
@@ -116,7 +117,7 @@ def run_case(t: int, fp8: FP8Experts, bf16: Experts, args: argparse.Namespace, g
     }
     with torch.no_grad():
         errors = {v: _error(fn(), y32) for v, fn in fns.items()}
-        timers = {v: _timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
+        timers = {v: graph_timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
         times = alternate(timers, args.repeats)
     touched = int(idx.unique().numel())  # the experts whose weights are read
     scales = (fp8.gate_up_proj_scale_inv[0].numel() + fp8.down_proj_scale_inv[0].numel()) * 4
