@@ -154,8 +154,7 @@ RANK_REQUESTS_WAITING = PREFIX + "rank_requests_waiting"  # gauge{rank}
 RANK_KV_FREE_BYTES = PREFIX + "rank_kv_free_bytes"  # gauge{rank}: its pool's free bytes
 
 # --- worker: configuration ---------------------------------------------------------------------
-# gauge{device,mode,kv_cache_dtype,cuda_graphs,graphs_off_reason,graph_capture,fused_kernels,drafter,
-# durable_sessions,prefix_cache}, always
+# gauge{device,mode,cuda_graphs,graphs_off_reason,graph_capture,drafter,durable_sessions}, always
 # 1 (an info metric): what the worker chose at start-up
 WORKER_CONFIG_INFO = PREFIX + "worker_config_info"
 

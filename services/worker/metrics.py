@@ -19,8 +19,8 @@ from services.worker.request.request import RequestOutput
 
 def config_labels(engine: Engine) -> dict[str, str]:
     """What the worker chose at start-up, as the labels of ``dhisparse:worker_config_info``:
-    device, serving mode, how KV is stored, CUDA graphs (and why they are off), fused kernels
-    (on only on a GPU), drafter, durable sessions, prefix reuse."""
+    device, serving mode, how KV is stored, CUDA graphs (and why they are off), drafter,
+    durable sessions."""
     cfg = engine.cfg
     return {
         "device": str(engine.device),
@@ -29,7 +29,6 @@ def config_labels(engine: Engine) -> dict[str, str]:
         "cuda_graphs": "on" if engine.passes.graphs is not None else "off",
         "graphs_off_reason": engine.graphs_off_reason or "",
         "graph_capture": cfg.graphs.capture,
-        "fused_kernels": "on" if cfg.fused_kernels and engine.device.type == "cuda" else "off",
         "drafter": cfg.speculation.drafter or "none",
         "durable_sessions": "on" if engine.kv.sessions is not None else "off",
         "prefix_cache": "on" if engine.scheduler.prefix is not None else "off",

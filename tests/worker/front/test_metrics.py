@@ -127,7 +127,6 @@ def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
         "cuda_graphs": "off",
         "graphs_off_reason": "device cpu is not a GPU",
         "graph_capture": "second",
-        "fused_kernels": "off",
         "drafter": "dflash",
         "durable_sessions": "off",  # a private arena dies with the process: nothing to resume
         "prefix_cache": "off",  # no host store to leave pages in
@@ -149,6 +148,5 @@ def test_graphs_off_for_compressed_sources_say_so() -> None:
     metrics = WorkerMetrics("u")
     metrics.describe(cuda)
     assert _config_info(metrics)["cuda_graphs"] == "on"
-    assert _config_info(metrics)["fused_kernels"] == "off"  # until --fused-kernels
     assert cuda.graphs_off_reason is None
     cuda.close()
