@@ -22,6 +22,9 @@ to ``logs.tgz``.
                  roofline (``bench roofline``): both families at 8K, C = 1, 4, 16, 64,
                  fused and unfused kernels in lockstep
     roofline-prefill  the same for one 8K prompt per family: time to first token vs peak
+    kernels      the fused kernels' GPU tests (ops, graph replays and the hierarchy's bit
+                 identity with and without fusion), then the program-shape sweeps of sparse
+                 attention and the FP8 projections that set their defaults
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -126,6 +129,26 @@ ROOFLINE_PREFILL_STEPS = tuple(
     )
     for family in FAMILIES
 )
+# the fused kernels (``--fused-kernels``): their GPU tests, then the sweeps that set the sparse
+# attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)
+KERNEL_STEPS = (
+    Step(
+        "kernel-tests",
+        "-m bench gpu-tests tests/worker/ops tests/worker/graphs "
+        "tests/worker/hierarchy/test_hierarchy.py --out {out}/gpu_tests_kernels.json",
+        300,
+    ),
+    Step(
+        "sparse-attention",
+        "-m bench sparse-attention --repeats 10 --out {out}/sparse_attention.json",
+        100,
+    ),
+    Step(
+        "fp8-linear",
+        "-m bench fp8-linear --m 1,4,16,64 --repeats 15 --out {out}/fp8_linear_sweep.json",
+        180,
+    ),
+)
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs,
 # drafter, KV pool), and a worker SIGKILLed mid-stream 3 times losing nothing
 DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
@@ -211,6 +234,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
     "scaled": SCALED_STEPS,
     "roofline": ROOFLINE_STEPS,
     "roofline-prefill": ROOFLINE_PREFILL_STEPS,
+    "kernels": KERNEL_STEPS,
     "scaled-32k": SCALED_32K_STEPS,
 }
 
