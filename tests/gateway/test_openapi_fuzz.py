@@ -154,6 +154,13 @@ def _broken_tool_rule(body: dict[str, Any]) -> str | None:
         calls.update(call["id"] for call in m.get("tool_calls") or ())
         if m["role"] == "tool" and m.get("tool_call_id") not in calls:
             return "answers no tool call"
+    fmt = (body.get("response_format") or {}).get("type")
+    if (
+        names
+        and body.get("tool_choice", "auto") == "auto"
+        and fmt in ("json_object", "json_schema")
+    ):
+        return "a JSON response_format beside tools"
     return None
 
 
@@ -189,7 +196,19 @@ def _broken_rule(path: str, body: dict[str, Any], limits: dict[str, int]) -> str
         return f"This model's maximum context length is {limits['max_model_len']} tokens"
     if any(int(key) >= limits["vocab_size"] for key in body.get("logit_bias") or ()):
         return "logit_bias token id"
+    if path == CHAT and body.get("min_tokens", 0) > 0 and _constrained(body):
+        return "min_tokens cannot be combined with a grammar"  # the worker's check, the last
     return None
+
+
+def _constrained(body: dict[str, Any]) -> bool:
+    """Whether a chat ``body`` asks for a grammar (``constraints.grammar_for``): tools under a
+    tool choice other than "none" (OpenAI's default: "auto" when tools are given), or a JSON
+    response format."""
+    tools = body.get("tools") or []
+    choice = body.get("tool_choice") or ("auto" if tools else "none")
+    fmt = (body.get("response_format") or {}).get("type")
+    return bool(tools and choice != "none") or fmt in ("json_object", "json_schema")
 
 
 def _error(content: bytes) -> dict[str, Any]:
