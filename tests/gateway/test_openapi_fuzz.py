@@ -157,7 +157,7 @@ def _broken_tool_rule(body: dict[str, Any]) -> str | None:
     fmt = (body.get("response_format") or {}).get("type")
     if (
         names
-        and body.get("tool_choice", "auto") == "auto"
+        and (body.get("tool_choice") or "auto") == "auto"
         and fmt in ("json_object", "json_schema")
     ):
         return "a JSON response_format beside tools"
