@@ -8,8 +8,8 @@ device's limits; the step against its roofline; kernel count and graph-launch ho
 Per family, one engine serves never-ending greedy requests of ``--context`` tokens; the C are
 measured from the smallest up, each admitting (prefilling) the requests it adds, so that a
 ``--time-limit-s`` cuts the largest C (said in the output), never the smaller ones. The variants
-share that engine, each with its own captured graphs (``variants.py``: ``unfused`` steps inside
-``fusion.unfused_kernels()``), and are stepped alternately while timing
+share that engine, each with its own captured graphs (``variants.py``: ``unfused`` runs its passes
+without the fused kernels), and are stepped alternately while timing
 (``bench/core/lockstep.py``'s ``alternate``), so the host's slow and fast phases fall on both
 alike. Attribution: ``attribution.py``; bytes and FLOPs: ``cost.py``; limits: ``limits.py``.
 On the CPU (``--device cpu --tiny``) there are no graphs: the timed steps are eager and the

@@ -1,8 +1,8 @@
 """The variants served side by side: one engine (one KV cache, one set of requests) and, per
 variant, its own set of captured decode graphs. The ``unfused`` variant's steps (warm-up, graph
-capture, every timed and profiled step) run inside ``fusion.unfused_kernels()``, so its graphs
-hold the torch forms; the ``fused`` variant's inside ``fusion.kernel_fusion()``, as an engine
-with ``--fused-kernels`` runs its passes.
+capture, every timed and profiled step) run their passes unfused, so its graphs hold the torch
+forms; the ``fused`` variant's passes run fused, as an engine with ``--fused-kernels`` runs
+them (``ModelPasses.fused``, set per variant).
 
 One engine rather than one per variant: two KV caches of C requests at the context, beside
 tens of GB of weights, do not fit one device at the larger C, and each would prefill every
@@ -65,13 +65,19 @@ class Served:
 
     @contextmanager
     def as_variant(self, v: Variant, eager: bool = False) -> Iterator[None]:
-        """Within the block, ``eng.step()`` is ``v``'s (``eager``: its pass runs without graphs)."""
-        self.eng.passes.graphs = None if eager else v.graphs
+        """Within the block, ``eng.step()`` is ``v``'s (``eager``: its pass runs without graphs):
+        its graphs, and its passes fused or not (``ModelPasses.fused``, which the engine's passes
+        enter whatever surrounds them; the block's own ``kernel_fusion`` covers the rest)."""
+        passes = self.eng.passes
+        own = passes.fused
+        passes.graphs = None if eager else v.graphs
+        passes.fused = v.name == "fused"
         try:
             with v.kernels():
                 yield
         finally:
-            self.eng.passes.graphs = self.variants[0].graphs
+            passes.graphs = self.variants[0].graphs
+            passes.fused = own
 
     def step(self, v: Variant) -> None:
         with self.as_variant(v):

@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 
 import pytest
+import torch
 
 from bench import roofline
 from bench.core import UsageError
@@ -156,3 +157,22 @@ def test_replayed_steps_take_the_regions_of_the_aligned_eager_step() -> None:
         <= set(regions)
         <= (labelled_regions | {UNATTRIBUTED})
     )
+
+
+def test_each_variant_steps_with_its_own_fusion_and_graphs() -> None:
+    """A variant's steps run the engine's passes fused (``fused``) or not (``unfused``), whatever
+    the engine was configured with, and the engine gets its own choice back after each."""
+    from services.worker.engine.config import EngineConfig
+    from services.worker.engine.engine import Engine
+    from services.worker.ops.fusion import fused
+
+    eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=32, max_num_seqs=2))
+    served = Served(eng, ["fused", "unfused"])
+    seen = {}
+    for v in served.variants:
+        with served.as_variant(v):
+            seen[v.name] = eng.passes.fused
+    assert seen == {"fused": True, "unfused": False}
+    assert eng.passes.fused is False and eng.passes.graphs is served.variants[0].graphs
+    assert not fused(torch.zeros(1))  # the CPU runs the torch forms either way
+    eng.close()
