@@ -34,3 +34,24 @@ def test_fusion_is_on_only_inside_its_block_and_without_gradients() -> None:
                 raise RuntimeError
             assert fused(t)
         assert not fused(t)
+
+
+def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
+    """``--fused-kernels`` (``DHISPARSE_WORKER_FUSED_KERNELS``) sets the engine's config, and its
+    passes enter ``kernel_fusion`` with it; off by default."""
+    import argparse
+
+    from services.worker.cli import add_arguments, settings_from_args
+    from services.worker.engine.engine import Engine
+    from services.worker.settings import WorkerSettings
+
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    assert settings_from_args(p.parse_args([])).engine_config().fused_kernels is False
+    on = settings_from_args(p.parse_args(["--fused-kernels", "--model", "tiny-glm"]))
+    assert on.engine_config().fused_kernels is True
+    monkeypatch.setenv("DHISPARSE_WORKER_FUSED_KERNELS", "true")
+    assert WorkerSettings().fused_kernels is True
+    eng = Engine(on.engine_config())
+    assert eng.passes.fused is True
+    eng.close()
