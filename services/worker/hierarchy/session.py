@@ -80,7 +80,8 @@ class SessionBackup:
         if self.carry is not None:
             d = self.carry.data
             out[carry_source(self.cfg)] = (
-                max(1, max_tokens // self.page), d.shape[-1] * d.element_size()
+                max(1, max_tokens // self.page),
+                d.shape[-1] * d.element_size(),
             )
         out[MANIFEST_SOURCE] = (2, manifest_bytes)
         return out
