@@ -34,8 +34,10 @@ def parse_completion(
     reply = read_reply(
         ReplyParser(reasoning_open=thinking, answer=DsmlAnswer(block, calls=True)), body
     )
+    blocks = body.count(block.open)
+    _expect(blocks == (1 if reply.tool_calls else 0), "a tool call block without calls or twice")
     if reply.tool_calls:
-        _expect(body.count(block.open) == 1, "more than one tool call block")
+        _expect("\n\n" + block.open in body, "no blank line before the tool calls")
         _expect(body.endswith(block.close), "text after the tool calls")
     for special in (BOS, EOS, THINK_OPEN, THINK_CLOSE, DSML):
         _expect(
