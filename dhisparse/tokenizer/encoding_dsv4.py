@@ -122,7 +122,8 @@ def _merge_results(messages: Sequence[Message]) -> list[_Turn]:
     for m in messages:
         role = m.get("role")
         if role == "tool":
-            part, answers = RESULT_OPEN + message_text(m) + RESULT_CLOSE, m.get("tool_call_id")
+            answers = m.get("tool_call_id") or ""
+            part = RESULT_OPEN + message_text(m) + RESULT_CLOSE
         elif role == "user":
             part, answers = message_text(m), None
         else:
@@ -139,7 +140,10 @@ def _merge_results(messages: Sequence[Message]) -> list[_Turn]:
 def _call_order(calls: Sequence[Any]) -> dict[str, int]:
     order: dict[str, int] = {}
     for i, call in enumerate(calls):
-        call_id = call.get("id") if isinstance(call, Mapping) else None
+        if not isinstance(call, Mapping):
+            continue
+        function = call.get("function")
+        call_id = call.get("id") or (function.get("id") if isinstance(function, Mapping) else None)
         if call_id:
             order[call_id] = i
     return order
