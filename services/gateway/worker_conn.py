@@ -115,6 +115,9 @@ class WorkerClient:
             mode=model.mode if model else "",
             config_json=model.config_json if model else "",
             kv_layout_json=model.kv_layout_json if model else "",
+            page_size=model.page_size if model else 0,
+            prefix_cache=model.prefix_cache if model else False,
+            kv_store_id=load.kv_store_id if load else "",
         )
 
     async def close(self) -> None:

@@ -104,6 +104,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_free_bytes=mem.free + eng.group.loads.others_free_bytes(),
             mode=eng.kv.payload.mode,
             serving_ranks=ranks,
+            kv_store_id=self.link.store_id if self.link is not None else "",
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
@@ -136,6 +137,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ),
             durable_sessions=eng.kv.sessions is not None,
             startup_s=self.startup_s,
+            prefix_cache=eng.scheduler.prefix is not None,
         )
 
 
