@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import grpc
 import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from dhisparse.rpc import worker_pb2, worker_pb2_grpc
 from services.gateway import GatewaySettings, create_app
 from services.kv_host_store import KVHostStoreClient
 from tests.gateway.conftest import (
@@ -110,6 +112,21 @@ async def metric(client: httpx.AsyncClient, name: str, **labels: str) -> float:
             if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
                 return s.value
     raise AssertionError(f"{name} {labels} not exported")
+
+
+def test_each_worker_reports_its_nodes_store_and_its_prefix_cache(nodes: list[Node]) -> None:
+    ids = []
+    for n in nodes:
+        client = KVHostStoreClient(n.store.target)
+        try:
+            ids.append(client.get_arena().store_id)
+        finally:
+            client.close()
+        with grpc.insecure_channel(n.worker.address) as ch:
+            stub = worker_pb2_grpc.WorkerStub(ch)
+            assert stub.GetModelInfo(worker_pb2.ModelInfoRequest(), timeout=5).prefix_cache
+        assert n.worker.load().kv_store_id == ids[-1]
+    assert len(set(ids)) == 2 and all(ids)
 
 
 async def test_the_next_turn_goes_to_the_node_that_holds_its_prefix(
