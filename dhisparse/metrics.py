@@ -135,7 +135,7 @@ STREAMS_RESUMED = PREFIX + "streams_resumed"  # counter{outcome}: worker died mi
 ROUTING_DECISIONS = PREFIX + "routing_decisions"  # counter{reason}
 # prompt tokens the chosen workers' nodes were predicted to hold
 PREFIX_AFFINITY_PREDICTED_TOKENS = PREFIX + "prefix_affinity_predicted_tokens"  # counter
-PREFIX_AFFINITY_INDEX_PAGES = PREFIX + "prefix_affinity_index_pages"  # gauge: pages remembered
+PREFIX_AFFINITY_INDEX_PAGES = PREFIX + "prefix_affinity_index_pages"  # gauge: pages it remembers
 # prompt tokens the workers reported not computing (usage.prompt_tokens_details.cached_tokens);
 # the hit rate is its rate over prompt_tokens'
 PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached"  # counter

@@ -457,8 +457,7 @@ ADMISSION = Dashboard(
                     " forgotten past --prefix-affinity-index-pages).",
                     [
                         Target(
-                            "sum by (instance) "
-                            '(dhisparse:prefix_affinity_index_pages{component="gateway"})',
+                            f"sum by (instance) (dhisparse:prefix_affinity_index_pages{{{GW}}})",
                             "{{instance}}",
                         )
                     ],

@@ -134,6 +134,7 @@ class GatewayMetrics:
         self.affinity_pages = Gauge(
             names.PREFIX_AFFINITY_INDEX_PAGES,
             "Pages this gateway's prefix-affinity index remembers.",
+            ["model"],
             registry=r,
         )
         self.prompt_tokens_cached = Counter(
@@ -155,6 +156,7 @@ class GatewayMetrics:
                 self.routing_decisions.labels(model, reason)
             self.predicted_tokens.labels(model)
             self.prompt_tokens_cached.labels(model)
+            self.affinity_pages.labels(model)
 
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""

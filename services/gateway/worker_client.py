@@ -175,33 +175,29 @@ class WorkerPool:
     def _routed(
         self, model: str, prefix: PromptPrefix, worker: WorkerClient, exclude: Sequence[str]
     ) -> None:
-        """Counts why admission chose ``worker`` among the healthy workers outside ``exclude``
-        and records the prompt's pages there: requests that share them and arrive while this
-        one runs follow it."""
+        """Counts why admission chose ``worker`` among the healthy workers outside
+        ``exclude``."""
         assert self.affinity is not None
-        chosen = worker.status()
-        if self.metrics is not None:
-            candidates = [s for s in self.statuses() if s.healthy and s.address not in exclude]
-            routed = self.affinity.routed(prefix, chosen.address, candidates)
-            self.metrics.routing_decisions.labels(model, routed.reason).inc()
-            self.metrics.predicted_tokens.labels(model).inc(routed.predicted_tokens)
-        if chosen.prefix_cache:
-            self.affinity.record(prefix.keys(self.affinity.page_size(chosen)), chosen)
-            self._count_pages()
+        if self.metrics is None:
+            return
+        candidates = [s for s in self.statuses() if s.healthy and s.address not in exclude]
+        routed = self.affinity.routed(prefix, worker.address, candidates)
+        self.metrics.routing_decisions.labels(model, routed.reason).inc()
+        self.metrics.predicted_tokens.labels(model).inc(routed.predicted_tokens)
 
-    def _left(self, prefix: PromptPrefix, worker: WorkerClient, output: Sequence[int]) -> None:
+    def _left(
+        self, model: str, prefix: PromptPrefix, worker: WorkerClient, output: Sequence[int]
+    ) -> None:
         """Records the pages a finished request left in its node's store: the prompt and its
-        output but the last token (sampled, never computed)."""
+        output but the last token (sampled, never computed). Only then: a worker leaves a
+        request's pages when it ends, so a request running now predicts no hit for another."""
         assert self.affinity is not None
         status = worker.status()
-        if status.prefix_cache and len(output) > 1:
+        if status.prefix_cache:
             page = self.affinity.page_size(status)
             self.affinity.record(prefix.continued(page, output[:-1]), status)
-            self._count_pages()
-
-    def _count_pages(self) -> None:
-        if self.metrics is not None and self.affinity is not None:
-            self.metrics.affinity_pages.set(len(self.affinity.index))
+            if self.metrics is not None:
+                self.metrics.affinity_pages.labels(model).set(len(self.affinity.index))
 
     async def generate(self, inp: GenerationInput) -> AsyncIterator[GenerationDelta]:
         """The deltas of ``inp`` from a worker chosen by admission (see the module docstring
@@ -245,7 +241,7 @@ class WorkerPool:
                         output.extend(delta.token_ids)
                         yield delta
                     if prefix is not None:
-                        self._left(prefix, worker, output)
+                        self._left(inp.model, prefix, worker, output)
                     return
                 except grpc.aio.AioRpcError as e:
                     gone = started and durable and e.code() in WORKER_GONE

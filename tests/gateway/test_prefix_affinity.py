@@ -153,7 +153,7 @@ async def test_the_next_turn_goes_to_the_node_that_holds_its_prefix(
         predicted = await metric(client, "dhisparse:prefix_affinity_predicted_tokens_total")
         hits = await metric(client, "dhisparse:prompt_tokens_cached_total", model=MODEL)
         assert hits >= CONVERSATIONS * PAGE and predicted >= hits
-        assert await metric(client, "dhisparse:prefix_affinity_index_pages") > 0
+        assert await metric(client, "dhisparse:prefix_affinity_index_pages", model=MODEL) > 0
 
 
 async def completion(client: httpx.AsyncClient, prompt: str) -> dict:
