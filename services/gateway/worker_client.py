@@ -18,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 import grpc.aio
@@ -231,13 +232,14 @@ class WorkerPool:
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
             # the rank whose share the lease holds runs it (a data-parallel group)
             call = worker.stub.Generate(convert.generate_request(inp, lease.rank))
-            started = False
+            started, cached = False, 0  # cached: the prompt tokens this worker imported
             output: list[int] = []  # the tokens received
             try:
                 try:
                     async for resp in call:
-                        started = True
                         delta = convert.generation_delta(resp)
+                        if not started:
+                            started, cached = True, delta.cached_prompt_tokens
                         output.extend(delta.token_ids)
                         yield delta
                     if prefix is not None:
@@ -252,7 +254,8 @@ class WorkerPool:
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
                 async for delta in self._reattach(worker, inp, len(output), startup_s):
-                    yield delta
+                    # its successor resumed the whole session; the prompt was this worker's
+                    yield replace(delta, cached_prompt_tokens=cached)
                 return
             except grpc.aio.AioRpcError as e:
                 code = e.code()
