@@ -3,9 +3,11 @@
 
 A place is a worker and the host store it used (``Place``). Workers that report the same store
 share its cached prefixes, so a page served on any worker of a node counts for every worker of
-that node; a store that restarted reports a new id, and what it held stops matching. The index
-forgets the least recently recorded pages past ``capacity`` and keeps the ``holders`` most
-recent places per page. It is a guess that a prefix is still cached: the store evicts on its own
+that node; a store that restarted reports a new id, and what it held stops matching. Keys chain,
+so a node that served page i of a query served its pages before i too: a match reaches the
+deepest page a node served. The index forgets the least recently recorded pages past
+``capacity``, a chain's deepest first, and keeps the ``holders`` most recent places per page.
+It is a guess that a prefix is still cached: the store evicts on its own
 terms and checks the tokens on admission, so a stale entry costs a misrouted request's hit, never
 a wrong answer. Each replica learns only from the requests it routed.
 """
@@ -25,12 +27,11 @@ class Place:
     address: str
     store_id: str = ""
 
-    def shares_with(self, other: Place) -> bool:
-        """Whether a prefix ``other`` served is likely cached for this worker: the same store,
-        or, without a store, the same worker."""
-        if self.store_id:
-            return self.store_id == other.store_id
-        return self.address == other.address and not other.store_id
+    @property
+    def node(self) -> str:
+        """What shares the prefixes it served: its store's workers, or without a store the
+        worker alone."""
+        return f"store:{self.store_id}" if self.store_id else f"worker:{self.address}"
 
 
 @dataclass(frozen=True)
@@ -54,32 +55,34 @@ class AffinityIndex:
         return len(self._pages)
 
     def record(self, keys: Sequence[int], place: Place) -> None:
-        """``place`` served (and, once done, left cached) the pages ``keys``: each becomes the
-        most recently used, with ``place`` its newest holder."""
+        """``place`` served (and left cached) the chain of pages ``keys``: each gets ``place``
+        as its newest holder and becomes recently used, the first page most recently, so that
+        the index forgets a chain's deepest pages first (the ones fewest prompts share)."""
         pages = self._pages
-        for key in keys:
+        for key in reversed(keys):
             held = pages.pop(key, ())
             others = tuple(p for p in held if p.address != place.address)
-            pages[key] = (*others[-(self.holders - 1) :], place) if self.holders > 1 else (place,)
+            pages[key] = (*others[len(others) - self.holders + 1 :], place)
         while len(pages) > self.capacity:
             pages.popitem(last=False)
 
     def match(self, keys: Sequence[int], places: Sequence[Place]) -> dict[str, Matched]:
-        """For each of ``places``: how many of the leading ``keys`` its node likely holds, and
-        how many the worker itself served. A read: nothing becomes more recent."""
-        pages = {p.address: 0 for p in places}
-        own = dict(pages)
-        live = list(places)
-        own_live = {p.address for p in places}
-        for i, key in enumerate(keys):
-            held = self._pages.get(key)
-            if not held or not live:
+        """For each of ``places``: the leading ``keys`` its node likely holds — up to the
+        deepest page one of its node's workers served (a store holds a chain's pages from the
+        first on) — and those up to the deepest the worker itself served. A read: nothing
+        becomes more recent. Probes from the last key back, so a long hit costs few probes."""
+        nodes = {p.node for p in places}
+        own = set(places)
+        node_pages: dict[str, int] = {}
+        own_pages: dict[Place, int] = {}
+        for i in range(len(keys) - 1, -1, -1):
+            if not nodes and not own:
                 break
-            live = [p for p in live if any(p.shares_with(h) for h in held)]
-            for p in live:
-                pages[p.address] = i + 1
-                if p.address in own_live and p in held:
-                    own[p.address] = i + 1
-                else:
-                    own_live.discard(p.address)
-        return {a: Matched(pages[a], own[a]) for a in pages}
+            for h in self._pages.get(keys[i], ()):
+                if h.node in nodes:
+                    nodes.discard(h.node)
+                    node_pages[h.node] = i + 1
+                if h in own:
+                    own.discard(h)
+                    own_pages[h] = i + 1
+        return {p.address: Matched(node_pages.get(p.node, 0), own_pages.get(p, 0)) for p in places}

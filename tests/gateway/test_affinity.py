@@ -16,7 +16,7 @@ from services.gateway.affinity import (
     PrefixAffinityRouter,
     load_share,
 )
-from services.gateway.affinity_index import AffinityIndex, Place
+from services.gateway.affinity_index import AffinityIndex, Matched, Place
 from services.gateway.prefix_keys import PromptPrefix, chain_keys
 from services.gateway.responses import cached_tokens
 from services.gateway.routing import AdmissionJob, WorkerStatus
@@ -83,15 +83,25 @@ def test_the_index_forgets_the_least_recently_recorded_pages_past_its_capacity()
     a, b = Place("a", "s1"), Place("b", "s2")
     index.record([1, 2, 3], a)
     index.record([10, 11], b)
-    assert len(index) == 4  # page 1 is gone
-    assert index.match([1, 2, 3], [a]) == {"a": index.match([], [a])["a"]}
+    assert len(index) == 4  # the oldest chain's deepest page went first
+    assert index.match([1, 2, 3], [a])["a"].pages == 2
     assert index.match([10, 11], [b])["b"].pages == 2
-    index.record([2], a)  # recent again
-    index.record([20], b)  # page 3 goes, not 2
+    index.record([1], a)  # recent again
+    index.record([20], b)  # page 2 goes now, not 1
     assert len(index) == 4
-    assert index.match([2, 3], [a])["a"].pages == 1
+    assert index.match([1, 2, 3], [a])["a"].pages == 1
     with pytest.raises(ValueError):
         AffinityIndex(capacity=0)
+
+
+def test_a_match_reaches_the_deepest_page_its_node_served() -> None:
+    index = AffinityIndex(capacity=100, holders=1)
+    a, b = Place("a", "s1"), Place("b", "s2")
+    index.record([1, 2, 3, 4], a)
+    index.record([1], b)  # page 1's only holder is b now; a's store still holds its chain
+    found = index.match([1, 2, 3, 4, 5], [a, b])
+    assert (found["a"].pages, found["b"].pages) == (4, 1)
+    assert index.match([5, 6], [a, b]) == {"a": Matched(), "b": Matched()}
 
 
 def test_a_page_keeps_its_newest_holders() -> None:
