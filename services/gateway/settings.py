@@ -73,7 +73,7 @@ class GatewaySettings(BaseSettings):
     prefix_affinity_weight: float = Field(0.5, ge=0)
     # Leading pages of a prompt keyed for routing (prompts that agree this far route alike).
     prefix_affinity_max_pages: int = Field(2048, ge=1)
-    # Pages the index remembers, least recently recorded forgotten first (about 150 B each).
+    # Pages the index remembers, least recently recorded forgotten first (about 190 B each).
     prefix_affinity_index_pages: int = Field(200_000, ge=1)
     log_level: str = "info"
 
