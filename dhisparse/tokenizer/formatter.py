@@ -119,12 +119,7 @@ class DeepseekV32Formatter(ChatFormatter):
         tools: Tools = None,
         **kwargs: Any,
     ) -> str:
-        if not messages:
-            raise ChatTemplateError("the chat has no messages")
-        if any(not isinstance(m, Mapping) for m in messages):
-            raise ChatTemplateError("each message must be an object")
-        chat = [dict(m) for m in messages]
-        _with_tools(chat, tools)
+        chat = _dsml_chat(messages, tools)
         drop = _flag(kwargs, "drop_thinking")
         return encode_messages(
             chat,
@@ -153,12 +148,7 @@ class DeepseekV4Formatter(ChatFormatter):
         tools: Tools = None,
         **kwargs: Any,
     ) -> str:
-        if not messages:
-            raise ChatTemplateError("the chat has no messages")
-        if any(not isinstance(m, Mapping) for m in messages):
-            raise ChatTemplateError("each message must be an object")
-        chat = [dict(m) for m in messages]
-        _with_tools(chat, tools)
+        chat = _dsml_chat(messages, tools)
         effort = kwargs.get("reasoning_effort")
         if effort is not None and effort not in _V4_EFFORTS:
             raise ChatTemplateError(
@@ -172,6 +162,18 @@ class DeepseekV4Formatter(ChatFormatter):
             drop_thinking=True if drop is None else drop,
             reasoning_effort=None if effort is None else _V4_EFFORTS[effort],
         )
+
+
+def _dsml_chat(messages: Messages, tools: Tools) -> list[dict[str, Any]]:
+    """A copy of ``messages`` (each an object) with ``tools`` joined to the leading system
+    message, as DeepSeek's encoders take a chat."""
+    if not messages:
+        raise ChatTemplateError("the chat has no messages")
+    if any(not isinstance(m, Mapping) for m in messages):
+        raise ChatTemplateError("each message must be an object")
+    chat = [dict(m) for m in messages]
+    _with_tools(chat, tools)
+    return chat
 
 
 def _with_tools(chat: list[dict[str, Any]], tools: Tools) -> None:

@@ -23,7 +23,12 @@ from dataclasses import dataclass
 
 from services.gateway.affinity_index import AffinityIndex, Matched, Place
 from services.gateway.prefix_keys import PromptPrefix
-from services.gateway.routing import AdmissionJob, LeastLoadedRouter, WorkerStatus
+from services.gateway.routing import (
+    AdmissionJob,
+    LeastLoadedRouter,
+    RankingRouter,
+    WorkerStatus,
+)
 
 
 @dataclass(frozen=True)
@@ -102,7 +107,7 @@ class PrefixAffinity:
         return Routed("affinity" if mine == best else "load-over-affinity", mine)
 
 
-class PrefixAffinityRouter:
+class PrefixAffinityRouter(RankingRouter):
     """A ``Router`` that ranks by the score in the module docstring."""
 
     def __init__(self, affinity: PrefixAffinity) -> None:
@@ -132,12 +137,3 @@ class PrefixAffinityRouter:
             return (-score, -m.own_pages, i)
 
         return [order[i] for i in sorted(range(len(order)), key=key)]
-
-    def pick(
-        self,
-        workers: Sequence[WorkerStatus],
-        exclude: Collection[str],
-        job: AdmissionJob | None = None,
-    ) -> str | None:
-        ranked = self.rank(workers, exclude, job)
-        return ranked[0] if ranked else None

@@ -157,7 +157,28 @@ class Admission(Protocol):
         """Stops background work and gives back what is still held."""
 
 
-class LeastLoadedRouter:
+class RankingRouter:
+    """A ``Router`` whose ``pick`` is the first of its ``rank``."""
+
+    def rank(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def pick(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> str | None:
+        ranked = self.rank(workers, exclude, job)
+        return ranked[0] if ranked else None
+
+
+class LeastLoadedRouter(RankingRouter):
     """Healthy workers by the share of their capacity the ledger has admitted, then by
     ``estimated_load``; ties rotate so that an idle cluster still spreads requests."""
 
@@ -182,15 +203,6 @@ class LeastLoadedRouter:
             ),
         )
         return [candidates[i].address for i in order]
-
-    def pick(
-        self,
-        workers: Sequence[WorkerStatus],
-        exclude: Collection[str],
-        job: AdmissionJob | None = None,
-    ) -> str | None:
-        ranked = self.rank(workers, exclude, job)
-        return ranked[0] if ranked else None
 
 
 @dataclass

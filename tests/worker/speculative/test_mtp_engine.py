@@ -38,6 +38,21 @@ def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
 
 
+def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None:
+    """Makes ``engine``'s drafter record each proposal in ``log`` by (tokens committed, anchor
+    token): the drafts of two engines compare position by position."""
+    drafter = engine.speculator.drafter
+    propose = drafter.propose
+
+    def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
+        prop = propose(slots, anchors, num_committed, widths, *args, **kw)
+        for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
+            log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
+        return prop
+
+    drafter.propose = recorded
+
+
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
 def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> None:
     """Six requests, three arriving while the first three speculate, prompts prefilled in
@@ -98,17 +113,7 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     def make(owner: str) -> Engine:
         engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        log = drafts.setdefault(owner, {})
-        drafter = engine.speculator.drafter
-        propose = drafter.propose
-
-        def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
-            prop = propose(slots, anchors, num_committed, widths, *args, **kw)
-            for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
-                log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
-            return prop
-
-        drafter.propose = recorded
+        record_drafts(engine, drafts.setdefault(owner, {}))
         return engine
 
     def started(first: Engine) -> None:
@@ -138,17 +143,7 @@ def test_a_prefix_hit_speculates_as_the_uncached_request_does(family, mode: str)
     def make(owner: str, **kw) -> Engine:
         engine = _engine(path, mode, owner=owner, host=(store, store.mapping), **kw)
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        log = drafts.setdefault(owner, {})
-        drafter = engine.speculator.drafter
-        propose = drafter.propose
-
-        def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
-            prop = propose(slots, anchors, num_committed, widths, *args, **kw)
-            for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
-                log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
-            return prop
-
-        drafter.propose = recorded
+        record_drafts(engine, drafts.setdefault(owner, {}))
         return engine
 
     first_turn = make("w0")
