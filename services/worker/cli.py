@@ -78,7 +78,7 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     add_switch(p, "cuda-graphs", "on a GPU: replay decode passes as captured CUDA graphs (on)")
     add_switch(
-        p, "fused-kernels", "on a GPU: norms, RoPE, routing, top-k ... as fused kernels (on)"
+        p, "fused-kernels", "on a GPU: norms, RoPE, routing, top-k ... as fused kernels (off)"
     )
     p.add_argument(
         "--graph-capture",

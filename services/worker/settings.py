@@ -50,7 +50,7 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
-    fused_kernels: bool = True
+    fused_kernels: bool = False
     graph_capture: str = "second"
     reserve_pages: int = 0
     populate_pages: int = 256

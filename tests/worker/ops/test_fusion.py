@@ -38,7 +38,7 @@ def test_fusion_is_on_only_inside_its_block_and_without_gradients() -> None:
 
 def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
     """``--fused-kernels`` (``DHISPARSE_WORKER_FUSED_KERNELS``) sets the engine's config, and its
-    passes enter ``kernel_fusion`` with it; on by default (``--no-fused-kernels`` turns it off)."""
+    passes enter ``kernel_fusion`` with it; off by default."""
     import argparse
 
     from services.worker.cli import add_arguments, settings_from_args
@@ -47,13 +47,13 @@ def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    on = settings_from_args(p.parse_args(["--model", "tiny-glm"]))
-    assert on.engine_config().fused_kernels is True
-    off = settings_from_args(p.parse_args(["--no-fused-kernels", "--model", "tiny-glm"]))
+    off = settings_from_args(p.parse_args(["--model", "tiny-glm"]))
     assert off.engine_config().fused_kernels is False
-    monkeypatch.setenv("DHISPARSE_WORKER_FUSED_KERNELS", "false")
-    assert WorkerSettings().fused_kernels is False
-    for settings, fused in ((on, True), (off, False)):
+    on = settings_from_args(p.parse_args(["--fused-kernels", "--model", "tiny-glm"]))
+    assert on.engine_config().fused_kernels is True
+    monkeypatch.setenv("DHISPARSE_WORKER_FUSED_KERNELS", "true")
+    assert WorkerSettings().fused_kernels is True
+    for settings, wanted in ((on, True), (off, False)):
         eng = Engine(settings.engine_config())
-        assert eng.passes.fused is fused
+        assert eng.passes.fused is wanted
         eng.close()

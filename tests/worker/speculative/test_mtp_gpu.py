@@ -31,16 +31,29 @@ def family(request, tmp_path_factory) -> tuple[MTPReference, Path]:
     return mtp_checkpoint(request.param, tmp_path_factory)
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["unfused", "fused"])
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
-def test_mtp_speculation_on_the_gpu_is_transformers_greedy(family, mode: str) -> None:
+def test_mtp_speculation_on_the_gpu_is_transformers_greedy(
+    family, mode: str, fused: bool, request
+) -> None:
+    """``fused``: the engine's passes run the fused kernels (``--fused-kernels``)."""
     ref, path = family
+    if fused and path.name.startswith("glm"):
+        request.applymarker(
+            pytest.mark.xfail(
+                reason="GLM-5 with the fused kernels leaves transformers' greedy tokens at token "
+                "15 of one prompt in every mode (H100, fp32); the fused kernels stay off by "
+                "default until the kernel whose rounding flips it is found",
+                strict=False,
+            )
+        )
     g = torch.Generator().manual_seed(23)
     prompts = [torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
     cfg = EngineConfig(
         model=str(path), mode=mode, device="cuda", dtype="float32", kv_pool_mib=96,
         host_arena_mib=64, max_num_seqs=4, max_model_len=1024, page_size=16,
         max_prefill_tokens=128, hot_cache_rows=None if mode == "resident" else 32,
-        speculation=SpeculationConfig("mtp", 4, "fixed"),
+        speculation=SpeculationConfig("mtp", 4, "fixed"), fused_kernels=fused,
     )  # fmt: skip
     eng = Engine(cfg)
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
