@@ -9,6 +9,9 @@ gateway re-attaches (``resume``); the first output of an attach catches the call
 token it has not received. A detached session nobody attaches within ``attach_timeout_s`` is
 aborted, which returns its capacity.
 
+A live worker also takes over a peer's session (``adopt``: ``SessionAdopter``, the durable
+package's ``adopt_session`` bound to this worker's store registration); it is attached at once.
+
 A step that raises fails the requests it ran (``Engine.fail_running``: their callers get the
 error) and the engine serves on. It stops (``EngineDeadError`` for every caller, unhealthy
 until restarted) when a rank group's step fails (its ranks cannot drop a step one-sided), when
@@ -25,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
+from services.worker.durable.adoption import NotAdopted
 from services.worker.engine.engine import Engine
 from services.worker.request.request import Request, RequestError, RequestOutput, SamplingParams
 
@@ -35,6 +39,10 @@ MAX_FAILED_STEPS = 3  # steps failing in a row that stop the engine
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; the worker must be restarted."""
+
+
+# (engine, request id, from owner, fence) -> the running request; raises ``NotAdopted``
+SessionAdopter = Callable[[Engine, str, str, bool], Request]
 
 
 class SessionNotFound(LookupError):
@@ -82,11 +90,14 @@ class AsyncEngine:
         attach_timeout_s: float = 60.0,
         between_steps: Callable[[Engine], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        adopter: SessionAdopter | None = None,
     ) -> None:
         """``detached``: ids of sessions resumed into ``engine`` before it starts stepping.
         ``between_steps`` runs on the engine thread between steps (host-store re-attach);
-        ``on_shutdown`` once the engine thread has stopped."""
+        ``on_shutdown`` once the engine thread has stopped; ``adopter`` takes a peer's session
+        over (None: this worker keeps no durable sessions)."""
         self.engine = engine
+        self._adopter = adopter
         self._on_shutdown = on_shutdown
         self._on_step = on_step
         self._between = between_steps
@@ -136,6 +147,18 @@ class AsyncEngine:
         ``tokens_received``, then its outputs as they come. Raises ``SessionNotFound``."""
         stream = self._open(request_id)
         self._send("attach", request_id, tokens_received)
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    async def adopt(
+        self, request_id: str, from_owner: str, fence: bool, tokens_received: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Takes over a peer's session from the host store (``SessionAdopter``) and streams it
+        as ``resume`` does. Raises ``NotAdopted``."""
+        if self._adopter is None:
+            raise NotAdopted("failed_precondition", "this worker keeps no durable sessions")
+        stream = self._open(request_id)
+        self._send("adopt", request_id, from_owner, fence, tokens_received)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -225,6 +248,8 @@ class AsyncEngine:
                     self._deliver(request_id, e)
             elif op == "attach":
                 self._attach(*args)
+            elif op == "adopt":
+                self._adopt(*args)
             elif op == "abort":
                 self._detached.pop(args[0], None)
                 out = self.engine.abort(args[0])
@@ -247,6 +272,28 @@ class AsyncEngine:
             )
             return
         self._deliver(request_id, catch_up(self.engine, d.req, tokens_received))
+
+    def _adopt(self, request_id: str, from_owner: str, fence: bool, tokens_received: int) -> None:
+        assert self._adopter is not None
+        if self.engine.has_request(request_id):  # adopted already (a repeated call)
+            self._deliver(request_id, ValueError(f"request {request_id!r} already runs here"))
+            return
+        try:
+            req = self._adopter(self.engine, request_id, from_owner, fence)
+        except NotAdopted as e:
+            self._deliver(request_id, e)
+            return
+        if not 0 <= tokens_received <= len(req.output_ids):
+            self.engine.abort(request_id)
+            self._deliver(
+                request_id,
+                ValueError(
+                    f"tokens_received={tokens_received}, but the session has "
+                    f"{len(req.output_ids)} tokens"
+                ),
+            )
+            return
+        self._deliver(request_id, catch_up(self.engine, req, tokens_received))
 
     def _expire_detached(self) -> None:
         now = time.monotonic()

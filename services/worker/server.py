@@ -14,10 +14,11 @@ from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
 from services.worker.convert import output_to_proto, sampling_from_proto
-from services.worker.durable.adoption import take_over
+from services.worker.durable.adoption import NotAdopted, adopt_session, take_over
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
+from services.worker.engine.prefix_setup import prefix_salt
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
@@ -26,11 +27,14 @@ from services.worker.startup import startup_seconds
 log = logging.getLogger(__name__)
 
 
-# How a request the engine gave up on fails over gRPC (``RequestError.code``).
+# How a request the engine gave up on (``RequestError.code``), or a session this worker could
+# not adopt (``NotAdopted.code``), fails over gRPC.
 _ERROR_STATUS = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_found": grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -68,6 +72,14 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         async for resp in self._stream(outputs, context):
             yield resp
 
+    async def Adopt(self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext):
+        """Takes over a session a peer of this node left in the host store and streams it as
+        ``Resume`` does (codes: the proto's)."""
+        r = request
+        outputs = self.engine.adopt(r.request_id, r.from_owner, r.fence, r.tokens_received)
+        async for resp in self._stream(outputs, context):
+            yield resp
+
     async def _stream(self, outputs, context: grpc.aio.ServicerContext):
         tokenizer = self.engine.engine.tokenizer
         try:
@@ -81,6 +93,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except EngineDeadError as e:
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except NotAdopted as e:
+            await context.abort(_ERROR_STATUS[e.code], str(e))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
@@ -107,16 +121,18 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
+        node = self.link.store_id if self.link is not None else ""
         if not self.engine.alive:
-            return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
+            status = f"engine failed: {self.engine.error!r}"
+            return pb.HealthResponse(ok=False, status=status, node=node)
         if self.link is not None and not self.link.healthy:
-            return pb.HealthResponse(ok=False, status=self.link.status())
+            return pb.HealthResponse(ok=False, status=self.link.status(), node=node)
         problems = (
             self.engine.engine.group.loads.store_problems()
         )  # the other data-parallel ranks' links
         if problems:
-            return pb.HealthResponse(ok=False, status="; ".join(problems))
-        return pb.HealthResponse(ok=True, status="serving")
+            return pb.HealthResponse(ok=False, status="; ".join(problems), node=node)
+        return pb.HealthResponse(ok=True, status="serving", node=node)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine
@@ -137,6 +153,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             durable_sessions=eng.kv.sessions is not None,
             startup_s=self.startup_s,
         )
+
+
+def peer_adopter(link: HostLink):
+    """The ``SessionAdopter`` of a worker registered with the store through ``link``: one
+    session of a peer of its node (``adopt_session``), one without room handed back. A group
+    of data-parallel ranks (an owner per rank) takes none over."""
+
+    def adopt(engine: Engine, request_id: str, from_owner: str, fence: bool):
+        if engine.group.data_parallel:
+            raise NotAdopted("failed_precondition", "a data-parallel group adopts no peer session")
+        return adopt_session(
+            engine, link.client, link.owner, link.generation, request_id,
+            from_owner=from_owner, fence=fence, hand_back=True,
+        )  # fmt: skip
+
+    return adopt
 
 
 def connect_store(settings: WorkerSettings) -> tuple:
@@ -178,7 +210,8 @@ async def start_server(
             host = connect_store(settings)
         engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
-            link = take_over(engine, host[0], settings.lease_ttl_s)
+            salt = prefix_salt(engine.cfg, engine.kv).root()
+            link = take_over(engine, host[0], settings.lease_ttl_s, salt)
             if (
                 engine.group.data_parallel
             ):  # every rank has taken over its own: rank 0 learns theirs
@@ -199,6 +232,7 @@ async def start_server(
             else None
         ),
         on_shutdown=link.close if link is not None else None,
+        adopter=peer_adopter(link) if link is not None else None,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(
