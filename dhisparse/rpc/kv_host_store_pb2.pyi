@@ -237,18 +237,20 @@ class ListRequestsResponse(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
-    __slots__ = ("request_id", "owner", "generation", "from_owner", "fence")
+    __slots__ = ("request_id", "owner", "generation", "from_owner", "fence", "from_generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     FROM_OWNER_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     owner: str
     generation: int
     from_owner: str
     fence: bool
-    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., from_owner: _Optional[str] = ..., fence: _Optional[bool] = ...) -> None: ...
+    from_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., from_owner: _Optional[str] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ...) -> None: ...
 
 class AdoptResponse(_message.Message):
     __slots__ = ("regions",)

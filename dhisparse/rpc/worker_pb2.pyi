@@ -146,16 +146,18 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens_received: _Optional[int] = ...) -> None: ...
 
 class AdoptSessionRequest(_message.Message):
-    __slots__ = ("request_id", "from_owner", "tokens_received", "fence")
+    __slots__ = ("request_id", "from_owner", "tokens_received", "fence", "from_generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_OWNER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_owner: str
     tokens_received: int
     fence: bool
-    def __init__(self, request_id: _Optional[str] = ..., from_owner: _Optional[str] = ..., tokens_received: _Optional[int] = ..., fence: _Optional[bool] = ...) -> None: ...
+    from_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., from_owner: _Optional[str] = ..., tokens_received: _Optional[int] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -202,14 +204,16 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "status", "node")
+    __slots__ = ("ok", "status", "node", "generation")
     OK_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     NODE_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     status: str
     node: str
-    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., node: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -50,10 +50,10 @@ class _Messages:
         )
 
     @staticmethod
-    def adopt(request_id: str, owner: str, gen: int, from_owner: str, fence: bool):
+    def adopt(request_id: str, owner: str, gen: int, from_owner: str, fence: bool, from_gen: int):
         return pb.AdoptRequest(
             request_id=request_id, owner=owner, generation=gen, from_owner=from_owner,
-            fence=fence,
+            fence=fence, from_generation=from_gen,
         )  # fmt: skip
 
 
@@ -141,10 +141,10 @@ class KVHostStoreClient:
 
     def adopt(
         self, request_id: str, owner: str, generation: int, from_owner: str = "",
-        fence: bool = False,
+        fence: bool = False, from_generation: int = 0,
     ) -> list[Region]:  # fmt: skip
         """``HostStore.adopt``."""
-        m = M.adopt(request_id, owner, generation, from_owner, fence)
+        m = M.adopt(request_id, owner, generation, from_owner, fence, from_generation)
         return [convert.region_from_proto(r) for r in self._call(self._stub.Adopt, m).regions]
 
     def hand_over(self, request_id: str, owner: str, generation: int) -> None:
@@ -273,9 +273,9 @@ class AsyncKVHostStoreClient:
 
     async def adopt(
         self, request_id: str, owner: str, generation: int, from_owner: str = "",
-        fence: bool = False,
+        fence: bool = False, from_generation: int = 0,
     ) -> list[Region]:  # fmt: skip
-        m = M.adopt(request_id, owner, generation, from_owner, fence)
+        m = M.adopt(request_id, owner, generation, from_owner, fence, from_generation)
         resp = await self._call(self._stub.Adopt, m)
         return [convert.region_from_proto(r) for r in resp.regions]
 

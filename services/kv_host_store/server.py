@@ -133,8 +133,9 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     ) -> pb.AdoptResponse:
         r = request
         regions = self._store.adopt(
-            r.request_id, r.owner, r.generation, from_owner=r.from_owner, fence=r.fence
-        )
+            r.request_id, r.owner, r.generation, from_owner=r.from_owner, fence=r.fence,
+            from_generation=r.from_generation,
+        )  # fmt: skip
         log.info("request %s adopted by %s/%d%s", r.request_id, r.owner, r.generation,
                  f" from {r.from_owner}" if r.from_owner else "")  # fmt: skip
         return pb.AdoptResponse(regions=[convert.region_to_proto(r) for r in regions])

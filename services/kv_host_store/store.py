@@ -291,12 +291,13 @@ class HostStore:
         *,
         from_owner: str = "",
         fence: bool = False,
+        from_generation: int = 0,
     ) -> list[Region]:
         """Transfers every region of an adoptable request (its owner dead, or it was handed
         over) to the live ``(owner, generation)``, atomically, and returns them; adopting a
         request one already holds returns its regions. ``from_owner``: the worker id the caller
-        takes it from — refused when the request belongs to another by now (an adopter racing
-        this one won). ``fence`` (with ``from_owner``): the caller found that owner's process
+        takes it from (and ``from_generation``, 0: any) — refused when the request belongs to
+        another by now (an adopter racing this one won, or that worker's successor resumed it). ``fence`` (with ``from_owner``): the caller found that owner's process
         unreachable; its current generation is ended first (``OwnerTable.fence``), so every
         request it holds becomes adoptable and its calls are refused. Raises
         ``FailedPrecondition`` while the request's owner lives and keeps it, for a caller that
@@ -319,10 +320,12 @@ class HostStore:
                 raise NotFound(f"no regions for request {request_id!r}")
             if (req.owner, req.generation) == (owner, generation):
                 return self._t.of(req)
-            if from_owner and req.owner != from_owner:
+            if (from_owner and req.owner != from_owner) or (
+                from_generation and req.generation != from_generation
+            ):
                 raise FailedPrecondition(
                     f"request {request_id!r} belongs to {_who(req.owner, req.generation)} now, "
-                    f"not {from_owner!r}: another adopter took it"
+                    f"not {_who(from_owner, from_generation)}: another adopter took it"
                 )
             mine = self._owners.salt(owner)
             if req.salt and mine and req.salt != mine:

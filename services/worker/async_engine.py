@@ -28,7 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
-from services.worker.durable.adoption import NotAdopted
+from services.worker.durable.adoption import AdoptFrom, NotAdopted
 from services.worker.engine.engine import Engine
 from services.worker.request.request import Request, RequestError, RequestOutput, SamplingParams
 
@@ -41,8 +41,8 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; the worker must be restarted."""
 
 
-# (engine, request id, from owner, fence) -> the running request; raises ``NotAdopted``
-SessionAdopter = Callable[[Engine, str, str, bool], Request]
+# (engine, request id, whom from) -> the running request; raises ``NotAdopted``
+SessionAdopter = Callable[[Engine, str, AdoptFrom], Request]
 
 
 class SessionNotFound(LookupError):
@@ -151,14 +151,14 @@ class AsyncEngine:
             yield out
 
     async def adopt(
-        self, request_id: str, from_owner: str, fence: bool, tokens_received: int
+        self, request_id: str, source: AdoptFrom, tokens_received: int
     ) -> AsyncIterator[RequestOutput]:
         """Takes over a peer's session from the host store (``SessionAdopter``) and streams it
         as ``resume`` does. Raises ``NotAdopted``."""
         if self._adopter is None:
             raise NotAdopted("failed_precondition", "this worker keeps no durable sessions")
         stream = self._open(request_id)
-        self._send("adopt", request_id, from_owner, fence, tokens_received)
+        self._send("adopt", request_id, source, tokens_received)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -273,13 +273,13 @@ class AsyncEngine:
             return
         self._deliver(request_id, catch_up(self.engine, d.req, tokens_received))
 
-    def _adopt(self, request_id: str, from_owner: str, fence: bool, tokens_received: int) -> None:
+    def _adopt(self, request_id: str, source: AdoptFrom, tokens_received: int) -> None:
         assert self._adopter is not None
         if self.engine.has_request(request_id):  # adopted already (a repeated call)
             self._deliver(request_id, ValueError(f"request {request_id!r} already runs here"))
             return
         try:
-            req = self._adopter(self.engine, request_id, from_owner, fence)
+            req = self._adopter(self.engine, request_id, source)
         except NotAdopted as e:
             self._deliver(request_id, e)
             return

@@ -14,7 +14,7 @@ from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
 from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
 from services.worker.convert import output_to_proto, sampling_from_proto
-from services.worker.durable.adoption import NotAdopted, adopt_session, take_over
+from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session, take_over
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
@@ -76,7 +76,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         """Takes over a session a peer of this node left in the host store and streams it as
         ``Resume`` does (codes: the proto's)."""
         r = request
-        outputs = self.engine.adopt(r.request_id, r.from_owner, r.fence, r.tokens_received)
+        source = AdoptFrom(r.from_owner, r.from_generation, r.fence)
+        outputs = self.engine.adopt(r.request_id, source, r.tokens_received)
         async for resp in self._stream(outputs, context):
             yield resp
 
@@ -121,18 +122,22 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
-        node = self.link.store_id if self.link is not None else ""
+        node, generation = (self.link.store_id, self.link.generation) if self.link else ("", 0)
         if not self.engine.alive:
             status = f"engine failed: {self.engine.error!r}"
-            return pb.HealthResponse(ok=False, status=status, node=node)
+            return pb.HealthResponse(ok=False, status=status, node=node, generation=generation)
         if self.link is not None and not self.link.healthy:
-            return pb.HealthResponse(ok=False, status=self.link.status(), node=node)
+            return pb.HealthResponse(
+                ok=False, status=self.link.status(), node=node, generation=generation
+            )
         problems = (
             self.engine.engine.group.loads.store_problems()
         )  # the other data-parallel ranks' links
         if problems:
-            return pb.HealthResponse(ok=False, status="; ".join(problems), node=node)
-        return pb.HealthResponse(ok=True, status="serving", node=node)
+            return pb.HealthResponse(
+                ok=False, status="; ".join(problems), node=node, generation=generation
+            )
+        return pb.HealthResponse(ok=True, status="serving", node=node, generation=generation)
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine
@@ -160,13 +165,12 @@ def peer_adopter(link: HostLink):
     session of a peer of its node (``adopt_session``), one without room handed back. A group
     of data-parallel ranks (an owner per rank) takes none over."""
 
-    def adopt(engine: Engine, request_id: str, from_owner: str, fence: bool):
+    def adopt(engine: Engine, request_id: str, source: AdoptFrom):
         if engine.group.data_parallel:
             raise NotAdopted("failed_precondition", "a data-parallel group adopts no peer session")
         return adopt_session(
-            engine, link.client, link.owner, link.generation, request_id,
-            from_owner=from_owner, fence=fence, hand_back=True,
-        )  # fmt: skip
+            engine, link.client, link.owner, link.generation, request_id, source, hand_back=True
+        )
 
     return adopt
 

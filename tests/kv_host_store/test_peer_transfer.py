@@ -204,3 +204,15 @@ def test_two_adopter_processes_race_and_exactly_one_wins(
             c.mark_durable(r.region_id, "wA", 0, 1, generation=a)
         stats = c.stats()
         assert (stats.adoptions, stats.owners_fenced) == (1, 1)
+
+
+def test_a_peer_never_fences_the_successor_that_resumed_the_request(store: HostStore) -> None:
+    a1 = store.register_owner("wA", 60.0).generation
+    b = store.register_owner("wB", 60.0).generation
+    store.allocate("req", "wA", 0, 4, 64, generation=a1)
+    a2 = store.register_owner("wA", 60.0).generation  # wA restarted first and resumed it
+    store.adopt("req", "wA", a2)
+    with pytest.raises(FailedPrecondition, match="not 'wA' generation 1: another adopter"):
+        store.adopt("req", "wB", b, from_owner="wA", from_generation=a1, fence=True)
+    store.renew_owner("wA", a2)  # generation 2 lives on, unfenced
+    assert store.stats().owners_fenced == 0

@@ -53,6 +53,17 @@ class AdoptionReport:
     released: dict[str, str] = field(default_factory=dict)  # request id -> why
 
 
+@dataclass(frozen=True)
+class AdoptFrom:
+    """Whom a session is taken from: ``owner`` (a worker id; "" whoever holds it) and its
+    ``generation`` (0: any); ``fence``: that process was found unreachable, so the store ends
+    its generation first (``HostStore.adopt``)."""
+
+    owner: str = ""
+    generation: int = 0
+    fence: bool = False
+
+
 class NotAdopted(RuntimeError):
     """A session this worker could not take over. ``code``: "failed_precondition" (the store
     refused: its owner lives, another adopter won, rows of another salt; or the manifest does
@@ -78,19 +89,21 @@ def adopt_session(
     owner: str,
     generation: int,
     request_id: str,
+    source: AdoptFrom = AdoptFrom(),
     *,
-    from_owner: str = "",
-    fence: bool = False,
     hand_back: bool = False,
 ) -> Request:
     """Takes ``request_id`` over from the store for ``(owner, generation)`` (``HostStore.adopt``
-    with ``from_owner`` and ``fence``), reads its manifest and resumes it in ``engine``; returns
+    from ``source``), reads its manifest and resumes it in ``engine``; returns
     the running request. Raises ``NotAdopted``. A session that cannot be resumed does not stay
     with this owner: one whose manifest does not fit is released (nobody can resume it), one
     for which there is no room is handed back (``hand_back``: offered to the next adopter,
     ``HostStore.hand_over``) or released. Runs where ``engine`` does not step concurrently."""
     try:
-        regions = store.adopt(request_id, owner, generation, from_owner=from_owner, fence=fence)
+        regions = store.adopt(
+            request_id, owner, generation, from_owner=source.owner, fence=source.fence,
+            from_generation=source.generation,
+        )  # fmt: skip
     except Exception as e:
         raise NotAdopted(_store_code(e), describe(e)) from e
     try:
@@ -106,7 +119,7 @@ def adopt_session(
         _let_go(store, owner, generation, request_id, why, hand_back=hand_back)
         raise NotAdopted("resource_exhausted", why)
     log.info("adopted %s at %d tokens%s", request_id, rec.num_computed,
-             f" from {from_owner}" if from_owner else "")  # fmt: skip
+             f" from {source.owner}" if source.owner else "")  # fmt: skip
     return req
 
 

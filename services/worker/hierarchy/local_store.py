@@ -83,9 +83,12 @@ class LocalHostStore:
 
     def adopt(
         self, request_id: str, owner: str, generation: int, from_owner: str = "",
-        fence: bool = False,
+        fence: bool = False, from_generation: int = 0,
     ) -> list[Region]:  # fmt: skip
-        return self.store.adopt(request_id, owner, generation, from_owner=from_owner, fence=fence)
+        return self.store.adopt(
+            request_id, owner, generation, from_owner=from_owner, fence=fence,
+            from_generation=from_generation,
+        )  # fmt: skip
 
     def hand_over(self, request_id: str, owner: str, generation: int) -> None:
         self.store.hand_over(request_id, owner, generation)

@@ -11,7 +11,7 @@ import asyncio
 import pytest
 
 from services.worker.async_engine import AsyncEngine
-from services.worker.durable.adoption import NotAdopted, adopt_session
+from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -45,8 +45,11 @@ def make(
     return engine, link
 
 
-def adopt(engine: Engine, link: HostLink, store, rid: str, **kw) -> Request:
-    return adopt_session(engine, store, link.owner, link.generation, rid, **kw)
+def adopt(engine: Engine, link: HostLink, store, rid: str, source=AdoptFrom(), **kw) -> Request:
+    return adopt_session(engine, store, link.owner, link.generation, rid, source, **kw)
+
+
+FENCE_A = AdoptFrom("wA", fence=True)
 
 
 @pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
@@ -63,7 +66,7 @@ def test_a_peer_continues_a_dead_workers_session_token_for_token(store, params) 
     peer.add_request("own", list(range(60, 80)), GREEDY)  # the peer serves its own request
     peer.step()
     computed = peer.stats.prefill_tokens_computed
-    req = adopt(peer, link, store, "r0", from_owner="wA", fence=True)
+    req = adopt(peer, link, store, "r0", FENCE_A)
     assert len(req.output_ids) == 20
     while peer.has_work():
         peer.step()
@@ -81,7 +84,7 @@ def test_a_peer_of_another_salt_is_refused_and_nothing_moves(store) -> None:
     del dead
     other, link = make(store, "wB", salt="another model")
     with pytest.raises(NotAdopted, match="another model or KV layout") as e:
-        adopt(other, link, store, "r0", from_owner="wA", fence=True)
+        adopt(other, link, store, "r0", FENCE_A)
     assert e.value.code == "failed_precondition"
     (info,) = store.list_requests()
     assert info.owner == "wA"
@@ -101,12 +104,12 @@ def test_a_peer_without_room_hands_the_session_back(store) -> None:
     full.add_request("own", list(range(60, 80)), GREEDY)
     full.step()
     with pytest.raises(NotAdopted, match="no free slot") as e:
-        adopt(full, link, store, "r0", from_owner="wA", fence=True, hand_back=True)
+        adopt(full, link, store, "r0", FENCE_A, hand_back=True)
     assert e.value.code == "resource_exhausted"
     (info,) = [i for i in store.list_requests(adoptable_only=True) if i.request_id == "r0"]
     assert info.owner == "wB"  # handed back: adoptable, by the next one with room
     roomy, link_c = make(store, "wC")
-    req = adopt(roomy, link_c, store, "r0", from_owner="wB")
+    req = adopt(roomy, link_c, store, "r0", AdoptFrom("wB"))
     assert len(req.output_ids) == 5
 
 
@@ -122,18 +125,16 @@ def test_the_async_engine_adopts_and_catches_the_caller_up(store) -> None:
     peer, link = make(store, "wB")
     received = 9  # the client had 9 tokens when the stream broke; the manifest holds 15
 
-    def adopter(engine: Engine, rid: str, from_owner: str, fence: bool) -> Request:
-        return adopt_session(
-            engine, store, link.owner, link.generation, rid, from_owner=from_owner, fence=fence
-        )
+    def adopter(engine: Engine, rid: str, source: AdoptFrom) -> Request:
+        return adopt_session(engine, store, link.owner, link.generation, rid, source)
 
     async def run() -> list:
         eng = AsyncEngine(peer, adopter=adopter)
         try:
             with pytest.raises(NotAdopted):
-                async for _ in eng.adopt("nope", "wA", True, 0):
+                async for _ in eng.adopt("nope", FENCE_A, 0):
                     pass
-            return [o async for o in eng.adopt("r0", "wA", True, received)]
+            return [o async for o in eng.adopt("r0", FENCE_A, received)]
         finally:
             eng.shutdown()
 
