@@ -129,6 +129,10 @@ ADMITTED_SESSIONS = PREFIX + "admitted_sessions"  # gauge{worker}
 ADMITTED_BYTES = PREFIX + "admitted_bytes"  # gauge{worker}
 FREE_CAPACITY_BYTES = PREFIX + "free_capacity_bytes"  # gauge{worker}
 STREAMS_RESUMED = PREFIX + "streams_resumed"  # counter{outcome}: worker died mid-stream
+# a stream whose worker died or drained, moved to a live peer of its node (DESIGN §10)
+ADOPTIONS = PREFIX + "adoptions"  # counter{outcome=adopted|no_peer}
+ADOPTION_LATENCY = PREFIX + "adoption_latency_seconds"  # histogram: break to the peer's first
+SESSIONS_WAITING_RESTART = PREFIX + "sessions_waiting_restart"  # gauge: no peer held them
 
 # --- worker: KV hierarchy ---------------------------------------------------------------------
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge{class=required|optional|reserve|free}

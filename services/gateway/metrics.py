@@ -113,6 +113,26 @@ class GatewayMetrics:
             registry=r,
         )
         self._resume_models: set[str] = set()
+        self.adoptions = Counter(
+            names.ADOPTIONS,
+            "Streams whose worker died or drained mid-generation, by outcome: adopted by a live "
+            "peer of its node, or no peer could hold it (it waits for the restart).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.adoption_latency = Histogram(
+            names.ADOPTION_LATENCY,
+            "From a stream's break to the first response of the peer that adopted it.",
+            ["model"],
+            buckets=names.ALLOC_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.waiting_restart = Gauge(
+            names.SESSIONS_WAITING_RESTART,
+            "Streams waiting for their worker's restart (no live peer could adopt them).",
+            ["model"],
+            registry=r,
+        )
 
     def resume_outcomes(self, model: str) -> None:
         """Exports both outcomes of ``model`` at zero from its first request on, so that rates
@@ -121,6 +141,10 @@ class GatewayMetrics:
             self._resume_models.add(model)
             for outcome in ("resumed", "failed"):
                 self.streams_resumed.labels(model, outcome)
+            for outcome in ("adopted", "no_peer"):
+                self.adoptions.labels(model, outcome)
+            self.adoption_latency.labels(model)
+            self.waiting_restart.labels(model)
 
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""

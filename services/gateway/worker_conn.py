@@ -40,6 +40,10 @@ class WorkerClient:
         self.in_flight = 0
         self.in_flight_at_poll = 0
         self.last_error: str | None = None
+        # as its last answered health poll said (kept once it stops answering): the node whose
+        # host store it maps ("" none) and its registration there
+        self.node = ""
+        self.generation = 0
 
     def open(self) -> None:
         """Creates the channel; must run on the event loop that will use it (grpc.aio binds a
@@ -70,6 +74,7 @@ class WorkerClient:
                 )
                 self.model = convert.model_info(info)
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
+            self.node, self.generation = health.node, health.generation
             if not health.ok:
                 self.healthy, self.last_error = False, f"unhealthy: {health.status}"
             else:
