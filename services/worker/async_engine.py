@@ -45,6 +45,11 @@ class EngineDeadError(RuntimeError):
 SessionAdopter = Callable[[Engine, str, AdoptFrom], Request]
 
 
+class SessionsHandedOver(RuntimeError):
+    """The worker drains: the session is in the host store for a peer (or this worker's
+    successor) to adopt, and the caller should move its stream there."""
+
+
 class SessionNotFound(LookupError):
     """No detached session of that id to attach to (never resumed here, already attached, or
     expired)."""
@@ -114,6 +119,7 @@ class AsyncEngine:
             assert req is not None, rid
             self._detached[rid] = _Detached(req, deadline)
         self.error: BaseException | None = None
+        self.draining = False  # ``drain``: admits nothing, its sessions move to peers
         self._failed_steps = 0  # in a row
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -203,6 +209,21 @@ class AsyncEngine:
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
+
+    def drain(self, timeout: float = 5.0) -> int:
+        """Hands every live session over (SIGTERM): admits nothing more (``draining``), stops
+        the engine thread after its step in flight — the sessions' rows and manifests are in
+        the host store as of that step — runs ``on_shutdown`` (a durable worker's releases its
+        store generation: every session it holds becomes adoptable) and ends each open stream
+        with ``SessionsHandedOver``; returns how many. Only for durable sessions: a worker
+        without them would lose what it hands over."""
+        self.draining = True
+        self.shutdown(timeout)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, SessionsHandedOver(f"worker drains: {rid} is handed over"))
+        return len(ids)
 
     @property
     def detached(self) -> list[str]:

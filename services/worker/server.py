@@ -12,7 +12,12 @@ import grpc
 from dhisparse.metrics_server import serve_metrics
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
-from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
+from services.worker.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    SessionNotFound,
+    SessionsHandedOver,
+)
 from services.worker.convert import output_to_proto, sampling_from_proto
 from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session, take_over
 from services.worker.durable.host_link import HostLink
@@ -55,6 +60,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.startup_s = startup_s
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.engine.draining:  # before its first token: the gateway tries another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker drains: it admits nothing")
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         params = sampling_from_proto(request.sampling)
@@ -96,6 +103,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
         except NotAdopted as e:
             await context.abort(_ERROR_STATUS[e.code], str(e))
+        except SessionsHandedOver as e:  # the gateway moves the stream (``WORKER_GONE``)
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
         return pb.AbortResponse(found=self.engine.abort(request.request_id))
@@ -123,6 +132,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
         node, generation = (self.link.store_id, self.link.generation) if self.link else ("", 0)
+        if self.engine.draining:
+            return pb.HealthResponse(ok=False, status="draining", node=node, generation=generation)
         if not self.engine.alive:
             status = f"engine failed: {self.engine.error!r}"
             return pb.HealthResponse(ok=False, status=status, node=node, generation=generation)
@@ -264,7 +275,11 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("worker shutting down")
+    if async_engine.engine.kv.sessions is not None and not async_engine.engine.group.data_parallel:
+        moved = async_engine.drain()  # its streams end now, and the gateway moves them
+        log.info("worker draining: handed %d sessions over", moved)
+    else:
+        log.info("worker shutting down")
     await server.stop(grace=5.0)
     async_engine.shutdown()
     async_engine.engine.group.stop()  # the engine thread has ended: the followers' loops end too

@@ -125,12 +125,14 @@ class HostLink:
 
     def close(self, release: bool = True) -> None:
         """Stops renewing; with ``release``, ends this generation at the store (a graceful
-        shutdown: whatever it still holds becomes adoptable at once)."""
+        shutdown: whatever it still holds becomes adoptable at once) once every durable mark
+        queued so far reached it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if release and self.state == "ok":
             try:
+                self.backups.flush()
                 self.client.release_owner(self.owner, self.generation)
             except Exception as e:
                 log.warning("could not release generation %d: %s", self.generation, e)
