@@ -462,6 +462,36 @@ KV = Dashboard(
                     ],
                     unit="ops",
                 ),
+                Panel(
+                    "Streams adopted by a live peer",
+                    "Streams whose worker died or drained mid-generation: adopted by a live peer"
+                    " of its node, or left waiting for the restart (no peer had room), and the"
+                    " streams waiting for a restart now.",
+                    [
+                        Target(
+                            f"sum by (outcome) (rate(dhisparse:adoptions_total{{{M}}}{RI}))",
+                            "{{outcome}}",
+                        ),
+                        Target(
+                            f"sum(dhisparse:sessions_waiting_restart{{{M}}})", "waiting restart"
+                        ),
+                    ],
+                    unit="ops",
+                ),
+                Panel(
+                    "Adoption latency p50 / p99",
+                    "From a stream's break (its worker died or drained) to the first response"
+                    " of the peer that adopted it.",
+                    [
+                        Target(
+                            f"histogram_quantile({q}, sum by (le) (rate("
+                            f"dhisparse:adoption_latency_seconds_bucket{{{M}}}{RI})))",
+                            f"p{round(q * 100)}",
+                        )
+                        for q in (0.5, 0.99)
+                    ],
+                    unit="s",
+                ),
             ],
         ),
         Row(
