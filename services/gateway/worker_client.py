@@ -190,6 +190,7 @@ class WorkerPool:
             worker, lease = moved.worker, moved.lease
             startup_s = worker.model.startup_s if worker.model is not None else startup_s
             worker.in_flight += 1
+            died = False  # the peer died too: its lease stays held while the stream moves on
             try:
                 resp = moved.first
                 while resp is not grpc.aio.EOF:
@@ -203,10 +204,13 @@ class WorkerPool:
                     raise
                 log.warning("peer %s failed mid-generation of %s (%s): moving it again",
                             worker.address, inp.request_id, describe(e))  # fmt: skip
+                died = True
                 origin = Origin.of(worker)
             finally:
                 moved.call.cancel()
                 worker.in_flight -= 1
+                if not died:
+                    lease.release()
         if self.metrics is not None:
             self.metrics.adoptions.labels(inp.model, "no_peer").inc()
             self.metrics.waiting_restart.labels(inp.model).inc()

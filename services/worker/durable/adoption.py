@@ -123,7 +123,17 @@ def adopt_session(
     return req
 
 
-def _let_go(store, owner: str, generation: int, request_id: str, why: str, *, hand_back: bool):
+def _let_go(
+    store: KVHostStoreClient | LocalHostStore,
+    owner: str,
+    generation: int,
+    request_id: str,
+    why: str,
+    *,
+    hand_back: bool,
+) -> None:
+    """Gives up a session this owner adopted but cannot resume: offered to the next adopter
+    (``hand_back``) or released."""
     verb = "handing it back" if hand_back else "releasing its host regions"
     log.warning("cannot resume %s (%s): %s", request_id, why, verb)
     try:
