@@ -841,8 +841,9 @@ HOST_STORE = Dashboard(
                 ),
                 Panel(
                     "Adoptions and expired orphans",
-                    "Requests of dead workers adopted by a successor, and those freed because"
-                    " nobody adopted them within the orphan TTL, per second.",
+                    "Requests of dead or draining workers adopted by a successor or a peer, those"
+                    " freed because nobody adopted them within the orphan TTL, worker generations"
+                    " a peer fenced off, and requests handed over, per second.",
                     [
                         Target(
                             "sum by (instance) (rate("
@@ -853,6 +854,16 @@ HOST_STORE = Dashboard(
                             "sum by (instance) (rate("
                             f"dhisparse:host_store_orphans_expired_total{{{INST}}}{RI}))",
                             "{{instance}} expired",
+                        ),
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_owners_fenced_total{{{INST}}}{RI}))",
+                            "{{instance}} owners fenced",
+                        ),
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_handovers_total{{{INST}}}{RI}))",
+                            "{{instance}} handed over",
                         ),
                     ],
                     unit="ops",

@@ -66,6 +66,8 @@ TYPES: dict[str, str] = {
     metrics.HOST_STORE_REFUSED: "counter",
     metrics.HOST_STORE_OWNERS: "gauge",
     metrics.HOST_STORE_ADOPTIONS: "counter",
+    metrics.HOST_STORE_OWNERS_FENCED: "counter",
+    metrics.HOST_STORE_HANDOVERS: "counter",
     metrics.HOST_STORE_ORPHANS_EXPIRED: "counter",
     metrics.HOST_STORE_PREFIX_RECORDS: "gauge",
     metrics.HOST_STORE_PREFIX_BYTES: "gauge",

@@ -10,8 +10,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import pytest
 
+from dhisparse import metrics as names
 from services.kv_host_store import FailedPrecondition, KVHostStoreClient, PermissionDenied
 from services.kv_host_store.store import HostStore
 from tests.kv_host_store.conftest import ROOT, StoreProcess
@@ -204,6 +206,9 @@ def test_two_adopter_processes_race_and_exactly_one_wins(
             c.mark_durable(r.region_id, "wA", 0, 1, generation=a)
         stats = c.stats()
         assert (stats.adoptions, stats.owners_fenced) == (1, 1)
+    text = httpx.get(store_process.metrics_url, timeout=5).text
+    assert f"{names.HOST_STORE_OWNERS_FENCED}_total 1.0" in text
+    assert f"{names.HOST_STORE_HANDOVERS}_total 0.0" in text
 
 
 def test_a_peer_never_fences_the_successor_that_resumed_the_request(store: HostStore) -> None:
