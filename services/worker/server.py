@@ -131,24 +131,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
+        """Whether it serves, and its node (the store's arena id) and generation there: the
+        gateway moves a dead worker's streams to peers of the same node."""
         node, generation = (self.link.store_id, self.link.generation) if self.link else ("", 0)
+        ok, status = self._health()
+        return pb.HealthResponse(ok=ok, status=status, node=node, generation=generation)
+
+    def _health(self) -> tuple[bool, str]:
         if self.engine.draining:
-            return pb.HealthResponse(ok=False, status="draining", node=node, generation=generation)
+            return False, "draining"
         if not self.engine.alive:
-            status = f"engine failed: {self.engine.error!r}"
-            return pb.HealthResponse(ok=False, status=status, node=node, generation=generation)
+            return False, f"engine failed: {self.engine.error!r}"
         if self.link is not None and not self.link.healthy:
-            return pb.HealthResponse(
-                ok=False, status=self.link.status(), node=node, generation=generation
-            )
-        problems = (
-            self.engine.engine.group.loads.store_problems()
-        )  # the other data-parallel ranks' links
+            return False, self.link.status()
+        # the other data-parallel ranks' links
+        problems = self.engine.engine.group.loads.store_problems()
         if problems:
-            return pb.HealthResponse(
-                ok=False, status="; ".join(problems), node=node, generation=generation
-            )
-        return pb.HealthResponse(ok=True, status="serving", node=node, generation=generation)
+            return False, "; ".join(problems)
+        return True, "serving"
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine

@@ -118,8 +118,8 @@ def adopt_session(
         why = "no free slot or device room"
         _let_go(store, owner, generation, request_id, why, hand_back=hand_back)
         raise NotAdopted("resource_exhausted", why)
-    log.info("adopted %s at %d tokens%s", request_id, rec.num_computed,
-             f" from {source.owner}" if source.owner else "")  # fmt: skip
+    log.info("resumed %s at %d tokens%s", request_id, rec.num_computed,
+             f", adopted from {source.owner}" if source.owner else "")  # fmt: skip
     return req
 
 
