@@ -163,6 +163,8 @@ class AsyncEngine:
         as ``resume`` does. Raises ``NotAdopted``."""
         if self._adopter is None:
             raise NotAdopted("failed_precondition", "this worker keeps no durable sessions")
+        if self.draining:
+            raise NotAdopted("unavailable", "this worker drains: it adopts nothing")
         stream = self._open(request_id)
         self._send("adopt", request_id, source, tokens_received)
         async for out in self._consume(request_id, stream):
@@ -202,7 +204,7 @@ class AsyncEngine:
         self._send("abort", request_id)
         return known
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
@@ -210,15 +212,17 @@ class AsyncEngine:
             self._on_shutdown()
             self._on_shutdown = None
 
-    def drain(self, timeout: float = 5.0) -> int:
+    def drain(self) -> int:
         """Hands every live session over (SIGTERM): admits nothing more (``draining``), stops
         the engine thread after its step in flight — the sessions' rows and manifests are in
         the host store as of that step — runs ``on_shutdown`` (a durable worker's releases its
         store generation: every session it holds becomes adoptable) and ends each open stream
         with ``SessionsHandedOver``; returns how many. Only for durable sessions: a worker
-        without them would lose what it hands over."""
+        without them would lose what it hands over. Blocks until the step in flight ends: the
+        generation is released only once nothing writes its sessions any more (a supervisor
+        that kills the process first leaves them to the store's fencing)."""
         self.draining = True
-        self.shutdown(timeout)
+        self.shutdown(timeout=None)
         with self._lock:
             ids = list(self._streams)
         for rid in ids:

@@ -276,7 +276,8 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     if async_engine.engine.kv.sessions is not None and not async_engine.engine.group.data_parallel:
-        moved = async_engine.drain()  # its streams end now, and the gateway moves them
+        # its streams end now, and the gateway moves them
+        moved = await asyncio.to_thread(async_engine.drain)
         log.info("worker draining: handed %d sessions over", moved)
     else:
         log.info("worker shutting down")
