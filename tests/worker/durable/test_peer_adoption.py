@@ -32,10 +32,14 @@ def store():
 
 
 def make(
-    store: LocalHostStore, owner: str, max_num_seqs: int = 4, salt: str | None = None
+    store: LocalHostStore,
+    owner: str,
+    max_num_seqs: int = 4,
+    salt: str | None = None,
+    model: str = "tiny-glm",
 ) -> tuple[Engine, HostLink]:
     cfg = EngineConfig(
-        model="tiny-glm", mode="hisparse", kv_pool_mib=48, max_num_seqs=max_num_seqs,
+        model=model, mode="hisparse", kv_pool_mib=48, max_num_seqs=max_num_seqs,
         max_model_len=512, owner=owner,
     )  # fmt: skip
     engine = Engine(cfg, host=(store, store.mapping))
@@ -52,17 +56,22 @@ def adopt(engine: Engine, link: HostLink, store, rid: str, source=AdoptFrom(), *
 FENCE_A = AdoptFrom("wA", fence=True)
 
 
-@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
-def test_a_peer_continues_a_dead_workers_session_token_for_token(store, params) -> None:
-    ref, _ = make(store, "ref")
+@pytest.mark.parametrize(
+    "model,params",
+    [("tiny-glm", GREEDY), ("tiny-glm", SEEDED), ("tiny-dsv4", SEEDED)],
+    ids=["greedy", "seeded", "dsv4-rings"],
+)
+def test_a_peer_continues_a_dead_workers_session_token_for_token(store, model, params) -> None:
+    """tiny-dsv4 has compressed, windowed sources: their token rings come from the manifest."""
+    ref, _ = make(store, "ref", model=model)
     (want,) = ref.generate([PROMPT], [params])
     del ref
-    dead, _ = make(store, "wA")
+    dead, _ = make(store, "wA", model=model)
     dead.add_request("r0", PROMPT, params)
     for _ in range(20):
         dead.step()
     del dead  # SIGKILLed: nothing released, its lease still runs
-    peer, link = make(store, "wB")
+    peer, link = make(store, "wB", model=model)
     peer.add_request("own", list(range(60, 80)), GREEDY)  # the peer serves its own request
     peer.step()
     computed = peer.stats.prefill_tokens_computed
