@@ -3,13 +3,15 @@ workers): the worker serving a stream is SIGKILLed mid-stream and its live peer 
 session from the node's store — the client's stream completes with exactly the text of an
 uninterrupted run, the peer computes no prompt token, and the gateway counts one adoption. The
 stall the client saw is printed, not asserted (it depends on the machine's load). Then: the
-adopter killed in turn, and a drain (SIGTERM) under load that drops no stream."""
+adopter killed in turn; a drain (SIGTERM) under load; a rolling restart of both workers under
+steady load — none drops a stream."""
 
 from __future__ import annotations
 
 import itertools
 import os
 import signal
+import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -150,3 +152,52 @@ def test_a_drained_worker_hands_its_streams_to_its_peer_and_drops_none(pair: Sta
     resumed = pair.metric(gateway, f"{names.STREAMS_RESUMED}_total", outcome="resumed") or 0
     assert adopted + resumed >= 1  # moved to the peer, or (no room) to the successor
     print(f"drain: {adopted:.0f} streams adopted by the peer, {resumed:.0f} by the successor")
+
+
+def wait_serving(stack: Stack, index: int, timeout_s: float = 180) -> None:
+    """Until worker ``index``'s successor serves (its metrics answer) and the gateway has had
+    time to poll it healthy."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            httpx.get(metrics_url(stack, index), timeout=2).raise_for_status()
+            break
+        except httpx.HTTPError:
+            assert time.monotonic() < deadline, f"worker-{index} did not come back"
+            time.sleep(0.2)
+    time.sleep(1.0)
+
+
+def test_a_rolling_restart_under_steady_load_drops_no_stream(pair: Stack) -> None:
+    """Every worker drained in turn (SIGTERM, then its successor serves) while clients keep
+    streaming: every stream completes with the uninterrupted text."""
+    n = 120
+    want = offline_greedy(n)
+    stop = threading.Event()
+    results: list[tuple[str, list[dict]]] = []
+
+    def client() -> None:
+        while not stop.is_set():
+            results.append(stream_chat(pair.base, n))
+
+    with ThreadPoolExecutor(3) as pool:
+        clients = [pool.submit(client) for _ in range(3)]
+        time.sleep(3.0)  # steady load first
+        for index in (0, 1):
+            pids = pair.pids(f"worker-{index}")
+            os.kill(pids[-1], signal.SIGTERM)
+            while len(pair.pids(f"worker-{index}")) == len(pids):  # `up` restarts it
+                time.sleep(0.2)
+            wait_serving(pair, index)
+        stop.set()
+        for c in clients:
+            c.result(timeout=600)
+    log = pair.log.read_text()
+    assert "[up] worker-0 exited (0)" in log and "[up] worker-1 exited (0)" in log
+    assert len(results) >= 6
+    for text, chunks in results:
+        assert not [c for c in chunks if "error" in c], chunks[-3:]
+        assert text == want
+    gateway = f"{pair.base}/metrics"
+    adopted = pair.metric(gateway, f"{names.ADOPTIONS}_total", outcome="adopted") or 0
+    print(f"rolling restart: {len(results)} streams, {adopted:.0f} moved to a peer")
