@@ -134,6 +134,16 @@ ADOPTIONS = PREFIX + "adoptions"  # counter{outcome=adopted|no_peer}
 ADOPTION_LATENCY = PREFIX + "adoption_latency_seconds"  # histogram: break to the peer's first
 SESSIONS_WAITING_RESTART = PREFIX + "sessions_waiting_restart"  # gauge: no peer held them
 
+# --- gateway: prefix-affinity routing (services/gateway/affinity.py) ---------------------------
+# admitted worker requests by why their worker was chosen: affinity | load | load-over-affinity
+ROUTING_DECISIONS = PREFIX + "routing_decisions"  # counter{reason}
+# prompt tokens the chosen workers' nodes were predicted to hold
+PREFIX_AFFINITY_PREDICTED_TOKENS = PREFIX + "prefix_affinity_predicted_tokens"  # counter
+PREFIX_AFFINITY_INDEX_PAGES = PREFIX + "prefix_affinity_index_pages"  # gauge: pages it remembers
+# prompt tokens the workers reported not computing (usage.prompt_tokens_details.cached_tokens);
+# the hit rate is its rate over prompt_tokens'
+PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached"  # counter
+
 # --- worker: KV hierarchy ---------------------------------------------------------------------
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge{class=required|optional|reserve|free}
 RECLAIM_EVENTS = PREFIX + "reclaim_events"  # counter

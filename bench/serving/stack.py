@@ -59,6 +59,8 @@ class Stack:
             worker += ["--hot-cache-rows", str(c.hot_cache_rows)]
         if c.durable_sessions is not None:
             worker.append("--durable-sessions" if c.durable_sessions else "--no-durable-sessions")
+        if not c.prefix_cache:
+            worker.append("--no-prefix-cache")
         sp = c.speculation
         if sp.drafter:
             worker += ["--drafter", sp.drafter, "--spec-width", str(sp.width),

@@ -400,6 +400,71 @@ ADMISSION = Dashboard(
                 ),
             ],
         ),
+        Row(
+            "Routing by prefix affinity",
+            [
+                Panel(
+                    "Gateway prefix hit rate",
+                    "Share of the prompt tokens served that the workers imported from a cached"
+                    " prefix instead of computing (usage.prompt_tokens_details.cached_tokens),"
+                    " at the gateways.",
+                    [
+                        Target(
+                            f"sum(rate(dhisparse:prompt_tokens_cached_total{{{GW}}}{RI})) / "
+                            f"sum(rate(dhisparse:prompt_tokens_total{{{GW}}}{RI}))",
+                            "hit rate",
+                        )
+                    ],
+                    unit="percentunit",
+                    width=6,
+                ),
+                Panel(
+                    "Routing decisions",
+                    "Worker requests per second by why their worker was chosen: the longest"
+                    " predicted prefix hit (affinity), no predicted hit anywhere (load), or a"
+                    " longer predicted hit elsewhere lost to load or room (load-over-affinity).",
+                    [
+                        Target(
+                            f"sum by (reason) (rate(dhisparse:routing_decisions_total{{{M}}}{RI}))",
+                            "{{reason}}",
+                        )
+                    ],
+                    unit="reqps",
+                    stack=True,
+                    width=6,
+                ),
+                Panel(
+                    "Predicted and reported cached tokens",
+                    "Prompt tokens per second the chosen workers' nodes were predicted to hold,"
+                    " and those the workers reported imported: a prediction well above the"
+                    " report means the stores evicted what the gateway's index remembers.",
+                    [
+                        Target(
+                            "sum(rate("
+                            f"dhisparse:prefix_affinity_predicted_tokens_total{{{M}}}{RI}))",
+                            "predicted",
+                        ),
+                        Target(
+                            f"sum(rate(dhisparse:prompt_tokens_cached_total{{{GW}}}{RI}))",
+                            "reported",
+                        ),
+                    ],
+                    width=6,
+                ),
+                Panel(
+                    "Prefix-affinity index",
+                    "Pages each gateway replica's index remembers (least recently recorded"
+                    " forgotten past --prefix-affinity-index-pages).",
+                    [
+                        Target(
+                            f"sum by (instance) (dhisparse:prefix_affinity_index_pages{{{GW}}})",
+                            "{{instance}}",
+                        )
+                    ],
+                    width=6,
+                ),
+            ],
+        ),
     ],
 )
 

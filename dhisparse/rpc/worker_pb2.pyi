@@ -176,7 +176,7 @@ class LoadRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class LoadResponse(_message.Message):
-    __slots__ = ("worker_id", "num_running", "num_waiting", "max_num_seqs", "kv_capacity_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_free_bytes", "mode", "serving_ranks")
+    __slots__ = ("worker_id", "num_running", "num_waiting", "max_num_seqs", "kv_capacity_bytes", "kv_required_bytes", "kv_optional_bytes", "kv_free_bytes", "mode", "serving_ranks", "kv_store_id")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     NUM_RUNNING_FIELD_NUMBER: _ClassVar[int]
     NUM_WAITING_FIELD_NUMBER: _ClassVar[int]
@@ -187,6 +187,7 @@ class LoadResponse(_message.Message):
     KV_FREE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MODE_FIELD_NUMBER: _ClassVar[int]
     SERVING_RANKS_FIELD_NUMBER: _ClassVar[int]
+    KV_STORE_ID_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     num_running: int
     num_waiting: int
@@ -197,30 +198,29 @@ class LoadResponse(_message.Message):
     kv_free_bytes: int
     mode: str
     serving_ranks: int
-    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_required_bytes: _Optional[int] = ..., kv_optional_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., serving_ranks: _Optional[int] = ...) -> None: ...
+    kv_store_id: str
+    def __init__(self, worker_id: _Optional[str] = ..., num_running: _Optional[int] = ..., num_waiting: _Optional[int] = ..., max_num_seqs: _Optional[int] = ..., kv_capacity_bytes: _Optional[int] = ..., kv_required_bytes: _Optional[int] = ..., kv_optional_bytes: _Optional[int] = ..., kv_free_bytes: _Optional[int] = ..., mode: _Optional[str] = ..., serving_ranks: _Optional[int] = ..., kv_store_id: _Optional[str] = ...) -> None: ...
 
 class HealthRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "status", "node", "generation")
+    __slots__ = ("ok", "status", "generation")
     OK_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
-    NODE_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     status: str
-    node: str
     generation: int
-    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., node: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class ModelInfo(_message.Message):
-    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json", "durable_sessions", "startup_s")
+    __slots__ = ("model_name", "max_model_len", "vocab_size", "mode", "config_json", "worker_id", "kv_layout_json", "durable_sessions", "startup_s", "prefix_cache")
     MODEL_NAME_FIELD_NUMBER: _ClassVar[int]
     MAX_MODEL_LEN_FIELD_NUMBER: _ClassVar[int]
     VOCAB_SIZE_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class ModelInfo(_message.Message):
     KV_LAYOUT_JSON_FIELD_NUMBER: _ClassVar[int]
     DURABLE_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     STARTUP_S_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_FIELD_NUMBER: _ClassVar[int]
     model_name: str
     max_model_len: int
     vocab_size: int
@@ -239,4 +240,5 @@ class ModelInfo(_message.Message):
     kv_layout_json: str
     durable_sessions: bool
     startup_s: float
-    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ..., durable_sessions: _Optional[bool] = ..., startup_s: _Optional[float] = ...) -> None: ...
+    prefix_cache: bool
+    def __init__(self, model_name: _Optional[str] = ..., max_model_len: _Optional[int] = ..., vocab_size: _Optional[int] = ..., mode: _Optional[str] = ..., config_json: _Optional[str] = ..., worker_id: _Optional[str] = ..., kv_layout_json: _Optional[str] = ..., durable_sessions: _Optional[bool] = ..., startup_s: _Optional[float] = ..., prefix_cache: _Optional[bool] = ...) -> None: ...

@@ -6,6 +6,7 @@ from dhisparse.tokenizer.chat import ChatTemplateError, render_chat
 from dhisparse.tokenizer.detokenize import IncrementalDetokenizer
 from dhisparse.tokenizer.formatter import (
     ChatFormatter,
+    DeepseekV4Formatter,
     DeepseekV32Formatter,
     TemplateFormatter,
     chat_formatter,
@@ -17,6 +18,7 @@ __all__ = [
     "ByteTokenizer",
     "ChatFormatter",
     "ChatTemplateError",
+    "DeepseekV4Formatter",
     "DeepseekV32Formatter",
     "HFTokenizer",
     "IncrementalDetokenizer",

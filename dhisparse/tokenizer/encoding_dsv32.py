@@ -23,24 +23,29 @@ from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 from dhisparse.tokenizer.chat import ChatTemplateError
+from dhisparse.tokenizer.dsml import (
+    ASSISTANT,
+    BOS,
+    EOS,
+    INVOKE_CLOSE,
+    INVOKE_OPEN,
+    PARAM_CLOSE,
+    PARAM_OPEN,
+    USER,
+    V32_BLOCK,
+    call_block,
+    function_of,
+    message_text,
+    to_json,
+)
 
 ThinkingMode = Literal["chat", "thinking"]
 Message = Mapping[str, Any]
 
-BOS = "<｜begin▁of▁sentence｜>"
-EOS = "<｜end▁of▁sentence｜>"
-USER = "<｜User｜>"
-ASSISTANT = "<｜Assistant｜>"
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
-DSML = "｜DSML｜"
-
-CALLS_OPEN = f"<{DSML}function_calls>"
-CALLS_CLOSE = f"</{DSML}function_calls>"
-INVOKE_OPEN = f"<{DSML}invoke"
-INVOKE_CLOSE = f"</{DSML}invoke"
-PARAM_OPEN = f"<{DSML}parameter"
-PARAM_CLOSE = f"</{DSML}parameter>"
+CALLS_OPEN = V32_BLOCK.open
+CALLS_CLOSE = V32_BLOCK.close
 
 # The prompt the model was trained with to read tool schemas, word for word; the schemas
 # follow, one JSON object per line.
@@ -81,43 +86,19 @@ _RESPONSE_FORMAT = (
 )
 
 
-def to_json(value: Any) -> str:
-    try:
-        return json.dumps(value, ensure_ascii=False)
-    except (TypeError, ValueError) as e:
-        raise ChatTemplateError(f"not JSON: {e}") from e
-
-
-def _text(message: Message) -> str:
-    content = message.get("content")
-    if content is None:
-        return ""
-    if not isinstance(content, str):
-        raise ChatTemplateError(f"{message.get('role')} content must be a string")
-    return content
-
-
-def _function(item: Any, what: str) -> Mapping[str, Any]:
-    """The ``function`` member of an OpenAI tool or tool call."""
-    fn = item.get("function") if isinstance(item, Mapping) else None
-    if not isinstance(fn, Mapping):
-        raise ChatTemplateError(f"each {what} needs a 'function' object")
-    return fn
-
-
 def _tools_and_format(message: Message) -> str:
     """The tool list and reply schema a system or developer message carries."""
     out = ""
     tools = message.get("tools")
     if tools:
-        schemas = "\n".join(to_json(_function(t, "tool")) for t in tools)
+        schemas = "\n".join(to_json(function_of(t, "tool")) for t in tools)
         out += "\n\n" + _TOOLS_HEADER + schemas + _TOOLS_FOOTER
     if message.get("response_format"):
         out += "\n\n" + _RESPONSE_FORMAT + to_json(message["response_format"])
     return out
 
 
-def _parameters(arguments: Any) -> str:
+def _arguments(arguments: Any) -> Mapping[str, Any]:
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
@@ -125,22 +106,15 @@ def _parameters(arguments: Any) -> str:
             raise ChatTemplateError(f"tool call arguments are not JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise ChatTemplateError("tool call arguments must be a JSON object")
-    return "\n".join(
-        f'{PARAM_OPEN} name="{key}" string="{"true" if isinstance(value, str) else "false"}">'
-        f"{value if isinstance(value, str) else to_json(value)}{PARAM_CLOSE}"
-        for key, value in arguments.items()
-    )
+    return arguments
 
 
 def _tool_calls(calls: Sequence[Any]) -> str:
-    invokes = []
+    named = []
     for call in calls:
-        fn = _function(call, "tool call")
-        invokes.append(
-            f'{INVOKE_OPEN} name="{fn.get("name")}">\n'
-            f"{_parameters(fn.get('arguments'))}\n{INVOKE_CLOSE}>"
-        )
-    return f"\n\n{CALLS_OPEN}\n" + "\n".join(invokes) + f"\n{CALLS_CLOSE}"
+        fn = function_of(call, "tool call")
+        named.append((fn.get("name"), _arguments(fn.get("arguments"))))
+    return call_block(V32_BLOCK, named)
 
 
 def last_user_index(messages: Sequence[Message]) -> int:
@@ -160,14 +134,14 @@ def _render(i: int, messages: Sequence[Message], mode: ThinkingMode, last_user: 
     role = m.get("role")
     thinking = mode == "thinking"
     if role == "system":
-        return _text(m) + _tools_and_format(m)
+        return message_text(m) + _tools_and_format(m)
     if role == "developer":
         if not m.get("content"):
             raise ChatTemplateError("a developer message needs content")
-        body = _tools_and_format(m) + f"\n\n# The user's message is: {_text(m)}"
+        body = _tools_and_format(m) + f"\n\n# The user's message is: {message_text(m)}"
         return USER + body + ASSISTANT + _opening(i == last_user and thinking)
     if role == "user":
-        return USER + _text(m) + ASSISTANT + _opening(i == last_user and thinking)
+        return USER + message_text(m) + ASSISTANT + _opening(i == last_user and thinking)
     if role == "tool":
         caller = i - 1
         while caller >= 0 and messages[caller].get("role") == "tool":
@@ -178,7 +152,7 @@ def _render(i: int, messages: Sequence[Message], mode: ThinkingMode, last_user: 
         if not calls or len(calls) < order:
             raise ChatTemplateError("a tool message must answer a tool call of the assistant")
         out = "\n\n<function_results>" if order == 1 else ""
-        out += f"\n<result>{_text(m)}</result>"
+        out += f"\n<result>{message_text(m)}</result>"
         if order == len(calls):
             out += "\n</function_results>\n\n" + _opening(i >= last_user and thinking)
         return out
@@ -195,7 +169,7 @@ def _render(i: int, messages: Sequence[Message], mode: ThinkingMode, last_user: 
                     "reasoning_content or tool_calls"
                 )
             shown = (reasoning or "") + THINK_CLOSE
-        return shown + _text(m) + (_tool_calls(calls) if calls else "") + EOS
+        return shown + message_text(m) + (_tool_calls(calls) if calls else "") + EOS
     raise ChatTemplateError(f"unsupported role: {role}")
 
 

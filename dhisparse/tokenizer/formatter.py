@@ -1,6 +1,6 @@
 """The chat formatter: messages and template arguments to prompt text and token ids, one
-interface over a model's Jinja chat template and DeepSeek-V3.2's Python format, chosen from
-the model directory by ``chat_formatter``."""
+interface over a model's Jinja chat template and DeepSeek-V3.2's and DeepSeek-V4's Python
+formats, chosen from the model directory by ``chat_formatter``."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from dhisparse.tokenizer import encoding_dsv4
 from dhisparse.tokenizer.base import Tokenizer
 from dhisparse.tokenizer.chat import ChatTemplateError, render_chat
 from dhisparse.tokenizer.encoding_dsv32 import ThinkingMode, encode_messages
@@ -19,6 +20,18 @@ Tools = Sequence[Mapping[str, Any]] | None
 
 # model_type values whose chat format is code rather than a template.
 DEEPSEEK_V32 = "deepseek_v32"
+DEEPSEEK_V4 = "deepseek_v4"
+# OpenAI's reasoning efforts as DeepSeek-V4's (DeepSeek's API maps them so): "none" turns
+# thinking off, "xhigh" (and V4's own "max") is Think Max, the rest Think High.
+_V4_EFFORTS: dict[str, encoding_dsv4.ReasoningEffort | None] = {
+    "none": None,
+    "minimal": "high",
+    "low": "high",
+    "medium": "high",
+    "high": "high",
+    "xhigh": "max",
+    "max": "max",
+}
 
 
 class ChatFormatter(ABC):
@@ -106,21 +119,69 @@ class DeepseekV32Formatter(ChatFormatter):
         tools: Tools = None,
         **kwargs: Any,
     ) -> str:
-        if not messages:
-            raise ChatTemplateError("the chat has no messages")
-        if any(not isinstance(m, Mapping) for m in messages):
-            raise ChatTemplateError("each message must be an object")
-        chat = [dict(m) for m in messages]
-        if tools:
-            if chat[0].get("role") != "system":
-                chat.insert(0, {"role": "system", "content": ""})
-            chat[0]["tools"] = list(tools)
+        chat = _dsml_chat(messages, tools)
         drop = _flag(kwargs, "drop_thinking")
         return encode_messages(
             chat,
             _thinking_mode(kwargs),
             drop_thinking=chat[-1].get("role") == "user" if drop is None else drop,
         )
+
+
+class DeepseekV4Formatter(ChatFormatter):
+    """DeepSeek-V4's format (``encoding_dsv4``). Thinking mode is on unless ``thinking`` or
+    ``enable_thinking`` is false (DeepSeek's API and vLLM think by default; ``thinking_mode``
+    "chat" or "thinking" names it outright), or ``reasoning_effort`` is "none" and neither
+    turns it on. The effort is
+    OpenAI's or V4's own "max" (``_V4_EFFORTS``). ``tools`` join the leading system message
+    (one is added when the chat has none), where the release's own examples carry them.
+    ``drop_thinking`` (earlier turns' reasoning left out of a chat without tools) is on unless
+    the kwarg says otherwise. The format opens the assistant's turn after the last user turn,
+    so ``add_generation_prompt`` changes nothing."""
+
+    def render(
+        self,
+        messages: Messages,
+        /,
+        *,
+        add_generation_prompt: bool = True,
+        tools: Tools = None,
+        **kwargs: Any,
+    ) -> str:
+        chat = _dsml_chat(messages, tools)
+        effort = kwargs.get("reasoning_effort")
+        if effort is not None and effort not in _V4_EFFORTS:
+            raise ChatTemplateError(
+                f"reasoning_effort must be one of {', '.join(_V4_EFFORTS)}, got {effort!r}"
+            )
+        mode = _thinking_mode(kwargs, default=effort != "none")
+        drop = _flag(kwargs, "drop_thinking")
+        return encoding_dsv4.encode_messages(
+            chat,
+            mode,
+            drop_thinking=True if drop is None else drop,
+            reasoning_effort=None if effort is None else _V4_EFFORTS[effort],
+        )
+
+
+def _dsml_chat(messages: Messages, tools: Tools) -> list[dict[str, Any]]:
+    """A copy of ``messages`` (each an object) with ``tools`` joined to the leading system
+    message, as DeepSeek's encoders take a chat."""
+    if not messages:
+        raise ChatTemplateError("the chat has no messages")
+    if any(not isinstance(m, Mapping) for m in messages):
+        raise ChatTemplateError("each message must be an object")
+    chat = [dict(m) for m in messages]
+    _with_tools(chat, tools)
+    return chat
+
+
+def _with_tools(chat: list[dict[str, Any]], tools: Tools) -> None:
+    """``tools`` on the chat's leading system message, one added when it has none."""
+    if tools:
+        if chat[0].get("role") != "system":
+            chat.insert(0, {"role": "system", "content": ""})
+        chat[0]["tools"] = list(tools)
 
 
 def _flag(kwargs: Mapping[str, Any], name: str) -> bool | None:
@@ -130,22 +191,31 @@ def _flag(kwargs: Mapping[str, Any], name: str) -> bool | None:
     return value
 
 
-def _thinking_mode(kwargs: Mapping[str, Any]) -> ThinkingMode:
+def _thinking_mode(kwargs: Mapping[str, Any], *, default: bool = False) -> ThinkingMode:
+    """``thinking_mode`` when given; else on when ``thinking`` or ``enable_thinking`` is true,
+    off when either is false and neither true, ``default`` when neither is given."""
     mode = kwargs.get("thinking_mode")
     if mode is not None:
         if mode not in ("chat", "thinking"):
             raise ChatTemplateError(f"thinking_mode must be chat or thinking, got {mode!r}")
         return mode
-    thinking = _flag(kwargs, "thinking") or _flag(kwargs, "enable_thinking")
+    flags = [
+        f for f in (_flag(kwargs, "thinking"), _flag(kwargs, "enable_thinking")) if f is not None
+    ]
+    thinking = any(flags) if flags else default
     return "thinking" if thinking else "chat"
 
 
 def chat_formatter(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> ChatFormatter:
     """The formatter for the model in ``model_dir`` (None: a preset, the tokenizer's own
-    template): its chat template when it ships one; DeepSeek-V3.2's format for a
-    ``deepseek_v32`` model without one; else a template formatter that refuses every chat."""
+    template): its chat template when it ships one; DeepSeek-V3.2's or DeepSeek-V4's format
+    for a ``deepseek_v32`` or ``deepseek_v4`` model without one; else a template formatter that
+    refuses every chat."""
     if tokenizer.chat_templates:
         return TemplateFormatter(tokenizer)
-    if model_dir is not None and model_type(Path(model_dir)) == DEEPSEEK_V32:
+    kind = model_type(Path(model_dir)) if model_dir is not None else None
+    if kind == DEEPSEEK_V32:
         return DeepseekV32Formatter(tokenizer)
+    if kind == DEEPSEEK_V4:
+        return DeepseekV4Formatter(tokenizer)
     return TemplateFormatter(tokenizer)

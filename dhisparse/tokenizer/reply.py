@@ -2,9 +2,9 @@
 whole (``parse_reply``) or as a stream of events (``reply_parser``).
 
 The reply formats (``style``) are those of xgrammar's built-in structural tags, so a reply
-constrained by one reads back here: ``"deepseek_v3_2"`` (DSML tool calls, ``reply_dsml``) and
-``"glm_4_7"`` (GLM-4.7 / GLM-5 tool calls, ``reply_glm``); both reason in a ``<think>`` block
-(``reasoning``). Text deltas may split any tag anywhere: text that may still be part of a tag
+constrained by one reads back here: ``"deepseek_v3_2"`` and ``"deepseek_v4"`` (DSML tool calls
+in a ``function_calls`` and a ``tool_calls`` block, ``reply_dsml``) and ``"glm_4_7"`` (GLM-4.7 /
+GLM-5 tool calls, ``reply_glm``); all reason in a ``<think>`` block (``reasoning``). Text deltas may split any tag anywhere: text that may still be part of a tag
 is held back until it cannot be, and everything else is released at once."""
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
+from dhisparse.tokenizer.dsml import V4_BLOCK, V32_BLOCK, CallBlock
 from dhisparse.tokenizer.reasoning import ReasoningSplitter
 from dhisparse.tokenizer.reply_dsml import DsmlAnswer
 from dhisparse.tokenizer.reply_glm import GlmAnswer
@@ -41,12 +42,18 @@ __all__ = [
     "reply_style",
 ]
 
-STYLES = ("deepseek_v3_2", "glm_4_7")
+# The DSML styles by their call block.
+_DSML_BLOCKS: dict[str, CallBlock] = {"deepseek_v3_2": V32_BLOCK, "deepseek_v4": V4_BLOCK}
+STYLES = (*_DSML_BLOCKS, "glm_4_7")
 # The most whitespace characters in a row that a constrained reply may write where its grammar
 # allows formatting whitespace (xgrammar's ``max_whitespace_cnt``): enough for indented JSON,
 # and a model that drifts into whitespace still reaches the end of its structure.
 GRAMMAR_MAX_WHITESPACE = 16
-_STYLE_OF_MODEL = {"deepseek_v32": "deepseek_v3_2", "glm_moe_dsa": "glm_4_7"}
+_STYLE_OF_MODEL = {
+    "deepseek_v32": "deepseek_v3_2",
+    "deepseek_v4": "deepseek_v4",
+    "glm_moe_dsa": "glm_4_7",
+}
 
 
 def reply_style(model_type: str | None) -> str | None:
@@ -100,8 +107,8 @@ def reply_parser(
     reasoning block, so the reply starts in it. ``tools`` (OpenAI's tool objects): None or
     empty reads no tool calls (their markup is content); GLM reads the parameters' types from
     their schemas."""
-    if style == "deepseek_v3_2":
-        answer: AnswerParser = DsmlAnswer(calls=bool(tools))
+    if style in _DSML_BLOCKS:
+        answer: AnswerParser = DsmlAnswer(_DSML_BLOCKS[style], calls=bool(tools))
     elif style == "glm_4_7":
         answer = GlmAnswer(tools)
     else:

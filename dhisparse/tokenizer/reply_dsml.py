@@ -1,11 +1,13 @@
-"""The answer of a DeepSeek-V3.2 reply (after its reasoning): content and DSML tool calls,
-read as the text arrives.
+"""The answer of a DeepSeek-V3.2 or DeepSeek-V4 reply (after its reasoning): content and DSML
+tool calls, read as the text arrives.
 
-A call block is ``<｜DSML｜function_calls>`` (after the two newlines the chat format puts
-before it, which are not content) holding ``<｜DSML｜invoke name="NAME">`` elements of
+A call block (a ``CallBlock``: ``<｜DSML｜function_calls>`` for V3.2, ``<｜DSML｜tool_calls>`` for V4,
+after the two newlines the chat formats put before it, which are not content) holds
+``<｜DSML｜invoke name="NAME">`` elements of
 ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>``; ``string="true"``
 marks a raw text value, ``"false"`` a JSON one. Whitespace between the tags is free, as
-xgrammar's ``deepseek_v3_2`` structural tag allows it. Text after a block is content again.
+xgrammar's ``deepseek_v3_2`` and ``deepseek_v4`` structural tags allow it. Text after a block is
+content again.
 
 A reply cut inside a block: a call whose name was read stays a call, its arguments closed as
 ``CallBody`` says; markup cut before an invoke's name is dropped."""
@@ -15,18 +17,10 @@ from __future__ import annotations
 from typing import Literal
 
 from dhisparse.tokenizer.answer_reader import AnswerReader
-from dhisparse.tokenizer.encoding_dsv32 import (
-    CALLS_CLOSE,
-    CALLS_OPEN,
-    INVOKE_CLOSE,
-    INVOKE_OPEN,
-    PARAM_CLOSE,
-    PARAM_OPEN,
-)
+from dhisparse.tokenizer.dsml import INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, CallBlock
 from dhisparse.tokenizer.reply_types import ContentDelta, ReplyEvent, ToolCallBegin, new_call_id
 from dhisparse.tokenizer.tool_call_body import CallBody, CallSyntax
 
-BLOCK_OPENS = ("\n\n" + CALLS_OPEN, CALLS_OPEN)
 NAME_OPEN = INVOKE_OPEN + ' name="'
 NAME_CLOSE = '">'
 DSML_CALL = CallSyntax(
@@ -43,11 +37,13 @@ def _as_written(key: str, is_string: bool | None) -> bool:
 
 
 class DsmlAnswer(AnswerReader):
-    """Reads an answer's content and, when ``calls``, its DSML tool calls (otherwise the
-    markup is content)."""
+    """Reads an answer's content and, when ``calls``, its DSML tool calls in ``block``s
+    (otherwise the markup is content)."""
 
-    def __init__(self, *, calls: bool) -> None:
+    def __init__(self, block: CallBlock, *, calls: bool) -> None:
         super().__init__()
+        self._block = block
+        self._opens = ("\n\n" + block.open, block.open)
         self._parse_calls = calls
         self._state: Literal["content", "block", "name"] = "content"
 
@@ -56,17 +52,17 @@ class DsmlAnswer(AnswerReader):
             if not self._parse_calls:
                 text, tag = self.buf.take_all(), None
             else:
-                text, tag = self.buf.take_until(BLOCK_OPENS, final=final)
+                text, tag = self.buf.take_until(self._opens, final=final)
             if text:
                 out.append(ContentDelta(text))
             if tag is not None:
                 self._state = "block"
             return bool(text) or tag is not None
         if self._state == "block":
-            skipped, tag = self.buf.take_until([NAME_OPEN, CALLS_CLOSE], final=final)
+            skipped, tag = self.buf.take_until([NAME_OPEN, self._block.close], final=final)
             if tag == NAME_OPEN:
                 self._state = "name"
-            elif tag == CALLS_CLOSE:
+            elif tag == self._block.close:
                 self._state = "content"
             return bool(skipped) or tag is not None
         found = self.buf.split([NAME_CLOSE])

@@ -217,7 +217,7 @@ class MemoryAdmission:
             raise self._too_large(job, sized)
         # The router weighs what the ledger holds on each worker (every replica's leases).
         known = [self._with_usage(w) for w, _ in sized if w.address in fits]
-        order = self.router.rank(known, exclude)
+        order = self.router.rank(known, exclude, job)
         candidates = [
             (account, fits[address])
             for address in order

@@ -17,6 +17,7 @@ from dhisparse.tokenizer import chat_formatter, load_tokenizer
 from dhisparse.tokenizer.hf_files import model_type
 from dhisparse.tokenizer.reply import reply_style
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
+from services.gateway.affinity import AffinityConfig, PrefixAffinity, PrefixAffinityRouter
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.context import GatewayContext
@@ -96,8 +97,25 @@ def _warn_ignored(body: BaseModel, endpoint: str, response: Response) -> Respons
     return response
 
 
-def memory_admission(settings: GatewaySettings, metrics: GatewayMetrics) -> MemoryAdmission:
-    """Admission by memory over the Redis ledger (``redis_url`` set) or an in-process one."""
+def prefix_affinity(settings: GatewaySettings) -> PrefixAffinity | None:
+    """The prefix-affinity index and policy of ``settings`` (None: ``prefix_affinity`` off)."""
+    if not settings.prefix_affinity:
+        return None
+    return PrefixAffinity(
+        AffinityConfig(
+            weight=settings.prefix_affinity_weight,
+            max_pages=settings.prefix_affinity_max_pages,
+            index_pages=settings.prefix_affinity_index_pages,
+            default_page_size=settings.kv_page_size,
+        )
+    )
+
+
+def memory_admission(
+    settings: GatewaySettings, metrics: GatewayMetrics, affinity: PrefixAffinity | None = None
+) -> MemoryAdmission:
+    """Admission by memory over the Redis ledger (``redis_url`` set) or an in-process one,
+    ranking workers by ``affinity`` weighed against load (None: the least loaded)."""
     ledger: Ledger
     if settings.redis_url:
         from services.gateway.redis_ledger import RedisLedger
@@ -120,6 +138,7 @@ def memory_admission(settings: GatewaySettings, metrics: GatewayMetrics) -> Memo
         ledger,
         config,
         sizer=SessionSizer(page_size=settings.kv_page_size),
+        router=PrefixAffinityRouter(affinity) if affinity is not None else None,
         metrics=metrics,
         served_model_name=settings.served_model_name,
     )
@@ -143,14 +162,16 @@ def create_app(
         )
     tokenizer = load_tokenizer(model_dir)
     metrics = GatewayMetrics()
+    affinity = prefix_affinity(settings)
     pool = WorkerPool(
         settings.workers,
-        admission=admission or memory_admission(settings, metrics),
+        admission=admission or memory_admission(settings, metrics, affinity),
         poll_interval_s=settings.health_interval_s,
         health_misses=settings.health_misses,
         max_retries=settings.max_retries,
         resume_deadline_s=settings.resume_deadline_s,
         metrics=metrics,
+        affinity=affinity,
     )
     ctx = GatewayContext.of(
         settings,

@@ -32,6 +32,7 @@ from services.gateway.responses import (
     ChatStreamChoice,
     DeltaMessage,
     Usage,
+    cached_tokens,
     chat_logprobs,
     new_id,
     now,
@@ -100,6 +101,7 @@ async def create_chat_completion(
                     for r, reply in zip(results, replies, strict=True)
                 ],
             ),
+            cached_tokens=cached_tokens([r.cached_prompt_tokens for r in results], req.n),
         ),
     )
     return JSONResponse(body.model_dump())
@@ -140,10 +142,12 @@ async def chat_chunks(
     for i in range(len(streams)):
         yield chunk(ChatStreamChoice(index=i, delta=DeltaMessage(role="assistant", content="")))
     completion_tokens = [0] * len(streams)
+    cached = [0] * len(streams)
     replies = [fmt.stream() for _ in streams]
     token_ids: list[list[int]] = [[] for _ in streams]
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
+        cached[i] = max(cached[i], delta.cached_prompt_tokens)
         token_ids[i].extend(delta.token_ids)
         last = delta.finish_reason is not None
         deltas = replies[i].feed(delta.text, last=last)
@@ -175,7 +179,10 @@ async def chat_chunks(
             model=model,
             choices=[],
             usage=Usage.of(
-                prompt_tokens, sum(completion_tokens), _reasoning_tokens(fmt, tokenizer, ends)
+                prompt_tokens,
+                sum(completion_tokens),
+                _reasoning_tokens(fmt, tokenizer, ends),
+                cached_tokens=cached_tokens(cached, len(streams)),
             ),
         )
         yield final.model_dump_json()

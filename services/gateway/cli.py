@@ -6,6 +6,8 @@ from __future__ import annotations
 import argparse
 import logging
 
+from dhisparse.flags import add_switch
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", help="address to listen on (default 127.0.0.1)")
@@ -65,6 +67,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="seconds a stream waits for its restarted worker to resume it (60; 0: never)",
     )
     parser.add_argument("--kv-page-size", type=int, help="the workers' --page-size (16)")
+    add_switch(
+        parser, "prefix-affinity",
+        "route a request to a worker whose node likely holds its prompt's leading pages as a "
+        "cached prefix, weighed against load (on); off: the least-loaded worker",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-affinity-weight", type=float,
+        help="share of a worker's load that a predicted hit of the whole prompt outweighs (0.5)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-affinity-max-pages", type=int,
+        help="leading pages of a prompt keyed for routing (2048)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-affinity-index-pages", type=int,
+        help="pages the prefix-affinity index remembers, least recently recorded dropped (200000)",
+    )  # fmt: skip
     parser.add_argument("--log-level", help="debug, info, warning, error")
 
 

@@ -26,6 +26,7 @@ from services.gateway.responses import (
     CompletionChoice,
     CompletionResponse,
     Usage,
+    cached_tokens,
     completion_logprobs,
     new_id,
     now,
@@ -69,8 +70,9 @@ async def create_completion(
     if req.stream:
         streams = await cancel_on_disconnect(request, ctx.start(inputs, model, arrival))
         chunks = completion_chunks(
-            response_id, model, streams, prompt_tokens, prompt, include_usage=req.include_usage
-        )
+            response_id, model, streams, prompt_tokens, prompt, req.n,
+            include_usage=req.include_usage,
+        )  # fmt: skip
         return sse_response(chunks)
     # One wait for the first tokens and the rest alike (one disconnect watch, not two).
     results = await cancel_on_disconnect(request, ctx.complete(inputs, model, arrival))
@@ -92,7 +94,11 @@ async def create_completion(
         created=now(),
         model=model,
         choices=choices,
-        usage=Usage.of(prompt_tokens, sum(r.completion_tokens for r in results)),
+        usage=Usage.of(
+            prompt_tokens,
+            sum(r.completion_tokens for r in results),
+            cached_tokens=cached_tokens([r.cached_prompt_tokens for r in results], req.n),
+        ),
     )
     return JSONResponse(body.model_dump())
 
@@ -103,20 +109,24 @@ async def completion_chunks(
     streams: Sequence[ChoiceStream],
     prompt_tokens: int,
     prompt: PromptEcho,
+    n: int,
     *,
     include_usage: bool,
 ) -> AsyncIterator[str]:
     """Text deltas per choice; the one that ends a choice carries its ``finish_reason``. A
     choice's first chunk begins with its prompt when ``prompt`` echoes it (its text, and its
     tokens' logprobs) and carries vLLM's ``prompt_logprobs`` when asked. With
-    ``include_usage`` a last chunk with no choices carries the totals."""
+    ``include_usage`` a last chunk with no choices carries the totals (each prompt ran as ``n``
+    choices)."""
     created = now()
     exclude = None if include_usage else {"usage"}
     completion_tokens = [0] * len(streams)
+    cached = [0] * len(streams)
     text_len = [0] * len(streams)  # for the logprobs' text_offset
     opening = [prompt.opens] * len(streams)  # the choice's next chunk carries its prompt
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
+        cached[i] = max(cached[i], delta.cached_prompt_tokens)
         text, logprobs, scored = delta.text, None, None
         if opening[i]:
             opening[i] = False
@@ -150,6 +160,8 @@ async def completion_chunks(
             created=created,
             model=model,
             choices=[],
-            usage=Usage.of(prompt_tokens, sum(completion_tokens)),
+            usage=Usage.of(
+                prompt_tokens, sum(completion_tokens), cached_tokens=cached_tokens(cached, n)
+            ),
         )
         yield final.model_dump_json()

@@ -5,9 +5,9 @@ family's tags from it and compiles it with xgrammar against the model's vocabula
 torch; a spec the worker cannot compile comes back as the client's 400.
 
 A model family writes tool calls in its own format (``dhisparse.tokenizer.reply.reply_style``:
-DeepSeek-V3.2's DSML, GLM-4.7/GLM-5's ``<tool_call>`` XML, also xgrammar's names of them). The
-reasoning follows the prompt: a prompt that ends in an open ``<think>`` (both families'
-generation prompt in thinking mode) makes the reply end its reasoning (``</think>``) before the
+DeepSeek-V3.2's and DeepSeek-V4's DSML, GLM-4.7/GLM-5's ``<tool_call>`` XML, also xgrammar's
+names of them). The reasoning follows the prompt: a prompt that ends in an open ``<think>``
+(every family's generation prompt in thinking mode) makes the reply end its reasoning (``</think>``) before the
 constrained part; a prompt that closes the block (``</think>``, thinking off) or has none
 leaves no reasoning to the reply.
 """
@@ -30,7 +30,7 @@ _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 
 def reasoning_open(prompt_text: str, style: Style | None) -> bool:
     """Whether the reply starts inside a reasoning block the prompt opened (and so its text
-    up to ``</think>`` is reasoning). Both families open the block with ``<think>`` as the
+    up to ``</think>`` is reasoning). Every family opens the block with ``<think>`` as the
     last thing of a thinking-mode generation prompt and close it at once (``</think>``) with
     thinking off; a model without a tool format is read as having no reasoning format."""
     return style is not None and prompt_text.endswith(THINK_OPEN)

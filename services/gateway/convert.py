@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -38,6 +39,8 @@ class ModelInfo:
     kv_layout_json: str = ""
     durable_sessions: bool = False  # a stream cut by a crash can be re-attached
     startup_s: float = 0.0  # process start to serving (0: not reported)
+    prefix_cache: bool = False  # admissions import cached prefixes of the node's host store
+    page_size: int = 0  # tokens per KV page, from ``kv_layout_json`` (0: not reported)
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,7 @@ class WorkerLoad:
     kv_free_bytes: int
     mode: str
     serving_ranks: int = 1
+    kv_store_id: str = ""  # the host store whose cached prefixes it imports ("": none)
 
 
 def generate_request(inp: GenerationInput, rank: int | None = None) -> worker_pb2.GenerateRequest:
@@ -136,7 +140,19 @@ def model_info(info: worker_pb2.ModelInfo) -> ModelInfo:
         kv_layout_json=info.kv_layout_json,
         durable_sessions=info.durable_sessions,
         startup_s=info.startup_s,
+        prefix_cache=info.prefix_cache,
+        page_size=_page_size(info.kv_layout_json),
     )
+
+
+def _page_size(layout_json: str) -> int:
+    """The page size a worker's KV layout states (0 when it states none or is not JSON)."""
+    try:
+        layout = json.loads(layout_json) if layout_json else {}
+    except ValueError:
+        return 0
+    page = layout.get("page_size") if isinstance(layout, dict) else None
+    return page if isinstance(page, int) and page > 0 else 0
 
 
 def worker_load(load: worker_pb2.LoadResponse) -> WorkerLoad:
@@ -149,4 +165,5 @@ def worker_load(load: worker_pb2.LoadResponse) -> WorkerLoad:
         kv_free_bytes=load.kv_free_bytes,
         mode=load.mode,
         serving_ranks=max(1, load.serving_ranks),  # 0: a worker from before the field
+        kv_store_id=load.kv_store_id,
     )

@@ -107,6 +107,7 @@ class ChoiceResult:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # from the first delta, when asked
+    cached_prompt_tokens: int = 0
 
     def add(self, delta: GenerationDelta) -> None:
         self.prompt_logprobs = delta.prompt_logprobs or self.prompt_logprobs
@@ -115,6 +116,7 @@ class ChoiceResult:
         self.logprobs.extend(delta.logprobs)
         self.prompt_tokens = delta.prompt_tokens or self.prompt_tokens
         self.completion_tokens = max(self.completion_tokens, delta.completion_tokens)
+        self.cached_prompt_tokens = max(self.cached_prompt_tokens, delta.cached_prompt_tokens)
         if delta.finish_reason is not None:
             self.finish_reason = delta.finish_reason
             self.stop_reason = delta.stop_reason

@@ -22,6 +22,9 @@ from prometheus_client import (
 from dhisparse import metrics as names
 from services.gateway.generation import GenerationDelta
 
+# Why a worker request went where it did (``affinity.Routed``).
+ROUTING_REASONS = ("affinity", "load", "load-over-affinity")
+
 
 class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
@@ -112,7 +115,6 @@ class GatewayMetrics:
             ["model", "outcome"],
             registry=r,
         )
-        self._resume_models: set[str] = set()
         self.adoptions = Counter(
             names.ADOPTIONS,
             "Streams whose worker died or drained mid-generation, by outcome: adopted by a live "
@@ -133,18 +135,52 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self._models_seen: set[str] = set()
+        # Prefix affinity (``affinity``) and what the workers reported imported.
+        self.routing_decisions = Counter(
+            names.ROUTING_DECISIONS,
+            "Admitted worker requests by why their worker was chosen: the longest predicted "
+            "prefix hit (affinity), no predicted hit anywhere (load), or a longer predicted hit "
+            "elsewhere lost to load or room (load-over-affinity).",
+            ["model", "reason"],
+            registry=r,
+        )
+        self.predicted_tokens = Counter(
+            names.PREFIX_AFFINITY_PREDICTED_TOKENS,
+            "Prompt tokens the chosen worker's node was predicted to hold as a cached prefix.",
+            ["model"],
+            registry=r,
+        )
+        self.affinity_pages = Gauge(
+            names.PREFIX_AFFINITY_INDEX_PAGES,
+            "Pages this gateway's prefix-affinity index remembers.",
+            ["model"],
+            registry=r,
+        )
+        self.prompt_tokens_cached = Counter(
+            names.PROMPT_TOKENS_CACHED,
+            "Prompt tokens the workers imported from a cached prefix instead of computing.",
+            ["model"],
+            registry=r,
+        )
 
-    def resume_outcomes(self, model: str) -> None:
-        """Exports both outcomes of ``model`` at zero from its first request on, so that rates
-        exist before any worker ever died."""
-        if model not in self._resume_models:
-            self._resume_models.add(model)
+    def export_zeros(self, model: str) -> None:
+        """Exports the counters of ``model`` that may stay at zero for long (streams resumed,
+        routing reasons, cached tokens) from its first request on, so that their rates
+        exist before any worker ever died or any prefix was hit."""
+        if model not in self._models_seen:
+            self._models_seen.add(model)
             for outcome in ("resumed", "failed"):
                 self.streams_resumed.labels(model, outcome)
             for outcome in ("adopted", "no_peer"):
                 self.adoptions.labels(model, outcome)
             self.adoption_latency.labels(model)
             self.waiting_restart.labels(model)
+            for reason in ROUTING_REASONS:
+                self.routing_decisions.labels(model, reason)
+            self.predicted_tokens.labels(model)
+            self.prompt_tokens_cached.labels(model)
+            self.affinity_pages.labels(model)
 
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""
@@ -176,6 +212,7 @@ class RequestTracker:
             self.m.running.labels(self.model).inc()
             self.m.ttft.labels(self.model).observe(t - self.arrival)
             self.m.prompt_tokens.labels(self.model).inc(delta.prompt_tokens)
+            self.m.prompt_tokens_cached.labels(self.model).inc(delta.cached_prompt_tokens)
             # The first delta's other tokens came out of the same step as the first one.
         else:
             # A step that emits k tokens (speculative decoding) spreads its time over them.

@@ -3,7 +3,7 @@
 Every worker of a node maps the node's host store, where each durable session keeps its rows,
 index keys and manifest, so any of them can continue a session. When a stream breaks
 (``reattach.WORKER_GONE``), the gateway asks the peers that can serve it (``is_peer``: healthy,
-on the same node, durable, the same model served the same way, one serving rank) in the order
+on the same node — the same host store, ``kv_store_id`` —, durable, the same model served the same way, one serving rank) in the order
 admission ranks them with room for the session (``Admission.try_acquire``: the ledger decides,
 per session) to ``Adopt`` it: the peer takes the session over from the store and streams the
 rest after the tokens the client has. A peer without room (RESOURCE_EXHAUSTED) or unreachable is
@@ -44,16 +44,17 @@ class Origin:
     address: str
     worker_id: str  # its owner id at the node's store
     generation: int  # its registration there
-    node: str  # the node's store ("" none)
+    node: str  # the node's host store (its arena id, ``kv_store_id``)
     model: ModelInfo
 
     @classmethod
     def of(cls, w: WorkerClient) -> Origin | None:
         """``w`` as a stream's origin; None when its sessions cannot move (not durable, or it
         never named its node)."""
-        if w.model is None or not w.model.durable_sessions or not w.node:
+        node = w.load.kv_store_id if w.load is not None else ""
+        if w.model is None or not w.model.durable_sessions or not node:
             return None
-        return cls(w.address, w.model.worker_id, w.generation, w.node, w.model)
+        return cls(w.address, w.model.worker_id, w.generation, node, w.model)
 
 
 def is_peer(origin: Origin, w: WorkerClient) -> bool:
@@ -65,12 +66,13 @@ def is_peer(origin: Origin, w: WorkerClient) -> bool:
     return (
         w.address != origin.address
         and w.healthy
-        and w.node == origin.node
+        and w.load is not None
+        and w.load.kv_store_id == origin.node
         and m is not None
         and m.durable_sessions
         and (m.model_name, m.config_json, m.kv_layout_json)
         == (o.model_name, o.config_json, o.kv_layout_json)
-        and (w.load is None or w.load.serving_ranks <= 1)
+        and w.load.serving_ranks <= 1
     )
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, Literal
 
 from pydantic import BaseModel, Field, SerializerFunctionWrapHandler, model_serializer
@@ -27,21 +27,41 @@ class CompletionTokensDetails(BaseModel):
     reasoning_tokens: int = 0
 
 
+class PromptTokensDetails(BaseModel):
+    # prompt tokens the worker imported from a cached prefix instead of computing them
+    cached_tokens: int = 0
+
+
+def cached_tokens(per_choice: Sequence[int], n: int) -> int:
+    """The cached prompt tokens of a response whose prompts each ran as ``n`` choices (choice
+    ``p * n + i`` is prompt ``p``'s ``i``-th, each reporting its own): per prompt, the tokens
+    every one of its choices found cached, summed over the prompts (``prompt_tokens`` counts
+    each prompt once)."""
+    return sum(min(per_choice[i : i + n]) for i in range(0, len(per_choice), max(1, n)))
+
+
 class Usage(BaseModel):
     prompt_tokens: int = 0
     completion_tokens: int = 0
     total_tokens: int = 0
+    prompt_tokens_details: PromptTokensDetails = Field(default_factory=PromptTokensDetails)
     # chat replies of a reasoning format: how many completion tokens the reasoning took
     completion_tokens_details: CompletionTokensDetails | None = None
 
     @classmethod
     def of(
-        cls, prompt_tokens: int, completion_tokens: int, reasoning_tokens: int | None = None
+        cls,
+        prompt_tokens: int,
+        completion_tokens: int,
+        reasoning_tokens: int | None = None,
+        *,
+        cached_tokens: int = 0,
     ) -> Usage:
         return cls(
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             total_tokens=prompt_tokens + completion_tokens,
+            prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
             completion_tokens_details=(
                 None
                 if reasoning_tokens is None

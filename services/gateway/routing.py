@@ -1,7 +1,8 @@
 """Which worker runs a request, and whether it may run now: pure policy, no I/O.
 
 Two seams:
-- ``Router`` ranks healthy workers (least loaded here; prefix- or KV-aware later).
+- ``Router`` ranks healthy workers (least loaded here; by prefix affinity weighed against load
+  in ``affinity``).
 - ``Admission`` decides *when* a request may start and on which worker, and hands out a ``Lease``
   that is released when the request ends. ``ImmediateAdmission`` admits at once through a
   router; ``services.gateway.admission.MemoryAdmission`` admits by memory against a capacity
@@ -15,6 +16,8 @@ import itertools
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
+
+from services.gateway.prefix_keys import PromptPrefix
 
 
 @dataclass(frozen=True)
@@ -36,6 +39,9 @@ class WorkerStatus:
     kv_layout_json: str = ""  # the worker's KV geometry (dtype, pages, hot cache, tail)
     admitted_bytes: int = 0  # held by leases in the admission ledger (every gateway's)
     serving_ranks: int = 1  # ranks with their own requests and KV pool (data-parallel attention)
+    page_size: int = 0  # tokens per KV page (0: not reported)
+    prefix_cache: bool = False  # it imports cached prefixes of its node's host store
+    kv_store_id: str = ""  # that store ("": none): workers with the same id share its prefixes
 
     @property
     def request_capacity_bytes(self) -> int:
@@ -68,6 +74,7 @@ class AdmissionJob:
     prompt_tokens: int
     max_tokens: int
     model: str = ""
+    prefix: PromptPrefix | None = None  # its prompt, for prefix-affinity routing
 
     @property
     def context_tokens(self) -> int:
@@ -95,10 +102,20 @@ class AdmissionRejected(Exception):
 
 
 class Router(Protocol):
-    def rank(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> list[str]:
-        """The addresses of the healthy workers not in ``exclude``, best first."""
+    def rank(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> list[str]:
+        """The addresses of the healthy workers not in ``exclude``, best first for ``job``."""
 
-    def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
+    def pick(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> str | None:
         """The best of ``rank``, or None when there is none."""
 
 
@@ -149,14 +166,40 @@ class Admission(Protocol):
         """Stops background work and gives back what is still held."""
 
 
-class LeastLoadedRouter:
+class RankingRouter:
+    """A ``Router`` whose ``pick`` is the first of its ``rank``."""
+
+    def rank(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> list[str]:
+        raise NotImplementedError
+
+    def pick(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> str | None:
+        ranked = self.rank(workers, exclude, job)
+        return ranked[0] if ranked else None
+
+
+class LeastLoadedRouter(RankingRouter):
     """Healthy workers by the share of their capacity the ledger has admitted, then by
     ``estimated_load``; ties rotate so that an idle cluster still spreads requests."""
 
     def __init__(self) -> None:
         self._turn = itertools.count()
 
-    def rank(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> list[str]:
+    def rank(
+        self,
+        workers: Sequence[WorkerStatus],
+        exclude: Collection[str],
+        job: AdmissionJob | None = None,
+    ) -> list[str]:
         candidates = [w for w in workers if w.healthy and w.address not in exclude]
         turn = next(self._turn)
         n = len(candidates)
@@ -169,10 +212,6 @@ class LeastLoadedRouter:
             ),
         )
         return [candidates[i].address for i in order]
-
-    def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
-        ranked = self.rank(workers, exclude)
-        return ranked[0] if ranked else None
 
 
 @dataclass
@@ -196,7 +235,7 @@ class ImmediateAdmission:
         workers: Callable[[], Sequence[WorkerStatus]],
         exclude: Collection[str] = (),
     ) -> Lease:
-        address = self.router.pick(workers(), exclude)
+        address = self.router.pick(workers(), exclude, job)
         if address is None:
             raise NoWorkerAvailable("no healthy worker is available")
         return _PlainLease(address)

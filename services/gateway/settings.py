@@ -63,6 +63,18 @@ class GatewaySettings(BaseSettings):
     worker_dead_after_s: float = Field(15.0, gt=0)
     # Rows per KV page on the workers (their --page-size), for the capacity model.
     kv_page_size: int = Field(16, ge=1)
+    # --- prefix-affinity routing (``affinity``) ---
+    # Send a request to a worker whose node likely holds its prompt's leading pages as a cached
+    # prefix, weighed against load; off: the least-loaded worker. Per replica: each gateway
+    # remembers the requests it routed.
+    prefix_affinity: bool = True
+    # A predicted hit of the whole prompt outweighs up to this share of a worker's load (the
+    # larger of its admitted KV share and its seats taken); 0: affinity breaks ties only.
+    prefix_affinity_weight: float = Field(0.5, ge=0)
+    # Leading pages of a prompt keyed for routing (prompts that agree this far route alike).
+    prefix_affinity_max_pages: int = Field(2048, ge=1)
+    # Pages the index remembers, least recently recorded forgotten first (about 190 B each).
+    prefix_affinity_index_pages: int = Field(200_000, ge=1)
     log_level: str = "info"
 
     @field_validator("workers", mode="before")

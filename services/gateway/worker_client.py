@@ -21,11 +21,13 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
+from dataclasses import replace
 
 import grpc
 import grpc.aio
 
 from services.gateway import convert
+from services.gateway.affinity import PrefixAffinity
 from services.gateway.convert import ModelInfo
 from services.gateway.errors import (
     REASON_HEADER,
@@ -37,6 +39,7 @@ from services.gateway.errors import (
 from services.gateway.generation import GenerationDelta, GenerationInput
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peer_adoption import Origin, move_to_peer
+from services.gateway.prefix_keys import PromptPrefix
 from services.gateway.reattach import WORKER_GONE, reattach
 from services.gateway.routing import (
     Admission,
@@ -84,13 +87,18 @@ class WorkerPool:
         max_retries: int = 2,
         resume_deadline_s: float = 60.0,
         metrics: GatewayMetrics | None = None,
+        affinity: PrefixAffinity | None = None,
     ) -> None:
+        """``affinity``: the prefix-affinity index that the admission's router reads
+        (``affinity.PrefixAffinityRouter``); the pool records in it where each request went
+        and what it left behind. None: no affinity."""
         self.workers = {a: WorkerClient(a, health_misses) for a in addresses}
         self.admission: Admission = admission or ImmediateAdmission()
         self.poll_interval_s = poll_interval_s
         self.max_retries = max_retries
         self.resume_deadline_s = resume_deadline_s  # 0: a worker dying mid-stream ends it
         self.metrics = metrics
+        self.affinity = affinity
         self._poller: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
@@ -222,15 +230,43 @@ class WorkerPool:
             if self.metrics is not None:
                 self.metrics.waiting_restart.labels(inp.model).dec()
 
+    def _routed(
+        self, model: str, prefix: PromptPrefix, worker: WorkerClient, exclude: Sequence[str]
+    ) -> None:
+        """Counts why admission chose ``worker`` among the healthy workers outside
+        ``exclude``."""
+        assert self.affinity is not None
+        if self.metrics is None:
+            return
+        candidates = [s for s in self.statuses() if s.healthy and s.address not in exclude]
+        routed = self.affinity.routed(prefix, worker.address, candidates)
+        self.metrics.routing_decisions.labels(model, routed.reason).inc()
+        self.metrics.predicted_tokens.labels(model).inc(routed.predicted_tokens)
+
+    def _left(
+        self, model: str, prefix: PromptPrefix, worker: WorkerClient, output: Sequence[int]
+    ) -> None:
+        """Records the pages a finished request left in its node's store: the prompt and its
+        output but the last token (sampled, never computed). Only then: a worker leaves a
+        request's pages when it ends, so a request running now predicts no hit for another."""
+        assert self.affinity is not None
+        status = worker.status()
+        if status.prefix_cache:
+            page = self.affinity.page_size(status)
+            self.affinity.record(prefix.continued(page, output[:-1]), status)
+            if self.metrics is not None:
+                self.metrics.affinity_pages.labels(model).set(len(self.affinity.index))
+
     async def generate(self, inp: GenerationInput) -> AsyncIterator[GenerationDelta]:
         """The deltas of ``inp`` from a worker chosen by admission (see the module docstring
         for retries and cancellation). Raises ``APIError``: 400 when the worker refuses the
         parameters, 503 (with Retry-After) when no worker can take it, 429/503 from admission."""
+        prefix = self.affinity.prefix(inp.prompt_token_ids) if self.affinity else None
         job = AdmissionJob(
-            inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens, inp.model
+            inp.request_id, len(inp.prompt_token_ids), inp.sampling.max_tokens, inp.model, prefix
         )
         if self.metrics is not None:
-            self.metrics.resume_outcomes(inp.model)
+            self.metrics.export_zeros(inp.model)
         tried: list[str] = []
         last_error: str | None = None
         while True:
@@ -244,6 +280,8 @@ class WorkerPool:
                 err.headers[REASON_HEADER] = "no-worker"
                 raise err from e
             worker = self.workers[lease.worker]
+            if prefix is not None:
+                self._routed(inp.model, prefix, worker, tried)
             tried.append(worker.address)
             worker.in_flight += 1
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
@@ -251,14 +289,18 @@ class WorkerPool:
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
             # the rank whose share the lease holds runs it (a data-parallel group)
             call = worker.stub.Generate(convert.generate_request(inp, lease.rank))
-            started, received = False, 0
+            started, cached = False, 0  # cached: the prompt tokens this worker imported
+            output: list[int] = []  # the tokens received
             try:
                 try:
                     async for resp in call:
-                        started = True
                         delta = convert.generation_delta(resp)
-                        received += len(delta.token_ids)
+                        if not started:
+                            started, cached = True, delta.cached_prompt_tokens
+                        output.extend(delta.token_ids)
                         yield delta
+                    if prefix is not None:
+                        self._left(inp.model, prefix, worker, output)
                     return
                 except grpc.aio.AioRpcError as e:
                     gone = started and durable and e.code() in WORKER_GONE
@@ -268,8 +310,10 @@ class WorkerPool:
                         "worker %s failed mid-generation of %s (%s): re-attaching",
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
-                async for delta in self._recover(worker, lease, job, inp, received, startup_s):
-                    yield delta
+                async for delta in self._recover(worker, lease, job, inp, len(output), startup_s):
+                    # a peer or the successor resumed the whole session; the prompt was this
+                    # worker's
+                    yield replace(delta, cached_prompt_tokens=cached)
                 return
             except grpc.aio.AioRpcError as e:
                 code = e.code()

@@ -40,9 +40,8 @@ class WorkerClient:
         self.in_flight = 0
         self.in_flight_at_poll = 0
         self.last_error: str | None = None
-        # as its last answered health poll said (kept once it stops answering): the node whose
-        # host store it maps ("" none) and its registration there
-        self.node = ""
+        # its registration with its host store, as its last answered health poll said (kept
+        # once it stops answering: a dead worker's streams are taken from that generation)
         self.generation = 0
 
     def open(self) -> None:
@@ -74,7 +73,7 @@ class WorkerClient:
                 )
                 self.model = convert.model_info(info)
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
-            self.node, self.generation = health.node, health.generation
+            self.generation = health.generation
             if not health.ok:
                 self.healthy, self.last_error = False, f"unhealthy: {health.status}"
             else:
@@ -120,6 +119,9 @@ class WorkerClient:
             mode=model.mode if model else "",
             config_json=model.config_json if model else "",
             kv_layout_json=model.kv_layout_json if model else "",
+            page_size=model.page_size if model else 0,
+            prefix_cache=model.prefix_cache if model else False,
+            kv_store_id=load.kv_store_id if load else "",
         )
 
     async def close(self) -> None:

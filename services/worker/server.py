@@ -128,14 +128,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             kv_free_bytes=mem.free + eng.group.loads.others_free_bytes(),
             mode=eng.kv.payload.mode,
             serving_ranks=ranks,
+            kv_store_id=self.link.store_id if self.link is not None else "",
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
-        """Whether it serves, and its node (the store's arena id) and generation there: the
-        gateway moves a dead worker's streams to peers of the same node."""
-        node, generation = (self.link.store_id, self.link.generation) if self.link else ("", 0)
+        """Whether it serves, and its generation at the host store: the gateway moves a dead
+        worker's streams to peers of the same store (``LoadResponse.kv_store_id``)."""
+        generation = self.link.generation if self.link is not None else 0
         ok, status = self._health()
-        return pb.HealthResponse(ok=ok, status=status, node=node, generation=generation)
+        return pb.HealthResponse(ok=ok, status=status, generation=generation)
 
     def _health(self) -> tuple[bool, str]:
         if self.engine.draining:
@@ -168,6 +169,7 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             ),
             durable_sessions=eng.kv.sessions is not None,
             startup_s=self.startup_s,
+            prefix_cache=eng.scheduler.prefix is not None,
         )
 
 

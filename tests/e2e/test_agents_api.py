@@ -15,9 +15,10 @@ import jsonschema
 import pytest
 from openai import BadRequestError, OpenAI
 
-from tests import hf_tiny
+from tests import hf_tiny, hf_tiny_v4
 from tests.e2e.test_durability import up_stack
 from tests.tokenizer.helpers import (
+    DSV4_SPECIALS,
     DSV32_SPECIALS,
     GLM_SPECIALS,
     dsv32_tokenizer_config,
@@ -72,7 +73,16 @@ def _v32_dir(path: Path) -> Path:
     return write_model_dir(path, DSV32_SPECIALS, dsv32_tokenizer_config())
 
 
-@pytest.fixture(scope="module", params=["shipped", "glm5-tiny", "v32-tiny"])
+def _v4_dir(path: Path) -> Path:
+    ref = hf_tiny_v4.build(hf_tiny_v4.v4_config(vocab_size=448, eos_token_id=1), seed=7)
+    hf_tiny_v4.save_hub_style(ref, path)
+    return write_model_dir(path, DSV4_SPECIALS, dsv32_tokenizer_config())
+
+
+MAKE_DIR = {"glm5-tiny": _glm_dir, "v32-tiny": _v32_dir, "v4-tiny": _v4_dir}
+
+
+@pytest.fixture(scope="module", params=["shipped", *MAKE_DIR])
 def family(request) -> str:
     return request.param
 
@@ -81,8 +91,7 @@ def family(request) -> str:
 def client(family: str, tmp_path_factory) -> Iterator[OpenAI]:
     flags: tuple[str, ...] = ("--kv-pool-mib", "512", "--max-model-len", "2048", "--no-restart")
     if family != "shipped":  # the shipped model drafts with its MTP layer (the default)
-        make = _glm_dir if family == "glm5-tiny" else _v32_dir
-        model = make(tmp_path_factory.mktemp(family))
+        model = MAKE_DIR[family](tmp_path_factory.mktemp(family))
         flags += ("--model", str(model), "--drafter", "none")
     with up_stack(tmp_path_factory.mktemp("agents") / "up.log", *flags) as st:
         yield OpenAI(base_url=f"{st.base}/v1", api_key="unused", max_retries=0)
@@ -217,7 +226,7 @@ def test_bad_tool_requests_are_400s(client: OpenAI) -> None:
 def test_reasoning_is_apart_from_content(family: str, client: OpenAI) -> None:
     """With thinking on the reply starts in reasoning: cut short, all of it is reasoning,
     under both names, and usage counts its tokens."""
-    kwargs = {"thinking": True} if family == "v32-tiny" else {"enable_thinking": True}
+    kwargs = {"thinking": True} if family in ("v32-tiny", "v4-tiny") else {"enable_thinking": True}
     r = client.chat.completions.create(
         model=model_of(client), messages=MESSAGES, max_tokens=6, temperature=0,
         extra_body={"chat_template_kwargs": kwargs, "ignore_eos": True},

@@ -34,6 +34,14 @@ from tests.conftest import free_port
 
 DHISPARSE = Path(sys.executable).with_name("dhisparse")
 MODEL = "tiny-glm"
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def checkout_env() -> dict[str, str]:
+    """The environment of a service process: it runs this checkout's code, whichever checkout
+    the console script was installed from."""
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    return {**os.environ, "PYTHONPATH": path}
 
 
 def kill_process(proc: subprocess.Popen[bytes]) -> None:
@@ -96,7 +104,7 @@ def launch_worker(log: Path, *args: str) -> WorkerProcess:
     cmd = [str(DHISPARSE), "worker", "--model", MODEL, "--device", "cpu", "--mode", "resident"]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--metrics-port", "0", *args]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=checkout_env())
     return WorkerProcess(proc, f"127.0.0.1:{port}")
 
 
@@ -185,7 +193,7 @@ def launch_gateway(workers: list[str], log: Path, *args: str) -> GatewayProcess:
     cmd = [str(DHISPARSE), "gateway", "--workers", ",".join(workers), "--model", MODEL]
     cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning", *args]
     with log.open("wb") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=checkout_env())
     prefix = args[args.index("--ledger-prefix") + 1] if "--ledger-prefix" in args else ""
     return GatewayProcess(proc, f"http://127.0.0.1:{port}", prefix)
 

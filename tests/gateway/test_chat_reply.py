@@ -46,7 +46,11 @@ DSML_REPLY = (
     '<｜DSML｜parameter name="days" string="false">2</｜DSML｜parameter>\n'
     "</｜DSML｜invoke>\n</｜DSML｜function_calls>"
 )
-CASES = {"glm_4_7": GLM_REPLY, "deepseek_v3_2": DSML_REPLY}
+CASES = {
+    "glm_4_7": GLM_REPLY,
+    "deepseek_v3_2": DSML_REPLY,
+    "deepseek_v4": DSML_REPLY.replace("function_calls>", "tool_calls>"),
+}
 
 
 def deltas(text: str, rng: random.Random) -> list[GenerationDelta]:

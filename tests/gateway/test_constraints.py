@@ -1,9 +1,9 @@
 """The reply's grammar (``constraints``, then the worker's ``grammar_specs`` that builds and
 compiles it) against the real formats: what each family's own chat format renders for an
-assistant turn with tool calls (GLM-4.7's template on the shipped model, DeepSeek-V3.2's
-encoder) must be a reply the grammar built from the prompt accepts, as xgrammar matches it; what breaks the choice (another tool, a second call without parallel calls, text
+assistant turn with tool calls (GLM-4.7's template on the shipped model, DeepSeek-V3.2's and
+DeepSeek-V4's encoders) must be a reply the grammar built from the prompt accepts, as xgrammar matches it; what breaks the choice (another tool, a second call without parallel calls, text
 where a call is required, JSON off the schema) must not be. Whether reasoning is open follows
-the rendered prompts of both families."""
+the rendered prompts of every family."""
 
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ from dhisparse.paths import ROOT
 from dhisparse.tokenizer import (
     ByteTokenizer,
     ChatFormatter,
+    DeepseekV4Formatter,
     DeepseekV32Formatter,
     chat_formatter,
     load_tokenizer,
@@ -35,9 +36,11 @@ from services.worker.request.request import Grammar
 SHIPPED = ROOT / "models" / "glm-dsa-mini"
 GLM = chat_formatter(load_tokenizer(SHIPPED), SHIPPED)
 DSV32 = DeepseekV32Formatter(ByteTokenizer())
+DSV4 = DeepseekV4Formatter(ByteTokenizer())
 FAMILIES: list[tuple[Style, ChatFormatter, str]] = [
     ("glm_4_7", GLM, "enable_thinking"),
     ("deepseek_v3_2", DSV32, "thinking"),
+    ("deepseek_v4", DSV4, "thinking"),
 ]
 USER = {"role": "user", "content": "Weather in Paris and Oslo?"}
 
@@ -91,6 +94,7 @@ def _reply(
 def test_styles_of_the_families() -> None:
     assert tool_style("glm_moe_dsa") == "glm_4_7"
     assert tool_style("deepseek_v32") == "deepseek_v3_2"
+    assert tool_style("deepseek_v4") == "deepseek_v4"
     assert tool_style("llama") is None and tool_style(None) is None
 
 

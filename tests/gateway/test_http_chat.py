@@ -44,6 +44,7 @@ async def test_chat_completion_shape_and_usage(client: httpx.AsyncClient) -> Non
         "prompt_tokens": prompt_len(MESSAGES),
         "completion_tokens": 8,
         "total_tokens": prompt_len(MESSAGES) + 8,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -34,6 +34,7 @@ async def test_completion_shape_and_usage(client: httpx.AsyncClient) -> None:
         "prompt_tokens": prompt_tokens,
         "completion_tokens": 6,
         "total_tokens": prompt_tokens + 6,
+        "prompt_tokens_details": {"cached_tokens": 0},
     }
 
 

@@ -12,9 +12,14 @@ import httpx
 import pytest
 
 from dhisparse.family.generation import GenerationDefaults
-from dhisparse.tokenizer import DeepseekV32Formatter, TemplateFormatter
+from dhisparse.tokenizer import DeepseekV4Formatter, DeepseekV32Formatter, TemplateFormatter
 from services.gateway import GatewaySettings, create_app
-from tests.tokenizer.helpers import DSV32_SPECIALS, dsv32_tokenizer_config, train_tokenizer
+from tests.tokenizer.helpers import (
+    DSV4_SPECIALS,
+    DSV32_SPECIALS,
+    dsv32_tokenizer_config,
+    train_tokenizer,
+)
 
 from .conftest import WorkerProcess, gateway_client
 
@@ -68,6 +73,18 @@ def dsv32_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
         {
             "tokenizer_config.json": dsv32_tokenizer_config(),
             "config.json": {"model_type": "deepseek_v32", "eos_token_id": 1},
+        },
+    )
+
+
+@pytest.fixture(scope="module")
+def dsv4_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _write(
+        tmp_path_factory.mktemp("models") / "dsv4",
+        DSV4_SPECIALS,
+        {
+            "tokenizer_config.json": dsv32_tokenizer_config(),
+            "config.json": {"model_type": "deepseek_v4", "eos_token_id": 1},
         },
     )
 
@@ -146,6 +163,25 @@ async def test_deepseek_v32_directory_uses_its_encoder(
         assert roles == ["system", "developer", "user", "assistant"]
         bad = await _chat(client, chat_template_kwargs={"thinking": "sure"})
         assert bad.status_code == 400 and "thinking must be true or false" in bad.text
+
+
+async def test_deepseek_v4_directory_uses_its_encoder_and_reply_style(
+    worker: WorkerProcess, dsv4_dir: Path
+) -> None:
+    app, gateway = _gateway(worker, dsv4_dir)
+    async with gateway as client:
+        assert isinstance(app.state.ctx.formatter, DeepseekV4Formatter)
+        assert app.state.ctx.reply_style == "deepseek_v4"
+        on = await _chat(client, max_tokens=1)
+        off = await _chat(client, max_tokens=1, reasoning_effort="none")
+        assert off.status_code == on.status_code == 200, (off.text, on.text)
+        # <｜User｜>Say hello.<｜Assistant｜> then <think> (V4 thinks by default) or </think>.
+        assert off.json()["usage"]["prompt_tokens"] == on.json()["usage"]["prompt_tokens"] == 14
+        schemas = (await client.get("/openapi.json")).json()["components"]["schemas"]
+        roles = schemas["ChatMessage"]["properties"]["role"]["enum"]
+        assert roles == ["system", "developer", "user", "assistant", "tool"]
+        bad = await _chat(client, chat_template_kwargs={"reasoning_effort": "extreme"})
+        assert bad.status_code == 400 and "reasoning_effort must be one of" in bad.text
 
 
 async def test_a_raw_prompt_gets_the_special_tokens_of_the_checkpoints_rule(

@@ -34,7 +34,12 @@ class NodeWorker(FakeWorker):
     async def Health(self, request, context):
         if asyncio.get_running_loop().time() < self.down_until:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return pb.HealthResponse(ok=True, status="serving", node=self.node, generation=3)
+        return pb.HealthResponse(ok=True, status="serving", generation=3)
+
+    async def GetLoad(self, request, context):
+        load = await super().GetLoad(request, context)
+        load.kv_store_id = self.node
+        return load
 
     async def GetModelInfo(self, request, context):
         info = await super().GetModelInfo(request, context)

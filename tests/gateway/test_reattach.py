@@ -39,12 +39,15 @@ class FakeWorker(pb_grpc.WorkerServicer):
         self.resume = resume
         self.down_until = 0.0
         self.resumed_from: list[int] = []
+        self.cached_at_gateway: set[int] = set()  # the deltas' cached prompt tokens (``run``)
 
-    def _resp(self, tokens: list[int], done: int, finish: bool) -> pb.GenerateResponse:
+    def _resp(
+        self, tokens: list[int], done: int, finish: bool, cached: int = 0
+    ) -> pb.GenerateResponse:
         return pb.GenerateResponse(
             request_id="r", token_ids=tokens, text="".join(chr(t) for t in tokens),
             finish_reason=pb.FINISH_REASON_LENGTH if finish else pb.FINISH_REASON_UNSPECIFIED,
-            prompt_tokens=3, completion_tokens=done,
+            prompt_tokens=3, completion_tokens=done, cached_prompt_tokens=cached,
         )  # fmt: skip
 
     async def Generate(self, request, context):
@@ -58,9 +61,10 @@ class FakeWorker(pb_grpc.WorkerServicer):
         if self.resume == "not_found":
             await context.abort(grpc.StatusCode.NOT_FOUND, "no resumed session 'r'")
         n = request.tokens_received
-        yield self._resp(TOKENS[n : n + 5], n + 5, False)  # the catch-up
+        # a resumed session computed none of its prompt here: it reports it all cached
+        yield self._resp(TOKENS[n : n + 5], n + 5, False, cached=3)  # the catch-up
         for i in range(n + 5, len(TOKENS)):
-            yield self._resp([TOKENS[i]], i + 1, i + 1 == len(TOKENS))
+            yield self._resp([TOKENS[i]], i + 1, i + 1 == len(TOKENS), cached=3)
 
     async def Health(self, request, context):
         if asyncio.get_running_loop().time() < self.down_until:
@@ -126,6 +130,7 @@ async def run(worker: FakeWorker, deadline_s: float = 10.0):
         inp = GenerationInput("r", (1, 2, 3), SamplingSpec(max_tokens=len(TOKENS)))
         async for delta in pool.generate(inp):
             got.extend(delta.token_ids)
+            worker.cached_at_gateway.add(delta.cached_prompt_tokens)
             assert admission.held == 1  # held all along, while waiting too
     except APIError as e:
         error = e
@@ -142,6 +147,7 @@ async def test_the_stream_is_reattached_seamlessly() -> None:
     assert error is None
     assert got == TOKENS  # nothing lost, nothing twice
     assert worker.resumed_from == [7]
+    assert worker.cached_at_gateway == {0}  # the first worker computed the prompt: usage says so
     assert (admission.held, admission.released) == (0, 1)
     assert outcome == {"resumed": 1, "failed": 0}
 

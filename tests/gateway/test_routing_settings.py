@@ -7,7 +7,13 @@ import subprocess
 
 import pytest
 
-from services.gateway import GatewaySettings, LocalLedger, memory_admission
+from services.gateway import (
+    GatewaySettings,
+    LocalLedger,
+    PrefixAffinityRouter,
+    memory_admission,
+    prefix_affinity,
+)
 from services.gateway import cli as gateway_cli
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import (
@@ -133,3 +139,33 @@ def test_dhisparse_gateway_help() -> None:
         [str(DHISPARSE), "gateway", "--help"], capture_output=True, text=True, check=True
     )
     assert "--workers" in out.stdout and "--api-key" in out.stdout
+
+
+def test_prefix_affinity_flags_and_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    parser = argparse.ArgumentParser()
+    gateway_cli.add_arguments(parser)
+    flags = ["--prefix-affinity-weight", "0.25", "--prefix-affinity-max-pages", "64"]
+    flags += ["--prefix-affinity-index-pages", "1000", "--kv-page-size", "32"]
+    captured: dict[str, object] = {}
+    monkeypatch.setattr("uvicorn.run", lambda app, **kw: captured.update(app=app))
+    assert gateway_cli.main(parser.parse_args(flags)) == 0
+    pool = captured["app"].state.ctx.pool  # type: ignore[attr-defined]
+    cfg = pool.affinity.cfg
+    assert (cfg.weight, cfg.max_pages, cfg.index_pages, cfg.default_page_size) == (
+        0.25,
+        64,
+        1000,
+        32,
+    )
+    assert isinstance(pool.admission.router, PrefixAffinityRouter)
+    assert pool.admission.router.affinity is pool.affinity  # one index: read and recorded
+    # off by flag, or by the environment: the least-loaded router and no index
+    assert gateway_cli.main(parser.parse_args(["--no-prefix-affinity"])) == 0
+    pool = captured["app"].state.ctx.pool  # type: ignore[attr-defined]
+    assert pool.affinity is None and isinstance(pool.admission.router, LeastLoadedRouter)
+    monkeypatch.setenv("DHISPARSE_GATEWAY_PREFIX_AFFINITY", "false")
+    assert prefix_affinity(GatewaySettings()) is None
+    monkeypatch.setenv("DHISPARSE_GATEWAY_PREFIX_AFFINITY", "true")
+    assert prefix_affinity(GatewaySettings()) is not None
+    with pytest.raises(ValueError):
+        GatewaySettings(prefix_affinity_weight=-1)

@@ -136,7 +136,8 @@ async def test_sse_frames_and_error_after_start() -> None:
 def test_data_frame_forms() -> None:
     assert data_frame({"x": 1}) == b'data: {"x":1}\n\n'
     assert data_frame(Usage.of(2, 3)) == (
-        b'data: {"prompt_tokens":2,"completion_tokens":3,"total_tokens":5}\n\n'
+        b'data: {"prompt_tokens":2,"completion_tokens":3,"total_tokens":5,'
+        b'"prompt_tokens_details":{"cached_tokens":0}}\n\n'
     )
 
 

@@ -32,7 +32,9 @@ from .conftest import (
 class InOrderRouter:
     """Prefers workers in the configured order, healthy or not, to force a first failure."""
 
-    def pick(self, workers: Sequence[WorkerStatus], exclude: Collection[str]) -> str | None:
+    def pick(
+        self, workers: Sequence[WorkerStatus], exclude: Collection[str], job: object = None
+    ) -> str | None:
         return next((w.address for w in workers if w.address not in exclude), None)
 
 

@@ -37,7 +37,7 @@ FRAMEWORK_NAMES = (
 RECORD_FIELDS = (
     "pad_token_id", "end_token_id",  # the tokenizer's special ids, as tokenizer_config.json says
     "max_length",  # generation_config.json
-    "total_tokens",  # OpenAI usage
+    "total_tokens", "prompt_tokens_details",  # OpenAI usage
     "decoded_token",  # vLLM's prompt_logprobs entries
     "pcie_s", "resident_bytes_per_token", "hierarchy_session_bytes",  # benchmark records
 )  # fmt: skip

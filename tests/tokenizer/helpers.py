@@ -46,6 +46,8 @@ DSV32_SPECIALS = (
     "</think>",
     "｜DSML｜",
 )
+# DeepSeek-V4 adds the latest-reminder role's token to V3.2's.
+DSV4_SPECIALS = (*DSV32_SPECIALS, "<｜latest_reminder｜>")
 CORPUS = [
     "Hello, world! The weather in Paris tomorrow is sunny; Beijing: 晴, 多云, 小雨.",
     "You are a helpful assistant. What is 2+2? It is 4. function_calls invoke parameter",

@@ -14,17 +14,25 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from dhisparse.tokenizer.encoding_dsv32 import CALLS_CLOSE, CALLS_OPEN, PARAM_CLOSE
+from dhisparse.tokenizer.dsml import PARAM_CLOSE, V4_BLOCK, V32_BLOCK
 
 from .reply_helpers import TOOLS, TYPES, check_stream_is_whole, random_text, random_value
 
 STOP = "<stop>"
+BLOCKS = {"deepseek_v3_2": V32_BLOCK, "deepseek_v4": V4_BLOCK}
+DSML_MARKERS = [
+    '<｜DSML｜invoke name="',
+    "</｜DSML｜invoke>",
+    '<｜DSML｜parameter name="',
+    PARAM_CLOSE,
+    '" string="true">',
+    '" string="false">',
+]
 MARKERS = {
     "glm_4_7": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                 "</arg_key>", "<arg_value>", "</arg_value>"],
-    "deepseek_v3_2": ["<think>", "</think>", CALLS_OPEN, CALLS_CLOSE, '<｜DSML｜invoke name="',
-                      "</｜DSML｜invoke>", '<｜DSML｜parameter name="', PARAM_CLOSE,
-                      '" string="true">', '" string="false">'],
+    **{style: ["<think>", "</think>", block.open, block.close, *DSML_MARKERS]
+       for style, block in BLOCKS.items()},
 }  # fmt: skip
 WORDS = [*TYPES, *{k for keys in TYPES.values() for k in keys}]
 CHARS = list(string.ascii_letters + string.digits + ' \n"<>/[]{},:.-_=｜\\')
@@ -101,18 +109,21 @@ def _written(style: str, rng: random.Random) -> tuple[str, str, list[tuple[str, 
             for i, t in enumerate(texts)
         )
         return text, content, read
-    # Two blocks: the first holds all calls but the last.
-    blocks = [calls[:-1], calls[-1:]] if len(calls) > 1 else [calls]
+    # V3.2: two blocks, the first holding all calls but the last; V4's turn ends after one.
+    split = len(calls) > 1 and style == "deepseek_v3_2"
+    blocks = [calls[:-1], calls[-1:]] if split else [calls]
+    tags = BLOCKS[style]
     text, content = "", ""
     for part, block in zip(texts, blocks, strict=False):
         lead = rng.choice(["", "\n\n"])
         invokes = "".join(_dsml_invoke(rng, n, a) for n, a in block)
-        text += part + lead + CALLS_OPEN + "\n" + invokes + CALLS_CLOSE
+        text += part + lead + tags.open + "\n" + invokes + tags.close
         content += part
-    return text + texts[len(blocks)], content + texts[len(blocks)], calls
+    tail = texts[len(blocks)] if style == "deepseek_v3_2" else ""  # V4 ends at its block
+    return text + tail, content + tail, calls
 
 
-@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2"])
+@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2", "deepseek_v4"])
 def test_written_replies_are_accepted_by_the_grammar_and_parse_back(style: str) -> None:
     grammar, _ = _compiled(style, "enabled")
     rng = random.Random(style)
@@ -154,12 +165,12 @@ def _sample(grammar: xgr.CompiledGrammar, vocab: list[str], rng: random.Random) 
 
 
 @pytest.mark.parametrize("reasoning", ["enabled", "disabled"])
-@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2"])
+@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2", "deepseek_v4"])
 def test_sampled_replies_parse_to_calls_of_the_tools(style: str, reasoning: str) -> None:
     grammar, vocab = _compiled(style, reasoning)
     rng = random.Random(f"{style}-{reasoning}")
     called = 0
-    for _ in range(12):
+    for _ in range(24):
         text, ended = _sample(grammar, vocab, rng)
         opened = reasoning == "enabled"
         reply = check_stream_is_whole(style, text, rng, reasoning_open=opened, tools=TOOLS)

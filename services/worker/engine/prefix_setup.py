@@ -9,8 +9,9 @@ from dhisparse.family.presets import PRESETS
 from dhisparse.paths import resolve_path
 from services.kv_host_store.prefix_index import PrefixSalt
 from services.worker.engine.config import EngineConfig
-from services.worker.serving.cache import KVCache
+from services.worker.serving.cache import CARRY, KVCache
 from services.worker.serving.prefix_reuse import PrefixReuse
+from services.worker.speculative.drafters.mtp import MTPDrafter
 
 log = logging.getLogger(__name__)
 
@@ -32,10 +33,12 @@ def model_identity(model: str, seed: int) -> str:
 
 def prefix_salt(cfg: EngineConfig, kv: KVCache) -> PrefixSalt:
     """The salt of ``cfg``'s rows: its model, the numerics it computes rows with (serving
-    dtype, weight format, attention kernels, top-k, parallel layout), KV dtype and page size."""
+    dtype, weight format, attention kernels, top-k, parallel layout), its topology's sources
+    (the MTP layer's is one more), KV dtype and page size."""
     numerics = "|".join((
         str(kv.cfg.dtype), cfg.served_weights(), cfg.fp8_mode,
         cfg.backend(cfg.attention_backend), f"topk={kv.model_cfg.index_topk}", cfg.parallel.name,
+        f"sources={len(kv.model_cfg.sources)}",
     ))  # fmt: skip
     return PrefixSalt(
         model_identity(cfg.model, cfg.seed), numerics, kv.cfg.kv_cache_dtype, kv.cfg.page_size
@@ -50,10 +53,13 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
         return "resident mode keeps no host rows (no GPU page is shared)"
     if kv.sessions is None:
         return "durable sessions are off, or the host arena is private to this process"
-    if kv.snapshot_rings:
-        return "the model has token rings or a carry (windowed, compressed or MTP sources)"
-    if cfg.speculation.drafter:
-        return "speculation is on (a drafter's context of imported tokens is not rebuilt)"
+    if set(kv.snapshot_rings) - {CARRY}:
+        return "the model has token rings (windowed or compressed sources)"
+    if cfg.speculation.drafter and cfg.speculation.drafter != MTPDrafter.kind:
+        return (
+            f"drafter {cfg.speculation.drafter!r} keeps a context of its own, which an "
+            "imported prefix does not rebuild (the MTP drafter's is the KV cache's)"
+        )
     if cfg.parallel.world_size > 1:
         return f"a worker of {cfg.parallel.world_size} ranks"
     return None

@@ -105,8 +105,7 @@ class MLADecoder(SparseDecoder):
         hidden states in the carry."""
         if self.mtp is None:
             return
-        assert kv.carry is not None, "a KV cache built for the MTP layer's topology"
-        ext = kv.carry.extend(batch, hidden)
+        ext = kv.follow_carry(batch, hidden)
         before = ext.index(batch.token_req, batch.positions - 1).clamp(min=0)  # p = 0: no row
         x = self.mtp.attn_norm(self.mtp.fuse(self.embed(input_ids), ext.rows[before]))
         i = self.mtp_layer

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from services.worker.ops.cast_bits import round_to
+from services.worker.ops.rope_kernel import rope_pairs, store_rotated
 
 
 @triton.jit
@@ -49,12 +50,7 @@ def index_key_kernel(
     mask_i = offs_i < HALF
     cos = tl.load(cos_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)
     sin = tl.load(sin_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)
-    if INTERLEAVED:
-        offs_1 = 2 * offs_i
-        offs_2 = offs_1 + 1
-    else:
-        offs_1 = offs_i
-        offs_2 = offs_1 + HALF
+    offs_1, offs_2 = rope_pairs(offs_i, HALF, INTERLEAVED)
     x1 = tl.load(x_row + offs_1, mask=mask_i, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + offs_2, mask=mask_i, other=0.0).to(tl.float32)
     w1 = tl.load(w_ptr + offs_1, mask=mask_i, other=0.0).to(tl.float32)
@@ -63,5 +59,4 @@ def index_key_kernel(
     b2 = tl.load(b_ptr + offs_2, mask=mask_i, other=0.0).to(tl.float32)
     k1 = round_to((x1 - mean) * rstd * w1 + b1, out_dtype).to(tl.float32)
     k2 = round_to((x2 - mean) * rstd * w2 + b2, out_dtype).to(tl.float32)
-    tl.store(out_row + offs_i, round_to(k1 * cos - k2 * sin, out_dtype), mask=mask_i)
-    tl.store(out_row + HALF + offs_i, round_to(k2 * cos + k1 * sin, out_dtype), mask=mask_i)
+    store_rotated(out_row, offs_i, HALF, k1, k2, cos, sin, mask_i)

@@ -15,6 +15,7 @@ import triton
 import triton.language as tl
 
 from services.worker.ops.cast_bits import round_to
+from services.worker.ops.rope_kernel import rope_pairs, store_rotated
 
 
 @triton.jit
@@ -42,14 +43,7 @@ def mla_row_kernel(
     mask_i = offs_i < HALF
     cos = tl.load(cos_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)
     sin = tl.load(sin_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)
-    if INTERLEAVED:
-        offs_1 = 2 * offs_i
-        offs_2 = offs_1 + 1
-    else:
-        offs_1 = offs_i
-        offs_2 = offs_1 + HALF
+    offs_1, offs_2 = rope_pairs(offs_i, HALF, INTERLEAVED)
     x1 = tl.load(x_row + D_NORM + offs_1, mask=mask_i, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + D_NORM + offs_2, mask=mask_i, other=0.0).to(tl.float32)
-    out_rope = out_row + D_NORM
-    tl.store(out_rope + offs_i, round_to(x1 * cos - x2 * sin, out_dtype), mask=mask_i)
-    tl.store(out_rope + HALF + offs_i, round_to(x2 * cos + x1 * sin, out_dtype), mask=mask_i)
+    store_rotated(out_row + D_NORM, offs_i, HALF, x1, x2, cos, sin, mask_i)

@@ -8,8 +8,11 @@ de-interleaved), each product and sum rounded in fp32 as torch's separate ops ro
 rounded once to the output's dtype. The launch turns fp fusion off, so no multiply-add is
 contracted and the result is bit for bit torch's.
 
+``rope_pairs`` and ``store_rotated`` are the rotation's two halves, which the kernels that end
+in a RoPE (``mla_row_kernel``, ``index_key_kernel``) call too.
+
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
-from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
+from the project's argument-count rule (``pyproject.toml``), and holds only kernels."""
 
 from __future__ import annotations
 
@@ -17,6 +20,28 @@ import triton
 import triton.language as tl
 
 from services.worker.ops.cast_bits import round_to
+
+
+@triton.jit
+def rope_pairs(offs_i, HALF, INTERLEAVED: tl.constexpr):
+    """The offsets (first, second) of the pairs ``offs_i`` (< HALF) within a rotated part."""
+    if INTERLEAVED:
+        offs_1 = 2 * offs_i
+        offs_2 = offs_1 + 1
+    else:
+        offs_1 = offs_i
+        offs_2 = offs_1 + HALF
+    return offs_1, offs_2
+
+
+@triton.jit
+def store_rotated(out_row, offs_i, HALF, x1, x2, cos, sin, mask):
+    """Stores pairs (x1, x2) (fp32) rotated by (cos, sin), de-interleaved: ``x1 cos - x2 sin``
+    at ``out_row + offs_i`` and ``x2 cos + x1 sin`` HALF after, each rounded once to the
+    output's dtype."""
+    out_dtype = out_row.dtype.element_ty
+    tl.store(out_row + offs_i, round_to(x1 * cos - x2 * sin, out_dtype), mask=mask)
+    tl.store(out_row + HALF + offs_i, round_to(x2 * cos + x1 * sin, out_dtype), mask=mask)
 
 
 @triton.jit
@@ -36,18 +61,12 @@ def rope_kernel(
     cos = tl.load(cos_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)[None, :]
     sin = tl.load(sin_ptr + n * stride_cn + offs_i, mask=mask_i, other=0.0)[None, :]
     x_row = x_ptr + n * stride_xn + offs_h[:, None].to(tl.int64) * stride_xh
-    if INTERLEAVED:
-        offs_1 = 2 * offs_i[None, :]
-        offs_2 = offs_1 + 1
-    else:
-        offs_1 = offs_i[None, :]
-        offs_2 = offs_1 + HALF
+    offs_1, offs_2 = rope_pairs(offs_i[None, :], HALF, INTERLEAVED)
     x1 = tl.load(x_row + offs_1, mask=mask, other=0.0).to(tl.float32)
     x2 = tl.load(x_row + offs_2, mask=mask, other=0.0).to(tl.float32)
     out_row = out_ptr + n * stride_on + offs_h[:, None].to(tl.int64) * stride_oh
     out_dtype = out_ptr.dtype.element_ty
-    tl.store(out_row + offs_i[None, :], round_to(x1 * cos - x2 * sin, out_dtype), mask=mask)
-    tl.store(out_row + HALF + offs_i[None, :], round_to(x2 * cos + x1 * sin, out_dtype), mask=mask)
+    store_rotated(out_row, offs_i[None, :], HALF, x1, x2, cos, sin, mask)
     if BLOCK_REST > 0:
         offs_r = tl.arange(0, BLOCK_REST)[None, :]
         mask_r = (offs_h < H)[:, None] & (offs_r < D_REST)

@@ -19,7 +19,7 @@ from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_per_token
 from services.worker.kv.index_keys import IndexKeys
 from services.worker.kv.row_codec import kv_codecs
-from services.worker.kv.token_ring import TokenRing
+from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.kv.workspace import attention_block_tokens, workspace_bytes
 from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes, hot_rows
 from services.worker.serving.resident import ResidentPayload
@@ -144,8 +144,9 @@ class KVCache:
         # A private arena dies with this process: nothing to resume from, nothing to keep.
         if self.cfg.durable and self._local_store is None:
             self.sessions = SessionBackup(
-                self.model_cfg, self.host_backups, self.index_keys, self.snapshot_rings
-            )
+                self.model_cfg, self.host_backups, self.index_keys, self.snapshot_rings,
+                self.carry, self.cfg.page_size,
+            )  # fmt: skip
         return payload
 
     def _longest_admissible(self, pages: int) -> int:
@@ -272,6 +273,15 @@ class KVCache:
             r.clear(slot)
 
     # ---- a forward pass ---------------------------------------------------------------------
+    def follow_carry(self, batch: ForwardBatch, hidden: torch.Tensor) -> ExtendedRows:
+        """Records the target's final hidden states [N, d] of the pass over ``batch`` in the
+        carry (``TokenRing.extend``: the buffer the pass's lagged rows read), and for durable
+        sessions the page ends among them (``SessionBackup.note_hidden``)."""
+        assert self.carry is not None, "a KV cache built for a topology with a lagged source"
+        if self.sessions is not None:
+            self.sessions.note_hidden(batch, hidden)
+        return self.carry.extend(batch, hidden)
+
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
         self.payload.commit(batch, num_tokens)
         if self.sessions is not None:

@@ -20,8 +20,14 @@ Exactness: rows are shared only between requests whose salt (model and weights' 
 numerics, KV dtype, page size) and leading tokens are equal, so the imported rows are the rows
 this worker would compute for those tokens, up to the rounding of the pass that computed them.
 
-Not (yet) here: models with token rings or a carry (windowed, compressed or MTP sources: their
-ring at the page boundary is not kept), speculation (a drafter's context of the imported tokens
+With the MTP layer (a lagged source, ``--drafter mtp``) a cached prefix also holds the MTP
+layer's rows and keys of its tokens, and its page carries (``hierarchy.session``): the target's
+final hidden state at each page's last position. An importer of ``T`` tokens seats the carry of
+position ``T - 1`` in its carry ring, from which its first pass writes MTP row ``T - 1`` as the
+uninterrupted request did; the MTP drafter's context is the KV cache's, so it is whole.
+
+Not (yet) here: models with token rings (windowed or compressed sources: their ring at the page
+boundary is not kept), drafters with a context of their own (their ring of the imported tokens
 is not rebuilt), requests that ask for prompt logprobs (every prompt position must be scored),
 and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is shared).
 """
@@ -37,10 +43,10 @@ import torch
 from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.prefix_index import PrefixSalt, page_hashes
 from services.kv_host_store.records import PrefixHit, Region
-from services.worker.hierarchy.session import MANIFEST_SOURCE, key_source
+from services.worker.hierarchy.session import MANIFEST_SOURCE, carry_source, key_source
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.request.request import Request
-from services.worker.serving.cache import KVCache
+from services.worker.serving.cache import CARRY, KVCache
 
 log = logging.getLogger(__name__)
 
@@ -74,8 +80,8 @@ class PrefixReuse:
         ``salt``: what this worker's rows depend on besides their tokens."""
         if kv.sessions is None or kv.host_backups is None:
             raise ValueError("prefix reuse needs a hierarchy mode with durable sessions")
-        if kv.snapshot_rings:
-            raise ValueError("prefix reuse does not cover token rings or a carry yet")
+        if set(kv.snapshot_rings) - {CARRY}:
+            raise ValueError("prefix reuse does not cover token rings yet")
         if salt.page_size != kv.cfg.page_size:
             raise ValueError(f"salt of page size {salt.page_size}, KV pages of {kv.cfg.page_size}")
         self.kv = kv
@@ -87,10 +93,30 @@ class PrefixReuse:
         self._source_of = {s: s for s in range(len(cfg.sources))} | {
             key_source(layer): s for layer, s in kv.sessions.producers.items()
         }
+        self._carry = carry_source(cfg) if kv.carry is not None else None
         self.stats = PrefixStats()
 
     def _rows(self, region_source: int, tokens: int) -> int:
+        """Rows of region source ``region_source`` that ``tokens`` tokens complete."""
+        if region_source == self._carry:
+            assert self.kv.sessions is not None
+            return self.kv.sessions.carry_rows(tokens)
         return self.kv.model_cfg.rows_for_tokens(self._source_of[region_source], tokens)
+
+    def _rings(self, cached: dict[int, Region], tokens: int) -> dict[int, bytes]:
+        """The token-ring snapshots an importer of ``tokens`` cached tokens is seated with:
+        with a carry, a carry ring holding the page carry of position ``tokens - 1`` where the
+        ring keeps it (its other rows are never read: the first pass writes them)."""
+        carry = self.kv.carry
+        if carry is None:
+            return {}
+        assert self._carry is not None
+        region = cached[self._carry]
+        ring = torch.zeros_like(carry.data[0], device="cpu")
+        at = region.offset + (tokens // self.page - 1) * region.row_bytes
+        row = self.host.mapping.tensor[at : at + region.row_bytes]
+        ring[(tokens - 1) % carry.ring] = row.view(ring.dtype)
+        return {CARRY: ring.view(torch.uint8).numpy().tobytes()}
 
     # ---- admission ----------------------------------------------------------------------
     def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
@@ -139,7 +165,8 @@ class PrefixReuse:
             for r in regions:
                 if r.source != MANIFEST_SOURCE:
                     copy_rows(arena, cached[r.source], r, self._rows(r.source, hit.tokens))
-            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, {}, budget)
+            rings = self._rings(cached, hit.tokens)
+            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget)
         except BaseException:
             self.host.release_regions(regions)
             raise

@@ -73,8 +73,10 @@ async def test_two_live_workers_race_to_adopt_and_exactly_one_streams(store) -> 
             servers.append(await start_server(settings))
             channels.append(grpc.aio.insecure_channel(f"127.0.0.1:{port}"))
             stubs.append(pb_grpc.WorkerStub(channels[-1]))
+        loads = [await s.GetLoad(pb.LoadRequest()) for s in stubs]
+        assert loads[0].kv_store_id and loads[0].kv_store_id == loads[1].kv_store_id  # one node
         health = [await s.Health(pb.HealthRequest()) for s in stubs]
-        assert health[0].node and health[0].node == health[1].node  # one node: one store
+        assert [h.generation for h in health] == [1, 1]  # each registered with the store
         request = pb.AdoptSessionRequest(
             request_id="r0", from_owner="wA", from_generation=generation, tokens_received=5,
             fence=True,

@@ -160,7 +160,9 @@ async def test_model_info_load_and_health(worker) -> None:
     assert info.model_name == "tiny-glm" and info.max_model_len == 4096 and info.mode == "resident"
     assert '"index_topk"' in info.config_json and info.worker_id == "w0"
     assert info.startup_s > 0  # from this process's start to serving
+    assert not info.prefix_cache  # resident mode keeps no host rows to share
     load = await stub.GetLoad(pb.LoadRequest())
+    assert load.kv_store_id == ""  # no host store
     assert load.max_num_seqs == 32 and load.kv_capacity_bytes == 8 << 20
     assert load.kv_required_bytes + load.kv_free_bytes == load.kv_capacity_bytes
     health = await stub.Health(pb.HealthRequest())

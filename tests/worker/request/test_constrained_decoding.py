@@ -148,13 +148,14 @@ def _check_arguments(name: str, args: dict) -> None:
     jsonschema.validate(args, schemas[name])
 
 
-def _dsml_calls(text: str) -> list[tuple[str, dict]]:
-    """DeepSeek-V3.2 calls: ``\\n\\n<｜DSML｜function_calls>\\n<｜DSML｜invoke name="f">`` then
+def _dsml_calls(text: str, block: str) -> list[tuple[str, dict]]:
+    """DeepSeek-V3.2 (``block`` function_calls) or DeepSeek-V4 (tool_calls) calls:
+    ``\\n\\n<｜DSML｜BLOCK>\\n<｜DSML｜invoke name="f">`` then
     ``<｜DSML｜parameter name="k" string="true|false">v</｜DSML｜parameter>`` (a string's value
     as written, any other's as JSON) and the closing tags; whitespace between the tags as the
     grammar allows it (``parsing_dsv32`` expects exactly one newline)."""
-    assert text.startswith("\n\n<｜DSML｜function_calls>\n")
-    assert text.endswith("</｜DSML｜function_calls>")
+    assert text.startswith(f"\n\n<｜DSML｜{block}>\n")
+    assert text.endswith(f"</｜DSML｜{block}>")
     calls = []
     for name, body in re.findall(
         r'<｜DSML｜invoke name="(.*?)">(.*?)</｜DSML｜invoke>', text, re.S
@@ -185,7 +186,10 @@ def _glm_calls(text: str) -> list[tuple[str, dict]]:
     return calls
 
 
-@pytest.mark.parametrize("model", ["deepseek_v3_2", "glm_4_7"])
+DSML_BLOCKS = {"deepseek_v3_2": "function_calls", "deepseek_v4": "tool_calls"}
+
+
+@pytest.mark.parametrize("model", [*DSML_BLOCKS, "glm_4_7"])
 def test_tool_call_tags_give_a_call_of_a_listed_tool(model: str) -> None:
     eng = engine()
     grammar = tool_call_tag(model)
@@ -193,7 +197,8 @@ def test_tool_call_tags_give_a_call_of_a_listed_tool(model: str) -> None:
         params = SamplingParams(temperature=temperature, seed=7, max_tokens=400, grammar=grammar)
         for req in eng.generate(prompts(), params):
             text = finished_in_grammar(eng, req)
-            calls = _dsml_calls(text) if model == "deepseek_v3_2" else _glm_calls(text)
+            block = DSML_BLOCKS.get(model)
+            calls = _dsml_calls(text, block) if block else _glm_calls(text)
             assert len(calls) == 1
             _check_arguments(*calls[0])
 

@@ -25,6 +25,7 @@ from services.worker.engine.prefix_setup import off_reason
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.request.request import Request, SamplingParams
+from services.worker.speculative.config import SpeculationConfig
 from tests.worker.engine.batch_invariant import batch_invariant
 
 TRAINED = "models/glm-dsa-mini"
@@ -82,12 +83,16 @@ def test_the_next_turn_computes_only_its_new_tokens_with_the_uncached_tokens(
     assert stats.hit_tokens % 16 == 0  # whole pages
 
 
+@pytest.mark.parametrize("drafter", [None, "mtp"])
 def test_the_trained_model_with_a_prefix_hit_gives_the_uncached_tokens(
-    store: LocalHostStore,
+    store: LocalHostStore, drafter: str | None
 ) -> None:
     """The shipped trained model (it writes Python), ordinary numerics: a three-turn
-    conversation in tokens, each turn a short addition to a long history."""
+    conversation in tokens, each turn a short addition to a long history; plainly, and
+    speculating with its MTP layer as ``make run`` does."""
     kw = dict(model=TRAINED, mode="adaptive", max_model_len=1024, kv_pool_mib=160, max_num_seqs=2)
+    if drafter is not None:
+        kw["speculation"] = SpeculationConfig(drafter, 4)
     engine = make(store, "w0", **kw)
     tok = engine.tokenizer
     short = replace(ANSWER, max_tokens=12)
@@ -170,6 +175,10 @@ def test_what_turns_prefix_reuse_off(store: LocalHostStore) -> None:
     assert off_reason(replace(on.cfg, prefix_cache=False), on.kv) == "--no-prefix-cache"
     resident = Engine(EngineConfig(mode="resident", kv_pool_mib=48, max_model_len=512))
     assert resident.scheduler.prefix is None and "resident" in off_reason(resident.cfg, resident.kv)
+    dflash = make(store, "dflash", speculation=SpeculationConfig("dflash", 4))
+    assert dflash.scheduler.prefix is None and "context of its own" in off_reason(
+        dflash.cfg, dflash.kv
+    )
     v4 = make(store, "v4", model="tiny-dsv4")
     assert v4.scheduler.prefix is None and "token rings" in off_reason(v4.cfg, v4.kv)
     no_store = Engine(EngineConfig(mode="hisparse", kv_pool_mib=48, max_model_len=512))

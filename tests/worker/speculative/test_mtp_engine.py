@@ -38,6 +38,21 @@ def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
 
 
+def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None:
+    """Makes ``engine``'s drafter record each proposal in ``log`` by (tokens committed, anchor
+    token): the drafts of two engines compare position by position."""
+    drafter = engine.speculator.drafter
+    propose = drafter.propose
+
+    def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
+        prop = propose(slots, anchors, num_committed, widths, *args, **kw)
+        for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
+            log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
+        return prop
+
+    drafter.propose = recorded
+
+
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
 def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> None:
     """Six requests, three arriving while the first three speculate, prompts prefilled in
@@ -98,17 +113,7 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     def make(owner: str) -> Engine:
         engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        log = drafts.setdefault(owner, {})
-        drafter = engine.speculator.drafter
-        propose = drafter.propose
-
-        def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
-            prop = propose(slots, anchors, num_committed, widths, *args, **kw)
-            for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
-                log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
-            return prop
-
-        drafter.propose = recorded
+        record_drafts(engine, drafts.setdefault(owner, {}))
         return engine
 
     def started(first: Engine) -> None:
@@ -120,4 +125,44 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     resumed = drafts["w0"]
     assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
     second.close()
+    store.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_a_prefix_hit_speculates_as_the_uncached_request_does(family, mode: str) -> None:
+    """A conversation's next turn on another worker of the node imports the pages its first
+    turn left — the MTP layer's rows and keys and the page carries with the target's — and
+    computes only its new tokens. Its tokens are transformers' greedy continuation, and its MTP
+    layer drafts at every step what an engine with no prefix cache drafts (acceptance after a
+    hit equals acceptance without: the drafter's context came back whole)."""
+    ref, path = family
+    store = LocalHostStore(64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
+
+    def make(owner: str, **kw) -> Engine:
+        engine = _engine(path, mode, owner=owner, host=(store, store.mapping), **kw)
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        record_drafts(engine, drafts.setdefault(owner, {}))
+        return engine
+
+    first_turn = make("w0")
+    (first,) = first_turn.generate([_ids(150, 77)], params)
+    prompt = [*first.prompt_ids, *first.output_ids, *_ids(9, 78)]
+    worker = make("w1")
+    before = worker.stats.prefill_tokens_computed
+    (turn,) = worker.generate([prompt], params)
+    computed = worker.stats.prefill_tokens_computed - before
+    uncached = make("ref", prefix_cache=False)
+    (alone,) = uncached.generate([prompt], params)
+    stats = worker.scheduler.prefix.stats
+    assert stats.hits == 1 and computed == len(prompt) - stats.hit_tokens
+    # every whole page of the first turn's computed tokens (its last token never was)
+    assert stats.hit_tokens == (len(first.prompt_ids) + len(first.output_ids) - 1) // 16 * 16
+    assert turn.output_ids == alone.output_ids
+    assert turn.output_ids == hf_tiny.greedy_under_reference(ref.target, prompt, turn.output_ids)
+    hit, plain = drafts["w1"], drafts["ref"]
+    assert hit and hit == plain
+    for engine in (first_turn, worker, uncached):
+        engine.close()
     store.close()

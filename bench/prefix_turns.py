@@ -1,0 +1,166 @@
+"""A growing conversation through the real stack as ``make run`` starts it, with and without
+prefix reuse (``python -m bench prefix-turns``): kv-host-store, worker and gateway as processes,
+the worker with ``dhisparse up``'s CPU defaults (the shipped model, adaptive mode with durable
+sessions, its MTP layer drafting), beside the same stack with ``--no-prefix-cache``, in lockstep
+(turn i of each variant back to back).
+
+    python -m bench prefix-turns --out docs/results/prefix_turns.json
+
+Turn 1's prompt is ``--history`` ids of the held-out files (``bench/heldout.py``); each later
+turn sends the whole conversation back, as an agent does: the previous prompt, the answer's text
+encoded again by the model's tokenizer, and ``--question`` new held-out ids. Every answer is
+``--new-tokens`` greedy tokens with ``ignore_eos``, streamed from ``/v1/completions``. Per turn
+and variant: prompt tokens, the prompt tokens the worker computed (its
+``dhisparse:prefill_tokens_computed``, read before and after the request), time to first token
+and whether the text equals the other variant's. Goals (issue 43): a later turn computes at most
+10% of its prompt; its time to first token against turn 1's."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import tempfile
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from bench.cpu_stream import MODEL, make_run_config
+from bench.heldout import heldout_prompts
+from bench.serving.stack import Stack
+from dhisparse import metrics as names
+from dhisparse.tokenizer import load_tokenizer
+from dhisparse.up import DEFAULT_DRAFTER
+
+WITH, WITHOUT = "prefix cache (make run)", "no prefix cache"
+GOAL_COMPUTED_SHARE = 0.10
+
+
+def computed_tokens(metrics_url: str) -> float:
+    """The worker's prompt tokens computed so far (its counter, whatever its suffix)."""
+    text = httpx.get(metrics_url, timeout=30).text
+    return sum(
+        s.value
+        for fam in text_string_to_metric_families(text)
+        for s in fam.samples
+        if s.name.removesuffix("_total") == names.PREFILL_TOKENS_COMPUTED
+    )
+
+
+def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed greedy completion of ``prompt``: its text, time to first token and the
+    prompt tokens the worker computed for it."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    before = computed_tokens(stack.worker_metrics)
+    t0 = time.perf_counter()
+    first, text = None, []
+    with (
+        httpx.Client(base_url=stack.base, timeout=600) as c,
+        c.stream("POST", "/v1/completions", json=body) as r,
+    ):
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:]).get("choices") or ():
+                if ch.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(ch["text"])
+    wall = time.perf_counter() - t0
+    if first is None:
+        raise RuntimeError("no tokens came back")
+    computed = computed_tokens(stack.worker_metrics) - before
+    return {
+        "prompt_tokens": len(prompt),
+        "computed_tokens": int(computed),
+        "computed_share": computed / len(prompt),
+        "ttft_s": first - t0,
+        "wall_s": wall,
+        "text": "".join(text),
+    }
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="make run's (its default)")
+    ap.add_argument("--history", type=int, default=2048, help="turn 1's prompt, ids")
+    ap.add_argument("--question", type=int, default=48, help="new ids each later turn adds")
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--seed", type=int, default=13)
+    ap.add_argument("--out", default="docs/results/prefix_turns.json")
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.turns < 2:
+        raise SystemExit("--turns: at least 2 (turn 1 has nothing to reuse)")
+    history, *questions = heldout_prompts(args.model, args.turns, args.history, args.seed)
+    questions = [q[: args.question] for q in questions]
+    tok = load_tokenizer(args.model)
+    drafter = None if args.drafter == "none" else args.drafter
+    base = make_run_config(args.model, drafter)
+    need = args.history + (args.turns - 1) * (args.question + 2 * args.new_tokens) + 64
+    if need > base.max_model_len:
+        raise SystemExit(f"the conversation may reach {need} tokens, past {base.max_model_len}")
+    variants = {WITH: base, WITHOUT: replace(base, prefix_cache=False)}
+    rows: dict[str, list[dict]] = {v: [] for v in variants}
+    prompts = {v: list(history) for v in variants}
+    name = Path(args.model).name
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as up:
+        stacks = {
+            v: up.enter_context(Stack(cfg, args.model, 1 << 30, logs))
+            for v, cfg in variants.items()
+        }
+        warm = heldout_prompts(args.model, 1, 64, args.seed + 1)[0]
+        for s in stacks.values():  # the first request compiles and maps
+            one_turn(s, name, warm, 8)
+        for turn in range(args.turns):
+            for v, s in stacks.items():
+                row = one_turn(s, name, prompts[v], args.new_tokens)
+                rows[v].append(row)
+                if turn + 1 < args.turns:
+                    prompts[v] += tok.encode(row["text"]) + questions[turn]
+                shown = {k: row[k] for k in ("prompt_tokens", "computed_tokens", "ttft_s")}
+                print(f"turn {turn + 1} {v}: {json.dumps(shown)}", flush=True)
+    later = {v: rs[1:] for v, rs in rows.items()}
+    summary = {
+        v: {
+            "max_later_computed_share": max(r["computed_share"] for r in later[v]),
+            "median_later_ttft_s": statistics.median(r["ttft_s"] for r in later[v]),
+            "first_ttft_s": rows[v][0]["ttft_s"],
+            "later_ttft_over_first": [r["ttft_s"] / rows[v][0]["ttft_s"] for r in later[v]],
+        }
+        for v in variants
+    }
+    same_text = [a["text"] == b["text"] for a, b in zip(rows[WITH], rows[WITHOUT], strict=True)]
+    ttft_ratio = [
+        a["ttft_s"] / b["ttft_s"] for a, b in zip(later[WITH], later[WITHOUT], strict=True)
+    ]
+    share = summary[WITH]["max_later_computed_share"]
+    print(f"later turns compute at most {share:.1%} of their prompt with the cache "
+          f"({summary[WITHOUT]['max_later_computed_share']:.0%} without); time to first token "
+          f"with / without: {', '.join(f'{x:.2f}' for x in ttft_ratio)}")  # fmt: skip
+    return {
+        "benchmark": "prefix-turns",
+        "machine": platform.machine(),
+        "model": args.model,
+        "drafter": args.drafter,
+        "history": args.history,
+        "question": args.question,
+        "new_tokens": args.new_tokens,
+        "turns": args.turns,
+        "goal_computed_share": GOAL_COMPUTED_SHARE,
+        "meets_goal": share <= GOAL_COMPUTED_SHARE,
+        "ttft_with_over_without": ttft_ratio,
+        "same_text": same_text,
+        "summary": summary,
+        "per_turn": rows,
+    }
