@@ -129,6 +129,10 @@ ADMITTED_SESSIONS = PREFIX + "admitted_sessions"  # gauge{worker}
 ADMITTED_BYTES = PREFIX + "admitted_bytes"  # gauge{worker}
 FREE_CAPACITY_BYTES = PREFIX + "free_capacity_bytes"  # gauge{worker}
 STREAMS_RESUMED = PREFIX + "streams_resumed"  # counter{outcome}: worker died mid-stream
+# a stream whose worker died or drained, moved to a live peer of its node (DESIGN §10)
+ADOPTIONS = PREFIX + "adoptions"  # counter{outcome=adopted|no_peer}
+ADOPTION_LATENCY = PREFIX + "adoption_latency_seconds"  # histogram: break to the peer's first
+SESSIONS_WAITING_RESTART = PREFIX + "sessions_waiting_restart"  # gauge: no peer held them
 
 # --- gateway: prefix-affinity routing (services/gateway/affinity.py) ---------------------------
 # admitted worker requests by why their worker was chosen: affinity | load | load-over-affinity
@@ -194,6 +198,8 @@ HOST_STORE_REQUESTS = PREFIX + "host_store_requests"
 HOST_STORE_REFUSED = PREFIX + "host_store_allocations_refused"  # counter
 HOST_STORE_OWNERS = PREFIX + "host_store_owners"  # gauge: worker processes with a live lease
 HOST_STORE_ADOPTIONS = PREFIX + "host_store_adoptions"  # counter
+HOST_STORE_OWNERS_FENCED = PREFIX + "host_store_owners_fenced"  # counter: by an adopting peer
+HOST_STORE_HANDOVERS = PREFIX + "host_store_handovers"  # counter: offered to peers by their owner
 HOST_STORE_ORPHANS_EXPIRED = PREFIX + "host_store_orphans_expired"  # counter
 HOST_STORE_PREFIX_RECORDS = PREFIX + "host_store_prefix_records"  # gauge: cached prefixes
 HOST_STORE_PREFIX_BYTES = PREFIX + "host_store_prefix_bytes"  # gauge: arena bytes they hold

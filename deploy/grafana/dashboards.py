@@ -527,6 +527,36 @@ KV = Dashboard(
                     ],
                     unit="ops",
                 ),
+                Panel(
+                    "Streams adopted by a live peer",
+                    "Streams whose worker died or drained mid-generation: adopted by a live peer"
+                    " of its node, or left waiting for the restart (no peer had room), and the"
+                    " streams waiting for a restart now.",
+                    [
+                        Target(
+                            f"sum by (outcome) (rate(dhisparse:adoptions_total{{{M}}}{RI}))",
+                            "{{outcome}}",
+                        ),
+                        Target(
+                            f"sum(dhisparse:sessions_waiting_restart{{{M}}})", "waiting restart"
+                        ),
+                    ],
+                    unit="ops",
+                ),
+                Panel(
+                    "Adoption latency p50 / p99",
+                    "From a stream's break (its worker died or drained) to the first response"
+                    " of the peer that adopted it.",
+                    [
+                        Target(
+                            f"histogram_quantile({q}, sum by (le) (rate("
+                            f"dhisparse:adoption_latency_seconds_bucket{{{M}}}{RI})))",
+                            f"p{round(q * 100)}",
+                        )
+                        for q in (0.5, 0.99)
+                    ],
+                    unit="s",
+                ),
             ],
         ),
         Row(
@@ -876,8 +906,9 @@ HOST_STORE = Dashboard(
                 ),
                 Panel(
                     "Adoptions and expired orphans",
-                    "Requests of dead workers adopted by a successor, and those freed because"
-                    " nobody adopted them within the orphan TTL, per second.",
+                    "Requests of dead or draining workers adopted by a successor or a peer, those"
+                    " freed because nobody adopted them within the orphan TTL, worker generations"
+                    " a peer fenced off, and requests handed over, per second.",
                     [
                         Target(
                             "sum by (instance) (rate("
@@ -888,6 +919,16 @@ HOST_STORE = Dashboard(
                             "sum by (instance) (rate("
                             f"dhisparse:host_store_orphans_expired_total{{{INST}}}{RI}))",
                             "{{instance}} expired",
+                        ),
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_owners_fenced_total{{{INST}}}{RI}))",
+                            "{{instance}} owners fenced",
+                        ),
+                        Target(
+                            "sum by (instance) (rate("
+                            f"dhisparse:host_store_handovers_total{{{INST}}}{RI}))",
+                            "{{instance}} handed over",
                         ),
                     ],
                     unit="ops",

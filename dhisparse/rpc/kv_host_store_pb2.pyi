@@ -129,7 +129,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes", "owners_live", "adoptions", "orphans_expired", "prefix_records", "prefix_bytes", "prefix_evictions", "prefix_hits")
+    __slots__ = ("capacity_bytes", "used_bytes", "regions", "requests", "durable_bytes", "allocations_refused", "largest_free_bytes", "owners_live", "adoptions", "orphans_expired", "prefix_records", "prefix_bytes", "prefix_evictions", "prefix_hits", "owners_fenced", "handovers")
     CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     USED_BYTES_FIELD_NUMBER: _ClassVar[int]
     REGIONS_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,8 @@ class StatsResponse(_message.Message):
     PREFIX_BYTES_FIELD_NUMBER: _ClassVar[int]
     PREFIX_EVICTIONS_FIELD_NUMBER: _ClassVar[int]
     PREFIX_HITS_FIELD_NUMBER: _ClassVar[int]
+    OWNERS_FENCED_FIELD_NUMBER: _ClassVar[int]
+    HANDOVERS_FIELD_NUMBER: _ClassVar[int]
     capacity_bytes: int
     used_bytes: int
     regions: int
@@ -158,15 +160,19 @@ class StatsResponse(_message.Message):
     prefix_bytes: int
     prefix_evictions: int
     prefix_hits: int
-    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., owners_live: _Optional[int] = ..., adoptions: _Optional[int] = ..., orphans_expired: _Optional[int] = ..., prefix_records: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_hits: _Optional[int] = ...) -> None: ...
+    owners_fenced: int
+    handovers: int
+    def __init__(self, capacity_bytes: _Optional[int] = ..., used_bytes: _Optional[int] = ..., regions: _Optional[int] = ..., requests: _Optional[int] = ..., durable_bytes: _Optional[int] = ..., allocations_refused: _Optional[int] = ..., largest_free_bytes: _Optional[int] = ..., owners_live: _Optional[int] = ..., adoptions: _Optional[int] = ..., orphans_expired: _Optional[int] = ..., prefix_records: _Optional[int] = ..., prefix_bytes: _Optional[int] = ..., prefix_evictions: _Optional[int] = ..., prefix_hits: _Optional[int] = ..., owners_fenced: _Optional[int] = ..., handovers: _Optional[int] = ...) -> None: ...
 
 class RegisterOwnerRequest(_message.Message):
-    __slots__ = ("owner", "lease_ttl_s")
+    __slots__ = ("owner", "lease_ttl_s", "salt")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     LEASE_TTL_S_FIELD_NUMBER: _ClassVar[int]
+    SALT_FIELD_NUMBER: _ClassVar[int]
     owner: str
     lease_ttl_s: float
-    def __init__(self, owner: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ...) -> None: ...
+    salt: str
+    def __init__(self, owner: _Optional[str] = ..., lease_ttl_s: _Optional[float] = ..., salt: _Optional[str] = ...) -> None: ...
 
 class OwnerLease(_message.Message):
     __slots__ = ("owner", "generation", "lease_ttl_s")
@@ -231,6 +237,28 @@ class ListRequestsResponse(_message.Message):
     def __init__(self, requests: _Optional[_Iterable[_Union[RequestInfo, _Mapping]]] = ...) -> None: ...
 
 class AdoptRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "generation", "from_owner", "fence", "from_generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    FROM_OWNER_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    generation: int
+    from_owner: str
+    fence: bool
+    from_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., from_owner: _Optional[str] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ...) -> None: ...
+
+class AdoptResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
+class HandOverRequest(_message.Message):
     __slots__ = ("request_id", "owner", "generation")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     OWNER_FIELD_NUMBER: _ClassVar[int]
@@ -240,11 +268,9 @@ class AdoptRequest(_message.Message):
     generation: int
     def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
-class AdoptResponse(_message.Message):
-    __slots__ = ("regions",)
-    REGIONS_FIELD_NUMBER: _ClassVar[int]
-    regions: _containers.RepeatedCompositeFieldContainer[Region]
-    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+class HandOverResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class CachePrefixRequest(_message.Message):
     __slots__ = ("request_id", "owner", "generation", "page_hashes", "token_ids", "page_size")

@@ -89,6 +89,11 @@ class KVHostStoreStub:
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
                 _registered_method=True)
+        self.HandOver = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/HandOver',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverResponse.FromString,
+                _registered_method=True)
         self.CachePrefix = channel.unary_unary(
                 '/dhisparse.rpc.KVHostStore/CachePrefix',
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.CachePrefixRequest.SerializeToString,
@@ -180,8 +185,18 @@ class KVHostStoreServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Adopt(self, request, context):
-        """Transfers a dead owner's request (all its regions) to the caller; FAILED_PRECONDITION
-        while its owner lives. Requests nobody adopts expire after the store's orphan TTL.
+        """Transfers an adoptable request (its owner dead, or handed over; all its regions) to the
+        caller; FAILED_PRECONDITION while its owner lives and keeps it, when it belongs to another
+        than from_owner by now (a racing adopter won), or when the caller registered another salt.
+        With fence, the caller (a live peer that found from_owner unreachable) ends from_owner's
+        generation first. Requests nobody adopts expire after the store's orphan TTL.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HandOver(self, request, context):
+        """The live owner offers one of its requests to its peers (it drains): adoptable from now on.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -266,6 +281,11 @@ def add_KVHostStoreServicer_to_server(servicer, server):
                     servicer.Adopt,
                     request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.SerializeToString,
+            ),
+            'HandOver': grpc.unary_unary_rpc_method_handler(
+                    servicer.HandOver,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverResponse.SerializeToString,
             ),
             'CachePrefix': grpc.unary_unary_rpc_method_handler(
                     servicer.CachePrefix,
@@ -580,6 +600,33 @@ class KVHostStore:
             '/dhisparse.rpc.KVHostStore/Adopt',
             dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptRequest.SerializeToString,
             dhisparse_dot_rpc_dot_kv__host__store__pb2.AdoptResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HandOver(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/HandOver',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.HandOverResponse.FromString,
             options,
             channel_credentials,
             insecure,

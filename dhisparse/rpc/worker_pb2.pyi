@@ -145,6 +145,20 @@ class ResumeRequest(_message.Message):
     tokens_received: int
     def __init__(self, request_id: _Optional[str] = ..., tokens_received: _Optional[int] = ...) -> None: ...
 
+class AdoptSessionRequest(_message.Message):
+    __slots__ = ("request_id", "from_owner", "tokens_received", "fence", "from_generation")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    FROM_OWNER_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
+    FENCE_FIELD_NUMBER: _ClassVar[int]
+    FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    from_owner: str
+    tokens_received: int
+    fence: bool
+    from_generation: int
+    def __init__(self, request_id: _Optional[str] = ..., from_owner: _Optional[str] = ..., tokens_received: _Optional[int] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ...) -> None: ...
+
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
@@ -192,12 +206,14 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "status")
+    __slots__ = ("ok", "status", "generation")
     OK_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     status: str
-    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ...) -> None: ...
+    generation: int
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

@@ -44,6 +44,11 @@ class WorkerStub:
                 request_serializer=dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.Adopt = channel.unary_stream(
+                '/dhisparse.rpc.Worker/Adopt',
+                request_serializer=dhisparse_dot_rpc_dot_worker__pb2.AdoptSessionRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
+                _registered_method=True)
         self.Abort = channel.unary_unary(
                 '/dhisparse.rpc.Worker/Abort',
                 request_serializer=dhisparse_dot_rpc_dot_worker__pb2.AbortRequest.SerializeToString,
@@ -87,6 +92,18 @@ class WorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Adopt(self, request, context):
+        """Takes over a session another worker of the node left in the host store (it died, or
+        drains) and streams it as Resume does: first the tokens after tokens_received, then new
+        ones. FAILED_PRECONDITION when the store refuses (its owner lives, another adopter won,
+        rows of another model or KV layout) or the session does not fit this worker;
+        RESOURCE_EXHAUSTED when this worker has no room (the session is handed back to the store
+        for the next adopter); NOT_FOUND when the store holds no such session.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Abort(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -123,6 +140,11 @@ def add_WorkerServicer_to_server(servicer, server):
             'Resume': grpc.unary_stream_rpc_method_handler(
                     servicer.Resume,
                     request_deserializer=dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.SerializeToString,
+            ),
+            'Adopt': grpc.unary_stream_rpc_method_handler(
+                    servicer.Adopt,
+                    request_deserializer=dhisparse_dot_rpc_dot_worker__pb2.AdoptSessionRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.SerializeToString,
             ),
             'Abort': grpc.unary_unary_rpc_method_handler(
@@ -199,6 +221,33 @@ class Worker:
             target,
             '/dhisparse.rpc.Worker/Resume',
             dhisparse_dot_rpc_dot_worker__pb2.ResumeRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Adopt(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/dhisparse.rpc.Worker/Adopt',
+            dhisparse_dot_rpc_dot_worker__pb2.AdoptSessionRequest.SerializeToString,
             dhisparse_dot_rpc_dot_worker__pb2.GenerateResponse.FromString,
             options,
             channel_credentials,

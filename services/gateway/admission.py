@@ -172,14 +172,32 @@ class MemoryAdmission:
                 self._kick(job.model)
             self._set_depth(job.model)
 
+    async def try_acquire(
+        self,
+        job: AdmissionJob,
+        workers: Callable[[], Sequence[WorkerStatus]],
+        exclude: Collection[str] = (),
+    ) -> Lease | None:
+        """One attempt, no queue: a lease on the best of ``workers`` outside ``exclude`` with
+        room for ``job`` now, or None. For a session admitted once already that moves to
+        another worker (its own died or drains): it neither waits behind new requests nor
+        counts as an admission or a rejection."""
+        try:
+            return await self._try(job, workers, exclude, judge=False)
+        except AdmissionRejected:  # the ledger did not answer
+            return None
+
     async def _try(
         self,
         job: AdmissionJob,
         workers: Callable[[], Sequence[WorkerStatus]],
         exclude: Collection[str],
+        *,
+        judge: bool = True,
     ) -> Lease | None:
         """One attempt: a lease on the best worker with room, or None when none has room now.
-        Raises when no worker could serve it at all (none healthy, or none large enough)."""
+        Raises (``judge``; else None) when no worker could serve it at all (none healthy, or
+        none large enough)."""
         healthy = [w for w in workers() if w.healthy and w.address not in exclude]
         sized: list[tuple[WorkerStatus, int]] = []
         for w in healthy:
@@ -187,11 +205,15 @@ class MemoryAdmission:
             if need is not None and w.kv_capacity_bytes > 0:
                 sized.append((w, need))
         if not sized:
+            if not judge:
+                return None
             what = "has reported its capacity yet" if healthy else "is available"
             raise self._no_worker(job, f"no healthy worker {what}")
         # one request runs on one rank of a data-parallel group: it must fit that rank's pool
         fits = {w.address: need for w, need in sized if need <= w.request_capacity_bytes}
         if not fits:
+            if not judge:
+                return None
             raise self._too_large(job, sized)
         # The router weighs what the ledger holds on each worker (every replica's leases).
         known = [self._with_usage(w) for w, _ in sized if w.address in fits]

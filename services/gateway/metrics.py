@@ -115,6 +115,26 @@ class GatewayMetrics:
             ["model", "outcome"],
             registry=r,
         )
+        self.adoptions = Counter(
+            names.ADOPTIONS,
+            "Streams whose worker died or drained mid-generation, by outcome: adopted by a live "
+            "peer of its node, or no peer could hold it (it waits for the restart).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.adoption_latency = Histogram(
+            names.ADOPTION_LATENCY,
+            "From a stream's break to the first response of the peer that adopted it.",
+            ["model"],
+            buckets=names.ALLOC_WAIT_BUCKETS,
+            registry=r,
+        )
+        self.waiting_restart = Gauge(
+            names.SESSIONS_WAITING_RESTART,
+            "Streams waiting for their worker's restart (no live peer could adopt them).",
+            ["model"],
+            registry=r,
+        )
         self._models_seen: set[str] = set()
         # Prefix affinity (``affinity``) and what the workers reported imported.
         self.routing_decisions = Counter(
@@ -152,6 +172,10 @@ class GatewayMetrics:
             self._models_seen.add(model)
             for outcome in ("resumed", "failed"):
                 self.streams_resumed.labels(model, outcome)
+            for outcome in ("adopted", "no_peer"):
+                self.adoptions.labels(model, outcome)
+            self.adoption_latency.labels(model)
+            self.waiting_restart.labels(model)
             for reason in ROUTING_REASONS:
                 self.routing_decisions.labels(model, reason)
             self.predicted_tokens.labels(model)

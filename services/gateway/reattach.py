@@ -5,8 +5,10 @@ process dies, ``dhisparse up`` (or Kubernetes) restarts it under the same addres
 id, and the new process resumes the sessions it finds there. The gateway keeps the client's
 stream open meanwhile: it polls the worker until it is healthy again (or ``deadline_s``
 passes), then calls ``Resume`` with the number of tokens the client already has and goes on
-streaming from there — the client sees one uninterrupted stream. NOT_FOUND (the session was
-not durable, e.g. resident mode) or the deadline ends the stream with a 503.
+streaming from there — the client sees one uninterrupted stream. A successor that holds no
+such session (NOT_FOUND: a peer took it over and handed it back to the store for want of room)
+is asked to ``Adopt`` it from the store; NOT_FOUND again (the session was not durable, e.g.
+resident mode) or the deadline ends the stream with a 503.
 """
 
 from __future__ import annotations
@@ -31,6 +33,15 @@ WORKER_GONE = {
     grpc.StatusCode.UNKNOWN,
     grpc.StatusCode.INTERNAL,
     grpc.StatusCode.CANCELLED,
+}
+
+
+# The session is nowhere this worker can take it from (or the worker cannot adopt at all).
+_NOT_THERE = {
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNIMPLEMENTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
 
 
@@ -76,11 +87,17 @@ async def reattach(
     within ``deadline_s`` of the call; raises ``APIError`` when the session is lost."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
+    adopt = ""  # what Resume said when it found nothing: then take it from the store
     while True:
         await wait_healthy(stub, address, request_id, deadline, poll_s)
-        call = stub.Resume(
-            worker_pb2.ResumeRequest(request_id=request_id, tokens_received=received)
-        )
+        if adopt:
+            call = stub.Adopt(
+                worker_pb2.AdoptSessionRequest(request_id=request_id, tokens_received=received)
+            )
+        else:
+            call = stub.Resume(
+                worker_pb2.ResumeRequest(request_id=request_id, tokens_received=received)
+            )
         try:
             async for resp in call:
                 delta = convert.generation_delta(resp)
@@ -89,8 +106,12 @@ async def reattach(
             return
         except grpc.aio.AioRpcError as e:
             code, details = e.code(), e.details() or e.code().name
-            if code == grpc.StatusCode.NOT_FOUND:
-                raise _lost(address, request_id, details) from e
+            if code == grpc.StatusCode.NOT_FOUND and not adopt:
+                adopt = details
+                continue
+            if code in _NOT_THERE:
+                why = f"{adopt}; adopting it from the store: {details}" if adopt else details
+                raise _lost(address, request_id, why) from e
             if code not in WORKER_GONE or loop.time() >= deadline:
                 raise _lost(address, request_id, f"{code.name}: {details}") from e
             log.warning("re-attached stream of %s failed again (%s); waiting", request_id, code)

@@ -147,6 +147,15 @@ class Admission(Protocol):
         call leaves nothing held.
         """
 
+    async def try_acquire(
+        self,
+        job: AdmissionJob,
+        workers: Callable[[], Sequence[WorkerStatus]],
+        exclude: Collection[str] = (),
+    ) -> Lease | None:
+        """One attempt, no waiting: a lease on a worker outside ``exclude`` with room for
+        ``job`` now, or None. For a running session that moves to another worker."""
+
     async def start(self) -> None:
         """Starts background work (lease renewal); called once the event loop runs."""
 
@@ -230,6 +239,15 @@ class ImmediateAdmission:
         if address is None:
             raise NoWorkerAvailable("no healthy worker is available")
         return _PlainLease(address)
+
+    async def try_acquire(
+        self,
+        job: AdmissionJob,
+        workers: Callable[[], Sequence[WorkerStatus]],
+        exclude: Collection[str] = (),
+    ) -> Lease | None:
+        address = self.router.pick(workers(), exclude)
+        return None if address is None else _PlainLease(address)
 
     async def start(self) -> None:
         pass

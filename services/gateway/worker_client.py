@@ -4,10 +4,12 @@ polled for health and load) and ``generate`` with admission, routing, retry and 
 Contract of ``WorkerPool.generate``: the returned async iterator yields the worker's deltas for
 one request. A worker that fails *before its first token* is retried on another healthy worker
 (at most ``max_retries`` times). A worker with durable sessions whose process dies *after* the
-first token is waited for (``resume_deadline``: ``resume_deadline_s``, longer for a worker that
-was slow to start) and the stream re-attached to its successor
-(``reattach``), which resumed the session from the host store; failing that — or at once for a
-worker without durable sessions (resident mode) — the stream ends with an ``APIError``.
+first token has its stream moved to a live peer of its node with room (``peer_adoption``), which
+adopts the session from the host store; when none does, the worker is waited for
+(``resume_deadline``: ``resume_deadline_s``, longer for a worker that was slow to start) and the
+stream re-attached to its successor (``reattach``), which resumed the session from the host
+store; failing that — or at once for a worker without durable sessions (resident mode) — the
+stream ends with an ``APIError``.
 The admission lease stays held until the stream ends, whichever way. Closing or cancelling the
 iterator cancels the gRPC call, which makes the worker abort the request and free its KV.
 """
@@ -17,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
 
@@ -35,6 +38,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import GenerationDelta, GenerationInput
 from services.gateway.metrics import GatewayMetrics
+from services.gateway.peer_adoption import Origin, move_to_peer
 from services.gateway.prefix_keys import PromptPrefix
 from services.gateway.reattach import WORKER_GONE, reattach
 from services.gateway.routing import (
@@ -42,6 +46,7 @@ from services.gateway.routing import (
     AdmissionJob,
     AdmissionRejected,
     ImmediateAdmission,
+    Lease,
     NoWorkerAvailable,
     WorkerStatus,
 )
@@ -173,6 +178,58 @@ class WorkerPool:
             if self.metrics is not None:
                 self.metrics.streams_resumed.labels(inp.model, outcome).inc()
 
+    async def _recover(
+        self, worker: WorkerClient, lease: Lease, job: AdmissionJob, inp: GenerationInput,
+        received: int, startup_s: float,
+    ) -> AsyncIterator[GenerationDelta]:  # fmt: skip
+        """The rest of a stream whose ``worker`` died after ``received`` tokens: from live peers
+        of its node while one adopts it (again when that one dies), else from its successor."""
+        origin = Origin.of(worker)
+        while origin is not None:
+            broke = time.monotonic()
+            workers = list(self.workers.values())
+            moved = await move_to_peer(workers, self.admission, job, origin, worker.stub, received)
+            if moved is None:
+                break
+            lease.release()  # the dead worker's share: the peer holds a lease of its own
+            if self.metrics is not None:
+                self.metrics.adoptions.labels(inp.model, "adopted").inc()
+                self.metrics.adoption_latency.labels(inp.model).observe(time.monotonic() - broke)
+            worker, lease = moved.worker, moved.lease
+            startup_s = worker.model.startup_s if worker.model is not None else startup_s
+            worker.in_flight += 1
+            died = False  # the peer died too: its lease stays held while the stream moves on
+            try:
+                resp = moved.first
+                while resp is not grpc.aio.EOF:
+                    delta = convert.generation_delta(resp)
+                    received += len(delta.token_ids)
+                    yield delta
+                    resp = await moved.call.read()
+                return
+            except grpc.aio.AioRpcError as e:
+                if e.code() not in WORKER_GONE:
+                    raise
+                log.warning("peer %s failed mid-generation of %s (%s): moving it again",
+                            worker.address, inp.request_id, describe(e))  # fmt: skip
+                died = True
+                origin = Origin.of(worker)
+            finally:
+                moved.call.cancel()
+                worker.in_flight -= 1
+                if not died:
+                    lease.release()
+        if self.metrics is not None:
+            self.metrics.adoptions.labels(inp.model, "no_peer").inc()
+            self.metrics.waiting_restart.labels(inp.model).inc()
+        try:
+            async for delta in self._reattach(worker, inp, received, startup_s):
+                yield delta
+        finally:
+            lease.release()
+            if self.metrics is not None:
+                self.metrics.waiting_restart.labels(inp.model).dec()
+
     def _routed(
         self, model: str, prefix: PromptPrefix, worker: WorkerClient, exclude: Sequence[str]
     ) -> None:
@@ -253,8 +310,9 @@ class WorkerPool:
                         "worker %s failed mid-generation of %s (%s): re-attaching",
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
-                async for delta in self._reattach(worker, inp, len(output), startup_s):
-                    # its successor resumed the whole session; the prompt was this worker's
+                async for delta in self._recover(worker, lease, job, inp, len(output), startup_s):
+                    # a peer or the successor resumed the whole session; the prompt was this
+                    # worker's
                     yield replace(delta, cached_prompt_tokens=cached)
                 return
             except grpc.aio.AioRpcError as e:

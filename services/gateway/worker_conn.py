@@ -40,6 +40,9 @@ class WorkerClient:
         self.in_flight = 0
         self.in_flight_at_poll = 0
         self.last_error: str | None = None
+        # its registration with its host store, as its last answered health poll said (kept
+        # once it stops answering: a dead worker's streams are taken from that generation)
+        self.generation = 0
 
     def open(self) -> None:
         """Creates the channel; must run on the event loop that will use it (grpc.aio binds a
@@ -70,6 +73,7 @@ class WorkerClient:
                 )
                 self.model = convert.model_info(info)
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
+            self.generation = health.generation
             if not health.ok:
                 self.healthy, self.last_error = False, f"unhealthy: {health.status}"
             else:

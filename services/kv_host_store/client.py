@@ -49,6 +49,13 @@ class _Messages:
             owner=owner, request_id=request_id, region_id=region_id, generation=gen
         )
 
+    @staticmethod
+    def adopt(request_id: str, owner: str, gen: int, from_owner: str, fence: bool, from_gen: int):
+        return pb.AdoptRequest(
+            request_id=request_id, owner=owner, generation=gen, from_owner=from_owner,
+            fence=fence, from_generation=from_gen,
+        )  # fmt: skip
+
 
 M = _Messages
 
@@ -115,8 +122,8 @@ class KVHostStoreClient:
     def stats(self) -> StoreStats:
         return convert.stats_from_proto(self._call(self._stub.Stats, pb.StatsRequest()))
 
-    def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
-        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s)
+    def register_owner(self, owner: str, ttl_s: float, salt: str = "") -> OwnerLease:
+        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s, salt=salt)
         return convert.lease_from_proto(self._call(self._stub.RegisterOwner, m))
 
     def renew_owner(self, owner: str, generation: int) -> OwnerLease:
@@ -132,9 +139,17 @@ class KVHostStoreClient:
         resp = self._call(self._stub.ListRequests, m)
         return [convert.request_info_from_proto(r) for r in resp.requests]
 
-    def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
-        m = pb.AdoptRequest(request_id=request_id, owner=owner, generation=generation)
+    def adopt(
+        self, request_id: str, owner: str, generation: int, from_owner: str = "",
+        fence: bool = False, from_generation: int = 0,
+    ) -> list[Region]:  # fmt: skip
+        """``HostStore.adopt``."""
+        m = M.adopt(request_id, owner, generation, from_owner, fence, from_generation)
         return [convert.region_from_proto(r) for r in self._call(self._stub.Adopt, m).regions]
+
+    def hand_over(self, request_id: str, owner: str, generation: int) -> None:
+        m = pb.HandOverRequest(request_id=request_id, owner=owner, generation=generation)
+        self._call(self._stub.HandOver, m)
 
     def cache_prefix(
         self,
@@ -237,8 +252,8 @@ class AsyncKVHostStoreClient:
     async def stats(self) -> StoreStats:
         return convert.stats_from_proto(await self._call(self._stub.Stats, pb.StatsRequest()))
 
-    async def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
-        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s)
+    async def register_owner(self, owner: str, ttl_s: float, salt: str = "") -> OwnerLease:
+        m = pb.RegisterOwnerRequest(owner=owner, lease_ttl_s=ttl_s, salt=salt)
         return convert.lease_from_proto(await self._call(self._stub.RegisterOwner, m))
 
     async def renew_owner(self, owner: str, generation: int) -> OwnerLease:
@@ -256,10 +271,17 @@ class AsyncKVHostStoreClient:
         resp = await self._call(self._stub.ListRequests, m)
         return [convert.request_info_from_proto(r) for r in resp.requests]
 
-    async def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
-        m = pb.AdoptRequest(request_id=request_id, owner=owner, generation=generation)
+    async def adopt(
+        self, request_id: str, owner: str, generation: int, from_owner: str = "",
+        fence: bool = False, from_generation: int = 0,
+    ) -> list[Region]:  # fmt: skip
+        m = M.adopt(request_id, owner, generation, from_owner, fence, from_generation)
         resp = await self._call(self._stub.Adopt, m)
         return [convert.region_from_proto(r) for r in resp.regions]
+
+    async def hand_over(self, request_id: str, owner: str, generation: int) -> None:
+        m = pb.HandOverRequest(request_id=request_id, owner=owner, generation=generation)
+        await self._call(self._stub.HandOver, m)
 
     async def close(self) -> None:
         await self._channel.close()

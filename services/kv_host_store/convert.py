@@ -94,6 +94,8 @@ def stats_to_proto(s: StoreStats) -> pb.StatsResponse:
         prefix_bytes=s.prefix_bytes,
         prefix_evictions=s.prefix_evictions,
         prefix_hits=s.prefix_hits,
+        owners_fenced=s.owners_fenced,
+        handovers=s.handovers,
     )
 
 
@@ -113,6 +115,8 @@ def stats_from_proto(m: pb.StatsResponse) -> StoreStats:
         prefix_bytes=m.prefix_bytes,
         prefix_evictions=m.prefix_evictions,
         prefix_hits=m.prefix_hits,
+        owners_fenced=m.owners_fenced,
+        handovers=m.handovers,
     )
 
 

@@ -55,6 +55,16 @@ class StoreCollector(Collector):
             value=s.adoptions,
         )
         yield CounterMetricFamily(
+            names.HOST_STORE_OWNERS_FENCED,
+            "Worker generations a live peer found unreachable and fenced off to adopt from them",
+            value=s.owners_fenced,
+        )
+        yield CounterMetricFamily(
+            names.HOST_STORE_HANDOVERS,
+            "Requests their live owner offered to its peers",
+            value=s.handovers,
+        )
+        yield CounterMetricFamily(
             names.HOST_STORE_ORPHANS_EXPIRED,
             "Requests of dead workers freed because nobody adopted them in time",
             value=s.orphans_expired,

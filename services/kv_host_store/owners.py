@@ -4,8 +4,12 @@ A worker process registers on start and gets the next generation of its worker i
 its lease while it runs. A request held by generation g of worker w becomes *adoptable* when
 that process is gone: at once when w registers a newer generation (a process registers only on
 start, so g's process has exited), when g releases its registration (graceful shutdown), or
-when g's lease expires. Owners that never registered (generation 0) have no lease and are never
-considered dead. Pure logic with an injected clock; the store serializes calls.
+when g's lease expires, or when a live peer *fences* g (it found g's process unreachable and
+adopts from it: g's calls are refused from then on, as after a release). Owners that never
+registered (generation 0) have no lease and are never considered dead. Each generation registers
+with the *salt* of the rows it writes (``prefix_index.PrefixSalt.root``: model, numerics, KV dtype,
+page size; "" when unknown): a peer adopts only rows it computes the same way. Pure logic with an
+injected clock; the store serializes calls.
 """
 
 from __future__ import annotations
@@ -22,7 +26,8 @@ class _Owner:
     ttl_s: float
     expires: float  # the lease ends here unless renewed
     registered: float  # when this generation registered: earlier generations died by then
-    released: float | None = None  # graceful release of this generation
+    released: float | None = None  # graceful release (or fencing) of this generation
+    salt: str = ""  # how this generation's rows are computed ("" unknown)
 
 
 class OwnerTable:
@@ -31,15 +36,16 @@ class OwnerTable:
         self.min_ttl_s = min_ttl_s
         self.max_ttl_s = max_ttl_s
 
-    def register(self, owner: str, ttl_s: float, now: float) -> OwnerLease:
-        """The next generation of ``owner`` (1 for the first), with a lease of ``ttl_s``."""
+    def register(self, owner: str, ttl_s: float, now: float, salt: str = "") -> OwnerLease:
+        """The next generation of ``owner`` (1 for the first), with a lease of ``ttl_s``, writing
+        rows of ``salt``."""
         if not self.min_ttl_s <= ttl_s <= self.max_ttl_s:
             raise InvalidArgument(
                 f"lease ttl must be in [{self.min_ttl_s}, {self.max_ttl_s}] s, got {ttl_s}"
             )
         prev = self._owners.get(owner)
         generation = 1 if prev is None else prev.generation + 1
-        self._owners[owner] = _Owner(generation, ttl_s, now + ttl_s, now)
+        self._owners[owner] = _Owner(generation, ttl_s, now + ttl_s, now, salt=salt)
         return OwnerLease(owner, generation, ttl_s)
 
     def renew(self, owner: str, generation: int, now: float) -> OwnerLease:
@@ -53,6 +59,19 @@ class OwnerTable:
     def release(self, owner: str, generation: int, now: float) -> None:
         """Graceful end of a generation: what it still holds is adoptable from now on."""
         self._current(owner, generation).released = now
+
+    def fence(self, owner: str, generation: int, now: float) -> None:
+        """Ends the current generation ``generation`` of ``owner`` on a peer's word (its process
+        is unreachable): from now on it is dead, its requests adoptable and its calls refused.
+        A generation already dead stays as it is."""
+        o = self._owners.get(owner)
+        if o is not None and o.generation == generation and o.released is None:
+            o.released = now
+
+    def salt(self, owner: str) -> str:
+        """The salt the current generation of ``owner`` registered with ("" when unknown)."""
+        o = self._owners.get(owner)
+        return "" if o is None else o.salt
 
     def check_caller(self, owner: str, generation: int) -> None:
         """A call may act for ``(owner, generation)``: the current registered generation, or

@@ -59,6 +59,8 @@ class StoreStats:
     largest_free_bytes: int  # the largest allocation that would succeed now
     owners_live: int = 0  # registered owners whose lease runs
     adoptions: int = 0  # requests adopted from dead owners since the store started
+    owners_fenced: int = 0  # owner generations a peer found unreachable and fenced off
+    handovers: int = 0  # requests their live owner offered to peers (draining)
     orphans_expired: int = 0  # requests of dead owners freed unadopted since the store started
     prefix_records: int = 0  # cached prefixes (``prefix_cache``)
     prefix_bytes: int = 0  # aligned arena bytes they hold

@@ -21,6 +21,8 @@ class Holding:
     owner: str
     generation: int = 0  # of the owner process; fences off a dead generation's calls
     region_ids: set[str] = field(default_factory=set)
+    salt: str = ""  # how its rows were computed (its allocating owner's registered salt)
+    handed_over: float | None = None  # when its live owner offered it to a peer (draining)
 
 
 class RegionTable:
@@ -40,11 +42,12 @@ class RegionTable:
         rows: int,
         row_bytes: int,
         evict: Callable[[], bool] = lambda: False,
+        salt: str = "",
     ) -> Region:
         """A new region, placed with the other regions of ``(owner, source)`` as the placement
         policy says. While no free range fits, ``evict()`` frees something (a cached prefix)
         and it tries again; raises ``CapacityExhausted`` (counted) once ``evict()`` has nothing
-        left to free."""
+        left to free. ``salt``: the owner's, kept with a request's first region."""
         need = self.alloc.aligned_size(rows * row_bytes)
         while self.alloc.largest_free() < need and evict():
             pass
@@ -61,7 +64,7 @@ class RegionTable:
                 requested=need,
                 largest_free=largest,
             )
-        req = self.requests.setdefault(request_id, Holding(owner, generation))
+        req = self.requests.setdefault(request_id, Holding(owner, generation, salt=salt))
         region = Region(
             uuid.uuid4().hex, request_id, owner, source, offset, rows, row_bytes,
             generation=generation,
@@ -105,7 +108,7 @@ class RegionTable:
         return sorted(regions, key=lambda r: (r.source, r.offset))
 
     def transfer(self, req: Holding, owner: str, generation: int) -> None:
-        req.owner, req.generation = owner, generation
+        req.owner, req.generation, req.handed_over = owner, generation, None
         for rid in req.region_ids:
             self.regions[rid] = replace(self.regions[rid], owner=owner, generation=generation)
 

@@ -103,7 +103,7 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     async def RegisterOwner(
         self, request: pb.RegisterOwnerRequest, context: grpc.aio.ServicerContext
     ) -> pb.OwnerLease:
-        lease = self._store.register_owner(request.owner, request.lease_ttl_s)
+        lease = self._store.register_owner(request.owner, request.lease_ttl_s, request.salt)
         log.info("owner %s registered generation %d", lease.owner, lease.generation)
         return convert.lease_to_proto(lease)
 
@@ -131,11 +131,23 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     async def Adopt(
         self, request: pb.AdoptRequest, context: grpc.aio.ServicerContext
     ) -> pb.AdoptResponse:
-        regions = self._store.adopt(request.request_id, request.owner, request.generation)
-        log.info(
-            "request %s adopted by %s/%d", request.request_id, request.owner, request.generation
-        )
+        r = request
+        regions = self._store.adopt(
+            r.request_id, r.owner, r.generation, from_owner=r.from_owner, fence=r.fence,
+            from_generation=r.from_generation,
+        )  # fmt: skip
+        log.info("request %s adopted by %s/%d%s", r.request_id, r.owner, r.generation,
+                 f" from {r.from_owner}" if r.from_owner else "")  # fmt: skip
         return pb.AdoptResponse(regions=[convert.region_to_proto(r) for r in regions])
+
+    @_maps_store_errors
+    async def HandOver(
+        self, request: pb.HandOverRequest, context: grpc.aio.ServicerContext
+    ) -> pb.HandOverResponse:
+        self._store.hand_over(request.request_id, request.owner, request.generation)
+        log.info("request %s handed over by %s/%d", request.request_id, request.owner,
+                 request.generation)  # fmt: skip
+        return pb.HandOverResponse()
 
     @_maps_store_errors
     async def CachePrefix(

@@ -5,8 +5,13 @@ Ownership is per *request*: every region of a request belongs to the worker proc
 and generation (``owners``) — that allocated the request's first region or adopted it, and only
 that owner may allocate more, mark durable, look up or release. When the owner process dies its
 requests become adoptable: ``adopt`` transfers one to a live owner (regions stay where they are:
-nothing is copied), and calls still in flight from the dead generation are refused. Requests
-nobody adopts within ``orphan_ttl_s`` of their owner's death are freed by ``expire_orphans``.
+nothing is copied), and calls still in flight from the dead generation are refused. The adopter
+may be the dead worker's successor or a live *peer*: a peer that found the owner unreachable
+fences its generation as it adopts (``fence``), and a draining owner offers a request to peers
+(``hand_over``); either way ownership stays single — one adopter wins, and the previous holder's
+calls on the request are refused from then on, even if its process comes back. Requests nobody
+adopts within ``orphan_ttl_s`` of their owner's death (or hand-over) are freed by
+``expire_orphans``.
 
 A request may also be handed to the store as a *cached prefix* (``cache_prefix``,
 ``prefix_cache``): the store owns it from then on, leases it to admissions whose prompt begins
@@ -78,6 +83,8 @@ class HostStore:
         self._clock = clock
         self.orphan_ttl_s = orphan_ttl_s
         self._adoptions = 0
+        self._fenced = 0  # owner generations ended by a peer's adoption
+        self._handovers = 0
         self._orphans_expired = 0
         self._prefixes = PrefixCache(self._t.free_detached)
 
@@ -91,12 +98,13 @@ class HostStore:
 
     # -- owners ------------------------------------------------------------------------------
 
-    def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
-        """A new generation of worker id ``owner``; the previous generation's requests become
-        adoptable at once (the process that held them has restarted)."""
+    def register_owner(self, owner: str, ttl_s: float, salt: str = "") -> OwnerLease:
+        """A new generation of worker id ``owner``, writing rows of ``salt`` (what a peer must
+        match to adopt its requests; "" unknown: any peer may); the previous generation's
+        requests become adoptable at once (the process that held them has restarted)."""
         check_id("owner", owner)
         with self._lock:
-            return self._owners.register(owner, float(ttl_s), self._clock())
+            return self._owners.register(owner, float(ttl_s), self._clock(), salt)
 
     def renew_owner(self, owner: str, generation: int) -> OwnerLease:
         check_id("owner", owner)
@@ -151,8 +159,10 @@ class HostStore:
             req = self._t.requests.get(request_id)
             if req is not None:
                 _check_holder(request_id, req, owner, generation)
-            evict = self._prefixes.evict_one
-            return self._t.add(request_id, owner, generation, source, num_rows, row_bytes, evict)
+            evict, salt = self._prefixes.evict_one, self._owners.salt(owner)
+            return self._t.add(
+                request_id, owner, generation, source, num_rows, row_bytes, evict, salt
+            )
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
@@ -255,7 +265,7 @@ class HostStore:
             now = self._clock()
             out = []
             for request_id, req in sorted(self._t.requests.items()):
-                dead = self._owners.dead_since(req.owner, req.generation, now)
+                dead = self._adoptable_since(req, now)
                 if (owner and req.owner != owner) or (adoptable_only and dead is None):
                     continue
                 age = 0.0 if dead is None else max(0.0, now - dead)
@@ -267,13 +277,36 @@ class HostStore:
                 out.append(info)
             return out
 
-    def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
-        """Transfers every region of a dead owner's request to the live ``(owner,
-        generation)``, atomically, and returns them. Refused with ``FailedPrecondition`` while
-        the request's owner lives (or the caller is not a live registered owner); adopting a
-        request one already holds returns its regions."""
+    def _adoptable_since(self, req: Holding, now: float) -> float | None:
+        """Since when ``req`` may be adopted: its owner's death or its hand-over; None while
+        its live owner keeps it."""
+        dead = self._owners.dead_since(req.owner, req.generation, now)
+        return dead if dead is not None else req.handed_over
+
+    def adopt(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        *,
+        from_owner: str = "",
+        fence: bool = False,
+        from_generation: int = 0,
+    ) -> list[Region]:
+        """Transfers every region of an adoptable request (its owner dead, or it was handed
+        over) to the live ``(owner, generation)``, atomically, and returns them; adopting a
+        request one already holds returns its regions. ``from_owner``: the worker id the caller
+        takes it from (and ``from_generation``, 0: any) — refused when the request belongs to
+        another by now (an adopter racing this one won, or that worker's successor resumed it). ``fence`` (with ``from_owner``): the caller found that owner's process
+        unreachable; its current generation is ended first (``OwnerTable.fence``), so every
+        request it holds becomes adoptable and its calls are refused. Raises
+        ``FailedPrecondition`` while the request's owner lives and keeps it, for a caller that
+        is not a live registered owner, and when the caller's rows are computed otherwise than
+        the request's (their registered salts differ)."""
         check_id("request_id", request_id)
         check_id("owner", owner)
+        if fence and not from_owner:
+            raise InvalidArgument("fence names the owner to fence: give from_owner")
         with self._lock:
             now = self._clock()
             self._owners.check_caller(owner, generation)
@@ -287,7 +320,23 @@ class HostStore:
                 raise NotFound(f"no regions for request {request_id!r}")
             if (req.owner, req.generation) == (owner, generation):
                 return self._t.of(req)
-            if self._owners.dead_since(req.owner, req.generation, now) is None:
+            if (from_owner and req.owner != from_owner) or (
+                from_generation and req.generation != from_generation
+            ):
+                raise FailedPrecondition(
+                    f"request {request_id!r} belongs to {_who(req.owner, req.generation)} now, "
+                    f"not {_who(from_owner, from_generation)}: another adopter took it"
+                )
+            mine = self._owners.salt(owner)
+            if req.salt and mine and req.salt != mine:
+                raise FailedPrecondition(
+                    f"request {request_id!r} holds rows of another model or KV layout than "
+                    f"{_who(owner, generation)} computes (salt {req.salt[:12]} vs {mine[:12]})"
+                )
+            if fence and self._adoptable_since(req, now) is None:
+                self._owners.fence(req.owner, req.generation, now)
+                self._fenced += 1
+            if self._adoptable_since(req, now) is None:
                 raise FailedPrecondition(
                     f"request {request_id!r} belongs to the live owner "
                     f"{_who(req.owner, req.generation)}: not adoptable"
@@ -295,6 +344,18 @@ class HostStore:
             self._t.transfer(req, owner, generation)
             self._adoptions += 1
             return self._t.of(req)
+
+    def hand_over(self, request_id: str, owner: str, generation: int) -> None:
+        """The live owner offers ``request_id`` to its peers (it drains, or cannot hold it):
+        adoptable from now on, by any live owner (``adopt``); until one adopts it, it is still
+        the owner's. Handing over a request twice changes nothing."""
+        check_id("request_id", request_id)
+        check_id("owner", owner)
+        with self._lock:
+            req = self._owned_request(request_id, owner, generation)
+            if req.handed_over is None:
+                req.handed_over = self._clock()
+                self._handovers += 1
 
     def expire_orphans(self) -> int:
         """Frees the requests whose owner died at least ``orphan_ttl_s`` ago and that nobody
@@ -304,7 +365,7 @@ class HostStore:
             expired = [
                 req
                 for req in self._t.requests.values()
-                if (dead := self._owners.dead_since(req.owner, req.generation, now)) is not None
+                if (dead := self._adoptable_since(req, now)) is not None
                 and now - dead >= self.orphan_ttl_s
             ]
             for req in expired:
@@ -327,6 +388,8 @@ class HostStore:
                 largest_free_bytes=a.largest_free(),
                 owners_live=self._owners.live_count(self._clock()),
                 adoptions=self._adoptions,
+                owners_fenced=self._fenced,
+                handovers=self._handovers,
                 orphans_expired=self._orphans_expired,
                 prefix_records=len(self._prefixes),
                 prefix_bytes=self._prefixes.nbytes,

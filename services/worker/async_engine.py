@@ -9,6 +9,9 @@ gateway re-attaches (``resume``); the first output of an attach catches the call
 token it has not received. A detached session nobody attaches within ``attach_timeout_s`` is
 aborted, which returns its capacity.
 
+A live worker also takes over a peer's session (``adopt``: ``SessionAdopter``, the durable
+package's ``adopt_session`` bound to this worker's store registration); it is attached at once.
+
 A step that raises fails the requests it ran (``Engine.fail_running``: their callers get the
 error) and the engine serves on. It stops (``EngineDeadError`` for every caller, unhealthy
 until restarted) when a rank group's step fails (its ranks cannot drop a step one-sided), when
@@ -25,6 +28,7 @@ import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 
+from services.worker.durable.adoption import AdoptFrom, NotAdopted
 from services.worker.engine.engine import Engine
 from services.worker.request.request import Request, RequestError, RequestOutput, SamplingParams
 
@@ -35,6 +39,15 @@ MAX_FAILED_STEPS = 3  # steps failing in a row that stop the engine
 
 class EngineDeadError(RuntimeError):
     """The engine thread failed; the worker must be restarted."""
+
+
+# (engine, request id, whom from) -> the running request; raises ``NotAdopted``
+SessionAdopter = Callable[[Engine, str, AdoptFrom], Request]
+
+
+class SessionsHandedOver(RuntimeError):
+    """The worker drains: the session is in the host store for a peer (or this worker's
+    successor) to adopt, and the caller should move its stream there."""
 
 
 class SessionNotFound(LookupError):
@@ -82,11 +95,14 @@ class AsyncEngine:
         attach_timeout_s: float = 60.0,
         between_steps: Callable[[Engine], None] | None = None,
         on_shutdown: Callable[[], None] | None = None,
+        adopter: SessionAdopter | None = None,
     ) -> None:
         """``detached``: ids of sessions resumed into ``engine`` before it starts stepping.
         ``between_steps`` runs on the engine thread between steps (host-store re-attach);
-        ``on_shutdown`` once the engine thread has stopped."""
+        ``on_shutdown`` once the engine thread has stopped; ``adopter`` takes a peer's session
+        over (None: this worker keeps no durable sessions)."""
         self.engine = engine
+        self._adopter = adopter
         self._on_shutdown = on_shutdown
         self._on_step = on_step
         self._between = between_steps
@@ -103,6 +119,7 @@ class AsyncEngine:
             assert req is not None, rid
             self._detached[rid] = _Detached(req, deadline)
         self.error: BaseException | None = None
+        self.draining = False  # ``drain``: admits nothing, its sessions move to peers
         self._failed_steps = 0  # in a row
         self._thread = threading.Thread(target=self._run, name="engine", daemon=True)
         self._thread.start()
@@ -136,6 +153,20 @@ class AsyncEngine:
         ``tokens_received``, then its outputs as they come. Raises ``SessionNotFound``."""
         stream = self._open(request_id)
         self._send("attach", request_id, tokens_received)
+        async for out in self._consume(request_id, stream):
+            yield out
+
+    async def adopt(
+        self, request_id: str, source: AdoptFrom, tokens_received: int
+    ) -> AsyncIterator[RequestOutput]:
+        """Takes over a peer's session from the host store (``SessionAdopter``) and streams it
+        as ``resume`` does. Raises ``NotAdopted``."""
+        if self._adopter is None:
+            raise NotAdopted("failed_precondition", "this worker keeps no durable sessions")
+        if self.draining:
+            raise NotAdopted("unavailable", "this worker drains: it adopts nothing")
+        stream = self._open(request_id)
+        self._send("adopt", request_id, source, tokens_received)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -173,13 +204,30 @@ class AsyncEngine:
         self._send("abort", request_id)
         return known
 
-    def shutdown(self, timeout: float = 5.0) -> None:
+    def shutdown(self, timeout: float | None = 5.0) -> None:
         self._stop.set()
         self._wake.set()
         self._thread.join(timeout)
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
+
+    def drain(self) -> int:
+        """Hands every live session over (SIGTERM): admits nothing more (``draining``), stops
+        the engine thread after its step in flight — the sessions' rows and manifests are in
+        the host store as of that step — runs ``on_shutdown`` (a durable worker's releases its
+        store generation: every session it holds becomes adoptable) and ends each open stream
+        with ``SessionsHandedOver``; returns how many. Only for durable sessions: a worker
+        without them would lose what it hands over. Blocks until the step in flight ends: the
+        generation is released only once nothing writes its sessions any more (a supervisor
+        that kills the process first leaves them to the store's fencing)."""
+        self.draining = True
+        self.shutdown(timeout=None)
+        with self._lock:
+            ids = list(self._streams)
+        for rid in ids:
+            self._deliver(rid, SessionsHandedOver(f"worker drains: {rid} is handed over"))
+        return len(ids)
 
     @property
     def detached(self) -> list[str]:
@@ -225,6 +273,8 @@ class AsyncEngine:
                     self._deliver(request_id, e)
             elif op == "attach":
                 self._attach(*args)
+            elif op == "adopt":
+                self._adopt(*args)
             elif op == "abort":
                 self._detached.pop(args[0], None)
                 out = self.engine.abort(args[0])
@@ -247,6 +297,28 @@ class AsyncEngine:
             )
             return
         self._deliver(request_id, catch_up(self.engine, d.req, tokens_received))
+
+    def _adopt(self, request_id: str, source: AdoptFrom, tokens_received: int) -> None:
+        assert self._adopter is not None
+        if self.engine.has_request(request_id):  # adopted already (a repeated call)
+            self._deliver(request_id, ValueError(f"request {request_id!r} already runs here"))
+            return
+        try:
+            req = self._adopter(self.engine, request_id, source)
+        except NotAdopted as e:
+            self._deliver(request_id, e)
+            return
+        if not 0 <= tokens_received <= len(req.output_ids):
+            self.engine.abort(request_id)
+            self._deliver(
+                request_id,
+                ValueError(
+                    f"tokens_received={tokens_received}, but the session has "
+                    f"{len(req.output_ids)} tokens"
+                ),
+            )
+            return
+        self._deliver(request_id, catch_up(self.engine, req, tokens_received))
 
     def _expire_detached(self) -> None:
         now = time.monotonic()

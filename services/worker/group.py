@@ -142,13 +142,15 @@ def follow(settings: WorkerSettings, comm: Any) -> int:
     as rank 0 does at the same point (``server.start_server``)."""
     from services.worker.durable.adoption import take_over
     from services.worker.engine.engine import Engine
+    from services.worker.engine.prefix_setup import prefix_salt
     from services.worker.server import connect_store
 
     host = connect_store(settings) if settings.kv_store and settings.mode != "resident" else None
     engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
     link = None
     if host is not None and engine.group.data_parallel:
-        link = take_over(engine, host[0], settings.lease_ttl_s)
+        salt = prefix_salt(engine.cfg, engine.kv).root()
+        link = take_over(engine, host[0], settings.lease_ttl_s, salt)
         engine.group.share_resumed(engine)
     log.info("rank %d of %d ready: following rank 0", comm.rank, comm.size)
     engine.group.follow(engine, engine.stats.drain_finished)

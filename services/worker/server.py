@@ -12,12 +12,18 @@ import grpc
 from dhisparse.metrics_server import serve_metrics
 from dhisparse.rpc import worker_pb2 as pb
 from dhisparse.rpc import worker_pb2_grpc as pb_grpc
-from services.worker.async_engine import AsyncEngine, EngineDeadError, SessionNotFound
+from services.worker.async_engine import (
+    AsyncEngine,
+    EngineDeadError,
+    SessionNotFound,
+    SessionsHandedOver,
+)
 from services.worker.convert import output_to_proto, sampling_from_proto
-from services.worker.durable.adoption import take_over
+from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session, take_over
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
+from services.worker.engine.prefix_setup import prefix_salt
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
@@ -26,11 +32,14 @@ from services.worker.startup import startup_seconds
 log = logging.getLogger(__name__)
 
 
-# How a request the engine gave up on fails over gRPC (``RequestError.code``).
+# How a request the engine gave up on (``RequestError.code``), or a session this worker could
+# not adopt (``NotAdopted.code``), fails over gRPC.
 _ERROR_STATUS = {
     "unavailable": grpc.StatusCode.UNAVAILABLE,
     "resource_exhausted": grpc.StatusCode.RESOURCE_EXHAUSTED,
     "internal": grpc.StatusCode.INTERNAL,
+    "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
+    "not_found": grpc.StatusCode.NOT_FOUND,
 }
 
 
@@ -51,6 +60,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         self.startup_s = startup_s
 
     async def Generate(self, request: pb.GenerateRequest, context: grpc.aio.ServicerContext):
+        if self.engine.draining:  # before its first token: the gateway tries another worker
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "the worker drains: it admits nothing")
         if not request.request_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "request_id is required")
         params = sampling_from_proto(request.sampling)
@@ -68,6 +79,15 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         async for resp in self._stream(outputs, context):
             yield resp
 
+    async def Adopt(self, request: pb.AdoptSessionRequest, context: grpc.aio.ServicerContext):
+        """Takes over a session a peer of this node left in the host store and streams it as
+        ``Resume`` does (codes: the proto's)."""
+        r = request
+        source = AdoptFrom(r.from_owner, r.from_generation, r.fence)
+        outputs = self.engine.adopt(r.request_id, source, r.tokens_received)
+        async for resp in self._stream(outputs, context):
+            yield resp
+
     async def _stream(self, outputs, context: grpc.aio.ServicerContext):
         tokenizer = self.engine.engine.tokenizer
         try:
@@ -80,6 +100,10 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         except SessionNotFound as e:
             await context.abort(grpc.StatusCode.NOT_FOUND, str(e))
         except EngineDeadError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+        except NotAdopted as e:
+            await context.abort(_ERROR_STATUS[e.code], str(e))
+        except SessionsHandedOver as e:  # the gateway moves the stream (``WORKER_GONE``)
             await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
 
     async def Abort(self, request: pb.AbortRequest, context: grpc.aio.ServicerContext):
@@ -108,16 +132,24 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
     async def Health(self, request: pb.HealthRequest, context: grpc.aio.ServicerContext):
+        """Whether it serves, and its generation at the host store: the gateway moves a dead
+        worker's streams to peers of the same store (``LoadResponse.kv_store_id``)."""
+        generation = self.link.generation if self.link is not None else 0
+        ok, status = self._health()
+        return pb.HealthResponse(ok=ok, status=status, generation=generation)
+
+    def _health(self) -> tuple[bool, str]:
+        if self.engine.draining:
+            return False, "draining"
         if not self.engine.alive:
-            return pb.HealthResponse(ok=False, status=f"engine failed: {self.engine.error!r}")
+            return False, f"engine failed: {self.engine.error!r}"
         if self.link is not None and not self.link.healthy:
-            return pb.HealthResponse(ok=False, status=self.link.status())
-        problems = (
-            self.engine.engine.group.loads.store_problems()
-        )  # the other data-parallel ranks' links
+            return False, self.link.status()
+        # the other data-parallel ranks' links
+        problems = self.engine.engine.group.loads.store_problems()
         if problems:
-            return pb.HealthResponse(ok=False, status="; ".join(problems))
-        return pb.HealthResponse(ok=True, status="serving")
+            return False, "; ".join(problems)
+        return True, "serving"
 
     async def GetModelInfo(self, request: pb.ModelInfoRequest, context: grpc.aio.ServicerContext):
         eng = self.engine.engine
@@ -139,6 +171,21 @@ class WorkerServicer(pb_grpc.WorkerServicer):
             startup_s=self.startup_s,
             prefix_cache=eng.scheduler.prefix is not None,
         )
+
+
+def peer_adopter(link: HostLink):
+    """The ``SessionAdopter`` of a worker registered with the store through ``link``: one
+    session of a peer of its node (``adopt_session``), one without room handed back. A group
+    of data-parallel ranks (an owner per rank) takes none over."""
+
+    def adopt(engine: Engine, request_id: str, source: AdoptFrom):
+        if engine.group.data_parallel:
+            raise NotAdopted("failed_precondition", "a data-parallel group adopts no peer session")
+        return adopt_session(
+            engine, link.client, link.owner, link.generation, request_id, source, hand_back=True
+        )
+
+    return adopt
 
 
 def connect_store(settings: WorkerSettings) -> tuple:
@@ -180,7 +227,8 @@ async def start_server(
             host = connect_store(settings)
         engine = Engine(settings.engine_config(comm.rank), host=host, comm=comm)
         if host is not None:
-            link = take_over(engine, host[0], settings.lease_ttl_s)
+            salt = prefix_salt(engine.cfg, engine.kv).root()
+            link = take_over(engine, host[0], settings.lease_ttl_s, salt)
             if (
                 engine.group.data_parallel
             ):  # every rank has taken over its own: rank 0 learns theirs
@@ -201,6 +249,7 @@ async def start_server(
             else None
         ),
         on_shutdown=link.close if link is not None else None,
+        adopter=peer_adopter(link) if link is not None else None,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(
@@ -228,7 +277,12 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    log.info("worker shutting down")
+    if async_engine.engine.kv.sessions is not None and not async_engine.engine.group.data_parallel:
+        # its streams end now, and the gateway moves them
+        moved = await asyncio.to_thread(async_engine.drain)
+        log.info("worker draining: handed %d sessions over", moved)
+    else:
+        log.info("worker shutting down")
     await server.stop(grace=5.0)
     async_engine.shutdown()
     async_engine.engine.group.stop()  # the engine thread has ended: the followers' loops end too

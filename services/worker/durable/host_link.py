@@ -36,13 +36,16 @@ class HostLink:
         owner: str,
         lease_ttl_s: float,
         backups: HostBackups,
+        salt: str = "",
     ) -> None:
         """``client``: a ``KVHostStoreClient`` (or ``LocalHostStore``); ``backups``: the
-        engine's ``HostBackups``, whose generation follows this registration."""
+        engine's ``HostBackups``, whose generation follows this registration; ``salt``: how
+        the engine computes rows (registered: a peer adopts only with an equal one)."""
         self.client = client
         self.owner = owner
         self.ttl_s = lease_ttl_s
         self.backups = backups
+        self.salt = salt
         self.generation = 0
         self.store_id = ""
         self.state = "down"
@@ -61,7 +64,7 @@ class HostLink:
         """Registers a new generation (fencing off every earlier process of this worker id);
         returns it. Raises what the client raises."""
         self.store_id = self.client.get_arena().store_id
-        lease = self.client.register_owner(self.owner, self.ttl_s)
+        lease = self.client.register_owner(self.owner, self.ttl_s, self.salt)
         self.generation = lease.generation
         self.backups.who.generation = lease.generation
         self.state, self.problem = "ok", ""
@@ -122,12 +125,14 @@ class HostLink:
 
     def close(self, release: bool = True) -> None:
         """Stops renewing; with ``release``, ends this generation at the store (a graceful
-        shutdown: whatever it still holds becomes adoptable at once)."""
+        shutdown: whatever it still holds becomes adoptable at once) once every durable mark
+        queued so far reached it."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join(timeout=5)
         if release and self.state == "ok":
             try:
+                self.backups.flush()
                 self.client.release_owner(self.owner, self.generation)
             except Exception as e:
                 log.warning("could not release generation %d: %s", self.generation, e)

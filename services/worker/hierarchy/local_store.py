@@ -69,8 +69,8 @@ class LocalHostStore:
     def release_region(self, owner: str, region_id: str, generation: int = 0) -> ReleaseResult:
         return self.store.release(owner, region_id=region_id, generation=generation)
 
-    def register_owner(self, owner: str, ttl_s: float) -> OwnerLease:
-        return self.store.register_owner(owner, ttl_s)
+    def register_owner(self, owner: str, ttl_s: float, salt: str = "") -> OwnerLease:
+        return self.store.register_owner(owner, ttl_s, salt)
 
     def renew_owner(self, owner: str, generation: int) -> OwnerLease:
         return self.store.renew_owner(owner, generation)
@@ -81,8 +81,17 @@ class LocalHostStore:
     def list_requests(self, owner: str = "", adoptable_only: bool = False) -> list[RequestInfo]:
         return self.store.list_requests(owner, adoptable_only)
 
-    def adopt(self, request_id: str, owner: str, generation: int) -> list[Region]:
-        return self.store.adopt(request_id, owner, generation)
+    def adopt(
+        self, request_id: str, owner: str, generation: int, from_owner: str = "",
+        fence: bool = False, from_generation: int = 0,
+    ) -> list[Region]:  # fmt: skip
+        return self.store.adopt(
+            request_id, owner, generation, from_owner=from_owner, fence=fence,
+            from_generation=from_generation,
+        )  # fmt: skip
+
+    def hand_over(self, request_id: str, owner: str, generation: int) -> None:
+        self.store.hand_over(request_id, owner, generation)
 
     def cache_prefix(
         self,

@@ -1,0 +1,142 @@
+"""Moving a stream whose worker died to a live peer of the same node (DESIGN §10).
+
+Every worker of a node maps the node's host store, where each durable session keeps its rows,
+index keys and manifest, so any of them can continue a session. When a stream breaks
+(``reattach.WORKER_GONE``), the gateway asks the peers that can serve it (``is_peer``: healthy,
+on the same node — the same host store, ``kv_store_id`` —, durable, the same model served the same way, one serving rank) in the order
+admission ranks them with room for the session (``Admission.try_acquire``: the ledger decides,
+per session) to ``Adopt`` it: the peer takes the session over from the store and streams the
+rest after the tokens the client has. A peer without room (RESOURCE_EXHAUSTED) or unreachable is
+passed over for the next; FAILED_PRECONDITION or NOT_FOUND ends the attempt (the store says the
+session is not there to take: its worker lives and keeps it, or its successor resumed it).
+Whoever adopts fences the dead worker's generation off first when the dead worker refuses
+connections (``unreachable``): its process is gone, and the store need not wait for its lease
+to expire. When no peer adopts, the stream waits for the restart as before (``reattach``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+import grpc.aio
+
+from dhisparse.rpc import worker_pb2
+from services.gateway.convert import ModelInfo
+from services.gateway.routing import Admission, AdmissionJob, Lease
+from services.gateway.worker_conn import WorkerClient, describe
+
+log = logging.getLogger(__name__)
+
+# How long the gateway asks a dead worker's address before judging it gone: a process that
+# exited refuses the connection at once.
+PROBE_TIMEOUT_S = 0.5
+# The peer's answer that ends the attempt: the session is not there to take.
+_NOT_TAKEN = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
+
+
+@dataclass(frozen=True)
+class Origin:
+    """The worker a stream ran on, as the gateway knew it while the worker lived."""
+
+    address: str
+    worker_id: str  # its owner id at the node's store
+    generation: int  # its registration there
+    node: str  # the node's host store (its arena id, ``kv_store_id``)
+    model: ModelInfo
+
+    @classmethod
+    def of(cls, w: WorkerClient) -> Origin | None:
+        """``w`` as a stream's origin; None when its sessions cannot move (not durable, or it
+        never named its node)."""
+        node = w.load.kv_store_id if w.load is not None else ""
+        if w.model is None or not w.model.durable_sessions or not node:
+            return None
+        return cls(w.address, w.model.worker_id, w.generation, node, w.model)
+
+
+def is_peer(origin: Origin, w: WorkerClient) -> bool:
+    """Whether ``w`` can continue ``origin``'s sessions: another healthy worker on the same
+    node, with durable sessions, serving the same model the same way (config and KV layout:
+    the store checks the rows' salt besides), one serving rank (a data-parallel group's ranks
+    each own their regions)."""
+    m, o = w.model, origin.model
+    return (
+        w.address != origin.address
+        and w.healthy
+        and w.load is not None
+        and w.load.kv_store_id == origin.node
+        and m is not None
+        and m.durable_sessions
+        and (m.model_name, m.config_json, m.kv_layout_json)
+        == (o.model_name, o.config_json, o.kv_layout_json)
+        and w.load.serving_ranks <= 1
+    )
+
+
+async def unreachable(stub) -> bool:
+    """Whether the worker behind ``stub`` refuses connections (its process is gone). One that
+    answers, or hangs, may still write its sessions: it is never fenced off."""
+    try:
+        await stub.Health(worker_pb2.HealthRequest(), timeout=PROBE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
+@dataclass
+class Moved:
+    """A stream a peer took over: its first response is in, the rest comes from ``call``."""
+
+    worker: WorkerClient
+    lease: Lease
+    call: grpc.aio.UnaryStreamCall
+    first: worker_pb2.GenerateResponse
+
+
+async def move_to_peer(
+    workers: Sequence[WorkerClient],
+    admission: Admission,
+    job: AdmissionJob,
+    origin: Origin,
+    origin_stub,
+    received: int,
+) -> Moved | None:
+    """The stream of ``job`` continued by a peer of ``origin`` after the client's first
+    ``received`` tokens, or None when no peer took it (none on the node, none with room, or
+    the store says it is not there to take)."""
+    peers = [w for w in workers if is_peer(origin, w)]
+    if not peers:
+        return None
+    fence = await unreachable(origin_stub)
+    tried: list[str] = []
+    while True:
+        lease = await admission.try_acquire(job, lambda: [w.status() for w in peers], tried)
+        if lease is None:
+            return None
+        peer = next(w for w in peers if w.address == lease.worker)
+        tried.append(peer.address)
+        call = peer.stub.Adopt(
+            worker_pb2.AdoptSessionRequest(
+                request_id=job.request_id, from_owner=origin.worker_id,
+                from_generation=origin.generation, tokens_received=received, fence=fence,
+            )
+        )  # fmt: skip
+        try:
+            first = await call.read()
+        except grpc.aio.AioRpcError as e:
+            call.cancel()
+            lease.release()
+            log.warning("peer %s did not adopt %s: %s", peer.address, job.request_id, describe(e))
+            if e.code() in _NOT_TAKEN:
+                return None
+            continue
+        if first is grpc.aio.EOF:  # an adopted session always answers with its catch-up
+            call.cancel()
+            lease.release()
+            return None
+        log.info("peer %s adopted %s from %s after %d tokens%s", peer.address, job.request_id,
+                 origin.address, received, " (fenced it off)" if fence else "")  # fmt: skip
+        return Moved(peer, lease, call, first)

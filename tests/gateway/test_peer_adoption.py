@@ -1,0 +1,134 @@
+"""The gateway moves a stream whose worker died to a live peer of the same node: the peer is
+asked to ``Adopt`` it from the dead worker (fenced off, since its address refuses connections)
+after the tokens the client has, and the stream goes on with nothing lost or doubled; a peer
+without room is passed over and the stream waits for the restart; a peer on another node is
+never asked. Fake workers (in-process gRPC) play the dying worker and its peer; the admission
+is a counting one that admits at once."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Collection, Sequence
+
+import grpc
+import grpc.aio
+
+from dhisparse.rpc import worker_pb2 as pb
+from dhisparse.rpc import worker_pb2_grpc as pb_grpc
+from services.gateway.generation import GenerationInput, SamplingSpec
+from services.gateway.metrics import GatewayMetrics
+from services.gateway.routing import AdmissionJob, WorkerStatus
+from services.gateway.worker_client import WorkerPool
+from tests.gateway.test_reattach import TOKENS, CountingAdmission, FakeWorker
+
+
+class NodeWorker(FakeWorker):
+    """A ``FakeWorker`` on node ``node`` with worker id ``wid`` that adopts sessions
+    (``adopt``: ok, or full: RESOURCE_EXHAUSTED)."""
+
+    def __init__(self, wid: str, node: str, *args, adopt: str = "ok", **kw) -> None:
+        super().__init__(*args, **kw)
+        self.wid, self.node, self.adopt = wid, node, adopt
+        self.adopted: list[tuple[str, int, int, bool]] = []
+
+    async def Health(self, request, context):
+        if asyncio.get_running_loop().time() < self.down_until:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
+        return pb.HealthResponse(ok=True, status="serving", generation=3)
+
+    async def GetLoad(self, request, context):
+        load = await super().GetLoad(request, context)
+        load.kv_store_id = self.node
+        return load
+
+    async def GetModelInfo(self, request, context):
+        info = await super().GetModelInfo(request, context)
+        info.worker_id = self.wid
+        return info
+
+    async def Adopt(self, request, context):
+        r = request
+        self.adopted.append((r.from_owner, r.from_generation, r.tokens_received, r.fence))
+        if self.adopt == "full":
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
+        n = r.tokens_received
+        yield self._resp(TOKENS[n : n + 5], n + 5, False)  # the catch-up
+        for i in range(n + 5, len(TOKENS)):
+            yield self._resp([TOKENS[i]], i + 1, i + 1 == len(TOKENS))
+
+
+class PeerAdmission(CountingAdmission):
+    """Admits at once on the first worker offered, and moves sessions the same way."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.moves: list[str] = []
+
+    async def try_acquire(
+        self, job: AdmissionJob, workers: Callable[[], Sequence[WorkerStatus]],
+        exclude: Collection[str] = (),
+    ):  # fmt: skip
+        left = [w for w in workers() if w.healthy and w.address not in exclude]
+        if not left:
+            return None
+        self.moves.append(left[0].address)
+        lease = await self.acquire(job, lambda: left)
+        return lease
+
+
+async def run(*workers: NodeWorker):
+    servers, addresses = [], []
+    for w in workers:
+        server = grpc.aio.server()
+        pb_grpc.add_WorkerServicer_to_server(w, server)
+        addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
+        await server.start()
+        servers.append(server)
+    admission, metrics = PeerAdmission(), GatewayMetrics()
+    pool = WorkerPool(
+        addresses, admission=admission, poll_interval_s=0.1, resume_deadline_s=10,
+        metrics=metrics,
+    )  # fmt: skip
+    await pool.start()
+    got: list[int] = []
+    try:
+        inp = GenerationInput("r", (1, 2, 3), SamplingSpec(max_tokens=len(TOKENS)))
+        async for delta in pool.generate(inp):
+            got.extend(delta.token_ids)
+    finally:
+        await pool.close()
+        for s in servers:
+            await s.stop(0)
+    outcomes = {o: metrics.adoptions.labels("", o)._value.get() for o in ("adopted", "no_peer")}
+    return got, admission, outcomes
+
+
+async def test_a_live_peer_of_the_node_adopts_the_stream() -> None:
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=5)
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0)
+    got, admission, outcomes = await run(dying, peer)
+    assert got == TOKENS  # nothing lost, nothing twice
+    assert peer.adopted == [("wA", 3, 7, True)]  # fenced: its address refused connections
+    assert dying.resumed_from == []  # never waited for
+    assert (admission.held, admission.released) == (0, 2)  # the dead worker's, then the peer's
+    assert outcomes == {"adopted": 1, "no_peer": 0}
+
+
+async def test_a_peer_without_room_leaves_the_stream_to_the_restart() -> None:
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=0.5)
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0, adopt="full")
+    got, admission, outcomes = await run(dying, peer)
+    assert got == TOKENS
+    assert len(peer.adopted) == 1 and dying.resumed_from == [7]
+    assert (admission.held, admission.released) == (0, 2)
+    assert outcomes == {"adopted": 0, "no_peer": 1}
+
+
+async def test_a_worker_of_another_node_is_never_asked() -> None:
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=0.5)
+    elsewhere = NodeWorker("wB", "n2", die_after=99, down_s=0)
+    got, admission, outcomes = await run(dying, elsewhere)
+    assert got == TOKENS
+    assert elsewhere.adopted == [] and dying.resumed_from == [7]
+    assert admission.moves == []
+    assert outcomes == {"adopted": 0, "no_peer": 1}

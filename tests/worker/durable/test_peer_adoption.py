@@ -1,0 +1,152 @@
+"""A live peer of the node takes one session over (``adopt_session``): the engine of another
+owner id, running its own requests, adopts a session of a "dead" engine (dropped without
+releasing anything) and continues it token for token, computing no prompt token; a peer of
+another salt is refused before anything moves; a peer without room hands the session back for
+the next adopter; the async engine's ``adopt`` catches the caller up from what it received."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from services.worker.async_engine import AsyncEngine
+from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session
+from services.worker.durable.host_link import HostLink
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.prefix_setup import prefix_salt
+from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.request.request import Request, SamplingParams
+
+PROMPT = list(range(10, 50))
+GREEDY = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=60, ignore_eos=True)
+
+
+@pytest.fixture
+def store():
+    s = LocalHostStore(64 << 20)
+    yield s
+    s.close()
+
+
+def make(
+    store: LocalHostStore,
+    owner: str,
+    max_num_seqs: int = 4,
+    salt: str | None = None,
+    model: str = "tiny-glm",
+) -> tuple[Engine, HostLink]:
+    cfg = EngineConfig(
+        model=model, mode="hisparse", kv_pool_mib=48, max_num_seqs=max_num_seqs,
+        max_model_len=512, owner=owner,
+    )  # fmt: skip
+    engine = Engine(cfg, host=(store, store.mapping))
+    salt = prefix_salt(cfg, engine.kv).root() if salt is None else salt
+    link = HostLink(store, owner, 30.0, engine.kv.host_backups, salt)
+    link.register()
+    return engine, link
+
+
+def adopt(engine: Engine, link: HostLink, store, rid: str, source=AdoptFrom(), **kw) -> Request:
+    return adopt_session(engine, store, link.owner, link.generation, rid, source, **kw)
+
+
+FENCE_A = AdoptFrom("wA", fence=True)
+
+
+@pytest.mark.parametrize(
+    "model,params",
+    [("tiny-glm", GREEDY), ("tiny-glm", SEEDED), ("tiny-dsv4", SEEDED)],
+    ids=["greedy", "seeded", "dsv4-rings"],
+)
+def test_a_peer_continues_a_dead_workers_session_token_for_token(store, model, params) -> None:
+    """tiny-dsv4 has compressed, windowed sources: their token rings come from the manifest."""
+    ref, _ = make(store, "ref", model=model)
+    (want,) = ref.generate([PROMPT], [params])
+    del ref
+    dead, _ = make(store, "wA", model=model)
+    dead.add_request("r0", PROMPT, params)
+    for _ in range(20):
+        dead.step()
+    del dead  # SIGKILLed: nothing released, its lease still runs
+    peer, link = make(store, "wB", model=model)
+    peer.add_request("own", list(range(60, 80)), GREEDY)  # the peer serves its own request
+    peer.step()
+    computed = peer.stats.prefill_tokens_computed
+    req = adopt(peer, link, store, "r0", FENCE_A)
+    assert len(req.output_ids) == 20
+    while peer.has_work():
+        peer.step()
+    assert req.output_ids == want.output_ids
+    assert peer.stats.prefill_tokens_computed == computed  # the adopted prompt: none of it
+    peer.kv.host_backups.flush()
+    assert store.stats().requests == 0  # both finished: released
+    assert (store.stats().adoptions, store.stats().owners_fenced) == (1, 1)
+
+
+def test_a_peer_of_another_salt_is_refused_and_nothing_moves(store) -> None:
+    dead, _ = make(store, "wA")
+    dead.add_request("r0", PROMPT, GREEDY)
+    dead.step()
+    del dead
+    other, link = make(store, "wB", salt="another model")
+    with pytest.raises(NotAdopted, match="another model or KV layout") as e:
+        adopt(other, link, store, "r0", FENCE_A)
+    assert e.value.code == "failed_precondition"
+    (info,) = store.list_requests()
+    assert info.owner == "wA"
+    assert not other.has_request("r0")
+    with pytest.raises(NotAdopted) as missing:
+        adopt(other, link, store, "nope")
+    assert missing.value.code == "not_found"
+
+
+def test_a_peer_without_room_hands_the_session_back(store) -> None:
+    dead, _ = make(store, "wA")
+    dead.add_request("r0", PROMPT, GREEDY)
+    for _ in range(5):
+        dead.step()
+    del dead
+    full, link = make(store, "wB", max_num_seqs=1)
+    full.add_request("own", list(range(60, 80)), GREEDY)
+    full.step()
+    with pytest.raises(NotAdopted, match="no free slot") as e:
+        adopt(full, link, store, "r0", FENCE_A, hand_back=True)
+    assert e.value.code == "resource_exhausted"
+    (info,) = [i for i in store.list_requests(adoptable_only=True) if i.request_id == "r0"]
+    assert info.owner == "wB"  # handed back: adoptable, by the next one with room
+    roomy, link_c = make(store, "wC")
+    req = adopt(roomy, link_c, store, "r0", AdoptFrom("wB"))
+    assert len(req.output_ids) == 5
+
+
+def test_the_async_engine_adopts_and_catches_the_caller_up(store) -> None:
+    ref, _ = make(store, "ref")
+    (want,) = ref.generate([PROMPT], [GREEDY])
+    del ref
+    dead, _ = make(store, "wA")
+    dead.add_request("r0", PROMPT, GREEDY)
+    for _ in range(15):
+        dead.step()
+    del dead
+    peer, link = make(store, "wB")
+    received = 9  # the client had 9 tokens when the stream broke; the manifest holds 15
+
+    def adopter(engine: Engine, rid: str, source: AdoptFrom) -> Request:
+        return adopt_session(engine, store, link.owner, link.generation, rid, source)
+
+    async def run() -> list:
+        eng = AsyncEngine(peer, adopter=adopter)
+        try:
+            with pytest.raises(NotAdopted):
+                async for _ in eng.adopt("nope", FENCE_A, 0):
+                    pass
+            return [o async for o in eng.adopt("r0", FENCE_A, received)]
+        finally:
+            eng.shutdown()
+
+    outs = asyncio.run(run())
+    assert [t for o in outs for t in o.new_token_ids] == want.output_ids[received:]
+    assert outs[0].cached_prompt_tokens == len(PROMPT) and outs[-1].finished
