@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tests import hf_tiny
-from tests.worker.mtp_reference import MTPReference
+from tests import hf_tiny, hf_tiny_v4
+from tests.worker.mtp_reference import MTPReference, V4MTPReference
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 
@@ -22,3 +22,15 @@ def mtp_checkpoint(name: str, factory: pytest.TempPathFactory) -> tuple[MTPRefer
     extra = {"index_share_for_mtp_iteration": True} if name == "glm_moe_dsa" else {}
     hf_tiny.append_mtp(path, mtp, **extra)
     return MTPReference(target, mtp), path
+
+
+def v4_mtp_checkpoint(
+    factory: pytest.TempPathFactory, names: str = "hub"
+) -> tuple[V4MTPReference, Path]:
+    """(the reference, a tiny DeepSeek-V4 checkpoint saved hub-style with a random MTP layer
+    appended under ``mtp.0.``, in DeepSeek's names or transformers' module names)."""
+    target = hf_tiny_v4.build(hf_tiny_v4.v4_config(), seed=5)
+    path = hf_tiny_v4.save_hub_style(target, factory.mktemp(f"v4-{names}"))
+    mtp = hf_tiny_v4.mtp_layer(seed=6, tmp=factory.mktemp("v4-mtp"), names=names)
+    hf_tiny.append_mtp(path, mtp)
+    return V4MTPReference(target, mtp), path

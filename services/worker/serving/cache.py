@@ -72,8 +72,11 @@ class KVCache:
         self.carry: TokenRing | None = None
         if any(src.lag for src in model_cfg.sources):
             # a verify round of K tokens may commit only its first: the ring keeps all K
+            # what the lagged rows read of the target: its final hidden state, or a model's own
+            # width (``extra["carry_width"]``: DeepSeek-V4's hyper-connection streams)
+            width = model_cfg.extra.get("carry_width", model_cfg.d_model)
             self.carry = TokenRing(
-                cfg.max_slots, max(1, cfg.spec_block), model_cfg.d_model, cfg.dtype, cfg.device
+                cfg.max_slots, max(1, cfg.spec_block), width, cfg.dtype, cfg.device
             )
         # what a durable session's manifest snapshots: the source rings and the carry
         self.snapshot_rings = dict(self.rings)
