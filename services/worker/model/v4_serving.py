@@ -110,8 +110,9 @@ class V4Model(nn.Module):
         ``kv`` as ``SparseDecoder.forward`` does; ``begin=False``: the caller began the pass.
         ``trace``: filled with each CSA / HCA layer's selection, locations and the compressed
         rows it read (the window rows come from the token rings in every mode). ``features``
-        (a drafter's target features) are not available for V4 and raise."""
-        if features is not None:
+        naming a layer (a drafter's target features) are not available for V4 and raise; an
+        empty one (the MTP drafter's: it reads the carry) asks for nothing."""
+        if features:
             raise ValueError("DeepSeek-V4 gives no drafter features")
         if begin:
             kv.payload.begin(batch)

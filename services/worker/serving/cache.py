@@ -83,10 +83,12 @@ class KVCache:
         if self.carry is not None:
             self.snapshot_rings[CARRY] = self.carry
         # a model's own per-slot state, ``extra["state_rings"]`` [(rows, width), ...] of its
-        # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j
+        # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j, with a verify
+        # block's rows beyond (``ring_extra``) like the source rings, so a verify pass's
+        # rejected positions overwrite none the next pass reads
         for j, (rows, width) in enumerate(model_cfg.extra.get("state_rings", ())):
             self.snapshot_rings[STATE_RINGS - j] = TokenRing(
-                cfg.max_slots, rows, width, cfg.dtype, cfg.device
+                cfg.max_slots, rows + cfg.ring_extra, width, cfg.dtype, cfg.device
             )
         self._local_store: LocalHostStore | None = None
         self.host_backups: HostBackups | None = None
