@@ -122,6 +122,7 @@ def save_module_names(model: DeepseekV4ForCausalLM, path: Path) -> Path:
 # ---- the released form: FP8 e4m3 dense weights, FP4 e2m1 routed experts ----------------------
 _FP8 = re.compile(
     r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+    r"|^mtp\.0\.[eh]_proj\.weight$"
 )
 _FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
@@ -141,23 +142,29 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale.view(rows, -1).to(torch.float8_e8m0fnu)
 
 
+def released_tensors(tensors: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Hub-named tensors as DeepSeek releases them: the attention projections, the indexer's
+    query projection, the shared experts and the MTP layer's ``e_proj`` / ``h_proj`` FP8 e4m3 in
+    ``block`` x ``block`` blocks with UE8M0 scales ``X.scale``, the routed experts FP4 e2m1."""
+    out = {}
+    for name, t in tensors.items():
+        base = name.removesuffix(".weight")
+        if _FP8.search(name):
+            out[name], out[base + ".scale"] = quantize_blockwise(t, (block, block), "F8_E8M0")
+        elif _FP4.search(name):
+            out[name], out[base + ".scale"] = quantize_fp4(t)
+        else:
+            out[name] = t
+    return out
+
+
 def save_released_form(model: DeepseekV4ForCausalLM, path: Path, block: int = 16) -> Path:
     """``save_hub_style``, then quantised as DeepSeek releases V4: the attention projections,
     the indexer's query projection and the shared experts FP8 e4m3 in ``block`` x ``block``
     blocks with UE8M0 scales ``X.scale``; the routed experts FP4 e2m1 (``expert_dtype`` fp4);
     ``quantization_config`` as the release states it, but for the block."""
     save_hub_style(model, path)
-    tensors = {}
-    for name, t in load_file(str(path / "model.safetensors")).items():
-        base = name.removesuffix(".weight")
-        if _FP8.search(name):
-            tensors[name], tensors[base + ".scale"] = quantize_blockwise(
-                t, (block, block), "F8_E8M0"
-            )
-        elif _FP4.search(name):
-            tensors[name], tensors[base + ".scale"] = quantize_fp4(t)
-        else:
-            tensors[name] = t
+    tensors = released_tensors(load_file(str(path / "model.safetensors")), block)
     save_file(tensors, str(path / "model.safetensors"))
     raw = json.loads((path / "config.json").read_text())
     raw["expert_dtype"] = "fp4"

@@ -7,6 +7,7 @@ chunked prefill, and a speculating durable session resumed after its worker dies
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -21,6 +22,8 @@ from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.v4_serving import V4Model
+from services.worker.ops.fp4_e2m1 import dequantize_fp4
+from services.worker.ops.fp8_blockwise import dequantize_blockwise
 from services.worker.request.request import SamplingParams
 from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
@@ -96,6 +99,32 @@ def test_the_mtp_layer_is_loaded_only_when_asked(family, tmp_path_factory) -> No
     got = other.mtp.state_dict()
     assert sorted(got) == sorted(want)
     assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_released_fp8_fp4_mtp_layer_loads_dequantised(family, tmp_path: Path) -> None:
+    """The MTP layer as released (``e_proj`` / ``h_proj`` and the attention projections FP8
+    with UE8M0 block scales, routed experts FP4) beside a released-form target: every MTP
+    parameter is its stored tensor dequantised, or the stored tensor itself."""
+    ref, _ = family
+    path = hf_tiny_v4.save_released_form(ref.target, tmp_path / "released")
+    stored = hf_tiny_v4.released_tensors(ref.mtp.tensors, 16)
+    hf_tiny.append_mtp(path, dataclasses.replace(ref.mtp, tensors=stored))
+    model = load_model(path, mtp=True)
+    assert model.mtp is not None
+    got = model.mtp.state_dict()
+    quantized = 0
+    for name, t in stored.items():
+        if name.endswith(".scale") and not name.endswith("hc_head_scale"):
+            continue
+        scale = stored.get(name.removesuffix(".weight") + ".scale")
+        if t.dtype == torch.float8_e4m3fn:
+            want, quantized = dequantize_blockwise(t, scale, (16, 16)), quantized + 1
+        elif t.dtype == torch.int8:
+            want, quantized = dequantize_fp4(t, scale), quantized + 1
+        else:
+            want = t.float()
+        assert torch.equal(got[name.removeprefix("mtp.0.")], want), name
+    assert quantized > 2 + 5 + 3 * 8  # e_proj, h_proj, attention, shared and routed experts
 
 
 def test_an_mtp_layer_that_compresses_or_is_missing_is_refused(family, tmp_path: Path) -> None:
