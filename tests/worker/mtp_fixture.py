@@ -1,13 +1,18 @@
-"""The tiny checkpoints with an appended MTP layer that the MTP tests share."""
+"""The tiny checkpoints with an appended MTP layer that the MTP tests share, and a recorder of an
+engine's drafts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
 from tests import hf_tiny, hf_tiny_v4
 from tests.worker.mtp_reference import MTPReference, V4MTPReference
+
+if TYPE_CHECKING:
+    from services.worker.engine.engine import Engine
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 
@@ -34,3 +39,18 @@ def v4_mtp_checkpoint(
     mtp = hf_tiny_v4.mtp_layer(seed=6, tmp=factory.mktemp("v4-mtp"), names=names)
     hf_tiny.append_mtp(path, mtp)
     return V4MTPReference(target, mtp), path
+
+
+def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None:
+    """Makes ``engine``'s drafter record each proposal in ``log`` by (tokens committed, anchor
+    token): the drafts of two engines compare position by position."""
+    drafter = engine.speculator.drafter
+    propose = drafter.propose
+
+    def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
+        prop = propose(slots, anchors, num_committed, widths, *args, **kw)
+        for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
+            log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
+        return prop
+
+    drafter.propose = recorded

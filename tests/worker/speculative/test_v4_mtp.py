@@ -31,7 +31,7 @@ from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.weights.model_io import load_model
 from tests import hf_tiny, hf_tiny_v4
 from tests.worker.model import serving
-from tests.worker.mtp_fixture import v4_mtp_checkpoint
+from tests.worker.mtp_fixture import record_drafts, v4_mtp_checkpoint
 from tests.worker.mtp_reference import V4MTPReference
 
 STEPS = 5
@@ -265,17 +265,7 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     def make(owner: str) -> Engine:
         engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
         HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        log = drafts.setdefault(owner, {})
-        drafter = engine.speculator.drafter
-        propose = drafter.propose
-
-        def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
-            prop = propose(slots, anchors, num_committed, widths, *args, **kw)
-            for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
-                log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
-            return prop
-
-        drafter.propose = recorded
+        record_drafts(engine, drafts.setdefault(owner, {}))
         return engine
 
     def started(first: Engine) -> None:
