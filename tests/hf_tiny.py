@@ -10,6 +10,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -19,6 +20,9 @@ from transformers import (
     GlmMoeDsaConfig,
     GlmMoeDsaForCausalLM,
 )
+
+if TYPE_CHECKING:
+    from tests.hf_tiny_v4 import TinyV4MTP
 
 VOCAB = 300  # above the byte tokenizer's ids, so engine prompts of bytes are valid
 
@@ -212,7 +216,7 @@ def mtp_layer(target: torch.nn.Module, seed: int, tmp: Path) -> TinyMTP:
     )  # fmt: skip
 
 
-def append_mtp(path: Path, mtp: TinyMTP, **config: object) -> Path:
+def append_mtp(path: Path, mtp: TinyMTP | TinyV4MTP, **config: object) -> Path:
     """Adds ``mtp``'s tensors to the checkpoint in ``path`` as one more shard (listed in the
     index, which a single-file checkpoint gains) and ``num_nextn_predict_layers: 1`` (and
     ``config``'s keys) to its config.json, as the released checkpoints ship them."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import re
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -121,6 +122,7 @@ def save_module_names(model: DeepseekV4ForCausalLM, path: Path) -> Path:
 # ---- the released form: FP8 e4m3 dense weights, FP4 e2m1 routed experts ----------------------
 _FP8 = re.compile(
     r"\.attn\.(wq_a|wq_b|wkv|wo_a|wo_b|indexer\.wq_b)\.weight$|\.shared_experts\.w[123]\.weight$"
+    r"|^mtp\.0\.[eh]_proj\.weight$"
 )
 _FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
@@ -140,23 +142,29 @@ def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return packed, scale.view(rows, -1).to(torch.float8_e8m0fnu)
 
 
+def released_tensors(tensors: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:
+    """Hub-named tensors as DeepSeek releases them: the attention projections, the indexer's
+    query projection, the shared experts and the MTP layer's ``e_proj`` / ``h_proj`` FP8 e4m3 in
+    ``block`` x ``block`` blocks with UE8M0 scales ``X.scale``, the routed experts FP4 e2m1."""
+    out = {}
+    for name, t in tensors.items():
+        base = name.removesuffix(".weight")
+        if _FP8.search(name):
+            out[name], out[base + ".scale"] = quantize_blockwise(t, (block, block), "F8_E8M0")
+        elif _FP4.search(name):
+            out[name], out[base + ".scale"] = quantize_fp4(t)
+        else:
+            out[name] = t
+    return out
+
+
 def save_released_form(model: DeepseekV4ForCausalLM, path: Path, block: int = 16) -> Path:
     """``save_hub_style``, then quantised as DeepSeek releases V4: the attention projections,
     the indexer's query projection and the shared experts FP8 e4m3 in ``block`` x ``block``
     blocks with UE8M0 scales ``X.scale``; the routed experts FP4 e2m1 (``expert_dtype`` fp4);
     ``quantization_config`` as the release states it, but for the block."""
     save_hub_style(model, path)
-    tensors = {}
-    for name, t in load_file(str(path / "model.safetensors")).items():
-        base = name.removesuffix(".weight")
-        if _FP8.search(name):
-            tensors[name], tensors[base + ".scale"] = quantize_blockwise(
-                t, (block, block), "F8_E8M0"
-            )
-        elif _FP4.search(name):
-            tensors[name], tensors[base + ".scale"] = quantize_fp4(t)
-        else:
-            tensors[name] = t
+    tensors = released_tensors(load_file(str(path / "model.safetensors")), block)
     save_file(tensors, str(path / "model.safetensors"))
     raw = json.loads((path / "config.json").read_text())
     raw["expert_dtype"] = "fp4"
@@ -179,3 +187,57 @@ def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float) -> None:
     assert got.shape == want.shape
     err = (got - want).abs().max() / want.abs().max()
     assert err <= rtol, f"relative max error {err:.3g}"
+
+
+# ---- the MTP layer (``mtp.0.*``), which transformers neither builds nor saves ------------------
+@dataclass(frozen=True)
+class TinyV4MTP:
+    """A random MTP layer for a target of ``v4_config()``: ``block`` is a one-layer
+    transformers V4 model whose layer 0 is the MTP block (sliding-window attention, learned
+    routing, as the releases' trailing ``compress_ratios`` entry 0 makes it), whose hyper head
+    and final norm are the layer's own; ``enorm``, ``hnorm`` [d] and ``e_proj``, ``h_proj``
+    [d, d] are the input fusion. ``tensors``: the layer under ``mtp.0.`` in DeepSeek's names
+    (``hub``) or in transformers' module names behind ``model.`` (``modules``)."""
+
+    block: torch.nn.Module
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    e_proj: torch.Tensor
+    h_proj: torch.Tensor
+    tensors: dict[str, torch.Tensor]
+
+
+def mtp_layer(seed: int, tmp: Path, names: str = "hub") -> TinyV4MTP:
+    """The MTP layer of a ``v4_config()`` target, every norm, bias and sink random; ``tmp``: a
+    scratch directory."""
+    config = v4_config(num_hidden_layers=1, layer_types=["sliding_attention"],
+                       mlp_layer_types=["moe"])  # fmt: skip
+    block = build(config, seed=seed)
+    if names == "hub":
+        block.save_pretrained(tmp)
+        stored, prefix = load_file(str(tmp / "model.safetensors")), "mtp.0."
+        hc_head = "model.hc_head.hc_"
+    else:
+        stored = {k: v.detach().clone() for k, v in block.state_dict().items()}
+        prefix, hc_head = "model.mtp.0.", None
+    tensors = {}
+    for name, t in stored.items():
+        if name.startswith("model.layers.0."):
+            tensors[prefix + name.removeprefix("model.layers.0.")] = t
+        elif hc_head is not None and name.startswith(hc_head):
+            tensors[prefix + "hc_head_" + name.removeprefix(hc_head)] = t
+        elif name.startswith("model.hc_head.") or name == "model.norm.weight":
+            tensors[prefix + name.removeprefix("model.")] = t
+    g = torch.Generator().manual_seed(seed + 1)
+    d = config.hidden_size
+    fusion = {
+        "enorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
+        "hnorm.weight": 1 + 0.2 * torch.randn(d, generator=g),
+        "e_proj.weight": torch.randn(d, d, generator=g) / math.sqrt(d),
+        "h_proj.weight": torch.randn(d, d, generator=g) / math.sqrt(d),
+    }
+    tensors |= {prefix + k: v for k, v in fusion.items()}
+    return TinyV4MTP(
+        block.eval(), fusion["enorm.weight"], fusion["hnorm.weight"], fusion["e_proj.weight"],
+        fusion["h_proj.weight"], tensors,
+    )  # fmt: skip

@@ -16,7 +16,10 @@ Topology vocabulary (DESIGN §2):
   uncompressed token rows, attended jointly with the selected rows.
 - A source with ``lag > 0`` trails the tokens: its row t needs token t + lag, so after n tokens
   it holds n - lag complete rows (the MTP layer's source: row t is computed from the token at
-  t+1 and the target's hidden state at t).
+  t+1 and the target's hidden state at t). A lagged source with a window keeps its window rows
+  in its token ring under the token that completes them (row t at position t + lag), so the
+  window of a query at token p is rows p - lag - window + 1 .. p - lag, positions below ``lag``
+  holding no row (DeepSeek-V4's MTP layer: a sliding-window layer).
 - A ``draft`` layer is a drafter's layer (the checkpoint's MTP layer): the target's forward
   writes its source's rows but does not run it; its index producer's keys join the index-key
   caches like any producer's.
@@ -119,10 +122,8 @@ class ModelConfig:
             if src.compress > 1 and src.window < 1:
                 # Until a group completes its tokens are visible only through the window.
                 raise ValueError(f"source {s}: a compressed source needs a local window")
-            if src.lag < 0 or (src.lag and (src.compress > 1 or src.window)):
-                raise ValueError(
-                    f"source {s}: a lag is >= 0, on an uncompressed, unwindowed source"
-                )
+            if src.lag < 0 or (src.lag and src.compress > 1):
+                raise ValueError(f"source {s}: a lag is >= 0, on an uncompressed source")
             self.source_owner(s)
         self._validate_draft_layers()
         for i, spec in enumerate(self.layers):

@@ -123,6 +123,9 @@ class V4Config:
     mtp_layers: int
     dtype: str
     expert_dtype: str | None  # "fp4": the released routed experts are FP4 e2m1
+    # the MTP layer's compression ratio: the legacy ``compress_ratios``' trailing entry (0 in
+    # the releases, and where the config names none: a sliding-window layer)
+    mtp_compress: int = 0
 
     @property
     def softmax_scale(self) -> float:
@@ -195,6 +198,7 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
         mtp_layers=int(c["num_nextn_predict_layers"] or 0),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
         expert_dtype=expert_dtype,
+        mtp_compress=_mtp_compress(raw, n),
     )
 
 
@@ -229,6 +233,14 @@ def _attention(raw: dict[str, Any], n: int) -> tuple[tuple[AttentionKind, ...], 
         raise ConfigError(f"config.json: layer_types must be {n} of {sorted(_KINDS)}; got {bad}")
     kinds = tuple(_KINDS[t] for t in types)
     return kinds, tuple(0 if t == "sliding_attention" else int(rates[t]) for t in types)
+
+
+def _mtp_compress(raw: dict[str, Any], n: int) -> int:
+    """The MTP layer's ratio: ``compress_ratios[n]`` where the legacy key has one, else 0."""
+    ratios = raw.get("compress_ratios")
+    if ratios is not None and len(ratios) > n:
+        return int(ratios[n])
+    return 0
 
 
 def _mlp(raw: dict[str, Any], n: int) -> tuple[MlpKind, ...]:
@@ -293,7 +305,7 @@ def _rope(params: dict[str, Any], c: dict[str, Any]) -> RopeSpec:
     )
 
 
-def v4_topology(cfg: V4Config, name: str) -> ModelConfig:
+def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
     """The engine's KV topology of a V4 model: one source per layer, which that layer owns and
     runs its own selection over. A sliding layer's source keeps its K=V rows of the last
     ``sliding_window`` positions (the source's token ring; no row is stored in the payload). A
@@ -301,19 +313,32 @@ def v4_topology(cfg: V4Config, name: str) -> ModelConfig:
     beside the same window; a CSA layer's index keys are its indexer's compressed rows
     (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail rotated).
     ``extra["state_rings"]``: the compressors' per-slot rings the cache keeps
-    (``v4_state_rings``)."""
-    sources = tuple(
-        SourceSpec(compress=max(rate, 1), window=cfg.sliding_window) for rate in cfg.compress
-    )
+    (``v4_state_rings``).
+
+    ``mtp``: with the MTP layer as layer N, a draft layer over a sliding source of its own that
+    lags by one (its row t is from the token at t + 1 and the target's streams at t,
+    docs/mtp.md); ``extra["carry_width"]``: the carry holds the target's last ``hc_mult``
+    streams (``hc_mult * hidden``), what the MTP layer reads."""
+    rates = [max(rate, 1) for rate in cfg.compress]
+    sources = [SourceSpec(compress=r, window=cfg.sliding_window) for r in rates]
+    layers = [LayerSpec(source=i) for i in range(cfg.num_layers)]
+    extra: dict = {"state_rings": [[rows, width] for _, _, rows, width in v4_state_rings(cfg)]}
+    if mtp:
+        if cfg.mtp_compress:
+            raise ConfigError(
+                f"config.json: compress_ratios gives the MTP layer ratio {cfg.mtp_compress}; "
+                "only a sliding-window MTP layer (0, as released) is served"
+            )
+        sources.append(SourceSpec(compress=1, window=cfg.sliding_window, lag=1))
+        layers.append(LayerSpec(source=cfg.num_layers, draft=True))
+        extra["carry_width"] = cfg.hc_mult * cfg.hidden_size
     return ModelConfig(
         name=name, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_heads=cfg.num_heads,
         d_latent=cfg.head_dim - cfg.rope_dim, d_rope=cfg.rope_dim, d_ff=cfg.moe_intermediate,
         n_index_heads=cfg.index_n_heads, d_index=cfg.index_head_dim, index_topk=cfg.index_topk,
-        sources=sources, layers=tuple(LayerSpec(source=i) for i in range(cfg.num_layers)),
-        max_position=cfg.max_position, eos_token_id=cfg.eos_token_ids[0],
-        bos_token_id=cfg.bos_token_id, mask_token_id=None,
-        tie_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype,
-        extra={"state_rings": [[rows, width] for _, _, rows, width in v4_state_rings(cfg)]},
+        sources=tuple(sources), layers=tuple(layers), max_position=cfg.max_position,
+        eos_token_id=cfg.eos_token_ids[0], bos_token_id=cfg.bos_token_id, mask_token_id=None,
+        tie_embeddings=cfg.tie_word_embeddings, dtype=cfg.dtype, extra=extra,
     )  # fmt: skip
 
 

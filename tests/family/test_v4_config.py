@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 from transformers import DeepseekV4Config
 
+from dhisparse.family.config import SourceSpec
 from dhisparse.family.hf_config import ConfigError
-from dhisparse.family.v4_config import V4Config, parse_v4_config
+from dhisparse.family.v4_config import V4Config, parse_v4_config, v4_topology
 from tests.fixtures import CONFIGS
 
 HUB = CONFIGS / "deepseek-v4-flash" / "config.json"
@@ -119,3 +121,21 @@ def test_rope_that_changes_the_math_is_refused() -> None:
         parse_v4_config(raw | {"rope_scaling": {"type": "llama3", "factor": 8}})
     with pytest.raises(ConfigError, match="mscale"):
         parse_v4_config(raw | {"rope_scaling": raw["rope_scaling"] | {"mscale": 1.0}})
+
+
+def test_the_released_mtp_layer_is_a_sliding_layer_lagging_by_one() -> None:
+    """The hub config's trailing ``compress_ratios`` entry (the MTP layer's) is 0 in the Flash
+    release, so the MTP topology adds a sliding source of the window's width that lags by one
+    — valid — while a lag on a compressed source is not; the config transformers writes has no
+    such entry and gives the same."""
+    hub, saved = parse_v4_config(_read(HUB)), parse_v4_config(_read(SAVED))
+    assert hub.mtp_compress == saved.mtp_compress == 0
+    topo = v4_topology(hub, "flash", mtp=True)
+    topo.validate()
+    n = hub.num_layers
+    assert topo.draft_layers == (n,)
+    assert topo.sources[n] == SourceSpec(compress=1, window=hub.sliding_window, lag=1)
+    assert topo.extra["carry_width"] == hub.hc_mult * hub.hidden_size
+    lagged = replace(topo, sources=(*topo.sources[:n], SourceSpec(compress=4, window=128, lag=1)))
+    with pytest.raises(ValueError, match="a lag is >= 0, on an uncompressed source"):
+        lagged.validate()

@@ -1,13 +1,18 @@
-"""The tiny checkpoints with an appended MTP layer that the MTP tests share."""
+"""The tiny checkpoints with an appended MTP layer that the MTP tests share, and a recorder of an
+engine's drafts."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import pytest
 
-from tests import hf_tiny
-from tests.worker.mtp_reference import MTPReference
+from tests import hf_tiny, hf_tiny_v4
+from tests.worker.mtp_reference import MTPReference, V4MTPReference
+
+if TYPE_CHECKING:
+    from services.worker.engine.engine import Engine
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 
@@ -22,3 +27,30 @@ def mtp_checkpoint(name: str, factory: pytest.TempPathFactory) -> tuple[MTPRefer
     extra = {"index_share_for_mtp_iteration": True} if name == "glm_moe_dsa" else {}
     hf_tiny.append_mtp(path, mtp, **extra)
     return MTPReference(target, mtp), path
+
+
+def v4_mtp_checkpoint(
+    factory: pytest.TempPathFactory, names: str = "hub"
+) -> tuple[V4MTPReference, Path]:
+    """(the reference, a tiny DeepSeek-V4 checkpoint saved hub-style with a random MTP layer
+    appended under ``mtp.0.``, in DeepSeek's names or transformers' module names)."""
+    target = hf_tiny_v4.build(hf_tiny_v4.v4_config(), seed=5)
+    path = hf_tiny_v4.save_hub_style(target, factory.mktemp(f"v4-{names}"))
+    mtp = hf_tiny_v4.mtp_layer(seed=6, tmp=factory.mktemp("v4-mtp"), names=names)
+    hf_tiny.append_mtp(path, mtp)
+    return V4MTPReference(target, mtp), path
+
+
+def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None:
+    """Makes ``engine``'s drafter record each proposal in ``log`` by (tokens committed, anchor
+    token): the drafts of two engines compare position by position."""
+    drafter = engine.speculator.drafter
+    propose = drafter.propose
+
+    def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
+        prop = propose(slots, anchors, num_committed, widths, *args, **kw)
+        for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
+            log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
+        return prop
+
+    drafter.propose = recorded

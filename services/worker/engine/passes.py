@@ -92,7 +92,8 @@ class ModelPasses:
         hidden: torch.Tensor | None,
         selection: torch.Tensor | None,
     ) -> MTPStep:
-        """One MTP-only draft pass over the KV cache (``MLADecoder.mtp_step``)."""
+        """One MTP-only draft pass over the KV cache (``MLADecoder.mtp_step``,
+        ``V4Model.mtp_step``)."""
         with kernel_fusion(self.fused):
             return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
 

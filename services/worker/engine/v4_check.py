@@ -1,5 +1,6 @@
-"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU, fp32 rows, no
-drafter (``model.v4_serving``); anything else it is configured with stops start-up, named."""
+"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU, fp32 rows, no drafter
+or its own MTP layer (``--drafter mtp``; ``model.v4_serving``); anything else it is configured
+with stops start-up, named."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dhisparse.family.presets import PRESETS
 from dhisparse.paths import resolve_path
 from services.worker.engine.config import EngineConfig
 from services.worker.model.v4_serving import V4Model
+from services.worker.speculative.drafters.mtp import MTPDrafter
 
 
 def serves_v4(cfg: EngineConfig, model: nn.Module | None) -> bool:
@@ -38,14 +40,16 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
                 cfg.backend(cfg.attention_backend) != "torch",
             ),
             (
-                f"--drafter {cfg.speculation.drafter} (speculative decoding)",
-                bool(cfg.speculation.drafter),
+                f"--drafter {cfg.speculation.drafter} (speculative decoding other than the "
+                "model's MTP layer)",
+                cfg.speculation.drafter not in (None, "", MTPDrafter.kind),
             ),
         )
         if asked
     ]
     if unsupported:
         raise ValueError(
-            "DeepSeek-V4 is served on the CPU in float32, without a drafter; "
+            "DeepSeek-V4 is served on the CPU in float32, without a drafter or with its MTP "
+            "layer (--drafter mtp); "
             f"not with {', '.join(unsupported)}"
         )

@@ -35,12 +35,14 @@ class ExtendedRows:
         idx = torch.where(pos < start, in_ring, in_chunk)
         return torch.where(pos >= 0, idx, torch.full_like(idx, -1))
 
-    def window_locs(self, window: int) -> torch.Tensor:
-        """[N, window] indices of positions ``t-window+1 .. t`` for every token (``-1`` if < 0)."""
+    def window_locs(self, window: int, lag: int = 0) -> torch.Tensor:
+        """[N, window] indices of positions ``t-window+1 .. t`` for every token (``-1`` below
+        ``lag``: a lagged source's positions that hold no row, ``SourceSpec.lag``)."""
         b = self.batch
         offs = torch.arange(window - 1, -1, -1, device=b.positions.device)
         pos = b.positions.unsqueeze(1) - offs.unsqueeze(0)
-        return self.index(b.token_req.unsqueeze(1).expand_as(pos), pos)
+        idx = self.index(b.token_req.unsqueeze(1).expand_as(pos), pos)
+        return idx if lag == 0 else torch.where(pos >= lag, idx, torch.full_like(idx, -1))
 
 
 class TokenRing:

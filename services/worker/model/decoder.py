@@ -188,7 +188,7 @@ class SparseDecoder(nn.Module):
         st.locations[i] = locs
         win_pool = win_locs = None
         if src.window > 0:
-            win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window)
+            win_pool, win_locs = st.ext[s].rows, st.ext[s].window_locs(src.window, src.lag)
         traced: list[torch.Tensor] | None = None if trace is None else []
         # fp8 rows are dequantized into a fixed workspace, a block of query tokens at a time
         step = len(q) if kv.attention_block is None else kv.attention_block

@@ -76,6 +76,12 @@ class MLADecoder(SparseDecoder):
         """The MTP layer's index (N, after the target's layers)."""
         return self.cfg.draft_layers[0]
 
+    @property
+    def mtp_index_share(self) -> bool:
+        """Whether draft steps after the first attend the first step's selection
+        (``index_share_for_mtp_iteration``)."""
+        return self.family.mtp_index_share
+
     def share_lm_head(self) -> None:
         """Uses ``lm_head`` as the MTP head when the checkpoint's ``shared_head.head`` is a
         copy of it (as in the released checkpoints), freeing the copy."""

@@ -77,8 +77,11 @@ class Attention(nn.Module):
         q_latent = self.q_norm(self.wq_a(x))
         q = rms_normalise(self.wq_b(q_latent).view(n, self.heads, self.head_dim), self.eps)
         q = rope_tail(q, positions, self.rope, self.rope_dim)
-        kv = rope_tail(self.norm(self.wkv(x)), positions, self.rope, self.rope_dim)
-        return q_latent, q, kv
+        return q_latent, q, self.kv_rows(x, positions)
+
+    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """x: [N, hidden] at positions [N] -> the tokens' K=V rows [N, head_dim], rotated."""
+        return rope_tail(self.norm(self.wkv(x)), positions, self.rope, self.rope_dim)
 
     def attend(self, q: torch.Tensor, keys: torch.Tensor, allowed: torch.Tensor) -> torch.Tensor:
         """q: [N, heads, head_dim] over K=V ``keys`` [K, head_dim] (shared by the queries) or

@@ -59,6 +59,11 @@ class Block(nn.Module):
         fn, base, scale = (getattr(self, f"hc_{site}_{p}") for p in ("fn", "base", "scale"))
         return hyper_mix(streams, fn, base, scale, c.hc_sinkhorn_iters, c.hc_eps, c.rms_norm_eps)
 
+    def attention_input(self, streams: torch.Tensor) -> torch.Tensor:
+        """What the block's attention reads of streams [N, hc_mult, hidden]: ``attn_norm`` of
+        the collapsed streams [N, hidden]."""
+        return self.attn_norm(self._mix("attn", streams)[2])
+
     def forward(
         self, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
         state: AttentionState,
@@ -80,7 +85,9 @@ class Block(nn.Module):
 
 
 class V4Decoder(nn.Module):
-    def __init__(self, cfg: V4Config) -> None:
+    def __init__(self, cfg: V4Config, mtp: nn.Module | None = None) -> None:
+        """``mtp``: the MTP layer (``v4_mtp.MTPBlock``), held as ``mtp.0`` (its checkpoint
+        names); None: the target alone."""
         super().__init__()
         self.cfg = cfg
         h, d = cfg.hc_mult, cfg.hidden_size
@@ -91,6 +98,7 @@ class V4Decoder(nn.Module):
         self.hc_head_base = nn.Parameter(torch.empty(h))
         self.hc_head_scale = nn.Parameter(torch.empty(1))
         self.head = nn.Linear(d, cfg.vocab_size, bias=False)
+        self.mtp = None if mtp is None else nn.ModuleList([mtp])
 
     def new_state(self) -> V4State:
         return V4State(layers=[AttentionState() for _ in self.layers])

@@ -18,7 +18,12 @@ Per layer and pass:
 - the hyper-connections and the MoE are per token (hash routing by the pass's token ids).
 
 A slot's rings hold only positions its earlier passes wrote, and every read of a position
-before 0 is masked, so a slot needs no clearing between requests."""
+before 0 is masked, so a slot needs no clearing between requests.
+
+Built with the MTP layer (``--drafter mtp``, ``v4_mtp.MTPBlock``), its source is layer N's, a
+sliding window that lags by one: every target pass records its last block's streams in the
+carry and writes the MTP rows its tokens complete (``_follow_target``); ``mtp_step`` runs one
+MTP-only draft pass (docs/mtp.md)."""
 
 from __future__ import annotations
 
@@ -29,10 +34,12 @@ from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.model.decoder import LayerTrace
+from services.worker.model.mla_mtp import MTPStep
 from services.worker.model.row_selection import select_rows
 from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
 from services.worker.model.v4_decoder import V4Decoder
+from services.worker.model.v4_mtp import MTPBlock
 from services.worker.serving.cache import STATE_RINGS, KVCache
 from services.worker.transfers import to_device
 
@@ -77,7 +84,8 @@ class V4Model(nn.Module):
         super().__init__()
         self.net = net
         self.family = net.cfg
-        self.cfg = v4_topology(net.cfg, name)
+        self.mtp: MTPBlock | None = None if net.mtp is None else net.mtp[0]
+        self.cfg = v4_topology(net.cfg, name, mtp=self.mtp is not None)
         self.cfg.validate()
         # (layer, "kv" | "index") -> the key of its compressor's ring in the cache's snapshot
         self.ring_keys = {
@@ -102,8 +110,9 @@ class V4Model(nn.Module):
         ``kv`` as ``SparseDecoder.forward`` does; ``begin=False``: the caller began the pass.
         ``trace``: filled with each CSA / HCA layer's selection, locations and the compressed
         rows it read (the window rows come from the token rings in every mode). ``features``
-        (a drafter's target features) are not available for V4 and raise."""
-        if features is not None:
+        naming a layer (a drafter's target features) are not available for V4 and raise; an
+        empty one (the MTP drafter's: it reads the carry) asks for nothing."""
+        if features:
             raise ValueError("DeepSeek-V4 gives no drafter features")
         if begin:
             kv.payload.begin(batch)
@@ -115,11 +124,79 @@ class V4Model(nn.Module):
                 input_ids,
                 lambda x, i=i, a=block.attn: self._attention(i, a, x, batch, kv, rings, trace),
             )
+        if self.mtp is not None:
+            self._follow_target(input_ids, streams, batch, kv)
         return self.net.final(streams)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] fp32."""
         return self.net.head(hidden).float()
+
+    # ---- the MTP layer ---------------------------------------------------------------------
+    @property
+    def mtp_layer(self) -> int:
+        """The MTP layer's index (N, after the target's layers), and its source's."""
+        return self.family.num_layers
+
+    @property
+    def mtp_index_share(self) -> bool:
+        """V4's MTP layer has no indexer: no selection to share between draft steps."""
+        return False
+
+    def _follow_target(
+        self, input_ids: torch.Tensor, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache
+    ) -> None:
+        """The MTP rows the pass's tokens complete: the token at p with the target's last
+        streams at p - 1 (this pass's, or the carry's for a request's first token) gives MTP
+        row p - 1, stored in the MTP source's ring under p (``SourceSpec.lag``), through the
+        layer's fusion, hyper-connection and K=V projection only (its attention and MoE are
+        not needed to write its KV). Every pass records its streams in the carry."""
+        assert self.mtp is not None
+        ext = kv.follow_carry(batch, streams.flatten(1))
+        before = ext.index(batch.token_req, batch.positions - 1).clamp(min=0)  # p = 0: no row
+        prev = ext.rows[before].view_as(streams)
+        x = self.mtp.attention_input(self.mtp.fuse(self.net.embed(input_ids), prev))
+        rows = self.mtp.attn.kv_rows(x, (batch.positions - 1).clamp(min=0))
+        kv.rings[self.mtp_layer].extend(batch, rows)
+
+    @torch.no_grad()
+    def mtp_step(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        kv: KVCache,
+        hidden: torch.Tensor | None = None,
+        selection: torch.Tensor | None = None,
+    ) -> MTPStep:
+        """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
+        decode-shaped batch of the MTP source only), each with the streams before it —
+        ``hidden`` [R, hc_mult * hidden], or the carry's (the target's at p - 1) when None.
+        Writes MTP row p - 1 into the source's ring (the verify pass rewrites it) and attends
+        the MTP rows of the window before it. ``selection`` must be None (no MTP indexer)."""
+        assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
+        assert selection is None, "DeepSeek-V4's MTP layer selects no rows"
+        kv.payload.begin(batch)
+        if hidden is None:
+            hidden = kv.carry.rows_at(batch.slots, batch.positions - 1)
+        r, c = tokens.shape[0], self.family
+        mtp = self.mtp
+        streams = mtp.fuse(self.net.embed(tokens), hidden.view(r, c.hc_mult, c.hidden_size))
+        streams = mtp.run(streams, tokens, lambda x: self._mtp_attention(x, batch, kv))
+        logits = self.logits(mtp.final(streams))
+        none = torch.empty(r, 0, dtype=torch.int64, device=tokens.device)
+        return MTPStep(streams.flatten(1), logits, none)
+
+    def _mtp_attention(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
+        """The MTP layer's attention for x [R, hidden] of tokens at p: its query and row at
+        position p - 1 over the rows p - window .. p - 1 (ring positions p - window + 1 .. p,
+        none below 1)."""
+        assert self.mtp is not None
+        attn, pos = self.mtp.attn, batch.positions - 1
+        _, q, rows = attn.project(x, pos)
+        ext = kv.rings[self.mtp_layer].extend(batch, rows)
+        window = ext.window_locs(attn.window, lag=1)
+        keys = ext.rows[window.clamp(min=0)]
+        return attn.output(attn.attend(q, keys, window >= 0), pos)
 
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,

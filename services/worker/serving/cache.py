@@ -72,18 +72,23 @@ class KVCache:
         self.carry: TokenRing | None = None
         if any(src.lag for src in model_cfg.sources):
             # a verify round of K tokens may commit only its first: the ring keeps all K
+            # what the lagged rows read of the target: its final hidden state, or a model's own
+            # width (``extra["carry_width"]``: DeepSeek-V4's hyper-connection streams)
+            width = model_cfg.extra.get("carry_width", model_cfg.d_model)
             self.carry = TokenRing(
-                cfg.max_slots, max(1, cfg.spec_block), model_cfg.d_model, cfg.dtype, cfg.device
+                cfg.max_slots, max(1, cfg.spec_block), width, cfg.dtype, cfg.device
             )
         # what a durable session's manifest snapshots: the source rings and the carry
         self.snapshot_rings = dict(self.rings)
         if self.carry is not None:
             self.snapshot_rings[CARRY] = self.carry
         # a model's own per-slot state, ``extra["state_rings"]`` [(rows, width), ...] of its
-        # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j
+        # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j, with a verify
+        # block's rows beyond (``ring_extra``) like the source rings, so a verify pass's
+        # rejected positions overwrite none the next pass reads
         for j, (rows, width) in enumerate(model_cfg.extra.get("state_rings", ())):
             self.snapshot_rings[STATE_RINGS - j] = TokenRing(
-                cfg.max_slots, rows, width, cfg.dtype, cfg.device
+                cfg.max_slots, rows + cfg.ring_extra, width, cfg.dtype, cfg.device
             )
         self._local_store: LocalHostStore | None = None
         self.host_backups: HostBackups | None = None

@@ -21,6 +21,7 @@ from services.worker.graphs.cuda_graph import DraftGraphs
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.model.v4_serving import V4Model
 from services.worker.request.grammar_masks import Block
 from services.worker.request.request import Request
 from services.worker.serving.cache import KVCache
@@ -57,11 +58,11 @@ def make_drafter(
     run by ``mtp_step``) or a checkpoint directory."""
     dtype = next(target.parameters()).dtype
     if spec == MTPDrafter.kind:
-        if not isinstance(target, MLADecoder) or target.mtp is None or mtp_step is None:
+        if not isinstance(target, MLADecoder | V4Model) or target.mtp is None or mtp_step is None:
             raise ValueError("the MTP drafter needs a target loaded with its MTP layer")
         return MTPDrafter(
             mtp_step, target.cfg.layers[target.mtp_layer].source, target.cfg.vocab_size,
-            block, target.family.mtp_index_share, next(target.parameters()).device,
+            block, target.mtp_index_share, next(target.parameters()).device,
         )  # fmt: skip
     if spec in DRAFTERS:
         cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)

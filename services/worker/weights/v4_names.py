@@ -8,8 +8,10 @@ A checkpoint meets the loader in one of three namings, all read:
   ``compressor.indexer.*``, the routed experts fused into ``experts.gate_up_proj`` [E, 2I, H]
   and ``experts.down_proj`` [E, H, I].
 
-The MTP layer (``mtp.*``) is not run here; its tensors are left unread and named in one log
-line. The released form is read too: FP8 e4m3 weights with block scales (``X.scale`` or
+The MTP layer (``mtp.0.*``, in the same namings) is read only when asked
+(``load_v4_model(..., mtp=True)``, ``--drafter mtp``) into ``V4Decoder.mtp``
+(``v4_mtp.MTPBlock``); otherwise its tensors are left unread and named in one log line. The
+released form is read too: FP8 e4m3 weights with block scales (``X.scale`` or
 ``X.weight_scale_inv``, the block from ``quantization_config``) and FP4 e2m1 routed experts
 (``expert_dtype`` "fp4", packed two per byte, one UE8M0 scale per 32 columns), dequantised on
 load."""
@@ -29,6 +31,7 @@ from dhisparse.family.hf_dir import model_name
 from dhisparse.family.quantization_config import SCALE_SUFFIX, CheckpointError, block_size
 from dhisparse.family.v4_config import V4Config, parse_v4_config
 from services.worker.model.v4_decoder import V4Decoder
+from services.worker.model.v4_mtp import MTPBlock
 from services.worker.model.v4_serving import V4Model
 from services.worker.ops.fp4_e2m1 import dequantize_fp4
 from services.worker.ops.fp8_blockwise import dequantize_blockwise
@@ -41,7 +44,7 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"^model\.", ""),
     (r"^embed_tokens\.", "embed."),
     (r"^lm_head\.", "head."),
-    (r"^hc_head\.hc_(fn|base|scale)$", r"hc_head_\1"),
+    (r"(^|\.)hc_head\.hc_(fn|base|scale)$", r"\1hc_head_\2"),
     (r"\.self_attn\.compressor\.indexer\.scorer\.weights_proj\.", ".attn.indexer.weights_proj."),
     (r"\.self_attn\.compressor\.indexer\.q_b_proj\.", ".attn.indexer.wq_b."),
     (r"\.self_attn\.compressor\.indexer\.", ".attn.indexer.compressor."),
@@ -65,7 +68,8 @@ _RENAMES: tuple[tuple[str, str], ...] = (
     (r"\.kv_norm\.", ".norm."),
     (r"\.gate\.e_score_correction_bias$", ".gate.bias"),
 )
-_FUSED = re.compile(r"^(layers\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
+_FUSED = re.compile(r"^((?:layers|mtp)\.\d+\.ffn\.experts)\.(gate_up_proj|down_proj)$")
+_MTP = re.compile(r"^(model\.)?mtp\.")
 
 
 def native_name(name: str) -> str:
@@ -129,20 +133,26 @@ def read_v4_config(path: str | Path) -> tuple[V4Config, tuple[int, int] | None]:
     return parse_v4_config(raw), block_size(raw.get("quantization_config"))
 
 
-def load_v4_model(path: str | Path) -> V4Decoder:
+def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
     """The V4 checkpoint in ``path`` as a ``V4Decoder`` in fp32 on the CPU (every tensor read
     whole: tiny checkpoints); every parameter must come from the checkpoint and every tensor but
     the MTP layer's must be used. FP8 e4m3 weights (block scales) and FP4 e2m1 experts (per-32
-    scales) are dequantised here, in fp32."""
+    scales) are dequantised here, in fp32. ``mtp``: the MTP layer too (``mtp.0.*``, all of it
+    used); a config with ``num_nextn_predict_layers`` other than 1 is a ConfigError."""
     path = Path(path)
     cfg, block = read_v4_config(path)
-    model = V4Decoder(cfg)
+    if mtp and cfg.mtp_layers != 1:
+        raise ConfigError(
+            f"{path}: --drafter mtp needs num_nextn_predict_layers 1, the config has "
+            f"{cfg.mtp_layers}"
+        )
+    model = V4Decoder(cfg, MTPBlock(cfg) if mtp else None)
     want = model.state_dict()
     names = _stored(path)
     found: dict[str, torch.Tensor] = {}
     skipped, used_scales = 0, set()
     for stored in sorted(names):
-        if re.match(r"^(model\.)?mtp\.", stored):
+        if not mtp and _MTP.match(stored):
             skipped += 1
             continue
         if _is_scale(stored):
@@ -161,7 +171,7 @@ def load_v4_model(path: str | Path) -> V4Decoder:
             t = t.float()
         found |= native_tensors(stored, t)
     unused = sorted(n for n in names if _is_scale(n) and n not in used_scales)
-    if unused and not all(re.match(r"^(model\.)?mtp\.", n) for n in unused):
+    if unused and not all(not mtp and _MTP.match(n) for n in unused):
         raise CheckpointError(f"{path}: scales {unused[:8]} scale no quantized weight")
     if skipped:
         log.info("%s: %d MTP tensors (mtp.*) not loaded: the MTP layer is not run", path, skipped)
@@ -209,15 +219,14 @@ def load_v4_served(
     weight_dtype: str, world_size: int,
 ) -> V4Model:  # fmt: skip
     """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``: fp32
-    weights (FP8 / FP4 ones dequantised at load), one rank, no MTP layer. Anything else asked
-    for (``dtype`` other than float32, ``weight_dtype`` fp8, ``mtp``, ``world_size`` > 1) is a
-    ConfigError naming it: only fp32 serving is checked against transformers."""
+    weights (FP8 / FP4 ones dequantised at load), one rank, with its MTP layer when ``mtp``.
+    Anything else asked for (``dtype`` other than float32, ``weight_dtype`` fp8, ``world_size``
+    > 1) is a ConfigError naming it: only fp32 serving is checked against transformers."""
     unsupported = [
         what
         for what, asked in (
             (f"dtype {dtype}", dtype not in (None, torch.float32)),
             (f"--weight-dtype {weight_dtype}", weight_dtype not in ("auto", "bf16")),
-            ("the MTP drafter (--drafter mtp)", mtp),
             (f"{world_size} ranks (tensor / expert parallel)", world_size > 1),
         )
         if asked
@@ -225,7 +234,7 @@ def load_v4_served(
     if unsupported:
         raise ConfigError(
             f"DeepSeek-V4 ({path}) is served in float32 on one rank, its FP8 / FP4 weights "
-            f"dequantised at load, without its MTP layer; not with {', '.join(unsupported)}"
+            f"dequantised at load; not with {', '.join(unsupported)}"
         )
     raw = json.loads((Path(path) / "config.json").read_text())
-    return V4Model(load_v4_model(path).to(device), model_name(path, raw))
+    return V4Model(load_v4_model(path, mtp).to(device), model_name(path, raw))

@@ -18,7 +18,7 @@ from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from tests import hf_tiny
 from tests.worker.model import serving
-from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
+from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint, record_drafts
 from tests.worker.mtp_reference import MTPReference
 
 SPEC = SpeculationConfig("mtp", 4, "fixed")
@@ -36,21 +36,6 @@ def _ids(n: int, seed: int) -> list[int]:
 
 def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
-
-
-def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None:
-    """Makes ``engine``'s drafter record each proposal in ``log`` by (tokens committed, anchor
-    token): the drafts of two engines compare position by position."""
-    drafter = engine.speculator.drafter
-    propose = drafter.propose
-
-    def recorded(slots, anchors, num_committed, widths=None, *args, **kw):
-        prop = propose(slots, anchors, num_committed, widths, *args, **kw)
-        for r, (a, n) in enumerate(zip(anchors, num_committed, strict=True)):
-            log[(n, a)] = prop.tokens[r, : prop.widths[r] - 1].tolist()
-        return prop
-
-    drafter.propose = recorded
 
 
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])

@@ -2,8 +2,9 @@
 autoregressively for K_r - 1 steps (docs/mtp.md).
 
 Unlike the windowed drafters it keeps no state of its own: its context is the MTP layer's KV
-source in the hierarchy, which every target pass fills (``MLADecoder``), so ``begin``,
-``append_context`` and ``release`` have nothing to do, and a resumed session drafts at once.
+source in the hierarchy, which every target pass fills (``MLADecoder``, ``V4Model``), so
+``begin``, ``append_context`` and ``release`` have nothing to do, and a resumed session drafts
+at once.
 Step i of a round over the anchor at position n is one MTP-only pass over the token at n + i
 (the anchor, then step i-1's proposal) with the hidden state before it (the target's, from the
 carry, then step i-1's); with ``share_index`` (``index_share_for_mtp_iteration``) steps after

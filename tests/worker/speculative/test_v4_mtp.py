@@ -1,0 +1,279 @@
+"""DeepSeek-V4's MTP layer (``mtp.0.*``, ``--drafter mtp``) against its plain-torch reference
+(``mtp_reference.V4MTPReference``, from DeepSeek's ``MTPBlock``) on a tiny random V4 checkpoint
+with an appended MTP layer: loading (DeepSeek's names and transformers' module names), every
+draft step's logits and recycled streams, a verify round's commit of the MTP rows; in the
+engine, speculative greedy output equal to transformers' greedy in every serving mode with
+chunked prefill, and a speculating durable session resumed after its worker dies."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from dhisparse.family.hf_config import ConfigError
+from dhisparse.family.v4_config import parse_v4_config, v4_topology
+from services.worker.durable.host_link import HostLink
+from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
+from services.worker.model.v4_serving import V4Model
+from services.worker.ops.fp4_e2m1 import dequantize_fp4
+from services.worker.ops.fp8_blockwise import dequantize_blockwise
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.speculative.config import SpeculationConfig
+from services.worker.speculative.drafters.mtp import MTPDrafter
+from services.worker.weights.model_io import load_model
+from tests import hf_tiny, hf_tiny_v4
+from tests.worker.model import serving
+from tests.worker.mtp_fixture import record_drafts, v4_mtp_checkpoint
+from tests.worker.mtp_reference import V4MTPReference
+
+STEPS = 5
+RTOL = 1e-4
+SPEC = SpeculationConfig("mtp", 4, "fixed")
+
+
+@pytest.fixture(scope="module")
+def family(tmp_path_factory) -> tuple[V4MTPReference, Path]:
+    return v4_mtp_checkpoint(tmp_path_factory)
+
+
+def _kv(model: V4Model, mode: str) -> KVCache:
+    kw: dict = dict(mode=mode, max_slots=2, max_model_len=256, spec_block=STEPS + 1,
+                    dtype=torch.float32)  # fmt: skip
+    if mode == "hisparse":
+        kw |= dict(hot_cache_rows=16, kv_pool_bytes=32 << 20)
+    return KVCache(model.cfg, KVCacheConfig(**kw))
+
+
+def _prefill(model: V4Model, kv: KVCache, ids: torch.Tensor, chunks: list[int]) -> None:
+    """Commits ``ids`` in slot 0 in prefill chunks, with room for the draft steps after."""
+    assert kv.admit(0, "r", len(ids), len(ids) + STEPS + 1)
+    assert kv.ensure(0, len(ids) + STEPS + 1)
+    start = 0
+    for n in chunks:
+        batch = ForwardBatch.build([0], [start], [n], "cpu", prefill=True)
+        model(ids[start : start + n], batch, kv)
+        start += n
+        kv.commit(batch, [start])
+
+
+def _draft(model: V4Model, kv: KVCache, anchor: int, n: int, tokens: list[int]) -> list:
+    """Draft steps from ``anchor`` at position n, step i > 0 reading ``tokens[i-1]``."""
+    src = model.cfg.layers[model.mtp_layer].source
+    hidden, out = None, []
+    for i in range(len(tokens) + 1):
+        token = torch.tensor([anchor if i == 0 else tokens[i - 1]])
+        batch = ForwardBatch.build([0], [n + i], [1], "cpu", sources=(src,))
+        step = model.mtp_step(token, batch, kv, hidden)
+        out.append(step)
+        hidden = step.hidden
+    return out
+
+
+def test_the_mtp_layer_is_loaded_only_when_asked(family, tmp_path_factory) -> None:
+    """Without ``mtp`` the target alone; with it layer 4 is a draft layer over a sliding
+    source of its own lagging by one, the carry as wide as the streams. The same layer stored
+    under transformers' module names loads to the same parameters."""
+    _, path = family
+    plain = load_model(path)
+    assert isinstance(plain, V4Model) and plain.mtp is None and not plain.cfg.draft_layers
+    model = load_model(path, mtp=True)
+    assert isinstance(model, V4Model) and model.mtp is not None
+    cfg = model.cfg
+    assert cfg.draft_layers == (4,) and model.mtp_layer == 4
+    src = cfg.sources[cfg.layers[4].source]
+    assert (src.compress, src.window, src.lag) == (1, 8, 1)
+    assert cfg.rows_for_tokens(cfg.layers[4].source, 10) == 9
+    assert cfg.extra["carry_width"] == 4 * 64
+    _, modules = v4_mtp_checkpoint(tmp_path_factory, names="modules")
+    other = load_model(modules, mtp=True)
+    assert other.mtp is not None
+    want = model.mtp.state_dict()
+    got = other.mtp.state_dict()
+    assert sorted(got) == sorted(want)
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_released_fp8_fp4_mtp_layer_loads_dequantised(family, tmp_path: Path) -> None:
+    """The MTP layer as released (``e_proj`` / ``h_proj`` and the attention projections FP8
+    with UE8M0 block scales, routed experts FP4) beside a released-form target: every MTP
+    parameter is its stored tensor dequantised, or the stored tensor itself."""
+    ref, _ = family
+    path = hf_tiny_v4.save_released_form(ref.target, tmp_path / "released")
+    stored = hf_tiny_v4.released_tensors(ref.mtp.tensors, 16)
+    hf_tiny.append_mtp(path, dataclasses.replace(ref.mtp, tensors=stored))
+    model = load_model(path, mtp=True)
+    assert model.mtp is not None
+    got = model.mtp.state_dict()
+    quantized = 0
+    for name, t in stored.items():
+        if name.endswith(".scale") and not name.endswith("hc_head_scale"):
+            continue
+        scale = stored.get(name.removesuffix(".weight") + ".scale")
+        if t.dtype == torch.float8_e4m3fn:
+            want, quantized = dequantize_blockwise(t, scale, (16, 16)), quantized + 1
+        elif t.dtype == torch.int8:
+            want, quantized = dequantize_fp4(t, scale), quantized + 1
+        else:
+            want = t.float()
+        assert torch.equal(got[name.removeprefix("mtp.0.")], want), name
+    assert quantized > 2 + 5 + 3 * 8  # e_proj, h_proj, attention, shared and routed experts
+
+
+def test_an_mtp_layer_that_compresses_or_is_missing_is_refused(family, tmp_path: Path) -> None:
+    """A trailing ``compress_ratios`` entry other than 0 (a compressed MTP layer) and
+    ``num_nextn_predict_layers`` 0 are start-up errors naming them with ``--drafter mtp``."""
+    _, path = family
+    raw = json.loads((path / "config.json").read_text())
+    cfg = parse_v4_config(raw | {"compress_ratios": [*raw["compress_ratios"][:-1], 4]})
+    assert cfg.mtp_compress == 4
+    v4_topology(cfg, "v4")  # the target alone is served
+    with pytest.raises(ConfigError, match="ratio 4"):
+        v4_topology(cfg, "v4", mtp=True)
+    d = tmp_path / "none"
+    d.mkdir()
+    for f in path.iterdir():
+        if f.name != "config.json":
+            (d / f.name).symlink_to(f)
+    (d / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 0}))
+    with pytest.raises(ConfigError, match="num_nextn_predict_layers 1"):
+        load_model(d, mtp=True)
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+@pytest.mark.parametrize("length", [5, 41])
+def test_draft_steps_equal_the_reference(family, mode: str, length: int) -> None:
+    """A prompt committed in chunks (the MTP rows each pass completes, the carry between
+    passes), then five draft steps teacher-forced with the reference's proposals: each step's
+    logits within 1e-4 relative, its token the reference's, the streams it recycles the
+    reference's. A prompt within the window (8) and one five windows long."""
+    ref, path = family
+    model = load_model(path, mtp=True)
+    ids = hf_tiny_v4.token_ids(length + 1, length)  # the last is the anchor
+    want = ref.draft(ids, STEPS)
+    proposals = [int(s.logits.argmax()) for s in want]
+    kv = _kv(model, mode)
+    _prefill(model, kv, ids[:-1], [length] if length < 8 else [13, 1, length - 14])
+    steps = _draft(model, kv, int(ids[-1]), length, proposals[:-1])
+    for i, (got, w) in enumerate(zip(steps, want, strict=True)):
+        hf_tiny_v4.assert_close(got.logits[0], w.logits, RTOL)
+        assert int(got.logits[0].argmax()) == proposals[i], f"step {i}"
+        hf_tiny_v4.assert_close(got.hidden[0], w.streams.flatten(), RTOL)
+        assert got.selection.shape == (1, 0)
+    kv.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_a_verify_round_commits_the_mtp_rows_of_its_accepted_prefix(family, mode: str) -> None:
+    """Prefill, a round of draft steps (rows in the MTP ring), then a verify pass of four
+    tokens that commits the anchor and two of them: the next round's steps equal the
+    reference's over the committed tokens, so the verify pass rewrote the draft's rows of the
+    accepted prefix (row n-1 from the carry) and its carry holds the streams of the last
+    accepted position."""
+    ref, path = family
+    model = load_model(path, mtp=True)
+    n, accepted = 30, 2
+    ids = hf_tiny_v4.token_ids(n + 5, 77)  # prompt, anchor, three verified tokens, next anchor
+    kv = _kv(model, mode)
+    _prefill(model, kv, ids[:n], [n])
+    _draft(model, kv, int(ids[n]), n, [5, 6, 7])
+    verify = ForwardBatch.build([0], [n], [4], "cpu")
+    model(ids[n : n + 4], verify, kv)
+    kv.commit(verify, [n + accepted + 1])
+    committed = torch.cat([ids[: n + accepted + 1], ids[n + 4 :]])  # with the next anchor
+    want = ref.draft(committed, 3, tokens=[9, 10])
+    got = _draft(model, kv, int(ids[n + 4]), n + accepted + 1, [9, 10])
+    for g, w in zip(got, want, strict=True):
+        hf_tiny_v4.assert_close(g.logits[0], w.logits, RTOL)
+    kv.close()
+
+
+def _ids(n: int, seed: int) -> list[int]:
+    return hf_tiny_v4.token_ids(n, seed).tolist()
+
+
+def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
+    return serving.engine(path, mode, host, **({"speculation": SPEC, "kv_pool_mib": 48} | kw))
+
+
+def _tight_pool_mib(path: Path) -> float:
+    """A pool of 120 pages beyond the fixed allocations of a speculating adaptive engine:
+    admissions of later requests reclaim optional history of the running ones."""
+    probe = _engine(path, "adaptive", hot_cache_rows=16)
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (48 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    probe.close()
+    return (fixed + 120 * page_bytes) / (1 << 20)
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> None:
+    """Six requests, three arriving while the first three speculate, prompts prefilled in
+    chunks of at most 64 tokens: every output is transformers' greedy continuation and the MTP
+    layer drafted for every round; in adaptive, admissions reclaim optional history."""
+    ref, path = family
+    kw: dict = {"hot_cache_rows": 16}
+    if mode == "adaptive":
+        kw |= dict(kv_pool_mib=_tight_pool_mib(path), residency=ResidencyConfig(populate_pages=4))
+    eng = _engine(path, mode, **kw)
+    assert isinstance(eng.speculator.drafter, MTPDrafter)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
+        if i == 3:
+            for _ in range(12):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", _ids(n, 400 + n), params))
+    while eng.has_work():
+        eng.step()
+    for r in reqs:
+        assert len(r.output_ids) == 20
+        assert r.output_ids == hf_tiny.greedy_under_reference(
+            ref.target, r.prompt_ids, r.output_ids
+        )
+    c = eng.speculator.counters
+    assert c.drafts > 0 and c.draft_tokens > 0
+    if mode == "adaptive":
+        st = eng.kv.payload.residency.stats
+        assert st.reclaim_events > 0, st
+    eng.close()
+
+
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: str) -> None:
+    """An engine speculating with V4's MTP layer is dropped mid-stream; its successor adopts
+    the sessions from the host store — the MTP layer's window ring and the carry of streams
+    with the target's rings — and continues them speculating, token for token as an
+    uninterrupted run (greedy, and seeded sampling), drafting what it drafted, without
+    computing a prompt token."""
+    _, path = family
+    store = LocalHostStore(64 << 20)
+    prompts = [_ids(n, 500 + n) for n in (70, 25)]
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
+        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True),
+    ]
+    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
+
+    def make(owner: str) -> Engine:
+        engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        record_drafts(engine, drafts.setdefault(owner, {}))
+        return engine
+
+    def started(first: Engine) -> None:
+        assert first.speculator.counters.drafts > 0
+        assert all(0 < len(r.output_ids) < 20 for r in first.requests.values())
+
+    _, second = serving.resumed_after_death(make, store, prompts, params, 6, started)
+    resumed = drafts["w0"]
+    assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
+    second.close()
+    store.close()
