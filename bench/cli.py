@@ -41,6 +41,7 @@ COMMANDS: dict[str, Command] = {
     "capacity": Command("bench.capacity", "resident/hisparse/adaptive: sessions, decode rate"),
     "spec": Command("bench.spec", "speculative vs plain decoding, closed loop in lockstep"),
     "serving": Command("bench.serving.cli", "closed-loop serving over the engine or HTTP"),
+    "load": Command("bench.load.cli", "sessions and throughput under load, real dimensions"),
     "projection": Command("bench.projection", "GLM-5.3 on 8 GPUs from a serving result"),
     "census": Command("bench.census", "where a trained model's selections fall vs random"),
     "cpu-stream": Command("bench.cpu_stream", "one stream through make run's stack on a CPU"),
