@@ -335,6 +335,5 @@ def run(args: argparse.Namespace) -> dict:
     out["elapsed_s"] = time.monotonic() - t0
     print(table(out))
     if args.plot:
-        for p in plot(out, args.plot):
-            print(f"wrote {p}")
+        out["plots"] = plot(out, args.plot)
     return out

@@ -36,15 +36,16 @@ def table(out: dict) -> str:
             f"| {_f(m.get('host_read_bytes_per_token'), 1, 0)} "
             f"| {_f(m.get('acceptance_length'), 1, 2)} |"
         )
+    lines.append("")
     for s in out.get("speculation", []):
         e = s["eq13"]
         if e:
-            lines.append(f"\neq. 13 {s['family']} in={s['context']} {s['mode']}/mtp-{s['spec']} "
+            lines.append(f"eq. 13 {s['family']} in={s['context']} {s['mode']}/mtp-{s['spec']} "
                          f"C{s['concurrency']}: predicted {e['predicted_gain']:.3f}, measured "
                          f"{e['measured_gain']:.3f}")  # fmt: skip
     for n in out.get("noise", []):
         if n["relative_difference"] is not None:
-            lines.append(f"\nnoise {n['variant']}: {n['first']:.1f} vs {n['second']:.1f} tok/s "
+            lines.append(f"noise {n['variant']}: {n['first']:.1f} vs {n['second']:.1f} tok/s "
                          f"({n['relative_difference']:.1%})")  # fmt: skip
     return "\n".join(lines) + "\n"
 
