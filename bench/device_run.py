@@ -22,6 +22,10 @@ to ``logs.tgz``.
                  roofline (``bench roofline``): both families at 8K, C = 1, 4, 16, 64,
                  fused and unfused kernels in lockstep
     roofline-prefill  the same for one 8K prompt per family: time to first token vs peak
+    load         the load evaluation (``bench load``, issue 45): one step per family and
+                 context (32K, 100K), each sized for one device command of its own
+                 (``--only load-v32-scaled-32k``); three engines of the plan's pool beside
+                 the weights: an H200
     kernels      the fused kernels' GPU tests (ops, graph replays and the hierarchy's bit
                  identity with and without fusion), then the program-shape sweeps of sparse
                  attention and the FP8 projections that set their defaults
@@ -128,6 +132,27 @@ ROOFLINE_PREFILL_STEPS = tuple(
         200,
     )
     for family in FAMILIES
+)
+# the load evaluation, one family and context per step (run one per device command: ``--only``):
+# the modes in lockstep at C = 1, 16, 64 (64 twice: the noise), then adaptive without and with
+# MTP under each schedule at C = 64; 256-token outputs and a 20 s window per variant so that
+# requests finish and new ones wait inside it; points past --time-limit-s are skipped and
+# listed. At 100K a session's host rows take 1.3 GB: 4 histories, C up to 48, an 80 GiB arena.
+LOAD_ARGS = {
+    "32k": "--contexts 32768 --concurrency 1,16,64 --spec-concurrency 64 --prefixes 8",
+    "100k": "--contexts 100000 --concurrency 1,16,48 --spec-concurrency 48 --prefixes 4 "
+    "--host-cap-gib 80",
+}
+LOAD_STEPS = tuple(
+    Step(
+        f"load-{family}-{ctx}",
+        f"-m bench load --family {family} {args} --output-len 256 --duration-s 20 "
+        f"--spec off,fixed,paper,online --time-limit-s 440 "
+        f"--out {{out}}/load_{family}_{ctx}.json --plot {{out}}/load_{family}_{ctx}",
+        520,
+    )
+    for family in FAMILIES
+    for ctx, args in LOAD_ARGS.items()
 )
 # the fused kernels (``--fused-kernels``): their GPU tests, then the sweeps that set the sparse
 # attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)
@@ -236,6 +261,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
     "roofline-prefill": ROOFLINE_PREFILL_STEPS,
     "kernels": KERNEL_STEPS,
     "scaled-32k": SCALED_32K_STEPS,
+    "load": LOAD_STEPS,
 }
 
 

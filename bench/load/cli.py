@@ -7,7 +7,6 @@ import argparse
 import dataclasses
 import json
 import time
-from pathlib import Path
 
 import torch
 
@@ -45,34 +44,56 @@ RUN_FIELDS = (
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--tiny", action="store_true",
-                    help="tiny preset with an MTP layer on the CPU, tiny contexts (a smoke run)")
+    ap.add_argument(
+        "--tiny",
+        action="store_true",
+        help="tiny preset with an MTP layer on the CPU, tiny contexts (a smoke run)",
+    )
     ap.add_argument("--family", type=strs, default=list(SCALED), help=f"of {', '.join(SCALED)}")
     ap.add_argument("--contexts", type=ints, default=[32768, 100000], help="input lengths")
     ap.add_argument("--output-len", type=int, default=1024)
     ap.add_argument("--concurrency", type=ints, default=[1, 4, 16, 32, 64, 96])
     ap.add_argument("--modes", type=strs, default=list(MODES))
-    ap.add_argument("--spec", type=strs, default=list(SPEC),
-                    help="off (no speculation), fixed, paper, online: MTP width schedules")
+    ap.add_argument(
+        "--spec",
+        type=strs,
+        default=list(SPEC),
+        help="off (no speculation), fixed, paper, online: MTP width schedules",
+    )
     ap.add_argument("--spec-mode", default="adaptive", help="the mode speculation runs in")
     ap.add_argument("--spec-concurrency", type=ints, help="default: --concurrency")
     ap.add_argument("--spec-width", type=int, default=4, help="K_max")
-    ap.add_argument("--acceptance", default="shipped",
-                    help="MTP proposals under the acceptance control: 'shipped' or rates")
+    ap.add_argument(
+        "--acceptance",
+        default="shipped",
+        help="MTP proposals under the acceptance control: 'shipped' or rates",
+    )
     ap.add_argument("--prefixes", type=int, default=8, help="prepared histories per context")
-    ap.add_argument("--history", default="random", choices=("random",),
-                    help="rows and keys of the prepared histories")
+    ap.add_argument(
+        "--history",
+        default="random",
+        choices=("random",),
+        help="rows and keys of the prepared histories",
+    )
     ap.add_argument("--duration-s", type=float, default=60.0, help="measured window per run")
     ap.add_argument("--warmup-s", type=float, default=0.0, help="before the window")
-    ap.add_argument("--requests-per-client", type=int,
-                    help="instead of a window: this many requests per client")
-    ap.add_argument("--noise-concurrency", type=int,
-                    help="the C whose mode runs are repeated (default: the largest)")
+    ap.add_argument(
+        "--requests-per-client", type=int, help="instead of a window: this many requests per client"
+    )
+    ap.add_argument(
+        "--noise-concurrency",
+        type=int,
+        help="the C whose mode runs are repeated (default: the largest)",
+    )
     ap.add_argument("--pool-mib", type=float, help="KV budget (default: bench/load/pool.py)")
-    ap.add_argument("--host-gib", type=float,
-                    help="host arena (default: the node's share, at most --host-cap-gib)")
-    ap.add_argument("--host-cap-gib", type=float, default=96.0,
-                    help="what the machine can give the arena")
+    ap.add_argument(
+        "--host-gib",
+        type=float,
+        help="host arena (default: the node's share, at most --host-cap-gib)",
+    )
+    ap.add_argument(
+        "--host-cap-gib", type=float, default=96.0, help="what the machine can give the arena"
+    )
     ap.add_argument("--max-slots", type=int, help="max_num_seqs (default: the largest C)")
     ap.add_argument("--page", type=int, default=64)
     ap.add_argument("--hot-cache-rows", type=int, default=4096)
@@ -139,16 +160,25 @@ def pool_sizing(family: str, ctx: int, model, args: argparse.Namespace) -> dict:
         per_token = bytes_per_token(model.cfg, torch.empty((), dtype=dtype).element_size(), True,
                                     codecs.rows.row_bytes, codecs.keys.row_bytes)  # fmt: skip
         pool = round(args.pool_mib * 2**20) if args.pool_mib else int(2 * session * per_token)
-        formula = (f"--pool-mib {args.pool_mib}" if args.pool_mib else
-                   f"tiny: 2 resident sessions of {session} tokens x {per_token:.0f} B/token")
+        formula = (
+            f"--pool-mib {args.pool_mib}"
+            if args.pool_mib
+            else f"tiny: 2 resident sessions of {session} tokens x {per_token:.0f} B/token"
+        )
         host = round((args.host_gib or 0.25) * 2**30)
         return {"pool_bytes": pool, "host_bytes": host, "formula": formula, "plan": None}
     plan = plan_pool(family, ctx)
     share = plan.host_share_bytes
     cap = round(args.host_cap_gib * 2**30)
     host = round(args.host_gib * 2**30) if args.host_gib else min(share, cap)
-    return {"pool_bytes": plan.pool_bytes, "host_bytes": host, "formula": plan.formula,
-            "host_share_bytes": share, "host_capped": host < share, "plan": plan.as_dict()}
+    return {
+        "pool_bytes": plan.pool_bytes,
+        "host_bytes": host,
+        "formula": plan.formula,
+        "host_share_bytes": share,
+        "host_capped": host < share,
+        "plan": plan.as_dict(),
+    }
 
 
 def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
@@ -255,8 +285,13 @@ def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: di
                        "context": c.ctx, "mode": v.mode, "spec": v.spec, "concurrency": conc,
                        "repeat": repeat, "metrics": m}  # fmt: skip
                 out["runs"].append(row)
-                print(json.dumps({k: row[k] for k in ("name", "repeat")} | {
-                    k: m[k] for k in ("sessions_admitted", "output_tokens_per_s")}), flush=True)
+                print(
+                    json.dumps(
+                        {k: row[k] for k in ("name", "repeat")}
+                        | {k: m[k] for k in ("sessions_admitted", "output_tokens_per_s")}
+                    ),
+                    flush=True,
+                )
     finally:
         close([eng for eng, _ in built.values()])
 
@@ -313,8 +348,11 @@ def run(args: argparse.Namespace) -> dict:
         model = load_model(setup, family, args, mtp=bool(spec_variants))
         for ctx in args.contexts:
             sizing = pool_sizing(family, ctx, model, args)
-            print(f"{family} at {ctx}: {sizing['formula']}; host arena "
-                  f"{sizing['host_bytes'] / 2**30:.2f} GiB", flush=True)
+            print(
+                f"{family} at {ctx}: {sizing['formula']}; host arena "
+                f"{sizing['host_bytes'] / 2**30:.2f} GiB",
+                flush=True,
+            )
             c = Context(family, model, ctx, args, sizing)
             out["sizing"].append({"family": family, "context": ctx, **sizing})
             store = LocalHostStore(sizing["host_bytes"])
@@ -322,7 +360,7 @@ def run(args: argparse.Namespace) -> dict:
                 run_group(c, mode_variants, args.concurrency, store, out, rates, deadline,
                           noise_c)  # fmt: skip
                 if spec_variants:
-                    group = [Variant(args.spec_mode)] + spec_variants
+                    group = [Variant(args.spec_mode), *spec_variants]
                     run_group(c, group, spec_cs, store, out, rates, deadline, None)
             finally:
                 store.close()

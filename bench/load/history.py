@@ -203,8 +203,9 @@ class HistoryImport:
         host = kv.host_backups
         rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
         try:
-            regions = host.allocate_regions(req.request_id, rows, kv.sessions.regions(budget,
-                                                                                      manifest))
+            regions = host.allocate_regions(
+                req.request_id, rows, kv.sessions.regions(budget, manifest)
+            )
         except CapacityExhausted:
             return False  # the host arena is full of live sessions: wait for one to end
         arena = host.mapping.tensor

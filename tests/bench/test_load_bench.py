@@ -65,8 +65,9 @@ def test_tiny_run_end_to_end(tmp_path) -> None:
         (s, c) for c in (1, 3) for s in ("fixed", "online")
     ]
     assert all(s["eq13"]["predicted_gain"] > 0 for s in out["speculation"])
-    assert [n["variant"] for n in out["noise"]] == [f"{m}@C3/in100" for m in
-                                                    ("resident", "hisparse", "adaptive")]
+    assert [n["variant"] for n in out["noise"]] == [
+        f"{m}@C3/in100" for m in ("resident", "hisparse", "adaptive")
+    ]
     assert out["sizing"][0]["pool_bytes"] > 0 and "formula" in out["sizing"][0]
 
 
