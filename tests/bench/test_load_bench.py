@@ -122,7 +122,7 @@ def test_pool_from_the_plan(capsys) -> None:
     best = max(layouts, key=lambda lp: (hierarchy_per_node(lp), lp["pool_bytes"]))
     p = plan_pool("v32-scaled", 100_000)
     assert p.layout == "dp-attention" and p.full_pool_bytes == best["pool_bytes"]
-    assert (p.full_layers, p.scaled_layers) == (61, 16)
+    assert (p.full_layers, p.scaled_layers, p.layer_ratio) == (61, 16, 16 / 61)
     assert p.pool_bytes == int(best["pool_bytes"] * 16 / 61)
     assert p.host_share_bytes == int(round(4.3e12) / 8 * 16 / 61)
     assert p.sessions_per_gpu == {"resident": 10, "hierarchy": 50}
