@@ -185,9 +185,15 @@ def control(
     if spec is None:
         raise ValueError("the engine does not speculate")
 
+    found: dict[str, Sequence[int]] = {}  # request id -> its reference: a long prompt is
+    # hashed once per request, not once per round
+
     def truth(slot: int) -> Sequence[int]:
         req = next(r for r in eng.scheduler.running if r.slot == slot)
-        return references[tuple(req.prompt_ids)]
+        ref = found.get(req.request_id)
+        if ref is None:
+            ref = found[req.request_id] = references[tuple(req.prompt_ids)]
+        return ref
 
     wrapped = AcceptanceControl(spec.drafter, truth, rates, eng.model_cfg.vocab_size, seed)
     spec.drafter = wrapped

@@ -75,7 +75,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         choices=("random",),
         help="rows and keys of the prepared histories",
     )
-    ap.add_argument("--duration-s", type=float, default=60.0, help="measured window per run")
+    ap.add_argument(
+        "--duration-s",
+        type=float,
+        help="measured window per run (default 60 s; --tiny: 2 requests per client)",
+    )
     ap.add_argument("--warmup-s", type=float, default=0.0, help="before the window")
     ap.add_argument(
         "--requests-per-client", type=int, help="instead of a window: this many requests per client"
@@ -181,6 +185,16 @@ def pool_sizing(family: str, ctx: int, model, args: argparse.Namespace) -> dict:
     }
 
 
+def load_of(args: argparse.Namespace) -> Load:
+    """Each client's requests: a window of ``--duration-s``, or ``--requests-per-client``; by
+    default 60 s, and on ``--tiny`` 2 requests each (the smoke run ends when they are done)."""
+    per_client, duration = args.requests_per_client, args.duration_s
+    if per_client is None and duration is None:
+        per_client, duration = (2, None) if args.tiny else (None, 60.0)
+    return Load(output_len=args.output_len, requests_per_client=per_client,
+                duration_s=duration, warmup_s=args.warmup_s, seed=args.seed)  # fmt: skip
+
+
 def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     rates = shipped_rates() if args.acceptance == "shipped" else tuple(
         float(x) for x in args.acceptance.split(",")
@@ -205,11 +219,7 @@ class Context:
             kv_cache_dtype=args.kv_cache_dtype, spec_width=args.spec_width,
             graphs=not args.eager, host_bytes=sizing["host_bytes"],
         )  # fmt: skip
-        self.load = Load(
-            output_len=args.output_len, requests_per_client=args.requests_per_client,
-            duration_s=None if args.requests_per_client else args.duration_s,
-            warmup_s=args.warmup_s, seed=args.seed,
-        )  # fmt: skip
+        self.load = load_of(args)
         self.histories: list = []
         self.prompts: list[list[int]] = []
         self.refs: dict[tuple[int, ...], list[int]] = {}
@@ -322,8 +332,6 @@ def derived(out: dict) -> None:
 def run(args: argparse.Namespace) -> dict:
     check(args)
     setup = Setup.of(args)
-    if args.tiny and args.requests_per_client is None and args.duration_s == 60.0:
-        args.requests_per_client = 2  # a deterministic smoke run
     rates = rates_of(args) if any(s != "off" for s in args.spec) else ()
     from services.worker.hierarchy.local_store import LocalHostStore
 
@@ -336,8 +344,7 @@ def run(args: argparse.Namespace) -> dict:
         "prefixes": args.prefixes, "spec_width": args.spec_width,
         "acceptance_rates": list(rates), "kv_cache_dtype": args.kv_cache_dtype,
         "weights": "fp32" if args.tiny else args.weights,
-        "load": {"duration_s": args.duration_s if not args.requests_per_client else None,
-                 "warmup_s": args.warmup_s, "requests_per_client": args.requests_per_client},
+        "load": dataclasses.asdict(load_of(args)),
         "sizing": [], "engines": [], "runs": [], "skipped": [],
     }  # fmt: skip
     spec_cs = args.spec_concurrency or args.concurrency

@@ -74,7 +74,9 @@ def _encode(codec: RowCodec, values: torch.Tensor) -> torch.Tensor:
 
 def _draw(codec: RowCodec, rows: int, scale: float, g: torch.Generator, device) -> torch.Tensor:
     """``rows`` random rows (normal, std ``scale``) stored by ``codec``, in chunks, on the CPU."""
-    out = torch.empty(rows, codec.row_bytes, dtype=torch.uint8)
+    # pinned beside a GPU: a resident admission copies it to the device
+    out = torch.empty(rows, codec.row_bytes, dtype=torch.uint8,
+                      pin_memory=torch.device(device).type == "cuda")  # fmt: skip
     for lo in range(0, rows, CHUNK_ROWS):
         n = min(CHUNK_ROWS, rows - lo)
         v = torch.randn(n, codec.width, generator=g, dtype=torch.float32) * scale
@@ -157,8 +159,10 @@ class HistoryImport:
         eng.scheduler.prefix = self
 
     def lookup(self, req: Request) -> History | None:
+        """The history ``req``'s prompt begins with, if any (a preempted request that is
+        admitted again imports it again, as a cached prefix would give it back)."""
         h = self.histories.get(tuple(req.prompt_ids[:KEY_TOKENS]))
-        if h is None or len(req.prompt_ids) <= h.tokens or req.num_computed:
+        if h is None or len(req.prompt_ids) <= h.tokens:
             return None
         return h
 
