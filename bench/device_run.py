@@ -22,10 +22,10 @@ to ``logs.tgz``.
                  roofline (``bench roofline``): both families at 8K, C = 1, 4, 16, 64,
                  fused and unfused kernels in lockstep
     roofline-prefill  the same for one 8K prompt per family: time to first token vs peak
-    load         the load evaluation (``bench load``, issue 45): one step per family and
-                 context (32K, 100K), each sized for one device command of its own
-                 (``--only load-v32-scaled-32k``); three engines of the plan's pool beside
-                 the weights: an H200
+    load         the load evaluation (``bench load``, issue 45): per family, steps at 32K,
+                 100K and 100K past the hierarchy's capacity, each sized for one device
+                 command of its own (``--only load-v32-scaled-32k``); up to four engines of
+                 the plan's pool beside the weights: an H200
     kernels      the fused kernels' GPU tests (ops, graph replays and the hierarchy's bit
                  identity with and without fusion), then the program-shape sweeps of sparse
                  attention and the FP8 projections that set their defaults
@@ -134,25 +134,29 @@ ROOFLINE_PREFILL_STEPS = tuple(
     for family in FAMILIES
 )
 # the load evaluation, one family and context per step (run one per device command: ``--only``):
-# the modes in lockstep at C = 1, 16, 64 (64 twice: the noise), then adaptive without and with
-# MTP under each schedule at C = 64; 256-token outputs and a 20 s window per variant so that
-# requests finish and new ones wait inside it; points past --time-limit-s are skipped and
-# listed. At 100K a session's host rows take 1.3 GB: 4 histories, C up to 48, an 80 GiB arena.
+# the modes in lockstep at each C (the largest twice: the noise), then adaptive without and
+# with MTP under each schedule; 256-token outputs and a 20 s window per variant so that requests
+# finish and new ones wait inside it; points past --time-limit-s are skipped and listed. The
+# hierarchy engines of a group share one host arena (at most 96 GiB of the machine's 128): a
+# session's host rows and keys take about 0.43 GB at 32K and 1.3 GB at 100K (V3.2), so C stays
+# where every engine of the group fits; ``-100k-cap`` alone (resident beside adaptive) takes
+# C past the hierarchy's 50 sessions at 100K: sessions held at equal memory.
 LOAD_ARGS = {
-    "32k": "--contexts 32768 --concurrency 1,16,64 --spec-concurrency 64 --prefixes 8",
-    "100k": "--contexts 100000 --concurrency 1,16,48 --spec-concurrency 48 --prefixes 4 "
-    "--host-cap-gib 80",
+    "32k": "--contexts 32768 --concurrency 1,16,64 --spec-concurrency 48 --prefixes 8",
+    "100k": "--contexts 100000 --concurrency 1,8,24 --spec-concurrency 12 --prefixes 4",
+    "100k-cap": "--contexts 100000 --modes resident,adaptive --spec off --concurrency 56 "
+    "--prefixes 4 --duration-s 40",
 }
 LOAD_STEPS = tuple(
     Step(
-        f"load-{family}-{ctx}",
-        f"-m bench load --family {family} {args} --output-len 256 --duration-s 20 "
-        f"--spec off,fixed,paper,online --time-limit-s 440 "
-        f"--out {{out}}/load_{family}_{ctx}.json --plot {{out}}/load_{family}_{ctx}",
+        f"load-{family}-{name}",
+        f"-m bench load --family {family} --output-len 256 --duration-s 20 "
+        f"--spec off,fixed,paper,online {args} --time-limit-s 440 "
+        f"--out {{out}}/load_{family}_{name}.json --plot {{out}}/load_{family}_{name}",
         520,
     )
     for family in FAMILIES
-    for ctx, args in LOAD_ARGS.items()
+    for name, args in LOAD_ARGS.items()
 )
 # the fused kernels (``--fused-kernels``): their GPU tests, then the sweeps that set the sparse
 # attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)

@@ -38,6 +38,12 @@ acceptance_length; width_steps: the width chosen, by decode steps) and per_reque
 
 A history's copy into the host arena happens at admission: it counts in the allocation wait.
 
+A preempted request admitted again imports its history again (as a cached prefix would give it
+back). ``--history random`` is the only source of rows and keys yet: selections replayed from
+the shipped model's traces (``docs/results/census_trace.npz``) need keys that make the
+indexer reproduce them, which nothing builds yet.
+
 Modules: ``pool`` (the budget from the plan), ``history`` (prepared histories and their
-import), ``engines`` (variants, one engine each), ``speculation`` (eq. 13), ``cli`` (flags,
-runs, JSON), ``report`` (table, plots)."""
+import), ``engines`` (variants, one engine each), ``runs`` (a context's lockstep groups, eq. 13
+and the noise), ``speculation`` (eq. 13), ``cli`` (flags, sizing, JSON), ``report`` (table,
+plots)."""

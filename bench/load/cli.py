@@ -5,32 +5,26 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
 
 from bench.core import UsageError
-from bench.core.clock import OwnClock
-from bench.core.lockstep import lockstep
 from bench.core.output import write_result
 from bench.serving.config import Load
-from bench.serving.loop import ClosedLoop
-from bench.serving.summary import summarize
-from bench.spec_control import control, shipped_rates
+from bench.spec_control import shipped_rates
 from dhisparse.family.presets import preset
 from dhisparse.family.scaled import SCALED
 from services.worker.kv.config import bytes_per_token
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.model.weight_format import WeightFormat
-from services.worker.request.request import SamplingParams
 from services.worker.weights.model_io import build_model
 
-from .engines import MODES, SPEC, EngineSizing, Variant, build, close
-from .history import KEY_TOKENS, HistoryImport, history_tokens, prepared_prompts, random_history
+from .engines import MODES, SPEC, EngineSizing, Variant
+from .history import KEY_TOKENS
 from .pool import plan_pool
 from .report import plot, table
-from .speculation import compare
+from .runs import Context, derived, run_group
 
 TINY = "tiny-glm-mtp"  # tiny-glm with an MTP layer: what --tiny runs on the CPU
 RUN_FIELDS = (
@@ -185,6 +179,18 @@ def pool_sizing(family: str, ctx: int, model, args: argparse.Namespace) -> dict:
     }
 
 
+def engine_sizing(ctx: int, sizing: dict, args: argparse.Namespace) -> EngineSizing:
+    cs = args.concurrency + (args.spec_concurrency or [])
+    return EngineSizing(
+        pool_bytes=sizing["pool_bytes"], slots=args.max_slots or max(cs),
+        max_model_len=ctx + args.output_len + args.spec_width + 16,
+        max_prefill_tokens=max(args.max_prefill_tokens, args.page),
+        page_size=args.page, hot_cache_rows=args.hot_cache_rows,
+        kv_cache_dtype=args.kv_cache_dtype, spec_width=args.spec_width,
+        graphs=not args.eager, host_bytes=sizing["host_bytes"],
+    )  # fmt: skip
+
+
 def load_of(args: argparse.Namespace) -> Load:
     """Each client's requests: a window of ``--duration-s``, or ``--requests-per-client``; by
     default 60 s, and on ``--tiny`` 2 requests each (the smoke run ends when they are done)."""
@@ -202,131 +208,6 @@ def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     if len(rates) < args.spec_width - 1:
         raise UsageError(f"--acceptance needs {args.spec_width - 1} rates")
     return rates
-
-
-class Context:
-    """Every run of one family at one context: its histories, prompts and engines."""
-
-    def __init__(self, family: str, model, ctx: int, args, sizing: dict) -> None:
-        self.family, self.model, self.ctx, self.args = family, model, ctx, args
-        self.sizing = sizing
-        cs = args.concurrency + (args.spec_concurrency or [])
-        self.engine_sizing = EngineSizing(
-            pool_bytes=sizing["pool_bytes"], slots=args.max_slots or max(cs),
-            max_model_len=ctx + args.output_len + args.spec_width + 16,
-            max_prefill_tokens=max(args.max_prefill_tokens, args.page),
-            page_size=args.page, hot_cache_rows=args.hot_cache_rows,
-            kv_cache_dtype=args.kv_cache_dtype, spec_width=args.spec_width,
-            graphs=not args.eager, host_bytes=sizing["host_bytes"],
-        )  # fmt: skip
-        self.load = load_of(args)
-        self.histories: list = []
-        self.prompts: list[list[int]] = []
-        self.refs: dict[tuple[int, ...], list[int]] = {}
-        self.prepare_s: float | None = None
-
-    def prepare(self, kv) -> None:
-        """Histories drawn as ``kv``'s codecs store them, one prompt per history."""
-        t0 = time.monotonic()
-        n = history_tokens(self.ctx, self.args.page)
-        self.histories = [random_history(kv, n, seed=self.args.seed * 1000 + i)
-                          for i in range(self.args.prefixes)]  # fmt: skip
-        self.prompts = prepared_prompts(self.histories, self.ctx, self.model.cfg.vocab_size,
-                                        self.args.seed)  # fmt: skip
-        self.prepare_s = time.monotonic() - t0
-
-    @property
-    def by_key(self) -> dict:
-        return {tuple(p[:KEY_TOKENS]): h for p, h in zip(self.prompts, self.histories,
-                                                        strict=True)}  # fmt: skip
-
-
-def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: dict,
-              rates, deadline: float | None, noise_c: int | None) -> None:  # fmt: skip
-    """``variants`` in lockstep at each C of ``cs``: one engine each, built and warmed first;
-    rows appended to ``out['runs']``; with ``noise_c`` that C's point is run twice."""
-    built = {}
-    try:
-        for v in variants:
-            eng, info = build(c.model, c.family, v, c.engine_sizing, store)
-            if not c.histories:
-                c.prepare(eng.kv)
-            imp = HistoryImport(eng, c.by_key)
-            built[v] = (eng, imp)
-            out["engines"].append({**info, "context": c.ctx})
-        warm = SamplingParams(temperature=0.0, max_tokens=2 * c.args.spec_width + 2,
-                              ignore_eos=True)  # fmt: skip
-        plain = next((built[v][0] for v in variants if v.spec == "off"), None)
-        if any(v.spec != "off" for v in variants) and not c.refs:
-            if plain is None:
-                raise UsageError("speculative variants need an 'off' variant in their group")
-            n = c.args.output_len + c.args.spec_width + 2
-            outs = plain.generate(c.prompts, SamplingParams(temperature=0.0, max_tokens=n,
-                                                            ignore_eos=True))  # fmt: skip
-            c.refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(c.prompts, outs,
-                                                                    strict=True)}  # fmt: skip
-        controls = {}
-        for v, (eng, _) in built.items():
-            eng.generate(c.prompts[:2], warm)  # kernels compiled, graphs captured
-            if v.spec != "off":
-                controls[v] = control(eng, c.refs, rates, seed=c.args.seed)
-        points = [(x, 0) for x in cs] + ([(noise_c, 1)] if noise_c in cs else [])
-        for conc, repeat in points:
-            per = (c.load.duration_s or 0) + c.load.warmup_s
-            if deadline is not None and time.monotonic() + per * len(variants) > deadline:
-                out["skipped"] += [{"context": c.ctx, "concurrency": conc, "variant": v.name,
-                                    "why": "time limit"} for v in variants]  # fmt: skip
-                continue
-            imported0 = {v: built[v][1].imported for v in variants}
-            loops = [ClosedLoop(built[v][0], c.prompts, conc, c.load,
-                                f"{v.name}-C{conc}-{repeat}", OwnClock())
-                     for v in variants]  # fmt: skip
-            lockstep(loops)
-            for v, loop in zip(variants, loops, strict=True):
-                eng, imp = built[v]
-                m = summarize(loop.result(), eng.kv.row_bytes, c.args.page, c.args.output_len)
-                tp = (m.get("tpot_s") or {}).get("mean")
-                m["per_request_tokens_per_s"] = 1.0 / tp if tp else None
-                m["imported"] = imp.imported - imported0[v]
-                if v in controls:
-                    m["acceptance_control"] = {"rates": list(rates),
-                                               "misses": controls[v].misses}  # fmt: skip
-                row = {"name": f"{v.name}@C{conc}/in{c.ctx}", "family": c.family,
-                       "context": c.ctx, "mode": v.mode, "spec": v.spec, "concurrency": conc,
-                       "repeat": repeat, "metrics": m}  # fmt: skip
-                out["runs"].append(row)
-                print(
-                    json.dumps(
-                        {k: row[k] for k in ("name", "repeat")}
-                        | {k: m[k] for k in ("sessions_admitted", "output_tokens_per_s")}
-                    ),
-                    flush=True,
-                )
-    finally:
-        close([eng for eng, _ in built.values()])
-
-
-def derived(out: dict) -> None:
-    """Eq. 13 beside each speculative run's measured gain, and the run-to-run noise."""
-    first = {(r["family"], r["context"], r["mode"], r["spec"], r["concurrency"]): r
-             for r in out["runs"] if r["repeat"] == 0}  # fmt: skip
-    out["speculation"] = []
-    for (fam, ctx, mode, spec, conc), r in first.items():
-        base = first.get((fam, ctx, mode, "off", conc))
-        if spec == "off" or base is None:
-            continue
-        cmp = compare(r["metrics"], base["metrics"])
-        out["speculation"].append({"family": fam, "context": ctx, "mode": mode, "spec": spec,
-                                   "concurrency": conc, "eq13": cmp})  # fmt: skip
-    out["noise"] = []
-    for r in out["runs"]:
-        if r["repeat"] != 1:
-            continue
-        a = first[(r["family"], r["context"], r["mode"], r["spec"], r["concurrency"])]
-        x, y = a["metrics"]["output_tokens_per_s"], r["metrics"]["output_tokens_per_s"]
-        out["noise"].append({"family": r["family"], "context": r["context"],
-                             "variant": r["name"], "first": x, "second": y,
-                             "relative_difference": abs(y - x) / x if x else None})  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -360,7 +241,8 @@ def run(args: argparse.Namespace) -> dict:
                 f"{sizing['host_bytes'] / 2**30:.2f} GiB",
                 flush=True,
             )
-            c = Context(family, model, ctx, args, sizing)
+            c = Context(family, model, ctx, args, sizing, engine_sizing(ctx, sizing, args),
+                        load_of(args))  # fmt: skip
             out["sizing"].append({"family": family, "context": ctx, **sizing})
             store = LocalHostStore(sizing["host_bytes"])
             try:
