@@ -99,6 +99,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("auto", "fp8"))
     ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
+    ap.add_argument("--fused-kernels", action="store_true", help="the fused kernels (a GPU)")
     ap.add_argument("--time-limit-s", type=float, help="skip C points that would end past it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PREFIX", help="PNGs of throughput and sessions vs C")
@@ -187,7 +188,7 @@ def engine_sizing(ctx: int, sizing: dict, args: argparse.Namespace) -> EngineSiz
         max_prefill_tokens=max(args.max_prefill_tokens, args.page),
         page_size=args.page, hot_cache_rows=args.hot_cache_rows,
         kv_cache_dtype=args.kv_cache_dtype, spec_width=args.spec_width,
-        graphs=not args.eager, host_bytes=sizing["host_bytes"],
+        graphs=not args.eager, fused_kernels=args.fused_kernels, host_bytes=sizing["host_bytes"],
     )  # fmt: skip
 
 
@@ -223,6 +224,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": torch.cuda.get_device_name() if setup.device == "cuda" else "cpu",
         "tiny": args.tiny, "output_len": args.output_len, "history": args.history,
         "prefixes": args.prefixes, "spec_width": args.spec_width,
+        "fused_kernels": args.fused_kernels, "graphs": not args.eager,
         "acceptance_rates": list(rates), "kv_cache_dtype": args.kv_cache_dtype,
         "weights": "fp32" if args.tiny else args.weights,
         "load": dataclasses.asdict(load_of(args)),

@@ -44,6 +44,7 @@ class EngineSizing:
     kv_cache_dtype: str
     spec_width: int
     graphs: bool
+    fused_kernels: bool  # passes run the fused kernels (``ops.fusion``; a GPU only)
     host_bytes: int  # the host store's arena, shared by the hierarchy engines
 
 
@@ -58,6 +59,7 @@ def build(model, name: str, v: Variant, s: EngineSizing, store=None) -> tuple[En
         page_size=s.page_size, max_num_seqs=s.slots, max_model_len=s.max_model_len,
         max_prefill_tokens=s.max_prefill_tokens, hot_cache_rows=s.hot_cache_rows,
         kv_cache_dtype=s.kv_cache_dtype, graphs=GraphConfig(s.graphs, "second"),
+        fused_kernels=s.fused_kernels,
         speculation=SpeculationConfig(None if v.spec == "off" else "mtp", s.spec_width,
                                       "fixed" if v.spec == "off" else v.spec),
         durable_sessions=hierarchy, owner=f"load-{v.name}",

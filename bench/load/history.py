@@ -73,14 +73,15 @@ def _encode(codec: RowCodec, values: torch.Tensor) -> torch.Tensor:
 
 
 def _draw(codec: RowCodec, rows: int, scale: float, g: torch.Generator, device) -> torch.Tensor:
-    """``rows`` random rows (normal, std ``scale``) stored by ``codec``, in chunks, on the CPU."""
+    """``rows`` random rows (normal, std ``scale``, drawn on ``device`` by ``g``) stored by
+    ``codec``, in chunks, on the CPU."""
     # pinned beside a GPU: a resident admission copies it to the device
     out = torch.empty(rows, codec.row_bytes, dtype=torch.uint8,
-                      pin_memory=torch.device(device).type == "cuda")  # fmt: skip
+                      pin_memory=device.type == "cuda")  # fmt: skip
     for lo in range(0, rows, CHUNK_ROWS):
         n = min(CHUNK_ROWS, rows - lo)
-        v = torch.randn(n, codec.width, generator=g, dtype=torch.float32) * scale
-        out[lo : lo + n] = _encode(codec, v.to(device=device, dtype=codec.dtype)).cpu()
+        v = torch.randn(n, codec.width, generator=g, dtype=torch.float32, device=device)
+        out[lo : lo + n] = _encode(codec, (v * scale).to(codec.dtype)).cpu()
     return out
 
 
@@ -88,8 +89,8 @@ def random_history(kv: KVCache, tokens: int, seed: int, scale: float = 1.0) -> H
     """Random rows and keys of ``tokens`` tokens as ``kv``'s codecs store them: the worst case
     for the hierarchy (selections with no locality beyond what random keys give)."""
     cfg = kv.model_cfg
-    g = torch.Generator().manual_seed(seed)
-    device = kv.cfg.device
+    device = torch.device(kv.cfg.device)
+    g = torch.Generator(device=device).manual_seed(seed)
     rows = {s: _draw(kv.codecs.rows, cfg.rows_for_tokens(s, tokens), scale, g, device)
             for s in range(len(cfg.sources))}  # fmt: skip
     keys = {
@@ -100,7 +101,7 @@ def random_history(kv: KVCache, tokens: int, seed: int, scale: float = 1.0) -> H
     carry = None
     if kv.carry is not None:
         d = kv.carry.data
-        carry = (torch.randn(d.shape[-1], generator=g) * scale).to(d.dtype)
+        carry = (torch.randn(d.shape[-1], generator=g, device=device) * scale).to(d.dtype).cpu()
     return History(tokens, rows, keys, carry)
 
 

@@ -79,7 +79,7 @@ def test_imported_history_decodes_as_prefilled(mode: str) -> None:
     sizing = EngineSizing(pool_bytes=4 << 20, slots=2, max_model_len=160,
                           max_prefill_tokens=128, page_size=16, hot_cache_rows=32,
                           kv_cache_dtype="auto", spec_width=2, graphs=False,
-                          host_bytes=64 << 20)  # fmt: skip
+                          fused_kernels=False, host_bytes=64 << 20)  # fmt: skip
     prompt = [(7 * i + 3) % 250 for i in range(100)]
     tokens = history_tokens(len(prompt), 16)
     assert tokens == 96
