@@ -48,6 +48,9 @@ class PoolSizing:
     sessions_per_gpu: dict  # the full model's, under that layout: {resident, hierarchy}
     host_share_bytes: int  # the node's host memory per GPU × layer_ratio
     formula: str
+    # the hierarchy's sessions per GPU under that layout for the model with its MTP layer:
+    # {base: without speculating, mtp: with the MTP layer's KV}: eq. 13's N_base and N_spec
+    mtp_sessions_per_gpu: dict | None = None
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -59,20 +62,28 @@ def plan_pool(family: str, context: int, gpu_gib: float = H200_GIB,
     if family not in FULL:
         raise ValueError(f"no full-model config for {family!r}; known: {', '.join(FULL)}")
     src = FULL[family]
-    profile = profile_from_model_dir(src, kv_cache_dtype="fp8")
     layouts = layouts_of(gpus, ALL)
-    weights = model_weights_of(src, weight_dtype="fp8")  # as the scaled presets hold them
     dep = Deployment(gpus=gpus, hbm_bytes=round(gpu_gib * GIB), host_bytes=host_bytes)
-    plan = build_plan(profile, context, None, dep, layouts=layouts, weights=weights,
-                      refuse=False)  # fmt: skip
 
-    def admitted(lp, mode: str):
-        return next(a for a in lp.admissions if a.mode == mode and a.drafter is None)
+    def plan_of(mtp: bool):
+        profile = profile_from_model_dir(src, kv_cache_dtype="fp8", mtp=mtp)
+        weights = model_weights_of(src, weight_dtype="fp8", mtp=mtp)  # as the presets hold them
+        drafter = profile.drafter("mtp") if mtp else None
+        return build_plan(profile, context, drafter, dep, layouts=layouts, weights=weights,
+                          refuse=False)  # fmt: skip
+
+    plan = plan_of(mtp=False)
+
+    def admitted(lp, mode: str, drafter: str | None = None):
+        return next(a for a in lp.admissions if a.mode == mode and a.drafter == drafter)
 
     sized = [lp for lp in plan.layouts if lp.pool_bytes]
     if not sized:
         raise ValueError(f"no layout of {family}'s full model leaves a KV pool on {gpus} GPUs")
     best = max(sized, key=lambda lp: (admitted(lp, "hierarchy").per_node, lp.pool_bytes))
+    with_mtp = next(lp for lp in plan_of(mtp=True).layouts if lp.name == best.name)
+    mtp_sessions = {"base": admitted(with_mtp, "hierarchy").per_gpu,
+                    "mtp": admitted(with_mtp, "hierarchy", "mtp").per_gpu}  # fmt: skip
     full_layers = _layers(src)
     scaled_layers = SCALED[family].config["num_hidden_layers"]
     ratio = scaled_layers / full_layers
@@ -81,7 +92,7 @@ def plan_pool(family: str, context: int, gpu_gib: float = H200_GIB,
         full_layers=full_layers, scaled_layers=scaled_layers, layer_ratio=ratio,
         pool_bytes=int(best.pool_bytes * ratio),
         sessions_per_gpu={m: admitted(best, m).per_gpu for m in ("resident", "hierarchy")},
-        host_share_bytes=int(host_bytes / gpus * ratio),
+        host_share_bytes=int(host_bytes / gpus * ratio), mtp_sessions_per_gpu=mtp_sessions,
         formula=f"dhisparse plan --model {src.relative_to(ROOT)} --context {context} "
         f"--gpu-gib {gpu_gib:g} --tensor-parallel-size {gpus} --layouts all "
         f"--kv-cache-dtype fp8 --weight-dtype fp8: layout {best.name}, pool {best.pool_bytes / GIB:.3f} GiB/GPU "

@@ -125,7 +125,9 @@ def derived(out: dict) -> None:
         base = first.get((fam, ctx, mode, "off", conc))
         if spec == "off" or base is None:
             continue
-        cmp = compare(r["metrics"], base["metrics"])
+        plan = next(z["plan"] for z in out["sizing"] if (z["family"], z["context"]) == (fam, ctx))
+        planned = None if plan is None else plan["mtp_sessions_per_gpu"]
+        cmp = compare(r["metrics"], base["metrics"], planned, conc)
         out["speculation"].append({"family": fam, "context": ctx, "mode": mode, "spec": spec,
                                    "concurrency": conc, "eq13": cmp})  # fmt: skip
     out["noise"] = []

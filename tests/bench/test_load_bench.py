@@ -126,6 +126,8 @@ def test_pool_from_the_plan(capsys) -> None:
     assert p.pool_bytes == int(best["pool_bytes"] * 16 / 61)
     assert p.host_share_bytes == int(round(4.3e12) / 8 * 16 / 61)
     assert p.sessions_per_gpu == {"resident": 10, "hierarchy": 50}
+    # with the MTP layer's weights and KV (``dhisparse plan --drafter mtp``), the same layout
+    assert p.mtp_sessions_per_gpu == {"base": 47, "mtp": 46}
     with pytest.raises(ValueError):
         plan_pool("tiny-glm", 1000)
 
@@ -140,6 +142,14 @@ def test_eq13_prediction_by_hand() -> None:
     assert got["predicted_gain"] == pytest.approx(1.5)  # same sessions, 2/3 the TPOT
     assert got["measured_gain"] == pytest.approx(1.4)
     assert got["predicted_over_measured"] == pytest.approx(1.5 / 1.4)
+    assert got["predicted_gain_plan"] is None
+    # the plan's 46 sessions with the MTP layer against 47 without, at a load of 64: (46/47)/(2/3)
+    planned = compare(spec, base, {"base": 47, "mtp": 46}, load=64)
+    assert planned is not None and planned["predicted_gain_plan"] == pytest.approx(46 / 47 * 1.5)
+    # at a load both hold, the share is 1
+    assert compare(spec, base, {"base": 47, "mtp": 46}, load=8)["predicted_gain_plan"] == (
+        pytest.approx(1.5)
+    )
     assert compare({**spec, "tpot_s": None}, base) is None
     with pytest.raises(ValueError):
         predicted_gain(0, 1, 1, 1)
