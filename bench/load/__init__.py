@@ -24,11 +24,12 @@ speculation and with the MTP layer under each width schedule of ``--spec`` at ea
 the shipped model's acceptance by draft position; references from a plain run first).
 
 Output JSON, top level: benchmark, machine, tiny, output_len, history, prefixes, spec_width,
-acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and context: pool_bytes,
-host_bytes, formula, the plan's figures, prepare_s), engines (per engine: pool and fixed bytes,
-layout), runs, skipped, speculation (per speculative run: eq. 13's predicted gain beside the
-measured one, ``speculation.py``), noise (the repeated C: first, second, relative difference),
-elapsed_s, provenance. Each run: name, family, context, mode, spec, concurrency, repeat and
+fused_kernels, graphs, acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and
+context: pool_bytes, host_bytes, formula, the plan's figures with the hierarchy's sessions per
+GPU with and without the MTP layer, prepare_s), engines (per engine: pool and fixed bytes,
+layout), runs, skipped, speculation (per speculative run: eq. 13's predicted gain from the
+measured sessions and from the plan's, beside the measured one, ``speculation.py``), noise (the
+repeated C: first, second, relative difference), plots, elapsed_s, provenance. Each run: name, family, context, mode, spec, concurrency, repeat and
 metrics, ``bench/serving/summary.py``'s names (sessions_admitted: peak running; mean_running;
 output_tokens_per_s; decode_tokens_per_s; tpot_s, ttft_s, alloc_wait_s, prefill_s percentiles;
 alloc_wait_share_of_ttft; reclaim {events, pages, repopulated_pages, admissions_waited};

@@ -71,14 +71,16 @@ def test_tiny_run_end_to_end(tmp_path) -> None:
     assert out["sizing"][0]["pool_bytes"] > 0 and "formula" in out["sizing"][0]
 
 
+@pytest.mark.parametrize("kv_dtype", ["auto", "fp8"])
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
-def test_imported_history_decodes_as_prefilled(mode: str) -> None:
+def test_imported_history_decodes_as_prefilled(mode: str, kv_dtype: str) -> None:
     """A prompt's first pages captured from a resident engine that prefilled them, imported
-    into a fresh engine of ``mode`` without prefill: the same greedy tokens."""
+    into a fresh engine of ``mode`` without prefill: the same greedy tokens (rows and keys
+    stored as computed, or packed in fp8: the hierarchy's key pages pad them)."""
     model = cli.tiny_model(seed=3, mtp=False)
     sizing = EngineSizing(pool_bytes=4 << 20, slots=2, max_model_len=160,
                           max_prefill_tokens=128, page_size=16, hot_cache_rows=32,
-                          kv_cache_dtype="auto", spec_width=2, graphs=False,
+                          kv_cache_dtype=kv_dtype, spec_width=2, graphs=False,
                           fused_kernels=False, host_bytes=64 << 20)  # fmt: skip
     prompt = [(7 * i + 3) % 250 for i in range(100)]
     tokens = history_tokens(len(prompt), 16)
