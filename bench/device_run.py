@@ -139,8 +139,9 @@ ROOFLINE_PREFILL_STEPS = tuple(
 # finish and new ones wait inside it; points past --time-limit-s are skipped and listed. The
 # hierarchy engines of a group share one host arena (at most 96 GiB of the machine's 128): a
 # session's host rows and keys take about 0.43 GB at 32K and 1.3 GB at 100K (V3.2), so C stays
-# where every engine of the group fits; ``-100k-cap`` alone (resident beside adaptive) takes
-# C past the hierarchy's 50 sessions at 100K: sessions held at equal memory.
+# where every engine of the group fits; ``-100k-cap`` (resident beside adaptive alone) takes C
+# to 56, past V3.2's 50 hierarchy sessions at 100K: sessions held at equal memory (GLM-5.2
+# holds 79, whose host rows would need some 112 GB: there C = 56 shows the resident bound only).
 LOAD_ARGS = {
     "32k": "--contexts 32768 --concurrency 1,16,64 --spec-concurrency 48 --prefixes 8",
     "100k": "--contexts 100000 --concurrency 1,8,24 --spec-concurrency 12 --prefixes 4",
