@@ -106,10 +106,10 @@ def test_streaming_chat_completion(stack: Stack) -> None:
                 regions = c.stats().regions
     assert done
     # One region per KV source (6 layers, and the MTP layer's when it drafts), and for the
-    # durable session one per index producer (4 "full" indexer layers, and the MTP layer) and
-    # its manifest.
+    # durable session one per index producer (4 "full" indexer layers, and the MTP layer), its
+    # manifest and, with the MTP layer, its page carries.
     mtp = 0 if torch.cuda.is_available() else 1  # `make run`'s drafter: MTP on a CPU only
-    assert regions == (0 if stack.mode == "resident" else (6 + mtp) + (4 + mtp) + 1)
+    assert regions == (0 if stack.mode == "resident" else (6 + mtp) + (4 + mtp) + 1 + mtp)
     text = "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"])
     assert text == offline_greedy(24)
     assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 24
