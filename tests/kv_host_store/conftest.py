@@ -20,11 +20,34 @@ import pytest
 
 from services.kv_host_store.server import KVHostStoreServer
 from services.kv_host_store.settings import KVHostStoreSettings
+from services.kv_host_store.store import HostStore
 
 DHISPARSE = Path(sys.executable).with_name("dhisparse")
 ROOT = Path(__file__).resolve().parents[2]
 READY = re.compile(r"listening grpc=\S+:(\d+) metrics=\S+:(\d+)")
 CAPACITY = 64 << 20
+ALIGN = 4096
+
+
+class Clock:
+    """A store's clock that moves only when a test sets ``t``."""
+
+    def __init__(self, t: float = 1000.0) -> None:
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def store(clock: Clock) -> HostStore:
+    """An in-process store of 64 pages of ``ALIGN`` bytes on ``clock``, orphans kept 30 s."""
+    return HostStore(64 * ALIGN, ALIGN, orphan_ttl_s=30.0, clock=clock)
 
 
 @pytest.fixture

@@ -20,26 +20,7 @@ from services.kv_host_store import (
 from services.kv_host_store.server import KVHostStoreServer
 from services.kv_host_store.settings import KVHostStoreSettings
 from services.kv_host_store.store import HostStore
-
-ALIGN = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(clock: Clock) -> HostStore:
-    return HostStore(64 * ALIGN, ALIGN, orphan_ttl_s=30.0, clock=clock)
+from tests.kv_host_store.conftest import ALIGN, Clock
 
 
 def test_generations_count_up_and_fence_off_the_previous_process(store: HostStore) -> None:

@@ -16,27 +16,7 @@ import pytest
 from dhisparse import metrics as names
 from services.kv_host_store import FailedPrecondition, KVHostStoreClient, PermissionDenied
 from services.kv_host_store.store import HostStore
-from tests.kv_host_store.conftest import ROOT, StoreProcess
-
-ALIGN = 4096
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
-
-
-@pytest.fixture
-def clock() -> Clock:
-    return Clock()
-
-
-@pytest.fixture
-def store(clock: Clock) -> HostStore:
-    return HostStore(64 * ALIGN, ALIGN, orphan_ttl_s=30.0, clock=clock)
+from tests.kv_host_store.conftest import ROOT, Clock, StoreProcess
 
 
 def test_a_peer_fences_an_unreachable_owner_and_takes_its_request(store: HostStore) -> None:

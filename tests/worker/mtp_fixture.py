@@ -1,8 +1,9 @@
-"""The tiny checkpoints with an appended MTP layer that the MTP tests share, and a recorder of an
-engine's drafts."""
+"""The tiny checkpoints with an appended MTP layer that the MTP tests share, a recorder of an
+engine's drafts, and the check that a speculating session survives its worker."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -54,3 +55,44 @@ def record_drafts(engine: Engine, log: dict[tuple[int, int], list[int]]) -> None
         return prop
 
     drafter.propose = recorded
+
+
+def check_speculating_resume(
+    engine: Callable[..., Engine], prompts: list[list[int]], max_tokens: int
+) -> None:
+    """An engine speculating with an MTP layer (``engine(owner=..., host=...)``) is dropped
+    mid-stream; its successor adopts the sessions from the host store and continues them,
+    token for token as an uninterrupted run (greedy, and seeded sampling), without computing a
+    prompt token, drafting at every step what the uninterrupted run drafted (its whole context
+    came back)."""
+    from services.worker.durable.host_link import HostLink
+    from services.worker.hierarchy.local_store import LocalHostStore
+    from services.worker.request.request import SamplingParams
+    from tests.worker.model import serving
+
+    store = LocalHostStore(64 << 20)
+    params = [
+        SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+        SamplingParams(
+            temperature=0.9, top_p=0.95, seed=11, max_tokens=max_tokens, ignore_eos=True
+        ),
+    ]
+    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
+
+    def make(owner: str) -> Engine:
+        eng = engine(owner=owner, host=(store, store.mapping))
+        HostLink(store, owner, 30.0, eng.kv.host_backups).register()
+        record_drafts(eng, drafts.setdefault(owner, {}))
+        return eng
+
+    def started(first: Engine) -> None:
+        assert first.speculator.counters.drafts > 0
+        assert all(0 < len(r.output_ids) < max_tokens for r in first.requests.values())
+
+    _, second = serving.resumed_after_death(
+        make, store, prompts, params[: len(prompts)], 6, started
+    )
+    resumed = drafts["w0"]
+    assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
+    second.close()
+    store.close()

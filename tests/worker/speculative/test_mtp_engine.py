@@ -4,6 +4,7 @@ mode, and a durable session that speculates survives its worker without a prompt
 
 from __future__ import annotations
 
+import functools
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,12 @@ from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.mtp import MTPDrafter
 from tests import hf_tiny
 from tests.worker.model import serving
-from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint, record_drafts
+from tests.worker.mtp_fixture import (
+    FAMILIES,
+    check_speculating_resume,
+    mtp_checkpoint,
+    record_drafts,
+)
 from tests.worker.mtp_reference import MTPReference
 
 SPEC = SpeculationConfig("mtp", 4, "fixed")
@@ -86,31 +92,8 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     and continues them speculating, token for token as an uninterrupted run (greedy, and
     seeded sampling), without computing a prompt token."""
     _, path = family
-    store = LocalHostStore(64 << 20)
     prompts = [_ids(n, 500 + n) for n in (100, 40)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=24, ignore_eos=True),
-    ]
-
-    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
-
-    def make(owner: str) -> Engine:
-        engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
-        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        record_drafts(engine, drafts.setdefault(owner, {}))
-        return engine
-
-    def started(first: Engine) -> None:
-        assert first.speculator.counters.drafts > 0
-        assert all(0 < len(r.output_ids) < 24 for r in first.requests.values())
-
-    _, second = serving.resumed_after_death(make, store, prompts, params, 6, started)
-    # the resumed MTP drafts as the uninterrupted one did: its whole context came back
-    resumed = drafts["w0"]
-    assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
-    second.close()
-    store.close()
+    check_speculating_resume(functools.partial(_engine, path, mode), prompts, 24)
 
 
 @pytest.mark.parametrize("mode", ["hisparse", "adaptive"])

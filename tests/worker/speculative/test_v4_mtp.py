@@ -8,6 +8,7 @@ chunked prefill, and a speculating durable session resumed after its worker dies
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 from pathlib import Path
 
@@ -16,9 +17,7 @@ import torch
 
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.v4_config import parse_v4_config, v4_topology
-from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
-from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.v4_serving import V4Model
@@ -31,7 +30,7 @@ from services.worker.speculative.drafters.mtp import MTPDrafter
 from services.worker.weights.model_io import load_model
 from tests import hf_tiny, hf_tiny_v4
 from tests.worker.model import serving
-from tests.worker.mtp_fixture import record_drafts, v4_mtp_checkpoint
+from tests.worker.mtp_fixture import check_speculating_resume, v4_mtp_checkpoint
 from tests.worker.mtp_reference import V4MTPReference
 
 STEPS = 5
@@ -254,26 +253,5 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     uninterrupted run (greedy, and seeded sampling), drafting what it drafted, without
     computing a prompt token."""
     _, path = family
-    store = LocalHostStore(64 << 20)
     prompts = [_ids(n, 500 + n) for n in (70, 25)]
-    params = [
-        SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True),
-        SamplingParams(temperature=0.9, top_p=0.95, seed=11, max_tokens=20, ignore_eos=True),
-    ]
-    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
-
-    def make(owner: str) -> Engine:
-        engine = _engine(path, mode, owner=owner, host=(store, store.mapping))
-        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
-        record_drafts(engine, drafts.setdefault(owner, {}))
-        return engine
-
-    def started(first: Engine) -> None:
-        assert first.speculator.counters.drafts > 0
-        assert all(0 < len(r.output_ids) < 20 for r in first.requests.values())
-
-    _, second = serving.resumed_after_death(make, store, prompts, params, 6, started)
-    resumed = drafts["w0"]
-    assert resumed and all(drafts["ref"].get(k) == v for k, v in resumed.items()), resumed
-    second.close()
-    store.close()
+    check_speculating_resume(functools.partial(_engine, path, mode), prompts, 20)
