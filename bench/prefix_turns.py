@@ -28,10 +28,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from bench.cpu_stream import MODEL, make_run_config
 from bench.heldout import heldout_prompts
+from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
@@ -42,14 +42,9 @@ GOAL_COMPUTED_SHARE = 0.10
 
 
 def computed_tokens(metrics_url: str) -> float:
-    """The worker's prompt tokens computed so far (its counter, whatever its suffix)."""
-    text = httpx.get(metrics_url, timeout=30).text
-    return sum(
-        s.value
-        for fam in text_string_to_metric_families(text)
-        for s in fam.samples
-        if s.name.removesuffix("_total") == names.PREFILL_TOKENS_COMPUTED
-    )
+    """The worker's prompt tokens computed so far (its counter)."""
+    samples = samples_of(httpx.get(metrics_url, timeout=30).text)
+    return total(samples, names.PREFILL_TOKENS_COMPUTED + "_total")
 
 
 def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:

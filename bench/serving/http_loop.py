@@ -25,13 +25,17 @@ from .summary import COMPLETE, request_counts, stats, tpot
 Samples = dict[tuple[str, frozenset], float]
 
 
-async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
-    text = (await client.get(url)).text
+def samples_of(text: str) -> Samples:
+    """Every sample of a Prometheus exposition ``text`` by (name, labels)."""
     out: Samples = {}
     for fam in text_string_to_metric_families(text):
         for s in fam.samples:
             out[(s.name, frozenset(s.labels.items()))] = s.value
     return out
+
+
+async def scrape(client: httpx.AsyncClient, url: str) -> Samples:
+    return samples_of((await client.get(url)).text)
 
 
 def total(samples: Samples, name: str, **labels: str) -> float:

@@ -13,6 +13,7 @@ Two seams:
 from __future__ import annotations
 
 import itertools
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -166,16 +167,17 @@ class Admission(Protocol):
         """Stops background work and gives back what is still held."""
 
 
-class RankingRouter:
+class RankingRouter(ABC):
     """A ``Router`` whose ``pick`` is the first of its ``rank``."""
 
+    @abstractmethod
     def rank(
         self,
         workers: Sequence[WorkerStatus],
         exclude: Collection[str],
         job: AdmissionJob | None = None,
     ) -> list[str]:
-        raise NotImplementedError
+        """The addresses of the healthy workers not in ``exclude``, best first for ``job``."""
 
     def pick(
         self,
