@@ -142,6 +142,7 @@ class MemoryAdmission:
         else:
             queue.append(waiter)
         self._set_depth(job.model)
+        waited_out = False  # the last wait ran to the deadline (a timer may fire a hair early)
         try:
             while True:
                 waiter.turn.clear()
@@ -153,7 +154,7 @@ class MemoryAdmission:
                 tried = False
                 now = time.monotonic()
                 remaining = deadline - now
-                if remaining <= 0:
+                if remaining <= 0 or waited_out:
                     raise self._reject(
                         job,
                         503,
@@ -162,8 +163,10 @@ class MemoryAdmission:
                     )
                 self._refuse_a_long_wait(job, queue.index(waiter) + 1, deadline, now)
                 timeout = min(self.cfg.poll_s, remaining) if head else remaining
-                with contextlib.suppress(TimeoutError):
+                try:
                     await asyncio.wait_for(waiter.turn.wait(), timeout)
+                except TimeoutError:
+                    waited_out = timeout >= remaining
         finally:
             was_head = bool(queue) and queue[0] is waiter
             with contextlib.suppress(ValueError):

@@ -179,12 +179,13 @@ class WorkerPool:
                 self.metrics.streams_resumed.labels(inp.model, outcome).inc()
 
     async def _recover(
-        self, worker: WorkerClient, lease: Lease, job: AdmissionJob, inp: GenerationInput,
-        received: int, startup_s: float,
+        self, worker: WorkerClient, origin: Origin | None, lease: Lease, job: AdmissionJob,
+        inp: GenerationInput, received: int, startup_s: float,
     ) -> AsyncIterator[GenerationDelta]:  # fmt: skip
         """The rest of a stream whose ``worker`` died after ``received`` tokens: from live peers
-        of its node while one adopts it (again when that one dies), else from its successor."""
-        origin = Origin.of(worker)
+        of its node while one adopts it (again when that one dies), else from its successor.
+        ``origin`` is the worker as the gateway knew it when the stream started there: by the
+        time the break is handled, polls may have forgotten the dead worker's model."""
         while origin is not None:
             broke = time.monotonic()
             workers = list(self.workers.values())
@@ -196,6 +197,7 @@ class WorkerPool:
                 self.metrics.adoptions.labels(inp.model, "adopted").inc()
                 self.metrics.adoption_latency.labels(inp.model).observe(time.monotonic() - broke)
             worker, lease = moved.worker, moved.lease
+            origin = Origin.of(worker)  # the peer, alive now: the origin if it dies in turn
             startup_s = worker.model.startup_s if worker.model is not None else startup_s
             worker.in_flight += 1
             died = False  # the peer died too: its lease stays held while the stream moves on
@@ -213,7 +215,6 @@ class WorkerPool:
                 log.warning("peer %s failed mid-generation of %s (%s): moving it again",
                             worker.address, inp.request_id, describe(e))  # fmt: skip
                 died = True
-                origin = Origin.of(worker)
             finally:
                 moved.call.cancel()
                 worker.in_flight -= 1
@@ -286,6 +287,7 @@ class WorkerPool:
             worker.in_flight += 1
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
             durable = worker.model is not None and worker.model.durable_sessions
+            origin = Origin.of(worker)  # where its sessions may move, were it to die
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
             # the rank whose share the lease holds runs it (a data-parallel group)
             call = worker.stub.Generate(convert.generate_request(inp, lease.rank))
@@ -310,7 +312,9 @@ class WorkerPool:
                         "worker %s failed mid-generation of %s (%s): re-attaching",
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
-                async for delta in self._recover(worker, lease, job, inp, len(output), startup_s):
+                async for delta in self._recover(
+                    worker, origin, lease, job, inp, len(output), startup_s
+                ):
                     # a peer or the successor resumed the whole session; the prompt was this
                     # worker's
                     yield replace(delta, cached_prompt_tokens=cached)

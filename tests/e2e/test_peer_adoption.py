@@ -55,6 +55,14 @@ def running(stack: Stack, index: int) -> float:
         return 0
 
 
+def story(stack: Stack) -> str:
+    """The stack's log lines about breaks, adoptions, resumes and health: what a failed
+    assertion prints."""
+    words = ("adopt", "re-attach", "moving it again", "resumed", "health", "healthy", "fenc")
+    lines = stack.log.read_text(errors="replace").splitlines()
+    return "\n".join(line for line in lines if any(w in line for w in words))
+
+
 def serving(stack: Stack) -> int:
     """The index of the worker running the one request in flight."""
     counts = [running(stack, i) for i in (0, 1)]
@@ -77,6 +85,9 @@ def test_a_live_peer_adopts_the_stream_of_a_killed_worker(pair: Stack) -> None:
 
     text, chunks = stream_chat(pair.base, LONG, kill_serving_worker)
     assert killed, "the stream ended before the kill"
+    assert (
+        pair.metric(f"{pair.base}/metrics", f"{names.ADOPTIONS}_total", outcome="adopted") == 1
+    ), story(pair)
     assert not [c for c in chunks if "error" in c], chunks[-3:]
     assert text == want  # token for token what an uninterrupted run gives
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
@@ -110,7 +121,7 @@ def test_an_adopter_killed_in_turn_leaves_the_session_to_its_successor(pair: Sta
             killed.append(victim)
 
     text, chunks = stream_chat(pair.base, LONG, kill_twice)
-    assert len(killed) == 2 and killed[0] != killed[1]
+    assert len(killed) == 2 and killed[0] != killed[1], story(pair)
     assert not [c for c in chunks if "error" in c], chunks[-3:]
     assert text == want
     gateway = f"{pair.base}/metrics"
