@@ -78,6 +78,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     add_switch(p, "cuda-graphs", "on a GPU: replay decode passes as captured CUDA graphs (on)")
     add_switch(
+        p, "cuda-graphs-mtp", "on a GPU: capture the passes of a model served with its MTP layer "
+        "too (off: such a model runs eagerly)",
+    )  # fmt: skip
+    add_switch(
         p, "fused-kernels", "on a GPU: norms, RoPE, routing, top-k ... as fused kernels (off)"
     )
     p.add_argument(

@@ -50,6 +50,7 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
+    cuda_graphs_mtp: bool = False  # the MTP layer's passes too (off until its GPU tests ran)
     fused_kernels: bool = False
     graph_capture: str = "second"
     reserve_pages: int = 0
@@ -100,7 +101,7 @@ class WorkerSettings(BaseSettings):
             host_arena_mib=self.host_arena_mib,
             resolver=self.resolver,
             attention_backend=self.attention_backend,
-            graphs=GraphConfig(self.cuda_graphs, self.graph_capture),
+            graphs=GraphConfig(self.cuda_graphs, self.graph_capture, self.cuda_graphs_mtp),
             fused_kernels=self.fused_kernels,
             residency=ResidencyConfig(
                 reserve_pages=self.reserve_pages,

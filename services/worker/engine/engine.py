@@ -122,7 +122,7 @@ class Engine:
         # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
         # logs it at start-up and exports it (``dhisparse:worker_config_info``).
         self.graphs_off_reason = graphs_off(
-            cfg.graphs.enabled, model, self.device, self._check_invariants,
+            cfg.graphs, model, self.device, self._check_invariants,
             self.group.data_parallel,
         )  # fmt: skip
         if self.graphs_off_reason is None:

@@ -8,7 +8,7 @@ from typing import NamedTuple
 
 import torch
 
-from services.worker.graphs.cuda_graph import DecodeGraphs
+from services.worker.graphs.cuda_graph import DecodeGraphs, GraphConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_mtp import MTPStep
@@ -93,25 +93,29 @@ class ModelPasses:
         selection: torch.Tensor | None,
     ) -> MTPStep:
         """One MTP-only draft pass over the KV cache (``MLADecoder.mtp_step``,
-        ``V4Model.mtp_step``)."""
+        ``V4Model.mtp_step``), replayed from a CUDA graph once one is captured."""
         with kernel_fusion(self.fused):
+            if self.graphs is not None:
+                return self.graphs.mtp_step(tokens, batch, hidden, selection)
             return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
 
 
 def graphs_off(
-    enabled: bool,
+    cfg: GraphConfig,
     model: SparseDecoder,
     device: torch.device,
     check_invariants: bool,
     data_parallel: bool,
 ) -> str | None:
     """Why decode and verify passes are not replayed as CUDA graphs, or None when they are."""
-    if not enabled:
+    if not cfg.enabled:
         return "turned off (--no-cuda-graphs)"
     if device.type != "cuda":
         return f"device {device} is not a GPU"
     if not DecodeGraphs.supports(model):
-        return "the model has compressed or windowed KV sources, or the MTP layer's lagged one"
+        return "the model has compressed or windowed KV sources"
+    if any(src.lag for src in model.cfg.sources) and not cfg.mtp:
+        return "served with its MTP layer, whose passes are captured only with --cuda-graphs-mtp"
     if check_invariants:  # the checks read counters back: not capturable
         return "DHISPARSE_CHECK_INVARIANTS is set"
     if data_parallel:

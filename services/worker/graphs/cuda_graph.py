@@ -36,6 +36,7 @@ import torch
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_state import PassState, Written
 from services.worker.model.decoder import SparseDecoder
+from services.worker.model.mla_mtp import MTPStep
 from services.worker.model.row_selection import key_rows
 from services.worker.serving.cache import KVCache
 
@@ -55,10 +56,13 @@ class GraphConfig:
     """CUDA graphs on a GPU: whether decode and verify passes are captured and replayed, and
     when a key is captured (``CAPTURE_POLICIES``: at its ``second`` sighting, or when
     ``consecutive`` passes meet it, so a batch that changes every step, as in ramps and drains,
-    is never captured)."""
+    is never captured). ``mtp``: the passes of a model served with its MTP layer are captured
+    too (its lagged source's decode and verify passes and its draft steps); off until their
+    GPU tests have run, so such a model runs eagerly by default."""
 
     enabled: bool = True
     capture: str = "second"
+    mtp: bool = False
 
     def __post_init__(self) -> None:
         if self.capture not in CAPTURE_POLICIES:
@@ -132,6 +136,10 @@ class CaptureSchedule:
     def __len__(self) -> int:
         return len(self._graphs)
 
+    def held_keys(self) -> list[tuple]:
+        """The keys whose graphs are held, the least recently used first."""
+        return list(self._graphs)
+
 
 class _Captures(CaptureSchedule):
     """A ``CaptureSchedule`` of graphs of one kind on a CUDA device: one memory pool, captured
@@ -172,14 +180,32 @@ class _PassGraph:
     tokens: torch.Tensor  # [N] the new tokens (with the batch's slots and positions, refilled)
     plan_rows: torch.Tensor | None  # [U, 5, R] the hierarchy plans' rows the graph reads
     written: Written  # the rows the captured pass writes (read by the commit)
-    logits: torch.Tensor  # [N, V] the output
-    features: dict[int, torch.Tensor] | None  # the target features the pass took
+    inputs: tuple[torch.Tensor | None, ...]  # the pass's other inputs, refilled
+    outputs: object  # what the pass returns: the graph's own tensors
+
+
+# A pass over the KV cache, begun there: (tokens [N], batch, other inputs) -> its outputs (tensors,
+# in tuples and dicts)
+PassRun = Callable[[torch.Tensor, ForwardBatch, tuple], object]
+
+
+def _cloned(out: object) -> object:
+    """``out`` with every tensor in it copied (the next replay overwrites the graph's own)."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    if isinstance(out, dict):
+        return {k: _cloned(v) for k, v in out.items()}
+    if isinstance(out, tuple):
+        parts = [_cloned(v) for v in out]
+        return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
+    return out
 
 
 class DecodeGraphs(_Captures):
-    """Replays captured decode and verify passes of ``model`` over ``kv`` (a CUDA device):
-    batches of at most ``max_batch`` requests that each add the same W <= ``max_width``
-    tokens."""
+    """Replays captured passes of ``model`` over ``kv`` (a CUDA device): decode and verify
+    passes, batches of at most ``max_batch`` requests that each add the same W <=
+    ``max_width`` tokens, and the MTP layer's draft passes (``mtp_step``), which never run
+    beside them."""
 
     def __init__(
         self,
@@ -200,12 +226,10 @@ class DecodeGraphs(_Captures):
 
     @staticmethod
     def supports(model: SparseDecoder) -> bool:
-        """Sources without token rings (no compression, no local window) and no lag (the MTP
-        layer's, whose rows need the carry): their passes write every row where it lives, with
-        no host-sized scatter."""
-        return all(
-            src.compress == 1 and src.window == 0 and src.lag == 0 for src in model.cfg.sources
-        )
+        """Sources without token rings (no compression, no local window): their passes write
+        every row where it lives, with no host-sized scatter. A lagged source (the MTP
+        layer's) is one: the carry it reads takes a decode or verify pass's rows whole."""
+        return all(src.compress == 1 and src.window == 0 for src in model.cfg.sources)
 
     def covers(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a pass these graphs take: every request adds W <= max_width
@@ -229,13 +253,57 @@ class DecodeGraphs(_Captures):
         caller commits). ``features``: as ``SparseDecoder.forward`` takes them, filled."""
         assert self.covers(batch), "a pass of one width W <= max_width per request"
         self.kv.payload.begin(batch)
+        key = ("pass", *pass_key(self.kv.payload.pass_state, batch, features))
+
+        def run(t: torch.Tensor, b: ForwardBatch, _: tuple) -> object:
+            feats = None if features is None else dict.fromkeys(features)
+            hidden = self.model(t, b, self.kv, features=feats, begin=False)
+            if b.is_decode:
+                hidden = hidden[b.last_token_index]
+            return self.model.logits(hidden), feats
+
+        logits, feats = self._pass(key, tokens, batch, (), run)  # type: ignore[misc]
+        if features is not None:
+            features.update(feats)
+        return logits
+
+    def mtp_step(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        selection: torch.Tensor | None,
+    ) -> MTPStep:
+        """The model's MTP-only draft pass (``mtp_step``) over a decode-shaped ``batch`` of the
+        MTP source, replayed once its key was captured: batch size, index-key width, the
+        plans' sharing, and whether the hidden states and the selection are given."""
+        self.kv.payload.begin(batch)
+        if batch.num_requests > self.max_batch:
+            return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
         state = self.kv.payload.pass_state
-        key = pass_key(state, batch, features)
+        key = (
+            "mtp", batch.num_requests, key_rows(max(batch.ends())), *state.graph_key(),
+            hidden is None, selection is None,
+        )  # fmt: skip
+
+        def run(t: torch.Tensor, b: ForwardBatch, inputs: tuple) -> object:
+            return self.model.mtp_step(t, b, self.kv, *inputs, begin=False)
+
+        out = self._pass(key, tokens, batch, (hidden, selection), run)
+        assert isinstance(out, MTPStep)
+        return out
+
+    def _pass(
+        self, key: tuple, tokens: torch.Tensor, batch: ForwardBatch, inputs: tuple, run: PassRun
+    ) -> object:
+        """``run`` over (``tokens``, ``batch``, ``inputs``), begun on the KV cache: eager until
+        its key is captured, then replayed with the live inputs copied into the graph's."""
+        state = self.kv.payload.pass_state
         g, capture = self.lookup(key)
         if capture:
-            return self._capture(key, tokens, batch, features)
+            return self._capture(key, tokens, batch, inputs, run)
         if g is None:
-            return self._eager(tokens, batch, features)
+            return run(tokens, batch, inputs)
         assert isinstance(g, _PassGraph)
         g.tokens.copy_(tokens)
         g.batch.slots.copy_(batch.slots)
@@ -246,27 +314,20 @@ class DecodeGraphs(_Captures):
         if g.plan_rows is not None:
             assert state.plan_rows is not None
             g.plan_rows.copy_(state.plan_rows)
+        for dst, src in zip(g.inputs, inputs, strict=True):
+            if dst is not None:
+                dst.copy_(src)
         g.graph.replay()
         state.written.update(g.written)
-        if features is not None and g.features is not None:
-            features.update({i: f.clone() for i, f in g.features.items()})
-        return g.logits.clone()  # the next replay overwrites the graph's own
-
-    def _eager(
-        self, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None = None
-    ) -> torch.Tensor:
-        hidden = self.model(tokens, batch, self.kv, features=features, begin=False)
-        if batch.is_decode:
-            hidden = hidden[batch.last_token_index]
-        return self.model.logits(hidden)
+        return _cloned(g.outputs)
 
     def _capture(
-        self, key: tuple, tokens: torch.Tensor, batch: ForwardBatch, features: dict | None
-    ) -> torch.Tensor:
-        """Runs this step eagerly on the capture stream, then captures its pass for the key."""
+        self, key: tuple, tokens: torch.Tensor, batch: ForwardBatch, inputs: tuple, run: PassRun
+    ) -> object:
+        """Runs this pass eagerly on the capture stream, then captures it for the key."""
         self._reserve()
         state = self.kv.payload.pass_state
-        out = self._run_then_capture(lambda: self._eager(tokens, batch, features))
+        out = self._run_then_capture(lambda: run(tokens, batch, inputs))
         # The graph's inputs: its own copies, which a replay refills.
         slots, positions = batch.slots.clone(), batch.positions.clone()
         token_slot, starts_t = slots, positions  # a decode pass: one token per request
@@ -277,16 +338,14 @@ class DecodeGraphs(_Captures):
             token_req=batch.token_req.clone(), cu_lens=batch.cu_lens.clone(),
         )  # fmt: skip
         g_tokens = tokens.clone()
+        g_inputs = tuple(None if x is None else x.clone() for x in inputs)
         written = dict(state.written)  # this step's, for its commit
         plan_rows = state.plan_rows
-        g_features = None if features is None else dict.fromkeys(features)
-        graph, logits = self._record(lambda: self._eager(g_tokens, static, g_features))
-        assert isinstance(logits, torch.Tensor)
+        graph, outputs = self._record(lambda: run(g_tokens, static, g_inputs))
         captured = dict(state.written)  # what every replay writes
         state.written.clear()
         state.written.update(written)
-        held = _PassGraph(graph, static, g_tokens, plan_rows, captured, logits, g_features)
-        self.store(key, held)
+        self.store(key, _PassGraph(graph, static, g_tokens, plan_rows, captured, g_inputs, outputs))
         return out
 
     def _reserve(self) -> None:

@@ -69,6 +69,11 @@ class TokenRing:
         ring_pos = batch.starts_t.unsqueeze(1) - r + torch.arange(r, device=dev).unsqueeze(0)
         ring_part = self.data[batch.slots.unsqueeze(1), ring_pos % r]  # [R_req, r, d]
         ext = torch.cat([ring_part.reshape(-1, rows.shape[-1]), rows.to(self.data.dtype)], 0)
+        if max(batch.lens) <= r:
+            # Every chunk row survives (decode and verify passes): a scatter without a mask,
+            # with no shape read from the device, so a CUDA graph captures it.
+            self.data[batch.token_slot, batch.positions % r] = rows.to(self.data.dtype)
+            return ExtendedRows(rows=ext, ring=r, batch=batch)
         # Only each request's last `ring` chunk rows survive; writing just those keeps the
         # scatter free of duplicate targets.
         ends = (batch.starts_t + torch.tensor(batch.lens, device=dev))[batch.token_req]

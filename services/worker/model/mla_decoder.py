@@ -127,14 +127,17 @@ class MLADecoder(SparseDecoder):
         kv: KVCache,
         hidden: torch.Tensor | None = None,
         selection: torch.Tensor | None = None,
+        begin: bool = True,
     ) -> MTPStep:
         """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
         decode-shaped batch writing only the MTP source), each with the hidden state before it
         — ``hidden`` [R, d], or the carry's (the target's at p-1) when None. Writes MTP row
         p-1 (never committed: the verify pass rewrites it) and attends the whole MTP history
-        through ``kv``, by its own indexer or, with ``selection`` [R, k], those rows."""
+        through ``kv``, by its own indexer or, with ``selection`` [R, k], those rows.
+        ``begin=False``: the caller already began the pass on ``kv`` (a CUDA graph's runner)."""
         assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
-        kv.payload.begin(batch)
+        if begin:
+            kv.payload.begin(batch)
         if hidden is None:
             hidden = kv.carry.rows_at(batch.slots, batch.positions - 1)
         mtp, i = self.mtp, self.mtp_layer

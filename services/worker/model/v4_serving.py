@@ -167,15 +167,18 @@ class V4Model(nn.Module):
         kv: KVCache,
         hidden: torch.Tensor | None = None,
         selection: torch.Tensor | None = None,
+        begin: bool = True,
     ) -> MTPStep:
         """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
         decode-shaped batch of the MTP source only), each with the streams before it —
         ``hidden`` [R, hc_mult * hidden], or the carry's (the target's at p - 1) when None.
         Writes MTP row p - 1 into the source's ring (the verify pass rewrites it) and attends
-        the MTP rows of the window before it. ``selection`` must be None (no MTP indexer)."""
+        the MTP rows of the window before it. ``selection`` must be None (no MTP indexer).
+        ``begin=False``: the caller already began the pass on ``kv``."""
         assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
         assert selection is None, "DeepSeek-V4's MTP layer selects no rows"
-        kv.payload.begin(batch)
+        if begin:
+            kv.payload.begin(batch)
         if hidden is None:
             hidden = kv.carry.rows_at(batch.slots, batch.positions - 1)
         r, c = tokens.shape[0], self.family

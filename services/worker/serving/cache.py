@@ -280,16 +280,24 @@ class KVCache:
     # ---- a forward pass ---------------------------------------------------------------------
     def follow_carry(self, batch: ForwardBatch, hidden: torch.Tensor) -> ExtendedRows:
         """Records the target's final hidden states [N, d] of the pass over ``batch`` in the
-        carry (``TokenRing.extend``: the buffer the pass's lagged rows read), and for durable
-        sessions the page ends among them (``SessionBackup.note_hidden``)."""
+        carry (``TokenRing.extend``: the buffer the pass's lagged rows read). For durable
+        sessions, a pass with a chunk longer than the carry's ring (a prefill) notes them
+        here (``SessionBackup.note_hidden``); the others' are noted from the carry at their
+        commit, so a pass replayed from a CUDA graph notes nothing of its own."""
         assert self.carry is not None, "a KV cache built for a topology with a lagged source"
-        if self.sessions is not None:
+        if self.sessions is not None and max(batch.lens) > self.carry.ring:
             self.sessions.note_hidden(batch, hidden)
         return self.carry.extend(batch, hidden)
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
+        """Publishes the first ``num_tokens[r]`` tokens of each request of the pass over
+        ``batch`` (the payload's rows; for durable sessions their host backups). A pass whose
+        every chunk fits the carry's ring has its hidden states there, noted now."""
         self.payload.commit(batch, num_tokens)
         if self.sessions is not None:
+            if self.carry is not None and max(batch.lens) <= self.carry.ring:
+                carried = self.carry.rows_at(batch.token_slot, batch.positions)
+                self.sessions.note_hidden(batch, carried)
             self.sessions.commit(batch, num_tokens)
 
     def attention_rows(self, source: int, locs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -119,7 +119,11 @@ class Speculator:
         self.agree: Callable[[int], int] = _same
 
     def capture(self, max_batch: int) -> None:
-        """Replays the drafter's block passes from CUDA graphs (on a GPU)."""
+        """Replays the drafter's block passes from CUDA graphs (on a GPU). The MTP drafter has
+        none: its steps are passes of the model over the KV cache, which the engine's
+        graphs replay (``ModelPasses.mtp_step``)."""
+        if isinstance(self.drafter, MTPDrafter):
+            return
         self.graphs = DraftGraphs(self.drafter.draft, self.drafter.device, max_batch)
 
     def features(self) -> dict[int, torch.Tensor]:

@@ -5,6 +5,8 @@ batch sizes, index-key widths and hierarchy plans change between replays)."""
 
 from __future__ import annotations
 
+from collections import Counter
+
 import pytest
 import torch
 
@@ -15,6 +17,7 @@ from services.worker.kv.config import FollowerPrefetch
 from services.worker.model.row_selection import key_rows
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
+from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
 
 
 def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
@@ -41,12 +44,17 @@ def _drive(
     kv_cache_dtype: str = "auto",
     followers: FollowerPrefetch = FollowerPrefetch(),
     fused: bool = False,
+    model: str = "tiny-glm",
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
+    """``model``: a preset, or a checkpoint (one with its MTP layer for ``drafter="mtp"``,
+    whose passes the graphs capture too)."""
     eng = Engine(
         EngineConfig(
-            model="tiny-glm", device="cuda", mode=mode, kv_pool_mib=128, host_arena_mib=64,
-            max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096, hot_cache_rows=64,
-            graphs=GraphConfig(graphs, capture), speculation=SpeculationConfig(drafter, width=4),
+            model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=128,
+            host_arena_mib=64, max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096,
+            hot_cache_rows=64,
+            graphs=GraphConfig(graphs, capture, mtp=True),
+            speculation=SpeculationConfig(drafter, width=4),
             kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )
     )  # fmt: skip
@@ -145,6 +153,38 @@ def test_replayed_speculative_rounds_equal_the_eager_rounds(mode: str, drafter: 
     tokens = {(r, n): int(row[0].argmax()) for r, n, row in base}  # one row per token
     emitted = {}
     for r, n, rows in got:  # a round's rows: one per token it emitted, from output index n
+        for j in range(rows.shape[0]):
+            emitted[(r, n + j)] = int(rows[j].argmax())
+    assert emitted == tokens
+    for e in (eager, graphed, plain):
+        e.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_replayed_mtp_rounds_equal_the_eager_rounds(
+    mode: str, family: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """A tiny checkpoint served with its MTP layer: decode and verify passes (which write the
+    MTP layer's lagged source from the carry) and the MTP layer's draft steps replayed from
+    graphs give the eager rounds' tokens and logits bit for bit, and plain greedy's tokens."""
+    _, path = mtp_checkpoint(family, tmp_path_factory)
+    eager, ref = _drive(mode, graphs=False, drafter="mtp", model=str(path))
+    graphed, got = _drive(mode, graphs=True, drafter="mtp", model=str(path))
+    plain, base = _drive(mode, graphs=True, model=str(path))
+    graphs = graphed.passes.graphs
+    assert graphs is not None and graphed.graphs_off_reason is None
+    kinds = Counter(key[0] for key in graphs.held_keys())
+    assert kinds["mtp"] > 0 and kinds["pass"] > 0 and graphs.replays > 20
+    assert graphed.speculator is not None and eager.speculator is not None
+    assert graphed.speculator.counters.accepted == eager.speculator.counters.accepted > 0
+    assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
+    for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
+        assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    tokens = {(r, n): int(row[0].argmax()) for r, n, row in base}
+    emitted = {}
+    for r, n, rows in got:
         for j in range(rows.shape[0]):
             emitted[(r, n + j)] = int(rows[j].argmax())
     assert emitted == tokens

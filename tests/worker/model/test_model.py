@@ -86,6 +86,29 @@ def test_token_ring_window_and_group_addressing() -> None:
             start += n
 
 
+def test_a_pass_whose_chunks_fit_the_ring_records_every_row_in_place() -> None:
+    """Decode and verify passes (every chunk within the ring) write each new row at its
+    position's ring row and leave every other row as it was; the buffer they read holds the
+    ring's rows before the chunk, then the chunk's."""
+    g = torch.Generator().manual_seed(5)
+    ring = TokenRing(max_slots=6, ring=4, width=3, dtype=torch.float32, device="cpu")
+    ring.data.copy_(torch.randn(ring.data.shape, generator=g))
+    for width in (1, 3, 4):
+        slots, starts = [4, 0, 2], [9, 17, 5]
+        batch = ForwardBatch.build(slots, starts, [width] * 3, "cpu")
+        rows = torch.randn(3 * width, 3, generator=g)
+        before = ring.data.clone()
+        ext = ring.extend(batch, rows)
+        want = before.clone()
+        for r, (slot, start) in enumerate(zip(slots, starts, strict=True)):
+            for j in range(width):
+                want[slot, (start + j) % 4] = rows[r * width + j]
+            prior = ext.index(torch.full((4,), r), torch.arange(start - 4, start))
+            expect = before[slot, torch.arange(start - 4, start) % 4]
+            assert torch.equal(ext.rows[prior], expect)
+        assert torch.equal(ring.data, want), width
+
+
 def test_compressed_rows_are_gated_sums_of_their_tokens() -> None:
     model, kv = make("tiny-dsv4")
     tokens = random_tokens(64, seed=5)
