@@ -18,7 +18,7 @@ report a prefix cache (``WorkerStatus.prefix_cache``) can have a predicted hit.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 from services.gateway.affinity_index import AffinityIndex, Matched, Place
@@ -70,6 +70,8 @@ class PrefixAffinity:
     def __init__(self, config: AffinityConfig | None = None) -> None:
         self.cfg = config or AffinityConfig()
         self.index = AffinityIndex(self.cfg.index_pages, self.cfg.holders)
+        # told of every record this replica makes (the shared feed, ``affinity_feed``)
+        self.share: Callable[[Sequence[int], Place], None] | None = None
 
     def prefix(self, token_ids: Sequence[int]) -> PromptPrefix:
         return PromptPrefix(token_ids, self.cfg.max_pages)
@@ -95,7 +97,10 @@ class PrefixAffinity:
         return out
 
     def record(self, keys: Sequence[int], worker: WorkerStatus) -> None:
-        self.index.record(keys, place_of(worker))
+        place = place_of(worker)
+        self.index.record(keys, place)
+        if self.share is not None:
+            self.share(keys, place)
 
     def routed(self, prefix: PromptPrefix, chosen: str, workers: Sequence[WorkerStatus]) -> Routed:
         """Why ``chosen`` got the request, among the candidates ``workers`` (``Routed``)."""

@@ -18,6 +18,7 @@ from dhisparse.tokenizer.hf_files import model_type
 from dhisparse.tokenizer.reply import reply_style
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.affinity import AffinityConfig, PrefixAffinity, PrefixAffinityRouter
+from services.gateway.affinity_feed import AffinityFeed
 from services.gateway.chat import create_chat_completion
 from services.gateway.completions import create_completion
 from services.gateway.context import GatewayContext
@@ -111,6 +112,21 @@ def prefix_affinity(settings: GatewaySettings) -> PrefixAffinity | None:
     )
 
 
+def affinity_feed(
+    settings: GatewaySettings, affinity: PrefixAffinity | None
+) -> AffinityFeed | None:
+    """The stream through which ``affinity``'s records reach the other replicas (None: no
+    affinity, no Redis, or ``prefix_affinity_shared`` off)."""
+    if affinity is None or not settings.redis_url or not settings.prefix_affinity_shared:
+        return None
+    feed = AffinityFeed(
+        settings.redis_url, affinity.index, prefix=settings.ledger_prefix,
+        max_entries=settings.prefix_affinity_feed_entries,
+    )  # fmt: skip
+    affinity.share = feed.publish
+    return feed
+
+
 def memory_admission(
     settings: GatewaySettings, metrics: GatewayMetrics, affinity: PrefixAffinity | None = None
 ) -> MemoryAdmission:
@@ -163,6 +179,7 @@ def create_app(
     tokenizer = load_tokenizer(model_dir)
     metrics = GatewayMetrics()
     affinity = prefix_affinity(settings)
+    feed = affinity_feed(settings, affinity)
     pool = WorkerPool(
         settings.workers,
         admission=admission or memory_admission(settings, metrics, affinity),
@@ -186,6 +203,8 @@ def create_app(
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        if feed is not None:
+            await feed.start()
         await pool.start()
         info = pool.model_info()
         if info is None:
@@ -199,9 +218,12 @@ def create_app(
             yield
         finally:
             await pool.close()
+            if feed is not None:
+                await feed.close()
 
     app = FastAPI(title="dhisparse gateway", lifespan=lifespan)
     app.state.ctx = ctx
+    app.state.affinity_feed = feed
     install_error_handlers(app)
     install_openapi(app, ctx.schema_limits)
     # The last added runs first: auth, then the body limit.

@@ -84,6 +84,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--prefix-affinity-index-pages", type=int,
         help="pages the prefix-affinity index remembers, least recently recorded dropped (200000)",
     )  # fmt: skip
+    add_switch(
+        parser, "prefix-affinity-shared",
+        "share prefix-affinity records with the other gateway replicas through the ledger's "
+        "Redis (on, with --redis-url)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--prefix-affinity-feed-entries", type=int,
+        help="affinity records the shared Redis stream retains for a starting replica (4096)",
+    )  # fmt: skip
     parser.add_argument("--log-level", help="debug, info, warning, error")
 
 

@@ -65,9 +65,14 @@ class GatewaySettings(BaseSettings):
     kv_page_size: int = Field(16, ge=1)
     # --- prefix-affinity routing (``affinity``) ---
     # Send a request to a worker whose node likely holds its prompt's leading pages as a cached
-    # prefix, weighed against load; off: the least-loaded worker. Per replica: each gateway
-    # remembers the requests it routed.
+    # prefix, weighed against load; off: the least-loaded worker. Each gateway remembers the
+    # requests it routed, and with a Redis URL the other replicas' too (``affinity_feed``).
     prefix_affinity: bool = True
+    # Share affinity records with the other replicas through the ledger's Redis (with a Redis
+    # URL); off: each replica learns only from its own.
+    prefix_affinity_shared: bool = True
+    # Records the shared stream retains for a replica that starts (the newest).
+    prefix_affinity_feed_entries: int = Field(4096, ge=1)
     # A predicted hit of the whole prompt outweighs up to this share of a worker's load (the
     # larger of its admitted KV share and its seats taken); 0: affinity breaks ties only.
     prefix_affinity_weight: float = Field(0.5, ge=0)

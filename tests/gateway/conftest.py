@@ -5,6 +5,7 @@ ledger. Processes are started on free ports and stopped by PID."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import os
@@ -343,3 +344,11 @@ async def capacity_held(
         for w in held:
             await ledger.release(w, f"holder-{w}")
         await ledger.close()
+
+
+async def until(check: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Returns once ``check()`` is true; fails after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)

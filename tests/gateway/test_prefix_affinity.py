@@ -23,11 +23,13 @@ from services.gateway import GatewaySettings, create_app
 from services.kv_host_store import KVHostStoreClient
 from tests.gateway.conftest import (
     MODEL,
+    RedisServer,
     WorkerProcess,
     gateway_client,
     kill_process,
     launch_worker,
     sse_events,
+    until,
     wait_worker,
 )
 from tests.kv_host_store.conftest import StoreProcess, start_store_process
@@ -199,3 +201,33 @@ async def test_without_affinity_the_next_turn_may_miss(nodes: list[Node]) -> Non
         # no decision is counted as affinity's: none was made
         name = "dhisparse:routing_decisions_total"
         assert await metric(client, name, model=MODEL, reason="affinity") == 0
+
+
+async def test_a_turn_another_replica_routes_finds_its_first_turns_node(
+    nodes: list[Node], redis_server: RedisServer
+) -> None:
+    """Two gateway replicas on the ledger's Redis (one deployment's prefix): each first turn
+    goes through replica A, each second turn through replica B, which learned where the first
+    went from A's records on the shared affinity feed."""
+    shared = {"redis_url": redis_server.url, "ledger_prefix": redis_server.prefix()}
+    a_app, b_app = create_app(settings(nodes, **shared)), create_app(settings(nodes, **shared))
+    async with gateway_client(a_app) as a, gateway_client(b_app) as b:
+        feed = b_app.state.affinity_feed
+        assert feed is not None and a_app.state.affinity_feed is not None
+        for i in range(CONVERSATIONS):
+            first = [
+                {"role": "system", "content": f"Replica {i} answers on {i} things, briefly. " * 3},
+                {"role": "user", "content": f"What is thing {i}?"},
+            ]
+            applied = feed.stats.applied
+            one = await chat(a, first)
+            await until(lambda: feed.stats.applied > applied)  # noqa: B023
+            second = [*first, {"role": "assistant", "content": one["text"]}]
+            second.append({"role": "user", "content": "And then?"})
+            two = await chat(b, second)
+            cached = two["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert cached >= one["usage"]["prompt_tokens"] // PAGE * PAGE > 0, (one, two)
+        assert (
+            await metric(b, "dhisparse:routing_decisions_total", model=MODEL, reason="affinity")
+            >= CONVERSATIONS
+        )
