@@ -140,6 +140,9 @@ ROUTING_DECISIONS = PREFIX + "routing_decisions"  # counter{reason}
 # prompt tokens the chosen workers' nodes were predicted to hold
 PREFIX_AFFINITY_PREDICTED_TOKENS = PREFIX + "prefix_affinity_predicted_tokens"  # counter
 PREFIX_AFFINITY_INDEX_PAGES = PREFIX + "prefix_affinity_index_pages"  # gauge: pages it remembers
+# records of the replicas' shared feed (services/gateway/affinity_feed.py): this replica's
+# appended (sent), the others' applied, and records lost (dropped: a full queue, Redis down)
+PREFIX_AFFINITY_FEED_RECORDS = PREFIX + "prefix_affinity_feed_records"  # counter{outcome}
 # prompt tokens the workers reported not computing (usage.prompt_tokens_details.cached_tokens);
 # the hit rate is its rate over prompt_tokens'
 PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached"  # counter

@@ -463,6 +463,20 @@ ADMISSION = Dashboard(
                     ],
                     width=6,
                 ),
+                Panel(
+                    "Shared affinity feed",
+                    "Records per second of the replicas' shared affinity feed in the ledger's"
+                    " Redis: appended by each replica (sent), the others' applied to its index"
+                    " (applied), lost to a full queue or an unreachable Redis (dropped).",
+                    [
+                        Target(
+                            "sum by (outcome) (rate("
+                            f"dhisparse:prefix_affinity_feed_records_total{{{GW}}}{RI}))",
+                            "{{outcome}}",
+                        )
+                    ],
+                    width=6,
+                ),
             ],
         ),
     ],

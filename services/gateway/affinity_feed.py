@@ -19,7 +19,7 @@ import asyncio
 import contextlib
 import logging
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -70,10 +70,18 @@ class FeedStats:
 
 class AffinityFeed:
     def __init__(
-        self, url: str, index: AffinityIndex, *, prefix: str, max_entries: int = 4096
+        self,
+        url: str,
+        index: AffinityIndex,
+        *,
+        prefix: str,
+        max_entries: int = 4096,
+        count: Callable[[str], None] | None = None,
     ) -> None:
         """``index``: this replica's, which the reader fills; ``prefix``: the deployment's
-        Redis namespace (the ledger's); ``max_entries``: the records the stream retains."""
+        Redis namespace (the ledger's); ``max_entries``: the records the stream retains;
+        ``count``: told each record's outcome (``sent``, ``applied``, ``dropped``), beside
+        ``stats``."""
         if max_entries < 1:
             raise ValueError(f"max_entries must be >= 1, got {max_entries}")
         self.stream = f"{prefix}:affinity"
@@ -82,6 +90,7 @@ class AffinityFeed:
         self.replica = uuid.uuid4().hex
         self.redis = aioredis.Redis.from_url(url, decode_responses=False)
         self.stats = FeedStats()
+        self.count = count
         self._queue: asyncio.Queue[Record] = asyncio.Queue(SEND_QUEUE)
         self._tasks: list[asyncio.Task] = []
         self._down = False  # the last Redis call failed: the next failure is not logged
@@ -94,7 +103,7 @@ class AffinityFeed:
         try:
             self._queue.put_nowait(Record(tuple(keys), place))
         except asyncio.QueueFull:
-            self.stats.dropped += 1
+            self._count("dropped")
 
     async def start(self) -> None:
         """Applies the retained records, then reads and sends in the background."""
@@ -147,11 +156,11 @@ class AffinityFeed:
                     approximate=True,
                 )  # fmt: skip
             except RedisError as e:
-                self.stats.dropped += 1
+                self._count("dropped")
                 self._failed(e)
                 continue
             self._up()
-            self.stats.sent += 1
+            self._count("sent")
 
     def _apply(self, entries: list, skip_own: bool) -> None:
         for _, fields in entries:
@@ -163,7 +172,12 @@ class AffinityFeed:
             if skip_own and replica == self.replica:
                 continue
             self.index.record(record.keys, record.place)
-            self.stats.applied += 1
+            self._count("applied")
+
+    def _count(self, outcome: str) -> None:
+        setattr(self.stats, outcome, getattr(self.stats, outcome) + 1)
+        if self.count is not None:
+            self.count(outcome)
 
     def _failed(self, e: Exception) -> None:
         if not self._down:

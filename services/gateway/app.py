@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request
@@ -113,15 +113,16 @@ def prefix_affinity(settings: GatewaySettings) -> PrefixAffinity | None:
 
 
 def affinity_feed(
-    settings: GatewaySettings, affinity: PrefixAffinity | None
+    settings: GatewaySettings, affinity: PrefixAffinity | None, count: Callable[[str], None]
 ) -> AffinityFeed | None:
     """The stream through which ``affinity``'s records reach the other replicas (None: no
-    affinity, no Redis, or ``prefix_affinity_shared`` off)."""
+    affinity, no Redis, or ``prefix_affinity_shared`` off); ``count``: told each record's
+    outcome."""
     if affinity is None or not settings.redis_url or not settings.prefix_affinity_shared:
         return None
     feed = AffinityFeed(
         settings.redis_url, affinity.index, prefix=settings.ledger_prefix,
-        max_entries=settings.prefix_affinity_feed_entries,
+        max_entries=settings.prefix_affinity_feed_entries, count=count,
     )  # fmt: skip
     affinity.share = feed.publish
     return feed
@@ -179,7 +180,6 @@ def create_app(
     tokenizer = load_tokenizer(model_dir)
     metrics = GatewayMetrics()
     affinity = prefix_affinity(settings)
-    feed = affinity_feed(settings, affinity)
     pool = WorkerPool(
         settings.workers,
         admission=admission or memory_admission(settings, metrics, affinity),
@@ -200,6 +200,14 @@ def create_app(
         reply_style=reply_style(model_type(model_dir)),
     )
     created = int(time.time())
+
+    feed_records = metrics.affinity_feed  # (``metrics`` names the scrape's route below)
+
+    def count_record(outcome: str) -> None:
+        feed_records.labels(ctx.served_model_name(), outcome).inc()
+
+    feed = affinity_feed(settings, affinity, count_record)
+    metrics.feed_shared = feed is not None
 
     @asynccontextmanager
     async def lifespan(_: FastAPI) -> AsyncIterator[None]:

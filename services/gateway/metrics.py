@@ -24,6 +24,8 @@ from services.gateway.generation import GenerationDelta
 
 # Why a worker request went where it did (``affinity.Routed``).
 ROUTING_REASONS = ("affinity", "load", "load-over-affinity")
+# What became of a record of the shared affinity feed (``affinity_feed``).
+FEED_OUTCOMES = ("sent", "applied", "dropped")
 
 
 class GatewayMetrics:
@@ -157,6 +159,15 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.affinity_feed = Counter(
+            names.PREFIX_AFFINITY_FEED_RECORDS,
+            "Records of the gateway replicas' shared prefix-affinity feed: this replica's "
+            "appended (sent), the others' applied to its index (applied), and records lost to "
+            "a full queue or an unreachable Redis (dropped).",
+            ["model", "outcome"],
+            registry=r,
+        )
+        self.feed_shared = False  # this replica shares affinity records (its series exist)
         self.prompt_tokens_cached = Counter(
             names.PROMPT_TOKENS_CACHED,
             "Prompt tokens the workers imported from a cached prefix instead of computing.",
@@ -181,6 +192,9 @@ class GatewayMetrics:
             self.predicted_tokens.labels(model)
             self.prompt_tokens_cached.labels(model)
             self.affinity_pages.labels(model)
+            if self.feed_shared:
+                for outcome in FEED_OUTCOMES:
+                    self.affinity_feed.labels(model, outcome)
 
     def track(self, model: str, arrival: float | None = None) -> RequestTracker:
         """Starts tracking one worker request that arrived at ``arrival`` (monotonic)."""

@@ -56,6 +56,7 @@ TYPES: dict[str, str] = {
     metrics.ROUTING_DECISIONS: "counter",
     metrics.PREFIX_AFFINITY_PREDICTED_TOKENS: "counter",
     metrics.PREFIX_AFFINITY_INDEX_PAGES: "gauge",
+    metrics.PREFIX_AFFINITY_FEED_RECORDS: "counter",
     metrics.PROMPT_TOKENS_CACHED: "counter",
     metrics.SPEC_DRAFTS: "counter",
     metrics.SPEC_DRAFT_TOKENS: "counter",

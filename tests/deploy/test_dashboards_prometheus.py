@@ -163,13 +163,24 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("stack")
     ports = {
         k: free_port()
-        for k in ("store", "store_metrics", "worker", "worker_metrics", "gateway", "prometheus")
-    }
+        for k in (
+            "store", "store_metrics", "worker", "worker_metrics", "gateway", "prometheus", "redis"
+        )
+    }  # fmt: skip
     arena = Path("/dev/shm") / f"dhisparse-test-{uuid.uuid4().hex[:12]}"
     dhisparse = str(BIN / "dhisparse")
     procs: list[subprocess.Popen] = []
     env = dict(os.environ, DHISPARSE_GATEWAY_LOG_LEVEL="warning")
     try:
+        # the gateway's ledger and its replicas' affinity feed, as the chart deploys them
+        redis = find_tool("redis-server")
+        procs.append(
+            _start(
+                [redis, "--port", str(ports["redis"]), "--bind", "127.0.0.1", "--save", "",
+                 "--appendonly", "no"],
+                tmp / "redis.log",
+            )
+        )  # fmt: skip
         procs.append(
             _start(
                 [
@@ -209,6 +220,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                     "--port", str(ports["gateway"]),
                     "--workers", f"127.0.0.1:{ports['worker']}",
                     "--model", MODEL,
+                    "--redis-url", f"redis://127.0.0.1:{ports['redis']}/0",
                 ],
                 tmp / "gateway.log",
                 env,

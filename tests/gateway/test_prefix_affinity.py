@@ -231,3 +231,7 @@ async def test_a_turn_another_replica_routes_finds_its_first_turns_node(
             await metric(b, "dhisparse:routing_decisions_total", model=MODEL, reason="affinity")
             >= CONVERSATIONS
         )
+        feed_records = "dhisparse:prefix_affinity_feed_records_total"
+        assert await metric(b, feed_records, outcome="applied") >= CONVERSATIONS
+        assert await metric(a, feed_records, outcome="sent") >= CONVERSATIONS
+        assert await metric(a, feed_records, outcome="dropped") == 0
