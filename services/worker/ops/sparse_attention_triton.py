@@ -22,13 +22,17 @@ import triton
 from services.worker.ops.arrivals import arrival_counters
 from services.worker.ops.fusion import fused
 from services.worker.ops.sparse_attention_kernel import sparse_attention_kernel
-from services.worker.ops.sparse_attention_onepass import OnePassTiles, sparse_attention_onepass
+from services.worker.ops.sparse_attention_onepass import (
+    OnePassTiles,
+    PackedRows,
+    sparse_attention_onepass,
+)
 from services.worker.ops.sparse_attention_splits import BLOCK_K, combine_splits, row_splits
 
 
 def sparse_attention_triton(
     q: torch.Tensor,
-    pool: torch.Tensor,
+    pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
     d_v: int,
     scale: float,
@@ -43,10 +47,12 @@ def sparse_attention_triton(
     the row splits to aim for (default ``row_splits``'s choice). ``combine``: whether the
     kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does.
     ``tiles``: the programs' shape (default ``attention_tiles``'s); ``OnePassTiles`` runs the
-    one-pass kernel (``sparse_attention_onepass``)."""
+    one-pass kernel (``sparse_attention_onepass``), which alone reads a pool of ``PackedRows``."""
     if isinstance(tiles, OnePassTiles):
         args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, tiles)
         return sparse_attention_onepass(*args)
+    if isinstance(pool, PackedRows):
+        raise ValueError("packed FP8 rows are read by the one-pass kernel (OnePassTiles)")
     n, h, d = q.shape
     if pool.shape[1] != d or locs.shape[0] != n:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
