@@ -1,7 +1,8 @@
 """The indexer's ordered top-k selection (``select_topk``'s contract) by radix select, one
-program per query (``select_topk_radix_kernel.py``): four streaming passes over the query's
-visible scores (three 11/11/10-bit histograms of the order bits, then the compaction of the k
-positions) and one sort of k keys, in place of a sort of the whole row (``select_topk_ref``) or
+program per query (``select_topk_radix_kernel.py``): two streaming passes over the query's
+visible scores (a histogram of the top 11 order bits, then the split into sure positions and
+candidates), three over the candidates (11 and 10 more bits, their share) and one sort of k
+keys, in place of a sort of the whole row (``select_topk_ref``) or
 one program's bitonic top-k of it (``select_topk_triton``, rows of up to ``KERNEL_WIDTH``). Any
 width; the work per query grows with its visible scores, not with the launch's width. Fixed
 shapes and no host reads: a CUDA graph holds it. Gives the same positions as the others,
@@ -50,9 +51,11 @@ def select_topk_radix(
     out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     if t == 0 or k == 0:
         return out
+    scratch = torch.empty(t, s, dtype=torch.int32, device=scores.device)  # the candidates
     select_topk_radix_kernel[(t,)](
         scores, scores.stride(0), num_visible.to(torch.int32).contiguous(),
         out, out.stride(0),
+        scratch, scratch.stride(0),
         s, k,
         BLOCK=tiles.block, BLOCK_K=triton.next_power_of_2(k),
         num_warps=tiles.warps,

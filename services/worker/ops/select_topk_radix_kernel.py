@@ -1,14 +1,18 @@
 """The indexer's ordered top-k by radix select (see ``select_topk_radix.py``, which launches
-it): one program per query streams its visible scores three times to find, 11 + 11 + 10 bits
-at a time by histogram, the k-th largest score's order bits ``T`` and how many of the k lie
-strictly above it; a fourth pass writes the positions above ``T`` and the lowest-positioned
-ones equal to it (the ties the selection keeps) into the output row; the program then sorts
-those k positions by the ``select_topk_kernel`` key (score descending, position ascending) in
-place. Positions past the query's visible rows (or past ``S``) are never read; output ranks
-past them are -1.
+it), one program per query, over the order bits of its visible scores:
 
-Order bits: ``ord(score)``, the fp32 bits mapped to an unsigned order (sign bit flipped for
-positives, all bits for negatives; -0.0 read as +0.0), held in int64.
+1. a histogram of the top 11 bits finds the digit ``b`` of the k-th largest score;
+2. one more pass writes the positions above ``b`` (all selected) to the output row, and those
+   at ``b`` (the candidates, usually few) to the program's scratch row, in position order;
+3. histograms of the next 11 and the last 10 bits over the candidates find the k-th largest
+   score's bits ``T``, and a last pass over them writes the candidates above ``T`` and the
+   lowest-positioned ones equal to it (the ties the selection keeps) after the first ones;
+4. the program sorts its k positions by the ``select_topk_kernel`` key (score descending,
+   position ascending) in place.
+
+Positions past the query's visible rows (or past ``S``) are never read; output ranks past
+them are -1. Order bits: ``ord(score)``, the fp32 bits mapped to an unsigned order (sign bit
+flipped for positives, all bits for negatives; -0.0 read as +0.0), held in int64.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -27,21 +31,31 @@ def _ordered(s):
 
 
 @triton.jit
+def _read(row_ptr, idx_ptr, start, n, INDIRECT: tl.constexpr, BLOCK: tl.constexpr):
+    """(positions, their order bits, which are inside) of the ``start``-th block of the first
+    n positions of the row, or, ``INDIRECT``, of the positions listed at ``idx_ptr``."""
+    i = start + tl.arange(0, BLOCK)
+    inside = i < n
+    if INDIRECT:
+        pos = tl.load(idx_ptr + i, mask=inside, other=0).to(tl.int64)
+    else:
+        pos = i.to(tl.int64)
+    return pos, _ordered(tl.load(row_ptr + pos, mask=inside, other=0.0)), inside
+
+
+@triton.jit
 def _radix_level(
-    row_ptr, n, prefix, need, HI: tl.constexpr, SHIFT: tl.constexpr, BINS: tl.constexpr,
-    BLOCK: tl.constexpr,
+    row_ptr, idx_ptr, n, prefix, need, INDIRECT: tl.constexpr, HI: tl.constexpr,
+    SHIFT: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
-    """Among the scores whose order bits above ``HI`` equal ``prefix`` (``need`` of which the
-    selection still takes), the digit of bits ``SHIFT .. SHIFT + log2(BINS)`` the k-th largest
-    has -> (prefix extended by that digit, how many of ``need`` remain at or below it)."""
+    """Among the scores read whose order bits above ``HI`` equal ``prefix`` (``need`` of which
+    the selection still takes), the digit of bits ``SHIFT .. SHIFT + log2(BINS)`` the k-th
+    largest has -> (prefix extended by that digit, how many of ``need`` remain at it)."""
     hist = tl.zeros([BINS], tl.int32)
     for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < n
-        o = _ordered(tl.load(row_ptr + offs, mask=inside, other=0.0))
-        match = inside & ((o >> HI) == prefix)
+        _, o, inside = _read(row_ptr, idx_ptr, start, n, INDIRECT, BLOCK)
         digit = ((o >> SHIFT) & (BINS - 1)).to(tl.int32)
-        hist += tl.histogram(digit, BINS, mask=match)
+        hist += tl.histogram(digit, BINS, mask=inside & ((o >> HI) == prefix))
     bins = tl.arange(0, BINS)
     at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching scores with digit >= b
     # at_least falls with b: the digit is the last b that still holds ``need`` scores (the
@@ -52,38 +66,55 @@ def _radix_level(
 
 
 @triton.jit
+def _partition(
+    row_ptr, idx_ptr, n, SHIFT: tl.constexpr, pivot, gt_ptr, eq_ptr, eq_limit,
+    INDIRECT: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """Writes the positions read whose order bits from ``SHIFT`` up are above ``pivot`` to
+    ``gt_ptr[0..]`` and the first ``eq_limit`` equal to it to ``eq_ptr[0..]``, in read order
+    -> how many were equal."""
+    gt_seen = 0
+    eq_seen = 0
+    for start in range(0, n, BLOCK):
+        pos, o, inside = _read(row_ptr, idx_ptr, start, n, INDIRECT, BLOCK)
+        gt = (inside & ((o >> SHIFT) > pivot)).to(tl.int32)
+        eq = (inside & ((o >> SHIFT) == pivot)).to(tl.int32)
+        gt_slot = gt_seen + tl.cumsum(gt, 0) - gt
+        eq_slot = eq_seen + tl.cumsum(eq, 0) - eq
+        tl.store(gt_ptr + gt_slot, pos.to(gt_ptr.dtype.element_ty), mask=gt == 1)
+        tl.store(eq_ptr + eq_slot, pos.to(eq_ptr.dtype.element_ty),
+                 mask=(eq == 1) & (eq_slot < eq_limit))  # fmt: skip
+        gt_seen += tl.sum(gt, 0)
+        eq_seen += tl.sum(eq, 0)
+    return eq_seen
+
+
+@triton.jit
 def select_topk_radix_kernel(
     scores_ptr, stride_scores, visible_ptr,
     out_ptr, stride_out,
+    scratch_ptr, stride_scratch,
     S, K,
     BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     t = tl.program_id(0).to(tl.int64)
     row = scores_ptr + t * stride_scores
     out = out_ptr + t * stride_out
+    cand = scratch_ptr + t * stride_scratch
     n = tl.minimum(tl.maximum(tl.load(visible_ptr + t), 0), S)
     take = tl.minimum(n, K)
-    prefix, need = _radix_level(row, n, tl.zeros([], tl.int64), take, 32, 21, 2048, BLOCK)
-    prefix, need = _radix_level(row, n, prefix, need, 21, 10, 2048, BLOCK)
-    thr, need = _radix_level(row, n, prefix, need, 10, 0, 1024, BLOCK)
-    # compaction: the scores above thr in slots 0.., the first ``need`` equal to it after them
-    n_above = take - need
-    above_seen = 0
-    equal_seen = 0
-    for start in range(0, n, BLOCK):
-        offs = start + tl.arange(0, BLOCK)
-        inside = offs < n
-        o = _ordered(tl.load(row + offs, mask=inside, other=0.0))
-        gt = (inside & (o > thr)).to(tl.int32)
-        eq = (inside & (o == thr)).to(tl.int32)
-        gt_slot = above_seen + tl.cumsum(gt, 0) - gt
-        eq_rank = equal_seen + tl.cumsum(eq, 0) - eq
-        keep_eq = (eq == 1) & (eq_rank < need)
-        slot = tl.where(gt == 1, gt_slot, n_above + eq_rank)
-        tl.store(out + slot, offs.to(tl.int64), mask=(gt == 1) | keep_eq)
-        above_seen += tl.sum(gt, 0)
-        equal_seen += tl.sum(eq, 0)
-    tl.debug_barrier()  # the slots written above, by any thread, are visible below
+    # 1-2: the top 11 bits over the whole row; the sure positions out, the candidates aside
+    top, need = _radix_level(row, cand, n, tl.zeros([], tl.int64), take, False, 32, 21, 2048,
+                             BLOCK)  # fmt: skip
+    sure = take - need
+    c = _partition(row, cand, n, 21, top, out, cand, n, False, BLOCK)
+    tl.debug_barrier()  # the candidates written above, by any thread, are visible below
+    # 3: the rest of the bits over the candidates, then their share of the selection
+    mid, need = _radix_level(row, cand, c, top, need, True, 21, 10, 2048, BLOCK)
+    thr, need = _radix_level(row, cand, c, mid, need, True, 10, 0, 1024, BLOCK)
+    _partition(row, cand, c, 0, thr, out + sure, out + take - need, need, True, BLOCK)
+    tl.debug_barrier()  # every slot written above is visible below
+    # 4: the k positions in selection order
     rank = tl.arange(0, BLOCK_K)
     chosen = rank < take
     pos = tl.load(out + rank, mask=chosen, other=0)

@@ -38,6 +38,20 @@ def test_radix_select_equals_torch_selection(seed, t, s, k, block) -> None:
     assert torch.equal(got, select_topk_ref(scores, visible, k))
 
 
+def test_scores_that_differ_only_in_their_low_bits() -> None:
+    """Every score in one top-11-bit bucket (1.0 plus up to 5000 ulps, with repeats), one
+    row all equal: the lower digits and the ties decide, over candidates in several blocks."""
+    g = torch.Generator().manual_seed(8)
+    bits = torch.tensor(1.0).view(torch.int32) + torch.randint(0, 5000, (3, 200), generator=g)
+    scores = bits.to(torch.int32).view(torch.float32).clone()
+    scores[1, ::3] = scores[1, 0]
+    scores[2] = -1.5
+    visible = torch.tensor([200, 150, 170])
+    for k in (7, 64, 199):
+        got = select_topk_radix(scores, visible, k, RadixTiles(32, 4))
+        assert torch.equal(got, select_topk_ref(scores, visible, k))
+
+
 def test_visible_counts_outside_the_row_clamp() -> None:
     """A count past the width reads the width; every visible score a -inf is still taken."""
     scores, _ = case(7, 3, 50, "cpu")
