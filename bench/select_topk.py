@@ -2,7 +2,8 @@
 decode shapes (CUDA): ``torch`` (``select_topk_ref``: mask, stable sort of the whole row,
 padding; what serving runs for rows wider than ``MAX_WIDTH``), ``bitonic``
 (``select_topk_triton``, one program's top-k of the whole row, for rows of at most
-``KERNEL_WIDTH``) and ``radix-*`` (``select_topk_radix`` at each ``RadixTiles``).
+``KERNEL_WIDTH``) and ``radix-*`` (``select_topk_radix`` at each ``RadixTiles``: one program
+per query, or ``radix-c*`` the row's passes in chunks of that many scores).
 
 For each batch of ``--t`` queries, row width ``--s`` and ``--k``: fp32 scores at random, the
 queries' visible lengths spread over [s/2, s] (the first one sees the whole row), as a decode
@@ -32,7 +33,9 @@ RADIX = {
     "radix-b4096w8": RadixTiles(4096, 8),
     "radix-b2048w4": RadixTiles(2048, 4),
     "radix-b8192w16": RadixTiles(8192, 16),
-    "radix-b4096w16": RadixTiles(4096, 16),
+    # the two passes over the row in chunks, a program each
+    "radix-c8192-b2048w4": RadixTiles(2048, 4, 8192),
+    "radix-c16384-b4096w8": RadixTiles(4096, 8, 16384),
 }
 
 
@@ -87,12 +90,12 @@ def run_case(t: int, s: int, k: int, args: argparse.Namespace, g: torch.Generato
 
 def _table(cases: list[dict]) -> str:
     names = ["torch", "bitonic", *RADIX]
-    lines = [f"{'T':>4}{'S':>8}{'k':>6}" + "".join(f"{v:>16}" for v in names) + "   best"]
+    lines = [f"{'T':>4}{'S':>8}{'k':>6}" + "".join(f"{v:>21}" for v in names) + "   best"]
     for c in cases:
         v = c["variants"]
         best = min(v, key=lambda n: v[n]["median_us"])
         cells = "".join(
-            f"{v[n]['median_us']:>15.1f}{'' if v[n]['exact'] else '!'}" if n in v else f"{'-':>16}"
+            f"{v[n]['median_us']:>20.1f}{'' if v[n]['exact'] else '!'}" if n in v else f"{'-':>21}"
             for n in names
         )
         lines.append(f"{c['t']:>4}{c['s']:>8}{c['k']:>6}{cells}   {best}")

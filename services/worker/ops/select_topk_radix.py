@@ -1,12 +1,16 @@
-"""The indexer's ordered top-k selection (``select_topk``'s contract) by radix select, one
-program per query (``select_topk_radix_kernel.py``): two streaming passes over the query's
-visible scores (a histogram of the top 11 order bits, then the split into sure positions and
-candidates), three over the candidates (11 and 10 more bits, their share) and one sort of k
-keys, in place of a sort of the whole row (``select_topk_ref``) or
-one program's bitonic top-k of it (``select_topk_triton``, rows of up to ``KERNEL_WIDTH``). Any
-width; the work per query grows with its visible scores, not with the launch's width. Fixed
-shapes and no host reads: a CUDA graph holds it. Gives the same positions as the others,
-exactly."""
+"""The indexer's ordered top-k selection (``select_topk``'s contract) by radix select: two
+streaming passes over each query's visible scores (a histogram of the top 11 order bits, then
+the split into sure positions and candidates), three over the candidates (11 and 10 more bits,
+their share) and one sort of k keys, in place of a sort of the whole row (``select_topk_ref``)
+or one program's bitonic top-k of it (``select_topk_triton``, rows of up to ``KERNEL_WIDTH``).
+Any width; the work per query grows with its visible scores, not with the launch's width.
+
+One program per query (``select_topk_radix_kernel.py``), or, with ``RadixTiles.chunk``, the
+two passes over the whole row split into chunks of that many scores, a program each
+(``select_topk_radix_count_kernel.py``, ``select_topk_radix_split_kernel.py``), then one
+program per query for the rest (``select_topk_radix_finish_kernel.py``): a batch of few
+queries then reads its rows on many SMs. Fixed shapes and no host reads: a CUDA graph holds
+either. Both give the same positions as the torch form, exactly."""
 
 from __future__ import annotations
 
@@ -15,22 +19,31 @@ from dataclasses import dataclass
 import torch
 import triton
 
+from services.worker.ops.select_topk_radix_count_kernel import select_topk_radix_count_kernel
+from services.worker.ops.select_topk_radix_finish_kernel import select_topk_radix_finish_kernel
 from services.worker.ops.select_topk_radix_kernel import select_topk_radix_kernel
+from services.worker.ops.select_topk_radix_split_kernel import select_topk_radix_split_kernel
 
 
 @dataclass(frozen=True)
 class RadixTiles:
-    """A program's shape: ``block`` scores per streamed step (a power of two), ``warps``."""
+    """A program's shape: ``block`` scores per streamed step (a power of two), ``warps``;
+    ``chunk``: scores per program of the two passes over the whole row (a multiple of
+    ``block``), or 0 for one program per query throughout."""
 
     block: int = 4096
     warps: int = 8
+    chunk: int = 0
 
     def __post_init__(self) -> None:
         if self.block < 16 or self.block & (self.block - 1):
             raise ValueError(f"block {self.block} must be a power of two >= 16")
+        if self.chunk < 0 or self.chunk % self.block:
+            raise ValueError(f"chunk {self.chunk} must be 0 or a multiple of {self.block}")
 
 
 MAX_K = 4096  # the sorted selection is one program's registers
+BINS = 2048  # of the top 11 order bits; the split form's histogram row also holds a counter
 
 
 def select_topk_radix(
@@ -51,13 +64,25 @@ def select_topk_radix(
     out = torch.empty(t, k, dtype=torch.int64, device=scores.device)
     if t == 0 or k == 0:
         return out
+    visible = num_visible.to(torch.int32).contiguous()
     scratch = torch.empty(t, s, dtype=torch.int32, device=scores.device)  # the candidates
-    select_topk_radix_kernel[(t,)](
-        scores, scores.stride(0), num_visible.to(torch.int32).contiguous(),
-        out, out.stride(0),
-        scratch, scratch.stride(0),
-        s, k,
-        BLOCK=tiles.block, BLOCK_K=triton.next_power_of_2(k),
-        num_warps=tiles.warps,
+    block_k = triton.next_power_of_2(k)
+    if not tiles.chunk:
+        select_topk_radix_kernel[(t,)](
+            scores, scores.stride(0), visible, out, out.stride(0), scratch, scratch.stride(0),
+            s, k, BLOCK=tiles.block, BLOCK_K=block_k, num_warps=tiles.warps,
+        )  # fmt: skip
+        return out
+    chunks = triton.cdiv(s, tiles.chunk)
+    hist = torch.zeros(t, BINS + 1, dtype=torch.int32, device=scores.device)
+    counts = torch.empty(t, chunks, dtype=torch.int32, device=scores.device)
+    shape = {"CHUNK": tiles.chunk, "BLOCK": tiles.block, "num_warps": tiles.warps}
+    select_topk_radix_count_kernel[(t, chunks)](
+        scores, scores.stride(0), visible, hist, hist.stride(0), s, **shape
+    )  # fmt: skip
+    rows = (hist, hist.stride(0), out, out.stride(0), scratch, scratch.stride(0), counts, s, k)
+    select_topk_radix_split_kernel[(t, chunks)](scores, scores.stride(0), visible, *rows, **shape)
+    select_topk_radix_finish_kernel[(t,)](
+        scores, scores.stride(0), visible, *rows, chunks, BLOCK_K=block_k, **shape
     )  # fmt: skip
     return out

@@ -51,11 +51,29 @@ def _radix_level(
     """Among the scores read whose order bits above ``HI`` equal ``prefix`` (``need`` of which
     the selection still takes), the digit of bits ``SHIFT .. SHIFT + log2(BINS)`` the k-th
     largest has -> (prefix extended by that digit, how many of ``need`` remain at it)."""
+    hist = _histogram(row_ptr, idx_ptr, 0, n, prefix, INDIRECT, HI, SHIFT, BINS, BLOCK)
+    return _pick(hist, prefix, need, BINS)
+
+
+@triton.jit
+def _histogram(
+    row_ptr, idx_ptr, lo, hi, prefix, INDIRECT: tl.constexpr, HI: tl.constexpr,
+    SHIFT: tl.constexpr, BINS: tl.constexpr, BLOCK: tl.constexpr,
+):  # fmt: skip
+    """The histogram of bits ``SHIFT ..`` of the scores read from ``lo`` to ``hi`` whose order
+    bits above ``HI`` equal ``prefix``."""
     hist = tl.zeros([BINS], tl.int32)
-    for start in range(0, n, BLOCK):
-        _, o, inside = _read(row_ptr, idx_ptr, start, n, INDIRECT, BLOCK)
+    for start in range(lo, hi, BLOCK):
+        _, o, inside = _read(row_ptr, idx_ptr, start, hi, INDIRECT, BLOCK)
         digit = ((o >> SHIFT) & (BINS - 1)).to(tl.int32)
         hist += tl.histogram(digit, BINS, mask=inside & ((o >> HI) == prefix))
+    return hist
+
+
+@triton.jit
+def _pick(hist, prefix, need, BINS: tl.constexpr):
+    """(prefix extended by the digit of the ``need``-th largest of ``hist``, how many of
+    ``need`` remain at that digit)."""
     bins = tl.arange(0, BINS)
     at_least = tl.sum(hist, 0) - tl.cumsum(hist, 0) + hist  # matching scores with digit >= b
     # at_least falls with b: the digit is the last b that still holds ``need`` scores (the
@@ -106,10 +124,19 @@ def select_topk_radix_kernel(
     # 1-2: the top 11 bits over the whole row; the sure positions out, the candidates aside
     top, need = _radix_level(row, cand, n, tl.zeros([], tl.int64), take, False, 32, 21, 2048,
                              BLOCK)  # fmt: skip
-    sure = take - need
     c = _partition(row, cand, n, 21, top, out, cand, n, False, BLOCK)
     tl.debug_barrier()  # the candidates written above, by any thread, are visible below
-    # 3: the rest of the bits over the candidates, then their share of the selection
+    _finish(row, out, cand, c, top, need, take, K, BLOCK, BLOCK_K)
+
+
+@triton.jit
+def _finish(
+    row, out, cand, c, top, need, take, K, BLOCK: tl.constexpr, BLOCK_K: tl.constexpr,
+):  # fmt: skip
+    """Steps 3 and 4: the ``c`` candidates listed at ``cand`` (in position order, their top
+    bits ``top``; ``need`` of them selected) after the ``take - need`` sure positions at
+    ``out``, then the ``take`` positions sorted into selection order (-1 up to ``K``)."""
+    sure = take - need
     mid, need = _radix_level(row, cand, c, top, need, True, 21, 10, 2048, BLOCK)
     thr, need = _radix_level(row, cand, c, mid, need, True, 10, 0, 1024, BLOCK)
     _partition(row, cand, c, 0, thr, out + sure, out + take - need, need, True, BLOCK)

@@ -1,7 +1,7 @@
 """The radix-select top-k gives ``select_topk_ref``'s positions exactly (interpreter on the
 CPU, @gpu on the device): ties across the k-th score (equal scores, +0.0 beside -0.0) by the
 lower position, -inf scores, ragged visible lengths (0 among them), k above the width, rows
-streamed in several blocks; and on the GPU at the indexer's real shapes, inside a CUDA graph."""
+streamed in several blocks, in one program per query or in chunks; and on the GPU at the indexer's real shapes, inside a CUDA graph."""
 
 from __future__ import annotations
 
@@ -32,9 +32,11 @@ def case(seed: int, t: int, s: int, device: str) -> tuple[torch.Tensor, torch.Te
     ("seed", "t", "s", "k", "block"),
     [(0, 5, 300, 16, 64), (1, 4, 100, 40, 16), (2, 4, 30, 64, 16), (3, 6, 257, 100, 128)],
 )
-def test_radix_select_equals_torch_selection(seed, t, s, k, block) -> None:
+@pytest.mark.parametrize("chunks", [0, 2])
+def test_radix_select_equals_torch_selection(seed, t, s, k, block, chunks) -> None:
+    """One program per query, and the row's passes split into chunks of ``chunks`` blocks."""
     scores, visible = case(seed, t, s, "cpu")
-    got = select_topk_radix(scores, visible, k, RadixTiles(block, 4))
+    got = select_topk_radix(scores, visible, k, RadixTiles(block, 4, chunks * block))
     assert torch.equal(got, select_topk_ref(scores, visible, k))
 
 
@@ -48,8 +50,9 @@ def test_scores_that_differ_only_in_their_low_bits() -> None:
     scores[2] = -1.5
     visible = torch.tensor([200, 150, 170])
     for k in (7, 64, 199):
-        got = select_topk_radix(scores, visible, k, RadixTiles(32, 4))
-        assert torch.equal(got, select_topk_ref(scores, visible, k))
+        for tiles in (RadixTiles(32, 4), RadixTiles(16, 4, 48)):
+            got = select_topk_radix(scores, visible, k, tiles)
+            assert torch.equal(got, select_topk_ref(scores, visible, k))
 
 
 def test_visible_counts_outside_the_row_clamp() -> None:
@@ -71,6 +74,8 @@ def test_rejects_bad_input() -> None:
         select_topk_radix(scores, torch.ones(2, dtype=torch.int64), 10**5)
     with pytest.raises(ValueError, match="power of two"):
         RadixTiles(100)
+    with pytest.raises(ValueError, match="multiple"):
+        RadixTiles(64, 4, 100)
 
 
 @pytest.mark.gpu
@@ -81,7 +86,8 @@ def test_radix_select_on_gpu(t, s, k) -> None:
         pytest.skip("needs a CUDA device")
     scores, visible = case(t + s + k, t, s, "cuda")
     want = select_topk_ref(scores, visible, k)
-    assert torch.equal(select_topk_radix(scores, visible, k), want)
+    for tiles in (RadixTiles(), RadixTiles(2048, 4, 8192)):
+        assert torch.equal(select_topk_radix(scores, visible, k, tiles), want)
 
 
 @pytest.mark.gpu
@@ -90,13 +96,14 @@ def test_radix_select_replays_in_a_cuda_graph() -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     scores, visible = case(1, 8, 65536, "cuda")
-    select_topk_radix(scores, visible, 2048)  # compiled outside the capture
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = select_topk_radix(scores, visible, 2048)
-    for seed in (2, 3):
-        new_scores, new_visible = case(seed, 8, 65536, "cuda")
-        scores.copy_(new_scores)
-        visible.copy_(new_visible)
-        graph.replay()
-        assert torch.equal(out, select_topk_ref(scores, visible, 2048))
+    for tiles in (RadixTiles(), RadixTiles(2048, 4, 8192)):
+        select_topk_radix(scores, visible, 2048, tiles)  # compiled outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = select_topk_radix(scores, visible, 2048, tiles)
+        for seed in (2, 3):
+            new_scores, new_visible = case(seed, 8, 65536, "cuda")
+            scores.copy_(new_scores)
+            visible.copy_(new_visible)
+            graph.replay()
+            assert torch.equal(out, select_topk_ref(scores, visible, 2048))
