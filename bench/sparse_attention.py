@@ -58,6 +58,12 @@ ONE_PASS = {
     "onepass-h64k16w8": OnePassTiles(64, 16, 8),
     "onepass-h32k32w8s3": OnePassTiles(32, 32, 8, 3),
 }
+# over packed FP8 rows, the values decoded by the device's conversion too
+ONE_PASS_FP8 = {
+    **ONE_PASS,
+    "onepass-h32k32w8c": OnePassTiles(32, 32, 8, cast_fp8=True),
+    "onepass-h64k32w8c": OnePassTiles(64, 32, 8, cast_fp8=True),
+}
 KV = ("bf16", "fp8")
 
 
@@ -101,9 +107,9 @@ def _variants(heads: int, n: int, kv: str, args, g) -> tuple[dict[str, Callable]
     fns = {f"gather+{name}": (lambda t=t: gathered(t)) for name, t in tiled.items()}
     fns |= {
         name: (lambda t=t: sparse_attention_triton(q, src, locs, DV, scale, tiles=t))
-        for name, t in ONE_PASS.items()
+        for name, t in ONE_PASS_FP8.items()
     }
-    shapes = {f"gather+{name}": t for name, t in tiled.items()} | ONE_PASS
+    shapes = {f"gather+{name}": t for name, t in tiled.items()} | ONE_PASS_FP8
     return fns, shapes, n * args.k * FMT.row_bytes
 
 

@@ -30,12 +30,15 @@ from services.worker.ops.sparse_attention_splits import combine_splits, row_spli
 class OnePassTiles:
     """A one-pass program's share of a launch: ``heads`` heads (a power of two, >= 16: tl.dot's
     minimum) of one token with every value column, ``block_k`` rows per step, ``warps`` warps,
-    ``stages`` software-pipeline stages."""
+    ``stages`` software-pipeline stages; ``cast_fp8``: packed FP8 values decoded by the
+    device's fp8 conversion (sm_89 and later) rather than from their bits in integer
+    arithmetic (both exact)."""
 
     heads: int = 32
     block_k: int = 32
     warps: int = 8
     stages: int = 2
+    cast_fp8: bool = False
 
     def __post_init__(self) -> None:
         for name in ("heads", "block_k"):
@@ -118,7 +121,7 @@ def sparse_attention_onepass(
         part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml, counts,
         h, d_v, d - d_v, scale, per,
         HB=t.heads, DA=da, DB=db, BLOCK_K=t.block_k, FP8=fmt is not None, TILE=tile,
-        HAS_WIN=has_win,
+        CAST=t.cast_fp8, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
         PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, COMBINE=combine,
         num_warps=t.warps, num_stages=t.stages,

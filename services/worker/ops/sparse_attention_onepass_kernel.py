@@ -4,7 +4,8 @@ BLOCK_K rows loaded once for both products: its first DV columns (the values, th
 the keys' first part and the values, the rest (the rope part) the keys' tail. The query's heads
 are loaded once, before the rows. Rows come from a pool in the query's dtype, or, with
 ``FP8``, from packed FP8 rows (``fp8_kv_format.py``: e4m3 values in tiles of TILE with one
-fp32 scale each, then the bf16 tail), dequantized in registers (exact, as ``fp8_gather``).
+fp32 scale each, then the bf16 tail), dequantized in registers (exact, as ``fp8_gather``: by
+the e4m3 bits in integer arithmetic, or with ``CAST`` by the device's fp8 conversion).
 The local-window rows (in the query's dtype) go to the first split. Splits combine as in
 ``sparse_attention_kernel.py`` (its ``_combine``), by the last program to arrive with
 ``COMBINE``, else by the launcher (see ``sparse_attention_onepass.py``, which launches it).
@@ -26,7 +27,7 @@ def _accumulate(
     q_a, q_b, m_i, l_i, acc, pool_ptr, stride_pool, scale_ptr, stride_scale, tail_ptr,
     stride_tail, tail_off, locs_ptr, row_lo, row_hi, scale, DV, DT,
     DA: tl.constexpr, DB: tl.constexpr, BLOCK_K: tl.constexpr, FP8: tl.constexpr,
-    TILE: tl.constexpr, PREC: tl.constexpr,
+    TILE: tl.constexpr, CAST: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     offs_a = tl.arange(0, DA)
     amask = offs_a < DV
@@ -39,10 +40,14 @@ def _accumulate(
         ma = valid[:, None] & amask[None, :]
         if FP8:
             byte = tl.load(pool_ptr + loc[:, None] * stride_pool + offs_a[None, :], mask=ma,
-                           other=0).to(tl.int32)  # fmt: skip
+                           other=0)  # fmt: skip
+            if CAST:  # the device's conversion (sm_89 on), exact as the bits' below
+                v = byte.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+            else:
+                v = e4m3_value(byte.to(tl.int32))
             bits = tl.load(scale_ptr + loc[:, None] * stride_scale + (offs_a // TILE)[None, :],
                            mask=ma, other=0)  # fmt: skip
-            a = (e4m3_value(byte) * bits.to(tl.float32, bitcast=True)).to(q_a.dtype)
+            a = (v * bits.to(tl.float32, bitcast=True)).to(q_a.dtype)
         else:
             a = tl.load(pool_ptr + loc[:, None] * stride_pool + offs_a[None, :], mask=ma,
                         other=0.0)  # fmt: skip
@@ -75,7 +80,8 @@ def sparse_attention_onepass_kernel(
     part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr,
     H, DV, DT, scale, ROWS_PER_SPLIT,
     HB: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_K: tl.constexpr,
-    FP8: tl.constexpr, TILE: tl.constexpr, HAS_WIN: tl.constexpr, PREC: tl.constexpr,
+    FP8: tl.constexpr, TILE: tl.constexpr, CAST: tl.constexpr, HAS_WIN: tl.constexpr,
+    PREC: tl.constexpr,
     SPLIT: tl.constexpr, COMBINE: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
@@ -98,14 +104,14 @@ def sparse_attention_onepass_kernel(
     m_i, l_i, acc = _accumulate(
         q_a, q_b, m_i, l_i, acc, pool_ptr, stride_pool, scale_ptr, stride_scale, tail_ptr,
         stride_tail, tail_off, locs_ptr + n * stride_locs, row_lo, row_hi, scale, DV, DT,
-        DA, DB, BLOCK_K, FP8, TILE, PREC,
+        DA, DB, BLOCK_K, FP8, TILE, CAST, PREC,
     )  # fmt: skip
     if HAS_WIN:
         # the window's rows (in the query's dtype) go to the first split
         m_i, l_i, acc = _accumulate(
             q_a, q_b, m_i, l_i, acc, win_pool_ptr, stride_win_pool, win_pool_ptr, 0,
             win_pool_ptr, stride_win_pool, DV, win_locs_ptr + n * stride_win_locs, 0,
-            tl.where(sp == 0, W, 0), scale, DV, DT, DA, DB, BLOCK_K, False, TILE, PREC,
+            tl.where(sp == 0, W, 0), scale, DV, DT, DA, DB, BLOCK_K, False, TILE, CAST, PREC,
         )  # fmt: skip
     omask = hmask[:, None] & amask[None, :]
     if SPLIT:

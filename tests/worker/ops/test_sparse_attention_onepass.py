@@ -5,6 +5,8 @@ attention over the reference dequantizer's rows."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -72,13 +74,15 @@ def fp8_case(seed: int, n: int, h: int, fmt: Fp8RowFormat, k: int, device: str, 
     return q, packed, plain, locs.to(device)
 
 
+@pytest.mark.parametrize("cast", [False, True])
 @pytest.mark.parametrize(("seed", "splits"), [(5, 1), (6, 3)])
-def test_fp8_rows_dequantized_in_the_kernel(seed, splits) -> None:
+def test_fp8_rows_dequantized_in_the_kernel(seed, splits, cast) -> None:
     fmt = Fp8RowFormat(n_values=64, n_tail=16, tile=32, min_scale_exp=-13)
     q, packed, plain, locs = fp8_case(seed, 3, 20, fmt, 40, "cpu", torch.float32)
     want = sparse_attention_ref(q, plain, locs, 64, 0.1)
+    tiles = dataclasses.replace(SMALL, cast_fp8=cast)
     got = sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 64, 0.1, splits=splits,
-                                   tiles=SMALL)  # fmt: skip
+                                   tiles=tiles)  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -120,8 +124,10 @@ def test_fp8_one_pass_at_real_shapes_on_gpu(n, h) -> None:
     fmt = mla_row_format(512, 64)
     q, packed, plain, locs = fp8_case(n * h, n, h, fmt, 2048, "cuda", torch.bfloat16)
     want = sparse_attention_ref(q, plain, locs, 512, 576**-0.5).float()
-    got = sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 512, 576**-0.5).float()
-    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+    for tiles in (OnePassTiles(), OnePassTiles(cast_fp8=True)):
+        got = sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 512, 576**-0.5,
+                                       tiles=tiles).float()  # fmt: skip
+        torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
 @pytest.mark.gpu
