@@ -32,13 +32,16 @@ class OnePassTiles:
     minimum) of one token with every value column, ``block_k`` rows per step, ``warps`` warps,
     ``stages`` software-pipeline stages; ``cast_fp8``: packed FP8 values decoded by the
     device's fp8 conversion (sm_89 and later) rather than from their bits in integer
-    arithmetic (both exact)."""
+    arithmetic (both exact); ``max_splits``: at most this many row splits (0: as many as
+    ``row_splits`` chooses; each split writes an fp32 partial of heads x d_v per token, at
+    small batches more bytes than the rows it reads)."""
 
     heads: int = 32
     block_k: int = 32
     warps: int = 8
     stages: int = 2
     cast_fp8: bool = False
+    max_splits: int = 0
 
     def __post_init__(self) -> None:
         for name in ("heads", "block_k"):
@@ -103,7 +106,7 @@ def sparse_attention_onepass(
     db = max(16, triton.next_power_of_2(max(d - d_v, 1)))
     k = locs.shape[1]
     hblocks = triton.cdiv(h, t.heads)
-    splits, per = row_splits(n * hblocks, k, q.device.type == "cpu", splits, t.block_k)
+    splits, per = onepass_splits(t, n * hblocks, k, q.device.type == "cpu", splits)
     if n == 0:
         return out
     split = splits > 1
@@ -129,6 +132,17 @@ def sparse_attention_onepass(
     if split and not combine:
         combine_splits(part[..., :d_v], ml[0], ml[1], out)
     return out
+
+
+def onepass_splits(
+    tiles: OnePassTiles, programs: int, k: int, interpret: bool, want: int | None = None
+) -> tuple[int, int]:
+    """``row_splits``' (splits, rows per split) for ``tiles``' programs, at most
+    ``tiles.max_splits`` splits when it is set."""
+    splits, per = row_splits(programs, k, interpret, want, tiles.block_k)
+    if tiles.max_splits and splits > tiles.max_splits:
+        return row_splits(programs, k, interpret, tiles.max_splits, tiles.block_k)
+    return splits, per
 
 
 def _fp8_views(

@@ -18,6 +18,7 @@ from services.worker.ops.sparse_attention import sparse_attention_ref
 from services.worker.ops.sparse_attention_onepass import (
     OnePassTiles,
     PackedRows,
+    onepass_splits,
     sparse_attention_onepass,
 )
 from services.worker.ops.sparse_attention_triton import (
@@ -86,6 +87,19 @@ def test_fp8_rows_dequantized_in_the_kernel(seed, splits, cast) -> None:
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+def test_a_split_cap_bounds_the_splits() -> None:
+    """``max_splits`` caps the splits an explicit request or ``row_splits`` would take."""
+    capped = OnePassTiles(16, 16, 4, max_splits=2)
+    assert onepass_splits(SMALL, 8, 100, interpret=False, want=5) == (4, 32)
+    assert onepass_splits(capped, 8, 100, interpret=False, want=5) == (2, 64)
+    assert onepass_splits(OnePassTiles(32, 32, 8, max_splits=8), 4, 2048, False) == (8, 256)
+    assert onepass_splits(OnePassTiles(32, 32, 8), 4, 2048, False) == (64, 32)
+    args = case(9, 2, 4, 80, 64, 100, 8, "cpu", torch.float32)
+    capped = dataclasses.replace(SMALL, max_splits=2)
+    got = sparse_attention_onepass(*args, splits=5, combine=False, tiles=capped)
+    torch.testing.assert_close(got, sparse_attention_ref(*args), rtol=1e-4, atol=1e-5)
+
+
 def test_rejects_a_pool_that_does_not_match() -> None:
     fmt = Fp8RowFormat(n_values=64, n_tail=16, tile=32, min_scale_exp=-13)
     q, packed, plain, locs = fp8_case(7, 1, 4, fmt, 8, "cpu", torch.float32)
@@ -113,7 +127,7 @@ REAL = [(1, 128), (4, 64), (16, 128), (64, 64)]  # (decode tokens, heads): V3.2 
 def test_one_pass_at_real_shapes_on_gpu(n, h) -> None:
     args = case(n + h, n, h, 576, 512, 2048, 0, "cuda", torch.bfloat16)
     want = sparse_attention_ref(*args).float()
-    for tiles in (OnePassTiles(), OnePassTiles(heads=64, block_k=32, warps=8)):
+    for tiles in (OnePassTiles(), OnePassTiles(64, 32, 8), OnePassTiles(max_splits=8)):
         got = sparse_attention_onepass(*args, tiles=tiles).float()
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
