@@ -1,6 +1,6 @@
 """The indexer's ordered top-k selection (``select_topk``'s contract) by radix select: two
-streaming passes over each query's visible scores (a histogram of the top 11 order bits, then
-the split into sure positions and candidates), three over the candidates (11 and 10 more bits,
+streaming passes over each query's visible scores (a histogram of the top 9 order bits, then
+the split into sure positions and candidates), four over the candidates (8, 8 and 7 more bits,
 their share) and one sort of k keys, in place of a sort of the whole row (``select_topk_ref``)
 or one program's bitonic top-k of it (``select_topk_triton``, rows of up to ``KERNEL_WIDTH``).
 Any width; the work per query grows with its visible scores, not with the launch's width.
@@ -43,7 +43,7 @@ class RadixTiles:
 
 
 MAX_K = 4096  # the sorted selection is one program's registers
-BINS = 2048  # of the top 11 order bits; the split form's histogram row also holds a counter
+BINS = 512  # of the top 9 order bits; the split form's histogram row also holds a counter
 
 
 def select_topk_radix(

@@ -1,5 +1,5 @@
 """Step 1 of the split radix select (``select_topk_radix.py`` launches it with
-``RadixTiles.chunk``): program (query, chunk) adds the histogram of the top 11 order bits of
+``RadixTiles.chunk``): program (query, chunk) adds the histogram of the top 9 order bits of
 its chunk of the query's visible scores to the query's row of ``hist`` (zeros before the
 launch). The single-program form is ``select_topk_radix_kernel.py``.
 
@@ -25,6 +25,6 @@ def select_topk_radix_count_kernel(
     hi = tl.minimum(lo + CHUNK, n)
     if lo < hi:
         row = scores_ptr + t * stride_scores
-        hist = _histogram(row, row, lo, hi, tl.zeros([], tl.int64), False, 32, 21, 2048, BLOCK)
-        bins = tl.arange(0, 2048)
+        hist = _histogram(row, row, lo, hi, tl.zeros([], tl.int64), False, 32, 23, 512, BLOCK)
+        bins = tl.arange(0, 512)
         tl.atomic_add(hist_ptr + t * stride_hist + bins, hist, mask=hist > 0, sem="relaxed")

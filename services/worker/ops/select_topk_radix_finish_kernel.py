@@ -24,8 +24,8 @@ def select_topk_radix_finish_kernel(
     t = tl.program_id(0).to(tl.int64)
     n = tl.minimum(tl.maximum(tl.load(visible_ptr + t), 0), S)
     take = tl.minimum(n, K)
-    hist = tl.load(hist_ptr + t * stride_hist + tl.arange(0, 2048))
-    top, need = _pick(hist, tl.zeros([], tl.int64), take, 2048)
+    hist = tl.load(hist_ptr + t * stride_hist + tl.arange(0, 512))
+    top, need = _pick(hist, tl.zeros([], tl.int64), take, 512)
     cand = scratch_ptr + t * stride_scratch
     # each chunk's candidates down to the end of the ones before: a destination never passes
     # its source, and each block is read whole before it is written

@@ -1,16 +1,18 @@
 """The indexer's ordered top-k by radix select (see ``select_topk_radix.py``, which launches
 it), one program per query, over the order bits of its visible scores:
 
-1. a histogram of the top 11 bits finds the digit ``b`` of the k-th largest score;
+1. a histogram of the top 9 bits (the sign and the exponent: an octave per bin) finds the
+   digit ``b`` of the k-th largest score;
 2. one more pass writes the positions above ``b`` (all selected) to the output row, and those
    at ``b`` (the candidates, usually few) to the program's scratch row, in position order;
-3. histograms of the next 11 and the last 10 bits over the candidates find the k-th largest
+3. histograms of the next 8, 8 and 7 bits over the candidates find the k-th largest
    score's bits ``T``, and a last pass over them writes the candidates above ``T`` and the
    lowest-positioned ones equal to it (the ties the selection keeps) after the first ones;
 4. the program sorts its k positions by the ``select_topk_kernel`` key (score descending,
    position ascending) in place.
 
-Positions past the query's visible rows (or past ``S``) are never read; output ranks past
+Digits are at most 9 bits: ``tl.histogram`` costs each thread work in proportion to the bins a
+warp's lane owns (bins / 32) for every element. Positions past the query's visible rows (or past ``S``) are never read; output ranks past
 them are -1. Order bits: ``ord(score)``, the fp32 bits mapped to an unsigned order (sign bit
 flipped for positives, all bits for negatives; -0.0 read as +0.0), held in int64.
 
@@ -121,10 +123,10 @@ def select_topk_radix_kernel(
     cand = scratch_ptr + t * stride_scratch
     n = tl.minimum(tl.maximum(tl.load(visible_ptr + t), 0), S)
     take = tl.minimum(n, K)
-    # 1-2: the top 11 bits over the whole row; the sure positions out, the candidates aside
-    top, need = _radix_level(row, cand, n, tl.zeros([], tl.int64), take, False, 32, 21, 2048,
+    # 1-2: the top 9 bits over the whole row; the sure positions out, the candidates aside
+    top, need = _radix_level(row, cand, n, tl.zeros([], tl.int64), take, False, 32, 23, 512,
                              BLOCK)  # fmt: skip
-    c = _partition(row, cand, n, 21, top, out, cand, n, False, BLOCK)
+    c = _partition(row, cand, n, 23, top, out, cand, n, False, BLOCK)
     tl.debug_barrier()  # the candidates written above, by any thread, are visible below
     _finish(row, out, cand, c, top, need, take, K, BLOCK, BLOCK_K)
 
@@ -137,8 +139,9 @@ def _finish(
     bits ``top``; ``need`` of them selected) after the ``take - need`` sure positions at
     ``out``, then the ``take`` positions sorted into selection order (-1 up to ``K``)."""
     sure = take - need
-    mid, need = _radix_level(row, cand, c, top, need, True, 21, 10, 2048, BLOCK)
-    thr, need = _radix_level(row, cand, c, mid, need, True, 10, 0, 1024, BLOCK)
+    top, need = _radix_level(row, cand, c, top, need, True, 23, 15, 256, BLOCK)
+    top, need = _radix_level(row, cand, c, top, need, True, 15, 7, 256, BLOCK)
+    thr, need = _radix_level(row, cand, c, top, need, True, 7, 0, 128, BLOCK)
     _partition(row, cand, c, 0, thr, out + sure, out + take - need, need, True, BLOCK)
     tl.debug_barrier()  # every slot written above is visible below
     # 4: the k positions in selection order
