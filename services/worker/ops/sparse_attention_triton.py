@@ -48,8 +48,10 @@ def sparse_attention_triton(
     kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does.
     ``tiles``: the programs' shape (default ``attention_tiles``'s); ``OnePassTiles`` runs the
     one-pass kernel (``sparse_attention_onepass``), which alone reads a pool of ``PackedRows``."""
-    if isinstance(tiles, OnePassTiles):
-        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, tiles)
+    dvp = triton.next_power_of_2(d_v)
+    t = tiles or attention_tiles(q.shape[1], dvp)
+    if isinstance(t, OnePassTiles):
+        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t)
         return sparse_attention_onepass(*args)
     if isinstance(pool, PackedRows):
         raise ValueError("packed FP8 rows are read by the one-pass kernel (OnePassTiles)")
@@ -67,8 +69,6 @@ def sparse_attention_triton(
     else:
         win_pool, win_locs = pool, locs  # unused
     out = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
-    dvp = triton.next_power_of_2(d_v)
-    t = tiles or attention_tiles(h, dvp)
     hb, vb = t.heads, min(t.values, dvp)
     vblocks = triton.cdiv(d_v, vb)
     k = locs.shape[1]

@@ -109,6 +109,9 @@ def test_rejects_a_pool_that_does_not_match() -> None:
         sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 48, 0.1)
     with pytest.raises(ValueError, match="is not rows"):
         sparse_attention_onepass(q, plain.double(), locs, 64, 0.1)
+    with pytest.raises(ValueError, match="one-pass kernel"):
+        sparse_attention_triton(q, PackedRows(packed, fmt), locs, 64, 0.1,
+                                tiles=AttentionTiles(16, 64))  # fmt: skip
     with pytest.raises(ValueError, match="power of two"):
         OnePassTiles(heads=24)
 
