@@ -23,10 +23,11 @@ from collections.abc import Callable
 import torch
 from triton.runtime.errors import OutOfResources
 
+from bench.core import UsageError
 from bench.core.cuda_timer import graph_timer
 from bench.core.lockstep import alternate
 from services.worker.ops.indexer import select_topk_ref
-from services.worker.ops.select_topk_radix import RadixTiles, select_topk_radix
+from services.worker.ops.select_topk_radix import MAX_K, RadixTiles, select_topk_radix
 from services.worker.ops.select_topk_triton import KERNEL_WIDTH, select_topk_triton
 
 RADIX = {
@@ -49,7 +50,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="docs/results/select_topk.json")
 
 
-def _variants(scores: torch.Tensor, visible: torch.Tensor, k: int) -> dict[str, Callable]:
+def variants(scores: torch.Tensor, visible: torch.Tensor, k: int) -> dict[str, Callable]:
     fns: dict[str, Callable] = {"torch": lambda: select_topk_ref(scores, visible, k)}
     if scores.shape[1] <= KERNEL_WIDTH:
         fns["bitonic"] = lambda: select_topk_triton(scores, visible, k)
@@ -63,7 +64,7 @@ def run_case(t: int, s: int, k: int, args: argparse.Namespace, g: torch.Generato
     visible = torch.randint(s // 2, s + 1, (t,), generator=g)
     visible[0] = s
     visible = visible.cuda()
-    fns = _variants(scores, visible, k)
+    fns = variants(scores, visible, k)
     want = fns["torch"]()
     exact, failed = {}, {}
     for name, fn in list(fns.items()):
@@ -103,11 +104,13 @@ def _table(cases: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int | dict:
+    ts, ss, ks = ([int(v) for v in a.split(",") if v] for a in (args.t, args.s, args.k))
+    if min(ts + ss + ks, default=0) < 1 or max(ks) > MAX_K:
+        raise UsageError(f"--t, --s and --k take positive sizes, k at most {MAX_K}")
     if not torch.cuda.is_available():
         print("needs a CUDA device", file=sys.stderr)
         return 2
     g = torch.Generator().manual_seed(args.seed)
-    ts, ss, ks = ([int(v) for v in a.split(",") if v] for a in (args.t, args.s, args.k))
     cases = [run_case(t, s, k, args, g) for s in ss for k in ks for t in ts]
     print(_table(cases))
     return {

@@ -82,9 +82,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="docs/results/sparse_attention.json")
 
 
-def _variants(heads: int, n: int, kv: str, args, g) -> tuple[dict[str, Callable], dict, int]:
+def variants(
+    heads: int, n: int, kv: str, args: argparse.Namespace, g: torch.Generator, dev: torch.device
+) -> tuple[dict[str, Callable], dict, int]:
     """(name -> a call, name -> its tiles, the stored bytes a call reads) of one shape."""
-    dev = torch.device("cuda")
     rows = torch.randn(args.pool_rows, D, generator=g) * 0.5
     q = (torch.randn(n, heads, D, generator=g) * 0.5).to(dev, torch.bfloat16)
     locs = torch.randint(0, args.pool_rows, (n, args.k), generator=g).to(dev)
@@ -117,7 +118,7 @@ def _variants(heads: int, n: int, kv: str, args, g) -> tuple[dict[str, Callable]
 
 
 def run_case(heads: int, n: int, kv: str, args: argparse.Namespace, g: torch.Generator) -> dict:
-    fns, shapes, row_bytes = _variants(heads, n, kv, args, g)
+    fns, shapes, row_bytes = variants(heads, n, kv, args, g, torch.device("cuda"))
     base = "default" if kv == "bf16" else "gather+default"
     want = fns[base]().float()
     diffs, failed = {}, {}
@@ -161,15 +162,17 @@ def _table(cases: list[dict]) -> str:
 
 
 def run(args: argparse.Namespace) -> int | dict:
-    if not torch.cuda.is_available():
-        print("needs a CUDA device", file=sys.stderr)
-        return 2
-    g = torch.Generator().manual_seed(args.seed)
     fams = [f for f in args.families.split(",") if f]
     ns = [int(v) for v in args.n.split(",") if v]
     kvs = [v for v in args.kv.split(",") if v]
     if unknown := set(kvs) - set(KV):
         raise UsageError(f"--kv {sorted(unknown)}: choose from {', '.join(KV)}")
+    if unknown := set(fams) - set(FAMILIES):
+        raise UsageError(f"--families {sorted(unknown)}: choose from {', '.join(FAMILIES)}")
+    if not torch.cuda.is_available():
+        print("needs a CUDA device", file=sys.stderr)
+        return 2
+    g = torch.Generator().manual_seed(args.seed)
     cases = [run_case(FAMILIES[f], n, kv, args, g) for kv in kvs for f in fams for n in ns]
     rate = copy_rate(torch.device("cuda"), 1 << 30) / 1e9
     print(_table(cases))
