@@ -55,10 +55,10 @@ ONE_PASS = {
     "onepass-h32k32w8": OnePassTiles(32, 32, 8),
     "onepass-h32k64w8": OnePassTiles(32, 64, 8),
     "onepass-h64k32w8": OnePassTiles(64, 32, 8),
-    "onepass-h64k16w8": OnePassTiles(64, 16, 8),
     "onepass-h32k32w8s3": OnePassTiles(32, 32, 8, 3),
     # fewer splits: fewer fp32 partials written and combined at small batches
     "onepass-h32k32w8x8": OnePassTiles(32, 32, 8, max_splits=8),
+    "onepass-h32k32w8x16": OnePassTiles(32, 32, 8, max_splits=16),
     "onepass-h64k32w8x16": OnePassTiles(64, 32, 8, max_splits=16),
 }
 # over packed FP8 rows, the values decoded by the device's conversion too
