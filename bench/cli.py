@@ -68,7 +68,9 @@ COMMANDS: dict[str, Command] = {
                       results=False),
     "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
     "sparse-attention": Command("bench.sparse_attention",
-                                "sparse MLA decode kernel's tile shapes side by side (CUDA)"),
+                                "sparse MLA decode kernels and tile shapes side by side (CUDA)"),
+    "select-topk": Command("bench.select_topk",
+                           "the indexer's top-k: torch, bitonic and radix select, lockstep (CUDA)"),
     "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it
     "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",

@@ -29,6 +29,10 @@ to ``logs.tgz``.
     kernels      the fused kernels' GPU tests (ops, graph replays and the hierarchy's bit
                  identity with and without fusion), then the program-shape sweeps of sparse
                  attention and the FP8 projections that set their defaults
+    sparse-attention  the sparse attention kernels (tiled, one-pass) side by side at the real
+                 decode shapes, over bf16 rows and over packed FP8 rows
+    select-topk  the indexer's top-k (torch, bitonic, radix select) side by side at decode
+                 shapes
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -170,14 +174,29 @@ KERNEL_STEPS = (
     ),
     Step(
         "sparse-attention",
-        "-m bench sparse-attention --repeats 10 --out {out}/sparse_attention.json",
-        100,
+        "-m bench sparse-attention --kv bf16 --repeats 10 --out {out}/sparse_attention.json",
+        150,
     ),
     Step(
         "fp8-linear",
         "-m bench fp8-linear --m 1,4,16,64 --repeats 15 --out {out}/fp8_linear_sweep.json",
         180,
     ),
+)
+# the decode step's sparse kernels (issue 40), every variant beside the others in lockstep: the
+# sparse attention kernels (tiled and one-pass) over bf16 rows and over packed FP8 rows (gathered
+# first, or read in the kernel), each its own step (each compiles a dozen programs); then, a
+# part of its own, the indexer's top-k (torch's sort, the bitonic kernel, radix select)
+SPARSE_ATTENTION_STEPS = tuple(
+    Step(
+        f"sparse-attention-{kv}",
+        f"-m bench sparse-attention --kv {kv} --repeats 10 --out {{out}}/sparse_attention_{kv}.json",
+        270,
+    )
+    for kv in ("bf16", "fp8")
+)
+SELECT_TOPK_STEPS = (
+    Step("select-topk", "-m bench select-topk --repeats 10 --out {out}/select_topk.json", 420),
 )
 # `dhisparse up` with no flags on the GPU: the configuration it chose (device, mode, graphs,
 # drafter, KV pool), and a worker SIGKILLed mid-stream 3 times losing nothing
@@ -265,6 +284,8 @@ PARTS: dict[str, tuple[Step, ...]] = {
     "roofline": ROOFLINE_STEPS,
     "roofline-prefill": ROOFLINE_PREFILL_STEPS,
     "kernels": KERNEL_STEPS,
+    "sparse-attention": SPARSE_ATTENTION_STEPS,
+    "select-topk": SELECT_TOPK_STEPS,
     "scaled-32k": SCALED_32K_STEPS,
     "load": LOAD_STEPS,
 }

@@ -21,13 +21,18 @@ import triton
 
 from services.worker.ops.arrivals import arrival_counters
 from services.worker.ops.fusion import fused
-from services.worker.ops.launch import TARGET_PROGRAMS
 from services.worker.ops.sparse_attention_kernel import sparse_attention_kernel
+from services.worker.ops.sparse_attention_onepass import (
+    OnePassTiles,
+    PackedRows,
+    sparse_attention_onepass,
+)
+from services.worker.ops.sparse_attention_splits import BLOCK_K, combine_splits, row_splits
 
 
 def sparse_attention_triton(
     q: torch.Tensor,
-    pool: torch.Tensor,
+    pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
     d_v: int,
     scale: float,
@@ -35,13 +40,21 @@ def sparse_attention_triton(
     win_locs: torch.Tensor | None = None,
     splits: int | None = None,
     combine: bool | None = None,
-    tiles: AttentionTiles | None = None,
+    tiles: AttentionTiles | OnePassTiles | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sparse_attention_ref``: q [N, H, d_kv], pool [S, d_kv], locs [N, k]
     int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]. ``splits``:
     the row splits to aim for (default ``row_splits``'s choice). ``combine``: whether the
     kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does.
-    ``tiles``: the programs' shape (default ``attention_tiles``'s)."""
+    ``tiles``: the programs' shape (default ``attention_tiles``'s); ``OnePassTiles`` runs the
+    one-pass kernel (``sparse_attention_onepass``), which alone reads a pool of ``PackedRows``."""
+    dvp = triton.next_power_of_2(d_v)
+    t = tiles or attention_tiles(q.shape[1], dvp)
+    if isinstance(t, OnePassTiles):
+        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t)
+        return sparse_attention_onepass(*args)
+    if isinstance(pool, PackedRows):
+        raise ValueError("packed FP8 rows are read by the one-pass kernel (OnePassTiles)")
     n, h, d = q.shape
     if pool.shape[1] != d or locs.shape[0] != n:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, pool {tuple(pool.shape)}, "
@@ -56,8 +69,6 @@ def sparse_attention_triton(
     else:
         win_pool, win_locs = pool, locs  # unused
     out = torch.empty(n, h, d_v, dtype=q.dtype, device=q.device)
-    dvp = triton.next_power_of_2(d_v)
-    t = tiles or attention_tiles(h, dvp)
     hb, vb = t.heads, min(t.values, dvp)
     vblocks = triton.cdiv(d_v, vb)
     k = locs.shape[1]
@@ -90,9 +101,6 @@ def sparse_attention_triton(
     return out
 
 
-BLOCK_K = 32  # rows gathered per step
-
-
 @dataclass(frozen=True)
 class AttentionTiles:
     """A program's share of a launch: ``heads`` heads (a power of two, >= 16: tl.dot's
@@ -106,36 +114,11 @@ class AttentionTiles:
 
 
 def attention_tiles(h: int, dvp: int) -> AttentionTiles:
-    """Up to 64 heads per program, at least 16; 16 for values of 512 (MLA's latent), whose
-    fp32 accumulator of 16 x 512 then stays in registers. ``python -m bench roofline``
-    measures the step; ``python -m bench sparse-attention`` sweeps the shapes."""
-    cap = 16 if dvp >= 512 else 64
-    return AttentionTiles(max(16, min(cap, triton.next_power_of_2(h))), dvp)
-
-
-def row_splits(
-    programs: int, k: int, interpret: bool, want: int | None = None, block_k: int = BLOCK_K
-) -> tuple[int, int]:
-    """(splits, rows per split, a multiple of block_k) for a launch of ``programs`` (token,
-    head block, value block) programs over k selected rows: one split when the launch already
-    fills the GPU, and under the interpreter; ``want`` splits when given (no more than
-    ``block_k``-row chunks)."""
-    chunks = max(1, triton.cdiv(k, block_k))
-    if want is None:
-        fills = interpret or programs >= TARGET_PROGRAMS
-        want = 1 if fills else triton.cdiv(TARGET_PROGRAMS, programs)
-    per = triton.cdiv(chunks, min(want, chunks)) * block_k
-    return max(1, triton.cdiv(k, per)), per
-
-
-def combine_splits(
-    acc: torch.Tensor, m: torch.Tensor, den: torch.Tensor, out: torch.Tensor
-) -> None:
-    """The splits' partial softmaxes into ``out`` [N, H, dv]: acc [N, S, H, dv] unnormalised,
-    m / den [N, S, H] each split's running max and denominator (-inf / 0 for a split that read
-    no row). ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits."""
-    top = m.amax(dim=1, keepdim=True)
-    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))  # [N, S, H]
-    num = (acc * w[..., None]).sum(dim=1)
-    den = (den * w).sum(dim=1)
-    out.copy_(num / den[..., None])
+    """Up to 64 heads per program, at least 16, with every value column; for values of 512 or
+    more (MLA's latent), value blocks of 256 and 64 rows per step in 8 warps (an fp32
+    accumulator of 64 x 256; the fastest shape of ``python -m bench sparse-attention`` on an
+    H100). ``python -m bench roofline`` measures the step."""
+    heads = max(16, min(64, triton.next_power_of_2(h)))
+    if dvp >= 512:
+        return AttentionTiles(heads, 256, 64, 8)
+    return AttentionTiles(heads, dvp)
