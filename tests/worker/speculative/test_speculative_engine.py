@@ -25,7 +25,8 @@ def config(model: str, mode: str, **kw) -> EngineConfig:
         kw.pop("drafter", None), kw.pop("spec_width", 8), kw.pop("width_policy", "fixed")
     )
     return EngineConfig(
-        model=model, mode=mode, kv_pool_mib=48, host_arena_mib=32, max_num_seqs=6,
+        model=model, mode=mode, kv_pool_mib=kw.pop("kv_pool_mib", 48), host_arena_mib=32,
+        max_num_seqs=6,
         max_prefill_tokens=1024, max_model_len=kw.pop("max_model_len", 1024),
         hot_cache_rows=kw.pop("hot", None), speculation=spec, **kw,
     )  # fmt: skip
@@ -76,6 +77,40 @@ def test_stop_and_min_tokens_inside_a_round() -> None:
     assert req.output_ids == free[: first + 1]
     short = eng.generate([p], SamplingParams(temperature=0.0, max_tokens=7, ignore_eos=True))[0]
     assert short.output_ids == free[:7]
+    eng.close()
+
+
+def _logprobs(eng: Engine, params: SamplingParams) -> dict[str, list]:
+    """Each prompt's emitted tokens' logprobs (``TokenLogprob``s) over its outputs."""
+    got: dict[str, list] = {}
+    for i, p in enumerate(prompts()):
+        eng.add_request(f"lp{i}", p, params)
+    while eng.has_work():
+        for out in eng.step():
+            got.setdefault(out.request_id, []).extend(out.logprobs)
+    return got
+
+
+@pytest.mark.parametrize("drafter", ["mtp", "models/glm-dsa-mini/drafters/dflash2"])
+def test_logprobs_of_speculated_tokens_are_plain_decodings(drafter: str) -> None:
+    """The shipped model with its trained drafters (whose proposals are accepted): tokens
+    emitted from a verify round carry the logprobs plain decoding gives them (the sampled
+    token's and the top 3, from that position's verified row), within the rounding of a
+    K-query pass beside a one-query one."""
+    model, pool = "models/glm-dsa-mini", {"kv_pool_mib": 256}
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True, logprobs=3)
+    plain = _logprobs(Engine(config(model, "adaptive", **pool)), params)
+    eng = Engine(config(model, "adaptive", drafter=drafter, spec_width=4, **pool))
+    spec = _logprobs(eng, params)
+    assert eng.speculator is not None and eng.speculator.counters.accepted > 0
+    assert spec.keys() == plain.keys()
+    for rid, want in plain.items():
+        got = spec[rid]
+        assert [t.token_id for t in got] == [t.token_id for t in want], rid
+        for a, b in zip(got, want, strict=True):
+            assert abs(a.logprob - b.logprob) < 1e-4
+            assert [i for i, _ in a.top] == [i for i, _ in b.top]
+            assert all(abs(x - y) < 1e-4 for (_, x), (_, y) in zip(a.top, b.top, strict=True))
     eng.close()
 
 
