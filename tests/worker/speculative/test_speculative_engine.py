@@ -26,8 +26,7 @@ def config(model: str, mode: str, **kw) -> EngineConfig:
     )
     return EngineConfig(
         model=model, mode=mode, kv_pool_mib=kw.pop("kv_pool_mib", 48), host_arena_mib=32,
-        max_num_seqs=6,
-        max_prefill_tokens=1024, max_model_len=kw.pop("max_model_len", 1024),
+        max_num_seqs=6, max_prefill_tokens=1024, max_model_len=kw.pop("max_model_len", 1024),
         hot_cache_rows=kw.pop("hot", None), speculation=spec, **kw,
     )  # fmt: skip
 
