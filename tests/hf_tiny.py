@@ -163,6 +163,16 @@ def greedy_under_reference(model: torch.nn.Module, prompt: list[int], out: list[
     return logits[len(prompt) - 1 :].argmax(-1).tolist()
 
 
+def greedy_slack(model: torch.nn.Module, prompt: list[int], out: list[int]) -> list[float]:
+    """Per token of ``out``: how far its logit falls below transformers' largest, given the
+    prompt and the tokens of ``out`` before it (0 where it is transformers' argmax). A token
+    chosen by kernels that round otherwise may take a near-tie's other side: its slack is
+    that tie's width; a wrong kernel leaves slacks of the logits' own scale."""
+    logits = reference_logits(model, torch.tensor(prompt + out[:-1]))[len(prompt) - 1 :]
+    chosen = logits.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)
+    return (logits.max(-1).values - chosen).tolist()
+
+
 # ---- the MTP layer (transformers does not run it; ``mtp_reference`` does) -------------------
 @dataclass
 class TinyMTP:
