@@ -23,7 +23,7 @@ speculation and with the MTP layer under each width schedule of ``--spec`` at ea
 ``--spec-concurrency``, its proposals under the acceptance control (``bench/spec_control.py``:
 the shipped model's acceptance by draft position; references from a plain run first).
 
-Output JSON, top level: benchmark, machine, tiny, output_len, history, prefixes, spec_width,
+Output JSON, top level: benchmark, machine, tiny, output_len, history, selections, prefixes, spec_width,
 fused_kernels, graphs, acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and
 context: pool_bytes, host_bytes, formula, the plan's figures with the hierarchy's sessions per
 GPU with and without the MTP layer, prepare_s), engines (per engine: pool and fixed bytes,
@@ -40,11 +40,14 @@ acceptance_length; width_steps: the width chosen, by decode steps) and per_reque
 A history's copy into the host arena happens at admission: it counts in the allocation wait.
 
 A preempted request admitted again imports its history again (as a cached prefix would give it
-back). ``--history random`` is the only source of rows and keys yet: selections replayed from
-the shipped model's traces (``docs/results/census_trace.npz``) need keys that make the
-indexer reproduce them, which nothing builds yet.
+back). ``--history random`` is the source of rows and keys. ``--selections`` decides what decode
+steps select: ``random``, the random histories' own top-k (the worst case for locality), or
+``replay``, the shipped model's recorded selections (``--trace``, ``bench census --trace``)
+mapped onto the served model's producers, top-k and context (``replay``: how, and what the
+mapping keeps); the producers still run, so a step costs what it costs. ``sizing`` then
+records the mapping (``replay``: trace, its context, expansion, spread).
 
 Modules: ``pool`` (the budget from the plan), ``history`` (prepared histories and their
 import), ``engines`` (variants, one engine each), ``runs`` (a context's lockstep groups, eq. 13
-and the noise), ``speculation`` (eq. 13), ``cli`` (flags, sizing, JSON), ``report`` (table,
+and the noise), ``speculation`` (eq. 13), ``replay`` (replayed selections), ``cli`` (flags, sizing, JSON), ``report`` (table,
 plots)."""

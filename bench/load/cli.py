@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -23,6 +24,7 @@ from services.worker.weights.model_io import build_model
 from .engines import MODES, SPEC, EngineSizing, Variant
 from .history import KEY_TOKENS
 from .pool import plan_pool
+from .replay import TRACE, expansion, install, load_traces, trace_for, uninstall
 from .report import plot, table
 from .runs import Context, derived, run_group
 
@@ -69,6 +71,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         choices=("random",),
         help="rows and keys of the prepared histories",
     )
+    ap.add_argument(
+        "--selections",
+        default="random",
+        choices=("random", "replay"),
+        help="what decode steps select: the random histories' own top-k (no locality but what "
+        "random keys give), or the shipped model's recorded selections replayed (replay.py)",
+    )
+    ap.add_argument("--trace", default=str(TRACE), help="the selection traces --selections "
+                    "replay reads (bench census --trace)")  # fmt: skip
     ap.add_argument(
         "--duration-s",
         type=float,
@@ -211,6 +222,17 @@ def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     return rates
 
 
+def replay_of(model, ctx: int, trace_path: str) -> dict:
+    """Installs replayed selections on ``model`` for prompts of ``ctx`` tokens; what the
+    JSON records of the mapping (``replay.py``)."""
+    k = model.cfg.index_topk
+    trace = trace_for(ctx, k, load_traces(Path(trace_path)))
+    r = install(model, trace, ctx)
+    return {"trace": trace.source, "trace_context": trace.context, "trace_steps": trace.steps,
+            "trace_k": trace.k, "trace_producers": r.p0, "producers": len(r.producer),
+            "expansion": expansion(k, trace), "spread": r.spread}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     check(args)
     setup = Setup.of(args)
@@ -223,6 +245,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "load",
         "machine": torch.cuda.get_device_name() if setup.device == "cuda" else "cpu",
         "tiny": args.tiny, "output_len": args.output_len, "history": args.history,
+        "selections": args.selections,
         "prefixes": args.prefixes, "spec_width": args.spec_width,
         "fused_kernels": args.fused_kernels, "graphs": not args.eager,
         "acceptance_rates": list(rates), "kv_cache_dtype": args.kv_cache_dtype,
@@ -243,6 +266,8 @@ def run(args: argparse.Namespace) -> dict:
                 f"{sizing['host_bytes'] / 2**30:.2f} GiB",
                 flush=True,
             )
+            if args.selections == "replay":
+                sizing["replay"] = replay_of(model, ctx, args.trace)
             c = Context(family, model, ctx, args, sizing, engine_sizing(ctx, sizing, args),
                         load_of(args))  # fmt: skip
             out["sizing"].append({"family": family, "context": ctx, **sizing})
@@ -254,6 +279,7 @@ def run(args: argparse.Namespace) -> dict:
                     group = [Variant(args.spec_mode), *spec_variants]
                     run_group(c, group, spec_cs, store, out, rates, deadline, None)
             finally:
+                uninstall(model)
                 store.close()
             out["sizing"][-1]["prepare_s"] = c.prepare_s
             derived(out)

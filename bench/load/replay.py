@@ -1,0 +1,249 @@
+"""Replayed selections (bench only): the rows a decode step's producers select follow the
+shipped model's recorded selections (``bench census --trace``, ``docs/results/census_trace.npz``:
+per decode step and index producer, the k0 positions the trained model selected after a prompt
+of n0 tokens), mapped onto the served model's producers, top-k and context.
+
+The producers still run (their keys are written and their scores computed, so a step costs
+what it costs); ``ReplaySelect`` wraps the model's ``select_fn`` and replaces the selection of
+every query at or after the prompt's end (decode steps and verify rounds) by the replayed one.
+The engine stays exact: it serves whatever the selection names, as it serves the indexer's.
+
+The mapping (``replay_table``), for a served model with top-k ``k``, P producers and prompts of
+L tokens, from a trace of T0 steps, P0 producers, top-k k0 at context n0:
+
+- **expansion** e = max(1, k // k0): each trace row stands for e served rows;
+- **history rows** (trace row r < n0): r -> the e rows ``floor(r * s) + i`` (i < e) with
+  s = A / n0 and A = L - e * T0 (the absolute region ends where the recent one can begin).
+  One trace row always maps to the same served rows, so every recurrence of a row in the trace
+  (which steps it is selected at, hence its reuse distances) is a recurrence of its e rows.
+  With s >= e the images are disjoint; with s < e (a short served context) rows that fall
+  together are selected once (the trace is contracted);
+- **recent rows** (trace rows the trace's decode wrote, r = n0 + g, selected at step t at
+  distance d = t - g behind the query): the e rows at distances ``d * e + i`` behind the served
+  query, so they move with it as they did (they are the tail's);
+- **order and size**: a step's recent rows first, then its history rows in the trace's order
+  (score descending), duplicates dropped, cut at k; -1 pads a shorter selection;
+- **layers**: served producer j replays trace producer ``j mod P0``, ``j // P0`` steps later
+  (so producers that share a trace producer do not select in lockstep);
+- **steps**: served decode offset u = query position - L; the trace's steps are walked forth
+  and back (0, 1, ..., T0-1, T0-2, ..., 0, 1, ...), so every pair of consecutive served steps is
+  a pair of consecutive trace steps: the step-to-step overlap is the trace's exactly, reuse
+  distances up to T0 - 1 steps are the trace's, longer ones fold.
+
+What it preserves: per producer, which rows recur from step to step and after how many steps
+(the reuse distance distribution of selected rows, hence an LRU hot cache of B rows hits as the
+trace's does with B / e rows: ``lru_census``), the share selected in each fraction of the history
+(positions scale with the context) and the recent rows' distances (times e). Every session
+replays the same table (a session's position decides its step), so sessions differ only in
+where they are in it. What it does not keep: the share served direct. The trace's tail ring
+covers its prompt's last rows during its first steps; served, those rows are history rows
+(hot or host), so fewer rows resolve direct than in the trace's census; with k < k0 (a tiny
+preset) a step keeps its recent rows and its best-ranked history rows only, so reuse changes
+too (``tests/bench/test_load_replay.py`` checks the real dimensions' hit rate against the
+trace's, and a tiny engine's census against ``lru_census`` over the rows it was given). ``trace_for`` picks the trace's context: the largest recorded n0 whose
+spread s is at least e, else the smallest."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from dhisparse.family.config import ModelConfig
+from services.worker.kv.batch import ForwardBatch
+
+PAD = np.iinfo(np.uint16).max  # bench/census.py's padding of a trace
+TRACE = Path(__file__).resolve().parents[2] / "docs" / "results" / "census_trace.npz"
+WEIGHTS = "trained"  # the shipped model's selections (not its random twin's)
+
+
+@dataclass(frozen=True)
+class SelectionTrace:
+    """One recorded trace: ``rows`` [T0, P0, k0] int64 positions (-1 pads) after a prompt of
+    ``context`` tokens; step t's query is at position ``context + t``."""
+
+    context: int
+    rows: np.ndarray
+    source: str  # file and key
+
+    @property
+    def steps(self) -> int:
+        return self.rows.shape[0]
+
+    def __post_init__(self) -> None:
+        if self.rows.ndim != 3 or self.rows.shape[0] < 2:
+            raise ValueError("a trace has [steps >= 2, producers, k] positions")
+
+    @property
+    def k(self) -> int:
+        return self.rows.shape[2]
+
+
+def load_traces(path: Path = TRACE, weights: str = WEIGHTS) -> list[SelectionTrace]:
+    """Every context's trace of ``weights`` in ``path``, by context."""
+    with np.load(path) as z:
+        out = []
+        for key in z.files:
+            name, _, ctx = key.rpartition("_")
+            if name == weights:
+                raw = z[key].astype(np.int64)
+                out.append(SelectionTrace(int(ctx), np.where(raw == PAD, -1, raw),
+                                          f"{path.name}:{key}"))  # fmt: skip
+    if not out:
+        raise ValueError(f"no {weights!r} trace in {path}")
+    return sorted(out, key=lambda t: t.context)
+
+
+def expansion(k: int, trace: SelectionTrace) -> int:
+    return max(1, k // trace.k)
+
+
+def absolute_end(context: int, k: int, trace: SelectionTrace) -> int:
+    """A: history rows map below it; recent rows lie at or above it at every decode step."""
+    end = context - expansion(k, trace) * trace.steps
+    if end <= 0:
+        raise ValueError(f"a context of {context} leaves no history for the trace's rows")
+    return end
+
+
+def trace_for(context: int, k: int, traces: list[SelectionTrace]) -> SelectionTrace:
+    """The largest recorded context whose rows spread at least e apart (module docstring)."""
+    fits = [t for t in traces if absolute_end(context, k, t) >= expansion(k, t) * t.context]
+    return fits[-1] if fits else traces[0]
+
+
+def replay_table(trace: SelectionTrace, producers: int, k: int, context: int) -> np.ndarray:
+    """[producers, T0, k] int32: entry >= 0 a row, -1 a pad, <= -2 the row ``-(entry + 2)``
+    behind the query (module docstring)."""
+    e = expansion(k, trace)
+    n0, t0 = trace.context, trace.steps
+    spread = absolute_end(context, k, trace) / n0
+    out = np.full((producers, t0, k), -1, dtype=np.int32)
+    lanes = np.arange(e)
+    for j in range(producers):
+        src = j % trace.rows.shape[1]
+        for t in range(t0):
+            sel = trace.rows[t, src]
+            sel = sel[sel >= 0]
+            recent = sel[sel >= n0]
+            dist = (t - (recent - n0))[:, None] * e + lanes  # behind the query
+            old = sel[sel < n0]
+            rows = (np.floor(old * spread).astype(np.int64)[:, None] + lanes).reshape(-1)
+            _, first = np.unique(rows, return_index=True)  # contracted rows selected once
+            rows = rows[np.sort(first)]
+            entries = np.concatenate([-(dist.reshape(-1) + 2), rows])[:k]
+            out[j, t, : len(entries)] = entries
+    return out
+
+
+def trace_step(u, producer: int, p0: int, t0: int):
+    """The trace step of served decode offset ``u`` (an int array or tensor) for served
+    producer ``producer``: forth and back over T0 steps, ``producer // p0`` steps later."""
+    period = 2 * (t0 - 1)
+    v = (u + producer // p0) % period
+    if isinstance(v, torch.Tensor):
+        return torch.where(v >= t0, period - v, v)
+    return np.where(v >= t0, period - v, v)
+
+
+def decode_rows(table: np.ndarray, producer: int, p0: int, position: int,
+                context: int) -> np.ndarray:  # fmt: skip
+    """The rows served producer ``producer`` selects for a query at ``position`` (>= context),
+    -1 pads: what ``ReplaySelect`` computes on the device, for references."""
+    step = int(trace_step(np.asarray(position - context), producer, p0, table.shape[1]))
+    entry = table[producer, step].astype(np.int64)
+    return np.where(entry >= 0, entry, np.where(entry <= -2, position + entry + 2, -1))
+
+
+def lru_census(steps: list[tuple[int, np.ndarray]], capacity: int, tail: int) -> dict:
+    """How one source's selections are served (the resolver's census, DESIGN §3), simulated:
+    ``steps`` [(query position p, selected rows)], rows above ``p - tail`` direct (the tail
+    ring), the others hot when an LRU of ``capacity`` rows holds them, else read from the host
+    and cached (victims: the least recently used rows not selected in the step).
+    Returns {direct, hot, host} row counts."""
+    from collections import OrderedDict
+
+    cache: OrderedDict[int, None] = OrderedDict()
+    out = {"direct": 0, "hot": 0, "host": 0}
+    for p, rows in steps:
+        rows = rows[rows >= 0]
+        older = rows[rows <= p - tail]
+        out["direct"] += len(rows) - len(older)
+        hits = [int(r) for r in older if int(r) in cache]
+        misses = [int(r) for r in older if int(r) not in cache]
+        out["hot"] += len(hits)
+        out["host"] += len(misses)
+        used = set(hits)
+        for r in hits:
+            cache.move_to_end(r)
+        for r in misses:
+            if len(cache) >= capacity:
+                victim = next((x for x in cache if x not in used), None)
+                if victim is None:
+                    continue  # every entry holds a row of this step
+                del cache[victim]
+            used.add(r)
+            cache[r] = None
+    return out
+
+
+def trace_census(trace: SelectionTrace, capacity: int, tail: int, steps: int) -> dict:
+    """``lru_census`` over the trace itself (its first ``steps`` steps, every producer's own
+    cache), summed: the locality a replay at expansion e shows with ``capacity * e`` hot rows
+    and a ``tail * e`` row tail."""
+    total = {"direct": 0, "hot": 0, "host": 0}
+    for j in range(trace.rows.shape[1]):
+        seq = [(trace.context + t, trace.rows[t, j]) for t in range(steps)]
+        for key, v in lru_census(seq, capacity, tail).items():
+            total[key] += v
+    return total
+
+
+class ReplaySelect:
+    """A model's ``select_fn`` whose decode selections follow a replay table (module
+    docstring). Wraps ``inner`` (the producers' own selection, still computed)."""
+
+    def __init__(self, inner, cfg: ModelConfig, trace: SelectionTrace, context: int,
+                 device: torch.device | str) -> None:  # fmt: skip
+        for i in cfg.index_producers:
+            src = cfg.sources[cfg.layers[i].source]
+            if src.compress != 1 or src.lag:
+                raise ValueError("replayed selections cover uncompressed, unlagged sources only")
+        self.inner = inner
+        self.context = context
+        self.trace = trace
+        self.producer = {layer: j for j, layer in enumerate(cfg.index_producers)}
+        self.p0 = trace.rows.shape[1]
+        self.spread = absolute_end(context, cfg.index_topk, trace) / trace.context
+        table = replay_table(trace, len(self.producer), cfg.index_topk, context)
+        self.table_np = table
+        self.table = torch.from_numpy(table).to(device=device, dtype=torch.int64)
+
+    def __call__(self, cfg: ModelConfig, i: int, q: torch.Tensor, w: torch.Tensor,
+                 batch: ForwardBatch, kv, s: int) -> torch.Tensor:  # fmt: skip
+        own = self.inner(cfg, i, q, w, batch, kv, s)
+        j = self.producer.get(i)
+        if j is None:
+            return own
+        pos = batch.positions.to(torch.int64)
+        u = (pos - self.context).clamp(min=0)
+        step = trace_step(u, j, self.p0, self.table.shape[1])
+        entry = self.table[j][step]  # [N, k]
+        rows = torch.where(entry >= 0, entry, torch.where(entry <= -2, pos[:, None] + entry + 2,
+                                                          torch.full_like(entry, -1)))  # fmt: skip
+        return torch.where((pos >= self.context)[:, None], rows, own)
+
+
+def install(model, trace: SelectionTrace, context: int) -> ReplaySelect:
+    """Wraps ``model``'s selection for prompts of ``context`` tokens (``uninstall`` undoes)."""
+    device = next(model.parameters()).device
+    replay = ReplaySelect(model.select_fn, model.cfg, trace, context, device)
+    model.select_fn = replay
+    return replay
+
+
+def uninstall(model) -> None:
+    if isinstance(model.select_fn, ReplaySelect):
+        model.select_fn = model.select_fn.inner
