@@ -246,8 +246,19 @@ def table(doc: dict, variant: str = "fused") -> str:
         "",
         "\\* the mode holds fewer sessions per GPU than C: its rate at capacity.",
         "",
-        "Anchors:",
     ]
+    for family, f in doc["families"].items():
+        for ctx, x in f["variants"][variant].items():
+            caps = x["sessions_per_gpu"]
+            best = {m: at_capacity(x["curve"], m)["tokens_per_s_per_gpu"] for m in MODES}
+            lines.append(
+                f"- {family.removesuffix('-scaled')} full at {int(ctx) // 1000}K ({x['layout']}): "
+                f"hierarchy ÷ resident sessions {caps['hisparse'] / caps['resident']:.1f}×, "
+                f"adaptive ÷ resident decode tok/s at capacity "
+                f"{best['adaptive'] / best['resident']:.2f}×, adaptive ÷ hisparse "
+                f"{best['adaptive'] / best['hisparse']:.2f}×"
+            )
+    lines += ["", "Anchors:"]
     lines += [f"- {a['what']}: " + ", ".join(f"{k} {v}" for k, v in a.items()
                                              if k not in ("what", "source"))
               + f" ({a['source']})" for a in doc["anchors"]]  # fmt: skip
@@ -256,9 +267,12 @@ def table(doc: dict, variant: str = "fused") -> str:
 
 def plot(doc: dict, path: str, variant: str = "fused") -> str:
     plt = pyplot()
-    panels = [(fam, ctx) for fam, f in doc["families"].items() for ctx in f["variants"][variant]]
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
-    for ax, (fam, ctx) in zip(axes[0], panels, strict=True):
+    fams = list(doc["families"])
+    ctxs = list(doc["families"][fams[0]]["variants"][variant])
+    fig, axes = plt.subplots(len(fams), len(ctxs), figsize=(5.5 * len(ctxs), 4.2 * len(fams)),
+                             squeeze=False)  # fmt: skip
+    panels = [(fam, ctx) for fam in fams for ctx in ctxs]
+    for ax, (fam, ctx) in zip(axes.flat, panels, strict=True):
         curve = doc["families"][fam]["variants"][variant][ctx]["curve"]
         for mode in MODES:
             pts = [r for r in curve if r["mode"] == mode]
