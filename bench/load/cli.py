@@ -16,6 +16,7 @@ from bench.serving.config import Load
 from bench.spec_control import shipped_rates
 from dhisparse.family.presets import preset
 from dhisparse.family.scaled import SCALED
+from services.worker.hierarchy.tail import tail_rows
 from services.worker.kv.config import bytes_per_token
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.model.weight_format import WeightFormat
@@ -24,7 +25,15 @@ from services.worker.weights.model_io import build_model
 from .engines import MODES, SPEC, EngineSizing, Variant
 from .history import KEY_TOKENS
 from .pool import plan_pool
-from .replay import TRACE, expansion, install, load_traces, trace_for, uninstall
+from .replay import (
+    TRACE,
+    expansion,
+    install,
+    load_traces,
+    predicted_census,
+    trace_for,
+    uninstall,
+)
 from .report import plot, table
 from .runs import Context, derived, run_group
 
@@ -222,15 +231,20 @@ def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     return rates
 
 
-def replay_of(model, ctx: int, trace_path: str) -> dict:
+def replay_of(model, ctx: int, args: argparse.Namespace) -> dict:
     """Installs replayed selections on ``model`` for prompts of ``ctx`` tokens; what the
-    JSON records of the mapping (``replay.py``)."""
+    JSON records of the mapping (``replay.py``), with the census a session alone should show
+    over its first decode steps (at most two passes over the trace) without speculation."""
     k = model.cfg.index_topk
-    trace = trace_for(ctx, k, load_traces(Path(trace_path)))
+    trace = trace_for(ctx, k, load_traces(Path(args.trace)))
     r = install(model, trace, ctx)
+    steps = min(args.output_len - 1, 2 * trace.steps)
+    predicted = predicted_census(r, model.cfg, args.hot_cache_rows, tail_rows(args.page, 1),
+                                 max(steps, 1))  # fmt: skip
     return {"trace": trace.source, "trace_context": trace.context, "trace_steps": trace.steps,
             "trace_k": trace.k, "trace_producers": r.p0, "producers": len(r.producer),
-            "expansion": expansion(k, trace), "spread": r.spread}  # fmt: skip
+            "expansion": expansion(k, trace), "spread": r.spread,
+            "predicted_census": predicted}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -267,7 +281,7 @@ def run(args: argparse.Namespace) -> dict:
                 flush=True,
             )
             if args.selections == "replay":
-                sizing["replay"] = replay_of(model, ctx, args.trace)
+                sizing["replay"] = replay_of(model, ctx, args)
             c = Context(family, model, ctx, args, sizing, engine_sizing(ctx, sizing, args),
                         load_of(args))  # fmt: skip
             out["sizing"].append({"family": family, "context": ctx, **sizing})

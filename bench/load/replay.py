@@ -24,7 +24,8 @@ L tokens, from a trace of T0 steps, P0 producers, top-k k0 at context n0:
 - **order and size**: a step's recent rows first, then its history rows in the trace's order
   (score descending), duplicates dropped, cut at k; -1 pads a shorter selection;
 - **layers**: served producer j replays trace producer ``j mod P0``, ``j // P0`` steps later
-  (so producers that share a trace producer do not select in lockstep);
+  (so producers that share a trace producer do not select in lockstep); followers take their
+  producer's, as always; a drafter's layer over a lagged source (the MTP layer) keeps its own;
 - **steps**: served decode offset u = query position - L; the trace's steps are walked forth
   and back (0, 1, ..., T0-1, T0-2, ..., 0, 1, ...), so every pair of consecutive served steps is
   a pair of consecutive trace steps: the step-to-step overlap is the trace's exactly, reuse
@@ -207,14 +208,14 @@ class ReplaySelect:
 
     def __init__(self, inner, cfg: ModelConfig, trace: SelectionTrace, context: int,
                  device: torch.device | str) -> None:  # fmt: skip
-        for i in cfg.index_producers:
-            src = cfg.sources[cfg.layers[i].source]
-            if src.compress != 1 or src.lag:
-                raise ValueError("replayed selections cover uncompressed, unlagged sources only")
+        # the target's producers; a lagged source's (the MTP layer's) keeps its own selection
+        target = [i for i in cfg.index_producers if not cfg.sources[cfg.layers[i].source].lag]
+        if any(cfg.sources[cfg.layers[i].source].compress != 1 for i in target):
+            raise ValueError("replayed selections cover uncompressed sources only")
         self.inner = inner
         self.context = context
         self.trace = trace
-        self.producer = {layer: j for j, layer in enumerate(cfg.index_producers)}
+        self.producer = {layer: j for j, layer in enumerate(target)}
         self.p0 = trace.rows.shape[1]
         self.spread = absolute_end(context, cfg.index_topk, trace) / trace.context
         table = replay_table(trace, len(self.producer), cfg.index_topk, context)
@@ -234,6 +235,29 @@ class ReplaySelect:
         rows = torch.where(entry >= 0, entry, torch.where(entry <= -2, pos[:, None] + entry + 2,
                                                           torch.full_like(entry, -1)))  # fmt: skip
         return torch.where((pos >= self.context)[:, None], rows, own)
+
+
+def predicted_census(replay: ReplaySelect, cfg: ModelConfig, hot_rows: int, tail: int,
+                     steps: int) -> dict:  # fmt: skip
+    """The census one session alone shows over its first ``steps`` decode steps under
+    ``replay`` (``lru_census`` per layer's source, each over its producer's rows), as shares of
+    the rows resolved: what a hierarchy engine with ``hot_rows`` hot rows and a ``tail``-row
+    ring should count."""
+    layers = {j: 0 for j in replay.producer.values()}
+    for i, spec in enumerate(cfg.layers):
+        lead = i if spec.index == "producer" else spec.leader
+        if spec.index in ("producer", "follower") and lead in replay.producer:
+            layers[replay.producer[lead]] += 1
+    total = {"direct": 0, "hot": 0, "host": 0}
+    for j, n in layers.items():
+        seq = [(replay.context + u, decode_rows(replay.table_np, j, replay.p0,
+                                                replay.context + u, replay.context))
+               for u in range(steps)]  # fmt: skip
+        for key, v in lru_census(seq, hot_rows, tail).items():
+            total[key] += n * v
+    rows = sum(total.values())
+    return {key: v / rows for key, v in total.items()} | {"steps": steps, "hot_rows": hot_rows,
+                                                          "tail_rows": tail}  # fmt: skip
 
 
 def install(model, trace: SelectionTrace, context: int) -> ReplaySelect:
