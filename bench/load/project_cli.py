@@ -8,12 +8,13 @@ and ``dhisparse plan``'s sessions under the best layout (``projection``: the ari
         --roofline docs/results/archive/13c7700/roofline_glm5-scaled_8k.json \\
         --out PREFIX.json --md PREFIX.md --plot PREFIX.png
 
-Output JSON: benchmark, node, assumptions, host_shares (the census rows they come from),
+Output JSON: benchmark, node, assumptions, host_shares (per context: the census the replayed
+selections give a session, ``replay.mapped_census``),
 anchors (the paper's and the public figures, with what they measured), families (per family:
 full and scaled shapes, per variant ``fused`` / ``unfused`` and context: the plan's layout and
 sessions per GPU per mode, and ``curve``: per mode and C, the sessions running, step ms split
 into device / host / exchange, the device regions' ms, tokens per second per GPU), provenance
-(the roofline files and the census as inputs)."""
+(the roofline files and the selection trace as inputs)."""
 
 from __future__ import annotations
 
@@ -26,14 +27,17 @@ from bench.core.output import write_result
 from bench.core.plots import pyplot, save
 from dhisparse.family.hf_dir import hf_family, read_config
 from dhisparse.family.scaled import SCALED
+from services.worker.hierarchy.tail import tail_rows
 
 from .engines import MODES
 from .pool import FULL, ROOT, plan_pool
 from .projection import Measured, Node, Shape, step, tokens_per_s
+from .replay import TRACE, load_traces, mapped_census
 
 ARCHIVE = ROOT / "docs" / "results" / "archive" / "13c7700"
 ROOFLINES = [ARCHIVE / "roofline_v32-scaled_8k.json", ARCHIVE / "roofline_glm5-scaled_8k.json"]
-CENSUS = ROOT / "docs" / "results" / "census.json"
+PAGE = 64  # the plan's page
+WARMUP = 4  # decode steps before the census counts (bench census's default)
 H200_COPY = 4.281e12  # an H200's HBM copy rate, read + write (bench/serving/scaling.py)
 CAP = {"resident": "resident", "hisparse": "hierarchy", "adaptive": "hierarchy"}
 GRID = (1, 2, 4, 8, 16, 32, 48, 64, 96, 128, 192, 256)
@@ -59,7 +63,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ints = lambda s: [int(x) for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--roofline", action="append", help="roofline JSONs (default: 13c7700's)")
     ap.add_argument("--contexts", type=ints, default=[32768, 100_000])
-    ap.add_argument("--census", default=str(CENSUS), help="the host shares' source")
+    ap.add_argument("--trace", default=str(TRACE), help="the selections the host shares replay")
     ap.add_argument("--out", default=str(ARCHIVE / "projection_8xh200.json"))
     ap.add_argument("--md", help="the markdown table")
     ap.add_argument("--plot", help="PNG of tokens per second per GPU against C")
@@ -95,17 +99,14 @@ def measured(decode: dict, variant: str) -> Measured:
     )  # fmt: skip
 
 
-def host_shares(path: Path) -> dict:
-    """The share of decode selections served from the host, hisparse, at the census's largest
-    context of the trained weights."""
-    rows = [r for r in json.loads(path.read_text())["rows"] if r["weights"] == "trained"]
-    row = max(rows, key=lambda r: r["context"])
-    return {"hisparse": row["hisparse"]["host"], "adaptive_measured": row["adaptive"]["host"],
-            "context": row["context"], "k": row["k"],
-            "hot_cache_rows": row["hisparse"]["layout"]["hot_cache_rows"]}  # fmt: skip
+def host_shares(path: Path, context: int, k: int) -> dict:
+    """The census a hierarchy session shows at ``context`` under the replayed selections of
+    the shipped model (``replay.mapped_census``: B = 2k hot rows, a tail of one page and a
+    decode row, after the census's 4 warm-up steps)."""
+    return mapped_census(load_traces(path), context, k, 2 * k, tail_rows(PAGE, 1), WARMUP)
 
 
-def assumptions(node: Node, shares: dict) -> list[str]:
+def assumptions(node: Node) -> list[str]:
     return [
         "Device costs: measured on one H100 (13c7700, resident, 8K, CUDA graphs), each region "
         "scaled to the full model by its count (layers / index producers / MoE layers / dense "
@@ -126,22 +127,23 @@ def assumptions(node: Node, shares: dict) -> list[str]:
         f"MoE exchange (not measured): 2 all-to-alls per MoE layer, each at least "
         f"{node.latency_s * 1e6:.0f} µs, {node.link_gbs:.0f} GB/s per GPU, FP8 dispatch and "
         f"bf16 combine of the 7/8 of routed copies that leave the GPU.",
-        f"Host reads (hierarchy): {shares['hisparse']:.3f} of selected rows from the host "
-        f"(the shipped model's census, hisparse, {shares['context']} tokens, B = 2k), k rows "
-        f"per layer of {node.row_bytes} B at {node.pcie_gbs} GB/s per GPU, not overlapped with "
-        f"the device (an upper bound; `_overlapped`: under it, the lower bound); adaptive: "
-        f"that share × (1 − N_resident / C).",
+        f"Host reads (hierarchy): the share of selected rows a session reads from the host "
+        f"(`host_shares` per context: the shipped model's selections replayed at the context, "
+        f"bench/load/replay.py, B = 2k hot rows, after 4 warm-up steps), k rows per layer of "
+        f"{node.row_bytes} B at {node.pcie_gbs} GB/s per GPU, not overlapped with the device "
+        f"(an upper bound; `_overlapped`: under it, the lower bound); adaptive: that share × "
+        f"(1 − N_resident / C). The hierarchy's device work (lookups, hot-cache copies) is "
+        f"taken as the resident step's: not measured at real dimensions.",
         "Sessions per GPU: dhisparse plan (capacity model) for the full model; adaptive holds "
-        "what hisparse holds. A mode runs C sessions up to its sessions per GPU (its curve ends there); one token per session "
-        "per step (no speculation).",
+        "what hisparse holds. A mode runs C sessions up to its sessions per GPU (its curve "
+        "ends there); one token per session per step (no speculation).",
     ]
 
 
 def project(args: argparse.Namespace) -> tuple[dict, list[Path]]:
     paths = [Path(p) for p in (args.roofline or ROOFLINES)]
-    shares = host_shares(Path(args.census))
     doc: dict = {"benchmark": "load-projection", "gpus": 8, "anchors": ANCHORS,
-                 "host_shares": shares, "families": {}}  # fmt: skip
+                 "host_shares": {}, "families": {}}  # fmt: skip
     for path in paths:
         roof = json.loads(path.read_text())
         node = Node(hbm_ratio=roof["limits"]["copy_bytes_per_s"] / H200_COPY)
@@ -151,7 +153,7 @@ def project(args: argparse.Namespace) -> tuple[dict, list[Path]]:
         doc["node"] = {"gpus": node.gpus, "hbm_ratio": node.hbm_ratio, "pcie_gbs": node.pcie_gbs,
                        "link_gbs": node.link_gbs, "latency_s": node.latency_s,
                        "measured_on": roof["limits"]["device"]}  # fmt: skip
-        doc["assumptions"] = assumptions(node, shares)
+        doc["assumptions"] = assumptions(node)
         k = int(SCALED[family].config["index_topk"])
         out = {"roofline": str(path.relative_to(ROOT)), "scaled": scaled.__dict__,
                "full": full.__dict__, "variants": {}}  # fmt: skip
@@ -160,6 +162,9 @@ def project(args: argparse.Namespace) -> tuple[dict, list[Path]]:
             per_ctx = {}
             for ctx in args.contexts:
                 plan = plan_pool(family, ctx)
+                shares = doc["host_shares"].setdefault(
+                    str(ctx), host_shares(Path(args.trace), ctx, k)
+                )
                 caps = {mode: plan.sessions_per_gpu[CAP[mode]] for mode in MODES}
                 grid = sorted({*GRID, *caps.values()} - {0})
                 curve = []
@@ -168,7 +173,7 @@ def project(args: argparse.Namespace) -> tuple[dict, list[Path]]:
                         n = min(c, caps[mode])
                         if c > caps[mode]:
                             continue  # a mode's curve ends at its sessions (flat beyond)
-                        s = step(m, scaled, full, node, mode, n, ctx, k, caps, shares)
+                        s = step(m, scaled, full, node, mode, n, ctx, k, caps, shares["host"])
                         curve.append({
                             "mode": mode, "concurrency": c, "sessions": n,
                             "step_ms": round(s.seconds * 1e3, 3),
@@ -181,7 +186,7 @@ def project(args: argparse.Namespace) -> tuple[dict, list[Path]]:
                                                                      2),
                         })  # fmt: skip
                 top = max(caps.values())
-                regions = step(m, scaled, full, node, "hisparse", top, ctx, k, caps, shares)
+                regions = step(m, scaled, full, node, "hisparse", top, ctx, k, caps, shares["host"])
                 per_ctx[str(ctx)] = {
                     "layout": plan.layout, "sessions_per_gpu": caps, "plan": plan.formula,
                     "curve": curve,
@@ -309,5 +314,5 @@ def run(args: argparse.Namespace) -> int:
     if args.md:
         Path(args.md).write_text(md)
     print(md)
-    print(f"wrote {write_result(doc, args.out, inputs=[*paths, Path(args.census)])}")
+    print(f"wrote {write_result(doc, args.out, inputs=[*paths, Path(args.trace)])}")
     return 0

@@ -176,11 +176,11 @@ class Step:
 
 
 def step(m: Measured, scaled: Shape, full: Shape, node: Node, mode: str, c: float,
-         context: int, k: int, caps: Mapping[str, int],
-         host_share: Mapping[str, float]) -> Step:  # fmt: skip
-    """One GPU's step of ``mode`` at ``c`` running sessions (already capped)."""
-    share = {"resident": 0.0, "hisparse": host_share["hisparse"],
-             "adaptive": adaptive_share(host_share["hisparse"], caps["resident"], c)}[mode]  # fmt: skip
+         context: int, k: int, caps: Mapping[str, int], host_share: float) -> Step:  # fmt: skip
+    """One GPU's step of ``mode`` at ``c`` running sessions (already capped); ``host_share``:
+    the share of a hisparse session's selected rows read from the host."""
+    share = {"resident": 0.0, "hisparse": host_share,
+             "adaptive": adaptive_share(host_share, caps["resident"], c)}[mode]  # fmt: skip
     return Step(device_s(m, scaled, full, node, c, context),
                 host_s(share, k, full.layers, node, c), exchange_s(full, node, c))  # fmt: skip
 

@@ -190,6 +190,28 @@ def lru_census(steps: list[tuple[int, np.ndarray]], capacity: int, tail: int) ->
     return out
 
 
+def mapped_census(traces: list[SelectionTrace], context: int, k: int, hot_rows: int, tail: int,
+                  warmup: int) -> dict:  # fmt: skip
+    """The census a session alone shows at ``context`` under the replay (``trace_for``'s
+    trace, every trace producer once), over the trace's steps after ``warmup`` steps from an
+    empty cache: shares {direct, hot, host} and where they come from."""
+    trace = trace_for(context, k, traces)
+    p0 = trace.rows.shape[1]
+    table = replay_table(trace, p0, k, context)
+    total = {"direct": 0, "hot": 0, "host": 0}
+    for j in range(p0):
+        seq = [(context + u, decode_rows(table, j, p0, context + u, context))
+               for u in range(trace.steps)]  # fmt: skip
+        warm, every = lru_census(seq[:warmup], hot_rows, tail), lru_census(seq, hot_rows, tail)
+        for key in total:
+            total[key] += every[key] - warm[key]
+    rows = sum(total.values())
+    return {key: v / rows for key, v in total.items()} | {
+        "trace": trace.source, "expansion": expansion(k, trace), "hot_rows": hot_rows,
+        "tail_rows": tail, "steps": trace.steps - warmup,
+    }  # fmt: skip
+
+
 def trace_census(trace: SelectionTrace, capacity: int, tail: int, steps: int) -> dict:
     """``lru_census`` over the trace itself (its first ``steps`` steps, every producer's own
     cache), summed: the locality a replay at expansion e shows with ``capacity * e`` hot rows

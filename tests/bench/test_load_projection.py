@@ -86,7 +86,7 @@ def test_projection_of_the_archived_rooflines(tmp_path) -> None:
     assert set(doc["provenance"]["inputs"]) == {
         "docs/results/archive/13c7700/roofline_v32-scaled_8k.json",
         "docs/results/archive/13c7700/roofline_glm5-scaled_8k.json",
-        "docs/results/census.json",
+        "docs/results/census_trace.npz",
     }
     assert (tmp_path / "p.png").stat().st_size > 0 and "| v32 full | 100K |" in (
         tmp_path / "p.md"
