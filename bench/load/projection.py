@@ -22,7 +22,8 @@ the data-parallel-attention layouts the plan picks serve them) is the sum of:
 - the device time (not that gap) times ``hbm_ratio``: the H100-measured costs on an H200 by
   the copy-rate ratio (every region taken as bound by memory, as the roofline finds the step);
 - the hierarchy's host reads (``host_s``): the share of selected rows served from the host
-  (the shipped model's census), k rows per layer, the FP8 row, over the resolver's measured
+  (the shipped model's selections replayed at the context, ``replay.mapped_census``), k rows
+  per layer, the FP8 row, over the resolver's measured
   host recovery rate, added without overlap (``Step.seconds``, the upper bound) or entirely
   under the device's work (``Step.overlapped``, the lower bound); adaptive's share
   shrinks by the share of each session's history its pool keeps resident (N_resident / C);
@@ -31,7 +32,8 @@ the data-parallel-attention layouts the plan picks serve them) is the sum of:
   over ``link_gbs`` (an estimate: nothing here measured it).
 
 A mode's sessions are capped by the plan's per GPU (resident; hierarchy for hisparse and
-adaptive); its decode tokens per second per GPU at C are min(C, cap) / step."""
+adaptive); its decode tokens per second per GPU at C are min(C, cap) / step (one token per
+session per step: no speculation)."""
 
 from __future__ import annotations
 
