@@ -25,15 +25,7 @@ from services.worker.weights.model_io import build_model
 from .engines import MODES, SPEC, EngineSizing, Variant
 from .history import KEY_TOKENS
 from .pool import plan_pool
-from .replay import (
-    TRACE,
-    expansion,
-    install,
-    load_traces,
-    predicted_census,
-    trace_for,
-    uninstall,
-)
+from .replay import TRACE, Replay, expansion, load_traces, predicted_census, replay_for
 from .report import plot, table
 from .runs import Context, derived, run_group
 
@@ -231,20 +223,19 @@ def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     return rates
 
 
-def replay_of(model, ctx: int, args: argparse.Namespace) -> dict:
-    """Installs replayed selections on ``model`` for prompts of ``ctx`` tokens; what the
-    JSON records of the mapping (``replay.py``), with the census a session alone should show
-    over its first decode steps (at most two passes over the trace) without speculation."""
-    k = model.cfg.index_topk
-    trace = trace_for(ctx, k, load_traces(Path(args.trace)))
-    r = install(model, trace, ctx)
-    steps = min(args.output_len - 1, 2 * trace.steps)
+def replay_of(model, ctx: int, args: argparse.Namespace) -> tuple[Replay, dict]:
+    """The replayed selections of prompts of ``ctx`` tokens, and what the JSON records of the
+    mapping (``replay.py``), with the census a session alone should show over its first
+    decode steps (at most two passes over the trace) without speculation."""
+    r = replay_for(model, ctx, load_traces(Path(args.trace)))
+    t = r.trace
+    steps = max(1, min(args.output_len - 1, 2 * t.steps))
     predicted = predicted_census(r, model.cfg, args.hot_cache_rows, tail_rows(args.page, 1),
-                                 max(steps, 1))  # fmt: skip
-    return {"trace": trace.source, "trace_context": trace.context, "trace_steps": trace.steps,
-            "trace_k": trace.k, "trace_producers": r.p0, "producers": len(r.producer),
-            "expansion": expansion(k, trace), "spread": r.spread,
-            "predicted_census": predicted}  # fmt: skip
+                                 steps)  # fmt: skip
+    return r, {"trace": t.source, "trace_context": t.context, "trace_steps": t.steps,
+               "trace_k": t.k, "trace_producers": r.p0, "producers": len(r.producer),
+               "expansion": expansion(model.cfg.index_topk, t), "spread": r.spread,
+               "predicted_census": predicted}  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -280,10 +271,11 @@ def run(args: argparse.Namespace) -> dict:
                 f"{sizing['host_bytes'] / 2**30:.2f} GiB",
                 flush=True,
             )
+            replay = None
             if args.selections == "replay":
-                sizing["replay"] = replay_of(model, ctx, args)
+                replay, sizing["replay"] = replay_of(model, ctx, args)
             c = Context(family, model, ctx, args, sizing, engine_sizing(ctx, sizing, args),
-                        load_of(args))  # fmt: skip
+                        load_of(args), replay)  # fmt: skip
             out["sizing"].append({"family": family, "context": ctx, **sizing})
             store = LocalHostStore(sizing["host_bytes"])
             try:
@@ -293,7 +285,6 @@ def run(args: argparse.Namespace) -> dict:
                     group = [Variant(args.spec_mode), *spec_variants]
                     run_group(c, group, spec_cs, store, out, rates, deadline, None)
             finally:
-                uninstall(model)
                 store.close()
             out["sizing"][-1]["prepare_s"] = c.prepare_s
             derived(out)

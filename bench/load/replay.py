@@ -4,9 +4,11 @@ per decode step and index producer, the k0 positions the trained model selected 
 of n0 tokens), mapped onto the served model's producers, top-k and context.
 
 The producers still run (their keys are written and their scores computed, so a step costs
-what it costs); ``ReplaySelect`` wraps the model's ``select_fn`` and replaces the selection of
-every query at or after the prompt's end (decode steps and verify rounds) by the replayed one.
-The engine stays exact: it serves whatever the selection names, as it serves the indexer's.
+what it costs); ``ReplayPayload`` wraps an engine's payload backend (``KVCache.payload``, the
+one the model resolves selections through) and hands it the replayed rows in place of the
+selection of every query at or past the prompt's end (decode steps and verify rounds), for
+each producer and the followers that share its selection. Nothing in ``services/`` changes:
+the engine serves exactly the rows it is given, as it serves the indexer's.
 
 The mapping (``replay_table``), for a served model with top-k ``k``, P producers and prompts of
 L tokens, from a trace of T0 steps, P0 producers, top-k k0 at context n0:
@@ -152,7 +154,7 @@ def trace_step(u, producer: int, p0: int, t0: int):
 def decode_rows(table: np.ndarray, producer: int, p0: int, position: int,
                 context: int) -> np.ndarray:  # fmt: skip
     """The rows served producer ``producer`` selects for a query at ``position`` (>= context),
-    -1 pads: what ``ReplaySelect`` computes on the device, for references."""
+    -1 pads: what ``Replay.rows`` computes on the device, for references."""
     step = int(trace_step(np.asarray(position - context), producer, p0, table.shape[1]))
     entry = table[producer, step].astype(np.int64)
     return np.where(entry >= 0, entry, np.where(entry <= -2, position + entry + 2, -1))
@@ -224,42 +226,71 @@ def trace_census(trace: SelectionTrace, capacity: int, tail: int, steps: int) ->
     return total
 
 
-class ReplaySelect:
-    """A model's ``select_fn`` whose decode selections follow a replay table (module
-    docstring). Wraps ``inner`` (the producers' own selection, still computed)."""
+class Replay:
+    """Replayed selections for prompts of ``context`` tokens: the rows each layer attends for a
+    query at or past the prompt's end (module docstring)."""
 
-    def __init__(self, inner, cfg: ModelConfig, trace: SelectionTrace, context: int,
+    def __init__(self, cfg: ModelConfig, trace: SelectionTrace, context: int,
                  device: torch.device | str) -> None:  # fmt: skip
         # the target's producers; a lagged source's (the MTP layer's) keeps its own selection
         target = [i for i in cfg.index_producers if not cfg.sources[cfg.layers[i].source].lag]
         if any(cfg.sources[cfg.layers[i].source].compress != 1 for i in target):
             raise ValueError("replayed selections cover uncompressed sources only")
-        self.inner = inner
         self.context = context
         self.trace = trace
         self.producer = {layer: j for j, layer in enumerate(target)}
+        # every layer that resolves a selection of a replayed producer -> that producer
+        self.leader = {i: (i if spec.index == "producer" else spec.leader)
+                       for i, spec in enumerate(cfg.layers)
+                       if spec.index in ("producer", "follower")}  # fmt: skip
+        self.leader = {i: p for i, p in self.leader.items() if p in self.producer}
         self.p0 = trace.rows.shape[1]
         self.spread = absolute_end(context, cfg.index_topk, trace) / trace.context
-        table = replay_table(trace, len(self.producer), cfg.index_topk, context)
-        self.table_np = table
-        self.table = torch.from_numpy(table).to(device=device, dtype=torch.int64)
+        self.table_np = replay_table(trace, len(self.producer), cfg.index_topk, context)
+        self.table = torch.from_numpy(self.table_np).to(device=device, dtype=torch.int64)
 
-    def __call__(self, cfg: ModelConfig, i: int, q: torch.Tensor, w: torch.Tensor,
-                 batch: ForwardBatch, kv, s: int) -> torch.Tensor:  # fmt: skip
-        own = self.inner(cfg, i, q, w, batch, kv, s)
-        j = self.producer.get(i)
-        if j is None:
+    def rows(self, layer: int, batch: ForwardBatch, own: torch.Tensor) -> torch.Tensor:
+        """[N, k] the rows ``layer`` attends: the replay's for queries at or past the prompt's
+        end, ``own`` (the model's selection) for the others and for layers not replayed.
+        Tensor operations only: a captured decode graph replays them."""
+        lead = self.leader.get(layer)
+        if lead is None:
             return own
+        j = self.producer[lead]
         pos = batch.positions.to(torch.int64)
         u = (pos - self.context).clamp(min=0)
-        step = trace_step(u, j, self.p0, self.table.shape[1])
-        entry = self.table[j][step]  # [N, k]
+        entry = self.table[j][trace_step(u, j, self.p0, self.table.shape[1])]  # [N, k]
         rows = torch.where(entry >= 0, entry, torch.where(entry <= -2, pos[:, None] + entry + 2,
                                                           torch.full_like(entry, -1)))  # fmt: skip
         return torch.where((pos >= self.context)[:, None], rows, own)
 
 
-def predicted_census(replay: ReplaySelect, cfg: ModelConfig, hot_rows: int, tail: int,
+class ReplayPayload:
+    """An engine's payload backend (``KVCache.payload``) whose resolutions take the replay's
+    rows instead of the selection the model computed: the model still runs its indexer (its
+    keys written, its scores and top-k computed), and the backend serves exactly the rows it
+    is given, as it serves the indexer's. Everything else is the backend's own."""
+
+    def __init__(self, inner, replay: Replay) -> None:
+        self._inner = inner
+        self._replay = replay
+
+    def __getattr__(self, name: str):
+        return getattr(self._inner, name)
+
+    def resolve(self, layer: int, source: int, batch: ForwardBatch,
+                selection: torch.Tensor) -> torch.Tensor:  # fmt: skip
+        return self._inner.resolve(layer, source, batch, self._replay.rows(layer, batch,
+                                                                           selection))  # fmt: skip
+
+    def prefetch(self, layers: list[tuple[int, int]], batch: ForwardBatch,
+                 selection: torch.Tensor) -> None:  # fmt: skip
+        """Followers of one producer share its selection: the replay's, when it has one."""
+        rows = self._replay.rows(layers[0][0], batch, selection) if layers else selection
+        self._inner.prefetch(layers, batch, rows)
+
+
+def predicted_census(replay: Replay, cfg: ModelConfig, hot_rows: int, tail: int,
                      steps: int) -> dict:  # fmt: skip
     """The census one session alone shows over its first ``steps`` decode steps under
     ``replay`` (``lru_census`` per layer's source, each over its producer's rows), as shares of
@@ -282,14 +313,15 @@ def predicted_census(replay: ReplaySelect, cfg: ModelConfig, hot_rows: int, tail
                                                           "tail_rows": tail}  # fmt: skip
 
 
-def install(model, trace: SelectionTrace, context: int) -> ReplaySelect:
-    """Wraps ``model``'s selection for prompts of ``context`` tokens (``uninstall`` undoes)."""
-    device = next(model.parameters()).device
-    replay = ReplaySelect(model.select_fn, model.cfg, trace, context, device)
-    model.select_fn = replay
-    return replay
+def install(eng, replay: Replay) -> None:
+    """Serves ``eng``'s decode steps the replay's rows (before its first pass: captured graphs
+    hold the replay)."""
+    if isinstance(eng.kv.payload, ReplayPayload):
+        raise ValueError("a replay is installed already")
+    eng.kv.payload = ReplayPayload(eng.kv.payload, replay)
 
 
-def uninstall(model) -> None:
-    if isinstance(model.select_fn, ReplaySelect):
-        model.select_fn = model.select_fn.inner
+def replay_for(model, context: int, traces: list[SelectionTrace]) -> Replay:
+    """The replay of ``trace_for``'s trace for ``model`` at prompts of ``context`` tokens."""
+    trace = trace_for(context, model.cfg.index_topk, traces)
+    return Replay(model.cfg, trace, context, next(model.parameters()).device)

@@ -27,11 +27,11 @@ from bench.load.replay import (
     load_traces,
     lru_census,
     predicted_census,
+    replay_for,
     replay_table,
     trace_census,
     trace_for,
     trace_step,
-    uninstall,
 )
 from dhisparse.family.hf_dir import hf_family
 from services.worker.hierarchy.local_store import LocalHostStore
@@ -125,7 +125,9 @@ def _decode(mode: str, replay: bool, context: int, steps: int) -> tuple[list[int
     prompt = [(7 * i + 3) % 250 for i in range(context)]
     store = LocalHostStore(sizing.host_bytes)
     eng, _ = build(model, cli.TINY, Variant(mode), sizing, store)
-    r = install(model, trace_for(context, 32, load_traces()), context) if replay else None
+    r = replay_for(model, context, load_traces()) if replay else None
+    if r is not None:
+        install(eng, r)
     try:
         history = random_history(eng.kv, history_tokens(context, 16), seed=1)
         HistoryImport(eng, {tuple(prompt[:KEY_TOKENS]): history})
@@ -147,7 +149,6 @@ def _decode(mode: str, replay: bool, context: int, steps: int) -> tuple[list[int
                                     steps)  # fmt: skip
         return list(req.output_ids), got, pred
     finally:
-        uninstall(model)
         eng.close()
         store.close()
 

@@ -78,9 +78,6 @@ class SparseDecoder(nn.Module):
             if spec.index == "follower":
                 self.followers.setdefault(spec.leader, []).append((i, spec.source))
         self.attention_fn = sparse_attention_ref
-        # a producer's selection (``row_selection.select_rows``'s contract); benchmarks may wrap
-        # it, as they wrap ``attention_fn``
-        self.select_fn = select_rows
 
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary(positions, self.cfg.rope_theta)
@@ -179,7 +176,7 @@ class SparseDecoder(nn.Module):
         elif layer.indexer is not None:
             self._write_keys(i, layer.indexer, x, kv, st)
             iq, iw = layer.indexer.queries(x, q_latent, st.rotary)
-            st.selection[i] = self.select_fn(self.cfg, i, iq, iw, batch, kv, s)
+            st.selection[i] = select_rows(self.cfg, i, iq, iw, batch, kv, s)
             if i in self.followers:  # one selection starts every follower's transfer
                 kv.payload.prefetch(self.followers[i], batch, st.selection[i])
         else:  # follower (shared indices) or reuse (shared source): the leader's positions
