@@ -34,17 +34,22 @@ L tokens, from a trace of T0 steps, P0 producers, top-k k0 at context n0:
   distances up to T0 - 1 steps are the trace's, longer ones fold.
 
 What it preserves: per producer, which rows recur from step to step and after how many steps
-(the reuse distance distribution of selected rows, hence an LRU hot cache of B rows hits as the
-trace's does with B / e rows: ``lru_census``), the share selected in each fraction of the history
-(positions scale with the context) and the recent rows' distances (times e). Every session
-replays the same table (a session's position decides its step), so sessions differ only in
-where they are in it. What it does not keep: the share served direct. The trace's tail ring
-covers its prompt's last rows during its first steps; served, those rows are history rows
-(hot or host), so fewer rows resolve direct than in the trace's census; with k < k0 (a tiny
-preset) a step keeps its recent rows and its best-ranked history rows only, so reuse changes
-too (``tests/bench/test_load_replay.py`` checks the real dimensions' hit rate against the
-trace's, and a tiny engine's census against ``lru_census`` over the rows it was given). ``trace_for`` picks the trace's context: the largest recorded n0 whose
-spread s is at least e, else the smallest."""
+(the reuse distance distribution of selected rows, up to T0 - 1 steps; hence an LRU hot cache
+of e·B rows hits as the trace's does with B: ``lru_census``, ``trace_census``), the share
+selected in each fraction of the history (positions scale with the context) and the recent
+rows' distances (times e: with e·T0 at most the tail ring's rows they resolve direct, as the
+trace's did). What it does not keep: reuse over more than T0 - 1 steps (a 1K-token output
+walks a 32-step trace forth and back 33 times: its longer reuse is the walk's, not the
+model's); the share served direct (the trace's tail ring covers its prompt's last rows during
+its first steps; served, those rows are history rows, hot or host); differences between
+sessions (every session replays the same table; its position decides its step); and, with
+k < k0 (a tiny preset), the trace's reuse (a step keeps its recent rows and its best-ranked
+history rows only). ``tests/bench/test_load_replay.py`` checks the real dimensions' step-to-step
+overlap and hit rate against the trace's, ``lru_census`` against the engine's committed census,
+and a tiny engine's census against ``lru_census`` over the rows it was given.
+
+``trace_for`` picks the trace's context: the largest recorded n0 whose spread s is at least e,
+else the smallest."""
 
 from __future__ import annotations
 
