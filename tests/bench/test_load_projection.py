@@ -91,6 +91,10 @@ def test_projection_of_the_archived_rooflines(tmp_path) -> None:
     assert (tmp_path / "p.png").stat().st_size > 0 and "| v32 full | 100K |" in (
         tmp_path / "p.md"
     ).read_text()
+    shares = doc["host_shares"]["100000"]  # the shipped model's 16K selections, replayed
+    assert shares["trace"].endswith("trained_16384") and shares["expansion"] == 4
+    assert shares["hot_rows"] == 4096 and 0 < shares["host"] < 1
+    assert shares["direct"] + shares["hot"] + shares["host"] == pytest.approx(1)
     for family, f in doc["families"].items():
         plan = plan_pool(family, 100_000)
         assert f["full"]["layers"] == plan.full_layers
