@@ -175,8 +175,8 @@ def test_load_tiny_replay(tmp_path) -> None:
     out_path = tmp_path / "load.json"
     assert bench_main([
         "load", "--tiny", "--selections", "replay", "--contexts", "200", "--concurrency", "1",
-        "--noise-concurrency", "2", "--modes", "hisparse", "--spec", "off,fixed", "--spec-width", "3", "--acceptance",
-        "0.9,0.8", "--output-len", "6", "--page", "16",
+        "--noise-concurrency", "2", "--modes", "hisparse", "--spec", "off,fixed",
+        "--spec-width", "3", "--acceptance", "0.9,0.8", "--output-len", "6", "--page", "16",
         "--hot-cache-rows", "64", "--max-prefill-tokens", "64", "--prefixes", "1",
         "--out", str(out_path),
     ]) == 0  # fmt: skip
