@@ -42,6 +42,8 @@ COMMANDS: dict[str, Command] = {
     "spec": Command("bench.spec", "speculative vs plain decoding, closed loop in lockstep"),
     "serving": Command("bench.serving.cli", "closed-loop serving over the engine or HTTP"),
     "load": Command("bench.load.cli", "sessions and throughput under load, real dimensions"),
+    "load-projection": Command("bench.load.project_cli",
+                               "V3.2 / GLM-5.2 on 8 H200 from the roofline's region costs"),
     "projection": Command("bench.projection", "GLM-5.3 on 8 GPUs from a serving result"),
     "census": Command("bench.census", "where a trained model's selections fall vs random"),
     "cpu-stream": Command("bench.cpu_stream", "one stream through make run's stack on a CPU"),

@@ -23,7 +23,8 @@ to ``logs.tgz``.
                  fused and unfused kernels in lockstep
     roofline-prefill  the same for one 8K prompt per family: time to first token vs peak
     load         the load evaluation (``bench load``, issue 45): per family, steps at 32K,
-                 100K and 100K past the hierarchy's capacity, each sized for one device
+                 100K and 100K past the hierarchy's capacity (and the modes at 32K and 100K
+                 with replayed selections, ``-replay``), each sized for one device
                  command of its own (``--only load-v32-scaled-32k``); up to four engines of
                  the plan's pool beside the weights: an H200
     kernels      the fused kernels' GPU tests (ops, graph replays and the hierarchy's bit
@@ -151,6 +152,11 @@ LOAD_ARGS = {
     "100k": "--contexts 100000 --concurrency 1,8,24 --spec-concurrency 12 --prefixes 4",
     "100k-cap": "--contexts 100000 --modes resident,adaptive --spec off --concurrency 56 "
     "--prefixes 4 --duration-s 40",
+    # the modes again with the shipped model's selections replayed (``bench/load/replay.py``)
+    "32k-replay": "--contexts 32768 --concurrency 1,16,64 --spec off --prefixes 8 "
+    "--selections replay",
+    "100k-replay": "--contexts 100000 --concurrency 1,8,24 --spec off --prefixes 4 "
+    "--selections replay",
 }
 LOAD_STEPS = tuple(
     Step(

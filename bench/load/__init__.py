@@ -23,8 +23,8 @@ speculation and with the MTP layer under each width schedule of ``--spec`` at ea
 ``--spec-concurrency``, its proposals under the acceptance control (``bench/spec_control.py``:
 the shipped model's acceptance by draft position; references from a plain run first).
 
-Output JSON, top level: benchmark, machine, tiny, output_len, history, prefixes, spec_width,
-fused_kernels, graphs, acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and
+Output JSON, top level: benchmark, machine, tiny, output_len, history, selections, prefixes,
+spec_width, fused_kernels, graphs, acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and
 context: pool_bytes, host_bytes, formula, the plan's figures with the hierarchy's sessions per
 GPU with and without the MTP layer, prepare_s), engines (per engine: pool and fixed bytes,
 layout), runs, skipped, speculation (per speculative run: eq. 13's predicted gain from the
@@ -40,11 +40,20 @@ acceptance_length; width_steps: the width chosen, by decode steps) and per_reque
 A history's copy into the host arena happens at admission: it counts in the allocation wait.
 
 A preempted request admitted again imports its history again (as a cached prefix would give it
-back). ``--history random`` is the only source of rows and keys yet: selections replayed from
-the shipped model's traces (``docs/results/census_trace.npz``) need keys that make the
-indexer reproduce them, which nothing builds yet.
+back). ``--history random`` is the source of rows and keys. ``--selections`` decides what decode
+steps select: ``random``, the random histories' own top-k (the worst case for locality), or
+``replay``, the shipped model's recorded selections (``--trace``, ``bench census --trace``)
+mapped onto the served model's producers, top-k and context (``replay``: how, and what the
+mapping keeps); the producers still run, so a step costs what it costs. ``sizing`` then
+records the mapping (``replay``: trace, its context, expansion, spread, and the census a
+session alone should show, ``predicted_census``, beside which each run's measured census
+reads).
+
+``python -m bench load-projection`` (``project_cli``, ``projection``) projects the full models
+on 8 H200 from the roofline's per-region costs and the plan's sessions (its docstrings).
 
 Modules: ``pool`` (the budget from the plan), ``history`` (prepared histories and their
 import), ``engines`` (variants, one engine each), ``runs`` (a context's lockstep groups, eq. 13
-and the noise), ``speculation`` (eq. 13), ``cli`` (flags, sizing, JSON), ``report`` (table,
-plots)."""
+and the noise), ``speculation`` (eq. 13), ``replay`` (replayed selections), ``cli`` (flags,
+sizing, JSON), ``report`` (table, plots), ``projection`` and ``project_cli`` (the projection
+to 8 GPUs)."""

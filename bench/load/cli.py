@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import time
+from pathlib import Path
 
 import torch
 
@@ -15,6 +16,7 @@ from bench.serving.config import Load
 from bench.spec_control import shipped_rates
 from dhisparse.family.presets import preset
 from dhisparse.family.scaled import SCALED
+from services.worker.hierarchy.tail import tail_rows
 from services.worker.kv.config import bytes_per_token
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.model.weight_format import WeightFormat
@@ -23,6 +25,7 @@ from services.worker.weights.model_io import build_model
 from .engines import MODES, SPEC, EngineSizing, Variant
 from .history import KEY_TOKENS
 from .pool import plan_pool
+from .replay import TRACE, Replay, expansion, load_traces, predicted_census, replay_for
 from .report import plot, table
 from .runs import Context, derived, run_group
 
@@ -69,6 +72,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         choices=("random",),
         help="rows and keys of the prepared histories",
     )
+    ap.add_argument(
+        "--selections",
+        default="random",
+        choices=("random", "replay"),
+        help="what decode steps select: the random histories' own top-k (no locality but what "
+        "random keys give), or the shipped model's recorded selections replayed (replay.py)",
+    )
+    ap.add_argument("--trace", default=str(TRACE), help="the selection traces --selections "
+                    "replay reads (bench census --trace)")  # fmt: skip
     ap.add_argument(
         "--duration-s",
         type=float,
@@ -211,6 +223,21 @@ def rates_of(args: argparse.Namespace) -> tuple[float, ...]:
     return rates
 
 
+def replay_of(model, ctx: int, args: argparse.Namespace) -> tuple[Replay, dict]:
+    """The replayed selections of prompts of ``ctx`` tokens, and what the JSON records of the
+    mapping (``replay.py``), with the census a session alone should show over its first
+    decode steps (at most two passes over the trace) without speculation."""
+    r = replay_for(model, ctx, load_traces(Path(args.trace)))
+    t = r.trace
+    steps = max(1, min(args.output_len - 1, 2 * t.steps))
+    predicted = predicted_census(r, model.cfg, args.hot_cache_rows, tail_rows(args.page, 1),
+                                 steps)  # fmt: skip
+    return r, {"trace": t.source, "trace_context": t.context, "trace_steps": t.steps,
+               "trace_k": t.k, "trace_producers": r.p0, "producers": len(r.producer),
+               "expansion": expansion(model.cfg.index_topk, t), "spread": r.spread,
+               "predicted_census": predicted}  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     check(args)
     setup = Setup.of(args)
@@ -223,6 +250,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "load",
         "machine": torch.cuda.get_device_name() if setup.device == "cuda" else "cpu",
         "tiny": args.tiny, "output_len": args.output_len, "history": args.history,
+        "selections": args.selections,
         "prefixes": args.prefixes, "spec_width": args.spec_width,
         "fused_kernels": args.fused_kernels, "graphs": not args.eager,
         "acceptance_rates": list(rates), "kv_cache_dtype": args.kv_cache_dtype,
@@ -243,8 +271,11 @@ def run(args: argparse.Namespace) -> dict:
                 f"{sizing['host_bytes'] / 2**30:.2f} GiB",
                 flush=True,
             )
+            replay = None
+            if args.selections == "replay":
+                replay, sizing["replay"] = replay_of(model, ctx, args)
             c = Context(family, model, ctx, args, sizing, engine_sizing(ctx, sizing, args),
-                        load_of(args))  # fmt: skip
+                        load_of(args), replay)  # fmt: skip
             out["sizing"].append({"family": family, "context": ctx, **sizing})
             store = LocalHostStore(sizing["host_bytes"])
             try:

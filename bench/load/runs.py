@@ -18,6 +18,7 @@ from services.worker.request.request import SamplingParams
 
 from .engines import EngineSizing, Variant, build, close
 from .history import KEY_TOKENS, HistoryImport, history_tokens, prepared_prompts, random_history
+from .replay import Replay, install
 from .speculation import compare
 
 
@@ -25,10 +26,13 @@ class Context:
     """Every run of one family at one context: its histories, prompts and engines."""
 
     def __init__(self, family: str, model, ctx: int, args, sizing: dict,
-                 engine_sizing: EngineSizing, load: Load) -> None:  # fmt: skip
+                 engine_sizing: EngineSizing, load: Load,
+                 replay: Replay | None = None) -> None:  # fmt: skip
         """``args``: the flags (prefixes, page, seed, output and spec width); ``sizing``: the
-        pool and host arena (``cli.pool_sizing``), as the JSON records them."""
+        pool and host arena (``cli.pool_sizing``), as the JSON records them; ``replay``: the
+        selections every engine's decode steps are served (None: the model's own)."""
         self.family, self.model, self.ctx, self.args = family, model, ctx, args
+        self.replay = replay
         self.sizing, self.engine_sizing, self.load = sizing, engine_sizing, load
         self.histories: list = []
         self.prompts: list[list[int]] = []
@@ -59,6 +63,8 @@ def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: di
     try:
         for v in variants:
             eng, info = build(c.model, c.family, v, c.engine_sizing, store)
+            if c.replay is not None:
+                install(eng, c.replay)  # before any pass: captured graphs hold it
             if not c.histories:
                 c.prepare(eng.kv)
             imp = HistoryImport(eng, c.by_key)
