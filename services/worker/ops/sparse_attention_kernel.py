@@ -17,6 +17,21 @@ import triton.language as tl
 
 
 @triton.jit
+def softmax_step(s, valid, scale, m_i, l_i):
+    """One block of an online softmax: the block's scores ``s`` [heads, rows] (rows not
+    ``valid`` masked), scaled, against the running max ``m_i`` and denominator ``l_i`` of
+    the rows before -> (the block's weights p, the factor alpha that rescales what came
+    before, the new max, the new denominator). A head with no valid row yet keeps max -inf
+    and adds nothing."""
+    s = tl.where(valid[None, :], s * scale, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp(s - m_safe[:, None])
+    alpha = tl.exp(m_i - m_safe)
+    return p, alpha, m_new, l_i * alpha + tl.sum(p, 1)
+
+
+@triton.jit
 def _accumulate(
     q_ptr, stride_qh, offs_h, hmask, m_i, l_i, acc, pool_ptr, stride_pool, locs_ptr, row_lo,
     row_hi, scale, D, offs_v, vmask, BLOCK_K: tl.constexpr, DC: tl.constexpr, HB: tl.constexpr,
@@ -41,12 +56,7 @@ def _accumulate(
                 other=0.0,
             )  # [BLOCK_K, DC]
             s += tl.dot(q, tl.trans(rows).to(q.dtype), input_precision=PREC)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, valid, scale, m_i, l_i)
         vals = tl.load(
             pool_ptr + loc[:, None] * stride_pool + offs_v[None, :],
             mask=valid[:, None] & vmask[None, :],
@@ -58,7 +68,7 @@ def _accumulate(
 
 
 @triton.jit
-def _combine(
+def combine_partials(
     part, stride_ps, ml, den_off, H, splits, mask, hmask, HB: tl.constexpr, VB: tl.constexpr,
     out,
 ):  # fmt: skip
@@ -132,7 +142,7 @@ def sparse_attention_kernel(
             tile = count_ptr + (n * tl.num_programs(1) + hb) * VBLOCKS + vb
             # release: this split's partials are visible before its arrival is counted
             if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
-                _combine(
+                combine_partials(
                     part_ptr + n * stride_pn + offs_h[:, None] * stride_ph + offs_v[None, :],
                     stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
                     hmask[:, None] & vmask[None, :], hmask, HB, VB,

@@ -7,7 +7,7 @@ are loaded once, before the rows. Rows come from a pool in the query's dtype, or
 fp32 scale each, then the bf16 tail), dequantized in registers (exact, as ``fp8_gather``: by
 the e4m3 bits in integer arithmetic, or with ``CAST`` by the device's fp8 conversion).
 The local-window rows (in the query's dtype) go to the first split. Splits combine as in
-``sparse_attention_kernel.py`` (its ``_combine``), by the last program to arrive with
+``sparse_attention_kernel.py`` (its ``combine_partials``), by the last program to arrive with
 ``COMBINE``, else by the launcher (see ``sparse_attention_onepass.py``, which launches it).
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from services.worker.ops.fp8_bits import e4m3_value
-from services.worker.ops.sparse_attention_kernel import _combine
+from services.worker.ops.sparse_attention_kernel import combine_partials, softmax_step
 
 
 @triton.jit
@@ -58,12 +58,7 @@ def _accumulate(
         ).to(q_b.dtype)  # [BLOCK_K, DB]
         s = tl.dot(q_a, tl.trans(a), input_precision=PREC)
         s += tl.dot(q_b, tl.trans(b), input_precision=PREC)
-        s = tl.where(valid[None, :], s * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(s - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = softmax_step(s, valid, scale, m_i, l_i)
         acc = acc * alpha[:, None] + tl.dot(p.to(a.dtype), a, input_precision=PREC)
         m_i = m_new
     return m_i, l_i, acc
@@ -127,7 +122,7 @@ def sparse_attention_onepass_kernel(
             tile = count_ptr + n * tl.num_programs(1) + hb
             # release: this split's partials are visible before its arrival is counted
             if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
-                _combine(
+                combine_partials(
                     part, stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
                     omask, hmask, HB, DA,
                     out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_a[None, :],
