@@ -79,7 +79,7 @@ class IndexKeys(PagedGroup):
         ``0 .. num_rows[i] - 1``: q [R, H, d_index], w [R, H] fp32 -> [R, width] fp32, 0 beyond
         (``index_scores`` of ``gather(layer, slots, num_rows, width)``). Fused, one kernel
         reads the keys where they are stored."""
-        if not fused(q):
+        if not fused(q, "index_scores"):
             return index_scores(q, w, self.gather(layer, slots, num_rows, width))
         pool = self.pools[layer]
         return index_scores_paged(

@@ -150,7 +150,7 @@ class PagedRows:
     def locations(self, slots: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """slots [N] (or rows' shape), rows [N, ...]: the rows' locations in ``data``, of rows'
         shape; ``-1`` rows map to ``-1``. Fused, one kernel."""
-        if fused(rows):
+        if fused(rows, "page_locations"):
             return page_locations(self.page_table, self.page_size, slots, rows)
         return page_locations_ref(self.page_table, self.page_size, slots, rows)
 

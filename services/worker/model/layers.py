@@ -19,7 +19,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if fused(x):
+        if fused(x, "rms_norm"):
             return rms_norm_triton(x, self.weight, self.eps)
         xf = x.float()
         xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The residual join before this norm: -> (``self(residual + x)``, ``residual + x``),
         one kernel where fused (the sum bit for bit torch's ``residual + x``)."""
-        if fused(x) and x.dtype == residual.dtype and x.shape == residual.shape:
+        if fused(x, "add_norm") and x.dtype == residual.dtype and x.shape == residual.shape:
             return add_rms_norm_triton(x, residual, self.weight, self.eps)
         summed = residual + x
         return self(summed), summed

@@ -62,7 +62,7 @@ class MLA(nn.Module):
         """[N, hidden] -> [N, kv_lora + rope] stored rows (rope in transformers' layout); the
         norm and the RoPE one kernel where fused."""
         kv = self.kv_a_proj_with_mqa(x)
-        if fused(kv):
+        if fused(kv, "mla_row"):
             cos, sin = rotary.tables(self.cfg.qk_rope_head_dim)
             norm = self.kv_a_layernorm
             return mla_row_triton(kv, norm.weight, norm.eps, cos, sin, interleaved=True)
@@ -80,7 +80,7 @@ class MLA(nn.Module):
         q = self.q_b_proj(q_resid).view(x.shape[0], self.heads, c.qk_head_dim)
         q_nope, q_rope = q.split([c.qk_nope_head_dim, c.qk_rope_head_dim], dim=-1)
         w_uk, _ = self._kv_b()
-        if fused(q):  # the GEMM and the RoPE write their columns of one output: no cat
+        if fused(q, "mla_query"):  # the GEMM and the RoPE write their columns of one output: no cat
             out = q.new_empty(x.shape[0], self.heads, c.kv_lora_rank + c.qk_rope_head_dim)
             lat = out[..., : c.kv_lora_rank]
             torch.bmm(q_nope.transpose(0, 1), w_uk, out=lat.transpose(0, 1))

@@ -40,7 +40,7 @@ class DSAIndexer(nn.Module):
         """RoPE of the first ``d_rope`` elements of t's last dimension, the rest kept; one
         kernel where fused."""
         r = self.d_rope
-        if fused(t):
+        if fused(t, "index_rope"):
             cos, sin = rotary.tables(r)
             return rope_triton(t, cos, sin, self.interleaved)
         rot = apply_rope(t[..., :r], rotary, interleaved=self.interleaved)
@@ -51,7 +51,7 @@ class DSAIndexer(nn.Module):
         read: these keys come from the hidden state)."""
         del rows
         k = self.wk(x)
-        if fused(k):  # the LayerNorm and the RoPE in one kernel
+        if fused(k, "index_key"):  # the LayerNorm and the RoPE in one kernel
             cos, sin = rotary.tables(self.d_rope)
             norm = self.k_norm
             return index_key_triton(k, norm.weight, norm.bias, norm.eps, cos, sin, self.interleaved)

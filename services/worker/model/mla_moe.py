@@ -40,7 +40,7 @@ class MLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_proj(x), self.up_proj(x)
         # fused: one kernel for silu and the product (ops/silu_mul_triton.py)
-        h = silu_mul_triton(gate, up) if fused(gate) else F.silu(gate) * up
+        h = silu_mul_triton(gate, up) if fused(gate, "silu_mul") else F.silu(gate) * up
         return self.group.all_reduce(self.down_proj(h))
 
 
@@ -66,7 +66,7 @@ class Router(nn.Module):
         kernel (``ops/moe_route_triton.py``): the same expert set, emitted best first (lower
         id first on equal scores); otherwise the torch form below."""
         sp = self.spec
-        if fused(x):
+        if fused(x, "moe_route"):
             return route_triton(
                 router_logits(x, self.weight), self.e_score_correction_bias, sp.top_k,
                 sp.n_group, sp.topk_group, sp.norm_topk_prob, sp.routed_scaling, given,

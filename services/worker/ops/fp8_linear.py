@@ -238,7 +238,7 @@ def fp8_linear_triton(
         _launch(x2, weight, scale, bias, mode, y, None, None, plan)
         return y.reshape(*lead, n)
     out = torch.empty(plan.splits, m, n, dtype=torch.float32, device=x.device)
-    if fused(x) if sum_splits is None else sum_splits:
+    if fused(x, "fp8_split_sum") if sum_splits is None else sum_splits:
         tiles_mn = plan.grid_m * plan.grid_n
         cnt = counters if counters is not None else arrival_counters(x.device, tiles_mn)
         if cnt.dtype != torch.int32 or cnt.device != x.device or cnt.numel() < tiles_mn:

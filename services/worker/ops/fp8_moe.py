@@ -279,7 +279,7 @@ def fp8_moe_triton(
     pair_w = w.reshape(-1)
     act = fp8_moe_gemm(x, gate_up, gate_up_scale, blocks, mode, k, glu=True)  # [P, I]
     y = fp8_moe_gemm(act, down, down_scale, blocks, mode, 1, False, pair_w, torch.float32)
-    if fused(y) and fits(k):  # the lines below in one kernel, bit for bit
+    if fused(y, "moe_combine") and fits(k):  # the lines below in one kernel, bit for bit
         return combine_triton(y, idx, gate_up.shape[0], x.dtype)
     # pairs of experts held elsewhere (id E) are computed by no block: their rows are undefined
     y = torch.where((idx.reshape(-1, 1) < gate_up.shape[0]), y, 0)

@@ -27,7 +27,7 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.
 def select_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torch.Tensor:
     """The model's ordered top-k selection (``select_topk_ref``'s contract); fused, one kernel
     for rows of at most ``MAX_WIDTH`` scores (``select_topk_triton``)."""
-    if fused(scores) and scores.shape[1] <= MAX_WIDTH:
+    if fused(scores, "select_topk") and scores.shape[1] <= MAX_WIDTH:
         return select_topk_triton(scores, num_visible, k)
     return select_topk_ref(scores, num_visible, k)
 

@@ -51,6 +51,6 @@ def align_blocks_triton(idx: torch.Tensor, n_experts: int, block_m: int) -> MoEB
 def align(idx: torch.Tensor, n_experts: int, block_m: int) -> MoEBlocks:
     """``align_blocks``' output: the kernels for a fused op of at most ``FUSED_MAX_PAIRS`` pairs,
     the torch form otherwise (the choice is by shape and device; the output is the same)."""
-    if fused(idx) and idx.numel() <= FUSED_MAX_PAIRS:
+    if fused(idx, "moe_align") and idx.numel() <= FUSED_MAX_PAIRS:
         return align_blocks_triton(idx, n_experts, block_m)
     return align_blocks(idx, n_experts, block_m)

@@ -112,7 +112,7 @@ def sparse_attention_onepass(
     split = splits > 1
     part = torch.empty(n, splits, h, da, dtype=torch.float32, device=q.device) if split else out
     ml = torch.empty(2, n, splits, h, dtype=torch.float32, device=q.device) if split else out
-    combine = split and (fused(q) if combine is None else combine)
+    combine = split and (fused(q, "attention_combine") if combine is None else combine)
     counts = arrival_counters(q.device, n * hblocks) if combine else ml
     sparse_attention_onepass_kernel[(n, hblocks, splits)](
         q, q.stride(0), q.stride(1),

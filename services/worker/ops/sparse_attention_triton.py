@@ -80,7 +80,7 @@ def sparse_attention_triton(
     part = torch.empty(n, splits, h, dvp, dtype=torch.float32, device=q.device) if split else out
     ml = torch.empty(2, n, splits, h, dtype=torch.float32, device=q.device) if split else out
     grid = (n, triton.cdiv(h, hb), splits * vblocks)
-    combine = split and (fused(q) if combine is None else combine)
+    combine = split and (fused(q, "attention_combine") if combine is None else combine)
     counts = arrival_counters(q.device, n * grid[1] * vblocks) if combine else ml
     sparse_attention_kernel[grid](
         q, q.stride(0), q.stride(1),
@@ -116,8 +116,8 @@ class AttentionTiles:
 def attention_tiles(h: int, dvp: int) -> AttentionTiles:
     """Up to 64 heads per program, at least 16, with every value column; for values of 512 or
     more (MLA's latent), value blocks of 256 and 64 rows per step in 8 warps (an fp32
-    accumulator of 64 x 256; the fastest shape of ``python -m bench sparse-attention`` on an
-    H100). ``python -m bench roofline`` measures the step."""
+    accumulator of 64 x 256: ``python -m bench sparse-attention`` sweeps the shapes,
+    ``docs/results`` holds what it measured). ``python -m bench roofline`` measures the step."""
     heads = max(16, min(64, triton.next_power_of_2(h)))
     if dvp >= 512:
         return AttentionTiles(heads, 256, 64, 8)

@@ -1,19 +1,26 @@
 """The fusion switch: fused kernels on CUDA tensors only, inside ``kernel_fusion()`` (off by
-default), never in a pass that records gradients, and never inside ``unfused_kernels()``;
-blocks nest and restore the outer choice, also when they raise."""
+default), never in a pass that records gradients, never inside ``unfused_kernels()``, and not
+for the ops ``fused_without`` names; blocks nest and restore the outer choice, also when they
+raise."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from services.worker.ops.fusion import fused, kernel_fusion, unfused_kernels
+from services.worker.ops.fusion import (
+    FUSED_OPS,
+    fused,
+    fused_without,
+    kernel_fusion,
+    unfused_kernels,
+)
 
 
 def test_cpu_tensors_never_take_fused_kernels() -> None:
     t = torch.zeros(1)
     with torch.no_grad(), kernel_fusion():
-        assert not fused(t)
+        assert not fused(t, "rms_norm")
 
 
 @pytest.mark.gpu
@@ -22,18 +29,33 @@ def test_fusion_is_on_only_inside_its_block_and_without_gradients() -> None:
         pytest.skip("needs a CUDA device")
     t = torch.zeros(1, device="cuda")
     with torch.no_grad():
-        assert not fused(t)  # off by default
+        assert not fused(t, "rms_norm")  # off by default
         with kernel_fusion():
-            assert fused(t)
+            assert fused(t, "rms_norm")
             with torch.enable_grad():
-                assert not fused(t)
+                assert not fused(t, "rms_norm")
             with pytest.raises(RuntimeError), unfused_kernels():
                 with kernel_fusion():
-                    assert fused(t)
-                assert not fused(t)
+                    assert fused(t, "rms_norm")
+                assert not fused(t, "rms_norm")
                 raise RuntimeError
-            assert fused(t)
-        assert not fused(t)
+            assert fused(t, "rms_norm")
+        assert not fused(t, "rms_norm")
+        with kernel_fusion(), fused_without("rms_norm", "moe_route"):
+            assert not fused(t, "rms_norm") and not fused(t, "moe_route")
+            assert all(fused(t, op) for op in FUSED_OPS if op not in ("rms_norm", "moe_route"))
+            with fused_without():
+                assert fused(t, "rms_norm")
+        with kernel_fusion():
+            assert fused(t, "rms_norm")
+
+
+def test_ops_are_named() -> None:
+    t = torch.zeros(1)
+    with pytest.raises(AssertionError, match="unknown fused op"):
+        fused(t, "no_such_op")
+    with pytest.raises(ValueError, match="unknown fused ops"), fused_without("rms", "add_norm"):
+        pass
 
 
 def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
