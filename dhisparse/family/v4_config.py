@@ -19,6 +19,7 @@ from typing import Any, Literal
 from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.rope_spec import RopeSpec
+from dhisparse.family.v41_sources import CANDIDATE_KEYS, KEYS, SharedSources, parse_shared_sources
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class V4Config:
     mtp_layers: int
     dtype: str
     expert_dtype: str | None  # "fp4": the released routed experts are FP4 e2m1
+    # whose compressed rows, index keys and selection each layer reads: its own (V4), or
+    # DeepSeek-V4.1's shared sources where the config names them (``v41_sources``)
+    sharing: SharedSources
     # the MTP layer's compression ratio: the legacy ``compress_ratios``' trailing entry (0 in
     # the releases, and where the config names none: a sliding-window layer)
     mtp_compress: int = 0
@@ -137,10 +141,12 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
     if raw.get("model_type") != "deepseek_v4":
         raise ConfigError(f"model_type {raw.get('model_type')!r} is not deepseek_v4")
     known = set(_DEFAULTS) | _METADATA | _INERT | set(_FIXED) | _LEGACY | _STRUCTURE
+    known |= KEYS | CANDIDATE_KEYS
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"config.json: unsupported field(s) {unknown} for deepseek_v4")
-    ignored = sorted(_INERT & set(raw))
+    # the candidate block keys change nothing without a candidate source (refused with one)
+    ignored = sorted((_INERT | CANDIDATE_KEYS) & set(raw))
     if ignored:
         log.info("config.json: ignored, no effect on inference: %s", ", ".join(ignored))
     for key, allowed in _FIXED.items():
@@ -198,6 +204,7 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
         mtp_layers=int(c["num_nextn_predict_layers"] or 0),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
         expert_dtype=expert_dtype,
+        sharing=parse_shared_sources(raw, attention, compress),
         mtp_compress=_mtp_compress(raw, n),
     )
 
