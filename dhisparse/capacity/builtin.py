@@ -128,7 +128,8 @@ def profile_from_model_config(
 ) -> Profile:
     """The profile of an engine model: one sparse source group per distinct (m, window), rows
     of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
-    row for every producer layer (Reindex consumers included); k = ``index_topk``; B = 2k
+    row for every producer layer that writes keys of its own (a Reindex consumer included,
+    unless it scores its source's keys, ``keys_from``: DeepSeek-V4.1's); k = ``index_topk``; B = 2k
     unless given (the paper's ratio); χ = the most distinct sources one selection serves (a
     producer with its followers and Reuse consumers). Element size defaults to ``cfg.dtype``.
 
@@ -146,7 +147,7 @@ def profile_from_model_config(
         SourceGroup(count=n, row_bytes=row, compress=m, window=w)
         for (m, w), n in sorted(shapes.items())
     )
-    producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers)
+    producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     indexers = tuple(
         IndexGroup(count=n, key_bytes=key, compress=m) for m, n in sorted(producer_m.items())
     )

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import json
 import logging
+from dataclasses import replace
 
 import pytest
 
 from dhisparse.family.hf_config import ConfigError
-from dhisparse.family.v4_config import parse_v4_config
+from dhisparse.family.v4_config import parse_v4_config, v4_topology
 from dhisparse.family.v41_sources import parse_shared_sources
 from tests.fixtures import CONFIGS
 
@@ -84,3 +85,19 @@ def test_a_consumer_of_a_source_at_another_rate_is_refused_by_name() -> None:
     raw = {"kv_source_layers": [1], "index_source_layers": [1]}
     with pytest.raises(ConfigError, match="layer 2 compresses by 2 but reads layer 1's rows"):
         parse_shared_sources(raw, ("sliding", "csa", "csa"), (0, 4, 2))
+
+
+def test_a_reindex_layer_scores_its_sources_keys_stored_once() -> None:
+    """The topology: a Reindex layer is a producer over its KV source's source scoring that
+    layer's keys (``keys_from``); anything else naming ``keys_from`` is refused."""
+    raw = TEN | {"kv_source_layers": [2, 6], "index_source_layers": [2, 4, 6, 8]}
+    cfg = v4_topology(parse_v4_config(raw), "v41")
+    cfg.validate()
+    assert [spec.source for spec in cfg.layers] == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert cfg.key_layer(4) == 2 and cfg.key_layer(8) == 6
+    assert cfg.key_producers == (0, 1, 2, 6)
+    for layer, keys_from in ((4, 6), (4, 3), (4, 0), (5, 2)):
+        layers = list(cfg.layers)
+        layers[layer] = replace(layers[layer], keys_from=keys_from)
+        with pytest.raises(ValueError, match=f"layer {layer}: keys_from {keys_from}"):
+            replace(cfg, layers=tuple(layers)).validate()

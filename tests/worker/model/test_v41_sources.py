@@ -4,7 +4,10 @@ transformers ignores), against the plain-torch reference ``tests.v41_reference``
 sliding, layer 1 a KV and index source, 2 a Reuse consumer of it, 3 a Reindex consumer (its
 own top-k over layer 1's index keys), 4 a Reuse consumer of 3's selection over layer 1's rows,
 5 a second KV and index source. Teacher-forced logits in chunks and decode steps, the loader
-leaving the consumers' compressors unread (or meeting a checkpoint without them)."""
+leaving the consumers' compressors unread (or meeting a checkpoint without them); served by
+the engine: a shared source and its keys stored once, the reference's logits through the KV
+cache, hisparse's attention inputs bit-identical to resident's, and greedy tokens with
+chunked prefill in resident, hisparse and adaptive mode."""
 
 from __future__ import annotations
 
@@ -15,6 +18,16 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dhisparse.family.v4_config import v4_state_rings
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.config import KVCacheConfig
+from services.worker.model.decoder import LayerTrace
+from services.worker.model.v4_serving import V4Model
+from services.worker.request.request import SamplingParams
+from services.worker.serving.cache import KVCache
+from services.worker.weights.model_io import load_model
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny, hf_tiny_v4, v41_reference
 
@@ -98,3 +111,127 @@ def test_a_checkpoint_without_the_consumers_compressors_loads_the_same(path, tmp
     save_file(keep, str(tmp_path / "model.safetensors"))
     want, got = load_v4_model(path).state_dict(), load_v4_model(tmp_path).state_dict()
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+# ---- served by the engine ---------------------------------------------------------------------
+def test_the_topology_stores_a_shared_source_and_its_keys_once(path) -> None:
+    model = load_model(path)
+    cfg = model.cfg
+    assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (4, 8)]
+    assert [(spec.source, spec.index, spec.leader, spec.keys_from) for spec in cfg.layers] == [
+        (0, "producer", -1, -1), (1, "producer", -1, -1), (1, "reuse", 1, -1),
+        (1, "producer", -1, 1), (1, "reuse", 3, -1), (2, "producer", -1, -1),
+    ]  # fmt: skip
+    assert 3 not in cfg.key_producers and cfg.key_layer(3) == 1
+    # the sources' compressors, the consumers' own windows
+    assert list(v4_state_rings(model.family)) == [
+        (1, "kv", 8, 128), (1, "index", 8, 64), (2, "window", 8, 32), (3, "window", 8, 32),
+        (4, "window", 8, 32), (5, "kv", 8, 128), (5, "index", 8, 64),
+    ]  # fmt: skip
+    kv_cfg = KVCacheConfig(mode="hisparse", max_slots=2, max_model_len=64, dtype=torch.float32)
+    kv = KVCache(cfg, kv_cfg)
+    assert sorted(kv.index_keys.pools) == sorted(cfg.key_producers)
+    assert sorted(kv.rings) == [0, 1, 2]
+    kv.close()
+
+
+def test_two_requests_sharing_passes_give_the_reference_logits(ref, path) -> None:
+    """Slots 2 and 0 in the same passes at different positions, prefill chunks and decode
+    steps: every token's logits as the reference's one forward over its sequence."""
+    model = load_model(path)
+    kv = KVCache(model.cfg, KVCacheConfig(max_slots=3, max_model_len=128, dtype=torch.float32))
+    seqs = {2: hf_tiny_v4.token_ids(41, 21), 0: hf_tiny_v4.token_ids(34, 22)}
+    for slot, ids in seqs.items():
+        assert kv.admit(slot, f"r{slot}", len(ids), len(ids))
+    passes = [
+        [(2, 13)], [(2, 10), (0, 7)], [(2, 1), (0, 17)], *([[(2, 1), (0, 1)]] * 5),
+        [(2, 12), (0, 5)],
+    ]  # fmt: skip
+    done = dict.fromkeys(seqs, 0)
+    got: dict[int, list[torch.Tensor]] = {slot: [] for slot in seqs}
+    for chunks in passes:
+        slots = [slot for slot, _ in chunks]
+        lens = [n for _, n in chunks]
+        batch = ForwardBatch.build(slots, [done[s] for s in slots], lens, "cpu")
+        tokens = torch.cat([seqs[s][done[s] : done[s] + n] for s, n in chunks])
+        logits = model.logits(model(tokens, batch, kv))
+        for (slot, n), part in zip(chunks, logits.split(lens), strict=True):
+            got[slot].append(part)
+            done[slot] += n
+        kv.commit(batch, [done[s] for s in slots])
+    for slot, ids in seqs.items():
+        assert done[slot] == len(ids)
+        want = v41_reference.logits(ref, KV, INDEX, ids)
+        hf_tiny_v4.assert_close(torch.cat(got[slot]), want, RTOL)
+    kv.close()
+
+
+def _drive(model: V4Model, mode: str, lens: list[int], steps: int, **kv_kw):
+    """Prefills fresh random prompts of ``lens`` tokens in one pass, then decodes them
+    greedily for ``steps`` steps: (per pass the compressed layers' traces, the tokens)."""
+    kv = KVCache(model.cfg, KVCacheConfig(
+        mode=mode, max_slots=len(lens) + 1, max_model_len=256, page_size=4,
+        kv_pool_bytes=16 << 20, host_arena_bytes=16 << 20, dtype=torch.float32, **kv_kw,
+    ))  # fmt: skip
+    prompts = [hf_tiny_v4.token_ids(n, 500 + n) for n in lens]
+    slots = list(range(1, len(lens) + 1))
+    for slot, p in zip(slots, prompts, strict=True):
+        assert kv.admit(slot, f"r{slot}", len(p), len(p) + steps)
+    batch = ForwardBatch.build(slots, [0] * len(lens), lens, "cpu", prefill=True)
+    trace: list[LayerTrace] = []
+    logits = model.logits(model(torch.cat(prompts), batch, kv, trace=trace))
+    kv.commit(batch, lens)
+    traces, tokens = [trace], [[t] for t in logits[batch.last_token_index].argmax(-1).tolist()]
+    done = list(lens)
+    for _ in range(steps):
+        for slot, n in zip(slots, done, strict=True):
+            assert kv.ensure(slot, n + 1)
+        batch = ForwardBatch.build(slots, done, [1] * len(slots), "cpu")
+        trace = []
+        logits = model.logits(model(torch.tensor([t[-1] for t in tokens]), batch, kv, trace=trace))
+        done = [n + 1 for n in done]
+        kv.commit(batch, done)
+        traces.append(trace)
+        for t, nxt in zip(tokens, logits.argmax(-1).tolist(), strict=True):
+            t.append(nxt)
+    census = getattr(kv.payload, "census", None)
+    kv.close()
+    return traces, tokens, census
+
+
+def test_hisparse_reads_the_rows_resident_reads(path) -> None:
+    """Two requests of 90 and 61 tokens, 12 decode steps, a hot cache of 8 rows: per pass and
+    compressed layer (the Reuse consumers' included) the selection and the rows attention
+    reads are bit-identical to resident serving's, so are the tokens; rows came from the
+    host."""
+    model = load_model(path)
+    ref_traces, ref_tokens, _ = _drive(model, "resident", [90, 61], 12)
+    traces, tokens, census = _drive(model, "hisparse", [90, 61], 12, hot_cache_rows=8)
+    for ref_pass, run_pass in zip(ref_traces, traces, strict=True):
+        assert [t.layer for t in ref_pass] == [t.layer for t in run_pass] == [1, 2, 3, 4, 5]
+        for a, b in zip(ref_pass, run_pass, strict=True):
+            assert torch.equal(a.selection, b.selection), a.layer
+            assert torch.equal(a.rows, b.rows), f"layer {a.layer}: attention inputs differ"
+    assert tokens == ref_tokens
+    assert census.host > 0 and census.hot > 0, census
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_engine_greedy_with_chunked_prefill_is_the_references(ref, path, mode) -> None:
+    """Three requests through ``Engine.generate`` with two seats, prefill chunks of at most 16
+    tokens beside the others' decode steps: 10 greedy tokens each, the reference's greedy
+    continuations (hisparse: some rows from the host)."""
+    eng = Engine(EngineConfig(
+        model=str(path), mode=mode, max_num_seqs=2, max_model_len=128, page_size=4,
+        hot_cache_rows=8, max_prefill_tokens=16, kv_pool_mib=8, host_arena_mib=16,
+    ))  # fmt: skip
+    prompts = [hf_tiny_v4.token_ids(n, 300 + n).tolist() for n in (53, 9, 37)]
+    params = SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        assert len(req.output_ids) == 10
+        out = req.output_ids
+        assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out)
+    if mode == "hisparse":
+        assert eng.kv.payload.census.host > 0, eng.kv.payload.census
+    eng.close()
