@@ -7,7 +7,8 @@ own top-k over layer 1's index keys), 4 a Reuse consumer of 3's selection over l
 leaving the consumers' compressors unread (or meeting a checkpoint without them); served by
 the engine: a shared source and its keys stored once, the reference's logits through the KV
 cache, hisparse's attention inputs bit-identical to resident's, and greedy tokens with
-chunked prefill in resident, hisparse and adaptive mode."""
+chunked prefill in resident, hisparse and adaptive mode, and after a durable session's
+adoption."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dhisparse.family.v4_config import v4_state_rings
+from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.decoder import LayerTrace
@@ -30,6 +33,7 @@ from services.worker.serving.cache import KVCache
 from services.worker.weights.model_io import load_model
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny, hf_tiny_v4, v41_reference
+from tests.worker.model import serving
 
 RTOL = 1e-4
 KV, INDEX = [1, 5], [1, 3, 5]
@@ -132,6 +136,10 @@ def test_the_topology_stores_a_shared_source_and_its_keys_once(path) -> None:
     kv = KVCache(cfg, kv_cfg)
     assert sorted(kv.index_keys.pools) == sorted(cfg.key_producers)
     assert sorted(kv.rings) == [0, 1, 2]
+    # a request's host backup: one region per source, the shared one's rows once
+    assert kv.admit(1, "r1", 40, 64)
+    regions = [r for r in kv.host_backups.regions(1) if r.source >= 0]
+    assert sorted((r.source, r.num_rows) for r in regions) == [(0, 64), (1, 16), (2, 16)]
     kv.close()
 
 
@@ -235,3 +243,26 @@ def test_engine_greedy_with_chunked_prefill_is_the_references(ref, path, mode) -
     if mode == "hisparse":
         assert eng.kv.payload.census.host > 0, eng.kv.payload.census
     eng.close()
+
+
+def test_durable_sessions_resume_token_for_token(ref, path) -> None:
+    """A hisparse engine dropped mid-generation is succeeded by one that adopts its sessions
+    (the shared source's rows and keys, the sources' windows and compressors, the consumers'
+    own windows) and continues them without recomputing a prompt: the reference's tokens."""
+    store = LocalHostStore(64 << 20)
+    prompts = [hf_tiny_v4.token_ids(n, 800 + n).tolist() for n in (57, 30)]
+    params = [SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)] * 2
+
+    def make(owner: str) -> Engine:
+        engine = Engine(EngineConfig(
+            model=str(path), mode="hisparse", max_num_seqs=2, max_model_len=128,
+            hot_cache_rows=8, max_prefill_tokens=32, kv_pool_mib=8, owner=owner,
+        ), host=(store, store.mapping))  # fmt: skip
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        return engine
+
+    want, second = serving.resumed_after_death(make, store, prompts, params, steps=6)
+    for prompt, out in zip(prompts, want, strict=True):
+        assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out)
+    second.close()
+    store.close()
