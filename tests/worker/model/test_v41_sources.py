@@ -30,6 +30,7 @@ from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
 from services.worker.serving.cache import KVCache
+from services.worker.speculative.config import SpeculationConfig
 from services.worker.weights.model_io import load_model
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny, hf_tiny_v4, v41_reference
@@ -266,3 +267,32 @@ def test_durable_sessions_resume_token_for_token(ref, path) -> None:
         assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out)
     second.close()
     store.close()
+
+
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_mtp_speculation_over_shared_sources_gives_the_references_greedy(
+    ref, path, tmp_path_factory, mode
+) -> None:
+    """The checkpoint with a random MTP layer appended (``--drafter mtp``: a sliding source of
+    its own after the shared ones): speculative greedy output, prefill chunks of at most 16,
+    is the reference's greedy; the MTP layer drafted."""
+    mtp_path = tmp_path_factory.mktemp("v41-mtp")
+    for f in path.iterdir():
+        (mtp_path / f.name).write_bytes(f.read_bytes())
+    hf_tiny.append_mtp(mtp_path, hf_tiny_v4.mtp_layer(seed=6, tmp=tmp_path_factory.mktemp("m")))
+    eng = Engine(EngineConfig(
+        model=str(mtp_path), mode=mode, max_num_seqs=2, max_model_len=128, page_size=4,
+        hot_cache_rows=8, max_prefill_tokens=16, kv_pool_mib=8, host_arena_mib=16,
+        speculation=SpeculationConfig("mtp", 3, "fixed"),
+    ))  # fmt: skip
+    assert eng.model_cfg.layers[6].source == 3  # after the three shared sources' owners
+    prompts = [hf_tiny_v4.token_ids(n, 600 + n).tolist() for n in (45, 21)]
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reqs = eng.generate(prompts, [params] * len(prompts))
+    for prompt, req in zip(prompts, reqs, strict=True):
+        out = req.output_ids
+        assert len(out) == 12
+        assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out)
+    c = eng.speculator.counters
+    assert c.drafts > 0 and c.draft_tokens > 0
+    eng.close()
