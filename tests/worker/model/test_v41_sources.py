@@ -7,8 +7,8 @@ own top-k over layer 1's index keys), 4 a Reuse consumer of 3's selection over l
 leaving the consumers' compressors unread (or meeting a checkpoint without them); served by
 the engine: a shared source and its keys stored once, the reference's logits through the KV
 cache, hisparse's attention inputs bit-identical to resident's, and greedy tokens with
-chunked prefill in resident, hisparse and adaptive mode, and after a durable session's
-adoption."""
+chunked prefill in resident, hisparse and adaptive mode (reclaiming history too), with the MTP
+drafter, and after a durable session's adoption."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.config import KVCacheConfig
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
@@ -295,4 +295,36 @@ def test_mtp_speculation_over_shared_sources_gives_the_references_greedy(
         assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out)
     c = eng.speculator.counters
     assert c.drafts > 0 and c.draft_tokens > 0
+    eng.close()
+
+
+def test_adaptive_reclaiming_history_gives_the_references_greedy(ref, path) -> None:
+    """Six requests, three arriving while the first three decode, in adaptive mode with a pool
+    of 70 pages beyond its fixed allocations: admissions reclaim optional history (the shared
+    source's pages among them), and the 12 greedy tokens of each are the reference's."""
+    kw = dict(model=str(path), mode="adaptive", max_num_seqs=4, max_model_len=512,
+              hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
+    probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    probe.close()
+    eng = Engine(EngineConfig(
+        **kw, kv_pool_mib=(fixed + 70 * page_bytes) / (1 << 20),
+        residency=ResidencyConfig(populate_pages=4),
+    ))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
+        if i == 3:
+            for _ in range(8):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", hf_tiny_v4.token_ids(n, 900 + n).tolist(), params))
+    while eng.has_work():
+        eng.step()
+    for req in reqs:
+        out = req.output_ids
+        assert len(out) == 12
+        assert out == v41_reference.greedy_under(ref, KV, INDEX, req.prompt_ids, out)
+    stats = eng.kv.payload.residency.stats
+    assert stats.reclaim_events > 0 and stats.reclaim_pages > 0, stats
     eng.close()
