@@ -4,7 +4,8 @@ transformers ignores), against the plain-torch reference ``tests.v41_reference``
 sliding, layer 1 a KV and index source, 2 a Reuse consumer of it, 3 a Reindex consumer (its
 own top-k over layer 1's index keys), 4 a Reuse consumer of 3's selection over layer 1's rows,
 5 a second KV and index source. Teacher-forced logits in chunks and decode steps, the loader
-leaving the consumers' compressors unread (or meeting a checkpoint without them); served by
+leaving the consumers' compressors unread (or meeting a checkpoint without them), the released
+FP8 / FP4 form; served by
 the engine: a shared source and its keys stored once, the reference's logits through the KV
 cache, hisparse's attention inputs bit-identical to resident's, and greedy tokens with
 chunked prefill in resident, hisparse and adaptive mode (reclaiming history too), with the MTP
@@ -18,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from transformers import DeepseekV4ForCausalLM, FineGrainedFP8Config
 
 from dhisparse.family.v4_config import v4_state_rings
 from services.worker.durable.host_link import HostLink
@@ -116,6 +118,24 @@ def test_a_checkpoint_without_the_consumers_compressors_loads_the_same(path, tmp
     save_file(keep, str(tmp_path / "model.safetensors"))
     want, got = load_v4_model(path).state_dict(), load_v4_model(tmp_path).state_dict()
     assert want.keys() == got.keys() and all(torch.equal(got[k], want[k]) for k in want)
+
+
+def test_the_released_fp8_fp4_form_gives_the_reference_over_it_dequantised(ref, tmp_path) -> None:
+    """The checkpoint as DeepSeek releases V4 (FP8 projections, a Reuse layer's indexer
+    ``wq_b`` among them, with their scales; FP4 routed experts), the keys added: the unread
+    tensors' scales are no error, and the logits are the reference's over transformers loading
+    the same files dequantised."""
+    path = with_shared_sources(hf_tiny_v4.save_released_form(ref, tmp_path / "released"))
+    stored = load_file(str(path / "model.safetensors"))
+    assert stored["layers.2.attn.indexer.wq_b.weight"].dtype == torch.float8_e4m3fn
+    assert "layers.2.attn.indexer.wq_b.scale" in stored
+    ids = hf_tiny_v4.token_ids(40, 13)
+    model = load_v4_model(path)
+    got = model(ids, model.new_state())
+    oracle = DeepseekV4ForCausalLM.from_pretrained(
+        path, quantization_config=FineGrainedFP8Config(dequantize=True), dtype=torch.float32
+    ).eval()
+    hf_tiny_v4.assert_close(got, v41_reference.logits(oracle, KV, INDEX, ids), RTOL)
 
 
 # ---- served by the engine ---------------------------------------------------------------------
