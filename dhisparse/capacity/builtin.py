@@ -17,8 +17,9 @@ from dhisparse.capacity.model import GIB, TB, ceil_div, staging_bytes
 from dhisparse.capacity.profile import Deployment, DrafterProfile, IndexGroup, Profile, SourceGroup
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.fp8_kv_format import index_key_format, mla_row_format
-from dhisparse.family.hf_dir import hf_family, is_hf_model_dir
+from dhisparse.family.hf_dir import hf_family, is_hf_model_dir, model_name, read_config
 from dhisparse.family.presets import PRESETS, preset_topology
+from dhisparse.family.v4_config import parse_v4_config, v4_state_rings, v4_topology
 
 # ---- GLM-5.3 (DESIGN §6; paper §3.4, Table 1) ---------------------------------------------------
 GLM53_PAYLOAD_LAYERS = 78
@@ -128,7 +129,8 @@ def profile_from_model_config(
 ) -> Profile:
     """The profile of an engine model: one sparse source group per distinct (m, window), rows
     of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
-    row for every producer layer (Reindex consumers included); k = ``index_topk``; B = 2k
+    row for every producer layer that writes keys of its own (a Reindex consumer included,
+    unless it scores its source's keys, ``keys_from``: DeepSeek-V4.1's); k = ``index_topk``; B = 2k
     unless given (the paper's ratio); χ = the most distinct sources one selection serves (a
     producer with its followers and Reuse consumers). Element size defaults to ``cfg.dtype``.
 
@@ -146,7 +148,7 @@ def profile_from_model_config(
         SourceGroup(count=n, row_bytes=row, compress=m, window=w)
         for (m, w), n in sorted(shapes.items())
     )
-    producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers)
+    producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     indexers = tuple(
         IndexGroup(count=n, key_bytes=key, compress=m) for m, n in sorted(producer_m.items())
     )
@@ -213,14 +215,20 @@ def profile_from_model_dir(
     served with ``--drafter mtp`` — the MTP layer's source and index keys among the model's,
     and the ``mtp`` drafter (no draft ring) among its drafters."""
     if mtp and not is_hf_model_dir(path):
-        raise ValueError(f"{path}: the MTP drafter needs a DeepSeek-V3.2 / GLM-5 model directory")
-    if is_hf_model_dir(path):
-        _, cfg = hf_family(path, mtp=mtp)
+        raise ValueError(
+            f"{path}: the MTP drafter needs a DeepSeek-V3.2 / GLM-5 / DeepSeek-V4 model directory"
+        )
+    if is_v4_model_dir(path):
+        profile = profile_from_v4_dir(path, kv_dtype_bytes=kv_dtype_bytes, mtp=mtp,
+                                      kv_cache_dtype=kv_cache_dtype)  # fmt: skip
     else:
-        cfg = ModelConfig.load(Path(path) / "config.json")
-    profile = profile_from_model_config(
-        cfg, kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype
-    )
+        if is_hf_model_dir(path):
+            _, cfg = hf_family(path, mtp=mtp)
+        else:
+            cfg = ModelConfig.load(Path(path) / "config.json")
+        profile = profile_from_model_config(
+            cfg, kv_dtype_bytes=kv_dtype_bytes, kv_cache_dtype=kv_cache_dtype
+        )
     if not mtp:
         return profile
     return replace(
@@ -228,6 +236,36 @@ def profile_from_model_dir(
         drafters=(MTP_DRAFTER,),
         description=f"{profile.description}, with its MTP layer (one more source and producer)",
     )
+
+
+def is_v4_model_dir(path: str | Path) -> bool:
+    return is_hf_model_dir(path) and read_config(path).get("model_type") == "deepseek_v4"
+
+
+def profile_from_v4_dir(
+    path: str | Path, *, kv_dtype_bytes: int | None = None, mtp: bool = False,
+    kv_cache_dtype: str = "auto",
+) -> Profile:  # fmt: skip
+    """The profile of a DeepSeek-V4 model directory (DeepSeek-V4.1's shared sources
+    included) as the engine's V4 model holds it: its topology (``v4_topology``: a source per
+    layer that computes rows, so a shared source counts once; index keys per producer that
+    writes keys of its own) and, as window-only groups (no history, never offloaded), the
+    per-slot rings beside them (``v4_state_rings``: each compressor's token projections, each
+    consumer's own window). Rows are held as computed: no FP8 format (``kv_cache_dtype``
+    auto only, as the engine serves V4)."""
+    if kv_cache_dtype != "auto":
+        raise ValueError(f"{path}: DeepSeek-V4 rows are held as computed (kv_cache_dtype auto)")
+    raw = read_config(path)
+    cfg = parse_v4_config(raw)
+    topo = v4_topology(cfg, model_name(path, raw), mtp=mtp)
+    base = profile_from_model_config(topo, kv_dtype_bytes=kv_dtype_bytes)
+    elem = base.sources[0].row_bytes // topo.d_kv
+    rings = Counter((rows, width) for *_, rows, width in v4_state_rings(cfg))
+    state = tuple(
+        SourceGroup(count=n, row_bytes=width * elem, window=rows, kind="window")
+        for (rows, width), n in sorted(rings.items())
+    )
+    return replace(base, sources=base.sources + state)
 
 
 # ---- registry -----------------------------------------------------------------------------------

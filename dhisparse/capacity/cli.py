@@ -32,7 +32,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     src.add_argument(
         "--model",
         metavar="DIR",
-        help="model directory: a Hugging Face one (deepseek_v32, glm_moe_dsa) or the engine's",
+        help="model directory: a Hugging Face one (deepseek_v32, glm_moe_dsa, deepseek_v4 "
+        "with V4.1's shared sources; V4's weights are not sized) or the engine's",
     )
     parser.add_argument("--context", type=int, required=True, help="tokens per session")
     parser.add_argument("--json", action="store_true", help="print JSON (exact bytes)")

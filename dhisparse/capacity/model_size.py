@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from dhisparse.capacity.builtin import profile_from_model_config
+from dhisparse.capacity.builtin import is_v4_model_dir, profile_from_model_config
 from dhisparse.capacity.profile import Profile
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.hf_config import MLAConfig
@@ -86,7 +86,8 @@ def model_size(cfg: MLAConfig, topo: ModelConfig) -> ModelSize:
 
 def model_size_from_dir(path: str | Path, mtp: bool = False) -> ModelSize | None:
     """The size of a Hugging Face model directory (``mtp``: its KV as served with the MTP
-    drafter); None for the engine's own format."""
-    if not is_hf_model_dir(path):
+    drafter); None for the engine's own format and for DeepSeek-V4 (its parameters are not
+    counted here: ``hf_size`` counts MLA families)."""
+    if not is_hf_model_dir(path) or is_v4_model_dir(path):
         return None
     return model_size(*hf_family(path, mtp=mtp))

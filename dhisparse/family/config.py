@@ -12,6 +12,9 @@ Topology vocabulary (DESIGN §2):
                 source with the same compression): shared indices, distinct payloads;
   ``reuse``     inherits ``leader``'s selected-location vector (same source): no new selection
                 and no new resolution.
+  A producer scores index keys of its own, or (``keys_from``) those an earlier producer over
+  the same source writes: DeepSeek-V4.1's Reindex consumer scores its KV source's keys, so
+  the source's keys are stored once.
 - A source with ``window > 0`` adds a local sliding-window branch over the last ``window``
   uncompressed token rows, attended jointly with the selected rows.
 - A source with ``lag > 0`` trails the tokens: its row t needs token t + lag, so after n tokens
@@ -48,6 +51,7 @@ class LayerSpec:
     index: IndexMode = "producer"
     leader: int = -1  # follower: the index producer it follows; reuse: the layer it inherits from
     draft: bool = False  # a drafter's layer (MTP): not run by the target's forward
+    keys_from: int = -1  # producer: the earlier producer whose index keys it scores (-1: own)
 
 
 @dataclass(frozen=True)
@@ -99,6 +103,16 @@ class ModelConfig:
         return tuple(i for i, s in enumerate(self.layers) if s.index == "producer")
 
     @property
+    def key_producers(self) -> tuple[int, ...]:
+        """The producers that write index keys of their own: the layers of the key caches."""
+        return tuple(i for i in self.index_producers if self.layers[i].keys_from < 0)
+
+    def key_layer(self, layer: int) -> int:
+        """The producer whose index keys producer ``layer`` scores."""
+        keys_from = self.layers[layer].keys_from
+        return layer if keys_from < 0 else keys_from
+
+    @property
     def draft_layers(self) -> tuple[int, ...]:
         """The drafter's layers (the MTP layer), after every target layer."""
         return tuple(i for i, s in enumerate(self.layers) if s.draft)
@@ -129,6 +143,8 @@ class ModelConfig:
         for i, spec in enumerate(self.layers):
             if not 0 <= spec.source < len(self.sources):
                 raise ValueError(f"layer {i}: unknown source {spec.source}")
+            if spec.keys_from >= 0:
+                self._validate_keys_from(i)
             if spec.index == "producer":
                 continue
             if not 0 <= spec.leader < i:
@@ -161,6 +177,23 @@ class ModelConfig:
                     )
             else:
                 raise ValueError(f"layer {i}: unknown index mode {spec.index!r}")
+
+    def _validate_keys_from(self, i: int) -> None:
+        """Layer ``i`` scores the keys of an earlier producer over its source that writes keys
+        of its own."""
+        spec = self.layers[i]
+        owner = self.layers[spec.keys_from] if 0 <= spec.keys_from < i else None
+        if (
+            spec.index != "producer"
+            or owner is None
+            or owner.index != "producer"
+            or owner.keys_from >= 0
+            or owner.source != spec.source
+        ):
+            raise ValueError(
+                f"layer {i}: keys_from {spec.keys_from} must be an earlier producer over the "
+                "same source with keys of its own, read by a producer"
+            )
 
     def _validate_draft_layers(self) -> None:
         """A draft layer follows every target layer, owns a source of its own that no other

@@ -19,6 +19,7 @@ from typing import Any, Literal
 from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.rope_spec import RopeSpec
+from dhisparse.family.v41_sources import CANDIDATE_KEYS, KEYS, SharedSources, parse_shared_sources
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +124,9 @@ class V4Config:
     mtp_layers: int
     dtype: str
     expert_dtype: str | None  # "fp4": the released routed experts are FP4 e2m1
+    # whose compressed rows, index keys and selection each layer reads: its own (V4), or
+    # DeepSeek-V4.1's shared sources where the config names them (``v41_sources``)
+    sharing: SharedSources
     # the MTP layer's compression ratio: the legacy ``compress_ratios``' trailing entry (0 in
     # the releases, and where the config names none: a sliding-window layer)
     mtp_compress: int = 0
@@ -137,10 +141,12 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
     if raw.get("model_type") != "deepseek_v4":
         raise ConfigError(f"model_type {raw.get('model_type')!r} is not deepseek_v4")
     known = set(_DEFAULTS) | _METADATA | _INERT | set(_FIXED) | _LEGACY | _STRUCTURE
+    known |= KEYS | CANDIDATE_KEYS
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"config.json: unsupported field(s) {unknown} for deepseek_v4")
-    ignored = sorted(_INERT & set(raw))
+    # the candidate block keys change nothing without a candidate source (refused with one)
+    ignored = sorted((_INERT | CANDIDATE_KEYS) & set(raw))
     if ignored:
         log.info("config.json: ignored, no effect on inference: %s", ", ".join(ignored))
     for key, allowed in _FIXED.items():
@@ -198,6 +204,7 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
         mtp_layers=int(c["num_nextn_predict_layers"] or 0),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
         expert_dtype=expert_dtype,
+        sharing=parse_shared_sources(raw, attention, compress),
         mtp_compress=_mtp_compress(raw, n),
     )
 
@@ -306,22 +313,39 @@ def _rope(params: dict[str, Any], c: dict[str, Any]) -> RopeSpec:
 
 
 def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
-    """The engine's KV topology of a V4 model: one source per layer, which that layer owns and
-    runs its own selection over. A sliding layer's source keeps its K=V rows of the last
-    ``sliding_window`` positions (the source's token ring; no row is stored in the payload). A
-    CSA / HCA layer's source stores one compressed row per ``rate`` tokens in the payload,
-    beside the same window; a CSA layer's index keys are its indexer's compressed rows
-    (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail rotated).
-    ``extra["state_rings"]``: the compressors' per-slot rings the cache keeps
+    """The engine's KV topology of a V4 model: one source per layer that computes rows, which
+    that layer owns and runs its own selection over. A sliding layer's source keeps its K=V
+    rows of the last ``sliding_window`` positions (the source's token ring; no row is stored
+    in the payload). A CSA / HCA layer's source stores one compressed row per ``rate`` tokens
+    in the payload, beside the same window; a CSA layer's index keys are its indexer's
+    compressed rows (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail
+    rotated). ``extra["state_rings"]``: the per-slot rings the cache keeps
     (``v4_state_rings``).
+
+    With DeepSeek-V4.1's shared sources (``cfg.sharing``) a consumer layer reads its KV
+    source's source: a Reindex layer as a producer scoring the source's index keys
+    (``keys_from``), a Reuse layer as a ``reuse`` consumer of its index source's selection;
+    its own window is a state ring. Shared rows and keys are stored once.
 
     ``mtp``: with the MTP layer as layer N, a draft layer over a sliding source of its own that
     lags by one (its row t is from the token at t + 1 and the target's streams at t,
     docs/mtp.md); ``extra["carry_width"]``: the carry holds the target's last ``hc_mult``
     streams (``hc_mult * hidden``), what the MTP layer reads."""
-    rates = [max(rate, 1) for rate in cfg.compress]
-    sources = [SourceSpec(compress=r, window=cfg.sliding_window) for r in rates]
-    layers = [LayerSpec(source=i) for i in range(cfg.num_layers)]
+    share = cfg.sharing
+    sources: list[SourceSpec] = []
+    layers: list[LayerSpec] = []
+    source_of: dict[int, int] = {}  # a layer that computes rows -> its source
+    for i, rate in enumerate(cfg.compress):
+        owner = share.kv_source[i]
+        if owner < 0 or owner == i:
+            source_of[i] = len(sources)
+            sources.append(SourceSpec(compress=max(rate, 1), window=cfg.sliding_window))
+            layers.append(LayerSpec(source=source_of[i]))
+        elif share.runs_indexer(i):
+            layers.append(LayerSpec(source=source_of[owner], keys_from=owner))
+        else:
+            leader = share.index_source[i]
+            layers.append(LayerSpec(source=source_of[owner], index="reuse", leader=leader))
     extra: dict = {"state_rings": [[rows, width] for _, _, rows, width in v4_state_rings(cfg)]}
     if mtp:
         if cfg.mtp_compress:
@@ -330,7 +354,7 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
                 "only a sliding-window MTP layer (0, as released) is served"
             )
         sources.append(SourceSpec(compress=1, window=cfg.sliding_window, lag=1))
-        layers.append(LayerSpec(source=cfg.num_layers, draft=True))
+        layers.append(LayerSpec(source=len(sources) - 1, draft=True))
         extra["carry_width"] = cfg.hc_mult * cfg.hidden_size
     return ModelConfig(
         name=name, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_heads=cfg.num_heads,
@@ -343,14 +367,19 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
 
 
 def v4_state_rings(cfg: V4Config) -> tuple[tuple[int, str, int, int], ...]:
-    """(layer, part, rows, width) of each compressor's per-slot ring of token projections
-    (``wkv`` then ``wgate``, ``width`` elements), in the KV cache's order: per CSA / HCA layer
-    its attention's compressor (``"kv"``), then a CSA layer's indexer's (``"index"``). An
-    overlapping (CSA) compressor keeps ``2 * rate`` positions, a row pooling its window and the
-    one before; HCA's keeps ``rate``."""
+    """(layer, part, rows, width) of each per-slot ring of a V4 model's own state, in the KV
+    cache's order. Per CSA / HCA layer that computes rows: its attention's compressor's token
+    projections (``"kv"``: ``wkv`` then ``wgate``, ``width`` elements), then a CSA layer's
+    indexer's (``"index"``); an overlapping (CSA) compressor keeps ``2 * rate`` positions, a
+    row pooling its window and the one before, HCA's keeps ``rate``. Per consumer of a shared
+    source (DeepSeek-V4.1) its own window's K=V rows (``"window"``: ``sliding_window`` rows of
+    ``head_dim``), its source's token ring holding the source layer's."""
     out = []
     for i, (kind, rate) in enumerate(zip(cfg.attention, cfg.compress, strict=True)):
         if kind == "sliding":
+            continue
+        if not cfg.sharing.owns_rows(i):
+            out.append((i, "window", cfg.sliding_window, cfg.head_dim))
             continue
         overlap = kind == "csa"
         dim = 2 * cfg.head_dim if overlap else cfg.head_dim

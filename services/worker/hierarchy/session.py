@@ -60,7 +60,7 @@ class SessionBackup:
         self.host = host
         self.keys = index_keys
         self.rings = rings
-        self.producers = {i: model_cfg.layers[i].source for i in model_cfg.index_producers}
+        self.producers = {i: model_cfg.layers[i].source for i in model_cfg.key_producers}
         pool = next(iter(index_keys.pools.values()))
         self.key_dtype = pool.data.dtype
         self.key_bytes = pool.row_bytes

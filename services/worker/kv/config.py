@@ -114,7 +114,7 @@ def bytes_per_token(
     ``d_index`` elements of ``elem_bytes`` (FP8: the packed sizes)."""
     key = cfg.d_index * elem_bytes if key_bytes is None else key_bytes
     row = cfg.d_kv * elem_bytes if row_bytes is None else row_bytes
-    keys = sum(key / cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers)
+    keys = sum(key / cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     if not payload:
         return keys
     return keys + sum(row / s.compress for s in cfg.sources)

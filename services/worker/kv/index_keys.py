@@ -1,4 +1,5 @@
-"""Index keys: one key per stored row per index producer, always resident on the device so
+"""Index keys: one key per stored row per index producer that writes keys of its own
+(``ModelConfig.key_producers``: a producer may score another's), always resident on the device so
 selection runs over the full logical history in every serving mode. Resident serving gives them
 their own pools; the hierarchy modes lend them pages of the payload's page pool (``shared``)."""
 
@@ -28,7 +29,7 @@ class IndexKeys(PagedGroup):
         codec: RowCodec | None = None,
     ) -> None:
         self.codec = RowCodec(cfg.d_index, dtype) if codec is None else codec
-        compress = {i: cfg.sources[cfg.layers[i].source].compress for i in cfg.index_producers}
+        compress = {i: cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers}
         width = self.codec.stored_width
         if shared is not None and self.codec.fp8 is not None:
             if shared.memory.dtype != self.codec.storage:

@@ -12,7 +12,13 @@ sliding window's rows and the layer's compressed rows, with a learned per-head s
   (block-diagonal), ``wo_b`` mixes them to ``hidden``.
 
 Sliding-only layers rotate with the main RoPE; CSA / HCA layers, their compressor and indexer
-with the compress RoPE."""
+with the compress RoPE.
+
+With DeepSeek-V4.1's shared sources (``V4Config.sharing``) a layer that is not a KV source
+has no compressor: it attends its KV source's compressed rows beside its own window; a Reindex
+layer's indexer scores its KV source's index keys, and a Reuse layer has no indexer: it
+attends its index source's selection. A forward pass hands these from layer to layer in a
+``SharedPass``."""
 
 from __future__ import annotations
 
@@ -26,6 +32,17 @@ from services.worker.model.v4_compressor import Compressor, CompressorState, vis
 from services.worker.model.v4_indexer import Indexer
 from services.worker.model.v4_norm import RMSNorm, rms_normalise
 from services.worker.model.v4_rope import rope_tail
+
+
+@dataclass
+class SharedPass:
+    """What one forward pass's layers publish for later ones, by the publishing layer: a KV
+    source's compressed rows so far [rows, head_dim] and index keys [rows, index_head_dim],
+    an index source's selection [N, rows] bool."""
+
+    rows: dict[int, torch.Tensor] = field(default_factory=dict)
+    keys: dict[int, torch.Tensor] = field(default_factory=dict)
+    chosen: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
 @dataclass
@@ -57,15 +74,21 @@ class Attention(nn.Module):
         self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
         self.rate = rate
-        if self.kind != "sliding":
+        self.layer = layer
+        self.kv_source = cfg.sharing.kv_source[layer]  # -1: sliding-only
+        self.index_source = cfg.sharing.index_source[layer]  # -1: sliding-only or HCA
+        owns_rows = self.kind != "sliding" and self.kv_source == layer
+        self.compressor = None
+        if owns_rows:
             overlap = self.kind == "csa"
             self.compressor = Compressor(
                 d, self.head_dim, rate, overlap, self.rope, self.rope_dim, self.eps
             )
-        if self.kind == "csa":
+        self.indexer = None
+        if self.kind == "csa" and self.index_source == layer:
             self.indexer = Indexer(
                 d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
-                rate, self.rope, self.rope_dim, self.eps,
+                rate, self.rope, self.rope_dim, self.eps, own_keys=owns_rows,
             )  # fmt: skip
 
     def project(
@@ -108,9 +131,11 @@ class Attention(nn.Module):
         return self.wo_b(mixed)
 
     def forward(
-        self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState
-    ) -> torch.Tensor:
-        """x: [N, hidden], the sequence's next N tokens at positions [N] -> [N, hidden]."""
+        self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,
+        shared: SharedPass,
+    ) -> torch.Tensor:  # fmt: skip
+        """x: [N, hidden], the sequence's next N tokens at positions [N] -> [N, hidden]; a
+        source publishes into ``shared`` what its consumers read."""
         q_latent, q, kv = self.project(x, positions)
         keys, key_pos = kv, positions
         if state.window is not None:
@@ -124,9 +149,18 @@ class Attention(nn.Module):
         allowed = (age >= 0) & (age < self.window)
 
         if self.kind != "sliding":
-            rows = self.compressor.extend(x, state.compressor)
+            if self.compressor is not None:
+                shared.rows[self.layer] = self.compressor.extend(x, state.compressor)
+                if self.indexer is not None:
+                    idx = self.indexer.compressor
+                    shared.keys[self.layer] = idx.extend(x, state.indexer)
+            rows = shared.rows[self.kv_source]
             if self.kind == "csa":
-                chosen = self.indexer.select(x, q_latent, positions, state.indexer)
+                if self.indexer is not None:
+                    shared.chosen[self.layer] = self.indexer.select(
+                        x, q_latent, positions, shared.keys[self.kv_source]
+                    )
+                chosen = shared.chosen[self.index_source]
             else:
                 chosen = visible_rows(positions, rows.shape[0], self.rate)
             keys = torch.cat([keys, rows])

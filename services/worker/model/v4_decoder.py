@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from dhisparse.family.v4_config import V4Config
-from services.worker.model.v4_attention import Attention, AttentionState
+from services.worker.model.v4_attention import Attention, AttentionState, SharedPass
 from services.worker.model.v4_hyper import hyper_head, hyper_merge, hyper_mix
 from services.worker.model.v4_moe import MoE
 from services.worker.model.v4_norm import RMSNorm
@@ -66,10 +66,10 @@ class Block(nn.Module):
 
     def forward(
         self, streams: torch.Tensor, ids: torch.Tensor, positions: torch.Tensor,
-        state: AttentionState,
+        state: AttentionState, shared: SharedPass,
     ) -> torch.Tensor:  # fmt: skip
         """streams: [N, hc_mult, hidden] -> the same after attention and the MoE."""
-        return self.run(streams, ids, lambda x: self.attn(x, positions, state))
+        return self.run(streams, ids, lambda x: self.attn(x, positions, state, shared))
 
     def run(
         self, streams: torch.Tensor, ids: torch.Tensor,
@@ -122,8 +122,8 @@ class V4Decoder(nn.Module):
         """ids: [N] the sequence's next N tokens -> logits [N, vocab] (fp32); ``state``
         advances by N tokens."""
         positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        streams = self.streams(ids)
+        streams, shared = self.streams(ids), SharedPass()
         for block, layer_state in zip(self.layers, state.layers, strict=True):
-            streams = block(streams, ids, positions, layer_state)
+            streams = block(streams, ids, positions, layer_state, shared)
         state.length += ids.shape[0]
         return self.head(self.final(streams)).float()

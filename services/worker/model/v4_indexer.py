@@ -1,6 +1,7 @@
 """DeepSeek-V4's lightning indexer (CSA layers): which compressed rows each query attends.
 
-Its keys are a compressor of its own (overlapping, ``index_head_dim`` channels). A query's
+Its keys are a compressor of its own (overlapping, ``index_head_dim`` channels), or, on a
+DeepSeek-V4.1 Reindex layer (``own_keys`` False), its KV source's index keys. A query's
 score of row s is ``sum_h w_h * ReLU(q_h . K_s) * index_head_dim^-0.5`` with
 ``w = weights_proj(x) * index_n_heads^-0.5`` and ``q = wq_b(q latent)`` rotated at the query's
 position; the query keeps the ``index_topk`` best of its visible rows (score descending, the
@@ -13,23 +14,26 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.rope_spec import RopeSpec
-from services.worker.model.v4_compressor import Compressor, CompressorState, visible_rows
+from services.worker.model.v4_compressor import Compressor, visible_rows
 from services.worker.model.v4_rope import rope_tail
 
 
 class Indexer(nn.Module):
-    """``wq_b`` [heads * dim, q_lora_rank], ``weights_proj`` [heads, hidden], ``compressor``."""
+    """``wq_b`` [heads * dim, q_lora_rank], ``weights_proj`` [heads, hidden], and with
+    ``own_keys`` the key ``compressor``."""
 
     def __init__(
         self, hidden: int, q_lora_rank: int, heads: int, dim: int, topk: int, rate: int,
-        rope: RopeSpec, rope_dim: int, eps: float,
+        rope: RopeSpec, rope_dim: int, eps: float, own_keys: bool = True,
     ) -> None:  # fmt: skip
         super().__init__()
         self.heads, self.dim, self.topk, self.rate = heads, dim, topk, rate
         self.rope, self.rope_dim = rope, rope_dim
         self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False)
         self.weights_proj = nn.Linear(hidden, heads, bias=False)
-        self.compressor = Compressor(hidden, dim, rate, True, rope, rope_dim, eps)
+        self.compressor = (
+            Compressor(hidden, dim, rate, True, rope, rope_dim, eps) if own_keys else None
+        )
 
     def queries(
         self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor
@@ -42,11 +46,12 @@ class Indexer(nn.Module):
 
     def select(
         self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-        state: CompressorState,
+        keys: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """x: [N, hidden], q_latent: [N, q_lora_rank] at positions [N] -> [N, rows] bool, the
-        rows each query attends (its top-k of the visible rows); extends the key state."""
-        keys = self.compressor.extend(x, state).float()  # [rows, dim]
+        """x: [N, hidden], q_latent: [N, q_lora_rank] at positions [N] over index ``keys``
+        [rows, dim] -> [N, rows] bool, the rows each query attends (its top-k of the visible
+        rows)."""
+        keys = keys.float()
         q, weights = self.queries(x, q_latent, positions)
         scores = F.relu(torch.einsum("nhd,sd->nhs", q, keys)) * self.dim**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [N, rows]

@@ -29,7 +29,7 @@ def mtp_layer_config(cfg: V4Config) -> V4Config:
     attention served: ``v4_topology`` refuses another ratio) and learned routing."""
     return dataclasses.replace(
         cfg, attention=(*cfg.attention, "sliding"), compress=(*cfg.compress, 0),
-        mlp=(*cfg.mlp, "moe"),
+        mlp=(*cfg.mlp, "moe"), sharing=cfg.sharing.with_sliding_layer(),
     )  # fmt: skip
 
 

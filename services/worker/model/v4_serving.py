@@ -1,16 +1,19 @@
 """DeepSeek-V4 as the engine's model: the step-1 module tree (``V4Decoder``) run over a batch
 of requests, each at its own position, with its KV state in the engine's cache
-(``dhisparse.family.v4_config.v4_topology``: source ``i`` is layer ``i``'s).
+(``dhisparse.family.v4_config.v4_topology``: a source per layer that computes rows).
 
 Per layer and pass:
 
-- the chunk's K=V rows join source ``i``'s token ring; each query attends the ring's rows of
+- the chunk's K=V rows join the layer's source's token ring (a consumer of a DeepSeek-V4.1
+  shared source: its own window ring, a state ring); each query attends the ring's rows of
   its last ``sliding_window`` positions;
 - a CSA / HCA layer's compressor projects the chunk's tokens into its per-slot ring of
   projections (a state ring of the cache, ``v4_state_rings``: the open window's tokens and,
   overlapping, the window before), snapshotted with a durable session like the token rings;
   each row a chunk completes is pooled from the ring and written to the payload at its row
   index; a CSA layer's indexer does the same with its own compressor into the index keys;
+- a consumer of a shared source writes nothing of it: a Reindex layer selects over the
+  source's index keys, a Reuse layer attends its leader's selection and rows;
 - a CSA query attends the rows the indexer's top-k over the index keys selects
   (``row_selection.select_rows``), an HCA query every row it sees (``w < (t + 1) // rate``);
   the payload resolves them to locations and attention reads ``pool[location]``, beside the
@@ -117,12 +120,14 @@ class V4Model(nn.Module):
         if begin:
             kv.payload.begin(batch)
         rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
-        streams = self.net.streams(input_ids)
+        streams, chosen_by = self.net.streams(input_ids), {}
         for i, block in enumerate(self.net.layers):
             streams = block.run(
                 streams,
                 input_ids,
-                lambda x, i=i, a=block.attn: self._attention(i, a, x, batch, kv, rings, trace),
+                lambda x, i=i, a=block.attn: self._attention(
+                    i, a, x, batch, kv, rings, trace, chosen_by
+                ),
             )
         if self.mtp is not None:
             self._follow_target(input_ids, streams, batch, kv)
@@ -135,8 +140,13 @@ class V4Model(nn.Module):
     # ---- the MTP layer ---------------------------------------------------------------------
     @property
     def mtp_layer(self) -> int:
-        """The MTP layer's index (N, after the target's layers), and its source's."""
+        """The MTP layer's index (N, after the target's layers)."""
         return self.family.num_layers
+
+    @property
+    def mtp_source(self) -> int:
+        """The MTP layer's source (after the target's sources)."""
+        return self.cfg.layers[self.mtp_layer].source
 
     @property
     def mtp_index_share(self) -> bool:
@@ -157,7 +167,7 @@ class V4Model(nn.Module):
         prev = ext.rows[before].view_as(streams)
         x = self.mtp.attention_input(self.mtp.fuse(self.net.embed(input_ids), prev))
         rows = self.mtp.attn.kv_rows(x, (batch.positions - 1).clamp(min=0))
-        kv.rings[self.mtp_layer].extend(batch, rows)
+        kv.rings[self.mtp_source].extend(batch, rows)
 
     @torch.no_grad()
     def mtp_step(
@@ -196,7 +206,7 @@ class V4Model(nn.Module):
         assert self.mtp is not None
         attn, pos = self.mtp.attn, batch.positions - 1
         _, q, rows = attn.project(x, pos)
-        ext = kv.rings[self.mtp_layer].extend(batch, rows)
+        ext = kv.rings[self.mtp_source].extend(batch, rows)
         window = ext.window_locs(attn.window, lag=1)
         keys = ext.rows[window.clamp(min=0)]
         return attn.output(attn.attend(q, keys, window >= 0), pos)
@@ -204,54 +214,77 @@ class V4Model(nn.Module):
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
         rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
+        chosen_by: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     ) -> torch.Tensor:  # fmt: skip
-        """Layer ``i``'s attention over source ``i`` for x [N, hidden] -> [N, hidden]; a CSA /
-        HCA layer appends what it read of the payload to ``trace``."""
-        pos = batch.positions
+        """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden]; a CSA /
+        HCA layer appends what it read of the payload to ``trace``. A layer that computes
+        rows writes them and its index keys; a Reuse consumer attends its leader's selection
+        and rows (``chosen_by``: a selecting layer's selection, rows and locations this
+        pass), a Reindex consumer selects over its KV source's keys."""
+        pos, spec = batch.positions, self.cfg.layers[i]
+        s = spec.source
         q_latent, q, rows = attn.project(x, pos)
-        ext = kv.rings[i].extend(batch, rows)
+        window_ring = rings[i, "window"] if (i, "window") in rings else kv.rings[s]
+        ext = window_ring.extend(batch, rows)
         window = ext.window_locs(attn.window)  # [N, W] positions t - W + 1 .. t, -1: before 0
         keys, allowed = ext.rows[window.clamp(min=0)], window >= 0
         if attn.kind != "sliding":
-            reqs, done = completed_rows(batch, attn.rate)
-            req_t, row_t = to_device(reqs, pos.device), to_device(done, pos.device)
-            slots = batch.slots[req_t]
-            ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
-            if done:
-                rows_new = pooled_rows(attn.compressor, ext_rows, req_t, row_t)
-                kv.payload.write_rows(i, slots, row_t, rows_new)
-            if attn.kind == "csa":
-                idx = attn.indexer
-                ext_keys = rings[i, "index"].extend(batch, idx.compressor.project(x))
-                if done:
-                    keys_new = pooled_rows(idx.compressor, ext_keys, req_t, row_t)
-                    kv.index_keys.write(i, slots, row_t, keys_new)
-                iq, iw = idx.queries(x, q_latent, pos)
-                # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
-                selection = select_rows(self.cfg, i, iq, iw * idx.dim**-0.5, batch, kv, i)
+            if attn.compressor is not None:
+                self._write_rows(i, attn, x, batch, kv, rings)
+            if spec.index == "reuse":
+                selection, chosen, locs = chosen_by[spec.leader]
             else:
-                selection = every_visible_row(batch, attn.rate)
-            chosen, locs = selected_rows(i, batch, kv, selection)
+                if attn.kind == "csa":
+                    idx = attn.indexer
+                    iq, iw = idx.queries(x, q_latent, pos)
+                    # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
+                    key_layer = self.cfg.key_layer(i)
+                    selection = select_rows(
+                        self.cfg, key_layer, iq, iw * idx.dim**-0.5, batch, kv, s
+                    )
+                else:
+                    selection = every_visible_row(batch, attn.rate)
+                chosen, locs = selected_rows(i, s, batch, kv, selection)
+                chosen_by[i] = selection, chosen, locs
             if trace is not None:
                 trace.append(LayerTrace(i, selection, locs, chosen))
             keys = torch.cat([keys, chosen], dim=1)
             allowed = torch.cat([allowed, locs >= 0], dim=1)
         return attn.output(attn.attend(q, keys, allowed), pos)
 
+    def _write_rows(
+        self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
+        rings: dict[tuple[int, str], TokenRing],
+    ) -> None:  # fmt: skip
+        """Layer ``i`` computes its source's rows: the compressed rows the pass's chunks
+        complete into the payload and, CSA, their index keys."""
+        reqs, done = completed_rows(batch, attn.rate)
+        req_t, row_t = to_device(reqs, x.device), to_device(done, x.device)
+        slots = batch.slots[req_t]
+        ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
+        if done:
+            rows_new = pooled_rows(attn.compressor, ext_rows, req_t, row_t)
+            kv.payload.write_rows(self.cfg.layers[i].source, slots, row_t, rows_new)
+        if attn.kind == "csa":
+            comp = attn.indexer.compressor
+            ext_keys = rings[i, "index"].extend(batch, comp.project(x))
+            if done:
+                kv.index_keys.write(i, slots, row_t, pooled_rows(comp, ext_keys, req_t, row_t))
+
 
 def selected_rows(
-    i: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor
+    i: int, s: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [N, S, d_kv], zero where ``selection`` [N, S] pads, and their locations [N, S],
-    -1 there) of source ``i``. With a hot cache of B rows per request (the hierarchy modes)
+    """(rows [N, S, d_kv], zero where layer ``i``'s ``selection`` [N, S] pads, and their
+    locations [N, S], -1 there) of source ``s``. With a hot cache of B rows per request (the hierarchy modes)
     the payload resolves at most B columns at a time and each block's rows are read before the
     next block is resolved, so an HCA selection of every visible row (more than B) never
     outgrows it; the rows read are the same."""
     block = kv.payload.layout()["hot_cache_rows"] or max(selection.shape[1], 1)
     rows, locs = [], []
     for a in range(0, selection.shape[1], block):
-        at_block = kv.payload.resolve(i, i, batch, selection[:, a : a + block])
-        pool, at = kv.attention_rows(i, at_block)
+        at_block = kv.payload.resolve(i, s, batch, selection[:, a : a + block])
+        pool, at = kv.attention_rows(s, at_block)
         rows.append(pool[at.clamp(min=0)].masked_fill((at < 0).unsqueeze(-1), 0))
         locs.append(at_block)
     return torch.cat(rows, dim=1), torch.cat(locs, dim=1)

@@ -14,7 +14,11 @@ The MTP layer (``mtp.0.*``, in the same namings) is read only when asked
 released form is read too: FP8 e4m3 weights with block scales (``X.scale`` or
 ``X.weight_scale_inv``, the block from ``quantization_config``) and FP4 e2m1 routed experts
 (``expert_dtype`` "fp4", packed two per byte, one UE8M0 scale per 32 columns), dequantised on
-load."""
+load.
+
+With DeepSeek-V4.1's shared sources (``V4Config.sharing``) a consumer layer has no compressor
+and a Reuse layer no indexer: a checkpoint may hold them (a V4 checkpoint whose config names
+V4.1's sources) or not; held, they are left unread and counted in one log line."""
 
 from __future__ import annotations
 
@@ -150,10 +154,14 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
     want = model.state_dict()
     names = _stored(path)
     found: dict[str, torch.Tensor] = {}
-    skipped, used_scales = 0, set()
+    skipped, unshared, used_scales = 0, 0, set()
+    unbuilt = unbuilt_prefixes(cfg)
     for stored in sorted(names):
         if not mtp and _MTP.match(stored):
             skipped += 1
+            continue
+        if native_name(stored).startswith(unbuilt):
+            unshared += not _is_scale(stored)
             continue
         if _is_scale(stored):
             continue
@@ -171,10 +179,18 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             t = t.float()
         found |= native_tensors(stored, t)
     unused = sorted(n for n in names if _is_scale(n) and n not in used_scales)
+    unused = [n for n in unused if not native_name(n).startswith(unbuilt)]
     if unused and not all(not mtp and _MTP.match(n) for n in unused):
         raise CheckpointError(f"{path}: scales {unused[:8]} scale no quantized weight")
     if skipped:
         log.info("%s: %d MTP tensors (mtp.*) not loaded: the MTP layer is not run", path, skipped)
+    if unshared:
+        log.info(
+            "%s: %d tensors of compressors and indexers the config's shared sources "
+            "(kv_source_layers, index_source_layers) leave unused: not loaded",
+            path,
+            unshared,
+        )
     missing, unexpected = sorted(set(want) - set(found)), sorted(set(found) - set(want))
     if missing or unexpected:
         raise CheckpointError(
@@ -187,6 +203,24 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             )
     model.load_state_dict(found, strict=True)
     return model.eval()
+
+
+def unbuilt_prefixes(cfg: V4Config) -> tuple[str, ...]:
+    """Name prefixes (DeepSeek's naming) of the compressors and indexers a V4 checkpoint has
+    that the config's shared sources do not build: a consumer's compressor and indexer keys
+    (it reads its KV source's), a Reuse layer's indexer (it attends its index source's
+    selection)."""
+    out: list[str] = []
+    share = cfg.sharing
+    for i, kind in enumerate(cfg.attention):
+        if kind == "sliding":
+            continue
+        at = f"layers.{i}.attn."
+        if not share.owns_rows(i):
+            out += [f"{at}compressor.", f"{at}indexer.compressor."]
+        if kind == "csa" and not share.runs_indexer(i):
+            out.append(f"{at}indexer.")
+    return tuple(out)
 
 
 def _read(names: dict[str, Path], name: str) -> torch.Tensor:
