@@ -3,8 +3,9 @@ workers): the worker serving a stream is SIGKILLed mid-stream and its live peer 
 session from the node's store — the client's stream completes with exactly the text of an
 uninterrupted run, the peer computes no prompt token, and the gateway counts one adoption. The
 stall the client saw is printed, not asserted (it depends on the machine's load). Then: the
-adopter killed in turn; a drain (SIGTERM) under load; a rolling restart of both workers under
-steady load — none drops a stream."""
+adopter killed in turn; the adopter killed inside ``Adopt`` (a test-only fault of the worker),
+and a sampled stream's text across the moves; a drain (SIGTERM) under load; a rolling restart
+of both workers under steady load — none drops a stream."""
 
 from __future__ import annotations
 
