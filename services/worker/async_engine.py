@@ -206,9 +206,7 @@ class AsyncEngine:
         return known
 
     def shutdown(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        self._halt(timeout)
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
@@ -226,9 +224,7 @@ class AsyncEngine:
         only once nothing writes its sessions any more (a supervisor that kills the process
         first leaves them to the store's fencing)."""
         self.draining = True
-        self._stop.set()
-        self._wake.set()
-        self._thread.join()
+        self._halt(None)
         held = list(self.engine.requests.items())
         for rid, req in held:
             if not req.output_ids:
@@ -239,6 +235,13 @@ class AsyncEngine:
         for rid in ids:
             self._deliver(rid, SessionsHandedOver(f"worker drains: {rid} is handed over"))
         return sum(1 for _, req in held if req.output_ids)
+
+    def _halt(self, timeout: float | None) -> None:
+        """Stops the engine thread after its step in flight (waits ``timeout``; None: as long
+        as that step takes)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
 
     @property
     def detached(self) -> list[str]:
