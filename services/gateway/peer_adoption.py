@@ -12,12 +12,20 @@ session is not there to take: its worker lives and keeps it, or its successor re
 Whoever adopts fences the dead worker's generation off first when the dead worker refuses
 connections (``unreachable``): its process is gone, and the store need not wait for its lease
 to expire. When no peer adopts, the stream waits for the restart as before (``reattach``).
+
+A peer whose process dies inside ``Adopt`` (its call breaks and it refuses connections) may
+have taken the session over at the store already: the session is looked for there next — the
+stream's origin becomes that peer (``Broke``), whose peers (fencing it off) or successor take
+it on. Had it died before the store moved the session, the session is still its first owner's:
+a peer asked to take it from the broken one is refused, and the broken one's successor, finding
+no such session, adopts it from the store once its first owner's process is known gone
+(``reattach``).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -25,6 +33,7 @@ import grpc.aio
 
 from dhisparse.rpc import worker_pb2
 from services.gateway.convert import ModelInfo
+from services.gateway.reattach import WORKER_GONE
 from services.gateway.routing import Admission, AdmissionJob, Lease
 from services.gateway.worker_conn import WorkerClient, describe
 
@@ -96,6 +105,14 @@ class Moved:
     first: worker_pb2.GenerateResponse
 
 
+@dataclass(frozen=True)
+class Broke:
+    """A peer whose process died inside ``Adopt``: the store may have moved the session to it
+    before it died, so the session is looked for there next (its peers, or its successor)."""
+
+    worker: WorkerClient
+
+
 async def move_to_peer(
     workers: Sequence[WorkerClient],
     admission: Admission,
@@ -103,11 +120,14 @@ async def move_to_peer(
     origin: Origin,
     origin_stub,
     received: int,
-) -> Moved | None:
+    gone: Collection[str] = (),
+) -> Moved | Broke | None:
     """The stream of ``job`` continued by a peer of ``origin`` after the client's first
-    ``received`` tokens, or None when no peer took it (none on the node, none with room, or
-    the store says it is not there to take)."""
-    peers = [w for w in workers if is_peer(origin, w)]
+    ``received`` tokens; ``Broke`` when the peer asked died inside the call; None when no
+    peer took it (none on the node, none with room, or the store says it is not there to
+    take). ``gone``: addresses of workers this stream saw die, which the health polls may
+    not have marked yet: none of them is asked."""
+    peers = [w for w in workers if is_peer(origin, w) and w.address not in gone]
     if not peers:
         return None
     fence = await unreachable(origin_stub)
@@ -132,6 +152,8 @@ async def move_to_peer(
             log.warning("peer %s did not adopt %s: %s", peer.address, job.request_id, describe(e))
             if e.code() in _NOT_TAKEN:
                 return None
+            if e.code() in WORKER_GONE and await unreachable(peer.stub):
+                return Broke(peer)
             continue
         if first is grpc.aio.EOF:  # an adopted session always answers with its catch-up
             call.cancel()

@@ -38,7 +38,7 @@ from services.gateway.errors import (
 )
 from services.gateway.generation import GenerationDelta, GenerationInput
 from services.gateway.metrics import GatewayMetrics
-from services.gateway.peer_adoption import Origin, move_to_peer
+from services.gateway.peer_adoption import Broke, Origin, move_to_peer
 from services.gateway.prefix_keys import PromptPrefix
 from services.gateway.reattach import WORKER_GONE, reattach
 from services.gateway.routing import (
@@ -183,13 +183,24 @@ class WorkerPool:
         inp: GenerationInput, received: int, startup_s: float,
     ) -> AsyncIterator[GenerationDelta]:  # fmt: skip
         """The rest of a stream whose ``worker`` died after ``received`` tokens: from live peers
-        of its node while one adopts it (again when that one dies), else from its successor.
+        of its node while one adopts it (again when that one dies, also inside ``Adopt``: then
+        the session is looked for at that peer), else from its successor.
         ``origin`` is the worker as the gateway knew it when the stream started there: by the
         time the break is handled, polls may have forgotten the dead worker's model."""
+        gone = {worker.address}  # died in this recovery: not asked before a poll says so
         while origin is not None:
             broke = time.monotonic()
             workers = list(self.workers.values())
-            moved = await move_to_peer(workers, self.admission, job, origin, worker.stub, received)
+            moved = await move_to_peer(
+                workers, self.admission, job, origin, worker.stub, received, gone
+            )
+            if isinstance(moved, Broke):  # the session may be the broken peer's by now
+                log.warning("peer %s died adopting %s: looking for it there",
+                            moved.worker.address, inp.request_id)  # fmt: skip
+                worker, origin = moved.worker, Origin.of(moved.worker)
+                gone.add(worker.address)
+                startup_s = worker.model.startup_s if worker.model is not None else startup_s
+                continue
             if moved is None:
                 break
             lease.release()  # the dead worker's share: the peer holds a lease of its own
@@ -215,6 +226,7 @@ class WorkerPool:
                 log.warning("peer %s failed mid-generation of %s (%s): moving it again",
                             worker.address, inp.request_id, describe(e))  # fmt: skip
                 died = True
+                gone = {worker.address}  # earlier deaths: the polls have judged them by now
             finally:
                 moved.call.cancel()
                 worker.in_flight -= 1

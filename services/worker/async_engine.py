@@ -47,7 +47,8 @@ SessionAdopter = Callable[[Engine, str, AdoptFrom], Request]
 
 class SessionsHandedOver(RuntimeError):
     """The worker drains: the session is in the host store for a peer (or this worker's
-    successor) to adopt, and the caller should move its stream there."""
+    successor) to adopt, and the caller should move its stream there — or, when the caller has
+    no token of it yet, start it over elsewhere (``AsyncEngine.drain`` ended it)."""
 
 
 class SessionNotFound(LookupError):
@@ -205,9 +206,7 @@ class AsyncEngine:
         return known
 
     def shutdown(self, timeout: float | None = 5.0) -> None:
-        self._stop.set()
-        self._wake.set()
-        self._thread.join(timeout)
+        self._halt(timeout)
         if self._on_shutdown is not None:
             self._on_shutdown()
             self._on_shutdown = None
@@ -215,19 +214,34 @@ class AsyncEngine:
     def drain(self) -> int:
         """Hands every live session over (SIGTERM): admits nothing more (``draining``), stops
         the engine thread after its step in flight — the sessions' rows and manifests are in
-        the host store as of that step — runs ``on_shutdown`` (a durable worker's releases its
-        store generation: every session it holds becomes adoptable) and ends each open stream
-        with ``SessionsHandedOver``; returns how many. Only for durable sessions: a worker
-        without them would lose what it hands over. Blocks until the step in flight ends: the
-        generation is released only once nothing writes its sessions any more (a supervisor
-        that kills the process first leaves them to the store's fencing)."""
+        the host store as of that step — ends the requests whose client has no token yet
+        (their regions go back to the store: the caller starts them over on another worker,
+        under the same id, and no manifest of theirs need exist), runs ``on_shutdown`` (a
+        durable worker's releases its store generation: every session it still holds becomes
+        adoptable) and ends each open stream with ``SessionsHandedOver``; returns how many
+        sessions it handed over. Only for durable sessions: a worker without them would lose
+        what it hands over. Blocks until the step in flight ends: the generation is released
+        only once nothing writes its sessions any more (a supervisor that kills the process
+        first leaves them to the store's fencing)."""
         self.draining = True
+        self._halt(None)
+        held = list(self.engine.requests.items())
+        for rid, req in held:
+            if not req.output_ids:
+                self.engine.abort(rid)
         self.shutdown(timeout=None)
         with self._lock:
             ids = list(self._streams)
         for rid in ids:
             self._deliver(rid, SessionsHandedOver(f"worker drains: {rid} is handed over"))
-        return len(ids)
+        return sum(1 for _, req in held if req.output_ids)
+
+    def _halt(self, timeout: float | None) -> None:
+        """Stops the engine thread after its step in flight (waits ``timeout``; None: as long
+        as that step takes)."""
+        self._stop.set()
+        self._wake.set()
+        self._thread.join(timeout)
 
     @property
     def detached(self) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 
 import grpc
@@ -173,19 +174,35 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         )
 
 
-def peer_adopter(link: HostLink):
+def peer_adopter(link: HostLink, kill_marker: str = ""):
     """The ``SessionAdopter`` of a worker registered with the store through ``link``: one
     session of a peer of its node (``adopt_session``), one without room handed back. A group
-    of data-parallel ranks (an owner per rank) takes none over."""
+    of data-parallel ranks (an owner per rank) takes none over. ``kill_marker``: test-only
+    fault injection (``WorkerSettings.test_kill_in_adopt``): "" none."""
 
     def adopt(engine: Engine, request_id: str, source: AdoptFrom):
         if engine.group.data_parallel:
             raise NotAdopted("failed_precondition", "a data-parallel group adopts no peer session")
-        return adopt_session(
+        req = adopt_session(
             engine, link.client, link.owner, link.generation, request_id, source, hand_back=True
         )
+        if kill_marker:
+            _die_once(kill_marker, f"adopted {request_id}, before streaming it")
+        return req
 
     return adopt
+
+
+def _die_once(marker: str, where: str) -> None:
+    """Test-only fault: SIGKILLs this process unless ``marker`` exists, creating it first, so
+    that the fault fires once however often the worker restarts."""
+    try:
+        with open(marker, "x"):
+            pass
+    except FileExistsError:
+        return
+    log.warning("test fault: SIGKILL %s", where)
+    os.kill(os.getpid(), signal.SIGKILL)
 
 
 def connect_store(settings: WorkerSettings) -> tuple:
@@ -249,7 +266,7 @@ async def start_server(
             else None
         ),
         on_shutdown=link.close if link is not None else None,
-        adopter=peer_adopter(link) if link is not None else None,
+        adopter=peer_adopter(link, settings.test_kill_in_adopt) if link is not None else None,
     )
     server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
     pb_grpc.add_WorkerServicer_to_server(

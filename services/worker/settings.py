@@ -34,6 +34,11 @@ class WorkerSettings(BaseSettings):
     # Freeze the Python heap once the engine is built: later collections skip what start-up
     # made (``services/worker/engine/heap.py``).
     gc_freeze: bool = True
+    # Test-only fault injection (the adoption tests): a file path; while nothing is there, the
+    # worker creates it and SIGKILLs itself right after the store moved a peer's session to it
+    # in ``Adopt``, before streaming any of it — a kill inside the adoption, once across
+    # restarts. "" (always, outside tests): never.
+    test_kill_in_adopt: str = ""
 
     model: str = "models/glm-dsa-mini"  # the shipped trained target; a preset gives random weights
     device: str = "auto"  # auto: cuda when torch sees a CUDA device, else cpu

@@ -3,8 +3,9 @@ workers): the worker serving a stream is SIGKILLed mid-stream and its live peer 
 session from the node's store — the client's stream completes with exactly the text of an
 uninterrupted run, the peer computes no prompt token, and the gateway counts one adoption. The
 stall the client saw is printed, not asserted (it depends on the machine's load). Then: the
-adopter killed in turn; a drain (SIGTERM) under load; a rolling restart of both workers under
-steady load — none drops a stream."""
+adopter killed in turn; the adopter killed inside ``Adopt`` (a test-only fault of the worker),
+and a sampled stream's text across the moves; a drain (SIGTERM) under load; a rolling restart
+of both workers under steady load — none drops a stream."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
@@ -26,18 +28,24 @@ from tests.e2e.test_durability import LONG, stream_chat, up_stack
 from tests.e2e.test_stack import offline_greedy
 
 
-@pytest.fixture
-def pair(tmp_path: Path) -> Iterator[Stack]:
+@contextmanager
+def two_workers(tmp_path: Path, **env: str) -> Iterator[Stack]:
     """Two hisparse workers on one store, leases long enough that only fencing frees a dead
-    worker's sessions at once, a quick gateway health poll."""
+    worker's sessions at once, a quick gateway health poll; ``env``: more settings."""
     env = {
         "DHISPARSE_WORKER_LEASE_TTL_S": "30",
         "DHISPARSE_GATEWAY_RESUME_DEADLINE_S": "60",
         "DHISPARSE_GATEWAY_HEALTH_INTERVAL_S": "0.25",
-    }
+    } | env
     flags = ("--workers", "2", "--kv-pool-mib", "128", "--max-model-len", "1024",
              "--mode", "hisparse", "--drafter", "none")  # fmt: skip
     with up_stack(tmp_path / "up.log", *flags, env=env) as st:
+        yield st
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Stack]:
+    with two_workers(tmp_path) as st:
         yield st
 
 
@@ -131,6 +139,57 @@ def test_an_adopter_killed_in_turn_leaves_the_session_to_its_successor(pair: Sta
     back = metrics_url(pair, killed[1])  # the adopter's successor
     assert pair.metric(back, f"{names.SESSIONS_RESUMED}_total") == 1
     assert pair.metric(back, f"{names.PREFILL_TOKENS_COMPUTED}_total") == 0
+
+
+SAMPLED = {"temperature": 0.9, "top_p": 0.95, "seed": 1234}
+
+
+def test_a_kill_inside_adopt_and_the_sampling_law_across_adoptions(tmp_path: Path) -> None:
+    """A sampled (seeded) stream: its text with the moves below equals an uninterrupted run's,
+    token for token — the sampling law holds across an adoption.
+
+    First the serving worker is SIGKILLed and its peer, asked to ``Adopt`` the stream, dies
+    inside the call once the store moved the session to it, before streaming any of it (the
+    worker's test-only fault, ``test_kill_in_adopt``, fires once). The gateway looks for the
+    session at that peer, whose successor resumed it. Then, both back, the serving worker is
+    SIGKILLed again and its live peer adopts the stream. Without the prefix cache, so that the
+    uninterrupted run leaves the others nothing to import (an import computes the prompt's tail
+    in a pass of another size)."""
+    marker = tmp_path / "killed-in-adopt"
+    env = {"DHISPARSE_WORKER_TEST_KILL_IN_ADOPT": str(marker),
+           "DHISPARSE_WORKER_PREFIX_CACHE": "false"}  # fmt: skip
+    with two_workers(tmp_path, **env) as stack:
+        gateway = f"{stack.base}/metrics"
+        want, _ = stream_chat(stack.base, LONG, **SAMPLED)
+        killed: list[int] = []
+
+        def kill_serving_worker(n: int) -> None:
+            if n == 40:
+                victim = serving(stack)
+                os.kill(stack.pids(f"worker-{victim}")[-1], signal.SIGKILL)
+                killed.append(victim)
+
+        text, chunks = stream_chat(stack.base, LONG, kill_serving_worker, **SAMPLED)
+        assert killed, "the stream ended before the kill"
+        assert marker.exists(), story(stack)  # the peer died inside Adopt
+        assert "test fault: SIGKILL adopted" in stack.log.read_text(), story(stack)
+        assert not [c for c in chunks if "error" in c], (chunks[-3:], story(stack))
+        assert text == want, story(stack)
+        assert stack.metric(gateway, f"{names.ADOPTIONS}_total", outcome="adopted") == 0
+        assert stack.metric(gateway, f"{names.STREAMS_RESUMED}_total", outcome="resumed") == 1
+        broken = metrics_url(stack, 1 - killed[0])  # the adopter that died: its successor
+        assert stack.metric(broken, f"{names.SESSIONS_RESUMED}_total") == 1, story(stack)
+        assert stack.metric(broken, f"{names.PREFILL_TOKENS_COMPUTED}_total") == 0
+
+        for index in (0, 1):
+            wait_serving(stack, index)
+        killed.clear()
+        text, chunks = stream_chat(stack.base, LONG, kill_serving_worker, **SAMPLED)
+        assert killed, "the stream ended before the kill"
+        assert not [c for c in chunks if "error" in c], (chunks[-3:], story(stack))
+        assert text == want, story(stack)
+        adopted = stack.metric(gateway, f"{names.ADOPTIONS}_total", outcome="adopted")
+        assert adopted == 1, story(stack)
 
 
 def test_a_drained_worker_hands_its_streams_to_its_peer_and_drops_none(pair: Stack) -> None:

@@ -2,7 +2,8 @@
 asked to ``Adopt`` it from the dead worker (fenced off, since its address refuses connections)
 after the tokens the client has, and the stream goes on with nothing lost or doubled; a peer
 without room is passed over and the stream waits for the restart; a peer on another node is
-never asked. Fake workers (in-process gRPC) play the dying worker and its peer; the admission
+never asked; a peer that dies inside ``Adopt`` is where the stream is looked for next (its
+successor resumes it), and the worker that died first is not asked again. Fake workers (in-process gRPC) play the dying worker and its peer; the admission
 is a counting one that admits at once."""
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from tests.gateway.test_reattach import TOKENS, CountingAdmission, FakeWorker
 
 class NodeWorker(FakeWorker):
     """A ``FakeWorker`` on node ``node`` with worker id ``wid`` that adopts sessions
-    (``adopt``: ok, or full: RESOURCE_EXHAUSTED)."""
+    (``adopt``: ok; full: RESOURCE_EXHAUSTED; die: its process dies inside the call, down for
+    ``down_s``, and comes back holding the session)."""
 
     def __init__(self, wid: str, node: str, *args, adopt: str = "ok", **kw) -> None:
         super().__init__(*args, **kw)
@@ -51,6 +53,9 @@ class NodeWorker(FakeWorker):
         self.adopted.append((r.from_owner, r.from_generation, r.tokens_received, r.fence))
         if self.adopt == "full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
+        if self.adopt == "die":
+            self.down_until = asyncio.get_running_loop().time() + self.down_s
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
         n = r.tokens_received
         yield self._resp(TOKENS[n : n + 5], n + 5, False)  # the catch-up
         for i in range(n + 5, len(TOKENS)):
@@ -131,4 +136,16 @@ async def test_a_worker_of_another_node_is_never_asked() -> None:
     assert got == TOKENS
     assert elsewhere.adopted == [] and dying.resumed_from == [7]
     assert admission.moves == []
+    assert outcomes == {"adopted": 0, "no_peer": 1}
+
+
+async def test_a_peer_that_dies_inside_adopt_is_where_the_session_is_looked_for() -> None:
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=5)
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0.5, adopt="die")
+    got, admission, outcomes = await run(dying, peer)
+    assert got == TOKENS
+    assert peer.adopted == [("wA", 3, 7, True)]
+    assert peer.resumed_from == [7]  # its successor resumed what the store had moved to it
+    assert dying.adopted == [] and dying.resumed_from == []  # gone: never asked
+    assert (admission.held, admission.released) == (0, 2)  # no lease left behind
     assert outcomes == {"adopted": 0, "no_peer": 1}

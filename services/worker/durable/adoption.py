@@ -107,9 +107,7 @@ def adopt_session(
     except Exception as e:
         raise NotAdopted(_store_code(e), describe(e)) from e
     try:
-        version, rec = read_manifest(engine.kv.host_backups.mapping, regions)
-        if rec.request_id != request_id:
-            raise ManifestError(f"manifest names request {rec.request_id!r}")
+        version, rec = read_manifest(engine.kv.host_backups.mapping, regions, request_id)
         req = engine.restore(rec, version, regions)
     except (ManifestError, ValueError) as e:
         _let_go(store, owner, generation, request_id, str(e), hand_back=False)

@@ -5,7 +5,11 @@ Layout of the region: two halves of equal size. A half is ``header | payload``; 
 ``magic, version, payload length, crc32(version, length, payload)``. Version v is written to
 half ``v % 2``, so the previous version stays intact in the other half while this one is
 written: a crash mid-write leaves one half torn (its checksum fails) and the other valid, and a
-reader takes the newest valid half. The payload is a JSON head (scalars, lists of small ints,
+reader takes the newest valid half. A manifest region is arena bytes that another request's
+manifest may have held before (regions are reused as requests end): a fresh region is cleared
+before its request can be handed over (``invalidate``), and a reader takes only halves written
+for the request it reads (``read``'s ``request_id``), so a stale half — valid, and possibly of a
+higher version than the new request's first — never passes for the new request's. The payload is a JSON head (scalars, lists of small ints,
 and the offset/length of each binary blob) followed by the blobs (token ids as int32, the
 generator state, token-ring snapshots).
 """
@@ -26,7 +30,8 @@ FORMAT = 1
 
 
 class ManifestError(RuntimeError):
-    """No valid manifest half: never written, or both halves torn or corrupt."""
+    """No valid manifest half: never written, both halves torn or corrupt, or written for
+    another request."""
 
 
 @dataclass(frozen=True)
@@ -129,8 +134,21 @@ def write(buf: np.ndarray, version: int, payload: bytes) -> None:
     row[:HEADER_BYTES] = np.frombuffer(header, dtype=np.uint8)
 
 
-def read(buf: np.ndarray) -> tuple[int, bytes]:
-    """(version, payload) of the newest valid half; raises ``ManifestError`` when neither is."""
+def invalidate(buf: np.ndarray) -> None:
+    """Clears both halves' headers of ``buf`` ([2, half] uint8, a manifest region just
+    allocated): whatever an earlier holder of these bytes wrote reads as never written."""
+    buf[:, :HEADER_BYTES] = 0
+
+
+def _request_id(payload: bytes) -> str:
+    (n,) = struct.unpack_from("<I", payload)
+    return json.loads(payload[4 : 4 + n]).get("request_id", "")
+
+
+def read(buf: np.ndarray, request_id: str | None = None) -> tuple[int, bytes]:
+    """(version, payload) of the newest valid half — of those written for ``request_id`` when
+    given (a half naming another request is stale: an earlier holder's); raises
+    ``ManifestError`` when no half is."""
     best: tuple[int, bytes] | None = None
     problems = []
     for h in range(2):
@@ -145,6 +163,9 @@ def read(buf: np.ndarray) -> tuple[int, bytes]:
         payload = row[HEADER_BYTES : HEADER_BYTES + length].tobytes()
         if _crc(version, payload) != crc:
             problems.append(f"half {h}: checksum mismatch (torn or corrupt write)")
+            continue
+        if request_id is not None and (named := _request_id(payload)) != request_id:
+            problems.append(f"half {h}: stale, written for request {named!r}")
             continue
         if best is None or version > best[0]:
             best = (version, payload)

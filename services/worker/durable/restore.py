@@ -37,14 +37,17 @@ class Seats(Protocol):
     ) -> bool: ...
 
 
-def read_manifest(mapping: ArenaMapping, regions: list[Region]) -> tuple[int, SessionRecord]:
-    """(version, record) of the newest valid manifest among a request's regions; raises
-    ``ManifestError`` when it has none or both halves are invalid."""
+def read_manifest(
+    mapping: ArenaMapping, regions: list[Region], request_id: str
+) -> tuple[int, SessionRecord]:
+    """(version, record) of the newest valid manifest of ``request_id`` among its regions;
+    raises ``ManifestError`` when it has none: no half written for it yet (a session handed
+    over before its first manifest), or both invalid."""
     region = SessionBackup.manifest_of(regions)
     if region is None:
         raise ManifestError("the request has no manifest region (not a durable session)")
     buf = mapping.rows(region.offset, 2, region.row_bytes).numpy()
-    version, payload = manifest.read(buf)
+    version, payload = manifest.read(buf, request_id)
     return version, manifest.decode(payload)
 
 

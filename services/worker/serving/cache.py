@@ -234,6 +234,8 @@ class KVCache:
         key_pages = self._key_pages(slot, keys_to)
         if not self.payload.admit(slot, request_id, max_tokens, session, key_pages):
             return False
+        if self.sessions is not None:
+            self.sessions.clear_manifest(slot)
         ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
         assert ok
         self._admitted.add(slot)

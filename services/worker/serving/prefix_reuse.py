@@ -173,6 +173,7 @@ class PrefixReuse:
         if not seated:
             self.host.release_regions(regions)
             return 0
+        kv.sessions.clear_manifest(slot)  # fresh regions: no earlier holder's manifest counts
         req.resumed_tokens = hit.tokens
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens

@@ -3,6 +3,8 @@ never leaves it torn — readers take the newest valid half, and say clearly whe
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pytest
 
@@ -111,3 +113,29 @@ def test_a_record_larger_than_its_half_is_refused() -> None:
         manifest.write(buffer(len(payload)), 1, payload)
     half = manifest.required_bytes(len(payload))
     manifest.write(buffer(half), 1, payload)
+
+
+def test_a_stale_half_of_a_reused_region_never_passes_for_the_new_request() -> None:
+    """A region that held a finished request's manifest (versions up to 40) is reused by a new
+    request, which has written its first version (into half 1): the stale half 0 is valid and of
+    a higher version, but it names another request."""
+    buf = buffer()
+    old = replace(record(3), request_id="finished")
+    for v in (39, 40):
+        manifest.write(buf, v, manifest.encode(old))
+    new = record(1)
+    manifest.write(buf, 1, manifest.encode(new))
+    assert manifest.read(buf)[0] == 40  # what the newest-version rule alone picks
+    version, payload = manifest.read(buf, "req-1")
+    assert (version, manifest.decode(payload)) == (1, new)
+    with pytest.raises(ManifestError, match="stale, written for request 'req-1'"):
+        manifest.read(buf, "another")
+
+
+def test_an_invalidated_region_reads_as_never_written() -> None:
+    buf = buffer()
+    manifest.write(buf, 7, manifest.encode(record(2)))
+    manifest.write(buf, 8, manifest.encode(record(3)))
+    manifest.invalidate(buf)
+    with pytest.raises(ManifestError, match="half 0: never written; half 1: never written"):
+        manifest.read(buf, "req-1")

@@ -2,24 +2,30 @@
 owner id, running its own requests, adopts a session of a "dead" engine (dropped without
 releasing anything) and continues it token for token, computing no prompt token; a peer of
 another salt is refused before anything moves; a peer without room hands the session back for
-the next adopter; the async engine's ``adopt`` catches the caller up from what it received."""
+the next adopter; the async engine's ``adopt`` catches the caller up from what it received; a
+session drained right after its first manifest, in a manifest region a finished request used,
+is adopted as itself; a drain hands over only what the client has tokens of."""
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 
 import pytest
 
-from services.worker.async_engine import AsyncEngine
+from services.worker.async_engine import AsyncEngine, SessionsHandedOver
 from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.prefix_setup import prefix_salt
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.hierarchy.session import MANIFEST_SOURCE
 from services.worker.request.request import Request, SamplingParams
 
 PROMPT = list(range(10, 50))
+LONG = [7 + i % 90 for i in range(96)]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
 SEEDED = SamplingParams(temperature=0.9, top_p=0.95, seed=5, max_tokens=60, ignore_eos=True)
 
@@ -37,10 +43,11 @@ def make(
     max_num_seqs: int = 4,
     salt: str | None = None,
     model: str = "tiny-glm",
+    **kw,
 ) -> tuple[Engine, HostLink]:
     cfg = EngineConfig(
         model=model, mode="hisparse", kv_pool_mib=48, max_num_seqs=max_num_seqs,
-        max_model_len=512, owner=owner,
+        max_model_len=512, owner=owner, **kw,
     )  # fmt: skip
     engine = Engine(cfg, host=(store, store.mapping))
     salt = prefix_salt(cfg, engine.kv).root() if salt is None else salt
@@ -150,3 +157,92 @@ def test_the_async_engine_adopts_and_catches_the_caller_up(store) -> None:
     outs = asyncio.run(run())
     assert [t for o in outs for t in o.new_token_ids] == want.output_ids[received:]
     assert outs[0].cached_prompt_tokens == len(PROMPT) and outs[-1].finished
+
+
+def _manifest_offset(store: LocalHostStore, link: HostLink, rid: str) -> int:
+    """Where ``rid``'s manifest region lies in the arena, as the store says."""
+    regions = store.lookup(rid, link.owner, link.generation)
+    (region,) = [r for r in regions if r.source == MANIFEST_SOURCE]
+    return region.offset
+
+
+def test_a_session_drained_after_its_first_manifest_is_adopted_not_a_stale_one(store) -> None:
+    """The rolling restart's race: a draining worker hands over a request that has written one
+    manifest version (into half 1) into a manifest region a finished request used before, whose
+    own last version (in half 0) is higher. The peer resumes the new request, not the old."""
+    ref, _ = make(store, "ref")
+    (want,) = ref.generate([list(range(60, 100))], [GREEDY])
+    del ref
+    draining, link_a = make(store, "wA")
+    draining.add_request("old", PROMPT, GREEDY)  # same sizes as "new": the same region again
+    draining.step()
+    old_at = _manifest_offset(store, link_a, "old")
+    while draining.has_work():
+        draining.step()
+    draining.kv.host_backups.flush()  # its regions are back with the store
+    draining.add_request("new", list(range(60, 100)), GREEDY)
+    draining.step()  # the prompt and the first token: manifest version 1
+    assert _manifest_offset(store, link_a, "new") == old_at
+    link_a.close()  # SIGTERM: the generation ends, what it holds is adoptable
+    del draining
+    peer, link = make(store, "wB")
+    req = adopt(peer, link, store, "new", AdoptFrom("wA"))
+    assert len(req.output_ids) == 1
+    while peer.has_work():
+        peer.step()
+    assert req.output_ids == want.output_ids
+
+
+def test_a_drain_hands_over_what_the_client_has_tokens_of_and_ends_the_rest(store) -> None:
+    """A request whose client has no token yet (mid chunked prefill: its manifest may not exist
+    yet) is not handed over: its regions go back to the store, so the caller's
+    start-over under the same id on a peer is admitted there; the started one is adopted."""
+    ref, _ = make(store, "ref")
+    want = ref.generate([PROMPT, LONG], [GREEDY, GREEDY])
+    del ref
+    engine, link_a = make(store, "wA", max_prefill_tokens=32, prefix_cache=False)  # no import
+    holding = threading.Event()
+    eng: AsyncEngine
+
+    def hold(_: Engine, outputs: list) -> None:
+        """Once "a" has a token and "b" is part-way through its prompt, the engine thread
+        steps no more until the drain stopped it."""
+        a, b = engine.request("a"), engine.request("b")
+        if a is None or b is None or not a.output_ids or not 0 < b.num_computed < len(LONG):
+            return
+        holding.set()
+        while not eng.draining:
+            time.sleep(0.001)
+
+    async def stream(rid: str, prompt: list[int], got: list[int]) -> BaseException | None:
+        try:
+            async for out in eng.generate(rid, prompt, GREEDY):
+                got.extend(out.new_token_ids)
+        except SessionsHandedOver as e:
+            return e
+        return None
+
+    async def run() -> tuple[list[int], list[int], list]:
+        nonlocal eng
+        eng = AsyncEngine(engine, on_step=hold, on_shutdown=link_a.close)
+        a, b = [], []
+        tasks = [
+            asyncio.create_task(stream("a", PROMPT, a)),
+            asyncio.create_task(stream("b", LONG, b)),
+        ]
+        assert await asyncio.to_thread(holding.wait, 120.0)
+        assert await asyncio.to_thread(eng.drain) == 1
+        return a, b, await asyncio.gather(*tasks)
+
+    a, b, ends = asyncio.run(run())
+    assert a == want[0].output_ids[: len(a)] and a and b == []
+    assert all(isinstance(e, SessionsHandedOver) for e in ends)
+    assert [i.request_id for i in store.list_requests()] == ["a"]  # "b"'s regions are freed
+    peer, link = make(store, "wB")
+    req = adopt(peer, link, store, "a", AdoptFrom("wA"))
+    peer.add_request("b", LONG, GREEDY)  # the gateway starts "b" over, under its id
+    restarted: list[int] = []
+    while peer.has_work():
+        restarted += [t for o in peer.step() if o.request_id == "b" for t in o.new_token_ids]
+    assert req.output_ids == want[0].output_ids
+    assert restarted == want[1].output_ids
