@@ -9,9 +9,10 @@ reader takes the newest valid half. A manifest region is arena bytes that anothe
 manifest may have held before (regions are reused as requests end): a fresh region is cleared
 before its request can be handed over (``invalidate``), and a reader takes only halves written
 for the request it reads (``read``'s ``request_id``), so a stale half — valid, and possibly of a
-higher version than the new request's first — never passes for the new request's. The payload is a JSON head (scalars, lists of small ints,
-and the offset/length of each binary blob) followed by the blobs (token ids as int32, the
-generator state, token-ring snapshots).
+higher version than the new request's first — never passes for the new request's.
+
+The payload is a JSON head (scalars, lists of small ints, and the offset/length of each binary
+blob) followed by the blobs (token ids as int32, the generator state, token-ring snapshots).
 """
 
 from __future__ import annotations
