@@ -22,20 +22,29 @@ from bench import spec
 from bench.core.lockstep import lockstep
 from bench.core.output import write_result
 from services.worker.engine.engine import Engine
-from services.worker.graphs.cuda_graph import CaptureSchedule, DecodeGraphs, draft_key, pass_key
+from services.worker.graphs.cuda_graph import (
+    CaptureSchedule,
+    DecodeGraphs,
+    draft_key,
+    eager_logits,
+    mtp_key,
+    pass_key,
+)
 
 
 class KeyCounter:
     """Stands in for an engine's ``DecodeGraphs`` and its drafter's ``DraftGraphs``: runs every
-    pass eagerly, counting what the graphs would have done."""
+    pass eagerly, counting what the graphs would have done (the MTP layer's draft steps as
+    their own kind, ``mtp``; the decode graphs hold them beside the passes)."""
 
     def __init__(self, eng: Engine, max_width: int) -> None:
-        self.model, self.kv = eng.model, eng.kv  # read by ``DecodeGraphs._eager``
+        self.model, self.kv = eng.model, eng.kv
         self.max_batch, self.max_width = eng.cfg.max_num_seqs, max_width  # by ``covers``
         self.drafter = eng.speculator.drafter if eng.speculator is not None else None
         self.schedules = {
             "pass": CaptureSchedule(64, 2, False),
             "draft": CaptureSchedule(64, 2, False),
+            "mtp": CaptureSchedule(64, 2, False),
         }
         self.counts = {kind: Counter() for kind in self.schedules}
         self.counting = False
@@ -53,7 +62,12 @@ class KeyCounter:
     def logits(self, tokens, batch, features=None):
         self.kv.payload.begin(batch)
         self._count("pass", pass_key(self.kv.payload.pass_state, batch, features))
-        return DecodeGraphs._eager(self, tokens, batch, features)  # type: ignore[arg-type]
+        return eager_logits(self.model, self.kv, tokens, batch, features)
+
+    def mtp_step(self, tokens, batch, hidden, selection):
+        self.kv.payload.begin(batch)
+        self._count("mtp", mtp_key(self.kv.payload.pass_state, batch, hidden, selection))
+        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
 
     def draft(self, slots, num_committed, anchors, temperatures, noise):
         self._count("draft", draft_key(slots, noise))

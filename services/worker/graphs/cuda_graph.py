@@ -84,6 +84,36 @@ def pass_key(state: PassState, batch: ForwardBatch, features: dict | None) -> tu
     )
 
 
+def mtp_key(
+    state: PassState,
+    batch: ForwardBatch,
+    hidden: torch.Tensor | None,
+    selection: torch.Tensor | None,
+) -> tuple:
+    """The graph key of an MTP-only draft pass over ``batch``, once it began (``state``): batch
+    size, index-key width, the plans' sharing, and whether the hidden states and the selection
+    are given."""
+    return (
+        batch.num_requests, key_rows(max(batch.ends())), *state.graph_key(), hidden is None,
+        selection is None,
+    )  # fmt: skip
+
+
+def eager_logits(
+    model: SparseDecoder,
+    kv: KVCache,
+    tokens: torch.Tensor,
+    batch: ForwardBatch,
+    features: dict | None = None,
+) -> torch.Tensor:
+    """A decode or verify pass over ``batch``, begun on ``kv``, run eagerly: [N, V] logits
+    (a decode pass's at each request's last token). What a captured graph holds."""
+    hidden = model(tokens, batch, kv, features=features, begin=False)
+    if batch.is_decode:
+        hidden = hidden[batch.last_token_index]
+    return model.logits(hidden)
+
+
 def draft_key(slots: torch.Tensor, noise: torch.Tensor | None) -> tuple:
     """The graph key of a drafter's block pass: batch size, and whether any request samples."""
     return (len(slots), noise is not None)
@@ -257,10 +287,7 @@ class DecodeGraphs(_Captures):
 
         def run(t: torch.Tensor, b: ForwardBatch, _: tuple) -> object:
             feats = None if features is None else dict.fromkeys(features)
-            hidden = self.model(t, b, self.kv, features=feats, begin=False)
-            if b.is_decode:
-                hidden = hidden[b.last_token_index]
-            return self.model.logits(hidden), feats
+            return eager_logits(self.model, self.kv, t, b, feats), feats
 
         logits, feats = self._pass(key, tokens, batch, (), run)  # type: ignore[misc]
         if features is not None:
@@ -280,11 +307,7 @@ class DecodeGraphs(_Captures):
         self.kv.payload.begin(batch)
         if batch.num_requests > self.max_batch:
             return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
-        state = self.kv.payload.pass_state
-        key = (
-            "mtp", batch.num_requests, key_rows(max(batch.ends())), *state.graph_key(),
-            hidden is None, selection is None,
-        )  # fmt: skip
+        key = ("mtp", *mtp_key(self.kv.payload.pass_state, batch, hidden, selection))
 
         def run(t: torch.Tensor, b: ForwardBatch, inputs: tuple) -> object:
             return self.model.mtp_step(t, b, self.kv, *inputs, begin=False)

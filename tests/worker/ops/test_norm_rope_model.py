@@ -48,7 +48,7 @@ def test_the_fused_paths_give_the_torch_forms_outputs(family: str, monkeypatch) 
     cfg = parse_config(SLICES[family](small=True).to_dict())
     plain = _outputs(cfg, seed=1)
     for module in (layers, mla_attention, mla_indexer):
-        monkeypatch.setattr(module, "fused", lambda t: True)
+        monkeypatch.setattr(module, "fused", lambda t, op: True)
     fused = _outputs(cfg, seed=1)
     names = ["rows", "q", "q_latent", "keys", "index q", "index w", "normed", "summed", "norm"]
     for name, f, p in zip(names, fused, plain, strict=True):
