@@ -73,6 +73,19 @@ _RETRYABLE = {
 _CLIENT_ERRORS = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.OUT_OF_RANGE}
 
 
+def retry_of(
+    inp: GenerationInput, job: AdmissionJob, tries: int
+) -> tuple[GenerationInput, AdmissionJob]:
+    """The request as the attempt after ``tries`` failed ones sends it (0: as it came). A retry
+    has an id of its own (``{id}~{tries}``): a worker that died before the first token leaves
+    host regions under the first id, which the node's store keeps for it until its lease
+    lapses, and a peer of that node would be refused them."""
+    if tries == 0:
+        return inp, job
+    rid = f"{inp.request_id}~{tries}"
+    return replace(inp, request_id=rid), replace(job, request_id=rid)
+
+
 class WorkerPool:
     """All configured workers, polled every ``poll_interval_s``; ``health_misses`` polls
     missed in a row mark a worker unhealthy."""
@@ -295,6 +308,7 @@ class WorkerPool:
             worker = self.workers[lease.worker]
             if prefix is not None:
                 self._routed(inp.model, prefix, worker, tried)
+            attempt, work = retry_of(inp, job, len(tried))
             tried.append(worker.address)
             worker.in_flight += 1
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
@@ -302,7 +316,7 @@ class WorkerPool:
             origin = Origin.of(worker)  # where its sessions may move, were it to die
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
             # the rank whose share the lease holds runs it (a data-parallel group)
-            call = worker.stub.Generate(convert.generate_request(inp, lease.rank))
+            call = worker.stub.Generate(convert.generate_request(attempt, lease.rank))
             started, cached = False, 0  # cached: the prompt tokens this worker imported
             output: list[int] = []  # the tokens received
             try:
@@ -325,7 +339,7 @@ class WorkerPool:
                         worker.address, inp.request_id, describe(e),
                     )  # fmt: skip
                 async for delta in self._recover(
-                    worker, origin, lease, job, inp, len(output), startup_s
+                    worker, origin, lease, work, attempt, len(output), startup_s
                 ):
                     # a peer or the successor resumed the whole session; the prompt was this
                     # worker's
@@ -346,7 +360,7 @@ class WorkerPool:
                 if code not in _RETRYABLE:
                     raise APIError(500, f"worker {last_error}") from e
                 log.warning(
-                    "request %s failed before its first token on %s", inp.request_id, last_error
+                    "request %s failed before its first token on %s", attempt.request_id, last_error
                 )
                 if len(tried) > self.max_retries:
                     raise service_unavailable(

@@ -7,6 +7,7 @@ import asyncio
 import os
 import signal
 from collections.abc import Collection, Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -15,8 +16,8 @@ import pytest
 from services.gateway import GatewaySettings, create_app
 from services.gateway.errors import APIError
 from services.gateway.generation import GenerationInput, SamplingSpec
-from services.gateway.routing import ImmediateAdmission, WorkerStatus
-from services.gateway.worker_client import WorkerPool
+from services.gateway.routing import AdmissionJob, ImmediateAdmission, WorkerStatus
+from services.gateway.worker_client import WorkerPool, retry_of
 
 from .conftest import (
     MODEL,
@@ -74,6 +75,23 @@ async def test_failure_before_first_token_is_retried_elsewhere(worker: WorkerPro
     finally:
         await pool.close()
     assert worker.wait_idle()
+
+
+def test_a_retry_sends_the_request_under_an_id_of_its_own() -> None:
+    """A worker that died before the first token leaves host regions under the request's id,
+    which the node's store keeps for it until its lease lapses: a retry's own id is never
+    refused them by a peer of that node. The first attempt goes as it came."""
+    inp = GenerationInput("chatcmpl-abc-0", (1, 2, 3), sampling())
+    job = AdmissionJob(inp.request_id, 3, 4, MODEL)
+    assert retry_of(inp, job, 0) == (inp, job)
+    ids = set()
+    for tries in (1, 2):
+        again, work = retry_of(inp, job, tries)
+        assert again.request_id == work.request_id == f"chatcmpl-abc-0~{tries}"
+        assert replace(again, request_id=inp.request_id) == inp
+        assert replace(work, request_id=job.request_id) == job
+        ids.add(again.request_id)
+    assert len(ids) == 2
 
 
 async def test_parameters_the_worker_refuses_are_400(worker: WorkerProcess) -> None:
