@@ -3,7 +3,7 @@ polled for health and load) and ``generate`` with admission, routing, retry and 
 
 Contract of ``WorkerPool.generate``: the returned async iterator yields the worker's deltas for
 one request. A worker that fails *before its first token* is retried on another healthy worker
-(at most ``max_retries`` times). A worker with durable sessions whose process dies *after* the
+(at most ``max_retries`` times), under an id of the retry's own (``retry_of``). A worker with durable sessions whose process dies *after* the
 first token has its stream moved to a live peer of its node with room (``peer_adoption``), which
 adopts the session from the host store; when none does, the worker is waited for
 (``resume_deadline``: ``resume_deadline_s``, longer for a worker that was slow to start) and the
