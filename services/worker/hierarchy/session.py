@@ -26,7 +26,6 @@ import torch
 
 from dhisparse.family.config import ModelConfig
 from services.kv_host_store.records import Region
-from services.worker.durable import manifest
 from services.worker.hierarchy.host_backup import HostBackups
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.index_keys import IndexKeys
@@ -170,11 +169,12 @@ class SessionBackup:
 
     def clear_manifest(self, slot: int) -> None:
         """Marks the manifest region of a request just admitted to ``slot`` as never written
-        (``manifest.invalidate``): its arena bytes may hold a finished request's manifest, which
-        must not pass for this one's before the journal writes its first. None where another
-        process writes the host backups (it clears them)."""
+        (zero bytes, as ``durable.manifest.invalidate`` leaves them): its arena bytes may hold a
+        finished request's manifest, which must not pass for this one's before the journal
+        writes its first. None where another process writes the host backups (it clears
+        them)."""
         if self.host.writer:
-            manifest.invalidate(self.manifest_buffer(slot).numpy())
+            self.manifest_buffer(slot).zero_()
 
     def manifest_buffer(self, slot: int) -> torch.Tensor:
         """[2, half] uint8 host view of the slot's manifest region."""
