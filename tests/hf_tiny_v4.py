@@ -15,8 +15,12 @@ import torch
 from safetensors.torch import load_file, save_file
 from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.kv.config import ResidencyConfig
 from services.worker.ops.fp4_e2m1 import E2M1_VALUES, FP4_GROUP
 from services.worker.ops.fp8_blockwise import quantize_blockwise
+from services.worker.request.request import SamplingParams
 
 VOCAB = 300
 
@@ -241,3 +245,30 @@ def mtp_layer(seed: int, tmp: Path, names: str = "hub") -> TinyV4MTP:
         block.eval(), fusion["enorm.weight"], fusion["hnorm.weight"], fusion["e_proj.weight"],
         fusion["h_proj.weight"], tensors,
     )  # fmt: skip
+
+
+# ---- an engine whose admissions reclaim history (adaptive mode, a pool of a few pages) -------
+def reclaiming_run(path: Path, pages: int, new_tokens: int, pause: int) -> tuple[Engine, list]:
+    """Six greedy requests over the V4 checkpoint at ``path`` in adaptive mode with a pool of
+    ``pages`` pages beyond its fixed allocations, three arriving after ``pause`` steps of the
+    first three: admissions reclaim optional history. (The engine, its finished requests.)"""
+    kw = dict(model=str(path), mode="adaptive", max_num_seqs=4, max_model_len=512,
+              hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
+    probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
+    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
+    probe.close()
+    eng = Engine(EngineConfig(
+        **kw, kv_pool_mib=(fixed + pages * page_bytes) / (1 << 20),
+        residency=ResidencyConfig(populate_pages=4),
+    ))  # fmt: skip
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    reqs = []
+    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
+        if i == 3:
+            for _ in range(pause):
+                eng.step()
+        reqs.append(eng.add_request(f"r{i}", token_ids(n, 900 + n).tolist(), params))
+    while eng.has_work():
+        eng.step()
+    return eng, reqs

@@ -26,7 +26,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.config import KVCacheConfig, ResidencyConfig
+from services.worker.kv.config import KVCacheConfig
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.request import SamplingParams
@@ -255,25 +255,7 @@ def test_engine_adaptive_reclaiming_history_equals_transformers_greedy(ref, path
     """Six requests, three arriving while the first three decode, in adaptive mode with a pool
     of 90 pages beyond its fixed allocations: admissions reclaim optional history, and the 20
     greedy tokens of each request are transformers' greedy continuations."""
-    kw = dict(model=str(path), mode="adaptive", max_num_seqs=4,
-              max_model_len=512, hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
-    probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
-    page_bytes = 16 * probe.model_cfg.d_kv * 4
-    fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
-    probe.close()
-    eng = Engine(EngineConfig(
-        **kw, kv_pool_mib=(fixed + 90 * page_bytes) / (1 << 20),
-        residency=ResidencyConfig(populate_pages=4),
-    ))  # fmt: skip
-    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
-    reqs = []
-    for i, n in enumerate((150, 61, 197, 90, 120, 40)):
-        if i == 3:
-            for _ in range(12):
-                eng.step()
-        reqs.append(eng.add_request(f"r{i}", hf_tiny_v4.token_ids(n, 900 + n).tolist(), params))
-    while eng.has_work():
-        eng.step()
+    eng, reqs = hf_tiny_v4.reclaiming_run(path, pages=90, new_tokens=20, pause=12)
     for req in reqs:
         assert len(req.output_ids) == 20
         assert req.output_ids == hf_tiny.greedy_under_reference(ref, req.prompt_ids, req.output_ids)
