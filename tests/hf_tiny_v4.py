@@ -17,6 +17,7 @@ from transformers import DeepseekV4Config, DeepseekV4ForCausalLM
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import ResidencyConfig
 from services.worker.ops.fp4_e2m1 import E2M1_VALUES, FP4_GROUP
 from services.worker.ops.fp8_blockwise import quantize_blockwise
@@ -272,3 +273,23 @@ def reclaiming_run(path: Path, pages: int, new_tokens: int, pause: int) -> tuple
     while eng.has_work():
         eng.step()
     return eng, reqs
+
+
+def interleaved_logits(model, kv, seqs: dict, passes: list) -> dict[int, torch.Tensor]:
+    """Runs the requests ``seqs`` (slot -> token ids, admitted in ``kv``) through ``passes``
+    (each a list of (slot, tokens this pass adds)), committing every pass; each slot's logits
+    of all its tokens, once every token ran."""
+    done = dict.fromkeys(seqs, 0)
+    got: dict[int, list[torch.Tensor]] = {slot: [] for slot in seqs}
+    for chunks in passes:
+        slots = [slot for slot, _ in chunks]
+        lens = [n for _, n in chunks]
+        batch = ForwardBatch.build(slots, [done[s] for s in slots], lens, "cpu")
+        tokens = torch.cat([seqs[s][done[s] : done[s] + n] for s, n in chunks])
+        logits = model.logits(model(tokens, batch, kv))
+        for (slot, n), part in zip(chunks, logits.split(lens), strict=True):
+            got[slot].append(part)
+            done[slot] += n
+        kv.commit(batch, [done[s] for s in slots])
+    assert all(done[slot] == len(ids) for slot, ids in seqs.items())
+    return {slot: torch.cat(parts) for slot, parts in got.items()}

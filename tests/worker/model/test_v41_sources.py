@@ -176,22 +176,10 @@ def test_two_requests_sharing_passes_give_the_reference_logits(ref, path) -> Non
         [(2, 13)], [(2, 10), (0, 7)], [(2, 1), (0, 17)], *([[(2, 1), (0, 1)]] * 5),
         [(2, 12), (0, 5)],
     ]  # fmt: skip
-    done = dict.fromkeys(seqs, 0)
-    got: dict[int, list[torch.Tensor]] = {slot: [] for slot in seqs}
-    for chunks in passes:
-        slots = [slot for slot, _ in chunks]
-        lens = [n for _, n in chunks]
-        batch = ForwardBatch.build(slots, [done[s] for s in slots], lens, "cpu")
-        tokens = torch.cat([seqs[s][done[s] : done[s] + n] for s, n in chunks])
-        logits = model.logits(model(tokens, batch, kv))
-        for (slot, n), part in zip(chunks, logits.split(lens), strict=True):
-            got[slot].append(part)
-            done[slot] += n
-        kv.commit(batch, [done[s] for s in slots])
+    got = hf_tiny_v4.interleaved_logits(model, kv, seqs, passes)
     for slot, ids in seqs.items():
-        assert done[slot] == len(ids)
         want = v41_reference.logits(ref, KV, INDEX, ids)
-        hf_tiny_v4.assert_close(torch.cat(got[slot]), want, RTOL)
+        hf_tiny_v4.assert_close(got[slot], want, RTOL)
     kv.close()
 
 
