@@ -175,8 +175,9 @@ KERNEL_STEPS = (
     Step(
         "kernel-tests",
         "-m bench gpu-tests tests/worker/ops tests/worker/graphs "
-        "tests/worker/hierarchy/test_hierarchy.py --out {out}/gpu_tests_kernels.json",
-        300,
+        "tests/worker/hierarchy/test_hierarchy.py tests/worker/speculative/test_mtp_gpu.py "
+        "--out {out}/gpu_tests_kernels.json",
+        330,
     ),
     Step(
         "sparse-attention",
