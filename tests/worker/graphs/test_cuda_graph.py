@@ -5,6 +5,7 @@ batch sizes, index-key widths and hierarchy plans change between replays)."""
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 
 import pytest
@@ -45,12 +46,14 @@ def _drive(
     followers: FollowerPrefetch = FollowerPrefetch(),
     fused: bool = False,
     model: str = "tiny-glm",
+    pool_mib: int = 128,
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     """``model``: a preset, or a checkpoint (one with its MTP layer for ``drafter="mtp"``,
-    whose passes the graphs capture too)."""
+    whose passes the graphs capture too); ``pool_mib``: the KV pool, which holds the token
+    rings and the index-score workspace beside the rows."""
     eng = Engine(
         EngineConfig(
-            model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=128,
+            model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=pool_mib,
             host_arena_mib=64, max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096,
             hot_cache_rows=64,
             graphs=GraphConfig(graphs, capture, mtp=True),
@@ -170,9 +173,11 @@ def test_replayed_mtp_rounds_equal_the_eager_rounds(
     MTP layer's lagged source from the carry) and the MTP layer's draft steps replayed from
     graphs give the eager rounds' tokens and logits bit for bit, and plain greedy's tokens."""
     _, path = mtp_checkpoint(family, tmp_path_factory)
-    eager, ref = _drive(mode, graphs=False, drafter="mtp", model=str(path))
-    graphed, got = _drive(mode, graphs=True, drafter="mtp", model=str(path))
-    plain, base = _drive(mode, graphs=True, model=str(path))
+    # the checkpoint's vocabulary and widths take a larger workspace than the presets'
+    run = functools.partial(_drive, mode, model=str(path), pool_mib=512)
+    eager, ref = run(graphs=False, drafter="mtp")
+    graphed, got = run(graphs=True, drafter="mtp")
+    plain, base = run(graphs=True)
     graphs = graphed.passes.graphs
     assert graphs is not None and graphed.graphs_off_reason is None
     kinds = Counter(key[0] for key in graphs.held_keys())
