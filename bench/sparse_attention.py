@@ -5,13 +5,13 @@ one-pass kernel's (``OnePassTiles``), over rows stored in bf16 and in packed FP8
 For DeepSeek-V3.2 (128 heads) and GLM-5 (64 heads), rows of 576 (the stored MLA row) with
 values of 512 and ``--k`` selected rows per token at random pool locations, and each decode
 batch of ``--n`` tokens. In bf16 (``--kv bf16``): every candidate reads the pool by location.
-In FP8 (``--kv fp8``, 656-byte packed rows): ``gather+<tiles>`` is the serving path today (the
-selected rows dequantized into a workspace by ``fp8_gather_triton``, then the tiled kernel over
-the workspace), ``onepass-*`` reads the packed rows itself. Each variant is captured in a CUDA
+In FP8 (``--kv fp8``, 656-byte packed rows): ``gather+<tiles>`` dequantizes the selected rows
+into a workspace (``fp8_gather_triton``) and attends over it (``gather+default``: the serving
+path), ``onepass-*`` reads the packed rows itself. Each variant is captured in a CUDA
 graph of ``--inner`` calls and timed with CUDA events, alternating
 (``bench/core/lockstep.py``), medians over ``--repeats``. Reported per shape: µs per call, the
 selected rows' stored bytes over that time (GB/s), and the largest difference from
-``default``'s output (the tiled kernel at ``attention_tiles``, or in FP8 ``gather+default``).
+``default``'s output (the shape ``attention_tiles`` chooses, or in FP8 ``gather+default``).
 A candidate this device cannot compile (registers or shared memory) is listed as failed. The
 device's copy rate is measured in the same run."""
 
@@ -44,7 +44,8 @@ FAMILIES = {"v32": 128, "glm5": 64}  # heads
 D, DV = 576, 512
 FMT = mla_row_format(DV, D - DV)
 TILED = {
-    "h16v512w4": AttentionTiles(16, 512),  # attention_tiles' choice before the sweep's
+    "h64v256k64w8": AttentionTiles(64, 256, 64, 8),  # the tiled kernel's best
+    "h16v512w4": AttentionTiles(16, 512),
     "h32v512w8": AttentionTiles(32, 512, 32, 8),
     "h64v256w8": AttentionTiles(64, 256, 32, 8),
     "h64v128w4": AttentionTiles(64, 128, 32, 4),
@@ -90,7 +91,7 @@ def variants(
     q = (torch.randn(n, heads, D, generator=g) * 0.5).to(dev, torch.bfloat16)
     locs = torch.randint(0, args.pool_rows, (n, args.k), generator=g).to(dev)
     scale = D**-0.5
-    tiled = {"default": attention_tiles(heads, DV), **TILED}
+    tiled = {"default": attention_tiles(heads, n), **TILED}
     if kv == "bf16":
         pool = rows.to(dev, torch.bfloat16)
         shapes = {**tiled, **ONE_PASS}
@@ -103,7 +104,7 @@ def variants(
     ws = torch.empty(n * args.k, D, dtype=torch.bfloat16, device=dev)
     at = torch.arange(n * args.k, device=dev).view(n, args.k)
 
-    def gathered(t: AttentionTiles) -> torch.Tensor:
+    def gathered(t: AttentionTiles | OnePassTiles) -> torch.Tensor:
         fp8_gather_triton(FMT, packed, locs.flatten(), torch.bfloat16, out=ws)
         return sparse_attention_triton(q, ws, at, DV, scale, tiles=t)
 

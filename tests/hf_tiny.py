@@ -25,6 +25,7 @@ if TYPE_CHECKING:
     from tests.hf_tiny_v4 import TinyV4MTP
 
 VOCAB = 300  # above the byte tokenizer's ids, so engine prompts of bytes are valid
+MASKED = -1e30  # scores at or below this are masked out (transformers adds finfo.min or -inf)
 
 _COMMON = dict(
     vocab_size=VOCAB, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
@@ -103,22 +104,72 @@ def save_hub_style(model: torch.nn.Module, path: Path, max_shard_size: str | Non
 
 
 @contextlib.contextmanager
-def our_topk_order() -> Iterator[None]:
+def our_topk_order(margins: list[float] | None = None) -> Iterator[None]:
     """Tensor.topk (the indexer's and the routers' group step) with our order: value
-    descending, the lower index first on ties."""
-    original = torch.Tensor.topk
+    descending, the lower index first on ties. ``margins``: each top-k call (``torch.topk``
+    too: the routers' expert choice) appends its nearest tie, the smallest gap between a row's
+    k-th and (k+1)-th largest unmasked values (none where no row has k+1 of them; masks add
+    -inf or the dtype's lowest value)."""
+    original_method, original_fn = torch.Tensor.topk, torch.topk
+
+    def note(t: torch.Tensor, k: int, dim: int) -> None:
+        if margins is None or k >= t.shape[dim]:
+            return
+        v = original_fn(t.detach(), k + 1, dim=dim).values
+        kth, next_ = v.narrow(dim, k - 1, 1), v.narrow(dim, k, 1)
+        gap = (kth - next_)[next_ > MASKED]
+        if gap.numel():
+            margins.append(gap.min().item())
 
     def topk(self, k, dim=-1, largest=True, sorted=True):
         if not largest:
-            return original(self, k, dim, largest, sorted)
+            return original_method(self, k, dim, largest, sorted)
+        note(self, k, dim)
         order = torch.sort(self, dim=dim, descending=True, stable=True).indices.narrow(dim, 0, k)
         return torch.return_types.topk((self.gather(dim, order), order))
 
-    torch.Tensor.topk = topk
+    def topk_fn(t, k, dim=-1, largest=True, sorted=True, **kw):
+        if largest:
+            note(t, k, dim)
+        return original_fn(t, k, dim=dim, largest=largest, sorted=sorted, **kw)
+
+    torch.Tensor.topk, torch.topk = topk, topk_fn
     try:
         yield
     finally:
-        torch.Tensor.topk = original
+        torch.Tensor.topk, torch.topk = original_method, original_fn
+
+
+def well_posed_prompts(
+    model: torch.nn.Module,
+    lengths: tuple[int, ...],
+    seed: int,
+    new_tokens: int,
+    margin: float = 1e-6,
+) -> list[list[int]]:
+    """Random prompts of ``lengths`` whose greedy continuations (``new_tokens``) under
+    ``model`` choose every index row and expert by more than ``margin``: prompts are drawn
+    from ``seed``'s generator until one qualifies. At a selection closer than that, kernels
+    that round otherwise may choose the other row, and every later token may differ by more
+    than a logit tie; such a prompt tests rounding, not the serving path."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = []
+    for n in lengths:
+        for _ in range(20):
+            prompt = torch.randint(0, VOCAB, (n,), generator=g).tolist()
+            ids = list(prompt)
+            with torch.no_grad(), our_topk_order():
+                for _ in range(new_tokens - 1):
+                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
+            margins: list[float] = []
+            with torch.no_grad(), our_topk_order(margins):
+                model(torch.tensor([ids]))
+            if min(margins, default=math.inf) > margin:
+                prompts.append(prompt)
+                break
+        else:
+            raise AssertionError(f"no well-posed prompt of {n} tokens in 20 draws")
+    return prompts
 
 
 def indexer_hooks(model: torch.nn.Module, out: dict[int, torch.Tensor]) -> list:

@@ -5,7 +5,12 @@ from __future__ import annotations
 import torch
 
 from services.worker.ops.fusion import fused
+from services.worker.ops.select_topk_radix import MAX_K, RadixTiles, select_topk_radix
 from services.worker.ops.select_topk_triton import MAX_WIDTH, select_topk_triton
+
+# from this many queries a launch, wider rows take radix select (``select_topk_radix``): with
+# fewer, torch's sort of the whole row is as fast at k = 2048 (``python -m bench select-topk``)
+RADIX_QUERIES = 16
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -25,10 +30,18 @@ def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.
 
 
 def select_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torch.Tensor:
-    """The model's ordered top-k selection (``select_topk_ref``'s contract); fused, one kernel
-    for rows of at most ``MAX_WIDTH`` scores (``select_topk_triton``)."""
-    if fused(scores, "select_topk") and scores.shape[1] <= MAX_WIDTH:
-        return select_topk_triton(scores, num_visible, k)
+    """The model's ordered top-k selection (``select_topk_ref``'s contract), the same positions
+    whichever form computes it. Fused: one kernel for rows of at most ``MAX_WIDTH`` scores
+    (``select_topk_triton``); wider rows by radix select from ``RADIX_QUERIES`` queries (rows
+    of up to 8192 scores one program per query, wider ones in chunks of 16384 across
+    programs); else the torch form. The choice is a function of the shapes only."""
+    t, s = scores.shape
+    if fused(scores, "select_topk"):
+        if s <= MAX_WIDTH:
+            return select_topk_triton(scores, num_visible, k)
+        if t >= RADIX_QUERIES and k <= MAX_K and scores.stride(1) == 1:
+            tiles = RadixTiles(8192, 16) if s <= 8192 else RadixTiles(4096, 8, 16384)
+            return select_topk_radix(scores, num_visible, k, tiles)
     return select_topk_ref(scores, num_visible, k)
 
 

@@ -49,7 +49,7 @@ def sparse_attention_triton(
     ``tiles``: the programs' shape (default ``attention_tiles``'s); ``OnePassTiles`` runs the
     one-pass kernel (``sparse_attention_onepass``), which alone reads a pool of ``PackedRows``."""
     dvp = triton.next_power_of_2(d_v)
-    t = tiles or attention_tiles(q.shape[1], dvp)
+    t = tiles or attention_tiles(q.shape[1], q.shape[0])
     if isinstance(t, OnePassTiles):
         args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t)
         return sparse_attention_onepass(*args)
@@ -113,12 +113,16 @@ class AttentionTiles:
     warps: int = 4
 
 
-def attention_tiles(h: int, dvp: int) -> AttentionTiles:
-    """Up to 64 heads per program, at least 16, with every value column; for values of 512 or
-    more (MLA's latent), value blocks of 256 and 64 rows per step in 8 warps (an fp32
-    accumulator of 64 x 256: ``python -m bench sparse-attention`` sweeps the shapes,
-    ``docs/results`` holds what it measured). ``python -m bench roofline`` measures the step."""
-    heads = max(16, min(64, triton.next_power_of_2(h)))
-    if dvp >= 512:
-        return AttentionTiles(heads, 256, 64, 8)
-    return AttentionTiles(heads, dvp)
+def attention_tiles(h: int, tokens: int) -> OnePassTiles:
+    """The programs' shape for ``tokens`` query tokens of ``h`` heads: the one-pass kernel,
+    which reads each selected row once per head block with every value column (the tiled
+    kernel reads it once per block of values too). Up to 4 tokens (a decode step of a few
+    streams), 16 heads per program in 4 warps, so the launch has programs enough; more
+    tokens, 8 warps over 64 heads per program from 128 heads (32 rows per step), else 32 (64
+    rows per step), never more than the heads there are (at least 16: tl.dot's minimum).
+    ``python -m bench sparse-attention`` sweeps the shapes at the real models' widths, the
+    tiled kernel's (``AttentionTiles``) beside them; ``docs/results`` holds what it measured."""
+    if tokens <= 4:
+        return OnePassTiles(16, 32, 4)
+    heads = max(16, min(64 if h >= 128 else 32, triton.next_power_of_2(h)))
+    return OnePassTiles(heads, 32 if heads == 64 else 64, 8)

@@ -20,6 +20,8 @@ from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
 
+SHIPPED = "models/glm-dsa-mini"  # the default model: its MTP layer is trained
+
 
 def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
     prev = 0
@@ -164,16 +166,19 @@ def test_replayed_speculative_rounds_equal_the_eager_rounds(mode: str, drafter: 
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("family", sorted(FAMILIES))
+@pytest.mark.parametrize("checkpoint", [*sorted(FAMILIES), SHIPPED])
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
 def test_replayed_mtp_rounds_equal_the_eager_rounds(
-    mode: str, family: str, tmp_path_factory: pytest.TempPathFactory
+    mode: str, checkpoint: str, tmp_path_factory: pytest.TempPathFactory
 ) -> None:
-    """A tiny checkpoint served with its MTP layer: decode and verify passes (which write the
-    MTP layer's lagged source from the carry) and the MTP layer's draft steps replayed from
-    graphs give the eager rounds' tokens and logits bit for bit, and plain greedy's tokens."""
-    _, path = mtp_checkpoint(family, tmp_path_factory)
-    # the checkpoint's vocabulary and widths take a larger workspace than the presets'
+    """A checkpoint served with its MTP layer: decode and verify passes (which write the MTP
+    layer's lagged source from the carry) and the MTP layer's draft steps replayed from graphs
+    give the eager rounds' tokens and logits bit for bit, and plain greedy's tokens. The tiny
+    checkpoints (each family's MTP form) have random MTP layers that rarely propose the target's
+    token; the shipped model's trained layer does, so its rounds commit accepted drafts (the
+    carry's lagged rows of several tokens)."""
+    path = SHIPPED if checkpoint == SHIPPED else mtp_checkpoint(checkpoint, tmp_path_factory)[1]
+    # the checkpoints' vocabularies and widths take a larger workspace than the presets'
     run = functools.partial(_drive, mode, model=str(path), pool_mib=512)
     eager, ref = run(graphs=False, drafter="mtp")
     graphed, got = run(graphs=True, drafter="mtp")
@@ -183,7 +188,9 @@ def test_replayed_mtp_rounds_equal_the_eager_rounds(
     kinds = Counter(key[0] for key in graphs.held_keys())
     assert kinds["mtp"] > 0 and kinds["pass"] > 0 and graphs.replays > 20
     assert graphed.speculator is not None and eager.speculator is not None
-    assert graphed.speculator.counters.accepted == eager.speculator.counters.accepted > 0
+    accepted = graphed.speculator.counters.accepted
+    assert accepted == eager.speculator.counters.accepted
+    assert accepted > 0 or checkpoint != SHIPPED
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
         assert torch.equal(a, b), f"{r} token {n}: logits differ"

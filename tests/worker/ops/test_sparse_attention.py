@@ -1,5 +1,6 @@
-"""The sparse attention kernel equals its torch reference (interpreter on the CPU; @gpu on the
-device), with padding, windows and shared rows."""
+"""The sparse attention kernels equal their torch reference (interpreter on the CPU; @gpu on
+the device), with padding, windows and shared rows: the shapes ``attention_tiles`` chooses
+(the one-pass kernel) and the tiled kernel's (``AttentionTiles``)."""
 
 from __future__ import annotations
 
@@ -29,13 +30,16 @@ def case(seed: int, n: int, h: int, d: int, dv: int, k: int, w: int, device: str
     ("seed", "n", "h", "d", "dv", "k", "w"),
     [(0, 3, 4, 80, 64, 32, 0), (1, 2, 4, 80, 64, 16, 8), (2, 5, 20, 48, 32, 40, 0)],
 )
-def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w) -> None:
-    from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+@pytest.mark.parametrize("tiled", [False, True], ids=["chosen", "tiled"])
+def test_triton_sparse_attention_matches_reference(seed, n, h, d, dv, k, w, tiled) -> None:
+    from services.worker.ops.sparse_attention_triton import AttentionTiles, sparse_attention_triton
 
     args = case(seed, n, h, d, dv, k, w, "cpu", torch.float32)
+    tiles = AttentionTiles(16, 64) if tiled else None
     torch.testing.assert_close(
-        sparse_attention_triton(*args), sparse_attention_ref(*args), rtol=1e-4, atol=1e-5
-    )
+        sparse_attention_triton(*args, tiles=tiles), sparse_attention_ref(*args),
+        rtol=1e-4, atol=1e-5,
+    )  # fmt: skip
 
 
 @pytest.mark.parametrize("values", [64, 16])
@@ -72,8 +76,9 @@ def test_split_rows_combine_to_the_reference(seed, w, splits, combine, values) -
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_triton_sparse_attention_on_gpu(dtype) -> None:
-    from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+@pytest.mark.parametrize("tiled", [False, True], ids=["chosen", "tiled"])
+def test_triton_sparse_attention_on_gpu(dtype, tiled) -> None:
+    from services.worker.ops.sparse_attention_triton import AttentionTiles, sparse_attention_triton
 
     for seed, (n, h, d, dv, k, w) in enumerate(
         # a prefill chunk, a V3.2 decode step (128 heads: split rows), a windowed one
@@ -81,8 +86,9 @@ def test_triton_sparse_attention_on_gpu(dtype) -> None:
     ):
         args = case(seed, n, h, d, dv, k, w, "cuda", dtype)
         tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+        tiles = AttentionTiles(64, 256, 64, 8) if tiled else None
         torch.testing.assert_close(
-            sparse_attention_triton(*args).float(), sparse_attention_ref(*args).float(),
+            sparse_attention_triton(*args, tiles=tiles).float(), sparse_attention_ref(*args).float(),
             rtol=tol, atol=tol,
         )  # fmt: skip
 

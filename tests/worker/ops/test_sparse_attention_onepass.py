@@ -116,10 +116,11 @@ def test_rejects_a_pool_that_does_not_match() -> None:
         OnePassTiles(heads=24)
 
 
-def test_wide_values_take_the_measured_tiles() -> None:
-    assert attention_tiles(128, 512) == AttentionTiles(64, 256, 64, 8)
-    assert attention_tiles(64, 512) == AttentionTiles(64, 256, 64, 8)
-    assert attention_tiles(4, 64) == AttentionTiles(16, 64)
+def test_decode_batches_take_the_measured_one_pass_shapes() -> None:
+    assert attention_tiles(128, 1) == attention_tiles(64, 4) == OnePassTiles(16, 32, 4)
+    assert attention_tiles(128, 16) == OnePassTiles(64, 32, 8)
+    assert attention_tiles(64, 64) == OnePassTiles(32, 64, 8)
+    assert attention_tiles(16, 64) == attention_tiles(4, 5) == OnePassTiles(16, 64, 8)
 
 
 REAL = [(1, 128), (4, 64), (16, 128), (64, 64)]  # (decode tokens, heads): V3.2 and GLM-5

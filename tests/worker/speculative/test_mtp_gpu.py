@@ -1,7 +1,7 @@
 """The MTP drafter on the GPU (H200), over the tiny checkpoints with an appended MTP layer:
 speculative greedy output, in every serving mode, is transformers' greedy continuation (fp32),
-with the MTP layer drafting every round. The MTP passes run eagerly (no CUDA graphs yet: the
-engine says why); the Triton resolver and sparse attention serve target and MTP layer alike."""
+with the MTP layer drafting every round. The Triton resolver and sparse attention serve target
+and MTP layer alike."""
 
 from __future__ import annotations
 
@@ -24,6 +24,8 @@ pytestmark = pytest.mark.gpu
 LENGTHS = (200, 90, 260, 60)
 NEW_TOKENS = 32
 # fp32 logits closer than this are a tie that kernels rounding otherwise may break either way
+# (the prompts keep every index row's and expert's selection clear of such ties:
+# ``hf_tiny.well_posed_prompts``)
 TIE = 1e-3
 
 
@@ -41,8 +43,7 @@ def test_mtp_speculation_on_the_gpu_is_transformers_greedy(family, mode: str, fu
     rounding differs from the torch ops transformers runs: a token may then take the other side
     of one of transformers' near-ties (``TIE``), never more."""
     ref, path = family
-    g = torch.Generator().manual_seed(23)
-    prompts = [torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    prompts = hf_tiny.well_posed_prompts(ref.target, LENGTHS, 23, NEW_TOKENS)
     cfg = EngineConfig(
         model=str(path), mode=mode, device="cuda", dtype="float32", kv_pool_mib=96,
         host_arena_mib=64, max_num_seqs=4, max_model_len=1024, page_size=16,
@@ -82,8 +83,7 @@ def test_each_fused_kernel_alone_keeps_transformers_greedy(tmp_path_factory, op:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     ref, path = mtp_checkpoint("glm_moe_dsa", tmp_path_factory)
-    g = torch.Generator().manual_seed(23)
-    prompts = [torch.randint(0, hf_tiny.VOCAB, (n,), generator=g).tolist() for n in LENGTHS]
+    prompts = hf_tiny.well_posed_prompts(ref.target, LENGTHS, 23, NEW_TOKENS)
     cfg = EngineConfig(
         model=str(path), mode="resident", device="cuda", dtype="float32", kv_pool_mib=96,
         max_num_seqs=4, max_model_len=1024, page_size=16, max_prefill_tokens=128,
