@@ -168,7 +168,7 @@ def _engine(
         page_size=args.page,
         max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
         hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
-        host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager, "second", mtp=True),
+        host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager),
         kv_cache_dtype=args.kv_cache_dtype,
         followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
         speculation=SpeculationConfig(

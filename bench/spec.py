@@ -37,7 +37,6 @@ from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
@@ -49,7 +48,7 @@ def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
     return EngineConfig(
         model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
-        max_prefill_tokens=8192, page_size=16, graphs=GraphConfig(mtp=True),
+        max_prefill_tokens=8192, page_size=16,
         speculation=SpeculationConfig(
             drafter_arg(args.drafter_dir, drafter), width, policy
         ),

@@ -111,7 +111,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-cache-dtype", default="fp8", choices=("auto", "fp8"))
     ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--eager", action="store_true", help="no CUDA graphs")
-    ap.add_argument("--fused-kernels", action="store_true", help="the fused kernels (a GPU)")
+    ap.add_argument(
+        "--fused-kernels", action=argparse.BooleanOptionalAction, default=True,
+        help="the fused kernels (a GPU; the engine's default)",
+    )  # fmt: skip
     ap.add_argument("--time-limit-s", type=float, help="skip C points that would end past it")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--plot", metavar="PREFIX", help="PNGs of throughput and sessions vs C")

@@ -58,7 +58,7 @@ def build(model, name: str, v: Variant, s: EngineSizing, store=None) -> tuple[En
         model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=v.mode,
         page_size=s.page_size, max_num_seqs=s.slots, max_model_len=s.max_model_len,
         max_prefill_tokens=s.max_prefill_tokens, hot_cache_rows=s.hot_cache_rows,
-        kv_cache_dtype=s.kv_cache_dtype, graphs=GraphConfig(s.graphs, "second", mtp=True),
+        kv_cache_dtype=s.kv_cache_dtype, graphs=GraphConfig(s.graphs),
         fused_kernels=s.fused_kernels,
         speculation=SpeculationConfig(None if v.spec == "off" else "mtp", s.spec_width,
                                       "fixed" if v.spec == "off" else v.spec),

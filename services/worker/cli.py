@@ -79,10 +79,10 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     add_switch(p, "cuda-graphs", "on a GPU: replay decode passes as captured CUDA graphs (on)")
     add_switch(
         p, "cuda-graphs-mtp", "on a GPU: capture the passes of a model served with its MTP layer "
-        "too (off: such a model runs eagerly)",
+        "too (on; off: such a model runs eagerly)",
     )  # fmt: skip
     add_switch(
-        p, "fused-kernels", "on a GPU: norms, RoPE, routing, top-k ... as fused kernels (off)"
+        p, "fused-kernels", "on a GPU: norms, RoPE, routing, top-k ... as fused kernels (on)"
     )
     p.add_argument(
         "--graph-capture",

@@ -55,8 +55,8 @@ class WorkerSettings(BaseSettings):
     resolver: str = "auto"
     attention_backend: str = "auto"
     cuda_graphs: bool = True
-    cuda_graphs_mtp: bool = False  # the MTP layer's passes too (off until its GPU tests ran)
-    fused_kernels: bool = False
+    cuda_graphs_mtp: bool = True  # the MTP layer's passes too
+    fused_kernels: bool = True
     graph_capture: str = "second"
     reserve_pages: int = 0
     populate_pages: int = 256

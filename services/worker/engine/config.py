@@ -67,7 +67,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # torch | triton | auto (triton on a GPU)
     residency: ResidencyConfig = field(default_factory=ResidencyConfig)  # mode adaptive
     graphs: GraphConfig = field(default_factory=GraphConfig)  # on a GPU
-    fused_kernels: bool = False  # on a GPU: passes run the fused kernels (``ops.fusion``)
+    fused_kernels: bool = True  # on a GPU: passes run the fused kernels (``ops.fusion``)
     speculation: SpeculationConfig = field(default_factory=SpeculationConfig)
     parallel: ParallelConfig = SINGLE  # the ranks one worker spans (``family.parallel_layout``)
     owner: str = "local"  # the store's owner of this engine's host regions (a worker id, or

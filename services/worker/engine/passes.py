@@ -115,7 +115,7 @@ def graphs_off(
     if not DecodeGraphs.supports(model):
         return "the model has compressed or windowed KV sources"
     if any(src.lag for src in model.cfg.sources) and not cfg.mtp:
-        return "served with its MTP layer, whose passes are captured only with --cuda-graphs-mtp"
+        return "served with its MTP layer, whose passes are not captured (--no-cuda-graphs-mtp)"
     if check_invariants:  # the checks read counters back: not capturable
         return "DHISPARSE_CHECK_INVARIANTS is set"
     if data_parallel:

@@ -57,12 +57,12 @@ class GraphConfig:
     when a key is captured (``CAPTURE_POLICIES``: at its ``second`` sighting, or when
     ``consecutive`` passes meet it, so a batch that changes every step, as in ramps and drains,
     is never captured). ``mtp``: the passes of a model served with its MTP layer are captured
-    too (its lagged source's decode and verify passes and its draft steps); off until their
-    GPU tests have run, so such a model runs eagerly by default."""
+    too (its lagged source's decode and verify passes and its draft steps); off, such a model
+    runs eagerly."""
 
     enabled: bool = True
     capture: str = "second"
-    mtp: bool = False
+    mtp: bool = True
 
     def __post_init__(self) -> None:
         if self.capture not in CAPTURE_POLICIES:

@@ -60,7 +60,7 @@ def _drive(
             model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=pool_mib,
             host_arena_mib=64, max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096,
             hot_cache_rows=hot_rows,
-            graphs=GraphConfig(graphs, capture, mtp=True),
+            graphs=GraphConfig(graphs, capture),
             speculation=SpeculationConfig(drafter, width=4),
             kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )

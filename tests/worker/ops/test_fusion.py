@@ -60,7 +60,7 @@ def test_ops_are_named() -> None:
 
 def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
     """``--fused-kernels`` (``DHISPARSE_WORKER_FUSED_KERNELS``) sets the engine's config, and its
-    passes enter ``kernel_fusion`` with it; off by default."""
+    passes enter ``kernel_fusion`` with it; on by default, off with ``--no-fused-kernels``."""
     import argparse
 
     from services.worker.cli import add_arguments, settings_from_args
@@ -69,12 +69,12 @@ def test_the_worker_flag_reaches_every_pass(monkeypatch) -> None:
 
     p = argparse.ArgumentParser()
     add_arguments(p)
-    off = settings_from_args(p.parse_args(["--model", "tiny-glm"]))
-    assert off.engine_config().fused_kernels is False
-    on = settings_from_args(p.parse_args(["--fused-kernels", "--model", "tiny-glm"]))
+    on = settings_from_args(p.parse_args(["--model", "tiny-glm"]))
     assert on.engine_config().fused_kernels is True
-    monkeypatch.setenv("DHISPARSE_WORKER_FUSED_KERNELS", "true")
-    assert WorkerSettings().fused_kernels is True
+    off = settings_from_args(p.parse_args(["--no-fused-kernels", "--model", "tiny-glm"]))
+    assert off.engine_config().fused_kernels is False
+    monkeypatch.setenv("DHISPARSE_WORKER_FUSED_KERNELS", "false")
+    assert WorkerSettings().fused_kernels is False
     for settings, wanted in ((on, True), (off, False)):
         eng = Engine(settings.engine_config())
         assert eng.passes.fused is wanted
