@@ -15,12 +15,19 @@ from pathlib import Path
 from dhisparse import up
 
 HOST = "127.0.0.1"
+_GIVEN: set[int] = set()  # the ports free_port handed out in this process
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return int(s.getsockname()[1])
+    """A port free now and not handed out before by this process: the kernel may give
+    consecutive binds to port 0 the same port, and a stack's processes need one each."""
+    while True:
+        with socket.socket() as s:
+            s.bind((HOST, 0))
+            port = int(s.getsockname()[1])
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
 
 
 def port_open(port: int) -> bool:
