@@ -11,6 +11,9 @@ from services.worker.ops.select_topk_triton import MAX_WIDTH, select_topk_triton
 # from this many queries a launch, wider rows take radix select (``select_topk_radix``): with
 # fewer, torch's sort of the whole row is as fast at k = 2048 (``python -m bench select-topk``)
 RADIX_QUERIES = 16
+# a row of more scores than this is read in chunks of it, a program each; a chunked row of one
+# chunk would only add the chunks' bookkeeping
+RADIX_CHUNK = 16384
 
 
 def index_scores(q: torch.Tensor, w: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -33,14 +36,14 @@ def select_topk(scores: torch.Tensor, num_visible: torch.Tensor, k: int) -> torc
     """The model's ordered top-k selection (``select_topk_ref``'s contract), the same positions
     whichever form computes it. Fused: one kernel for rows of at most ``MAX_WIDTH`` scores
     (``select_topk_triton``); wider rows by radix select from ``RADIX_QUERIES`` queries (rows
-    of up to 8192 scores one program per query, wider ones in chunks of 16384 across
+    of up to ``RADIX_CHUNK`` scores one program per query, wider ones in chunks of it across
     programs); else the torch form. The choice is a function of the shapes only."""
     t, s = scores.shape
     if fused(scores, "select_topk"):
         if s <= MAX_WIDTH:
             return select_topk_triton(scores, num_visible, k)
         if t >= RADIX_QUERIES and k <= MAX_K and scores.stride(1) == 1:
-            tiles = RadixTiles(8192, 16) if s <= 8192 else RadixTiles(4096, 8, 16384)
+            tiles = RadixTiles(8192, 16) if s <= RADIX_CHUNK else RadixTiles(4096, 8, RADIX_CHUNK)
             return select_topk_radix(scores, num_visible, k, tiles)
     return select_topk_ref(scores, num_visible, k)
 

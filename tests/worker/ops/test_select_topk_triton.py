@@ -39,7 +39,7 @@ def test_rejects_a_row_wider_than_one_program_sorts() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize(("t", "s"), [(1, 8192), (16, 2048), (64, 16384), (5, 1500)])
+@pytest.mark.parametrize(("t", "s"), [(1, 8192), (16, 2048), (64, 16384), (5, 1500), (16, 40000)])
 def test_kernel_equals_torch_selection_on_gpu(t, s) -> None:
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
