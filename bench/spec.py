@@ -101,6 +101,7 @@ def measured(loop: ClosedLoop) -> dict:
         accepted = res.end.spec[2] - res.start.spec[2]
         row["acceptance_length"] = 1.0 + accepted / max(drafts, 1)
         row["width_in_use"] = loop.eng.speculator.counters.width
+        row["widths"] = loop.eng.speculator.widths.estimates()
     return row
 
 

@@ -94,11 +94,33 @@ class WidthController:
         self._watched: tuple[int, int] | None = None  # (bucket, width) of ``_watch``
         self._level: float | None = None  # the slow average of ``_watch``'s rounds
         self._remeasure = False
+        self._rounds: dict[int, int] = {}  # rounds given per width
+
+    def estimates(self) -> dict:
+        """What the policy chose from, for a benchmark to record: the rounds run at each width,
+        the online policy's current width, its round-time estimates (ms by ``"bucket/width"``)
+        and the tokens a session emits per round at each candidate width (None: not yet
+        measured)."""
+        out: dict = {"policy": self.policy, "rounds": dict(sorted(self._rounds.items()))}
+        if self.policy == "online":
+            out["current"] = self.online.current
+            out["round_ms"] = {
+                f"{b}/{w}": s * 1e3 for (b, w), s in sorted(self.online.round_times().items())
+            }
+            out["tokens_per_round"] = {
+                w: self.online.acceptance.length(w) for w in self.online.widths
+            }
+        return out
 
     def width(self, load: int, memory_waits: int = 0) -> int:
         """The width of the coming round at ``load`` sessions; ``memory_waits``: admissions
         waiting because memory binds (the online policy then turns speculation off where that
         frees memory: ``OnlinePolicy.decide``)."""
+        k = self._choose(load, memory_waits)
+        self._rounds[k] = self._rounds.get(k, 0) + 1
+        return k
+
+    def _choose(self, load: int, memory_waits: int) -> int:
         if self.policy == "fixed":
             return self.k_max
         if self.policy == "paper":

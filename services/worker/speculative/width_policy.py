@@ -108,6 +108,10 @@ class OnlinePolicy:
         self._urgent |= shifted
         return shifted
 
+    def round_times(self) -> dict[tuple[int, int], float]:
+        """The round-time estimates, seconds by (load bucket, width)."""
+        return dict(self._round)
+
     def measured(self, width: int, load: int) -> bool:
         """Whether ``width``'s round time was measured in the load's own bucket."""
         return (load_bucket(load), width) in self._round

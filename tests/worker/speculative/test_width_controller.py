@@ -267,3 +267,19 @@ def test_a_new_load_still_explores_close_contenders() -> None:
     chosen = t.run(12, LOW, GOOD, 150)
     assert {0, 6, 8} <= set(chosen[:20])
     assert chosen[-50:].count(best(LOW, GOOD)) >= 45
+
+
+def test_estimates_tell_what_the_policy_chose_from() -> None:
+    """``estimates()`` (what ``bench spec`` records): the rounds given per width, the current
+    width, the round times it measured and each width's tokens per round."""
+    ctl = controller()
+    t = Trace(ctl)
+    t.run(5, LOW, GOOD, 40)
+    est = ctl.estimates()
+    assert est["policy"] == "online" and est["current"] == 8
+    assert est["rounds"] == {w: t.chosen.count(w) for w in sorted(set(t.chosen))}
+    assert est["round_ms"]["8/8"] == pytest.approx(LOW[8] * 1e3, rel=0.01)
+    assert est["tokens_per_round"][0] == 1.0 and est["tokens_per_round"][8] > 4
+    fixed = WidthController("fixed", k_max=8, sessions=dict.fromkeys((0, 4, 6, 8), 64))
+    fixed.width(3)
+    assert fixed.estimates() == {"policy": "fixed", "rounds": {8: 1}}
