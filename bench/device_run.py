@@ -8,7 +8,11 @@ to ``logs.tgz``.
     main         ``make run``'s defaults end to end on the GPU (``bench defaults``); resolver;
                  constrained decoding's cost (``bench grammar-cost``);
                  capacity (resident / hisparse / adaptive in lockstep)
-    spec         speculation against plain decoding on CUDA graphs
+    spec         speculation against plain decoding on CUDA graphs: the shipped model's MTP
+                 layer, then DFlash2
+    spec-scaled  the real-dimension presets at 8K with their MTP layer at the shipped model's
+                 acceptance beside plain decoding, one family per step (``--only
+                 spec-scaled-v32-scaled``)
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
     tests        the GPU tests (``bench gpu-tests``), then the real-dimension slices against
@@ -169,7 +173,21 @@ LOAD_STEPS = tuple(
     for family in FAMILIES
     for name, args in LOAD_ARGS.items()
 )
-# the fused kernels (``--fused-kernels``): their GPU tests, then the sweeps that set the sparse
+# issue 41's table: the real-dimension presets in adaptive mode at 8K, plain decoding beside
+# their MTP layer under each schedule (its proposals at the shipped model's acceptance, the
+# acceptance control), in lockstep; one family per step
+SPEC_SCALED_STEPS = tuple(
+    Step(
+        f"spec-scaled-{family}",
+        f"-m bench load --family {family} --contexts 8192 --modes adaptive --output-len 256 "
+        "--duration-s 20 --concurrency 1,16,64 --spec off,fixed,paper,online "
+        f"--time-limit-s 440 --out {{out}}/spec_scaled_{family}_8k.json "
+        f"--plot {{out}}/spec_scaled_{family}_8k",
+        520,
+    )
+    for family in FAMILIES
+)
+# the fused kernels: their GPU tests, then the sweeps that set the sparse
 # attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)
 KERNEL_STEPS = (
     Step(
@@ -231,14 +249,23 @@ PARTS: dict[str, tuple[Step, ...]] = {
         ),
     ),
     "spec": (
+        # the shipped model's own MTP layer (every pass on CUDA graphs), then DFlash2
+        Step(
+            "spec-mtp",
+            "-m bench spec --concurrency 1,4,16,64 --widths '' --drafters mtp --pool-mib 2048 "
+            "--out {out}/spec_mtp.json --plot {out}/spec_mtp.png",
+            200,
+            corpus=True,
+        ),
         Step(
             "spec",
             "-m bench spec --concurrency 1,16,64 --widths '' --drafters dflash2 "
             "--out {out}/spec.json --plot {out}/spec.png",
-            400,
+            330,
             corpus=True,
         ),
     ),
+    "spec-scaled": SPEC_SCALED_STEPS,
     "serving": (
         Step(
             "serving",
