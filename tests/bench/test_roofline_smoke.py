@@ -166,7 +166,9 @@ def test_each_variant_steps_with_its_own_fusion_and_graphs() -> None:
     from services.worker.engine.engine import Engine
     from services.worker.ops.fusion import fused
 
-    eng = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=32, max_num_seqs=2))
+    eng = Engine(
+        EngineConfig(model="tiny-glm", kv_pool_mib=32, max_num_seqs=2, fused_kernels=False)
+    )
     served = Served(eng, ["fused", "unfused"])
     seen = {}
     for v in served.variants:

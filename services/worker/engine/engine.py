@@ -97,11 +97,6 @@ class Engine:
             from services.worker.durable.journal import Journal
 
             self.journal = Journal(self.kv, self.device)
-        self.scheduler = Scheduler(
-            self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
-            manifest_bytes=self.journal.manifest_bytes if self.journal else None,
-            chunked=cfg.chunked_prefill, prefix=prefix_reuse(cfg, self.kv),
-        )  # fmt: skip
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
@@ -118,6 +113,13 @@ class Engine:
             if self.group.replicated:
                 assert self.group.lockstep is not None
                 self.speculator.agree = self.group.lockstep.agree
+        # a drafter's own context is rebuilt by the prefill of an imported prefix's last tokens
+        context = self.speculator.drafter.context_window if self.speculator is not None else 0
+        self.scheduler = Scheduler(
+            self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
+            manifest_bytes=self.journal.manifest_bytes if self.journal else None,
+            chunked=cfg.chunked_prefill, prefix=prefix_reuse(cfg, self.kv, context),
+        )  # fmt: skip
         spec = self.speculator
         # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
         # logs it at start-up and exports it (``dhisparse:worker_config_info``).

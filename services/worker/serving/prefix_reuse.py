@@ -26,10 +26,16 @@ final hidden state at each page's last position. An importer of ``T`` tokens sea
 position ``T - 1`` in its carry ring, from which its first pass writes MTP row ``T - 1`` as the
 uninterrupted request did; the MTP drafter's context is the KV cache's, so it is whole.
 
+A drafter with a context of its own (DFlash, DSpark, DFlash2: a draft ring of the target's
+features at the last W positions) gets it whole by computation: an importer leaves its last W
+tokens (and the page they begin in) to the prefill, whose features the ring takes as the
+uncached request's did, from a fresh ring; so a turn that adds W tokens or more imports every
+cached page, and a shorter one computes up to W + page - 1 tokens.
+
 Not (yet) here: models with token rings (windowed or compressed sources: their ring at the page
-boundary is not kept), drafters with a context of their own (their ring of the imported tokens
-is not rebuilt), requests that ask for prompt logprobs (every prompt position must be scored),
-and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is shared).
+boundary is not kept), requests that ask for prompt logprobs (every prompt position must be
+scored), and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is
+shared).
 """
 
 from __future__ import annotations
@@ -75,9 +81,11 @@ def copy_rows(arena: torch.Tensor, src: Region, dst: Region, rows: int) -> None:
 
 
 class PrefixReuse:
-    def __init__(self, kv: KVCache, salt: PrefixSalt) -> None:
+    def __init__(self, kv: KVCache, salt: PrefixSalt, context: int = 0) -> None:
         """``kv``: a hierarchy mode's KV state with durable sessions (host rows and keys);
-        ``salt``: what this worker's rows depend on besides their tokens."""
+        ``salt``: what this worker's rows depend on besides their tokens; ``context``: the
+        last positions before a request's first sampled token that its drafter keeps a
+        context of its own over (a draft ring's window W; 0 for none or the MTP layer's)."""
         if kv.sessions is None or kv.host_backups is None:
             raise ValueError("prefix reuse needs a hierarchy mode with durable sessions")
         if set(kv.snapshot_rings) - {CARRY}:
@@ -94,6 +102,7 @@ class PrefixReuse:
             key_source(layer): s for layer, s in kv.sessions.producers.items()
         }
         self._carry = carry_source(cfg) if kv.carry is not None else None
+        self.context = context
         self.stats = PrefixStats()
 
     def _rows(self, region_source: int, tokens: int) -> int:
@@ -127,7 +136,9 @@ class PrefixReuse:
         it as usual). Raises ``HostStoreUnavailable`` when the store fails."""
         if req.params.prompt_logprobs is not None:
             return None
-        ids = req.ids_from(0, req.num_tokens - 1)
+        # at least one token left to compute (its logits are sampled), and the drafter's
+        # context: its last W positions, whose features only a pass of the target gives
+        ids = req.ids_from(0, max(0, req.num_tokens - max(1, self.context)))
         hashes = page_hashes(self.salt, ids)
         if not hashes:
             return None

@@ -133,10 +133,10 @@ class Speculator:
         self, reqs: list[Request], batch: ForwardBatch, starts: list[int], feats: dict
     ) -> None:
         """After a plain pass (prefill or decode) that committed every token of ``batch``: one
-        context write for all of them; a request whose pass began at 0 starts a fresh draft
-        context."""
+        context write for all of them; a request's first pass here (from 0, or from the tokens
+        it imported or adopted) starts a fresh draft context."""
         for req, start in zip(reqs, starts, strict=True):
-            if start == 0:
+            if start in (0, req.resumed_tokens):
                 assert req.slot is not None
                 self.drafter.begin(req.slot)
         self.drafter.append_context(

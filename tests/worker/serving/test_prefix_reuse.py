@@ -27,6 +27,7 @@ from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.request.request import Request, SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests.worker.engine.batch_invariant import batch_invariant
+from tests.worker.mtp_fixture import record_drafts
 
 TRAINED = "models/glm-dsa-mini"
 SOURCE = Path(__file__).resolve().parents[3] / "services/kv_host_store/intervals.py"
@@ -165,6 +166,59 @@ def test_the_arena_full_of_cached_prefixes_evicts_no_live_row() -> None:
         store.close()
 
 
+def test_a_drafter_with_a_context_of_its_own_drafts_after_a_hit_as_without(
+    store: LocalHostStore,
+) -> None:
+    """The shipped model's DFlash2 (a draft ring of the target's features at the last W = 256
+    positions): a next turn that adds W tokens or more imports every cached page, and its
+    prefill gives the ring what the uncached request's did: every proposal after the hit
+    equals the uncached engine's, and so does every token."""
+    spec = SpeculationConfig(f"{TRAINED}/drafters/dflash2", 4)
+    kw = dict(model=TRAINED, mode="adaptive", max_model_len=1024, kv_pool_mib=160,
+              max_num_seqs=2, speculation=spec)  # fmt: skip
+    drafts: dict[str, dict[tuple[int, int], list[int]]] = {}
+    short = replace(ANSWER, max_tokens=12)
+
+    def build(owner: str, **more) -> Engine:
+        engine = make(store, owner, **{**kw, **more})
+        record_drafts(engine, drafts.setdefault(owner, {}))
+        return engine
+
+    with batch_invariant():
+        w0 = build("w0")
+        text = w0.tokenizer.encode(SOURCE.read_text())
+        first = run(w0, text[:250], short)
+        prompt = second_turn(first, text[250:550])
+        w1 = build("w1")
+        turn = run(w1, prompt, short)
+        alone = run(build("ref", prefix_cache=False), prompt, short)
+    assert len(prompt) - len(first.prompt_ids) - len(first.output_ids) >= 256
+    stats = w1.scheduler.prefix.stats
+    cached = (len(first.prompt_ids) + len(first.output_ids) - 1) // 16 * 16
+    assert (stats.hits, stats.hit_tokens) == (1, cached)
+    assert turn.computed == len(prompt) - cached
+    assert turn.output_ids == alone.output_ids
+    assert drafts["w1"] and drafts["w1"] == drafts["ref"]
+
+
+def test_a_short_turn_leaves_the_drafters_context_to_compute(store: LocalHostStore) -> None:
+    """A turn adding fewer tokens than the drafter's window W imports only the pages before its
+    last W tokens (the prefill computes the rest, the drafter's context among them), with the
+    uncached tokens."""
+    kw = dict(speculation=SpeculationConfig("dflash", 4))
+    with batch_invariant():
+        w0, w1 = make(store, "w0", **kw), make(store, "w1", **kw)
+        first = run(w0, [10 + i % 250 for i in range(390)])
+        prompt = second_turn(first, [7, 8, 9, 10, 11])
+        turn = run(w1, prompt)
+        alone = run(make(store, "ref", prefix_cache=False, **kw), prompt)
+    window = w1.speculator.drafter.context_window
+    stats = w1.scheduler.prefix.stats
+    assert 0 < stats.hit_tokens == (len(prompt) - window) // 16 * 16
+    assert stats.hit_tokens < (len(first.prompt_ids) + len(first.output_ids) - 1) // 16 * 16
+    assert turn.output_ids == alone.output_ids
+
+
 def _long() -> SamplingParams:
     return SamplingParams(temperature=0.0, max_tokens=120, ignore_eos=True)
 
@@ -176,9 +230,8 @@ def test_what_turns_prefix_reuse_off(store: LocalHostStore) -> None:
     resident = Engine(EngineConfig(mode="resident", kv_pool_mib=48, max_model_len=512))
     assert resident.scheduler.prefix is None and "resident" in off_reason(resident.cfg, resident.kv)
     dflash = make(store, "dflash", speculation=SpeculationConfig("dflash", 4))
-    assert dflash.scheduler.prefix is None and "context of its own" in off_reason(
-        dflash.cfg, dflash.kv
-    )
+    assert dflash.scheduler.prefix is not None and off_reason(dflash.cfg, dflash.kv) is None
+    assert dflash.scheduler.prefix.context == dflash.speculator.drafter.context_window > 0
     v4 = make(store, "v4", model="tiny-dsv4")
     assert v4.scheduler.prefix is None and "token rings" in off_reason(v4.cfg, v4.kv)
     no_store = Engine(EngineConfig(mode="hisparse", kv_pool_mib=48, max_model_len=512))

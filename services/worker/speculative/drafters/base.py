@@ -76,6 +76,11 @@ class Drafter(nn.Module, abc.ABC):
         return self.cfg.block_size
 
     @property
+    def context_window(self) -> int:
+        """W: the committed positions its proposals read, kept in its draft ring."""
+        return self.cfg.window
+
+    @property
     def target_layers(self) -> tuple[int, ...]:
         return self.cfg.target_layers
 

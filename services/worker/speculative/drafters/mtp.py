@@ -38,6 +38,7 @@ MTPStepFn = Callable[
 class MTPDrafter:
     kind: ClassVar[str] = "mtp"
     target_layers: tuple[int, ...] = ()  # conditioned on the carry, not on layer features
+    context_window: int = 0  # its context is the KV cache's
 
     def __init__(
         self,

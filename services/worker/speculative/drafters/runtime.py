@@ -22,6 +22,11 @@ class RuntimeDrafter(Protocol):
     def target_layers(self) -> tuple[int, ...]:
         """Target layers whose outputs ``append_context`` needs (none: it needs none)."""
 
+    @property
+    def context_window(self) -> int:
+        """The committed positions before a proposal's anchor that it keeps itself, from the
+        target's features at them (0: its context is the KV cache's, as the MTP layer's)."""
+
     def init_ring(self, max_slots: int, page_size: int = 16) -> object:
         """Allocates what it keeps per request slot."""
 
