@@ -202,12 +202,10 @@ def test_load_tiny_replay(tmp_path) -> None:
 
 def test_lru_census_is_the_engines() -> None:
     """The simulated cache over the trace reproduces the census the engine measured on the
-    shipped model in the run that recorded the trace (``census.json`` of 56e5442, archived:
-    hisparse, after its warm-up steps), so the replay's locality
+    shipped model in the run that recorded the trace (``census.json``: hisparse, after its
+    warm-up steps), so the replay's locality
     statistics are the resolver's."""
-    doc = json.loads(
-        (ROOT / "docs" / "results" / "archive" / "56e5442" / "census.json").read_text()
-    )
+    doc = json.loads((ROOT / "docs" / "results" / "census.json").read_text())
     cfg = hf_family(ROOT / doc["target"])[1]
     producers = list(cfg.index_producers)
     sharing = [sum(1 for i, s in enumerate(cfg.layers)
