@@ -158,12 +158,13 @@ def well_posed_prompts(
         for _ in range(20):
             prompt = torch.randint(0, VOCAB, (n,), generator=g).tolist()
             ids = list(prompt)
-            with torch.no_grad(), our_topk_order():
-                for _ in range(new_tokens - 1):
-                    ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
             margins: list[float] = []
-            with torch.no_grad(), our_topk_order(margins):
-                model(torch.tensor([ids]))
+            for i in range(new_tokens):  # the last forward spans the whole continuation
+                last = i == new_tokens - 1
+                with torch.no_grad(), our_topk_order(margins if last else None):
+                    logits = model(torch.tensor([ids])).logits
+                if not last:
+                    ids.append(int(logits[0, -1].argmax()))
             if min(margins, default=math.inf) > margin:
                 prompts.append(prompt)
                 break
