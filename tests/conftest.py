@@ -39,11 +39,13 @@ def _ephemeral_low() -> int:
         return 32768
 
 
-def free_port() -> int:
+def free_port(also: tuple[int, ...] = ()) -> int:
     """A port that is free now, below the kernel's ephemeral range (outgoing connections take
     their source ports from it, so no client socket can take it between this call and the
     server's bind), in this xdist worker's own slice (two workers never pick the same one)
-    and not handed out before by this process."""
+    and not handed out before by this process. ``also``: offsets from it of ports a process
+    derives from it (``dhisparse up``'s worker i listens on port + i, its metrics on + 10 i),
+    free and handed out with it."""
     low = _ephemeral_low()
     worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw") or 0)
     span = _SLICE // _WORKERS
@@ -52,18 +54,24 @@ def free_port() -> int:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             return s.getsockname()[1]
+    offsets = (0, *also)
     for _ in range(10 * span):
-        p = base + random.randrange(span)
-        if p in _GIVEN:
+        p = base + random.randrange(span - max(offsets))
+        ports = [p + d for d in offsets]
+        if any(q in _GIVEN for q in ports) or not all(map(_bindable, ports)):
             continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", p))
-            except OSError:
-                continue
-        _GIVEN.add(p)
+        _GIVEN.update(ports)
         return p
     raise RuntimeError(f"no free port in {base}..{base + span - 1}")
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 @pytest.fixture

@@ -27,8 +27,9 @@ LONG = 240  # tokens: the kill lands well inside the stream
 
 @contextmanager
 def up_stack(log: Path, *flags: str, env: dict[str, str] | None = None) -> Iterator[Stack]:
-    """``dhisparse up`` (``bench/core/up.py``) on ports of this xdist worker's own slice."""
-    with up.up_stack(log, *flags, env=env, free_port=free_port) as st:
+    """``dhisparse up`` (``bench/core/up.py``) on ports of this xdist worker's own slice, with
+    those its second worker derives (its port + 1, its metrics + 10) kept free too."""
+    with up.up_stack(log, *flags, env=env, free_port=lambda: free_port(also=(1, 10))) as st:
         yield st
 
 
