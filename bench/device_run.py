@@ -10,9 +10,9 @@ to ``logs.tgz``.
                  capacity (resident / hisparse / adaptive in lockstep)
     spec         speculation against plain decoding on CUDA graphs: the shipped model's MTP
                  layer, then DFlash2
-    spec-scaled  the real-dimension presets at 8K with their MTP layer at the shipped model's
-                 acceptance beside plain decoding, one family per step (``--only
-                 spec-scaled-v32-scaled``)
+    spec-scaled  the real-dimension presets at 8K, C = 1 and 16, with their MTP layer at the
+                 shipped model's acceptance beside plain decoding (``bench scaled --spec``),
+                 one family per step (``--only spec-scaled-v32-scaled``)
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
     tests        the GPU tests (``bench gpu-tests``), then the real-dimension slices against
@@ -175,17 +175,18 @@ LOAD_STEPS = tuple(
 )
 # issue 41's table: the real-dimension presets in adaptive mode at 8K, plain decoding beside
 # their MTP layer under each schedule (its proposals at the shipped model's acceptance, the
-# acceptance control), in lockstep; one family per step
+# acceptance control), in lockstep (``bench scaled --spec``); one family per step. The paper's
+# schedule runs width 8 up to C = 32, so ``paper:8`` is the fixed width 8 here. Each engine
+# prefills every timed request twice (warm-up and run): C = 16 at 8K is some 150 prefills.
 SPEC_SCALED_STEPS = tuple(
     Step(
         f"spec-scaled-{family}",
-        f"-m bench load --family {family} --contexts 8192 --modes adaptive --output-len 256 "
-        "--duration-s 20 --concurrency 1,16,64 --spec off,fixed,paper,online "
-        f"--time-limit-s 440 --out {{out}}/spec_scaled_{family}_8k.json "
-        f"--plot {{out}}/spec_scaled_{family}_8k",
-        520,
+        f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
+        "--decode-tokens 128 --modes adaptive --spec off,fixed:4,paper:8,online:8 "
+        f"--host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
+        540,
     )
-    for family in FAMILIES
+    for family, (short, _) in SCALED_8K_ARGS.items()
 )
 # the fused kernels: their GPU tests, then the sweeps that set the sparse
 # attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)
@@ -253,7 +254,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
         Step(
             "spec-mtp",
             "-m bench spec --concurrency 1,4,16,64 --widths '' --drafters mtp --pool-mib 2048 "
-            "--out {out}/spec_mtp.json --plot {out}/spec_mtp.png",
+            "--warmup-per-client 2 --out {out}/spec_mtp.json --plot {out}/spec_mtp.png",
             200,
             corpus=True,
         ),

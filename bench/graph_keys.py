@@ -5,9 +5,9 @@ one, or run eagerly: counted on the CPU, with the engine's own graph keys and ca
 
 For each configuration and C it runs the benchmark's closed loop (its warm-up, then the measured
 loop) with every pass eager, while ``pass_key``/``draft_key`` and a ``CaptureSchedule`` (a key
-captured at its second sighting, at most 64 held) stand in for the engine's CUDA graphs. It
-counts decode and verify passes and the drafter's block passes over the window the benchmark's
-rate is measured in (while some client still has a request to send). A short GPU run pays for
+captured at its second sighting, as many held as the engine holds) stand in for the engine's
+CUDA graphs. It counts decode and verify passes and the drafter's block passes over the window
+the benchmark's rate is measured in (while some client still has a request to send). A short GPU run pays for
 every capture there, which long serving spreads thin.
 """
 
@@ -27,6 +27,7 @@ from services.worker.graphs.cuda_graph import (
     DecodeGraphs,
     draft_key,
     eager_logits,
+    graph_limit,
     mtp_key,
     pass_key,
 )
@@ -41,10 +42,13 @@ class KeyCounter:
         self.model, self.kv = eng.model, eng.kv
         self.max_batch, self.max_width = eng.cfg.max_num_seqs, max_width  # by ``covers``
         self.drafter = eng.speculator.drafter if eng.speculator is not None else None
+        # as the engine: decode and verify passes share their graphs' schedule and limit with
+        # the MTP layer's draft steps; the drafter's block passes have their own
+        decode = CaptureSchedule(graph_limit(self.max_batch), 2, False)
         self.schedules = {
-            "pass": CaptureSchedule(64, 2, False),
-            "draft": CaptureSchedule(64, 2, False),
-            "mtp": CaptureSchedule(64, 2, False),
+            "pass": decode,
+            "draft": CaptureSchedule(max(64, 2 * self.max_batch), 2, False),
+            "mtp": decode,
         }
         self.counts = {kind: Counter() for kind in self.schedules}
         self.counting = False

@@ -20,13 +20,22 @@ accepted, so by default its proposals are put under the bench's acceptance contr
 (``bench/spec_control.py``, ``--acceptance``): the MTP layer still runs (its cost is real), the
 proposals are the target's own greedy continuation (a plain run of the same prompts first)
 corrupted at the shipped model's measured per-position acceptance; rows then report the
-acceptance length the verifier measured."""
+acceptance length the verifier measured.
+
+``--spec off,fixed:4,paper:8,online:8`` runs plain decoding and MTP speculation side by side
+instead (issue 41's table): one engine per mode and variant (``off``: no speculation;
+``POLICY:K``: the MTP layer under that width policy up to K), all in lockstep, each row named
+``MODE/VARIANT`` with the width policy's estimates (``widths``). Plain decoding runs on a model
+of the same family built without the MTP layer when the device holds both
+(``plain_model: own``), else on the speculating engines' model, whose every pass then also
+writes the MTP layer's rows (its input fusion and KV projections: ``plain_model: shared``)."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import time
+from dataclasses import dataclass
 from types import SimpleNamespace
 
 import torch
@@ -88,7 +97,50 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "position, docs/results/acceptance.json), rates by position ('0.85,0.75,...'), or "
         "'model' (the random MTP layer's own proposals)",
     )  # fmt: skip
+    ap.add_argument(
+        "--spec", default="",
+        help="plain decoding and MTP speculation side by side: 'off' and POLICY:K_MAX variants "
+        "(e.g. off,fixed:4,paper:8,online:8); replaces --drafter, --spec-width, --width-policy",
+    )  # fmt: skip
     ap.add_argument("--out", default="docs/results/scaled.json")
+
+
+@dataclass(frozen=True)
+class SpecVariant:
+    """An engine's speculation: ``label`` ('' with no ``--spec``), the drafter (None: plain
+    decoding), K_max and the width policy."""
+
+    label: str
+    drafter: str | None
+    width: int
+    policy: str
+
+
+def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
+    """``--spec``'s variants, or the one ``--drafter`` names; raises UsageError on bad ones.
+    With ``--spec`` speculating, ``args.drafter`` becomes ``mtp`` and ``args.spec_width`` the
+    widest K_max (the acceptance control's rates cover it)."""
+    if not args.spec:
+        drafter = None if args.drafter == "none" else args.drafter
+        return [SpecVariant("", drafter, args.spec_width, args.width_policy)]
+    out = []
+    for item in (v for v in args.spec.split(",") if v):
+        if item == "off":
+            out.append(SpecVariant("off", None, 1, "fixed"))
+            continue
+        policy, _, k = item.partition(":")
+        if policy not in WIDTH_POLICIES or not k.isdigit() or int(k) < 2:
+            raise UsageError(
+                f"--spec takes off and POLICY:K (POLICY of {', '.join(WIDTH_POLICIES)}, K >= 2), "
+                f"got {item!r}"
+            )
+        out.append(SpecVariant(item, "mtp", int(k), policy))
+    if not out or len({v.label for v in out}) < len(out):
+        raise UsageError(f"--spec needs distinct variants, got {args.spec!r}")
+    if any(v.drafter for v in out):
+        args.drafter = "mtp"
+        args.spec_width = max(v.width for v in out)
+    return out
 
 
 def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str]]:
@@ -148,11 +200,11 @@ def weight_bytes(model: torch.nn.Module) -> dict[str, int]:
 
 
 def _engine(
-    name: str, model, variant: str, ctx: int, c_max: int, args, speculate: bool = True
+    name: str, model, variant: str, ctx: int, c_max: int, args, spec: SpecVariant | None = None
 ) -> Engine:
     """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
     of the context. ``variant``: the mode, with ``INLINE`` for followers resolved inline;
-    ``speculate``: with ``--drafter``'s speculation, if any."""
+    ``spec``: its speculation (None: plain decoding)."""
     mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
@@ -172,8 +224,7 @@ def _engine(
         kv_cache_dtype=args.kv_cache_dtype,
         followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
         speculation=SpeculationConfig(
-            args.drafter if speculate and args.drafter != "none" else None, args.spec_width,
-            args.width_policy,
+            *((spec.drafter, spec.width, spec.policy) if spec else (None, 1, "fixed"))
         ),
     )  # fmt: skip
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
@@ -197,9 +248,19 @@ def _spec_counts(engine: Engine) -> tuple[int, int]:
     return (0, 0) if spec is None else (spec.counters.drafts, spec.counters.accepted)
 
 
-def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], args) -> list[dict]:
-    """Every mode at one context: engines built, warmed with each C's requests, then each C
+def run_context(
+    name: str,
+    models: dict[bool, torch.nn.Module],
+    ctx: int,
+    cs: list[int],
+    modes: list[str],
+    variants: list[SpecVariant],
+    args,
+) -> list[dict]:
+    """Every mode and speculation variant at one context: engines built (on ``models[True]``
+    when speculating, else ``models[False]``), warmed with each C's requests, then each C
     timed in lockstep (on the model's device: a CPU run is the smoke test)."""
+    model = models[any(v.drafter for v in variants)]
     vocab = model.family.vocab_size
     g = torch.Generator().manual_seed(args.seed + ctx)
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(max(cs))]
@@ -207,14 +268,24 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
     rates = acceptance_rates(args)
     refs: dict[tuple[int, ...], list[int]] = {}
     if rates is not None:  # the target's greedy continuations, from a plain run first (alone)
-        plain = _engine(name, model, "resident", ctx, max(cs), args, speculate=False)
+        plain = _engine(name, model, "resident", ctx, max(cs), args)
         outs = plain.generate(prompts, params)
         plain.close()
         refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(prompts, outs, strict=True)}
-    engines = {m: _engine(name, model, m, ctx, max(cs), args) for m in modes}
+    engines = {
+        f"{m}/{v.label}" if v.label else m: _engine(
+            name, models[v.drafter is not None], m, ctx, max(cs), args, v
+        )
+        for m in modes
+        for v in variants
+    }
     controls = {}
     if rates is not None:
-        controls = {m: control(e, refs, rates, seed=args.seed) for m, e in engines.items()}
+        controls = {
+            m: control(e, refs, rates, seed=args.seed)
+            for m, e in engines.items()
+            if e.speculator is not None
+        }
     device = next(model.parameters()).device.type
     sweep_args = SimpleNamespace(decode_tokens=args.decode_tokens, trace=False, device=device)
     rows = []
@@ -224,7 +295,7 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
             engine.generate(prompts[:c], params)
         before = {m: _graph_counts(e) for m, e in engines.items()}
         spec0 = {m: _spec_counts(e) for m, e in engines.items()}
-        sweeps = [Sweep(engines[m], m, c, sweep_args, prompts, pauses) for m in modes]
+        sweeps = [Sweep(e, m, c, sweep_args, prompts, pauses) for m, e in engines.items()]
         lockstep(sweeps)
         for sw in sweeps:
             row = sw.row()
@@ -234,6 +305,7 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
                 (d0, a0), (d1, a1) = spec0[sw.mode], _spec_counts(sw.engine)
                 row["acceptance_length"] = 1.0 + (a1 - a0) / max(d1 - d0, 1)
                 row["width_in_use"] = sw.engine.speculator.counters.width
+                row["widths"] = sw.engine.speculator.widths.estimates()
                 if rates is not None:
                     row["acceptance_control"] = {
                         "rates": list(rates), "misses": controls[sw.mode].misses,
@@ -253,8 +325,14 @@ def run_context(name: str, model, ctx: int, cs: list[int], modes: list[str], arg
     return rows
 
 
+def _build(name: str, args, fmt: WeightFormat, mtp: bool) -> torch.nn.Module:
+    return build_model(SCALED[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
+                       weights=fmt, in_place=True, mtp=mtp)  # fmt: skip
+
+
 def run(args: argparse.Namespace) -> dict:
     fams, ctxs, cs, modes = parse(args)
+    variants = spec_variants(args)
     acceptance_rates(args)  # bad rates are refused before the build
     if not torch.cuda.is_available():
         raise UsageError("bench scaled runs on a CUDA GPU (real-dimension models of 40+ GB)")
@@ -263,11 +341,20 @@ def run(args: argparse.Namespace) -> dict:
     for name in fams:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        model = build_model(SCALED[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
-                            weights=fmt, in_place=True, mtp=args.drafter == "mtp")  # fmt: skip
+        speculating = any(v.drafter for v in variants)
+        model = _build(name, args, fmt, speculating)
         torch.cuda.synchronize()
         built_s = time.perf_counter() - t0
         wb = weight_bytes(model)
+        models = {speculating: model}
+        plain_model = None
+        if speculating and any(v.drafter is None for v in variants):
+            # the plain engines' own model when it fits beside the first and the engines' pools
+            # (a third of the device left), else the speculating one's
+            free, total = torch.cuda.mem_get_info()
+            own = free - sum(wb.values()) > total / 3
+            models[False] = _build(name, args, fmt, False) if own else model
+            plain_model = "own" if own else "shared"
         params = sum(p.numel() for p in model.parameters()) + sum(
             b.numel() for n, b in model.named_buffers() if not n.endswith("_scale_inv")
             and b.dtype == torch.float8_e4m3fn
@@ -283,13 +370,14 @@ def run(args: argparse.Namespace) -> dict:
             "weight_bytes_total": sum(wb.values()),
             "allocated_after_build": torch.cuda.memory_allocated(),
             "build_s": built_s,
+            "plain_model": plain_model,
             "rows": [],
         }
         print(json.dumps({k: fam[k] for k in ("family", "weight_bytes", "build_s")}), flush=True)
         for ctx in ctxs:
-            fam["rows"] += run_context(name, model, ctx, cs, modes, args)
+            fam["rows"] += run_context(name, models, ctx, cs, modes, variants, args)
         families.append(fam)
-        del model
+        del model, models
         torch.cuda.empty_cache()
     return {
         "benchmark": "scaled",
@@ -299,5 +387,6 @@ def run(args: argparse.Namespace) -> dict:
         "drafter": args.drafter,
         "spec_width": args.spec_width if args.drafter != "none" else None,
         "width_policy": args.width_policy if args.drafter != "none" else None,
+        "spec": [v.label for v in variants] if args.spec else None,
         "families": families,
     }

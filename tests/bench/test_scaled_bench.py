@@ -45,7 +45,8 @@ def test_one_context_in_lockstep_on_the_cpu() -> None:
     assert "float8_e4m3fn" in scaled.weight_bytes(model)
     args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=32)  # fmt: skip
-    rows = scaled.run_context("tiny-glm", model, 80, [1, 2], ["resident", "hisparse", "adaptive"],
+    rows = scaled.run_context("tiny-glm", {False: model}, 80, [1, 2],
+                              ["resident", "hisparse", "adaptive"], scaled.spec_variants(args),
                               args)  # fmt: skip
     assert [(r["mode"], r["concurrency"]) for r in rows] == [
         (m, c) for c in (1, 2) for m in ("resident", "hisparse", "adaptive")
@@ -62,7 +63,8 @@ def test_fp8_kv_in_lockstep_on_the_cpu() -> None:
     model = build_model(preset("tiny-glm"), weights=WeightFormat(fp8=True))
     args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=32, kv_cache_dtype="fp8")  # fmt: skip
-    rows = scaled.run_context("tiny-glm", model, 80, [2], ["resident", "hisparse:inline"], args)
+    rows = scaled.run_context("tiny-glm", {False: model}, 80, [2], ["resident", "hisparse:inline"],
+                              scaled.spec_variants(args), args)  # fmt: skip
     assert [r["mode"] for r in rows] == ["resident", "hisparse:inline"]
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == 2
@@ -79,6 +81,16 @@ def test_speculation_arguments_are_checked() -> None:
     for bad in ("0.9,0.5", "0.9,x,0.5", "0.9,1.5,0.5"):
         with pytest.raises(UsageError):
             scaled.acceptance_rates(_args(drafter="mtp", acceptance=bad))
+    args = _args(spec="off,fixed:4,online:8")
+    assert scaled.spec_variants(args) == [
+        scaled.SpecVariant("off", None, 1, "fixed"),
+        scaled.SpecVariant("fixed:4", "mtp", 4, "fixed"),
+        scaled.SpecVariant("online:8", "mtp", 8, "online"),
+    ]
+    assert (args.drafter, args.spec_width) == ("mtp", 8)  # the control covers K = 8
+    for bad in ("off,off", "fixed", "fixed:1", "greedy:4", "paper:x"):
+        with pytest.raises(UsageError):
+            scaled.spec_variants(_args(spec=bad))
 
 
 def test_one_context_speculating_under_the_acceptance_control_on_the_cpu() -> None:
@@ -90,9 +102,30 @@ def test_one_context_speculating_under_the_acceptance_control_on_the_cpu() -> No
     args = _args(decode_tokens=24, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=64, drafter="mtp", spec_width=4,
                  acceptance="0.95,0.9,0.9")  # fmt: skip
-    rows = scaled.run_context(d.name, model, 48, [2], ["resident", "hisparse"], args)
+    rows = scaled.run_context(d.name, {True: model}, 48, [2], ["resident", "hisparse"],
+                              scaled.spec_variants(args), args)  # fmt: skip
     assert [r["mode"] for r in rows] == ["resident", "hisparse"]
     for r in rows:
         assert r["acceptance_control"] == {"rates": [0.95, 0.9, 0.9], "misses": 0}
         assert r["acceptance_length"] > 2.5 and r["width_in_use"] == 4
         assert r["decode_tokens_per_s"] > 0
+
+
+def test_plain_and_speculating_engines_side_by_side_on_the_cpu() -> None:
+    """``--spec off,fixed:4,online:4``: plain decoding on a model without the MTP layer beside
+    the MTP layer under two width policies, one engine each, in lockstep; the speculating rows
+    carry their policy's estimates."""
+    d = shrunk("v32-scaled", num_hidden_layers=2)
+    models = {True: build_model(d, seed=2, mtp=True), False: build_model(d, seed=2)}
+    args = _args(decode_tokens=24, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=64, spec="off,fixed:4,online:4",
+                 acceptance="0.95,0.9,0.9")  # fmt: skip
+    variants = scaled.spec_variants(args)
+    rows = scaled.run_context(d.name, models, 48, [2], ["adaptive"], variants, args)
+    names = ["adaptive/off", "adaptive/fixed:4", "adaptive/online:4"]
+    assert [r["mode"] for r in rows] == names
+    assert "acceptance_length" not in rows[0] and rows[0]["decode_tokens_per_s"] > 0
+    for r in rows[1:]:
+        assert r["acceptance_control"]["misses"] == 0 and r["acceptance_length"] > 1.5
+        assert r["widths"]["policy"] == r["mode"].split("/")[1].split(":")[0]
+    assert set(rows[2]["widths"]["tokens_per_round"]) == {0, 4}

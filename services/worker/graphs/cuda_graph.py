@@ -21,8 +21,12 @@ row): a capture costs several eager steps, and while requests arrive or finish o
 batch size changes every step, so most keys would never be replayed. Earlier sightings run eagerly;
 the capturing one runs eagerly on the capture stream (warming every kernel the capture records)
 and its result is used; the capture follows, without executing, and later steps with that key
-replay. The graphs of one kind share one memory pool and never run concurrently; at most
-``limit`` are kept, the least recently used dropped first."""
+replay. The graphs of one kind share one memory pool and never run concurrently, and write
+their outputs into one shared buffer (``OutputArena``), from which a replay's outputs are
+copied before the next pass: a graph holds no output memory of its own (a verify pass's logits
+are [N, V] fp32), so many keys cost little memory. At most ``limit`` graphs are kept
+(``graph_limit``: every key a full batch's ramps meet), the least recently used dropped
+first."""
 
 from __future__ import annotations
 
@@ -49,6 +53,15 @@ DraftPass = Callable[
 
 # when a key is captured: at its second sighting, or once two passes in a row meet it
 CAPTURE_POLICIES = ("second", "consecutive")
+# graph keys a batch size can meet: a decode pass, verify passes at up to three widths, and
+# the MTP layer's draft steps (with and without the target's hidden states)
+KEYS_PER_BATCH = 6
+
+
+def graph_limit(max_batch: int) -> int:
+    """The decode graphs held at most: every key of every batch size up to ``max_batch``
+    (requests arriving and finishing make each size appear), and no fewer than 64."""
+    return max(64, KEYS_PER_BATCH * max_batch)
 
 
 @dataclass(frozen=True)
@@ -171,6 +184,66 @@ class CaptureSchedule:
         return list(self._graphs)
 
 
+def _tensors(out: object) -> list[torch.Tensor]:
+    """The tensors in ``out`` (tensors, in tuples and dicts), in a fixed order."""
+    if isinstance(out, torch.Tensor):
+        return [out]
+    if isinstance(out, dict):
+        return [t for v in out.values() for t in _tensors(v)]
+    if isinstance(out, tuple):
+        return [t for v in out for t in _tensors(v)]
+    return []
+
+
+def _replaced(out: object, new: list[torch.Tensor]) -> object:
+    """``out`` with its tensors (in ``_tensors``' order) taken from ``new``, front first."""
+    if isinstance(out, torch.Tensor):
+        return new.pop(0)
+    if isinstance(out, dict):
+        return {k: _replaced(v, new) for k, v in out.items()}
+    if isinstance(out, tuple):
+        parts = [_replaced(v, new) for v in out]
+        return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
+    return out
+
+
+class OutputArena:
+    """One device buffer that the graphs of one kind write their outputs into, each graph's
+    laid out from offset 0 (``ALIGN``-byte aligned). Sound because those graphs never run
+    concurrently and a replay's outputs are copied out (``_cloned``) before the next pass. A
+    graph whose outputs outgrow the buffer gets a larger one; graphs captured before keep
+    theirs alive through their views."""
+
+    ALIGN = 256
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._buf: torch.Tensor | None = None
+
+    @classmethod
+    def nbytes(cls, out: object) -> int:
+        step = cls.ALIGN
+        return sum(-(-t.numel() * t.element_size() // step) * step for t in _tensors(out))
+
+    def reserve(self, out: object) -> None:
+        """Room for outputs shaped as ``out``, allocated before a capture (never inside)."""
+        need = self.nbytes(out)
+        if self._buf is None or self._buf.numel() < need:
+            self._buf = torch.empty(need, dtype=torch.uint8, device=self.device)
+
+    def place(self, out: object) -> object:
+        """``out`` copied into the buffer (``reserve``d for it): the same structure of views."""
+        assert self._buf is not None, "reserve() before place()"
+        views, at = [], 0
+        for t in _tensors(out):
+            n = t.numel() * t.element_size()
+            view = self._buf[at : at + n].view(t.dtype).view(t.shape)
+            view.copy_(t)
+            views.append(view)
+            at += -(-n // self.ALIGN) * self.ALIGN
+        return _replaced(out, views)
+
+
 class _Captures(CaptureSchedule):
     """A ``CaptureSchedule`` of graphs of one kind on a CUDA device: one memory pool, captured
     on one side stream."""
@@ -182,6 +255,7 @@ class _Captures(CaptureSchedule):
         self.device = device
         self.stream = torch.cuda.Stream(device)
         self.pool = torch.cuda.graph_pool_handle()
+        self.arena = OutputArena(device)
 
     def _run_then_capture(self, run: Callable[[], object]) -> object:
         """Runs ``run`` eagerly on the capture stream: its result is the step's."""
@@ -192,14 +266,18 @@ class _Captures(CaptureSchedule):
         main.wait_stream(self.stream)
         return out
 
-    def _record(self, run: Callable[[], object]) -> tuple[torch.cuda.CUDAGraph, object]:
-        """Captures ``run`` (without executing it): (the graph, its outputs)."""
+    def _record(
+        self, run: Callable[[], object], like: object
+    ) -> tuple[torch.cuda.CUDAGraph, object]:
+        """Captures ``run`` (without executing it), whose outputs are shaped as ``like`` (its
+        eager result): (the graph, its outputs, views of the shared ``arena``)."""
+        self.arena.reserve(like)
         graph = torch.cuda.CUDAGraph()
         # thread_local: a metrics thread reading counters meanwhile does not break the capture
         with torch.cuda.graph(
             graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"
         ):
-            out = run()
+            out = self.arena.place(run())
         return graph, out
 
 
@@ -242,12 +320,15 @@ class DecodeGraphs(_Captures):
         model: SparseDecoder,
         kv: KVCache,
         max_batch: int,
-        limit: int = 64,
+        limit: int | None = None,
         capture_after: int = 2,
         consecutive: bool = False,
         max_width: int = 1,
     ) -> None:
-        super().__init__(next(model.parameters()).device, limit, capture_after, consecutive)
+        """``limit``: the graphs held (default ``graph_limit(max_batch)``)."""
+        device = next(model.parameters()).device
+        limit = graph_limit(max_batch) if limit is None else limit
+        super().__init__(device, limit, capture_after, consecutive)
         self.model = model
         self.kv = kv
         self.max_batch = max_batch
@@ -364,7 +445,7 @@ class DecodeGraphs(_Captures):
         g_inputs = tuple(None if x is None else x.clone() for x in inputs)
         written = dict(state.written)  # this step's, for its commit
         plan_rows = state.plan_rows
-        graph, outputs = self._record(lambda: run(g_tokens, static, g_inputs))
+        graph, outputs = self._record(lambda: run(g_tokens, static, g_inputs), out)
         captured = dict(state.written)  # what every replay writes
         state.written.clear()
         state.written.update(written)
@@ -399,9 +480,11 @@ class DraftGraphs(_Captures):
         draft: DraftPass,
         device: torch.device,
         max_batch: int,
-        limit: int = 64,
+        limit: int | None = None,
         capture_after: int = 2,
     ) -> None:
+        """``limit``: the graphs held (default: both keys of every batch size, at least 64)."""
+        limit = max(64, 2 * max_batch) if limit is None else limit
         super().__init__(device, limit, capture_after, consecutive=False)
         self.run = draft
         self.max_batch = max_batch
@@ -424,7 +507,7 @@ class DraftGraphs(_Captures):
             out = self._run_then_capture(lambda: self.run(*inputs[:4], noise))
             static = tuple(x.clone() for x in inputs)
             s_noise = static[4] if noise is not None else None
-            graph, outputs = self._record(lambda: self.run(*static[:4], s_noise))
+            graph, outputs = self._record(lambda: self.run(*static[:4], s_noise), out)
             self.store(key, _DraftGraph(graph, static, outputs))  # type: ignore[arg-type]
             return out  # type: ignore[return-value]
         if g is None:

@@ -13,8 +13,15 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.graphs.cuda_graph import GraphConfig
+from services.worker.graphs.cuda_graph import (
+    KEYS_PER_BATCH,
+    GraphConfig,
+    OutputArena,
+    _tensors,
+    graph_limit,
+)
 from services.worker.kv.config import FollowerPrefetch
+from services.worker.model.mla_mtp import MTPStep
 from services.worker.model.row_selection import key_rows
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
@@ -31,6 +38,41 @@ def test_key_rows_buckets_widths_by_an_eighth_of_their_power_of_two() -> None:
         assert w - rows < max(256, rows / 8)
         assert w % 256 == 0
         prev = w
+
+
+def test_graphs_share_one_output_arena_laid_out_from_its_start() -> None:
+    g = torch.Generator().manual_seed(7)
+    step = MTPStep(
+        torch.randn(3, 5, generator=g).to(torch.bfloat16),
+        torch.randn(3, 11, generator=g),
+        torch.randint(-1, 9, (3, 4), generator=g),
+    )
+    outs = (step, {"h": torch.randn(2, 7, generator=g)[:, 1:], "none": None})
+    arena = OutputArena(torch.device("cpu"))
+    arena.reserve(outs)
+    placed = arena.place(outs)
+    assert isinstance(placed[0], MTPStep) and placed[1]["none"] is None
+    base = _tensors(placed)[0].data_ptr()
+    for a, b in zip(_tensors(outs), _tensors(placed), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+        assert b.is_contiguous() and (b.data_ptr() - base) % OutputArena.ALIGN == 0
+    assert OutputArena.nbytes(outs) == 4 * OutputArena.ALIGN
+    # a second graph's outputs begin where the first's did: the arena is shared
+    small = torch.randn(4, generator=g)
+    again = arena.place(small)
+    assert again.data_ptr() == base and torch.equal(again, small)
+    # outputs larger than the arena get a new one; views placed before keep theirs
+    kept = _tensors(placed)[1].clone()
+    big = torch.randn(1000, generator=g)
+    arena.reserve(big)
+    moved = arena.place(big)
+    assert torch.equal(moved, big) and moved.data_ptr() != base
+    assert torch.equal(_tensors(placed)[1], kept)
+
+
+def test_the_graph_limit_holds_every_key_of_every_batch_size() -> None:
+    assert graph_limit(1) == 64
+    assert graph_limit(64) == KEYS_PER_BATCH * 64
 
 
 def test_no_graphs_off_the_gpu() -> None:
