@@ -397,6 +397,12 @@ class Engine:
             outs.append(r.output(text=r.text.finish(), prompt_logprobs=prompt_logprobs.take(r)))
         return outs
 
+    def cold_passes(self) -> int:
+        """Decode and verify passes (and MTP draft steps) so far that captured a CUDA graph or
+        ran eagerly while graphs are on; 0 without graphs."""
+        g = self.passes.graphs
+        return 0 if g is None else g.captures + g.eager
+
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Appends ``tokens`` (chosen from ``logits`` [len(tokens), V]) to ``req`` up to its
         first stop condition (``emission.append_tokens``); one output for them."""

@@ -154,10 +154,11 @@ class Speculator:
         load = len(reqs)
         k = self.agree(self.widths.width(load, memory_waits))
         self.counters.width = k
+        cold = self._cold_passes()
         t0 = time.perf_counter()
         if k <= 1:
             outs = eng.run_pass(reqs)
-            self.widths.observe(0, load, time.perf_counter() - t0)
+            self.widths.observe(0, load, time.perf_counter() - t0, cold=self._cold_passes() > cold)
             return outs
         caps = [self._cap(r, k) for r in reqs]
         anchors = [r.output_ids[-1] for r in reqs]
@@ -230,8 +231,15 @@ class Speculator:
         self.widths.observe(
             k, load, time.perf_counter() - t0,
             [v.num_accepted for v in verdicts], [w - 1 for w in widths],
+            cold=self._cold_passes() > cold,
         )  # fmt: skip
         return outs
+
+    def _cold_passes(self) -> int:
+        """The target's cold passes (``Target.cold_passes``) and the drafter's block passes
+        that captured or ran eagerly."""
+        own = 0 if self.graphs is None else self.graphs.captures + self.graphs.eager
+        return self.target.cold_passes() + own
 
     def _cap(self, req: Request, k: int) -> int:
         """The most queries ``req`` can verify this round (anchor included): within its token

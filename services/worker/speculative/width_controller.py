@@ -186,10 +186,13 @@ class WidthController:
         round_s: float,
         accepted: Sequence[int] = (),
         proposed: Sequence[int] = (),
+        cold: bool = False,
     ) -> None:
         """A round at ``width`` (0: a plain decode pass) for ``load`` requests took
         ``round_s``; request r verified ``proposed[r]`` proposals and accepted the first
-        ``accepted[r]`` (both empty at width 0)."""
+        ``accepted[r]`` (both empty at width 0). ``cold``: the round captured a CUDA graph or
+        ran a pass eagerly (a key met for the first times), so its time is not its width's:
+        its acceptance counts, its time does not, and a measuring round's turn is run again."""
         if self.policy != "online":
             return
         if width <= 1:  # acceptance measured before weighs less after every round off
@@ -203,6 +206,11 @@ class WidthController:
                     self.period, self._next = self.refresh_every, self.k_max
                     self._since_probe = self.period
         key = (load_bucket(load), width)
+        if cold:
+            self._skip.discard(width)  # the one-off costs a burst's first round is skipped for
+            if self._measuring and len(self._explore) < 4 * len(self.online.widths):
+                self._explore.append(width)  # the turn again, once its graphs are captured
+            return
         if not self._measuring:
             self._watch_round(key, round_s)
             return

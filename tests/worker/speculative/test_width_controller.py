@@ -114,6 +114,36 @@ def test_when_speculation_never_pays_it_goes_off_and_stays_off() -> None:
     assert served >= 0.9 / slow[0]  # tokens per second: 90% of plain decoding's at least
 
 
+@pytest.mark.parametrize("flagged", [True, False])
+def test_rounds_that_capture_graphs_are_not_timed(flagged: bool) -> None:
+    """A key's first two rounds run eagerly, then capture its CUDA graph (the engine's
+    ``second`` policy), each costing many replayed rounds. Flagged ``cold`` they are not timed
+    (their turns are run again), and the controller finds that plain decoding serves most;
+    timed, a capture inflates width 0's estimate and it keeps speculating."""
+    times = {0: 0.001, 4: 0.004, 6: 0.006, 8: 0.007}
+    assert best(times, GOOD) == 0
+    ctl = controller()
+    rng, seen, chosen = random.Random(0), {}, []
+    for _ in range(600):
+        w = ctl.width(1)
+        n = seen[w] = seen.get(w, 0) + 1
+        cold = n <= 2
+        round_s = times[w] + (0.08 if cold else 0.0)
+        acc = []
+        if w > 1:
+            a = 0
+            while a < w - 1 and rng.random() < GOOD[a]:
+                a += 1
+            acc = [a]
+        ctl.observe(w, 1, round_s, acc, [w - 1] * bool(acc), cold=cold and flagged)
+        chosen.append(w)
+    late = chosen[-300:]
+    if flagged:
+        assert ctl.online.current == 0 and late.count(0) >= 0.9 * len(late)
+    else:
+        assert ctl.online.current != 0
+
+
 def test_a_steady_trace_settles_without_flapping() -> None:
     ctl = controller()
     t = Trace(ctl)
