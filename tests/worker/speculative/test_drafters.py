@@ -24,6 +24,7 @@ def _propose(d, temps, widths=None, seed=0):
 def test_proposals_are_valid(kind: str) -> None:
     d = with_context(drafter(kind), SLOTS, LENGTHS)
     kmax, vocab = d.block_size, d.cfg.vocab_size
+    assert d.device == torch.device("cpu")  # where its block passes' graphs live
     prop = _propose(d, [0.0, 1.0, 0.7], widths=[8, 5, 1])
     assert prop.widths == [8, 5, 1] or kind == "dspark"
     assert prop.tokens.shape == (3, kmax - 1) and prop.probs is not None

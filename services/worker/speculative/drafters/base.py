@@ -241,7 +241,6 @@ class Drafter(nn.Module, abc.ABC):
             tokens, q if noise is not None else None, self.choose_widths(caps, conf), conf
         )
 
-    @torch.no_grad()
     @property
     def device(self) -> torch.device:
         """Where the drafter's weights (and its block passes) are."""
