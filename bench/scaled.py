@@ -266,12 +266,14 @@ def run_context(
     prompts = [torch.randint(0, vocab, (ctx,), generator=g).tolist() for _ in range(max(cs))]
     params = SamplingParams(temperature=0.0, max_tokens=args.decode_tokens, ignore_eos=True)
     rates = acceptance_rates(args)
-    refs: dict[tuple[int, ...], list[int]] = {}
-    if rates is not None:  # the target's greedy continuations, from a plain run first (alone)
-        plain = _engine(name, model, "resident", ctx, max(cs), args)
+    # per mode, the target's greedy continuations, from a plain run in that mode first (alone):
+    # a random model's logits are nearly flat, so another mode's last bits could flip a token
+    refs: dict[str, dict[tuple[int, ...], list[int]]] = {}
+    for m in modes if rates is not None else ():
+        plain = _engine(name, model, m, ctx, max(cs), args)
         outs = plain.generate(prompts, params)
         plain.close()
-        refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(prompts, outs, strict=True)}
+        refs[m] = {tuple(p): [*p, *o.output_ids] for p, o in zip(prompts, outs, strict=True)}
     engines = {
         f"{m}/{v.label}" if v.label else m: _engine(
             name, models[v.drafter is not None], m, ctx, max(cs), args, v
@@ -282,7 +284,7 @@ def run_context(
     controls = {}
     if rates is not None:
         controls = {
-            m: control(e, refs, rates, seed=args.seed)
+            m: control(e, refs[m.split("/")[0]], rates, seed=args.seed)
             for m, e in engines.items()
             if e.speculator is not None
         }
