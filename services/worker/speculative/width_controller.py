@@ -95,15 +95,18 @@ class WidthController:
         self._level: float | None = None  # the slow average of ``_watch``'s rounds
         self._remeasure = False
         self._rounds: dict[int, int] = {}  # rounds given per width
+        self._cold = 0  # rounds observed cold (not timed)
 
     def estimates(self) -> dict:
         """What the policy chose from, for a benchmark to record: the rounds run at each width,
         the online policy's current width, its round-time estimates (ms by ``"bucket/width"``)
         and the tokens a session emits per round at each candidate width (None: not yet
-        measured)."""
+        measured); ``cold_rounds``: rounds it did not time (a graph captured or a pass run
+        eagerly)."""
         out: dict = {"policy": self.policy, "rounds": dict(sorted(self._rounds.items()))}
         if self.policy == "online":
             out["current"] = self.online.current
+            out["cold_rounds"] = self._cold
             out["round_ms"] = {
                 f"{b}/{w}": s * 1e3 for (b, w), s in sorted(self.online.round_times().items())
             }
@@ -207,6 +210,7 @@ class WidthController:
                     self._since_probe = self.period
         key = (load_bucket(load), width)
         if cold:
+            self._cold += 1
             self._skip.discard(width)  # the one-off costs a burst's first round is skipped for
             if self._measuring and len(self._explore) < 4 * len(self.online.widths):
                 self._explore.append(width)  # the turn again, once its graphs are captured

@@ -138,6 +138,7 @@ def test_rounds_that_capture_graphs_are_not_timed(flagged: bool) -> None:
         ctl.observe(w, 1, round_s, acc, [w - 1] * bool(acc), cold=cold and flagged)
         chosen.append(w)
     late = chosen[-300:]
+    assert ctl.estimates()["cold_rounds"] == (8 if flagged else 0)  # two per width
     if flagged:
         assert ctl.online.current == 0 and late.count(0) >= 0.9 * len(late)
     else:
