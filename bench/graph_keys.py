@@ -53,6 +53,16 @@ class KeyCounter:
         self.counts = {kind: Counter() for kind in self.schedules}
         self.counting = False
 
+    @property
+    def captures(self) -> int:
+        """Keys captured so far, over every schedule (the speculator's cold rounds read it)."""
+        return sum(s.captures for s in {id(s): s for s in self.schedules.values()}.values())
+
+    @property
+    def eager(self) -> int:
+        """Passes run eagerly before their key was captured, over every schedule."""
+        return sum(s.eager for s in {id(s): s for s in self.schedules.values()}.values())
+
     def _count(self, kind: str, key: tuple) -> None:
         sched = self.schedules[kind]
         graph, capture = sched.lookup(key)

@@ -16,11 +16,14 @@ timed requests (steady state: replays > 0, eager = 0), sessions admitted.
 
 With ``--drafter mtp`` the model is built with its MTP layer and every engine speculates
 (``--spec-width``, ``--width-policy``). A random MTP layer's proposals are almost never
-accepted, so by default its proposals are put under the bench's acceptance control
-(``bench/spec_control.py``, ``--acceptance``): the MTP layer still runs (its cost is real), the
-proposals are the target's own greedy continuation (a plain run of the same prompts first)
-corrupted at the shipped model's measured per-position acceptance; rows then report the
-acceptance length the verifier measured.
+accepted, so by default each verify round's acceptance is put under the bench's control
+(``bench/spec_control.py``, ``--acceptance``, ``--control``): the MTP layer still runs and
+proposes (its cost is real), and ``force`` (the default) makes each round accept a prefix of its
+proposals drawn at the shipped model's measured per-position acceptance; ``reference`` instead
+replaces the proposals by the target's own greedy continuation (a plain run of the same prompts
+in the same mode first) corrupted at those rates, which a random model's flat logits defeat on
+the GPU (a flipped last bit leaves the reference, and every later round misses). Rows report
+the acceptance length the verifier measured and the control's counters.
 
 ``--spec off,fixed:4,paper:8,online:8`` runs plain decoding and MTP speculation side by side
 instead (issue 41's table): one engine per mode and variant (``off``: no speculation;
@@ -43,7 +46,7 @@ import torch
 from bench.capacity.sweep import MODES, Sweep
 from bench.core import UsageError
 from bench.core.lockstep import lockstep
-from bench.spec_control import control, shipped_rates
+from bench.spec_control import control, force, shipped_rates
 from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
@@ -96,6 +99,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="with --drafter mtp: 'shipped' (the shipped model's MTP acceptance by draft "
         "position, docs/results/acceptance.json), rates by position ('0.85,0.75,...'), or "
         "'model' (the random MTP layer's own proposals)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--control", default="force", choices=("force", "reference"),
+        help="how --acceptance is imposed: force each verify round's accepted prefix, or "
+        "propose a plain run's greedy continuation corrupted at the rates",
     )  # fmt: skip
     ap.add_argument(
         "--spec", default="",
@@ -269,7 +277,7 @@ def run_context(
     # per mode, the target's greedy continuations, from a plain run in that mode first (alone):
     # a random model's logits are nearly flat, so another mode's last bits could flip a token
     refs: dict[str, dict[tuple[int, ...], list[int]]] = {}
-    for m in modes if rates is not None else ():
+    for m in modes if rates is not None and args.control == "reference" else ():
         plain = _engine(name, model, m, ctx, max(cs), args)
         outs = plain.generate(prompts, params)
         plain.close()
@@ -284,7 +292,9 @@ def run_context(
     controls = {}
     if rates is not None:
         controls = {
-            m: control(e, refs[m.split("/")[0]], rates, seed=args.seed)
+            m: force(e, rates, seed=args.seed)
+            if args.control == "force"
+            else control(e, refs[m.split("/")[0]], rates, seed=args.seed)
             for m, e in engines.items()
             if e.speculator is not None
         }
@@ -309,8 +319,10 @@ def run_context(
                 row["width_in_use"] = sw.engine.speculator.counters.width
                 row["widths"] = sw.engine.speculator.widths.estimates()
                 if rates is not None:
+                    ctl = controls[sw.mode]
                     row["acceptance_control"] = {
-                        "rates": list(rates), "misses": controls[sw.mode].misses,
+                        "kind": args.control, "rates": list(rates), "rounds": ctl.rounds,
+                        "planned": ctl.planned, "misses": getattr(ctl, "misses", 0),
                     }  # fmt: skip
             row["graphs_off_reason"] = sw.engine.graphs_off_reason
             row["context"] = ctx

@@ -11,6 +11,16 @@ Verification stays the engine's own, so the output stays the target's greedy out
 acceptance the verifier measures is the configured one. Default rates: the shipped model's
 MTP layer (``docs/results/acceptance.json``, greedy), ``shipped_rates``.
 
+``force`` is the control for random models at real dimensions, where a reference cannot be
+followed: their logits are nearly flat, so the last bits of a verify pass of another shape than
+the reference's flip a token within a few rounds, and every later round misses. It leaves the
+MTP layer's own proposals in place and decides instead how many of them each verify round
+accepts: before verification reads a round's logits it draws ``a`` from the rates as above,
+lifts proposal ``i``'s logit above its row's maximum for ``i <= a`` and bans proposal ``a + 1``
+(the row's token is then the target's own best other token). Every pass runs as it would (the
+MTP steps, a verify pass of K queries per request); the acceptance is the configured one
+exactly; the output is the forced tokens, not the target's greedy continuation.
+
 Nothing in the worker imports this module: no serving flag reaches it."""
 
 from __future__ import annotations
@@ -18,6 +28,7 @@ from __future__ import annotations
 import json
 import random
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -198,3 +209,54 @@ def control(
     wrapped = AcceptanceControl(spec.drafter, truth, rates, eng.model_cfg.vocab_size, seed)
     spec.drafter = wrapped
     return wrapped
+
+
+@dataclass
+class ForcedAcceptance:
+    """``force``'s counters: verify blocks forced, proposals forced accepted in them."""
+
+    rates: tuple[float, ...]
+    rng: random.Random
+    rounds: int = 0
+    planned: int = 0
+
+    def shape(self, logits: torch.Tensor, drafts: Sequence[int]) -> None:
+        """A verify block's logits [K, V] (row i after the anchor and ``drafts[:i]``), in place:
+        the first ``a`` proposals win their rows, proposal ``a + 1`` is banned from its row."""
+        k = len(drafts)
+        if k < 1:
+            return
+        a = accepted_prefix(self.rates, k, self.rng)
+        for i in range(a):
+            logits[i, drafts[i]] = logits[i].max() + 1.0
+        if a < k:
+            logits[a, drafts[a]] = float("-inf")
+        self.rounds += 1
+        self.planned += a
+
+
+def force(eng: Engine, rates: Sequence[float], seed: int = 0) -> ForcedAcceptance:
+    """Forces the acceptance of ``eng``'s verify rounds to ``rates`` (see the module's
+    docstring) for every request added from now on; greedy requests only."""
+    if eng.speculator is None:
+        raise ValueError("the engine does not speculate")
+    if len(rates) < eng.speculator.k_max - 1 or not all(0.0 <= c <= 1.0 for c in rates):
+        raise ValueError(f"need {eng.speculator.k_max - 1} rates in [0, 1], got {list(rates)}")
+    forced = ForcedAcceptance(tuple(rates), random.Random(seed))
+    add = eng.add_request
+
+    def add_request(request_id, prompt_ids, params, rank=None):
+        if params.temperature > 0.0:
+            raise ValueError("the acceptance control is for greedy requests (temperature 0)")
+        req = add(request_id, prompt_ids, params, rank)
+        own = req.shape_logits
+
+        def shape_logits(logits, drafts, eos_token_ids):
+            own(logits, drafts, eos_token_ids)
+            forced.shape(logits, drafts)
+
+        req.shape_logits = shape_logits  # type: ignore[method-assign]
+        return req
+
+    eng.add_request = add_request  # type: ignore[method-assign]
+    return forced

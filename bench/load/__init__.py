@@ -20,8 +20,9 @@ Two lockstep groups per context (``bench/core/lockstep.py``: the variants of one
 turn, each on its own clock): the modes without speculation at each C of ``--concurrency``,
 the C ``--noise-concurrency`` run twice (the run-to-run noise); then ``--spec-mode`` without
 speculation and with the MTP layer under each width schedule of ``--spec`` at each C of
-``--spec-concurrency``, its proposals under the acceptance control (``bench/spec_control.py``:
-the shipped model's acceptance by draft position; references from a plain run first).
+``--spec-concurrency``, each verify round's acceptance under the bench's control
+(``bench/spec_control.py``, ``force``: the MTP layer's own proposals, accepted at the shipped
+model's rates by draft position).
 
 Output JSON, top level: benchmark, machine, tiny, output_len, history, selections, prefixes,
 spec_width, fused_kernels, graphs, acceptance_rates, kv_cache_dtype, weights, load, sizing (per family and

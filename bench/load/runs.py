@@ -7,13 +7,12 @@ from __future__ import annotations
 import json
 import time
 
-from bench.core import UsageError
 from bench.core.clock import OwnClock
 from bench.core.lockstep import lockstep
 from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from bench.serving.summary import summarize
-from bench.spec_control import control
+from bench.spec_control import force
 from services.worker.request.request import SamplingParams
 
 from .engines import EngineSizing, Variant, build, close
@@ -36,7 +35,6 @@ class Context:
         self.sizing, self.engine_sizing, self.load = sizing, engine_sizing, load
         self.histories: list = []
         self.prompts: list[list[int]] = []
-        self.refs: dict[tuple[int, ...], list[int]] = {}
         self.prepare_s: float | None = None
 
     def prepare(self, kv) -> None:
@@ -72,20 +70,11 @@ def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: di
             out["engines"].append({**info, "context": c.ctx})
         warm = SamplingParams(temperature=0.0, max_tokens=2 * c.args.spec_width + 2,
                               ignore_eos=True)  # fmt: skip
-        plain = next((built[v][0] for v in variants if v.spec == "off"), None)
-        if any(v.spec != "off" for v in variants) and not c.refs:
-            if plain is None:
-                raise UsageError("speculative variants need an 'off' variant in their group")
-            n = c.args.output_len + c.args.spec_width + 2
-            outs = plain.generate(c.prompts, SamplingParams(temperature=0.0, max_tokens=n,
-                                                            ignore_eos=True))  # fmt: skip
-            c.refs = {tuple(p): [*p, *o.output_ids] for p, o in zip(c.prompts, outs,
-                                                                    strict=True)}  # fmt: skip
         controls = {}
         for v, (eng, _) in built.items():
             eng.generate(c.prompts[:2], warm)  # kernels compiled, graphs captured
-            if v.spec != "off":
-                controls[v] = control(eng, c.refs, rates, seed=c.args.seed)
+            if v.spec != "off":  # each verify round accepts at the rates (``force``)
+                controls[v] = force(eng, rates, seed=c.args.seed)
         points = [(x, 0) for x in cs] + ([(noise_c, 1)] if noise_c in cs else [])
         for conc, repeat in points:
             per = (c.load.duration_s or 0) + c.load.warmup_s
@@ -105,8 +94,9 @@ def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: di
                 m["per_request_tokens_per_s"] = 1.0 / tp if tp else None
                 m["imported"] = imp.imported - imported0[v]
                 if v in controls:
-                    m["acceptance_control"] = {"rates": list(rates),
-                                               "misses": controls[v].misses}  # fmt: skip
+                    m["acceptance_control"] = {"kind": "force", "rates": list(rates),
+                                               "rounds": controls[v].rounds,
+                                               "planned": controls[v].planned}  # fmt: skip
                 row = {"name": f"{v.name}@C{conc}/in{c.ctx}", "family": c.family,
                        "context": c.ctx, "mode": v.mode, "spec": v.spec, "concurrency": conc,
                        "repeat": repeat, "metrics": m}  # fmt: skip

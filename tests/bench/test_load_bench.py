@@ -54,7 +54,8 @@ def test_tiny_run_end_to_end(tmp_path) -> None:
         assert (m["reclaim"] is not None) == (r["mode"] == "adaptive")
         if r["spec"] == "fixed":  # every round at K_max, the control's acceptance
             assert m["width_steps"] == {"3": m["decode_steps"]}
-            assert m["acceptance_length"] > 1 and m["acceptance_control"]["misses"] == 0
+            ctl = m["acceptance_control"]
+            assert m["acceptance_length"] > 1 and ctl["kind"] == "force" and ctl["rounds"] > 0
         if r["spec"] == "online":  # the width chosen each step is reported
             assert sum(m["width_steps"].values()) == m["decode_steps"]
     # the budget holds 2 resident sessions: at C3 resident holds 2, the hierarchy all 3

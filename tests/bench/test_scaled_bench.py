@@ -93,20 +93,23 @@ def test_speculation_arguments_are_checked() -> None:
             scaled.spec_variants(_args(spec=bad))
 
 
-def test_one_context_speculating_under_the_acceptance_control_on_the_cpu() -> None:
+@pytest.mark.parametrize("how", ["force", "reference"])
+def test_one_context_speculating_under_the_acceptance_control_on_the_cpu(how: str) -> None:
     """``--drafter mtp``: a scaled preset (shrunk) built with its MTP layer, every mode's engine
-    speculating, its proposals under the acceptance control: the verifier measures about the
-    configured acceptance, and no round left the plain run's reference."""
+    speculating under the acceptance control (``--control``): the verifier measures about the
+    configured acceptance; with a reference, no round left it."""
     d = shrunk("v32-scaled", num_hidden_layers=2)
     model = build_model(d, seed=2, mtp=True)
     args = _args(decode_tokens=24, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=64, drafter="mtp", spec_width=4,
-                 acceptance="0.95,0.9,0.9")  # fmt: skip
+                 acceptance="0.95,0.9,0.9", control=how)  # fmt: skip
     rows = scaled.run_context(d.name, {True: model}, 48, [2], ["resident", "hisparse"],
                               scaled.spec_variants(args), args)  # fmt: skip
     assert [r["mode"] for r in rows] == ["resident", "hisparse"]
     for r in rows:
-        assert r["acceptance_control"] == {"rates": [0.95, 0.9, 0.9], "misses": 0}
+        ctl = r["acceptance_control"]
+        assert ctl["kind"] == how and ctl["rates"] == [0.95, 0.9, 0.9] and ctl["misses"] == 0
+        assert ctl["rounds"] > 0 and ctl["planned"] > 1.5 * ctl["rounds"]
         assert r["acceptance_length"] > 2.5 and r["width_in_use"] == 4
         assert r["decode_tokens_per_s"] > 0
 
@@ -126,6 +129,6 @@ def test_plain_and_speculating_engines_side_by_side_on_the_cpu() -> None:
     assert [r["mode"] for r in rows] == names
     assert "acceptance_length" not in rows[0] and rows[0]["decode_tokens_per_s"] > 0
     for r in rows[1:]:
-        assert r["acceptance_control"]["misses"] == 0 and r["acceptance_length"] > 1.5
+        assert r["acceptance_control"]["rounds"] > 0 and r["acceptance_length"] > 1.5
         assert r["widths"]["policy"] == r["mode"].split("/")[1].split(":")[0]
     assert set(rows[2]["widths"]["tokens_per_round"]) == {0, 4}

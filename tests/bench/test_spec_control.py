@@ -1,8 +1,8 @@
 """The bench's acceptance control (``bench/spec_control.py``): rates derived from the shipped
 model's acceptance lengths, the planner's per-position statistics, and, on the CPU over a
-shrunk scaled preset with its MTP layer, speculation under control: greedy output unchanged,
-the verifier accepting exactly what the control planned, and the measured acceptance length
-that of the configured rates."""
+shrunk scaled preset with its MTP layer, speculation under control: greedy output unchanged
+(the reference control), the verifier accepting exactly what the control planned, and the
+measured acceptance length that of the configured rates (both controls)."""
 
 from __future__ import annotations
 
@@ -14,9 +14,11 @@ import pytest
 import torch
 
 from bench.spec_control import (
+    ForcedAcceptance,
     acceptance_length,
     accepted_prefix,
     control,
+    force,
     rates_from_lengths,
     shipped_rates,
 )
@@ -97,3 +99,43 @@ def test_the_control_is_for_greedy_requests_with_rates_for_every_position() -> N
     with pytest.raises(ValueError, match="greedy"):
         ctl.propose([0], [5], [3], [4], [1.0])
     eng.close()
+
+
+def test_forced_acceptance_is_the_configured_one_with_the_mtp_layers_own_proposals() -> None:
+    """``force``: no reference; each verify round accepts exactly the prefix drawn, whatever the
+    random MTP layer proposed, and a round that rejects emits the target's own best token
+    other than the rejected proposal."""
+    d = shrunk("v32-scaled", num_hidden_layers=2)
+    model = build_model(d, seed=4, mtp=True)
+    g = torch.Generator().manual_seed(8)
+    prompts = [torch.randint(2, VOCAB, (n,), generator=g).tolist() for n in (20, 37, 13)]
+    params = SamplingParams(temperature=0.0, max_tokens=72, ignore_eos=True)
+    rates = (0.85, 0.6, 0.5)
+    eng = engine(d.name, model, "resident", SpeculationConfig("mtp", 4, "fixed"))
+    forced = force(eng, rates, seed=1)
+    outs = eng.generate(prompts, params)
+    assert all(len(r.output_ids) == 72 for r in outs)
+    c = eng.speculator.counters
+    assert c.drafts - len(prompts) <= forced.rounds <= c.drafts and forced.rounds > 70
+    assert c.accepted == forced.planned  # every forced prefix, and nothing more
+    want = acceptance_length(rates, 4)
+    assert want - 0.45 < c.acceptance_length < want + 0.35
+    with pytest.raises(ValueError, match="greedy"):
+        eng.add_request("sampled", prompts[0], SamplingParams(temperature=1.0, max_tokens=4))
+    with pytest.raises(ValueError, match="need 3 rates"):
+        force(eng, (0.5, 0.5))
+    eng.close()
+
+
+def test_a_forced_block_accepts_its_prefix_and_bans_the_next_proposal() -> None:
+    logits = torch.randn(4, 11, generator=torch.Generator().manual_seed(3))
+    drafts = [7, 2, 9]
+    forced = ForcedAcceptance((1.0, 0.0, 1.0), random.Random(0))
+    shaped = logits.clone()
+    forced.shape(shaped, drafts)  # rate 1 then 0: one accepted, the second banned
+    assert shaped[0].argmax() == 7 and shaped[1, 2] == float("-inf")
+    assert shaped[1].argmax() == logits[1].masked_fill(torch.arange(11) == 2, -1e9).argmax()
+    assert torch.equal(shaped[2:], logits[2:])
+    assert (forced.rounds, forced.planned) == (1, 1)
+    forced.shape(shaped[:1], [])  # a decode step: nothing to force
+    assert forced.rounds == 1

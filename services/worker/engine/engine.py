@@ -108,7 +108,7 @@ class Engine:
             drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.passes.mtp_step)
             self.speculator = Speculator(
                 self, self.kv, self.passes.forward_logits, drafter, sc, cfg.max_num_seqs,
-                cfg.page_size, cfg.max_model_len,
+                cfg.page_size, cfg.max_model_len, self.passes.cold_passes,
             )  # fmt: skip
             if self.group.replicated:
                 assert self.group.lockstep is not None
@@ -396,12 +396,6 @@ class Engine:
             self._finish(r, FinishReason.LENGTH, None)
             outs.append(r.output(text=r.text.finish(), prompt_logprobs=prompt_logprobs.take(r)))
         return outs
-
-    def cold_passes(self) -> int:
-        """Decode and verify passes (and MTP draft steps) so far that captured a CUDA graph or
-        ran eagerly while graphs are on; 0 without graphs."""
-        g = self.passes.graphs
-        return 0 if g is None else g.captures + g.eager
 
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Appends ``tokens`` (chosen from ``logits`` [len(tokens), V]) to ``req`` up to its

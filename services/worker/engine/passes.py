@@ -40,6 +40,12 @@ class ModelPasses:
         self.fused = fused
         self.graphs: DecodeGraphs | None = None
 
+    def cold_passes(self) -> int:
+        """Decode and verify passes and MTP draft steps so far that captured a CUDA graph or
+        ran eagerly while graphs are on; 0 without graphs."""
+        g = self.graphs
+        return 0 if g is None else g.captures + g.eager
+
     def sampled_logits(
         self,
         tokens: torch.Tensor,

@@ -96,12 +96,16 @@ class Speculator:
         max_slots: int,
         page_size: int,
         max_model_len: int,
+        cold_passes: Callable[[], int] = lambda: 0,
     ) -> None:
         """``kv``: the cache the target's passes write, ``forward``: the target's verify pass
-        (logits of every new token of a batch, its rows written uncommitted)."""
+        (logits of every new token of a batch, its rows written uncommitted); ``cold_passes``:
+        the target's passes so far that captured a CUDA graph or ran eagerly while graphs are
+        on (a round that met one is no measure of its width's time)."""
         self.target = target
         self.kv = kv
         self.forward = forward
+        self.target_cold = cold_passes
         self.max_model_len = max_model_len
         self.drafter = drafter
         # The widest block verified: the configured width, within the drafter's block.
@@ -236,10 +240,10 @@ class Speculator:
         return outs
 
     def _cold_passes(self) -> int:
-        """The target's cold passes (``Target.cold_passes``) and the drafter's block passes
-        that captured or ran eagerly."""
+        """The target's cold passes and the drafter's block passes that captured or ran
+        eagerly."""
         own = 0 if self.graphs is None else self.graphs.captures + self.graphs.eager
-        return self.target.cold_passes() + own
+        return self.target_cold() + own
 
     def _cap(self, req: Request, k: int) -> int:
         """The most queries ``req`` can verify this round (anchor included): within its token

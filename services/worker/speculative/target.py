@@ -25,10 +25,6 @@ class Target(Protocol):
     def generator(self, req: Request) -> torch.Generator:
         """The random generator ``req`` samples with (its seed's, else the engine's)."""
 
-    def cold_passes(self) -> int:
-        """Passes so far (the target's and the drafter's) that captured a CUDA graph or ran
-        eagerly while graphs are on: a round that met one is no measure of its width's time."""
-
     def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
         """Appends ``tokens`` (chosen from ``logits`` [len(tokens), V]) to ``req`` up to its
         first stop condition; one output for them."""
