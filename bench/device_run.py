@@ -174,15 +174,15 @@ LOAD_STEPS = tuple(
     for name, args in LOAD_ARGS.items()
 )
 # issue 41's table: the real-dimension presets in adaptive mode at 8K, plain decoding beside
-# their MTP layer under each schedule (its proposals at the shipped model's acceptance, the
-# acceptance control), in lockstep (``bench scaled --spec``); one family per step. The paper's
-# schedule runs width 8 up to C = 32, so ``paper:8`` is the fixed width 8 here. Each engine
-# prefills every timed request twice (warm-up and run): C = 16 at 8K is some 150 prefills.
+# their MTP layer at width 4 and under the online policy (each verify round's acceptance forced
+# to the shipped model's, the acceptance control), in lockstep (``bench scaled --spec``); one
+# family per step. Each engine prefills every timed request twice (warm-up and run): C = 16 at
+# 8K is some 100 prefills.
 SPEC_SCALED_STEPS = tuple(
     Step(
         f"spec-scaled-{family}",
         f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
-        "--decode-tokens 128 --modes adaptive --spec off,fixed:4,paper:8,online:8 "
+        "--decode-tokens 128 --modes adaptive --spec off,fixed:4,online:8 "
         f"--host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
         540,
     )
