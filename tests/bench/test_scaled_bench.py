@@ -131,4 +131,7 @@ def test_plain_and_speculating_engines_side_by_side_on_the_cpu() -> None:
     for r in rows[1:]:
         assert r["acceptance_control"]["rounds"] > 0 and r["acceptance_length"] > 1.5
         assert r["widths"]["policy"] == r["mode"].split("/")[1].split(":")[0]
+    split = rows[1]["round_split"]  # every round of the fixed width is timed, drafts apart
+    assert split["rounds"] > 0 and 0 < split["draft_ms"] < split["round_ms"]
+    assert split["verify_and_host_ms"] == pytest.approx(split["round_ms"] - split["draft_ms"])
     assert set(rows[2]["widths"]["tokens_per_round"]) == {0, 4}
