@@ -33,6 +33,7 @@ from bench.core.lockstep import lockstep
 from bench.core.output import write_result
 from bench.core.plots import pyplot, save
 from bench.core.progress import progress
+from bench.round_split import RoundSplit
 from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from services.worker.engine.config import EngineConfig
@@ -148,6 +149,7 @@ def run(args: argparse.Namespace) -> int:
         configs += [(f"{d}/K={w}", d, "fixed", w) for w in widths]
         configs += [(f"{d}/paper", d, "paper", 8), (f"{d}/online", d, "online", 8)]
     engines = {name: Engine(config(args, d, policy, w)) for name, d, policy, w in configs}
+    splits = {n: RoundSplit(e) for n, e in engines.items() if e.speculator is not None}
     results = []
     for c in progress(args.concurrency, "concurrency"):
         # warm-up (kernels, and the online policy's measurements), then the measured loops
@@ -156,9 +158,13 @@ def run(args: argparse.Namespace) -> int:
         loops = {name: closed_loop(eng, prompts[:c], args, args.requests_per_client)
                  for name, eng in engines.items()}  # fmt: skip
         before = {name: graph_counts(eng) for name, eng in engines.items()}
+        for split in splits.values():
+            split.reset()
         lockstep(list(loops.values()))
         for name, loop in loops.items():
             row = {"config": name, "concurrency": c, **measured(loop)}
+            if name in splits:  # the measured loops' rounds: drafting apart from the rest
+                row["round_split"] = splits[name].row()
             after = graph_counts(loop.eng)  # passes captured, replayed, run eagerly meanwhile
             row.update({k: v - before[name][k] for k, v in after.items()})
             results.append(row)

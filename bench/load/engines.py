@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from bench.core import UsageError
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -48,9 +49,8 @@ class EngineSizing:
     host_bytes: int  # the host store's arena, shared by the hierarchy engines
 
 
-def build(model, name: str, v: Variant, s: EngineSizing, store=None) -> tuple[Engine, dict]:
-    """``v``'s engine on the model's device and what it was built with. ``store``: the host
-    store hierarchy engines share (each its own owner, durable sessions on)."""
+def _config(model, name: str, v: Variant, s: EngineSizing) -> tuple[EngineConfig, int]:
+    """``v``'s engine configuration and the fixed bytes beside the KV budget in its pool."""
     device = next(model.parameters()).device.type
     dtype = next(model.parameters()).dtype
     hierarchy = v.mode != "resident"
@@ -70,7 +70,38 @@ def build(model, name: str, v: Variant, s: EngineSizing, store=None) -> tuple[En
     fixed = workspace_bytes(model.cfg, kv_cfg)
     if hierarchy:
         fixed += hierarchy_fixed_bytes(model.cfg, kv_cfg)
-    cfg = EngineConfig(kv_pool_mib=(s.pool_bytes + fixed) / 2**20, **common)
+    return EngineConfig(kv_pool_mib=(s.pool_bytes + fixed) / 2**20, **common), fixed
+
+
+def group_bytes(model, name: str, variants: list[Variant], s: EngineSizing) -> int:
+    """Device bytes the engines of ``variants`` reserve at once (each its pool: the KV budget
+    and its fixed allocations), beside the model's weights."""
+    return sum(s.pool_bytes + _config(model, name, v, s)[1] for v in variants)
+
+
+def check_fits(model, name: str, variants: list[Variant], s: EngineSizing) -> None:
+    """Raises UsageError, before any engine is built, when the group's pools cannot fit in the
+    device memory left beside the weights (with a tenth to spare for activations, graphs and
+    the allocator): a run that would fail minutes in, at its last engine, fails at once."""
+    device = next(model.parameters()).device
+    if device.type != "cuda":
+        return
+    free, total = torch.cuda.mem_get_info(device)
+    need = group_bytes(model, name, variants, s)
+    if need > 0.9 * free:
+        names = ", ".join(v.name for v in variants)
+        raise UsageError(
+            f"the engines {names} need {need / 2**30:.1f} GiB of KV pools together, and "
+            f"{free / 2**30:.1f} of the device's {total / 2**30:.1f} GiB are free beside the "
+            "weights: run them on a larger GPU (an H200) or with fewer --spec variants"
+        )
+
+
+def build(model, name: str, v: Variant, s: EngineSizing, store=None) -> tuple[Engine, dict]:
+    """``v``'s engine on the model's device and what it was built with. ``store``: the host
+    store hierarchy engines share (each its own owner, durable sessions on)."""
+    cfg, fixed = _config(model, name, v, s)
+    hierarchy = v.mode != "resident"
     link = (store, store.mapping) if hierarchy and store is not None else None
     eng = Engine(cfg, model=model, tokenizer=ByteTokenizer(), host=link)
     info = {

@@ -15,7 +15,7 @@ from bench.serving.summary import summarize
 from bench.spec_control import force
 from services.worker.request.request import SamplingParams
 
-from .engines import EngineSizing, Variant, build, close
+from .engines import EngineSizing, Variant, build, check_fits, close
 from .history import KEY_TOKENS, HistoryImport, history_tokens, prepared_prompts, random_history
 from .replay import Replay, install
 from .speculation import compare
@@ -57,6 +57,7 @@ def run_group(c: Context, variants: list[Variant], cs: list[int], store, out: di
               rates, deadline: float | None, noise_c: int | None) -> None:  # fmt: skip
     """``variants`` in lockstep at each C of ``cs``: one engine each, built and warmed first;
     rows appended to ``out['runs']``; with ``noise_c`` that C's point is run twice."""
+    check_fits(c.model, c.family, variants, c.engine_sizing)
     built = {}
     try:
         for v in variants:

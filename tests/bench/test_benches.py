@@ -80,6 +80,9 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
     assert len(data["results"]) == 2 * len(configs)
     for r in data["results"]:
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
+        if r["config"].endswith("/paper"):  # every measured round timed, drafting apart
+            split = r["round_split"]
+            assert split["rounds"] > 0 and 0 < split["draft_ms"] < split["round_ms"]
     assert set(data["summary"]) == {f"{d}@C{c}" for d in ("dflash", "dspark", "dflash2")
                                     for c in (1, 2)}  # fmt: skip
     # the drafters it loaded, weights included (opened outside Python's open)

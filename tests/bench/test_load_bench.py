@@ -9,8 +9,9 @@ import json
 import pytest
 
 from bench.cli import main as bench_main
+from bench.core import UsageError
 from bench.load import cli
-from bench.load.engines import EngineSizing, Variant, build
+from bench.load.engines import EngineSizing, Variant, build, check_fits, group_bytes
 from bench.load.history import KEY_TOKENS, HistoryImport, captured_history, history_tokens
 from bench.load.pool import plan_pool
 from bench.load.speculation import compare, predicted_gain
@@ -107,6 +108,32 @@ def test_imported_history_decodes_as_prefilled(mode: str, kv_dtype: str) -> None
     finally:
         store.close()
     assert got == expected
+
+
+def test_a_group_is_sized_before_its_engines_are_built(monkeypatch) -> None:
+    """Each engine's pool is the KV budget and its fixed bytes (the hierarchy's more than
+    resident's), counted before any engine exists; a group that cannot fit beside the weights
+    stops at once with the figures, before minutes of building and prefilling."""
+    model = cli.tiny_model(seed=3, mtp=False)
+    sizing = EngineSizing(pool_bytes=4 << 20, slots=2, max_model_len=160,
+                          max_prefill_tokens=128, page_size=16, hot_cache_rows=32,
+                          kv_cache_dtype="auto", spec_width=2, graphs=False,
+                          fused_kernels=False, host_bytes=64 << 20)  # fmt: skip
+    one = {m: group_bytes(model, cli.TINY, [Variant(m)], sizing) for m in ("resident", "adaptive")}
+    assert sizing.pool_bytes <= one["resident"] < one["adaptive"]
+    both = group_bytes(model, cli.TINY, [Variant("resident"), Variant("adaptive")], sizing)
+    assert both == one["resident"] + one["adaptive"]
+    eng, info = build(model, cli.TINY, Variant("adaptive"), sizing)
+    assert info["pool_bytes"] == one["adaptive"]  # what the check counts is what is built
+    eng.close()
+    check_fits(model, cli.TINY, [Variant("adaptive")] * 64, sizing)  # a CPU model: no check
+    # a model on a GPU with room for the group's pools once and a half
+    param = type("P", (), {"device": type("D", (), {"type": "cuda"})()})()
+    shim = type("M", (), {"parameters": lambda self: iter([param])})()
+    monkeypatch.setattr("torch.cuda.mem_get_info", lambda device: (3 * both // 2, 8 * both))
+    monkeypatch.setattr("bench.load.engines.group_bytes", lambda *a: 2 * both)
+    with pytest.raises(UsageError, match=r"need [0-9.]+ GiB of KV pools together"):
+        check_fits(shim, cli.TINY, [Variant("resident"), Variant("adaptive")], sizing)
 
 
 def test_pool_from_the_plan(capsys) -> None:
