@@ -38,6 +38,7 @@ to ``logs.tgz``.
                  decode shapes, over bf16 rows and over packed FP8 rows
     select-topk  the indexer's top-k (torch, bitonic, radix select) side by side at decode
                  shapes
+    graph-tests  the CUDA graphs' GPU tests alone (``tests/worker/graphs``)
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -321,6 +322,15 @@ PARTS: dict[str, tuple[Step, ...]] = {
     "kernels": KERNEL_STEPS,
     "sparse-attention": SPARSE_ATTENTION_STEPS,
     "select-topk": SELECT_TOPK_STEPS,
+    # the CUDA graphs' GPU tests alone (decode and verify replays in every mode, the followers'
+    # branch, the draft graphs, the MTP rounds, FP8): a change to the graphs re-runs these
+    "graph-tests": (
+        Step(
+            "graph-tests",
+            "-m bench gpu-tests tests/worker/graphs --out {out}/gpu_tests_graphs.json",
+            420,
+        ),
+    ),
     "scaled-32k": SCALED_32K_STEPS,
     "load": LOAD_STEPS,
 }
