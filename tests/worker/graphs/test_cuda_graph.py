@@ -15,6 +15,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.graphs.cuda_graph import (
     KEYS_PER_BATCH,
+    DraftGraphs,
     GraphConfig,
     OutputArena,
     _tensors,
@@ -68,6 +69,42 @@ def test_graphs_share_one_output_arena_laid_out_from_its_start() -> None:
     moved = arena.place(big)
     assert torch.equal(moved, big) and moved.data_ptr() != base
     assert torch.equal(_tensors(placed)[1], kept)
+
+
+@pytest.mark.gpu
+def test_graphs_of_growing_outputs_replay_from_the_shared_arena() -> None:
+    """Block-pass graphs captured at batch sizes 1, 3, 8 and 2 (outputs that outgrow the arena
+    twice, then fit it) replay in any order with the eager pass's outputs: a graph captured
+    before the arena grew keeps its own buffer, and each replay's outputs are copies."""
+    dev = torch.device("cuda")
+    w = torch.randn(16, 33, device=dev, generator=torch.Generator(dev).manual_seed(5))
+
+    def draft(slots, committed, anchors, temps, noise):
+        x = torch.nn.functional.one_hot(anchors % 16, 16).float() + committed[:, None] / 7
+        q = torch.softmax((x @ w) / (1.0 + temps[:, None]), -1)
+        return q.argmax(-1) + slots, q, None
+
+    graphs = DraftGraphs(draft, dev, max_batch=8)
+    g = torch.Generator().manual_seed(9)
+
+    def inputs(n: int) -> tuple[torch.Tensor, ...]:
+        ints = torch.randint(0, 50, (3, n), generator=g).to(dev)
+        return ints[0], ints[1], ints[2], torch.rand(n, generator=g).to(dev)
+
+    for n in (1, 3, 8, 2):  # two sightings each: the second captures
+        for _ in range(2):
+            graphs.draft(*inputs(n), None)
+    assert graphs.captures == 4
+    held = []
+    for n in (8, 1, 2, 3, 8, 1):
+        args = inputs(n)
+        tokens, q, conf = graphs.draft(*args, None)
+        want_tokens, want_q, _ = draft(*args, None)
+        assert conf is None and torch.equal(tokens, want_tokens) and torch.equal(q, want_q)
+        held.append((q, want_q))
+    assert graphs.replays == 6
+    for got, want in held:  # copies: later replays left earlier outputs as they were
+        assert torch.equal(got, want)
 
 
 def test_the_graph_limit_holds_every_key_of_every_batch_size() -> None:
