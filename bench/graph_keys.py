@@ -54,14 +54,19 @@ class KeyCounter:
         self.counting = False
 
     @property
+    def _distinct(self) -> list[CaptureSchedule]:
+        """The schedules, each once (passes and MTP steps share one)."""
+        return list({id(s): s for s in self.schedules.values()}.values())
+
+    @property
     def captures(self) -> int:
         """Keys captured so far, over every schedule (the speculator's cold rounds read it)."""
-        return sum(s.captures for s in {id(s): s for s in self.schedules.values()}.values())
+        return sum(s.captures for s in self._distinct)
 
     @property
     def eager(self) -> int:
         """Passes run eagerly before their key was captured, over every schedule."""
-        return sum(s.eager for s in {id(s): s for s in self.schedules.values()}.values())
+        return sum(s.eager for s in self._distinct)
 
     def _count(self, kind: str, key: tuple) -> None:
         sched = self.schedules[kind]

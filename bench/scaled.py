@@ -327,7 +327,7 @@ def run_context(
                     ctl = controls[sw.mode]
                     row["acceptance_control"] = {
                         "kind": args.control, "rates": list(rates), "rounds": ctl.rounds,
-                        "planned": ctl.planned, "misses": getattr(ctl, "misses", 0),
+                        "planned": ctl.planned, "misses": ctl.misses,
                     }  # fmt: skip
             row["graphs_off_reason"] = sw.engine.graphs_off_reason
             row["context"] = ctx
@@ -357,10 +357,10 @@ def run(args: argparse.Namespace) -> dict:
         raise UsageError("bench scaled runs on a CUDA GPU (real-dimension models of 40+ GB)")
     fmt = WeightFormat(fp8=args.weights == "fp8", mode=args.fp8_mode)
     families = []
+    speculating = any(v.drafter for v in variants)
     for name in fams:
         torch.cuda.reset_peak_memory_stats()
         t0 = time.perf_counter()
-        speculating = any(v.drafter for v in variants)
         model = _build(name, args, fmt, speculating)
         torch.cuda.synchronize()
         built_s = time.perf_counter() - t0

@@ -213,12 +213,14 @@ def control(
 
 @dataclass
 class ForcedAcceptance:
-    """``force``'s counters: verify blocks forced, proposals forced accepted in them."""
+    """``force``'s counters: verify blocks forced, proposals forced accepted in them, and
+    ``misses`` as ``AcceptanceControl`` counts them (always 0: no reference to leave)."""
 
     rates: tuple[float, ...]
     rng: random.Random
     rounds: int = 0
     planned: int = 0
+    misses: int = 0
 
     def shape(self, logits: torch.Tensor, drafts: Sequence[int]) -> None:
         """A verify block's logits [K, V] (row i after the anchor and ``drafts[:i]``), in place:

@@ -221,9 +221,13 @@ class OutputArena:
         self._buf: torch.Tensor | None = None
 
     @classmethod
+    def _aligned(cls, t: torch.Tensor) -> int:
+        """``t``'s bytes rounded up to ``ALIGN``: where the next output begins."""
+        return -(-t.numel() * t.element_size() // cls.ALIGN) * cls.ALIGN
+
+    @classmethod
     def nbytes(cls, out: object) -> int:
-        step = cls.ALIGN
-        return sum(-(-t.numel() * t.element_size() // step) * step for t in _tensors(out))
+        return sum(cls._aligned(t) for t in _tensors(out))
 
     def reserve(self, out: object) -> None:
         """Room for outputs shaped as ``out``, allocated before a capture (never inside)."""
@@ -240,7 +244,7 @@ class OutputArena:
             view = self._buf[at : at + n].view(t.dtype).view(t.shape)
             view.copy_(t)
             views.append(view)
-            at += -(-n // self.ALIGN) * self.ALIGN
+            at += self._aligned(t)
         return _replaced(out, views)
 
 
@@ -299,14 +303,7 @@ PassRun = Callable[[torch.Tensor, ForwardBatch, tuple], object]
 
 def _cloned(out: object) -> object:
     """``out`` with every tensor in it copied (the next replay overwrites the graph's own)."""
-    if isinstance(out, torch.Tensor):
-        return out.clone()
-    if isinstance(out, dict):
-        return {k: _cloned(v) for k, v in out.items()}
-    if isinstance(out, tuple):
-        parts = [_cloned(v) for v in out]
-        return type(out)(*parts) if hasattr(out, "_fields") else tuple(parts)
-    return out
+    return _replaced(out, [t.clone() for t in _tensors(out)])
 
 
 class DecodeGraphs(_Captures):
