@@ -12,6 +12,7 @@ to ``logs.tgz``.
                  layer, then DFlash2
     spec-scaled  the real-dimension presets at 8K, C = 1 and 16, with their MTP layer at the
                  shipped model's acceptance beside plain decoding (``bench scaled --spec``),
+                 attending the shipped model's replayed selections,
                  one family per step (``--only spec-scaled-v32-scaled``)
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
@@ -184,7 +185,7 @@ SPEC_SCALED_STEPS = tuple(
         f"spec-scaled-{family}",
         f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
         "--decode-tokens 128 --modes adaptive --spec off,fixed:4,online:8 "
-        f"--host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
+        f"--selections replay --host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
         540,
     )
     for family, (short, _) in SCALED_8K_ARGS.items()

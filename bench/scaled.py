@@ -31,7 +31,13 @@ instead (issue 41's table): one engine per mode and variant (``off``: no specula
 ``MODE/VARIANT`` with the width policy's estimates (``widths``). Plain decoding runs on a model
 of the same family built without the MTP layer when the device holds both
 (``plain_model: own``), else on the speculating engines' model, whose every pass then also
-writes the MTP layer's rows (its input fusion and KV projections: ``plain_model: shared``)."""
+writes the MTP layer's rows (its input fusion and KV projections: ``plain_model: shared``).
+
+A random model's indexer gives consecutive queries almost disjoint selections, so a verify
+round of K queries per request reads K times the rows a decode step does, which a trained
+model's do not. ``--selections replay`` serves every decode and verify query the shipped model's
+recorded selections mapped onto the family (``bench/load/replay.py``): the indexer still runs,
+and the hierarchy sees the trained model's step-to-step overlap and reuse."""
 
 from __future__ import annotations
 
@@ -39,6 +45,7 @@ import argparse
 import json
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -46,6 +53,7 @@ import torch
 from bench.capacity.sweep import MODES, Sweep
 from bench.core import UsageError
 from bench.core.lockstep import lockstep
+from bench.load.replay import TRACE, expansion, install, load_traces, replay_for
 from bench.round_split import RoundSplit
 from bench.spec_control import control, force, shipped_rates
 from dhisparse.family.scaled import SCALED
@@ -111,6 +119,13 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="plain decoding and MTP speculation side by side: 'off' and POLICY:K_MAX variants "
         "(e.g. off,fixed:4,paper:8,online:8); replaces --drafter, --spec-width, --width-policy",
     )  # fmt: skip
+    ap.add_argument(
+        "--selections", default="random", choices=("random", "replay"),
+        help="what decode and verify queries attend: the random model's own top-k (consecutive "
+        "queries share little), or the shipped model's recorded selections replayed "
+        "(bench/load/replay.py: its step-to-step overlap and reuse)",
+    )  # fmt: skip
+    ap.add_argument("--trace", default=str(TRACE), help="the traces --selections replay reads")
     ap.add_argument("--out", default="docs/results/scaled.json")
 
 
@@ -290,6 +305,14 @@ def run_context(
         for m in modes
         for v in variants
     }
+    replayed = None
+    if args.selections == "replay":
+        replay = replay_for(model, ctx, load_traces(Path(args.trace)))
+        for e in engines.values():
+            install(e, replay)  # before any pass: captured graphs hold it
+        t = replay.trace
+        replayed = {"trace": t.source, "trace_context": t.context, "trace_steps": t.steps,
+                    "expansion": expansion(model.cfg.index_topk, t), "spread": replay.spread}  # fmt: skip
     controls = {}
     if rates is not None:
         controls = {
@@ -331,6 +354,7 @@ def run_context(
                     }  # fmt: skip
             row["graphs_off_reason"] = sw.engine.graphs_off_reason
             row["context"] = ctx
+            row["selections"] = replayed or "random"
             rows.append(row)
             print(json.dumps({k: row[k] for k in (
                 "mode", "context", "concurrency", "decode_tokens_per_s",
@@ -407,5 +431,6 @@ def run(args: argparse.Namespace) -> dict:
         "spec_width": args.spec_width if args.drafter != "none" else None,
         "width_policy": args.width_policy if args.drafter != "none" else None,
         "spec": [v.label for v in variants] if args.spec else None,
+        "selections": args.selections,
         "families": families,
     }

@@ -135,3 +135,35 @@ def test_plain_and_speculating_engines_side_by_side_on_the_cpu() -> None:
     assert split["rounds"] > 0 and 0 < split["draft_ms"] < split["round_ms"]
     assert split["verify_and_host_ms"] == pytest.approx(split["round_ms"] - split["draft_ms"])
     assert set(rows[2]["widths"]["tokens_per_round"]) == {0, 4}
+
+
+def test_replayed_selections_in_lockstep_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--selections replay``: every engine, plain and speculating, gets the shipped model's
+    recorded selections mapped onto the family before its first pass (captured graphs hold
+    them); rows name the trace and its mapping."""
+    installed = []
+
+    def install(eng, replay) -> None:
+        installed.append((eng.stats.decode_steps + eng.stats.prefill_tokens_computed, replay.context))
+        real_install(eng, replay)
+
+    real_install = scaled.install
+    monkeypatch.setattr(scaled, "install", install)
+    d = shrunk("v32-scaled", num_hidden_layers=2)
+    models = {True: build_model(d, seed=2, mtp=True), False: build_model(d, seed=2)}
+    args = _args(decode_tokens=12, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=64, spec="off,fixed:3", acceptance="0.9,0.8",
+                 selections="replay")  # fmt: skip
+    rows = scaled.run_context(d.name, models, 96, [2], ["resident", "adaptive"],
+                              scaled.spec_variants(args), args)  # fmt: skip
+    assert [r["mode"] for r in rows] == [
+        "resident/off", "resident/fixed:3", "adaptive/off", "adaptive/fixed:3"
+    ]
+    assert installed == [(0, 96)] * 4
+    for r in rows:
+        sel = r["selections"]
+        assert sel["trace_context"] > 0 and sel["expansion"] >= 1 and sel["spread"] > 0
+        assert r["decode_tokens_per_s"] > 0
+    assert scaled.parse(_args(selections="replay"))[0] == ["v32-scaled", "glm5-scaled"]
+    with pytest.raises(SystemExit):
+        _args(selections="recorded")
