@@ -358,7 +358,7 @@ def run_context(
             rows.append(row)
             print(json.dumps({k: row[k] for k in (
                 "mode", "context", "concurrency", "decode_tokens_per_s",
-                "decode_tokens_per_s_median", "graphs", "sessions_admitted",
+                "decode_tokens_per_s_median", "steady_tokens_per_s", "graphs", "sessions_admitted",
             )}), flush=True)  # fmt: skip
     pauses.close()
     for engine in engines.values():

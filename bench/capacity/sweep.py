@@ -90,6 +90,8 @@ class Sweep:
         self.waits: dict[int, float] = {}  # request -> its clock when admitted
         # decode seconds and steps by what else the step did (``KINDS``), or nothing else
         self.split = {k: [0.0, 0] for k in (*self.KINDS, "plain")}
+        # decode seconds, tokens and steps of the steps that ran all C sessions and no prefill
+        self.steady = [0.0, 0, 0]
         # with --trace: per step [requests running, decode ms, kind, host rows read, GC ms]
         self.trace: list[list] = []
         self.gc = gc  # the process's collector pauses; those inside this mode's steps count
@@ -103,6 +105,11 @@ class Sweep:
         start = self.clock.now()
         before = self._events()
         decode_s = self.engine.stats.decode_s
+        emitted, prefilled = (
+            self.engine.stats.decode_tokens,
+            self.engine.stats.prefill_tokens_computed,
+        )
+        full = self.engine.num_running == self.c
         gc_s = self.gc.total_s
         self.clock.timed(self._step)
         gc_s = self.gc.total_s - gc_s
@@ -113,6 +120,12 @@ class Sweep:
         )
         self.split[kind][0] += self.engine.stats.decode_s - decode_s
         self.split[kind][1] += 1
+        st = self.engine.stats
+        if full and st.prefill_tokens_computed == prefilled:
+            # every session running, none prefilling: the steady state at C
+            self.steady[0] += st.decode_s - decode_s
+            self.steady[1] += st.decode_tokens - emitted
+            self.steady[2] += 1
         if self.args.trace:
             census = self.engine.kv.payload.census
             host = census.host if census is not None else 0
@@ -157,6 +170,9 @@ class Sweep:
             "sessions_admitted": self.peak,
             "decode_tokens_per_s": decode_tokens / decode_time if decode_time else 0.0,
             "decode_tokens_per_s_median": self.steps.median,
+            # over the steps that decoded all C sessions and prefilled none
+            "steady_tokens_per_s": self.steady[1] / self.steady[0] if self.steady[0] else 0.0,
+            "steady_steps": self.steady[2],
             "output_tokens_per_s": c * args.decode_tokens / self.clock.now(),
             "wall_s": self.clock.now(),
             "alloc_wait_mean_s": statistics.mean(waits),

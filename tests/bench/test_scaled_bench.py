@@ -53,6 +53,7 @@ def test_one_context_in_lockstep_on_the_cpu() -> None:
     ]
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
+        assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
         assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
         assert "not a GPU" in r["graphs_off_reason"]
 
@@ -144,7 +145,9 @@ def test_replayed_selections_in_lockstep_on_the_cpu(monkeypatch: pytest.MonkeyPa
     installed = []
 
     def install(eng, replay) -> None:
-        installed.append((eng.stats.decode_steps + eng.stats.prefill_tokens_computed, replay.context))
+        installed.append(
+            (eng.stats.decode_steps + eng.stats.prefill_tokens_computed, replay.context)
+        )
         real_install(eng, replay)
 
     real_install = scaled.install
@@ -157,7 +160,10 @@ def test_replayed_selections_in_lockstep_on_the_cpu(monkeypatch: pytest.MonkeyPa
     rows = scaled.run_context(d.name, models, 96, [2], ["resident", "adaptive"],
                               scaled.spec_variants(args), args)  # fmt: skip
     assert [r["mode"] for r in rows] == [
-        "resident/off", "resident/fixed:3", "adaptive/off", "adaptive/fixed:3"
+        "resident/off",
+        "resident/fixed:3",
+        "adaptive/off",
+        "adaptive/fixed:3",
     ]
     assert installed == [(0, 96)] * 4
     for r in rows:

@@ -10,6 +10,7 @@ from dhisparse.family.config import ModelConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
 from services.worker.ops import index_scores, select_topk
+from services.worker.ops.fusion import fused
 from services.worker.serving.cache import KVCache
 
 
@@ -48,7 +49,12 @@ def select_rows(
     if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
         # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
         width = key_rows(max(ends))
-        scores = short_chunk_scores(i, q, w, batch, kv, num_visible, width)
+        if fused(q, "index_scores"):
+            # each query token scored as a decode query of its request's slot, by the decode
+            # pass's kernel: no [R, K, H, S] intermediate, and the scores a decode pass gives
+            scores = kv.index_keys.decode_scores(i, q, w, batch.token_slot, num_visible, width)
+        else:
+            scores = short_chunk_scores(i, q, w, batch, kv, num_visible, width)
         return select_topk(scores, num_visible, k)
     out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
     cu = batch.cu

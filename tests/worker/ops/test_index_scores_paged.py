@@ -85,6 +85,29 @@ def test_kernel_matches_torch_form(seed, r, h, d, page, dtype, fp8) -> None:
     check(case(seed, r, h, d, page, 6, dtype, fp8, "cpu"))
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_a_verify_round_scores_each_token_as_a_decode_query(fp8: bool) -> None:
+    """A verify round passes K query tokens per request, each with its request's slot and its
+    own visible count (``select_rows``): each token's scores are the torch form's, and equal
+    bit for bit what the same query scored alone, as a decode pass scores it."""
+    q, w, keys, table, page, slots, visible, width, fmt = case(
+        4, 3, 8, 64, 16, 6, torch.bfloat16, fp8, "cpu"
+    )
+    k = 4
+    tok_slots = slots.repeat_interleave(k)
+    tok_visible = (visible.clamp(min=k) - k).repeat_interleave(k) + torch.arange(k).repeat(3) + 1
+    g = torch.Generator().manual_seed(5)
+    tq = (torch.randn(3 * k, *q.shape[1:], generator=g) * 0.5).to(q.dtype)
+    tw = torch.randn(3 * k, w.shape[1], generator=g)
+    args = (tq, tw, keys, table, page, tok_slots, tok_visible, width, fmt)
+    check(args)
+    got = index_scores_paged(*args)
+    for t in (0, 5, 3 * k - 1):
+        alone = index_scores_paged(tq[t : t + 1], tw[t : t + 1], keys, table, page,
+                                   tok_slots[t : t + 1], tok_visible[t : t + 1], width, fmt)  # fmt: skip
+        assert torch.equal(alone[0], got[t])
+
+
 def test_rejects_a_format_of_several_tiles() -> None:
     args = list(case(3, 2, 4, 32, 16, 6, torch.float32, True, "cpu"))
     args[8] = Fp8RowFormat(32, 0, 16, -22)
