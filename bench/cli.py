@@ -73,6 +73,8 @@ COMMANDS: dict[str, Command] = {
                                 "sparse MLA decode kernels and tile shapes side by side (CUDA)"),
     "select-topk": Command("bench.select_topk",
                            "the indexer's top-k: torch, bitonic and radix select, lockstep (CUDA)"),
+    "verify-scores": Command("bench.verify_scores",
+                             "a verify round's index scores: chunk product vs paged kernel (CUDA)"),
     "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it
     "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",

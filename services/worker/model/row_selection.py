@@ -82,7 +82,16 @@ def short_chunk_scores(
     request sees (keys beyond a request's rows are zero; top-k masks them)."""
     # each request's keys up to what its last (most-seeing) token sees: [R, S, D]
     seen = num_visible[batch.last_token_index]
-    keys = kv.index_keys.gather(i, batch.slots, seen, max_visible).float()
+    return chunk_scores(q, w, batch, kv.index_keys.gather(i, batch.slots, seen, max_visible))
+
+
+def chunk_scores(
+    q: torch.Tensor, w: torch.Tensor, batch: ForwardBatch, keys: torch.Tensor
+) -> torch.Tensor:
+    """[N, S] scores of ``batch``'s query tokens (q [N, H, D], w [N, H]) against their
+    requests' keys [R, S, D], all requests in one fp32 product over queries padded to the
+    longest chunk."""
+    keys = keys.float()
     col = torch.arange(batch.num_tokens, device=q.device) - batch.cu_lens[batch.token_req]
     shape = (batch.num_requests, max(batch.lens))
     qp = q.new_zeros(*shape, *q.shape[1:]).float()
