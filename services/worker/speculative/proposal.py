@@ -51,6 +51,27 @@ def finish(
     return Proposal(widths=list(widths), confidence=confidence, **_masked(tokens, probs, widths))
 
 
+def verify_ids(
+    tokens: torch.Tensor, anchors: Sequence[int], widths: Sequence[int], passed: Sequence[int]
+) -> torch.Tensor:
+    """[sum passed] the verify pass's new tokens, built on the device: request r's anchor, its
+    first ``widths[r] - 1`` proposals (``tokens`` [R, K_max-1]), then its anchor again up to
+    ``passed[r]`` queries. No read-back: the pass is launched before the proposals reach the
+    host."""
+    device = tokens.device
+    r, kp = len(anchors), max(passed)
+    block = to_device(list(anchors), device).unsqueeze(1).expand(r, kp).clone()
+    n = min(kp - 1, tokens.shape[1])
+    if n > 0:
+        col = torch.arange(1, n + 1, device=device).unsqueeze(0)
+        drafted = col < to_device(list(widths), device).unsqueeze(1)
+        block[:, 1 : n + 1] = torch.where(drafted, tokens[:, :n], block[:, 1 : n + 1])
+    if all(p == kp for p in passed):
+        return block.reshape(-1)
+    rows = [i * kp + j for i, p in enumerate(passed) for j in range(p)]
+    return block.reshape(-1)[to_device(rows, device)]
+
+
 def exp_noise(
     shape: tuple[int, ...],
     temperatures: Sequence[float],

@@ -30,6 +30,7 @@ from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
 from services.worker.speculative.drafters.mtp import MTPDrafter, MTPStepFn
 from services.worker.speculative.drafters.runtime import RuntimeDrafter
+from services.worker.speculative.proposal import verify_ids
 from services.worker.speculative.target import Target
 from services.worker.speculative.verify import verify_batch
 from services.worker.speculative.width_controller import WidthController
@@ -173,7 +174,6 @@ class Speculator:
             **({"run": self.graphs.draft} if self.graphs is not None else {}),
         )  # fmt: skip
         widths = prop.widths  # K_r <= caps[r]: the rows verified
-        proposed = prop.tokens.tolist()  # one read-back for every request's proposals
         # The pass runs K queries for every request when each has room for them, so its shape,
         # and with it its CUDA graph, does not depend on which requests near their end: a
         # request of K_r < K verifies its first K_r rows, and its others (the anchor again)
@@ -181,13 +181,13 @@ class Speculator:
         passed = [k] * load
         if any(c < k and not self._room(r, k) for r, c in zip(reqs, caps, strict=True)):
             passed = widths
-        ids: list[int] = []
-        for r, anchor in enumerate(anchors):
-            ids.extend([anchor, *proposed[r][: widths[r] - 1]])
-            ids.extend([anchor] * (passed[r] - widths[r]))
         batch = ForwardBatch.build([r.slot for r in reqs], starts, passed, eng.device)
         feats = self.features()
-        logits = self.forward(to_device(ids, eng.device), batch, feats)  # [sum K, V]
+        # the verify pass is launched on the proposals where they are; the host reads them
+        # (one read-back for every request's) while the device verifies
+        ids = verify_ids(prop.tokens, anchors, widths, passed)
+        logits = self.forward(ids, batch, feats)  # [sum K, V]
+        proposed = prop.tokens.tolist()
         cu = batch.cu
         # the grammars' masks, filled by their process while the device verifies
         eng.grammar_masks.fill(
