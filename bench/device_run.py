@@ -12,7 +12,9 @@ to ``logs.tgz``.
                  layer, then DFlash2
     spec-scaled  the real-dimension presets at 8K, C = 1 and 16, with their MTP layer at the
                  shipped model's acceptance beside plain decoding (``bench scaled --spec``),
-                 attending the shipped model's replayed selections,
+                 attending the shipped model's replayed selections; first a verify
+                 round's index scores (``bench verify-scores``) and a profile of a plain
+                 step and of a round (``bench profile-step``),
                  one family per step (``--only spec-scaled-v32-scaled``)
     serving      serving at 8K inputs over the engine and over HTTP
     serving-32k  serving at 32K inputs, C up to 256
@@ -180,15 +182,29 @@ LOAD_STEPS = tuple(
 # to the shipped model's, the acceptance control), in lockstep (``bench scaled --spec``); one
 # family per step. Each engine prefills every timed request twice (warm-up and run): C = 16 at
 # 8K is some 100 prefills.
-SPEC_SCALED_STEPS = tuple(
-    Step(
-        f"spec-scaled-{family}",
-        f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
-        "--decode-tokens 128 --modes adaptive --spec off,fixed:4,online:8 "
-        f"--selections replay --host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
-        540,
-    )
-    for family, (short, _) in SCALED_8K_ARGS.items()
+SPEC_SCALED_STEPS = (
+    # a verify round's index scores: the chunk product against the paged decode kernel
+    Step("verify-scores", "-m bench verify-scores --out {out}/verify_scores.json", 120),
+    # where a round's device time goes against a plain step's (the top kernels, in the log)
+    *(
+        Step(
+            f"profile-{name}-v32-scaled",
+            "-m bench profile-step --scaled v32-scaled --modes adaptive --concurrency 1,16 "
+            f"--context 8192 --graphs on {flags} --out {{out}}/profile_{name}_v32_8k.json",
+            300,
+        )
+        for name, flags in (("decode", ""), ("round", "--drafter mtp --spec-width 4"))
+    ),
+    *(
+        Step(
+            f"spec-scaled-{family}",
+            f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
+            "--decode-tokens 128 --modes adaptive --spec off,fixed:4,online:8 "
+            f"--selections replay --host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
+            540,
+        )
+        for family, (short, _) in SCALED_8K_ARGS.items()
+    ),
 )
 # the fused kernels: their GPU tests, then the sweeps that set the sparse
 # attention's program shapes (``attention_tiles``) and the FP8 projections' (``DEFAULT_TILES``)

@@ -7,9 +7,12 @@ by device time, and the step's wall time with and without the profiler.
         --drafter models/glm-dsa-mini/drafters/dflash2 --spec-width 4 --concurrency 1,16
 
 With ``--model`` a trained checkpoint is served instead of the random capacity model (and with
-``--drafter`` a step is a speculative round). ``--cprofile`` adds the Python functions that
+``--drafter`` a step is a speculative round; ``--scaled v32-scaled --drafter mtp``: the
+real-dimension model with its MTP layer, each step a round of a random MTP layer's proposals,
+whose kernels cost what any proposals' do). ``--cprofile`` adds the Python functions that
 take the host's time (a launch-bound step spends it there). It prints what it measures and
-writes no result file: a diagnostic, not a result.
+returns, per mode, concurrency and graph choice, the step's wall time, the graphs' counters and
+the top operators by device and by host time per step (``--out``: a result JSON).
 """
 
 from __future__ import annotations
@@ -46,7 +49,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--scaled", default=None, choices=sorted(SCALED),
         help="a real-dimension model built in place with FP8 weights (bench scaled's)",
     )  # fmt: skip
-    ap.add_argument("--drafter", default=None, help="a drafter directory: profile spec rounds")
+    ap.add_argument(
+        "--drafter", default=None,
+        help="a drafter directory, or 'mtp' (the checkpoint's MTP layer; with --scaled, built "
+        "in place with the model): profile spec rounds",
+    )  # fmt: skip
     ap.add_argument("--spec-width", type=int, default=4)
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument(
@@ -66,13 +73,24 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     )  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
+def _top(ka, key: str, rows: int, steps: int) -> list[dict]:
+    """The ``rows`` operators of most ``key`` time (self, µs): name, calls and µs per step."""
+    ops = sorted(ka, key=lambda e: -getattr(e, key))[:rows]
+    return [{"name": e.key, "calls": e.count / steps, "us": getattr(e, key) / steps} for e in ops]
+
+
+def run(args: argparse.Namespace) -> dict:
     cuda = args.device == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
+    if cuda:  # CUPTI attached before any graph is captured: a replayed graph's kernels reported
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]):
+            torch.ones(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
     model = None
     if args.scaled is not None:
         model = build_model(SCALED[args.scaled], seed=0, device=args.device, dtype=dtype,
-                            weights=WeightFormat(fp8=True), in_place=True)  # fmt: skip
+                            weights=WeightFormat(fp8=True), in_place=True,
+                            mtp=args.drafter == "mtp")  # fmt: skip
     elif args.model is None:
         model = build_model(bench_model_config(8, 512), seed=0, device=args.device, dtype=dtype)
     g = torch.Generator().manual_seed(0)
@@ -84,6 +102,7 @@ def run(args: argparse.Namespace) -> int:
         for c in cs
         for choice in args.graphs.split(",")
     ]
+    results = []
     for mode, c, graphs in runs:
         eng = steady_engine(
             mode, prompts[:c], args.context, args.pool_gib, args.scaled or args.model or BENCH_GLM,
@@ -125,6 +144,18 @@ def run(args: argparse.Namespace) -> int:
                 print(f"===== {kind} graphs: {gs.captures} captured, {gs.replays} replays, "
                       f"{gs.eager} eager")  # fmt: skip
         ka = prof.key_averages()
+        counters = {
+            kind: {"captures": gs.captures, "replays": gs.replays, "eager": gs.eager}
+            for kind, gs in (("pass", eng.passes.graphs),
+                             ("draft", getattr(eng.speculator, "graphs", None)))
+            if gs is not None
+        }  # fmt: skip
+        results.append({
+            "mode": mode, "concurrency": c, "graphs": graphs, "what": what,
+            "ms_per_step": plain * 1e3, "graph_counters": counters,
+            "top_device": _top(ka, "self_device_time_total", args.rows, args.steps) if cuda else [],
+            "top_host": _top(ka, "self_cpu_time_total", args.rows, args.steps),
+        })  # fmt: skip
         print(
             ka.table(sort_by="self_cpu_time_total", row_limit=args.rows, max_name_column_width=60)
         )
@@ -142,7 +173,11 @@ def run(args: argparse.Namespace) -> int:
         del eng
         if cuda:
             torch.cuda.empty_cache()
-    return 0
+    return {
+        "bench": "profile-step", "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "context": args.context, "steps": args.steps, "drafter": args.drafter,
+        "spec_width": args.spec_width if args.drafter else None, "runs": results,
+    }  # fmt: skip
 
 
 def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:

@@ -110,3 +110,25 @@ def test_graph_keys_counts_every_pass_of_the_measured_window(tmp_path) -> None:
         assert passes > 0, name
         # a verify round drafts once; without a drafter nothing is drafted
         assert drafts == (0 if name == "none" else passes), name
+
+
+def test_profile_step_records_the_top_operators_of_a_step(tmp_path) -> None:
+    """``profile-step`` as a result: per run the step's time and its top operators by host
+    time (no device on the CPU), naming the code it measured."""
+    out = tmp_path / "profile.json"
+    proc = _run(
+        "profile-step", "--modes", "resident,adaptive", "--concurrency", "2", "--context", "64",
+        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--rows", "5", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert "bench/profile_step.py" in _measured(doc)
+    assert [(r["mode"], r["concurrency"]) for r in doc["runs"]] == [
+        ("resident", 2),
+        ("adaptive", 2),
+    ]
+    for r in doc["runs"]:
+        assert r["ms_per_step"] > 0 and r["what"] == "decode eager" and r["top_device"] == []
+        top = r["top_host"]
+        assert len(top) == 5 and all(op["us"] > 0 and op["calls"] > 0 for op in top)
+        assert [op["us"] for op in top] == sorted((op["us"] for op in top), reverse=True)

@@ -120,11 +120,14 @@ class MTPDrafter:
             )  # fmt: skip
             given = first[idx] if self.share_index and first is not None else None
             out = self.step(current[idx], batch, None if hidden is None else hidden[idx], given)
-            q = tempered(out.logits, temps_t[idx])
-            drafted = q.argmax(-1) if noise is None else draw(q, noise[idx, i])
-            tokens[idx, i] = drafted
-            if probs is not None:
+            if noise is None:  # every request greedy: q is one-hot on the argmax
+                drafted = out.logits.argmax(-1)
+            else:
+                q = tempered(out.logits, temps_t[idx])
+                drafted = draw(q, noise[idx, i])
+                assert probs is not None
                 probs[idx, i] = q
+            tokens[idx, i] = drafted
             if hidden is None:
                 hidden = out.hidden.new_zeros(r, out.hidden.shape[-1])
                 first = out.selection.new_full((r, out.selection.shape[-1]), -1)
