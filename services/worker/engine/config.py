@@ -4,7 +4,9 @@ passed whole (the worker builds them from its settings)."""
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import os
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
@@ -58,7 +60,7 @@ class EngineConfig:
     # FP8's activation mode (services/worker/ops/fp8_linear.py)
     weight_dtype: str = "auto"
     fp8_mode: str = "w8a16"
-    seed: int = 0  # random-init seed for presets, and the engine's default sampling seed
+    seed: int = 0  # random-init seed for presets, and the default sampling seed (``sampling_seed``)
     mode: str = "resident"  # resident | hisparse | adaptive
     kv_pool_mib: float | None = CPU_KV_POOL_MIB  # None: sized by the engine (auto_kv_pool_mib)
     hot_cache_rows: int | None = None  # B per request and source (hierarchy); default 2k
@@ -114,6 +116,19 @@ class EngineConfig:
         if self.mode == "resident":
             return False
         return True if self.durable_sessions is None else self.durable_sessions
+
+    def sampling_seed(self) -> int:
+        """The seed of the default sampling generator, which unseeded requests draw from: ``seed``
+        for an engine of no store owner (``"local"``: its runs repeat); a worker's mixes in its
+        owner id and a nonce of its own, so that no two workers of a node, nor a worker and its
+        successor, draw one random stream (an adopted or resumed session would otherwise reuse
+        the uniforms its earlier tokens were drawn with)."""
+        if self.owner == "local":
+            return self.seed
+        digest = hashlib.blake2b(
+            f"{self.seed}/{self.owner}".encode() + os.urandom(16), digest_size=8
+        ).digest()
+        return int.from_bytes(digest, "little") >> 1
 
     @property
     def pass_prefill_tokens(self) -> int:

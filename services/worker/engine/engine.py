@@ -99,7 +99,7 @@ class Engine:
             self.journal = Journal(self.kv, self.device)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.sampling_seed())
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran the payload's maintain()
         self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels)

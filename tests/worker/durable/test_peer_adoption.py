@@ -13,6 +13,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 from services.worker.async_engine import AsyncEngine, SessionsHandedOver
 from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_session
@@ -45,9 +46,10 @@ def make(
     model: str = "tiny-glm",
     **kw,
 ) -> tuple[Engine, HostLink]:
+    kw = {"kv_pool_mib": 48, **kw}
     cfg = EngineConfig(
-        model=model, mode="hisparse", kv_pool_mib=48, max_num_seqs=max_num_seqs,
-        max_model_len=512, owner=owner, **kw,
+        model=model, mode="hisparse", max_num_seqs=max_num_seqs, max_model_len=512,
+        owner=owner, **kw,
     )  # fmt: skip
     engine = Engine(cfg, host=(store, store.mapping))
     salt = prefix_salt(cfg, engine.kv).root() if salt is None else salt
@@ -246,3 +248,50 @@ def test_a_drain_hands_over_what_the_client_has_tokens_of_and_ends_the_rest(stor
         restarted += [t for o in peer.step() if o.request_id == "b" for t in o.new_token_ids]
     assert req.output_ids == want[0].output_ids
     assert restarted == want[1].output_ids
+
+
+def test_unseeded_sampling_keeps_its_law_across_an_adoption(store) -> None:
+    """Unseeded sampled sessions, adopted by a live peer right after their first token: the
+    token the peer samples next follows the law an uninterrupted engine samples it from
+    (chi-square homogeneity of the second token, grouped by the first, against the same
+    sessions run without a move). Every worker draws its own random stream
+    (``EngineConfig.sampling_seed``): six dead workers in a row do not repeat one sample."""
+    from tests.worker.speculative.stats import chi2_homogeneity
+
+    params = SamplingParams(temperature=0.25, max_tokens=2, ignore_eos=True)
+    rounds, per_round = 6, 64
+    ref, _ = make(store, "ref", max_num_seqs=per_round, kv_pool_mib=96)
+    plain = [
+        out.output_ids
+        for _ in range(rounds)
+        for out in ref.generate([PROMPT] * per_round, [params] * per_round)
+    ]
+    del ref
+    peer, link = make(store, "wB", max_num_seqs=per_round, kv_pool_mib=96)
+    moved = []
+    for i in range(rounds):
+        dead, _ = make(store, f"wA{i}", max_num_seqs=per_round, kv_pool_mib=96)
+        reqs = [dead.add_request(f"r{i}-{j}", PROMPT, params) for j in range(per_round)]
+        while any(not r.output_ids for r in reqs):
+            dead.step()
+        assert all(len(r.output_ids) == 1 for r in reqs)
+        del dead  # SIGKILLed after its first tokens
+        adopted = [adopt(peer, link, store, r.request_id, AdoptFrom(f"wA{i}", fence=True))
+                   for r in reqs]  # fmt: skip
+        while peer.has_work():
+            peer.step()
+        moved += [r.output_ids for r in adopted]
+    assert all(len(t) == 2 for t in plain + moved)
+    vocab = peer.model.cfg.vocab_size
+    groups = []
+    for first in {t[0] for t in plain} & {t[0] for t in moved}:
+        a = torch.bincount(torch.tensor([t[1] for t in plain if t[0] == first]), minlength=vocab)
+        b = torch.bincount(torch.tensor([t[1] for t in moved if t[0] == first]), minlength=vocab)
+        groups.append((a, b))
+    # the first tokens themselves: sampled before the move, by engines of the same law
+    firsts = [torch.bincount(torch.tensor([t[0] for t in s]), minlength=vocab)
+              for s in (plain, moved)]  # fmt: skip
+    p_first, _ = chi2_homogeneity([(firsts[0], firsts[1])])
+    p_next, df = chi2_homogeneity(groups)
+    assert df >= 3, "too few shared cells to test the law"
+    assert p_first > 1e-3 and p_next > 1e-3, (p_first, p_next, df)

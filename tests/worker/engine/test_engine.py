@@ -200,3 +200,12 @@ def test_sampling_values_that_would_overflow_are_greedy_or_refused() -> None:
     for bad in (1e39, float("inf"), float("nan"), -1.0):
         with pytest.raises(ValueError, match="temperature"):
             engine.add_request(f"bad-{bad}", prompt, SamplingParams(temperature=bad))
+
+
+def test_unseeded_sampling_streams_repeat_alone_and_differ_between_workers() -> None:
+    """An engine of no store owner draws unseeded requests from ``seed``'s stream, so its runs
+    repeat; workers (store owners) each draw their own, even two lives of one worker id."""
+    assert EngineConfig(seed=3).sampling_seed() == 3
+    workers = [EngineConfig(seed=3, owner=o).sampling_seed() for o in ("w0", "w1", "w0")]
+    assert len(set(workers)) == 3 and 3 not in workers
+    assert all(0 <= s < 2**63 for s in workers)

@@ -45,3 +45,35 @@ def chi2_test(
     if df == 0:
         raise ValueError("no group has enough expected counts for a chi-square test")
     return chi2_sf(stat, df), df
+
+
+def chi2_homogeneity(
+    groups: list[tuple[torch.Tensor, torch.Tensor]], min_expected: float = 5.0
+) -> tuple[float, int]:
+    """Whether two samples follow one law, over several independent groups at once. Each group
+    is the two samples' counts [C] over the same cells; cells whose pooled count is expected
+    below ``min_expected`` in either sample are pooled into one cell per group. -> (p-value,
+    degrees of freedom): the 2 x C contingency statistic summed over groups, with sum(cells - 1)
+    degrees of freedom."""
+    stat, df = 0.0, 0
+    for a, b in groups:
+        a, b = a.double(), b.double()
+        na, nb = float(a.sum()), float(b.sum())
+        if na == 0 or nb == 0:
+            continue
+        share = (a + b) / (na + nb)  # each cell's probability under one law
+        small = share * min(na, nb) < min_expected
+        cells = [(a[~small], b[~small], share[~small])]
+        if float(share[small].sum()) * min(na, nb) >= min_expected:
+            cells.append((a[small].sum(0, keepdim=True), b[small].sum(0, keepdim=True),
+                          share[small].sum(0, keepdim=True)))  # fmt: skip
+        oa, ob, p = (torch.cat(x) for x in zip(*cells, strict=True))
+        if len(p) < 2:
+            continue
+        stat += float(
+            (((oa - na * p) ** 2) / (na * p)).sum() + (((ob - nb * p) ** 2) / (nb * p)).sum()
+        )
+        df += len(p) - 1
+    if df == 0:
+        raise ValueError("no group has enough expected counts for a chi-square test")
+    return chi2_sf(stat, df), df
