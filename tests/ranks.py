@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import astuple
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -113,4 +114,29 @@ def held_bytes(comm: Comm, loads: list[tuple[Path, dict | None, bool]]) -> list[
         model = load_model(path, mtp=mtp, parallel=par, comm=comm if layout is not None else LOCAL)
         tensors = [*model.named_parameters(), *model.named_buffers()]
         out.append({n: t.numel() * t.element_size() for n, t in tensors})
+    return out
+
+
+def sampled(comm: Comm, path: Path, layout: dict) -> dict:
+    """Unseeded sampled continuations through the engine of every rank of a worker (a store
+    owner, as served), and the seed each rank's default sampling generator took."""
+    par = ParallelConfig(comm.size, **layout)
+    cfg = EngineConfig(
+        model=str(path), mode="resident", max_num_seqs=4, max_model_len=256, page_size=16,
+        max_prefill_tokens=64, kv_pool_mib=32, parallel=par,
+        owner=par.store_owner("w0", comm.rank),
+    )  # fmt: skip
+    eng = Engine(cfg, comm=comm)
+    prompts = [ids(n, 200 + n).tolist() for n in (40, 25)]
+    params = SamplingParams(temperature=0.8, max_tokens=12, ignore_eos=True)
+    tokens = None
+    if comm.is_leader:
+        tokens = [r.output_ids for r in eng.generate(prompts, params)]
+        eng.group.stop()
+    else:
+        eng.group.follow(eng, eng.stats.drain_finished)
+    unseeded = SimpleNamespace(generator=None)  # a request without a seed of its own
+    out = {"tokens": tokens, "seed": eng.generator(unseeded).initial_seed(),
+           "prefilled": eng.stats.prefill_tokens_computed}  # fmt: skip
+    eng.close()
     return out

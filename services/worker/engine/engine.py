@@ -65,10 +65,8 @@ class Engine:
         self.cfg = cfg
         sc = cfg.speculation
         if comm.size != cfg.parallel.world_size:
-            raise ValueError(
-                f"{cfg.parallel.name} over {cfg.parallel.world_size} ranks, given a group of "
-                f"{comm.size}"
-            )
+            n = cfg.parallel.world_size
+            raise ValueError(f"{cfg.parallel.name} over {n} ranks, given a group of {comm.size}")
         # this rank's part in its group (alone: a group of one)
         self.group = RankGroup(comm, cfg.parallel.data_parallel_attention, cfg.max_model_len)
         host = self.group.host(host)
@@ -99,7 +97,8 @@ class Engine:
             self.journal = Journal(self.kv, self.device)
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
-        self._default_gen = torch.Generator(device=self.device).manual_seed(cfg.sampling_seed())
+        self._default_gen = torch.Generator(self.device)
+        self._default_gen.manual_seed(self.group.sampling_seed(cfg.sampling_seed()))
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran the payload's maintain()
         self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels)

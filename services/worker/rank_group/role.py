@@ -75,6 +75,12 @@ class RankGroup:
             return host
         return (GroupRegionStore(host[0], self.comm), *host[1:])
 
+    def sampling_seed(self, own: int) -> int:
+        """The seed of the default sampling generator: rank 0's ``own`` on every rank of a
+        tensor-parallel group (its ranks sample the same logits, and must draw alike); a rank
+        alone or a data-parallel rank keeps its own."""
+        return self.lockstep.agree(own) if self.replicated and self.lockstep is not None else own
+
     @property
     def writes_host(self) -> bool:
         """Whether this rank writes its host backups (a tensor-parallel follower reads rank 0's)."""

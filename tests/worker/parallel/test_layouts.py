@@ -145,3 +145,16 @@ def test_layouts_that_do_not_divide_fail_at_start_up() -> None:
         RankLayout(ParallelConfig(2), 0, cfg).validate(fp8=True)
     with pytest.raises(LayoutError, match="need --tensor-parallel-size >= 2"):
         ParallelConfig(1, expert_parallel=True)
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp-attention"])
+def test_unseeded_sampling_streams_of_a_group(checkpoints: dict[str, Path], layout: str) -> None:
+    """A worker's ranks draw unseeded samples from one stream under tensor parallelism (rank
+    0's seed: they sample the same logits alike) and from their own under data-parallel
+    attention; either way the worker's seed is its own, not the configured one."""
+    group = run_group(ranks.sampled, 2, checkpoints[GLM], LAYOUTS[layout])
+    seeds = [g["seed"] for g in group]
+    assert 0 not in seeds
+    assert (seeds[0] == seeds[1]) == (layout == "tp")
+    tokens = group[0]["tokens"]
+    assert [len(t) for t in tokens] == [12, 12] and tokens[0] != tokens[1]
