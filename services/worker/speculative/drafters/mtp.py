@@ -113,7 +113,8 @@ class MTPDrafter:
             active = [j for j in range(r) if caps[j] - 1 > i]  # requests still drafting
             if not active:
                 break
-            idx = to_device(active, dev)
+            # every request drafting (the usual case): views of whole tensors, no gathers
+            idx = slice(None) if len(active) == r else to_device(active, dev)
             batch = ForwardBatch.build(
                 [slots[j] for j in active], [num_committed[j] + i for j in active],
                 [1] * len(active), dev, sources=(self.source,),
