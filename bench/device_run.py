@@ -199,7 +199,7 @@ SPEC_SCALED_STEPS = (
         Step(
             f"spec-scaled-{family}",
             f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
-            "--decode-tokens 128 --modes adaptive --spec off,fixed:4,online:8 "
+            "--decode-tokens 128 --modes adaptive --spec off,fixed:4,fixed:4+block,online:8 "
             f"--selections replay --host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
             540,
         )
@@ -271,9 +271,10 @@ PARTS: dict[str, tuple[Step, ...]] = {
         # the shipped model's own MTP layer (every pass on CUDA graphs), then DFlash2
         Step(
             "spec-mtp",
-            "-m bench spec --concurrency 1,4,16,64 --widths '' --drafters mtp --pool-mib 2048 "
-            "--warmup-per-client 2 --out {out}/spec_mtp.json --plot {out}/spec_mtp.png",
-            200,
+            "-m bench spec --concurrency 1,4,16,64 --widths '' --drafters mtp,mtp+block "
+            "--pool-mib 2048 --warmup-per-client 2 --out {out}/spec_mtp.json "
+            "--plot {out}/spec_mtp.png",
+            300,
             corpus=True,
         ),
         Step(

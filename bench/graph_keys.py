@@ -52,6 +52,7 @@ class KeyCounter:
         }
         self.counts = {kind: Counter() for kind in self.schedules}
         self.counting = False
+        self.mtp_blocks = False  # the MTP layer's draft steps counted one by one
 
     @property
     def _distinct(self) -> list[CaptureSchedule]:
@@ -85,7 +86,8 @@ class KeyCounter:
 
     def mtp_step(self, tokens, batch, hidden, selection):
         self.kv.payload.begin(batch)
-        self._count("mtp", mtp_key(self.kv.payload.pass_state, batch, hidden, selection))
+        state = self.kv.payload.pass_state
+        self._count("mtp", mtp_key(state, batch, hidden is not None, selection is not None))
         return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
 
     def draft(self, slots, num_committed, anchors, temperatures, noise):

@@ -27,7 +27,8 @@ the acceptance length the verifier measured and the control's counters.
 
 ``--spec off,fixed:4,paper:8,online:8`` runs plain decoding and MTP speculation side by side
 instead (issue 41's table): one engine per mode and variant (``off``: no speculation;
-``POLICY:K``: the MTP layer under that width policy up to K), all in lockstep, each row named
+``POLICY:K``: the MTP layer under that width policy up to K; ``POLICY:K+block``: with a
+round's greedy draft steps as one CUDA graph, ``GraphConfig.mtp_block``), all in lockstep, each row named
 ``MODE/VARIANT`` with the width policy's estimates (``widths``). Plain decoding runs on a model
 of the same family built without the MTP layer when the device holds both
 (``plain_model: own``), else on the speculating engines' model, whose every pass then also
@@ -138,6 +139,7 @@ class SpecVariant:
     drafter: str | None
     width: int
     policy: str
+    mtp_block: bool = False  # a round's greedy draft steps as one CUDA graph
 
 
 def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
@@ -152,13 +154,15 @@ def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
         if item == "off":
             out.append(SpecVariant("off", None, 1, "fixed"))
             continue
-        policy, _, k = item.partition(":")
-        if policy not in WIDTH_POLICIES or not k.isdigit() or int(k) < 2:
+        spec, plus, suffix = item.partition("+")
+        policy, _, k = spec.partition(":")
+        block = suffix == "block"
+        if policy not in WIDTH_POLICIES or not k.isdigit() or int(k) < 2 or bool(plus) != block:
             raise UsageError(
-                f"--spec takes off and POLICY:K (POLICY of {', '.join(WIDTH_POLICIES)}, K >= 2), "
-                f"got {item!r}"
+                f"--spec takes off and POLICY:K[+block] (POLICY of {', '.join(WIDTH_POLICIES)}, "
+                f"K >= 2), got {item!r}"
             )
-        out.append(SpecVariant(item, "mtp", int(k), policy))
+        out.append(SpecVariant(item, "mtp", int(k), policy, block))
     if not out or len({v.label for v in out}) < len(out):
         raise UsageError(f"--spec needs distinct variants, got {args.spec!r}")
     if any(v.drafter for v in out):
@@ -244,7 +248,8 @@ def _engine(
         page_size=args.page,
         max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
         hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
-        host_arena_mib=args.host_gib * 1024, graphs=GraphConfig(not args.eager),
+        host_arena_mib=args.host_gib * 1024,
+        graphs=GraphConfig(not args.eager, mtp_block=spec is not None and spec.mtp_block),
         kv_cache_dtype=args.kv_cache_dtype,
         followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
         speculation=SpeculationConfig(

@@ -4,7 +4,8 @@ drafter and width policy vs concurrency, against no speculation.
     python -m bench spec --out docs/results/spec.json --plot docs/results/spec.png
 
 Target: ``--model`` (default the shipped ``models/glm-dsa-mini``) in ``adaptive`` mode with the
-drafters in ``--drafters`` (default MODEL/drafters); prompts are windows of the corpus's
+drafters in ``--drafters`` (default MODEL/drafters; ``mtp+block``: the MTP layer with a round's
+greedy draft steps as one CUDA graph); prompts are windows of the corpus's
 held-out files. With ``--model tiny-indexshare --drafter-dir bench/drafters/tiny-indexshare``
 it runs the random target with drafters trained on its own greedy text, prompts being its
 greedy continuations.
@@ -38,18 +39,23 @@ from bench.serving.config import Load
 from bench.serving.loop import ClosedLoop
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 DRAFTERS = ("mtp", "dflash2")  # the shipped model's; mtp: its own MTP layer
+# the MTP layer with a round's greedy draft steps as one CUDA graph (``GraphConfig.mtp_block``)
+MTP_BLOCK = "mtp+block"
 _IDS = itertools.count()
 
 
 def config(args, drafter: str | None, policy: str, width: int) -> EngineConfig:
+    block = drafter == MTP_BLOCK
+    drafter = "mtp" if block else drafter
     return EngineConfig(
         model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.host_mib, max_num_seqs=max(args.concurrency), max_model_len=1024,
-        max_prefill_tokens=8192, page_size=16,
+        max_prefill_tokens=8192, page_size=16, graphs=GraphConfig(mtp_block=block),
         speculation=SpeculationConfig(
             drafter_arg(args.drafter_dir, drafter), width, policy
         ),

@@ -89,7 +89,10 @@ def test_speculation_arguments_are_checked() -> None:
         scaled.SpecVariant("online:8", "mtp", 8, "online"),
     ]
     assert (args.drafter, args.spec_width) == ("mtp", 8)  # the control covers K = 8
-    for bad in ("off,off", "fixed", "fixed:1", "greedy:4", "paper:x"):
+    assert scaled.spec_variants(_args(spec="fixed:4,fixed:4+block"))[1] == scaled.SpecVariant(
+        "fixed:4+block", "mtp", 4, "fixed", mtp_block=True
+    )
+    for bad in ("off,off", "fixed", "fixed:1", "greedy:4", "paper:x", "fixed:4+", "fixed:4+x"):
         with pytest.raises(UsageError):
             scaled.spec_variants(_args(spec=bad))
 

@@ -104,7 +104,7 @@ class Engine:
         self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels)
         self.speculator: Speculator | None = None
         if sc.drafter:
-            drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.passes.mtp_step)
+            drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.passes)
             self.speculator = Speculator(
                 self, self.kv, self.passes.forward_logits, drafter, sc, cfg.max_num_seqs,
                 cfg.page_size, cfg.max_model_len, self.passes.cold_passes,
@@ -129,7 +129,7 @@ class Engine:
         if self.graphs_off_reason is None:
             self.passes.graphs = DecodeGraphs(
                 model, self.kv, cfg.max_num_seqs, consecutive=cfg.graphs.capture == "consecutive",
-                max_width=spec.k_max if spec is not None else 1,
+                max_width=spec.k_max if spec is not None else 1, mtp_blocks=cfg.graphs.mtp_block,
             )  # fmt: skip
             if spec is not None:
                 spec.capture(cfg.max_num_seqs)

@@ -4,6 +4,7 @@ what its tokens become, is the engine's; running it is this module's."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -11,7 +12,7 @@ import torch
 from services.worker.graphs.cuda_graph import DecodeGraphs, GraphConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
-from services.worker.model.mla_mtp import MTPStep
+from services.worker.model.mla_mtp import MTPStep, greedy_block
 from services.worker.ops.fusion import kernel_fusion
 from services.worker.serving.cache import KVCache
 from services.worker.transfers import to_device
@@ -104,6 +105,17 @@ class ModelPasses:
             if self.graphs is not None:
                 return self.graphs.mtp_step(tokens, batch, hidden, selection)
             return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
+
+    def mtp_block(
+        self, anchors: torch.Tensor, batches: Sequence[ForwardBatch], share_index: bool
+    ) -> torch.Tensor:
+        """A round's greedy MTP draft steps for requests that each draft every one of them
+        (``greedy_block``): [R, S] proposals. Replayed as one CUDA graph where the graphs hold
+        MTP blocks (``GraphConfig.mtp_block``), else step by step (``mtp_step``)."""
+        if self.graphs is not None and self.graphs.mtp_blocks:
+            with kernel_fusion(self.fused):
+                return self.graphs.mtp_block(anchors, batches, share_index)
+        return greedy_block(self.mtp_step, anchors, batches, share_index)
 
 
 def graphs_off(

@@ -5,7 +5,9 @@ the same number of tokens W (1 in a decode step, the block width K in a speculat
 round), is captured once per (batch size, W, index-key width, which sources share a plan and
 which are all direct, whether the drafter's target features are taken) and replayed with the
 live batch copied into the graph's input tensors. The drafter's block pass (``Drafter.draft``)
-is captured once per (batch size, whether any request samples).
+is captured once per (batch size, whether any request samples). With ``GraphConfig.mtp_block``
+a round's greedy MTP draft steps are one graph (``DecodeGraphs.mtp_block``), keyed by its
+steps' keys: every step is planned on the host first, then one replay runs them all.
 
 A launch-bound decode step spends most of its time issuing ~700 small kernels from Python; a
 replay issues them in one call. Everything the pass decides on the host happens before the
@@ -32,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -40,7 +42,7 @@ import torch
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_state import PassState, Written
 from services.worker.model.decoder import SparseDecoder
-from services.worker.model.mla_mtp import MTPStep
+from services.worker.model.mla_mtp import MTPStep, greedy_block
 from services.worker.model.row_selection import key_rows
 from services.worker.serving.cache import KVCache
 
@@ -54,7 +56,8 @@ DraftPass = Callable[
 # when a key is captured: at its second sighting, or once two passes in a row meet it
 CAPTURE_POLICIES = ("second", "consecutive")
 # graph keys a batch size can meet: a decode pass, verify passes at up to three widths, and
-# the MTP layer's draft steps (with and without the target's hidden states)
+# the MTP layer's draft steps (with and without the target's hidden states; with MTP blocks,
+# mostly a round's block instead)
 KEYS_PER_BATCH = 6
 
 
@@ -71,11 +74,14 @@ class GraphConfig:
     ``consecutive`` passes meet it, so a batch that changes every step, as in ramps and drains,
     is never captured). ``mtp``: the passes of a model served with its MTP layer are captured
     too (its lagged source's decode and verify passes and its draft steps); off, such a model
-    runs eagerly."""
+    runs eagerly. ``mtp_block``: a round's greedy MTP draft steps, where every request drafts
+    each of them, are captured and replayed as one graph (``DecodeGraphs.mtp_block``) instead
+    of a graph per step."""
 
     enabled: bool = True
     capture: str = "second"
     mtp: bool = True
+    mtp_block: bool = False
 
     def __post_init__(self) -> None:
         if self.capture not in CAPTURE_POLICIES:
@@ -97,18 +103,13 @@ def pass_key(state: PassState, batch: ForwardBatch, features: dict | None) -> tu
     )
 
 
-def mtp_key(
-    state: PassState,
-    batch: ForwardBatch,
-    hidden: torch.Tensor | None,
-    selection: torch.Tensor | None,
-) -> tuple:
+def mtp_key(state: PassState, batch: ForwardBatch, hidden: bool, selection: bool) -> tuple:
     """The graph key of an MTP-only draft pass over ``batch``, once it began (``state``): batch
     size, index-key width, the plans' sharing, and whether the hidden states and the selection
     are given."""
     return (
-        batch.num_requests, key_rows(max(batch.ends())), *state.graph_key(), hidden is None,
-        selection is None,
+        batch.num_requests, key_rows(max(batch.ends())), *state.graph_key(), not hidden,
+        not selection,
     )  # fmt: skip
 
 
@@ -296,6 +297,40 @@ class _PassGraph:
     outputs: object  # what the pass returns: the graph's own tensors
 
 
+def _static_batch(batch: ForwardBatch) -> ForwardBatch:
+    """``batch`` with its own copies of every tensor a captured pass reads (a decode pass's
+    slots are its token slots, its positions its starts)."""
+    slots, positions = batch.slots.clone(), batch.positions.clone()
+    token_slot, starts_t = slots, positions
+    if not batch.is_decode:
+        token_slot, starts_t = batch.token_slot.clone(), batch.starts_t.clone()
+    return dataclasses.replace(
+        batch, slots=slots, positions=positions, token_slot=token_slot, starts_t=starts_t,
+        token_req=batch.token_req.clone(), cu_lens=batch.cu_lens.clone(),
+    )  # fmt: skip
+
+
+@dataclass(frozen=True)
+class _BlockStep:
+    """One draft step of an MTP block, planned: its batch, the payload's plans for it (views
+    of ``plan_rows``; resident: none), and its graph key (``mtp_key``)."""
+
+    batch: ForwardBatch
+    plans: list
+    plan_rows: torch.Tensor | None
+    plan_index: tuple[int, ...]
+    key: tuple
+
+
+@dataclass
+class _BlockGraph:
+    graph: torch.cuda.CUDAGraph
+    anchors: torch.Tensor  # [R] the first step's tokens, refilled
+    steps: list[_BlockStep]  # each step's batch and plan rows, refilled
+    tokens: torch.Tensor  # [R, S] the proposals: the graph's own (in the shared arena)
+    written: Written  # the rows the last step writes
+
+
 # A pass over the KV cache, begun there: (tokens [N], batch, other inputs) -> its outputs (tensors,
 # in tuples and dicts)
 PassRun = Callable[[torch.Tensor, ForwardBatch, tuple], object]
@@ -321,8 +356,10 @@ class DecodeGraphs(_Captures):
         capture_after: int = 2,
         consecutive: bool = False,
         max_width: int = 1,
+        mtp_blocks: bool = False,
     ) -> None:
-        """``limit``: the graphs held (default ``graph_limit(max_batch)``)."""
+        """``limit``: the graphs held (default ``graph_limit(max_batch)``); ``mtp_blocks``: a
+        round's greedy MTP draft steps are one graph (``mtp_block``)."""
         device = next(model.parameters()).device
         limit = graph_limit(max_batch) if limit is None else limit
         super().__init__(device, limit, capture_after, consecutive)
@@ -330,6 +367,7 @@ class DecodeGraphs(_Captures):
         self.kv = kv
         self.max_batch = max_batch
         self.max_width = max_width
+        self.mtp_blocks = mtp_blocks
         self._reserved = False
 
     @staticmethod
@@ -385,13 +423,94 @@ class DecodeGraphs(_Captures):
         self.kv.payload.begin(batch)
         if batch.num_requests > self.max_batch:
             return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
-        key = ("mtp", *mtp_key(self.kv.payload.pass_state, batch, hidden, selection))
+        state = self.kv.payload.pass_state
+        key = ("mtp", *mtp_key(state, batch, hidden is not None, selection is not None))
 
         def run(t: torch.Tensor, b: ForwardBatch, inputs: tuple) -> object:
             return self.model.mtp_step(t, b, self.kv, *inputs, begin=False)
 
         out = self._pass(key, tokens, batch, (hidden, selection), run)
         assert isinstance(out, MTPStep)
+        return out
+
+    def mtp_block(
+        self, anchors: torch.Tensor, batches: Sequence[ForwardBatch], share_index: bool
+    ) -> torch.Tensor:
+        """``greedy_block`` of the model's MTP draft steps over ``batches`` (one per step, each
+        decode-shaped, of the MTP source), replayed as one graph once its key was captured:
+        the steps' keys (``mtp_key``) together. Every step is planned on the host first (the
+        payload's ``begin``: host work only, each plan uploaded to a fresh tensor), and a replay
+        refills each step's inputs and plan rows."""
+        if batches[0].num_requests > self.max_batch:
+            return greedy_block(self._mtp_run, anchors, batches, share_index)
+        state = self.kv.payload.pass_state
+        steps = []
+        for i, b in enumerate(batches):
+            self.kv.payload.begin(b)
+            key = mtp_key(state, b, i > 0, i > 0 and share_index)
+            steps.append(_BlockStep(b, state.plans, state.plan_rows, state.plan_index, key))
+        key = ("mtp_block", share_index, *(s.key for s in steps))
+        g, capture = self.lookup(key)
+        if capture:
+            return self._capture_block(key, anchors, steps, share_index)
+        if g is None:
+            return self._run_block(anchors, steps, share_index)
+        assert isinstance(g, _BlockGraph)
+        g.anchors.copy_(anchors)
+        for dst, src in zip(g.steps, steps, strict=True):
+            dst.batch.slots.copy_(src.batch.slots)
+            dst.batch.positions.copy_(src.batch.positions)
+            if dst.plan_rows is not None:
+                assert src.plan_rows is not None
+                dst.plan_rows.copy_(src.plan_rows)
+        g.graph.replay()
+        state.written.update(g.written)
+        return g.tokens.clone()
+
+    def _mtp_run(
+        self,
+        tokens: torch.Tensor,
+        batch: ForwardBatch,
+        hidden: torch.Tensor | None,
+        selection: torch.Tensor | None,
+    ) -> MTPStep:
+        """One MTP draft step, begun on the KV cache (eager)."""
+        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
+
+    def _run_block(
+        self, anchors: torch.Tensor, steps: list[_BlockStep], share_index: bool
+    ) -> torch.Tensor:
+        """The block's steps eagerly, each begun on its planned pass (``steps``)."""
+        state = self.kv.payload.pass_state
+        it = iter(steps)
+
+        def run(
+            t: torch.Tensor, b: ForwardBatch, h: torch.Tensor | None, sel: torch.Tensor | None
+        ) -> MTPStep:
+            s = next(it)
+            state.begin(b, s.plans, s.plan_rows, s.plan_index)
+            return self.model.mtp_step(t, b, self.kv, h, sel, begin=False)
+
+        return greedy_block(run, anchors, [s.batch for s in steps], share_index)
+
+    def _capture_block(
+        self, key: tuple, anchors: torch.Tensor, steps: list[_BlockStep], share_index: bool
+    ) -> torch.Tensor:
+        """Runs the block eagerly on the capture stream, then captures it for the key: each
+        step begun on its own copy of the batch and on the plan rows the graph then reads."""
+        self._reserve()
+        out = self._run_then_capture(lambda: self._run_block(anchors, steps, share_index))
+        written = dict(self.kv.payload.pass_state.written)
+        # each step's batch: the graph's own copy; its plan rows: the ones its plans are views
+        # of (a fresh tensor per plan), which the graph keeps and a replay refills
+        static = [dataclasses.replace(s, batch=_static_batch(s.batch)) for s in steps]
+        g_anchors = anchors.clone()
+        state = self.kv.payload.pass_state
+        graph, tokens = self._record(lambda: self._run_block(g_anchors, static, share_index), out)
+        captured = dict(state.written)  # the last step's rows, as every replay writes them
+        state.written.clear()
+        state.written.update(written)
+        self.store(key, _BlockGraph(graph, g_anchors, static, tokens, captured))
         return out
 
     def _pass(
@@ -429,15 +548,7 @@ class DecodeGraphs(_Captures):
         self._reserve()
         state = self.kv.payload.pass_state
         out = self._run_then_capture(lambda: run(tokens, batch, inputs))
-        # The graph's inputs: its own copies, which a replay refills.
-        slots, positions = batch.slots.clone(), batch.positions.clone()
-        token_slot, starts_t = slots, positions  # a decode pass: one token per request
-        if not batch.is_decode:
-            token_slot, starts_t = batch.token_slot.clone(), batch.starts_t.clone()
-        static = dataclasses.replace(
-            batch, slots=slots, positions=positions, token_slot=token_slot, starts_t=starts_t,
-            token_req=batch.token_req.clone(), cu_lens=batch.cu_lens.clone(),
-        )  # fmt: skip
+        static = _static_batch(batch)  # the graph's inputs: its own copies, refilled
         g_tokens = tokens.clone()
         g_inputs = tuple(None if x is None else x.clone() for x in inputs)
         written = dict(state.written)  # this step's, for its commit

@@ -10,6 +10,7 @@ MLA, DSA indexer and MoE classes) over a KV source of its own; the embedding is 
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import NamedTuple
 
 import torch
@@ -17,6 +18,7 @@ from torch import nn
 
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.hf_config import MLAConfig
+from services.worker.kv.batch import ForwardBatch
 from services.worker.model.layers import RMSNorm
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.weight_format import BF16, WeightFormat
@@ -76,3 +78,29 @@ class MTPStep(NamedTuple):
     hidden: torch.Tensor  # [R, d] after shared_head.norm: the next step's hidden state
     logits: torch.Tensor  # [R, V] fp32
     selection: torch.Tensor  # [R, k] the MTP rows it attended (-1 pads)
+
+
+# (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
+MTPStepFn = Callable[
+    [torch.Tensor, ForwardBatch, torch.Tensor | None, torch.Tensor | None], MTPStep
+]
+
+
+def greedy_block(
+    step: MTPStepFn, anchors: torch.Tensor, batches: Sequence[ForwardBatch], share_index: bool
+) -> torch.Tensor:
+    """[R, S] the greedy proposals of S = len(batches) draft steps of R requests that each draft
+    every step: step i runs ``step`` over ``batches[i]`` (the requests' tokens at their anchor's
+    position + i) on the anchors, then on step i-1's proposals, with step i-1's hidden state
+    (step 0: the carry's); with ``share_index`` steps after the first attend the rows the first
+    selected. Device work only: one CUDA graph can hold every step."""
+    current, hidden, first = anchors, None, None
+    drafted = []
+    for batch in batches:
+        out = step(current, batch, hidden, first if share_index else None)
+        current = out.logits.argmax(-1)
+        drafted.append(current)
+        hidden = out.hidden
+        if first is None:
+            first = out.selection
+    return torch.stack(drafted, dim=1)

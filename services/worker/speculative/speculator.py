@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -21,6 +22,7 @@ from services.worker.graphs.cuda_graph import DraftGraphs
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
+from services.worker.model.mla_mtp import MTPStepFn
 from services.worker.model.v4_serving import V4Model
 from services.worker.request.grammar_masks import Block
 from services.worker.request.request import Request
@@ -28,7 +30,7 @@ from services.worker.serving.cache import KVCache
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.drafters.config import DrafterConfig
 from services.worker.speculative.drafters.io import DRAFTERS, build_drafter, load_drafter
-from services.worker.speculative.drafters.mtp import MTPDrafter, MTPStepFn
+from services.worker.speculative.drafters.mtp import MTPBlockFn, MTPDrafter
 from services.worker.speculative.drafters.runtime import RuntimeDrafter
 from services.worker.speculative.proposal import verify_ids
 from services.worker.speculative.target import Target
@@ -52,18 +54,25 @@ class SpecCounters:
         return 1.0 + self.accepted / max(self.drafts, 1)
 
 
+class MTPPasses(Protocol):
+    """The engine's passes of the MTP layer over its KV cache (``engine.passes.ModelPasses``)."""
+
+    mtp_step: MTPStepFn  # one draft step
+    mtp_block: MTPBlockFn  # a round's greedy draft steps at once
+
+
 def make_drafter(
-    spec: str, target: SparseDecoder, block: int, seed: int, mtp_step: MTPStepFn | None = None
+    spec: str, target: SparseDecoder, block: int, seed: int, mtp: MTPPasses | None = None
 ) -> RuntimeDrafter:
     """``spec``: a drafter kind (random weights, seeded), ``mtp`` (the target's own MTP layer,
-    run by ``mtp_step``) or a checkpoint directory."""
+    run by the engine's passes ``mtp``) or a checkpoint directory."""
     dtype = next(target.parameters()).dtype
     if spec == MTPDrafter.kind:
-        if not isinstance(target, MLADecoder | V4Model) or target.mtp is None or mtp_step is None:
+        if not isinstance(target, MLADecoder | V4Model) or target.mtp is None or mtp is None:
             raise ValueError("the MTP drafter needs a target loaded with its MTP layer")
         return MTPDrafter(
-            mtp_step, target.cfg.layers[target.mtp_layer].source, target.cfg.vocab_size,
-            block, target.mtp_index_share, next(target.parameters()).device,
+            mtp.mtp_step, target.cfg.layers[target.mtp_layer].source, target.cfg.vocab_size,
+            block, target.mtp_index_share, next(target.parameters()).device, mtp.mtp_block,
         )  # fmt: skip
     if spec in DRAFTERS:
         cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)

@@ -129,6 +129,7 @@ def _drive(
     model: str = "tiny-glm",
     pool_mib: int = 128,
     hot_rows: int = 64,
+    mtp_block: bool = False,
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     """``model``: a preset, or a checkpoint (one with its MTP layer for ``drafter="mtp"``,
     whose passes the graphs capture too); ``pool_mib``: the KV pool, which holds the token
@@ -139,7 +140,7 @@ def _drive(
             model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=pool_mib,
             host_arena_mib=64, max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096,
             hot_cache_rows=hot_rows,
-            graphs=GraphConfig(graphs, capture),
+            graphs=GraphConfig(graphs, capture, mtp_block=mtp_block),
             speculation=SpeculationConfig(drafter, width=4),
             kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )
@@ -284,6 +285,34 @@ def test_replayed_mtp_rounds_equal_the_eager_rounds(
             emitted[(r, n + j)] = int(rows[j].argmax())
     assert emitted == tokens
     for e in (eager, graphed, plain):
+        e.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("checkpoint", [sorted(FAMILIES)[0], SHIPPED])
+@pytest.mark.parametrize("mode", ["resident", "adaptive"])
+def test_mtp_blocks_replayed_as_one_graph_equal_the_eager_rounds(
+    mode: str, checkpoint: str, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """``GraphConfig.mtp_block``: a round's greedy MTP draft steps, where every request drafts
+    each of them, replayed as one graph (``DecodeGraphs.mtp_block``: every step planned on the
+    host first, one replay) give the eager rounds' tokens and logits bit for bit; rounds in
+    which a request near its end drafts fewer steps take the graph of each step."""
+    path = SHIPPED if checkpoint == SHIPPED else mtp_checkpoint(checkpoint, tmp_path_factory)[1]
+    hot = 512 if checkpoint == SHIPPED else 64
+    run = functools.partial(_drive, mode, model=str(path), pool_mib=512, hot_rows=hot)
+    eager, ref = run(graphs=False, drafter="mtp")
+    blocks, got = run(graphs=True, drafter="mtp", mtp_block=True)
+    graphs = blocks.passes.graphs
+    assert graphs is not None and graphs.mtp_blocks
+    kinds = Counter(key[0] for key in graphs.held_keys())
+    assert kinds["mtp_block"] > 0 and kinds["pass"] > 0 and graphs.replays > 20
+    assert blocks.speculator is not None and eager.speculator is not None
+    assert blocks.speculator.counters.accepted == eager.speculator.counters.accepted
+    assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
+    for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
+        assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    for e in (eager, blocks):
         e.close()
 
 

@@ -18,7 +18,7 @@ from typing import ClassVar
 import torch
 
 from services.worker.kv.batch import ForwardBatch
-from services.worker.model.mla_mtp import MTPStep
+from services.worker.model.mla_mtp import MTPStepFn, greedy_block
 from services.worker.speculative.proposal import (
     Proposal,
     draw,
@@ -29,10 +29,8 @@ from services.worker.speculative.proposal import (
 )
 from services.worker.transfers import to_device
 
-# (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
-MTPStepFn = Callable[
-    [torch.Tensor, ForwardBatch, torch.Tensor | None, torch.Tensor | None], MTPStep
-]
+# (anchors [R], each step's batch, share_index) -> [R, S] greedy proposals (``greedy_block``)
+MTPBlockFn = Callable[[torch.Tensor, Sequence[ForwardBatch], bool], torch.Tensor]
 
 
 class MTPDrafter:
@@ -48,9 +46,12 @@ class MTPDrafter:
         block_size: int,
         share_index: bool,
         device: torch.device,
+        block: MTPBlockFn | None = None,
     ) -> None:
         """``step``: runs one MTP-only pass (the engine's, over its KV cache); ``source``: the
-        MTP layer's KV source; ``block_size``: K_max, anchor included."""
+        MTP layer's KV source; ``block_size``: K_max, anchor included; ``block``: runs every
+        greedy step of a round at once (the engine's, which a CUDA graph may hold; default:
+        ``greedy_block`` over ``step``)."""
         if block_size < 2:
             raise ValueError("a block needs an anchor and at least one proposal (K_max >= 2)")
         self.step = step
@@ -59,6 +60,7 @@ class MTPDrafter:
         self.block_size = block_size
         self.share_index = share_index
         self.device = device
+        self.block = block or (lambda a, bs, share: greedy_block(step, a, bs, share))
 
     # ---- the runtime contract of every drafter: nothing of its own to keep -----------------
     def init_ring(self, max_slots: int, page_size: int = 16) -> None:
@@ -107,6 +109,14 @@ class MTPDrafter:
             if not isinstance(anchors, torch.Tensor)
             else (anchors.to(dev, torch.int64))
         )
+        if noise is None and min(caps) == kmax:
+            # every request greedy and drafting every step: the steps as one block
+            src = (self.source,)
+            starts = [[n + i for n in num_committed] for i in range(kmax - 1)]
+            batches = [
+                ForwardBatch.build(list(slots), s, [1] * r, dev, sources=src) for s in starts
+            ]
+            return finish(self.block(current, batches, self.share_index), None, caps)
         hidden: torch.Tensor | None = None  # [r, d] each request's last step's output
         first: torch.Tensor | None = None  # [r, k] each request's first step's selection
         for i in range(kmax - 1):
