@@ -441,8 +441,8 @@ class DecodeGraphs(_Captures):
         the steps' keys (``mtp_key``) together. Every step is planned on the host first (the
         payload's ``begin``: host work only, each plan uploaded to a fresh tensor), and a replay
         refills each step's inputs and plan rows."""
-        if batches[0].num_requests > self.max_batch:
-            return greedy_block(self._mtp_run, anchors, batches, share_index)
+        if batches[0].num_requests > self.max_batch:  # step by step, eagerly
+            return greedy_block(self.mtp_step, anchors, batches, share_index)
         state = self.kv.payload.pass_state
         steps = []
         for i, b in enumerate(batches):
@@ -466,16 +466,6 @@ class DecodeGraphs(_Captures):
         g.graph.replay()
         state.written.update(g.written)
         return g.tokens.clone()
-
-    def _mtp_run(
-        self,
-        tokens: torch.Tensor,
-        batch: ForwardBatch,
-        hidden: torch.Tensor | None,
-        selection: torch.Tensor | None,
-    ) -> MTPStep:
-        """One MTP draft step, begun on the KV cache (eager)."""
-        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
 
     def _run_block(
         self, anchors: torch.Tensor, steps: list[_BlockStep], share_index: bool
