@@ -60,7 +60,10 @@ def verify_ids(
     host."""
     device = tokens.device
     r, kp = len(anchors), max(passed)
-    block = to_device(list(anchors), device).unsqueeze(1).expand(r, kp).clone()
+    first = to_device(list(anchors), device).unsqueeze(1)
+    if min(widths) == kp:  # every request verifies K_max queries: anchor, then its proposals
+        return torch.cat([first, tokens[:, : kp - 1]], dim=1).reshape(-1)
+    block = first.expand(r, kp).clone()
     n = min(kp - 1, tokens.shape[1])
     if n > 0:
         col = torch.arange(1, n + 1, device=device).unsqueeze(0)

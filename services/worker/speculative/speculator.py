@@ -222,14 +222,16 @@ class Speculator:
         )  # fmt: skip
         committed = [s + v.num_accepted + 1 for s, v in zip(starts, verdicts, strict=True)]
         self.kv.commit(batch, committed)
-        keep = to_device(
-            [j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)],
-            eng.device,
-        )
-        self.drafter.append_context(
-            batch.token_slot[keep], batch.positions[keep], {i: f[keep] for i, f in feats.items()},
-            per_slot=max(v.num_accepted for v in verdicts) + 1,
-        )  # fmt: skip
+        if self.drafter.context_window:  # a context of its own (the MTP layer's is the cache's)
+            keep = [
+                j for r, v in enumerate(verdicts) for j in range(cu[r], cu[r] + v.num_accepted + 1)
+            ]
+            keep_t = to_device(keep, eng.device)
+            self.drafter.append_context(
+                batch.token_slot[keep_t], batch.positions[keep_t],
+                {i: f[keep_t] for i, f in feats.items()},
+                per_slot=max(v.num_accepted for v in verdicts) + 1,
+            )  # fmt: skip
         outs = []
         for r, (req, v) in enumerate(zip(reqs, verdicts, strict=True)):
             c = self.counters

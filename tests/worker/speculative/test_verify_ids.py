@@ -30,3 +30,11 @@ def test_device_ids_equal_the_hosts(seed: int) -> None:
     got = verify_ids(prop.tokens, anchors, widths, passed)
     assert got.dtype == torch.int64
     assert got.tolist() == host_ids(prop.tokens.tolist(), anchors, widths, passed)
+
+
+def test_every_request_at_full_width() -> None:
+    """The usual round: every request verifies K_max queries (its anchor, then K_max - 1
+    proposals)."""
+    tokens = torch.tensor([[5, 6, 7], [8, 9, 10]])
+    got = verify_ids(finish(tokens, None, [4, 4]).tokens, [1, 2], [4, 4], [4, 4])
+    assert got.tolist() == [1, 5, 6, 7, 2, 8, 9, 10]
