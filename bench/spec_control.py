@@ -131,6 +131,10 @@ class AcceptanceControl:
     def target_layers(self) -> tuple[int, ...]:
         return self.inner.target_layers
 
+    @property
+    def context_window(self) -> int:
+        return self.inner.context_window
+
     def init_ring(self, max_slots: int, page_size: int = 16) -> object:
         return self.inner.init_ring(max_slots, page_size)
 
