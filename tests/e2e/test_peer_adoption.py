@@ -225,17 +225,20 @@ def test_a_drained_worker_hands_its_streams_to_its_peer_and_drops_none(pair: Sta
 
 
 def wait_serving(stack: Stack, index: int, timeout_s: float = 180) -> None:
-    """Until worker ``index``'s successor serves (its metrics answer) and the gateway has had
-    time to poll it healthy."""
+    """Until worker ``index``'s successor serves (its metrics answer) and the gateway's
+    ``/health`` lists every worker healthy: a rolling restart's readiness gate (draining the
+    next worker before the gateway routes to this one would leave none to route to)."""
     deadline = time.monotonic() + timeout_s
     while True:
         try:
             httpx.get(metrics_url(stack, index), timeout=2).raise_for_status()
-            break
+            workers = httpx.get(f"{stack.base}/health", timeout=2).json()["workers"]
+            if len(workers) >= 2 and set(workers.values()) == {"healthy"}:
+                return
         except httpx.HTTPError:
-            assert time.monotonic() < deadline, f"worker-{index} did not come back"
-            time.sleep(0.2)
-    time.sleep(1.0)
+            pass
+        assert time.monotonic() < deadline, f"worker-{index} did not come back"
+        time.sleep(0.2)
 
 
 def test_a_rolling_restart_under_steady_load_drops_no_stream(pair: Stack) -> None:
