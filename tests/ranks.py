@@ -140,3 +140,65 @@ def sampled(comm: Comm, path: Path, layout: dict) -> dict:
            "prefilled": eng.stats.prefill_tokens_computed}  # fmt: skip
     eng.close()
     return out
+
+
+def prefix_turns(
+    comm: Comm, path: Path, layout: dict, target: str, worker: str, prefix_cache: bool = True
+) -> dict:
+    """Two conversations through the engine of every rank of worker ``worker`` over a real
+    node store (``target``): both first turns, then both next turns (each its first turn, the
+    answer and a question; under data-parallel attention on the other rank than its first
+    turn). The tokens (rank 0), and what each rank prefilled and its prefix reuse counted."""
+    from services.kv_host_store import KVHostStoreClient
+    from services.worker.durable.host_link import HostLink
+
+    par = ParallelConfig(comm.size, **layout)
+    owner = par.store_owner(worker, comm.rank)
+    client = KVHostStoreClient(target)
+    client.wait_ready(30)
+    _info, mapping = client.map_arena()
+    cfg = EngineConfig(
+        model=str(path), mode="hisparse", max_num_seqs=4, max_model_len=512, page_size=16,
+        hot_cache_rows=32, max_prefill_tokens=64, kv_pool_mib=48, parallel=par, owner=owner,
+        prefix_cache=prefix_cache,
+    )  # fmt: skip
+    eng = Engine(cfg, host=(client, mapping), comm=comm)
+    if eng.group.writes_host:  # a tensor-parallel follower holds rank 0's regions
+        HostLink(client, owner, 30.0, eng.kv.host_backups).register()
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    tokens, total = None, None
+    if comm.is_leader:
+        dp = eng.group.data_parallel
+        firsts = [ids(100, 11).tolist(), ids(70, 12).tolist()]
+        ends = _run(eng, "first", firsts, params, [0, 1] if dp else [None, None])
+        nexts = [[*p, *r.output_ids, 5, 6, 7] for p, r in zip(firsts, ends, strict=True)]
+        turns = _run(eng, "next", nexts, params, [1, 0] if dp else [None, None])
+        tokens = [r.output_ids for r in [*ends, *turns]]
+        prefix = eng.scheduler.prefix
+        total = vars(prefix.stats.plus(eng.group.loads.others_prefix())) if prefix else None
+        eng.group.stop()
+    else:
+        eng.group.follow(eng, eng.stats.drain_finished)
+    prefix = eng.scheduler.prefix
+    out = {
+        "tokens": tokens,
+        "prefilled": eng.stats.prefill_tokens_computed,
+        "prefix": vars(prefix.stats) if prefix is not None else None,
+        "total": total,
+    }
+    eng.close()
+    client.close()
+    return out
+
+
+def _run(
+    eng: Engine, name: str, prompts: list[list[int]], params: SamplingParams, ranks: list
+) -> list:
+    """``prompts`` as one batch to completion, prompt i on data-parallel rank ``ranks[i]``."""
+    reqs = [
+        eng.add_request(f"{name}-{i}", p, params, rank)
+        for i, (p, rank) in enumerate(zip(prompts, ranks, strict=True))
+    ]
+    while eng.has_work():
+        eng.step()
+    return reqs

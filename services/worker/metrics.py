@@ -196,7 +196,8 @@ class WorkerMetrics:
         self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
         self._resumed_seen = resumed
         prefix = engine.scheduler.prefix
-        self.prefix.update(None if prefix is None else prefix.stats)
+        others = engine.group.loads.others_prefix()
+        self.prefix.update(None if prefix is None else prefix.stats.plus(others))
         self.running.labels(md).set(engine.num_running)
         self._count_passes(engine)
         self._count_gc()

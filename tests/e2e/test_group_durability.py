@@ -4,7 +4,8 @@ restarts it, the new group resumes the session from the node's host store withou
 the prompt, and the client's stream completes with exactly the text of an uninterrupted run.
 Tensor parallel: rank 0 resumes it (both ranks read one set of regions, rank 0 writing them).
 Data-parallel attention: each rank resumes its own sessions (its own owner at the store), and
-rank 0 streams every rank's to the re-attaching gateway."""
+rank 0 streams every rank's to the re-attaching gateway. A tensor-parallel group's next turn
+imports the pages the turn before left in the store."""
 
 from __future__ import annotations
 
@@ -14,6 +15,9 @@ import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+import httpx
+
+from dhisparse import metrics as names
 from tests.e2e.test_durability import stream_sse, up_stack
 
 PROMPT = "def merge_sorted(a, b):\n    out = []\n"
@@ -68,6 +72,27 @@ def test_a_rank_killed_mid_stream_the_group_restarts_and_the_stream_completes(
         assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 1
         # the new group computed no prompt: it resumed from the host backups
         assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0
+
+        # A next turn: the new group imports the pages the turn before left in the node's
+        # store, rank 0 asking the store and copying them, both ranks seating them.
+        history = PROMPT * 12
+        first = _complete(st.base, history)
+        usage = _complete(st.base, history + "    return out\n")
+        # (the first already finds the pages of PROMPT's turns)
+        hits = [u["prompt_tokens_details"]["cached_tokens"] for u in (first, usage)]
+        assert hits[0] > 0 and hits[1] == first["prompt_tokens"] // 16 * 16, (first, usage)
+        assert st.metric(st.worker_metrics, f"{names.PREFIX_CACHE_HITS}_total") == 2
+        computed = st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total")
+        assert computed == first["prompt_tokens"] + usage["prompt_tokens"] - sum(hits)
+
+
+def _complete(base: str, prompt: str) -> dict:
+    """The usage of a greedy completion of 8 tokens of ``prompt``."""
+    body = {"model": "tiny-glm", "prompt": prompt, "max_tokens": 8, "temperature": 0,
+            "ignore_eos": True}  # fmt: skip
+    r = httpx.post(f"{base}/v1/completions", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
 
 
 SECOND = "class Heap:\n    def __init__(self):\n"

@@ -117,7 +117,7 @@ class Engine:
         self.scheduler = Scheduler(
             self.kv, cfg.max_num_seqs, cfg.max_prefill_tokens, cfg.max_model_len,
             manifest_bytes=self.journal.manifest_bytes if self.journal else None,
-            chunked=cfg.chunked_prefill, prefix=prefix_reuse(cfg, self.kv, context),
+            chunked=cfg.chunked_prefill, prefix=prefix_reuse(cfg, self.kv, context, self.group),
         )  # fmt: skip
         spec = self.speculator
         # Why decode passes run eagerly (None: they are captured as CUDA graphs); the worker
@@ -325,6 +325,7 @@ class Engine:
             kv_free_bytes=self.kv.memory().free,
             prefill_tokens=self.stats.prefill_tokens_computed,
             sessions_resumed=self.stats.sessions_resumed,
+            prefix=self.scheduler.prefix.stats if self.scheduler.prefix is not None else None,
             store_problem="" if link is None or link.healthy else link.status(),
         )
 

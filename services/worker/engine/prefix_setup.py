@@ -10,7 +10,7 @@ from dhisparse.paths import resolve_path
 from services.kv_host_store.prefix_index import PrefixSalt
 from services.worker.engine.config import EngineConfig
 from services.worker.serving.cache import CARRY, KVCache
-from services.worker.serving.prefix_reuse import PrefixReuse
+from services.worker.serving.prefix_reuse import HostRanks, PrefixReuse
 
 log = logging.getLogger(__name__)
 
@@ -54,18 +54,19 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
         return "durable sessions are off, or the host arena is private to this process"
     if set(kv.snapshot_rings) - {CARRY}:
         return "the model has token rings (windowed or compressed sources)"
-    if cfg.parallel.world_size > 1:
-        return f"a worker of {cfg.parallel.world_size} ranks"
     return None
 
 
-def prefix_reuse(cfg: EngineConfig, kv: KVCache, context: int = 0) -> PrefixReuse | None:
+def prefix_reuse(
+    cfg: EngineConfig, kv: KVCache, context: int = 0, ranks: HostRanks | None = None
+) -> PrefixReuse | None:
     """The engine's prefix reuse, or None (logged with the reason); ``context``: the
-    positions its drafter keeps a context of its own over (``PrefixReuse``)."""
+    positions its drafter keeps a context of its own over; ``ranks``: the worker's ranks
+    sharing the host arena (``PrefixReuse``)."""
     why = off_reason(cfg, kv)
     if why is not None:
         log.info("prefix cache off: %s", why)
         return None
     salt = prefix_salt(cfg, kv)
     log.info("prefix cache on: pages of %d tokens, model %s", salt.page_size, salt.model)
-    return PrefixReuse(kv, salt, context)
+    return PrefixReuse(kv, salt, context, ranks)

@@ -115,15 +115,18 @@ class HostBackups:
         request_id: str,
         rows_per_source: list[int],
         session: dict[int, tuple[int, int]] | None = None,
+        store: RegionStore | None = None,
     ) -> list[Region]:
         """``admit``'s regions, seated nowhere (for ``attach``, or to hand to the store as a
-        cached prefix); raises as ``admit`` does, with nothing left allocated."""
+        cached prefix); raises as ``admit`` does, with nothing left allocated. ``store``: the
+        store to ask instead of this rank's (``RankGroup.own_store``: a call the other ranks of
+        a tensor-parallel group do not make)."""
         regions: list[Region] = []
         try:
             for s, rows in enumerate(rows_per_source):
-                regions.append(self._allocate(request_id, s, max(1, rows), self.row_bytes))
+                regions.append(self._allocate(request_id, s, max(1, rows), self.row_bytes, store))
             for s, (rows, row_bytes) in (session or {}).items():
-                regions.append(self._allocate(request_id, s, rows, row_bytes))
+                regions.append(self._allocate(request_id, s, rows, row_bytes, store))
         except Exception:
             self.release_regions(regions)
             raise
@@ -138,9 +141,12 @@ class HostBackups:
         """The slot's regions: one per source, then its session regions."""
         return [b.region for b in self._backed[slot]] + list(self._session[slot].values())
 
-    def _allocate(self, request_id: str, source: int, rows: int, row_bytes: int) -> Region:
+    def _allocate(
+        self, request_id: str, source: int, rows: int, row_bytes: int, store: RegionStore | None
+    ) -> Region:
         w = self.who
-        return self.store.allocate(request_id, w.owner, source, rows, row_bytes, w.generation)
+        store = self.store if store is None else store
+        return store.allocate(request_id, w.owner, source, rows, row_bytes, w.generation)
 
     def attach(
         self, slot: int, request_id: str, regions: list[Region], committed: list[int]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from services.worker.rank_group.lockstep import Lockstep
 from services.worker.rank_group.placement import Placement, RankLoad
+from services.worker.serving.prefix_reuse import PrefixStats
 
 
 class RankLoads:
@@ -49,6 +50,10 @@ class RankLoads:
     def others_sessions_resumed(self) -> int:
         p = self._placement
         return p.others_sessions_resumed if p is not None else 0
+
+    def others_prefix(self) -> list[PrefixStats]:
+        """The other ranks' prefix-reuse counts (data-parallel attention, rank 0)."""
+        return self._placement.others_prefix if self._placement is not None else []
 
     def others_free_bytes(self) -> int:
         return self._placement.others_free_bytes if self._placement is not None else 0

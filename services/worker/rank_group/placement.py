@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from services.worker.serving.prefix_reuse import PrefixStats
+
 
 @dataclass(frozen=True)
 class RankLoad:
@@ -23,6 +25,7 @@ class RankLoad:
     prefill_tokens: int = 0  # prompt tokens it has computed since it started
     sessions_resumed: int = 0  # durable sessions it has resumed since it started
     store_problem: str = ""  # why its link to the node's host store is not ok ("": it is)
+    prefix: PrefixStats | None = None  # its prefix reuse's counts (None: off)
 
     @property
     def requests(self) -> int:
@@ -102,6 +105,11 @@ class Placement:
     def others_sessions_resumed(self) -> int:
         """Durable sessions the other ranks have resumed, as they last reported."""
         return sum(load.sessions_resumed for load in self.loads[1:])
+
+    @property
+    def others_prefix(self) -> list[PrefixStats]:
+        """The other ranks' prefix-reuse counts, as they last reported them."""
+        return [load.prefix for load in self.loads[1:] if load.prefix is not None]
 
     def store_problems(self) -> list[str]:
         """Each other rank whose link to the node's host store was not ok at its last

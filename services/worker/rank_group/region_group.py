@@ -7,19 +7,24 @@ Rank 0 makes each call to the store and broadcasts its answer — the region, or
 store raised — so every rank holds the same regions; durable marks and releases are rank 0's
 alone. Rank 0 is the only writer of the arena (``KVCacheConfig.host_writer``): its backups of
 a step are ordered before that step's sampled tokens are read back, so they have landed
-before the next step's broadcast lets any rank read them."""
+before the next step's broadcast lets any rank read them.
+
+Cached prefixes (``serving.prefix_reuse``): an admission looks one up on every rank at the same
+point of the same step, so rank 0 asks the store and broadcasts the hit; its lease is rank 0's
+to return. Leaving a prefix behind is rank 0's alone, through the store itself (a request can
+end between two steps, where the other ranks make no call to meet a broadcast)."""
 
 from __future__ import annotations
 
 import pickle
 
-from services.kv_host_store.records import Region
+from services.kv_host_store.records import PrefixHit, Region
 from services.worker.hierarchy.region_store import RegionStore
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.parallel.comm import Comm
 
 
-def _portable(e: Exception) -> Exception:
+def portable(e: BaseException) -> BaseException:
     """``e`` if it survives pickling (to reach the other ranks), else its account."""
     try:
         pickle.loads(pickle.dumps(e))
@@ -35,6 +40,21 @@ class GroupRegionStore:
         self.store = store
         self.comm = comm
 
+    def _leader_answers(self, call):
+        """Rank 0's answer to ``call()`` on every rank (or the error it raised, raised)."""
+        if self.comm.is_leader:
+            try:
+                value = call()
+            except Exception as e:
+                self.comm.broadcast_object(("error", portable(e)))
+                raise
+            self.comm.broadcast_object(("ok", value))
+            return value
+        kind, value = self.comm.broadcast_object(None)
+        if kind == "error":
+            raise value
+        return value
+
     def allocate(
         self,
         request_id: str,
@@ -44,20 +64,33 @@ class GroupRegionStore:
         row_bytes: int,
         generation: int = 0,
     ) -> Region:
+        return self._leader_answers(
+            lambda: self.store.allocate(request_id, owner, source, num_rows, row_bytes, generation)
+        )
+
+    def acquire_prefix(
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
+    ) -> PrefixHit | None:
+        return self._leader_answers(
+            lambda: self.store.acquire_prefix(owner, generation, hashes, token_ids, page_size)
+        )
+
+    def release_prefix(self, lease_id: str) -> None:
         if self.comm.is_leader:
-            try:
-                region = self.store.allocate(
-                    request_id, owner, source, num_rows, row_bytes, generation
-                )
-            except Exception as e:
-                self.comm.broadcast_object(("error", _portable(e)))
-                raise
-            self.comm.broadcast_object(("ok", region))
-            return region
-        kind, value = self.comm.broadcast_object(None)
-        if kind == "error":
-            raise value
-        return value
+            self.store.release_prefix(lease_id)
+
+    def cache_prefix(
+        self,
+        request_id: str,
+        owner: str,
+        generation: int,
+        hashes: list[str],
+        token_ids: list[int],
+        page_size: int,
+    ) -> bool:
+        raise RuntimeError(
+            "a tensor-parallel group leaves cached prefixes through rank 0's own store, alone"
+        )
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0

@@ -23,7 +23,7 @@ from services.worker.rank_group.loads import RankLoads
 from services.worker.rank_group.lockstep import Lockstep, StopFollowing
 from services.worker.rank_group.mirror import Resumed, mirror, mirror_resumed
 from services.worker.rank_group.placement import Placement, RankLoad
-from services.worker.rank_group.region_group import GroupRegionStore
+from services.worker.rank_group.region_group import GroupRegionStore, portable
 from services.worker.request.request import (
     FinishReason,
     Request,
@@ -61,6 +61,7 @@ class RankGroup:
         self.loads = RankLoads(self.placement, self.lockstep)
         self._remote: dict[str, Request] = {}  # rank 0 under data-parallel attention: mirrors
         self._max_model_len = max_model_len
+        self._store: Any = None  # the node's store as given to ``host``
 
     # ---- how the group is laid out ------------------------------------------------------------
     @property
@@ -71,9 +72,28 @@ class RankGroup:
     def host(self, host: tuple | None) -> tuple | None:
         """The node's store as this rank uses it: a tensor-parallel group shares one set of
         regions (``GroupRegionStore``); a rank alone or a data-parallel rank uses its own."""
+        self._store = host[0] if host is not None else None
         if host is None or not self.replicated:
             return host
         return (GroupRegionStore(host[0], self.comm), *host[1:])
+
+    @property
+    def own_store(self) -> Any:
+        """The node's store for calls this rank makes alone (leaving a cached prefix): the
+        store itself on a rank alone, a data-parallel rank and rank 0 of a tensor-parallel
+        group; None on a tensor-parallel follower, which calls none."""
+        return self._store if self.writes_host else None
+
+    def host_written(self, error: BaseException | None) -> None:
+        """After this rank wrote its part of the arena (``error``: what writing raised):
+        under tensor parallelism every rank waits here until rank 0, the group's writer, has
+        written, and raises what rank 0 raised; otherwise raises ``error``, if any."""
+        if self.replicated:
+            assert self.lockstep is not None
+            told = self.lockstep.agree(None if error is None else portable(error))
+            error = error if self.lockstep.leader else told
+        if error is not None:
+            raise error
 
     def sampling_seed(self, own: int) -> int:
         """The seed of the default sampling generator: rank 0's ``own`` on every rank of a

@@ -32,6 +32,13 @@ tokens (and the page they begin in) to the prefill, whose features the ring take
 uncached request's did, from a fresh ring; so a turn that adds W tokens or more imports every
 cached page, and a shorter one computes up to W + page - 1 tokens.
 
+A worker of several ranks reuses prefixes too. Each data-parallel rank is an owner of its own:
+it looks up, imports and leaves pages as a worker alone does. The ranks of a tensor-parallel
+group hold one set of regions (``rank_group.region_group``): every rank looks a prefix up at
+the same admission and gets rank 0's answer, rank 0 alone copies the cached rows and the
+others wait until it has (``HostRanks.host_written``) before they read them; rank 0 alone
+leaves pages behind.
+
 Not (yet) here: models with token rings (windowed or compressed sources: their ring at the page
 boundary is not kept), requests that ask for prompt logprobs (every prompt position must be
 scored), and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is
@@ -42,13 +49,15 @@ from __future__ import annotations
 
 import logging
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Protocol
 
 import torch
 
 from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.prefix_index import PrefixSalt, page_hashes
 from services.kv_host_store.records import PrefixHit, Region
+from services.worker.hierarchy.region_store import RegionStore
 from services.worker.hierarchy.session import MANIFEST_SOURCE, carry_source, key_source
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.request.request import Request
@@ -67,6 +76,38 @@ class PrefixStats:
     left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
     not_left: int = 0  # requests whose pages could not be (the store full or down, rows missing)
 
+    def plus(self, others: list[PrefixStats]) -> PrefixStats:
+        """These counts and ``others``' added up (a worker's ranks)."""
+        return PrefixStats(
+            *(sum(getattr(s, f.name) for s in [self, *others]) for f in fields(PrefixStats))
+        )
+
+
+class HostRanks(Protocol):
+    """How this rank shares the node's host arena with the other ranks of its worker
+    (``rank_group.role.RankGroup``)."""
+
+    @property
+    def own_store(self) -> RegionStore | None:
+        """The store this rank calls alone to leave a prefix; None: another rank leaves them."""
+        ...
+
+    def host_written(self, error: BaseException | None) -> None:
+        """Returns once the rank that writes the arena for this one has written (raising what
+        writing raised there, or ``error``)."""
+        ...
+
+
+class AloneOnHost:
+    """``HostRanks`` of a worker of one rank: it writes and leaves its own pages."""
+
+    def __init__(self, store: RegionStore) -> None:
+        self.own_store: RegionStore | None = store
+
+    def host_written(self, error: BaseException | None) -> None:
+        if error is not None:
+            raise error
+
 
 def copy_rows(arena: torch.Tensor, src: Region, dst: Region, rows: int) -> None:
     """The first ``rows`` rows of region ``src`` into region ``dst`` (``arena``: the whole
@@ -81,11 +122,14 @@ def copy_rows(arena: torch.Tensor, src: Region, dst: Region, rows: int) -> None:
 
 
 class PrefixReuse:
-    def __init__(self, kv: KVCache, salt: PrefixSalt, context: int = 0) -> None:
+    def __init__(
+        self, kv: KVCache, salt: PrefixSalt, context: int = 0, ranks: HostRanks | None = None
+    ) -> None:
         """``kv``: a hierarchy mode's KV state with durable sessions (host rows and keys);
         ``salt``: what this worker's rows depend on besides their tokens; ``context``: the
         last positions before a request's first sampled token that its drafter keeps a
-        context of its own over (a draft ring's window W; 0 for none or the MTP layer's)."""
+        context of its own over (a draft ring's window W; 0 for none or the MTP layer's);
+        ``ranks``: the worker's ranks sharing the arena (None: this rank alone)."""
         if kv.sessions is None or kv.host_backups is None:
             raise ValueError("prefix reuse needs a hierarchy mode with durable sessions")
         if set(kv.snapshot_rings) - {CARRY}:
@@ -103,6 +147,7 @@ class PrefixReuse:
         }
         self._carry = carry_source(cfg) if kv.carry is not None else None
         self.context = context
+        self.ranks = ranks if ranks is not None else AloneOnHost(self.host.store)
         self.stats = PrefixStats()
 
     def _rows(self, region_source: int, tokens: int) -> int:
@@ -171,11 +216,8 @@ class PrefixReuse:
         except Exception as e:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         cached = {r.source: r for r in hit.regions}
-        arena = self.host.mapping.tensor
         try:
-            for r in regions:
-                if r.source != MANIFEST_SOURCE:
-                    copy_rows(arena, cached[r.source], r, self._rows(r.source, hit.tokens))
+            self._copy_in(cached, regions, hit.tokens)
             rings = self._rings(cached, hit.tokens)
             seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget)
         except BaseException:
@@ -189,6 +231,20 @@ class PrefixReuse:
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
         return hit.tokens
+
+    def _copy_in(self, cached: dict[int, Region], regions: list[Region], tokens: int) -> None:
+        """The cached rows and keys of ``tokens`` tokens into a request's fresh ``regions``,
+        by the rank that writes the arena; every rank returns once they are there."""
+        error: BaseException | None = None
+        if self.host.writer:
+            arena = self.host.mapping.tensor
+            try:
+                for r in regions:
+                    if r.source != MANIFEST_SOURCE:
+                        copy_rows(arena, cached[r.source], r, self._rows(r.source, tokens))
+            except Exception as e:
+                error = e
+        self.ranks.host_written(error)
 
     def _release(self, hit: PrefixHit) -> None:
         try:
@@ -204,7 +260,8 @@ class PrefixReuse:
         holds every page. A store full of live rows, or down, or rows not all on the host keep
         nothing (counted in ``stats.not_left``, logged)."""
         tokens = req.num_computed // self.page * self.page
-        if req.error is not None or tokens == 0:
+        store = self.ranks.own_store
+        if req.error is not None or tokens == 0 or store is None:
             return
         cfg = self.kv.model_cfg
         if not all(
@@ -219,7 +276,7 @@ class PrefixReuse:
         if self.host.on_gpu:  # the step's host copies were queued on the stream
             torch.cuda.current_stream(self.host.device).synchronize()
         try:
-            self._hand_over(slot, hashes, ids)
+            self._hand_over(store, slot, hashes, ids)
         except CapacityExhausted as e:
             self.stats.not_left += 1
             log.debug("no room to cache %d tokens of %s: %s", tokens, req.request_id, e)
@@ -227,8 +284,8 @@ class PrefixReuse:
             self.stats.not_left += 1
             log.warning("could not cache the prefix of %s: %s", req.request_id, describe(e))
 
-    def _hand_over(self, slot: int, hashes: list[str], ids: list[int]) -> None:
-        store, who = self.host.store, self.host.who
+    def _hand_over(self, store: RegionStore, slot: int, hashes: list[str], ids: list[int]) -> None:
+        who = self.host.who
         tokens = len(ids)
         mine = [r for r in self.host.regions(slot) if r.source != MANIFEST_SOURCE]
         sources = [r for r in mine if r.source >= 0]
@@ -237,6 +294,7 @@ class PrefixReuse:
             rid,
             [self._rows(r.source, tokens) for r in sources],
             {r.source: (self._rows(r.source, tokens), r.row_bytes) for r in mine if r.source < 0},
+            store,
         )
         by_source = {r.source: r for r in regions}
         arena = self.host.mapping.tensor

@@ -9,6 +9,8 @@ fail at start-up."""
 
 from __future__ import annotations
 
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,9 +19,11 @@ import torch
 from dhisparse.family.hf_config import parse_config
 from dhisparse.family.hf_dir import read_config
 from dhisparse.family.parallel_layout import LayoutError, ParallelConfig, RankLayout
+from services.kv_host_store import KVHostStoreClient
 from services.worker.parallel.comm import LOCAL
 from tests import hf_tiny, ranks
 from tests.group import run_group
+from tests.kv_host_store.conftest import kill_process, start_store_process
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 LAYOUTS = ranks.LAYOUTS
@@ -158,3 +162,48 @@ def test_unseeded_sampling_streams_of_a_group(checkpoints: dict[str, Path], layo
     assert (seeds[0] == seeds[1]) == (layout == "tp")
     tokens = group[0]["tokens"]
     assert [len(t) for t in tokens] == [12, 12] and tokens[0] != tokens[1]
+
+
+@pytest.fixture
+def store() -> Iterator[KVHostStoreClient]:
+    """A node's ``dhisparse kv-host-store`` process, for the ranks' prefixes."""
+    arena = Path("/dev/shm") / f"dhisparse-test-group-prefix-{uuid.uuid4().hex}"
+    proc = start_store_process(arena)
+    client = KVHostStoreClient(proc.target)
+    try:
+        yield client
+    finally:
+        client.close()
+        kill_process(proc.proc)
+        arena.unlink(missing_ok=True)
+
+
+@pytest.mark.parametrize("layout", ["tp", "dp-attention+ep"])
+def test_a_group_reuses_prefixes_with_the_uncached_tokens(
+    checkpoints: dict[str, Path], layout: str, store: KVHostStoreClient
+) -> None:
+    """A conversation's next turn imports its first turn's pages from the node's store on a
+    worker of two ranks: tensor parallel (rank 0 asks the store and copies, both ranks seat the
+    rows) and data-parallel attention (each next turn on the other rank than its first: the
+    ranks share the node's cache) — the tokens of one process with no cache, and only the new
+    tokens computed."""
+    checkpoint = checkpoints[GLM]
+    one = ranks.prefix_turns(LOCAL, checkpoint, {}, store.target, "one", False)
+    group = run_group(ranks.prefix_turns, 2, checkpoint, LAYOUTS[layout], store.target, layout)
+    assert group[0]["tokens"] == one["tokens"]
+    firsts = [100, 70]
+    nexts = [n + 24 + 3 for n in firsts]
+    hit = [(n + 24 - 1) // 16 * 16 for n in firsts]  # whole pages of a turn's computed tokens
+    assert one["prefilled"] == sum(firsts) + sum(nexts)
+    computed = sum(firsts) + sum(n - h for n, h in zip(nexts, hit, strict=True))
+    total = group[0]["total"]
+    assert total["hits"] == 2 and total["hit_tokens"] == sum(hit)
+    if layout == "tp":
+        assert group[0]["prefilled"] == group[1]["prefilled"] == computed
+        assert group[0]["prefix"]["left"] == 4 and group[1]["prefix"]["left"] == 0  # rank 0's
+        assert group[0]["prefix"] == group[1]["prefix"] | {"left": 4}
+    else:
+        assert group[0]["prefilled"] + group[1]["prefilled"] == computed
+        for g in group:  # each imported the other's first turn
+            assert g["prefix"]["hits"] == 1 and g["prefix"]["left"] == 2
+    assert store.stats().prefix_hits == 2
