@@ -9,7 +9,7 @@ from dhisparse.family.presets import PRESETS
 from dhisparse.paths import resolve_path
 from services.kv_host_store.prefix_index import PrefixSalt
 from services.worker.engine.config import EngineConfig
-from services.worker.serving.cache import CARRY, KVCache
+from services.worker.serving.cache import KVCache
 from services.worker.serving.prefix_reuse import HostRanks, PrefixReuse
 
 log = logging.getLogger(__name__)
@@ -52,8 +52,6 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
         return "resident mode keeps no host rows (no GPU page is shared)"
     if kv.sessions is None:
         return "durable sessions are off, or the host arena is private to this process"
-    if set(kv.snapshot_rings) - {CARRY}:
-        return "the model has token rings (windowed or compressed sources)"
     return None
 
 

@@ -44,6 +44,12 @@ def carry_source(cfg: ModelConfig) -> int:
     return key_source(len(cfg.layers))
 
 
+def rings_source(cfg: ModelConfig) -> int:
+    """Region source id of a cached prefix's token-ring snapshots (``serving.prefix_reuse``):
+    past the page carries'. A session keeps its rings in its manifest instead."""
+    return carry_source(cfg) - 1
+
+
 class SessionBackup:
     def __init__(
         self,

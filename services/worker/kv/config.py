@@ -88,6 +88,15 @@ class KVCacheConfig:
     # whether this process writes its host backups (False: a tensor-parallel follower, whose
     # rank 0 writes the rows every rank reads, ``rank_group.region_group``)
     host_writer: bool = True
+
+    @property
+    def token_ring_extra(self) -> int:
+        """Rows a token ring keeps beyond its window, group or state rows: a verify block's
+        (``ring_extra``) and a page's, so that when a request leaves its pages as a cached
+        prefix, its rings still hold every row that a reader at the last page boundary before
+        its position needs (``serving.prefix_reuse``)."""
+        return self.ring_extra + self.page_size
+
     # the order the Triton resolver issues a step's host reads in (exact in any order)
     host_reads: HostReadOrder = field(default_factory=HostReadOrder)
     # when an index producer's followers resolve: beside the layers in between, or inline

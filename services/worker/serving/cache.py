@@ -65,7 +65,7 @@ class KVCache:
         self.rings: dict[int, TokenRing] = {}
         for s, src in enumerate(model_cfg.sources):
             if src.window > 0 or src.compress > 1:
-                ring = max(src.window, src.compress) + cfg.ring_extra
+                ring = max(src.window, src.compress) + cfg.token_ring_extra
                 self.rings[s] = TokenRing(
                     cfg.max_slots, ring, model_cfg.d_kv, cfg.dtype, cfg.device
                 )
@@ -84,11 +84,11 @@ class KVCache:
             self.snapshot_rings[CARRY] = self.carry
         # a model's own per-slot state, ``extra["state_rings"]`` [(rows, width), ...] of its
         # topology (DeepSeek-V4's compressors): ring j at key STATE_RINGS - j, with a verify
-        # block's rows beyond (``ring_extra``) like the source rings, so a verify pass's
-        # rejected positions overwrite none the next pass reads
+        # block's and a page's rows beyond (``token_ring_extra``) like the source rings, so a
+        # verify pass's rejected positions overwrite none the next pass reads
         for j, (rows, width) in enumerate(model_cfg.extra.get("state_rings", ())):
             self.snapshot_rings[STATE_RINGS - j] = TokenRing(
-                cfg.max_slots, rows + cfg.ring_extra, width, cfg.dtype, cfg.device
+                cfg.max_slots, rows + cfg.token_ring_extra, width, cfg.dtype, cfg.device
             )
         self._local_store: LocalHostStore | None = None
         self.host_backups: HostBackups | None = None

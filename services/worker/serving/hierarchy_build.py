@@ -44,10 +44,10 @@ def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     rings = 0
     for src in model_cfg.sources:
         if src.window > 0 or src.compress > 1:
-            rows = max(src.window, src.compress) + cfg.ring_extra
+            rows = max(src.window, src.compress) + cfg.token_ring_extra
             rings += cfg.max_slots * rows * model_cfg.d_kv * esize
     for rows, width in model_cfg.extra.get("state_rings", ()):  # the model's state rings too
-        rings += cfg.max_slots * (rows + cfg.ring_extra) * width * esize
+        rings += cfg.max_slots * (rows + cfg.token_ring_extra) * width * esize
     scratch_tokens = prefill_scratch_tokens(cfg)
     b = hot_rows(model_cfg, cfg)
     return (

@@ -39,10 +39,18 @@ the same admission and gets rank 0's answer, rank 0 alone copies the cached rows
 others wait until it has (``HostRanks.host_written``) before they read them; rank 0 alone
 leaves pages behind.
 
-Not (yet) here: models with token rings (windowed or compressed sources: their ring at the page
-boundary is not kept), requests that ask for prompt logprobs (every prompt position must be
-scored), and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is
-shared).
+A model with token rings (DeepSeek-V4: sliding-window and compressed sources, its compressors'
+state) keeps no ring on the host, row by row; a cached prefix of ``T`` tokens holds, in one
+region, the rows of each ring that a reader at position ``T`` may need (a window's, an open
+group's, by position). The leaver's rings still hold them when it leaves: a ring keeps a verify
+block's and a page's rows beyond what readers need (``KVCacheConfig.token_ring_extra``), and a
+request leaves the pages before its position, less than a page back. The importer lays them out
+at their places in its own rings. So such a model imports a cached prefix whole or not at all:
+a request whose tokens match fewer of a record's pages (a shared system prompt of a longer
+conversation, the same prompt sent again) computes its prompt.
+
+Not (yet) here: requests that ask for prompt logprobs (every prompt position must be scored),
+and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is shared).
 """
 
 from __future__ import annotations
@@ -58,7 +66,12 @@ from services.kv_host_store.errors import CapacityExhausted
 from services.kv_host_store.prefix_index import PrefixSalt, page_hashes
 from services.kv_host_store.records import PrefixHit, Region
 from services.worker.hierarchy.region_store import RegionStore
-from services.worker.hierarchy.session import MANIFEST_SOURCE, carry_source, key_source
+from services.worker.hierarchy.session import (
+    MANIFEST_SOURCE,
+    carry_source,
+    key_source,
+    rings_source,
+)
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.request.request import Request
 from services.worker.serving.cache import CARRY, KVCache
@@ -132,8 +145,6 @@ class PrefixReuse:
         ``ranks``: the worker's ranks sharing the arena (None: this rank alone)."""
         if kv.sessions is None or kv.host_backups is None:
             raise ValueError("prefix reuse needs a hierarchy mode with durable sessions")
-        if set(kv.snapshot_rings) - {CARRY}:
-            raise ValueError("prefix reuse does not cover token rings yet")
         if salt.page_size != kv.cfg.page_size:
             raise ValueError(f"salt of page size {salt.page_size}, KV pages of {kv.cfg.page_size}")
         self.kv = kv
@@ -146,6 +157,14 @@ class PrefixReuse:
             key_source(layer): s for layer, s in kv.sessions.producers.items()
         }
         self._carry = carry_source(cfg) if kv.carry is not None else None
+        # token rings (windowed and compressed sources, a model's state): the rows a reader
+        # at a page boundary may need, by ring (its rows beyond them are a verify block's and
+        # a page's: ``KVCacheConfig.token_ring_extra``), kept as one region of a prefix
+        extra = kv.cfg.token_ring_extra
+        self._ring_rows = {
+            k: r.ring - extra for k, r in sorted(kv.snapshot_rings.items()) if k != CARRY
+        }
+        self._rings_at = rings_source(cfg) if self._ring_rows else None
         self.context = context
         self.ranks = ranks if ranks is not None else AloneOnHost(self.host.store)
         self.stats = PrefixStats()
@@ -157,20 +176,62 @@ class PrefixReuse:
             return self.kv.sessions.carry_rows(tokens)
         return self.kv.model_cfg.rows_for_tokens(self._source_of[region_source], tokens)
 
-    def _rings(self, cached: dict[int, Region], tokens: int) -> dict[int, bytes]:
-        """The token-ring snapshots an importer of ``tokens`` cached tokens is seated with:
-        with a carry, a carry ring holding the page carry of position ``tokens - 1`` where the
-        ring keeps it (its other rows are never read: the first pass writes them)."""
+    def _rings(self, cached: dict[int, Region], tokens: int) -> dict[int, bytes] | None:
+        """The token-ring snapshots an importer of ``tokens`` cached tokens is seated with
+        (None: the prefix holds none, though this model has rings): each ring's rows of the
+        positions before ``tokens`` that a reader may need, at their places in this ring
+        (its other rows are never read: the first pass writes them); with a carry, a carry
+        ring holding the page carry of position ``tokens - 1``."""
+        out: dict[int, bytes] = {}
+        if self._rings_at is not None:
+            region = cached.get(self._rings_at)
+            if region is None or self._ring_position(region) != tokens:
+                return None  # rings of a longer record: not what a reader at ``tokens`` needs
+            out = self._seat_rings(region, tokens)
         carry = self.kv.carry
         if carry is None:
-            return {}
+            return out
         assert self._carry is not None
         region = cached[self._carry]
         ring = torch.zeros_like(carry.data[0], device="cpu")
         at = region.offset + (tokens // self.page - 1) * region.row_bytes
         row = self.host.mapping.tensor[at : at + region.row_bytes]
         ring[(tokens - 1) % carry.ring] = row.view(ring.dtype)
-        return {CARRY: ring.view(torch.uint8).numpy().tobytes()}
+        return {**out, CARRY: ring.view(torch.uint8).numpy().tobytes()}
+
+    def _ring_snapshot(self, slot: int, tokens: int) -> torch.Tensor:
+        """Bytes of ``slot``'s token rings as a reader at position ``tokens`` sees them: the
+        position (8 bytes), then ring by ring the rows of the positions ``tokens - n ..
+        tokens - 1`` in order (n: what a reader may need of the ring, ``_ring_rows``), which
+        the slot's rings still hold."""
+        parts = [torch.tensor([tokens], dtype=torch.int64).view(torch.uint8)]
+        for key, n in self._ring_rows.items():
+            data = self.kv.snapshot_rings[key].data
+            at = torch.remainder(torch.arange(tokens - n, tokens), data.shape[1])
+            parts.append(data[slot, at.to(data.device)].contiguous().view(torch.uint8).flatten())
+        return torch.cat([p.cpu() for p in parts])
+
+    def _ring_position(self, region: Region) -> int:
+        """The position whose readers a prefix's ring snapshot serves: its record's length. A
+        request importing fewer of its pages gets no rings from it."""
+        head = self.host.mapping.tensor[region.offset : region.offset + 8]
+        return int(head.clone().view(torch.int64)[0])
+
+    def _seat_rings(self, region: Region, tokens: int) -> dict[int, bytes]:
+        """``_ring_snapshot``'s bytes in ``region``, laid out as this worker's rings hold
+        positions (position t at row t mod R)."""
+        arena = self.host.mapping.tensor
+        at = region.offset + 8
+        out = {}
+        for key, n in self._ring_rows.items():
+            ring = self.kv.snapshot_rings[key]
+            slot = torch.zeros_like(ring.data[0], device="cpu")
+            size = n * slot[0].numel() * slot.element_size()
+            rows = arena[at : at + size].clone().view(slot.dtype).view(n, -1)
+            slot[torch.remainder(torch.arange(tokens - n, tokens), ring.ring)] = rows
+            out[key] = slot.view(torch.uint8).numpy().tobytes()
+            at += size
+        return out
 
     # ---- admission ----------------------------------------------------------------------
     def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
@@ -219,13 +280,15 @@ class PrefixReuse:
         try:
             self._copy_in(cached, regions, hit.tokens)
             rings = self._rings(cached, hit.tokens)
-            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget)
+            seated = rings is not None and kv.adopt(
+                slot, req.request_id, regions, hit.tokens, rings, budget
+            )
         except BaseException:
             self.host.release_regions(regions)
             raise
         if not seated:
             self.host.release_regions(regions)
-            return 0
+            return None if rings is None else 0
         kv.sessions.clear_manifest(slot)  # fresh regions: no earlier holder's manifest counts
         req.resumed_tokens = hit.tokens
         self.stats.hits += 1
@@ -290,17 +353,23 @@ class PrefixReuse:
         mine = [r for r in self.host.regions(slot) if r.source != MANIFEST_SOURCE]
         sources = [r for r in mine if r.source >= 0]
         rid = f"prefix-{uuid.uuid4().hex}"
+        session = {
+            r.source: (self._rows(r.source, tokens), r.row_bytes) for r in mine if r.source < 0
+        }
+        rings = self._ring_snapshot(slot, tokens) if self._rings_at is not None else None
+        if rings is not None:
+            session[self._rings_at] = (1, rings.numel())
         regions = self.host.allocate_regions(
-            rid,
-            [self._rows(r.source, tokens) for r in sources],
-            {r.source: (self._rows(r.source, tokens), r.row_bytes) for r in mine if r.source < 0},
-            store,
+            rid, [self._rows(r.source, tokens) for r in sources], session, store
         )
         by_source = {r.source: r for r in regions}
         arena = self.host.mapping.tensor
         try:
             for r in mine:
                 copy_rows(arena, r, by_source[r.source], self._rows(r.source, tokens))
+            if rings is not None:
+                at = by_source[self._rings_at].offset
+                arena[at : at + rings.numel()].copy_(rings)
             kept = store.cache_prefix(rid, who.owner, who.generation, hashes, ids, self.page)
         except BaseException:
             self.host.release_regions(regions)  # still this worker's: not handed over

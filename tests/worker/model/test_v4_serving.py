@@ -69,8 +69,9 @@ def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> N
     ]  # fmt: skip
     kv_cfg = KVCacheConfig(mode="hisparse", max_slots=3, max_model_len=64, dtype=torch.float32)
     kv = KVCache(cfg, kv_cfg)
-    state_bytes = 3 * sum((rows + kv_cfg.ring_extra) * width for *_, rows, width in state) * 4
-    source_bytes = 4 * 3 * (8 + kv_cfg.ring_extra) * cfg.d_kv * 4
+    extra = kv_cfg.token_ring_extra  # a verify block and a page (prefixes leave rings)
+    state_bytes = 3 * sum((rows + extra) * width for *_, rows, width in state) * 4
+    source_bytes = 4 * 3 * (8 + extra) * cfg.d_kv * 4
     assert kv.ring_bytes == source_bytes + state_bytes
     bare = replace(cfg, extra={})
     fixed = hierarchy_fixed_bytes(cfg, kv_cfg) - hierarchy_fixed_bytes(bare, kv_cfg)
@@ -295,3 +296,44 @@ def test_what_v4_is_not_served_with_stops_start_up_by_name(path, setting, named)
 def test_the_v3_path_refuses_a_v4_directory_by_name(path) -> None:
     with pytest.raises(ConfigError, match="'deepseek_v4' is served by the engine's V4 model"):
         hf_family(path)
+
+
+@pytest.mark.parametrize("page_size", [16, 4])
+def test_a_next_turn_imports_the_rings_with_its_prefix(ref, path, page_size) -> None:
+    """A conversation's next turn on another worker of the node imports the first turn's
+    pages, with the rows of the window and compressor rings a reader at the prefix's end
+    needs (the leaver a page less one token past it; pages of 4 end inside an HCA window of
+    8): transformers' greedy tokens, and only the new tokens computed. A prompt matching
+    part of a record imports nothing."""
+    store = LocalHostStore(64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    def make(owner: str, prefix_cache: bool = True) -> Engine:
+        engine = Engine(EngineConfig(
+            model=str(path), mode="hisparse", max_num_seqs=2, max_model_len=256,
+            hot_cache_rows=16, max_prefill_tokens=64, kv_pool_mib=8, owner=owner,
+            page_size=page_size, prefix_cache=prefix_cache,
+        ), host=(store, store.mapping))  # fmt: skip
+        HostLink(store, owner, 30.0, engine.kv.host_backups).register()
+        return engine
+
+    w0, w1 = make("w0"), make("w1")
+    first = hf_tiny_v4.token_ids(100, 900).tolist()
+    (turn1,) = w0.generate([first], params)
+    computed = len(first) + params.max_tokens - 1
+    assert computed % page_size == page_size - 1
+    assert page_size == 16 or computed // page_size * page_size % 8 == 4  # inside a window
+    prompt = [*first, *turn1.output_ids, *hf_tiny_v4.token_ids(5, 901).tolist()]
+    (turn2,) = w1.generate([prompt], params)
+    hit = computed // page_size * page_size
+    assert w1.scheduler.prefix.stats.hits == 1 and turn2.output().cached_prompt_tokens == hit
+    assert w1.stats.prefill_tokens_computed == len(prompt) - hit
+    assert turn2.output_ids == hf_tiny.greedy_under_reference(ref, prompt, turn2.output_ids)
+    (uncached,) = make("ref", prefix_cache=False).generate([prompt], params)
+    assert turn2.output_ids == uncached.output_ids
+    # the first prompt again matches fewer pages than a record holds, whose rings are of
+    # its end: computed whole
+    (again,) = w1.generate([first], params)
+    assert again.output_ids == turn1.output_ids and w1.scheduler.prefix.stats.hits == 1
+    assert w1.stats.prefill_tokens_computed == len(prompt) - hit + len(first)
+    store.close()

@@ -255,3 +255,40 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     _, path = family
     prompts = [_ids(n, 500 + n) for n in (70, 25)]
     check_speculating_resume(functools.partial(_engine, path, mode), prompts, 20)
+
+
+def test_a_speculating_next_turn_imports_its_prefix_and_drafts_as_without(family) -> None:
+    """V4 speculating with its MTP layer: a conversation's next turn on another worker of the
+    node imports the first turn's pages — rows, keys, the rings a reader at the prefix's end
+    needs (the MTP layer's window among them) and the page carry of hyper-connection streams —
+    gives transformers' greedy tokens and drafts at every round what a worker with no cache
+    drafts."""
+    from services.worker.durable.host_link import HostLink
+    from services.worker.hierarchy.local_store import LocalHostStore
+    from tests.worker.mtp_fixture import record_drafts
+
+    ref, path = family
+    store = LocalHostStore(64 << 20)
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    drafts: dict[str, dict] = {}
+
+    def make(owner: str, prefix_cache: bool = True) -> Engine:
+        host = (store, store.mapping)
+        eng = _engine(path, "hisparse", host, owner=owner, prefix_cache=prefix_cache)
+        HostLink(store, owner, 30.0, eng.kv.host_backups).register()
+        record_drafts(eng, drafts.setdefault(owner, {}))
+        return eng
+
+    w0, w1 = make("w0"), make("w1")
+    first = _ids(92, 600)
+    (turn1,) = w0.generate([first], params)
+    prompt = [*first, *turn1.output_ids, *_ids(6, 601)]
+    (turn2,) = w1.generate([prompt], params)
+    (uncached,) = make("ref", prefix_cache=False).generate([prompt], params)
+    assert turn2.output_ids == uncached.output_ids
+    assert turn2.output_ids == hf_tiny.greedy_under_reference(ref.target, prompt, turn2.output_ids)
+    hit = turn2.output().cached_prompt_tokens
+    assert w1.scheduler.prefix.stats.hits == 1 and hit == (92 + 20 - 1) // 16 * 16
+    assert w1.stats.prefill_tokens_computed == len(prompt) - hit
+    assert drafts["w1"] and all(drafts["ref"].get(k) == v for k, v in drafts["w1"].items())
+    store.close()
