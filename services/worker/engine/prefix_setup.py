@@ -1,5 +1,7 @@
-"""Whether an engine reuses cached prefixes (``serving.prefix_reuse``), and the salt that names
-its pages: what its rows depend on besides their tokens."""
+"""Whether an engine reuses cached prefixes (through the node's host store,
+``serving.prefix_reuse``, or in resident mode by sharing device pages,
+``serving.device_prefix``), and the salt that names its pages: what its rows depend on besides
+their tokens."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from dhisparse.paths import resolve_path
 from services.kv_host_store.prefix_index import PrefixSalt
 from services.worker.engine.config import EngineConfig
 from services.worker.serving.cache import KVCache
+from services.worker.serving.device_prefix import DevicePrefixReuse, unshareable
 from services.worker.serving.prefix_reuse import HostRanks, PrefixReuse
 
 log = logging.getLogger(__name__)
@@ -48,8 +51,9 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
     """Why ``cfg``'s engine does not reuse prefixes, or None when it does."""
     if not cfg.prefix_cache:
         return "--no-prefix-cache"
-    if cfg.mode == "resident":
-        return "resident mode keeps no host rows (no GPU page is shared)"
+    if cfg.mode == "resident":  # pages are shared on the device
+        why = unshareable(kv.model_cfg)
+        return None if why is None else f"resident mode shares no page of {why}"
     if kv.sessions is None:
         return "durable sessions are off, or the host arena is private to this process"
     return None
@@ -57,14 +61,19 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
 
 def prefix_reuse(
     cfg: EngineConfig, kv: KVCache, context: int = 0, ranks: HostRanks | None = None
-) -> PrefixReuse | None:
-    """The engine's prefix reuse, or None (logged with the reason); ``context``: the
-    positions its drafter keeps a context of its own over; ``ranks``: the worker's ranks
+) -> PrefixReuse | DevicePrefixReuse | None:
+    """The engine's prefix reuse — through the node's host store in the hierarchy modes, by
+    sharing device pages in resident mode — or None (logged with the reason); ``context``:
+    the positions its drafter keeps a context of its own over; ``ranks``: the worker's ranks
     sharing the host arena (``PrefixReuse``)."""
     why = off_reason(cfg, kv)
     if why is not None:
         log.info("prefix cache off: %s", why)
         return None
     salt = prefix_salt(cfg, kv)
-    log.info("prefix cache on: pages of %d tokens, model %s", salt.page_size, salt.model)
+    where = "device pages" if cfg.mode == "resident" else "the host store"
+    log.info("prefix cache on (%s): pages of %d tokens, model %s", where, salt.page_size,
+             salt.model)  # fmt: skip
+    if cfg.mode == "resident":
+        return DevicePrefixReuse(kv, salt, context)
     return PrefixReuse(kv, salt, context, ranks)

@@ -25,7 +25,7 @@ from typing import NamedTuple
 from services.worker.kv.errors import HostStoreUnavailable
 from services.worker.request.request import Request, Status
 from services.worker.serving.cache import KVCache
-from services.worker.serving.prefix_reuse import PrefixReuse
+from services.worker.serving.prefix_reuse import Prefixes
 
 
 class Chunk(NamedTuple):
@@ -57,7 +57,7 @@ class Scheduler:
         max_model_len: int,
         manifest_bytes: Callable[[Request], int] | None = None,
         chunked: bool = True,
-        prefix: PrefixReuse | None = None,
+        prefix: Prefixes | None = None,
     ) -> None:
         """``manifest_bytes``: the manifest half a durable session needs (durable KV only).
         ``kv.payload.prefill_room`` bounds each prefill pass's device footprint (see there).
@@ -191,7 +191,7 @@ class Scheduler:
         return out
 
     def _import(self, slot: int, req: Request, manifest: int) -> int | None:
-        """``PrefixReuse.admit``: tokens imported, 0 (no room now) or None (no prefix)."""
+        """``Prefixes.admit``: tokens imported, 0 (no room now) or None (no prefix)."""
         if self.prefix is None:
             return None
         return self.prefix.admit(slot, req, self._budget(req), manifest)

@@ -18,24 +18,68 @@ from services.worker.transfers import to_device
 
 
 class PagePool:
-    """A free list of page ids (which pages are free; not what they hold)."""
+    """A free list of page ids (which pages are free; not what they hold). A page is held by
+    slots (``take``, then ``share`` for each further slot) and by cached prefixes (``cache``,
+    ``serving.device_prefix``), each counted; it is free again when nothing holds it."""
 
     def __init__(self, num_pages: int) -> None:
         self.total = num_pages
         self._free = list(range(num_pages - 1, -1, -1))
+        self._slots = [0] * num_pages  # slots holding each page
+        self._cached = [0] * num_pages  # cached prefixes holding each page
+        self.cached_only = 0  # pages that only cached prefixes hold (reclaimable)
 
     @property
     def free(self) -> int:
         return len(self._free)
 
     def take(self, n: int) -> list[int]:
-        """n pages, lowest ids first; raises when fewer are free (callers check first)."""
+        """n pages, lowest ids first, held by one slot; raises when fewer are free (callers
+        check first)."""
         if n > len(self._free):
             raise RuntimeError(f"{n} pages asked, {len(self._free)} free")
-        return [self._free.pop() for _ in range(n)]
+        pages = [self._free.pop() for _ in range(n)]
+        for p in pages:
+            self._slots[p] = 1
+        return pages
+
+    def share(self, pages: list[int]) -> None:
+        """One more slot holds each of ``pages`` (held already: by a slot or a prefix)."""
+        for p in pages:
+            if self._slots[p] == 0:
+                if self._cached[p] == 0:
+                    raise RuntimeError(f"page {p} is free: nothing to share")
+                self.cached_only -= 1
+            self._slots[p] += 1
 
     def give(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        """A slot lets go of ``pages``; those nothing else holds are free again."""
+        freed = []
+        for p in pages:
+            self._slots[p] -= 1
+            if self._slots[p] == 0:
+                if self._cached[p]:
+                    self.cached_only += 1
+                else:
+                    freed.append(p)
+        self._free.extend(reversed(freed))
+
+    def cache(self, pages: list[int]) -> None:
+        """A cached prefix holds ``pages`` (a slot holds them now) until ``uncache``."""
+        for p in pages:
+            if self._slots[p] == 0:
+                raise RuntimeError(f"page {p} is held by no slot: nothing to cache")
+            self._cached[p] += 1
+
+    def uncache(self, pages: list[int]) -> None:
+        """A cached prefix lets go of ``pages``; those nothing else holds are free again."""
+        freed = []
+        for p in pages:
+            self._cached[p] -= 1
+            if self._cached[p] == 0 and self._slots[p] == 0:
+                self.cached_only -= 1
+                freed.append(p)
+        self._free.extend(reversed(freed))
 
 
 @dataclass(frozen=True)
@@ -106,7 +150,16 @@ class PagedRows:
 
     @property
     def used_bytes(self) -> int:
-        return self._held * self.page_size * self.row_bytes
+        """Bytes of the pages slots hold (a page several slots share, once)."""
+        if not self.owns_memory:  # a lender's pages: this pool's own, never shared
+            return self._held * self.page_size * self.row_bytes
+        held = self.num_pages - self.free_list.free - self.free_list.cached_only
+        return held * self.page_size * self.row_bytes
+
+    @property
+    def cached_bytes(self) -> int:
+        """Bytes of the pages only cached prefixes hold: reclaimed before a slot waits."""
+        return self.free_list.cached_only * self.page_size * self.row_bytes
 
     @property
     def nbytes(self) -> int:
@@ -137,6 +190,22 @@ class PagedRows:
         self._held += need
         self.page_table[slot, held : held + need] = to_device(new, self.page_table.device)
         return True
+
+    def seat(self, slot: int, pages: list[int]) -> None:
+        """Makes ``pages`` (held by a cached prefix) the first pages of empty ``slot``, shared:
+        their rows are read, never written (a slot writes past its shared pages)."""
+        if self._pages[slot]:
+            raise RuntimeError(f"slot {slot} holds pages already")
+        if len(pages) > self.max_pages_per_slot:
+            raise ValueError(f"{len(pages)} pages exceed a slot's {self.max_pages_per_slot}")
+        self.free_list.share(pages)
+        self._pages[slot] = list(pages)
+        self._held += len(pages)
+        self.page_table[slot, : len(pages)] = to_device(pages, self.page_table.device)
+
+    def slot_pages(self, slot: int, n: int) -> list[int]:
+        """The first ``n`` pages of ``slot`` (fewer when it holds fewer)."""
+        return self._pages[slot][:n]
 
     def release(self, slot: int) -> int:
         pages = self._pages[slot]
@@ -253,6 +322,33 @@ class PagedGroup:
     def release(self, slot: int) -> None:
         for p in self.pools.values():
             p.release(slot)
+
+    # ---- sharing whole pages of a prefix (``serving.device_prefix``) ------------------------
+    def prefix_pages(self, slot: int, num_tokens: int) -> dict[int, list[int]]:
+        """By pool, the pages holding the rows of ``slot``'s first ``num_tokens`` tokens (a
+        multiple of the page size of every pool's rows)."""
+        return {
+            key: p.slot_pages(slot, self.rows(key, num_tokens) // p.page_size)
+            for key, p in self.pools.items()
+        }
+
+    def seat(self, slot: int, pages: dict[int, list[int]]) -> None:
+        """``pages`` (``prefix_pages`` of a cached prefix) as the first pages of empty
+        ``slot``, shared."""
+        for key, p in self.pools.items():
+            p.seat(slot, pages[key])
+
+    def cache(self, pages: dict[int, list[int]]) -> None:
+        for key, p in self.pools.items():
+            p.free_list.cache(pages[key])
+
+    def uncache(self, pages: dict[int, list[int]]) -> None:
+        for key, p in self.pools.items():
+            p.free_list.uncache(pages[key])
+
+    @property
+    def cached_bytes(self) -> int:
+        return sum(p.cached_bytes for p in self.pools.values())
 
     @property
     def used_bytes(self) -> int:

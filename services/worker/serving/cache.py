@@ -6,6 +6,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -91,6 +92,7 @@ class KVCache:
                 cfg.max_slots, rows + cfg.token_ring_extra, width, cfg.dtype, cfg.device
             )
         self._local_store: LocalHostStore | None = None
+        self.resident: ResidentPayload | None = None  # the payload, in resident mode
         self.host_backups: HostBackups | None = None
         # durable sessions: keys, manifest and ring snapshots (hierarchy)
         self.sessions: SessionBackup | None = None
@@ -122,15 +124,19 @@ class KVCache:
             self.index_keys = IndexKeys(
                 model_cfg, self.tokens_capacity, *args, codec=self.codecs.keys
             )
-            self.payload: PayloadBackend = ResidentPayload(
+            self.resident = ResidentPayload(
                 model_cfg, self.tokens_capacity, *args, codec=self.codecs.rows
             )
+            self.payload: PayloadBackend = self.resident
         else:
             # Index keys borrow pages of the payload's pool: one budget for everything (eq. 3).
             self.payload = self._hierarchy(host, fixed, args)
         self._admitted: set[int] = set()
         self._fresh_pages: dict[int, int] = {}  # token budget -> pages its admission takes
         self._ensured: dict[int, int] = {}  # slot -> tokens it holds without new pages
+        # frees the pages of one cached prefix, least recently used first; False when none is
+        # left (``serving.device_prefix``: resident mode); None: nothing is cached on the device
+        self.reclaim: Callable[[], bool] | None = None
 
     def _hierarchy(
         self, host: tuple[RegionStore, ArenaMapping] | None, fixed: int, args: tuple
@@ -172,9 +178,15 @@ class KVCache:
         return self.index_keys.shared is not None
 
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
-        return self.payload.can_ensure(slot, num_tokens) and self.index_keys.can_ensure(
-            slot, num_tokens
-        )
+        """Whether a slot's first ``num_tokens`` tokens fit; cached prefixes on the device give
+        their pages up first (``reclaim``)."""
+        while not (
+            self.payload.can_ensure(slot, num_tokens)
+            and self.index_keys.can_ensure(slot, num_tokens)
+        ):
+            if self.reclaim is None or not self.reclaim():
+                return False
+        return True
 
     def ensure(self, slot: int, num_tokens: int) -> bool:
         """Room for a slot's first ``num_tokens`` tokens in every pool, or no change at all."""
@@ -271,6 +283,21 @@ class KVCache:
         self._admitted.add(slot)
         return True
 
+    # ---- a prefix shared on the device (resident mode: ``serving.device_prefix``) -----------
+    def seat_prefix(self, slot: int, pages: DevicePages, num_tokens: int) -> bool:
+        """Sets up a new request in free ``slot`` whose first pages are the cached ``pages``,
+        shared, with room for ``num_tokens`` tokens; False (nothing taken) when there is none."""
+        if self.resident is None:
+            raise RuntimeError("device pages are shared in resident mode only")
+        self.resident.seat(slot, pages.rows)
+        self.index_keys.seat(slot, pages.keys)
+        if not self.ensure(slot, num_tokens):
+            self.resident.release(slot)
+            self.index_keys.release(slot)
+            return False
+        self._admitted.add(slot)
+        return True
+
     def release(self, slot: int) -> None:
         self._admitted.discard(slot)
         self._ensured.pop(slot, None)
@@ -342,8 +369,10 @@ class KVCache:
         prefill scratch, metadata) and index keys in use count as required (in the hierarchy
         modes, as pages of the pool)."""
         required, optional, reserve = self.payload.memory(len(self._admitted))
-        keys = 0 if self.keys_shared else self.index_keys.used_bytes  # else in the page pool
-        required += keys + self.ring_bytes + self.workspace
+        if not self.keys_shared:  # else in the page pool; cached keys are optional
+            required += self.index_keys.used_bytes
+            optional += self.index_keys.cached_bytes
+        required += self.ring_bytes + self.workspace
         capacity = self.cfg.kv_pool_bytes
         free = max(0, capacity - required - optional - reserve)
         return MemoryUsage(capacity, required, optional, reserve, free)
@@ -390,6 +419,22 @@ class KVCache:
         if self._local_store is not None:
             self._local_store.close()
             self._local_store = None
+
+
+@dataclass(frozen=True)
+class DevicePages:
+    """The device pages of a prefix, by pool: its rows' (by source) and its index keys' (by
+    producer layer)."""
+
+    rows: dict[int, list[int]]
+    keys: dict[int, list[int]]
+
+    def first(self, pages: int) -> DevicePages:
+        """The first ``pages`` pages of every pool (rows one per token: the same count)."""
+        return DevicePages(
+            {k: v[:pages] for k, v in self.rows.items()},
+            {k: v[:pages] for k, v in self.keys.items()},
+        )
 
 
 def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:

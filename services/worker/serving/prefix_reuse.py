@@ -96,6 +96,22 @@ class PrefixStats:
         )
 
 
+class Prefixes(Protocol):
+    """What the scheduler asks of prefix reuse: ``PrefixReuse`` (through the node's host
+    store) or ``serving.device_prefix.DevicePrefixReuse`` (device pages, resident mode)."""
+
+    stats: PrefixStats
+
+    def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
+        """Tokens of a cached prefix ``req`` was admitted into ``slot`` with, 0 (a prefix is
+        cached but there is no room now: nothing taken) or None (no usable prefix)."""
+        ...
+
+    def leave(self, slot: int, req: Request) -> None:
+        """Keeps the complete pages of ``req``'s committed tokens before ``slot`` is freed."""
+        ...
+
+
 class HostRanks(Protocol):
     """How this rank shares the node's host arena with the other ranks of its worker
     (``rank_group.role.RankGroup``)."""

@@ -105,7 +105,7 @@ class ResidentPayload(PagedGroup):
 
     # ---- accounting -------------------------------------------------------------------------
     def memory(self, admitted: int) -> tuple[int, int, int]:
-        return self.used_bytes, 0, 0
+        return self.used_bytes, self.cached_bytes, 0  # cached prefixes: reclaimable
 
     def fixed_bytes(self) -> int:
         return 0

@@ -25,6 +25,7 @@ from services.worker.engine.prefix_setup import off_reason
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.request.request import Request, SamplingParams
+from services.worker.serving.device_prefix import DevicePrefixReuse
 from services.worker.speculative.config import SpeculationConfig
 from tests.worker.engine.batch_invariant import batch_invariant
 from tests.worker.mtp_fixture import record_drafts
@@ -228,7 +229,8 @@ def test_what_turns_prefix_reuse_off(store: LocalHostStore) -> None:
     assert off_reason(on.cfg, on.kv) is None
     assert off_reason(replace(on.cfg, prefix_cache=False), on.kv) == "--no-prefix-cache"
     resident = Engine(EngineConfig(mode="resident", kv_pool_mib=48, max_model_len=512))
-    assert resident.scheduler.prefix is None and "resident" in off_reason(resident.cfg, resident.kv)
+    assert isinstance(resident.scheduler.prefix, DevicePrefixReuse)  # device pages shared
+    assert off_reason(resident.cfg, resident.kv) is None
     dflash = make(store, "dflash", speculation=SpeculationConfig("dflash", 4))
     assert dflash.scheduler.prefix is not None and off_reason(dflash.cfg, dflash.kv) is None
     assert dflash.scheduler.prefix.context == dflash.speculator.drafter.context_window > 0

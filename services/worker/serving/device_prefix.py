@@ -1,0 +1,148 @@
+"""Prefix reuse on the device (resident mode, DESIGN §9): a finished request's complete pages
+stay in the device pools as a cached prefix while memory is spare, and a request whose tokens
+begin with them shares them and computes only the rest.
+
+*Leaving pages behind.* When a request gives up its slot (finished, aborted or preempted; not
+when it failed), the pages holding the rows and index keys of its committed tokens' complete
+pages are kept as a record named by the pages' chained hashes (``kv_host_store.prefix_index``,
+salted as the host cache's), before the slot lets go of them: a page stays while a slot or a
+record holds it (``kv.paged.PagePool``). A record whose every page another holds is not kept;
+records a new one holds whole are dropped.
+
+*Admission.* A waiting request takes the longest cached run of its leading pages, leaving at
+least one token to compute (and a drafter's own context, as ``serving.prefix_reuse`` does). Its
+slot's first pages are those pages, shared: its passes read them and never write them (its own
+rows go to the pages after them), so nothing is copied. Its prefill starts after them.
+
+*Eviction.* When a slot needs a page that is not free, records give theirs up least recently
+used first (``KVCache.reclaim``), before any request waits or is preempted: a live request's
+rows are never touched. Pages only records hold count as optional memory (eq. 3).
+
+Exactness: rows are shared only between requests of equal salt and leading tokens, so a
+shared row is the row this worker computes for those tokens, up to the rounding of the pass
+that computed it (under batch-invariant numerics, exactly).
+
+Not here: rows that are not one per token (compressed or windowed sources and their token
+rings), a lagged source (the MTP layer: the page holding its last row is written by the
+importer's first pass, so it would have to be copied first), and the hierarchy modes (they
+reuse prefixes through the node's host store, ``serving.prefix_reuse``).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import OrderedDict
+from collections.abc import Hashable
+
+from dhisparse.family.config import ModelConfig
+from services.kv_host_store.prefix_index import PrefixIndex, PrefixSalt, page_hashes
+from services.worker.request.request import Request
+from services.worker.serving.cache import DevicePages, KVCache
+from services.worker.serving.prefix_reuse import PrefixStats
+
+
+def unshareable(cfg: ModelConfig) -> str | None:
+    """Why ``cfg``'s device pages cannot be shared between requests, or None."""
+    if any(src.compress != 1 or src.window > 0 for src in cfg.sources):
+        return "rows that are not one per token (compressed or windowed sources)"
+    if any(src.lag for src in cfg.sources):
+        return "a lagged source (the MTP layer: its last page is written by the importer)"
+    return None
+
+
+class DevicePrefixReuse:
+    def __init__(self, kv: KVCache, salt: PrefixSalt, context: int = 0) -> None:
+        """``kv``: resident KV state; ``salt``: what its rows depend on besides their tokens;
+        ``context``: the last positions before a request's first sampled token that its
+        drafter keeps a context of its own over (computed, never shared)."""
+        why = unshareable(kv.model_cfg)
+        if why is not None:
+            raise ValueError(f"device pages are not shared for {why}")
+        if kv.resident is None:
+            raise ValueError(
+                "device pages are shared in resident mode (the hierarchy modes: ``PrefixReuse``)"
+            )
+        self.rows = kv.resident  # pages of the rows, by source
+        self.keys = kv.index_keys  # pages of the index keys, by producer layer
+        if salt.page_size != kv.cfg.page_size:
+            raise ValueError(f"salt of page size {salt.page_size}, KV pages of {kv.cfg.page_size}")
+        self.kv = kv
+        self.salt = salt
+        self.page = salt.page_size
+        self.context = context
+        self.index = PrefixIndex(self.page)
+        self._records: OrderedDict[Hashable, DevicePages] = OrderedDict()  # LRU first
+        self._ids = itertools.count()
+        self.stats = PrefixStats()
+        self.evictions = 0
+        kv.reclaim = self.evict_one
+
+    @property
+    def records(self) -> int:
+        return len(self._records)
+
+    # ---- admission ----------------------------------------------------------------------
+    def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
+        """Admits waiting ``req`` into free ``slot`` sharing the longest cached prefix of its
+        tokens. Returns the tokens shared — its ``num_computed`` to be — or 0 when a prefix is
+        cached but the device has no room now (nothing taken), or None when there is no usable
+        prefix (admit it as usual). ``budget`` and ``manifest_bytes``: as the host cache's."""
+        if req.params.prompt_logprobs is not None:
+            return None
+        ids = req.ids_from(0, max(0, req.num_tokens - max(1, self.context)))
+        hashes = page_hashes(self.salt, ids)
+        if not hashes:
+            return None
+        self.stats.queries += 1
+        match = self.index.longest_match(hashes, ids)
+        if match is None:
+            return None
+        self._records.move_to_end(match.record)
+        pages = self._records[match.record].first(match.pages)
+        if not self.kv.seat_prefix(slot, pages, req.num_tokens):
+            return 0
+        tokens = match.pages * self.page
+        req.resumed_tokens = tokens
+        self.stats.hits += 1
+        self.stats.hit_tokens += tokens
+        return tokens
+
+    # ---- leaving pages behind -----------------------------------------------------------
+    def leave(self, slot: int, req: Request) -> None:
+        """Keeps the pages of ``req``'s committed tokens' complete pages as a cached prefix,
+        before ``slot`` is released. Nothing for a request that failed (a pass may have left
+        its rows half written), nor when a record holds every one of those pages already."""
+        tokens = req.num_computed // self.page * self.page
+        if req.error is not None or tokens == 0:
+            return
+        ids = req.ids_from(0, tokens)
+        hashes = page_hashes(self.salt, ids)
+        if self.index.covers(hashes, ids):
+            return
+        pages = DevicePages(
+            self.rows.prefix_pages(slot, tokens), self.keys.prefix_pages(slot, tokens)
+        )
+        record = next(self._ids)
+        self.rows.cache(pages.rows)
+        self.keys.cache(pages.keys)
+        self.index.add(record, hashes, ids)
+        self._records[record] = pages
+        for old in self.index.covered_by(record):
+            self._drop(old)
+        self.stats.left += 1
+
+    # ---- eviction -----------------------------------------------------------------------
+    def evict_one(self) -> bool:
+        """Drops the least recently used record (its pages no slot holds are free again);
+        False when there is none."""
+        if not self._records:
+            return False
+        self._drop(next(iter(self._records)))
+        self.evictions += 1
+        return True
+
+    def _drop(self, record: Hashable) -> None:
+        pages = self._records.pop(record)
+        self.index.remove(record)
+        self.rows.uncache(pages.rows)
+        self.keys.uncache(pages.keys)

@@ -1,0 +1,115 @@
+"""Prefix reuse on the device in resident mode: a conversation's next turn shares the device
+pages its first turn left and computes only its new tokens, with the greedy tokens of the same
+prompt served with no cache (under batch-invariant numerics, ``batch_invariant.py``, exactly);
+requests sharing pages at once never write them; cached pages count as optional memory and give
+way to live rows (no live row evicted); what keeps pages from being shared is named."""
+
+from __future__ import annotations
+
+import pytest
+
+from services.worker.engine.config import EngineConfig
+from services.worker.engine.engine import Engine
+from services.worker.engine.prefix_setup import off_reason
+from services.worker.request.request import Request, SamplingParams
+from services.worker.serving.device_prefix import DevicePrefixReuse
+from services.worker.speculative.config import SpeculationConfig
+from tests.worker.engine.batch_invariant import batch_invariant
+
+ANSWER = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+
+
+def make(**kw) -> Engine:
+    base = dict(model="tiny-glm", mode="resident", kv_pool_mib=8, max_num_seqs=4)
+    return Engine(EngineConfig(**{**base, "max_model_len": 512, **kw}))
+
+
+def run(engine: Engine, prompts: list[list[int]], params: SamplingParams = ANSWER) -> list:
+    before = engine.stats.prefill_tokens_computed
+    reqs = engine.generate(prompts, params)
+    for r in reqs:
+        r.cached = r.output().cached_prompt_tokens  # type: ignore[attr-defined]
+    reqs[0].computed = engine.stats.prefill_tokens_computed - before  # type: ignore[attr-defined]
+    return reqs
+
+
+def next_turn(first: Request, question: list[int]) -> list[int]:
+    return [*first.prompt_ids, *first.output_ids, *question]
+
+
+@pytest.mark.parametrize(
+    "model,kv_cache_dtype,drafter",
+    [("tiny-glm", "auto", None), ("tiny-indexshare", "fp8", None), ("tiny-glm", "auto", "dflash")],
+)
+def test_the_next_turn_shares_the_first_turns_pages_with_the_uncached_tokens(
+    model: str, kv_cache_dtype: str, drafter: str | None
+) -> None:
+    kw: dict = dict(model=model, kv_cache_dtype=kv_cache_dtype)
+    if drafter is not None:
+        kw["speculation"] = SpeculationConfig(drafter, 4)
+    with batch_invariant():
+        eng, ref = make(**kw), make(prefix_cache=False, **kw)
+        assert isinstance(eng.scheduler.prefix, DevicePrefixReuse)
+        context = eng.scheduler.prefix.context  # a drafter's own: computed by the prefill
+        (first,) = run(eng, [list(range(10, 110))])
+        prompt = next_turn(first, [(7 + i) % 200 for i in range(context + 5)])
+        (turn,) = run(eng, [prompt])
+        (want,) = run(ref, [prompt])
+    assert turn.output_ids == want.output_ids
+    shared = (100 + 24 - 1) // 16 * 16  # the first turn's complete pages
+    assert turn.cached == shared and turn.computed == len(prompt) - shared
+    assert want.computed == len(prompt) and want.cached == 0
+    stats = eng.scheduler.prefix.stats
+    assert (stats.hits, stats.hit_tokens, stats.left) == (1, shared, 2)
+
+
+def test_requests_sharing_pages_at_once_never_write_them() -> None:
+    """Three next turns of one conversation, with different questions, run together on the
+    first turn's pages; then a fourth alone: each gives the uncached tokens (a write into a
+    shared page would change the others')."""
+    with batch_invariant():
+        eng, ref = make(), make(prefix_cache=False)
+        (first,) = run(eng, [list(range(30, 130))])
+        prompts = [next_turn(first, [q, q + 1, q + 2]) for q in (3, 50, 97)]
+        turns = run(eng, prompts)
+        (later,) = run(eng, [next_turn(first, [5, 5, 5, 5])])
+        want = run(ref, [*prompts, later.prompt_ids])
+    assert [r.output_ids for r in [*turns, later]] == [r.output_ids for r in want]
+    assert all(r.cached == 112 for r in [*turns, later])
+    assert eng.scheduler.prefix.stats.hits == 4
+
+
+def test_cached_pages_are_optional_memory_and_give_way_to_live_rows() -> None:
+    """Distinct conversations fill the pool with cached prefixes; a long prompt then needs
+    their pages: records are evicted least recently used first, the long request runs as with
+    no cache, and the most recently used prefix still serves its next turn."""
+    with batch_invariant():
+        eng = make(kv_pool_mib=1, max_model_len=1024)
+        ref = make(kv_pool_mib=1, max_model_len=1024, prefix_cache=False)
+        idle = eng.kv.memory()
+        firsts = [run(eng, [[(7 * i + j) % 250 + 3 for j in range(160)]])[0] for i in range(2)]
+        cached = eng.kv.memory()
+        assert cached.required == idle.required and cached.optional > 0
+        assert cached.free == idle.free - cached.optional
+        prefix = eng.scheduler.prefix
+        assert prefix.records == 2 and prefix.evictions == 0
+        long = [(11 * j) % 250 + 3 for j in range(300)]  # 20 pages: 13 are free
+        (got,) = run(eng, [long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        (want,) = run(ref, [long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
+        assert got.output_ids == want.output_ids and prefix.evictions == 1
+        assert got.computed == len(long)  # nothing of it was cached
+        (turn,) = run(eng, [next_turn(firsts[-1], [1, 2, 3])])
+        (again,) = run(ref, [turn.prompt_ids])
+    assert turn.output_ids == again.output_ids
+    assert turn.cached == (160 + 24 - 1) // 16 * 16  # the younger conversation's pages
+
+
+def test_what_keeps_device_pages_from_being_shared() -> None:
+    on = make()
+    assert off_reason(on.cfg, on.kv) is None
+    mtp = make(model="models/glm-dsa-mini", speculation=SpeculationConfig("mtp", 4))
+    assert mtp.scheduler.prefix is None and "lagged source" in off_reason(mtp.cfg, mtp.kv)
+    v4 = make(model="tiny-dsv4")
+    assert v4.scheduler.prefix is None and "compressed or windowed" in off_reason(v4.cfg, v4.kv)
+    off = make(prefix_cache=False)
+    assert off.scheduler.prefix is None and off_reason(off.cfg, off.kv) == "--no-prefix-cache"
