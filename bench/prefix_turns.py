@@ -2,9 +2,12 @@
 prefix reuse (``python -m bench prefix-turns``): kv-host-store, worker and gateway as processes,
 the worker with ``dhisparse up``'s CPU defaults (the shipped model, adaptive mode with durable
 sessions, its MTP layer drafting), beside the same stack with ``--no-prefix-cache``, in lockstep
-(turn i of each variant back to back).
+(turn i of each variant back to back). ``--mode resident --drafter none``: pages shared on the
+device instead of imported from the host store.
 
     python -m bench prefix-turns --out docs/results/prefix_turns.json
+    python -m bench prefix-turns --mode resident --drafter none \
+        --out docs/results/prefix_turns_resident.json
 
 Turn 1's prompt is ``--history`` ids of the held-out files (``bench/heldout.py``); each later
 turn sends the whole conversation back, as an agent does: the previous prompt, the answer's text
@@ -86,6 +89,11 @@ def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> di
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="make run's (its default)")
+    ap.add_argument(
+        "--mode", default=None, choices=("resident", "hisparse", "adaptive"),
+        help="serving mode (default make run's, adaptive: reuse through the host store; "
+        "resident shares device pages, without the MTP layer: --drafter none)",
+    )  # fmt: skip
     ap.add_argument("--history", type=int, default=2048, help="turn 1's prompt, ids")
     ap.add_argument("--question", type=int, default=48, help="new ids each later turn adds")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -102,10 +110,13 @@ def run(args: argparse.Namespace) -> dict:
     tok = load_tokenizer(args.model)
     drafter = None if args.drafter == "none" else args.drafter
     base = make_run_config(args.model, drafter)
+    if args.mode is not None:
+        base = replace(base, mode=args.mode)
     need = args.history + (args.turns - 1) * (args.question + 2 * args.new_tokens) + 64
     if need > base.max_model_len:
         raise SystemExit(f"the conversation may reach {need} tokens, past {base.max_model_len}")
-    variants = {WITH: base, WITHOUT: replace(base, prefix_cache=False)}
+    cached = WITH if args.mode is None else f"prefix cache ({base.mode})"
+    variants = {cached: base, WITHOUT: replace(base, prefix_cache=False)}
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     prompts = {v: list(history) for v in variants}
     name = Path(args.model).name
@@ -135,11 +146,11 @@ def run(args: argparse.Namespace) -> dict:
         }
         for v in variants
     }
-    same_text = [a["text"] == b["text"] for a, b in zip(rows[WITH], rows[WITHOUT], strict=True)]
+    same_text = [a["text"] == b["text"] for a, b in zip(rows[cached], rows[WITHOUT], strict=True)]
     ttft_ratio = [
-        a["ttft_s"] / b["ttft_s"] for a, b in zip(later[WITH], later[WITHOUT], strict=True)
+        a["ttft_s"] / b["ttft_s"] for a, b in zip(later[cached], later[WITHOUT], strict=True)
     ]
-    share = summary[WITH]["max_later_computed_share"]
+    share = summary[cached]["max_later_computed_share"]
     print(f"later turns compute at most {share:.1%} of their prompt with the cache "
           f"({summary[WITHOUT]['max_later_computed_share']:.0%} without); time to first token "
           f"with / without: {', '.join(f'{x:.2f}' for x in ttft_ratio)}")  # fmt: skip
@@ -148,6 +159,7 @@ def run(args: argparse.Namespace) -> dict:
         "machine": platform.machine(),
         "model": args.model,
         "drafter": args.drafter,
+        "mode": base.mode,
         "history": args.history,
         "question": args.question,
         "new_tokens": args.new_tokens,
