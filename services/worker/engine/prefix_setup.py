@@ -24,10 +24,13 @@ _WEIGHT_SUFFIXES = (".safetensors", ".json")
 def model_identity(model: str, seed: int) -> str:
     """A preset's name and seed (its weights are drawn from it), or a checkpoint's weights and
     configuration files by name, size and modification time (two workers of a node loading the
-    same files agree; a checkpoint replaced in place does not match its predecessor)."""
+    same files agree; a checkpoint replaced in place does not match its predecessor); a model
+    handed to the engine built (tests, benchmarks), by the name it was given."""
     if model in PRESETS:
         return f"preset:{model}:seed={seed}"
     root = resolve_path(model)
+    if not root.is_dir():  # a model handed to the engine in memory under this name
+        return f"given:{model}:seed={seed}"
     files = sorted(p for p in root.iterdir() if p.is_file() and p.suffix in _WEIGHT_SUFFIXES)
     parts = [f"{p.name}:{p.stat().st_size}:{p.stat().st_mtime_ns}" for p in files]
     return "checkpoint:" + ",".join(parts)
@@ -52,7 +55,7 @@ def off_reason(cfg: EngineConfig, kv: KVCache) -> str | None:
     if not cfg.prefix_cache:
         return "--no-prefix-cache"
     if cfg.mode == "resident":  # pages are shared on the device
-        why = unshareable(kv.model_cfg)
+        why = unshareable(kv.model_cfg, kv.cfg.page_size)
         return None if why is None else f"resident mode shares no page of {why}"
     if kv.sessions is None:
         return "durable sessions are off, or the host arena is private to this process"

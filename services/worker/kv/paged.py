@@ -201,7 +201,15 @@ class PagedRows:
         self.free_list.share(pages)
         self._pages[slot] = list(pages)
         self._held += len(pages)
-        self.page_table[slot, : len(pages)] = to_device(pages, self.page_table.device)
+        if pages:
+            self.page_table[slot, : len(pages)] = to_device(pages, self.page_table.device)
+
+    def copy_pages(self, slot: int, pages: list[int], at: int) -> None:
+        """Copies the rows of ``pages`` into ``slot``'s pages ``at``, ``at + 1``, ..."""
+        p = self.page_size
+        for i, src in enumerate(pages):
+            dst = self._pages[slot][at + i]
+            self.data[dst * p : (dst + 1) * p] = self.data[src * p : (src + 1) * p]
 
     def slot_pages(self, slot: int, n: int) -> list[int]:
         """The first ``n`` pages of ``slot`` (fewer when it holds fewer)."""
@@ -337,6 +345,13 @@ class PagedGroup:
         ``slot``, shared."""
         for key, p in self.pools.items():
             p.seat(slot, pages[key])
+
+    def copy_pages(
+        self, slot: int, pages: dict[int, list[int]], after: dict[int, list[int]]
+    ) -> None:
+        """Copies ``pages`` into ``slot``'s pages that follow its ``after`` pages, by pool."""
+        for key, p in self.pools.items():
+            p.copy_pages(slot, pages[key], len(after[key]))
 
     def cache(self, pages: dict[int, list[int]]) -> None:
         for key, p in self.pools.items():

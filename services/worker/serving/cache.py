@@ -19,6 +19,7 @@ from services.worker.kv.backend import PayloadBackend
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_per_token
 from services.worker.kv.index_keys import IndexKeys
+from services.worker.kv.page_end_carry import PageEndCarry
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.kv.workspace import attention_block_tokens, workspace_bytes
@@ -137,6 +138,8 @@ class KVCache:
         # frees the pages of one cached prefix, least recently used first; False when none is
         # left (``serving.device_prefix``: resident mode); None: nothing is cached on the device
         self.reclaim: Callable[[], bool] | None = None
+        # the carry at each slot's last page end, kept while device pages are shared
+        self.page_ends: PageEndCarry | None = None
 
     def _hierarchy(
         self, host: tuple[RegionStore, ArenaMapping] | None, fixed: int, args: tuple
@@ -284,17 +287,24 @@ class KVCache:
         return True
 
     # ---- a prefix shared on the device (resident mode: ``serving.device_prefix``) -----------
-    def seat_prefix(self, slot: int, pages: DevicePages, num_tokens: int) -> bool:
-        """Sets up a new request in free ``slot`` whose first pages are the cached ``pages``,
-        shared, with room for ``num_tokens`` tokens; False (nothing taken) when there is none."""
+    def seat_prefix(
+        self, slot: int, shared: DevicePages, copied: DevicePages, num_tokens: int
+    ) -> bool:
+        """Sets up a new request in free ``slot`` whose first pages are the cached ``shared``
+        pages, then copies of the ``copied`` ones (the page a lagged source's next row goes
+        to), with room for ``num_tokens`` tokens; False (nothing taken) when there is none."""
         if self.resident is None:
             raise RuntimeError("device pages are shared in resident mode only")
-        self.resident.seat(slot, pages.rows)
-        self.index_keys.seat(slot, pages.keys)
+        self.resident.seat(slot, shared.rows)
+        self.index_keys.seat(slot, shared.keys)
         if not self.ensure(slot, num_tokens):
             self.resident.release(slot)
             self.index_keys.release(slot)
             return False
+        # the copies' pages are taken now (a record reclaimed meanwhile leaves its bytes: no
+        # pass ran since)
+        self.resident.copy_pages(slot, copied.rows, shared.rows)
+        self.index_keys.copy_pages(slot, copied.keys, shared.keys)
         self._admitted.add(slot)
         return True
 
@@ -314,8 +324,11 @@ class KVCache:
         here (``SessionBackup.note_hidden``); the others' are noted from the carry at their
         commit, so a pass replayed from a CUDA graph notes nothing of its own."""
         assert self.carry is not None, "a KV cache built for a topology with a lagged source"
-        if self.sessions is not None and max(batch.lens) > self.carry.ring:
-            self.sessions.note_hidden(batch, hidden)
+        if max(batch.lens) > self.carry.ring:
+            if self.sessions is not None:
+                self.sessions.note_hidden(batch, hidden)
+            if self.page_ends is not None:
+                self.page_ends.note(batch, hidden)
         return self.carry.extend(batch, hidden)
 
     def commit(self, batch: ForwardBatch, num_tokens: list[int]) -> None:
@@ -323,6 +336,8 @@ class KVCache:
         ``batch`` (the payload's rows; for durable sessions their host backups). A pass whose
         every chunk fits the carry's ring has its hidden states there, noted now."""
         self.payload.commit(batch, num_tokens)
+        if self.page_ends is not None:
+            self.page_ends.commit(batch, num_tokens)
         if self.sessions is not None:
             if self.carry is not None and max(batch.lens) <= self.carry.ring:
                 carried = self.carry.rows_at(batch.token_slot, batch.positions)
@@ -435,6 +450,19 @@ class DevicePages:
             {k: v[:pages] for k, v in self.rows.items()},
             {k: v[:pages] for k, v in self.keys.items()},
         )
+
+    def split(self, rows: set[int], keys: set[int]) -> tuple[DevicePages, DevicePages]:
+        """(these pages less the last page of the pools ``rows`` and ``keys`` name, those last
+        pages): what a request shares, and what it copies."""
+        lead = DevicePages(
+            {k: v[:-1] if k in rows else v for k, v in self.rows.items()},
+            {k: v[:-1] if k in keys else v for k, v in self.keys.items()},
+        )
+        last = DevicePages(
+            {k: v[-1:] if k in rows else [] for k, v in self.rows.items()},
+            {k: v[-1:] if k in keys else [] for k, v in self.keys.items()},
+        )
+        return lead, last
 
 
 def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:

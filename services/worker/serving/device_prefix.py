@@ -22,10 +22,16 @@ Exactness: rows are shared only between requests of equal salt and leading token
 shared row is the row this worker computes for those tokens, up to the rounding of the pass
 that computed it (under batch-invariant numerics, exactly).
 
+With a lagged source (the MTP layer: its row ``t`` is written by the pass at ``t + 1`` from
+the target's hidden state at ``t``) a record of ``T`` tokens holds that source's rows up to
+``T - 2``: the importer's first pass writes row ``T - 1`` into the page holding it. So that
+page is copied, not shared, and the importer's carry ring gets the record's carry at ``T - 1``
+(``kv.page_end_carry``: kept per slot as passes commit page ends). The carry is the record's
+end's only, so such a model takes a record whole or not at all.
+
 Not here: rows that are not one per token (compressed or windowed sources and their token
-rings), a lagged source (the MTP layer: the page holding its last row is written by the
-importer's first pass, so it would have to be copied first), and the hierarchy modes (they
-reuse prefixes through the node's host store, ``serving.prefix_reuse``).
+rings), and the hierarchy modes (they reuse prefixes through the node's host store,
+``serving.prefix_reuse``).
 """
 
 from __future__ import annotations
@@ -33,21 +39,31 @@ from __future__ import annotations
 import itertools
 from collections import OrderedDict
 from collections.abc import Hashable
+from dataclasses import dataclass
+
+import torch
 
 from dhisparse.family.config import ModelConfig
 from services.kv_host_store.prefix_index import PrefixIndex, PrefixSalt, page_hashes
+from services.worker.kv.page_end_carry import PageEndCarry
 from services.worker.request.request import Request
 from services.worker.serving.cache import DevicePages, KVCache
 from services.worker.serving.prefix_reuse import PrefixStats
 
 
-def unshareable(cfg: ModelConfig) -> str | None:
+def unshareable(cfg: ModelConfig, page_size: int) -> str | None:
     """Why ``cfg``'s device pages cannot be shared between requests, or None."""
     if any(src.compress != 1 or src.window > 0 for src in cfg.sources):
         return "rows that are not one per token (compressed or windowed sources)"
-    if any(src.lag for src in cfg.sources):
-        return "a lagged source (the MTP layer: its last page is written by the importer)"
+    if any(src.lag >= page_size for src in cfg.sources):
+        return f"a source lagging a page or more ({page_size} tokens)"
     return None
+
+
+@dataclass(frozen=True)
+class _Record:
+    pages: DevicePages
+    carry: torch.Tensor | None  # at its last position (a lagged source's next row reads it)
 
 
 class DevicePrefixReuse:
@@ -55,7 +71,7 @@ class DevicePrefixReuse:
         """``kv``: resident KV state; ``salt``: what its rows depend on besides their tokens;
         ``context``: the last positions before a request's first sampled token that its
         drafter keeps a context of its own over (computed, never shared)."""
-        why = unshareable(kv.model_cfg)
+        why = unshareable(kv.model_cfg, kv.cfg.page_size)
         if why is not None:
             raise ValueError(f"device pages are not shared for {why}")
         if kv.resident is None:
@@ -71,7 +87,15 @@ class DevicePrefixReuse:
         self.page = salt.page_size
         self.context = context
         self.index = PrefixIndex(self.page)
-        self._records: OrderedDict[Hashable, DevicePages] = OrderedDict()  # LRU first
+        self._records: OrderedDict[Hashable, _Record] = OrderedDict()  # LRU first
+        # a lagged source's pools (the MTP layer's rows and keys): a request copies the page
+        # its next row goes to, and seats the carry at the record's last position; so it
+        # takes a record whole (the carry is kept at its end only)
+        cfg = kv.model_cfg
+        self._lagged_rows = {s for s, src in enumerate(cfg.sources) if src.lag}
+        self._lagged_keys = {i for i in self.keys.pools if cfg.sources[cfg.layers[i].source].lag}
+        if self._lagged_rows and kv.carry is not None:
+            kv.page_ends = PageEndCarry(kv.carry, self.page)
         self._ids = itertools.count()
         self.stats = PrefixStats()
         self.evictions = 0
@@ -97,11 +121,20 @@ class DevicePrefixReuse:
         match = self.index.longest_match(hashes, ids)
         if match is None:
             return None
+        record = self._records[match.record]
         self._records.move_to_end(match.record)
-        pages = self._records[match.record].first(match.pages)
-        if not self.kv.seat_prefix(slot, pages, req.num_tokens):
-            return 0
         tokens = match.pages * self.page
+        pages = record.pages.first(match.pages)
+        copied = pages.first(0)
+        if record.carry is not None:
+            if match.pages < len(next(iter(record.pages.rows.values()))):
+                return None  # the carry is the record's end's
+            pages, copied = pages.split(self._lagged_rows, self._lagged_keys)
+        if not self.kv.seat_prefix(slot, pages, copied, req.num_tokens):
+            return 0
+        if record.carry is not None:
+            assert self.kv.page_ends is not None
+            self.kv.page_ends.seat(slot, tokens, record.carry)
         req.resumed_tokens = tokens
         self.stats.hits += 1
         self.stats.hit_tokens += tokens
@@ -122,11 +155,14 @@ class DevicePrefixReuse:
         pages = DevicePages(
             self.rows.prefix_pages(slot, tokens), self.keys.prefix_pages(slot, tokens)
         )
+        carry = None
+        if self.kv.page_ends is not None:  # the carry at position tokens - 1
+            carry = self.kv.page_ends.data[slot].clone()
         record = next(self._ids)
         self.rows.cache(pages.rows)
         self.keys.cache(pages.keys)
         self.index.add(record, hashes, ids)
-        self._records[record] = pages
+        self._records[record] = _Record(pages, carry)
         for old in self.index.covered_by(record):
             self._drop(old)
         self.stats.left += 1
@@ -142,7 +178,7 @@ class DevicePrefixReuse:
         return True
 
     def _drop(self, record: Hashable) -> None:
-        pages = self._records.pop(record)
+        pages = self._records.pop(record).pages
         self.index.remove(record)
         self.rows.uncache(pages.rows)
         self.keys.uncache(pages.keys)

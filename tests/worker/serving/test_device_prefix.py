@@ -14,7 +14,9 @@ from services.worker.engine.prefix_setup import off_reason
 from services.worker.request.request import Request, SamplingParams
 from services.worker.serving.device_prefix import DevicePrefixReuse
 from services.worker.speculative.config import SpeculationConfig
+from tests import hf_tiny
 from tests.worker.engine.batch_invariant import batch_invariant
+from tests.worker.mtp_fixture import mtp_checkpoint, record_drafts
 
 ANSWER = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
 
@@ -104,11 +106,55 @@ def test_cached_pages_are_optional_memory_and_give_way_to_live_rows() -> None:
     assert turn.cached == (160 + 24 - 1) // 16 * 16  # the younger conversation's pages
 
 
+@pytest.mark.parametrize("family", ["deepseek_v32", "glm_moe_dsa"])
+def test_a_next_turn_speculating_with_the_mtp_layer_shares_and_drafts_as_without(
+    family: str, tmp_path_factory
+) -> None:
+    """The MTP layer's source lags by one: a record holds its rows but the last, so the next
+    turn copies the page that row goes to and seats the record's carry; it gives
+    transformers' greedy tokens and drafts at every round what an engine with no cache
+    drafts. The same prompt again matches fewer of a record's pages than it holds: computed."""
+    ref, path = mtp_checkpoint(family, tmp_path_factory)
+    kw = dict(model=str(path), speculation=SpeculationConfig("mtp", 4, "fixed"), kv_pool_mib=16)
+    drafts: dict[str, dict] = {"eng": {}, "ref": {}}
+    eng, plain = make(**kw), make(prefix_cache=False, **kw)
+    record_drafts(eng, drafts["eng"])
+    record_drafts(plain, drafts["ref"])
+    (first,) = run(eng, [list(range(20, 110))])
+    prompt = next_turn(first, [5, 6, 7, 8])
+    (turn,) = run(eng, [prompt])
+    (want,) = run(plain, [prompt])
+    assert turn.output_ids == want.output_ids
+    assert turn.output_ids == hf_tiny.greedy_under_reference(ref.target, prompt, turn.output_ids)
+    assert turn.cached == (90 + 24 - 1) // 16 * 16 and turn.computed == len(prompt) - turn.cached
+    _same_drafts(drafts, len(prompt))
+    (again,) = run(eng, [first.prompt_ids])
+    assert again.cached == 0 and again.output_ids == first.output_ids
+    # a record whose last page ends inside a prefill chunk (its carry from the pass's hidden
+    # states, not the carry ring)
+    one = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    (short,) = run(eng, [list(range(40, 140))], one)
+    prompt = next_turn(short, [9, 9, 9])
+    for log in drafts.values():
+        log.clear()
+    (turn,) = run(eng, [prompt])
+    (want,) = run(plain, [prompt])
+    assert turn.cached == 96 and turn.output_ids == want.output_ids
+    _same_drafts(drafts, len(prompt))
+
+
+def _same_drafts(drafts: dict[str, dict], past: int) -> None:
+    """Every draft the cached engine proposed past ``past`` committed tokens is the one the
+    engine with no cache proposed there (drafts are keyed by tokens committed and anchor)."""
+    mine = {k: v for k, v in drafts["eng"].items() if k[0] >= past}
+    assert mine and all(drafts["ref"].get(k) == v for k, v in mine.items())
+
+
 def test_what_keeps_device_pages_from_being_shared() -> None:
     on = make()
     assert off_reason(on.cfg, on.kv) is None
     mtp = make(model="models/glm-dsa-mini", speculation=SpeculationConfig("mtp", 4))
-    assert mtp.scheduler.prefix is None and "lagged source" in off_reason(mtp.cfg, mtp.kv)
+    assert isinstance(mtp.scheduler.prefix, DevicePrefixReuse)  # its lagged pages copied
     v4 = make(model="tiny-dsv4")
     assert v4.scheduler.prefix is None and "compressed or windowed" in off_reason(v4.cfg, v4.kv)
     off = make(prefix_cache=False)
