@@ -13,11 +13,13 @@ import threading
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 
+from services.kv_host_store.client import KVHostStoreClient
 from services.kv_host_store.server import KVHostStoreServer
 from services.kv_host_store.settings import KVHostStoreSettings
 from services.kv_host_store.store import HostStore
@@ -147,3 +149,20 @@ def store_process(arena_path: Path) -> Iterator[StoreProcess]:
         yield sp
     finally:
         kill_process(sp.proc)
+
+
+@contextmanager
+def store_client(name: str) -> Iterator[KVHostStoreClient]:
+    """A client of a ``dhisparse kv-host-store`` process over a fresh arena in /dev/shm
+    (``name`` in its file's name); the process is killed and the arena removed after."""
+    from services.kv_host_store import KVHostStoreClient
+
+    arena = Path("/dev/shm") / f"dhisparse-test-{name}-{uuid.uuid4().hex}"
+    store = start_store_process(arena)
+    client = KVHostStoreClient(store.target)
+    try:
+        yield client
+    finally:
+        client.close()
+        kill_process(store.proc)
+        arena.unlink(missing_ok=True)

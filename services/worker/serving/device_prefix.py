@@ -48,7 +48,7 @@ from services.kv_host_store.prefix_index import PrefixIndex, PrefixSalt, page_ha
 from services.worker.kv.page_end_carry import PageEndCarry
 from services.worker.request.request import Request
 from services.worker.serving.cache import DevicePages, KVCache
-from services.worker.serving.prefix_reuse import PrefixStats
+from services.worker.serving.prefix_reuse import PrefixStats, prefix_query
 
 
 def unshareable(cfg: ModelConfig, page_size: int) -> str | None:
@@ -111,12 +111,10 @@ class DevicePrefixReuse:
         tokens. Returns the tokens shared — its ``num_computed`` to be — or 0 when a prefix is
         cached but the device has no room now (nothing taken), or None when there is no usable
         prefix (admit it as usual). ``budget`` and ``manifest_bytes``: as the host cache's."""
-        if req.params.prompt_logprobs is not None:
+        query = prefix_query(req, self.salt, self.context)
+        if query is None:
             return None
-        ids = req.ids_from(0, max(0, req.num_tokens - max(1, self.context)))
-        hashes = page_hashes(self.salt, ids)
-        if not hashes:
-            return None
+        ids, hashes = query
         self.stats.queries += 1
         match = self.index.longest_match(hashes, ids)
         if match is None:

@@ -96,6 +96,21 @@ class PrefixStats:
         )
 
 
+def prefix_query(
+    req: Request, salt: PrefixSalt, context: int
+) -> tuple[list[int], list[str]] | None:
+    """The token ids a waiting request looks a cached prefix up by, and their complete pages'
+    hashes: all but its last ``max(1, context)`` tokens — at least one is left to compute (its
+    logits are sampled), and a drafter's own context of W positions, whose features only a
+    pass of the target gives. None: it asks for prompt logprobs (every position is scored), or
+    holds no complete page before those."""
+    if req.params.prompt_logprobs is not None:
+        return None
+    ids = req.ids_from(0, max(0, req.num_tokens - max(1, context)))
+    hashes = page_hashes(salt, ids)
+    return (ids, hashes) if hashes else None
+
+
 class Prefixes(Protocol):
     """What the scheduler asks of prefix reuse: ``PrefixReuse`` (through the node's host
     store) or ``serving.device_prefix.DevicePrefixReuse`` (device pages, resident mode)."""
@@ -256,14 +271,10 @@ class PrefixReuse:
         tokens imported — its ``num_computed`` to be — or 0 when a prefix is cached but the
         device has no room now (nothing taken), or None when there is no usable prefix (admit
         it as usual). Raises ``HostStoreUnavailable`` when the store fails."""
-        if req.params.prompt_logprobs is not None:
+        query = prefix_query(req, self.salt, self.context)
+        if query is None:
             return None
-        # at least one token left to compute (its logits are sampled), and the drafter's
-        # context: its last W positions, whose features only a pass of the target gives
-        ids = req.ids_from(0, max(0, req.num_tokens - max(1, self.context)))
-        hashes = page_hashes(self.salt, ids)
-        if not hashes:
-            return None
+        ids, hashes = query
         self.stats.queries += 1
         store, who = self.host.store, self.host.who
         try:

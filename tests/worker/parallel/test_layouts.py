@@ -9,7 +9,6 @@ fail at start-up."""
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -23,7 +22,7 @@ from services.kv_host_store import KVHostStoreClient
 from services.worker.parallel.comm import LOCAL
 from tests import hf_tiny, ranks
 from tests.group import run_group
-from tests.kv_host_store.conftest import kill_process, start_store_process
+from tests.kv_host_store.conftest import store_client
 
 FAMILIES = {"deepseek_v32": hf_tiny.v32_config, "glm_moe_dsa": hf_tiny.glm_config}
 LAYOUTS = ranks.LAYOUTS
@@ -167,15 +166,8 @@ def test_unseeded_sampling_streams_of_a_group(checkpoints: dict[str, Path], layo
 @pytest.fixture
 def store() -> Iterator[KVHostStoreClient]:
     """A node's ``dhisparse kv-host-store`` process, for the ranks' prefixes."""
-    arena = Path("/dev/shm") / f"dhisparse-test-group-prefix-{uuid.uuid4().hex}"
-    proc = start_store_process(arena)
-    client = KVHostStoreClient(proc.target)
-    try:
+    with store_client("group-prefix") as client:
         yield client
-    finally:
-        client.close()
-        kill_process(proc.proc)
-        arena.unlink(missing_ok=True)
 
 
 @pytest.mark.parametrize("layout", ["tp", "dp-attention+ep"])

@@ -10,7 +10,6 @@ import os
 import signal
 import subprocess
 import sys
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -21,7 +20,7 @@ from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
-from tests.kv_host_store.conftest import kill_process, start_store_process
+from tests.kv_host_store.conftest import store_client
 from tests.worker.engine.batch_invariant import batch_invariant
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -61,15 +60,8 @@ def engine(client: KVHostStoreClient, owner: str, prefix_cache: bool) -> Engine:
 
 @pytest.fixture
 def client() -> Iterator[KVHostStoreClient]:
-    arena = Path("/dev/shm") / f"dhisparse-test-prefix-{uuid.uuid4().hex}"
-    store = start_store_process(arena)
-    c = KVHostStoreClient(store.target)
-    try:
+    with store_client("prefix") as c:
         yield c
-    finally:
-        c.close()
-        kill_process(store.proc)
-        arena.unlink(missing_ok=True)
 
 
 def test_a_killed_workers_prefix_serves_another_worker_of_the_node(
