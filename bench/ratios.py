@@ -125,6 +125,16 @@ def gateway(doc: dict) -> str:
             f"({_met(stream <= 2.0)}); {doc['config']['model']}")  # fmt: skip
 
 
+def prefix_turns(doc: dict) -> str:
+    (cached,) = [v for v in doc["summary"] if v != "no prefix cache"]
+    s = doc["summary"][cached]
+    share = s["max_later_computed_share"]
+    ttft = doc["ttft_with_over_without"]
+    return (f"{share:.1%} computed ({_met(share <= doc['goal_computed_share'])}); time to first "
+            f"token {_span(ttft)} of the uncached; text equal: "
+            f"{'yes' if all(doc['same_text']) else 'no'}")  # fmt: skip
+
+
 def census(doc: dict) -> str:
     rows = {(r["weights"], r["context"]): r for r in doc["rows"]}
     cells = []
@@ -175,10 +185,6 @@ ROWS: tuple[Row, ...] = (
         "scaled_v32_8k.json", scaled,
         "`python -m bench scaled --family v32-scaled --contexts 8192 --concurrency 1,4 "
         f"--decode-tokens 32` ({GPU.format('scaled')})"),
-    Row("scaled GLM-5.2 at real dimensions, 8K context: decode rate over resident's",
-        "scaled_glm5_8k.json", scaled,
-        "`python -m bench scaled --family glm5-scaled --contexts 8192 --concurrency 1,4 "
-        f"--decode-tokens 32` ({GPU.format('scaled')})"),
     Row("the shipped model: held-out bits/byte, FP8 weights as shipped (goal ≤ 1.10)",
         "heldout_bpb.json", heldout, "`python -m bench heldout-bpb`"),
     Row("the shipped model: MTP acceptance length, T = 0 (goal ≥ 1.6 at K = 2)",
@@ -190,6 +196,9 @@ ROWS: tuple[Row, ...] = (
     Row("`make run`'s defaults on the CPU: 120 completions of 32 tokens at once; each served, or "
         "refused with 429 as soon as its expected wait passes its queue deadline (30 s)",
         "burst.json", burst, "`python -m bench burst`"),
+    Row("prefix reuse: a conversation's later turns through `make run`'s stack (2K history, 4 "
+        "turns), prompt tokens computed (goal ≤ 10%), time to first token with / without",
+        "prefix_turns.json", prefix_turns, "`python -m bench prefix-turns`"),
     Row("gateway: overhead per request over a direct gRPC call, p50 (goal ≤ 2 ms)",
         "gateway.json", gateway, "`python -m bench gateway`"),
     Row("the shipped model's selection census, one request: dense attention mass in the top-k, "

@@ -75,7 +75,6 @@ def results() -> dict[str, dict]:
     return {
         "resolver.json": _resolver(),
         "scaled_v32_8k.json": _scaled("v32-scaled"),
-        "scaled_glm5_8k.json": _scaled("glm5-scaled"),
         "heldout_bpb.json": {"eval_bpb": 0.95573, "provenance": _prov(
             "python -m bench heldout-bpb --out docs/results/heldout_bpb.json")},
         "acceptance.json": {"results": acceptance, "provenance": _prov(
@@ -90,6 +89,12 @@ def results() -> dict[str, dict]:
                         "refused_429": 64, "refusal_s": {"median": 0.2093, "max": 10.8355},
                         "other": 0},
             "provenance": _prov("python -m bench burst --out docs/results/burst.json")},
+        "prefix_turns.json": {
+            "goal_computed_share": 0.1, "ttft_with_over_without": [0.066, 0.075, 0.081],
+            "same_text": [True, True, True, True],
+            "summary": {"prefix cache (make run)": {"max_later_computed_share": 0.0296},
+                        "no prefix cache": {"max_later_computed_share": 1.0}},
+            "provenance": _prov("python -m bench prefix-turns --out p.json")},
         "gateway.json": {
             "config": {"model": "tiny-glm"},
             "variants": {k: {"pooled": {"overhead_ms": {"p50": v}}} for k, v in pooled.items()},
@@ -121,13 +126,12 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
         "all hit 1.02× / 1.26× / 0.14× at batch 1 / 4 / 256 (met); host recovery 37%–69% (not met)",
         "hisparse 0.93× / 0.90×, adaptive 0.98× / 0.93× at C = 1 / 4 (resident 75.2 / 199.1 "
         "tok/s; 43.5 B parameters, fp8 weights)",
-        "hisparse 0.93× / 0.90×, adaptive 0.98× / 0.93× at C = 1 / 4 (resident 75.2 / 199.1 "
-        "tok/s; 43.5 B parameters, fp8 weights)",
         "0.956 (met)",
         "1.85 / 3.76 at K = 2 / 8 (met); every drafter's greedy tokens equal plain decoding's: yes",
         "1.34× (24.8 / 18.5 tok/s, drafter mtp; ≥ 20 tok/s met)",
         "56 served, 1.81 requests/s (58.1 tok/s); 64 refused with 429 and Retry-After, after "
         "0.21 s (median) to 10.8 s; 0 other statuses",
+        "3.0% computed (met); time to first token 0.07–0.08 of the uncached; text equal: yes",
         "3.28 ms (not met), streaming 4.11 ms (not met); tiny-glm",
         "k = 512; 4K: 0.82 / 0.12, 8% from host; 16K: 0.57 / 0.03, 32% from host",
         "deepseek_v32 1.57%, glm_moe_dsa 1.21%; uninjected: selection recall 0.985–0.999, "
@@ -138,13 +142,14 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
     ]
     at = {r[0]: r[2] for r in rows}
     assert at[ratios.ROWS[0].what] == "0123456, H200"
-    assert at[ratios.ROWS[5].what] == "0123456 (dirty), CPU"
+    assert at[ratios.ROWS[4].what] == "0123456 (dirty), CPU"
     assert at[ratios.ROWS[-1].what] == "0123456, H100 80GB HBM3"
     commands = [r[3] for r in rows]
     # the result's own command, the options that only name output files left out
     assert commands[0] == "`python -m bench resolver`"
-    assert commands[4] == "`python -m bench acceptance --prompts 8`"
-    assert commands[6] == "`python -m bench burst`"
+    assert commands[3] == "`python -m bench acceptance --prompts 8`"
+    assert commands[5] == "`python -m bench burst`"
+    assert commands[6] == "`python -m bench prefix-turns`"
     assert commands[7] == "`python -m bench gateway`"
     assert commands[8] == "`python -m bench census`"
 
