@@ -143,27 +143,31 @@ def sampled(comm: Comm, path: Path, layout: dict) -> dict:
 
 
 def prefix_turns(
-    comm: Comm, path: Path, layout: dict, target: str, worker: str, prefix_cache: bool = True
-) -> dict:
-    """Two conversations through the engine of every rank of worker ``worker`` over a real
-    node store (``target``): both first turns, then both next turns (each its first turn, the
-    answer and a question; under data-parallel attention on the other rank than its first
-    turn). The tokens (rank 0), and what each rank prefilled and its prefix reuse counted."""
+    comm: Comm, path: Path, layout: dict, target: str | None, worker: str,
+    prefix_cache: bool = True,
+) -> dict:  # fmt: skip
+    """Two conversations through the engine of every rank of worker ``worker`` (hisparse over
+    a real node store, ``target``; resident, its pages shared on each rank's device, when
+    None): both first turns, then both next turns (each its first turn, the answer and a
+    question; under data-parallel attention on the other rank than its first turn). The tokens
+    (rank 0), and what each rank prefilled and its prefix reuse counted."""
     from services.kv_host_store import KVHostStoreClient
     from services.worker.durable.host_link import HostLink
 
     par = ParallelConfig(comm.size, **layout)
     owner = par.store_owner(worker, comm.rank)
-    client = KVHostStoreClient(target)
-    client.wait_ready(30)
-    _info, mapping = client.map_arena()
+    client = host = None
+    if target is not None:
+        client = KVHostStoreClient(target)
+        client.wait_ready(30)
+        host = (client, client.map_arena()[1])
     cfg = EngineConfig(
-        model=str(path), mode="hisparse", max_num_seqs=4, max_model_len=512, page_size=16,
-        hot_cache_rows=32, max_prefill_tokens=64, kv_pool_mib=48, parallel=par, owner=owner,
-        prefix_cache=prefix_cache,
+        model=str(path), mode="hisparse" if host else "resident", max_num_seqs=4,
+        max_model_len=512, page_size=16, hot_cache_rows=32, max_prefill_tokens=64,
+        kv_pool_mib=48, parallel=par, owner=owner, prefix_cache=prefix_cache,
     )  # fmt: skip
-    eng = Engine(cfg, host=(client, mapping), comm=comm)
-    if eng.group.writes_host:  # a tensor-parallel follower holds rank 0's regions
+    eng = Engine(cfg, host=host, comm=comm)
+    if client is not None and eng.group.writes_host:  # a TP follower holds rank 0's regions
         HostLink(client, owner, 30.0, eng.kv.host_backups).register()
     params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
     tokens, total = None, None
@@ -187,7 +191,8 @@ def prefix_turns(
         "total": total,
     }
     eng.close()
-    client.close()
+    if client is not None:
+        client.close()
     return out
 
 

@@ -170,6 +170,28 @@ def store() -> Iterator[KVHostStoreClient]:
         yield client
 
 
+@pytest.mark.parametrize("layout", ["tp", "dp-attention"])
+def test_a_resident_group_shares_device_pages_with_the_uncached_tokens(
+    checkpoints: dict[str, Path], layout: str
+) -> None:
+    """Resident mode on two ranks: every tensor-parallel rank keeps and shares the same pages
+    (the same requests end and arrive on each), each data-parallel rank its own (a next turn
+    on the other rank than its first computes its prompt): the tokens of one process with no
+    cache."""
+    checkpoint = checkpoints[V32]
+    one = ranks.prefix_turns(LOCAL, checkpoint, {}, None, "one", False)
+    group = run_group(ranks.prefix_turns, 2, checkpoint, LAYOUTS[layout], None, layout)
+    assert group[0]["tokens"] == one["tokens"]
+    hit = [(n + 24 - 1) // 16 * 16 for n in (100, 70)]
+    if layout == "tp":
+        assert group[0]["prefix"] == group[1]["prefix"]
+        assert group[0]["prefix"]["hits"] == 2 and group[0]["prefix"]["hit_tokens"] == sum(hit)
+        assert group[0]["prefilled"] == group[1]["prefilled"] == one["prefilled"] - sum(hit)
+    else:  # a rank's device pages are its own
+        assert group[0]["total"]["hits"] == 0
+        assert group[0]["prefilled"] + group[1]["prefilled"] == one["prefilled"]
+
+
 @pytest.mark.parametrize("layout", ["tp", "dp-attention+ep"])
 def test_a_group_reuses_prefixes_with_the_uncached_tokens(
     checkpoints: dict[str, Path], layout: str, store: KVHostStoreClient
