@@ -6,6 +6,8 @@ way to live rows (no live row evicted); what keeps pages from being shared is na
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from services.worker.engine.config import EngineConfig
@@ -19,6 +21,8 @@ from tests.worker.engine.batch_invariant import batch_invariant
 from tests.worker.mtp_fixture import mtp_checkpoint, record_drafts
 
 ANSWER = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+SHIPPED = "models/glm-dsa-mini"
+SOURCE = Path(__file__).resolve().parents[3] / "services/kv_host_store/intervals.py"
 
 
 def make(**kw) -> Engine:
@@ -153,9 +157,36 @@ def _same_drafts(drafts: dict[str, dict], past: int) -> None:
 def test_what_keeps_device_pages_from_being_shared() -> None:
     on = make()
     assert off_reason(on.cfg, on.kv) is None
-    mtp = make(model="models/glm-dsa-mini", speculation=SpeculationConfig("mtp", 4))
+    mtp = make(model=SHIPPED, speculation=SpeculationConfig("mtp", 4))
     assert isinstance(mtp.scheduler.prefix, DevicePrefixReuse)  # its lagged pages copied
     v4 = make(model="tiny-dsv4")
     assert v4.scheduler.prefix is None and "compressed or windowed" in off_reason(v4.cfg, v4.kv)
     off = make(prefix_cache=False)
     assert off.scheduler.prefix is None and off_reason(off.cfg, off.kv) == "--no-prefix-cache"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", [None, "mtp"])
+def test_on_the_gpu_a_next_turn_shares_device_pages_under_cuda_graphs(drafter: str | None) -> None:
+    """The shipped model in resident mode on the GPU, decode (and verify, and MTP draft)
+    passes replayed from CUDA graphs: a conversation's next turn shares its first turn's
+    device pages (the MTP layer's boundary page copied, its carry seated) and gives the
+    tokens of an engine with no cache; only the new tokens are computed."""
+    kw: dict = dict(model=SHIPPED, mode="resident", device="cuda", kv_pool_mib=512,
+                    max_num_seqs=4, max_model_len=2048)  # fmt: skip
+    if drafter is not None:
+        kw["speculation"] = SpeculationConfig(drafter, 4, "fixed")
+    eng, ref = make(**kw), make(prefix_cache=False, **kw)
+    assert eng.graphs_off_reason is None and isinstance(eng.scheduler.prefix, DevicePrefixReuse)
+    tok = eng.tokenizer
+    params = SamplingParams(temperature=0.0, max_tokens=32, ignore_eos=True)
+    (first,) = run(eng, [tok.encode(SOURCE.read_text()[:2400])], params)
+    prompt = next_turn(first, tok.encode("\n\ndef merge(a, b):"))
+    (turn,) = run(eng, [prompt], params)
+    (want,) = run(ref, [prompt], params)
+    assert turn.output_ids == want.output_ids
+    assert turn.cached == (len(first.prompt_ids) + 31) // 16 * 16
+    assert turn.computed == len(prompt) - turn.cached
+    assert eng.passes.graphs is not None and eng.passes.graphs.replays > 0
+    for e in (eng, ref):
+        e.close()
