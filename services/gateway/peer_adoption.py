@@ -18,14 +18,18 @@ have taken the session over at the store already: the session is looked for ther
 stream's origin becomes that peer (``Broke``), whose peers (fencing it off) or successor take
 it on. Had it died before the store moved the session, the session is still its first owner's:
 a peer asked to take it from the broken one is refused, and the broken one's successor, finding
-no such session, adopts it from the store once its first owner's process is known gone
-(``reattach``).
+no such session, adopts it from the store from its first owner, fenced off when that process
+refuses connections (``reattach.TakeFrom``).
+
+A worker the stream saw die is not asked again until a health poll hears a new generation at
+its address (its successor registered): polls miss a dead worker a few times before they mark
+it unhealthy, and asking the dead process would look like a peer dying inside ``Adopt``.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,15 +37,12 @@ import grpc.aio
 
 from dhisparse.rpc import worker_pb2
 from services.gateway.convert import ModelInfo
-from services.gateway.reattach import WORKER_GONE
+from services.gateway.reattach import WORKER_GONE, unreachable
 from services.gateway.routing import Admission, AdmissionJob, Lease
 from services.gateway.worker_conn import WorkerClient, describe
 
 log = logging.getLogger(__name__)
 
-# How long the gateway asks a dead worker's address before judging it gone: a process that
-# exited refuses the connection at once.
-PROBE_TIMEOUT_S = 0.5
 # The peer's answer that ends the attempt: the session is not there to take.
 _NOT_TAKEN = {grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.NOT_FOUND}
 
@@ -85,16 +86,6 @@ def is_peer(origin: Origin, w: WorkerClient) -> bool:
     )
 
 
-async def unreachable(stub) -> bool:
-    """Whether the worker behind ``stub`` refuses connections (its process is gone). One that
-    answers, or hangs, may still write its sessions: it is never fenced off."""
-    try:
-        await stub.Health(worker_pb2.HealthRequest(), timeout=PROBE_TIMEOUT_S)
-    except grpc.aio.AioRpcError as e:
-        return e.code() == grpc.StatusCode.UNAVAILABLE
-    return False
-
-
 @dataclass
 class Moved:
     """A stream a peer took over: its first response is in, the rest comes from ``call``."""
@@ -120,14 +111,16 @@ async def move_to_peer(
     origin: Origin,
     origin_stub,
     received: int,
-    gone: Collection[str] = (),
+    gone: Mapping[str, int] | None = None,
 ) -> Moved | Broke | None:
     """The stream of ``job`` continued by a peer of ``origin`` after the client's first
     ``received`` tokens; ``Broke`` when the peer asked died inside the call; None when no
     peer took it (none on the node, none with room, or the store says it is not there to
-    take). ``gone``: addresses of workers this stream saw die, which the health polls may
-    not have marked yet: none of them is asked."""
-    peers = [w for w in workers if is_peer(origin, w) and w.address not in gone]
+    take). ``gone``: the workers this stream saw die (address: the generation each had), which
+    the health polls may not have marked yet: none is asked while its address answers (or last
+    answered) as that generation."""
+    gone = gone or {}
+    peers = [w for w in workers if is_peer(origin, w) and gone.get(w.address) != w.generation]
     if not peers:
         return None
     fence = await unreachable(origin_stub)

@@ -7,8 +7,10 @@ stream open meanwhile: it polls the worker until it is healthy again (or ``deadl
 passes), then calls ``Resume`` with the number of tokens the client already has and goes on
 streaming from there — the client sees one uninterrupted stream. A successor that holds no
 such session (NOT_FOUND: a peer took it over and handed it back to the store for want of room)
-is asked to ``Adopt`` it from the store; NOT_FOUND again (the session was not durable, e.g.
-resident mode) or the deadline ends the stream with a 503.
+is asked to ``Adopt`` it from the store — from the worker that last held it (``TakeFrom``),
+fenced off when its process is gone, when the successor's predecessor died adopting it before
+the store moved it; NOT_FOUND again (the session was not durable, e.g. resident mode), a
+refusal, or the deadline ends the stream with a 503.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 
 import grpc
 import grpc.aio
@@ -36,6 +39,10 @@ WORKER_GONE = {
 }
 
 
+# How long the gateway asks a dead worker's address before judging it gone: a process that
+# exited refuses the connection at once.
+PROBE_TIMEOUT_S = 0.5
+
 # The session is nowhere this worker can take it from (or the worker cannot adopt at all).
 _NOT_THERE = {
     grpc.StatusCode.NOT_FOUND,
@@ -43,6 +50,27 @@ _NOT_THERE = {
     grpc.StatusCode.UNIMPLEMENTED,
     grpc.StatusCode.RESOURCE_EXHAUSTED,
 }
+
+
+async def unreachable(stub) -> bool:
+    """Whether the worker behind ``stub`` refuses connections (its process is gone). One that
+    answers, or hangs, may still write its sessions: it is never fenced off."""
+    try:
+        await stub.Health(worker_pb2.HealthRequest(), timeout=PROBE_TIMEOUT_S)
+    except grpc.aio.AioRpcError as e:
+        return e.code() == grpc.StatusCode.UNAVAILABLE
+    return False
+
+
+@dataclass(frozen=True)
+class TakeFrom:
+    """The worker a session was last known to be held by at the node's store: its worker id
+    ``owner``, its ``generation`` there, and ``stub`` (its Worker stub: probed before the
+    adoption, and fenced off when it refuses connections)."""
+
+    owner: str
+    generation: int
+    stub: object
 
 
 def _lost(address: str, request_id: str, why: str) -> APIError:
@@ -81,19 +109,24 @@ async def reattach(
     received: int,
     deadline_s: float,
     poll_s: float = 0.2,
+    take_from: TakeFrom | None = None,
 ) -> AsyncIterator[GenerationDelta]:
     """The rest of ``request_id``'s deltas after its first ``received`` tokens, from the
     restarted worker at ``address`` (``stub``: its Worker stub). Survives further restarts
-    within ``deadline_s`` of the call; raises ``APIError`` when the session is lost."""
+    within ``deadline_s`` of the call; raises ``APIError`` when the session is lost.
+    ``take_from``: whom the session is adopted from when the successor holds none (None:
+    whoever holds it, adoptable without fencing)."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + deadline_s
     adopt = ""  # what Resume said when it found nothing: then take it from the store
     while True:
         await wait_healthy(stub, address, request_id, deadline, poll_s)
         if adopt:
-            call = stub.Adopt(
-                worker_pb2.AdoptSessionRequest(request_id=request_id, tokens_received=received)
-            )
+            ask = worker_pb2.AdoptSessionRequest(request_id=request_id, tokens_received=received)
+            if take_from is not None:
+                ask.from_owner, ask.from_generation = take_from.owner, take_from.generation
+                ask.fence = await unreachable(take_from.stub)
+            call = stub.Adopt(ask)
         else:
             call = stub.Resume(
                 worker_pb2.ResumeRequest(request_id=request_id, tokens_received=received)

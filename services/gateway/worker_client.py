@@ -40,7 +40,7 @@ from services.gateway.generation import GenerationDelta, GenerationInput
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.peer_adoption import Broke, Origin, move_to_peer
 from services.gateway.prefix_keys import PromptPrefix
-from services.gateway.reattach import WORKER_GONE, reattach
+from services.gateway.reattach import WORKER_GONE, TakeFrom, reattach
 from services.gateway.routing import (
     Admission,
     AdmissionJob,
@@ -177,14 +177,16 @@ class WorkerPool:
         return max(self.resume_deadline_s, RESTART_FACTOR * startup_s + RESTART_SLACK_S)
 
     async def _reattach(
-        self, worker: WorkerClient, inp: GenerationInput, received: int, startup_s: float
-    ) -> AsyncIterator[GenerationDelta]:
+        self, worker: WorkerClient, inp: GenerationInput, received: int, startup_s: float,
+        take_from: TakeFrom | None = None,
+    ) -> AsyncIterator[GenerationDelta]:  # fmt: skip
         outcome = "failed"
         deadline_s = self.resume_deadline(startup_s)
         try:
             async for delta in reattach(
-                worker.stub, worker.address, inp.request_id, received, deadline_s
-            ):
+                worker.stub, worker.address, inp.request_id, received, deadline_s,
+                take_from=take_from,
+            ):  # fmt: skip
                 outcome = "resumed"
                 yield delta
         finally:
@@ -200,7 +202,11 @@ class WorkerPool:
         the session is looked for at that peer), else from its successor.
         ``origin`` is the worker as the gateway knew it when the stream started there: by the
         time the break is handled, polls may have forgotten the dead worker's model."""
-        gone = {worker.address}  # died in this recovery: not asked before a poll says so
+        # died in this recovery (address: generation): not asked before a poll hears another
+        gone = {worker.address: origin.generation if origin is not None else worker.generation}
+        # the worker that last held the session at the store (and its stub): whom a successor
+        # adopts it from after a peer died adopting it
+        holder, holder_stub = origin, worker.stub
         while origin is not None:
             broke = time.monotonic()
             workers = list(self.workers.values())
@@ -211,7 +217,7 @@ class WorkerPool:
                 log.warning("peer %s died adopting %s: looking for it there",
                             moved.worker.address, inp.request_id)  # fmt: skip
                 worker, origin = moved.worker, Origin.of(moved.worker)
-                gone.add(worker.address)
+                gone[worker.address] = worker.generation
                 startup_s = worker.model.startup_s if worker.model is not None else startup_s
                 continue
             if moved is None:
@@ -222,6 +228,7 @@ class WorkerPool:
                 self.metrics.adoption_latency.labels(inp.model).observe(time.monotonic() - broke)
             worker, lease = moved.worker, moved.lease
             origin = Origin.of(worker)  # the peer, alive now: the origin if it dies in turn
+            holder, holder_stub = origin, worker.stub
             startup_s = worker.model.startup_s if worker.model is not None else startup_s
             worker.in_flight += 1
             died = False  # the peer died too: its lease stays held while the stream moves on
@@ -239,7 +246,9 @@ class WorkerPool:
                 log.warning("peer %s failed mid-generation of %s (%s): moving it again",
                             worker.address, inp.request_id, describe(e))  # fmt: skip
                 died = True
-                gone = {worker.address}  # earlier deaths: the polls have judged them by now
+                gone[worker.address] = (
+                    origin.generation if origin is not None else worker.generation
+                )
             finally:
                 moved.call.cancel()
                 worker.in_flight -= 1
@@ -249,7 +258,10 @@ class WorkerPool:
             self.metrics.adoptions.labels(inp.model, "no_peer").inc()
             self.metrics.waiting_restart.labels(inp.model).inc()
         try:
-            async for delta in self._reattach(worker, inp, received, startup_s):
+            take_from = None
+            if holder is not None and holder.address != worker.address:
+                take_from = TakeFrom(holder.worker_id, holder.generation, holder_stub)
+            async for delta in self._reattach(worker, inp, received, startup_s, take_from):
                 yield delta
         finally:
             lease.release()

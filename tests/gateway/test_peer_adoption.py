@@ -3,7 +3,8 @@ asked to ``Adopt`` it from the dead worker (fenced off, since its address refuse
 after the tokens the client has, and the stream goes on with nothing lost or doubled; a peer
 without room is passed over and the stream waits for the restart; a peer on another node is
 never asked; a peer that dies inside ``Adopt`` is where the stream is looked for next (its
-successor resumes it), and the worker that died first is not asked again. Fake workers (in-process gRPC) play the dying worker and its peer; the admission
+successor resumes it, or adopts it from the worker that died first when the store had not moved
+it yet), and a worker that died is not asked again before its successor answers. Fake workers (in-process gRPC) play the dying worker and its peer; the admission
 is a counting one that admits at once."""
 
 from __future__ import annotations
@@ -25,18 +26,40 @@ from tests.gateway.test_reattach import TOKENS, CountingAdmission, FakeWorker
 
 class NodeWorker(FakeWorker):
     """A ``FakeWorker`` on node ``node`` with worker id ``wid`` that adopts sessions
-    (``adopt``: ok; full: RESOURCE_EXHAUSTED; die: its process dies inside the call, down for
-    ``down_s``, and comes back holding the session)."""
+    (``adopt``: ok; full: RESOURCE_EXHAUSTED; die: its process dies inside the first call,
+    down for ``down_s``, and comes back — holding the session, or with ``resume="not_found"``
+    not: it died before the store moved it). ``stream_after_adopt``: how many tokens after its
+    catch-up it streams of an adopted session before its process dies (None: all). Its
+    process answers nothing while down; each process after the first registers a new
+    generation (the first: 3)."""
 
-    def __init__(self, wid: str, node: str, *args, adopt: str = "ok", **kw) -> None:
+    def __init__(
+        self, wid: str, node: str, *args, adopt: str = "ok",
+        stream_after_adopt: int | None = None, **kw,
+    ) -> None:  # fmt: skip
         super().__init__(*args, **kw)
         self.wid, self.node, self.adopt = wid, node, adopt
+        self.stream_after_adopt = stream_after_adopt
         self.adopted: list[tuple[str, int, int, bool]] = []
+        self.generation = 3
+        self._came_back_from = 0.0  # the down_until of the last death this process followed
+
+    def _down(self) -> bool:
+        now = asyncio.get_running_loop().time()
+        if now < self.down_until:
+            return True
+        if self.down_until != self._came_back_from:  # a successor: a new registration
+            self.generation += 1
+            self._came_back_from = self.down_until
+        return False
+
+    def _die(self) -> None:
+        self.down_until = asyncio.get_running_loop().time() + self.down_s
 
     async def Health(self, request, context):
-        if asyncio.get_running_loop().time() < self.down_until:
+        if self._down():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return pb.HealthResponse(ok=True, status="serving", generation=3)
+        return pb.HealthResponse(ok=True, status="serving", generation=self.generation)
 
     async def GetLoad(self, request, context):
         load = await super().GetLoad(request, context)
@@ -49,17 +72,24 @@ class NodeWorker(FakeWorker):
         return info
 
     async def Adopt(self, request, context):
+        if self._down():  # no process: the call never arrives
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
         r = request
         self.adopted.append((r.from_owner, r.from_generation, r.tokens_received, r.fence))
         if self.adopt == "full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
         if self.adopt == "die":
-            self.down_until = asyncio.get_running_loop().time() + self.down_s
+            self.adopt = "ok"  # its successor adopts
+            self._die()
             await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
         n = r.tokens_received
         yield self._resp(TOKENS[n : n + 5], n + 5, False)  # the catch-up
-        for i in range(n + 5, len(TOKENS)):
+        end = len(TOKENS) if self.stream_after_adopt is None else n + 5 + self.stream_after_adopt
+        for i in range(n + 5, min(end, len(TOKENS))):
             yield self._resp([TOKENS[i]], i + 1, i + 1 == len(TOKENS))
+        if end < len(TOKENS):
+            self._die()
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "Stream removed (Socket closed)")
 
 
 class PeerAdmission(CountingAdmission):
@@ -149,3 +179,35 @@ async def test_a_peer_that_dies_inside_adopt_is_where_the_session_is_looked_for(
     assert dying.adopted == [] and dying.resumed_from == []  # gone: never asked
     assert (admission.held, admission.released) == (0, 2)  # no lease left behind
     assert outcomes == {"adopted": 0, "no_peer": 1}
+
+
+async def test_a_peer_that_dies_adopting_before_the_store_moved_it_leaves_it_to_its_successor():
+    """The peer dies inside ``Adopt`` before the store moved the session: its successor holds
+    none (Resume: NOT_FOUND) and adopts it from the worker that died first, fenced off (that
+    process still refuses connections, its lease has not run out)."""
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=5)
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0.5, adopt="die", resume="not_found")
+    got, admission, outcomes = await run(dying, peer)
+    assert got == TOKENS
+    assert peer.resumed_from == [7]
+    assert peer.adopted == [("wA", 3, 7, True), ("wA", 3, 7, True)]  # the successor: fenced too
+    assert dying.adopted == [] and dying.resumed_from == []
+    assert (admission.held, admission.released) == (0, 2)
+    assert outcomes == {"adopted": 0, "no_peer": 1}
+
+
+async def test_a_worker_that_died_is_not_asked_to_adopt_before_its_successor_answers():
+    """The first worker dies, its peer adopts the stream and dies in turn before the health
+    polls have marked the first one (they allow a few misses): the dead first worker is not
+    asked to adopt it (that would look like a peer dying inside ``Adopt``, and the stream would
+    wait for the wrong successor); the stream waits for the adopter's successor, which resumed
+    the session."""
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=3, resume="not_found")
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0.3, stream_after_adopt=3)
+    got, admission, outcomes = await run(dying, peer)
+    assert got == TOKENS
+    assert peer.adopted == [("wA", 3, 7, True)]
+    assert peer.resumed_from == [15]  # 7 + 5 caught up + 3
+    assert dying.adopted == [] and dying.resumed_from == []
+    assert (admission.held, admission.released) == (0, 2)
+    assert outcomes == {"adopted": 1, "no_peer": 1}
