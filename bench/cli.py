@@ -49,6 +49,8 @@ COMMANDS: dict[str, Command] = {
     "cpu-stream": Command("bench.cpu_stream", "one stream through make run's stack on a CPU"),
     "prefix-turns": Command("bench.prefix_turns",
                             "a growing conversation through make run's stack, prefix reuse on/off"),
+    "agent-trace": Command("bench.agent_trace",
+                           "a multi-turn agent trace through make run's stack, reuse on/off"),
     "heldout-bpb": Command("bench.heldout_bpb", "bits/byte of the shipped weights, held out"),
     "acceptance": Command("bench.acceptance", "acceptance length of the shipped drafters"),
     "graph-keys": Command("bench.graph_keys", "spec loop passes a graph would replay (CPU)"),

@@ -1,0 +1,260 @@
+"""A multi-turn agent trace through the real stack, with and without prefix reuse
+(``python -m bench agent-trace``): ``--sessions`` conversations that share one system prompt,
+each run turn after turn by a closed-loop client that sends the whole history back every turn
+(the previous prompt, the answer's text encoded again, a new message), ``--concurrency``
+conversations at a time; the same trace against the same stack with ``--no-prefix-cache``.
+The stacks are ``make run``'s (``bench prefix-turns``'s: kv-host-store, worker, gateway as
+processes; ``--mode``, ``--drafter``, ``--device`` as there).
+
+    python -m bench agent-trace --out docs/results/agent_trace.json
+
+Each repeat draws a fresh trace (its own system prompt and messages: nothing an earlier repeat
+left is cached) and runs the two variants back to back, alternating which goes first (A B, B A,
+...), so that drift on the machine hits both; the spread of one variant's repeats is the
+run-to-run noise. Per variant and repeat: the trace's wall time, output tokens and turns per
+second, prompt tokens computed ÷ sent (the worker's ``dhisparse:prefill_tokens_computed``),
+time to first token of first turns and of later ones, and the share of turns whose text equals
+the other variant's (greedy: batches of another composition may tip a near tie, and the
+histories then differ). Goal (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
+sessions)."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import platform
+import statistics
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import httpx
+
+from bench.cpu_stream import MODEL, make_run_config
+from bench.heldout import heldout_prompts
+from bench.prefix_turns import computed_tokens
+from bench.serving.stack import Stack
+from dhisparse.tokenizer import load_tokenizer
+from dhisparse.up import DEFAULT_DRAFTER
+
+WITH, WITHOUT = "prefix cache", "no prefix cache"
+GOAL_THROUGHPUT_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class Trace:
+    """One repeat's conversations: the shared ``system`` prompt, each session's first message
+    and the messages of its later turns (ids)."""
+
+    system: list[int]
+    firsts: list[list[int]]
+    questions: list[list[list[int]]]  # [session][turn - 1]
+
+    @classmethod
+    def draw(cls, model: str, args: argparse.Namespace, seed: int) -> Trace:
+        n, later = args.sessions, args.turns - 1
+        system = heldout_prompts(model, 1, args.system, seed)[0]
+        firsts = heldout_prompts(model, n, args.first, seed + 1)
+        flat = heldout_prompts(model, n * later, args.question, seed + 2) if later else []
+        return cls(system, firsts, [flat[s * later : (s + 1) * later] for s in range(n)])
+
+
+@dataclass(frozen=True)
+class Turn:
+    session: int
+    turn: int
+    prompt_tokens: int
+    ttft_s: float
+    wall_s: float
+    text: str
+
+
+def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
+    """(text, time to first token, wall time) of one streamed greedy completion."""
+    body = {
+        "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
+        "stream": True, "ignore_eos": True,
+    }  # fmt: skip
+    t0 = time.perf_counter()
+    first, text = None, []
+    with client.stream("POST", "/v1/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for ch in json.loads(line[6:]).get("choices") or ():
+                if ch.get("text"):
+                    first = first or time.perf_counter()
+                    text.append(ch["text"])
+    if first is None:
+        raise RuntimeError("no tokens came back")
+    return "".join(text), first - t0, time.perf_counter() - t0
+
+
+def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
+    """Every session of ``trace`` against ``stack``, ``args.concurrency`` at a time; the
+    trace's totals and its turns."""
+    turns: list[Turn] = []
+    lock = threading.Lock()
+
+    def session(s: int) -> None:
+        prompt = trace.system + trace.firsts[s]
+        with httpx.Client(base_url=stack.base, timeout=3600) as client:
+            for t in range(args.turns):
+                text, ttft, wall = stream_turn(client, model, prompt, args.new_tokens)
+                with lock:
+                    turns.append(Turn(s, t, len(prompt), ttft, wall, text))
+                if t + 1 < args.turns:
+                    prompt = prompt + encode(text) + trace.questions[s][t]
+
+    before = computed_tokens(stack.worker_metrics)
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(args.concurrency) as pool:
+        for f in [pool.submit(session, s) for s in range(args.sessions)]:
+            f.result()
+    wall = time.perf_counter() - t0
+    computed = computed_tokens(stack.worker_metrics) - before
+    turns.sort(key=lambda x: (x.session, x.turn))
+    sent = sum(x.prompt_tokens for x in turns)
+    firsts = [x.ttft_s for x in turns if x.turn == 0]
+    later = [x.ttft_s for x in turns if x.turn > 0]
+    return {
+        "wall_s": wall,
+        "turns": len(turns),
+        "output_tokens": len(turns) * args.new_tokens,
+        "output_tok_per_s": len(turns) * args.new_tokens / wall,
+        "turns_per_s": len(turns) / wall,
+        "prompt_tokens": sent,
+        "computed_tokens": int(computed),
+        "computed_share": computed / sent,
+        "first_ttft_p50_s": statistics.median(firsts),
+        "later_ttft_p50_s": statistics.median(later) if later else None,
+        "later_ttft_p90_s": _quantile(later, 0.9) if later else None,
+        "texts": [x.text for x in turns],
+    }
+
+
+def _quantile(xs: list[float], q: float) -> float:
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    ap.add_argument("--model", default=MODEL)
+    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="make run's (its default)")
+    ap.add_argument("--mode", default=None, choices=("resident", "hisparse", "adaptive"),
+                    help="serving mode (default make run's, adaptive)")  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="the worker's device (cpu, cuda)")
+    ap.add_argument("--kv-pool-mib", type=float, default=None, help="default make run's")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default make run's")
+    ap.add_argument("--sessions", type=int, default=8)
+    ap.add_argument("--concurrency", type=int, default=4, help="conversations at a time")
+    ap.add_argument("--system", type=int, default=1024, help="the shared system prompt, ids")
+    ap.add_argument("--first", type=int, default=128, help="each session's first message, ids")
+    ap.add_argument("--question", type=int, default=48, help="each later turn's new message")
+    ap.add_argument("--new-tokens", type=int, default=24, help="each answer's tokens")
+    ap.add_argument("--turns", type=int, default=4)
+    ap.add_argument("--repeats", type=int, default=2, help="fresh traces, variants alternating")
+    ap.add_argument("--seed", type=int, default=29)
+    ap.add_argument("--out", default="docs/results/agent_trace.json")
+
+
+def _config(args: argparse.Namespace):
+    drafter = None if args.drafter == "none" else args.drafter
+    cfg = make_run_config(args.model, drafter)
+    changes = {"device": args.device}
+    if args.mode is not None:
+        changes["mode"] = args.mode
+    if args.kv_pool_mib is not None:
+        changes["kv_pool_mib"] = args.kv_pool_mib
+    if args.max_model_len is not None:
+        changes["max_model_len"] = args.max_model_len
+    return replace(cfg, **changes)
+
+
+def run(args: argparse.Namespace) -> dict:
+    if args.sessions < 1 or args.concurrency < 1 or args.turns < 1 or args.repeats < 1:
+        raise SystemExit("--sessions, --concurrency, --turns and --repeats: at least 1")
+    base = _config(args)
+    need = args.system + args.first + (args.turns - 1) * (args.question + 2 * args.new_tokens)
+    if need + args.new_tokens > base.max_model_len:
+        raise SystemExit(f"a conversation may reach {need} tokens, past {base.max_model_len}")
+    variants = {WITH: base, WITHOUT: replace(base, prefix_cache=False)}
+    encode = load_tokenizer(args.model).encode
+    name = Path(args.model).name
+    runs: dict[str, list[dict]] = {v: [] for v in variants}
+    order = list(variants)
+    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as up:
+        stacks = {
+            v: up.enter_context(Stack(cfg, args.model, 4 << 30, logs))
+            for v, cfg in variants.items()
+        }
+        warm = heldout_prompts(args.model, 1, 64, args.seed - 1)[0]
+        for s in stacks.values():  # the first requests compile and map
+            with httpx.Client(base_url=s.base, timeout=600) as c:
+                stream_turn(c, name, warm, 8)
+        for r in range(args.repeats):
+            trace = Trace.draw(args.model, args, args.seed + 10 * r)
+            for v in order if r % 2 == 0 else order[::-1]:
+                got = run_trace(stacks[v], name, trace, args, encode)
+                runs[v].append(got)
+                shown = {
+                    k: round(got[k], 3)
+                    for k in ("wall_s", "output_tok_per_s", "computed_share", "first_ttft_p50_s")
+                }
+                print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
+    summary = _summary(runs)
+    ratio = summary["throughput_with_over_without"]
+    print(f"throughput with / without prefix reuse: {ratio:.2f} (goal {GOAL_THROUGHPUT_RATIO}); "
+          f"noise (spread of repeats) {summary['noise']:.1%}; prompt computed "
+          f"{summary['computed_share'][WITH]:.1%} with, {summary['computed_share'][WITHOUT]:.0%} "
+          f"without; texts equal {summary['same_text']:.0%}")  # fmt: skip
+    return {
+        "benchmark": "agent-trace",
+        "machine": platform.machine(),
+        "model": args.model,
+        "device": args.device,
+        "mode": base.mode,
+        "drafter": args.drafter,
+        "trace": {k: getattr(args, k) for k in ("sessions", "concurrency", "system", "first",
+                                                "question", "new_tokens", "turns", "repeats")},
+        "goal_throughput_ratio": GOAL_THROUGHPUT_RATIO,
+        "meets_goal": ratio >= GOAL_THROUGHPUT_RATIO,
+        "summary": summary,
+        "runs": {v: [{k: x for k, x in r.items() if k != "texts"} for r in rs]
+                 for v, rs in runs.items()},
+    }  # fmt: skip
+
+
+def _summary(runs: dict[str, list[dict]]) -> dict:
+    """Throughput with ÷ without (means of the repeats, and per repeat), the noise (the largest
+    spread of one variant's repeats, relative to their mean), the shares of prompt computed, the
+    later turns' time to first token and the share of equal texts."""
+    tput = {v: statistics.mean(r["output_tok_per_s"] for r in rs) for v, rs in runs.items()}
+    spread = max((max(x) - min(x)) / statistics.mean(x)
+                 for x in ([r["output_tok_per_s"] for r in rs] for rs in runs.values()))  # fmt: skip
+    pairs = [
+        (a, b)
+        for ra, rb in zip(runs[WITH], runs[WITHOUT], strict=True)
+        for a, b in zip(ra["texts"], rb["texts"], strict=True)
+    ]
+    return {
+        "throughput_with_over_without": tput[WITH] / tput[WITHOUT],
+        "per_repeat": [
+            a["output_tok_per_s"] / b["output_tok_per_s"]
+            for a, b in zip(runs[WITH], runs[WITHOUT], strict=True)
+        ],
+        "output_tok_per_s": tput,
+        "noise": spread,
+        "computed_share": {
+            v: statistics.mean(r["computed_share"] for r in rs) for v, rs in runs.items()
+        },
+        "later_ttft_p50_s": {
+            v: statistics.mean(r["later_ttft_p50_s"] or 0 for r in rs) for v, rs in runs.items()
+        },
+        "same_text": sum(a == b for a, b in pairs) / len(pairs),
+    }
