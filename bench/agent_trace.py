@@ -13,10 +13,10 @@ left is cached) and runs the two variants back to back, alternating which goes f
 ...), so that drift on the machine hits both; the spread of one variant's repeats is the
 run-to-run noise. Per variant and repeat: the trace's wall time, output tokens and turns per
 second, prompt tokens computed ÷ sent (the worker's ``dhisparse:prefill_tokens_computed``),
-time to first token of first turns and of later ones, and the share of turns whose text equals
-the other variant's (greedy: batches of another composition may tip a near tie, and the
-histories then differ). Goal (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
-sessions)."""
+time to first token of first turns and of later ones, the drafter's acceptance (its counters),
+and the share of turns whose text equals the other variant's (greedy: batches of another composition may tip a near tie, and the
+histories then differ). Goals (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
+sessions); acceptance with ÷ without ≥ 0.98."""
 
 from __future__ import annotations
 
@@ -34,12 +34,12 @@ from pathlib import Path
 
 import httpx
 
-from bench.cpu_stream import MODEL, make_run_config
 from bench.heldout import heldout_prompts
-from bench.prefix_turns import computed_tokens
+from bench.prefix_turns import add_stack_arguments, stack_config
+from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
+from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
-from dhisparse.up import DEFAULT_DRAFTER
 
 WITH, WITHOUT = "prefix cache", "no prefix cache"
 GOAL_THROUGHPUT_RATIO = 2.0
@@ -71,6 +71,27 @@ class Turn:
     ttft_s: float
     wall_s: float
     text: str
+
+
+# The worker's counters a trace reads before and after it
+COUNTERS = {
+    "computed": names.PREFILL_TOKENS_COMPUTED,
+    "drafts": names.SPEC_DRAFTS,
+    "draft_tokens": names.SPEC_DRAFT_TOKENS,
+    "accepted": names.SPEC_ACCEPTED_TOKENS,
+}
+POSITIONS = 4  # the draft positions whose acceptance rate a run reports
+
+
+def counters(metrics_url: str) -> dict[str, float]:
+    """The worker's ``COUNTERS`` and its accepted tokens per draft position, so far."""
+    samples = samples_of(httpx.get(metrics_url, timeout=30).text)
+    got = {k: total(samples, name + "_total") for k, name in COUNTERS.items()}
+    for i in range(POSITIONS):
+        got[f"accepted_{i}"] = total(
+            samples, names.SPEC_ACCEPTED_PER_POS + "_total", position=str(i)
+        )
+    return got
 
 
 def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
@@ -111,13 +132,15 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
                 if t + 1 < args.turns:
                     prompt = prompt + encode(text) + trace.questions[s][t]
 
-    before = computed_tokens(stack.worker_metrics)
+    before = counters(stack.worker_metrics)
     t0 = time.perf_counter()
     with ThreadPoolExecutor(args.concurrency) as pool:
         for f in [pool.submit(session, s) for s in range(args.sessions)]:
             f.result()
     wall = time.perf_counter() - t0
-    computed = computed_tokens(stack.worker_metrics) - before
+    after = counters(stack.worker_metrics)
+    got = {k: after[k] - before[k] for k in after}
+    computed, drafts = got["computed"], got["drafts"]
     turns.sort(key=lambda x: (x.session, x.turn))
     sent = sum(x.prompt_tokens for x in turns)
     firsts = [x.ttft_s for x in turns if x.turn == 0]
@@ -134,6 +157,13 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
         "first_ttft_p50_s": statistics.median(firsts),
         "later_ttft_p50_s": statistics.median(later) if later else None,
         "later_ttft_p90_s": _quantile(later, 0.9) if later else None,
+        # speculation (a drafter on): tokens a round yields (1 + accepted per draft), and the
+        # share of rounds whose draft position i was accepted
+        "drafts": int(drafts),
+        "acceptance_length": 1 + got["accepted"] / drafts if drafts else None,
+        "accepted_per_position": [got[f"accepted_{i}"] / drafts for i in range(POSITIONS)]
+        if drafts
+        else None,
         "texts": [x.text for x in turns],
     }
 
@@ -144,13 +174,7 @@ def _quantile(xs: list[float], q: float) -> float:
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=MODEL)
-    ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="make run's (its default)")
-    ap.add_argument("--mode", default=None, choices=("resident", "hisparse", "adaptive"),
-                    help="serving mode (default make run's, adaptive)")  # fmt: skip
-    ap.add_argument("--device", default="cpu", help="the worker's device (cpu, cuda)")
-    ap.add_argument("--kv-pool-mib", type=float, default=None, help="default make run's")
-    ap.add_argument("--max-model-len", type=int, default=None, help="default make run's")
+    add_stack_arguments(ap)
     ap.add_argument("--sessions", type=int, default=8)
     ap.add_argument("--concurrency", type=int, default=4, help="conversations at a time")
     ap.add_argument("--system", type=int, default=1024, help="the shared system prompt, ids")
@@ -163,23 +187,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--out", default="docs/results/agent_trace.json")
 
 
-def _config(args: argparse.Namespace):
-    drafter = None if args.drafter == "none" else args.drafter
-    cfg = make_run_config(args.model, drafter)
-    changes = {"device": args.device}
-    if args.mode is not None:
-        changes["mode"] = args.mode
-    if args.kv_pool_mib is not None:
-        changes["kv_pool_mib"] = args.kv_pool_mib
-    if args.max_model_len is not None:
-        changes["max_model_len"] = args.max_model_len
-    return replace(cfg, **changes)
-
-
 def run(args: argparse.Namespace) -> dict:
     if args.sessions < 1 or args.concurrency < 1 or args.turns < 1 or args.repeats < 1:
         raise SystemExit("--sessions, --concurrency, --turns and --repeats: at least 1")
-    base = _config(args)
+    base = stack_config(args)
     need = args.system + args.first + (args.turns - 1) * (args.question + 2 * args.new_tokens)
     if need + args.new_tokens > base.max_model_len:
         raise SystemExit(f"a conversation may reach {need} tokens, past {base.max_model_len}")
@@ -212,7 +223,8 @@ def run(args: argparse.Namespace) -> dict:
     print(f"throughput with / without prefix reuse: {ratio:.2f} (goal {GOAL_THROUGHPUT_RATIO}); "
           f"noise (spread of repeats) {summary['noise']:.1%}; prompt computed "
           f"{summary['computed_share'][WITH]:.1%} with, {summary['computed_share'][WITHOUT]:.0%} "
-          f"without; texts equal {summary['same_text']:.0%}")  # fmt: skip
+          f"without; texts equal {summary['same_text']:.0%}; acceptance with / without "
+          f"{summary['acceptance_with_over_without']}")  # fmt: skip
     return {
         "benchmark": "agent-trace",
         "machine": platform.machine(),
@@ -257,4 +269,13 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
             v: statistics.mean(r["later_ttft_p50_s"] or 0 for r in rs) for v, rs in runs.items()
         },
         "same_text": sum(a == b for a, b in pairs) / len(pairs),
+        # acceptance with ÷ without reuse (goal: ≥ 0.98), where a drafter ran
+        "acceptance_with_over_without": _acceptance_ratio(runs),
     }
+
+
+def _acceptance_ratio(runs: dict[str, list[dict]]) -> float | None:
+    lengths = {v: [r["acceptance_length"] for r in rs] for v, rs in runs.items()}
+    if any(x is None for xs in lengths.values() for x in xs):
+        return None
+    return statistics.mean(lengths[WITH]) / statistics.mean(lengths[WITHOUT])

@@ -42,6 +42,9 @@ to ``logs.tgz``.
     select-topk  the indexer's top-k (torch, bitonic, radix select) side by side at decode
                  shapes
     graph-tests  the CUDA graphs' GPU tests alone (``tests/worker/graphs``)
+    prefix       prefix reuse through ``make run``'s stack on the GPU: a 32-session agent
+                 trace with and without reuse (``bench agent-trace``), a 30K-token
+                 conversation's next turns (``bench prefix-turns``)
 
 In the checkout, first ``python -m bench prepare`` (the GPU machine's copy has no ``.git``),
 then run e.g. ``python -m bench device-run main`` there with ``bench/PROVENANCE.json`` carried.
@@ -351,6 +354,27 @@ PARTS: dict[str, tuple[Step, ...]] = {
     ),
     "scaled-32k": SCALED_32K_STEPS,
     "load": LOAD_STEPS,
+    # prefix reuse through make run's stack on the GPU (the shipped model, plain decoding as
+    # make run's GPU default): a 32-session agent trace with and without reuse, then a
+    # conversation of a 30K-token history, its next turns' time to first token
+    "prefix": (
+        Step(
+            "agent-trace",
+            "-m bench agent-trace --device cuda --drafter none --kv-pool-mib 4096 "
+            "--max-model-len 16384 --sessions 32 --concurrency 32 --system 4096 --first 512 "
+            "--question 128 --new-tokens 64 --turns 4 --out {out}/agent_trace_gpu.json",
+            330,
+            corpus=True,
+        ),
+        Step(
+            "prefix-turns",
+            "-m bench prefix-turns --device cuda --drafter none --history 30000 --question 256 "
+            "--new-tokens 64 --turns 3 --max-model-len 32768 --kv-pool-mib 8192 "
+            "--out {out}/prefix_turns_gpu.json",
+            220,
+            corpus=True,
+        ),
+    ),
 }
 
 

@@ -39,6 +39,7 @@ from bench.serving.stack import Stack
 from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
 from dhisparse.up import DEFAULT_DRAFTER
+from services.worker.engine.config import EngineConfig
 
 WITH, WITHOUT = "prefix cache (make run)", "no prefix cache"
 GOAL_COMPUTED_SHARE = 0.10
@@ -86,7 +87,8 @@ def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> di
     }
 
 
-def add_arguments(ap: argparse.ArgumentParser) -> None:
+def add_stack_arguments(ap: argparse.ArgumentParser) -> None:
+    """The stack's options: ``make run``'s CPU worker unless changed (``stack_config``)."""
     ap.add_argument("--model", default=MODEL)
     ap.add_argument("--drafter", default=DEFAULT_DRAFTER, help="make run's (its default)")
     ap.add_argument(
@@ -94,6 +96,23 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="serving mode (default make run's, adaptive: reuse through the host store; "
         "resident shares device pages, without the MTP layer: --drafter none)",
     )  # fmt: skip
+    ap.add_argument("--device", default="cpu", help="the worker's device (cpu, cuda)")
+    ap.add_argument("--kv-pool-mib", type=float, default=None, help="default make run's")
+    ap.add_argument("--max-model-len", type=int, default=None, help="default make run's")
+
+
+def stack_config(args: argparse.Namespace) -> EngineConfig:
+    """The worker's engine: ``make run``'s on a CPU, with the options' changes."""
+    drafter = None if args.drafter == "none" else args.drafter
+    changes: dict = {"device": args.device}
+    for field in ("mode", "kv_pool_mib", "max_model_len"):
+        if getattr(args, field) is not None:
+            changes[field] = getattr(args, field)
+    return replace(make_run_config(args.model, drafter), **changes)
+
+
+def add_arguments(ap: argparse.ArgumentParser) -> None:
+    add_stack_arguments(ap)
     ap.add_argument("--history", type=int, default=2048, help="turn 1's prompt, ids")
     ap.add_argument("--question", type=int, default=48, help="new ids each later turn adds")
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -108,10 +127,7 @@ def run(args: argparse.Namespace) -> dict:
     history, *questions = heldout_prompts(args.model, args.turns, args.history, args.seed)
     questions = [q[: args.question] for q in questions]
     tok = load_tokenizer(args.model)
-    drafter = None if args.drafter == "none" else args.drafter
-    base = make_run_config(args.model, drafter)
-    if args.mode is not None:
-        base = replace(base, mode=args.mode)
+    base = stack_config(args)
     need = args.history + (args.turns - 1) * (args.question + 2 * args.new_tokens) + 64
     if need > base.max_model_len:
         raise SystemExit(f"the conversation may reach {need} tokens, past {base.max_model_len}")
@@ -158,6 +174,7 @@ def run(args: argparse.Namespace) -> dict:
         "benchmark": "prefix-turns",
         "machine": platform.machine(),
         "model": args.model,
+        "device": args.device,
         "drafter": args.drafter,
         "mode": base.mode,
         "history": args.history,
