@@ -295,18 +295,20 @@ class CachePrefixResponse(_message.Message):
     def __init__(self, cached: _Optional[bool] = ...) -> None: ...
 
 class AcquirePrefixRequest(_message.Message):
-    __slots__ = ("owner", "generation", "page_hashes", "token_ids", "page_size")
+    __slots__ = ("owner", "generation", "page_hashes", "token_ids", "page_size", "whole")
     OWNER_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
     PAGE_HASHES_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     PAGE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    WHOLE_FIELD_NUMBER: _ClassVar[int]
     owner: str
     generation: int
     page_hashes: _containers.RepeatedScalarFieldContainer[str]
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     page_size: int
-    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ..., page_hashes: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ...) -> None: ...
+    whole: bool
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ..., page_hashes: _Optional[_Iterable[str]] = ..., token_ids: _Optional[_Iterable[int]] = ..., page_size: _Optional[int] = ..., whole: _Optional[bool] = ...) -> None: ...
 
 class AcquirePrefixResponse(_message.Message):
     __slots__ = ("hit", "lease_id", "pages", "tokens", "regions")

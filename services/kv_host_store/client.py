@@ -167,11 +167,12 @@ class KVHostStoreClient:
         return self._call(self._stub.CachePrefix, m).cached
 
     def acquire_prefix(
-        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
-    ) -> PrefixHit | None:
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int],
+        page_size: int, whole: bool = False,
+    ) -> PrefixHit | None:  # fmt: skip
         m = pb.AcquirePrefixRequest(
             owner=owner, generation=generation, page_hashes=hashes, token_ids=token_ids,
-            page_size=page_size,
+            page_size=page_size, whole=whole,
         )  # fmt: skip
         return convert.prefix_hit_from_proto(self._call(self._stub.AcquirePrefix, m))
 

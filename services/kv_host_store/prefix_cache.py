@@ -102,11 +102,13 @@ class PrefixCache:
         page_size: int,
         owner: str,
         generation: int,
+        whole: bool = False,
     ) -> PrefixHit | None:
-        """A lease on the record holding the longest run of the query's leading pages; None
-        when none holds its first page. The record is now the most recently used."""
+        """A lease on the record holding the longest run of the query's leading pages (with
+        ``whole``, of the records ending where the run does); None when none holds its first
+        page. The record is now the most recently used."""
         index = self._indexes.get(page_size)
-        match = None if index is None else index.longest_match(hashes, token_ids)
+        match = None if index is None else index.longest_match(hashes, token_ids, whole)
         if match is None:
             return None
         record_id = str(match.record)

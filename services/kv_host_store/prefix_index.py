@@ -115,17 +115,22 @@ class PrefixIndex:
                 del self._by_hash[h]
         del self._tokens[record]
 
-    def longest_match(self, hashes: Sequence[str], token_ids: Sequence[int]) -> Match | None:
+    def longest_match(
+        self, hashes: Sequence[str], token_ids: Sequence[int], whole: bool = False
+    ) -> Match | None:
         """The longest run of leading pages of a query (its page ``hashes`` and ``token_ids``)
         that one record holds with the same tokens; None when not even the first page is.
-        A record whose hash matches but whose tokens differ (a collision) is passed over."""
+        A record whose hash matches but whose tokens differ (a collision) is passed over.
+        ``whole``: only a record that ends where the run does (a reader that takes a record's
+        state at its end: token rings, a carry kept at the end only)."""
         p = self.page_size
         query = np.asarray(token_ids[: len(hashes) * p], dtype=np.int64)
         for i in range(len(hashes) - 1, -1, -1):  # longest first: few probes on a hit
             for record in self._by_hash.get(hashes[i], ()):
                 n = (i + 1) * p
                 held = self._tokens[record]
-                if len(held) >= n and np.array_equal(held[:n], query[:n]):
+                fits = len(held) == n if whole else len(held) >= n
+                if fits and np.array_equal(held[:n], query[:n]):
                     return Match(record, i + 1)
         return None
 

@@ -165,7 +165,7 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
     ) -> pb.AcquirePrefixResponse:
         hit = self._store.acquire_prefix(
             request.owner, request.generation, list(request.page_hashes),
-            list(request.token_ids), request.page_size,
+            list(request.token_ids), request.page_size, request.whole,
         )  # fmt: skip
         return convert.prefix_hit_to_proto(hit)
 

@@ -242,15 +242,17 @@ class HostStore:
         hashes: list[str],
         token_ids: list[int],
         page_size: int,
+        whole: bool = False,
     ) -> PrefixHit | None:
         """A lease for ``(owner, generation)`` on the cached prefix holding the most leading
-        pages of the query; None when none holds its first page. The lease keeps the record
-        from eviction until ``release_prefix`` (or its owner's death)."""
+        pages of the query (``whole``: of those ending where the match does); None when none
+        holds its first page. The lease keeps the record from eviction until
+        ``release_prefix`` (or its owner's death)."""
         check_id("owner", owner)
         check_int("page_size", page_size, lo=1)
         with self._lock:
             self._owners.check_caller(owner, generation)
-            return self._prefixes.acquire(hashes, token_ids, page_size, owner, generation)
+            return self._prefixes.acquire(hashes, token_ids, page_size, owner, generation, whole)
 
     def release_prefix(self, lease_id: str) -> None:
         check_id("lease_id", lease_id)

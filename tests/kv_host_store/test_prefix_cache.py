@@ -62,6 +62,12 @@ def test_a_cached_prefix_belongs_to_the_store_and_is_leased_by_its_longest_match
         store.release_prefix(hit.lease_id)
     assert store.acquire_prefix("w1", 0, hashes, tokens_of(1, 3), 8) is None  # other page size
     assert store.stats().prefix_hits == 1
+    # a reader of a record's end state (token rings): no lease, no hit on the first pages
+    assert store.acquire_prefix("w1", 0, page_hashes(SALT, query), query, 4, whole=True) is None
+    hit = store.acquire_prefix("w1", 0, hashes, tokens_of(1, 3), 4, whole=True)
+    assert hit is not None and hit.pages == 3
+    store.release_prefix(hit.lease_id)
+    assert store.stats().prefix_hits == 2
 
 
 def test_pages_a_record_already_holds_are_not_cached_twice_and_longer_ones_replace_it() -> None:
@@ -146,6 +152,7 @@ def test_prefixes_over_grpc(client: KVHostStoreClient) -> None:
     hashes = page_hashes(SALT, tokens)
     assert client.cache_prefix("prefix-r", "w0", 0, hashes, tokens, 4)
     assert client.acquire_prefix("w1", 0, hashes, [0, *tokens[1:]], 4) is None
+    assert client.acquire_prefix("w1", 0, hashes[:1], tokens[:5], 4, whole=True) is None
     hit = client.acquire_prefix("w1", 0, hashes, tokens, 4)
     assert hit is not None and (hit.pages, hit.tokens) == (2, 8)
     (got,) = hit.regions

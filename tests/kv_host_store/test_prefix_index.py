@@ -68,6 +68,24 @@ def test_the_longest_match_and_records_that_repeat_each_other() -> None:
     assert "short" not in index
 
 
+def test_a_whole_match_takes_only_a_record_that_ends_where_the_run_does() -> None:
+    """A reader that takes a record's state at its end (token rings; a carry kept at the end
+    only) asks for ``whole`` records: the longest one that is a prefix of its query, never a
+    longer record's first pages."""
+    index = PrefixIndex(4)
+    short = list(range(8))
+    long = [*short, 50, 51, 52, 53, 54, 55, 56, 57]
+    index.add("long", page_hashes(SALT, long), long)
+    query = [*long[:12], 7]  # three of long's four pages
+    hashes = page_hashes(SALT, query)
+    assert index.longest_match(hashes, query) == Match("long", 3)
+    assert index.longest_match(hashes, query, whole=True) is None
+    index.add("short", page_hashes(SALT, short), short)  # not dropped: nothing covers it yet
+    assert index.longest_match(hashes, query, whole=True) == Match("short", 2)
+    exact = long[:16]
+    assert index.longest_match(page_hashes(SALT, exact), exact, whole=True) == Match("long", 4)
+
+
 def test_a_hash_collision_never_shares_different_tokens() -> None:
     """With a digest that collides for every input, pages of other tokens have the same
     hashes; the index checks the tokens and finds only the record that holds them."""

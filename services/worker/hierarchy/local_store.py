@@ -105,9 +105,10 @@ class LocalHostStore:
         return self.store.cache_prefix(request_id, owner, generation, hashes, token_ids, page_size)
 
     def acquire_prefix(
-        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
-    ) -> PrefixHit | None:
-        return self.store.acquire_prefix(owner, generation, hashes, token_ids, page_size)
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int],
+        page_size: int, whole: bool = False,
+    ) -> PrefixHit | None:  # fmt: skip
+        return self.store.acquire_prefix(owner, generation, hashes, token_ids, page_size, whole)
 
     def release_prefix(self, lease_id: str) -> None:
         self.store.release_prefix(lease_id)

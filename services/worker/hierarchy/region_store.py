@@ -40,7 +40,8 @@ class RegionStore(Protocol):
     ) -> bool: ...
 
     def acquire_prefix(
-        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
-    ) -> PrefixHit | None: ...
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int],
+        page_size: int, whole: bool = False,
+    ) -> PrefixHit | None: ...  # fmt: skip
 
     def release_prefix(self, lease_id: str) -> None: ...

@@ -69,10 +69,13 @@ class GroupRegionStore:
         )
 
     def acquire_prefix(
-        self, owner: str, generation: int, hashes: list[str], token_ids: list[int], page_size: int
-    ) -> PrefixHit | None:
+        self, owner: str, generation: int, hashes: list[str], token_ids: list[int],
+        page_size: int, whole: bool = False,
+    ) -> PrefixHit | None:  # fmt: skip
         return self._leader_answers(
-            lambda: self.store.acquire_prefix(owner, generation, hashes, token_ids, page_size)
+            lambda: self.store.acquire_prefix(
+                owner, generation, hashes, token_ids, page_size, whole
+            )
         )
 
     def release_prefix(self, lease_id: str) -> None:

@@ -116,7 +116,8 @@ class DevicePrefixReuse:
             return None
         ids, hashes = query
         self.stats.queries += 1
-        match = self.index.longest_match(hashes, ids)
+        # with a lagged source, a record's carry is its end's: only a record ending there
+        match = self.index.longest_match(hashes, ids, whole=self.kv.page_ends is not None)
         if match is None:
             return None
         record = self._records[match.record]
@@ -125,8 +126,6 @@ class DevicePrefixReuse:
         pages = record.pages.first(match.pages)
         copied = pages.first(0)
         if record.carry is not None:
-            if match.pages < len(next(iter(record.pages.rows.values()))):
-                return None  # the carry is the record's end's
             pages, copied = pages.split(self._lagged_rows, self._lagged_keys)
         if not self.kv.seat_prefix(slot, pages, copied, req.num_tokens):
             return 0

@@ -50,7 +50,8 @@ a request whose tokens match fewer of a record's pages (a shared system prompt o
 conversation, the same prompt sent again) computes its prompt.
 
 Not (yet) here: requests that ask for prompt logprobs (every prompt position must be scored),
-and sharing pages on the GPU (resident mode keeps no host rows; no GPU page is shared).
+and sharing the hierarchy's device pages (an importer's index keys come back from the host;
+resident mode shares device pages, ``serving.device_prefix``).
 """
 
 from __future__ import annotations
@@ -278,9 +279,11 @@ class PrefixReuse:
         self.stats.queries += 1
         store, who = self.host.store, self.host.who
         try:
+            # token rings: a record serves a reader at its end only
             hit = store.acquire_prefix(
-                who.owner, who.generation, hashes, ids[: len(hashes) * self.page], self.page
-            )
+                who.owner, who.generation, hashes, ids[: len(hashes) * self.page], self.page,
+                whole=self._rings_at is not None,
+            )  # fmt: skip
         except Exception as e:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         if hit is None:
@@ -295,6 +298,10 @@ class PrefixReuse:
     ) -> int | None:
         kv, cfg = self.kv, self.kv.model_cfg
         assert kv.sessions is not None
+        cached = {r.source: r for r in hit.regions}
+        rings = self._rings(cached, hit.tokens)
+        if rings is None:  # a record of rings for another position: admit it as usual
+            return None
         rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
         session = kv.sessions.regions(budget, manifest_bytes)
         try:
@@ -303,19 +310,15 @@ class PrefixReuse:
             return None  # the admission without it meets the same refusal, and reports it
         except Exception as e:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
-        cached = {r.source: r for r in hit.regions}
         try:
             self._copy_in(cached, regions, hit.tokens)
-            rings = self._rings(cached, hit.tokens)
-            seated = rings is not None and kv.adopt(
-                slot, req.request_id, regions, hit.tokens, rings, budget
-            )
+            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget)
         except BaseException:
             self.host.release_regions(regions)
             raise
         if not seated:
             self.host.release_regions(regions)
-            return None if rings is None else 0
+            return 0
         kv.sessions.clear_manifest(slot)  # fresh regions: no earlier holder's manifest counts
         req.resumed_tokens = hit.tokens
         self.stats.hits += 1
