@@ -13,7 +13,8 @@ left is cached) and runs the two variants back to back, alternating which goes f
 ...), so that drift on the machine hits both; the spread of one variant's repeats is the
 run-to-run noise. Per variant and repeat: the trace's wall time, output tokens and turns per
 second, prompt tokens computed ÷ sent (the worker's ``dhisparse:prefill_tokens_computed``),
-time to first token of first turns and of later ones, the drafter's acceptance (its counters),
+time to first token of first turns and of later ones, time per output token, the drafter's
+acceptance (its counters),
 and the share of turns whose text equals the other variant's (greedy: batches of another composition may tip a near tie, and the
 histories then differ). Goals (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
 sessions); acceptance with ÷ without ≥ 0.98."""
@@ -157,6 +158,10 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
         "first_ttft_p50_s": statistics.median(firsts),
         "later_ttft_p50_s": statistics.median(later) if later else None,
         "later_ttft_p90_s": _quantile(later, 0.9) if later else None,
+        # time per output token after the first, over every turn
+        "tpot_p50_s": statistics.median(
+            (x.wall_s - x.ttft_s) / max(1, args.new_tokens - 1) for x in turns
+        ),
         # speculation (a drafter on): tokens a round yields (1 + accepted per draft), and the
         # share of rounds whose draft position i was accepted
         "drafts": int(drafts),
@@ -265,6 +270,7 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
         "computed_share": {
             v: statistics.mean(r["computed_share"] for r in rs) for v, rs in runs.items()
         },
+        "tpot_p50_s": {v: statistics.mean(r["tpot_p50_s"] for r in rs) for v, rs in runs.items()},
         "later_ttft_p50_s": {
             v: statistics.mean(r["later_ttft_p50_s"] or 0 for r in rs) for v, rs in runs.items()
         },

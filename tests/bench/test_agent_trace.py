@@ -33,7 +33,7 @@ def test_a_trace_shares_its_system_prompt_and_each_repeat_draws_a_fresh_one() ->
 
 def _run(tput: float, acceptance: float | None, texts: list[str]) -> dict:
     return {"output_tok_per_s": tput, "computed_share": 0.1, "later_ttft_p50_s": 0.5,
-            "acceptance_length": acceptance, "texts": texts}  # fmt: skip
+            "tpot_p50_s": 0.05, "acceptance_length": acceptance, "texts": texts}  # fmt: skip
 
 
 def test_the_summary_compares_the_means_of_the_repeats() -> None:
