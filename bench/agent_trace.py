@@ -225,8 +225,9 @@ def run(args: argparse.Namespace) -> dict:
                 print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
     summary = _summary(runs)
     ratio = summary["throughput_with_over_without"]
+    noise = summary["noise"]
     print(f"throughput with / without prefix reuse: {ratio:.2f} (goal {GOAL_THROUGHPUT_RATIO}); "
-          f"noise (spread of repeats) {summary['noise']:.1%}; prompt computed "
+          f"noise (spread of repeats) {'-' if noise is None else f'{noise:.1%}'}; prompt computed "
           f"{summary['computed_share'][WITH]:.1%} with, {summary['computed_share'][WITHOUT]:.0%} "
           f"without; texts equal {summary['same_text']:.0%}; acceptance with / without "
           f"{summary['acceptance_with_over_without']}")  # fmt: skip
@@ -252,8 +253,13 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
     spread of one variant's repeats, relative to their mean), the shares of prompt computed, the
     later turns' time to first token and the share of equal texts."""
     tput = {v: statistics.mean(r["output_tok_per_s"] for r in rs) for v, rs in runs.items()}
-    spread = max((max(x) - min(x)) / statistics.mean(x)
-                 for x in ([r["output_tok_per_s"] for r in rs] for rs in runs.values()))  # fmt: skip
+    tputs = [[r["output_tok_per_s"] for r in rs] for rs in runs.values()]
+    # one repeat gives no spread to state
+    spread = (
+        max((max(x) - min(x)) / statistics.mean(x) for x in tputs)
+        if all(len(x) > 1 for x in tputs)
+        else None
+    )
     pairs = [
         (a, b)
         for ra, rb in zip(runs[WITH], runs[WITHOUT], strict=True)

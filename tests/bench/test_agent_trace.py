@@ -49,3 +49,5 @@ def test_the_summary_compares_the_means_of_the_repeats() -> None:
     assert s["same_text"] == pytest.approx(3 / 4)
     runs[WITH][0]["acceptance_length"] = None  # no drafter ran
     assert _summary(runs)["acceptance_with_over_without"] is None
+    one = {v: rs[:1] for v, rs in runs.items()}
+    assert _summary(one)["noise"] is None  # one repeat: no spread to state
