@@ -36,7 +36,7 @@ from pathlib import Path
 import httpx
 
 from bench.heldout import heldout_prompts
-from bench.prefix_turns import add_stack_arguments, stack_config
+from bench.prefix_turns import add_stack_arguments, stack_config, stream_turn
 from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
@@ -93,28 +93,6 @@ def counters(metrics_url: str) -> dict[str, float]:
             samples, names.SPEC_ACCEPTED_PER_POS + "_total", position=str(i)
         )
     return got
-
-
-def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
-    """(text, time to first token, wall time) of one streamed greedy completion."""
-    body = {
-        "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
-        "stream": True, "ignore_eos": True,
-    }  # fmt: skip
-    t0 = time.perf_counter()
-    first, text = None, []
-    with client.stream("POST", "/v1/completions", json=body) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if not line.startswith("data: ") or line == "data: [DONE]":
-                continue
-            for ch in json.loads(line[6:]).get("choices") or ():
-                if ch.get("text"):
-                    first = first or time.perf_counter()
-                    text.append(ch["text"])
-    if first is None:
-        raise RuntimeError("no tokens came back")
-    return "".join(text), first - t0, time.perf_counter() - t0
 
 
 def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:

@@ -51,20 +51,16 @@ def computed_tokens(metrics_url: str) -> float:
     return total(samples, names.PREFILL_TOKENS_COMPUTED + "_total")
 
 
-def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:
-    """One streamed greedy completion of ``prompt``: its text, time to first token and the
-    prompt tokens the worker computed for it."""
+def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
+    """(text, time to first token, wall time) of one streamed greedy completion of
+    ``new_tokens`` tokens (``ignore_eos``) through ``client`` (a client of the gateway)."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
         "stream": True, "ignore_eos": True,
     }  # fmt: skip
-    before = computed_tokens(stack.worker_metrics)
     t0 = time.perf_counter()
     first, text = None, []
-    with (
-        httpx.Client(base_url=stack.base, timeout=600) as c,
-        c.stream("POST", "/v1/completions", json=body) as r,
-    ):
+    with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
@@ -73,17 +69,25 @@ def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> di
                 if ch.get("text"):
                     first = first or time.perf_counter()
                     text.append(ch["text"])
-    wall = time.perf_counter() - t0
     if first is None:
         raise RuntimeError("no tokens came back")
+    return "".join(text), first - t0, time.perf_counter() - t0
+
+
+def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:
+    """One streamed greedy completion of ``prompt``: its text, time to first token and the
+    prompt tokens the worker computed for it."""
+    before = computed_tokens(stack.worker_metrics)
+    with httpx.Client(base_url=stack.base, timeout=600) as c:
+        text, ttft, wall = stream_turn(c, model, prompt, new_tokens)
     computed = computed_tokens(stack.worker_metrics) - before
     return {
         "prompt_tokens": len(prompt),
         "computed_tokens": int(computed),
         "computed_share": computed / len(prompt),
-        "ttft_s": first - t0,
+        "ttft_s": ttft,
         "wall_s": wall,
-        "text": "".join(text),
+        "text": text,
     }
 
 
