@@ -14,9 +14,8 @@ left is cached) and runs the two variants back to back, alternating which goes f
 run-to-run noise. Per variant and repeat: the trace's wall time, output tokens and turns per
 second, prompt tokens computed ÷ sent (the worker's ``dhisparse:prefill_tokens_computed``),
 time to first token of first turns and of later ones, time per output token, the drafter's
-acceptance (its counters),
-and the share of turns whose text equals the other variant's (greedy: batches of another composition may tip a near tie, and the
-histories then differ). Goals (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
+acceptance (its counters), and the share of turns whose text equals the other variant's
+(greedy: batches of another composition may tip a near tie, and the histories then differ). Goals (issue 43): throughput with ÷ without reuse ≥ 2 (H200, 32
 sessions); acceptance with ÷ without ≥ 0.98."""
 
 from __future__ import annotations
@@ -78,7 +77,6 @@ class Turn:
 COUNTERS = {
     "computed": names.PREFILL_TOKENS_COMPUTED,
     "drafts": names.SPEC_DRAFTS,
-    "draft_tokens": names.SPEC_DRAFT_TOKENS,
     "accepted": names.SPEC_ACCEPTED_TOKENS,
 }
 POSITIONS = 4  # the draft positions whose acceptance rate a run reports
@@ -255,17 +253,19 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
             v: statistics.mean(r["computed_share"] for r in rs) for v, rs in runs.items()
         },
         "tpot_p50_s": {v: statistics.mean(r["tpot_p50_s"] for r in rs) for v, rs in runs.items()},
-        "later_ttft_p50_s": {
-            v: statistics.mean(r["later_ttft_p50_s"] or 0 for r in rs) for v, rs in runs.items()
-        },
+        "later_ttft_p50_s": {v: _mean_of(rs, "later_ttft_p50_s") for v, rs in runs.items()},
         "same_text": sum(a == b for a, b in pairs) / len(pairs),
         # acceptance with ÷ without reuse (goal: ≥ 0.98), where a drafter ran
         "acceptance_with_over_without": _acceptance_ratio(runs),
     }
 
 
+def _mean_of(rs: list[dict], key: str) -> float | None:
+    """The mean of the runs' ``key``; None when a run has none (one turn: no later turn)."""
+    xs = [r[key] for r in rs]
+    return None if any(x is None for x in xs) else statistics.mean(xs)
+
+
 def _acceptance_ratio(runs: dict[str, list[dict]]) -> float | None:
-    lengths = {v: [r["acceptance_length"] for r in rs] for v, rs in runs.items()}
-    if any(x is None for xs in lengths.values() for x in xs):
-        return None
-    return statistics.mean(lengths[WITH]) / statistics.mean(lengths[WITHOUT])
+    got, without = (_mean_of(runs[v], "acceptance_length") for v in (WITH, WITHOUT))
+    return None if got is None or without is None else got / without

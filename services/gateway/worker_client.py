@@ -203,7 +203,7 @@ class WorkerPool:
         ``origin`` is the worker as the gateway knew it when the stream started there: by the
         time the break is handled, polls may have forgotten the dead worker's model."""
         # died in this recovery (address: generation): not asked before a poll hears another
-        gone = {worker.address: origin.generation if origin is not None else worker.generation}
+        gone = {worker.address: _generation(worker, origin)}
         # the worker that last held the session at the store (and its stub): whom a successor
         # adopts it from after a peer died adopting it
         holder, holder_stub = origin, worker.stub
@@ -246,9 +246,7 @@ class WorkerPool:
                 log.warning("peer %s failed mid-generation of %s (%s): moving it again",
                             worker.address, inp.request_id, describe(e))  # fmt: skip
                 died = True
-                gone[worker.address] = (
-                    origin.generation if origin is not None else worker.generation
-                )
+                gone[worker.address] = _generation(worker, origin)
             finally:
                 moved.call.cancel()
                 worker.in_flight -= 1
@@ -383,3 +381,9 @@ class WorkerPool:
                 call.cancel()
                 worker.in_flight -= 1
                 lease.release()
+
+
+def _generation(worker: WorkerClient, origin: Origin | None) -> int:
+    """The generation ``worker`` had when the stream ran on it: its origin's (taken while it
+    lived), else its last poll's."""
+    return origin.generation if origin is not None else worker.generation
