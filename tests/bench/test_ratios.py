@@ -36,14 +36,16 @@ def _resolver() -> dict:
     )}  # fmt: skip
 
 
-def _scaled(family: str) -> dict:
-    rates = {("resident", 1): 75.2, ("hisparse", 1): 69.9, ("adaptive", 1): 73.8,
-             ("hisparse:inline", 1): 70.0, ("resident", 4): 199.1, ("hisparse", 4): 178.9,
-             ("adaptive", 4): 185.6}  # fmt: skip
-    rows = [{"mode": m, "concurrency": c, "decode_tokens_per_s": v} for (m, c), v in rates.items()]
-    return {"families": [{"family": family, "parameters": 43_479_673_856, "weights": "fp8",
+def _spec_scaled() -> dict:
+    rates = {("off", 1): (103.7, 103.7), ("fixed:4", 1): (168.2, 168.2),
+             ("fixed:4+block", 1): (159.0, 159.0), ("off", 16): (689.1, 758.1),
+             ("fixed:4", 16): (682.5, 1059.0)}  # fmt: skip
+    rows = [{"mode": f"adaptive/{s}", "concurrency": c, "decode_tokens_per_s": v,
+             "steady_tokens_per_s": steady} for (s, c), (v, steady) in rates.items()]  # fmt: skip
+    return {"spec": ["off", "fixed:4", "fixed:4+block"],
+            "families": [{"family": "v32-scaled", "parameters": 46_646_608_128, "weights": "fp8",
                           "rows": rows}],
-            "provenance": _prov(f"python -m bench scaled --family {family} --out x.json",
+            "provenance": _prov("python -m bench scaled --family v32-scaled --out x.json",
                                 "NVIDIA H100 80GB HBM3")}  # fmt: skip
 
 
@@ -74,7 +76,7 @@ def results() -> dict[str, dict]:
               "collection_errors": 0}  # fmt: skip
     return {
         "resolver.json": _resolver(),
-        "scaled_v32_8k.json": _scaled("v32-scaled"),
+        "spec_scaled_v32_8k.json": _spec_scaled(),
         "heldout_bpb.json": {"eval_bpb": 0.95573, "provenance": _prov(
             "python -m bench heldout-bpb --out docs/results/heldout_bpb.json")},
         "acceptance.json": {"results": acceptance, "provenance": _prov(
@@ -124,8 +126,8 @@ def test_every_row_from_its_result(tmp_path: Path) -> None:
     values = [r[1] for r in rows]
     assert values == [
         "all hit 1.02× / 1.26× / 0.14× at batch 1 / 4 / 256 (met); host recovery 37%–69% (not met)",
-        "hisparse 0.93× / 0.90×, adaptive 0.98× / 0.93× at C = 1 / 4 (resident 75.2 / 199.1 "
-        "tok/s; 43.5 B parameters, fp8 weights)",
+        "MTP width 4: 1.62× at C = 1 (goal ≥ 1.3: met), 0.99× at C = 16 (1.40× steady; goal "
+        "≥ 1.6: not met); 46.6 B parameters, fp8 weights",
         "0.956 (met)",
         "1.85 / 3.76 at K = 2 / 8 (met); every drafter's greedy tokens equal plain decoding's: yes",
         "1.34× (24.8 / 18.5 tok/s, drafter mtp; ≥ 20 tok/s met)",
