@@ -98,8 +98,10 @@ def spec_scaled(doc: dict) -> str:
         if c in SPEC_GOALS:
             notes.append(f"goal ≥ {SPEC_GOALS[c]}: {_met(whole >= SPEC_GOALS[c])}")
         cells.append(f"{_x(whole)} at C = {c}" + (f" ({'; '.join(notes)})" if notes else ""))
-    return (f"MTP width {fixed.split(':')[1]}: {', '.join(cells)}; "
-            f"{fam['parameters'] / 1e9:.1f} B parameters, {fam['weights']} weights")
+    return (
+        f"MTP width {fixed.split(':')[1]}: {', '.join(cells)}; "
+        f"{fam['parameters'] / 1e9:.1f} B parameters, {fam['weights']} weights"
+    )
 
 
 def heldout(doc: dict) -> str:

@@ -207,3 +207,89 @@ def _run(
     while eng.has_work():
         eng.step()
     return reqs
+
+
+def adoption(comm: Comm, path: Path, target: str, received: int = 5) -> dict:
+    """Peer adoption between two data-parallel-attention groups over a real node store
+    (``target``): group A serves a session on each rank, then dies (nothing released); group
+    B (the same layout: the rows' salt names it) adopts A's rank-0 session on its rank 1, A's
+    rank-1 session on its rank 0, through rank 0's ``AsyncEngine`` and the worker's
+    ``peer_adopter`` as the ``Adopt`` RPC runs them, and is refused a session the store does
+    not hold. Rank 0 returns each stream's tokens (after ``received``), a single process's
+    uncached tokens, and the refusal's code; every rank what B prefilled and resumed."""
+    import asyncio
+
+    from services.kv_host_store import KVHostStoreClient
+    from services.worker.async_engine import AsyncEngine
+    from services.worker.durable.adoption import AdoptFrom, NotAdopted, rank_adopter
+    from services.worker.durable.host_link import HostLink
+    from services.worker.engine.prefix_setup import prefix_salt
+    from services.worker.server import peer_adopter
+
+    par = ParallelConfig(comm.size, data_parallel_attention=True)
+    client = KVHostStoreClient(target)
+    client.wait_ready(30)
+    host = (client, client.map_arena()[1])
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    prompts = {"s0": ids(60, 21).tolist(), "s1": ids(40, 22).tolist()}
+
+    def engine(worker: str, parallel: ParallelConfig, comm: Comm) -> Engine:
+        owner = parallel.store_owner(worker, comm.rank)
+        cfg = EngineConfig(
+            model=str(path), mode="hisparse", max_num_seqs=4, max_model_len=512, page_size=16,
+            hot_cache_rows=32, max_prefill_tokens=64, kv_pool_mib=48, parallel=parallel,
+            owner=owner,
+        )  # fmt: skip
+        eng = Engine(cfg, host=host, comm=comm)
+        eng.host_link = HostLink(client, owner, 30.0, eng.kv.host_backups,
+                                 prefix_salt(cfg, eng.kv).root())  # fmt: skip
+        eng.host_link.register()
+        eng.group.adoptions.registered(eng.host_link, rank_adopter(eng, eng.host_link))
+        return eng
+
+    out: dict = {}
+    dead = engine("wA", par, comm)
+    if comm.is_leader:
+        want = engine("ref", SINGLE, LOCAL).generate(list(prompts.values()), [params] * 2)
+        out["want"] = {rid: r.output_ids[received:] for rid, r in zip(prompts, want, strict=True)}
+        for rank, (rid, prompt) in enumerate(prompts.items()):
+            dead.add_request(rid, prompt, params, rank)
+        for _ in range(12):
+            dead.step()
+        dead.group.stop()
+    else:
+        dead.group.follow(dead, dead.stats.drain_finished)
+    del dead  # SIGKILLed: its regions stay with the store, its lease still runs
+
+    eng = engine("wB", par, comm)
+    if comm.is_leader:
+        assert eng.host_link is not None
+        served = AsyncEngine(eng, adopter=peer_adopter(eng.host_link))
+
+        async def stream(rid: str, source: AdoptFrom, rank: int | None) -> list[int]:
+            outs = [o async for o in served.adopt(rid, source, received, rank)]
+            return [t for o in outs for t in o.new_token_ids]
+
+        async def run() -> None:
+            got = await asyncio.gather(
+                stream("s0", AdoptFrom("wA/dp0", fence=True), 1),
+                stream("s1", AdoptFrom("wA/dp1", fence=True), 0),
+            )
+            out["got"] = dict(zip(prompts, got, strict=True))
+            try:
+                await stream("nope", AdoptFrom("wA/dp1"), 1)
+            except NotAdopted as e:
+                out["refused"] = e.code
+
+        try:
+            asyncio.run(run())
+        finally:
+            served.shutdown()
+            eng.group.stop()
+    else:
+        eng.group.follow(eng, eng.stats.drain_finished)
+    out["prefilled"] = eng.stats.prefill_tokens_computed
+    out["resumed"] = eng.stats.sessions_resumed
+    eng.close()
+    client.close()
+    return out

@@ -146,18 +146,20 @@ class ResumeRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., tokens_received: _Optional[int] = ...) -> None: ...
 
 class AdoptSessionRequest(_message.Message):
-    __slots__ = ("request_id", "from_owner", "tokens_received", "fence", "from_generation")
+    __slots__ = ("request_id", "from_owner", "tokens_received", "fence", "from_generation", "dp_rank")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     FROM_OWNER_FIELD_NUMBER: _ClassVar[int]
     TOKENS_RECEIVED_FIELD_NUMBER: _ClassVar[int]
     FENCE_FIELD_NUMBER: _ClassVar[int]
     FROM_GENERATION_FIELD_NUMBER: _ClassVar[int]
+    DP_RANK_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     from_owner: str
     tokens_received: int
     fence: bool
     from_generation: int
-    def __init__(self, request_id: _Optional[str] = ..., from_owner: _Optional[str] = ..., tokens_received: _Optional[int] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ...) -> None: ...
+    dp_rank: int
+    def __init__(self, request_id: _Optional[str] = ..., from_owner: _Optional[str] = ..., tokens_received: _Optional[int] = ..., fence: _Optional[bool] = ..., from_generation: _Optional[int] = ..., dp_rank: _Optional[int] = ...) -> None: ...
 
 class AbortRequest(_message.Message):
     __slots__ = ("request_id",)
@@ -206,14 +208,24 @@ class HealthRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class HealthResponse(_message.Message):
-    __slots__ = ("ok", "status", "generation")
+    __slots__ = ("ok", "status", "generation", "rank_owners")
     OK_FIELD_NUMBER: _ClassVar[int]
     STATUS_FIELD_NUMBER: _ClassVar[int]
     GENERATION_FIELD_NUMBER: _ClassVar[int]
+    RANK_OWNERS_FIELD_NUMBER: _ClassVar[int]
     ok: bool
     status: str
     generation: int
-    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
+    rank_owners: _containers.RepeatedCompositeFieldContainer[StoreOwner]
+    def __init__(self, ok: _Optional[bool] = ..., status: _Optional[str] = ..., generation: _Optional[int] = ..., rank_owners: _Optional[_Iterable[_Union[StoreOwner, _Mapping]]] = ...) -> None: ...
+
+class StoreOwner(_message.Message):
+    __slots__ = ("owner", "generation")
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    owner: str
+    generation: int
+    def __init__(self, owner: _Optional[str] = ..., generation: _Optional[int] = ...) -> None: ...
 
 class ModelInfoRequest(_message.Message):
     __slots__ = ()

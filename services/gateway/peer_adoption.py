@@ -52,26 +52,35 @@ class Origin:
     """The worker a stream ran on, as the gateway knew it while the worker lived."""
 
     address: str
-    worker_id: str  # its owner id at the node's store
-    generation: int  # its registration there
+    generation: int  # its registration with the node's store (its health polls')
     node: str  # the node's host store (its arena id, ``kv_store_id``)
     model: ModelInfo
+    # the store owner holding the stream's session, and its generation: the worker's own, or
+    # under data-parallel attention the registration of the rank running it
+    owner: str
+    owner_generation: int
 
     @classmethod
-    def of(cls, w: WorkerClient) -> Origin | None:
-        """``w`` as a stream's origin; None when its sessions cannot move (not durable, or it
-        never named its node)."""
+    def of(cls, w: WorkerClient, rank: int | None = None) -> Origin | None:
+        """``w`` as the origin of a stream it runs (on its data-parallel rank ``rank``); None
+        when its sessions cannot move (not durable, it never named its node, or a data-parallel
+        group's stream whose rank or that rank's registration the gateway does not know)."""
         node = w.load.kv_store_id if w.load is not None else ""
         if w.model is None or not w.model.durable_sessions or not node:
             return None
-        return cls(w.address, w.model.worker_id, w.generation, node, w.model)
+        owner, generation = w.model.worker_id, w.generation
+        if w.load is not None and w.load.serving_ranks > 1:  # each rank holds its own sessions
+            if rank is None or not 0 <= rank < len(w.rank_owners):
+                return None
+            owner, generation = w.rank_owners[rank]
+        return cls(w.address, w.generation, node, w.model, owner, generation)
 
 
 def is_peer(origin: Origin, w: WorkerClient) -> bool:
     """Whether ``w`` can continue ``origin``'s sessions: another healthy worker on the same
     node, with durable sessions, serving the same model the same way (config and KV layout:
-    the store checks the rows' salt besides), one serving rank (a data-parallel group's ranks
-    each own their regions)."""
+    the store checks the rows' salt, which names the parallel layout, besides). A
+    data-parallel group adopts on the rank its lease holds room on."""
     m, o = w.model, origin.model
     return (
         w.address != origin.address
@@ -82,7 +91,6 @@ def is_peer(origin: Origin, w: WorkerClient) -> bool:
         and m.durable_sessions
         and (m.model_name, m.config_json, m.kv_layout_json)
         == (o.model_name, o.config_json, o.kv_layout_json)
-        and w.load.serving_ranks <= 1
     )
 
 
@@ -98,10 +106,12 @@ class Moved:
 
 @dataclass(frozen=True)
 class Broke:
-    """A peer whose process died inside ``Adopt``: the store may have moved the session to it
-    before it died, so the session is looked for there next (its peers, or its successor)."""
+    """A peer whose process died inside ``Adopt`` (on its data-parallel rank ``rank``): the
+    store may have moved the session to it before it died, so the session is looked for there
+    next (its peers, or its successor)."""
 
     worker: WorkerClient
+    rank: int | None = None
 
 
 async def move_to_peer(
@@ -131,12 +141,13 @@ async def move_to_peer(
             return None
         peer = next(w for w in peers if w.address == lease.worker)
         tried.append(peer.address)
-        call = peer.stub.Adopt(
-            worker_pb2.AdoptSessionRequest(
-                request_id=job.request_id, from_owner=origin.worker_id,
-                from_generation=origin.generation, tokens_received=received, fence=fence,
-            )
+        ask = worker_pb2.AdoptSessionRequest(
+            request_id=job.request_id, from_owner=origin.owner,
+            from_generation=origin.owner_generation, tokens_received=received, fence=fence,
         )  # fmt: skip
+        if lease.rank is not None:  # a data-parallel group: the rank the lease holds room on
+            ask.dp_rank = lease.rank
+        call = peer.stub.Adopt(ask)
         try:
             first = await call.read()
         except grpc.aio.AioRpcError as e:
@@ -146,7 +157,7 @@ async def move_to_peer(
             if e.code() in _NOT_TAKEN:
                 return None
             if e.code() in WORKER_GONE and await unreachable(peer.stub):
-                return Broke(peer)
+                return Broke(peer, lease.rank)
             continue
         if first is grpc.aio.EOF:  # an adopted session always answers with its catch-up
             call.cancel()

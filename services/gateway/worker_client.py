@@ -216,7 +216,7 @@ class WorkerPool:
             if isinstance(moved, Broke):  # the session may be the broken peer's by now
                 log.warning("peer %s died adopting %s: looking for it there",
                             moved.worker.address, inp.request_id)  # fmt: skip
-                worker, origin = moved.worker, Origin.of(moved.worker)
+                worker, origin = moved.worker, Origin.of(moved.worker, moved.rank)
                 gone[worker.address] = worker.generation
                 startup_s = worker.model.startup_s if worker.model is not None else startup_s
                 continue
@@ -227,7 +227,7 @@ class WorkerPool:
                 self.metrics.adoptions.labels(inp.model, "adopted").inc()
                 self.metrics.adoption_latency.labels(inp.model).observe(time.monotonic() - broke)
             worker, lease = moved.worker, moved.lease
-            origin = Origin.of(worker)  # the peer, alive now: the origin if it dies in turn
+            origin = Origin.of(worker, lease.rank)  # the peer, alive: the origin if it dies
             holder, holder_stub = origin, worker.stub
             startup_s = worker.model.startup_s if worker.model is not None else startup_s
             worker.in_flight += 1
@@ -258,7 +258,7 @@ class WorkerPool:
         try:
             take_from = None
             if holder is not None and holder.address != worker.address:
-                take_from = TakeFrom(holder.worker_id, holder.generation, holder_stub)
+                take_from = TakeFrom(holder.owner, holder.owner_generation, holder_stub)
             async for delta in self._reattach(worker, inp, received, startup_s, take_from):
                 yield delta
         finally:
@@ -323,7 +323,7 @@ class WorkerPool:
             worker.in_flight += 1
             # Re-attach only to a worker whose sessions outlive it (what it said while alive).
             durable = worker.model is not None and worker.model.durable_sessions
-            origin = Origin.of(worker)  # where its sessions may move, were it to die
+            origin = Origin.of(worker, lease.rank)  # where its sessions may move, were it to die
             startup_s = worker.model.startup_s if worker.model is not None else 0.0
             # the rank whose share the lease holds runs it (a data-parallel group)
             call = worker.stub.Generate(convert.generate_request(attempt, lease.rank))

@@ -43,6 +43,9 @@ class WorkerClient:
         # its registration with its host store, as its last answered health poll said (kept
         # once it stops answering: a dead worker's streams are taken from that generation)
         self.generation = 0
+        # a data-parallel-attention group: each rank's own registration (owner, generation),
+        # by rank, as that poll said: where the sessions each rank runs are held
+        self.rank_owners: tuple[tuple[str, int], ...] = ()
 
     def open(self) -> None:
         """Creates the channel; must run on the event loop that will use it (grpc.aio binds a
@@ -74,6 +77,7 @@ class WorkerClient:
                 self.model = convert.model_info(info)
             health = await self.stub.Health(worker_pb2.HealthRequest(), timeout=timeout_s)
             self.generation = health.generation
+            self.rank_owners = tuple((o.owner, o.generation) for o in health.rank_owners)
             if not health.ok:
                 self.healthy, self.last_error = False, f"unhealthy: {health.status}"
             else:

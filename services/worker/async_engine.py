@@ -11,6 +11,8 @@ aborted, which returns its capacity.
 
 A live worker also takes over a peer's session (``adopt``: ``SessionAdopter``, the durable
 package's ``adopt_session`` bound to this worker's store registration); it is attached at once.
+In a data-parallel-attention group another rank may adopt it, before the next step: the caller
+is caught up after that step, from rank 0's mirror of it.
 
 A step that raises fails the requests it ran (``Engine.fail_running``: their callers get the
 error) and the engine serves on. It stops (``EngineDeadError`` for every caller, unhealthy
@@ -41,8 +43,10 @@ class EngineDeadError(RuntimeError):
     """The engine thread failed; the worker must be restarted."""
 
 
-# (engine, request id, whom from) -> the running request; raises ``NotAdopted``
-SessionAdopter = Callable[[Engine, str, AdoptFrom], Request]
+# (engine, request id, whom from, the data-parallel rank named or None) -> the running request,
+# or None when another rank of a data-parallel group adopts it (its outcome comes after a step:
+# ``RankAdoptions.take``); raises ``NotAdopted``
+SessionAdopter = Callable[[Engine, str, AdoptFrom, int | None], Request | None]
 
 
 class SessionsHandedOver(RuntimeError):
@@ -115,6 +119,8 @@ class AsyncEngine:
         self.attach_timeout_s = attach_timeout_s
         deadline = time.monotonic() + attach_timeout_s
         self._detached = {}
+        # sessions another rank of a data-parallel group adopts: request id -> tokens received
+        self._adopting: dict[str, int] = {}
         for rid in detached:
             req = engine.request(rid)
             assert req is not None, rid
@@ -158,16 +164,17 @@ class AsyncEngine:
             yield out
 
     async def adopt(
-        self, request_id: str, source: AdoptFrom, tokens_received: int
+        self, request_id: str, source: AdoptFrom, tokens_received: int, rank: int | None = None
     ) -> AsyncIterator[RequestOutput]:
-        """Takes over a peer's session from the host store (``SessionAdopter``) and streams it
-        as ``resume`` does. Raises ``NotAdopted``."""
+        """Takes over a peer's session from the host store (``SessionAdopter``; ``rank``: the
+        data-parallel rank to adopt it on) and streams it as ``resume`` does. Raises
+        ``NotAdopted``."""
         if self._adopter is None:
             raise NotAdopted("failed_precondition", "this worker keeps no durable sessions")
         if self.draining:
             raise NotAdopted("unavailable", "this worker drains: it adopts nothing")
         stream = self._open(request_id)
-        self._send("adopt", request_id, source, tokens_received)
+        self._send("adopt", request_id, source, tokens_received, rank)
         async for out in self._consume(request_id, stream):
             yield out
 
@@ -218,23 +225,27 @@ class AsyncEngine:
         (their regions go back to the store: the caller starts them over on another worker,
         under the same id, and no manifest of theirs need exist), runs ``on_shutdown`` (a
         durable worker's releases its store generation: every session it still holds becomes
-        adoptable) and ends each open stream with ``SessionsHandedOver``; returns how many
-        sessions it handed over. Only for durable sessions: a worker without them would lose
-        what it hands over. Blocks until the step in flight ends: the generation is released
+        adoptable; a group's other ranks stop first and release theirs) and ends each open
+        stream with ``SessionsHandedOver``; returns how many sessions it handed over (those
+        the other ranks of a data-parallel group run included). Only for durable sessions: a
+        worker without them would lose what it hands over. Blocks until the step in flight ends: the generation is released
         only once nothing writes its sessions any more (a supervisor that kills the process
         first leaves them to the store's fencing)."""
         self.draining = True
         self._halt(None)
-        held = list(self.engine.requests.items())
+        held = [(rid, self.engine.request(rid)) for rid in self.engine.request_ids()]
         for rid, req in held:
-            if not req.output_ids:
+            if req is not None and not req.output_ids:
                 self.engine.abort(rid)
+        # a group's other ranks stop and release their own registrations (data-parallel
+        # attention: the sessions they run become adoptable) before this one's
+        self.engine.group.stop()
         self.shutdown(timeout=None)
         with self._lock:
             ids = list(self._streams)
         for rid in ids:
             self._deliver(rid, SessionsHandedOver(f"worker drains: {rid} is handed over"))
-        return sum(1 for _, req in held if req.output_ids)
+        return sum(1 for _, req in held if req is not None and req.output_ids)
 
     def _halt(self, timeout: float | None) -> None:
         """Stops the engine thread after its step in flight (waits ``timeout``; None: as long
@@ -312,16 +323,27 @@ class AsyncEngine:
             return
         self._deliver(request_id, catch_up(self.engine, d.req, tokens_received))
 
-    def _adopt(self, request_id: str, source: AdoptFrom, tokens_received: int) -> None:
+    def _adopt(
+        self, request_id: str, source: AdoptFrom, tokens_received: int, rank: int | None
+    ) -> None:
         assert self._adopter is not None
-        if self.engine.has_request(request_id):  # adopted already (a repeated call)
+        if self.engine.has_request(request_id) or request_id in self._adopting:
+            # adopted already (a repeated call)
             self._deliver(request_id, ValueError(f"request {request_id!r} already runs here"))
             return
         try:
-            req = self._adopter(self.engine, request_id, source)
+            req = self._adopter(self.engine, request_id, source, rank)
         except NotAdopted as e:
             self._deliver(request_id, e)
             return
+        if req is None:  # another rank of the group adopts it before the next step
+            self._adopting[request_id] = tokens_received
+            return
+        self._adopted(request_id, req, tokens_received)
+
+    def _adopted(self, request_id: str, req: Request, tokens_received: int) -> None:
+        """A session adopted here (or mirrored from the rank that adopted it): its caller gets
+        the tokens after its first ``tokens_received``."""
         if not 0 <= tokens_received <= len(req.output_ids):
             self.engine.abort(request_id)
             self._deliver(
@@ -333,6 +355,26 @@ class AsyncEngine:
             )
             return
         self._deliver(request_id, catch_up(self.engine, req, tokens_received))
+
+    def _rank_adoptions(self) -> set[str]:
+        """Data-parallel attention: delivers what the other ranks did with the sessions they
+        were asked to adopt (``RankAdoptions.take``): the catch-up of each adopted one, or
+        why it was not; returns the ids of those adopted. A session whose caller has gone
+        meanwhile is ended."""
+        adopted = set()
+        for outcome, req in self.engine.group.adoptions.take():
+            rid = outcome.request_id
+            tokens_received = self._adopting.pop(rid, None)
+            with self._lock:
+                waited = rid in self._streams
+            if req is None:
+                self._deliver(rid, NotAdopted(outcome.code, outcome.message))
+            elif tokens_received is None or not waited:
+                self.engine.abort(rid)
+            else:
+                adopted.add(rid)
+                self._adopted(rid, req, tokens_received)
+        return adopted
 
     def _expire_detached(self) -> None:
         now = time.monotonic()
@@ -373,10 +415,14 @@ class AsyncEngine:
                     self._failed_steps = 0
                 except Exception as e:
                     outputs = self._fail_step(e)
+                # the sessions another rank adopted in this step: their callers' catch-ups
+                # hold this step's outputs
+                caught_up = self._rank_adoptions() if self._adopting else set()
                 # A detached session's caller gets its outputs with its catch-up on attach.
                 self._deliver_all(
-                    [(o.request_id, o) for o in outputs if o.request_id not in self._detached]
-                )
+                    [(o.request_id, o) for o in outputs
+                     if o.request_id not in self._detached and o.request_id not in caught_up]
+                )  # fmt: skip
                 if self._on_step is not None:
                     self._on_step(self.engine, outputs)
         except BaseException as e:  # the engine is broken: fail every open stream

@@ -140,7 +140,7 @@ def follow(settings: WorkerSettings, comm: Any) -> int:
     (``rank_group.region_group``); a data-parallel rank is an owner of its own: it registers,
     renews its lease, resumes its own sessions and tells rank 0 which (``share_resumed``),
     as rank 0 does at the same point (``server.start_server``)."""
-    from services.worker.durable.adoption import take_over
+    from services.worker.durable.adoption import rank_adopter, take_over
     from services.worker.engine.engine import Engine
     from services.worker.engine.prefix_setup import prefix_salt
     from services.worker.server import connect_store
@@ -151,11 +151,12 @@ def follow(settings: WorkerSettings, comm: Any) -> int:
     if host is not None and engine.group.data_parallel:
         salt = prefix_salt(engine.cfg, engine.kv).root()
         link = take_over(engine, host[0], settings.lease_ttl_s, salt)
+        engine.group.adoptions.registered(link, rank_adopter(engine, link))
         engine.group.share_resumed(engine)
     log.info("rank %d of %d ready: following rank 0", comm.rank, comm.size)
-    engine.group.follow(engine, engine.stats.drain_finished)
-    if link is not None:
-        link.close()
+    # its generation released before rank 0's stop returns: a drained group's sessions on this
+    # rank are adoptable once rank 0 hands its streams over
+    engine.group.follow(engine, engine.stats.drain_finished, link.close if link else lambda: None)
     engine.close()
     return 0
 

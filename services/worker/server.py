@@ -41,6 +41,7 @@ _ERROR_STATUS = {
     "internal": grpc.StatusCode.INTERNAL,
     "failed_precondition": grpc.StatusCode.FAILED_PRECONDITION,
     "not_found": grpc.StatusCode.NOT_FOUND,
+    "invalid_argument": grpc.StatusCode.INVALID_ARGUMENT,
 }
 
 
@@ -85,7 +86,8 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         ``Resume`` does (codes: the proto's)."""
         r = request
         source = AdoptFrom(r.from_owner, r.from_generation, r.fence)
-        outputs = self.engine.adopt(r.request_id, source, r.tokens_received)
+        rank = r.dp_rank if r.HasField("dp_rank") else None
+        outputs = self.engine.adopt(r.request_id, source, r.tokens_received, rank)
         async for resp in self._stream(outputs, context):
             yield resp
 
@@ -137,7 +139,20 @@ class WorkerServicer(pb_grpc.WorkerServicer):
         worker's streams to peers of the same store (``LoadResponse.kv_store_id``)."""
         generation = self.link.generation if self.link is not None else 0
         ok, status = self._health()
-        return pb.HealthResponse(ok=ok, status=status, generation=generation)
+        owners = [pb.StoreOwner(owner=o, generation=g) for o, g in self._rank_owners()]
+        return pb.HealthResponse(ok=ok, status=status, generation=generation, rank_owners=owners)
+
+    def _rank_owners(self) -> list[tuple[str, int]]:
+        """Under data-parallel attention, each rank's own registration with the store (this
+        rank's as it is now, the others' as they last reported): the gateway takes a session
+        from the owner of the rank that held it."""
+        eng = self.engine.engine
+        if not eng.group.data_parallel:
+            return []
+        owners = eng.group.loads.owners()
+        if owners and self.link is not None:
+            owners[0] = (self.link.owner, self.link.generation)
+        return owners
 
     def _health(self) -> tuple[bool, str]:
         if self.engine.draining:
@@ -177,15 +192,27 @@ class WorkerServicer(pb_grpc.WorkerServicer):
 def peer_adopter(link: HostLink, kill_marker: str = ""):
     """The ``SessionAdopter`` of a worker registered with the store through ``link``: one
     session of a peer of its node (``adopt_session``), one without room handed back. A group
-    of data-parallel ranks (an owner per rank) takes none over. ``kill_marker``: test-only
+    of data-parallel ranks (an owner per rank) adopts it on one rank (``RankGroup.adopt_on``:
+    the one named, else the least loaded): rank 0 here, through ``link``; another rank under
+    its own registration before the next step (None is returned). ``kill_marker``: test-only
     fault injection (``WorkerSettings.test_kill_in_adopt``): "" none."""
 
-    def adopt(engine: Engine, request_id: str, source: AdoptFrom):
+    def adopt(engine: Engine, request_id: str, source: AdoptFrom, rank: int | None):
         if engine.group.data_parallel:
-            raise NotAdopted("failed_precondition", "a data-parallel group adopts no peer session")
-        req = adopt_session(
-            engine, link.client, link.owner, link.generation, request_id, source, hand_back=True
-        )
+            try:
+                engine.group.check_rank(rank)
+            except ValueError as e:
+                raise NotAdopted("invalid_argument", str(e)) from e
+            if engine.group.adopt_on(request_id, source, rank) != 0:
+                return None
+        try:
+            req = adopt_session(
+                engine, link.client, link.owner, link.generation, request_id, source,
+                hand_back=True,
+            )  # fmt: skip
+        except NotAdopted:
+            engine.group.forget(request_id)
+            raise
         if kill_marker:
             _die_once(kill_marker, f"adopted {request_id}, before streaming it")
         return req
@@ -246,6 +273,7 @@ async def start_server(
         if host is not None:
             salt = prefix_salt(engine.cfg, engine.kv).root()
             link = take_over(engine, host[0], settings.lease_ttl_s, salt)
+            engine.group.adoptions.registered(link)
             if (
                 engine.group.data_parallel
             ):  # every rank has taken over its own: rank 0 learns theirs
@@ -294,8 +322,9 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
-    if async_engine.engine.kv.sessions is not None and not async_engine.engine.group.data_parallel:
-        # its streams end now, and the gateway moves them
+    if async_engine.engine.kv.sessions is not None:
+        # its streams end now, and the gateway moves them (a data-parallel group's ranks each
+        # release their own sessions first)
         moved = await asyncio.to_thread(async_engine.drain)
         log.info("worker draining: handed %d sessions over", moved)
     else:

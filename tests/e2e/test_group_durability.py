@@ -143,3 +143,43 @@ def test_data_parallel_ranks_killed_mid_stream_each_resume_their_own_sessions(
             assert sorted(resumed[-2:]) == ["0", "1"] and len(resumed) == 2 * (groups - 1)
             assert st.metric(st.worker_metrics, "dhisparse:sessions_resumed_total") == 2
             assert st.metric(st.worker_metrics, "dhisparse:prefill_tokens_computed_total") == 0
+
+
+def test_a_drained_data_parallel_group_hands_every_ranks_streams_to_a_peer_group(
+    tmp_path: Path,
+) -> None:
+    """Two workers, each a data-parallel-attention group of two ranks, on one node store; four
+    streams, then worker 0's group is told to stop (SIGTERM: a rolling update): its ranks each
+    release their own sessions and the peer group adopts every stream of both, each on a rank
+    where its lease holds room. Every stream completes with the uninterrupted text; none waits
+    for a restart."""
+    log = tmp_path / "up.log"
+    flags = (*GROUP, "--data-parallel-attention", "--workers", "2")
+    env = {**ENV, "DHISPARSE_WORKER_LEASE_TTL_S": "30"}  # only a release frees a session at once
+    with up_stack(log, *flags, env=env) as st:
+        want, _ = stream_completion(st.base, LONG)
+        drained: list[int] = []
+
+        def drain_once(n: int) -> None:
+            if n == 30 and not drained:
+                os.kill(st.pids("worker-0")[-1], signal.SIGTERM)
+                drained.append(0)
+
+        with ThreadPoolExecutor(4) as pool:
+            futures = [
+                pool.submit(stream_completion, st.base, LONG, drain_once if i == 0 else None)
+                for i in range(4)
+            ]
+            results = [f.result(timeout=600) for f in futures]
+        assert drained, "the streams ended before the drain"
+        for text, chunks in results:
+            assert not [c for c in chunks if "error" in c], chunks[-3:]
+            assert text == want
+        gateway = f"{st.base}/metrics"
+        adopted = st.metric(gateway, f"{names.ADOPTIONS}_total", outcome="adopted") or 0
+        waited = st.metric(gateway, f"{names.ADOPTIONS}_total", outcome="no_peer") or 0
+        assert adopted >= 1 and waited == 0, log.read_text()[-4000:]
+        print(f"drained group: {adopted:.0f} streams adopted by the peer group")
+        moved = [line for line in log.read_text().splitlines() if "adopted from" in line]
+        assert len(moved) == adopted and all("adopted from worker-0/dp" in m for m in moved)
+        print("\n".join(moved))

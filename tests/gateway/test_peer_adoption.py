@@ -35,12 +35,14 @@ class NodeWorker(FakeWorker):
 
     def __init__(
         self, wid: str, node: str, *args, adopt: str = "ok",
-        stream_after_adopt: int | None = None, **kw,
+        stream_after_adopt: int | None = None, ranks: int = 1, **kw,
     ) -> None:  # fmt: skip
         super().__init__(*args, **kw)
         self.wid, self.node, self.adopt = wid, node, adopt
         self.stream_after_adopt = stream_after_adopt
+        self.ranks = ranks  # > 1: a data-parallel-attention group, each rank an owner
         self.adopted: list[tuple[str, int, int, bool]] = []
+        self.adopted_on: list[int | None] = []  # the data-parallel rank each Adopt named
         self.generation = 3
         self._came_back_from = 0.0  # the down_until of the last death this process followed
 
@@ -59,11 +61,16 @@ class NodeWorker(FakeWorker):
     async def Health(self, request, context):
         if self._down():
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
-        return pb.HealthResponse(ok=True, status="serving", generation=self.generation)
+        owners = [pb.StoreOwner(owner=f"{self.wid}/dp{r}", generation=self.generation + 10 * r)
+                  for r in range(self.ranks)] if self.ranks > 1 else []  # fmt: skip
+        return pb.HealthResponse(
+            ok=True, status="serving", generation=self.generation, rank_owners=owners
+        )
 
     async def GetLoad(self, request, context):
         load = await super().GetLoad(request, context)
         load.kv_store_id = self.node
+        load.serving_ranks = self.ranks
         return load
 
     async def GetModelInfo(self, request, context):
@@ -76,6 +83,7 @@ class NodeWorker(FakeWorker):
             await context.abort(grpc.StatusCode.UNAVAILABLE, "connection refused")
         r = request
         self.adopted.append((r.from_owner, r.from_generation, r.tokens_received, r.fence))
+        self.adopted_on.append(r.dp_rank if r.HasField("dp_rank") else None)
         if self.adopt == "full":
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "no free slot")
         if self.adopt == "die":
@@ -95,8 +103,8 @@ class NodeWorker(FakeWorker):
 class PeerAdmission(CountingAdmission):
     """Admits at once on the first worker offered, and moves sessions the same way."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, rank: int | None = None) -> None:
+        super().__init__(rank)
         self.moves: list[str] = []
 
     async def try_acquire(
@@ -111,7 +119,9 @@ class PeerAdmission(CountingAdmission):
         return lease
 
 
-async def run(*workers: NodeWorker):
+async def run(*workers: NodeWorker, rank: int | None = None):
+    """Streams one request through a gateway pool of ``workers`` (its leases on data-parallel
+    rank ``rank``); (tokens, admission, adoption outcomes)."""
     servers, addresses = [], []
     for w in workers:
         server = grpc.aio.server()
@@ -119,7 +129,7 @@ async def run(*workers: NodeWorker):
         addresses.append(f"127.0.0.1:{server.add_insecure_port('127.0.0.1:0')}")
         await server.start()
         servers.append(server)
-    admission, metrics = PeerAdmission(), GatewayMetrics()
+    admission, metrics = PeerAdmission(rank), GatewayMetrics()
     pool = WorkerPool(
         addresses, admission=admission, poll_interval_s=0.1, resume_deadline_s=10,
         metrics=metrics,
@@ -146,6 +156,21 @@ async def test_a_live_peer_of_the_node_adopts_the_stream() -> None:
     assert peer.adopted == [("wA", 3, 7, True)]  # fenced: its address refused connections
     assert dying.resumed_from == []  # never waited for
     assert (admission.held, admission.released) == (0, 2)  # the dead worker's, then the peer's
+    assert outcomes == {"adopted": 1, "no_peer": 0}
+
+
+async def test_a_data_parallel_group_adopts_from_the_rank_that_ran_it_on_its_leases_rank():
+    """Groups of data-parallel ranks, each rank an owner of its own at the store: the session
+    is taken from the registration of the dead group's rank that ran it (the lease's rank,
+    its generation as the health polls said) and adopted on the rank the peer's lease holds
+    room on."""
+    dying = NodeWorker("wA", "n1", die_after=7, down_s=5, ranks=2)
+    peer = NodeWorker("wB", "n1", die_after=99, down_s=0, ranks=2)
+    got, admission, outcomes = await run(dying, peer, rank=1)
+    assert got == TOKENS
+    assert peer.adopted == [("wA/dp1", 13, 7, True)] and peer.adopted_on == [1]
+    assert dying.resumed_from == []
+    assert (admission.held, admission.released) == (0, 2)
     assert outcomes == {"adopted": 1, "no_peer": 0}
 
 

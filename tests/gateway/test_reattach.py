@@ -82,11 +82,13 @@ class FakeWorker(pb_grpc.WorkerServicer):
 
 
 class CountingAdmission:
-    """Admits at once and counts lease releases."""
+    """Admits at once and counts lease releases; its leases hold room on data-parallel rank
+    ``rank`` (None: the whole worker)."""
 
-    def __init__(self) -> None:
+    def __init__(self, rank: int | None = None) -> None:
         self.released = 0
         self.held = 0
+        self.rank = rank
 
     async def acquire(
         self, job: AdmissionJob, workers: Callable[[], Sequence[WorkerStatus]],
@@ -96,7 +98,7 @@ class CountingAdmission:
 
         class Lease:
             worker = workers()[0].address
-            rank = None
+            rank = admission.rank
             done = False
 
             def release(self) -> None:

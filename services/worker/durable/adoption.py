@@ -16,6 +16,7 @@ store for the next adopter instead of released.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -68,7 +69,8 @@ class NotAdopted(RuntimeError):
     """A session this worker could not take over. ``code``: "failed_precondition" (the store
     refused: its owner lives, another adopter won, rows of another salt; or the manifest does
     not fit this engine), "resource_exhausted" (no slot or device room: it was handed back),
-    "not_found" (no such session in the store) or "unavailable" (the store did not answer)."""
+    "not_found" (no such session in the store), "unavailable" (the store did not answer) or
+    "invalid_argument" (a data-parallel rank the group does not have)."""
 
     def __init__(self, code: str, message: str) -> None:
         super().__init__(message)
@@ -119,6 +121,27 @@ def adopt_session(
     log.info("resumed %s at %d tokens%s", request_id, rec.num_computed,
              f", adopted from {source.owner}" if source.owner else "")  # fmt: skip
     return req
+
+
+def rank_adopter(
+    engine: Adopter, link: HostLink
+) -> Callable[[str, AdoptFrom], tuple[Request | None, str, str]]:
+    """How a rank of a data-parallel-attention group registered through ``link`` adopts a
+    peer's session rank 0 asked it to (``RankAdoptions.registered``): ``adopt_session`` under its
+    own registration, one without room handed back; (the running request or None, and why
+    not: ``NotAdopted``'s code and message)."""
+
+    def adopt(request_id: str, source: AdoptFrom) -> tuple[Request | None, str, str]:
+        try:
+            req = adopt_session(
+                engine, link.client, link.owner, link.generation, request_id, source,
+                hand_back=True,
+            )  # fmt: skip
+        except NotAdopted as e:
+            return None, e.code, str(e)
+        return req, "", ""
+
+    return adopt
 
 
 def _let_go(

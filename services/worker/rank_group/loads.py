@@ -58,6 +58,12 @@ class RankLoads:
     def others_free_bytes(self) -> int:
         return self._placement.others_free_bytes if self._placement is not None else 0
 
+    def owners(self) -> list[tuple[str, int]]:
+        """Under data-parallel attention, each serving rank's own registration with the node's
+        store (owner, generation), by rank, as it last reported it: where the sessions of that
+        rank are held. Empty otherwise (the worker's own registration holds them)."""
+        return [(load.owner, load.generation) for load in self.reported()]
+
     def store_problems(self) -> list[str]:
         """Each other rank whose link to the node's host store was not ok at its last report
         (a rank reports after every step, and at start-up); the other ranks of a tensor-

@@ -13,7 +13,9 @@ Under data-parallel attention each rank serves its own requests: rank 0 places e
 request on one rank (``rank_group.placement``) and addresses its mutations to that rank alone
 (``record_for``); after every step each rank's outputs and load go to rank 0 (``gather``).
 
-The followers' loop is ``Engine.follow``; it ends when rank 0 broadcasts ``STOP``."""
+The followers' loop is ``Engine.follow``; it ends when rank 0 broadcasts ``STOP``, and rank 0
+waits until each follower has released what it holds at the node's store (a draining group's
+sessions are adoptable by then, every rank's)."""
 
 from __future__ import annotations
 
@@ -43,6 +45,7 @@ class Lockstep:
         self.comm = comm
         self._pending: list[Op] = []
         self.steps = 0
+        self._stopped = False
 
     @property
     def leader(self) -> bool:
@@ -77,9 +80,17 @@ class Lockstep:
         return [op for op in ops if op.to is None or op.to == me]
 
     def stop(self) -> None:
-        """On rank 0: ends the other ranks' loops (one last broadcast)."""
-        if self.leader and self.comm.size > 1:
+        """On rank 0: ends the other ranks' loops (one last broadcast), then waits until each
+        has let go of what it holds (``released``). Once: later calls do nothing."""
+        if self.leader and self.comm.size > 1 and not self._stopped:
+            self._stopped = True
             self.comm.broadcast_object([Op(STOP)])
+            self.comm.gather_objects(None)
+
+    def released(self) -> None:
+        """On a rank other than 0, once its loop has ended and it let go of what it holds (its
+        store registration): what rank 0's ``stop`` waits for."""
+        self.comm.gather_objects(None)
 
     def gather(self, value: Any) -> list[Any] | None:
         """Every rank's ``value`` in rank order on rank 0 (None on the others)."""

@@ -25,6 +25,8 @@ class RankLoad:
     prefill_tokens: int = 0  # prompt tokens it has computed since it started
     sessions_resumed: int = 0  # durable sessions it has resumed since it started
     store_problem: str = ""  # why its link to the node's host store is not ok ("": it is)
+    owner: str = ""  # its own registration with the node's store ("", 0: none)
+    generation: int = 0
     prefix: PrefixStats | None = None  # its prefix reuse's counts (None: off)
 
     @property

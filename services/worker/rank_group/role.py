@@ -19,6 +19,7 @@ from typing import Any, Protocol
 from dhisparse.tokenizer import Tokenizer
 from services.worker.parallel.comm import Comm
 from services.worker.parallel.exchange import ExpertExchange
+from services.worker.rank_group.adoptions import ADOPT, AdoptionOutcome, RankAdoptions
 from services.worker.rank_group.loads import RankLoads
 from services.worker.rank_group.lockstep import Lockstep, StopFollowing
 from services.worker.rank_group.mirror import Resumed, mirror, mirror_resumed
@@ -62,6 +63,7 @@ class RankGroup:
         self._remote: dict[str, Request] = {}  # rank 0 under data-parallel attention: mirrors
         self._max_model_len = max_model_len
         self._store: Any = None  # the node's store as given to ``host``
+        self.adoptions = RankAdoptions()  # peers' sessions adopted on this group's ranks
 
     # ---- how the group is laid out ------------------------------------------------------------
     @property
@@ -164,6 +166,18 @@ class RankGroup:
                 f"rank {self.comm.rank} found no room for {request_id!r}, which rank 0 seated"
             )
 
+    def adopt_on(self, request_id: str, source: Any, rank: int | None) -> int:
+        """Rank 0 under data-parallel attention: the rank that adopts a peer's session
+        (``rank``, where the caller's admission holds room for it; else the least loaded).
+        Another rank is asked to before the next step (``RankAdoptions.here``, ``source``), and
+        what it did comes back after that step (``adoptions.take``); rank 0 adopts it itself
+        (and ``forget``s it when that fails)."""
+        assert self.placement is not None and self.lockstep is not None
+        rank = self.placement.place(request_id, rank)
+        if rank != 0:
+            self.lockstep.record_for(rank, ADOPT, request_id, source)
+        return rank
+
     def mirrored(self, request_id: str) -> Request | None:
         """Rank 0: the mirror of a request another rank serves, or None."""
         return self._remote.get(request_id)
@@ -197,7 +211,11 @@ class RankGroup:
         if self.lockstep is None:
             return
         for op in self.lockstep.exchange():
-            if not self.lockstep.leader:
+            if self.lockstep.leader:
+                continue
+            if op.name == ADOPT:
+                self.adoptions.here(*op.args)
+            else:
                 getattr(member, op.name)(*op.args)
 
     def end_step(
@@ -210,17 +228,31 @@ class RankGroup:
             return outputs
         assert exchange is not None and self.lockstep is not None
         exchange.idle()
-        got = self.lockstep.gather((outputs, member.load()))
+        load = self.adoptions.with_registration(member.load())
+        got = self.lockstep.gather((outputs, load, self.adoptions.reported()))
         if got is None:
             return []
         assert self.placement is not None
-        self.placement.report([load for _, load in got])
+        self.placement.report([load for _, load, _ in got])
         merged = list(outputs)
-        for outs, _ in got[1:]:
+        for rank, (outs, _, adopted) in enumerate(got[1:], start=1):
+            for outcome in adopted:  # mirrored before the step's outputs fill them in
+                self.adoptions.received(outcome, self._adopted_on(rank, outcome, member))
             for out in outs:
                 self._mirror(out, member)
             merged.extend(outs)
         return merged
+
+    def _adopted_on(self, rank: int, outcome: AdoptionOutcome, member: Member) -> Request | None:
+        """Rank 0: the mirror of a session ``rank`` adopted, or None (it did not)."""
+        if outcome.session is None:
+            self.forget(outcome.request_id)
+            return None
+        req = mirror_resumed(member.tokenizer, outcome.session)
+        self._remote[outcome.request_id] = req
+        assert self.placement is not None
+        self.placement.assign(outcome.request_id, rank)
+        return req
 
     def share_resumed(self, member: Member) -> None:
         """Data-parallel attention, once at start-up on every rank, after each has adopted its
@@ -229,7 +261,7 @@ class RankGroup:
         (a client re-attaches through rank 0, ``Resume``)."""
         assert self.lockstep is not None and self.data_parallel
         mine = [Resumed.of(req) for req in member.requests.values()]
-        got = self.lockstep.gather((mine, member.load()))
+        got = self.lockstep.gather((mine, self.adoptions.with_registration(member.load())))
         if got is None:
             return
         assert self.placement is not None
@@ -239,20 +271,28 @@ class RankGroup:
                 self._remote[session.request_id] = mirror_resumed(member.tokenizer, session)
                 self.placement.assign(session.request_id, rank)
 
-    def follow(self, member: Member, drain: Callable[[], None]) -> None:
+    def follow(
+        self, member: Member, drain: Callable[[], None], release: Callable[[], None] = lambda: None
+    ) -> None:
         """On a rank other than 0: steps with rank 0, step for step, until it stops the group
-        (``stop``). Outputs go to rank 0, whose clients' requests these are; ``drain()`` drops
-        what the step recorded that nobody reads on a follower."""
+        (``stop``), then ``release()``s what it holds (its store registration) before rank 0's
+        ``stop`` returns. Outputs go to rank 0, whose clients' requests these are; ``drain()``
+        drops what the step recorded that nobody reads on a follower."""
         assert self.lockstep is not None and not self.lockstep.leader
         try:
             while True:
                 member.step()
                 drain()
         except StopFollowing:
-            return
+            pass
+        try:
+            release()
+        finally:
+            self.lockstep.released()
 
     def stop(self) -> None:
-        """On rank 0 of a group: ends the other ranks' ``follow``."""
+        """On rank 0 of a group: ends the other ranks' ``follow`` and returns once each has
+        released what it holds; later calls do nothing."""
         if self.lockstep is not None:
             self.lockstep.stop()
 

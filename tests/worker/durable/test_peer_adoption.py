@@ -143,7 +143,7 @@ def test_the_async_engine_adopts_and_catches_the_caller_up(store) -> None:
     peer, link = make(store, "wB")
     received = 9  # the client had 9 tokens when the stream broke; the manifest holds 15
 
-    def adopter(engine: Engine, rid: str, source: AdoptFrom) -> Request:
+    def adopter(engine: Engine, rid: str, source: AdoptFrom, rank: int | None) -> Request:
         return adopt_session(engine, store, link.owner, link.generation, rid, source)
 
     async def run() -> list:
