@@ -181,7 +181,7 @@ LOAD_STEPS = tuple(
     for name, args in LOAD_ARGS.items()
 )
 # issue 41's table: the real-dimension presets in adaptive mode at 8K, plain decoding beside
-# their MTP layer at width 4 and under the online policy (each verify round's acceptance forced
+# their MTP layer at widths 2 and 4 and under the online policy (each verify round's acceptance forced
 # to the shipped model's, the acceptance control), in lockstep (``bench scaled --spec``); one
 # family per step. Each engine prefills every timed request twice (warm-up and run): C = 16 at
 # 8K is some 100 prefills.
@@ -202,7 +202,7 @@ SPEC_SCALED_STEPS = (
         Step(
             f"spec-scaled-{family}",
             f"-m bench scaled --family {family} --contexts 8192 --concurrency 1,16 "
-            "--decode-tokens 128 --modes adaptive --spec off,fixed:4,fixed:4+block,online:8 "
+            "--decode-tokens 128 --modes adaptive --spec off,fixed:2,fixed:4,online:8 "
             f"--selections replay --host-gib 6 --out {{out}}/spec_scaled_{short}_8k.json",
             540,
         )

@@ -236,7 +236,8 @@ def replay_of(model, ctx: int, args: argparse.Namespace) -> tuple[Replay, dict]:
     predicted = predicted_census(r, model.cfg, args.hot_cache_rows, tail_rows(args.page, 1),
                                  steps)  # fmt: skip
     return r, {"trace": t.source, "trace_context": t.context, "trace_steps": t.steps,
-               "trace_k": t.k, "trace_producers": r.p0, "producers": len(r.producer),
+               "trace_k": t.k, "trace_producers": r.p0, "producers": r.targets,
+               "draft_producers": len(r.producer) - r.targets,
                "expansion": expansion(model.cfg.index_topk, t), "spread": r.spread,
                "predicted_census": predicted}  # fmt: skip
 

@@ -27,7 +27,10 @@ L tokens, from a trace of T0 steps, P0 producers, top-k k0 at context n0:
   (score descending), duplicates dropped, cut at k; -1 pads a shorter selection;
 - **layers**: served producer j replays trace producer ``j mod P0``, ``j // P0`` steps later
   (so producers that share a trace producer do not select in lockstep); followers take their
-  producer's, as always; a drafter's layer over a lagged source (the MTP layer) keeps its own;
+  producer's, as always; a drafter's layer over a lagged source (the MTP layer, its own
+  indexer) comes after the target's producers and replays as they do, its recent rows counted
+  behind the last row its pass completes (``position - lag``): a random model's MTP indexer
+  selects without the trained model's locality, and a round's host reads would be its own;
 - **steps**: served decode offset u = query position - L; the trace's steps are walked forth
   and back (0, 1, ..., T0-1, T0-2, ..., 0, 1, ...), so every pair of consecutive served steps is
   a pair of consecutive trace steps: the step-to-step overlap is the trace's exactly, reuse
@@ -237,13 +240,17 @@ class Replay:
 
     def __init__(self, cfg: ModelConfig, trace: SelectionTrace, context: int,
                  device: torch.device | str) -> None:  # fmt: skip
-        # the target's producers; a lagged source's (the MTP layer's) keeps its own selection
-        target = [i for i in cfg.index_producers if not cfg.sources[cfg.layers[i].source].lag]
-        if any(cfg.sources[cfg.layers[i].source].compress != 1 for i in target):
+        lag = {i: cfg.sources[cfg.layers[i].source].lag for i in cfg.index_producers}
+        # the target's producers, then a drafter's over a lagged source (the MTP layer's)
+        target = [i for i in cfg.index_producers if not lag[i]]
+        drafts = [i for i in cfg.index_producers if lag[i]]
+        if any(cfg.sources[cfg.layers[i].source].compress != 1 for i in target + drafts):
             raise ValueError("replayed selections cover uncompressed sources only")
         self.context = context
         self.trace = trace
-        self.producer = {layer: j for j, layer in enumerate(target)}
+        self.targets = len(target)  # producers a target pass resolves; drafts' come after
+        self.producer = {layer: j for j, layer in enumerate(target + drafts)}
+        self.lag = {layer: lag[layer] for layer in self.producer}
         # every layer that resolves a selection of a replayed producer -> that producer
         self.leader = {i: (i if spec.index == "producer" else spec.leader)
                        for i, spec in enumerate(cfg.layers)
@@ -265,7 +272,8 @@ class Replay:
         pos = batch.positions.to(torch.int64)
         u = (pos - self.context).clamp(min=0)
         entry = self.table[j][trace_step(u, j, self.p0, self.table.shape[1])]  # [N, k]
-        rows = torch.where(entry >= 0, entry, torch.where(entry <= -2, pos[:, None] + entry + 2,
+        last = pos[:, None] - self.lag[lead]  # the last row this pass completes
+        rows = torch.where(entry >= 0, entry, torch.where(entry <= -2, last + entry + 2,
                                                           torch.full_like(entry, -1)))  # fmt: skip
         return torch.where((pos >= self.context)[:, None], rows, own)
 
@@ -300,11 +308,11 @@ def predicted_census(replay: Replay, cfg: ModelConfig, hot_rows: int, tail: int,
     """The census one session alone shows over its first ``steps`` decode steps under
     ``replay`` (``lru_census`` per layer's source, each over its producer's rows), as shares of
     the rows resolved: what a hierarchy engine with ``hot_rows`` hot rows and a ``tail``-row
-    ring should count."""
-    layers = {j: 0 for j in replay.producer.values()}
+    ring should count (a decode step's: the target's producers, no drafter's)."""
+    layers = {j: 0 for j in replay.producer.values() if j < replay.targets}
     for i, spec in enumerate(cfg.layers):
         lead = i if spec.index == "producer" else spec.leader
-        if spec.index in ("producer", "follower") and lead in replay.producer:
+        if spec.index in ("producer", "follower") and replay.producer.get(lead, -1) in layers:
             layers[replay.producer[lead]] += 1
     total = {"direct": 0, "hot": 0, "host": 0}
     for j, n in layers.items():

@@ -13,6 +13,7 @@ import json
 
 import numpy as np
 import pytest
+import torch
 
 from bench.cli import main as bench_main
 from bench.load import cli
@@ -35,6 +36,7 @@ from bench.load.replay import (
 )
 from dhisparse.family.hf_dir import hf_family
 from services.worker.hierarchy.local_store import LocalHostStore
+from services.worker.kv.batch import ForwardBatch
 from services.worker.request.request import SamplingParams
 
 K = 2048  # the scaled presets' index_topk
@@ -226,3 +228,33 @@ def test_lru_census_is_the_engines() -> None:
         total = sum(got.values())
         for key in got:
             assert abs(got[key] / total - row["hisparse"][key]) < 0.002, (row["context"], got)
+
+
+def test_drafter_layer_replays_behind_its_lag() -> None:
+    """The MTP layer (its own indexer over a source lagging one row) replays after the target's
+    producers: in a draft pass at position p it attends the rows its producer's table gives a
+    query at p - 1, the last row the pass completes, never a row past it; a decode step's
+    predicted census counts the target's producers only."""
+    model = cli.tiny_model(seed=3, mtp=True)
+    cfg, context = model.cfg, 256
+    r = replay_for(model, context, load_traces())
+    drafts = [i for i in cfg.index_producers if cfg.sources[cfg.layers[i].source].lag]
+    assert len(drafts) == 1 and r.producer[drafts[0]] == r.targets == len(r.producer) - 1
+    positions = [context, context + 3, context + 40]
+    batch = ForwardBatch.build([0, 1, 2], positions, [1, 1, 1], "cpu")
+    own = torch.full((3, cfg.index_topk), 5, dtype=torch.int64)
+    got = r.rows(drafts[0], batch, own)
+    for row, p in zip(got.tolist(), positions, strict=True):
+        row = np.asarray(row)
+        ref = decode_rows(r.table_np, r.targets, r.p0, p, context)
+        recent = ref >= context - expansion(cfg.index_topk, r.trace) * r.trace.steps
+        # history rows as the table has them; recent rows one behind, ending at p - 1
+        assert (row[~recent] == ref[~recent]).all() and (row[recent] == ref[recent] - 1).all()
+        assert row.max() == p - 1
+    # before the prompt's end the layer keeps its own selection
+    early = ForwardBatch.build([0], [context - 2], [1], "cpu")
+    assert (r.rows(drafts[0], early, own[:1]) == 5).all()
+    pred = predicted_census(r, cfg, 64, 16, 4)
+    plain = predicted_census(replay_for(cli.tiny_model(seed=3, mtp=False), context,
+                                        load_traces()), cfg, 64, 16, 4)  # fmt: skip
+    assert pred == plain
