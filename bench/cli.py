@@ -81,6 +81,8 @@ COMMANDS: dict[str, Command] = {
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it
     "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",
                         torch=False),
+    "adoption": Command("bench.adoption", "a live peer adopts a SIGKILLed worker's streams",
+                        torch=False),
     "burst": Command("bench.burst", "a burst of completions against make run's defaults",
                      torch=False),
     "grammar-cost": Command("bench.grammar_cost",

@@ -42,6 +42,8 @@ to ``logs.tgz``.
     select-topk  the indexer's top-k (torch, bitonic, radix select) side by side at decode
                  shapes
     graph-tests  the CUDA graphs' GPU tests alone (``tests/worker/graphs``)
+    adoption     a live peer adopts a SIGKILLed worker's streams: two workers of ``make run``'s
+                 GPU defaults sharing the GPU (``bench adoption``)
     prefix       prefix reuse through ``make run``'s stack on the GPU: a 32-session agent
                  trace with and without reuse (``bench agent-trace``), a 30K-token
                  conversation's next turns (``bench prefix-turns``)
@@ -354,6 +356,14 @@ PARTS: dict[str, tuple[Step, ...]] = {
     ),
     "scaled-32k": SCALED_32K_STEPS,
     "load": LOAD_STEPS,
+    # issue 46's stall on the GPU: two workers share it, each with a pool of its own
+    "adoption": (
+        Step(
+            "adoption",
+            "-m bench adoption --device cuda:0 --kv-pool-mib 8192 --out {out}/adoption.json",
+            300,
+        ),
+    ),
     # prefix reuse through make run's stack on the GPU (the shipped model, plain decoding as
     # make run's GPU default): a 32-session agent trace with and without reuse, then a
     # conversation of a 30K-token history, its next turns' time to first token
