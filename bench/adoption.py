@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import statistics
 import sys
@@ -81,13 +82,23 @@ def sample(stack: UpStack, url: str, name: str, **labels: str) -> float:
         return 0.0
 
 
+def serving(stack: UpStack, index: int) -> bool:
+    """Whether the last process ``up`` started as worker ``index`` serves (its start-up line):
+    the gateway lists a killed worker healthy until its polls have missed a few times."""
+    started = len(stack.pids(f"worker-{index}"))
+    said = len(re.findall(rf"worker worker-{index} serving ", stack.log.read_text(errors="replace")))
+    return started > 0 and said >= started
+
+
 def wait_healthy(stack: UpStack, timeout_s: float = READY_S) -> float:
-    """Seconds until the gateway's ``/health`` lists every worker healthy."""
+    """Seconds until every worker's last process serves and the gateway's ``/health`` lists
+    every worker healthy."""
     t0 = time.monotonic()
     while True:
         try:
             workers = httpx.get(f"{stack.base}/health", timeout=2).json().get("workers", {})
-            if len(workers) >= WORKERS and set(workers.values()) == {"healthy"}:
+            up = all(serving(stack, i) for i in range(WORKERS))
+            if up and len(workers) >= WORKERS and set(workers.values()) == {"healthy"}:
                 return time.monotonic() - t0
         except (httpx.HTTPError, ValueError):
             pass
