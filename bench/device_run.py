@@ -195,7 +195,8 @@ SPEC_SCALED_STEPS = (
         Step(
             f"profile-{name}-v32-scaled",
             "-m bench profile-step --scaled v32-scaled --modes adaptive --concurrency 1,16 "
-            f"--context 8192 --graphs on {flags} --out {{out}}/profile_{name}_v32_8k.json",
+            f"--context 8192 --graphs on --selections replay {flags} "
+            f"--out {{out}}/profile_{name}_v32_8k.json",
             300,
         )
         for name, flags in (("decode", ""), ("round", "--drafter mtp --spec-width 4"))

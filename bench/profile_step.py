@@ -9,7 +9,9 @@ by device time, and the step's wall time with and without the profiler.
 With ``--model`` a trained checkpoint is served instead of the random capacity model (and with
 ``--drafter`` a step is a speculative round; ``--scaled v32-scaled --drafter mtp``: the
 real-dimension model with its MTP layer, each step a round of a random MTP layer's proposals,
-whose kernels cost what any proposals' do). ``--cprofile`` adds the Python functions that
+whose kernels cost what any proposals' do; ``--selections replay``: every layer, the MTP
+layer's too, attends the shipped model's recorded selections, so that the hot cache and host
+reads are a trained model's, not a random indexer's). ``--cprofile`` adds the Python functions that
 take the host's time (a launch-bound step spends it there). It prints what it measures and
 returns, per mode, concurrency and graph choice, the step's wall time, the graphs' counters and
 the top operators by device and by host time per step (``--out``: a result JSON).
@@ -27,6 +29,7 @@ import torch
 
 from bench.core.model import BENCH_GLM, bench_model_config
 from bench.core.steps import steady_engine
+from bench.load.replay import TRACE, install, load_traces, replay_for
 from dhisparse.family.scaled import SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.engine import Engine
@@ -55,6 +58,12 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "in place with the model): profile spec rounds",
     )  # fmt: skip
     ap.add_argument("--spec-width", type=int, default=4)
+    ap.add_argument(
+        "--selections", default="own", choices=("own", "replay"),
+        help="replay: decode steps and rounds attend the shipped model's recorded selections "
+        "(bench load's replay), as bench scaled --selections replay; own: the model's",
+    )  # fmt: skip
+    ap.add_argument("--trace", default=str(TRACE), help="the traces --selections replay reads")
     ap.add_argument("--cprofile", action="store_true")
     ap.add_argument(
         "--graphs", default="on", help="on | off | on,off: decode passes as CUDA graphs or eager"
@@ -93,6 +102,11 @@ def run(args: argparse.Namespace) -> dict:
                             mtp=args.drafter == "mtp")  # fmt: skip
     elif args.model is None:
         model = build_model(bench_model_config(8, 512), seed=0, device=args.device, dtype=dtype)
+    replay = None
+    if args.selections == "replay":
+        if model is None:
+            raise ValueError("--selections replay needs a model built here (not --model)")
+        replay = replay_for(model, args.context, load_traces(Path(args.trace)))
     g = torch.Generator().manual_seed(0)
     cs = [int(c) for c in args.concurrency.split(",")]
     prompts = [torch.randint(0, 256, (args.context,), generator=g).tolist() for _ in range(max(cs))]
@@ -108,6 +122,7 @@ def run(args: argparse.Namespace) -> dict:
             mode, prompts[:c], args.context, args.pool_gib, args.scaled or args.model or BENCH_GLM,
             model, ByteTokenizer() if model is not None else None, device=args.device,
             durable_sessions=args.durable, graphs=GraphConfig(graphs),
+            built=None if replay is None else (lambda e: install(e, replay)),
             **({"hot_cache_rows": 2 * model.cfg.index_topk} if args.scaled else {}),
             speculation=SpeculationConfig(args.drafter, args.spec_width, "fixed"),
             # room for every round profiled: no request ends (nor the batch shrinks) meanwhile
@@ -121,11 +136,13 @@ def run(args: argparse.Namespace) -> dict:
             print_phases(eng, args.steps, cuda, f"{mode} C={c} graphs={graphs}")
         sync = torch.cuda.synchronize if cuda else (lambda: None)
         sync()
+        before = census(eng)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             eng.step()
         sync()
         plain = (time.perf_counter() - t0) / args.steps
+        rows = {k: (v - before[k]) / args.steps for k, v in census(eng).items()}
         acts = [torch.profiler.ProfilerActivity.CPU]
         if cuda:
             acts.append(torch.profiler.ProfilerActivity.CUDA)
@@ -152,7 +169,7 @@ def run(args: argparse.Namespace) -> dict:
         }  # fmt: skip
         results.append({
             "mode": mode, "concurrency": c, "graphs": graphs, "what": what,
-            "ms_per_step": plain * 1e3, "graph_counters": counters,
+            "ms_per_step": plain * 1e3, "graph_counters": counters, "rows_per_step": rows,
             "top_device": _top(ka, "self_device_time_total", args.rows, args.steps) if cuda else [],
             "top_host": _top(ka, "self_cpu_time_total", args.rows, args.steps),
         })  # fmt: skip
@@ -176,8 +193,16 @@ def run(args: argparse.Namespace) -> dict:
     return {
         "bench": "profile-step", "device": torch.cuda.get_device_name() if cuda else "cpu",
         "context": args.context, "steps": args.steps, "drafter": args.drafter,
-        "spec_width": args.spec_width if args.drafter else None, "runs": results,
+        "spec_width": args.spec_width if args.drafter else None,
+        "selections": args.selections, "runs": results,
     }  # fmt: skip
+
+
+def census(eng: Engine) -> dict[str, int]:
+    """The rows the hierarchy resolved so far, by where from (direct, hot, host; none in
+    resident mode)."""
+    c = getattr(eng.kv.payload, "census", None)
+    return {} if c is None else {k: getattr(c, k) for k in ("direct", "hot", "host")}
 
 
 def print_series(eng: Engine, steps: int, cuda: bool, label: str) -> None:

@@ -9,6 +9,7 @@ last fewer than half of the steps; benchmarks report it next to the aggregate.""
 from __future__ import annotations
 
 import statistics
+from collections.abc import Callable
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -44,18 +45,22 @@ def steady_engine(
     checkpoint: str = "bench-glm",
     model=None,
     tokenizer=None,
+    built: Callable[[Engine], None] | None = None,
     **config,
 ) -> Engine:
     """An engine of the profiling benchmarks (``profile-step``, ``step-timeline``) serving
     ``checkpoint`` (or the built ``model``) and decoding one never-ending greedy request per
-    prompt (``context`` tokens each), stepped until every one is prefilled. ``config``: other
-    ``EngineConfig`` fields, or overrides."""
+    prompt (``context`` tokens each), stepped until every one is prefilled. ``built`` sees the
+    engine before its first pass (a replay of selections is installed there). ``config``:
+    other ``EngineConfig`` fields, or overrides."""
     fields = dict(
         model=checkpoint, mode=mode, kv_pool_mib=pool_gib * 1024, max_num_seqs=len(prompts),
         page_size=64, max_model_len=context + 512, max_prefill_tokens=context,
         hot_cache_rows=1024, host_arena_mib=16 * 1024 if mode != "resident" else 16,
     )  # fmt: skip
     eng = Engine(EngineConfig(**{**fields, **config}), model=model, tokenizer=tokenizer)
+    if built is not None:
+        built(eng)
     params = SamplingParams(temperature=0.0, max_tokens=10**6, ignore_eos=True)
     for i, prompt in enumerate(prompts):
         eng.add_request(f"p{i}", prompt, params)

@@ -132,3 +132,21 @@ def test_profile_step_records_the_top_operators_of_a_step(tmp_path) -> None:
         top = r["top_host"]
         assert len(top) == 5 and all(op["us"] > 0 and op["calls"] > 0 for op in top)
         assert [op["us"] for op in top] == sorted((op["us"] for op in top), reverse=True)
+
+
+def test_profile_step_replays_selections_and_counts_rows(tmp_path) -> None:
+    """``profile-step --selections replay``: the shipped model's recorded selections, the rows
+    each step resolved by where from (none in resident mode)."""
+    out = tmp_path / "profile.json"
+    proc = _run(
+        "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "300",
+        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--rows", "3",
+        "--selections", "replay", "--out", str(out),
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    doc = json.loads(out.read_text())
+    assert doc["selections"] == "replay"
+    resident, hisparse = doc["runs"]
+    assert resident["rows_per_step"] == {}
+    rows = hisparse["rows_per_step"]
+    assert set(rows) == {"direct", "hot", "host"} and sum(rows.values()) > 0
