@@ -23,19 +23,21 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-# The KV pool when none is given (``auto_kv_pool_mib``): on a CPU a fixed size; on a GPU this
-# share of the device memory free once the model is loaded, the rest left to activations,
-# CUDA graphs and the allocator.
+# The KV pool when none is given (``auto_kv_pool_mib``): on a CPU this much room for sessions
+# beside the pool's fixed allocations (an in-process engine's default pool is this size); on a
+# GPU this share of the device memory free once the model is loaded, the rest left to
+# activations, CUDA graphs and the allocator.
 CPU_KV_POOL_MIB = 256.0
 GPU_KV_POOL_SHARE = 0.8
 
 
-def auto_kv_pool_mib(free_bytes: int | None) -> float:
+def auto_kv_pool_mib(free_bytes: int | None, fixed_bytes: int = 0) -> float:
     """The KV pool in MiB for a device with ``free_bytes`` free once the model is loaded (None:
     a CPU, whose memory the pool does not measure): ``GPU_KV_POOL_SHARE`` of them, whole
-    MiB; ``CPU_KV_POOL_MIB`` on a CPU."""
+    MiB; on a CPU ``CPU_KV_POOL_MIB`` for sessions beside ``fixed_bytes`` (the allocations that
+    do not grow with sessions: staging, scratch and metadata), whole MiB."""
     if free_bytes is None:
-        return CPU_KV_POOL_MIB
+        return CPU_KV_POOL_MIB + float(-(-fixed_bytes >> 20))
     return float(int(GPU_KV_POOL_SHARE * free_bytes) >> 20)
 
 
@@ -173,12 +175,13 @@ class EngineConfig:
 
 
 def with_sized_pool(
-    cfg: EngineConfig, comm: Comm, free: int | None, ceiling: int | None = None
+    cfg: EngineConfig, comm: Comm, free: int | None, ceiling: int | None = None, fixed: int = 0
 ) -> EngineConfig:
     """``cfg`` with its KV pool sized (``auto_kv_pool_mib``) when it gives none, from ``free``
-    bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU), and
-    at most ``ceiling`` bytes (what its seats can use: ``serving.cache.pool_ceiling``); the
-    size is logged either way. A group's ranks (every one calls this at the same point) take
+    bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU) or,
+    on a CPU, the pool's ``fixed`` bytes (``serving.cache.pool_fixed_bytes``), and at most
+    ``ceiling`` bytes (what its seats can use: ``serving.cache.pool_ceiling``); the size is
+    logged either way. A group's ranks (every one calls this at the same point) take
     the smallest free memory among them: they hold one batch's rows (or, data-parallel, seats
     the gateway counts alike)."""
     if cfg.kv_pool_mib is not None:
@@ -187,9 +190,15 @@ def with_sized_pool(
     if free is not None and comm.size > 1:
         every = comm.gather_objects(free)
         free = comm.broadcast_object(min(every) if every else None)
-    mib = auto_kv_pool_mib(free)
+    mib = auto_kv_pool_mib(free, fixed)
     if free is None:
-        log.info("KV pool: %.0f MiB (auto: the CPU default; --kv-pool-mib sets it)", mib)
+        if ceiling is not None:
+            mib = min(mib, float(-(-ceiling >> 20)))
+        log.info(
+            "KV pool: %.0f MiB (auto: the CPU default, %.0f MiB for sessions beside %.0f MiB "
+            "that does not grow with them; --kv-pool-mib sets it)",
+            mib, CPU_KV_POOL_MIB, fixed / (1 << 20),
+        )  # fmt: skip
     elif ceiling is not None and mib > -(-ceiling >> 20):
         mib = float(-(-ceiling >> 20))
         log.info(

@@ -38,7 +38,7 @@ from services.worker.request.request import (
     Status,
 )
 from services.worker.request.sampling import sample_token
-from services.worker.serving.cache import KVCache, pool_ceiling
+from services.worker.serving.cache import KVCache, pool_bounds
 from services.worker.speculative.speculator import Speculator, make_drafter
 from services.worker.transfers import readback, to_device
 
@@ -84,8 +84,8 @@ class Engine:
         rows = cfg.max_num_seqs * max(1, sc.width)  # the most rows a pass samples
         self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device, rows)
         dtype = next(model.parameters()).dtype
-        ceiling = pool_ceiling(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
-        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), ceiling)
+        bounds = pool_bounds(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
+        cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), *bounds)
         kv_cfg = cfg.kv_config(dtype)
         if host is not None and not self.group.writes_host:
             kv_cfg = replace(kv_cfg, host_writer=False)

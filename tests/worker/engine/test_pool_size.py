@@ -29,7 +29,8 @@ GIB = 1 << 30
 
 
 def test_the_pool_is_a_share_of_the_free_device_memory() -> None:
-    assert auto_kv_pool_mib(None) == CPU_KV_POOL_MIB  # a CPU: today's fixed size
+    assert auto_kv_pool_mib(None) == CPU_KV_POOL_MIB  # a CPU: room for sessions
+    assert auto_kv_pool_mib(None, (100 << 20) + 1) == CPU_KV_POOL_MIB + 101  # beside the fixed
     assert auto_kv_pool_mib(10 * GIB) == GPU_KV_POOL_SHARE * 10 * 1024
     assert auto_kv_pool_mib(GIB + 12345) == int(GPU_KV_POOL_SHARE * (GIB + 12345)) >> 20
     assert 0 < GPU_KV_POOL_SHARE < 1  # room stays for activations and graphs
@@ -54,15 +55,23 @@ def test_a_gpu_without_a_pool_size_gets_a_share_of_its_free_memory(
     )
 
 
-def test_an_engine_on_a_cpu_without_a_pool_size_keeps_the_cpu_default(
-    caplog: pytest.LogCaptureFixture,
+@pytest.mark.parametrize("mode", ["resident", "adaptive"])
+def test_an_engine_on_a_cpu_without_a_pool_size_has_the_cpu_default_room_for_sessions(
+    mode: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    """On a CPU the pool holds ``CPU_KV_POOL_MIB`` for sessions beside what does not grow with
+    them (the hierarchy's staging, scratch and metadata), within what the seats can use."""
+    cfg = EngineConfig(model="tiny-glm", mode=mode, kv_pool_mib=None, max_model_len=4096)
     with caplog.at_level(logging.INFO, logger="services.worker.engine.config"):
-        engine = Engine(EngineConfig(model="tiny-glm", mode="resident", kv_pool_mib=None))
+        engine = Engine(cfg)
     try:
-        assert engine.cfg.kv_pool_mib == CPU_KV_POOL_MIB
-        assert engine.kv.cfg.kv_pool_bytes == int(CPU_KV_POOL_MIB) << 20
-        assert "KV pool: 256 MiB (auto: the CPU default" in caplog.text
+        pool = engine.kv.cfg.kv_pool_bytes
+        ceiling = pool_ceiling(engine.model_cfg, replace(engine.kv.cfg, kv_pool_bytes=0))
+        room = pool - engine.kv.fixed_bytes()
+        assert pool == int(engine.cfg.kv_pool_mib) << 20
+        assert room >= (int(CPU_KV_POOL_MIB) << 20) - (1 << 20) or pool >= ceiling - (1 << 20)
+        assert pool <= ceiling + (1 << 20)
+        assert f"KV pool: {engine.cfg.kv_pool_mib:.0f} MiB (auto: the CPU default" in caplog.text
     finally:
         engine.close()
 
