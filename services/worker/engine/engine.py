@@ -38,7 +38,8 @@ from services.worker.request.request import (
     Status,
 )
 from services.worker.request.sampling import sample_token
-from services.worker.serving.cache import KVCache, pool_bounds
+from services.worker.serving.cache import KVCache
+from services.worker.serving.pool_size import pool_bounds
 from services.worker.speculative.speculator import Speculator, make_drafter
 from services.worker.transfers import readback, to_device
 
@@ -345,9 +346,7 @@ class Engine:
         starts = [r.num_computed for r in reqs]
         lens = chunks or [r.num_tokens - r.num_computed for r in reqs]
         ends = [a + n for a, n in zip(starts, lens, strict=True)]
-        ids: list[int] = []
-        for r, a, e in zip(reqs, starts, ends, strict=True):
-            ids.extend(r.ids_from(a, e))
+        ids = [t for r, a, e in zip(reqs, starts, ends, strict=True) for t in r.ids_from(a, e)]
         batch = ForwardBatch.build(
             [r.slot for r in reqs],  # type: ignore[misc]
             starts, lens, self.device, prefill=chunks is not None,

@@ -465,17 +465,6 @@ class DevicePages:
         return lead, last
 
 
-def pool_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
-    """What a pool holds that does not grow with sessions, in any mode (``cfg.kv_pool_bytes``
-    aside): the hierarchy modes' fixed allocations and the index-score workspace."""
-    return hierarchy_fixed_bytes(model_cfg, cfg) + workspace_bytes(model_cfg, cfg)
-
-
-def pool_bounds(model_cfg: ModelConfig, cfg: KVCacheConfig) -> tuple[int, int]:
-    """(``pool_ceiling``, ``pool_fixed_bytes``): what sizes a pool none was given."""
-    return pool_ceiling(model_cfg, cfg), pool_fixed_bytes(model_cfg, cfg)
-
-
 def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     """The most KV pool bytes a worker can use in any mode (``cfg.kv_pool_bytes`` aside): every
     slot's whole context held on the device as resident serving stores it (rows and index
@@ -490,4 +479,5 @@ def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
         hot_rows(model_cfg, cfg) + tail_rows(cfg.page_size, cfg.ring_extra)
     )
     per_slot = cfg.max_model_len * per_token + beside * codecs.rows.row_bytes
-    return int(pool_fixed_bytes(model_cfg, cfg) + cfg.max_slots * per_slot)
+    fixed = hierarchy_fixed_bytes(model_cfg, cfg) + workspace_bytes(model_cfg, cfg)
+    return int(fixed + cfg.max_slots * per_slot)
