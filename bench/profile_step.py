@@ -45,6 +45,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--context", type=int, default=16384)
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--pool-gib", type=float, default=8.0)
+    ap.add_argument("--host-gib", type=float, default=16.0, help="the hierarchy's host arena")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: bench-glm)")
@@ -122,6 +123,7 @@ def run(args: argparse.Namespace) -> dict:
             mode, prompts[:c], args.context, args.pool_gib, args.scaled or args.model or BENCH_GLM,
             model, ByteTokenizer() if model is not None else None, device=args.device,
             durable_sessions=args.durable, graphs=GraphConfig(graphs),
+            **({"host_arena_mib": args.host_gib * 1024} if mode != "resident" else {}),
             built=None if replay is None else (lambda e: install(e, replay)),
             **({"hot_cache_rows": 2 * model.cfg.index_topk} if args.scaled else {}),
             speculation=SpeculationConfig(args.drafter, args.spec_width, "fixed"),

@@ -118,7 +118,8 @@ def test_profile_step_records_the_top_operators_of_a_step(tmp_path) -> None:
     out = tmp_path / "profile.json"
     proc = _run(
         "profile-step", "--modes", "resident,adaptive", "--concurrency", "2", "--context", "64",
-        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--rows", "5", "--out", str(out),
+        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--host-gib", "0.25", "--rows", "5",
+        "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -140,7 +141,7 @@ def test_profile_step_replays_selections_and_counts_rows(tmp_path) -> None:
     out = tmp_path / "profile.json"
     proc = _run(
         "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "300",
-        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--rows", "3",
+        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--host-gib", "0.25", "--rows", "3",
         "--selections", "replay", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
