@@ -22,6 +22,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from bench.adoption import worker_metrics as metrics_url
 from bench.core.up import UpStack as Stack
 from dhisparse import metrics as names
 from tests.e2e.test_durability import LONG, stream_chat, up_stack
@@ -47,12 +48,6 @@ def two_workers(tmp_path: Path, **env: str) -> Iterator[Stack]:
 def pair(tmp_path: Path) -> Iterator[Stack]:
     with two_workers(tmp_path) as st:
         yield st
-
-
-def metrics_url(stack: Stack, index: int) -> str:
-    """Worker ``index``'s metrics (``up`` gives worker i the metrics port of worker 0 + 10 i)."""
-    base, port = stack.worker_metrics.rsplit(":", 1)
-    return f"{base}:{int(port.split('/')[0]) + 10 * index}/metrics"
 
 
 def running(stack: Stack, index: int) -> float:

@@ -179,7 +179,7 @@ def with_sized_pool(
 ) -> EngineConfig:
     """``cfg`` with its KV pool sized (``auto_kv_pool_mib``) when it gives none, from ``free``
     bytes on its device once the model is loaded (``device_free_bytes``; None on a CPU) or,
-    on a CPU, the pool's ``fixed`` bytes (``serving.cache.pool_fixed_bytes``), and at most
+    on a CPU, the pool's ``fixed`` bytes (``serving.pool_size.pool_fixed_bytes``), and at most
     ``ceiling`` bytes (what its seats can use: ``serving.cache.pool_ceiling``); the size is
     logged either way. A group's ranks (every one calls this at the same point) take
     the smallest free memory among them: they hold one batch's rows (or, data-parallel, seats
