@@ -22,6 +22,7 @@ exit status is 1 when a stream fails or fewer kills landed than asked."""
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
 import re
 import signal
@@ -86,7 +87,9 @@ def serving(stack: UpStack, index: int) -> bool:
     """Whether the last process ``up`` started as worker ``index`` serves (its start-up line):
     the gateway lists a killed worker healthy until its polls have missed a few times."""
     started = len(stack.pids(f"worker-{index}"))
-    said = len(re.findall(rf"worker worker-{index} serving ", stack.log.read_text(errors="replace")))
+    said = len(
+        re.findall(rf"worker worker-{index} serving ", stack.log.read_text(errors="replace"))
+    )
     return started > 0 and said >= started
 
 
@@ -163,7 +166,7 @@ def delays(outs: list[dict], kill_at: float) -> list[float | None]:
 
 def usual_gap(outs: list[dict]) -> float:
     """The median gap between consecutive chunks of the whole run's streams."""
-    gaps = [b - a for o in outs for a, b in zip(o["chunk_times_s"], o["chunk_times_s"][1:])]
+    gaps = [b - a for o in outs for a, b in itertools.pairwise(o["chunk_times_s"])]
     return statistics.median(gaps) if gaps else 0.0
 
 
