@@ -11,8 +11,8 @@ rounds otherwise: the texts compared here would differ for that reason, not adop
 Streams ``--streams`` greedy chat completions of distinct prompts at once: first untimed on
 both workers (kernels compile, graphs capture), then whole (the texts to compare with), then
 ``--kills`` times with the worker running the most of them SIGKILLed once stream 0 has
-``--kill-at`` of its chunks. ``up`` restarts the killed worker; the next trial waits until the
-gateway reports both healthy. Per kill it records each stream's delay from the kill to its next
+``--kill-at`` of its chunks and every stream its first. ``up`` restarts the killed worker; the
+next trial waits until its successor serves and the gateway reports both healthy. Per kill it records each stream's delay from the kill to its next
 chunk (the stall of the streams the victim held; the others' delay is a usual chunk gap, also
 recorded), whether every text equals the whole run's, the gateway's adoptions by outcome and
 adoption latency (break to the peer's first token), and the prompt tokens the peer computed
@@ -22,6 +22,7 @@ exit status is 1 when a stream fails or fewer kills landed than asked."""
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import os
 import re
@@ -31,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -44,6 +46,7 @@ from dhisparse import metrics as m
 
 WORKERS = 2
 READY_S = 300  # for a killed worker's successor to serve again
+LOG_TAIL = 200  # lines of the stack's log the result keeps
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -83,24 +86,25 @@ def sample(stack: UpStack, url: str, name: str, **labels: str) -> float:
         return 0.0
 
 
-def serving(stack: UpStack, index: int) -> bool:
-    """Whether the last process ``up`` started as worker ``index`` serves (its start-up line):
-    the gateway lists a killed worker healthy until its polls have missed a few times."""
-    started = len(stack.pids(f"worker-{index}"))
+def serving(stack: UpStack, index: int, dead: set[int]) -> bool:
+    """Whether the last process ``up`` started as worker ``index`` serves (its start-up line)
+    and is not one of the ``dead`` (killed before: ``up`` may not have noticed yet, and the
+    gateway lists a killed worker healthy until its polls have missed a few times)."""
+    pids = stack.pids(f"worker-{index}")
     said = len(
         re.findall(rf"worker worker-{index} serving ", stack.log.read_text(errors="replace"))
     )
-    return started > 0 and said >= started
+    return bool(pids) and pids[-1] not in dead and said >= len(pids)
 
 
-def wait_healthy(stack: UpStack, timeout_s: float = READY_S) -> float:
-    """Seconds until every worker's last process serves and the gateway's ``/health`` lists
-    every worker healthy."""
+def wait_healthy(stack: UpStack, dead: set[int], timeout_s: float = READY_S) -> float:
+    """Seconds until every worker's last process serves, none of them one of the ``dead``, and
+    the gateway's ``/health`` lists every worker healthy."""
     t0 = time.monotonic()
     while True:
         try:
             workers = httpx.get(f"{stack.base}/health", timeout=2).json().get("workers", {})
-            up = all(serving(stack, i) for i in range(WORKERS))
+            up = all(serving(stack, i, dead) for i in range(WORKERS))
             if up and len(workers) >= WORKERS and set(workers.values()) == {"healthy"}:
                 return time.monotonic() - t0
         except (httpx.HTTPError, ValueError):
@@ -110,37 +114,48 @@ def wait_healthy(stack: UpStack, timeout_s: float = READY_S) -> float:
         time.sleep(0.2)
 
 
-def streams(stack: UpStack, n: int, max_tokens: int, on_chunk=None) -> list[dict]:
-    """``n`` streams at once; ``on_chunk(n)`` follows stream 0's chunks."""
+def streams(
+    stack: UpStack, n: int, max_tokens: int, on_chunk: Callable[[int, int], None] | None = None
+) -> list[dict]:
+    """``n`` streams at once; ``on_chunk(i, c)`` follows stream ``i``'s ``c``-th chunk."""
     with ThreadPoolExecutor(n) as pool:
-        futs = [pool.submit(stream, stack.base, body(i, max_tokens), on_chunk if i == 0 else None)
+        futs = [pool.submit(stream, stack.base, body(i, max_tokens),
+                            None if on_chunk is None else functools.partial(on_chunk, i))
                 for i in range(n)]  # fmt: skip
         return [f.result() for f in futs]
 
 
 class Killer:
-    """An ``on_chunk`` for stream 0: after chunk ``at``, SIGKILLs the worker running the most
-    requests (its newest PID); records when (the monotonic clock), whom, and the peer's
+    """An ``on_chunk`` for every stream: once stream 0 has ``at`` chunks and every stream its
+    first (no stream is still waiting to be admitted or prefilled: a kill then only moves
+    sessions that hold tokens), SIGKILLs the worker running the most requests (its newest
+    PID) and adds it to ``dead``; records when (the monotonic clock), whom, and the peer's
     counters then."""
 
-    def __init__(self, stack: UpStack, at: int) -> None:
-        self.stack, self.at = stack, at
+    def __init__(self, stack: UpStack, at: int, n: int, dead: set[int]) -> None:
+        self.stack, self.at, self.dead = stack, at, dead
+        self.started = [False] * n
+        self.lead = 0  # stream 0's chunks so far
         self.kill: dict | None = None
         self.lock = threading.Lock()
 
-    def __call__(self, n: int) -> None:
+    def __call__(self, i: int, c: int) -> None:
         with self.lock:
-            if n != self.at or self.kill is not None:
+            self.started[i] = True
+            self.lead = c if i == 0 else self.lead
+            if self.kill is not None or self.lead < self.at or not all(self.started):
                 return
-            running = [sample(self.stack, worker_metrics(self.stack, i), m.NUM_REQUESTS_RUNNING)
-                       for i in range(WORKERS)]  # fmt: skip
-            victim = max(range(WORKERS), key=lambda i: running[i])
+            running = [sample(self.stack, worker_metrics(self.stack, w), m.NUM_REQUESTS_RUNNING)
+                       for w in range(WORKERS)]  # fmt: skip
+            victim = max(range(WORKERS), key=lambda w: running[w])
             pid = self.stack.pids(f"worker-{victim}")[-1]
             peer = worker_metrics(self.stack, 1 - victim)
             computed = sample(self.stack, peer, f"{m.PREFILL_TOKENS_COMPUTED}_total")
             os.kill(pid, signal.SIGKILL)
+            self.dead.add(pid)
             self.kill = {"at": time.monotonic(), "victim": victim, "pid": pid,
-                         "running": running, "peer_computed_before": computed}  # fmt: skip
+                         "after_chunk": self.lead, "running": running,
+                         "peer_computed_before": computed}  # fmt: skip
 
 
 def gateway_counts(stack: UpStack) -> dict:
@@ -170,10 +185,12 @@ def usual_gap(outs: list[dict]) -> float:
     return statistics.median(gaps) if gaps else 0.0
 
 
-def trial(stack: UpStack, args: argparse.Namespace, at: int, want: list[str]) -> dict:
-    ready = wait_healthy(stack)
+def trial(
+    stack: UpStack, args: argparse.Namespace, at: int, want: list[str], dead: set[int]
+) -> dict:
+    ready = wait_healthy(stack, dead)
     before = gateway_counts(stack)
-    killer = Killer(stack, at)
+    killer = Killer(stack, at, args.streams, dead)
     try:
         outs = streams(stack, args.streams, args.max_tokens, killer)
     except (RuntimeError, TimeoutError, httpx.HTTPError) as e:  # recorded, not raised
@@ -210,13 +227,14 @@ def run(args: argparse.Namespace) -> int:
         tempfile.TemporaryDirectory() as tmp,
         up_stack(Path(tmp) / "up.log", *flags, env=env, startup_s=args.startup_s) as stack,
     ):
-        wait_healthy(stack)
+        dead: set[int] = set()  # the PIDs killed so far
+        wait_healthy(stack, dead)
         streams(stack, 2 * args.streams, args.max_tokens)  # both workers warm: not timed
         whole = streams(stack, args.streams, args.max_tokens)
         want = [o["text"] for o in whole]
         at = max(1, round(whole[0]["chunks"] * args.kill_at))
-        trials = [trial(stack, args, at, want) for _ in range(args.kills)]
-        log_tail = stack.log.read_text(errors="replace").splitlines()[-40:]
+        trials = [trial(stack, args, at, want, dead) for _ in range(args.kills)]
+        log_tail = stack.log.read_text(errors="replace").splitlines()[-LOG_TAIL:]
     landed = [t for t in trials if t.get("killed") and "error" not in t]
     stalls = [t["stall_s"] for t in landed if t["stall_s"] is not None]
     doc = {
