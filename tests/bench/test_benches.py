@@ -66,7 +66,7 @@ def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
 def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> None:
     out = tmp_path / "spec.json"
     common = ["--model", "tiny-indexshare", "--drafter-dir", "bench/drafters/tiny-indexshare",
-              "--concurrency", "1,2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
+              "--concurrency", "2", "--widths", "", "--decode-tokens", "8", "--prompt-len",
               "48", "--pool-mib", "64", "--host-mib", "64", "--drafters", "dflash,dspark,dflash2",
               "--out", str(out)]  # fmt: skip
     bad = _run("spec", *common, "--requests-per-client", "1")
@@ -77,14 +77,13 @@ def test_spec_runs_every_configuration_and_rejects_an_empty_window(tmp_path) -> 
     configs = {r["config"] for r in data["results"]}
     assert configs == {"none"} | {f"{d}/{p}" for d in ("dflash", "dspark", "dflash2")
                                   for p in ("paper", "online")}  # fmt: skip
-    assert len(data["results"]) == 2 * len(configs)
+    assert len(data["results"]) == len(configs)
     for r in data["results"]:
         assert r["decode_tokens_per_s"] > 0 and r["acceptance_length"] >= 1.0
         if r["config"].endswith("/paper"):  # every measured round timed, drafting apart
             split = r["round_split"]
             assert split["rounds"] > 0 and 0 < split["draft_ms"] < split["round_ms"]
-    assert set(data["summary"]) == {f"{d}@C{c}" for d in ("dflash", "dspark", "dflash2")
-                                    for c in (1, 2)}  # fmt: skip
+    assert set(data["summary"]) == {f"{d}@C2" for d in ("dflash", "dspark", "dflash2")}
     # the drafters it loaded, weights included (opened outside Python's open)
     files = _measured(data)
     for d in ("dflash", "dspark", "dflash2"):

@@ -133,8 +133,13 @@ def test_plain_and_speculating_engines_side_by_side_on_the_cpu() -> None:
     assert [r["mode"] for r in rows] == names
     assert "acceptance_length" not in rows[0] and rows[0]["decode_tokens_per_s"] > 0
     for r in rows[1:]:
-        assert r["acceptance_control"]["rounds"] > 0 and r["acceptance_length"] > 1.5
+        assert r["acceptance_control"]["rounds"] > 0
         assert r["widths"]["policy"] == r["mode"].split("/")[1].split(":")[0]
+    assert rows[1]["acceptance_length"] > 1.5
+    # the online policy drafts at the acceptance asked for, or has judged (from the rounds it
+    # timed, on a busy CPU too) that plain decoding pays and drafts nothing in the window
+    online = rows[2]
+    assert online["acceptance_length"] > 1.5 or online["width_in_use"] == 0
     split = rows[1]["round_split"]  # every round of the fixed width is timed, drafts apart
     assert split["rounds"] > 0 and 0 < split["draft_ms"] < split["round_ms"]
     assert split["verify_and_host_ms"] == pytest.approx(split["round_ms"] - split["draft_ms"])

@@ -158,16 +158,25 @@ class SessionBackup:
                 out[i][s] = host[i].tobytes()
         return out
 
-    def restore(self, slot: int, num_tokens: int, rings: dict[int, bytes]) -> None:
+    def restore(
+        self,
+        slot: int,
+        num_tokens: int,
+        rings: dict[int, bytes],
+        shared_rows: dict[int, int] | None = None,
+    ) -> None:
         """Rebuilds a seated slot's index keys (rows of ``num_tokens`` tokens, pages already
-        ensured) from its host key regions, and its token rings from their snapshots."""
+        ensured) from its host key regions, and its token rings from their snapshots. By
+        producer layer, the first ``shared_rows`` keys are in shared pages (``KVCache.adopt``):
+        they are there already and never written."""
         for layer, s in self.producers.items():
             n = self.cfg.rows_for_tokens(s, num_tokens)
-            if n == 0:
+            lo = min(n, (shared_rows or {}).get(layer, 0))
+            if n == lo:
                 continue
             pool = self.keys.pools[layer]
-            rows = torch.arange(n, device=pool.data.device)
-            host = self.host.session_rows(slot, key_source(layer), 0, n, self.key_dtype)
+            rows = torch.arange(lo, n, device=pool.data.device)
+            host = self.host.session_rows(slot, key_source(layer), lo, n, self.key_dtype)
             pool.write(torch.full_like(rows, slot), rows, host.to(pool.data.device))
         for s, ring in self.rings.items():
             raw = torch.frombuffer(bytearray(rings[s]), dtype=torch.uint8)

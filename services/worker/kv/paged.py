@@ -8,6 +8,7 @@ for every slot at full length."""
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -20,7 +21,12 @@ from services.worker.transfers import to_device
 class PagePool:
     """A free list of page ids (which pages are free; not what they hold). A page is held by
     slots (``take``, then ``share`` for each further slot) and by cached prefixes (``cache``,
-    ``serving.device_prefix``), each counted; it is free again when nothing holds it."""
+    ``serving.device_prefix``, ``serving.key_records``), each counted; it is free again when
+    nothing holds it.
+
+    With a ``reclaim`` hook (it drops one cached prefix, False when there is none), pages only
+    cached prefixes hold count as ``available`` and ``take`` drops prefixes until it has its
+    pages: cached prefixes give way to every other use of the pool."""
 
     def __init__(self, num_pages: int) -> None:
         self.total = num_pages
@@ -28,14 +34,23 @@ class PagePool:
         self._slots = [0] * num_pages  # slots holding each page
         self._cached = [0] * num_pages  # cached prefixes holding each page
         self.cached_only = 0  # pages that only cached prefixes hold (reclaimable)
+        self.reclaim: Callable[[], bool] | None = None
 
     @property
     def free(self) -> int:
         return len(self._free)
 
+    @property
+    def available(self) -> int:
+        """Pages a ``take`` can have: the free ones, and with a ``reclaim`` hook those only
+        cached prefixes hold."""
+        return len(self._free) + (self.cached_only if self.reclaim is not None else 0)
+
     def take(self, n: int) -> list[int]:
-        """n pages, lowest ids first, held by one slot; raises when fewer are free (callers
-        check first)."""
+        """n pages, lowest free ids first, held by one slot; drops cached prefixes (``reclaim``)
+        while fewer are free; raises when fewer are ``available`` (callers check first)."""
+        while n > len(self._free) and self.reclaim is not None and self.reclaim():
+            pass
         if n > len(self._free):
             raise RuntimeError(f"{n} pages asked, {len(self._free)} free")
         pages = [self._free.pop() for _ in range(n)]
@@ -146,7 +161,7 @@ class PagedRows:
 
     @property
     def num_free_pages(self) -> int:
-        return self.free_list.free
+        return self.free_list.available
 
     @property
     def used_bytes(self) -> int:
@@ -183,7 +198,7 @@ class PagedRows:
         if need == 0:
             return True
         held = len(self._pages[slot])
-        if need > self.free_list.free or held + need > self.max_pages_per_slot:
+        if need > self.free_list.available or held + need > self.max_pages_per_slot:
             return False
         new = self.free_list.take(need)
         self._pages[slot].extend(new)
@@ -312,7 +327,7 @@ class PagedGroup:
 
     def can_ensure(self, slot: int, num_tokens: int) -> bool:
         if self.shared is not None:
-            return self.pages_needed(slot, num_tokens) <= self.shared.pages.free
+            return self.pages_needed(slot, num_tokens) <= self.shared.pages.available
         return all(
             p.pages_needed(slot, self.rows(key, num_tokens)) <= p.num_free_pages
             for key, p in self.pools.items()

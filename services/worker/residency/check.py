@@ -11,7 +11,8 @@ from services.worker.residency.optional_history import OptionalHistory, State, p
 def check_residency(store: DeviceStore, history: OptionalHistory, reserve: int) -> None:
     """Raises AssertionError when eq. 3 or the residency invariant is broken."""
     optional = history.optional_pages
-    required = store.pages.total - store.pages.free - optional
+    # pages only cached index keys hold (``serving.key_records``) give way at once: not required
+    required = store.pages.total - store.pages.available - optional
     assert required + optional + reserve <= store.pages.total, "eq. 3 broken"
     p, ring = store.page, store.tail
     for _, owner in history.admitted():

@@ -91,7 +91,10 @@ class Residency:
 
     @property
     def required_pages(self) -> int:
-        return self.store.pages.total - self.store.pages.free - self.optional_pages
+        """Pages admitted requests hold (hot caches, tails, index keys): neither optional
+        history nor pages only cached index keys hold, which any take reclaims at once
+        (``serving.key_records``)."""
+        return self.store.pages.total - self.store.pages.available - self.optional_pages
 
     @property
     def retiring_pages(self) -> int:

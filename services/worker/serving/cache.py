@@ -264,25 +264,36 @@ class KVCache:
         num_tokens: int,
         rings: dict[int, bytes],
         max_tokens: int | None = None,
+        shared_keys: dict[int, list[int]] | None = None,
     ) -> bool:
         """Seats an adopted durable session (or a request importing a cached prefix) whose
         first ``num_tokens`` tokens are committed in its host ``regions``: rows stay where
         they are, index keys and token rings are rebuilt, the hot cache starts empty; index
         keys are reserved for ``max_tokens`` tokens (as ``admit`` does; None: ``num_tokens``).
-        False (nothing taken) when the device has no room."""
+        ``shared_keys``: by producer layer, cached key pages (``serving.key_records``) that
+        hold the first keys, seated shared; the keys after them come from the host. False
+        (nothing taken) when the device has no room."""
         if self.sessions is None:
             raise RuntimeError("adoption needs a hierarchy mode with durable sessions")
         committed = [
             self.model_cfg.rows_for_tokens(s, num_tokens)
             for s in range(len(self.model_cfg.sources))
         ]
+        if shared_keys:
+            self.index_keys.seat(slot, shared_keys)
         keys_to = self._keys_reserved(num_tokens, max_tokens or num_tokens)
         key_pages = self._key_pages(slot, keys_to)
         if not self.payload.adopt(slot, request_id, regions, committed, key_pages):
+            if shared_keys:
+                self.index_keys.release(slot)
             return False
         ok = self.index_keys.ensure(slot, keys_to) and self.ensure(slot, num_tokens)
         assert ok
-        self.sessions.restore(slot, num_tokens, rings)
+        shared_rows = {
+            layer: len(pages) * self.index_keys.pools[layer].page_size
+            for layer, pages in (shared_keys or {}).items()
+        }
+        self.sessions.restore(slot, num_tokens, rings, shared_rows)
         self._admitted.add(slot)
         return True
 

@@ -36,18 +36,16 @@ rings), and the hierarchy modes (they reuse prefixes through the node's host sto
 
 from __future__ import annotations
 
-import itertools
-from collections import OrderedDict
-from collections.abc import Hashable
 from dataclasses import dataclass
 
 import torch
 
 from dhisparse.family.config import ModelConfig
-from services.kv_host_store.prefix_index import PrefixIndex, PrefixSalt, page_hashes
+from services.kv_host_store.prefix_index import PrefixSalt, page_hashes
 from services.worker.kv.page_end_carry import PageEndCarry
 from services.worker.request.request import Request
 from services.worker.serving.cache import DevicePages, KVCache
+from services.worker.serving.device_records import DeviceRecords
 from services.worker.serving.prefix_reuse import PrefixStats, prefix_query
 
 
@@ -86,8 +84,7 @@ class DevicePrefixReuse:
         self.salt = salt
         self.page = salt.page_size
         self.context = context
-        self.index = PrefixIndex(self.page)
-        self._records: OrderedDict[Hashable, _Record] = OrderedDict()  # LRU first
+        self._records = DeviceRecords[_Record](self.page, self._hold, self._let_go)
         # a lagged source's pools (the MTP layer's rows and keys): a request copies the page
         # its next row goes to, and seats the carry at the record's last position; so it
         # takes a record whole (the carry is kept at its end only)
@@ -96,14 +93,24 @@ class DevicePrefixReuse:
         self._lagged_keys = {i for i in self.keys.pools if cfg.sources[cfg.layers[i].source].lag}
         if self._lagged_rows and kv.carry is not None:
             kv.page_ends = PageEndCarry(kv.carry, self.page)
-        self._ids = itertools.count()
         self.stats = PrefixStats()
-        self.evictions = 0
-        kv.reclaim = self.evict_one
+        kv.reclaim = self._records.evict_one
 
     @property
     def records(self) -> int:
         return len(self._records)
+
+    @property
+    def evictions(self) -> int:
+        return self._records.evictions
+
+    def _hold(self, record: _Record) -> None:
+        self.rows.cache(record.pages.rows)
+        self.keys.cache(record.pages.keys)
+
+    def _let_go(self, record: _Record) -> None:
+        self.rows.uncache(record.pages.rows)
+        self.keys.uncache(record.pages.keys)
 
     # ---- admission ----------------------------------------------------------------------
     def admit(self, slot: int, req: Request, budget: int, manifest_bytes: int) -> int | None:
@@ -117,13 +124,12 @@ class DevicePrefixReuse:
         ids, hashes = query
         self.stats.queries += 1
         # with a lagged source, a record's carry is its end's: only a record ending there
-        match = self.index.longest_match(hashes, ids, whole=self.kv.page_ends is not None)
-        if match is None:
+        found = self._records.find(hashes, ids, whole=self.kv.page_ends is not None)
+        if found is None:
             return None
-        record = self._records[match.record]
-        self._records.move_to_end(match.record)
-        tokens = match.pages * self.page
-        pages = record.pages.first(match.pages)
+        record, matched = found
+        tokens = matched * self.page
+        pages = record.pages.first(matched)
         copied = pages.first(0)
         if record.carry is not None:
             pages, copied = pages.split(self._lagged_rows, self._lagged_keys)
@@ -147,7 +153,7 @@ class DevicePrefixReuse:
             return
         ids = req.ids_from(0, tokens)
         hashes = page_hashes(self.salt, ids)
-        if self.index.covers(hashes, ids):
+        if self._records.covers(hashes, ids):
             return
         pages = DevicePages(
             self.rows.prefix_pages(slot, tokens), self.keys.prefix_pages(slot, tokens)
@@ -155,27 +161,5 @@ class DevicePrefixReuse:
         carry = None
         if self.kv.page_ends is not None:  # the carry at position tokens - 1
             carry = self.kv.page_ends.data[slot].clone()
-        record = next(self._ids)
-        self.rows.cache(pages.rows)
-        self.keys.cache(pages.keys)
-        self.index.add(record, hashes, ids)
-        self._records[record] = _Record(pages, carry)
-        for old in self.index.covered_by(record):
-            self._drop(old)
+        self._records.add(hashes, ids, _Record(pages, carry))
         self.stats.left += 1
-
-    # ---- eviction -----------------------------------------------------------------------
-    def evict_one(self) -> bool:
-        """Drops the least recently used record (its pages no slot holds are free again);
-        False when there is none."""
-        if not self._records:
-            return False
-        self._drop(next(iter(self._records)))
-        self.evictions += 1
-        return True
-
-    def _drop(self, record: Hashable) -> None:
-        pages = self._records.pop(record).pages
-        self.index.remove(record)
-        self.rows.uncache(pages.rows)
-        self.keys.uncache(pages.keys)

@@ -149,7 +149,7 @@ class HierarchyPayload:
     def _room(self, need: int) -> bool:
         if self._adaptive is not None:
             return self._adaptive.make_room(need)
-        return self.store.pages.free >= need
+        return self.store.pages.available >= need
 
     def _seat(self, slot: int, committed: list[int]) -> None:
         self.store.seat(slot, committed)
@@ -241,11 +241,12 @@ class HierarchyPayload:
     def memory(self, admitted: int) -> tuple[int, int, int]:
         """Page-pool bytes by class of eq. 3, the fixed allocations counted as required."""
         page_bytes, pages = self.store.page_bytes, self.store.pages
+        cached = pages.available - pages.free  # only cached index keys hold them: optional
         if self._adaptive is None:
-            required, optional, reserve = pages.total - pages.free, 0, 0
+            required, optional, reserve = pages.total - pages.available, cached, 0
         else:
             r = self._adaptive
-            required, optional, reserve = r.required_pages, r.optional_pages, r.reserve
+            required, optional, reserve = r.required_pages, r.optional_pages + cached, r.reserve
         fixed = self.fixed_bytes()
         return required * page_bytes + fixed, optional * page_bytes, reserve * page_bytes
 

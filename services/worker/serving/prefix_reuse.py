@@ -49,9 +49,11 @@ at their places in its own rings. So such a model imports a cached prefix whole 
 a request whose tokens match fewer of a record's pages (a shared system prompt of a longer
 conversation, the same prompt sent again) computes its prompt.
 
-Not (yet) here: requests that ask for prompt logprobs (every prompt position must be scored),
-and sharing the hierarchy's device pages (an importer's index keys come back from the host;
-resident mode shares device pages, ``serving.device_prefix``).
+The index keys of a worker alone stay on the device too (``serving.key_records``): an importer
+seats the cached pages holding its first keys, shared, and brings only the rest back from the
+host; its rows are on the host either way.
+
+Not (yet) here: requests that ask for prompt logprobs (every prompt position must be scored).
 """
 
 from __future__ import annotations
@@ -76,6 +78,7 @@ from services.worker.hierarchy.session import (
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.request.request import Request
 from services.worker.serving.cache import CARRY, KVCache
+from services.worker.serving.key_records import KeyPages, KeyRecords, keys_unshareable
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +92,7 @@ class PrefixStats:
     hit_tokens: int = 0  # tokens they imported instead of computing
     left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
     not_left: int = 0  # requests whose pages could not be (the store full or down, rows missing)
+    keys_shared: int = 0  # hits that seated cached index-key pages on the device (key_records)
 
     def plus(self, others: list[PrefixStats]) -> PrefixStats:
         """These counts and ``others``' added up (a worker's ranks)."""
@@ -142,9 +146,16 @@ class HostRanks(Protocol):
         writing raised there, or ``error``)."""
         ...
 
+    @property
+    def replicated(self) -> bool:
+        """The ranks mirror rank 0's admissions (tensor parallel): only rank 0 decides."""
+        ...
+
 
 class AloneOnHost:
     """``HostRanks`` of a worker of one rank: it writes and leaves its own pages."""
+
+    replicated = False
 
     def __init__(self, store: RegionStore) -> None:
         self.own_store: RegionStore | None = store
@@ -199,6 +210,9 @@ class PrefixReuse:
         self._rings_at = rings_source(cfg) if self._ring_rows else None
         self.context = context
         self.ranks = ranks if ranks is not None else AloneOnHost(self.host.store)
+        # index keys shared on the device: keys one per token, ranks that admit on their own
+        shareable = not self.ranks.replicated and keys_unshareable(cfg) is None
+        self.key_records = KeyRecords(kv, self.page) if shareable else None
         self.stats = PrefixStats()
 
     def _rows(self, region_source: int, tokens: int) -> int:
@@ -288,13 +302,22 @@ class PrefixReuse:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         if hit is None:
             return None
+        shared = None
+        if self.key_records is not None:
+            shared = self.key_records.shared(hashes, ids, hit.tokens)
         try:
-            return self._import(slot, req, hit, budget, manifest_bytes)
+            return self._import(slot, req, hit, budget, manifest_bytes, shared)
         finally:
             self._release(hit)
 
     def _import(
-        self, slot: int, req: Request, hit: PrefixHit, budget: int, manifest_bytes: int
+        self,
+        slot: int,
+        req: Request,
+        hit: PrefixHit,
+        budget: int,
+        manifest_bytes: int,
+        shared_keys: KeyPages | None,
     ) -> int | None:
         kv, cfg = self.kv, self.kv.model_cfg
         assert kv.sessions is not None
@@ -312,7 +335,8 @@ class PrefixReuse:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         try:
             self._copy_in(cached, regions, hit.tokens)
-            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget)
+            shared = shared_keys if shared_keys and any(shared_keys.values()) else None
+            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget, shared)
         except BaseException:
             self.host.release_regions(regions)
             raise
@@ -323,6 +347,7 @@ class PrefixReuse:
         req.resumed_tokens = hit.tokens
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
+        self.stats.keys_shared += int(shared is not None)
         return hit.tokens
 
     def _copy_in(self, cached: dict[int, Region], regions: list[Region], tokens: int) -> None:
@@ -366,6 +391,8 @@ class PrefixReuse:
             return
         ids = req.ids_from(0, tokens)
         hashes = page_hashes(self.salt, ids)
+        if self.key_records is not None:
+            self.key_records.keep(slot, hashes, ids)
         if self.host.on_gpu:  # the step's host copies were queued on the stream
             torch.cuda.current_stream(self.host.device).synchronize()
         try:

@@ -1,6 +1,6 @@
 """A page pool's holders: slots (taken, then shared) and cached prefixes, each counted; a page
 is free once nothing holds it, and pages only cached prefixes hold are counted apart (the
-device prefix cache's reclaimable memory)."""
+device prefix cache's reclaimable memory), given way to any take with a reclaim hook."""
 
 from __future__ import annotations
 
@@ -49,3 +49,49 @@ def test_a_seated_slot_reads_the_shared_pages_and_grows_past_them() -> None:
     got = rows.gather_padded(torch.tensor([1]), torch.tensor([8]), 8)[0]
     assert torch.equal(got, torch.arange(16.0).view(8, 2))
     assert rows.used_bytes == 3 * 4 * 2 * 4 and rows.cached_bytes == 0
+
+
+def test_with_a_reclaim_hook_cached_pages_give_way_to_any_take() -> None:
+    """Pages only cached prefixes hold are available; a take short of free pages drops
+    prefixes (the hook, least recently used first in ``DeviceRecords``) until it has them;
+    pages a slot still holds stay held."""
+    pool = PagePool(6)
+    a, b = pool.take(2), pool.take(2)
+    pool.cache(a)
+    pool.cache(b)
+    pool.give(a)
+    pool.give(b[:1])  # page b[1] is still a slot's
+    prefixes = [a, b]
+
+    def reclaim() -> bool:
+        if not prefixes:
+            return False
+        pool.uncache(prefixes.pop(0))
+        return True
+
+    assert pool.free == 2 and pool.available == 2  # no hook: cached pages are not available
+    pool.reclaim = reclaim
+    assert pool.available == 5
+    assert len(pool.take(5)) == 5 and prefixes == []  # both prefixes dropped for it
+    assert pool.free == 0 and pool.cached_only == 0
+    with pytest.raises(RuntimeError, match="1 pages asked, 0 free"):
+        pool.take(1)
+
+
+def test_a_take_drops_only_the_prefixes_it_needs() -> None:
+    pool = PagePool(4)
+    held = [pool.take(1) for _ in range(4)]
+    for pages in held:
+        pool.cache(pages)
+        pool.give(pages)
+    dropped: list[list[int]] = []
+
+    def reclaim() -> bool:
+        pages = held.pop(0)
+        pool.uncache(pages)
+        dropped.append(pages)
+        return True
+
+    pool.reclaim = reclaim
+    assert sorted(pool.take(2)) == sorted(p for d in dropped for p in d) and len(dropped) == 2
+    assert pool.cached_only == 2 and pool.available == 2
