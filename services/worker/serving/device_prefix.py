@@ -84,7 +84,7 @@ class DevicePrefixReuse:
         self.salt = salt
         self.page = salt.page_size
         self.context = context
-        self._records = DeviceRecords[_Record](self.page, self._hold, self._let_go)
+        self.records = DeviceRecords[_Record](self.page, self._hold, self._let_go)
         # a lagged source's pools (the MTP layer's rows and keys): a request copies the page
         # its next row goes to, and seats the carry at the record's last position; so it
         # takes a record whole (the carry is kept at its end only)
@@ -94,15 +94,7 @@ class DevicePrefixReuse:
         if self._lagged_rows and kv.carry is not None:
             kv.page_ends = PageEndCarry(kv.carry, self.page)
         self.stats = PrefixStats()
-        kv.reclaim = self._records.evict_one
-
-    @property
-    def records(self) -> int:
-        return len(self._records)
-
-    @property
-    def evictions(self) -> int:
-        return self._records.evictions
+        kv.reclaim = self.records.evict_one
 
     def _hold(self, record: _Record) -> None:
         self.rows.cache(record.pages.rows)
@@ -124,7 +116,7 @@ class DevicePrefixReuse:
         ids, hashes = query
         self.stats.queries += 1
         # with a lagged source, a record's carry is its end's: only a record ending there
-        found = self._records.find(hashes, ids, whole=self.kv.page_ends is not None)
+        found = self.records.find(hashes, ids, whole=self.kv.page_ends is not None)
         if found is None:
             return None
         record, matched = found
@@ -153,7 +145,7 @@ class DevicePrefixReuse:
             return
         ids = req.ids_from(0, tokens)
         hashes = page_hashes(self.salt, ids)
-        if self._records.covers(hashes, ids):
+        if self.records.covers(hashes, ids):
             return
         pages = DevicePages(
             self.rows.prefix_pages(slot, tokens), self.keys.prefix_pages(slot, tokens)
@@ -161,5 +153,5 @@ class DevicePrefixReuse:
         carry = None
         if self.kv.page_ends is not None:  # the carry at position tokens - 1
             carry = self.kv.page_ends.data[slot].clone()
-        self._records.add(hashes, ids, _Record(pages, carry))
+        self.records.add(hashes, ids, _Record(pages, carry))
         self.stats.left += 1

@@ -57,16 +57,8 @@ class KeyRecords:
         self.keys = kv.index_keys
         self.page = page_size
         self._lag = {i: cfg.sources[cfg.layers[i].source].lag for i in self.keys.pools}
-        self._records = DeviceRecords[KeyPages](page_size, self.keys.cache, self.keys.uncache)
-        shared.pages.reclaim = self._records.evict_one
-
-    @property
-    def records(self) -> int:
-        return len(self._records)
-
-    @property
-    def evictions(self) -> int:
-        return self._records.evictions
+        self.records = DeviceRecords[KeyPages](page_size, self.keys.cache, self.keys.uncache)
+        shared.pages.reclaim = self.records.evict_one
 
     def _pages(self, layer: int, tokens: int) -> int:
         """Key pages of producer ``layer`` whose rows precede ``tokens - lag``."""
@@ -77,20 +69,20 @@ class KeyRecords:
         committed) as a record, before the slot lets go of them; nothing when a record holds
         all those pages already, or the tokens complete no key page."""
         tokens = len(hashes) * self.page
-        if not hashes or self._records.covers(hashes, token_ids):
+        if not hashes or self.records.covers(hashes, token_ids):
             return
         pages = {
             layer: pool.slot_pages(slot, self._pages(layer, tokens))
             for layer, pool in self.keys.pools.items()
         }
         if any(pages.values()):
-            self._records.add(hashes, token_ids, pages)
+            self.records.add(hashes, token_ids, pages)
 
     def shared(self, hashes: Sequence[str], token_ids: Sequence[int], tokens: int) -> KeyPages:
         """The cached key pages a request importing its first ``tokens`` tokens (whole pages of
         ``hashes`` and ``token_ids``) seats as its first, by producer layer: those of the record
         that holds the longest run of those pages; empty lists where none is cached."""
-        found = self._records.find(hashes[: tokens // self.page], token_ids)
+        found = self.records.find(hashes[: tokens // self.page], token_ids)
         if found is None:
             return {layer: [] for layer in self.keys.pools}
         pages, matched = found

@@ -98,11 +98,11 @@ def test_cached_pages_are_optional_memory_and_give_way_to_live_rows() -> None:
         assert cached.required == idle.required and cached.optional > 0
         assert cached.free == idle.free - cached.optional
         prefix = eng.scheduler.prefix
-        assert prefix.records == 2 and prefix.evictions == 0
+        assert len(prefix.records) == 2 and prefix.records.evictions == 0
         long = [(11 * j) % 250 + 3 for j in range(300)]  # 20 pages: 13 are free
         (got,) = run(eng, [long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
         (want,) = run(ref, [long], SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True))
-        assert got.output_ids == want.output_ids and prefix.evictions == 1
+        assert got.output_ids == want.output_ids and prefix.records.evictions == 1
         assert got.computed == len(long)  # nothing of it was cached
         (turn,) = run(eng, [next_turn(firsts[-1], [1, 2, 3])])
         (again,) = run(ref, [turn.prompt_ids])
