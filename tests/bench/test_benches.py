@@ -111,41 +111,30 @@ def test_graph_keys_counts_every_pass_of_the_measured_window(tmp_path) -> None:
         assert drafts == (0 if name == "none" else passes), name
 
 
-def test_profile_step_records_the_top_operators_of_a_step(tmp_path) -> None:
-    """``profile-step`` as a result: per run the step's time and its top operators by host
-    time (no device on the CPU), naming the code it measured."""
+def test_profile_step_records_the_top_operators_and_rows_of_replayed_steps(tmp_path) -> None:
+    """``profile-step --selections replay`` as a result: per run the step's time, its top
+    operators by host time (no device on the CPU) and the rows each step resolved by where
+    from (none in resident mode), over the shipped model's recorded selections; naming the
+    code it measured."""
     out = tmp_path / "profile.json"
     proc = _run(
-        "profile-step", "--modes", "resident,adaptive", "--concurrency", "2", "--context", "64",
+        "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "300",
         "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--host-gib", "0.25", "--rows", "5",
-        "--out", str(out),
+        "--selections", "replay", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
     assert "bench/profile_step.py" in _measured(doc)
+    assert doc["selections"] == "replay"
     assert [(r["mode"], r["concurrency"]) for r in doc["runs"]] == [
         ("resident", 2),
-        ("adaptive", 2),
+        ("hisparse", 2),
     ]
     for r in doc["runs"]:
         assert r["ms_per_step"] > 0 and r["what"] == "decode eager" and r["top_device"] == []
         top = r["top_host"]
         assert len(top) == 5 and all(op["us"] > 0 and op["calls"] > 0 for op in top)
         assert [op["us"] for op in top] == sorted((op["us"] for op in top), reverse=True)
-
-
-def test_profile_step_replays_selections_and_counts_rows(tmp_path) -> None:
-    """``profile-step --selections replay``: the shipped model's recorded selections, the rows
-    each step resolved by where from (none in resident mode)."""
-    out = tmp_path / "profile.json"
-    proc = _run(
-        "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "300",
-        "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--host-gib", "0.25", "--rows", "3",
-        "--selections", "replay", "--out", str(out),
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    doc = json.loads(out.read_text())
-    assert doc["selections"] == "replay"
     resident, hisparse = doc["runs"]
     assert resident["rows_per_step"] == {}
     rows = hisparse["rows_per_step"]
