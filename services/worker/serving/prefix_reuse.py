@@ -49,9 +49,9 @@ at their places in its own rings. So such a model imports a cached prefix whole 
 a request whose tokens match fewer of a record's pages (a shared system prompt of a longer
 conversation, the same prompt sent again) computes its prompt.
 
-The index keys of a worker alone stay on the device too (``serving.key_records``): an importer
-seats the cached pages holding its first keys, shared, and brings only the rest back from the
-host; its rows are on the host either way.
+The index keys stay on the device too (``serving.key_records``; not in a tensor-parallel group):
+an importer on the worker that left them seats the cached pages holding its first keys, shared,
+and brings only the rest back from the host; its rows are on the host either way.
 
 Not (yet) here: requests that ask for prompt logprobs (every prompt position must be scored).
 """
