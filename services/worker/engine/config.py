@@ -31,13 +31,18 @@ CPU_KV_POOL_MIB = 256.0
 GPU_KV_POOL_SHARE = 0.8
 
 
+def mib_up(nbytes: int) -> float:
+    """``nbytes`` in whole MiB, rounded up."""
+    return float(-(-nbytes >> 20))
+
+
 def auto_kv_pool_mib(free_bytes: int | None, fixed_bytes: int = 0) -> float:
     """The KV pool in MiB for a device with ``free_bytes`` free once the model is loaded (None:
     a CPU, whose memory the pool does not measure): ``GPU_KV_POOL_SHARE`` of them, whole
     MiB; on a CPU ``CPU_KV_POOL_MIB`` for sessions beside ``fixed_bytes`` (the allocations that
     do not grow with sessions: staging, scratch and metadata), whole MiB."""
     if free_bytes is None:
-        return CPU_KV_POOL_MIB + float(-(-fixed_bytes >> 20))
+        return CPU_KV_POOL_MIB + mib_up(fixed_bytes)
     return float(int(GPU_KV_POOL_SHARE * free_bytes) >> 20)
 
 
@@ -191,16 +196,16 @@ def with_sized_pool(
         every = comm.gather_objects(free)
         free = comm.broadcast_object(min(every) if every else None)
     mib = auto_kv_pool_mib(free, fixed)
+    most = mib_up(ceiling) if ceiling is not None else mib
     if free is None:
-        if ceiling is not None:
-            mib = min(mib, float(-(-ceiling >> 20)))
+        mib = min(mib, most)
         log.info(
             "KV pool: %.0f MiB (auto: the CPU default, %.0f MiB for sessions beside %.0f MiB "
             "that does not grow with them; --kv-pool-mib sets it)",
             mib, CPU_KV_POOL_MIB, fixed / (1 << 20),
         )  # fmt: skip
-    elif ceiling is not None and mib > -(-ceiling >> 20):
-        mib = float(-(-ceiling >> 20))
+    elif mib > most:
+        mib = most
         log.info(
             "KV pool: %.0f MiB (auto: all that %d seats of %d tokens can use, below %.0f%% of "
             "the %.0f MiB free on %s; --kv-pool-mib sets it)",

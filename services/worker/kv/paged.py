@@ -41,10 +41,15 @@ class PagePool:
         return len(self._free)
 
     @property
+    def reclaimable(self) -> int:
+        """Pages a ``take`` may have from cached prefixes: with a ``reclaim`` hook, those only
+        they hold."""
+        return self.cached_only if self.reclaim is not None else 0
+
+    @property
     def available(self) -> int:
-        """Pages a ``take`` can have: the free ones, and with a ``reclaim`` hook those only
-        cached prefixes hold."""
-        return len(self._free) + (self.cached_only if self.reclaim is not None else 0)
+        """Pages a ``take`` can have: the free ones and the ``reclaimable``."""
+        return len(self._free) + self.reclaimable
 
     def take(self, n: int) -> list[int]:
         """n pages, lowest free ids first, held by one slot; drops cached prefixes (``reclaim``)

@@ -14,7 +14,6 @@ import torch
 from dhisparse.family.config import ModelConfig
 from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.records import Region
-from services.worker.hierarchy.tail import tail_rows
 from services.worker.kv.backend import PayloadBackend
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import MODES, KVCacheConfig, MemoryUsage, bytes_per_token
@@ -23,7 +22,6 @@ from services.worker.kv.page_end_carry import PageEndCarry
 from services.worker.kv.row_codec import kv_codecs
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.kv.workspace import attention_block_tokens, workspace_bytes
-from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes, hot_rows
 from services.worker.serving.resident import ResidentPayload
 
 if TYPE_CHECKING:
@@ -32,7 +30,7 @@ if TYPE_CHECKING:
     from services.worker.hierarchy.region_store import RegionStore
     from services.worker.hierarchy.session import SessionBackup
 
-__all__ = ["CARRY", "STATE_RINGS", "KVCache", "pool_ceiling"]
+__all__ = ["CARRY", "STATE_RINGS", "KVCache"]
 
 CARRY = -1  # the carry's key among the token rings a durable session snapshots
 STATE_RINGS = -2  # the first key of a model's state rings among them (then -3, -4, ...)
@@ -474,21 +472,3 @@ class DevicePages:
             {k: v[-1:] if k in keys else [] for k, v in self.keys.items()},
         )
         return lead, last
-
-
-def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
-    """The most KV pool bytes a worker can use in any mode (``cfg.kv_pool_bytes`` aside): every
-    slot's whole context held on the device as resident serving stores it (rows and index
-    keys), each slot's hot cache and tail beside it, and the fixed allocations of the
-    hierarchy modes and the index-score workspace. A larger pool holds nothing more."""
-    codecs = kv_codecs(model_cfg, cfg.kv_cache_dtype, cfg.dtype)
-    esize = torch.empty((), dtype=cfg.dtype).element_size()
-    per_token = bytes_per_token(
-        model_cfg, esize, True, codecs.rows.row_bytes, codecs.keys.row_bytes
-    )
-    beside = len(model_cfg.sources) * (
-        hot_rows(model_cfg, cfg) + tail_rows(cfg.page_size, cfg.ring_extra)
-    )
-    per_slot = cfg.max_model_len * per_token + beside * codecs.rows.row_bytes
-    fixed = hierarchy_fixed_bytes(model_cfg, cfg) + workspace_bytes(model_cfg, cfg)
-    return int(fixed + cfg.max_slots * per_slot)

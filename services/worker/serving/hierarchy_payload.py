@@ -241,7 +241,7 @@ class HierarchyPayload:
     def memory(self, admitted: int) -> tuple[int, int, int]:
         """Page-pool bytes by class of eq. 3, the fixed allocations counted as required."""
         page_bytes, pages = self.store.page_bytes, self.store.pages
-        cached = pages.available - pages.free  # only cached index keys hold them: optional
+        cached = pages.reclaimable  # only cached index keys hold them: optional
         if self._adaptive is None:
             required, optional, reserve = pages.total - pages.available, cached, 0
         else:

@@ -78,13 +78,16 @@ class KeyRecords:
         if any(pages.values()):
             self.records.add(hashes, token_ids, pages)
 
-    def shared(self, hashes: Sequence[str], token_ids: Sequence[int], tokens: int) -> KeyPages:
+    def shared(
+        self, hashes: Sequence[str], token_ids: Sequence[int], tokens: int
+    ) -> KeyPages | None:
         """The cached key pages a request importing its first ``tokens`` tokens (whole pages of
         ``hashes`` and ``token_ids``) seats as its first, by producer layer: those of the record
-        that holds the longest run of those pages; empty lists where none is cached."""
+        that holds the longest run of those pages; None when no page is cached."""
         found = self.records.find(hashes[: tokens // self.page], token_ids)
         if found is None:
-            return {layer: [] for layer in self.keys.pools}
+            return None
         pages, matched = found
         upto = min(matched * self.page, tokens)
-        return {layer: p[: self._pages(layer, upto)] for layer, p in pages.items()}
+        shared = {layer: p[: self._pages(layer, upto)] for layer, p in pages.items()}
+        return shared if any(shared.values()) else None

@@ -335,8 +335,7 @@ class PrefixReuse:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         try:
             self._copy_in(cached, regions, hit.tokens)
-            shared = shared_keys if shared_keys and any(shared_keys.values()) else None
-            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget, shared)
+            seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget, shared_keys)
         except BaseException:
             self.host.release_regions(regions)
             raise
@@ -347,7 +346,7 @@ class PrefixReuse:
         req.resumed_tokens = hit.tokens
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
-        self.stats.keys_shared += int(shared is not None)
+        self.stats.keys_shared += int(shared_keys is not None)
         return hit.tokens
 
     def _copy_in(self, cached: dict[int, Region], regions: list[Region], tokens: int) -> None:

@@ -22,7 +22,8 @@ from services.worker.engine.config import (
 )
 from services.worker.engine.engine import Engine
 from services.worker.parallel.comm import LOCAL
-from services.worker.serving.cache import KVCache, pool_ceiling
+from services.worker.serving.cache import KVCache
+from services.worker.serving.pool_size import pool_ceiling
 from tests.group import run_group
 
 GIB = 1 << 30
