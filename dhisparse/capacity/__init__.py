@@ -31,6 +31,10 @@ A10. Workers that span N GPUs (``layouts``): each rank's weights are the worker'
     worker N. The MTP layer's head is counted as the target's (the released checkpoints'
     copy equals it), and an FP8 checkpoint's unquantized modules are those its
     ``modules_to_not_convert`` names.
+A11. A prefix common to every session (``shared_prefix``) is held once per GPU in the pages the
+    worker shares: resident, the complete pages of rows and index keys; the hierarchy, of the
+    index keys (none for compressed or windowed producers, or a tensor-parallel group). The
+    host keeps each session's backup whole and one more copy of the prefix in the store.
 """
 
 from __future__ import annotations
@@ -57,6 +61,7 @@ from dhisparse.capacity.model import (
     host_bytes,
     host_sessions,
     pool_range,
+    prefix_unshared,
     required_bytes,
     ring_address,
     ring_rows,
@@ -64,6 +69,8 @@ from dhisparse.capacity.model import (
     sessions_kept_share,
     sessions_per_gpu,
     sessions_that_fit,
+    shared_prefix_bytes,
+    shared_prefix_host_bytes,
     speculation_pays,
     staging_bytes,
 )
@@ -76,6 +83,7 @@ from dhisparse.capacity.profile import (
     Profile,
     SourceGroup,
 )
+from dhisparse.capacity.shared_prefix import SharedPrefix
 from dhisparse.capacity.weights import ModelWeights, PartBytes, RankWeights, model_weights_of
 
 __all__ = [
@@ -97,6 +105,7 @@ __all__ = [
     "RankWeights",
     "Refusal",
     "SessionBytes",
+    "SharedPrefix",
     "SourceGroup",
     "SpeculationTest",
     "TokenBytes",
@@ -114,6 +123,7 @@ __all__ = [
     "model_size_from_dir",
     "model_weights_of",
     "pool_range",
+    "prefix_unshared",
     "profile_from_model_config",
     "profile_from_model_dir",
     "profile_names",
@@ -124,6 +134,8 @@ __all__ = [
     "sessions_kept_share",
     "sessions_per_gpu",
     "sessions_that_fit",
+    "shared_prefix_bytes",
+    "shared_prefix_host_bytes",
     "speculation_pays",
     "staging_bytes",
 ]

@@ -36,6 +36,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "with V4.1's shared sources; V4's weights are not sized) or the engine's",
     )
     parser.add_argument("--context", type=int, required=True, help="tokens per session")
+    parser.add_argument(
+        "--shared-prefix",
+        type=_tokens,
+        metavar="TOKENS",
+        help="the first TOKENS of every session's context are the same (a system prompt and "
+        "tools): its complete pages are held once per GPU where the worker shares them",
+    )
     parser.add_argument("--json", action="store_true", help="print JSON (exact bytes)")
 
     d = parser.add_argument_group("drafter (eqs. 9-11)")
@@ -136,6 +143,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     try:
+        _check_prefix(args)
         profile = _profile(args)
         drafter = _drafter(args, profile)
         layouts = _layouts(args)
@@ -152,12 +160,28 @@ def main(args: argparse.Namespace) -> int:
             layouts=layouts,
             weights=weights,
             refuse=args.layouts != ALL,
+            prefix_tokens=args.shared_prefix,
         )
     except (ValueError, OSError) as exc:
         print(f"dhisparse plan: error: {exc}", file=sys.stderr)
         return 2
     sys.stdout.write(render_json(plan) + "\n" if args.json else render_table(plan))
     return 0
+
+
+def _tokens(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"a prefix of {value} tokens: give 1 or more")
+    return value
+
+
+def _check_prefix(args: argparse.Namespace) -> None:
+    if args.shared_prefix is not None and args.shared_prefix > args.context:
+        raise ValueError(
+            f"--shared-prefix {args.shared_prefix} is longer than --context {args.context}: "
+            "the prefix is part of each session's context"
+        )
 
 
 def _mtp(args: argparse.Namespace) -> bool:

@@ -9,6 +9,7 @@ from collections.abc import Callable, Sequence
 from dhisparse.capacity.layouts import LayoutAdmission, LayoutPlan
 from dhisparse.capacity.model import MODES
 from dhisparse.capacity.plan import Plan
+from dhisparse.capacity.shared_prefix import PrefixAdmission
 from dhisparse.capacity.units import binary, binary_unit, decimal
 
 _W = 34  # label column
@@ -45,6 +46,8 @@ def layout_rows(plan: Plan) -> list[str]:
         out += ["", f"weights per GPU: not known for {plan.profile.name} (--model DIR sizes them)"]
     if first.pool_bytes is not None or first.hbm_bytes is not None:
         out += ["", *_pool_rows(layouts)]
+    if first.shared_prefix is not None:
+        out += ["", *_prefix_rows(layouts)]
     if any(lp.admissions for lp in layouts):
         out += ["", *_session_rows(plan)]
         out += ["", *_host_rows(layouts)]
@@ -106,9 +109,48 @@ def _session_rows(plan: Plan) -> list[str]:
     multi = layouts[0].workers > 1
     out = [f"sessions of {plan.context_tokens:,} tokens per worker (data-parallel: per GPU)"]
     out += _admission_cells(plan, lambda lp, a: _per_worker(lp, a.per_worker, a.per_gpu))
+    out += _shared_cells(plan, _shared_per_worker)
     if multi:
         out += ["", f"sessions per node ({layouts[0].workers} workers)"]
         out += _admission_cells(plan, lambda lp, a: str(a.per_node))
+        out += _shared_cells(plan, lambda lp, a: str(a.total))
+    return out
+
+
+def _prefix_rows(layouts: Sequence[LayoutPlan]) -> list[str]:
+    """The shared prefix's bytes each GPU holds once, by mode, and why a layout shares none."""
+    shared = [lp.shared_prefix for lp in layouts if lp.shared_prefix is not None]
+    name, size = binary_unit(max(max(s.bytes for s in p.shares) for p in shared) or 1)
+    out = [
+        f"shared prefix: the first {shared[0].tokens:,} tokens of every session, held once "
+        f"per GPU ({name})"
+    ]
+    for mode in MODES:
+        cells = [p.share(mode).bytes for p in shared]
+        out.append(f"  {mode:<{_W - 2}}" + _cells([f"{b / size:.3f}" if b else "-" for b in cells]))
+    for mode in MODES:
+        unshared: dict[str, list[str]] = {}  # why -> the layouts that share nothing so
+        for lp, p in zip(layouts, shared, strict=True):
+            why = p.share(mode).unshared
+            if why is not None:
+                unshared.setdefault(why, []).append(lp.name)
+        out += [f"  {mode} shares nothing under {', '.join(n)}: {w}" for w, n in unshared.items()]
+    return out
+
+
+def _shared_cells(plan: Plan, cell: Callable[[LayoutPlan, PrefixAdmission], str]) -> list[str]:
+    """``_admission_cells`` of the sessions sharing the prefix (none without one)."""
+    if plan.layouts[0].shared_prefix is None:
+        return []
+    out = []
+    for d in (None, plan.drafter.name) if plan.drafter else (None,):
+        for mode in MODES:
+            cells = []
+            for lp in plan.layouts:
+                a = lp.shared_prefix.admitted(mode, d) if lp.shared_prefix else None
+                cells.append("-" if a is None or a.per_gpu is None else cell(lp, a))
+            label = f"{mode}{f' + {d}' if d else ''}, shared"
+            out.append(f"  {label:<{_W - 2}}" + _cells(cells))
     return out
 
 
@@ -126,6 +168,11 @@ def _admission_cells(plan: Plan, cell: Callable[[LayoutPlan, LayoutAdmission], s
     return out
 
 
+def _shared_per_worker(lp: LayoutPlan, a: PrefixAdmission) -> str:
+    assert a.per_gpu is not None
+    return _per_worker(lp, a.per_gpu * lp.parallel.serving_ranks, a.per_gpu)
+
+
 def _per_worker(lp: LayoutPlan, per_worker: int, per_gpu: int) -> str:
     return f"{per_worker} ({per_gpu}/GPU)" if lp.parallel.serving_ranks > 1 else str(per_worker)
 
@@ -141,6 +188,17 @@ def _host_rows(layouts: Sequence[LayoutPlan]) -> list[str]:
     if first.capacity is not None:
         label = f"a {decimal(first.capacity, digits=3, strip=True)} host holds"
         out.append(f"  {label:<{_W - 2}}" + _cells([str(lp.host.holds) for lp in layouts]))
+    shared = [lp.shared_prefix.host for lp in layouts if lp.shared_prefix is not None]
+    if shared:
+        out += [
+            f"  {'the cached prefix, once':<{_W - 2}}"
+            + _cells([decimal(shared[0].record)] * len(shared)),
+            f"  {'the node and the cached prefix':<{_W - 2}}"
+            + _cells([decimal(h.bytes) if h.bytes else "-" for h in shared]),
+        ]
+        if first.capacity is not None:
+            label = "holds beside the cached prefix"
+            out.append(f"  {label:<{_W - 2}}" + _cells([str(h.holds) for h in shared]))
     return out
 
 

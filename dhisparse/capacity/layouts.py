@@ -28,6 +28,7 @@ from dhisparse.capacity.admitted import (
 )
 from dhisparse.capacity.model import MODES, Mode, sessions_per_gpu
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
+from dhisparse.capacity.shared_prefix import SharedPrefix, shared_prefix
 from dhisparse.capacity.weights import ModelWeights, RankWeights
 from dhisparse.family.parallel_layout import LayoutError, ParallelConfig
 
@@ -61,6 +62,8 @@ class LayoutPlan:
     admissions: tuple[LayoutAdmission, ...]
     host: HostSizing  # the node's hierarchy sessions (no drafter)
     speculation: SpeculationTest | None  # eq. 13 over the node's hierarchy sessions
+    # a prefix common to every session (None: not asked): its totals are the node's
+    shared_prefix: SharedPrefix | None = None
 
     @property
     def name(self) -> str:
@@ -90,6 +93,8 @@ class LayoutPlan:
             serving_ranks=self.parallel.serving_ranks,
             weights=self.weights.as_dict() if self.weights is not None else None,
         )
+        if self.shared_prefix is None:
+            del d["shared_prefix"]  # a plan without one reads as it always has
         return d
 
 
@@ -140,17 +145,22 @@ def plan_layouts(
     refuse: bool = True,
     tpot_ratio: float | None = None,
     load: int | None = None,
+    prefix_tokens: int | None = None,
 ) -> tuple[tuple[LayoutPlan, ...], tuple[Refusal, ...]]:
     """Each of ``layouts`` sized on ``deployment``'s node (``gpus`` GPUs, each with ``pool_bytes``
     of KV pool or ``hbm_bytes`` of HBM). A layout that does not divide the model raises its
     LayoutError (the worker's start-up message) with ``refuse``; without, it is left out and
-    returned as a Refusal (the others compared), unless none is left."""
+    returned as a Refusal (the others compared), unless none is left. ``prefix_tokens``: as
+    ``layout_plan``'s."""
     plans: list[LayoutPlan] = []
     refused: list[Refusal] = []
     sizing = (profile, context_tokens, drafter, deployment)
     for cfg in layouts:
         try:
-            plans.append(layout_plan(*sizing, cfg, weights, tpot_ratio=tpot_ratio, load=load))
+            plans.append(
+                layout_plan(*sizing, cfg, weights, tpot_ratio=tpot_ratio, load=load,
+                            prefix_tokens=prefix_tokens)
+            )  # fmt: skip
         except LayoutError as e:
             if refuse:
                 raise
@@ -173,8 +183,10 @@ def layout_plan(
     *,
     tpot_ratio: float | None = None,
     load: int | None = None,
+    prefix_tokens: int | None = None,
 ) -> LayoutPlan:
-    """One layout sized (see ``plan_layouts``)."""
+    """One layout sized (see ``plan_layouts``); ``prefix_tokens``: that many tokens of every
+    session are a prefix they share (``shared_prefix``, on the node's pools)."""
     dep = deployment
     n = cfg.world_size
     if dep.gpus % n:
@@ -213,6 +225,13 @@ def layout_plan(
     speculation = None
     if base is not None and spec is not None:
         speculation = speculation_test(spec.per_node, base.per_node, load, tpot_ratio)
+    shared = None
+    if prefix_tokens is not None:
+        shared = shared_prefix(
+            profile, context_tokens, prefix_tokens, drafter, dep, pool_bytes=pool,
+            pools=cfg.serving_ranks * workers,
+            tensor_parallel=cfg.world_size > 1 and not cfg.data_parallel_attention,
+        )  # fmt: skip
     return LayoutPlan(
         parallel=cfg,
         weights=rank,
@@ -223,4 +242,5 @@ def layout_plan(
         admissions=tuple(admissions),
         host=host_sizing(profile, context_tokens, base.per_node if base else None, dep.host_bytes),
         speculation=speculation,
+        shared_prefix=shared,
     )

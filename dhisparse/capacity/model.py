@@ -17,6 +17,11 @@ see docs/capacity.md for the derivation):
   selected row is already on the GPU.
 - Host backups hold every committed row of the sparse sources (index keys stay on the GPU;
   dense and window-only sources are never offloaded).
+- A **shared prefix** (the same leading tokens in every session: an agent's system prompt) is
+  held once per GPU where the worker shares its device pages: its complete pages of every
+  source's rows and index keys in resident mode, of the index keys in the hierarchy
+  (``shared_prefix_bytes``); the node's store keeps one more copy of its rows on the host
+  (``shared_prefix_host_bytes``).
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, fields
 from typing import Literal
 
-from dhisparse.capacity.profile import DrafterProfile, Profile, SourceGroup
+from dhisparse.capacity.profile import DrafterProfile, IndexGroup, Profile, SourceGroup
 
 Mode = Literal["resident", "hierarchy"]
 MODES: tuple[Mode, ...] = ("resident", "hierarchy")
@@ -45,6 +50,12 @@ def source_rows(tokens: int, compress: int) -> int:
 def page_rows(rows: int, page_size: int) -> int:
     """``rows`` rounded up to whole pages of ``page_size`` rows."""
     return page_size * ceil_div(rows, page_size)
+
+
+def complete_page_tokens(tokens: int, compress: int, page_size: int) -> int:
+    """The leading tokens of ``tokens`` whose rows (``compress`` tokens to a row) fill whole
+    pages of ``page_size`` rows: a history of that many tokens has no incomplete page."""
+    return compress * page_size * (source_rows(tokens, compress) // page_size)
 
 
 def ring_rows(window: int, k_max: int, page_size: int) -> int:
@@ -127,7 +138,7 @@ def session_bytes(
     block = drafter.k_max if drafter is not None else 1
     history = hot = tail = window = 0
     for src in profile.sources:
-        on_gpu = src.kind == "dense" or (mode == "resident" and src.kind == "sparse")
+        on_gpu = _history_on_gpu(src, mode)
         if on_gpu:
             history += src.count * _history_bytes(src, context_tokens, p)
         elif src.kind == "sparse":
@@ -136,10 +147,7 @@ def session_bytes(
         if src.window and not (on_gpu and src.compress == 1):
             window += src.count * ring_rows(src.window, block, p) * src.row_bytes
     key_page = profile.key_page_rows or p
-    index_keys = sum(
-        g.count * page_rows(source_rows(context_tokens, g.compress), key_page) * g.key_bytes
-        for g in profile.indexers
-    )
+    index_keys = sum(g.count * _key_bytes(g, context_tokens, key_page) for g in profile.indexers)
     compressions = {s.compress for s in profile.sources if s.kind != "window"}
     compressions |= {g.compress for g in profile.indexers}
     metadata = profile.page_map_entry_bytes * sum(
@@ -179,12 +187,26 @@ def required_bytes(
 
 
 def sessions_that_fit(
-    pool_bytes: int, per_session_bytes: int, fixed_bytes: int = 0, slots: int | None = None
+    pool_bytes: int,
+    per_session_bytes: int,
+    fixed_bytes: int = 0,
+    slots: int | None = None,
+    *,
+    shared_bytes: int = 0,
 ) -> int:
-    """``⌊(pool − fixed)/per_session⌋``, at most ``slots``, never negative."""
+    """``⌊(pool − fixed)/per_session⌋``, at most ``slots``, never negative. ``shared_bytes``
+    of each session's bytes are the same pages for every session (a shared prefix's): N ≥ 1
+    sessions need ``shared + N·(per_session − shared)``, so ``⌊(pool − fixed − shared)/
+    (per_session − shared)⌋`` fit."""
     if per_session_bytes < 1:
         raise ValueError("per_session_bytes must be >= 1")
-    n = max((pool_bytes - fixed_bytes) // per_session_bytes, 0)
+    if not 0 <= shared_bytes < per_session_bytes:
+        raise ValueError(
+            f"shared_bytes must be >= 0 and below per_session_bytes {per_session_bytes}, "
+            f"got {shared_bytes}: every session holds bytes of its own"
+        )
+    own = per_session_bytes - shared_bytes
+    n = max((pool_bytes - fixed_bytes - shared_bytes) // own, 0)
     return n if slots is None else min(n, slots)
 
 
@@ -205,17 +227,21 @@ def sessions_per_gpu(
     drafter: DrafterProfile | None = None,
     fixed_bytes: int = 0,
     slots: int | None = None,
+    shared_bytes: int = 0,
 ) -> int:
     """Sessions of ``context_tokens`` tokens one GPU admits from ``pool_bytes``, after
     ``fixed_bytes`` and the drafter's own fixed allocations. With ``slots`` (N) the staging of
     eq. 11 is reserved for N slots up front and sessions are capped at N; without, staging is
-    reserved for the sessions that fit (each pays its share)."""
+    reserved for the sessions that fit (each pays its share). ``shared_bytes``: a prefix
+    common to the sessions, held once (``shared_prefix_bytes``)."""
     sb = session_bytes(profile, context_tokens, mode, drafter)
     fixed = fixed_bytes + (drafter.fixed_bytes if drafter is not None else 0)
     if slots is None:
-        return sessions_that_fit(pool_bytes, sb.total, fixed)
+        return sessions_that_fit(pool_bytes, sb.total, fixed, shared_bytes=shared_bytes)
     reserved = slots * sb.staging  # M_stage(N): the per-session share is eq. 11 with N = 1
-    return sessions_that_fit(pool_bytes, sb.without_staging, fixed + reserved, slots)
+    return sessions_that_fit(
+        pool_bytes, sb.without_staging, fixed + reserved, slots, shared_bytes=shared_bytes
+    )
 
 
 def host_bytes(profile: Profile, context_tokens: int, sessions: int = 1) -> int:
@@ -227,6 +253,72 @@ def host_bytes(profile: Profile, context_tokens: int, sessions: int = 1) -> int:
         if s.kind == "sparse"
     )
     return sessions * per
+
+
+def prefix_unshared(profile: Profile, mode: Mode) -> str | None:
+    """Why sessions of ``mode`` share no GPU page of a common prefix, or None: the worker's
+    rules. Resident mode shares device pages only when every source stores one row per token
+    (``serving.device_prefix.unshareable``); the hierarchy shares index keys only when every
+    index producer's source does (``serving.key_records.keys_unshareable``). A profile does not
+    say which source a producer indexes, so a windowed source of the producers' compression
+    counts as one of theirs."""
+    if mode == "resident":
+        if any(s.compress != 1 or s.window > 0 for s in profile.sources):
+            return "rows that are not one per token (compressed or windowed sources)"
+        return None
+    indexed = {g.compress for g in profile.indexers}
+    windowed = any(
+        s.window > 0 and s.kind != "window" and s.compress in indexed for s in profile.sources
+    )
+    if windowed or indexed - {1}:
+        return "index keys of compressed or windowed sources"
+    return None
+
+
+def shared_prefix_bytes(profile: Profile, prefix_tokens: int, mode: Mode) -> int:
+    """GPU bytes of a ``prefix_tokens``-token prefix that every session sharing it on one GPU
+    counts once: the pages the worker shares (0 where ``prefix_unshared``). A cached prefix
+    is named by whole pages of p tokens and shared in whole pages of its rows, so the
+    incomplete page at its end is each session's own. Resident mode shares the complete pages
+    of every stored history and of the index keys (pages of ``key_page_rows``); the hierarchy
+    shares the index keys' alone: hot caches, tails and dense sources' histories are each
+    session's (``serving.key_records`` keeps key pages only). Local-window buffers, the page
+    map, draft ring and staging are never shared. Never more than the same parts of
+    ``session_bytes`` at a context of ``prefix_tokens`` or more. A source written a token late
+    (the MTP layer's) shares a page less of rows and keys in the worker, which copies the page
+    its next row goes to; a profile does not mark it, so it is counted as the others."""
+    if prefix_tokens < 0:
+        raise ValueError(f"prefix_tokens must be >= 0, got {prefix_tokens}")
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+    if prefix_unshared(profile, mode) is not None:
+        return 0
+    p = profile.page_size
+    tokens = complete_page_tokens(prefix_tokens, 1, p)  # the cached prefix's pages
+    rows = 0
+    if mode == "resident":  # the hierarchy keeps no record of rows on the device
+        rows = sum(
+            s.count * _history_bytes(s, complete_page_tokens(tokens, s.compress, p), p)
+            for s in profile.sources
+            if _history_on_gpu(s, mode)
+        )
+    key_page = profile.key_page_rows or p
+    keys = sum(
+        g.count * _key_bytes(g, complete_page_tokens(tokens, g.compress, key_page), key_page)
+        for g in profile.indexers
+    )
+    return rows + keys
+
+
+def shared_prefix_host_bytes(profile: Profile, prefix_tokens: int) -> int:
+    """Host bytes of the one copy of a cached ``prefix_tokens``-token prefix in the node's
+    store: the sparse sources' rows of its whole pages of tokens, counted as ``host_bytes``
+    counts a backup's. Each session that imports it still copies these rows into its own
+    backup (``serving.prefix_reuse``): the copy in the store is in addition to theirs."""
+    if prefix_tokens < 0:
+        raise ValueError(f"prefix_tokens must be >= 0, got {prefix_tokens}")
+    tokens = complete_page_tokens(prefix_tokens, 1, profile.page_size)
+    return host_bytes(profile, tokens)
 
 
 def host_sessions(profile: Profile, context_tokens: int, host_capacity: int) -> int:
@@ -250,5 +342,15 @@ def speculation_pays(n_spec: int, n_base: int, tpot_ratio: float, load: int | No
     return sessions_kept_share(n_spec, n_base, load) > tpot_ratio
 
 
+def _history_on_gpu(src: SourceGroup, mode: Mode) -> bool:
+    """Whether ``mode`` keeps ``src``'s whole history on the GPU."""
+    return src.kind == "dense" or (mode == "resident" and src.kind == "sparse")
+
+
 def _history_bytes(src: SourceGroup, tokens: int, page_size: int) -> int:
     return page_rows(source_rows(tokens, src.compress), page_size) * src.row_bytes
+
+
+def _key_bytes(group: IndexGroup, tokens: int, key_page: int) -> int:
+    """One producer's index keys of ``tokens`` tokens, in pages of ``key_page`` keys."""
+    return page_rows(source_rows(tokens, group.compress), key_page) * group.key_bytes

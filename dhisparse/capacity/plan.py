@@ -27,6 +27,7 @@ from dhisparse.capacity.model import (
 )
 from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.profile import Deployment, DrafterProfile, Profile
+from dhisparse.capacity.shared_prefix import SharedPrefix, shared_prefix
 from dhisparse.capacity.weights import ModelWeights
 from dhisparse.family.parallel_layout import ParallelConfig
 
@@ -73,6 +74,9 @@ class Plan:
     layouts: tuple[LayoutPlan, ...] = ()
     refused: tuple[Refusal, ...] = ()
     weight_format: str | None = None  # how the layouts' weights are held
+    # A prefix common to every session, held once per GPU (None: not asked; with layouts,
+    # each layout's is in its plan)
+    shared_prefix: SharedPrefix | None = None
 
     def ratio(self, with_drafter: bool = False) -> float:
         """Resident bytes over hierarchy bytes per session."""
@@ -93,6 +97,8 @@ class Plan:
             d["ratio"]["spec"] = self.ratio(True)
         d["model"] = self.model.as_dict() if self.model is not None else None
         d["layouts"] = [lp.as_dict() for lp in self.layouts]
+        if self.shared_prefix is None:
+            del d["shared_prefix"]  # a plan without one reads as it always has
         d["profile"].update(
             payload_sources=self.profile.payload_sources,
             index_producers=self.profile.index_producers,
@@ -113,10 +119,12 @@ def build_plan(
     layouts: Sequence[ParallelConfig] = (),
     weights: ModelWeights | None = None,
     refuse: bool = True,
+    prefix_tokens: int | None = None,
 ) -> Plan:
     """All figures for one configuration. N (slots) is the deployment's, else the sessions the
     hierarchy with the drafter admits per GPU, else unknown (no per-GPU sizing). ``model``: the
-    size of the model the profile comes from, reported with the plan.
+    size of the model the profile comes from, reported with the plan. ``prefix_tokens``: that
+    many tokens of every session's context are a prefix they share (``shared_prefix``).
 
     ``layouts``: size workers that span GPUs instead, each layout on the deployment's node
     (``layouts.plan_layouts``), with ``weights`` the model's (None: a profile without them);
@@ -125,7 +133,7 @@ def build_plan(
     if layouts:
         return _layout_plan(
             profile, context_tokens, drafter, dep, layouts, weights, refuse,
-            tpot_ratio=tpot_ratio, load=load, model=model,
+            tpot_ratio=tpot_ratio, load=load, model=model, prefix_tokens=prefix_tokens,
         )  # fmt: skip
     base = tuple(session_bytes(profile, context_tokens, m) for m in MODES)
     spec = (
@@ -165,6 +173,12 @@ def build_plan(
     speculation = None
     if hier_spec is not None and base_sessions:
         speculation = speculation_test(hier_spec.total, base_sessions, load, tpot_ratio)
+    shared = None
+    if prefix_tokens is not None:
+        shared = shared_prefix(
+            profile, context_tokens, prefix_tokens, drafter, dep,
+            pool_bytes=dep.pool_bytes, pools=dep.gpus,
+        )  # fmt: skip
 
     return Plan(
         profile=profile,
@@ -178,6 +192,7 @@ def build_plan(
         host=host,
         speculation=speculation,
         model=model,
+        shared_prefix=shared,
     )
 
 
@@ -193,10 +208,11 @@ def _layout_plan(
     tpot_ratio: float | None,
     load: int | None,
     model: ModelSize | None,
+    prefix_tokens: int | None,
 ) -> Plan:
     plans, refused = plan_layouts(
         profile, context_tokens, drafter, dep, layouts, weights, refuse=refuse,
-        tpot_ratio=tpot_ratio, load=load,
+        tpot_ratio=tpot_ratio, load=load, prefix_tokens=prefix_tokens,
     )  # fmt: skip
     slots_sizing = None
     if drafter is not None:

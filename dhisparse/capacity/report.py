@@ -12,7 +12,8 @@ from dhisparse.capacity.layout_report import layout_rows
 from dhisparse.capacity.model import ring_rows
 from dhisparse.capacity.model_size import ModelSize
 from dhisparse.capacity.plan import Plan
-from dhisparse.capacity.profile import Profile
+from dhisparse.capacity.profile import DrafterProfile, Profile
+from dhisparse.capacity.shared_prefix import PrefixHost, SharedPrefix
 from dhisparse.capacity.units import binary, binary_unit, decimal
 
 _W = 40  # label column
@@ -30,6 +31,8 @@ def render_table(plan: Plan) -> str:
     lines += ["", *_session_rows(plan)]
     if plan.slots is not None:
         lines += ["", *_slot_rows(plan)]
+    if plan.shared_prefix is not None:
+        lines += ["", *_prefix_rows(plan)]
     if plan.layouts:
         lines += ["", *layout_rows(plan)]
         return "\n".join(lines) + "\n"
@@ -196,6 +199,20 @@ def _admission_rows(plan: Plan) -> list[str]:
             cells.append(f"{a.per_gpu} ({a.total})" if a else "-")
         label = plan.drafter.name if with_drafter and plan.drafter else "no drafter"
         out.append(f"  {label:<{_W - 2}}{cells[0]:>{_C}}{cells[1]:>{_C}}")
+    if plan.shared_prefix is not None:
+        out += _shared_admission_rows(plan.shared_prefix, plan.drafter)
+    return out
+
+
+def _shared_admission_rows(shared: SharedPrefix, drafter: DrafterProfile | None) -> list[str]:
+    out = []
+    for name in (None, drafter.name) if drafter else (None,):
+        cells = []
+        for mode in ("resident", "hierarchy"):
+            a = shared.admitted(mode, name)
+            cells.append(f"{a.per_gpu} ({a.total})" if a and a.per_gpu is not None else "-")
+        label = f"{name or 'no drafter'}, prefix shared"
+        out.append(f"  {label:<{_W - 2}}{cells[0]:>{_C}}{cells[1]:>{_C}}")
     return out
 
 
@@ -210,6 +227,44 @@ def _host_rows(plan: Plan) -> list[str]:
     if h.capacity is not None and h.holds is not None:
         label = f"a {decimal(h.capacity, digits=3, strip=True)} host holds"
         out.append(f"  {label:<{_W - 2}}{h.holds:>{_C}} sessions")
+    if plan.shared_prefix is not None:
+        out += _prefix_host_rows(plan.shared_prefix.host, h.capacity)
+    return out
+
+
+def _prefix_rows(plan: Plan) -> list[str]:
+    """The shared prefix's bytes held once per GPU and each session's own, by mode."""
+    shared = plan.shared_prefix
+    assert shared is not None
+    p = plan.profile.page_size
+    unit = binary_unit(plan.base[0].total)
+    row = _row_in(unit)
+    title = f"per GPU ({unit[0]})"
+    out = [
+        f"shared prefix: the first {shared.tokens:,} tokens of every session, "
+        f"{shared.tokens // p:,} complete pages of {p}",
+        f"{title:<{_W}}{'resident':>{_C}}{'hierarchy':>{_C}}",
+        row("the prefix, held once", *(s.bytes for s in shared.shares)),
+    ]
+    for d in (None, plan.drafter) if plan.drafter else (None,):
+        name = d.name if d else None
+        own = [shared.admitted(m, name) for m in ("resident", "hierarchy")]
+        label = f"each session besides, with {name}" if name else "each session besides"
+        out.append(row(label, *(a.own_bytes if a else 0 for a in own)))
+    out += [f"  {s.mode} shares nothing: {s.unshared}" for s in shared.shares if s.unshared]
+    return out
+
+
+def _prefix_host_rows(host: PrefixHost, capacity: int | None) -> list[str]:
+    out = [
+        f"  {'the cached prefix (once, in the store)':<{_W - 2}}{decimal(host.record):>{_C + 3}}"
+    ]
+    if host.sessions and host.bytes is not None:
+        label = f"{host.sessions} sessions and the cached prefix"
+        out.append(f"  {label:<{_W - 2}}{decimal(host.bytes):>{_C + 3}}")
+    if capacity is not None and host.holds is not None:
+        label = f"a {decimal(capacity, digits=3, strip=True)} host holds beside it"
+        out.append(f"  {label:<{_W - 2}}{host.holds:>{_C}} sessions")
     return out
 
 
