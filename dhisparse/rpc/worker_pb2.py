@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64hisparse/rpc/worker.proto\x12\rdhisparse.rpc\"\xf7\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x15\n\rwant_logprobs\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0f \x01(\x02\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.dhisparse.rpc.SamplingParams.LogitBiasEntry\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.dhisparse.rpc.Grammar\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"=\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x16\n\x0ereasoning_open\x18\x03 \x01(\x08\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.dhisparse.rpc.SamplingParams\x12\x14\n\x07\x64p_rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_dp_rank\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.dhisparse.rpc.TopLogprob\"\xc5\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.dhisparse.rpc.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.dhisparse.rpc.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.dhisparse.rpc.TokenLogprob\"<\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftokens_received\x18\x02 \x01(\x05\"\xa0\x01\n\x13\x41\x64optSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_owner\x18\x02 \x01(\t\x12\x17\n\x0ftokens_received\x18\x03 \x01(\x05\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x08\x12\x17\n\x0f\x66rom_generation\x18\x05 \x01(\x03\x12\x14\n\x07\x64p_rank\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_dp_rank\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x83\x02\n\x0cLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\x12\x19\n\x11kv_capacity_bytes\x18\x05 \x01(\x03\x12\x19\n\x11kv_required_bytes\x18\x06 \x01(\x03\x12\x19\n\x11kv_optional_bytes\x18\x07 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04mode\x18\t \x01(\t\x12\x15\n\rserving_ranks\x18\n \x01(\x05\x12\x13\n\x0bkv_store_id\x18\x0b \x01(\t\"\x0f\n\rHealthRequest\"p\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12.\n\x0brank_owners\x18\x04 \x03(\x0b\x32\x19.dhisparse.rpc.StoreOwner\"/\n\nStoreOwner\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x12\n\x10ModelInfoRequest\"\xdb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x16\n\x0ekv_layout_json\x18\x07 \x01(\t\x12\x18\n\x10\x64urable_sessions\x18\x08 \x01(\x08\x12\x11\n\tstartup_s\x18\t \x01(\x01\x12\x14\n\x0cprefix_cache\x18\n \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8c\x04\n\x06Worker\x12M\n\x08Generate\x12\x1e.dhisparse.rpc.GenerateRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12I\n\x06Resume\x12\x1c.dhisparse.rpc.ResumeRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12N\n\x05\x41\x64opt\x12\".dhisparse.rpc.AdoptSessionRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.dhisparse.rpc.AbortRequest\x1a\x1c.dhisparse.rpc.AbortResponse\x12\x42\n\x07GetLoad\x12\x1a.dhisparse.rpc.LoadRequest\x1a\x1b.dhisparse.rpc.LoadResponse\x12\x45\n\x06Health\x12\x1c.dhisparse.rpc.HealthRequest\x1a\x1d.dhisparse.rpc.HealthResponse\x12I\n\x0cGetModelInfo\x12\x1f.dhisparse.rpc.ModelInfoRequest\x1a\x18.dhisparse.rpc.ModelInfob\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1a\x64hisparse/rpc/worker.proto\x12\rdhisparse.rpc\"\xf7\x04\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x02\x12\r\n\x05top_p\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\x11\n\x04seed\x18\x04 \x01(\x04H\x00\x88\x01\x01\x12\x12\n\nmax_tokens\x18\x05 \x01(\x05\x12\x0c\n\x04stop\x18\x06 \x03(\t\x12\x16\n\x0estop_token_ids\x18\x07 \x03(\x05\x12\x12\n\nignore_eos\x18\x08 \x01(\x08\x12\x10\n\x08logprobs\x18\t \x01(\x05\x12\x15\n\rwant_logprobs\x18\n \x01(\x08\x12\"\n\x1ainclude_stop_str_in_output\x18\x0b \x01(\x08\x12\x12\n\nmin_tokens\x18\x0c \x01(\x05\x12\x18\n\x10presence_penalty\x18\r \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\x0e \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0f \x01(\x02\x12\r\n\x05min_p\x18\x10 \x01(\x02\x12@\n\nlogit_bias\x18\x11 \x03(\x0b\x32,.dhisparse.rpc.SamplingParams.LogitBiasEntry\x12\'\n\x07grammar\x18\x12 \x01(\x0b\x32\x16.dhisparse.rpc.Grammar\x12\x1c\n\x0fprompt_logprobs\x18\x13 \x01(\x05H\x01\x88\x01\x01\x12 \n\x13skip_special_tokens\x18\x14 \x01(\x08H\x02\x88\x01\x01\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x07\n\x05_seedB\x12\n\x10_prompt_logprobsB\x16\n\x14_skip_special_tokens\"=\n\x07Grammar\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0c\n\x04spec\x18\x02 \x01(\t\x12\x16\n\x0ereasoning_open\x18\x03 \x01(\x08\"\x92\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.dhisparse.rpc.SamplingParams\x12\x14\n\x07\x64p_rank\x18\x04 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_dp_rank\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"h\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12&\n\x03top\x18\x04 \x03(\x0b\x32\x19.dhisparse.rpc.TopLogprob\"\xe3\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.dhisparse.rpc.FinishReason\x12\x13\n\x0bstop_reason\x18\x05 \x01(\t\x12\x15\n\rprompt_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x07 \x01(\x05\x12-\n\x08logprobs\x18\x08 \x03(\x0b\x32\x1b.dhisparse.rpc.TokenLogprob\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\t \x01(\x05\x12\x34\n\x0fprompt_logprobs\x18\n \x03(\x0b\x32\x1b.dhisparse.rpc.TokenLogprob\x12\x1c\n\x14shared_prompt_tokens\x18\x0b \x01(\x05\"<\n\rResumeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x17\n\x0ftokens_received\x18\x02 \x01(\x05\"\xa0\x01\n\x13\x41\x64optSessionRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x12\n\nfrom_owner\x18\x02 \x01(\t\x12\x17\n\x0ftokens_received\x18\x03 \x01(\x05\x12\r\n\x05\x66\x65nce\x18\x04 \x01(\x08\x12\x17\n\x0f\x66rom_generation\x18\x05 \x01(\x03\x12\x14\n\x07\x64p_rank\x18\x06 \x01(\x05H\x00\x88\x01\x01\x42\n\n\x08_dp_rank\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\r\n\x0bLoadRequest\"\x83\x02\n\x0cLoadResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x13\n\x0bnum_running\x18\x02 \x01(\x05\x12\x13\n\x0bnum_waiting\x18\x03 \x01(\x05\x12\x14\n\x0cmax_num_seqs\x18\x04 \x01(\x05\x12\x19\n\x11kv_capacity_bytes\x18\x05 \x01(\x03\x12\x19\n\x11kv_required_bytes\x18\x06 \x01(\x03\x12\x19\n\x11kv_optional_bytes\x18\x07 \x01(\x03\x12\x15\n\rkv_free_bytes\x18\x08 \x01(\x03\x12\x0c\n\x04mode\x18\t \x01(\t\x12\x15\n\rserving_ranks\x18\n \x01(\x05\x12\x13\n\x0bkv_store_id\x18\x0b \x01(\t\"\x0f\n\rHealthRequest\"p\n\x0eHealthResponse\x12\n\n\x02ok\x18\x01 \x01(\x08\x12\x0e\n\x06status\x18\x02 \x01(\t\x12\x12\n\ngeneration\x18\x03 \x01(\x03\x12.\n\x0brank_owners\x18\x04 \x03(\x0b\x32\x19.dhisparse.rpc.StoreOwner\"/\n\nStoreOwner\x12\r\n\x05owner\x18\x01 \x01(\t\x12\x12\n\ngeneration\x18\x02 \x01(\x03\"\x12\n\x10ModelInfoRequest\"\xdb\x01\n\tModelInfo\x12\x12\n\nmodel_name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x05\x12\x12\n\nvocab_size\x18\x03 \x01(\x05\x12\x0c\n\x04mode\x18\x04 \x01(\t\x12\x13\n\x0b\x63onfig_json\x18\x05 \x01(\t\x12\x11\n\tworker_id\x18\x06 \x01(\t\x12\x16\n\x0ekv_layout_json\x18\x07 \x01(\t\x12\x18\n\x10\x64urable_sessions\x18\x08 \x01(\x08\x12\x11\n\tstartup_s\x18\t \x01(\x01\x12\x14\n\x0cprefix_cache\x18\n \x01(\x08*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\x8c\x04\n\x06Worker\x12M\n\x08Generate\x12\x1e.dhisparse.rpc.GenerateRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12I\n\x06Resume\x12\x1c.dhisparse.rpc.ResumeRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12N\n\x05\x41\x64opt\x12\".dhisparse.rpc.AdoptSessionRequest\x1a\x1f.dhisparse.rpc.GenerateResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.dhisparse.rpc.AbortRequest\x1a\x1c.dhisparse.rpc.AbortResponse\x12\x42\n\x07GetLoad\x12\x1a.dhisparse.rpc.LoadRequest\x1a\x1b.dhisparse.rpc.LoadResponse\x12\x45\n\x06Health\x12\x1c.dhisparse.rpc.HealthRequest\x1a\x1d.dhisparse.rpc.HealthResponse\x12I\n\x0cGetModelInfo\x12\x1f.dhisparse.rpc.ModelInfoRequest\x1a\x18.dhisparse.rpc.ModelInfob\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,8 +33,8 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=2381
-  _globals['_FINISHREASON']._serialized_end=2501
+  _globals['_FINISHREASON']._serialized_start=2411
+  _globals['_FINISHREASON']._serialized_end=2531
   _globals['_SAMPLINGPARAMS']._serialized_start=46
   _globals['_SAMPLINGPARAMS']._serialized_end=677
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=576
@@ -48,29 +48,29 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_TOKENLOGPROB']._serialized_start=955
   _globals['_TOKENLOGPROB']._serialized_end=1059
   _globals['_GENERATERESPONSE']._serialized_start=1062
-  _globals['_GENERATERESPONSE']._serialized_end=1387
-  _globals['_RESUMEREQUEST']._serialized_start=1389
-  _globals['_RESUMEREQUEST']._serialized_end=1449
-  _globals['_ADOPTSESSIONREQUEST']._serialized_start=1452
-  _globals['_ADOPTSESSIONREQUEST']._serialized_end=1612
-  _globals['_ABORTREQUEST']._serialized_start=1614
-  _globals['_ABORTREQUEST']._serialized_end=1648
-  _globals['_ABORTRESPONSE']._serialized_start=1650
-  _globals['_ABORTRESPONSE']._serialized_end=1680
-  _globals['_LOADREQUEST']._serialized_start=1682
-  _globals['_LOADREQUEST']._serialized_end=1695
-  _globals['_LOADRESPONSE']._serialized_start=1698
-  _globals['_LOADRESPONSE']._serialized_end=1957
-  _globals['_HEALTHREQUEST']._serialized_start=1959
-  _globals['_HEALTHREQUEST']._serialized_end=1974
-  _globals['_HEALTHRESPONSE']._serialized_start=1976
-  _globals['_HEALTHRESPONSE']._serialized_end=2088
-  _globals['_STOREOWNER']._serialized_start=2090
-  _globals['_STOREOWNER']._serialized_end=2137
-  _globals['_MODELINFOREQUEST']._serialized_start=2139
-  _globals['_MODELINFOREQUEST']._serialized_end=2157
-  _globals['_MODELINFO']._serialized_start=2160
-  _globals['_MODELINFO']._serialized_end=2379
-  _globals['_WORKER']._serialized_start=2504
-  _globals['_WORKER']._serialized_end=3028
+  _globals['_GENERATERESPONSE']._serialized_end=1417
+  _globals['_RESUMEREQUEST']._serialized_start=1419
+  _globals['_RESUMEREQUEST']._serialized_end=1479
+  _globals['_ADOPTSESSIONREQUEST']._serialized_start=1482
+  _globals['_ADOPTSESSIONREQUEST']._serialized_end=1642
+  _globals['_ABORTREQUEST']._serialized_start=1644
+  _globals['_ABORTREQUEST']._serialized_end=1678
+  _globals['_ABORTRESPONSE']._serialized_start=1680
+  _globals['_ABORTRESPONSE']._serialized_end=1710
+  _globals['_LOADREQUEST']._serialized_start=1712
+  _globals['_LOADREQUEST']._serialized_end=1725
+  _globals['_LOADRESPONSE']._serialized_start=1728
+  _globals['_LOADRESPONSE']._serialized_end=1987
+  _globals['_HEALTHREQUEST']._serialized_start=1989
+  _globals['_HEALTHREQUEST']._serialized_end=2004
+  _globals['_HEALTHRESPONSE']._serialized_start=2006
+  _globals['_HEALTHRESPONSE']._serialized_end=2118
+  _globals['_STOREOWNER']._serialized_start=2120
+  _globals['_STOREOWNER']._serialized_end=2167
+  _globals['_MODELINFOREQUEST']._serialized_start=2169
+  _globals['_MODELINFOREQUEST']._serialized_end=2187
+  _globals['_MODELINFO']._serialized_start=2190
+  _globals['_MODELINFO']._serialized_end=2409
+  _globals['_WORKER']._serialized_start=2534
+  _globals['_WORKER']._serialized_end=3058
 # @@protoc_insertion_point(module_scope)

@@ -17,6 +17,9 @@ bounded FIFO per model.
   (``no-capacity`` when queueing is off), deadline (an estimate that was too hopeful) → 503
   ``deadline``, a request larger than every worker → 400 ``too-large``. Cancelling a waiter
   (client gone) takes it out of the queue.
+- **Shared pages:** the leading pages a request will likely share on a worker with other
+  requests there (``shared_pages``) are offered as blocks the ledger counts once among the live
+  leases naming them; the worker's report of what it shared settles the lease.
 - **Leases:** renewed every TTL/3 while their request runs; released when it ends. A worker no
   gateway has seen healthy for ``worker_dead_after_s`` has all its leases released.
 - **Allocation wait:** from the attempt to the lease, observed for every admitted request.
@@ -33,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
-from services.gateway.leases import LeaseKeeper
+from services.gateway.leases import LeaseKeeper, Offer
 from services.gateway.ledger import Ledger, LedgerUnavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_wait import ModelService, TimedLease, retry_after_s
@@ -46,6 +49,7 @@ from services.gateway.routing import (
     Router,
     WorkerStatus,
 )
+from services.gateway.shared_pages import SharedPages
 from services.gateway.sizing import SessionSizer
 
 log = logging.getLogger(__name__)
@@ -81,10 +85,14 @@ class MemoryAdmission:
         router: Router | None = None,
         metrics: GatewayMetrics | None = None,
         served_model_name: str | None = None,
+        shared_pages: SharedPages | None = None,
     ) -> None:
+        """``shared_pages``: which of a request's pages a worker shares with others (None: a
+        lease counts all its bytes as its own)."""
         self.cfg = config or AdmissionConfig()
         self.sizer = sizer or SessionSizer()
         self.router = router or LeastLoadedRouter()
+        self.shared_pages = shared_pages
         self.metrics = metrics
         self.leases = LeaseKeeper(
             ledger,
@@ -185,8 +193,8 @@ class MemoryAdmission:
         room for ``job`` now, or None. For a session admitted once already that moves to
         another worker (its own died or drains): it neither waits behind new requests nor
         counts as an admission or a rejection."""
-        try:
-            return await self._try(job, workers, exclude, judge=False)
+        try:  # it resumes its session from the store: no page is seated from a record
+            return await self._try(job, workers, exclude, judge=False, share=False)
         except AdmissionRejected:  # the ledger did not answer
             return None
 
@@ -197,10 +205,11 @@ class MemoryAdmission:
         exclude: Collection[str],
         *,
         judge: bool = True,
+        share: bool = True,
     ) -> Lease | None:
         """One attempt: a lease on the best worker with room, or None when none has room now.
         Raises (``judge``; else None) when no worker could serve it at all (none healthy, or
-        none large enough)."""
+        none large enough). ``share``: offer the pages it likely shares there as blocks."""
         healthy = [w for w in workers() if w.healthy and w.address not in exclude]
         sized: list[tuple[WorkerStatus, int]] = []
         for w in healthy:
@@ -221,14 +230,19 @@ class MemoryAdmission:
         # The router weighs what the ledger holds on each worker (every replica's leases).
         known = [self._with_usage(w) for w, _ in sized if w.address in fits]
         order = self.router.rank(known, exclude, job)
-        candidates = [
-            (account, fits[address])
+        shared = {}
+        if share and self.shared_pages is not None:
+            shared = self.shared_pages.blocks(job, known)
+        offers = [
+            Offer(account, fits[address], shared[address].blocks, shared[address].page_tokens)
+            if address in shared
+            else Offer(account, fits[address])
             for address in order
             if address in fits
             for account in self.leases.accounts(address)
         ]
         try:
-            return await self.leases.acquire(uuid.uuid4().hex, candidates)
+            return await self.leases.acquire(uuid.uuid4().hex, offers)
         except LedgerUnavailable as e:
             log.warning("admission ledger unavailable: %s", e)
             raise self._reject(

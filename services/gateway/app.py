@@ -44,6 +44,7 @@ from services.gateway.responses import (
 )
 from services.gateway.routing import Admission
 from services.gateway.settings import GatewaySettings
+from services.gateway.shared_pages import SharedPages
 from services.gateway.sizing import SessionSizer
 from services.gateway.streaming import ClientDisconnected
 from services.gateway.worker_client import WorkerPool
@@ -151,13 +152,15 @@ def memory_admission(
         poll_s=settings.admission_poll_s,
         worker_dead_after_s=settings.worker_dead_after_s,
     )
+    sizer = SessionSizer(page_size=settings.kv_page_size)
     return MemoryAdmission(
         ledger,
         config,
-        sizer=SessionSizer(page_size=settings.kv_page_size),
+        sizer=sizer,
         router=PrefixAffinityRouter(affinity) if affinity is not None else None,
         metrics=metrics,
         served_model_name=settings.served_model_name,
+        shared_pages=SharedPages(affinity, sizer) if affinity is not None else None,
     )
 
 

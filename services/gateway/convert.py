@@ -126,6 +126,7 @@ def generation_delta(resp: worker_pb2.GenerateResponse) -> GenerationDelta:
         logprobs=_logprobs(resp.logprobs),
         cached_prompt_tokens=resp.cached_prompt_tokens,
         prompt_logprobs=_logprobs(resp.prompt_logprobs),
+        shared_prompt_tokens=resp.shared_prompt_tokens,
     )
 
 

@@ -92,6 +92,7 @@ class GenerationDelta:
     logprobs: tuple[TokenLogprob, ...] = ()
     cached_prompt_tokens: int = 0
     prompt_logprobs: tuple[TokenLogprob, ...] = ()  # on a request's first delta, when asked
+    shared_prompt_tokens: int = 0  # of the cached ones, those whose pages its worker shares
 
 
 @dataclass

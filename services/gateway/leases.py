@@ -14,26 +14,47 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Coroutine, Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from services.gateway.accounts import Account, accounts
-from services.gateway.ledger import Admitted, Candidate, Ledger, LedgerUnavailable, WorkerUsage
+from services.gateway.ledger import (
+    Admitted,
+    Candidate,
+    Ledger,
+    LedgerUnavailable,
+    SharedBlock,
+    WorkerUsage,
+)
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.routing import WorkerStatus
 
 log = logging.getLogger(__name__)
 
 
-class LedgerLease:
-    """A lease in the ledger on one account; ``release`` is idempotent and returns at once (the
-    ledger write runs in the background)."""
+@dataclass(frozen=True)
+class Offer:
+    """An account admission would use: the bytes the request needs there, of which ``shared``
+    are blocks it expects to share (``ledger.SharedBlock``, each ``page_tokens`` tokens of the
+    prompt's lead)."""
 
-    def __init__(self, keeper: LeaseKeeper, account: Account, lease_id: str, need: int) -> None:
+    account: Account
+    need_bytes: int
+    shared: tuple[SharedBlock, ...] = ()
+    page_tokens: int = 0
+
+
+class LedgerLease:
+    """A lease in the ledger on one account; ``settle`` and ``release`` return at once (the
+    ledger writes run in the background); ``release`` is idempotent."""
+
+    def __init__(self, keeper: LeaseKeeper, offer: Offer, lease_id: str) -> None:
         self._keeper = keeper
-        self.account = account
+        self.account = offer.account
         self.lease_id = lease_id
-        self.need_bytes = need
+        self.need_bytes = offer.need_bytes
+        self.shared = offer.shared
+        self.page_tokens = offer.page_tokens
 
     @property
     def worker(self) -> str:
@@ -47,6 +68,14 @@ class LedgerLease:
     @property
     def key(self) -> str:
         return self.account.key
+
+    def settle(self, shared_tokens: int) -> None:
+        """Keeps the blocks within the first ``shared_tokens`` tokens; once (later calls, and
+        a lease that named none, change nothing)."""
+        kept = shared_tokens // self.page_tokens if self.page_tokens > 0 else 0
+        if kept < len(self.shared):
+            self.shared = self.shared[:kept]
+            self._keeper.settle(self, kept)
 
     def release(self) -> None:
         self._keeper.release(self)
@@ -95,18 +124,19 @@ class LeaseKeeper:
         )  # fmt: skip
 
     # ---- acquire and release ----------------------------------------------------------------
-    async def acquire(
-        self, lease_id: str, candidates: Sequence[tuple[Account, int]]
-    ) -> LedgerLease | None:
-        """A lease on the first of ``candidates`` (account, bytes needed there), in order, with
-        room: the ledger's ``acquire``, shielded: if the caller is cancelled after the ledger
-        recorded the lease, the lease is released rather than left to its TTL. Raises
-        ``LedgerUnavailable``."""
-        by_key = {a.key: (a, need) for a, need in candidates}
+    async def acquire(self, lease_id: str, offers: Sequence[Offer]) -> LedgerLease | None:
+        """A lease on the first of ``offers``, in order, with room: the ledger's ``acquire``,
+        shielded: if the caller is cancelled after the ledger recorded the lease, the lease is
+        released rather than left to its TTL. Raises ``LedgerUnavailable``."""
+        by_key = {o.account.key: o for o in offers}
         # a worker's ranks are one choice: the ledger takes the least admitted with room
         ledger_candidates = [
-            Candidate(a.key, need, "" if a.rank is None else a.worker) for a, need in candidates
-        ]
+            Candidate(
+                o.account.key, o.need_bytes, "" if o.account.rank is None else o.account.worker,
+                o.shared,
+            )
+            for o in offers
+        ]  # fmt: skip
         task = asyncio.ensure_future(
             self.ledger.acquire(lease_id, ledger_candidates, self.lease_ttl_s)
         )
@@ -118,8 +148,7 @@ class LeaseKeeper:
         if admitted is None:
             return None
         self._usage[admitted.worker] = admitted.usage
-        account, need = by_key[admitted.worker]
-        lease = LedgerLease(self, account, lease_id, need)
+        lease = LedgerLease(self, by_key[admitted.worker], lease_id)
         self._live[lease_id] = lease
         return lease
 
@@ -132,6 +161,16 @@ class LeaseKeeper:
                 self._spawn(self._release_in_ledger(admitted.worker, lease_id, 0))
 
         return undo
+
+    def settle(self, lease: LedgerLease, kept: int) -> None:
+        if lease.lease_id in self._live:
+            self._spawn(self._settle_in_ledger(lease.key, lease.lease_id, kept))
+
+    async def _settle_in_ledger(self, key: str, lease_id: str, kept: int) -> None:
+        try:
+            await self.ledger.settle(key, lease_id, kept)
+        except LedgerUnavailable as e:
+            log.warning("lease %s on %s not settled (%s): it counts as shared", lease_id, key, e)
 
     def release(self, lease: LedgerLease) -> None:
         if self._live.pop(lease.lease_id, None) is None:
@@ -277,6 +316,10 @@ class LeaseKeeper:
             self._renewer = None
         for lease in list(self._live.values()):
             lease.release()
-        if self._background:
-            await asyncio.wait(set(self._background), timeout=5)
+        await self.flush()
         await self.ledger.close()
+
+    async def flush(self, timeout_s: float = 5.0) -> None:
+        """Waits (up to ``timeout_s``) for the ledger writes under way: releases and settles."""
+        if self._background:
+            await asyncio.wait(set(self._background), timeout=timeout_s)

@@ -78,6 +78,9 @@ class TimedLease:
     def rank(self) -> int | None:
         return self._lease.rank
 
+    def settle(self, shared_tokens: int) -> None:
+        self._lease.settle(shared_tokens)
+
     def release(self) -> None:
         if self._on_release is not None:
             on_release, self._on_release = self._on_release, None

@@ -15,7 +15,13 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from services.gateway import ledger_scripts as lua
-from services.gateway.ledger import Admitted, Candidate, LedgerUnavailable, WorkerUsage
+from services.gateway.ledger import (
+    Admitted,
+    Candidate,
+    LedgerUnavailable,
+    SharedBlock,
+    WorkerUsage,
+)
 
 # A worker's keys outlive the last write by this long: long enough for any gateway that still
 # serves it to touch them again (every poll does), short enough to clean up a retired worker.
@@ -50,13 +56,17 @@ class RedisLedger:
         self._acquire = self.redis.register_script(lua.ACQUIRE)
         self._renew = self.redis.register_script(lua.RENEW)
         self._release = self.redis.register_script(lua.RELEASE)
+        self._settle = self.redis.register_script(lua.SETTLE)
         self._release_dead = self.redis.register_script(lua.RELEASE_DEAD)
         self._usage = self.redis.register_script(lua.USAGE)
 
-    def keys(self, worker: str) -> tuple[str, str, str]:
-        """(capacity hash, leases hash, expiry zset) of ``worker``."""
+    def keys(self, worker: str) -> tuple[str, str, str, str, str]:
+        """(capacity hash, leases hash, expiry zset, blocks hash, named hash) of ``worker``."""
         p = self.prefix
-        return f"{p}:worker:{worker}", f"{p}:leases:{worker}", f"{p}:expiry:{worker}"
+        return (
+            f"{p}:worker:{worker}", f"{p}:leases:{worker}", f"{p}:expiry:{worker}",
+            f"{p}:blocks:{worker}", f"{p}:named:{worker}",
+        )  # fmt: skip
 
     async def _call(self, script: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
         try:
@@ -76,8 +86,9 @@ class RedisLedger:
         if not candidates:
             return None
         keys = [k for c in candidates for k in self.keys(c.worker)]
-        args = [lease_id, _ms(ttl_s), KEY_IDLE_TTL_MS, *(c.need_bytes for c in candidates)]
+        args = [lease_id, _ms(ttl_s), KEY_IDLE_TTL_MS, *(c.private_bytes for c in candidates)]
         args += [c.group for c in candidates]
+        args += [_blocks(c.shared) for c in candidates]
         out = await self._call(self._acquire, keys, args)
         i = int(out[0])
         return Admitted(candidates[i - 1].worker, _usage(out[1:])) if i else None
@@ -90,6 +101,9 @@ class RedisLedger:
 
     async def release(self, worker: str, lease_id: str) -> bool:
         return bool(await self._call(self._release, self.keys(worker), [lease_id]))
+
+    async def settle(self, worker: str, lease_id: str, kept: int) -> bool:
+        return bool(await self._call(self._settle, self.keys(worker), [lease_id, max(0, kept)]))
 
     async def release_dead_worker(self, worker: str, dead_after_s: float) -> int | None:
         n = int(await self._call(self._release_dead, self.keys(worker), [_ms(dead_after_s)]))
@@ -105,6 +119,11 @@ class RedisLedger:
     async def close(self) -> None:
         await self.redis.aclose()
         await self.redis.connection_pool.disconnect()
+
+
+def _blocks(blocks: Sequence[SharedBlock]) -> str:
+    """``key:bytes,...``, as the scripts read them."""
+    return ",".join(f"{b.key}:{b.bytes}" for b in blocks)
 
 
 def _ms(seconds: float) -> int:

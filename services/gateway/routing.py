@@ -130,6 +130,11 @@ class Lease(Protocol):
     @property
     def rank(self) -> int | None: ...
 
+    def settle(self, shared_tokens: int) -> None:
+        """The worker shares the pages of the prompt's first ``shared_tokens`` tokens with
+        other requests: the lease counts the rest of what it expected to share as its own
+        (``ledger.Ledger.settle``)."""
+
     def release(self) -> None: ...
 
 
@@ -220,6 +225,9 @@ class LeastLoadedRouter(RankingRouter):
 class _PlainLease:
     worker: str
     rank: int | None = None  # the worker places the request
+
+    def settle(self, shared_tokens: int) -> None:
+        pass  # it holds no bytes
 
     def release(self) -> None:
         pass

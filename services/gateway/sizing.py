@@ -16,6 +16,7 @@ import logging
 from functools import lru_cache
 
 from dhisparse.capacity import Mode, Profile, profile_from_model_config, required_bytes
+from dhisparse.capacity.model import shared_prefix_bytes
 from dhisparse.family.config import ModelConfig
 from services.gateway.routing import WorkerStatus
 
@@ -34,6 +35,7 @@ class SessionSizer:
         self.page_size = page_size
         self.hot_cache_rows = hot_cache_rows
         self._profile = lru_cache(maxsize=16)(self._build_profile)
+        self._shared = lru_cache(maxsize=1 << 15)(self._shared_bytes)
         self._unusable: set[str] = set()
 
     def _build_profile(self, config_json: str, layout_json: str = "") -> Profile:
@@ -53,16 +55,34 @@ class SessionSizer:
             key_page_rows=layout.get("index_key_page_rows"),
         )
 
-    def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:
-        """Bytes one session of ``context_tokens`` tokens needs on ``worker``; None while the
-        worker has not told its model config."""
+    def profile(self, worker: WorkerStatus) -> Profile | None:
+        """``worker``'s capacity profile; None while it has not told a usable model config."""
         if not worker.config_json or worker.config_json in self._unusable:
             return None
         try:
-            profile = self._profile(worker.config_json, worker.kv_layout_json)
+            return self._profile(worker.config_json, worker.kv_layout_json)
         except (ValueError, TypeError, KeyError) as e:
             log.warning("worker %s: its model config is unusable for sizing: %s", worker.address, e)
             self._unusable.add(worker.config_json)
+            return None
+
+    def shared_bytes(self, worker: WorkerStatus, prefix_tokens: int) -> int | None:
+        """The bytes of a ``prefix_tokens``-token prefix that sessions sharing it hold once on
+        ``worker`` (its device pages; the capacity model's ``shared_prefix_bytes``); None while
+        the worker is not sized."""
+        if self.profile(worker) is None:
+            return None
+        return self._shared(worker.config_json, worker.kv_layout_json, worker.mode, prefix_tokens)
+
+    def _shared_bytes(self, config_json: str, layout_json: str, mode: str, tokens: int) -> int:
+        profile = self._profile(config_json, layout_json)
+        return shared_prefix_bytes(profile, tokens, capacity_mode(mode))
+
+    def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:
+        """Bytes one session of ``context_tokens`` tokens needs on ``worker``; None while the
+        worker has not told its model config."""
+        profile = self.profile(worker)
+        if profile is None:
             return None
         mode = capacity_mode(worker.mode)
         if mode == "hierarchy":  # the worker reserves index keys for a verification block more

@@ -335,6 +335,7 @@ class WorkerPool:
                         delta = convert.generation_delta(resp)
                         if not started:
                             started, cached = True, delta.cached_prompt_tokens
+                            lease.settle(delta.shared_prompt_tokens)
                         output.extend(delta.token_ids)
                         yield delta
                     if prefix is not None:

@@ -60,6 +60,7 @@ def output_to_proto(out: RequestOutput, tokenizer: Tokenizer) -> pb.GenerateResp
         prompt_tokens=out.prompt_tokens,
         completion_tokens=out.completion_tokens,
         cached_prompt_tokens=out.cached_prompt_tokens,
+        shared_prompt_tokens=out.shared_prompt_tokens,
     )
     resp.logprobs.extend(_token_logprob(lp, tokenizer) for lp in out.logprobs)
     resp.prompt_logprobs.extend(_token_logprob(lp, tokenizer) for lp in out.prompt_logprobs)

@@ -250,6 +250,40 @@ class RedisServer:
         return f"test-{uuid.uuid4().hex[:8]}"
 
 
+async def ledger_violations(
+    r: Any, prefix: str, worker: str, within_capacity: bool = True
+) -> list[str]:
+    """How the Redis ledger's keys of ``worker`` (``ledger_scripts``) break its invariant, read
+    in one MULTI: ``admitted`` is the leases' own bytes plus, once, every named block's; it
+    never exceeds the capacity (``within_capacity``: no lease was settled); each block counts
+    the leases that name it; the expiry set holds exactly the leases. Empty when they hold."""
+    keys = [f"{prefix}:{k}:{worker}" for k in ("worker", "leases", "expiry", "blocks", "named")]
+    async with r.pipeline(transaction=True) as p:
+        p.hgetall(keys[0]).hgetall(keys[1]).zrange(keys[2], 0, -1)
+        p.hgetall(keys[3]).hgetall(keys[4])
+        info, leases, expiring, blocks, named = await p.execute()
+    if not info:
+        return []
+    naming: dict[str, int] = {}
+    sizes: dict[str, int] = {}
+    for spec in named.values():
+        for item in spec.split(","):
+            key, size = item.split(":")
+            naming[key] = naming.get(key, 0) + 1
+            sizes[key] = int(size)
+    counted = {k: int(v) for k, v in blocks.items() if not k.endswith("|b")}
+    held = sum(int(v) for v in leases.values()) + sum(sizes.values())
+    out = []
+    over = within_capacity and held > int(info["capacity"])
+    if held != int(info.get("admitted", 0)) or over:
+        out.append(f"{worker}: held {held}, {info}, leases {leases}, blocks {blocks}")
+    if counted != naming or set(named) - set(leases):
+        out.append(f"{worker}: blocks {blocks} but leases name {named}")
+    if set(expiring) != set(leases):
+        out.append(f"{worker}: expiring {expiring}, leases {leases}")
+    return out
+
+
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     """A real `redis-server` on a free port, nothing persisted; killed by PID at the end."""

@@ -11,10 +11,10 @@ from dataclasses import dataclass
 import pytest
 import redis.asyncio as aioredis
 
-from services.gateway.ledger import Candidate, Ledger, LedgerUnavailable, LocalLedger
+from services.gateway.ledger import Candidate, Ledger, LedgerUnavailable, LocalLedger, SharedBlock
 from services.gateway.redis_ledger import RedisLedger
 
-from .conftest import RedisServer, free_port
+from .conftest import RedisServer, free_port, ledger_violations
 
 CAP = 1000
 TTL = 0.3  # seconds; the Redis ledger counts real (server) time
@@ -24,7 +24,8 @@ TTL = 0.3  # seconds; the Redis ledger counts real (server) time
 class Subject:
     ledger: Ledger
     advance: Callable[[float], Awaitable[None]]  # lets time pass
-    check: Callable[[], Awaitable[None]]  # the invariant, read from the ledger's own state
+    # the invariant, read from the ledger's own state (within capacity: no lease was settled)
+    check: Callable[..., Awaitable[None]]
 
 
 class FakeClock:
@@ -35,20 +36,22 @@ class FakeClock:
         return self.now
 
 
-async def redis_invariant(r: aioredis.Redis, ledger: RedisLedger, workers: list[str]) -> None:
-    """Per worker, in one MULTI: the leases' bytes sum to ``admitted``, which never exceeds the
-    capacity; the expiry set holds exactly the leases."""
-    for w in workers:
-        wk, lk, ek = ledger.keys(w)
-        async with r.pipeline(transaction=True) as p:
-            p.hgetall(wk).hgetall(lk).zrange(ek, 0, -1)
-            info, leases, expiring = await p.execute()
-        if not info:
-            continue
-        held = sum(int(v) for v in leases.values())
-        assert held == int(info.get("admitted", 0)), (w, info, leases)
-        assert held <= int(info["capacity"]), (w, info, leases)
-        assert set(expiring) == set(leases), (w, expiring, leases)
+def local_violations(local: LocalLedger, within_capacity: bool = True) -> list[str]:
+    """``ledger_violations`` for the in-process ledger's state."""
+    out = []
+    for name, w in local._workers.items():
+        naming: dict[str, int] = {}
+        for held in w.leases.values():
+            for b in held.blocks:
+                naming[b.key] = naming.get(b.key, 0) + 1
+        own = sum(held.private for held in w.leases.values())
+        counted = own + sum(size for _, size in w.blocks.values())
+        cap = w.capacity_bytes if within_capacity else counted
+        if not 0 <= w.admitted_bytes == counted <= cap:
+            out.append(f"{name}: admitted {w.admitted_bytes}, counted {counted}")
+        if naming != {k: n for k, (n, _) in w.blocks.items()}:
+            out.append(f"{name}: blocks {w.blocks}, named {naming}")
+    return out
 
 
 @pytest.fixture(params=["local", "redis"])
@@ -60,10 +63,8 @@ async def subject(request: pytest.FixtureRequest) -> AsyncIterator[Subject]:
         async def advance(s: float) -> None:
             clock.now += s
 
-        async def check() -> None:
-            for w in local._workers.values():
-                assert 0 <= w.admitted_bytes <= w.capacity_bytes
-                assert w.admitted_bytes == sum(need for need, _ in w.leases.values())
+        async def check(within_capacity: bool = True) -> None:
+            assert local_violations(local, within_capacity) == []
 
         yield Subject(local, advance, check)
         return
@@ -74,8 +75,9 @@ async def subject(request: pytest.FixtureRequest) -> AsyncIterator[Subject]:
     async def sleep(s: float) -> None:
         await asyncio.sleep(s)
 
-    async def check_redis() -> None:
-        await redis_invariant(r, ledger, ["a", "b"])
+    async def check_redis(within_capacity: bool = True) -> None:
+        for w in ("a", "b"):
+            assert await ledger_violations(r, ledger.prefix, w, within_capacity) == []
 
     try:
         yield Subject(ledger, sleep, check_redis)
@@ -185,8 +187,13 @@ async def test_dead_worker_leases_are_released_only_past_the_grace(subject: Subj
     await subject.check()
 
 
-async def test_concurrent_acquire_release_never_exceeds_capacity(subject: Subject) -> None:
-    """Many tasks race for two workers; the invariant is checked while they run."""
+@pytest.mark.parametrize("settles", [False, True])
+async def test_concurrent_acquire_release_never_exceeds_capacity(
+    subject: Subject, settles: bool
+) -> None:
+    """Many tasks race for two workers, naming shared blocks; the invariant is checked while
+    they run. With ``settles`` some leases settle on fewer blocks than they named: the bytes
+    add up still, though a settled block counted twice may pass the capacity."""
     ledger = subject.ledger
     await ledger.register("a", CAP, 0)
     await ledger.register("b", CAP // 2, 3)
@@ -198,18 +205,23 @@ async def test_concurrent_acquire_release_never_exceeds_capacity(subject: Subjec
         nonlocal admitted, refused
         for j in range(15):
             need = rng.randint(50, 400)
-            order = [Candidate("a", need), Candidate("b", need)]
+            # a leading run of one of two prefixes' pages, each 20 bytes, shared
+            keys = [f"p{rng.randint(0, 1)}k{n}" for n in range(rng.randint(0, 2))]
+            shared = tuple(SharedBlock(k, 20) for k in keys)
+            order = [Candidate("a", need, shared=shared), Candidate("b", need, shared=shared)]
             rng.shuffle(order)
             got = await ledger.acquire(f"{i}-{j}", order, 30)
             refused += got is None
             if got is not None:
                 admitted += 1
                 await asyncio.sleep(rng.random() * 0.005)
+                if settles and shared and rng.random() < 0.3:  # shared fewer than named
+                    await ledger.settle(got.worker, f"{i}-{j}", len(shared) - 1)
                 assert await ledger.release(got.worker, f"{i}-{j}")
 
     async def monitor() -> None:
         while not stop.is_set():
-            await subject.check()
+            await subject.check(not settles)
             await asyncio.sleep(0)
 
     watcher = asyncio.create_task(monitor())
@@ -220,6 +232,71 @@ async def test_concurrent_acquire_release_never_exceeds_capacity(subject: Subjec
     usage = await ledger.usage(["a", "b"])
     assert usage["a"].admitted_bytes == usage["b"].admitted_bytes == 0
     await subject.check()
+
+
+async def test_a_block_shared_by_live_leases_counts_once(subject: Subject) -> None:
+    """Two leases naming the same blocks hold their bytes once; the bytes return with the last
+    lease that names them, and a block no live lease names is paid again."""
+    ledger = subject.ledger
+    await ledger.register("a", CAP, 0)
+    k1, k2, k3 = SharedBlock("k1", 150), SharedBlock("k2", 100), SharedBlock("k3", 70)
+    got = await ledger.acquire("A", [Candidate("a", 600, shared=(k1, k2))], 30)
+    assert got is not None and got.usage.admitted_bytes == 600
+    # B needs 650, 250 of it in A's blocks: 400 more
+    got = await ledger.acquire("B", [Candidate("a", 650, shared=(k1, k2))], 30)
+    assert got is not None and got.usage.admitted_bytes == 1000
+    assert await ledger.acquire("C", [Candidate("a", 1, shared=())], 30) is None
+    await subject.check()
+    assert await ledger.release("a", "A")  # its own 350 return; the blocks are B's now
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 650
+    # k1 is named, k3 is not: 500 - 150 = 350 more
+    got = await ledger.acquire("D", [Candidate("a", 500, shared=(k1, k3))], 30)
+    assert got is not None and got.usage.admitted_bytes == 1000
+    await subject.check()
+    assert await ledger.release("a", "B")  # its 400 and k2 (no one else names it)
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 500
+    assert await ledger.release("a", "D")
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 0
+    await subject.check()
+
+
+async def test_settling_moves_the_blocks_a_worker_did_not_share_into_the_lease(
+    subject: Subject,
+) -> None:
+    ledger = subject.ledger
+    await ledger.register("a", 2 * CAP, 0)
+    k1, k2 = SharedBlock("k1", 150), SharedBlock("k2", 100)
+    assert await ledger.acquire("A", [Candidate("a", 600, shared=(k1, k2))], 30)
+    assert await ledger.acquire("B", [Candidate("a", 600, shared=(k1, k2))], 30)
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 950
+    # B's worker shared k1 only: k2's 100 bytes are B's own as well as A's block
+    assert await ledger.settle("a", "B", 1)
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 1050
+    assert await ledger.settle("a", "B", 1)  # idempotent
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 1050
+    await subject.check()
+    assert await ledger.release("a", "A")  # 350 of its own and k2: B names only k1
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 600
+    assert await ledger.settle("a", "B", 0)  # nothing shared after all: all 600 its own
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 600
+    assert not await ledger.settle("a", "gone", 0)
+    await subject.check()
+    # an expired lease's blocks return with it
+    assert await ledger.acquire("E", [Candidate("a", 300, shared=(k2,))], TTL)
+    assert await ledger.acquire("F", [Candidate("a", 300, shared=(k2,))], TTL * 100)
+    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 1100
+    await subject.advance(TTL * 1.5)
+    assert (await ledger.register("a", 2 * CAP, 0)).admitted_bytes == 900
+    await subject.check()
+
+
+def test_a_candidate_names_distinct_blocks_within_its_need() -> None:
+    with pytest.raises(ValueError, match="distinct"):
+        Candidate("a", 100, shared=(SharedBlock("k", 1), SharedBlock("k", 1)))
+    with pytest.raises(ValueError, match="exceed"):
+        Candidate("a", 100, shared=(SharedBlock("k", 101),))
+    with pytest.raises(ValueError, match="key"):
+        SharedBlock("a:b", 1)
 
 
 async def test_redis_keys_are_namespaced(redis_server: RedisServer) -> None:

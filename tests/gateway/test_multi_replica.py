@@ -37,6 +37,7 @@ from .conftest import (
     capacity_held,
     kill_process,
     launch_gateway,
+    ledger_violations,
     start_gateway,
     wait_gateway,
 )
@@ -88,11 +89,8 @@ class LedgerWatch:
 
     async def check(self) -> None:
         for w in self.workers:
-            info, leases = await self.read(w)
-            held = sum(int(v) for v in leases.values())
-            capacity = int(info.get("capacity", 0))
-            if held > capacity or held != int(info.get("admitted", 0)):
-                self.violations.append(f"{w}: capacity {capacity}, leases {leases}, {info}")
+            self.violations += await ledger_violations(self.redis, self.prefix, w)
+            _, leases = await self.read(w)
             self.most_sessions[w] = max(self.most_sessions.get(w, 0), len(leases))
         self.reads += 1
 

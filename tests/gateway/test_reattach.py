@@ -101,6 +101,9 @@ class CountingAdmission:
             rank = admission.rank
             done = False
 
+            def settle(self, shared_tokens: int) -> None:
+                pass
+
             def release(self) -> None:
                 if not self.done:
                     self.done = True

@@ -176,6 +176,7 @@ class RequestOutput:
     logprobs: tuple[TokenLogprob, ...] = ()
     error: RequestError | None = None  # set on the last output of a request that failed
     cached_prompt_tokens: int = 0  # prompt tokens not computed for it (resumed, cached prefix)
+    shared_prompt_tokens: int = 0  # of those, the ones whose device pages others share
     # on the first output of a request that asked for them (``prompt_logprobs.take``)
     prompt_logprobs: tuple[TokenLogprob, ...] = ()
 
@@ -204,6 +205,9 @@ class Request:
     # tokens not computed here: adopted from a dead worker (a resumed session), or imported from
     # a cached prefix (``serving.prefix_reuse``)
     resumed_tokens: int = 0
+    # of those, the leading tokens whose pages on the device it shares with other requests
+    # (seated from a record: ``serving.device_prefix``, ``serving.key_records``)
+    shared_tokens: int = 0
     # its logit bias and penalties on the device, built at its first shaping (if it sets any)
     penalties: Penalties | None = field(default=None, repr=False)
     # scores of prompt tokens 1, 2, ... recorded so far, until sent (``prompt_logprobs``)
@@ -300,5 +304,6 @@ class Request:
             logprobs=logprobs,
             error=self.error,
             cached_prompt_tokens=min(self.resumed_tokens, len(self.prompt_ids)),
+            shared_prompt_tokens=min(self.shared_tokens, len(self.prompt_ids)),
             prompt_logprobs=prompt_logprobs,
         )

@@ -130,7 +130,7 @@ class DevicePrefixReuse:
         if record.carry is not None:
             assert self.kv.page_ends is not None
             self.kv.page_ends.seat(slot, tokens, record.carry)
-        req.resumed_tokens = tokens
+        req.resumed_tokens = req.shared_tokens = tokens
         self.stats.hits += 1
         self.stats.hit_tokens += tokens
         return tokens

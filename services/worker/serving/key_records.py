@@ -80,14 +80,15 @@ class KeyRecords:
 
     def shared(
         self, hashes: Sequence[str], token_ids: Sequence[int], tokens: int
-    ) -> KeyPages | None:
+    ) -> tuple[KeyPages, int] | None:
         """The cached key pages a request importing its first ``tokens`` tokens (whole pages of
         ``hashes`` and ``token_ids``) seats as its first, by producer layer: those of the record
-        that holds the longest run of those pages; None when no page is cached."""
+        that holds the longest run of those pages, and the leading tokens that run covers;
+        None when no page is cached."""
         found = self.records.find(hashes[: tokens // self.page], token_ids)
         if found is None:
             return None
         pages, matched = found
         upto = min(matched * self.page, tokens)
         shared = {layer: p[: self._pages(layer, upto)] for layer, p in pages.items()}
-        return shared if any(shared.values()) else None
+        return (shared, upto) if any(shared.values()) else None

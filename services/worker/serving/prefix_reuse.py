@@ -317,7 +317,7 @@ class PrefixReuse:
         hit: PrefixHit,
         budget: int,
         manifest_bytes: int,
-        shared_keys: KeyPages | None,
+        shared: tuple[KeyPages, int] | None,
     ) -> int | None:
         kv, cfg = self.kv, self.kv.model_cfg
         assert kv.sessions is not None
@@ -335,6 +335,7 @@ class PrefixReuse:
             raise HostStoreUnavailable(f"host KV store unavailable: {describe(e)}") from e
         try:
             self._copy_in(cached, regions, hit.tokens)
+            shared_keys = shared[0] if shared is not None else None
             seated = kv.adopt(slot, req.request_id, regions, hit.tokens, rings, budget, shared_keys)
         except BaseException:
             self.host.release_regions(regions)
@@ -344,9 +345,10 @@ class PrefixReuse:
             return 0
         kv.sessions.clear_manifest(slot)  # fresh regions: no earlier holder's manifest counts
         req.resumed_tokens = hit.tokens
+        req.shared_tokens = shared[1] if shared is not None else 0
         self.stats.hits += 1
         self.stats.hit_tokens += hit.tokens
-        self.stats.keys_shared += int(shared_keys is not None)
+        self.stats.keys_shared += int(shared is not None)
         return hit.tokens
 
     def _copy_in(self, cached: dict[int, Region], regions: list[Region], tokens: int) -> None:

@@ -64,7 +64,8 @@ def test_the_next_turn_shares_the_first_turns_pages_with_the_uncached_tokens(
     assert turn.output_ids == want.output_ids
     shared = (100 + 24 - 1) // 16 * 16  # the first turn's complete pages
     assert turn.cached == shared and turn.computed == len(prompt) - shared
-    assert want.computed == len(prompt) and want.cached == 0
+    assert turn.output().shared_prompt_tokens == shared  # its pages, seated from the record
+    assert want.computed == len(prompt) and want.cached == want.output().shared_prompt_tokens == 0
     stats = eng.scheduler.prefix.stats
     assert (stats.hits, stats.hit_tokens, stats.left) == (1, shared, 2)
 

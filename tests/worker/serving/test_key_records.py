@@ -73,6 +73,11 @@ def test_the_leavers_worker_shares_its_key_pages_with_the_hosts_keys(
     assert turn.output_ids == other.output_ids == ref.output_ids
     assert w0.scheduler.prefix.stats.keys_shared == 1 and w1.scheduler.prefix.stats.keys_shared == 0
     assert turn.computed == other.computed < 0.1 * len(prompt)
+    # the leaver's worker reports the tokens whose key pages it shares (the gateway settles on
+    # them); the other shares none
+    cached = turn.output().cached_prompt_tokens
+    assert 320 <= turn.output().shared_prompt_tokens <= cached
+    assert other.output().shared_prompt_tokens == 0 < other.output().cached_prompt_tokens
     (mine,), (theirs,) = seen0, seen1
     assert any(mine["shared"].values()) and not any(theirs["shared"].values())
     assert mine["pages"] == mine["shared"]  # seated as its first pages, not copied
@@ -116,7 +121,9 @@ def test_a_record_keeps_the_pages_its_tokens_complete(store: LocalHostStore) -> 
     ids = FIRST[:tokens]
     hashes = page_hashes(salt, ids)
     for layer, pool in w.kv.index_keys.pools.items():
-        full = records.shared(hashes, ids, tokens)[layer]
-        assert len(full) == tokens // pool.page_size > 0
-        short = records.shared(hashes, ids, pool.page_size + salt.page_size)[layer]
-        assert short == full[:1]
+        pages, covered = records.shared(hashes, ids, tokens)
+        full = pages[layer]
+        assert len(full) == tokens // pool.page_size > 0 and covered == tokens
+        fewer = pool.page_size + salt.page_size
+        pages, covered = records.shared(hashes, ids, fewer)
+        assert pages[layer] == full[:1] and covered == fewer // records.page * records.page
