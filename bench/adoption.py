@@ -12,9 +12,9 @@ Streams ``--streams`` greedy chat completions of distinct prompts at once: first
 both workers (kernels compile, graphs capture), then whole (the texts to compare with), then
 ``--kills`` times with the worker running the most of them SIGKILLed once stream 0 has
 ``--kill-at`` of its chunks and every stream its first. ``up`` restarts the killed worker; the
-next trial waits until its successor serves and the gateway reports both healthy. Per kill it records each stream's delay from the kill to its next
-chunk (the stall of the streams the victim held; the others' delay is a usual chunk gap, also
-recorded), whether every text equals the whole run's, the gateway's adoptions by outcome and
+next trial waits until its successor serves and the gateway reports both healthy. Per kill it
+records each stream's longest wait for a chunk from the kill on (``delays``: the stall of the
+streams the victim held; the others' is a usual chunk gap, also recorded), whether every text equals the whole run's, the gateway's adoptions by outcome and
 adoption latency (break to the peer's first token), and the prompt tokens the peer computed
 after the kill (an adoption computes none). The result is written whatever the outcome; the
 exit status is 1 when a stream fails or fewer kills landed than asked."""
@@ -171,11 +171,16 @@ def gateway_counts(stack: UpStack) -> dict:
 
 
 def delays(outs: list[dict], kill_at: float) -> list[float | None]:
-    """Per stream, seconds from the kill to its next chunk (None: it had ended)."""
+    """Per stream, the longest wait for a chunk from the kill on: from the kill to its next
+    chunk, or between two chunks after it (None: it had ended). Chunks the victim sent before
+    it died may still arrive after the kill (buffered on the way), so the stall of a stream
+    it held is the gap after them, not the wait for the first chunk."""
     out = []
     for o in outs:
         at = kill_at - o["started"]
-        out.append(next((t - at for t in o["chunk_times_s"] if t > at), None))
+        after = [t for t in o["chunk_times_s"] if t > at]
+        gaps = [b - a for a, b in itertools.pairwise([at, *after])]
+        out.append(max(gaps) if gaps else None)
     return out
 
 

@@ -18,13 +18,15 @@ def _stream(started: float, times: list[float]) -> dict:
     return {"started": started, "chunk_times_s": times}
 
 
-def test_delays_count_from_the_kill_to_each_streams_next_chunk() -> None:
+def test_delays_are_each_streams_longest_wait_from_the_kill_on() -> None:
     held = _stream(100.0, [0.1, 0.2, 0.3, 2.3, 2.4])  # the victim's: 2 s without a chunk
-    other = _stream(100.05, [0.1, 0.2, 0.36, 0.46])
+    # the victim's too, two chunks it sent before it died arriving after the kill
+    buffered = _stream(100.0, [0.1, 0.36, 0.37, 1.9, 2.0])
+    other = _stream(100.05, [0.1, 0.2, 0.36, 0.46, 0.5])
     ended = _stream(99.0, [0.1, 0.2])  # over before the kill
-    got = delays([held, other, ended], kill_at=100.35)
-    assert got[0] == pytest.approx(1.95) and got[1] == pytest.approx(0.06)
-    assert got[2] is None
+    got = delays([held, buffered, other, ended], kill_at=100.35)
+    assert got[0] == pytest.approx(1.95) and got[1] == pytest.approx(1.53)
+    assert got[2] == pytest.approx(0.1) and got[3] is None
 
 
 def test_usual_gap_is_the_median_chunk_gap() -> None:
