@@ -127,6 +127,8 @@ QUEUE_DEPTH = PREFIX + "admission_queue_depth"
 REQUESTS_REJECTED = PREFIX + "requests_rejected"  # counter{reason,status}
 ADMITTED_SESSIONS = PREFIX + "admitted_sessions"  # gauge{worker}
 ADMITTED_BYTES = PREFIX + "admitted_bytes"  # gauge{worker}
+# of those, the pages live requests share on the worker, counted once (services/gateway/ledger.py)
+ADMITTED_SHARED_BYTES = PREFIX + "admitted_shared_bytes"  # gauge{worker}
 FREE_CAPACITY_BYTES = PREFIX + "free_capacity_bytes"  # gauge{worker}
 STREAMS_RESUMED = PREFIX + "streams_resumed"  # counter{outcome}: worker died mid-stream
 # a stream whose worker died or drained, moved to a live peer of its node (DESIGN §10)
@@ -146,6 +148,8 @@ PREFIX_AFFINITY_FEED_RECORDS = PREFIX + "prefix_affinity_feed_records"  # counte
 # prompt tokens the workers reported not computing (usage.prompt_tokens_details.cached_tokens);
 # the hit rate is its rate over prompt_tokens'
 PROMPT_TOKENS_CACHED = PREFIX + "prompt_tokens_cached"  # counter
+# of those, the tokens whose device pages the workers share with other requests
+PROMPT_TOKENS_SHARED = PREFIX + "prompt_tokens_shared"  # counter
 
 # --- worker: KV hierarchy ---------------------------------------------------------------------
 KV_POOL_BYTES = PREFIX + "kv_pool_bytes"  # gauge{class=required|optional|reserve|free}

@@ -388,12 +388,17 @@ ADMISSION = Dashboard(
                 ),
                 Panel(
                     "Admitted bytes",
-                    "Required GPU bytes of the sessions admitted on each worker (eq. 3).",
+                    "Required GPU bytes of the sessions admitted on each worker (eq. 3), and of"
+                    " those the prefix pages live requests there share, counted once.",
                     [
                         Target(
                             f"max by (worker) (dhisparse:admitted_bytes{{{M}}})",
                             "{{worker}}",
-                        )
+                        ),
+                        Target(
+                            f"max by (worker) (dhisparse:admitted_shared_bytes{{{M}}})",
+                            "{{worker}} shared",
+                        ),
                     ],
                     unit="bytes",
                     width=8,
@@ -436,8 +441,9 @@ ADMISSION = Dashboard(
                 Panel(
                     "Predicted and reported cached tokens",
                     "Prompt tokens per second the chosen workers' nodes were predicted to hold,"
-                    " and those the workers reported imported: a prediction well above the"
-                    " report means the stores evicted what the gateway's index remembers.",
+                    " those the workers reported imported (a prediction well above the report"
+                    " means the stores evicted what the gateway's index remembers), and of those"
+                    " the ones whose device pages the workers share with other requests.",
                     [
                         Target(
                             "sum(rate("
@@ -447,6 +453,10 @@ ADMISSION = Dashboard(
                         Target(
                             f"sum(rate(dhisparse:prompt_tokens_cached_total{{{GW}}}{RI}))",
                             "reported",
+                        ),
+                        Target(
+                            f"sum(rate(dhisparse:prompt_tokens_shared_total{{{GW}}}{RI}))",
+                            "shared on the device",
                         ),
                     ],
                     width=6,

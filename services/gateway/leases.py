@@ -121,6 +121,7 @@ class LeaseKeeper:
         return WorkerUsage(
             sum(u.capacity_bytes for u in seen), sum(u.max_sessions for u in seen),
             sum(u.admitted_bytes for u in seen), sum(u.sessions for u in seen),
+            sum(u.shared_bytes for u in seen),
         )  # fmt: skip
 
     # ---- acquire and release ----------------------------------------------------------------
@@ -300,6 +301,7 @@ class LeaseKeeper:
             model = self.served_model_name or w.model_name
             m.admitted_sessions.labels(model, w.address).set(usage.sessions)
             m.admitted_bytes.labels(model, w.address).set(usage.admitted_bytes)
+            m.admitted_shared_bytes.labels(model, w.address).set(usage.shared_bytes)
             m.free_capacity.labels(model, w.address).set(usage.free_bytes)
 
     # ---- lifecycle --------------------------------------------------------------------------

@@ -37,12 +37,14 @@ class LedgerUnavailable(Exception):
 
 @dataclass(frozen=True)
 class WorkerUsage:
-    """One worker in the ledger. ``max_sessions`` 0 means no session limit."""
+    """One worker in the ledger. ``max_sessions`` 0 means no session limit; ``shared_bytes``:
+    of ``admitted_bytes``, the shared blocks' (each counted once)."""
 
     capacity_bytes: int
     max_sessions: int
     admitted_bytes: int
     sessions: int
+    shared_bytes: int = 0
 
     @property
     def free_bytes(self) -> int:
@@ -165,8 +167,9 @@ class _LocalWorker:
     blocks: dict[str, list[int]] = field(default_factory=dict)  # key -> [leases naming, bytes]
 
     def usage(self) -> WorkerUsage:
+        shared = sum(size for _, size in self.blocks.values())
         return WorkerUsage(
-            self.capacity_bytes, self.max_sessions, self.admitted_bytes, len(self.leases)
+            self.capacity_bytes, self.max_sessions, self.admitted_bytes, len(self.leases), shared
         )
 
     def reclaim(self, now: float) -> None:

@@ -2,7 +2,8 @@
 it justifies can never be split by another gateway's operation.
 
 Keys of one worker (``P`` the ledger prefix, ``W`` the worker's address):
-  ``P:worker:W``  hash  capacity, max_sessions, admitted (bytes counted), seen (ms)
+  ``P:worker:W``  hash  capacity, max_sessions, admitted (bytes counted), shared (of those,
+                        the named blocks'), seen (ms)
   ``P:leases:W``  hash  lease id -> bytes it holds alone
   ``P:expiry:W``  zset  lease id scored by its expiry (ms)
   ``P:blocks:W``  hash  shared block key -> leases naming it; key ``|b`` -> its bytes
@@ -46,14 +47,21 @@ local function unnamed(b, blocks)
   return n
 end
 
-local function name(b, blocks)
+-- A lease names the blocks; returns the bytes of those no lease named before.
+local function name(w, b, blocks)
+  local added = 0
   for _, kb in ipairs(blocks) do
-    if redis.call('HINCRBY', b, kb[1], 1) == 1 then redis.call('HSET', b, kb[1] .. '|b', kb[2]) end
+    if redis.call('HINCRBY', b, kb[1], 1) == 1 then
+      redis.call('HSET', b, kb[1] .. '|b', kb[2])
+      added = added + kb[2]
+    end
   end
+  redis.call('HINCRBY', w, 'shared', added)
+  return added
 end
 
 -- The blocks lose a lease naming them; returns the bytes of those no lease names any more.
-local function let_go(b, blocks)
+local function let_go(w, b, blocks)
   local freed = 0
   for _, kb in ipairs(blocks) do
     if redis.call('HINCRBY', b, kb[1], -1) <= 0 then
@@ -61,14 +69,15 @@ local function let_go(b, blocks)
       redis.call('HDEL', b, kb[1], kb[1] .. '|b')
     end
   end
+  if freed > 0 and redis.call('EXISTS', w) == 1 then redis.call('HINCRBY', w, 'shared', -freed) end
   return freed
 end
 
 -- The bytes lease ``id`` frees, its records gone (0 when it is not held).
-local function drop(l, e, b, s, id)
+local function drop(w, l, e, b, s, id)
   local own = redis.call('HGET', l, id)
   if not own then return 0 end
-  local freed = tonumber(own) + let_go(b, parse(redis.call('HGET', s, id)))
+  local freed = tonumber(own) + let_go(w, b, parse(redis.call('HGET', s, id)))
   redis.call('HDEL', l, id)
   redis.call('HDEL', s, id)
   redis.call('ZREM', e, id)
@@ -80,7 +89,7 @@ local function reclaim(w, l, e, b, s, now)
   local expired = redis.call('ZRANGEBYSCORE', e, '-inf', now)
   if #expired == 0 then return end
   local freed = 0
-  for _, id in ipairs(expired) do freed = freed + drop(l, e, b, s, id) end
+  for _, id in ipairs(expired) do freed = freed + drop(w, l, e, b, s, id) end
   redis.call('HINCRBY', w, 'admitted', -freed)
 end
 
@@ -88,10 +97,13 @@ local function keep(w, l, e, b, s, ms)
   for _, k in ipairs({w, l, e, b, s}) do redis.call('PEXPIRE', k, ms) end
 end
 
--- {capacity, max_sessions, admitted, sessions}
+-- {capacity, max_sessions, admitted, sessions, shared}
 local function usage(w, l)
-  local v = redis.call('HMGET', w, 'capacity', 'max_sessions', 'admitted')
-  return {tonumber(v[1] or 0), tonumber(v[2] or 0), tonumber(v[3] or 0), redis.call('HLEN', l)}
+  local v = redis.call('HMGET', w, 'capacity', 'max_sessions', 'admitted', 'shared')
+  return {
+    tonumber(v[1] or 0), tonumber(v[2] or 0), tonumber(v[3] or 0), redis.call('HLEN', l),
+    tonumber(v[4] or 0),
+  }
 end
 """
 
@@ -147,15 +159,16 @@ while i <= n do
     local w, l, e, b, s = key(pick, 1), key(pick, 2), key(pick, 3), key(pick, 4), key(pick, 5)
     local spec = ARGV[3 + 2 * n + pick]
     redis.call('HSET', l, id, ARGV[3 + pick])
+    local added = 0
     if spec ~= '' then
-      name(b, parse(spec))
+      added = name(w, b, parse(spec))
       redis.call('HSET', s, id, spec)
     end
     redis.call('ZADD', e, now + ttl, id)
     redis.call('HINCRBY', w, 'admitted', pick_need)
     keep(w, l, e, b, s, keep_ms)
     local u = pick_u
-    return {pick, u[1], u[2], u[3] + pick_need, u[4] + 1}
+    return {pick, u[1], u[2], u[3] + pick_need, u[4] + 1, u[5] + added}
   end
   i = j + 1
 end
@@ -186,7 +199,7 @@ RELEASE = (
     _PRELUDE
     + """
 if redis.call('HEXISTS', KEYS[2], ARGV[1]) == 0 then return 0 end
-local freed = drop(KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1])
+local freed = drop(KEYS[1], KEYS[2], KEYS[3], KEYS[4], KEYS[5], ARGV[1])
 if redis.call('EXISTS', KEYS[1]) == 1 then
   redis.call('HINCRBY', KEYS[1], 'admitted', -freed)
 end
@@ -209,7 +222,7 @@ for i = kept + 1, #blocks do
   own = own + blocks[i][2]
 end
 redis.call('HINCRBY', KEYS[2], ARGV[1], own)
-local freed = let_go(KEYS[4], moved)
+local freed = let_go(KEYS[1], KEYS[4], moved)
 if kept > 0 then
   redis.call('HSET', KEYS[5], ARGV[1], join(blocks, 1, kept))
 else
@@ -232,7 +245,7 @@ if not seen then return 0 end
 if now_ms() - tonumber(seen) <= tonumber(ARGV[1]) then return -1 end
 local n = redis.call('HLEN', KEYS[2])
 redis.call('DEL', KEYS[2], KEYS[3], KEYS[4], KEYS[5])
-redis.call('HSET', KEYS[1], 'admitted', 0)
+redis.call('HSET', KEYS[1], 'admitted', 0, 'shared', 0)
 return n
 """
 )
@@ -245,7 +258,7 @@ local out = {}
 for i = 1, #KEYS / 2 do
   local w, l = KEYS[2 * i - 1], KEYS[2 * i]
   local u = usage(w, l)
-  table.insert(out, {redis.call('HEXISTS', w, 'capacity'), u[1], u[2], u[3], u[4]})
+  table.insert(out, {redis.call('HEXISTS', w, 'capacity'), u[1], u[2], u[3], u[4], u[5]})
 end
 return out
 """

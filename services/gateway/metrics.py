@@ -103,6 +103,13 @@ class GatewayMetrics:
             ["model", "worker"],
             registry=r,
         )
+        self.admitted_shared_bytes = Gauge(
+            names.ADMITTED_SHARED_BYTES,
+            "Of the KV bytes the ledger's leases hold on the worker, the prefix pages that "
+            "live requests there share, counted once.",
+            ["model", "worker"],
+            registry=r,
+        )
         self.free_capacity = Gauge(
             names.FREE_CAPACITY_BYTES,
             "The worker's registered KV capacity not held by leases.",
@@ -174,6 +181,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.prompt_tokens_shared = Counter(
+            names.PROMPT_TOKENS_SHARED,
+            "Of the cached prompt tokens, those whose device pages the workers share with other "
+            "requests (admission counts those pages once).",
+            ["model"],
+            registry=r,
+        )
 
     def export_zeros(self, model: str) -> None:
         """Exports the counters of ``model`` that may stay at zero for long (streams resumed,
@@ -191,6 +205,7 @@ class GatewayMetrics:
                 self.routing_decisions.labels(model, reason)
             self.predicted_tokens.labels(model)
             self.prompt_tokens_cached.labels(model)
+            self.prompt_tokens_shared.labels(model)
             self.affinity_pages.labels(model)
             if self.feed_shared:
                 for outcome in FEED_OUTCOMES:
@@ -227,6 +242,7 @@ class RequestTracker:
             self.m.ttft.labels(self.model).observe(t - self.arrival)
             self.m.prompt_tokens.labels(self.model).inc(delta.prompt_tokens)
             self.m.prompt_tokens_cached.labels(self.model).inc(delta.cached_prompt_tokens)
+            self.m.prompt_tokens_shared.labels(self.model).inc(delta.shared_prompt_tokens)
             # The first delta's other tokens came out of the same step as the first one.
         else:
             # A step that emits k tokens (speculative decoding) spreads its time over them.

@@ -29,8 +29,8 @@ KEY_IDLE_TTL_MS = 3600 * 1000
 
 
 def _usage(values: Sequence[Any]) -> WorkerUsage:
-    capacity, max_sessions, admitted, sessions = (int(v) for v in values)
-    return WorkerUsage(capacity, max_sessions, admitted, sessions)
+    capacity, max_sessions, admitted, sessions, shared = (int(v) for v in values)
+    return WorkerUsage(capacity, max_sessions, admitted, sessions, shared)
 
 
 class RedisLedger:

@@ -58,6 +58,8 @@ TYPES: dict[str, str] = {
     metrics.PREFIX_AFFINITY_INDEX_PAGES: "gauge",
     metrics.PREFIX_AFFINITY_FEED_RECORDS: "counter",
     metrics.PROMPT_TOKENS_CACHED: "counter",
+    metrics.PROMPT_TOKENS_SHARED: "counter",
+    metrics.ADMITTED_SHARED_BYTES: "gauge",
     metrics.SPEC_DRAFTS: "counter",
     metrics.SPEC_DRAFT_TOKENS: "counter",
     metrics.SPEC_ACCEPTED_TOKENS: "counter",

@@ -254,7 +254,8 @@ async def ledger_violations(
     r: Any, prefix: str, worker: str, within_capacity: bool = True
 ) -> list[str]:
     """How the Redis ledger's keys of ``worker`` (``ledger_scripts``) break its invariant, read
-    in one MULTI: ``admitted`` is the leases' own bytes plus, once, every named block's; it
+    in one MULTI: ``admitted`` is the leases' own bytes plus, once, every named block's
+    (``shared``); it
     never exceeds the capacity (``within_capacity``: no lease was settled); each block counts
     the leases that name it; the expiry set holds exactly the leases. Empty when they hold."""
     keys = [f"{prefix}:{k}:{worker}" for k in ("worker", "leases", "expiry", "blocks", "named")]
@@ -277,6 +278,8 @@ async def ledger_violations(
     over = within_capacity and held > int(info["capacity"])
     if held != int(info.get("admitted", 0)) or over:
         out.append(f"{worker}: held {held}, {info}, leases {leases}, blocks {blocks}")
+    if sum(sizes.values()) != int(info.get("shared", 0)):
+        out.append(f"{worker}: shared {info.get('shared')}, blocks named {named}")
     if counted != naming or set(named) - set(leases):
         out.append(f"{worker}: blocks {blocks} but leases name {named}")
     if set(expiring) != set(leases):

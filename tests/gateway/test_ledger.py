@@ -51,6 +51,8 @@ def local_violations(local: LocalLedger, within_capacity: bool = True) -> list[s
             out.append(f"{name}: admitted {w.admitted_bytes}, counted {counted}")
         if naming != {k: n for k, (n, _) in w.blocks.items()}:
             out.append(f"{name}: blocks {w.blocks}, named {naming}")
+        if w.usage().shared_bytes != counted - own:
+            out.append(f"{name}: shared {w.usage().shared_bytes}, counted {counted - own}")
     return out
 
 
@@ -245,6 +247,7 @@ async def test_a_block_shared_by_live_leases_counts_once(subject: Subject) -> No
     # B needs 650, 250 of it in A's blocks: 400 more
     got = await ledger.acquire("B", [Candidate("a", 650, shared=(k1, k2))], 30)
     assert got is not None and got.usage.admitted_bytes == 1000
+    assert got.usage.shared_bytes == 250
     assert await ledger.acquire("C", [Candidate("a", 1, shared=())], 30) is None
     await subject.check()
     assert await ledger.release("a", "A")  # its own 350 return; the blocks are B's now
@@ -254,7 +257,8 @@ async def test_a_block_shared_by_live_leases_counts_once(subject: Subject) -> No
     assert got is not None and got.usage.admitted_bytes == 1000
     await subject.check()
     assert await ledger.release("a", "B")  # its 400 and k2 (no one else names it)
-    assert (await ledger.usage(["a"]))["a"].admitted_bytes == 500
+    usage = (await ledger.usage(["a"]))["a"]
+    assert (usage.admitted_bytes, usage.shared_bytes) == (500, 220)
     assert await ledger.release("a", "D")
     assert (await ledger.usage(["a"]))["a"].admitted_bytes == 0
     await subject.check()
