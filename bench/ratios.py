@@ -20,6 +20,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from bench.core.provenance import ROOT
 
@@ -34,9 +35,15 @@ HEADER = ["| result | value | measured at | command |", "|---|---|---|---|"]
 @dataclass(frozen=True)
 class Row:
     what: str  # what the value compares, and the goal where there is one
-    file: str  # the result JSON, under docs/results/
-    value: Callable[[dict], str]
+    # the result JSON under docs/results/, or several (runs of one command, e.g. one per
+    # concurrency): ``value`` then reads the list of their documents, in this order
+    file: str | tuple[str, ...]
+    value: Callable[[Any], str]
     measure: str  # the command that measures it, for when the JSON is not there
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        return self.file if isinstance(self.file, tuple) else (self.file,)
 
 
 def _x(v: float) -> str:
@@ -83,12 +90,14 @@ def burst(doc: dict) -> str:
 SPEC_GOALS = {1: 1.3, 16: 1.6, 64: 1.4}
 
 
-def spec_scaled(doc: dict) -> str:
-    """The first fixed width of ``bench scaled --spec`` over plain decoding (``off``), per C:
-    over the whole timed window, and in steady state where it differs."""
-    (fam,) = doc["families"]
-    (fixed,) = [s for s in doc["spec"] if s.startswith("fixed:") and "+" not in s][:1]
-    rows = {(r["mode"].split("/")[-1], r["concurrency"]): r for r in fam["rows"]}
+def spec_scaled(docs: list[dict]) -> str:
+    """The first fixed width of ``bench scaled --spec`` over plain decoding (``off``), per C
+    (over the runs ``docs``, each at some C): over the whole timed window, and in steady state
+    where it differs."""
+    fams = [d["families"][0] for d in docs]
+    (fixed,) = [s for s in docs[0]["spec"] if s.startswith("fixed:") and "+" not in s][:1]
+    rows = {(r["mode"].split("/")[-1], r["concurrency"]): r for f in fams for r in f["rows"]}
+    fam = fams[0]
     cells = []
     for c in sorted({c for s, c in rows if s == fixed}):
         spec, plain = rows[(fixed, c)], rows[("off", c)]
@@ -196,11 +205,11 @@ ROWS: tuple[Row, ...] = (
         "in steps of ≥ 4,096 missed rows (goal ≥ 80%)", "resolver.json", resolver,
         f"`python -m bench resolver` ({GPU.format('main')})"),
     Row("MTP speculation ÷ plain decoding in lockstep, DeepSeek-V3.2 at real dimensions, adaptive, "
-        "8K context, the shipped model's acceptance forced", "spec_scaled_v32_8k.json",
-        spec_scaled,
-        "`python -m bench scaled --family v32-scaled --contexts 8192 --concurrency 1,16 "
-        "--decode-tokens 128 --modes adaptive --spec off,fixed:4 --selections replay` "
-        f"({GPU.format('spec-scaled')})"),
+        "8K context, the shipped model's acceptance forced",
+        ("spec_scaled_v32_8k_c1.json", "spec_scaled_v32_8k_c16.json"), spec_scaled,
+        "`python -m bench scaled --family v32-scaled --contexts 8192 --concurrency 1` and "
+        "`--concurrency 16`, each `--decode-tokens 96 --modes adaptive --spec off,fixed:4 "
+        f"--selections replay` ({GPU.format('spec-scaled')})"),
     Row("the shipped model: held-out bits/byte, FP8 weights as shipped (goal ≤ 1.10)",
         "heldout_bpb.json", heldout, "`python -m bench heldout-bpb`"),
     Row("the shipped model: MTP acceptance length, T = 0 (goal ≥ 1.6 at K = 2)",
@@ -258,15 +267,17 @@ def table(results: Path, rows: tuple[Row, ...] = ROWS, present_only: bool = Fals
     nothing below); ``present_only``: only the rows whose JSON is there."""
     lines = list(HEADER)
     for row in rows:
-        path = results / row.file
-        if not path.is_file():
+        paths = [results / f for f in row.files]
+        if not all(p.is_file() for p in paths):
             if not present_only:
                 lines.append(f"| {row.what} | {NOT_MEASURED} | – | {row.measure} |")
             continue
-        doc = json.loads(path.read_text())
-        prov = doc.get("provenance") or {}
-        lines.append(f"| {row.what} | {row.value(doc)} | {_measured_at(prov)} | "
-                     f"{_command(prov)} |")  # fmt: skip
+        docs = [json.loads(p.read_text()) for p in paths]
+        provs = [d.get("provenance") or {} for d in docs]
+        value = row.value(docs) if isinstance(row.file, tuple) else row.value(docs[0])
+        at = "; ".join(dict.fromkeys(_measured_at(p) for p in provs))
+        command = "; ".join(dict.fromkeys(_command(p) for p in provs))
+        lines.append(f"| {row.what} | {value} | {at} | {command} |")
     return "\n".join(lines) + "\n"
 
 
