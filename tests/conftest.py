@@ -13,9 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-# Under pytest-xdist each worker process gets its share of the cores.
+# Under pytest-xdist each worker process gets its share of the cores, and so does every process
+# a test starts (a bench, a worker, a gateway): OpenMP threads beyond it spin-wait on cores the
+# other xdist worker is busy on, which made a bench run five times slower beside it.
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, (os.cpu_count() or 1) // _WORKERS)))
+_THREADS = max(1, min(2, (os.cpu_count() or 1) // _WORKERS))
+torch.set_num_threads(_THREADS)
+os.environ["OMP_NUM_THREADS"] = str(_THREADS)
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -1,5 +1,9 @@
 """Runs a function on every rank of a real torch.distributed group (gloo, one process per rank,
-spawned and joined by the test) and hands back what each rank returned."""
+started and joined by the test) and hands back what each rank returned.
+
+The ranks are forked from a fork server that imported ``tests.ranks`` (torch, the worker) once
+per test process: each rank is a fresh process, as spawned, without seconds of imports each; it
+takes the test's environment, not the one the server started with."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import traceback
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
@@ -16,10 +21,15 @@ from services.worker.parallel.comm import TorchComm
 from tests.conftest import free_port
 
 TIMEOUT_S = 120
+PRELOAD = ["tests.ranks"]  # what every rank imports: the worker's engine and its model code
 
 
-def _rank(rank: int, size: int, port: int, fn: Callable, args: tuple, out: Any) -> None:
-    os.environ["OMP_NUM_THREADS"] = "1"  # two ranks on a 2-core machine
+def _rank(
+    rank: int, size: int, port: int, env: dict[str, str], fn: Callable, args: tuple, out: Any
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(1)  # two ranks on a 2-core machine
     try:
         dist.init_process_group(
             "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=size
@@ -36,10 +46,14 @@ def _rank(rank: int, size: int, port: int, fn: Callable, args: tuple, out: Any) 
 def run_group(fn: Callable[..., Any], size: int = 2, *args: Any) -> list[Any]:
     """``fn(comm, *args)`` on ``size`` ranks (``fn`` importable, its result picklable); the
     results in rank order. A rank's exception fails the call with its traceback."""
-    ctx = mp.get_context("spawn")
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)  # takes effect when the server starts (the first call)
     out = ctx.Queue()
     port = free_port()
-    procs = [ctx.Process(target=_rank, args=(r, size, port, fn, args, out)) for r in range(size)]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    procs = [
+        ctx.Process(target=_rank, args=(r, size, port, env, fn, args, out)) for r in range(size)
+    ]
     for p in procs:
         p.start()
     results: dict[int, Any] = {}

@@ -29,7 +29,7 @@ def _measured(doc: dict) -> dict[str, str]:
 def test_capacity_runs_every_mode_at_every_concurrency(tmp_path) -> None:
     out = tmp_path / "cap.json"
     proc = _run(
-        "capacity", "--context", "256", "--layers", "4", "--k", "16", "--hot-cache-rows",
+        "capacity", "--context", "256", "--layers", "2", "--k", "16", "--hot-cache-rows",
         "32", "--concurrency", "1,3", "--resident-sessions", "1", "--probe-sessions", "4",
         "--decode-tokens", "3", "--host-gib", "0.05", "--page", "16", "--out", str(out),
         "--trace",
@@ -118,7 +118,7 @@ def test_profile_step_records_the_top_operators_and_rows_of_replayed_steps(tmp_p
     code it measured."""
     out = tmp_path / "profile.json"
     proc = _run(
-        "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "300",
+        "profile-step", "--modes", "resident,hisparse", "--concurrency", "2", "--context", "160",
         "--steps", "2", "--graphs", "off", "--pool-gib", "0.1", "--host-gib", "0.25", "--rows", "5",
         "--selections", "replay", "--out", str(out),
     )  # fmt: skip

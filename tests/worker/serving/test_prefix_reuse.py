@@ -188,8 +188,8 @@ def test_a_drafter_with_a_context_of_its_own_drafts_after_a_hit_as_without(
     with batch_invariant():
         w0 = build("w0")
         text = w0.tokenizer.encode(SOURCE.read_text())
-        first = run(w0, text[:160], short)
-        prompt = second_turn(first, text[160:420])
+        first = run(w0, text[:64], short)
+        prompt = second_turn(first, text[64:320])
         w1 = build("w1")
         turn = run(w1, prompt, short)
         alone = run(build("ref", prefix_cache=False), prompt, short)
