@@ -56,10 +56,10 @@ class SharedPages:
         """The blocks of ``keys``, in order, with their bytes on ``w`` (some may have none: an
         index-key page may span several token pages); none while ``w`` is not sized, or where
         its model shares no page."""
-        total = [self.sizer.shared_bytes(w, i * page) for i in range(len(keys) + 1)]
-        if not keys or any(t is None for t in total) or not total[-1]:
+        total = self.sizer.shared_bytes(w, page, len(keys)) if keys else None
+        if not total or not total[-1]:
             return ()
         return tuple(
-            SharedBlock(f"{key:016x}", b - a)  # type: ignore[operator]
+            SharedBlock(f"{key:016x}", b - a)
             for key, (a, b) in zip(keys, pairwise(total), strict=True)
         )

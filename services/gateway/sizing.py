@@ -35,7 +35,7 @@ class SessionSizer:
         self.page_size = page_size
         self.hot_cache_rows = hot_cache_rows
         self._profile = lru_cache(maxsize=16)(self._build_profile)
-        self._shared = lru_cache(maxsize=1 << 15)(self._shared_bytes)
+        self._shared = lru_cache(maxsize=256)(self._shared_bytes)
         self._unusable: set[str] = set()
 
     def _build_profile(self, config_json: str, layout_json: str = "") -> Profile:
@@ -66,17 +66,24 @@ class SessionSizer:
             self._unusable.add(worker.config_json)
             return None
 
-    def shared_bytes(self, worker: WorkerStatus, prefix_tokens: int) -> int | None:
-        """The bytes of a ``prefix_tokens``-token prefix that sessions sharing it hold once on
-        ``worker`` (its device pages; the capacity model's ``shared_prefix_bytes``); None while
-        the worker is not sized."""
+    def shared_bytes(self, worker: WorkerStatus, page: int, pages: int) -> tuple[int, ...] | None:
+        """The bytes of prefixes of 0, 1, ..., ``pages`` pages of ``page`` tokens that sessions
+        sharing them hold once on ``worker`` (its device pages; the capacity model's
+        ``shared_prefix_bytes``), computed once per worker config and length; None while the
+        worker is not sized."""
         if self.profile(worker) is None:
             return None
-        return self._shared(worker.config_json, worker.kv_layout_json, worker.mode, prefix_tokens)
+        longest = 1 << max(0, pages - 1).bit_length()  # computed for powers of two, sliced
+        series = self._shared(worker.config_json, worker.kv_layout_json, worker.mode, page, longest)
+        return series[: pages + 1]
 
-    def _shared_bytes(self, config_json: str, layout_json: str, mode: str, tokens: int) -> int:
+    def _shared_bytes(
+        self, config_json: str, layout_json: str, mode: str, page: int, pages: int
+    ) -> tuple[int, ...]:
         profile = self._profile(config_json, layout_json)
-        return shared_prefix_bytes(profile, tokens, capacity_mode(mode))
+        return tuple(
+            shared_prefix_bytes(profile, i * page, capacity_mode(mode)) for i in range(pages + 1)
+        )
 
     def required_bytes(self, worker: WorkerStatus, context_tokens: int) -> int | None:
         """Bytes one session of ``context_tokens`` tokens needs on ``worker``; None while the
