@@ -80,9 +80,10 @@ def resolver(doc: dict) -> str:
 def burst(doc: dict) -> str:
     s = doc["summary"]
     refused = s["refusal_s"]
+    when = (f" and Retry-After, after {refused['median']:.2f} s (median) to "
+            f"{refused['max']:.1f} s" if s["refused_429"] else "")  # fmt: skip
     return (f"{s['served']} served, {s['served_per_s']:.2f} requests/s "
-            f"({s['tokens_per_s']:.1f} tok/s); {s['refused_429']} refused with 429 and "
-            f"Retry-After, after {refused['median']:.2f} s (median) to {refused['max']:.1f} s; "
+            f"({s['tokens_per_s']:.1f} tok/s); {s['refused_429']} refused with 429{when}; "
             f"{s['other']} other statuses")  # fmt: skip
 
 

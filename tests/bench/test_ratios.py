@@ -186,3 +186,11 @@ def test_write_readme_replaces_only_the_section_between_the_markers(tmp_path: Pa
     readme.write_text("# no markers\n")
     proc = bench("ratios", "--results", str(tmp_path), "--write-readme", "--readme", str(readme))
     assert proc.returncode != 0 and "no lines" in proc.stderr
+
+
+def test_a_burst_with_no_refusal_reads_so() -> None:
+    summary = {"served": 120, "served_per_s": 3.7265, "tokens_per_s": 119.25, "refused_429": 0,
+               "refusal_s": {"median": None, "max": None}, "other": 0}  # fmt: skip
+    assert ratios.burst({"summary": summary}) == (
+        "120 served, 3.73 requests/s (119.2 tok/s); 0 refused with 429; 0 other statuses"
+    )
