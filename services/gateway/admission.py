@@ -36,7 +36,7 @@ from collections import deque
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
-from services.gateway.leases import LeaseKeeper, Offer
+from services.gateway.leases import LeaseKeeper, Offer, SharedLead
 from services.gateway.ledger import Ledger, LedgerUnavailable
 from services.gateway.metrics import GatewayMetrics
 from services.gateway.queue_wait import ModelService, TimedLease, retry_after_s
@@ -234,9 +234,7 @@ class MemoryAdmission:
         if share and self.shared_pages is not None:
             shared = self.shared_pages.blocks(job, known)
         offers = [
-            Offer(account, fits[address], shared[address].blocks, shared[address].page_tokens)
-            if address in shared
-            else Offer(account, fits[address])
+            Offer(account, fits[address], shared.get(address, SharedLead()))
             for address in order
             if address in fits
             for account in self.leases.accounts(address)

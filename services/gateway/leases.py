@@ -33,15 +33,27 @@ log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
+class SharedLead:
+    """The leading pages a request expects to share on one worker (``ledger.SharedBlock``, in
+    order), each ``page_tokens`` tokens of its prompt."""
+
+    blocks: tuple[SharedBlock, ...] = ()
+    page_tokens: int = 0
+
+    def within(self, tokens: int) -> int:
+        """How many of the blocks lie within the prompt's first ``tokens`` tokens."""
+        kept = tokens // self.page_tokens if self.page_tokens > 0 else 0
+        return min(kept, len(self.blocks))
+
+
+@dataclass(frozen=True)
 class Offer:
     """An account admission would use: the bytes the request needs there, of which ``shared``
-    are blocks it expects to share (``ledger.SharedBlock``, each ``page_tokens`` tokens of the
-    prompt's lead)."""
+    are pages it expects to share."""
 
     account: Account
     need_bytes: int
-    shared: tuple[SharedBlock, ...] = ()
-    page_tokens: int = 0
+    shared: SharedLead = SharedLead()
 
 
 class LedgerLease:
@@ -54,7 +66,6 @@ class LedgerLease:
         self.lease_id = lease_id
         self.need_bytes = offer.need_bytes
         self.shared = offer.shared
-        self.page_tokens = offer.page_tokens
 
     @property
     def worker(self) -> str:
@@ -72,9 +83,9 @@ class LedgerLease:
     def settle(self, shared_tokens: int) -> None:
         """Keeps the blocks within the first ``shared_tokens`` tokens; once (later calls, and
         a lease that named none, change nothing)."""
-        kept = shared_tokens // self.page_tokens if self.page_tokens > 0 else 0
-        if kept < len(self.shared):
-            self.shared = self.shared[:kept]
+        kept = self.shared.within(shared_tokens)
+        if kept < len(self.shared.blocks):
+            self.shared = replace(self.shared, blocks=self.shared.blocks[:kept])
             self._keeper.settle(self, kept)
 
     def release(self) -> None:
@@ -134,7 +145,7 @@ class LeaseKeeper:
         ledger_candidates = [
             Candidate(
                 o.account.key, o.need_bytes, "" if o.account.rank is None else o.account.worker,
-                o.shared,
+                o.shared.blocks,
             )
             for o in offers
         ]  # fmt: skip

@@ -163,14 +163,15 @@ class _LocalWorker:
     max_sessions: int = 0
     seen: float = 0.0
     admitted_bytes: int = 0
+    shared_bytes: int = 0  # of admitted_bytes, the named blocks'
     leases: dict[str, _Held] = field(default_factory=dict)
     blocks: dict[str, list[int]] = field(default_factory=dict)  # key -> [leases naming, bytes]
 
     def usage(self) -> WorkerUsage:
-        shared = sum(size for _, size in self.blocks.values())
         return WorkerUsage(
-            self.capacity_bytes, self.max_sessions, self.admitted_bytes, len(self.leases), shared
-        )
+            self.capacity_bytes, self.max_sessions, self.admitted_bytes, len(self.leases),
+            self.shared_bytes,
+        )  # fmt: skip
 
     def reclaim(self, now: float) -> None:
         for lease_id, held in list(self.leases.items()):
@@ -191,9 +192,13 @@ class _LocalWorker:
         return self.max_sessions <= 0 or len(self.leases) < self.max_sessions
 
     def hold(self, lease_id: str, c: Candidate, expiry: float) -> None:
-        self.admitted_bytes += self.extra(c)
+        self.admitted_bytes += c.private_bytes
         for b in c.shared:
-            self.blocks.setdefault(b.key, [0, b.bytes])[0] += 1
+            entry = self.blocks.setdefault(b.key, [0, b.bytes])
+            if entry[0] == 0:
+                self.admitted_bytes += b.bytes
+                self.shared_bytes += b.bytes
+            entry[0] += 1
         self.leases[lease_id] = _Held(c.private_bytes, expiry, c.shared)
 
     def let_go(self, blocks: Sequence[SharedBlock]) -> None:
@@ -204,6 +209,7 @@ class _LocalWorker:
             entry[0] -= 1
             if entry[0] == 0:
                 self.admitted_bytes -= entry[1]
+                self.shared_bytes -= entry[1]
                 del self.blocks[b.key]
 
     def drop(self, lease_id: str) -> bool:
@@ -300,7 +306,7 @@ class LocalLedger:
             n = len(w.leases)
             w.leases.clear()
             w.blocks.clear()
-            w.admitted_bytes = 0
+            w.admitted_bytes = w.shared_bytes = 0
             return n
 
     async def usage(self, workers: Sequence[str]) -> dict[str, WorkerUsage]:

@@ -16,21 +16,13 @@ no I/O.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from itertools import pairwise
 
 from services.gateway.affinity import PrefixAffinity
+from services.gateway.leases import SharedLead
 from services.gateway.ledger import SharedBlock
 from services.gateway.routing import AdmissionJob, WorkerStatus
 from services.gateway.sizing import SessionSizer
-
-
-@dataclass(frozen=True)
-class Blocks:
-    """A request's shared blocks on one worker, each ``page_tokens`` tokens of its prompt."""
-
-    blocks: tuple[SharedBlock, ...] = ()
-    page_tokens: int = 0
 
 
 class SharedPages:
@@ -38,18 +30,18 @@ class SharedPages:
         self.affinity = affinity
         self.sizer = sizer
 
-    def blocks(self, job: AdmissionJob, workers: Sequence[WorkerStatus]) -> dict[str, Blocks]:
+    def blocks(self, job: AdmissionJob, workers: Sequence[WorkerStatus]) -> dict[str, SharedLead]:
         """Per address of ``workers``: ``job``'s blocks there (none where it has none)."""
         if job.prefix is None:
             return {}
         own = self.affinity.predict(job.prefix, workers)
-        out: dict[str, Blocks] = {}
+        out: dict[str, SharedLead] = {}
         for w in workers:
             tokens = own[w.address].own_pages if w.address in own else 0
             page = self.affinity.page_size(w)
             blocks = self._sized(w, job.prefix.keys(page)[: tokens // page], page)
             if blocks:
-                out[w.address] = Blocks(blocks, page)
+                out[w.address] = SharedLead(blocks, page)
         return out
 
     def _sized(self, w: WorkerStatus, keys: Sequence[int], page: int) -> tuple[SharedBlock, ...]:
