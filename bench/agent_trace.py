@@ -80,12 +80,25 @@ COUNTERS = {
     "accepted": names.SPEC_ACCEPTED_TOKENS,
 }
 POSITIONS = 4  # the draft positions whose acceptance rate a run reports
+# where the worker's time went: its engine's phases, prefix reuse's operations (within those
+# phases), and its decode passes by path (replayed graph, capture, eager)
+LABELLED = {
+    **{
+        f"engine_{p}_s": (names.ENGINE_SECONDS, "phase", p)
+        for p in ("schedule", "prefill", "decode")
+    },
+    **{f"prefix_{op}_s": (names.PREFIX_CACHE_SECONDS, "op", op) for op in ("import", "leave")},
+    **{f"passes_{p}": (names.DECODE_PASSES, "path", p) for p in ("graph", "capture", "eager")},
+}
 
 
 def counters(metrics_url: str) -> dict[str, float]:
-    """The worker's ``COUNTERS`` and its accepted tokens per draft position, so far."""
+    """The worker's ``COUNTERS``, ``LABELLED`` and its accepted tokens per draft position, so
+    far."""
     samples = samples_of(httpx.get(metrics_url, timeout=30).text)
     got = {k: total(samples, name + "_total") for k, name in COUNTERS.items()}
+    for k, (name, label, value) in LABELLED.items():
+        got[k] = total(samples, name + "_total", **{label: value})
     for i in range(POSITIONS):
         got[f"accepted_{i}"] = total(
             samples, names.SPEC_ACCEPTED_PER_POS + "_total", position=str(i)
@@ -145,6 +158,8 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
         "accepted_per_position": [got[f"accepted_{i}"] / drafts for i in range(POSITIONS)]
         if drafts
         else None,
+        # the worker's wall seconds by phase, and its decode passes by path, over the trace
+        "worker": {k: round(got[k], 4) for k in LABELLED},
         "texts": [x.text for x in turns],
     }
 
@@ -164,6 +179,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--new-tokens", type=int, default=24, help="each answer's tokens")
     ap.add_argument("--turns", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2, help="fresh traces, variants alternating")
+    ap.add_argument(
+        "--warmup-traces", type=int, default=1,
+        help="untimed traces of the same shape each stack runs first (compilations, graphs)",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--out", default="docs/results/agent_trace.json")
 
@@ -189,6 +208,14 @@ def run(args: argparse.Namespace) -> dict:
         for s in stacks.values():  # the first requests compile and map
             with httpx.Client(base_url=s.base, timeout=600) as c:
                 stream_turn(c, name, warm, 8)
+        # then traces of the timed ones' shape, whose passes capture the graphs and compile
+        # the prefill shapes the timed traces meet (their prompts are their own: none of the
+        # timed traces' pages is cached by them but what every trace's shape shares)
+        for w in range(args.warmup_traces):
+            trace = Trace.draw(args.model, args, args.seed - 100 * (w + 1))
+            for v, s in stacks.items():
+                got = run_trace(s, name, trace, args, encode)
+                print(f"warm-up {w + 1} {v}: {got['wall_s']:.1f} s", flush=True)
         for r in range(args.repeats):
             trace = Trace.draw(args.model, args, args.seed + 10 * r)
             for v in order if r % 2 == 0 else order[::-1]:
@@ -199,6 +226,7 @@ def run(args: argparse.Namespace) -> dict:
                     for k in ("wall_s", "output_tok_per_s", "computed_share", "first_ttft_p50_s")
                 }
                 print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
+                print(f"  worker: {json.dumps(got['worker'])}", flush=True)
     summary = _summary(runs)
     ratio = summary["throughput_with_over_without"]
     noise = summary["noise"]
@@ -215,7 +243,8 @@ def run(args: argparse.Namespace) -> dict:
         "mode": base.mode,
         "drafter": args.drafter,
         "trace": {k: getattr(args, k) for k in ("sessions", "concurrency", "system", "first",
-                                                "question", "new_tokens", "turns", "repeats")},
+                                                "question", "new_tokens", "turns", "repeats",
+                                                "warmup_traces")},
         "goal_throughput_ratio": GOAL_THROUGHPUT_RATIO,
         "meets_goal": ratio >= GOAL_THROUGHPUT_RATIO,
         "summary": summary,

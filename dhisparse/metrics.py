@@ -184,6 +184,12 @@ WORKER_CONFIG_INFO = PREFIX + "worker_config_info"
 # or eager (no graph: a CPU, a key's first sighting, a model or verify round not captured)
 DECODE_PASSES = PREFIX + "decode_passes"
 CUDA_GRAPHS = PREFIX + "cuda_graphs"  # gauge: decode graphs held
+# counter{phase=schedule|prefill|decode}: the engine's wall seconds by phase of its steps
+# (schedule: admissions, prefix imports included; decode: decode steps and verify rounds)
+ENGINE_SECONDS = PREFIX + "engine_seconds"
+# counter{op=import|leave}: wall seconds in prefix reuse (within the engine's phases: imports
+# while scheduling, leaving pages behind in the step that ends a request)
+PREFIX_CACHE_SECONDS = PREFIX + "prefix_cache_seconds"
 # counter{generation}: seconds the Python garbage collector stopped the worker process (a full
 # collection can stall a decode step: services/worker/engine/heap.py)
 GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"

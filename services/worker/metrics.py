@@ -16,6 +16,10 @@ from services.worker.engine.heap import GcPauses
 from services.worker.prefix_metrics import PrefixMetrics
 from services.worker.request.request import RequestOutput
 
+# the engine's phases (``ENGINE_SECONDS``) and prefix reuse's operations
+# (``PREFIX_CACHE_SECONDS``, as ``prefix_<op>``) whose wall seconds are exported
+PHASES = ("schedule", "prefill", "decode", "prefix_import", "prefix_leave")
+
 
 def config_labels(engine: Engine) -> dict[str, str]:
     """What the worker chose at start-up, as the labels of ``dhisparse:worker_config_info``:
@@ -99,6 +103,18 @@ class WorkerMetrics:
         for path in ("graph", "capture", "eager"):
             self.decode_passes.labels(model_name, path)
         self.cuda_graphs.labels(model_name)
+        self.engine_seconds = Counter(
+            m.ENGINE_SECONDS, "The engine's wall seconds by phase of its steps", [*lbl, "phase"],
+            registry=r,
+        )  # fmt: skip
+        self.prefix_seconds = Counter(
+            m.PREFIX_CACHE_SECONDS, "Wall seconds importing cached prefixes and leaving pages",
+            [*lbl, "op"], registry=r,
+        )  # fmt: skip
+        self._seconds_seen = dict.fromkeys(PHASES, 0.0)
+        for phase in PHASES:
+            counter, label = self._phase(phase)
+            counter.labels(model_name, label)
         self.gc_pause = Counter(
             m.GC_PAUSE_SECONDS,
             "Seconds the Python garbage collector stopped the worker, by generation",
@@ -200,6 +216,7 @@ class WorkerMetrics:
         self.prefix.update(None if prefix is None else prefix.stats.plus(others))
         self.running.labels(md).set(engine.num_running)
         self._count_passes(engine)
+        self._count_seconds(engine)
         self._count_gc()
         self.waiting.labels(md).set(engine.num_waiting)
         for rank, load in enumerate(engine.group.loads.reported()):
@@ -268,6 +285,24 @@ class WorkerMetrics:
             self.decode_passes.labels(self.model, path).inc(new - old)
         self._passes_seen = now
         self.cuda_graphs.labels(self.model).set(len(graphs) if graphs is not None else 0)
+
+    def _phase(self, phase: str) -> tuple[Counter, str]:
+        """The counter and label of one of ``PHASES``."""
+        if phase.startswith("prefix_"):
+            return self.prefix_seconds, phase.removeprefix("prefix_")
+        return self.engine_seconds, phase
+
+    def _count_seconds(self, engine: Engine) -> None:
+        """The engine's and prefix reuse's wall seconds since the last step."""
+        sched, st = engine.scheduler, engine.stats
+        now = {
+            "schedule": sched.schedule_s, "prefill": st.prefill_s, "decode": st.decode_s,
+            "prefix_import": sched.import_s, "prefix_leave": sched.leave_s,
+        }  # fmt: skip
+        for phase, value in now.items():
+            counter, label = self._phase(phase)
+            counter.labels(self.model, label).inc(max(0.0, value - self._seconds_seen[phase]))
+        self._seconds_seen = now
 
     def _count_gc(self) -> None:
         now = list(self._gc.seconds)

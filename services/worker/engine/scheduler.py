@@ -70,6 +70,12 @@ class Scheduler:
         self.max_prefill_tokens = max_prefill_tokens
         self.chunked = chunked
         self.prefix = prefix
+        # wall seconds so far (read by metrics and benchmarks): in ``schedule`` (admissions and
+        # their prefix imports included), and in prefix reuse: admissions' lookups and imports,
+        # requests leaving their pages (at their end, inside the step that ends them)
+        self.schedule_s = 0.0
+        self.import_s = 0.0
+        self.leave_s = 0.0
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -100,7 +106,9 @@ class Scheduler:
     def _free(self, req: Request) -> None:
         if req.slot is not None:
             if self.prefix is not None:
+                t0 = time.perf_counter()
                 self.prefix.leave(req.slot, req)
+                self.leave_s += time.perf_counter() - t0
             self.kv.release(req.slot)
             self.free_slots.append(req.slot)
             req.slot = None
@@ -128,6 +136,13 @@ class Scheduler:
         return True
 
     def schedule(self) -> ScheduleOutput:
+        t0 = time.perf_counter()
+        try:
+            return self._schedule()
+        finally:
+            self.schedule_s += time.perf_counter() - t0
+
+    def _schedule(self) -> ScheduleOutput:
         out = ScheduleOutput()
         # 1. Decoding requests each add one token.
         for req in list(self.running):
@@ -194,7 +209,11 @@ class Scheduler:
         """``Prefixes.admit``: tokens imported, 0 (no room now) or None (no prefix)."""
         if self.prefix is None:
             return None
-        return self.prefix.admit(slot, req, self._budget(req), manifest)
+        t0 = time.perf_counter()
+        try:
+            return self.prefix.admit(slot, req, self._budget(req), manifest)
+        finally:
+            self.import_s += time.perf_counter() - t0
 
     def _footprint(self, req: Request, tokens: int) -> int:
         """What a chunk of ``tokens`` holds of ``kv.payload.prefill_room``: its tokens and the computed

@@ -69,6 +69,36 @@ def test_decode_passes_are_counted_by_path() -> None:
     engine.close()
 
 
+def test_engine_seconds_are_exported_by_phase() -> None:
+    """The engine's wall seconds by phase, and prefix reuse's (the default engine's device
+    prefixes: admissions look up, finished requests leave pages), are the scheduler's and the
+    engine's own totals."""
+    engine = Engine(EngineConfig(model="tiny-glm", kv_pool_mib=16, max_num_seqs=2))
+    metrics = WorkerMetrics("t")
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    for i, n in enumerate((30, 17)):
+        engine.add_request(f"r{i}", list(range(3, 3 + n)), params)
+    while engine.has_work():
+        metrics.on_step(engine, engine.step())
+
+    def seconds(name: str, label: str, value: str) -> float:
+        return metrics.registry.get_sample_value(f"{name}_total", {"model": "t", label: value})
+
+    want = {
+        "schedule": engine.scheduler.schedule_s,
+        "prefill": engine.stats.prefill_s,
+        "decode": engine.stats.decode_s,
+    }
+    for phase, value in want.items():
+        assert value > 0
+        assert seconds(m.ENGINE_SECONDS, "phase", phase) == pytest.approx(value)
+    assert engine.scheduler.prefix is not None
+    for op, value in (("import", engine.scheduler.import_s), ("leave", engine.scheduler.leave_s)):
+        assert 0 < value < engine.scheduler.schedule_s + engine.stats.decode_s
+        assert seconds(m.PREFIX_CACHE_SECONDS, "op", op) == pytest.approx(value)
+    engine.close()
+
+
 def test_collector_pauses_are_exported() -> None:
     """A collection between steps shows up in the pause counter (its generation) and the
     longest-pause gauge; the counter only ever grows by what the collector took."""
