@@ -35,7 +35,13 @@ from pathlib import Path
 import httpx
 
 from bench.heldout import heldout_prompts
-from bench.prefix_turns import add_stack_arguments, stack_config, stream_turn
+from bench.prefix_turns import (
+    WORKER_COUNTERS,
+    add_stack_arguments,
+    stack_config,
+    stream_turn,
+    worker_counters,
+)
 from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
@@ -80,25 +86,14 @@ COUNTERS = {
     "accepted": names.SPEC_ACCEPTED_TOKENS,
 }
 POSITIONS = 4  # the draft positions whose acceptance rate a run reports
-# where the worker's time went: its engine's phases, prefix reuse's operations (within those
-# phases), and its decode passes by path (replayed graph, capture, eager)
-LABELLED = {
-    **{
-        f"engine_{p}_s": (names.ENGINE_SECONDS, "phase", p)
-        for p in ("schedule", "prefill", "decode")
-    },
-    **{f"prefix_{op}_s": (names.PREFIX_CACHE_SECONDS, "op", op) for op in ("import", "leave")},
-    **{f"passes_{p}": (names.DECODE_PASSES, "path", p) for p in ("graph", "capture", "eager")},
-}
 
 
 def counters(metrics_url: str) -> dict[str, float]:
-    """The worker's ``COUNTERS``, ``LABELLED`` and its accepted tokens per draft position, so
-    far."""
+    """The worker's ``COUNTERS``, ``WORKER_COUNTERS`` and its accepted tokens per draft
+    position, so far."""
     samples = samples_of(httpx.get(metrics_url, timeout=30).text)
     got = {k: total(samples, name + "_total") for k, name in COUNTERS.items()}
-    for k, (name, label, value) in LABELLED.items():
-        got[k] = total(samples, name + "_total", **{label: value})
+    got |= worker_counters(samples)
     for i in range(POSITIONS):
         got[f"accepted_{i}"] = total(
             samples, names.SPEC_ACCEPTED_PER_POS + "_total", position=str(i)
@@ -159,7 +154,7 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
         if drafts
         else None,
         # the worker's wall seconds by phase, and its decode passes by path, over the trace
-        "worker": {k: round(got[k], 4) for k in LABELLED},
+        "worker": {k: round(got[k], 4) for k in WORKER_COUNTERS},
         "texts": [x.text for x in turns],
     }
 

@@ -45,10 +45,33 @@ WITH, WITHOUT = "prefix cache (make run)", "no prefix cache"
 GOAL_COMPUTED_SHARE = 0.10
 
 
-def computed_tokens(metrics_url: str) -> float:
-    """The worker's prompt tokens computed so far (its counter)."""
+# where the worker's time went: its engine's phases, prefix reuse's operations (within those
+# phases), and its decode passes by path (replayed graph, capture, eager)
+WORKER_COUNTERS = {
+    **{
+        f"engine_{p}_s": (names.ENGINE_SECONDS, "phase", p)
+        for p in ("schedule", "prefill", "decode")
+    },
+    **{f"prefix_{op}_s": (names.PREFIX_CACHE_SECONDS, "op", op) for op in ("import", "leave")},
+    **{f"passes_{p}": (names.DECODE_PASSES, "path", p) for p in ("graph", "capture", "eager")},
+}
+
+
+def worker_counters(samples: dict) -> dict[str, float]:
+    """``WORKER_COUNTERS`` in the worker's metric ``samples`` (``samples_of``)."""
+    return {
+        k: total(samples, name + "_total", **{label: value})
+        for k, (name, label, value) in WORKER_COUNTERS.items()
+    }
+
+
+def worker_delta(metrics_url: str, before: dict[str, float] | None = None) -> dict[str, float]:
+    """The worker's ``WORKER_COUNTERS`` and prompt tokens computed (``computed``) so far, or
+    since ``before`` (an earlier call's)."""
     samples = samples_of(httpx.get(metrics_url, timeout=30).text)
-    return total(samples, names.PREFILL_TOKENS_COMPUTED + "_total")
+    now = {"computed": total(samples, names.PREFILL_TOKENS_COMPUTED + "_total")}
+    now |= worker_counters(samples)
+    return now if before is None else {k: round(now[k] - before[k], 4) for k in now}
 
 
 def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
@@ -77,16 +100,19 @@ def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens:
 def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:
     """One streamed greedy completion of ``prompt``: its text, time to first token and the
     prompt tokens the worker computed for it."""
-    before = computed_tokens(stack.worker_metrics)
+    before = worker_delta(stack.worker_metrics)
     with httpx.Client(base_url=stack.base, timeout=600) as c:
         text, ttft, wall = stream_turn(c, model, prompt, new_tokens)
-    computed = computed_tokens(stack.worker_metrics) - before
+    worker = worker_delta(stack.worker_metrics, before)
+    computed = worker.pop("computed")
     return {
         "prompt_tokens": len(prompt),
         "computed_tokens": int(computed),
         "computed_share": computed / len(prompt),
         "ttft_s": ttft,
         "wall_s": wall,
+        # the worker's wall seconds by phase, and its decode passes by path, over the turn
+        "worker": worker,
         "text": text,
     }
 
@@ -145,8 +171,11 @@ def run(args: argparse.Namespace) -> dict:
             v: up.enter_context(Stack(cfg, args.model, 1 << 30, logs))
             for v, cfg in variants.items()
         }
-        warm = heldout_prompts(args.model, 1, 64, args.seed + 1)[0]
-        for s in stacks.values():  # the first request compiles and maps
+        # the first requests compile and map: a short one, then one of the history's length
+        # (other tokens: nothing of it is cached for turn 1), so turn 1 pays no compilation
+        warm = heldout_prompts(args.model, 1, args.history, args.seed + 1)[0]
+        for s in stacks.values():
+            one_turn(s, name, warm[:64], 8)
             one_turn(s, name, warm, 8)
         for turn in range(args.turns):
             for v, s in stacks.items():
