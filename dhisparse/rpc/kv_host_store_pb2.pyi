@@ -38,6 +38,34 @@ class AllocateRequest(_message.Message):
     generation: int
     def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., source: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ..., generation: _Optional[int] = ...) -> None: ...
 
+class RegionSpec(_message.Message):
+    __slots__ = ("source", "num_rows", "row_bytes")
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    ROW_BYTES_FIELD_NUMBER: _ClassVar[int]
+    source: int
+    num_rows: int
+    row_bytes: int
+    def __init__(self, source: _Optional[int] = ..., num_rows: _Optional[int] = ..., row_bytes: _Optional[int] = ...) -> None: ...
+
+class AllocateManyRequest(_message.Message):
+    __slots__ = ("request_id", "owner", "generation", "specs")
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
+    OWNER_FIELD_NUMBER: _ClassVar[int]
+    GENERATION_FIELD_NUMBER: _ClassVar[int]
+    SPECS_FIELD_NUMBER: _ClassVar[int]
+    request_id: str
+    owner: str
+    generation: int
+    specs: _containers.RepeatedCompositeFieldContainer[RegionSpec]
+    def __init__(self, request_id: _Optional[str] = ..., owner: _Optional[str] = ..., generation: _Optional[int] = ..., specs: _Optional[_Iterable[_Union[RegionSpec, _Mapping]]] = ...) -> None: ...
+
+class AllocateManyResponse(_message.Message):
+    __slots__ = ("regions",)
+    REGIONS_FIELD_NUMBER: _ClassVar[int]
+    regions: _containers.RepeatedCompositeFieldContainer[Region]
+    def __init__(self, regions: _Optional[_Iterable[_Union[Region, _Mapping]]] = ...) -> None: ...
+
 class RowRange(_message.Message):
     __slots__ = ("start", "end")
     START_FIELD_NUMBER: _ClassVar[int]

@@ -44,6 +44,11 @@ class KVHostStoreStub:
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateRequest.SerializeToString,
                 response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.Region.FromString,
                 _registered_method=True)
+        self.AllocateMany = channel.unary_unary(
+                '/dhisparse.rpc.KVHostStore/AllocateMany',
+                request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyRequest.SerializeToString,
+                response_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyResponse.FromString,
+                _registered_method=True)
         self.MarkDurable = channel.unary_unary(
                 '/dhisparse.rpc.KVHostStore/MarkDurable',
                 request_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.MarkDurableRequest.SerializeToString,
@@ -123,6 +128,14 @@ class KVHostStoreServicer:
 
     def Allocate(self, request, context):
         """A contiguous region for one request's rows of one KV source.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def AllocateMany(self, request, context):
+        """Several regions of one request in one call, all or nothing (RESOURCE_EXHAUSTED naming
+        the one that did not fit; none of them is kept).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -236,6 +249,11 @@ def add_KVHostStoreServicer_to_server(servicer, server):
                     servicer.Allocate,
                     request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateRequest.FromString,
                     response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.Region.SerializeToString,
+            ),
+            'AllocateMany': grpc.unary_unary_rpc_method_handler(
+                    servicer.AllocateMany,
+                    request_deserializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyRequest.FromString,
+                    response_serializer=dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyResponse.SerializeToString,
             ),
             'MarkDurable': grpc.unary_unary_rpc_method_handler(
                     servicer.MarkDurable,
@@ -357,6 +375,33 @@ class KVHostStore:
             '/dhisparse.rpc.KVHostStore/Allocate',
             dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateRequest.SerializeToString,
             dhisparse_dot_rpc_dot_kv__host__store__pb2.Region.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def AllocateMany(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/dhisparse.rpc.KVHostStore/AllocateMany',
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyRequest.SerializeToString,
+            dhisparse_dot_rpc_dot_kv__host__store__pb2.AllocateManyResponse.FromString,
             options,
             channel_credentials,
             insecure,

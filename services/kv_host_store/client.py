@@ -8,6 +8,7 @@ maps the store's arena file, which must be visible at the same path (same node, 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Sequence
 from typing import Any
 
 import grpc
@@ -21,6 +22,7 @@ from services.kv_host_store.records import (
     OwnerLease,
     PrefixHit,
     Region,
+    RegionSpec,
     ReleaseResult,
     RequestInfo,
     StoreStats,
@@ -35,6 +37,14 @@ class _Messages:
         return pb.AllocateRequest(
             request_id=request_id, owner=owner, source=source, num_rows=rows,
             row_bytes=row_bytes, generation=gen,
+        )  # fmt: skip
+
+    @staticmethod
+    def allocate_many(request_id: str, owner: str, specs: Sequence[RegionSpec], gen: int):
+        return pb.AllocateManyRequest(
+            request_id=request_id, owner=owner, generation=gen,
+            specs=[pb.RegionSpec(source=s.source, num_rows=s.num_rows, row_bytes=s.row_bytes)
+                   for s in specs],
         )  # fmt: skip
 
     @staticmethod
@@ -99,6 +109,14 @@ class KVHostStoreClient:
     ) -> Region:
         m = M.allocate(request_id, owner, source, num_rows, row_bytes, generation)
         return convert.region_from_proto(self._call(self._stub.Allocate, m))
+
+    def allocate_many(
+        self, request_id: str, owner: str, specs: Sequence[RegionSpec], generation: int = 0
+    ) -> list[Region]:
+        """``HostStore.allocate_many``: every region of ``specs`` in one call, all or none."""
+        m = M.allocate_many(request_id, owner, specs, generation)
+        resp = self._call(self._stub.AllocateMany, m)
+        return [convert.region_from_proto(r) for r in resp.regions]
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0
@@ -226,6 +244,13 @@ class AsyncKVHostStoreClient:
     ) -> Region:
         m = M.allocate(request_id, owner, source, num_rows, row_bytes, generation)
         return convert.region_from_proto(await self._call(self._stub.Allocate, m))
+
+    async def allocate_many(
+        self, request_id: str, owner: str, specs: Sequence[RegionSpec], generation: int = 0
+    ) -> list[Region]:
+        m = M.allocate_many(request_id, owner, specs, generation)
+        resp = await self._call(self._stub.AllocateMany, m)
+        return [convert.region_from_proto(r) for r in resp.regions]
 
     async def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0

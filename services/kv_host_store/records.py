@@ -18,6 +18,16 @@ class RowRange:
 
 
 @dataclass(frozen=True)
+class RegionSpec:
+    """A region asked for: ``num_rows`` rows of ``row_bytes`` bytes of ``source`` (a KV source,
+    >= 0, or a reserved id for session state, < 0)."""
+
+    source: int
+    num_rows: int
+    row_bytes: int
+
+
+@dataclass(frozen=True)
 class Region:
     """One request's rows of one KV source: ``num_rows * row_bytes`` contiguous arena bytes
     starting at ``offset``. ``durable`` lists the rows holding complete, committed bytes,

@@ -22,7 +22,7 @@ from services.kv_host_store import convert
 from services.kv_host_store.arena import HostArena
 from services.kv_host_store.errors import StoreError
 from services.kv_host_store.metrics import build_registry, start_metrics_server
-from services.kv_host_store.records import ArenaInfo
+from services.kv_host_store.records import ArenaInfo, RegionSpec
 from services.kv_host_store.settings import KVHostStoreSettings
 from services.kv_host_store.store import HostStore
 
@@ -66,6 +66,15 @@ class KVHostStoreServicer(pb_grpc.KVHostStoreServicer):
             r.request_id, r.owner, r.source, r.num_rows, r.row_bytes, r.generation
         )
         return convert.region_to_proto(region)
+
+    @_maps_store_errors
+    async def AllocateMany(
+        self, request: pb.AllocateManyRequest, context: grpc.aio.ServicerContext
+    ) -> pb.AllocateManyResponse:
+        r = request
+        specs = [RegionSpec(s.source, s.num_rows, s.row_bytes) for s in r.specs]
+        regions = self._store.allocate_many(r.request_id, r.owner, specs, r.generation)
+        return pb.AllocateManyResponse(regions=[convert.region_to_proto(x) for x in regions])
 
     @_maps_store_errors
     async def MarkDurable(

@@ -26,6 +26,7 @@ from services.kv_host_store import (
     KVHostStoreClient,
     NotFound,
     PermissionDenied,
+    RegionSpec,
     RowRange,
 )
 from services.kv_host_store.server import KVHostStoreServer
@@ -196,12 +197,22 @@ async def test_async_client_maps_statuses_to_store_errors(server: KVHostStoreSer
             await client.allocate("r", "w0", 0, 1, CAPACITY * 2)
         assert (await client.release_region("w0", region.region_id)).released == 1
         assert (await client.stats()).used_bytes == 0
+        specs = [RegionSpec(0, 8, 512), RegionSpec(-1, 2, 100)]
+        many = await client.allocate_many("m", "w0", specs)
+        assert [(r.source, r.num_rows, r.row_bytes) for r in many] == [(0, 8, 512), (-1, 2, 100)]
+        with pytest.raises(CapacityExhausted, match="requested"):  # all or nothing
+            await client.allocate_many(
+                "m", "w0", [RegionSpec(1, 1, 64), RegionSpec(2, 1, CAPACITY * 2)]
+            )
+        assert len(await client.lookup("m", "w0")) == 2
 
 
 async def test_sync_client_from_an_engine_thread(server: KVHostStoreServer) -> None:
     def engine_thread() -> tuple[int, bytes]:
         with KVHostStoreClient(f"127.0.0.1:{server.port}") as client:
             region = client.allocate("r", "w0", 2, 4, 8)
+            both = client.allocate_many("s", "w0", [RegionSpec(0, 2, 8), RegionSpec(1, 3, 8)])
+            assert [r.source for r in both] == [0, 1]
             _info, arena = client.map_arena()
             arena.rows_of(region)[:] = 7
             data = arena.region(region.offset, region.nbytes).numpy().tobytes()

@@ -16,7 +16,7 @@ from services.kv_host_store.errors import (
     PermissionDenied,
 )
 from services.kv_host_store.intervals import add_range, contains, covered
-from services.kv_host_store.records import RowRange
+from services.kv_host_store.records import RegionSpec, RowRange
 from services.kv_host_store.store import HostStore
 
 ALIGN = 4096
@@ -100,6 +100,35 @@ def test_capacity_exhaustion_names_requested_and_largest_free(store: HostStore) 
     s = store.stats()
     assert s.allocations_refused == 2
     assert s.requests == 1  # a refused allocation leaves no trace of its request
+
+
+def test_allocate_many_is_all_or_nothing(store: HostStore) -> None:
+    """A request's regions in one call, in the order asked; when one does not fit, none of
+    them is kept (the request holds what it held before) and the refusal names it."""
+    specs = [RegionSpec(0, 8, ALIGN), RegionSpec(1, 4, ALIGN), RegionSpec(-2, 1, 100)]
+    got = store.allocate_many("r", "w0", specs)
+    assert [(g.source, g.num_rows, g.row_bytes) for g in got] == [
+        (0, 8, ALIGN),
+        (1, 4, ALIGN),
+        (-2, 1, 100),
+    ]
+    assert len({g.offset for g in got}) == 3
+    assert sorted(r.region_id for r in store.lookup("r", "w0")) == sorted(g.region_id for g in got)
+    used = store.stats().used_bytes
+    too_many = [RegionSpec(2, 16, ALIGN), RegionSpec(3, 64, ALIGN)]  # the second cannot fit
+    with pytest.raises(CapacityExhausted, match=f"{64} rows x {ALIGN} B"):
+        store.allocate_many("r", "w0", too_many)
+    with pytest.raises(CapacityExhausted):
+        store.allocate_many("fresh", "w0", too_many)
+    s = store.stats()
+    assert (s.used_bytes, s.regions, s.requests) == (used, 3, 1)  # "fresh" left no trace
+    with pytest.raises(InvalidArgument, match="num_rows"):
+        store.allocate_many("r", "w0", [RegionSpec(0, 1, 1), RegionSpec(1, 0, 1)])
+    with pytest.raises(InvalidArgument, match="no regions"):
+        store.allocate_many("r", "w0", [])
+    with pytest.raises(PermissionDenied):
+        store.allocate_many("r", "w1", specs[:1])
+    assert store.stats().regions == 3
 
 
 def test_release_frees_capacity(store: HostStore) -> None:

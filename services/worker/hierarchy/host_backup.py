@@ -14,7 +14,7 @@ import torch
 
 from services.kv_host_store.arena import ArenaMapping
 from services.kv_host_store.intervals import add_range, contains
-from services.kv_host_store.records import Region, RowRange
+from services.kv_host_store.records import Region, RegionSpec, RowRange
 from services.worker.hierarchy.region_store import RegionStore
 from services.worker.hierarchy.reporter import DurabilityReporter, OwnerId
 
@@ -121,16 +121,16 @@ class HostBackups:
         cached prefix); raises as ``admit`` does, with nothing left allocated. ``store``: the
         store to ask instead of this rank's (``RankGroup.own_store``: a call the other ranks of
         a tensor-parallel group do not make)."""
-        regions: list[Region] = []
-        try:
-            for s, rows in enumerate(rows_per_source):
-                regions.append(self._allocate(request_id, s, max(1, rows), self.row_bytes, store))
-            for s, (rows, row_bytes) in (session or {}).items():
-                regions.append(self._allocate(request_id, s, rows, row_bytes, store))
-        except Exception:
-            self.release_regions(regions)
-            raise
-        return regions
+        specs = [
+            RegionSpec(s, max(1, rows), self.row_bytes) for s, rows in enumerate(rows_per_source)
+        ]
+        specs += [
+            RegionSpec(s, rows, row_bytes) for s, (rows, row_bytes) in (session or {}).items()
+        ]
+        w = self.who
+        store = self.store if store is None else store
+        # one call, all or none: the store keeps nothing of a refused admission
+        return store.allocate_many(request_id, w.owner, specs, w.generation)
 
     def release_regions(self, regions: list[Region]) -> None:
         """Frees regions that no slot holds (queued to the store, as every release is)."""
@@ -140,13 +140,6 @@ class HostBackups:
     def regions(self, slot: int) -> list[Region]:
         """The slot's regions: one per source, then its session regions."""
         return [b.region for b in self._backed[slot]] + list(self._session[slot].values())
-
-    def _allocate(
-        self, request_id: str, source: int, rows: int, row_bytes: int, store: RegionStore | None
-    ) -> Region:
-        w = self.who
-        store = self.store if store is None else store
-        return store.allocate(request_id, w.owner, source, rows, row_bytes, w.generation)
 
     def attach(
         self, slot: int, request_id: str, regions: list[Region], committed: list[int]

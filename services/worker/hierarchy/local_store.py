@@ -9,6 +9,7 @@ import contextlib
 import os
 import uuid
 import weakref
+from collections.abc import Sequence
 
 from services.kv_host_store.arena import HostArena, map_arena
 from services.kv_host_store.placement import Placement
@@ -17,6 +18,7 @@ from services.kv_host_store.records import (
     OwnerLease,
     PrefixHit,
     Region,
+    RegionSpec,
     ReleaseResult,
     RequestInfo,
     StoreStats,
@@ -54,6 +56,11 @@ class LocalHostStore:
         generation: int = 0,
     ) -> Region:
         return self.store.allocate(request_id, owner, source, num_rows, row_bytes, generation)
+
+    def allocate_many(
+        self, request_id: str, owner: str, specs: Sequence[RegionSpec], generation: int = 0
+    ) -> list[Region]:
+        return self.store.allocate_many(request_id, owner, specs, generation)
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0

@@ -3,9 +3,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
-from services.kv_host_store.records import PrefixHit, Region
+from services.kv_host_store.records import PrefixHit, Region, RegionSpec
 
 
 class RegionStore(Protocol):
@@ -20,6 +21,10 @@ class RegionStore(Protocol):
         row_bytes: int,
         generation: int = 0,
     ) -> Region: ...
+
+    def allocate_many(
+        self, request_id: str, owner: str, specs: Sequence[RegionSpec], generation: int = 0
+    ) -> list[Region]: ...
 
     def mark_durable(
         self, region_id: str, owner: str, start_row: int, end_row: int, generation: int = 0

@@ -17,8 +17,9 @@ end between two steps, where the other ranks make no call to meet a broadcast)."
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 
-from services.kv_host_store.records import PrefixHit, Region
+from services.kv_host_store.records import PrefixHit, Region, RegionSpec
 from services.worker.hierarchy.region_store import RegionStore
 from services.worker.kv.errors import HostStoreUnavailable, describe
 from services.worker.parallel.comm import Comm
@@ -66,6 +67,13 @@ class GroupRegionStore:
     ) -> Region:
         return self._leader_answers(
             lambda: self.store.allocate(request_id, owner, source, num_rows, row_bytes, generation)
+        )
+
+    def allocate_many(
+        self, request_id: str, owner: str, specs: Sequence[RegionSpec], generation: int = 0
+    ) -> list[Region]:
+        return self._leader_answers(
+            lambda: self.store.allocate_many(request_id, owner, specs, generation)
         )
 
     def acquire_prefix(

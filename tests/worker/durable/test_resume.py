@@ -202,6 +202,8 @@ class DeadStore:
     def allocate(self, *args, **kwargs):
         raise ConnectionError("UNAVAILABLE: failed to connect to all addresses")
 
+    allocate_many = allocate
+
     def __getattr__(self, name: str):
         return getattr(self._store, name)
 
