@@ -151,8 +151,16 @@ class Residency:
             self.reclaims.reclaim(self.history.current_id(h.slot))
         return False
 
-    def on_admit(self, slot: int, imported: list[int]) -> None:
-        self.history.admit(slot, imported)
+    def on_admit(self, slot: int, committed: list[int]) -> None:
+        """A request seated in ``slot`` with ``committed`` rows per source already durable on
+        the host (none for a new admission; an adopted session's history, or a cached prefix
+        it imported): their complete pages are wanted, refilled while memory is spare as a
+        prefill's unkept pages are (``repopulation``); the page a request's next rows go to is
+        its tail ring's, and the prefill that completes it makes it wanted."""
+        oid = self.history.admit(slot, committed)
+        owner, p = self.history.owner(oid), self.store.page
+        for source, rows in enumerate(committed):
+            owner.wanted.extend(page_key(source, index) for index in range(rows // p))
 
     def release(self, slot: int) -> None:
         """The request is gone: its pages are unpublished now and freed once readers finish."""

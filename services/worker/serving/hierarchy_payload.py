@@ -156,7 +156,7 @@ class HierarchyPayload:
         self.prefixes.forget(slot)
         self._epoch += 1
         if self._adaptive is not None:
-            self._adaptive.on_admit(slot, [0] * self.store.num_sources)
+            self._adaptive.on_admit(slot, committed)
 
     def release(self, slot: int) -> None:
         if self._adaptive is not None:

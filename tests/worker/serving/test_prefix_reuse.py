@@ -85,6 +85,28 @@ def test_the_next_turn_computes_only_its_new_tokens_with_the_uncached_tokens(
     assert stats.hit_tokens % 16 == 0  # whole pages
 
 
+def test_adaptive_mode_brings_an_imported_prefix_back_to_the_device(store: LocalHostStore) -> None:
+    """In adaptive mode the pages of an imported prefix are optional history like a prefill's:
+    while memory is spare they are refilled from the host between steps, and the resolver
+    reads them on the device (not through the hot cache and host misses), with the uncached
+    tokens."""
+    with batch_invariant():
+        w0 = make(store, "w0", mode="adaptive")
+        first = run(w0, [3 + i % 250 for i in range(290)])
+        prompt = second_turn(first, [7, 8, 9, 10])
+        w1 = make(store, "w1", mode="adaptive")
+        turn = run(w1, prompt)
+        ref = run(make(store, "ref", mode="adaptive", prefix_cache=False), prompt)
+    assert turn.output_ids == ref.output_ids
+    assert turn.computed < 0.1 * len(prompt)
+    stats = w1.kv.payload.residency.stats
+    imported_pages = (len(prompt) - turn.computed) // w1.cfg.page_size
+    # every source's imported pages, refilled (none were evicted: memory is spare)
+    assert stats.repopulated_pages >= imported_pages * w1.kv.payload.store.num_sources
+    census = w1.kv.payload.census
+    assert census is not None and census.host < census.direct
+
+
 @pytest.mark.parametrize("drafter", [None, "mtp"])
 def test_the_trained_model_with_a_prefix_hit_gives_the_uncached_tokens(
     store: LocalHostStore, drafter: str | None
