@@ -91,8 +91,16 @@ class PrefixAffinity:
                 out[w.address] = Matched()
         cap = max(0, len(prefix) - 1)
         for page, group in by_page.items():
-            found = self.index.match(prefix.keys(page), [place_of(w) for w in group])
-            for address, m in found.items():
+            # a place's match does not depend on the others asked with it: each is matched
+            # once per index version, however many rankings of one admission ask
+            seen = prefix.matched.setdefault((self.index.version, page), {})
+            places = {w.address: place_of(w) for w in group}
+            new = [p for p in places.values() if p not in seen]
+            if new:
+                found = self.index.match(prefix.keys(page), new)
+                seen.update((p, found[p.address]) for p in new)
+            for address, place in places.items():
+                m = seen[place]
                 out[address] = Matched(min(cap, m.pages * page), min(cap, m.own_pages * page))
         return out
 

@@ -50,6 +50,8 @@ class AffinityIndex:
         self.capacity = capacity
         self.holders = holders
         self._pages: OrderedDict[int, tuple[Place, ...]] = OrderedDict()
+        # bumped by every record: a match made at one version holds until the next
+        self.version = 0
 
     def __len__(self) -> int:
         return len(self._pages)
@@ -59,6 +61,7 @@ class AffinityIndex:
         as its newest holder and becomes recently used, the first page most recently, so that
         the index forgets a chain's deepest pages first (the ones fewest prompts share)."""
         pages = self._pages
+        self.version += 1
         for key in reversed(keys):
             held = pages.pop(key, ())
             others = tuple(p for p in held if p.address != place.address)

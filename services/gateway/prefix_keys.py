@@ -54,6 +54,9 @@ class PromptPrefix:
         self.token_ids = tuple(token_ids)
         self.max_pages = max_pages
         self._keys: dict[int, tuple[int, ...]] = {}
+        # what the affinity index matched for this prompt, by (index version, page size) and
+        # place (``PrefixAffinity.predict``: one admission asks for several rankings)
+        self.matched: dict[tuple[int, int], dict] = {}
 
     def __len__(self) -> int:
         return len(self.token_ids)

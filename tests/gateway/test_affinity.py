@@ -211,6 +211,31 @@ def test_the_prediction_leaves_the_last_prompt_token_to_compute() -> None:
     assert affinity.predict(affinity.prefix(HISTORY), [a])["a"].pages == len(HISTORY) - 1
 
 
+def test_one_admission_matches_each_worker_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The router's ranking, the shared pages and the routing metric of one admission ask the
+    index once per worker; a record in between (a newer index) asks again."""
+    affinity = PrefixAffinity()
+    a, b, c = worker("a"), worker("b"), worker("c", store="store-a")
+    served(affinity, HISTORY, a)
+    asked: list[tuple[str, ...]] = []
+    match = affinity.index.match
+
+    def counted(keys, places):
+        asked.append(tuple(p.address for p in places))
+        return match(keys, places)
+
+    monkeypatch.setattr(affinity.index, "match", counted)
+    prefix = affinity.prefix(TURN)
+    first = affinity.predict(prefix, [a, b])
+    assert first["b"].own_pages == 0
+    assert affinity.predict(prefix, [b, a]) == first
+    assert affinity.predict(prefix, [a, b, c])["c"].pages == len(HISTORY)  # a's node mate
+    assert asked == [("a", "b"), ("c",)]
+    served(affinity, TURN, b)
+    assert affinity.predict(prefix, [a, b])["b"].own_pages == len(HISTORY)
+    assert asked[-1] == ("a", "b")
+
+
 def test_why_a_worker_was_chosen() -> None:
     affinity = PrefixAffinity()
     a, b = worker("a"), worker("b")
