@@ -167,7 +167,9 @@ PREFIX_CACHE_QUERIES = PREFIX + "prefix_cache_queries"  # counter
 PREFIX_CACHE_HITS = PREFIX + "prefix_cache_hits"  # counter
 PREFIX_CACHE_HIT_TOKENS = PREFIX + "prefix_cache_hit_tokens"  # counter
 # requests whose pages were handed to the store as a cached prefix, or could not be
-PREFIX_CACHE_LEFT = PREFIX + "prefix_cache_left"  # counter{outcome=cached|refused}
+# counter{outcome=cached|refused|published}: requests that left their pages at their end, or
+# could not; running requests whose computed prompt was kept early for waiting ones
+PREFIX_CACHE_LEFT = PREFIX + "prefix_cache_left"
 
 # --- worker: the ranks of a data-parallel-attention group (each its own requests and KV) ------
 RANK_REQUESTS_RUNNING = PREFIX + "rank_requests_running"  # gauge{rank}

@@ -619,7 +619,8 @@ KV = Dashboard(
                 Panel(
                     "Pages left behind",
                     "Requests that left their complete pages in the host store as a cached"
-                    " prefix, and those the store could not hold (full of live rows, or down).",
+                    " prefix, those the store could not hold (full of live rows, or down), and"
+                    " running requests whose computed prompt was kept early for waiting ones.",
                     [
                         Target(
                             "sum by (outcome) (rate("

@@ -28,13 +28,14 @@ class PrefixMetrics:
         )
         self.left = Counter(
             m.PREFIX_CACHE_LEFT,
-            "Requests that left their pages in the host store (cached), or could not (refused)",
+            "Requests that left their pages in the host store (cached), or could not (refused); "
+            "running requests whose computed prompt was kept early for waiting ones (published)",
             [*lbl, "outcome"],
             registry=r,
         )
         for c in (self.queries, self.hits, self.hit_tokens):
             c.labels(model)
-        for outcome in ("cached", "refused"):
+        for outcome in ("cached", "refused", "published"):
             self.left.labels(model, outcome)
         self._seen = PrefixStats()
 
@@ -49,4 +50,5 @@ class PrefixMetrics:
         self.hit_tokens.labels(md).inc(stats.hit_tokens - seen.hit_tokens)
         self.left.labels(md, "cached").inc(stats.left - seen.left)
         self.left.labels(md, "refused").inc(stats.not_left - seen.not_left)
+        self.left.labels(md, "published").inc(stats.published - seen.published)
         self._seen = PrefixStats(**vars(stats))

@@ -76,6 +76,8 @@ class Scheduler:
         self.schedule_s = 0.0
         self.import_s = 0.0
         self.leave_s = 0.0
+        # running requests whose computed prompt ``_share_prefilled`` has considered
+        self._shared: set[str] = set()
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.free_slots: list[int] = list(range(max_num_seqs - 1, -1, -1))
@@ -104,6 +106,7 @@ class Scheduler:
         return True
 
     def _free(self, req: Request) -> None:
+        self._shared.discard(req.request_id)
         if req.slot is not None:
             if self.prefix is not None:
                 t0 = time.perf_counter()
@@ -162,7 +165,9 @@ class Scheduler:
             out.prefill.append(Chunk(req, n))
             budget -= n
             room = None if room is None else room - self._footprint(req, n)
-        # 3. Admit waiting requests FIFO while a slot, KV room and prefill budget remain.
+        # 3. Admit waiting requests FIFO while a slot, KV room and prefill budget remain; a
+        # prompt computed since the last step is first shared with those that begin with it.
+        self._share_prefilled()
         while budget > 0 and self.waiting and self.free_slots:
             req = self.waiting[0]
             n = self._chunk(req, budget, room, bool(out.prefill))
@@ -204,6 +209,23 @@ class Scheduler:
             lambda: [(r.slot, self._budget(r) - r.num_tokens) for r in self.running]
         )
         return out
+
+    def _share_prefilled(self) -> None:
+        """Publishes the prompt of each running request that finished its prefill since the
+        last step (``Prefixes.publish``) when a waiting request begins with its first page:
+        concurrent requests sharing a system prompt compute it once, not once each."""
+        done = [r for r in self.running if not r.prefilling and r.request_id not in self._shared]
+        if self.prefix is None or not done:
+            return
+        self._shared.update(r.request_id for r in done)
+        page = self.kv.cfg.page_size
+        firsts = {tuple(r.prompt_ids[:page]) for r in self.waiting if len(r.prompt_ids) > page}
+        for req in done:
+            if len(req.prompt_ids) > page and tuple(req.prompt_ids[:page]) in firsts:
+                assert req.slot is not None
+                t0 = time.perf_counter()
+                self.prefix.publish(req.slot, req)
+                self.leave_s += time.perf_counter() - t0
 
     def _import(self, slot: int, req: Request, manifest: int) -> int | None:
         """``Prefixes.admit``: tokens imported, 0 (no room now) or None (no prefix)."""

@@ -136,6 +136,10 @@ class DevicePrefixReuse:
         return tokens
 
     # ---- leaving pages behind -----------------------------------------------------------
+    def publish(self, slot: int, req: Request) -> None:
+        """Nothing: a live request's device pages are its own until it ends (a record shares
+        pages no request writes); requests waiting with the same first tokens compute them."""
+
     def leave(self, slot: int, req: Request) -> None:
         """Keeps the pages of ``req``'s committed tokens' complete pages as a cached prefix,
         before ``slot`` is released. Nothing for a request that failed (a pass may have left

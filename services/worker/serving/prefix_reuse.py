@@ -91,6 +91,7 @@ class PrefixStats:
     hits: int = 0  # admissions that imported a cached prefix
     hit_tokens: int = 0  # tokens they imported instead of computing
     left: int = 0  # requests whose pages the store kept as a cached prefix (some were new)
+    published: int = 0  # live requests' computed prompts kept early for waiting requests
     not_left: int = 0  # requests whose pages could not be (the store full or down, rows missing)
     keys_shared: int = 0  # hits that seated cached index-key pages on the device (key_records)
 
@@ -129,6 +130,11 @@ class Prefixes(Protocol):
 
     def leave(self, slot: int, req: Request) -> None:
         """Keeps the complete pages of ``req``'s committed tokens before ``slot`` is freed."""
+        ...
+
+    def publish(self, slot: int, req: Request) -> None:
+        """Keeps the complete pages of live ``req``'s computed prompt now, for waiting requests
+        that begin with the same tokens."""
         ...
 
 
@@ -379,33 +385,61 @@ class PrefixReuse:
         holds every page. A store full of live rows, or down, or rows not all on the host keep
         nothing (counted in ``stats.not_left``, logged)."""
         tokens = req.num_computed // self.page * self.page
-        store = self.ranks.own_store
-        if req.error is not None or tokens == 0 or store is None:
+        if req.error is not None or tokens == 0 or self.ranks.own_store is None:
             return
-        cfg = self.kv.model_cfg
-        if not all(
-            self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
-            for s in range(len(cfg.sources))
-        ):
+        if not self._durable(slot, tokens):
             self.stats.not_left += 1
             log.debug("%s: rows of its %d tokens are not all on the host", req.request_id, tokens)
             return
+        if self._leave(slot, req, tokens, keys=True):
+            self.stats.left += 1
+
+    def publish(self, slot: int, req: Request) -> None:
+        """Hands the complete pages of live ``req``'s computed prompt to the store as a cached
+        prefix now, for requests waiting with the same first tokens (a shared system prompt):
+        they import it instead of computing it beside this one. Its index-key pages stay its
+        own (the record holds their host copies); at its end it leaves its whole history as
+        usual. Nothing when its rows are not all on the host yet (deferred backups)."""
+        tokens = min(req.num_computed, len(req.prompt_ids)) // self.page * self.page
+        if req.error is not None or tokens == 0 or self.ranks.own_store is None:
+            return
+        if not self._durable(slot, tokens):
+            return
+        if self._leave(slot, req, tokens, keys=False):
+            self.stats.published += 1
+
+    def _durable(self, slot: int, tokens: int) -> bool:
+        """Whether every source's rows of the first ``tokens`` tokens are durable on the host."""
+        cfg = self.kv.model_cfg
+        return all(
+            self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
+            for s in range(len(cfg.sources))
+        )
+
+    def _leave(self, slot: int, req: Request, tokens: int, keys: bool) -> bool:
+        """Copies the slot's rows of ``tokens`` tokens into a cached prefix the store keeps
+        (``keys``: and keeps its index-key pages on the device as a record); whether the store
+        kept it (False: it held every page, or refused, counted in ``stats.not_left``)."""
+        store = self.ranks.own_store
+        assert store is not None
         ids = req.ids_from(0, tokens)
         hashes = page_hashes(self.salt, ids)
-        if self.key_records is not None:
+        if keys and self.key_records is not None:
             self.key_records.keep(slot, hashes, ids)
         if self.host.on_gpu:  # the step's host copies were queued on the stream
             torch.cuda.current_stream(self.host.device).synchronize()
         try:
-            self._hand_over(store, slot, hashes, ids)
+            return self._hand_over(store, slot, hashes, ids)
         except CapacityExhausted as e:
             self.stats.not_left += 1
             log.debug("no room to cache %d tokens of %s: %s", tokens, req.request_id, e)
         except Exception as e:
             self.stats.not_left += 1
             log.warning("could not cache the prefix of %s: %s", req.request_id, describe(e))
+        return False
 
-    def _hand_over(self, store: RegionStore, slot: int, hashes: list[str], ids: list[int]) -> None:
+    def _hand_over(self, store: RegionStore, slot: int, hashes: list[str], ids: list[int]) -> bool:
+        """The copy and its hand-over; whether the store kept it as a new record."""
         who = self.host.who
         tokens = len(ids)
         mine = [r for r in self.host.regions(slot) if r.source != MANIFEST_SOURCE]
@@ -432,5 +466,4 @@ class PrefixReuse:
         except BaseException:
             self.host.release_regions(regions)  # still this worker's: not handed over
             raise
-        if kept:
-            self.stats.left += 1
+        return kept

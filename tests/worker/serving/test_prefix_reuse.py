@@ -85,6 +85,26 @@ def test_the_next_turn_computes_only_its_new_tokens_with_the_uncached_tokens(
     assert stats.hit_tokens % 16 == 0  # whole pages
 
 
+@pytest.mark.parametrize("mode", ["hisparse", "adaptive"])
+def test_requests_arriving_together_compute_a_shared_system_prompt_once(
+    store: LocalHostStore, mode: str
+) -> None:
+    """Four requests with one 256-token system prompt arrive at once; a step prefills one of
+    them. Its prompt is published as soon as it is computed, and the others import the system
+    prompt's pages and compute only their own tokens, with the uncached tokens."""
+    system = [3 + i * 7 % 250 for i in range(256)]
+    prompts = [system + [5 + s, 9, 4 + 3 * s, 11] * 5 for s in range(4)]
+    kw = dict(mode=mode, max_prefill_tokens=len(prompts[0]))
+    with batch_invariant():
+        engine = make(store, "w0", **kw)
+        outs = engine.generate(prompts, ANSWER)
+        ref = make(store, "ref", prefix_cache=False, **kw).generate(prompts, ANSWER)
+    assert [o.output_ids for o in outs] == [o.output_ids for o in ref]
+    stats = engine.scheduler.prefix.stats
+    assert stats.published == 1 and stats.hits == 3
+    assert engine.stats.prefill_tokens_computed == len(prompts[0]) + 3 * (len(prompts[0]) - 256)
+
+
 def test_adaptive_mode_brings_an_imported_prefix_back_to_the_device(store: LocalHostStore) -> None:
     """In adaptive mode the pages of an imported prefix are optional history like a prefill's:
     while memory is spare they are refilled from the host between steps, and the resolver
