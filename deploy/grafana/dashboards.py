@@ -226,6 +226,26 @@ OVERVIEW = Dashboard(
                     width=8,
                 ),
                 Panel(
+                    "Engine time by phase",
+                    "Share of each phase in the workers' engine time: scheduling (admissions,"
+                    " prefix imports included), prefill passes, decode steps and verify rounds;"
+                    " and, within those, prefix reuse's imports and the pages requests leave"
+                    " behind. What is left of a second is the worker's loop between steps.",
+                    [
+                        Target(
+                            f"sum by (phase) (rate(dhisparse:engine_seconds_total{{{WK}}}{RI}))",
+                            "{{phase}}",
+                        ),
+                        Target(
+                            "sum by (op) (rate("
+                            f"dhisparse:prefix_cache_seconds_total{{{WK}}}{RI}))",
+                            "prefix {{op}}",
+                        ),
+                    ],
+                    unit="percentunit",
+                    width=8,
+                ),
+                Panel(
                     "Garbage-collector pauses",
                     "Share of each worker's time the Python garbage collector held it, and the"
                     " longest single pause. A full collection stalls the decode step that sets"

@@ -47,6 +47,8 @@ TYPES: dict[str, str] = {
     metrics.WORKER_CONFIG_INFO: "gauge",
     metrics.DECODE_PASSES: "counter",
     metrics.CUDA_GRAPHS: "gauge",
+    metrics.ENGINE_SECONDS: "counter",
+    metrics.PREFIX_CACHE_SECONDS: "counter",
     metrics.GC_PAUSE_SECONDS: "counter",
     metrics.GC_PAUSE_MAX_SECONDS: "gauge",
     metrics.STREAMS_RESUMED: "counter",
