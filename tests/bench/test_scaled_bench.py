@@ -67,7 +67,7 @@ def test_v4_in_lockstep_on_the_cpu() -> None:
     off for its windowed, compressed sources, and the run is refused before the build while
     the engine serves V4 on the CPU only, as are FP8 weights and replayed selections."""
     args = _args(family="v4flash-scaled", weights="bf16", decode_tokens=4, hot_cache_rows=8,
-                 page=16, host_gib=0.05, max_prefill_tokens=32)  # fmt: skip
+                 page=16, host_gib=0.05, max_prefill_tokens=32, warmup_runs=1)  # fmt: skip
     assert scaled.parse(args)[0] == ["v4flash-scaled"]
     assert scaled.v4_refused(args, "cpu") == []
     assert scaled.v4_refused(args, "cuda") == ["--device cuda (GPU kernels, CUDA graphs)"]
