@@ -212,10 +212,11 @@ def v4_refused(args: argparse.Namespace, device: str) -> list[str]:
     runs): FP8 weights and replayed selections (mapped onto MLA index producers; an HCA layer
     attends every row it sees), then every setting the engine does not serve V4 with
     (``v4_refusals`` of the engines' configuration)."""
-    out = [f"--weights {args.weights} (V4's model holds dense weights: bf16)"] * (
-        args.weights != "bf16"
-    )
-    out += [f"--selections {args.selections}"] * (args.selections != "random")
+    out = []
+    if args.weights != "bf16":
+        out.append(f"--weights {args.weights} (V4's model holds dense weights: bf16)")
+    if args.selections != "random":
+        out.append(f"--selections {args.selections}")
     probe = EngineConfig(
         model="v4", device=device, resolver="torch", attention_backend="torch",
         kv_cache_dtype=args.kv_cache_dtype,
