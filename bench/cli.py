@@ -70,7 +70,7 @@ COMMANDS: dict[str, Command] = {
     "fp8-linear": Command("bench.fp8_linear", "FP8 block-scaled matmul variants at real shapes"),
     "fp8-kv": Command("bench.fp8_kv", "fp8 KV vs the serving dtype: top-k recall, logit error",
                       results=False),
-    "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 per mode, graphs (CUDA)"),
+    "scaled": Command("bench.scaled", "real-dimension V3.2 / GLM-5 / V4 per mode, graphs (CUDA)"),
     "sparse-attention": Command("bench.sparse_attention",
                                 "sparse MLA decode kernels and tile shapes side by side (CUDA)"),
     "select-topk": Command("bench.select_topk",

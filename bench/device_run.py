@@ -22,6 +22,10 @@ to ``logs.tgz``.
                  transformers (``bench slices``)
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
+    scaled-v4    the real-dimension DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32
+                 experts, bf16) per mode at 8K and at 32K, C = 1 and 4, one context per
+                 step: an H200 (78 GiB of weights). Refused in seconds, before the build,
+                 while the engine serves V4 on the CPU only (``engine/v4_check``)
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
     host-layout-serving  a serving step's host recovery through the engine's resolver launches,
                  256 requests over a >= 32 GiB arena, scattered vs grouped placement
@@ -125,6 +129,24 @@ SCALED_32K_STEPS = tuple(
         270,
     )
     for family in FAMILIES
+)
+# DeepSeek-V4-Flash at real dimensions per mode, one context per step (C = 1, 4). Its sources are
+# windowed and compressed, so CUDA graphs are off (the rows say so) and one warm-up run (no
+# capture to wait for) suffices: each step prefills 10 requests per mode, eager. Memory: 78.05
+# GiB of bf16 weights; per session at 32K (``dhisparse plan --model
+# tests/fixtures/configs/deepseek-v4-flash --context 32768 --hot-cache-rows 4096``) 0.317 GiB
+# resident, 0.256 GiB in the hierarchy and 0.249 GB of host backups, so the three engines' pools
+# take some 4 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
+# H200 (about 139 GiB), not an H100.
+SCALED_V4_STEPS = tuple(
+    Step(
+        f"scaled-v4-{short}",
+        f"-m bench scaled --family v4flash-scaled --weights bf16 --contexts {ctx} "
+        f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 1 --host-gib 8 "
+        f"--out {{out}}/scaled_v4flash_{short}.json",
+        limit,
+    )
+    for short, ctx, limit in (("8k", 8192, 220), ("32k", 32768, 310))
 )
 # every kernel of the real-dimension decode step against its roofline (``bench roofline``): one
 # family per step, resident at 8K, C = 1, 4, 16, 64 admitted in turn (C = 64 prefills 64 8K
@@ -356,6 +378,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
         ),
     ),
     "scaled-32k": SCALED_32K_STEPS,
+    "scaled-v4": SCALED_V4_STEPS,
     "load": LOAD_STEPS,
     # issue 46's stall on the GPU: two workers share it, each with a pool of its own
     "adoption": (

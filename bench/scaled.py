@@ -2,7 +2,8 @@
 resident, hisparse and adaptive serving side by side, decode replayed as CUDA graphs.
 
 For each ``--family`` (``dhisparse/family/scaled.py``: DeepSeek-V3.2 with 16 layers and 64
-experts, GLM-5.2 with 20 layers and 64 experts) the model is built in place on the GPU with
+experts, GLM-5.2 with 20 layers and 64 experts; ``v4flash-scaled``, DeepSeek-V4-Flash with its
+43 layers and 32 experts) the model is built in place on the GPU with
 random weights (``--weights``: FP8 as the released checkpoints, or bf16), then at each
 ``--contexts`` length and ``--concurrency`` C the three modes' engines run C requests of that
 context in lockstep (``bench/core/lockstep.py``), each decoding ``--decode-tokens`` greedily.
@@ -14,6 +15,12 @@ Reported per family: weight bytes resident on the GPU (parameters and buffers, a
 allocator's count after the build), build time; per mode, context and C: decode tokens/s (the
 aggregate and the median step rate), CUDA-graph replays, captures and eager passes during the
 timed requests (steady state: replays > 0, eager = 0), sessions admitted.
+
+DeepSeek-V4 (``V4_SCALED``) is built in bf16 (``--weights bf16``: its model holds dense
+weights) and served with the torch resolver and attention (it has no Triton kernels); its rows
+say why CUDA graphs are off (its sources are windowed and compressed). The engine serves V4
+on the CPU only for now (``engine/v4_check``), so on a GPU the run is refused before the
+build, naming the settings; ``run_context`` on the CPU, with the preset shrunk, is the test.
 
 With ``--drafter mtp`` the model is built with its MTP layer and every engine speculates
 (``--spec-width``, ``--width-policy``). A random MTP layer's proposals are almost never
@@ -58,19 +65,21 @@ from bench.core.lockstep import lockstep
 from bench.load.replay import TRACE, expansion, install, load_traces, replay_for
 from bench.round_split import RoundSplit
 from bench.spec_control import control, force, shipped_rates
-from dhisparse.family.scaled import SCALED
+from dhisparse.family.scaled import SCALED, V4_SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
+from services.worker.engine.v4_check import v4_refusals
 from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.kv.config import FollowerPrefetch, bytes_per_token
 from services.worker.kv.row_codec import KV_CACHE_DTYPES, kv_codecs
 from services.worker.kv.workspace import workspace_bytes
+from services.worker.model.v4_serving import V4Model
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
 from services.worker.request.request import SamplingParams
-from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes
+from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes, token_ring_bytes
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.width_policy import WIDTH_POLICIES
 from services.worker.weights.model_io import build_model
@@ -78,10 +87,11 @@ from services.worker.weights.model_io import build_model
 # a hierarchy mode's variant whose IndexShare followers resolve inline at their producer
 # (``FollowerPrefetch``), e.g. ``hisparse:inline`` beside ``hisparse``
 INLINE = ":inline"
+FAMILIES = {**SCALED, **V4_SCALED}
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--family", default=",".join(SCALED), help=f"of {', '.join(SCALED)}")
+    ap.add_argument("--family", default=",".join(SCALED), help=f"of {', '.join(FAMILIES)}")
     ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
     ap.add_argument("--fp8-mode", default="w8a16", choices=FP8_MODES)
     ap.add_argument(
@@ -180,9 +190,9 @@ def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
 def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], list[str]]:
     """(families, contexts, concurrencies, modes); raises UsageError on unknown or bad ones."""
     fams = [f for f in args.family.split(",") if f]
-    bad = [f for f in fams if f not in SCALED]
+    bad = [f for f in fams if f not in FAMILIES]
     if bad or not fams:
-        raise UsageError(f"unknown --family {bad}; known: {', '.join(SCALED)}")
+        raise UsageError(f"unknown --family {bad}; known: {', '.join(FAMILIES)}")
     modes = [m for m in args.modes.split(",") if m]
     known = {*MODES, *(f"{m}{INLINE}" for m in MODES if m != "resident")}
     if not modes or set(modes) - known:
@@ -195,6 +205,24 @@ def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], li
     if not ctxs or not cs or min(ctxs + cs) < 1:
         raise UsageError("--contexts and --concurrency take positive integers")
     return fams, ctxs, cs, modes
+
+
+def v4_refused(args: argparse.Namespace, device: str) -> list[str]:
+    """What a DeepSeek-V4 family is not run with on ``device`` as ``args`` ask (empty: it
+    runs): FP8 weights and replayed selections (mapped onto MLA index producers; an HCA layer
+    attends every row it sees), then every setting the engine does not serve V4 with
+    (``v4_refusals`` of the engines' configuration)."""
+    out = []
+    if args.weights != "bf16":
+        out.append(f"--weights {args.weights} (V4's model holds dense weights: bf16)")
+    if args.selections != "random":
+        out.append(f"--selections {args.selections}")
+    probe = EngineConfig(
+        model="v4", device=device, resolver="torch", attention_backend="torch",
+        kv_cache_dtype=args.kv_cache_dtype,
+        speculation=SpeculationConfig("mtp" if args.drafter != "none" else None),
+    )  # fmt: skip
+    return out + v4_refusals(probe)
 
 
 def acceptance_rates(args: argparse.Namespace) -> tuple[float, ...] | None:
@@ -244,16 +272,16 @@ def _engine(
     dtype = next(model.parameters()).dtype
     codecs = kv_codecs(model.cfg, args.kv_cache_dtype, dtype)
     per_token = bytes_per_token(
-        model.cfg, model.embed.weight.element_size(), True, codecs.rows.row_bytes,
-        codecs.keys.row_bytes,
-    )  # fmt: skip
+        model.cfg, dtype.itemsize, True, codecs.rows.row_bytes, codecs.keys.row_bytes
+    )
+    backend = "torch" if isinstance(model, V4Model) else "auto"  # V4 has no Triton kernels
     tokens = ctx + args.decode_tokens + 16
     budget = c_max * tokens * per_token * 1.02
     common = dict(
         model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=mode,
         page_size=args.page,
         max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
-        hot_cache_rows=args.hot_cache_rows, resolver="auto", attention_backend="auto",
+        hot_cache_rows=args.hot_cache_rows, resolver=backend, attention_backend=backend,
         host_arena_mib=args.host_gib * 1024,
         graphs=GraphConfig(not args.eager, mtp_block=spec is not None and spec.mtp_block),
         kv_cache_dtype=args.kv_cache_dtype,
@@ -266,6 +294,8 @@ def _engine(
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
     if mode != "resident":
         fixed += hierarchy_fixed_bytes(model.cfg, kv_cfg)
+    else:  # a windowed model's rings (DeepSeek-V4's), which the hierarchy's count too
+        fixed += token_ring_bytes(model.cfg, kv_cfg)
     cfg = EngineConfig(kv_pool_mib=(budget + fixed) / 2**20, **common)
     return Engine(cfg, model=model, tokenizer=ByteTokenizer())
 
@@ -381,7 +411,7 @@ def run_context(
 
 
 def _build(name: str, args, fmt: WeightFormat, mtp: bool) -> torch.nn.Module:
-    return build_model(SCALED[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
+    return build_model(FAMILIES[name], seed=args.seed, device="cuda", dtype=torch.bfloat16,
                        weights=fmt, in_place=True, mtp=mtp)  # fmt: skip
 
 
@@ -391,6 +421,10 @@ def run(args: argparse.Namespace) -> dict:
     acceptance_rates(args)  # bad rates are refused before the build
     if not torch.cuda.is_available():
         raise UsageError("bench scaled runs on a CUDA GPU (real-dimension models of 40+ GB)")
+    for name in (f for f in fams if f in V4_SCALED):  # before any build
+        refused = v4_refused(args, "cuda")
+        if refused:
+            raise UsageError(f"{name}: DeepSeek-V4 is not run with {', '.join(refused)}")
     fmt = WeightFormat(fp8=args.weights == "fp8", mode=args.fp8_mode)
     families = []
     speculating = any(v.drafter for v in variants)
@@ -416,7 +450,7 @@ def run(args: argparse.Namespace) -> dict:
         )  # fmt: skip
         fam = {
             "family": name,
-            "config": SCALED[name].config,
+            "config": FAMILIES[name].config,
             "weights": args.weights,
             "fp8_mode": args.fp8_mode if fmt.fp8 else None,
             "kv_cache_dtype": args.kv_cache_dtype,

@@ -1,11 +1,13 @@
 """Presets: small models with seeded random weights (small enough that CPU decoding is
 interactive), and ``glm-10m``, the small target that ``training.target`` trains from scratch.
 
-A preset's definition is one of two kinds:
+A preset's definition is one of three kinds:
 
 - ``FamilyPreset``: a real family's model, defined as its checkpoint is, by a config.json that
   ``hf_config`` reads; ``io.build_model`` builds it as the MLADecoder. ``tiny-glm`` is a tiny
   GLM-5 (``glm_moe_dsa``).
+- ``V4Preset``: a DeepSeek-V4 model (``deepseek_v4``), defined by its config.json as
+  ``v4_config`` reads a checkpoint's; ``io.build_model`` builds it as the engine's ``V4Model``.
 - ``ModelConfig``: the home-made family (DSAModel), kept as test fixtures for topologies no
   released family has yet (shared Reuse / Reindex sources, compression: ``tiny-dsv4``), for
   the IndexShare fixture ``training.target`` trains (``tiny-indexshare``), and ``glm-10m``.
@@ -20,6 +22,7 @@ from typing import Any
 
 from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.hf_config import MLAConfig, parse_config, topology
+from dhisparse.family.v4_config import V4Config, parse_v4_config, v4_topology
 
 # The byte tokenizer's ids (dhisparse.tokenizer.byte_level): 256 bytes and 8 special tokens.
 BYTE_VOCAB = 264
@@ -44,7 +47,21 @@ class FamilyPreset:
         return cfg, replace(topology(cfg, self.name, mtp=mtp), mask_token_id=self.mask_token_id)
 
 
-Definition = ModelConfig | FamilyPreset
+@dataclass(frozen=True)
+class V4Preset:
+    """A DeepSeek-V4 model as a preset: ``config`` is its config.json, read by ``v4_config``
+    exactly as a checkpoint's is; the weights are seeded random (``io.build_model``)."""
+
+    name: str
+    config: dict[str, Any]
+
+    def parse(self, mtp: bool = False) -> tuple[V4Config, ModelConfig]:
+        """(the model's math, the engine's topology); ``mtp``: with the MTP layer."""
+        cfg = parse_v4_config(self.config)
+        return cfg, v4_topology(cfg, self.name, mtp=mtp)
+
+
+Definition = ModelConfig | FamilyPreset | V4Preset
 
 _HOME_MADE = dict(
     vocab_size=BYTE_VOCAB,
@@ -184,7 +201,7 @@ def preset_topology(name: str) -> ModelConfig:
     """A preset's topology, validated: what the KV cache, the engine and the capacity model
     see."""
     d = preset(name)
-    topo = d.parse()[1] if isinstance(d, FamilyPreset) else d
+    topo = d if isinstance(d, ModelConfig) else d.parse()[1]
     topo.validate()
     return topo
 
@@ -192,7 +209,7 @@ def preset_topology(name: str) -> ModelConfig:
 def home_made(name: str) -> ModelConfig:
     """A preset of the home-made family, validated; a real family's preset is a ValueError."""
     d = preset(name)
-    if isinstance(d, FamilyPreset):
+    if not isinstance(d, ModelConfig):
         raise ValueError(f"preset {name!r} is a {d.config['model_type']} model, not home-made")
     d.validate()
     return d

@@ -11,13 +11,39 @@ fewer routed experts (``shared/notes/real-models.md`` §1.7 and §2.7).
 Both keep their checkpoint's FP8 ``quantization_config``, so ``weights="auto"`` is FP8, and
 its MTP layer (``num_nextn_predict_layers`` 1): built with it (``build_model(..., mtp=True)``,
 ``--drafter mtp``), a model holds that layer as layer N, random like the rest, its head the
-target's as in the released checkpoints. Pure Python, like ``presets``."""
+target's as in the released checkpoints.
+
+- ``v4flash-scaled`` (``V4_SCALED``): DeepSeek-V4-Flash with all 43 layers, so its whole
+  schedule is kept (2 sliding-window, 21 CSA and 20 HCA layers: ``compress_ratios``
+  ``[0, 0] + [4, 128] * 20 + [4]``, the MTP layer's trailing 0), the 3 hash-routed layers
+  (0-2) and its MTP layer, with 32 routed experts (top-6) instead of 256 (notes §3.7). Every
+  other key is the released config's (``tests/fixtures/configs/deepseek-v4-flash``).
+  - What depends on the expert count follows it: every gate is [32, 4096] with a [32]
+    correction bias; a hash layer's ``tid2eid`` [129280, 6] is a weight, not a config value:
+    the builder draws it giving each token 6 distinct experts of the 32 (``weights/v4_build``;
+    the released table names experts of 256).
+  - Parameters (a ``meta`` build's, ``tests/worker/model/test_v4_scaled.py``):
+    **42,867,548,658** (42.87 B) with the MTP layer, 41,895,562,071 without. Transformers'
+    count (notes §3.7) is 1,280 fewer: the 40 learned gates' correction biases are
+    parameters here, buffers there.
+  - Built in bf16, not in the released form (FP8 dense, FP4 routed experts): V4's model
+    holds dense weights (a checkpoint's FP8 / FP4 is dequantised at load), so there is no
+    FP8 / FP4 V4 layer to build into. 83.81 GB (78.05 GiB) of weights without the MTP layer,
+    85.75 GB with it.
+  - KV as the engine's V4 model holds it, in bf16: 9,480 B per token, 6,880 B of it the
+    model's own (CSA rows 256 B and index keys 64 B, HCA rows 8 B); the rest are the rows and
+    keys that the sliding layers' sources and the HCA layers' index keys are sized for and
+    never store. Per session besides: each layer's 128-row window and the compressors' rings.
+  - V4 is served on the CPU only (``engine/v4_check``): ``bench scaled`` runs this preset
+    shrunk there, and refuses it on a GPU, before the build, until V4 runs on one.
+
+Pure Python, like ``presets``."""
 
 from __future__ import annotations
 
 from typing import Any
 
-from dhisparse.family.presets import FamilyPreset
+from dhisparse.family.presets import FamilyPreset, V4Preset
 from dhisparse.family.released_fp8 import RELEASED_FP8 as _FP8
 
 # deepseek-ai/DeepSeek-V3.2's config.json (tests/fixtures/configs/deepseek-v3.2), scaled.
@@ -79,3 +105,31 @@ SCALED: dict[str, FamilyPreset] = {
     "v32-scaled": FamilyPreset("v32-scaled", _V32, mask_token_id=_V32["vocab_size"] - 1),
     "glm5-scaled": FamilyPreset("glm5-scaled", _GLM5, mask_token_id=_GLM5["vocab_size"] - 1),
 }
+
+# deepseek-ai/DeepSeek-V4-Flash's config.json (tests/fixtures/configs/deepseek-v4-flash), with 32
+# routed experts: every layer, its compression schedule and hash layers as released.
+_V4_FLASH: dict[str, Any] = {
+    "model_type": "deepseek_v4",
+    "vocab_size": 129280, "hidden_size": 4096, "num_hidden_layers": 43,
+    "num_attention_heads": 64, "num_key_value_heads": 1, "head_dim": 512, "qk_rope_head_dim": 64,
+    "q_lora_rank": 1024, "o_groups": 8, "o_lora_rank": 1024, "sliding_window": 128,
+    "compress_ratios": [0, 0] + [4, 128] * 20 + [4, 0],
+    "index_n_heads": 64, "index_head_dim": 128, "index_topk": 512,
+    "n_routed_experts": 32, "n_shared_experts": 1, "num_experts_per_tok": 6,
+    "moe_intermediate_size": 2048, "num_hash_layers": 3, "scoring_func": "sqrtsoftplus",
+    "topk_method": "noaux_tc", "norm_topk_prob": True, "routed_scaling_factor": 1.5,
+    "swiglu_limit": 10.0, "hidden_act": "silu", "hc_mult": 4, "hc_sinkhorn_iters": 20,
+    "hc_eps": 1e-6, "rms_norm_eps": 1e-6, "max_position_embeddings": 1048576,
+    "rope_theta": 10000, "compress_rope_theta": 160000,
+    "rope_scaling": {
+        "type": "yarn", "rope_type": "yarn", "factor": 16, "original_max_position_embeddings": 65536,
+        "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000,
+    },
+    "attention_bias": False, "bos_token_id": 0, "eos_token_id": 1, "tie_word_embeddings": False,
+    "num_nextn_predict_layers": 1, "torch_dtype": "bfloat16", "expert_dtype": "fp4",
+    "quantization_config": _FP8,
+}  # fmt: skip
+
+V4_SCALED: dict[str, V4Preset] = {"v4flash-scaled": V4Preset("v4flash-scaled", _V4_FLASH)}
+"""Served by the engine's V4 model (``V4Model``), which the MLA families' tools (roofline, load,
+profile-step) do not run: apart from ``SCALED``, taken by ``bench scaled``."""

@@ -34,6 +34,22 @@ def test_every_step_parses(part: str, tmp_path) -> None:
     assert all(s.timeout_s <= 540 for s in PARTS[part])
 
 
+def test_the_v4_steps_ask_for_what_v4_runs_with_but_the_gpu(tmp_path) -> None:
+    """``scaled-v4``: bf16 weights and the random model's own selections, at 8K and 32K; of
+    what the engine does not serve V4 with, only the GPU itself (until it does)."""
+    from bench import scaled
+
+    _, parser = parser_for("scaled")
+    contexts = []
+    for step in PARTS["scaled-v4"]:
+        args = parser.parse_args(step.argv(tmp_path)[4:])
+        fams, ctxs, cs, modes = scaled.parse(args)
+        assert (fams, cs, modes) == (["v4flash-scaled"], [1, 4], list(scaled.MODES))
+        assert scaled.v4_refused(args, "cuda") == ["--device cuda (GPU kernels, CUDA graphs)"]
+        contexts += ctxs
+    assert contexts == [8192, 32768]
+
+
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path) -> None:
     pid_file = tmp_path / "child.pid"
     script = tmp_path / "sleeper.py"

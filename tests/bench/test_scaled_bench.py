@@ -1,20 +1,23 @@
 """``python -m bench scaled`` on the CPU at tiny scale: its argument checks, and one context's
 lockstep run of the three modes over an FP8-held real-family model (``tiny-glm``), which is what
-the GPU run does at real dimensions; and speculating with a scaled preset's MTP layer (shrunk)
-under the acceptance control."""
+the GPU run does at real dimensions, and over ``v4flash-scaled`` shrunk; and speculating with a
+scaled preset's MTP layer (shrunk) under the acceptance control."""
 
 from __future__ import annotations
 
 import argparse
 
 import pytest
+import torch
 
 from bench import scaled
 from bench.core import UsageError
 from dhisparse.family.presets import preset
+from services.worker.engine.passes import graphs_off
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.model.weight_format import WeightFormat
 from services.worker.weights.model_io import build_model
-from tests.worker.scaled_shrunk import shrunk
+from tests.worker.scaled_shrunk import shrunk, shrunk_v4
 
 
 def _args(**over) -> argparse.Namespace:
@@ -54,6 +57,35 @@ def test_one_context_in_lockstep_on_the_cpu() -> None:
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
         assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
+        assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
+        assert "not a GPU" in r["graphs_off_reason"]
+
+
+def test_v4_in_lockstep_on_the_cpu() -> None:
+    """``--family v4flash-scaled`` (shrunk): the three modes' engines over V4's model, in
+    lockstep, each admitting its sessions; on a GPU its rows would say that CUDA graphs are
+    off for its windowed, compressed sources, and the run is refused before the build while
+    the engine serves V4 on the CPU only, as are FP8 weights and replayed selections."""
+    args = _args(family="v4flash-scaled", weights="bf16", decode_tokens=4, hot_cache_rows=8,
+                 page=16, host_gib=0.05, max_prefill_tokens=32, warmup_runs=1)  # fmt: skip
+    assert scaled.parse(args)[0] == ["v4flash-scaled"]
+    assert scaled.v4_refused(args, "cpu") == []
+    assert scaled.v4_refused(args, "cuda") == ["--device cuda (GPU kernels, CUDA graphs)"]
+    assert scaled.v4_refused(_args(selections="replay"), "cpu") == [
+        "--weights fp8 (V4's model holds dense weights: bf16)",
+        "--selections replay",
+    ]
+    model = build_model(shrunk_v4("v4flash-scaled"), seed=2)
+    reason = graphs_off(GraphConfig(), model, torch.device("cuda"), False, False)
+    assert reason == "the model has compressed or windowed KV sources"
+    rows = scaled.run_context("v4flash-scaled-shrunk", {False: model}, 80, [1, 2],
+                              ["resident", "hisparse", "adaptive"], scaled.spec_variants(args),
+                              args)  # fmt: skip
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [
+        (m, c) for c in (1, 2) for m in ("resident", "hisparse", "adaptive")
+    ]
+    for r in rows:
+        assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
         assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
         assert "not a GPU" in r["graphs_off_reason"]
 

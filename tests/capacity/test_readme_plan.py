@@ -1,5 +1,6 @@
-"""The layout comparison in docs/capacity.md (section "`dhisparse plan`, by example"), run as
-written from the repository root: the table it shows is the table the command prints."""
+"""The layout comparison in docs/capacity.md (section "`dhisparse plan`, by example") and the
+DeepSeek-V4-Flash plan (section "DeepSeek-V4 on 8 GPUs"), run as written from the repository
+root: what each shows is what the command prints."""
 
 from __future__ import annotations
 
@@ -28,3 +29,17 @@ def test_the_documented_layout_example_prints_what_it_shows(
     assert main(argv[1:]) == 0
     out = capsys.readouterr().out
     assert "workers of " + shown == out[out.index("workers of ") :]
+
+
+def test_the_documented_v4_example_prints_what_it_shows(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Section "DeepSeek-V4 on 8 GPUs": the whole output, as shown."""
+    doc = (ROOT / "docs" / "capacity.md").read_text()
+    blocks = [b for b in FENCE.findall(doc) if "deepseek-v4-flash" in b.split("\n", 1)[0]]
+    assert len(blocks) == 1
+    command, shown = blocks[0].split("\ndhisparse plan: ", 1)
+    argv = shlex.split(command.removeprefix("$ ").replace("\\\n", " "))
+    monkeypatch.chdir(ROOT)
+    assert main(argv[1:]) == 0
+    assert capsys.readouterr().out == "dhisparse plan: " + shown

@@ -1,12 +1,13 @@
 """The scaled presets (``dhisparse/family/scaled.py``) at shrunk dimensions, for CPU tests: the
-scaled topology kept (V3.2's YaRN and expert groups, GLM-5.2's IndexShare, the MTP layer),
+scaled topology kept (V3.2's YaRN and expert groups, GLM-5.2's IndexShare, V4-Flash's
+sliding-window, CSA and HCA layers and hash routing, the MTP layer),
 every per-layer size and the layer count reduced, fp32, and an engine around a model built in
 place of the preset (as ``bench scaled`` builds its)."""
 
 from __future__ import annotations
 
-from dhisparse.family.presets import FamilyPreset
-from dhisparse.family.scaled import SCALED
+from dhisparse.family.presets import FamilyPreset, V4Preset
+from dhisparse.family.scaled import SCALED, V4_SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -21,6 +22,25 @@ _SHRINK = dict(
     n_routed_experts=16, num_experts_per_tok=4, num_hidden_layers=4, first_k_dense_replace=1,
     bos_token_id=0, eos_token_id=1, pad_token_id=1,
 )  # fmt: skip
+
+
+# V4-Flash over 5 layers: 2 sliding-window, CSA, HCA (rate 8, so short prompts complete rows),
+# CSA; layers 0-2 hash-routed, as released; the MTP layer's trailing 0.
+_V4_SHRINK = dict(
+    vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, head_dim=32, qk_rope_head_dim=8,
+    q_lora_rank=32, o_groups=2, o_lora_rank=16, sliding_window=8, index_n_heads=4,
+    index_head_dim=16, index_topk=4, n_routed_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=32, num_hidden_layers=5, compress_ratios=[0, 0, 4, 128, 4, 0],
+    compress_rate_hca=8,
+)  # fmt: skip
+
+
+def shrunk_v4(name: str, **config) -> V4Preset:
+    """A V4 scaled preset shrunk (``_V4_SHRINK``), fp32; ``config``: keys to set besides."""
+    base = V4_SCALED[name].config
+    small = {k: v for k, v in base.items() if k not in ("quantization_config", "expert_dtype")}
+    small |= _V4_SHRINK | {"torch_dtype": "float32"} | config
+    return V4Preset(f"{name}-shrunk", small)
 
 
 def shrunk(name: str, **config) -> FamilyPreset:

@@ -24,12 +24,10 @@ def serves_v4(cfg: EngineConfig, model: nn.Module | None) -> bool:
     return read_config(resolve_path(cfg.model)).get("model_type") == "deepseek_v4"
 
 
-def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
-    """For a V4 model (``serves_v4``): raises ValueError naming every setting of ``cfg`` it is
-    not served with."""
-    if not serves_v4(cfg, model):
-        return
-    unsupported = [
+def v4_refusals(cfg: EngineConfig) -> list[str]:
+    """Every setting of ``cfg`` a V4 model is not served with, named as its flag (empty: all
+    are served)."""
+    return [
         what
         for what, asked in (
             (f"--device {cfg.device} (GPU kernels, CUDA graphs)", cfg.device != "cpu"),
@@ -47,6 +45,14 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
         )
         if asked
     ]
+
+
+def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
+    """For a V4 model (``serves_v4``): raises ValueError naming every setting of ``cfg`` it is
+    not served with (``v4_refusals``)."""
+    if not serves_v4(cfg, model):
+        return
+    unsupported = v4_refusals(cfg)
     if unsupported:
         raise ValueError(
             "DeepSeek-V4 is served on the CPU in float32, without a drafter or with its MTP "

@@ -39,22 +39,29 @@ def hierarchy_fixed_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     scratch, hot-cache metadata and staging (index keys and pages excluded; so is the
     index-score workspace every mode holds, ``kv.workspace``). Token rings hold rows in the
     serving dtype; the rest holds stored rows (packed in fp8)."""
-    esize = torch.empty((), dtype=cfg.dtype).element_size()
     row = _row_codec(model_cfg, cfg).row_bytes
+    scratch_tokens = prefill_scratch_tokens(cfg)
+    b = hot_rows(model_cfg, cfg)
+    return (
+        token_ring_bytes(model_cfg, cfg)
+        + fixed_bytes(model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, row)
+        + staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, row)
+    )
+
+
+def token_ring_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
+    """The token rings every mode holds, in the serving dtype: a windowed or compressed
+    source's (``KVCache.rings``) and the model's own state rings (``extra["state_rings"]``);
+    the MTP layer's carry aside."""
+    esize = torch.empty((), dtype=cfg.dtype).element_size()
     rings = 0
     for src in model_cfg.sources:
         if src.window > 0 or src.compress > 1:
             rows = max(src.window, src.compress) + cfg.token_ring_extra
             rings += cfg.max_slots * rows * model_cfg.d_kv * esize
-    for rows, width in model_cfg.extra.get("state_rings", ()):  # the model's state rings too
+    for rows, width in model_cfg.extra.get("state_rings", ()):
         rings += cfg.max_slots * (rows + cfg.token_ring_extra) * width * esize
-    scratch_tokens = prefill_scratch_tokens(cfg)
-    b = hot_rows(model_cfg, cfg)
-    return (
-        rings
-        + fixed_bytes(model_cfg, cfg.max_slots, cfg.max_model_len, b, scratch_tokens, row)
-        + staging_bytes(model_cfg, cfg.max_slots, cfg.spec_block, row)
-    )
+    return rings
 
 
 def _row_codec(model_cfg: ModelConfig, cfg: KVCacheConfig) -> RowCodec:

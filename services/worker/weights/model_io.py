@@ -15,12 +15,13 @@ from safetensors.torch import load_file, save_file
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.hf_dir import read_config
 from dhisparse.family.parallel_layout import SINGLE, Cut, ParallelConfig
-from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, preset
+from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, V4Preset, preset
 from dhisparse.family.quantization_config import SCALE_SUFFIX, fp8_as_stored
 from dhisparse.paths import resolve_path
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.preset_decoder import DSAModel
+from services.worker.model.v4_serving import V4Model
 from services.worker.model.weight_format import BF16, WeightFormat, resolve
 from services.worker.ops.fp8_blockwise import FP8_DTYPE, quantize_blockwise
 from services.worker.ops.fp8_linear import Mode
@@ -28,6 +29,7 @@ from services.worker.ops.fp8_moe import gate_up_halves
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
 from services.worker.weights.hf_load import is_hf_model_dir, load_hf_model
+from services.worker.weights.v4_build import build_v4
 from services.worker.weights.v4_names import load_v4_served
 
 CONFIG_FILE = "config.json"
@@ -149,7 +151,7 @@ def build_model(
     in_place: bool = False,
     shards: Shards | None = None,
     mtp: bool = False,
-) -> SparseDecoder:
+) -> SparseDecoder | V4Model:
     """A model of seeded random weights in ``dtype`` (default: the definition's): a real
     family's MLADecoder, built as a checkpoint's is (hf_config's math and topology), its
     projections and experts held as ``weights`` says, and initialised by
@@ -163,7 +165,17 @@ def build_model(
     part on one rank of a group, holding exactly its slices of the whole model's weights.
     ``mtp``: a family model with its config's MTP layer (random too; its head is the
     target's, as the released checkpoints' copy is), drawn after the target's tensors, which
-    are therefore the same with or without it."""
+    are therefore the same with or without it.
+
+    A DeepSeek-V4 preset (``V4Preset``) is built as the engine's ``V4Model``
+    (``weights/v4_build``), its weights dense in ``dtype``: not FP8, not sharded."""
+    if isinstance(cfg, V4Preset):
+        if weights.fp8 or shards is not None:
+            raise ValueError(
+                f"{cfg.name}: DeepSeek-V4's model holds dense weights on one rank (no FP8 "
+                "weights, no sharding)"
+            )
+        return build_v4(cfg, seed, device, dtype, in_place, mtp)
     if isinstance(cfg, FamilyPreset):
         family, topo = cfg.parse(mtp=mtp)
         if in_place or weights.fp8:
