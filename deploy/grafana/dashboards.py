@@ -237,8 +237,7 @@ OVERVIEW = Dashboard(
                             "{{phase}}",
                         ),
                         Target(
-                            "sum by (op) (rate("
-                            f"dhisparse:prefix_cache_seconds_total{{{WK}}}{RI}))",
+                            f"sum by (op) (rate(dhisparse:prefix_cache_seconds_total{{{WK}}}{RI}))",
                             "prefix {{op}}",
                         ),
                     ],
