@@ -4,8 +4,8 @@
 A token map lists token ids, most frequent first (FR-Spec ranks the vocabulary by frequency in
 a corpus; ``python -m training.corpus.token_map`` writes one for a shipped model). Accepted as
 SGLang's loader takes it, a torch file (``.pt`` / ``.pth``: a 1-D integer tensor or a list),
-and as a JSON list or a text file of one id per line. Every problem is a start-up error that
-names the file."""
+and as a JSON list (a ``.json`` file, or any file whose text begins with ``[``) or a text file
+of one id per line. Every problem is a start-up error that names the file."""
 
 from __future__ import annotations
 
@@ -34,8 +34,12 @@ def read_token_map(path: str | Path) -> list[int]:
     if path.suffix in TORCH_SUFFIXES:
         ids = _torch_ids(path, where)
     else:
-        text = path.read_text(encoding="utf-8")
-        ids = _json_ids(text, where) if text.lstrip().startswith("[") else _line_ids(text, where)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise ValueError(f"{where}: neither a torch file ({TORCH_SUFFIXES}) nor text") from None
+        is_json = path.suffix == ".json" or text.lstrip().startswith("[")
+        ids = _json_ids(text, where) if is_json else _line_ids(text, where)
     if not ids:
         raise ValueError(f"{where}: lists no token id (a hot vocabulary needs at least one)")
     twice = [i for i, n in Counter(ids).items() if n > 1]
