@@ -45,15 +45,13 @@ def serving_model(cfg: EngineConfig, model: SparseDecoder | None, comm: Comm) ->
         model.cfg = replace(model.cfg, index_topk=cfg.top_k_rows)
     if cfg.backend(cfg.attention_backend) == "triton":
         model.use_triton_attention()
-    return Served(model, hot_head(cfg, model, ranked))
+    return Served(model, _hot_head(cfg, model, ranked))
 
 
-def hot_head(
-    cfg: EngineConfig, model: SparseDecoder, ranked: list[int] | None = None
-) -> HotHead | None:
-    """The MTP layer's draft head over the hot ids ``cfg.speculation`` names (``token_map``:
-    ``ranked``, the map's ids read by ``read_token_map``), a copy of ``model.mtp_head``'s
-    rows made here once; None without a hot vocabulary."""
+def _hot_head(cfg: EngineConfig, model: SparseDecoder, ranked: list[int] | None) -> HotHead | None:
+    """The MTP layer's draft head over the hot ids ``cfg.speculation`` names (``ranked``: its
+    token map's ids, ``_token_map``), a copy of ``model.mtp_head``'s rows made here once; None
+    without a hot vocabulary."""
     ids = hot_ids(cfg.speculation, model.cfg.vocab_size, ranked)
     if ids is None:
         return None

@@ -310,7 +310,6 @@ def test_greedy_with_a_hot_head_is_transformers_greedy(family, mode: str, tmp_pa
     while eng.has_work():
         eng.step()
     assert [r.output_ids for r in reqs] == want
-    assert set(cold) & {t for w in want for t in w}  # greedy emits tokens never proposed
     proposed = {t for d in drafts.values() for t in d}
     assert proposed and proposed <= set(hot.ids.tolist())
     assert eng.speculator.counters.drafts > 0
