@@ -4,7 +4,9 @@ project's own engine (issue 10).
     python -m bench acceptance --model models/glm-dsa-mini --out docs/results/acceptance.json
 
 Prompts are windows of the model's held-out files (never trained on; ``bench/heldout.py``).
-A kind is a drafter directory under ``--drafters``, or ``mtp``: the checkpoint's own MTP layer. For each drafter, width
+A kind is a drafter directory under ``--drafters``, or ``mtp``: the checkpoint's own MTP layer,
+or ``mtp+vocabN``: the MTP layer whose draft steps score only the first N ids of ``--token-map``
+(its hot vocabulary, ``python -m training.corpus.token_map``; default MODEL/token_map.txt). For each drafter, width
 K (target queries per verify round, anchor included) and temperature, the prompts decode
 ``--decode-tokens`` tokens together in one engine; the acceptance length is the tokens a verify
 round emits on average, ``1 + accepted / drafts`` (1 = no gain, K = every draft accepted). At
@@ -22,6 +24,7 @@ from pathlib import Path
 
 import torch
 
+from bench.core import UsageError
 from bench.core.output import write_result
 from bench.core.progress import progress
 from bench.heldout import heldout_prompts
@@ -31,6 +34,8 @@ from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 
 DRAFTERS = ("mtp", "dflash2")  # what the shipped model has
+VOCAB = "mtp+vocab"  # a kind: the MTP layer over the token map's first N ids (mtp+vocabN)
+TOKEN_MAP = "token_map.txt"  # a model directory's token map, where it ships one
 
 
 def drafter_arg(drafters: str, kind: str | None) -> str | None:
@@ -40,15 +45,25 @@ def drafter_arg(drafters: str, kind: str | None) -> str | None:
     return str(Path(drafters) / kind)
 
 
+def speculation(args, kind: str | None, width: int) -> SpeculationConfig:
+    """The engine's speculation for ``kind``: none, ``mtp``, ``mtp+vocabN`` (``--token-map``'s
+    first N ids), or the drafter directory under ``--drafters``; raises UsageError on a bad N."""
+    if kind is not None and kind.startswith(VOCAB):
+        n = kind.removeprefix(VOCAB)
+        if not n.isdigit() or int(n) < 1:
+            raise UsageError(f"--kinds: mtp+vocabN takes a size N >= 1, got {kind!r}")
+        token_map = args.token_map or str(Path(args.model) / TOKEN_MAP)
+        return SpeculationConfig("mtp", width, "fixed", token_map, int(n))
+    return SpeculationConfig(drafter_arg(args.drafters, kind), width, "fixed")
+
+
 def measure(args, drafter: str | None, width: int, temperature: float, prompts) -> dict:
     cfg = EngineConfig(
         model=args.model, device=args.device, mode=args.mode, kv_pool_mib=args.pool_mib,
         host_arena_mib=args.pool_mib, max_num_seqs=len(prompts),
         max_model_len=args.prompt_len + args.decode_tokens + 64,
         max_prefill_tokens=max(4096, args.prompt_len), page_size=16,
-        speculation=SpeculationConfig(
-            drafter_arg(args.drafters, drafter), width, "fixed"
-        ),
+        speculation=speculation(args, drafter, width),
     )  # fmt: skip
     eng = Engine(cfg)
     params = [
@@ -70,6 +85,8 @@ def measure(args, drafter: str | None, width: int, temperature: float, prompts) 
         "output_tokens_per_s": sum(len(o.output_ids) for o in outs) / wall,
         "acceptance_length": 1.0,
     }
+    if cfg.speculation.hot_vocab:
+        row["token_map"] = cfg.speculation.token_map
     if spec is not None:
         drafts = spec.counters.drafts - c0[0]
         row["acceptance_length"] = 1.0 + (spec.counters.accepted - c0[1]) / max(drafts, 1)
@@ -81,7 +98,12 @@ def measure(args, drafter: str | None, width: int, temperature: float, prompts) 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default="models/glm-dsa-mini")
     ap.add_argument("--drafters", default=None, help="default: MODEL/drafters")
-    ap.add_argument("--kinds", default=",".join(DRAFTERS))
+    ap.add_argument(
+        "--kinds", default=",".join(DRAFTERS),
+        help="drafter directories under --drafters, mtp, and mtp+vocabN (the MTP layer over "
+        "the first N ids of --token-map)",
+    )  # fmt: skip
+    ap.add_argument("--token-map", default=None, help=f"mtp+vocabN's (default MODEL/{TOKEN_MAP})")
     ap.add_argument("--widths", default="2,4,8")
     ap.add_argument("--temperatures", default="0,1")
     ap.add_argument("--prompts", type=int, default=16)

@@ -84,11 +84,11 @@ class KeyCounter:
         self._count("pass", pass_key(self.kv.payload.pass_state, batch, features))
         return eager_logits(self.model, self.kv, tokens, batch, features)
 
-    def mtp_step(self, tokens, batch, hidden, selection):
+    def mtp_step(self, tokens, batch, hidden, selection, hot=None):
         self.kv.payload.begin(batch)
         state = self.kv.payload.pass_state
         self._count("mtp", mtp_key(state, batch, hidden is not None, selection is not None))
-        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
+        return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, False, hot)
 
     def draft(self, slots, num_committed, anchors, temperatures, noise):
         self._count("draft", draft_key(slots, noise))

@@ -36,7 +36,9 @@ the acceptance length the verifier measured and the control's counters.
 ``--spec off,fixed:4,paper:8,online:8`` runs plain decoding and MTP speculation side by side
 instead (issue 41's table): one engine per mode and variant (``off``: no speculation;
 ``POLICY:K``: the MTP layer under that width policy up to K; ``POLICY:K+block``: with a
-round's greedy draft steps as one CUDA graph, ``GraphConfig.mtp_block``), all in lockstep, each row named
+round's greedy draft steps as one CUDA graph, ``GraphConfig.mtp_block``; ``POLICY:K+vocabN``:
+with draft steps that score a hot head of N ids, ``model.hot_vocab``, the ids 0 .. N-1 of the
+random model, beside the full head's ``POLICY:K``), all in lockstep, each row named
 ``MODE/VARIANT`` with the width policy's estimates (``widths``). Plain decoding runs on a model
 of the same family built without the MTP layer when the device holds both
 (``plain_model: own``), else on the speculating engines' model, whose every pass then also
@@ -134,7 +136,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument(
         "--spec", default="",
         help="plain decoding and MTP speculation side by side: 'off' and POLICY:K_MAX variants "
-        "(e.g. off,fixed:4,paper:8,online:8); replaces --drafter, --spec-width, --width-policy",
+        "(e.g. off,fixed:4,paper:8,online:8), each with +block (draft steps as one graph) or "
+        "+vocabN (draft steps over a hot head of N ids: fixed:4,fixed:4+vocab32768); replaces "
+        "--drafter, --spec-width, --width-policy",
     )  # fmt: skip
     ap.add_argument(
         "--selections", default="random", choices=("random", "replay"),
@@ -156,6 +160,34 @@ class SpecVariant:
     width: int
     policy: str
     mtp_block: bool = False  # a round's greedy draft steps as one CUDA graph
+    # the MTP layer's draft steps score the ids 0 .. N-1 only (``model.hot_vocab``: a random
+    # model's ids have no frequencies, so what is timed is a head of N rows, not acceptance)
+    draft_vocab: int | None = None
+
+
+VOCAB = "vocab"  # a variant's suffix: +vocabN, the MTP draft steps' hot head of N ids
+
+
+def _variant(item: str) -> SpecVariant:
+    """``POLICY:K`` with suffixes ``+block`` and ``+vocabN``; raises UsageError on others."""
+    spec, *suffixes = item.split("+")
+    policy, _, k = spec.partition(":")
+    ok = policy in WIDTH_POLICIES and k.isdigit() and int(k) >= 2
+    block, hot = False, None
+    for suffix in suffixes:
+        n = suffix.removeprefix(VOCAB)
+        if suffix == "block" and not block:
+            block = True
+        elif n != suffix and n.isdigit() and int(n) >= 1 and hot is None:
+            hot = int(n)
+        else:
+            ok = False
+    if not ok:
+        raise UsageError(
+            f"--spec takes off and POLICY:K[+block][+vocabN] (POLICY of "
+            f"{', '.join(WIDTH_POLICIES)}, K >= 2, N >= 1), got {item!r}"
+        )
+    return SpecVariant(item, "mtp", int(k), policy, block, hot)
 
 
 def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
@@ -167,18 +199,7 @@ def spec_variants(args: argparse.Namespace) -> list[SpecVariant]:
         return [SpecVariant("", drafter, args.spec_width, args.width_policy)]
     out = []
     for item in (v for v in args.spec.split(",") if v):
-        if item == "off":
-            out.append(SpecVariant("off", None, 1, "fixed"))
-            continue
-        spec, plus, suffix = item.partition("+")
-        policy, _, k = spec.partition(":")
-        block = suffix == "block"
-        if policy not in WIDTH_POLICIES or not k.isdigit() or int(k) < 2 or bool(plus) != block:
-            raise UsageError(
-                f"--spec takes off and POLICY:K[+block] (POLICY of {', '.join(WIDTH_POLICIES)}, "
-                f"K >= 2), got {item!r}"
-            )
-        out.append(SpecVariant(item, "mtp", int(k), policy, block))
+        out.append(SpecVariant("off", None, 1, "fixed") if item == "off" else _variant(item))
     if not out or len({v.label for v in out}) < len(out):
         raise UsageError(f"--spec needs distinct variants, got {args.spec!r}")
     if any(v.drafter for v in out):
@@ -287,7 +308,8 @@ def _engine(
         kv_cache_dtype=args.kv_cache_dtype,
         followers=FollowerPrefetch(overlap=not variant.endswith(INLINE)),
         speculation=SpeculationConfig(
-            *((spec.drafter, spec.width, spec.policy) if spec else (None, 1, "fixed"))
+            *((spec.drafter, spec.width, spec.policy) if spec else (None, 1, "fixed")),
+            draft_vocab_size=spec.draft_vocab if spec else None,
         ),
     )  # fmt: skip
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)

@@ -74,6 +74,16 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
         "drafter dir, or none (plain decoding)",
     )
     p.add_argument("--spec-width", type=int, help="K_max: target queries per verify round")
+    p.add_argument(
+        "--speculative-token-map", metavar="PATH",
+        help="--drafter mtp: the draft steps score only the token ids this file lists, most "
+        "frequent first (a JSON list, one id per line, or a torch .pt tensor; docs/mtp.md)",
+    )  # fmt: skip
+    p.add_argument(
+        "--draft-vocab-size", type=int, metavar="N",
+        help="--drafter mtp: score the first N ids of --speculative-token-map (without a map, "
+        "ids 0..N-1: for models of random weights only)",
+    )  # fmt: skip
     p.add_argument("--width-policy", choices=["fixed", "paper", "online"])
     p.add_argument("--attention-backend", choices=["auto", "torch", "triton"])
     add_switch(p, "cuda-graphs", "on a GPU: replay decode passes as captured CUDA graphs (on)")

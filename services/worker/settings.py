@@ -66,6 +66,9 @@ class WorkerSettings(BaseSettings):
     drafter: str | None = None  # None (or "none"): plain decoding
     spec_width: int = 8
     width_policy: str = "fixed"
+    # --drafter mtp: the hot vocabulary its draft steps score (``SpeculationConfig``)
+    speculative_token_map: str | None = None
+    draft_vocab_size: int | None = None
     page_size: int = 16
     max_num_seqs: int = 32
     max_model_len: int = 4096
@@ -81,6 +84,11 @@ class WorkerSettings(BaseSettings):
     @classmethod
     def _no_drafter(cls, v: str | None) -> str | None:
         return None if v in ("", "none") else v
+
+    @field_validator("speculative_token_map")
+    @classmethod
+    def _no_token_map(cls, v: str | None) -> str | None:
+        return v or None
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}:{self.port}"
@@ -115,7 +123,13 @@ class WorkerSettings(BaseSettings):
                 overlap_refills=self.overlap_refills,
                 reclaim_order=self.reclaim_order,
             ),
-            speculation=SpeculationConfig(self.drafter, self.spec_width, self.width_policy),
+            speculation=SpeculationConfig(
+                self.drafter,
+                self.spec_width,
+                self.width_policy,
+                token_map=self.speculative_token_map,
+                draft_vocab_size=self.draft_vocab_size,
+            ),
             owner=parallel.store_owner(self.resolved_worker_id(), rank),
             page_size=self.page_size,
             max_num_seqs=self.max_num_seqs,

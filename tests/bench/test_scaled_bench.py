@@ -124,9 +124,43 @@ def test_speculation_arguments_are_checked() -> None:
     assert scaled.spec_variants(_args(spec="fixed:4,fixed:4+block"))[1] == scaled.SpecVariant(
         "fixed:4+block", "mtp", 4, "fixed", mtp_block=True
     )
-    for bad in ("off,off", "fixed", "fixed:1", "greedy:4", "paper:x", "fixed:4+", "fixed:4+x"):
+    hot = scaled.spec_variants(_args(spec="fixed:4,fixed:4+vocab32768,fixed:4+block+vocab8"))
+    assert hot[1] == scaled.SpecVariant("fixed:4+vocab32768", "mtp", 4, "fixed", draft_vocab=32768)
+    assert hot[2] == scaled.SpecVariant(
+        "fixed:4+block+vocab8", "mtp", 4, "fixed", mtp_block=True, draft_vocab=8
+    )
+    for bad in ("off,off", "fixed", "fixed:1", "greedy:4", "paper:x", "fixed:4+", "fixed:4+x",
+                "fixed:4+vocab", "fixed:4+vocab0", "fixed:4+vocabx", "fixed:4+block+block",
+                "fixed:4+vocab8+vocab16"):  # fmt: skip
         with pytest.raises(UsageError):
             scaled.spec_variants(_args(spec=bad))
+
+
+def test_full_and_hot_heads_side_by_side_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--spec fixed:4,fixed:4+vocab64``: the MTP layer with its whole head beside one whose
+    draft steps score a hot head of the ids 0..63, one engine each on one model, in lockstep,
+    both under the acceptance control."""
+    engines = []
+
+    def engine(*a, **kw):
+        engines.append(real(*a, **kw))
+        return engines[-1]
+
+    real = scaled._engine
+    monkeypatch.setattr(scaled, "_engine", engine)
+    d = shrunk("v32-scaled", num_hidden_layers=2)
+    model = build_model(d, seed=2, mtp=True)
+    args = _args(decode_tokens=16, hot_cache_rows=32, page=16, host_gib=0.05,
+                 max_prefill_tokens=64, spec="fixed:4,fixed:4+vocab64",
+                 acceptance="0.95,0.9,0.9")  # fmt: skip
+    rows = scaled.run_context(d.name, {True: model}, 48, [2], ["hisparse"],
+                              scaled.spec_variants(args), args)  # fmt: skip
+    assert [r["mode"] for r in rows] == ["hisparse/fixed:4", "hisparse/fixed:4+vocab64"]
+    full, hot = (e.passes.hot_head for e in engines)
+    assert full is None and hot is not None and hot.ids.tolist() == list(range(64))
+    for r in rows:
+        assert r["acceptance_control"]["rounds"] > 0 and r["acceptance_length"] > 1.5
+        assert r["decode_tokens_per_s"] > 0 and r["round_split"]["rounds"] > 0
 
 
 @pytest.mark.parametrize("how", ["force", "reference"])

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import json
 import random
 import shutil
@@ -30,6 +31,8 @@ from training.corpus.chunks import cut
 from training.corpus.documents import Document, document_text, split_documents
 from training.corpus.import_order import import_order, imported_names
 from training.corpus.sources import find_sources, scan_root
+from training.corpus.token_map import corpus_counts, ranked, source_counts
+from training.corpus.token_map import main as token_map_main
 from training.corpus.tokens import load_tokens, sha256_file
 
 STDLIB = Path(sysconfig.get_paths()["stdlib"])
@@ -374,3 +377,27 @@ def test_a_second_run_skips_the_stages_a_changed_input_reruns(
     bigger = run("--vocab-size", str(VOCAB + 8))
     assert bigger["stages"] == {"sources": "scanned", "tokenizer": "built", "tokens": "built"}
     assert bigger["vocab_size"] == VOCAB + 8
+
+
+def test_a_token_map_ranks_the_training_splits_ids_by_frequency(built, tmp_path: Path) -> None:
+    """``python -m training.corpus.token_map``: from the built corpus, every id of the
+    vocabulary ranked by its count in ``train.bin`` (ties by id); from a scan of the sources,
+    counts within 2% of those (each file its own document, the held-out modules kept out),
+    and the same most frequent ids."""
+    out, tokdir = built["out"], built["out"] / "tokenizer"
+    counts = torch.bincount(load_tokens(out).train.long(), minlength=VOCAB).numpy()
+    assert (corpus_counts(out, VOCAB) == counts).all()
+    order = ranked(counts)
+    assert sorted(order) == list(range(VOCAB))
+    assert all(
+        (counts[a], -a) > (counts[b], -b) for a, b in itertools.pairwise(order)
+    )  # by count, then by id
+    scanned, files = source_counts(tokdir, VOCAB, list(built["tree"]), HELDOUT)
+    assert files > 0 and np.abs(scanned - counts).sum() < 0.02 * counts.sum()
+    assert set(ranked(scanned)[:20]) == set(order[:20])
+    held_in, _ = source_counts(tokdir, VOCAB, list(built["tree"]), ())
+    assert held_in.sum() > scanned.sum()  # the held-out files are not counted
+    hot = tmp_path / "hot.txt"
+    assert token_map_main(["--model", str(tokdir), "--corpus", str(out), "--out", str(hot),
+                           "--size", "64"]) == 0  # fmt: skip
+    assert [int(x) for x in hot.read_text().split()] == order[:64]

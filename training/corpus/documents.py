@@ -114,23 +114,31 @@ def _all_imports(
     return dict(zip(items, found, strict=True))
 
 
-def split_documents(
-    files: Sequence[SourceFile],
-    heldout: Sequence[str] = HELDOUT_MODULES,
-    workers: int = 1,
-    progress: bool = False,
-) -> Split:
-    """The training documents and the held-out ones from the scanned files (in any order).
-    A held-out file is one whose top-level package is named in ``heldout``; naming a module
-    that no file is is an error (the split would silently hold out less)."""
+def training_files(
+    files: Sequence[SourceFile], heldout: Sequence[str] = HELDOUT_MODULES
+) -> list[SourceFile]:
+    """The scanned files that training reads, in their order: neither held out (a top-level
+    package named in ``heldout``) nor kept out with them (``kept_out_of_training``). Naming a
+    module that no file is is an error (the split would silently hold out less)."""
     held = [f for f in files if f.package in heldout]
     missing = sorted(set(heldout) - {f.package for f in held})
     if missing:
         raise ValueError(f"held-out modules {missing} are not among the source files")
     held_sha = {f.sha256 for f in held}
     train = [f for f in files if f.package not in heldout]
-    train = [f for f in train if not kept_out_of_training(f, heldout, held_sha)]
+    return [f for f in train if not kept_out_of_training(f, heldout, held_sha)]
 
+
+def split_documents(
+    files: Sequence[SourceFile],
+    heldout: Sequence[str] = HELDOUT_MODULES,
+    workers: int = 1,
+    progress: bool = False,
+) -> Split:
+    """The training documents (``training_files``, one per root and package) and the held-out
+    ones (one per file) from the scanned files (in any order)."""
+    held = [f for f in files if f.package in heldout]
+    train = training_files(files, heldout)
     imports = _all_imports(train, workers, progress)
     packages: dict[tuple[str, str], dict[str, SourceFile]] = defaultdict(dict)
     roots = list(dict.fromkeys(f.root for f in files))

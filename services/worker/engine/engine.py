@@ -73,7 +73,7 @@ class Engine:
         host = self.group.host(host)
         # this rank's store registration (``durable.host_link``), set by whoever registers it
         self.host_link: HostLink | None = None
-        model = serving_model(cfg, model, comm)
+        model, hot_head = serving_model(cfg, model, comm)
         self.model = model
         self.model_cfg = model.cfg
         self.exchange = model.expert_exchange
@@ -102,7 +102,7 @@ class Engine:
         self._default_gen.manual_seed(self.group.sampling_seed(cfg.sampling_seed()))
         self._check_invariants = bool(os.environ.get("DHISPARSE_CHECK_INVARIANTS"))
         self._maintained = False  # the last decode pass ran the payload's maintain()
-        self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels)
+        self.passes = ModelPasses(model, self.kv, self.device, cfg.fused_kernels, hot_head)
         self.speculator: Speculator | None = None
         if sc.drafter:
             drafter = make_drafter(sc.drafter, model, sc.width, cfg.seed, self.passes)

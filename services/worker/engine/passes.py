@@ -12,6 +12,7 @@ import torch
 from services.worker.graphs.cuda_graph import DecodeGraphs, GraphConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStep, greedy_block
 from services.worker.ops.fusion import kernel_fusion
 from services.worker.serving.cache import KVCache
@@ -30,15 +31,22 @@ class PassLogits(NamedTuple):
 class ModelPasses:
     """``graphs``: the captured decode and verify passes, or None when every pass runs eagerly
     (set once the engine knows the widest verify block). ``fused``: every pass, eager or
-    captured, runs the fused kernels (``ops.fusion``)."""
+    captured, runs the fused kernels (``ops.fusion``). ``hot_head``: the MTP layer's draft
+    steps score its hot ids only (``HotHead``); None: the whole vocabulary."""
 
     def __init__(
-        self, model: SparseDecoder, kv: KVCache, device: torch.device, fused: bool = False
+        self,
+        model: SparseDecoder,
+        kv: KVCache,
+        device: torch.device,
+        fused: bool = False,
+        hot_head: HotHead | None = None,
     ) -> None:
         self.model = model
         self.kv = kv
         self.device = device
         self.fused = fused
+        self.hot_head = hot_head
         self.graphs: DecodeGraphs | None = None
 
     def cold_passes(self) -> int:
@@ -103,8 +111,8 @@ class ModelPasses:
         ``V4Model.mtp_step``), replayed from a CUDA graph once one is captured."""
         with kernel_fusion(self.fused):
             if self.graphs is not None:
-                return self.graphs.mtp_step(tokens, batch, hidden, selection)
-            return self.model.mtp_step(tokens, batch, self.kv, hidden, selection)
+                return self.graphs.mtp_step(tokens, batch, hidden, selection, self.hot_head)
+            return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, hot=self.hot_head)
 
     def mtp_block(
         self, anchors: torch.Tensor, batches: Sequence[ForwardBatch], share_index: bool
@@ -114,7 +122,7 @@ class ModelPasses:
         MTP blocks (``GraphConfig.mtp_block``), else step by step (``mtp_step``)."""
         if self.graphs is not None and self.graphs.mtp_blocks:
             with kernel_fusion(self.fused):
-                return self.graphs.mtp_block(anchors, batches, share_index)
+                return self.graphs.mtp_block(anchors, batches, share_index, self.hot_head)
         return greedy_block(self.mtp_step, anchors, batches, share_index)
 
 

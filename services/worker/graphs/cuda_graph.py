@@ -36,12 +36,14 @@ import dataclasses
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_state import PassState, Written
 from services.worker.model.decoder import SparseDecoder
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStep, greedy_block
 from services.worker.model.row_selection import key_rows
 from services.worker.serving.cache import KVCache
@@ -416,33 +418,41 @@ class DecodeGraphs(_Captures):
         batch: ForwardBatch,
         hidden: torch.Tensor | None,
         selection: torch.Tensor | None,
+        hot: HotHead | None = None,
     ) -> MTPStep:
         """The model's MTP-only draft pass (``mtp_step``) over a decode-shaped ``batch`` of the
         MTP source, replayed once its key was captured: batch size, index-key width, the
-        plans' sharing, and whether the hidden states and the selection are given."""
+        plans' sharing, and whether the hidden states and the selection are given. ``hot``:
+        the engine's hot head (``HotHead``), the same at every call: a graph holds its rows."""
         self.kv.payload.begin(batch)
         if batch.num_requests > self.max_batch:
-            return self.model.mtp_step(tokens, batch, self.kv, hidden, selection, begin=False)
+            return self.model.mtp_step(
+                tokens, batch, self.kv, hidden, selection, begin=False, hot=hot
+            )
         state = self.kv.payload.pass_state
         key = ("mtp", *mtp_key(state, batch, hidden is not None, selection is not None))
 
         def run(t: torch.Tensor, b: ForwardBatch, inputs: tuple) -> object:
-            return self.model.mtp_step(t, b, self.kv, *inputs, begin=False)
+            return self.model.mtp_step(t, b, self.kv, *inputs, begin=False, hot=hot)
 
         out = self._pass(key, tokens, batch, (hidden, selection), run)
         assert isinstance(out, MTPStep)
         return out
 
     def mtp_block(
-        self, anchors: torch.Tensor, batches: Sequence[ForwardBatch], share_index: bool
+        self,
+        anchors: torch.Tensor,
+        batches: Sequence[ForwardBatch],
+        share_index: bool,
+        hot: HotHead | None = None,
     ) -> torch.Tensor:
         """``greedy_block`` of the model's MTP draft steps over ``batches`` (one per step, each
         decode-shaped, of the MTP source), replayed as one graph once its key was captured:
         the steps' keys (``mtp_key``) together. Every step is planned on the host first (the
         payload's ``begin``: host work only, each plan uploaded to a fresh tensor), and a replay
-        refills each step's inputs and plan rows."""
+        refills each step's inputs and plan rows. ``hot``: as ``mtp_step`` takes it."""
         if batches[0].num_requests > self.max_batch:  # step by step, eagerly
-            return greedy_block(self.mtp_step, anchors, batches, share_index)
+            return greedy_block(partial(self.mtp_step, hot=hot), anchors, batches, share_index)
         state = self.kv.payload.pass_state
         steps = []
         for i, b in enumerate(batches):
@@ -452,9 +462,9 @@ class DecodeGraphs(_Captures):
         key = ("mtp_block", share_index, *(s.key for s in steps))
         g, capture = self.lookup(key)
         if capture:
-            return self._capture_block(key, anchors, steps, share_index)
+            return self._capture_block(key, anchors, steps, share_index, hot)
         if g is None:
-            return self._run_block(anchors, steps, share_index)
+            return self._run_block(anchors, steps, share_index, hot)
         assert isinstance(g, _BlockGraph)
         g.anchors.copy_(anchors)
         for dst, src in zip(g.steps, steps, strict=True):
@@ -468,7 +478,11 @@ class DecodeGraphs(_Captures):
         return g.tokens.clone()
 
     def _run_block(
-        self, anchors: torch.Tensor, steps: list[_BlockStep], share_index: bool
+        self,
+        anchors: torch.Tensor,
+        steps: list[_BlockStep],
+        share_index: bool,
+        hot: HotHead | None,
     ) -> torch.Tensor:
         """The block's steps eagerly, each begun on its planned pass (``steps``)."""
         state = self.kv.payload.pass_state
@@ -479,24 +493,31 @@ class DecodeGraphs(_Captures):
         ) -> MTPStep:
             s = next(it)
             state.begin(b, s.plans, s.plan_rows, s.plan_index)
-            return self.model.mtp_step(t, b, self.kv, h, sel, begin=False)
+            return self.model.mtp_step(t, b, self.kv, h, sel, begin=False, hot=hot)
 
         return greedy_block(run, anchors, [s.batch for s in steps], share_index)
 
     def _capture_block(
-        self, key: tuple, anchors: torch.Tensor, steps: list[_BlockStep], share_index: bool
+        self,
+        key: tuple,
+        anchors: torch.Tensor,
+        steps: list[_BlockStep],
+        share_index: bool,
+        hot: HotHead | None,
     ) -> torch.Tensor:
         """Runs the block eagerly on the capture stream, then captures it for the key: each
         step begun on its own copy of the batch and on the plan rows the graph then reads."""
         self._reserve()
-        out = self._run_then_capture(lambda: self._run_block(anchors, steps, share_index))
+        out = self._run_then_capture(lambda: self._run_block(anchors, steps, share_index, hot))
         written = dict(self.kv.payload.pass_state.written)
         # each step's batch: the graph's own copy; its plan rows: the ones its plans are views
         # of (a fresh tensor per plan), which the graph keeps and a replay refills
         static = [dataclasses.replace(s, batch=_static_batch(s.batch)) for s in steps]
         g_anchors = anchors.clone()
         state = self.kv.payload.pass_state
-        graph, tokens = self._record(lambda: self._run_block(g_anchors, static, share_index), out)
+        graph, tokens = self._record(
+            lambda: self._run_block(g_anchors, static, share_index, hot), out
+        )
         captured = dict(state.written)  # the last step's rows, as every replay writes them
         state.written.clear()
         state.written.update(written)

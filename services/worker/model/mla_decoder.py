@@ -21,6 +21,7 @@ from dhisparse.family.hf_config import MLAConfig
 from dhisparse.family.quantization_config import SCALE_SUFFIX
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import ForwardState, SparseDecoder
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.layers import RMSNorm
 from services.worker.model.mla_layer import MLALayer
 from services.worker.model.mla_mtp import MTPLayer, MTPStep
@@ -82,6 +83,12 @@ class MLADecoder(SparseDecoder):
         (``index_share_for_mtp_iteration``)."""
         return self.family.mtp_index_share
 
+    @property
+    def mtp_head(self) -> torch.Tensor:
+        """[V / ranks, d] this rank's rows of the MTP layer's head (``shared_head.head``)."""
+        assert self.mtp is not None
+        return self.mtp.shared_head.head.weight
+
     def share_lm_head(self) -> None:
         """Uses ``lm_head`` as the MTP head when the checkpoint's ``shared_head.head`` is a
         copy of it (as in the released checkpoints), freeing the copy."""
@@ -128,13 +135,15 @@ class MLADecoder(SparseDecoder):
         hidden: torch.Tensor | None = None,
         selection: torch.Tensor | None = None,
         begin: bool = True,
+        hot: HotHead | None = None,
     ) -> MTPStep:
         """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
         decode-shaped batch writing only the MTP source), each with the hidden state before it
         — ``hidden`` [R, d], or the carry's (the target's at p-1) when None. Writes MTP row
         p-1 (never committed: the verify pass rewrites it) and attends the whole MTP history
         through ``kv``, by its own indexer or, with ``selection`` [R, k], those rows.
-        ``begin=False``: the caller already began the pass on ``kv`` (a CUDA graph's runner)."""
+        ``begin=False``: the caller already began the pass on ``kv`` (a CUDA graph's runner).
+        ``hot``: the logits cover its ids only (``HotHead``, built from ``mtp_head``)."""
         assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
         if begin:
             kv.payload.begin(batch)
@@ -146,8 +155,11 @@ class MLADecoder(SparseDecoder):
         a = self._attention(i, mtp, mtp.attn_norm(x), batch, kv, st, None, given=selection)
         y, h = mtp.mlp_norm.add_norm(a, x)  # h = x + a; y = mlp_norm(h)
         g, _ = mtp.shared_head.norm.add_norm(mtp.mlp(y), h)  # shared_head.norm(h + mlp(y))
-        logits = vocab_logits(g, mtp.shared_head.head.weight, self.vocab_group)
-        return MTPStep(g, logits, st.selection[i])
+        if hot is not None:
+            logits = hot.logits(g)
+            return MTPStep(g, logits, st.selection[i], hot.tokens(logits))
+        logits = vocab_logits(g, self.mtp_head, self.vocab_group)
+        return MTPStep(g, logits, st.selection[i], logits.argmax(-1))
 
     def cast(self, dtype: torch.dtype) -> MLADecoder:
         """Casts to the serving dtype, keeping FP32_PARAMS and FP8 block scales in fp32 and

@@ -76,8 +76,9 @@ class MTPStep(NamedTuple):
     """One draft step of R requests."""
 
     hidden: torch.Tensor  # [R, d] after shared_head.norm: the next step's hidden state
-    logits: torch.Tensor  # [R, V] fp32
+    logits: torch.Tensor  # [R, V] fp32; with a hot head [R, N], over its ids (``HotHead``)
     selection: torch.Tensor  # [R, k] the MTP rows it attended (-1 pads)
+    tokens: torch.Tensor  # [R] int64 the greedy proposals: the argmax's vocabulary ids
 
 
 # (tokens [R], batch, hidden [R, d] or None: the carry's, selection [R, k] or None) -> MTPStep
@@ -98,7 +99,7 @@ def greedy_block(
     drafted = []
     for batch in batches:
         out = step(current, batch, hidden, first if share_index else None)
-        current = out.logits.argmax(-1)
+        current = out.tokens
         drafted.append(current)
         hidden = out.hidden
         if first is None:

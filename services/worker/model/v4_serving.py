@@ -37,6 +37,7 @@ from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.model.decoder import LayerTrace
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStep
 from services.worker.model.row_selection import select_rows
 from services.worker.model.v4_attention import Attention
@@ -144,6 +145,11 @@ class V4Model(nn.Module):
         return self.family.num_layers
 
     @property
+    def mtp_head(self) -> torch.Tensor:
+        """[V, hidden] the MTP layer's head: the target's."""
+        return self.net.head.weight
+
+    @property
     def mtp_source(self) -> int:
         """The MTP layer's source (after the target's sources)."""
         return self.cfg.layers[self.mtp_layer].source
@@ -178,13 +184,15 @@ class V4Model(nn.Module):
         hidden: torch.Tensor | None = None,
         selection: torch.Tensor | None = None,
         begin: bool = True,
+        hot: HotHead | None = None,
     ) -> MTPStep:
         """One MTP-only draft pass: ``tokens`` [R], one per request at ``batch.positions`` (a
         decode-shaped batch of the MTP source only), each with the streams before it —
         ``hidden`` [R, hc_mult * hidden], or the carry's (the target's at p - 1) when None.
         Writes MTP row p - 1 into the source's ring (the verify pass rewrites it) and attends
         the MTP rows of the window before it. ``selection`` must be None (no MTP indexer).
-        ``begin=False``: the caller already began the pass on ``kv``."""
+        ``begin=False``: the caller already began the pass on ``kv``. ``hot``: the logits
+        cover its ids only (``HotHead``, built from ``mtp_head``)."""
         assert self.mtp is not None and kv.carry is not None, "a model loaded with its MTP layer"
         assert selection is None, "DeepSeek-V4's MTP layer selects no rows"
         if begin:
@@ -195,9 +203,12 @@ class V4Model(nn.Module):
         mtp = self.mtp
         streams = mtp.fuse(self.net.embed(tokens), hidden.view(r, c.hc_mult, c.hidden_size))
         streams = mtp.run(streams, tokens, lambda x: self._mtp_attention(x, batch, kv))
-        logits = self.logits(mtp.final(streams))
         none = torch.empty(r, 0, dtype=torch.int64, device=tokens.device)
-        return MTPStep(streams.flatten(1), logits, none)
+        if hot is not None:
+            logits = hot.logits(mtp.final(streams))
+            return MTPStep(streams.flatten(1), logits, none, hot.tokens(logits))
+        logits = self.logits(mtp.final(streams))
+        return MTPStep(streams.flatten(1), logits, none, logits.argmax(-1))
 
     def _mtp_attention(self, x: torch.Tensor, batch: ForwardBatch, kv: KVCache) -> torch.Tensor:
         """The MTP layer's attention for x [R, hidden] of tokens at p: its query and row at

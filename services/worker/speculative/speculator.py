@@ -21,6 +21,7 @@ from dhisparse.paths import resolve_path
 from services.worker.graphs.cuda_graph import DraftGraphs
 from services.worker.kv.batch import ForwardBatch
 from services.worker.model.decoder import SparseDecoder
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_decoder import MLADecoder
 from services.worker.model.mla_mtp import MTPStepFn
 from services.worker.model.v4_serving import V4Model
@@ -59,6 +60,7 @@ class MTPPasses(Protocol):
 
     mtp_step: MTPStepFn  # one draft step
     mtp_block: MTPBlockFn  # a round's greedy draft steps at once
+    hot_head: HotHead | None  # the hot ids the steps score (None: the whole vocabulary)
 
 
 def make_drafter(
@@ -73,6 +75,7 @@ def make_drafter(
         return MTPDrafter(
             mtp.mtp_step, target.cfg.layers[target.mtp_layer].source, target.cfg.vocab_size,
             block, target.mtp_index_share, next(target.parameters()).device, mtp.mtp_block,
+            mtp.hot_head,
         )  # fmt: skip
     if spec in DRAFTERS:
         cfg = DrafterConfig.for_target(target.cfg, spec, block_size=block)

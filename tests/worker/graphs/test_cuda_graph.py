@@ -47,6 +47,7 @@ def test_graphs_share_one_output_arena_laid_out_from_its_start() -> None:
         torch.randn(3, 5, generator=g).to(torch.bfloat16),
         torch.randn(3, 11, generator=g),
         torch.randint(-1, 9, (3, 4), generator=g),
+        torch.randint(0, 11, (3,), generator=g),
     )
     outs = (step, {"h": torch.randn(2, 7, generator=g)[:, 1:], "none": None})
     arena = OutputArena(torch.device("cpu"))
@@ -57,7 +58,7 @@ def test_graphs_share_one_output_arena_laid_out_from_its_start() -> None:
     for a, b in zip(_tensors(outs), _tensors(placed), strict=True):
         assert a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
         assert b.is_contiguous() and (b.data_ptr() - base) % OutputArena.ALIGN == 0
-    assert OutputArena.nbytes(outs) == 4 * OutputArena.ALIGN
+    assert OutputArena.nbytes(outs) == 5 * OutputArena.ALIGN
     # a second graph's outputs begin where the first's did: the arena is shared
     small = torch.randn(4, generator=g)
     again = arena.place(small)

@@ -8,7 +8,9 @@ at once.
 Step i of a round over the anchor at position n is one MTP-only pass over the token at n + i
 (the anchor, then step i-1's proposal) with the hidden state before it (the target's, from the
 carry, then step i-1's); with ``share_index`` (``index_share_for_mtp_iteration``) steps after
-the first attend the rows the first selected."""
+the first attend the rows the first selected. With a hot head (``model.hot_vocab``) each step
+scores only the hot ids: greedy proposals are the step's ``tokens`` (vocabulary ids), and a
+sampled proposal's q is spread back over the whole vocabulary, zero outside the hot set."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ from typing import ClassVar
 import torch
 
 from services.worker.kv.batch import ForwardBatch
+from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStepFn, greedy_block
+from services.worker.speculative.config import MTP
 from services.worker.speculative.proposal import (
     Proposal,
     draw,
@@ -34,7 +38,7 @@ MTPBlockFn = Callable[[torch.Tensor, Sequence[ForwardBatch], bool], torch.Tensor
 
 
 class MTPDrafter:
-    kind: ClassVar[str] = "mtp"
+    kind: ClassVar[str] = MTP
     target_layers: tuple[int, ...] = ()  # conditioned on the carry, not on layer features
     context_window: int = 0  # its context is the KV cache's
 
@@ -47,11 +51,12 @@ class MTPDrafter:
         share_index: bool,
         device: torch.device,
         block: MTPBlockFn | None = None,
+        hot: HotHead | None = None,
     ) -> None:
         """``step``: runs one MTP-only pass (the engine's, over its KV cache); ``source``: the
         MTP layer's KV source; ``block_size``: K_max, anchor included; ``block``: runs every
         greedy step of a round at once (the engine's, which a CUDA graph may hold; default:
-        ``greedy_block`` over ``step``)."""
+        ``greedy_block`` over ``step``); ``hot``: the hot head ``step`` scores with, if any."""
         if block_size < 2:
             raise ValueError("a block needs an anchor and at least one proposal (K_max >= 2)")
         self.step = step
@@ -61,6 +66,7 @@ class MTPDrafter:
         self.share_index = share_index
         self.device = device
         self.block = block or (lambda a, bs, share: greedy_block(step, a, bs, share))
+        self.hot = hot
 
     # ---- the runtime contract of every drafter: nothing of its own to keep -----------------
     def init_ring(self, max_slots: int, page_size: int = 16) -> None:
@@ -132,9 +138,11 @@ class MTPDrafter:
             given = first[idx] if self.share_index and first is not None else None
             out = self.step(current[idx], batch, None if hidden is None else hidden[idx], given)
             if noise is None:  # every request greedy: q is one-hot on the argmax
-                drafted = out.logits.argmax(-1)
+                drafted = out.tokens
             else:
                 q = tempered(out.logits, temps_t[idx])
+                if self.hot is not None:  # [r, N] over the hot ids -> [r, V]
+                    q = self.hot.probs(q)
                 drafted = draw(q, noise[idx, i])
                 assert probs is not None
                 probs[idx, i] = q
