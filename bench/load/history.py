@@ -187,6 +187,10 @@ class HistoryImport:
         if self.inner is not None and self.lookup(req) is None:
             self.inner.leave(slot, req)  # a prepared session's pages are not cached again
 
+    def publish(self, slot: int, req: Request) -> None:
+        if self.inner is not None and self.lookup(req) is None:
+            self.inner.publish(slot, req)
+
     # ---- resident ---------------------------------------------------------------------------
     def _resident(self, slot: int, req: Request, h: History, budget: int, manifest: int) -> bool:
         kv = self.kv
