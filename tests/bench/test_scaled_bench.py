@@ -48,17 +48,22 @@ def test_one_context_in_lockstep_on_the_cpu() -> None:
     assert "float8_e4m3fn" in scaled.weight_bytes(model)
     args = _args(decode_tokens=4, hot_cache_rows=32, page=16, host_gib=0.05,
                  max_prefill_tokens=32)  # fmt: skip
-    rows = scaled.run_context("tiny-glm", {False: model}, 80, [1, 2],
-                              ["resident", "hisparse", "adaptive"], scaled.spec_variants(args),
-                              args)  # fmt: skip
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [
-        (m, c) for c in (1, 2) for m in ("resident", "hisparse", "adaptive")
-    ]
+    for r in _three_modes("tiny-glm", model, args):
+        assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
+
+
+def _three_modes(name: str, model, args: argparse.Namespace) -> list[dict]:
+    """``run_context`` of the three modes at C = 1 and 2 on the CPU, its rows checked: each
+    admitted its sessions and decoded, eagerly (no GPU)."""
+    modes = ["resident", "hisparse", "adaptive"]
+    rows = scaled.run_context(name, {False: model}, 80, [1, 2], modes,
+                              scaled.spec_variants(args), args)  # fmt: skip
+    assert [(r["mode"], r["concurrency"]) for r in rows] == [(m, c) for c in (1, 2) for m in modes]
     for r in rows:
         assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
-        assert r["steady_steps"] > 0 and r["steady_tokens_per_s"] > 0
         assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
         assert "not a GPU" in r["graphs_off_reason"]
+    return rows
 
 
 def test_v4_in_lockstep_on_the_cpu() -> None:
@@ -78,16 +83,7 @@ def test_v4_in_lockstep_on_the_cpu() -> None:
     model = build_model(shrunk_v4("v4flash-scaled"), seed=2)
     reason = graphs_off(GraphConfig(), model, torch.device("cuda"), False, False)
     assert reason == "the model has compressed or windowed KV sources"
-    rows = scaled.run_context("v4flash-scaled-shrunk", {False: model}, 80, [1, 2],
-                              ["resident", "hisparse", "adaptive"], scaled.spec_variants(args),
-                              args)  # fmt: skip
-    assert [(r["mode"], r["concurrency"]) for r in rows] == [
-        (m, c) for c in (1, 2) for m in ("resident", "hisparse", "adaptive")
-    ]
-    for r in rows:
-        assert r["decode_tokens_per_s"] > 0 and r["sessions_admitted"] == r["concurrency"]
-        assert r["graphs"] == {"replays": 0, "captures": 0, "eager": 0}
-        assert "not a GPU" in r["graphs_off_reason"]
+    _three_modes("v4flash-scaled-shrunk", model, args)
 
 
 def test_fp8_kv_in_lockstep_on_the_cpu() -> None:
