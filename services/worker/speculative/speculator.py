@@ -134,6 +134,8 @@ class Speculator:
         self.graphs: DraftGraphs | None = None  # the block pass's CUDA graphs (on a GPU)
         # the width every rank of a group verifies: rank 0's choice (``Lockstep.agree``)
         self.agree: Callable[[int], int] = _same
+        # the clock a round's time is read from (the online width policy's measure)
+        self.clock: Callable[[], float] = time.perf_counter
 
     def capture(self, max_batch: int) -> None:
         """Replays the drafter's block passes from CUDA graphs (on a GPU). The MTP drafter has
@@ -172,10 +174,10 @@ class Speculator:
         k = self.agree(self.widths.width(load, memory_waits))
         self.counters.width = k
         cold = self._cold_passes()
-        t0 = time.perf_counter()
+        t0 = self.clock()
         if k <= 1:
             outs = eng.run_pass(reqs)
-            self.widths.observe(0, load, time.perf_counter() - t0, cold=self._cold_passes() > cold)
+            self.widths.observe(0, load, self.clock() - t0, cold=self._cold_passes() > cold)
             return outs
         caps = [self._cap(r, k) for r in reqs]
         anchors = [r.output_ids[-1] for r in reqs]
@@ -247,7 +249,7 @@ class Speculator:
             new = [*proposed[r][: v.num_accepted], v.next_token]
             outs.append(eng.emit(req, new, logits[cu[r] : cu[r] + len(new)]))
         self.widths.observe(
-            k, load, time.perf_counter() - t0,
+            k, load, self.clock() - t0,
             [v.num_accepted for v in verdicts], [w - 1 for w in widths],
             cold=self._cold_passes() > cold,
         )  # fmt: skip

@@ -11,6 +11,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
+from services.worker.speculative.speculator import SpecCounters
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
 
@@ -173,16 +174,33 @@ def test_speculative_greedy_over_fp8_kv_equals_plain_fp8_greedy(mode: str) -> No
     ref.close()
 
 
+class RoundClock:
+    """A clock that advances 2 units at each reading while the round's width is off, 1 while it
+    speculates: a round (two readings) lasts what its width costs."""
+
+    def __init__(self, counters: SpecCounters) -> None:
+        self.counters = counters
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        self.now += 1.0 if self.counters.width > 1 else 2.0
+        return self.now
+
+
 def test_the_online_policy_speculates_while_admissions_wait_for_memory_it_holds_none_of() -> None:
     """A pool that holds two of four requests: the others wait for memory (slots are free),
     and the scheduler counts them for the width policy; the engine reserves the drafter's
     ring and staging for every slot at start, so speculating holds no memory that turning it
-    off would free, and the policy goes on speculating."""
+    off would free, and the policy goes on speculating. The rounds' times come from a clock
+    where a speculative round costs half a plain one (the random drafter's proposals are never
+    accepted): speculation pays, whatever the host's timing noise, and the choice rests on
+    memory alone."""
     cfg = EngineConfig(
         model="tiny-glm", mode="resident", kv_pool_mib=2, max_num_seqs=4, max_model_len=512,
         max_prefill_tokens=512, speculation=SpeculationConfig("dflash", 4, "online"),
     )  # fmt: skip
     eng = Engine(cfg)
+    eng.speculator.clock = RoundClock(eng.speculator.counters)
     g = torch.Generator().manual_seed(3)
     params = SamplingParams(temperature=0.0, max_tokens=60, ignore_eos=True)
     for i in range(4):
@@ -194,6 +212,6 @@ def test_the_online_policy_speculates_while_admissions_wait_for_memory_it_holds_
         if eng.stats.decode_steps > steps:
             w = eng.speculator.counters.width
             (waiting if eng.scheduler.waiting else free).append(w)
-    assert len(waiting) > 10 and max(waiting) > 1
-    assert free and max(free) > 1
+    assert len(waiting) > 10 and min(waiting[-5:]) > 1
+    assert free and min(free[-5:]) > 1
     eng.close()
