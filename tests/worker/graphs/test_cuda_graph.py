@@ -131,18 +131,20 @@ def _drive(
     pool_mib: int = 128,
     hot_rows: int = 64,
     mtp_block: bool = False,
+    draft_vocab: int | None = None,
 ) -> tuple[Engine, list[tuple[str, int, torch.Tensor]]]:
     """``model``: a preset, or a checkpoint (one with its MTP layer for ``drafter="mtp"``,
     whose passes the graphs capture too); ``pool_mib``: the KV pool, which holds the token
     rings and the index-score workspace beside the rows; ``hot_rows``: the hierarchy's hot
-    cache (at least the model's top-k)."""
+    cache (at least the model's top-k); ``draft_vocab``: the MTP draft steps' hot vocabulary
+    (ids 0 .. N-1)."""
     eng = Engine(
         EngineConfig(
             model=model, device="cuda", dtype="float32", mode=mode, kv_pool_mib=pool_mib,
             host_arena_mib=64, max_num_seqs=8, max_model_len=2048, max_prefill_tokens=4096,
             hot_cache_rows=hot_rows,
             graphs=GraphConfig(graphs, capture, mtp_block=mtp_block),
-            speculation=SpeculationConfig(drafter, width=4),
+            speculation=SpeculationConfig(drafter, width=4, draft_vocab_size=draft_vocab),
             kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )
     )  # fmt: skip
@@ -284,6 +286,37 @@ def test_replayed_mtp_rounds_equal_the_eager_rounds(
     for r, n, rows in got:
         for j in range(rows.shape[0]):
             emitted[(r, n + j)] = int(rows[j].argmax())
+    assert emitted == tokens
+    for e in (eager, graphed, plain):
+        e.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["resident", "adaptive"])
+def test_mtp_rounds_over_a_hot_vocabulary_replay_the_eager_rounds(mode: str) -> None:
+    """The shipped model's MTP draft steps scoring half its vocabulary (the hot head inside
+    the draft steps' graphs): replays give the eager rounds' tokens, logits and acceptance bit
+    for bit, and plain greedy's tokens."""
+    run = functools.partial(
+        _drive, mode, model=SHIPPED, pool_mib=512, hot_rows=512, drafter="mtp", draft_vocab=4096
+    )
+    eager, ref = run(graphs=False)
+    graphed, got = run(graphs=True)
+    plain, base = _drive(mode, graphs=True, model=SHIPPED, pool_mib=512, hot_rows=512)
+    hot = graphed.passes.hot_head
+    assert hot is not None and hot.ids.numel() == 4096
+    graphs = graphed.passes.graphs
+    assert graphs is not None and graphed.graphs_off_reason is None
+    kinds = Counter(key[0] for key in graphs.held_keys())
+    assert kinds["mtp"] > 0 and graphs.replays > 20
+    assert graphed.speculator is not None and eager.speculator is not None
+    accepted = graphed.speculator.counters.accepted
+    assert accepted > 0 and accepted == eager.speculator.counters.accepted
+    assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
+    for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
+        assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    tokens = {(r, n): int(row[0].argmax()) for r, n, row in base}
+    emitted = {(r, n + j): int(rows[j].argmax()) for r, n, rows in got for j in range(len(rows))}
     assert emitted == tokens
     for e in (eager, graphed, plain):
         e.close()
