@@ -1,5 +1,7 @@
 """Sparse MQA attention over selected stored rows (MLA absorbed form, as FlashMLA's MQA mode:
-keys are whole rows of d_kv elements, values their first d_v elements)."""
+keys are whole rows of d_kv elements, values their first d_v elements), optionally with a
+learned sink per head (DeepSeek-V4: one more logit in each head's softmax that takes weight
+and gives no value)."""
 
 from __future__ import annotations
 
@@ -14,12 +16,14 @@ def sparse_attention_ref(
     scale: float,
     win_pool: torch.Tensor | None = None,
     win_locs: torch.Tensor | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of each query over its selected rows (and its local-window rows), one softmax.
 
     q: [N, H, d_kv]; pool: [S, d_kv]; locs: [N, k] int (``-1`` = padding), rows in selection
-    order; win_pool: [W, d_kv]; win_locs: [N, w] int (``-1`` = padding). Every query must have
-    at least one valid row. Returns [N, H, d_v] in q's dtype; accumulation is fp32.
+    order; win_pool: [W, d_kv]; win_locs: [N, w] int (``-1`` = padding); sinks: [H] fp32, each
+    head's sink logit (on the scores' scale: after ``scale``). Every query must have at least
+    one valid row. Returns [N, H, d_v] in q's dtype; accumulation is fp32.
 
     Queries run in blocks of ``block_queries`` (a long prefill's gathered rows would otherwise
     be materialised whole: N x k x d_kv); a query's result does not depend on the others."""
@@ -27,12 +31,12 @@ def sparse_attention_ref(
     step = block_queries(locs.shape[1] + (0 if win_locs is None else win_locs.shape[1]),
                          q.shape[-1])  # fmt: skip
     if n <= step:
-        return _attend(q, pool, locs, d_v, scale, win_pool, win_locs)
+        return _attend(q, pool, locs, d_v, scale, win_pool, win_locs, sinks)
     out = q.new_empty(n, q.shape[1], d_v)
     for a in range(0, n, step):
         b = a + step
         wl = None if win_locs is None else win_locs[a:b]
-        out[a:b] = _attend(q[a:b], pool, locs[a:b], d_v, scale, win_pool, wl)
+        out[a:b] = _attend(q[a:b], pool, locs[a:b], d_v, scale, win_pool, wl, sinks)
     return out
 
 
@@ -60,6 +64,7 @@ def _attend(
     scale: float,
     win_pool: torch.Tensor | None,
     win_locs: torch.Tensor | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     kv = _rows(pool, locs)  # [N, k, d_kv]
     valid = locs >= 0
@@ -70,6 +75,10 @@ def _attend(
     kvf = kv.float()
     scores = torch.einsum("nhd,nkd->nhk", q.float(), kvf) * scale
     scores = scores.masked_fill(~valid.unsqueeze(1), float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
+    if sinks is not None:
+        sink = sinks.float().view(1, -1, 1).expand(scores.shape[0], -1, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
     out = torch.einsum("nhk,nkd->nhd", probs, kvf[..., :d_v])
     return out.to(q.dtype)

@@ -26,6 +26,23 @@ def case(seed: int, n: int, h: int, d: int, dv: int, k: int, w: int, device: str
     return q, pool, locs.to(device), dv, d**-0.5, win_pool, win_locs
 
 
+def test_sinks_take_weight_and_give_no_value() -> None:
+    """A head's sink is one more logit of its softmax: the reference with sinks equals the
+    rows' softmax-weighted values scaled by the rows' share beside the sink, per head."""
+    q, pool, locs, dv, scale, win_pool, win_locs = case(7, 3, 4, 80, 80, 24, 8, "cpu",
+                                                        torch.float32)  # fmt: skip
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(8)) * 3
+    plain = sparse_attention_ref(q, pool, locs, dv, scale, win_pool, win_locs)
+    sunk = sparse_attention_ref(q, pool, locs, dv, scale, win_pool, win_locs, sinks)
+    rows = torch.cat([pool[locs.clamp(min=0)], win_pool[win_locs.clamp(min=0)]], dim=1)
+    valid = torch.cat([locs >= 0, win_locs >= 0], dim=1)
+    scores = torch.einsum("nhd,nkd->nhk", q, rows) * scale
+    lse = scores.masked_fill(~valid.unsqueeze(1), float("-inf")).logsumexp(-1)  # [N, H]
+    share = torch.sigmoid(lse - sinks)  # e^lse / (e^lse + e^sink)
+    torch.testing.assert_close(sunk, plain * share.unsqueeze(-1), rtol=1e-5, atol=1e-6)
+    assert not torch.allclose(sunk, plain)
+
+
 @pytest.mark.parametrize(
     ("seed", "n", "h", "d", "dv", "k", "w"),
     [(0, 3, 4, 80, 64, 32, 0), (1, 2, 4, 80, 64, 16, 8), (2, 5, 20, 48, 32, 40, 0)],
