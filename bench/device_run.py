@@ -24,8 +24,7 @@ to ``logs.tgz``.
     scaled-32k   the same at 32K, one session
     scaled-v4    the real-dimension DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32
                  experts, bf16) per mode at 8K and at 32K, C = 1 and 4, one context per
-                 step: an H200 (78 GiB of weights). Refused in seconds, before the build,
-                 while the engine serves V4 on the CPU only (``engine/v4_check``)
+                 step: an H200 (78 GiB of weights)
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
     host-layout-serving  a serving step's host recovery through the engine's resolver launches,
                  256 requests over a >= 32 GiB arena, scattered vs grouped placement

@@ -17,10 +17,11 @@ aggregate and the median step rate), CUDA-graph replays, captures and eager pass
 timed requests (steady state: replays > 0, eager = 0), sessions admitted.
 
 DeepSeek-V4 (``V4_SCALED``) is built in bf16 (``--weights bf16``: its model holds dense
-weights) and served with the torch resolver and attention (it has no Triton kernels); its rows
-say why CUDA graphs are off (its sources are windowed and compressed). The engine serves V4
-on the CPU only for now (``engine/v4_check``), so on a GPU the run is refused before the
-build, naming the settings; ``run_context`` on the CPU, with the preset shrunk, is the test.
+weights; the tensors V4 holds in fp32 stay so) and served with the Triton resolver and sparse
+attention (the heads' sinks in the kernel); its rows say why CUDA graphs are off (its sources
+are windowed and compressed). Settings the engine does not serve V4 with
+(``engine/v4_check``) are refused before the build, named; ``run_context`` on the CPU, with
+the preset shrunk, is the test.
 
 With ``--drafter mtp`` the model is built with its MTP layer and every engine speculates
 (``--spec-width``, ``--width-policy``). A random MTP layer's proposals are almost never
@@ -77,7 +78,6 @@ from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.kv.config import FollowerPrefetch, bytes_per_token
 from services.worker.kv.row_codec import KV_CACHE_DTYPES, kv_codecs
 from services.worker.kv.workspace import workspace_bytes
-from services.worker.model.v4_serving import V4Model
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
 from services.worker.request.request import SamplingParams
@@ -239,8 +239,7 @@ def v4_refused(args: argparse.Namespace, device: str) -> list[str]:
     if args.selections != "random":
         out.append(f"--selections {args.selections}")
     probe = EngineConfig(
-        model="v4", device=device, resolver="torch", attention_backend="torch",
-        kv_cache_dtype=args.kv_cache_dtype,
+        model="v4", device=device, kv_cache_dtype=args.kv_cache_dtype,
         speculation=SpeculationConfig("mtp" if args.drafter != "none" else None),
     )  # fmt: skip
     return out + v4_refusals(probe)
@@ -295,14 +294,13 @@ def _engine(
     per_token = bytes_per_token(
         model.cfg, dtype.itemsize, True, codecs.rows.row_bytes, codecs.keys.row_bytes
     )
-    backend = "torch" if isinstance(model, V4Model) else "auto"  # V4 has no Triton kernels
     tokens = ctx + args.decode_tokens + 16
     budget = c_max * tokens * per_token * 1.02
     common = dict(
         model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=mode,
         page_size=args.page,
         max_num_seqs=c_max, max_model_len=tokens, max_prefill_tokens=args.max_prefill_tokens,
-        hot_cache_rows=args.hot_cache_rows, resolver=backend, attention_backend=backend,
+        hot_cache_rows=args.hot_cache_rows,
         host_arena_mib=args.host_gib * 1024,
         graphs=GraphConfig(not args.eager, mtp_block=spec is not None and spec.mtp_block),
         kv_cache_dtype=args.kv_cache_dtype,

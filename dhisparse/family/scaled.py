@@ -26,16 +26,17 @@ target's as in the released checkpoints.
     **42,867,548,658** (42.87 B) with the MTP layer, 41,895,562,071 without. Transformers'
     count (notes §3.7) is 1,280 fewer: the 40 learned gates' correction biases are
     parameters here, buffers there.
-  - Built in bf16, not in the released form (FP8 dense, FP4 routed experts): V4's model
-    holds dense weights (a checkpoint's FP8 / FP4 is dequantised at load), so there is no
-    FP8 / FP4 V4 layer to build into. 83.81 GB (78.05 GiB) of weights without the MTP layer,
-    85.75 GB with it.
+  - Built in bf16 (the tensors V4 holds in fp32 stay so: hyper-connections, sinks, norms,
+    position and correction biases), not in the released form (FP8 dense, FP4 routed
+    experts): V4's model holds dense weights (a checkpoint's FP8 / FP4 is dequantised at
+    load), so there is no FP8 / FP4 V4 layer to build into. 83.88 GB (78.12 GiB) of weights
+    without the MTP layer, 85.83 GB with it.
   - KV as the engine's V4 model holds it, in bf16: 9,480 B per token, 6,880 B of it the
     model's own (CSA rows 256 B and index keys 64 B, HCA rows 8 B); the rest are the rows and
     keys that the sliding layers' sources and the HCA layers' index keys are sized for and
     never store. Per session besides: each layer's 128-row window and the compressors' rings.
-  - V4 is served on the CPU only (``engine/v4_check``): ``bench scaled`` runs this preset
-    shrunk there, and refuses it on a GPU, before the build, until V4 runs on one.
+  - ``bench scaled`` runs this preset on a GPU (one H200: 78 GiB of weights) and, shrunk, on
+    the CPU in its tests.
 
 Pure Python, like ``presets``."""
 

@@ -69,16 +69,17 @@ def _three_modes(name: str, model, args: argparse.Namespace) -> list[dict]:
 def test_v4_in_lockstep_on_the_cpu() -> None:
     """``--family v4flash-scaled`` (shrunk): the three modes' engines over V4's model, in
     lockstep, each admitting its sessions; on a GPU its rows would say that CUDA graphs are
-    off for its windowed, compressed sources, and the run is refused before the build while
-    the engine serves V4 on the CPU only, as are FP8 weights and replayed selections."""
+    off for its windowed, compressed sources; FP8 weights, replayed selections and FP8 KV are
+    refused before the build."""
     args = _args(family="v4flash-scaled", weights="bf16", decode_tokens=4, hot_cache_rows=8,
                  page=16, host_gib=0.05, max_prefill_tokens=32, warmup_runs=1)  # fmt: skip
     assert scaled.parse(args)[0] == ["v4flash-scaled"]
     assert scaled.v4_refused(args, "cpu") == []
-    assert scaled.v4_refused(args, "cuda") == ["--device cuda (GPU kernels, CUDA graphs)"]
-    assert scaled.v4_refused(_args(selections="replay"), "cpu") == [
+    assert scaled.v4_refused(args, "cuda") == []
+    assert scaled.v4_refused(_args(selections="replay", kv_cache_dtype="fp8"), "cpu") == [
         "--weights fp8 (V4's model holds dense weights: bf16)",
         "--selections replay",
+        "--kv-cache-dtype fp8",
     ]
     model = build_model(shrunk_v4("v4flash-scaled"), seed=2)
     reason = graphs_off(GraphConfig(), model, torch.device("cuda"), False, False)

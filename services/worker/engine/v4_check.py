@@ -1,6 +1,8 @@
-"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU, fp32 rows, no drafter
-or its own MTP layer (``--drafter mtp``; ``model.v4_serving``); anything else it is configured
-with stops start-up, named."""
+"""What the engine serves DeepSeek-V4 with: any serving mode, on the CPU or a GPU (the Triton
+resolver and sparse attention, or their torch references; no CUDA graphs: its sources are
+windowed and compressed), rows in the serving dtype (float32 or bfloat16), without a drafter
+or with its own MTP layer (``--drafter mtp``; ``model.v4_serving``); anything else it is
+configured with stops start-up, named."""
 
 from __future__ import annotations
 
@@ -30,13 +32,7 @@ def v4_refusals(cfg: EngineConfig) -> list[str]:
     return [
         what
         for what, asked in (
-            (f"--device {cfg.device} (GPU kernels, CUDA graphs)", cfg.device != "cpu"),
             (f"--kv-cache-dtype {cfg.kv_cache_dtype}", cfg.kv_cache_dtype not in ("auto",)),
-            (f"--resolver {cfg.resolver}", cfg.backend(cfg.resolver) != "torch"),
-            (
-                f"--attention-backend {cfg.attention_backend}",
-                cfg.backend(cfg.attention_backend) != "torch",
-            ),
             (
                 f"--drafter {cfg.speculation.drafter} (speculative decoding other than the "
                 "model's MTP layer)",
@@ -55,7 +51,7 @@ def check_v4_serving(cfg: EngineConfig, model: nn.Module | None) -> None:
     unsupported = v4_refusals(cfg)
     if unsupported:
         raise ValueError(
-            "DeepSeek-V4 is served on the CPU in float32, without a drafter or with its MTP "
-            "layer (--drafter mtp); "
+            "DeepSeek-V4 is served with rows in the serving dtype, without a drafter or with "
+            "its MTP layer (--drafter mtp); "
             f"not with {', '.join(unsupported)}"
         )

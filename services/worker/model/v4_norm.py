@@ -1,5 +1,6 @@
-"""RMSNorm as DeepSeek-V4 applies it: normalised in fp32, cast back, then scaled by ``weight``
-(``weight`` absent: the unweighted norm of V4's per-head query and hyper-connections)."""
+"""RMSNorm as DeepSeek-V4 applies it: normalised in fp32 and scaled by ``weight`` (held in fp32,
+``v4_precision``), then cast to the input's dtype; ``rms_normalise``: the unweighted norm of
+V4's per-head query and hyper-connections, cast back before any scaling."""
 
 from __future__ import annotations
 
@@ -20,4 +21,6 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.weight * rms_normalise(x, self.eps)
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight.float() * normed).to(x.dtype)

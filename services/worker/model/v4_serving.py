@@ -16,8 +16,9 @@ Per layer and pass:
   source's index keys, a Reuse layer attends its leader's selection and rows;
 - a CSA query attends the rows the indexer's top-k over the index keys selects
   (``row_selection.select_rows``), an HCA query every row it sees (``w < (t + 1) // rate``);
-  the payload resolves them to locations and attention reads ``pool[location]``, beside the
-  window rows, with the heads' sinks;
+  the payload resolves them to locations, and the sparse attention (``attention_fn``: the
+  torch reference, or the Triton kernels) reads ``pool[location]`` and the window's ring rows
+  in one softmax with the heads' sinks;
 - the hyper-connections and the MoE are per token (hash routing by the pass's token ids).
 
 A slot's rings hold only positions its earlier passes wrote, and every read of a position
@@ -29,6 +30,8 @@ carry and writes the MTP rows its tokens complete (``_follow_target``); ``mtp_st
 MTP-only draft pass (docs/mtp.md)."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -44,6 +47,7 @@ from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
+from services.worker.ops import sparse_attention_ref
 from services.worker.serving.cache import STATE_RINGS, KVCache
 from services.worker.transfers import to_device
 
@@ -95,9 +99,26 @@ class V4Model(nn.Module):
         self.ring_keys = {
             (i, part): STATE_RINGS - j for j, (i, part, _, _) in enumerate(v4_state_rings(net.cfg))
         }
+        self.attention_fn = sparse_attention_ref
 
     def use_triton_attention(self) -> None:
-        raise ValueError("DeepSeek-V4 attention has no Triton kernel: use the torch backend")
+        from services.worker.ops.sparse_attention_triton import sparse_attention_triton
+
+        self.attention_fn = sparse_attention_triton
+
+    def _attend(
+        self, attn: Attention, q: torch.Tensor, picked: Picked | None, window: torch.Tensor,
+        ring: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """q [N, heads, head_dim] over the ``picked`` compressed rows (None: none) and the
+        ring's rows at ``window`` [N, W] (-1: none), one softmax with the heads' sinks."""
+        sinks = attn.attn_sink.float()
+        d = attn.head_dim
+        if picked is None:
+            return self.attention_fn(q, ring, window, d, attn.scale, sinks=sinks)
+        return self.attention_fn(
+            q, picked.pool, picked.at, d, attn.scale, ring, window, sinks=sinks
+        )
 
     @torch.no_grad()
     def forward(
@@ -219,8 +240,7 @@ class V4Model(nn.Module):
         _, q, rows = attn.project(x, pos)
         ext = kv.rings[self.mtp_source].extend(batch, rows)
         window = ext.window_locs(attn.window, lag=1)
-        keys = ext.rows[window.clamp(min=0)]
-        return attn.output(attn.attend(q, keys, window >= 0), pos)
+        return attn.output(self._attend(attn, q, None, window, ext.rows), pos)
 
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
@@ -230,38 +250,33 @@ class V4Model(nn.Module):
         """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden]; a CSA /
         HCA layer appends what it read of the payload to ``trace``. A layer that computes
         rows writes them and its index keys; a Reuse consumer attends its leader's selection
-        and rows (``chosen_by``: a selecting layer's selection, rows and locations this
-        pass), a Reindex consumer selects over its KV source's keys."""
+        (``chosen_by``: a selecting layer's selection this pass), resolved again in its own
+        layer, a Reindex consumer selects over its KV source's keys."""
         pos, spec = batch.positions, self.cfg.layers[i]
         s = spec.source
         q_latent, q, rows = attn.project(x, pos)
         window_ring = rings[i, "window"] if (i, "window") in rings else kv.rings[s]
         ext = window_ring.extend(batch, rows)
         window = ext.window_locs(attn.window)  # [N, W] positions t - W + 1 .. t, -1: before 0
-        keys, allowed = ext.rows[window.clamp(min=0)], window >= 0
+        picked = None
         if attn.kind != "sliding":
             if attn.compressor is not None:
                 self._write_rows(i, attn, x, batch, kv, rings)
             if spec.index == "reuse":
-                selection, chosen, locs = chosen_by[spec.leader]
+                selection = chosen_by[spec.leader]
+            elif attn.kind == "csa":
+                idx = attn.indexer
+                iq, iw = idx.queries(x, q_latent, pos)
+                # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
+                key_layer = self.cfg.key_layer(i)
+                selection = select_rows(self.cfg, key_layer, iq, iw * idx.dim**-0.5, batch, kv, s)
             else:
-                if attn.kind == "csa":
-                    idx = attn.indexer
-                    iq, iw = idx.queries(x, q_latent, pos)
-                    # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
-                    key_layer = self.cfg.key_layer(i)
-                    selection = select_rows(
-                        self.cfg, key_layer, iq, iw * idx.dim**-0.5, batch, kv, s
-                    )
-                else:
-                    selection = every_visible_row(batch, attn.rate)
-                chosen, locs = selected_rows(i, s, batch, kv, selection)
-                chosen_by[i] = selection, chosen, locs
+                selection = every_visible_row(batch, attn.rate)
+            chosen_by[i] = selection
+            picked = pick_rows(i, s, batch, kv, selection)
             if trace is not None:
-                trace.append(LayerTrace(i, selection, locs, chosen))
-            keys = torch.cat([keys, chosen], dim=1)
-            allowed = torch.cat([allowed, locs >= 0], dim=1)
-        return attn.output(attn.attend(q, keys, allowed), pos)
+                trace.append(LayerTrace(i, selection, picked.locs, picked.rows()))
+        return attn.output(self._attend(attn, q, picked, window, ext.rows), pos)
 
     def _write_rows(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
@@ -283,22 +298,40 @@ class V4Model(nn.Module):
                 kv.index_keys.write(i, slots, row_t, pooled_rows(comp, ext_keys, req_t, row_t))
 
 
-def selected_rows(
-    i: int, s: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(rows [N, S, d_kv], zero where layer ``i``'s ``selection`` [N, S] pads, and their
-    locations [N, S], -1 there) of source ``s``. With a hot cache of B rows per request (the hierarchy modes)
-    the payload resolves at most B columns at a time and each block's rows are read before the
-    next block is resolved, so an HCA selection of every visible row (more than B) never
-    outgrows it; the rows read are the same."""
+@dataclass(frozen=True)
+class Picked:
+    """A layer's selected compressed rows as attention reads them: ``pool[at]`` [N, S] (-1:
+    none), and the rows' locations in the payload, ``locs`` [N, S] (-1 where the selection
+    pads)."""
+
+    pool: torch.Tensor
+    at: torch.Tensor
+    locs: torch.Tensor
+
+    def rows(self) -> torch.Tensor:
+        """[N, S, d] the rows, zero where none."""
+        return self.pool[self.at.clamp(min=0)].masked_fill((self.at < 0).unsqueeze(-1), 0)
+
+
+def pick_rows(i: int, s: int, batch: ForwardBatch, kv: KVCache, selection: torch.Tensor) -> Picked:
+    """Layer ``i``'s ``selection`` [N, S] of source ``s``'s compressed rows, resolved. With a
+    hot cache of B rows per request (the hierarchy modes) the payload resolves at most B
+    columns at a time, so a selection wider than B (an HCA layer's every visible row) is read
+    block by block into rows of its own before the next block is resolved; the rows read are
+    the same."""
     block = kv.payload.layout()["hot_cache_rows"] or max(selection.shape[1], 1)
-    rows, locs = [], []
+    if selection.shape[1] <= block:
+        locs = kv.payload.resolve(i, s, batch, selection)
+        pool, at = kv.attention_rows(s, locs)
+        return Picked(pool, at, locs)
+    rows, resolved = [], []
     for a in range(0, selection.shape[1], block):
-        at_block = kv.payload.resolve(i, s, batch, selection[:, a : a + block])
-        pool, at = kv.attention_rows(s, at_block)
-        rows.append(pool[at.clamp(min=0)].masked_fill((at < 0).unsqueeze(-1), 0))
-        locs.append(at_block)
-    return torch.cat(rows, dim=1), torch.cat(locs, dim=1)
+        locs = kv.payload.resolve(i, s, batch, selection[:, a : a + block])
+        rows.append(Picked(*kv.attention_rows(s, locs), locs).rows())
+        resolved.append(locs)
+    locs = torch.cat(resolved, dim=1)
+    at = torch.arange(locs.numel(), device=locs.device).view_as(locs)
+    return Picked(torch.cat(rows, dim=1).flatten(0, 1), torch.where(locs >= 0, at, -1), locs)
 
 
 def every_visible_row(batch: ForwardBatch, rate: int) -> torch.Tensor:

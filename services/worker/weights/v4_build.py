@@ -2,9 +2,9 @@
 ``V4Model``, on the CPU or in place on the device (what a real-dimension V4 of tens of GB
 needs: allocated on ``meta``, materialised on the device, every tensor drawn there).
 
-Every floating tensor is held in one dtype: V4's model holds dense weights only (a checkpoint's
-FP8 / FP4 form is dequantised at load, ``weights/v4_names``), so there is no FP8 / FP4 V4
-layer to build into."""
+The weights are dense, in the serving dtype but the tensors V4 holds in fp32
+(``model.v4_precision``): V4's model holds dense weights only (a checkpoint's FP8 / FP4 form is
+dequantised at load, ``weights/v4_names``), so there is no FP8 / FP4 V4 layer to build into."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import torch
 from dhisparse.family.presets import V4Preset
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
+from services.worker.model.v4_precision import to_serving_dtype
 from services.worker.model.v4_serving import V4Model
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -57,13 +58,14 @@ def build_v4(
     d: V4Preset, seed: int, device: str, dtype: torch.dtype | None, in_place: bool, mtp: bool
 ) -> V4Model:
     """The preset's ``V4Model`` with ``init_v4_weights``' weights in ``dtype`` (default: the
-    config's). Allocated on ``meta`` and materialised where the weights are drawn: on
+    config's; ``to_serving_dtype``). Allocated on ``meta`` and materialised where the weights are drawn: on
     ``device`` with ``in_place`` (never on the host), else on the CPU and then moved, so that
     the weights are the same on every device. ``mtp``: with the MTP layer (``mtp.0``)."""
     cfg, _ = d.parse(mtp=mtp)
     with torch.device("meta"):
         net = V4Decoder(cfg, MTPBlock(cfg) if mtp else None)
+    # dtypes set on meta: the device holds each tensor in its own dtype from the start
+    to_serving_dtype(net, dtype or DTYPES[cfg.dtype])  # tid2eid stays int64
     net.to_empty(device=device if in_place else "cpu")
-    net.to(dtype or DTYPES[cfg.dtype])  # tid2eid stays int64
     init_v4_weights(net, seed)
     return V4Model(net.to(device=device).eval(), d.name)

@@ -36,6 +36,7 @@ from dhisparse.family.quantization_config import SCALE_SUFFIX, CheckpointError, 
 from dhisparse.family.v4_config import V4Config, parse_v4_config
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
+from services.worker.model.v4_precision import SERVING_DTYPES, to_serving_dtype
 from services.worker.model.v4_serving import V4Model
 from services.worker.ops.fp4_e2m1 import dequantize_fp4
 from services.worker.ops.fp8_blockwise import dequantize_blockwise
@@ -252,14 +253,15 @@ def load_v4_served(
     path: str | Path, device: str | torch.device, dtype: torch.dtype | None, mtp: bool,
     weight_dtype: str, world_size: int,
 ) -> V4Model:  # fmt: skip
-    """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``: fp32
-    weights (FP8 / FP4 ones dequantised at load), one rank, with its MTP layer when ``mtp``.
-    Anything else asked for (``dtype`` other than float32, ``weight_dtype`` fp8, ``world_size``
-    > 1) is a ConfigError naming it: only fp32 serving is checked against transformers."""
+    """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``: dense
+    weights (FP8 / FP4 ones dequantised at load) in ``dtype`` (default float32; bfloat16 keeps
+    the tensors transformers keeps in fp32 there, ``v4_precision``), one rank, with its MTP
+    layer when ``mtp``. Anything else asked for (another ``dtype``, ``weight_dtype`` fp8,
+    ``world_size`` > 1) is a ConfigError naming it."""
     unsupported = [
         what
         for what, asked in (
-            (f"dtype {dtype}", dtype not in (None, torch.float32)),
+            (f"dtype {dtype}", dtype not in (None, *SERVING_DTYPES)),
             (f"--weight-dtype {weight_dtype}", weight_dtype not in ("auto", "bf16")),
             (f"{world_size} ranks (tensor / expert parallel)", world_size > 1),
         )
@@ -267,8 +269,9 @@ def load_v4_served(
     ]
     if unsupported:
         raise ConfigError(
-            f"DeepSeek-V4 ({path}) is served in float32 on one rank, its FP8 / FP4 weights "
-            f"dequantised at load; not with {', '.join(unsupported)}"
+            f"DeepSeek-V4 ({path}) is served in float32 or bfloat16 on one rank, its FP8 / FP4 "
+            f"weights dequantised at load; not with {', '.join(unsupported)}"
         )
     raw = json.loads((Path(path) / "config.json").read_text())
-    return V4Model(load_v4_model(path, mtp).to(device), model_name(path, raw))
+    net = to_serving_dtype(load_v4_model(path, mtp), dtype or torch.float32)
+    return V4Model(net.to(device), model_name(path, raw))

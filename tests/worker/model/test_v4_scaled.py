@@ -20,6 +20,7 @@ from dhisparse.family.v4_config import parse_v4_config
 from services.worker.kv.config import bytes_per_token
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
+from services.worker.model.v4_precision import held_in_fp32, to_serving_dtype
 from services.worker.model.v4_serving import V4Model
 from services.worker.model.weight_format import WeightFormat
 from services.worker.request.request import SamplingParams
@@ -69,8 +70,8 @@ def test_the_docstrings_figures_are_a_meta_builds() -> None:
     flash = _meta(json.loads(FLASH.read_text()), mtp=False)
     assert _params(flash) == NOTES_FLASH + LEARNED_LAYERS * 256
     full.mtp = None
-    stored = [*full.to(torch.bfloat16).parameters(), *full.buffers()]
-    assert sum(t.numel() * t.element_size() for t in stored) == 83_809_740_462
+    stored = [*to_serving_dtype(full, torch.bfloat16).parameters(), *full.buffers()]
+    assert sum(t.numel() * t.element_size() for t in stored) == 83_881_246_044
     cfg, topo = PRESET.parse()
     assert bytes_per_token(topo, 2, True) == 9480
     # the model's own: CSA rows and index keys, HCA rows (notes §3.1: 6,880 B)
@@ -93,7 +94,10 @@ def test_built_in_place_as_on_the_host_with_tid2eid_into_its_experts() -> None:
     theirs = placed.state_dict()
     assert all(torch.equal(t, theirs[n]) for n, t in host.state_dict().items())
     half = build_model(d, seed=4, dtype=torch.bfloat16, in_place=True)
-    assert {p.dtype for p in half.parameters()} == {torch.bfloat16}
+    held = {n: p.dtype for n, p in half.named_parameters()}
+    assert {n for n, t in held.items() if t == torch.float32} == set(filter(held_in_fp32, held))
+    assert {t for n, t in held.items() if not held_in_fp32(n)} == {torch.bfloat16}
+    assert any(n.endswith("attn_sink") for n in filter(held_in_fp32, held))
     hashed = [b for n, b in host.named_buffers() if n.endswith("tid2eid")]
     assert len(hashed) == 3
     for table in hashed:
