@@ -150,20 +150,10 @@ class HostStore:
         ``CapacityExhausted`` (naming requested vs largest free bytes) when no contiguous free
         range fits, even with every unleased cached prefix evicted. A request may hold several
         regions of one source."""
-        check_id("request_id", request_id)
-        check_id("owner", owner)
-        check_int("source", source, *INT32)
-        check_int("num_rows", num_rows, lo=1)
-        check_int("row_bytes", row_bytes, lo=1)
-        with self._lock:
-            self._owners.check_caller(owner, generation)
-            req = self._t.requests.get(request_id)
-            if req is not None:
-                _check_holder(request_id, req, owner, generation)
-            evict, salt = self._prefixes.evict_one, self._owners.salt(owner)
-            return self._t.add(
-                request_id, owner, generation, source, num_rows, row_bytes, evict, salt
-            )
+        (region,) = self.allocate_many(
+            request_id, owner, [RegionSpec(source, num_rows, row_bytes)], generation
+        )
+        return region
 
     def allocate_many(
         self,
