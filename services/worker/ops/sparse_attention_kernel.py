@@ -5,7 +5,10 @@ in the first split over the local-window rows too (see ``sparse_attention_triton
 launches it). With one split the program writes the normalised output; with more it writes its
 split's running max, denominator and unnormalised accumulator, and with ``COMBINE`` the last
 program of a (token, head block, value block) to arrive (``arrivals.py``) combines the splits in split order
-into the output and resets its counter; without, the launcher combines them.
+into the output and resets its counter; without, the launcher combines them. With ``HAS_SINK``
+each head's sink logit (fp32, on the scores' scale) joins the softmax's denominator once: in
+the normalisation of a single split (``with_sink``), or in the combine of several (never in a
+partial).
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -68,16 +71,31 @@ def _accumulate(
 
 
 @triton.jit
+def with_sink(acc, m_i, l_i, sinks, hmask):
+    """A softmax's accumulator ``acc`` and denominator ``l_i`` over rows (running max ``m_i``)
+    with the heads' sinks (at ``sinks``) joined as one more term: both rescaled to
+    M = max(m_i, sink), the denominator plus ``e^(sink - M)``."""
+    sink = tl.load(sinks, mask=hmask, other=0.0)
+    top = tl.maximum(m_i, sink)
+    w = tl.exp(m_i - top)
+    return acc * w[:, None], l_i * w + tl.exp(sink - top)
+
+
+@triton.jit
 def combine_partials(
-    part, stride_ps, ml, den_off, H, splits, mask, hmask, HB: tl.constexpr, VB: tl.constexpr,
-    out,
+    part, stride_ps, ml, den_off, sinks, H, splits, mask, hmask, HB: tl.constexpr,
+    VB: tl.constexpr, HAS_SINK: tl.constexpr, out,
 ):  # fmt: skip
     """The splits' partial softmaxes of one (token, head block, value block), in split order:
-    ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits (a split that
-    read no row has m = -inf and adds nothing)."""
+    ``sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) den_s + e^(sink - M))``, M the max over
+    splits and, with ``HAS_SINK``, the heads' sinks at ``sinks`` (without, no sink term); a
+    split that read no row has m = -inf and adds nothing."""
     top = tl.full([HB], float("-inf"), tl.float32)
     for s in range(0, splits):
         top = tl.maximum(top, tl.load(ml + s * H, mask=hmask, other=float("-inf")))
+    if HAS_SINK:
+        sink = tl.load(sinks, mask=hmask, other=0.0)
+        top = tl.maximum(top, sink)
     top = tl.where(top == float("-inf"), 0.0, top)
     num = tl.zeros([HB, VB], tl.float32)
     den = tl.zeros([HB], tl.float32)
@@ -85,6 +103,8 @@ def combine_partials(
         w = tl.exp(tl.load(ml + s * H, mask=hmask, other=float("-inf")) - top)
         den += tl.load(ml + den_off + s * H, mask=hmask, other=0.0) * w
         num += tl.load(part + s * stride_ps, mask=mask, other=0.0) * w[:, None]
+    if HAS_SINK:
+        den += tl.exp(sink - top)
     den = tl.where(hmask, den, 1.0)  # heads past H: nothing to divide
     tl.store(out, (num / den[:, None]).to(out.dtype.element_ty), mask=mask)
 
@@ -97,10 +117,11 @@ def sparse_attention_kernel(
     win_pool_ptr, stride_win_pool,
     win_locs_ptr, stride_win_locs, W,
     out_ptr, stride_on, stride_oh,
-    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr,
+    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr, sink_ptr,
     H, D, DV, scale, ROWS_PER_SPLIT, VBLOCKS,
     HB: tl.constexpr, DC: tl.constexpr, VB: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_WIN: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, COMBINE: tl.constexpr,
+    HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     hb = tl.program_id(1)
@@ -144,12 +165,14 @@ def sparse_attention_kernel(
             if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
                 combine_partials(
                     part_ptr + n * stride_pn + offs_h[:, None] * stride_ph + offs_v[None, :],
-                    stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
-                    hmask[:, None] & vmask[None, :], hmask, HB, VB,
+                    stride_ps, ml_ptr + n * splits * H + offs_h, den_off, sink_ptr + offs_h, H,
+                    splits, hmask[:, None] & vmask[None, :], hmask, HB, VB, HAS_SINK,
                     out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],
                 )  # fmt: skip
                 tl.atomic_xchg(tile, 0)
     else:
+        if HAS_SINK:
+            acc, l_i = with_sink(acc, m_i, l_i, sink_ptr + offs_h, hmask)
         out = acc / l_i[:, None]
         tl.store(
             out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_v[None, :],

@@ -23,7 +23,7 @@ from dhisparse.family.fp8_kv_format import Fp8RowFormat
 from services.worker.ops.arrivals import arrival_counters
 from services.worker.ops.fusion import fused
 from services.worker.ops.sparse_attention_onepass_kernel import sparse_attention_onepass_kernel
-from services.worker.ops.sparse_attention_splits import combine_splits, row_splits
+from services.worker.ops.sparse_attention_splits import combine_splits, head_sinks, row_splits
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class PackedRows:
     fmt: Fp8RowFormat
 
 
-def sparse_attention_onepass(
+def sparse_attention_onepass(  # noqa: PLR0913 (the reference's eight and three launch choices)
     q: torch.Tensor,
     pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
@@ -69,10 +69,11 @@ def sparse_attention_onepass(
     splits: int | None = None,
     combine: bool | None = None,
     tiles: OnePassTiles | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``sparse_attention_triton``'s contract (q [N, H, d_kv], locs [N, k], -1 pads, optional
-    window -> [N, H, d_v]), the pool [S, d_kv] in q's dtype, or ``PackedRows`` whose values
-    are the first d_v columns."""
+    window, optional sinks [H] -> [N, H, d_v]), the pool [S, d_kv] in q's dtype, or
+    ``PackedRows`` whose values are the first d_v columns."""
     n, h, d = q.shape
     if locs.shape[0] != n or not 0 < d_v <= d:
         raise ValueError(f"shapes disagree: q {tuple(q.shape)}, locs {tuple(locs.shape)}, "
@@ -82,6 +83,7 @@ def sparse_attention_onepass(
     if q.stride(2) != 1 or pool.stride(1) != 1:
         raise ValueError("pool rows and query heads must be contiguous")
     t = tiles or OnePassTiles()
+    sinks = head_sinks(sinks, h)
     if fmt is None:
         if pool.shape[1] != d or pool.dtype != q.dtype:
             raise ValueError(f"pool {tuple(pool.shape)} {pool.dtype} is not rows of {d} {q.dtype}")
@@ -122,15 +124,17 @@ def sparse_attention_onepass(
         win_locs, win_locs.stride(0), win_locs.shape[1] if has_win else 0,
         out, out.stride(0), out.stride(1),
         part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml, counts,
+        q if sinks is None else sinks,  # q: unused without sinks
         h, d_v, d - d_v, scale, per,
         HB=t.heads, DA=da, DB=db, BLOCK_K=t.block_k, FP8=fmt is not None, TILE=tile,
         CAST=t.cast_fp8, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
         PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, COMBINE=combine,
+        HAS_SINK=sinks is not None,
         num_warps=t.warps, num_stages=t.stages,
     )  # fmt: skip
     if split and not combine:
-        combine_splits(part[..., :d_v], ml[0], ml[1], out)
+        combine_splits(part[..., :d_v], ml[0], ml[1], out, sinks)
     return out
 
 

@@ -8,7 +8,9 @@ fp32 scale each, then the bf16 tail), dequantized in registers (exact, as ``fp8_
 the e4m3 bits in integer arithmetic, or with ``CAST`` by the device's fp8 conversion).
 The local-window rows (in the query's dtype) go to the first split. Splits combine as in
 ``sparse_attention_kernel.py`` (its ``combine_partials``), by the last program to arrive with
-``COMBINE``, else by the launcher (see ``sparse_attention_onepass.py``, which launches it).
+``COMBINE``, else by the launcher (see ``sparse_attention_onepass.py``, which launches it);
+with ``HAS_SINK`` the heads' sinks join the softmax once, as there (``with_sink`` for a single
+split, the combine for several).
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -19,7 +21,7 @@ import triton
 import triton.language as tl
 
 from services.worker.ops.fp8_bits import e4m3_value
-from services.worker.ops.sparse_attention_kernel import combine_partials, softmax_step
+from services.worker.ops.sparse_attention_kernel import combine_partials, softmax_step, with_sink
 
 
 @triton.jit
@@ -72,12 +74,12 @@ def sparse_attention_onepass_kernel(
     win_pool_ptr, stride_win_pool,
     win_locs_ptr, stride_win_locs, W,
     out_ptr, stride_on, stride_oh,
-    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr,
+    part_ptr, stride_pn, stride_ps, stride_ph, ml_ptr, count_ptr, sink_ptr,
     H, DV, DT, scale, ROWS_PER_SPLIT,
     HB: tl.constexpr, DA: tl.constexpr, DB: tl.constexpr, BLOCK_K: tl.constexpr,
     FP8: tl.constexpr, TILE: tl.constexpr, CAST: tl.constexpr, HAS_WIN: tl.constexpr,
     PREC: tl.constexpr,
-    SPLIT: tl.constexpr, COMBINE: tl.constexpr,
+    SPLIT: tl.constexpr, COMBINE: tl.constexpr, HAS_SINK: tl.constexpr,
 ):  # fmt: skip
     n = tl.program_id(0)
     hb = tl.program_id(1)
@@ -123,12 +125,14 @@ def sparse_attention_onepass_kernel(
             # release: this split's partials are visible before its arrival is counted
             if tl.atomic_add(tile, 1, sem="acq_rel") == splits - 1:
                 combine_partials(
-                    part, stride_ps, ml_ptr + n * splits * H + offs_h, den_off, H, splits,
-                    omask, hmask, HB, DA,
+                    part, stride_ps, ml_ptr + n * splits * H + offs_h, den_off, sink_ptr + offs_h,
+                    H, splits, omask, hmask, HB, DA, HAS_SINK,
                     out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_a[None, :],
                 )  # fmt: skip
                 tl.atomic_xchg(tile, 0)
     else:
+        if HAS_SINK:
+            acc, l_i = with_sink(acc, m_i, l_i, sink_ptr + offs_h, hmask)
         tl.store(
             out_ptr + n * stride_on + offs_h[:, None] * stride_oh + offs_a[None, :],
             (acc / l_i[:, None]).to(out_ptr.dtype.element_ty),

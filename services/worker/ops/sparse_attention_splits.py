@@ -1,5 +1,6 @@
 """Flash-decoding row splits of the sparse attention kernels: how many splits a launch takes,
-and the splits' partial softmaxes combined in torch (when the kernel does not combine them)."""
+and the splits' partial softmaxes combined in torch (when the kernel does not combine them),
+with the heads' sinks, if any, in the form the kernels read them (``head_sinks``)."""
 
 from __future__ import annotations
 
@@ -27,13 +28,32 @@ def row_splits(
 
 
 def combine_splits(
-    acc: torch.Tensor, m: torch.Tensor, den: torch.Tensor, out: torch.Tensor
+    acc: torch.Tensor,
+    m: torch.Tensor,
+    den: torch.Tensor,
+    out: torch.Tensor,
+    sinks: torch.Tensor | None = None,
 ) -> None:
     """The splits' partial softmaxes into ``out`` [N, H, dv]: acc [N, S, H, dv] unnormalised,
     m / den [N, S, H] each split's running max and denominator (-inf / 0 for a split that read
-    no row). ``sum_s e^(m_s - M) acc_s / sum_s e^(m_s - M) den_s``, M the max over splits."""
+    no row). ``sum_s e^(m_s - M) acc_s / (sum_s e^(m_s - M) den_s + e^(sink - M))``, M the max
+    over splits and the head's sink (sinks: [H] fp32, the term absent without them)."""
     top = m.amax(dim=1, keepdim=True)
-    w = torch.exp(m - torch.where(top == float("-inf"), 0.0, top))  # [N, S, H]
+    if sinks is not None:
+        top = torch.maximum(top, sinks.view(1, 1, -1))
+    top = torch.where(top == float("-inf"), 0.0, top)
+    w = torch.exp(m - top)  # [N, S, H]
     num = (acc * w[..., None]).sum(dim=1)
     den = (den * w).sum(dim=1)
+    if sinks is not None:
+        den = den + torch.exp(sinks.view(1, -1) - top[:, 0])
     out.copy_(num / den[..., None])
+
+
+def head_sinks(sinks: torch.Tensor | None, h: int) -> torch.Tensor | None:
+    """The heads' sink logits as the kernels read them: fp32 [h], contiguous (None: no sink)."""
+    if sinks is None:
+        return None
+    if tuple(sinks.shape) != (h,):
+        raise ValueError(f"sinks {tuple(sinks.shape)} are not one per head of {h}")
+    return sinks.float().contiguous()

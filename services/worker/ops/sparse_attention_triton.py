@@ -5,8 +5,10 @@ gathered from the pool by location, BLOCK_K at a time, and an online softmax acc
 them (and, in the first split, over its local-window rows). Decode batches have few tokens, so
 the rows are split (flash-decoding) until the launch has ``TARGET_PROGRAMS`` programs, and the
 splits' partial softmaxes are combined by the last split to finish (fused; in torch here
-otherwise, ``combine_splits``); a launch of many tokens takes one split. The split
-count is a function of the shapes only, so equal batches compute in the same order. Scores are accumulated over the row width in chunks of DC so that wide rows
+otherwise, ``combine_splits``); a launch of many tokens takes one split. A head's sink (optional)
+is one more logit of its softmax, joined once: when the splits are combined, or when one split
+normalises. The split count is a function of the shapes only, so equal batches compute in the
+same order. Scores are accumulated over the row width in chunks of DC so that wide rows
 (576 elements in GLM/DeepSeek MLA) stay within registers and shared memory; every head of the
 block shares each gathered row (MQA), so a row is read once per head block. Matches
 ``sparse_attention_ref`` up to floating-point reassociation. The kernel itself is
@@ -27,10 +29,15 @@ from services.worker.ops.sparse_attention_onepass import (
     PackedRows,
     sparse_attention_onepass,
 )
-from services.worker.ops.sparse_attention_splits import BLOCK_K, combine_splits, row_splits
+from services.worker.ops.sparse_attention_splits import (
+    BLOCK_K,
+    combine_splits,
+    head_sinks,
+    row_splits,
+)
 
 
-def sparse_attention_triton(
+def sparse_attention_triton(  # noqa: PLR0913 (the reference's eight and three launch choices)
     q: torch.Tensor,
     pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
@@ -41,9 +48,11 @@ def sparse_attention_triton(
     splits: int | None = None,
     combine: bool | None = None,
     tiles: AttentionTiles | OnePassTiles | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Same contract as ``sparse_attention_ref``: q [N, H, d_kv], pool [S, d_kv], locs [N, k]
-    int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w] -> [N, H, d_v]. ``splits``:
+    int (-1 pads), optional win_pool [W, d_kv] / win_locs [N, w], optional sinks [H] (each
+    head's sink logit, on the scores' scale) -> [N, H, d_v]. ``splits``:
     the row splits to aim for (default ``row_splits``'s choice). ``combine``: whether the
     kernel combines its splits itself (default: ``fused(q)``) or ``combine_splits`` does.
     ``tiles``: the programs' shape (default ``attention_tiles``'s); ``OnePassTiles`` runs the
@@ -51,7 +60,7 @@ def sparse_attention_triton(
     dvp = triton.next_power_of_2(d_v)
     t = tiles or attention_tiles(q.shape[1], q.shape[0])
     if isinstance(t, OnePassTiles):
-        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t)
+        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t, sinks)
         return sparse_attention_onepass(*args)
     if isinstance(pool, PackedRows):
         raise ValueError("packed FP8 rows are read by the one-pass kernel (OnePassTiles)")
@@ -61,6 +70,7 @@ def sparse_attention_triton(
                          f"locs {tuple(locs.shape)}")  # fmt: skip
     if pool.stride(1) != 1 or q.stride(2) != 1:
         raise ValueError("pool rows and query heads must be contiguous")
+    sinks = head_sinks(sinks, h)
     locs = locs.contiguous()
     has_win = win_locs is not None
     if has_win:
@@ -90,14 +100,16 @@ def sparse_attention_triton(
         win_locs, win_locs.stride(0), win_locs.shape[1] if has_win else 0,
         out, out.stride(0), out.stride(1),
         part, part.stride(0), part.stride(1) if split else 0, part.stride(-2), ml, counts,
+        q if sinks is None else sinks,  # q: unused without sinks
         h, d, d_v, scale, per, vblocks,
         HB=hb, DC=64, VB=vb, BLOCK_K=t.block_k, HAS_WIN=has_win,
         # fp32 models get fp32 products (no TF32), so they match the reference closely.
         PREC="ieee" if q.dtype == torch.float32 else "tf32", SPLIT=split, COMBINE=combine,
+        HAS_SINK=sinks is not None,
         num_warps=t.warps, num_stages=2,
     )  # fmt: skip
     if split and not combine:
-        combine_splits(part[..., :d_v], ml[0], ml[1], out)
+        combine_splits(part[..., :d_v], ml[0], ml[1], out, sinks)
     return out
 
 

@@ -1,7 +1,7 @@
 """The one-pass sparse attention kernel equals its torch reference (interpreter on the CPU;
 @gpu on the device): padding, windows, head counts that do not fill a head block, row splits
-combined by the kernel or in torch, and packed FP8 rows dequantized in the kernel against
-attention over the reference dequantizer's rows."""
+combined by the kernel or in torch, per-head sinks, and packed FP8 rows dequantized in the
+kernel against attention over the reference dequantizer's rows."""
 
 from __future__ import annotations
 
@@ -26,36 +26,45 @@ from services.worker.ops.sparse_attention_triton import (
     attention_tiles,
     sparse_attention_triton,
 )
-from tests.worker.ops.test_sparse_attention import case
+from tests.worker.ops.test_sparse_attention import case, random_sinks
 
 SMALL = OnePassTiles(heads=16, block_k=16, warps=4)
 
 
 @pytest.mark.parametrize(
     ("seed", "n", "h", "d", "dv", "k", "w"),
-    [(0, 3, 4, 80, 64, 32, 0), (1, 2, 20, 80, 64, 40, 8), (2, 3, 16, 48, 32, 24, 0)],
-)
-def test_one_pass_matches_reference(seed, n, h, d, dv, k, w) -> None:
+    # the last is V4's shape class: keys are the values (d_kv = d_v, no tail)
+    [(0, 3, 4, 80, 64, 32, 0), (1, 2, 20, 80, 64, 40, 8), (2, 3, 16, 48, 32, 24, 0),
+     (3, 2, 20, 64, 64, 40, 8)],
+)  # fmt: skip
+@pytest.mark.parametrize("sunk", [False, True], ids=["plain", "sinks"])
+def test_one_pass_matches_reference(seed, n, h, d, dv, k, w, sunk) -> None:
     args = case(seed, n, h, d, dv, k, w, "cpu", torch.float32)
-    want = sparse_attention_ref(*args)
-    torch.testing.assert_close(sparse_attention_onepass(*args, tiles=SMALL), want,
+    sinks = random_sinks(seed, h) if sunk else None
+    want = sparse_attention_ref(*args, sinks=sinks)
+    torch.testing.assert_close(sparse_attention_onepass(*args, tiles=SMALL, sinks=sinks), want,
                                rtol=1e-4, atol=1e-5)  # fmt: skip
     # the same kernel through the attention entry point, chosen by its tiles
-    got = sparse_attention_triton(*args, tiles=SMALL)
+    got = sparse_attention_triton(*args, tiles=SMALL, sinks=sinks)
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
 @pytest.mark.parametrize("combine", [True, False])
 @pytest.mark.parametrize(("seed", "w", "splits"), [(3, 0, 3), (4, 8, 4)])
-def test_one_pass_splits_combine_to_the_reference(seed, w, splits, combine) -> None:
+@pytest.mark.parametrize(("d", "sunk"), [(80, False), (80, True), (64, True)],
+                         ids=["plain", "sinks", "v4-sinks"])  # fmt: skip
+def test_one_pass_splits_combine_to_the_reference(seed, w, splits, combine, d, sunk) -> None:
     """k = 100 rows in splits of 16-row chunks, the window in the first split, one query whose
-    last splits hold padding only; the kernel's combine leaves every arrival counter at 0."""
-    q, pool, locs, dv, scale, win_pool, win_locs = case(seed, 3, 4, 80, 64, 100, w, "cpu",
+    last splits hold padding only; the kernel's combine leaves every arrival counter at 0; with
+    sinks (added once, in the combine), also at V4's shape class (d_kv = d_v = 64)."""
+    q, pool, locs, dv, scale, win_pool, win_locs = case(seed, 3, 4, d, 64, 100, w, "cpu",
                                                         torch.float32)  # fmt: skip
     locs[1, 48:] = -1
     args = (q, pool, locs, dv, scale, win_pool, win_locs)
-    got = sparse_attention_onepass(*args, splits=splits, combine=combine, tiles=SMALL)
-    torch.testing.assert_close(got, sparse_attention_ref(*args), rtol=1e-4, atol=1e-5)
+    sinks = random_sinks(seed, 4) if sunk else None
+    got = sparse_attention_onepass(*args, splits=splits, combine=combine, tiles=SMALL, sinks=sinks)
+    torch.testing.assert_close(got, sparse_attention_ref(*args, sinks=sinks), rtol=1e-4,
+                               atol=1e-5)  # fmt: skip
     assert not arrival_counters(q.device, 1).any()
 
 
@@ -75,15 +84,17 @@ def fp8_case(seed: int, n: int, h: int, fmt: Fp8RowFormat, k: int, device: str, 
     return q, packed, plain, locs.to(device)
 
 
+@pytest.mark.parametrize("sunk", [False, True], ids=["plain", "sinks"])
 @pytest.mark.parametrize("cast", [False, True])
 @pytest.mark.parametrize(("seed", "splits"), [(5, 1), (6, 3)])
-def test_fp8_rows_dequantized_in_the_kernel(seed, splits, cast) -> None:
+def test_fp8_rows_dequantized_in_the_kernel(seed, splits, cast, sunk) -> None:
     fmt = Fp8RowFormat(n_values=64, n_tail=16, tile=32, min_scale_exp=-13)
     q, packed, plain, locs = fp8_case(seed, 3, 20, fmt, 40, "cpu", torch.float32)
-    want = sparse_attention_ref(q, plain, locs, 64, 0.1)
+    sinks = random_sinks(seed, 20) if sunk else None
+    want = sparse_attention_ref(q, plain, locs, 64, 0.1, sinks=sinks)
     tiles = dataclasses.replace(SMALL, cast_fp8=cast)
     got = sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 64, 0.1, splits=splits,
-                                   tiles=tiles)  # fmt: skip
+                                   tiles=tiles, sinks=sinks)  # fmt: skip
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
@@ -146,6 +157,25 @@ def test_fp8_one_pass_at_real_shapes_on_gpu(n, h) -> None:
         got = sparse_attention_onepass(q, PackedRows(packed, fmt), locs, 512, 576**-0.5,
                                        tiles=tiles).float()  # fmt: skip
         torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 4, 64])
+def test_one_pass_with_sinks_at_v4_shape_on_gpu(n, dtype) -> None:
+    """V4's shape with its sinks (64 heads, d_kv = d_v = 512: no tail; 512 selected rows and a
+    128-row window) in the tiles ``attention_tiles`` chooses, with and without a split cap,
+    the splits combined by the kernel and by ``combine_splits``."""
+    args = case(n, n, 64, 512, 512, 512, 128, "cuda", dtype)
+    sinks = random_sinks(n, 64, "cuda")
+    want = sparse_attention_ref(*args, sinks=sinks).float()
+    tol = 2e-2 if dtype == torch.bfloat16 else 1e-4
+    chosen = attention_tiles(64, n)
+    for tiles in (chosen, dataclasses.replace(chosen, max_splits=2)):
+        for combine in (True, False):
+            got = sparse_attention_onepass(*args, combine=combine, tiles=tiles, sinks=sinks)
+            torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
+    assert not arrival_counters(want.device, 1).any()
 
 
 @pytest.mark.gpu
