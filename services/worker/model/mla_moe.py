@@ -12,15 +12,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.hf_config import MoESpec
+from services.worker.model.grouped_experts import routed_experts
 from services.worker.model.weight_format import BF16, WeightFormat, linear
 from services.worker.ops.fusion import fused
 from services.worker.ops.moe_route_triton import route_triton, router_logits
 from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.parallel.shards import Shards
-
-# The public op where torch has it (2.10+); older releases expose the same kernel privately.
-_GROUPED_MM = getattr(F, "grouped_mm", None) or torch._grouped_mm  # noqa: SLF001
 
 
 class MLP(nn.Module):
@@ -88,20 +86,6 @@ class Router(nn.Module):
         return w * sp.routed_scaling, idx
 
 
-def grouped_mm(x: torch.Tensor, w: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-    """Rows ``offsets[e-1]:offsets[e]`` of x [M, K] times w[e] [K, N] -> [M, N]; offsets:
-    [E] int32 cumulative row counts on the device.
-
-    torch's grouped GEMM runs it on the CPU and, on a GPU, in bf16; other GPU dtypes (fp32,
-    which the exactness tests use) take a batched matmul of each row with its expert's weight,
-    gathered: the same static shapes, M x K x N elements of workspace."""
-    if x.is_cuda and x.dtype != torch.bfloat16:
-        rows = torch.arange(x.shape[0], device=x.device, dtype=offsets.dtype)
-        expert = torch.searchsorted(offsets, rows, right=True).clamp(max=w.shape[0] - 1)
-        return torch.bmm(x.unsqueeze(1), w[expert]).squeeze(1)
-    return _GROUPED_MM(x, w, offs=offsets)
-
-
 class Experts(nn.Module):
     """The routed experts, fused as transformers holds them: gate_up [E, 2I, D], down [E, D, I]
     (this rank's E experts and I columns of each)."""
@@ -115,23 +99,7 @@ class Experts(nn.Module):
     def forward(self, x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """x [N, D], idx / w [N, k] -> sum_j w[:, j] * expert_{idx[:, j]}(x), [N, D]. An id of
         ``n`` (one past the experts held: another rank's expert) contributes nothing."""
-        n, k = idx.shape
-        if n == 0:
-            return torch.zeros_like(x)
-        flat = idx.reshape(-1)
-        order = torch.argsort(flat, stable=True)  # (token, choice) pairs grouped by expert
-        counts = torch.zeros(self.n + 1, dtype=torch.int64, device=x.device)
-        counts.scatter_add_(0, flat, torch.ones_like(flat))  # bincount would sync with the host
-        offsets = torch.cumsum(counts[: self.n], 0).to(torch.int32)
-        token = order // k
-        gate, up = grouped_mm(x[token], self.gate_up_proj.transpose(1, 2), offsets).chunk(2, -1)
-        y = grouped_mm(F.silu(gate) * up, self.down_proj.transpose(1, 2), offsets)
-        # rows past the held experts' are not computed (their values are undefined)
-        held = (flat[order] < self.n).unsqueeze(-1)
-        y = torch.where(held, y * w.reshape(-1)[order].unsqueeze(-1), 0)
-        # back to (token, choice) order, then each token's k expert outputs summed
-        unsorted = torch.empty_like(y).index_copy_(0, order, y)
-        return unsorted.view(n, k, -1).sum(dim=1).to(x.dtype)
+        return routed_experts(x, idx, w, self.gate_up_proj, self.down_proj)
 
 
 class MoE(nn.Module):

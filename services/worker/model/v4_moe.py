@@ -8,8 +8,11 @@ times ``routed_scaling``, weight the experts' outputs. Every expert (routed and 
 SwiGLU whose gate is clamped to <= ``swiglu_limit`` and whose up projection to
 [-limit, limit].
 
-The routed experts run as a loop over the experts that any token chose: the reference form,
-for the CPU and tiny checkpoints."""
+The routed experts run as a loop over the experts that any token chose, or, once ``fuse``d
+(the engine's model: ``v4_serving.V4Model``), as one grouped GEMM over the (token, choice)
+pairs (``grouped_experts``): static shapes, no host synchronisation. Fused, each expert's
+``w1`` / ``w3`` / ``w2`` are views into two stacked tensors, so the checkpoint's names and
+the memory stay as they are."""
 
 from __future__ import annotations
 
@@ -18,6 +21,16 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.grouped_experts import Activation, routed_experts
+
+
+def clamped_swiglu(limit: float) -> Activation:
+    """V4's expert activation: ``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
+
+    def act(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        return F.silu(gate.clamp(max=limit)) * up.clamp(min=-limit, max=limit)
+
+    return act
 
 
 class Expert(nn.Module):
@@ -31,9 +44,7 @@ class Expert(nn.Module):
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate = self.w1(x).clamp(max=self.limit)
-        up = self.w3(x).clamp(min=-self.limit, max=self.limit)
-        return self.w2(F.silu(gate) * up)
+        return self.w2(clamped_swiglu(self.limit)(self.w1(x), self.w3(x)))
 
 
 class Gate(nn.Module):
@@ -72,10 +83,38 @@ class MoE(nn.Module):
             Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed)
         )
         self.shared_experts = Expert(cfg.hidden_size, inter, limit)
+        self.act = clamped_swiglu(limit)
+        self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def fuse(self) -> None:
+        """Holds the routed experts in ``gate_up`` [E, 2I, hidden] (each expert's ``w1`` rows,
+        then ``w3``'s) and ``down`` [E, hidden, I] (its ``w2``), each expert's weights views
+        into them, and runs them as one grouped GEMM from now on. Call it once the weights are
+        on their device in their dtype: a later move gives the experts storage of their own,
+        and the forward refuses the stale stack."""
+        w1 = self.experts[0].w1.weight
+        n, (inter, hidden) = len(self.experts), w1.shape
+        with torch.no_grad():
+            gate_up = w1.new_empty(n, 2 * inter, hidden)
+            down = w1.new_empty(n, hidden, inter)
+            for e, expert in enumerate(self.experts):
+                gate_up[e, :inter].copy_(expert.w1.weight)
+                gate_up[e, inter:].copy_(expert.w3.weight)
+                down[e].copy_(expert.w2.weight)
+                expert.w1.weight.data = gate_up[e, :inter]
+                expert.w3.weight.data = gate_up[e, inter:]
+                expert.w2.weight.data = down[e]
+        self._stacked = gate_up, down
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden], ids: [N] the tokens' ids (hash routing) -> [N, hidden]."""
         experts, weights = self.gate(x, ids)
+        if self._stacked is not None:
+            gate_up, down = self._stacked
+            if self.experts[0].w1.weight.data_ptr() != gate_up.data_ptr():
+                raise RuntimeError("the fused experts were moved: fuse() them again")
+            routed = routed_experts(x, experts, weights, gate_up, down, self.act)
+            return routed + self.shared_experts(x)
         out = torch.zeros_like(x)
         for e in torch.unique(experts).tolist():
             token, slot = torch.where(experts == e)

@@ -100,6 +100,8 @@ class V4Model(nn.Module):
             (i, part): STATE_RINGS - j for j, (i, part, _, _) in enumerate(v4_state_rings(net.cfg))
         }
         self.attention_fn = sparse_attention_ref
+        for block in (*net.layers, *(net.mtp or ())):
+            block.ffn.fuse()
 
     def use_triton_attention(self) -> None:
         from services.worker.ops.sparse_attention_triton import sparse_attention_triton

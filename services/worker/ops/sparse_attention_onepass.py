@@ -58,7 +58,7 @@ class PackedRows:
     fmt: Fp8RowFormat
 
 
-def sparse_attention_onepass(  # noqa: PLR0913 (the reference's eight and three launch choices)
+def sparse_attention_onepass(  # noqa: PLR0913 (the reference's eight, then the launch choices by name)
     q: torch.Tensor,
     pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
@@ -66,6 +66,7 @@ def sparse_attention_onepass(  # noqa: PLR0913 (the reference's eight and three 
     scale: float,
     win_pool: torch.Tensor | None = None,
     win_locs: torch.Tensor | None = None,
+    *,
     splits: int | None = None,
     combine: bool | None = None,
     tiles: OnePassTiles | None = None,

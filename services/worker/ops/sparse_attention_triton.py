@@ -37,7 +37,7 @@ from services.worker.ops.sparse_attention_splits import (
 )
 
 
-def sparse_attention_triton(  # noqa: PLR0913 (the reference's eight and three launch choices)
+def sparse_attention_triton(  # noqa: PLR0913 (the reference's eight, then the launch choices by name)
     q: torch.Tensor,
     pool: torch.Tensor | PackedRows,
     locs: torch.Tensor,
@@ -45,6 +45,7 @@ def sparse_attention_triton(  # noqa: PLR0913 (the reference's eight and three l
     scale: float,
     win_pool: torch.Tensor | None = None,
     win_locs: torch.Tensor | None = None,
+    *,
     splits: int | None = None,
     combine: bool | None = None,
     tiles: AttentionTiles | OnePassTiles | None = None,
@@ -60,8 +61,10 @@ def sparse_attention_triton(  # noqa: PLR0913 (the reference's eight and three l
     dvp = triton.next_power_of_2(d_v)
     t = tiles or attention_tiles(q.shape[1], q.shape[0])
     if isinstance(t, OnePassTiles):
-        args = (q, pool, locs, d_v, scale, win_pool, win_locs, splits, combine, t, sinks)
-        return sparse_attention_onepass(*args)
+        return sparse_attention_onepass(
+            q, pool, locs, d_v, scale, win_pool, win_locs, splits=splits, combine=combine,
+            tiles=t, sinks=sinks,
+        )  # fmt: skip
     if isinstance(pool, PackedRows):
         raise ValueError("packed FP8 rows are read by the one-pass kernel (OnePassTiles)")
     n, h, d = q.shape

@@ -224,7 +224,7 @@ def _drive(
     return traces, all_logits, tokens, kv
 
 
-@pytest.mark.parametrize("attention", ["torch"])
+@pytest.mark.parametrize("attention", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 def test_hisparse_reads_the_rows_resident_reads(path, dtype, attention) -> None:
     """Three requests of 150, 61 and 197 tokens, 24 decode steps, a hot cache of 8 rows per
