@@ -137,15 +137,27 @@ SCALED_32K_STEPS = tuple(
 # resident, 0.256 GiB in the hierarchy and 0.249 GB of host backups, so the three engines' pools
 # take some 4 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
 # H200 (about 139 GiB), not an H100.
-SCALED_V4_STEPS = tuple(
-    Step(
-        f"scaled-v4-{short}",
-        f"-m bench scaled --family v4flash-scaled --weights bf16 --contexts {ctx} "
-        f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 1 --host-gib 8 "
-        f"--out {{out}}/scaled_v4flash_{short}.json",
-        limit,
-    )
-    for short, ctx, limit in (("8k", 8192, 220), ("32k", 32768, 310))
+# First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, MTP
+# speculation) and the sparse attention kernels' sinks at V4's shape.
+V4_TESTS = Step(
+    "v4-tests",
+    "-m bench gpu-tests tests/worker/model/test_v4_gpu.py tests/worker/ops/test_sparse_attention.py "
+    "tests/worker/ops/test_sparse_attention_onepass.py -k 'v4 or sink' "
+    "--out {out}/gpu_tests_v4.json",
+    240,
+)
+SCALED_V4_STEPS = (
+    V4_TESTS,
+    *(
+        Step(
+            f"scaled-v4-{short}",
+            f"-m bench scaled --family v4flash-scaled --weights bf16 --contexts {ctx} "
+            f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 1 --host-gib 8 "
+            f"--out {{out}}/scaled_v4flash_{short}.json",
+            limit,
+        )
+        for short, ctx, limit in (("8k", 8192, 220), ("32k", 32768, 310))
+    ),
 )
 # every kernel of the real-dimension decode step against its roofline (``bench roofline``): one
 # family per step, resident at 8K, C = 1, 4, 16, 64 admitted in turn (C = 64 prefills 64 8K

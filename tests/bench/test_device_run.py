@@ -34,18 +34,20 @@ def test_every_step_parses(part: str, tmp_path) -> None:
     assert all(s.timeout_s <= 540 for s in PARTS[part])
 
 
-def test_the_v4_steps_ask_for_what_v4_runs_with_but_the_gpu(tmp_path) -> None:
-    """``scaled-v4``: bf16 weights and the random model's own selections, at 8K and 32K; of
-    what the engine does not serve V4 with, only the GPU itself (until it does)."""
+def test_the_v4_steps_test_v4_on_the_gpu_then_run_what_v4_runs_with(tmp_path) -> None:
+    """``scaled-v4``: V4's GPU tests first, then bf16 weights and the random model's own
+    selections at 8K and 32K, nothing the engine does not serve V4 with."""
     from bench import scaled
 
     _, parser = parser_for("scaled")
+    tests, *runs = PARTS["scaled-v4"]
+    assert tests.name == "v4-tests" and "test_v4_gpu.py" in tests.command
     contexts = []
-    for step in PARTS["scaled-v4"]:
+    for step in runs:
         args = parser.parse_args(step.argv(tmp_path)[4:])
         fams, ctxs, cs, modes = scaled.parse(args)
         assert (fams, cs, modes) == (["v4flash-scaled"], [1, 4], list(scaled.MODES))
-        assert scaled.v4_refused(args, "cuda") == ["--device cuda (GPU kernels, CUDA graphs)"]
+        assert scaled.v4_refused(args, "cuda") == []
         contexts += ctxs
     assert contexts == [8192, 32768]
 
