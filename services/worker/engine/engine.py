@@ -83,7 +83,7 @@ class Engine:
         self.grammars = GrammarCompiler(self.tokenizer, model.cfg.vocab_size, self.eos_token_ids)
         self.device = torch.device(cfg.device)
         rows = cfg.max_num_seqs * max(1, sc.width)  # the most rows a pass samples
-        self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device, rows)
+        self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device, rows, cfg.max_num_seqs)
         dtype = next(model.parameters()).dtype
         bounds = pool_bounds(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
         cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), *bounds)

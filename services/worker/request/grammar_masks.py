@@ -63,6 +63,7 @@ class _Filler:
     """The filler process, its pipe and its two shared-memory regions of mask rows."""
 
     def __init__(self, tokenizer: xgr.TokenizerInfo, rows: tuple[int, int], words: int) -> None:
+        self.rows = rows
         self.shms = [
             shared_memory.SharedMemory(create=True, size=max(1, r) * words * 4) for r in rows
         ]
@@ -153,13 +154,18 @@ def _stop(conn: Connection, proc: subprocess.Popen, shms: list) -> None:
 class GrammarMasks:
     """The masks of one pass at a time."""
 
-    def __init__(self, vocab_size: int, device: torch.device, max_rows: int) -> None:
+    def __init__(
+        self, vocab_size: int, device: torch.device, max_rows: int, max_seqs: int | None = None
+    ) -> None:
         """``vocab_size``: the logits' width (the compiled grammars' tokenizer info's);
-        ``max_rows``: the most rows one pass samples (sequences times the verify width)."""
+        ``max_rows``: the most rows one pass samples (sequences times the verify width), the
+        on-demand region's rows; ``max_seqs``: the most sequences a pass holds, the rows of
+        the region filled ahead (one per decoding sequence; default ``max_rows``)."""
         self.vocab_size = vocab_size
         self.device = device
         self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
         self.max_rows = max_rows
+        self.max_seqs = min(max_rows, max_seqs or max_rows)
         self._filler: _Filler | None = None  # started by the first constrained pass
         self._ahead: dict[int, tuple[int, int]] = {}  # request id -> (row, tokens) filled ahead
         self._ahead_tag = 0
@@ -167,6 +173,12 @@ class GrammarMasks:
         pinned = device.type == "cuda"
         self._host = torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
+
+    @property
+    def region_rows(self) -> tuple[int, int] | None:
+        """The filler's shared-memory rows by region (``AHEAD``, ``ON_DEMAND``); None before
+        the first constrained pass starts it."""
+        return None if self._filler is None else self._filler.rows
 
     def prefetch(self, running: Sequence[Request], ahead: bool) -> None:
         """After a step's tokens are accepted: the process forgets every request but the
@@ -177,7 +189,7 @@ class GrammarMasks:
         if f is None:
             return
         states = [r.grammar for r in running if r.grammar is not None]
-        live = [st for st in states if not st.terminated][: self.max_rows] if ahead else []
+        live = [st for st in states if not st.terminated][: self.max_seqs] if ahead else []
         try:
             f.close_except({st.id for st in states})
             for st in live:
@@ -203,7 +215,8 @@ class GrammarMasks:
         f = self._filler
         if f is None:
             f = self._filler = _Filler(
-                blocks[0].grammar.compiled.tokenizer_info, (self.max_rows, self.max_rows),
+                # rows by region: AHEAD, then ON_DEMAND
+                blocks[0].grammar.compiled.tokenizer_info, (self.max_seqs, self.max_rows),
                 self.words,
             )  # fmt: skip
         try:

@@ -221,7 +221,7 @@ def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> 
         req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
         req.grammar = c.state(JSON_SCHEMA, w[:4])
         reqs.append(req)
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3)
     try:
         masks.fill(decode_blocks(reqs))  # starts the process and opens the three
         masks.apply(torch.zeros(3, MINI_VOCAB))
@@ -232,6 +232,35 @@ def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> 
         masks.apply(logits)
         for i, (w, at) in enumerate(zip(walks, (4, 5, 4), strict=True)):
             want = allowed(reference_mask(compiled, w[:at], MINI_VOCAB), MINI_VOCAB)
+            assert torch.equal(logits[i] != float("-inf"), want), i
+    finally:
+        masks.close()
+
+
+def test_the_rows_filled_ahead_take_one_row_per_sequence() -> None:
+    """The region filled ahead holds ``max_seqs`` rows (one per decoding sequence), the
+    on-demand one ``max_rows`` (sequences times the verify width): with two seats' rows ahead
+    and a third request asking, the third is filled on demand, and every mask is the
+    matcher's."""
+    c = compiler("mini")
+    compiled = c.compile(JSON_SCHEMA)
+    walks = [random_walk(compiled, 8, MINI_VOCAB, MINI_EOS, seed=s) for s in range(3)]
+    reqs = []
+    for i, w in enumerate(walks):
+        req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
+        req.grammar = c.state(JSON_SCHEMA, w[:3])
+        reqs.append(req)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2)
+    try:
+        masks.fill(decode_blocks(reqs))
+        masks.apply(torch.zeros(3, MINI_VOCAB))
+        assert masks.region_rows == (2, 12)
+        masks.prefetch(reqs, ahead=True)  # rows ahead for the first two only
+        logits = torch.zeros(3, MINI_VOCAB)
+        masks.fill(decode_blocks(reqs))
+        masks.apply(logits)
+        for i, w in enumerate(walks):
+            want = allowed(reference_mask(compiled, w[:3], MINI_VOCAB), MINI_VOCAB)
             assert torch.equal(logits[i] != float("-inf"), want), i
     finally:
         masks.close()
