@@ -26,6 +26,7 @@ from services.worker.model.mla_mtp import MTPStep
 from services.worker.model.row_selection import key_rows
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
+from tests.worker.model import serving
 from tests.worker.mtp_fixture import FAMILIES, mtp_checkpoint
 
 SHIPPED = "models/glm-dsa-mini"  # the default model: its MTP layer is trained
@@ -148,14 +149,7 @@ def _drive(
             kv_cache_dtype=kv_cache_dtype, followers=followers, fused_kernels=fused,
         )
     )  # fmt: skip
-    seen: list[tuple[str, int, torch.Tensor]] = []
-    append = eng.emit
-
-    def record(req, tokens, logits):
-        seen.append((req.request_id, len(req.output_ids), logits.clone()))
-        return append(req, tokens, logits)
-
-    eng.emit = record  # type: ignore[method-assign]
+    seen = serving.recorded_emits(eng)
     g = torch.Generator().manual_seed(11)
     lens, budgets = (700, 90, 1300, 400, 260), (60, 25, 48, 33, 60)
     prompts = [torch.randint(0, 256, (n,), generator=g).tolist() for n in lens]

@@ -20,6 +20,20 @@ def engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
     return Engine(EngineConfig(**(base | kw)), host=host)
 
 
+def recorded_emits(eng: Engine) -> list[tuple[str, int, torch.Tensor]]:
+    """Makes ``eng`` record every emission: (request id, output tokens before it, the logits
+    of the tokens it emits), in order; the list fills as the engine runs."""
+    seen: list[tuple[str, int, torch.Tensor]] = []
+    emit = eng.emit
+
+    def record(req, tokens, logits):
+        seen.append((req.request_id, len(req.output_ids), logits.clone()))
+        return emit(req, tokens, logits)
+
+    eng.emit = record  # type: ignore[method-assign]
+    return seen
+
+
 def tight_pool_mib(path: Path, **kw) -> float:
     """A pool of 50 pages per layer (a draft layer's included) beyond the fixed allocations of
     an adaptive engine configured by ``kw``: admissions of later requests must reclaim

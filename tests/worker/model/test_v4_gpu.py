@@ -17,6 +17,7 @@ from services.worker.engine.engine import Engine
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests import hf_tiny, hf_tiny_v4
+from tests.worker.model import serving
 from tests.worker.mtp_fixture import v4_mtp_checkpoint
 
 pytestmark = pytest.mark.gpu
@@ -47,19 +48,6 @@ def _prompts() -> list[list[int]]:
     return [hf_tiny_v4.token_ids(n, 900 + n).tolist() for n in LENGTHS]
 
 
-def _recorded(eng: Engine) -> list[tuple[str, int, torch.Tensor]]:
-    """Every emitted token's (request, output index, logits), in order."""
-    seen: list[tuple[str, int, torch.Tensor]] = []
-    emit = eng.emit
-
-    def record(req, tokens, logits):
-        seen.append((req.request_id, len(req.output_ids), logits.clone()))
-        return emit(req, tokens, logits)
-
-    eng.emit = record  # type: ignore[method-assign]
-    return seen
-
-
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
 def test_every_mode_on_the_gpu_is_transformers_greedy(checkpoint, mode: str) -> None:
     ref, path = checkpoint
@@ -85,7 +73,7 @@ def test_the_hierarchy_in_bf16_on_the_gpu_gives_residents_logits(checkpoint) -> 
     for mode in ("resident", "hisparse", "adaptive"):
         eng = _engine(path, mode, "bfloat16")
         assert eng.passes.model.net.layers[1].attn.attn_sink.dtype == torch.float32
-        seen = _recorded(eng)
+        seen = serving.recorded_emits(eng)
         index = {r.request_id: i for i, r in enumerate(eng.generate(_prompts(), params))}
         eng.close()
         assert len(seen) == len(LENGTHS) * NEW_TOKENS

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import xgrammar as xgr
 
 from services.worker.request.grammar_masks import Block, GrammarMasks, decode_blocks
 from services.worker.request.grammar_vocab import tokenizer_info
@@ -208,19 +209,29 @@ def test_min_tokens_with_a_grammar_is_refused() -> None:
         compiler("byte").check(SamplingParams(min_tokens=2, grammar=JSON_OBJECT))
 
 
+def _schema_requests(
+    steps: int, past: int
+) -> tuple[xgr.CompiledGrammar, list[list[int]], list[Request]]:
+    """Three requests under ``JSON_SCHEMA`` (the mini tokenizer's), each past the first
+    ``past`` tokens of a random walk of ``steps`` through the grammar: (the compiled grammar,
+    the walks, the requests)."""
+    c = compiler("mini")
+    compiled = c.compile(JSON_SCHEMA)
+    walks = [random_walk(compiled, steps, MINI_VOCAB, MINI_EOS, seed=s) for s in range(3)]
+    reqs = []
+    for i, w in enumerate(walks):
+        req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
+        req.grammar = c.state(JSON_SCHEMA, w[:past])
+        reqs.append(req)
+    return compiled, walks, reqs
+
+
 def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> None:
     """After a step, the next decode row of every running constrained request is filled ahead
     in the process; the next pass uses it when the request's tokens are unchanged, and asks
     again for one that accepted a token since. Both equal the matcher stepped token by token;
     a request no longer running is forgotten by the process, and a later pass reopens it."""
-    c = compiler("mini")
-    compiled = c.compile(JSON_SCHEMA)
-    walks = [random_walk(compiled, 12, MINI_VOCAB, MINI_EOS, seed=s) for s in range(3)]
-    reqs = []
-    for i, w in enumerate(walks):
-        req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
-        req.grammar = c.state(JSON_SCHEMA, w[:4])
-        reqs.append(req)
+    compiled, walks, reqs = _schema_requests(12, 4)
     masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3)
     try:
         masks.fill(decode_blocks(reqs))  # starts the process and opens the three
@@ -242,14 +253,7 @@ def test_the_rows_filled_ahead_take_one_row_per_sequence() -> None:
     on-demand one ``max_rows`` (sequences times the verify width): with two seats' rows ahead
     and a third request asking, the third is filled on demand, and every mask is the
     matcher's."""
-    c = compiler("mini")
-    compiled = c.compile(JSON_SCHEMA)
-    walks = [random_walk(compiled, 8, MINI_VOCAB, MINI_EOS, seed=s) for s in range(3)]
-    reqs = []
-    for i, w in enumerate(walks):
-        req = Request(f"r{i}", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
-        req.grammar = c.state(JSON_SCHEMA, w[:3])
-        reqs.append(req)
+    compiled, walks, reqs = _schema_requests(8, 3)
     masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2)
     try:
         masks.fill(decode_blocks(reqs))
