@@ -35,8 +35,8 @@ target's as in the released checkpoints.
     model's own (CSA rows 256 B and index keys 64 B, HCA rows 8 B); the rest are the rows and
     keys that the sliding layers' sources and the HCA layers' index keys are sized for and
     never store. Per session besides: each layer's 128-row window and the compressors' rings.
-  - ``bench scaled`` runs this preset on a GPU (one H200: 78 GiB of weights) and, shrunk, on
-    the CPU in its tests.
+  - ``bench scaled`` runs this preset on a GPU whose memory holds its weights and, shrunk,
+    on the CPU in its tests.
 
 Pure Python, like ``presets``."""
 
