@@ -86,6 +86,7 @@ COUNTERS = {
     "accepted": names.SPEC_ACCEPTED_TOKENS,
 }
 POSITIONS = 4  # the draft positions whose acceptance rate a run reports
+MIN_ROUNDS = 100  # verify rounds per variant below which acceptance is not compared
 
 
 def counters(metrics_url: str) -> dict[str, float]:
@@ -279,7 +280,9 @@ def _summary(runs: dict[str, list[dict]]) -> dict:
         "tpot_p50_s": {v: statistics.mean(r["tpot_p50_s"] for r in rs) for v, rs in runs.items()},
         "later_ttft_p50_s": {v: _mean_of(rs, "later_ttft_p50_s") for v, rs in runs.items()},
         "same_text": sum(a == b for a, b in pairs) / len(pairs),
-        # acceptance with ÷ without reuse (goal: ≥ 0.98), where a drafter ran
+        # acceptance with ÷ without reuse (goal: ≥ 0.98), where a drafter verified enough
+        # rounds in both variants
+        "verify_rounds": {v: sum(r["drafts"] for r in rs) for v, rs in runs.items()},
         "acceptance_with_over_without": _acceptance_ratio(runs),
     }
 
@@ -291,5 +294,14 @@ def _mean_of(rs: list[dict], key: str) -> float | None:
 
 
 def _acceptance_ratio(runs: dict[str, list[dict]]) -> float | None:
-    got, without = (_mean_of(runs[v], "acceptance_length") for v in (WITH, WITHOUT))
-    return None if got is None or without is None else got / without
+    """Acceptance length with ÷ without reuse over each variant's rounds pooled; None where a
+    variant verified fewer than ``MIN_ROUNDS`` rounds (the online policy speculates only where
+    that pays: too few rounds to compare; ``--width-policy fixed`` verifies every step)."""
+    pooled = []
+    for v in (WITH, WITHOUT):
+        drafts = sum(r["drafts"] for r in runs[v])
+        if drafts < MIN_ROUNDS:
+            return None
+        accepted = sum((r["acceptance_length"] - 1) * r["drafts"] for r in runs[v])
+        pooled.append(1 + accepted / drafts)
+    return pooled[0] / pooled[1]

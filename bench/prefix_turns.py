@@ -40,6 +40,7 @@ from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
 from dhisparse.up import DEFAULT_DRAFTER
 from services.worker.engine.config import EngineConfig
+from services.worker.speculative.width_policy import WIDTH_POLICIES
 
 WITH, WITHOUT = "prefix cache (make run)", "no prefix cache"
 GOAL_COMPUTED_SHARE = 0.10
@@ -127,6 +128,11 @@ def add_stack_arguments(ap: argparse.ArgumentParser) -> None:
         "resident shares device pages, without the MTP layer: --drafter none)",
     )  # fmt: skip
     ap.add_argument("--device", default="cpu", help="the worker's device (cpu, cuda)")
+    ap.add_argument(
+        "--width-policy", default=None, choices=WIDTH_POLICIES,
+        help="the drafter's width policy (default make run's, online: it speculates where "
+        "that pays on this machine; fixed: every round at the width, for acceptance)",
+    )  # fmt: skip
     ap.add_argument("--kv-pool-mib", type=float, default=None, help="default make run's")
     ap.add_argument("--max-model-len", type=int, default=None, help="default make run's")
 
@@ -138,7 +144,10 @@ def stack_config(args: argparse.Namespace) -> EngineConfig:
     for field in ("mode", "kv_pool_mib", "max_model_len"):
         if getattr(args, field) is not None:
             changes[field] = getattr(args, field)
-    return replace(make_run_config(args.model, drafter), **changes)
+    cfg = replace(make_run_config(args.model, drafter), **changes)
+    if args.width_policy is not None and drafter is not None:
+        cfg = replace(cfg, speculation=replace(cfg.speculation, width_policy=args.width_policy))
+    return cfg
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:

@@ -1,7 +1,7 @@
 """``bench agent-trace``'s parts that need no stack: a trace's conversations (one system prompt
 shared by every session, fresh per repeat) and the summary's arithmetic (throughput ratio of the
 repeats' means, the noise as the largest relative spread of one variant's repeats, acceptance
-with ÷ without, equal texts)."""
+with ÷ without pooled over enough rounds, equal texts)."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import pytest
 
 from bench.agent_trace import WITH, WITHOUT, Trace, _summary
 from bench.cpu_stream import MODEL
+from bench.prefix_turns import add_stack_arguments, stack_config
 
 
 def _args(**kw) -> argparse.Namespace:
@@ -31,9 +32,10 @@ def test_a_trace_shares_its_system_prompt_and_each_repeat_draws_a_fresh_one() ->
     assert one.questions == [[], [], []]
 
 
-def _run(tput: float, acceptance: float | None, texts: list[str]) -> dict:
+def _run(tput: float, acceptance: float | None, texts: list[str], drafts: int = 100) -> dict:
     return {"output_tok_per_s": tput, "computed_share": 0.1, "later_ttft_p50_s": 0.5,
-            "tpot_p50_s": 0.05, "acceptance_length": acceptance, "texts": texts}  # fmt: skip
+            "tpot_p50_s": 0.05, "acceptance_length": acceptance, "texts": texts,
+            "drafts": drafts if acceptance is not None else 0}  # fmt: skip
 
 
 def test_the_summary_compares_the_means_of_the_repeats() -> None:
@@ -46,8 +48,27 @@ def test_the_summary_compares_the_means_of_the_repeats() -> None:
     assert s["per_repeat"] == pytest.approx([3.0, 34.0 / 6.0])
     assert s["noise"] == pytest.approx(4.0 / 8.0)  # WITHOUT's spread: 4 around a mean of 8
     assert s["acceptance_with_over_without"] == pytest.approx(2.6 / 2.6)
+    assert s["verify_rounds"] == {WITH: 200, WITHOUT: 200}
     assert s["same_text"] == pytest.approx(3 / 4)
+    # pooled over rounds: 300 rounds at 2.5 and 100 at 2.7 give 2.55
+    runs[WITH][0]["drafts"] = 300
+    assert _summary(runs)["acceptance_with_over_without"] == pytest.approx(2.55 / 2.6)
+    runs[WITH][0]["drafts"] = runs[WITH][1]["drafts"] = 40  # too few rounds to compare
+    assert _summary(runs)["acceptance_with_over_without"] is None
     runs[WITH][0]["acceptance_length"] = None  # no drafter ran
+    runs[WITH][0]["drafts"] = 0
     assert _summary(runs)["acceptance_with_over_without"] is None
     one = {v: rs[:1] for v, rs in runs.items()}
     assert _summary(one)["noise"] is None  # one repeat: no spread to state
+
+
+def test_the_stack_takes_make_runs_width_policy_unless_told() -> None:
+    """The stacks are ``make run``'s (its drafter under the online policy); ``--width-policy
+    fixed`` verifies every step at the width, so acceptance is measured over every round."""
+    ap = argparse.ArgumentParser()
+    add_stack_arguments(ap)
+    assert stack_config(ap.parse_args([])).speculation.width_policy == "online"
+    fixed = stack_config(ap.parse_args(["--width-policy", "fixed"]))
+    assert fixed.speculation.width_policy == "fixed" and fixed.speculation.drafter
+    plain = stack_config(ap.parse_args(["--drafter", "none", "--width-policy", "fixed"]))
+    assert not plain.speculation.on
