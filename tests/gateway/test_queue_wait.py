@@ -176,12 +176,15 @@ async def test_a_burst_beyond_capacity_is_served_or_refused_at_once_by_the_gatew
             # measure the service; then who cannot make it is told at once
             cold = await _burst(client, BURST)
             warm = await _burst(client, BURST)  # the service is known on arrival
-    for results, refused_within in ((cold, 1.0), (warm, 0.3)):
+    # times relative to the burst's own waves (a loaded host stretches them all alike): cold,
+    # refused before the second wave is served; warm, before the first is
+    for results, wave in ((cold, 1), (warm, 0)):
         statuses = [r.status_code for r, _ in results]
         assert set(statuses) <= {200, 429}, statuses  # no one waited out the deadline
         refused = [(r, t) for r, t in results if r.status_code == 429]
         assert len(refused) >= BURST // 3 and statuses.count(200) >= 3 * SEATS
+        served_by = sorted(t for r, t in results if r.status_code == 200)[wave * SEATS]
         for r, t in refused:
             assert r.headers["x-dhisparse-reason"] == "expected-wait"
             assert int(r.headers["Retry-After"]) >= 1
-            assert t < refused_within, t
+            assert t < served_by, (t, served_by)
