@@ -112,7 +112,7 @@ def select(model, prompt: list[int], steps: int, k: int, far: int, device: str) 
     n = len(prompt)
     kv = KVCache(cfg, KVCacheConfig(
         max_slots=1, max_model_len=n + steps + 1, kv_pool_bytes=_pool_bytes(cfg, n + steps + 1),
-        max_prefill_tokens=CHUNK, dtype=next(model.parameters()).dtype, device=device,
+        max_prefill_tokens=CHUNK, dtype=model.dtype, device=device,
         page_size=16,
     ))  # fmt: skip
     assert kv.admit(0, "census", n, n + steps + 1)

@@ -289,7 +289,7 @@ def _engine(
     ``spec``: its speculation (None: plain decoding)."""
     mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
     codecs = kv_codecs(model.cfg, args.kv_cache_dtype, dtype)
     per_token = bytes_per_token(
         model.cfg, dtype.itemsize, True, codecs.rows.row_bytes, codecs.keys.row_bytes

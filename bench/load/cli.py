@@ -169,7 +169,7 @@ def pool_sizing(family: str, ctx: int, model, args: argparse.Namespace) -> dict:
     """The KV budget and host arena of every engine at ``ctx``, and how they were reached."""
     session = ctx + args.output_len + args.spec_width + 16
     if args.pool_mib is not None or family == TINY:
-        dtype = next(model.parameters()).dtype
+        dtype = model.dtype
         codecs = kv_codecs(model.cfg, args.kv_cache_dtype, dtype)
         per_token = bytes_per_token(model.cfg, torch.empty((), dtype=dtype).element_size(), True,
                                     codecs.rows.row_bytes, codecs.keys.row_bytes)  # fmt: skip

@@ -52,7 +52,7 @@ class EngineSizing:
 def _config(model, name: str, v: Variant, s: EngineSizing) -> tuple[EngineConfig, int]:
     """``v``'s engine configuration and the fixed bytes beside the KV budget in its pool."""
     device = next(model.parameters()).device.type
-    dtype = next(model.parameters()).dtype
+    dtype = model.dtype
     hierarchy = v.mode != "resident"
     common = dict(
         model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=v.mode,

@@ -44,7 +44,7 @@ def pool_bytes(target: Target, cfg: EngineConfig, sizing: Sizing) -> tuple[int, 
     """(pool, fixed): every mode gets the budget plus its fixed allocations: the index-score
     workspace, and in a hierarchy mode prefill scratch, hot-cache metadata and staging for its
     verification block."""
-    dtype = next(target.model.parameters()).dtype
+    dtype = target.model.dtype
     kv_cfg = cfg.kv_config(dtype)
     fixed = workspace_bytes(target.model.cfg, kv_cfg)
     if cfg.mode != "resident":

@@ -84,7 +84,7 @@ class Engine:
         self.device = torch.device(cfg.device)
         rows = cfg.max_num_seqs * max(1, sc.width)  # the most rows a pass samples
         self.grammar_masks = GrammarMasks(model.cfg.vocab_size, self.device, rows, cfg.max_num_seqs)
-        dtype = next(model.parameters()).dtype
+        dtype = model.dtype
         bounds = pool_bounds(model.cfg, replace(cfg, kv_pool_mib=0).kv_config(dtype))
         cfg = self.cfg = with_sized_pool(cfg, comm, device_free_bytes(cfg.device), *bounds)
         kv_cfg = cfg.kv_config(dtype)

@@ -82,6 +82,11 @@ class SparseDecoder(nn.Module):
     def rotary(self, positions: torch.Tensor) -> Rotary:
         return Rotary(positions, self.cfg.rope_theta)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its rows and activations are computed in: the token embedding's."""
+        return self.embed.weight.dtype
+
     def use_triton_attention(self) -> None:
         from services.worker.ops.sparse_attention_triton import sparse_attention_triton
 

@@ -157,6 +157,12 @@ class V4Model(nn.Module):
             self._follow_target(input_ids, streams, batch, kv)
         return self.net.final(streams)
 
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype its rows and activations are computed in: the token embedding's (the
+        tensors ``v4_precision`` keeps in fp32 come first among its parameters)."""
+        return self.net.embed.weight.dtype
+
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> [..., vocab] fp32."""
         return self.net.head(hidden).float()

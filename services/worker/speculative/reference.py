@@ -49,7 +49,7 @@ class SpecOutput:
 
 def _kv(target: SparseDecoder, max_len: int, block: int) -> KVCache:
     device = next(target.parameters()).device
-    dtype = next(target.parameters()).dtype
+    dtype = target.dtype
     cfg = KVCacheConfig(
         mode="resident",
         kv_pool_bytes=64 << 20,

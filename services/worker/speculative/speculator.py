@@ -68,7 +68,7 @@ def make_drafter(
 ) -> RuntimeDrafter:
     """``spec``: a drafter kind (random weights, seeded), ``mtp`` (the target's own MTP layer,
     run by the engine's passes ``mtp``) or a checkpoint directory."""
-    dtype = next(target.parameters()).dtype
+    dtype = target.dtype
     if spec == MTPDrafter.kind:
         if not isinstance(target, MLADecoder | V4Model) or target.mtp is None or mtp is None:
             raise ValueError("the MTP drafter needs a target loaded with its MTP layer")

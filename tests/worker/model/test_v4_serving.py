@@ -111,6 +111,7 @@ def test_bf16_serving_keeps_transformers_fp32_logits_within_bf16(tmp_path) -> No
     attn = model.net.layers[1].attn
     assert attn.attn_sink.dtype == attn.q_norm.weight.dtype == torch.float32
     assert attn.wq_a.weight.dtype == model.net.embed.weight.dtype == torch.bfloat16
+    assert model.dtype == torch.bfloat16  # what the engine sizes its KV rows and rings in
     kv = KVCache(model.cfg, KVCacheConfig(max_slots=3, max_model_len=128, dtype=torch.bfloat16))
     seqs = {2: hf_tiny_v4.token_ids(45, 23), 0: hf_tiny_v4.token_ids(38, 24)}
     for slot, ids in seqs.items():
