@@ -41,11 +41,11 @@ from functools import partial
 import torch
 
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.pass_rows import key_rows
 from services.worker.kv.pass_state import PassState, Written
 from services.worker.model.decoder import SparseDecoder
 from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStep, greedy_block
-from services.worker.model.row_selection import key_rows
 from services.worker.serving.cache import KVCache
 
 # A drafter's block pass (``Drafter.draft``): (slots, committed, anchors, temperatures, noise)

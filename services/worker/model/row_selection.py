@@ -8,19 +8,11 @@ import torch
 
 from dhisparse.family.config import ModelConfig
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.pass_rows import key_rows
 from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
 from services.worker.ops import index_scores, select_topk
 from services.worker.ops.fusion import fused
 from services.worker.serving.cache import KVCache
-
-
-def key_rows(rows: int) -> int:
-    """The index-key width a decode pass gathers when its longest request sees ``rows`` rows:
-    rounded up to an eighth of its power of two (>= 256), so the width, and with it a captured
-    decode graph, changes once every few thousand tokens, at most 12.5% (and 255 rows) over.
-    Eager and captured passes use the same width, so they compute the same scores."""
-    step = max(256, 1 << max(0, rows.bit_length() - 4))
-    return -(-rows // step) * step
 
 
 def select_rows(

@@ -38,6 +38,7 @@ from torch import nn
 
 from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
+from services.worker.kv.pass_rows import visible_width
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.hot_vocab import HotHead
@@ -49,18 +50,6 @@ from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
 from services.worker.ops import sparse_attention_ref
 from services.worker.serving.cache import STATE_RINGS, KVCache
-from services.worker.transfers import to_device
-
-
-def completed_rows(batch: ForwardBatch, rate: int) -> tuple[list[int], list[int]]:
-    """(batch request, row index) of every row of ``rate`` tokens the pass's chunks complete:
-    rows ``start // rate .. end // rate - 1`` of each request."""
-    reqs, rows = [], []
-    for r, (start, n) in enumerate(zip(batch.starts, batch.lens, strict=True)):
-        span = range(start // rate, (start + n) // rate)
-        reqs += [r] * len(span)
-        rows += span
-    return reqs, rows
 
 
 def pooled_rows(
@@ -291,19 +280,20 @@ class V4Model(nn.Module):
         rings: dict[tuple[int, str], TokenRing],
     ) -> None:  # fmt: skip
         """Layer ``i`` computes its source's rows: the compressed rows the pass's chunks
-        complete into the payload and, CSA, their index keys."""
-        reqs, done = completed_rows(batch, attn.rate)
-        req_t, row_t = to_device(reqs, x.device), to_device(done, x.device)
-        slots = batch.slots[req_t]
+        complete (planned by the pass's state, ``pass_rows``) into the payload and, CSA, their
+        index keys."""
+        done = kv.payload.pass_state.completed_rows(attn.rate)
         ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
-        if done:
-            rows_new = pooled_rows(attn.compressor, ext_rows, req_t, row_t)
-            kv.payload.write_rows(self.cfg.layers[i].source, slots, row_t, rows_new)
+        slots = None if done is None else batch.slots[done.reqs]
+        if done is not None:
+            rows_new = pooled_rows(attn.compressor, ext_rows, done.reqs, done.rows)
+            kv.payload.write_rows(self.cfg.layers[i].source, slots, done.rows, rows_new)
         if attn.kind == "csa":
             comp = attn.indexer.compressor
             ext_keys = rings[i, "index"].extend(batch, comp.project(x))
-            if done:
-                kv.index_keys.write(i, slots, row_t, pooled_rows(comp, ext_keys, req_t, row_t))
+            if done is not None:
+                keys = pooled_rows(comp, ext_keys, done.reqs, done.rows)
+                kv.index_keys.write(i, slots, done.rows, keys)
 
 
 @dataclass(frozen=True)
@@ -344,8 +334,9 @@ def pick_rows(i: int, s: int, batch: ForwardBatch, kv: KVCache, selection: torch
 
 def every_visible_row(batch: ForwardBatch, rate: int) -> torch.Tensor:
     """[N, S] every compressed row each query sees (``w < (t + 1) // rate``) in row order,
-    ``-1`` beyond; S: the most any request sees after its chunk (at least 1)."""
-    width = max(1, *(end // rate for end in batch.ends()))
+    ``-1`` beyond; S: ``visible_width`` of the most any request sees after its chunk (the width
+    a CUDA graph's key names)."""
+    width = visible_width(max(batch.ends()) // rate)
     rows = torch.arange(width, device=batch.positions.device)
     seen = ((batch.positions + 1) // rate).unsqueeze(1)
     return torch.where(rows < seen, rows, torch.full_like(rows, -1))

@@ -25,6 +25,7 @@ from services.worker.kv.backend import FixedResidency, ResidencyControl
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import FollowerPrefetch, ResidencyConfig
 from services.worker.kv.errors import HostStoreUnavailable, describe
+from services.worker.kv.pass_rows import source_rates
 from services.worker.kv.pass_state import PassState
 from services.worker.kv.reports import Census
 from services.worker.residency.completions import CudaCompletions, ImmediateCompletions
@@ -57,7 +58,7 @@ class HierarchyPayload:
         self.planner = Planner(cfg, store.tail, [g.scratch for g in store.geo], self.device)
         self.prefixes = Prefixes(cfg, store)
         slot_index = torch.full((shape.max_slots,), -1, dtype=torch.int64, device=self.device)
-        self.pass_state = PassState(slot_index=slot_index)
+        self.pass_state = PassState(slot_index=slot_index, sources=source_rates(cfg))
         self.selections = Selections(store, self.pass_state, prefetch)
         self._next: PlannedAhead | None = None  # the likely next decode pass's plans
         self._epoch = 0  # advances when a slot is seated or released

@@ -10,6 +10,7 @@ from services.kv_host_store.records import Region
 from services.worker.kv.backend import FixedResidency
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.paged import PagedGroup
+from services.worker.kv.pass_rows import source_rates
 from services.worker.kv.pass_state import PassState
 from services.worker.kv.row_codec import RowCodec
 
@@ -35,7 +36,7 @@ class ResidentPayload(PagedGroup):
             compress, self.codec.stored_width, tokens_capacity, page_size, max_slots,
             max_model_len, self.codec.storage, device,
         )  # fmt: skip
-        self.pass_state = PassState()  # rows are written where they live: no plans
+        self.pass_state = PassState(sources=source_rates(cfg))  # rows written where they live
         self.residency = FixedResidency()  # every row stays where it was written
 
     # ---- a forward pass ---------------------------------------------------------------------

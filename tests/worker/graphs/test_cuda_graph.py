@@ -22,8 +22,8 @@ from services.worker.graphs.cuda_graph import (
     graph_limit,
 )
 from services.worker.kv.config import FollowerPrefetch
+from services.worker.kv.pass_rows import key_rows
 from services.worker.model.mla_mtp import MTPStep
-from services.worker.model.row_selection import key_rows
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests.worker.model import serving

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dhisparse.family.presets import preset_topology
 from services.worker.kv.config import KVCacheConfig
+from services.worker.kv.pass_rows import key_rows
 from services.worker.kv.workspace import (
     index_score_bytes,
     padded_keys,
     workspace_bytes,
 )
-from services.worker.model.row_selection import key_rows
 
 
 def test_the_bound_follows_the_models_scoring_shapes() -> None:
