@@ -22,9 +22,10 @@ to ``logs.tgz``.
                  transformers (``bench slices``)
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
-    scaled-v4    the real-dimension DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32
-                 experts, bf16) per mode at 8K and at 32K, C = 1 and 4, one context per
-                 step: an H200 (78 GiB of weights)
+    scaled-v4    V4's GPU tests (graph replays included), then the real-dimension
+                 DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32 experts, bf16) per mode
+                 at 8K and at 32K, C = 1 and 4, on CUDA graphs, one context per step: an
+                 H200 (78 GiB of weights)
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
     host-layout-serving  a serving step's host recovery through the engine's resolver launches,
                  256 requests over a >= 32 GiB arena, scattered vs grouped placement
@@ -129,22 +130,22 @@ SCALED_32K_STEPS = tuple(
     )
     for family in FAMILIES
 )
-# DeepSeek-V4-Flash at real dimensions per mode, one context per step (C = 1, 4). Its sources are
-# windowed and compressed, so CUDA graphs are off (the rows say so) and one warm-up run (no
-# capture to wait for) suffices: each step prefills 10 requests per mode, eager. Memory: 78.05
-# GiB of bf16 weights; per session at 32K (``dhisparse plan --model
+# DeepSeek-V4-Flash at real dimensions per mode, one context per step (C = 1, 4), decode passes
+# replayed as CUDA graphs (two warm-up runs: a key is captured at its second sighting). Memory:
+# 78.05 GiB of bf16 weights; per session at 32K (``dhisparse plan --model
 # tests/fixtures/configs/deepseek-v4-flash --context 32768 --hot-cache-rows 4096``) 0.317 GiB
 # resident, 0.256 GiB in the hierarchy and 0.249 GB of host backups, so the three engines' pools
 # take some 4 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
 # H200 (about 139 GiB), not an H100.
-# First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, MTP
-# speculation) and the sparse attention kernels' sinks at V4's shape.
+# First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, graph
+# replays against eager passes, MTP speculation), tiny-dsv4's graph replays and the sparse
+# attention kernels' sinks at V4's shape.
 V4_TESTS = Step(
     "v4-tests",
     "-m bench gpu-tests tests/worker/model/test_v4_gpu.py tests/worker/ops/test_sparse_attention.py "
-    "tests/worker/ops/test_sparse_attention_onepass.py -k 'v4 or sink' "
-    "--out {out}/gpu_tests_v4.json",
-    240,
+    "tests/worker/ops/test_sparse_attention_onepass.py tests/worker/graphs/test_cuda_graph.py "
+    "-k 'v4 or sink or compressed_windowed' --out {out}/gpu_tests_v4.json",
+    330,
 )
 SCALED_V4_STEPS = (
     V4_TESTS,
@@ -152,7 +153,7 @@ SCALED_V4_STEPS = (
         Step(
             f"scaled-v4-{short}",
             f"-m bench scaled --family v4flash-scaled --weights bf16 --contexts {ctx} "
-            f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 1 --host-gib 8 "
+            f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 2 --host-gib 8 "
             f"--out {{out}}/scaled_v4flash_{short}.json",
             limit,
         )

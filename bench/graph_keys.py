@@ -99,10 +99,6 @@ class KeyCounter:
 def count(args, name: str, c: int, prompts: list[list[int]]) -> dict:
     drafter, policy = (None, "fixed") if name == "none" else name.split("/")
     eng = Engine(spec.config(args, drafter, policy, 1 if drafter is None else 8))
-    if not DecodeGraphs.supports(eng.model):
-        raise SystemExit(
-            f"{args.model}: its passes are not captured (compressed or windowed sources)"
-        )
     keys = KeyCounter(eng, eng.speculator.k_max if eng.speculator is not None else 1)
     eng.passes.graphs = keys  # type: ignore[assignment]
     if eng.speculator is not None:

@@ -18,8 +18,9 @@ timed requests (steady state: replays > 0, eager = 0), sessions admitted.
 
 DeepSeek-V4 (``V4_SCALED``) is built in bf16 (``--weights bf16``: its model holds dense
 weights; the tensors V4 holds in fp32 stay so) and served with the Triton resolver and sparse
-attention (the heads' sinks in the kernel); its rows say why CUDA graphs are off (its sources
-are windowed and compressed). Settings the engine does not serve V4 with
+attention (the heads' sinks in the kernel), its decode passes replayed as CUDA graphs like the
+other families' (a pass completing compressed rows is keyed by how many: a rare key, such as
+an HCA row every 128 tokens, runs eagerly at its first sighting). Settings the engine does not serve V4 with
 (``engine/v4_check``) are refused before the build, named; ``run_context`` on the CPU, with
 the preset shrunk, is the test.
 

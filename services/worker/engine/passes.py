@@ -138,8 +138,6 @@ def graphs_off(
         return "turned off (--no-cuda-graphs)"
     if device.type != "cuda":
         return f"device {device} is not a GPU"
-    if not DecodeGraphs.supports(model):
-        return "the model has compressed or windowed KV sources"
     if any(src.lag for src in model.cfg.sources) and not cfg.mtp:
         return "served with its MTP layer, whose passes are not captured (--no-cuda-graphs-mtp)"
     if check_invariants:  # the checks read counters back: not capturable

@@ -294,6 +294,7 @@ class _PassGraph:
     batch: ForwardBatch  # the captured batch: holds every input tensor the graph reads
     tokens: torch.Tensor  # [N] the new tokens (with the batch's slots and positions, refilled)
     plan_rows: torch.Tensor | None  # [U, 5, R] the hierarchy plans' rows the graph reads
+    completion_rows: torch.Tensor | None  # [2, G] the compressed rows the pass completes
     written: Written  # the rows the captured pass writes (read by the commit)
     inputs: tuple[torch.Tensor | None, ...]  # the pass's other inputs, refilled
     outputs: object  # what the pass returns: the graph's own tensors
@@ -371,13 +372,6 @@ class DecodeGraphs(_Captures):
         self.max_width = max_width
         self.mtp_blocks = mtp_blocks
         self._reserved = False
-
-    @staticmethod
-    def supports(model: SparseDecoder) -> bool:
-        """Sources without token rings (no compression, no local window): their passes write
-        every row where it lives, with no host-sized scatter. A lagged source (the MTP
-        layer's) is one: the carry it reads takes a decode or verify pass's rows whole."""
-        return all(src.compress == 1 and src.window == 0 for src in model.cfg.sources)
 
     def covers(self, batch: ForwardBatch) -> bool:
         """Whether ``batch`` is a pass these graphs take: every request adds W <= max_width
@@ -545,6 +539,9 @@ class DecodeGraphs(_Captures):
         if g.plan_rows is not None:
             assert state.plan_rows is not None
             g.plan_rows.copy_(state.plan_rows)
+        if g.completion_rows is not None:
+            assert state.completion_rows is not None
+            g.completion_rows.copy_(state.completion_rows)
         for dst, src in zip(g.inputs, inputs, strict=True):
             if dst is not None:
                 dst.copy_(src)
@@ -563,12 +560,14 @@ class DecodeGraphs(_Captures):
         g_tokens = tokens.clone()
         g_inputs = tuple(None if x is None else x.clone() for x in inputs)
         written = dict(state.written)  # this step's, for its commit
-        plan_rows = state.plan_rows
+        plan_rows, completion_rows = state.plan_rows, state.completion_rows
         graph, outputs = self._record(lambda: run(g_tokens, static, g_inputs), out)
         captured = dict(state.written)  # what every replay writes
         state.written.clear()
         state.written.update(written)
-        self.store(key, _PassGraph(graph, static, g_tokens, plan_rows, captured, g_inputs, outputs))
+        self.store(key, _PassGraph(
+            graph, static, g_tokens, plan_rows, completion_rows, captured, g_inputs, outputs
+        ))  # fmt: skip
         return out
 
     def _reserve(self) -> None:

@@ -244,17 +244,15 @@ class SparseDecoder(nn.Module):
                 keep = rows >= 0
                 slots, rows, values = slots[keep], rows[keep], values[keep]
         else:
-            dev = tok_rows.device
-            lo = batch.starts_t // m
-            hi = (batch.starts_t + batch.cu_lens[1:] - batch.cu_lens[:-1]) // m
-            count = hi - lo
-            group_req = torch.repeat_interleave(torch.arange(len(count), device=dev), count)
-            first = torch.cumsum(count, 0) - count
-            rows = lo[group_req] + torch.arange(len(group_req), device=dev) - first[group_req]
-            pos = rows.unsqueeze(1) * m + torch.arange(m, device=dev).unsqueeze(0)
-            idx = st.ext[s].index(group_req.unsqueeze(1).expand_as(pos), pos)
-            values = attn.compress(st.ext[s].rows[idx]) if len(rows) else tok_rows[:0]
-            slots = batch.slots[group_req]
+            done = kv.payload.pass_state.completed_rows(m)  # planned on the host
+            if done is None:
+                slots, rows, values = batch.slots[:0], batch.starts_t[:0], tok_rows[:0]
+            else:
+                offs = torch.arange(m, device=tok_rows.device)
+                pos = done.rows.unsqueeze(1) * m + offs.unsqueeze(0)
+                idx = st.ext[s].index(done.reqs.unsqueeze(1).expand_as(pos), pos)
+                slots, rows = batch.slots[done.reqs], done.rows
+                values = attn.compress(st.ext[s].rows[idx])
         if rows.numel():
             kv.payload.write_rows(s, slots, rows, values)
         st.new_rows[s] = (slots, rows, values, keep)

@@ -233,6 +233,10 @@ class HierarchyPayload:
         """The resolver's workspaces at their largest on ``stream`` and on the stream the
         followers resolve on (a parallel branch of the captured graph)."""
         k = self.cfg.index_topk
+        if any(m > 1 for m, _ in self.pass_state.sources):
+            # a compressed source's layer may resolve every visible row, a hot cache's worth
+            # of columns at a time (DeepSeek-V4's HCA layers): room for the widest
+            k = max(k, *(h.entries for h in self.store.hot))
         side = self.selections.side_stream
         for s in (stream,) if side is None else (stream, side):
             for entries in {h.entries for h in self.store.hot}:

@@ -10,6 +10,7 @@ from dhisparse import metrics as m
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.metrics import WorkerMetrics
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
@@ -165,16 +166,17 @@ def test_the_chosen_configuration_is_exported_with_why_graphs_are_off() -> None:
 
 
 @pytest.mark.gpu
-def test_graphs_off_for_compressed_sources_say_so() -> None:
-    """Decode graphs do not cover token rings: a model with compressed or windowed sources runs
-    eagerly on a GPU, and the exported configuration says why."""
-    engine = Engine(EngineConfig(model="tiny-dsv4", device="cuda", kv_pool_mib=256))
+def test_graphs_off_say_why() -> None:
+    """A GPU engine with graphs turned off exports why; one with them on (a model with
+    compressed, windowed sources too) exports none."""
+    engine = Engine(EngineConfig(model="tiny-glm", device="cuda", kv_pool_mib=256,
+                                 graphs=GraphConfig(False)))  # fmt: skip
     metrics = WorkerMetrics("t")
     metrics.describe(engine)
     info = _config_info(metrics)
-    assert info["cuda_graphs"] == "off" and "compressed or windowed" in info["graphs_off_reason"]
+    assert info["cuda_graphs"] == "off" and "--no-cuda-graphs" in info["graphs_off_reason"]
     engine.close()
-    cuda = Engine(EngineConfig(model="tiny-glm", device="cuda", kv_pool_mib=256))
+    cuda = Engine(EngineConfig(model="tiny-dsv4", device="cuda", kv_pool_mib=256))
     metrics = WorkerMetrics("u")
     metrics.describe(cuda)
     assert _config_info(metrics)["cuda_graphs"] == "on"

@@ -1,9 +1,9 @@
 """DeepSeek-V4 served on the GPU (``model/v4_serving.py`` through the Triton resolver and sparse
-attention, the heads' sinks in the kernel; CUDA graphs off for its windowed, compressed
-sources): on a tiny random checkpoint, greedy tokens of every serving mode in fp32 are
-transformers' (within near-ties the kernels' rounding may break either way), the hierarchy
-modes in bf16 give resident's logits bit for bit, and speculation with V4's MTP layer gives
-plain greedy's tokens."""
+attention, the heads' sinks in the kernel; decode and verify passes and the MTP layer's draft
+steps replayed as CUDA graphs): on a tiny random checkpoint, greedy tokens of every serving
+mode in fp32 are transformers' (within near-ties the kernels' rounding may break either way),
+the hierarchy modes in bf16 give resident's logits bit for bit, replayed passes give the eager
+passes' logits bit for bit, and speculation with V4's MTP layer gives plain greedy's tokens."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import torch
 
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from tests import hf_tiny, hf_tiny_v4
@@ -24,7 +25,6 @@ pytestmark = pytest.mark.gpu
 
 LENGTHS = (120, 45, 90, 200)
 NEW_TOKENS = 16
-GRAPHS_OFF = "the model has compressed or windowed KV sources"
 TIE = 1e-3  # fp32 logits closer than this may take either side under other rounding
 
 
@@ -52,7 +52,7 @@ def _prompts() -> list[list[int]]:
 def test_every_mode_on_the_gpu_is_transformers_greedy(checkpoint, mode: str) -> None:
     ref, path = checkpoint
     eng = _engine(path, mode, "float32")
-    assert eng.graphs_off_reason == GRAPHS_OFF
+    assert eng.graphs_off_reason is None
     params = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True)
     prompts = _prompts()
     outs = [r.output_ids for r in eng.generate(prompts, params)]
@@ -99,3 +99,37 @@ def test_mtp_speculation_on_the_gpu_is_plain_greedy(tmp_path_factory, mode: str)
     assert [r.output_ids for r in eng.generate(_prompts(), params)] == want
     assert eng.speculator is not None and eng.speculator.counters.drafts > 0
     eng.close()
+
+
+def _emitted(eng: Engine, params: SamplingParams) -> dict[tuple[int, int], torch.Tensor]:
+    """(prompt index, output tokens before it) -> the logits of the tokens each emission gave."""
+    seen = serving.recorded_emits(eng)
+    index = {r.request_id: i for i, r in enumerate(eng.generate(_prompts(), params))}
+    return {(index[r], n): logits for r, n, logits in seen}
+
+
+@pytest.mark.parametrize("mtp", [False, True], ids=["plain", "mtp"])
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_replayed_passes_equal_the_eager_passes(tmp_path_factory, checkpoint, mode, mtp) -> None:
+    """Decode passes (with MTP speculation: verify passes and the MTP layer's draft steps too)
+    replayed from CUDA graphs give every emitted token's logits bit for bit as eager passes:
+    the compressed rows a pass completes are written from the host's plan (padded to a power of
+    two; counts that change from step to step), the HCA layers' widths bucketed, the window
+    and the compressors' state read from the token rings inside the graph."""
+    path = v4_mtp_checkpoint(tmp_path_factory)[1] if mtp else checkpoint[1]
+    spec = SpeculationConfig("mtp", 4, "fixed") if mtp else SpeculationConfig()
+    params = SamplingParams(temperature=0.0, max_tokens=48, ignore_eos=True)
+    eager = _engine(path, mode, "float32", graphs=GraphConfig(False), speculation=spec)
+    want = _emitted(eager, params)
+    eager.close()
+    eng = _engine(path, mode, "float32", speculation=spec)
+    got = _emitted(eng, params)
+    graphs = eng.passes.graphs
+    assert graphs is not None and graphs.captures > 1, "no graph captured"
+    assert graphs.replays > 20, f"{graphs.replays} replays, {graphs.eager} eager passes"
+    if mode != "resident":
+        assert eng.kv.payload.census.host > 0
+    eng.close()
+    assert got.keys() == want.keys()
+    for key, logits in want.items():
+        assert torch.equal(got[key], logits), f"{key}: logits differ"
