@@ -205,10 +205,11 @@ def test_replayed_passes_over_compressed_windowed_sources_equal_the_eager_ones(
     written from the host's plan, the window read from the token ring inside the graph."""
     eager, ref = _drive(mode, graphs=False, drafter=drafter, model="tiny-dsv4")
     graphed, got = _drive(mode, graphs=True, drafter=drafter, model="tiny-dsv4")
-    assert graphed.passes.graphs is not None and graphed.passes.graphs.replays > 50
     assert [(r, n) for r, n, _ in got] == [(r, n) for r, n, _ in ref]
     for (r, n, a), (_, _, b) in zip(ref, got, strict=True):
         assert torch.equal(a, b), f"{r} token {n}: logits differ"
+    # fewer than tiny-glm's: a pass is keyed by how many rows it completes too
+    assert graphed.passes.graphs is not None and graphed.passes.graphs.replays > 30
     eager.close()
     graphed.close()
 
