@@ -1,6 +1,6 @@
 """What the engine serves DeepSeek-V4 with: any serving mode, on the CPU or a GPU (the Triton
-resolver and sparse attention, or their torch references; no CUDA graphs: its sources are
-windowed and compressed), rows in the serving dtype (float32 or bfloat16), without a drafter
+resolver and sparse attention, or their torch references; decode and verify passes in CUDA
+graphs), rows in the serving dtype (float32 or bfloat16), without a drafter
 or with its own MTP layer (``--drafter mtp``; ``model.v4_serving``); anything else it is
 configured with stops start-up, named."""
 
