@@ -31,12 +31,13 @@ def test_the_documented_layout_example_prints_what_it_shows(
     assert "workers of " + shown == out[out.index("workers of ") :]
 
 
-def test_the_documented_v4_example_prints_what_it_shows(
-    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("model", ["deepseek-v4-flash", "deepseek-v4-pro"])
+def test_the_documented_v4_examples_print_what_they_show(
+    model: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Section "DeepSeek-V4 on 8 GPUs": the whole output, as shown."""
+    """Section "DeepSeek-V4 on 8 GPUs": each model's whole output, as shown."""
     doc = (ROOT / "docs" / "capacity.md").read_text()
-    blocks = [b for b in FENCE.findall(doc) if "deepseek-v4-flash" in b.split("\n", 1)[0]]
+    blocks = [b for b in FENCE.findall(doc) if model in b.split("\n", 1)[0]]
     assert len(blocks) == 1
     command, shown = blocks[0].split("\ndhisparse plan: ", 1)
     argv = shlex.split(command.removeprefix("$ ").replace("\\\n", " "))

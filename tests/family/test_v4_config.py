@@ -9,11 +9,13 @@ import logging
 from dataclasses import replace
 
 import pytest
+import torch
 from transformers import DeepseekV4Config
 
 from dhisparse.family.config import SourceSpec
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.v4_config import V4Config, parse_v4_config, v4_topology
+from services.worker.model.v4_decoder import V4Decoder
 from tests.fixtures import CONFIGS
 
 HUB = CONFIGS / "deepseek-v4-flash" / "config.json"
@@ -62,6 +64,24 @@ def test_the_hub_form_and_the_form_transformers_writes_are_the_same_model() -> N
     assert cfg.compress_rope.table_factor == 1.0
     assert cfg.softmax_scale == pytest.approx(512**-0.5)
     assert cfg.expert_dtype == "fp4" and cfg.mtp_layers == 1
+
+
+def test_the_pro_config_is_read_with_its_figures() -> None:
+    """DeepSeek-V4-Pro's config.json (``tests/fixtures/configs/deepseek-v4-pro``): folded as
+    transformers folds it, with the figures of notes §3.1 / §3.4 (30 CSA and 31 HCA layers, no
+    sliding one; 128 heads; top-1024; 384 experts) and, built on ``meta``, transformers'
+    parameter count (§3.5) plus the 58 learned-routing layers' correction biases."""
+    raw = _read(CONFIGS / "deepseek-v4-pro" / "config.json")
+    cfg = parse_v4_config(raw)
+    _agrees_with_transformers(raw, cfg)
+    assert cfg.num_layers == 61 and cfg.compress[:3] == (128, 128, 4)
+    assert [cfg.attention.count(k) for k in ("sliding", "csa", "hca")] == [0, 30, 31]
+    assert (cfg.num_heads, cfg.head_dim, cfg.hidden_size, cfg.index_topk) == (128, 512, 7168, 1024)
+    assert (cfg.n_routed, cfg.top_k, cfg.routed_scaling) == (384, 6, 2.5)
+    assert cfg.mlp.count("hash") == 3 and cfg.mtp_layers == 1 and cfg.expert_dtype == "fp4"
+    with torch.device("meta"):
+        net = V4Decoder(cfg, None)
+    assert sum(p.numel() for p in net.parameters()) == 1_572_997_179_491 + 58 * 384
 
 
 @pytest.mark.parametrize(
