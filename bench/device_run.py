@@ -133,9 +133,9 @@ SCALED_32K_STEPS = tuple(
 # DeepSeek-V4-Flash at real dimensions per mode, one context per step (C = 1, 4), decode passes
 # replayed as CUDA graphs (two warm-up runs: a key is captured at its second sighting). Memory:
 # 78.05 GiB of bf16 weights; per session at 32K (``dhisparse plan --model
-# tests/fixtures/configs/deepseek-v4-flash --context 32768 --hot-cache-rows 4096``) 0.317 GiB
-# resident, 0.256 GiB in the hierarchy and 0.249 GB of host backups, so the three engines' pools
-# take some 4 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
+# tests/fixtures/configs/deepseek-v4-flash --context 32768 --hot-cache-rows 4096``) 0.238 GiB
+# resident, 0.232 GiB in the hierarchy and 0.181 GB of host backups, so the three engines' pools
+# take some 3 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
 # H200 (about 139 GiB), not an H100.
 # First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, graph
 # replays against eager passes, MTP speculation), tiny-dsv4's graph replays and the sparse

@@ -82,7 +82,11 @@ from services.worker.kv.workspace import workspace_bytes
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_linear import MODES as FP8_MODES
 from services.worker.request.request import SamplingParams
-from services.worker.serving.hierarchy_build import hierarchy_fixed_bytes, token_ring_bytes
+from services.worker.serving.hierarchy_build import (
+    hierarchy_fixed_bytes,
+    session_floor_bytes,
+    token_ring_bytes,
+)
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.speculative.width_policy import WIDTH_POLICIES
 from services.worker.weights.model_io import build_model
@@ -286,7 +290,8 @@ def _engine(
     name: str, model, variant: str, ctx: int, c_max: int, args, spec: SpecVariant | None = None
 ) -> Engine:
     """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
-    of the context. ``variant``: the mode, with ``INLINE`` for followers resolved inline;
+    of the context (a hierarchy mode's: ``c_max`` of its own where those take more, at
+    contexts shorter than a hot cache's rows per source). ``variant``: the mode, with ``INLINE`` for followers resolved inline;
     ``spec``: its speculation (None: plain decoding)."""
     mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
@@ -296,7 +301,6 @@ def _engine(
         model.cfg, dtype.itemsize, True, codecs.rows.row_bytes, codecs.keys.row_bytes
     )
     tokens = ctx + args.decode_tokens + 16
-    budget = c_max * tokens * per_token * 1.02
     common = dict(
         model=name, device=device, dtype=str(dtype).removeprefix("torch."), mode=mode,
         page_size=args.page,
@@ -311,6 +315,13 @@ def _engine(
             draft_vocab_size=spec.draft_vocab if spec else None,
         ),
     )  # fmt: skip
+    session = tokens * per_token
+    if mode != "resident":  # B rows and a tail per source, and the index keys' pages
+        probe = EngineConfig(kv_pool_mib=0, **common).kv_config(dtype)
+        keys = bytes_per_token(model.cfg, dtype.itemsize, False, key_bytes=codecs.keys.row_bytes)
+        pages = len(model.cfg.key_producers) * args.page * codecs.keys.row_bytes
+        session = max(session, session_floor_bytes(model.cfg, probe) + tokens * keys + pages)
+    budget = c_max * session * 1.02
     kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
     if mode != "resident":

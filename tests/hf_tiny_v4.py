@@ -249,14 +249,19 @@ def mtp_layer(seed: int, tmp: Path, names: str = "hub") -> TinyV4MTP:
 
 
 # ---- an engine whose admissions reclaim history (adaptive mode, a pool of a few pages) -------
+# rows per page in ``reclaiming_run``: small enough that the compressed sources' few rows
+# fill pages of optional history, which admissions then reclaim
+PAGE = 8
+
+
 def reclaiming_run(path: Path, pages: int, new_tokens: int, pause: int) -> tuple[Engine, list]:
     """Six greedy requests over the V4 checkpoint at ``path`` in adaptive mode with a pool of
     ``pages`` pages beyond its fixed allocations, three arriving after ``pause`` steps of the
     first three: admissions reclaim optional history. (The engine, its finished requests.)"""
     kw = dict(model=str(path), mode="adaptive", max_num_seqs=4, max_model_len=512,
-              hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16)  # fmt: skip
+              hot_cache_rows=16, max_prefill_tokens=64, host_arena_mib=16, page_size=PAGE)  # fmt: skip
     probe = Engine(EngineConfig(**kw, kv_pool_mib=64))
-    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    page_bytes = PAGE * probe.model_cfg.d_kv * 4
     fixed = (64 << 20) - probe.kv.payload.store.pages.total * page_bytes
     probe.close()
     eng = Engine(EngineConfig(

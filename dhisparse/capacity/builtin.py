@@ -191,8 +191,10 @@ def selection_group_width(cfg: ModelConfig) -> int:
     """χ: the most distinct sources among the layers one index producer serves."""
     groups: dict[int, set[int]] = {}
     for i, spec in enumerate(cfg.layers):
+        if spec.source < 0:
+            continue  # a window of the layer's own: nothing selected
         root = i
-        while cfg.layers[root].index != "producer":
+        while cfg.layers[root].index not in ("producer", "none"):
             root = cfg.layers[root].leader
         groups.setdefault(root, set()).add(spec.source)
     return max(len(s) for s in groups.values())
@@ -251,7 +253,7 @@ def profile_from_v4_dir(
     layer that computes rows, so a shared source counts once; index keys per producer that
     writes keys of its own) and, as window-only groups (no history, never offloaded), the
     per-slot rings beside them (``v4_state_rings``: each compressor's token projections, each
-    consumer's own window). Rows are held as computed: no FP8 format (``kv_cache_dtype``
+    sliding layer's and consumer's own window). Rows are held as computed: no FP8 format (``kv_cache_dtype``
     auto only, as the engine serves V4)."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"{path}: DeepSeek-V4 rows are held as computed (kv_cache_dtype auto)")

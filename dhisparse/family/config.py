@@ -35,7 +35,10 @@ from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Literal
 
-IndexMode = Literal["producer", "follower", "reuse"]
+# how a layer chooses its rows: its own indexer over index keys (producer), a producer's
+# selection over its own source (follower), an earlier layer's resolved locations (reuse), or
+# no indexer and no keys (none: a layer attending only its window, or every visible row)
+IndexMode = Literal["producer", "follower", "reuse", "none"]
 
 
 @dataclass(frozen=True)
@@ -47,7 +50,7 @@ class SourceSpec:
 
 @dataclass(frozen=True)
 class LayerSpec:
-    source: int
+    source: int  # -1: none (index "none": the layer attends a window the model keeps itself)
     index: IndexMode = "producer"
     leader: int = -1  # follower: the index producer it follows; reuse: the layer it inherits from
     draft: bool = False  # a drafter's layer (MTP): not run by the target's forward
@@ -141,12 +144,14 @@ class ModelConfig:
             self.source_owner(s)
         self._validate_draft_layers()
         for i, spec in enumerate(self.layers):
+            if spec.source == -1 and spec.index == "none" and not spec.draft:
+                continue  # a layer attending only a window of its own (a model's state ring)
             if not 0 <= spec.source < len(self.sources):
                 raise ValueError(f"layer {i}: unknown source {spec.source}")
             if spec.keys_from >= 0:
                 self._validate_keys_from(i)
-            if spec.index == "producer":
-                continue
+            if spec.index in ("producer", "none"):
+                continue  # "none": no indexer, no keys (a layer attending its window or every row)
             if not 0 <= spec.leader < i:
                 raise ValueError(f"layer {i}: leader must be an earlier layer, got {spec.leader}")
             leader = self.layers[spec.leader]
@@ -206,8 +211,10 @@ class ModelConfig:
         for i in drafts:
             spec = self.layers[i]
             readers = [j for j, o in enumerate(self.layers) if o.source == spec.source]
-            if spec.index != "producer" or readers != [i]:
-                raise ValueError(f"layer {i}: a draft layer is a producer over a source of its own")
+            if spec.index not in ("producer", "none") or readers != [i]:
+                raise ValueError(
+                    f"layer {i}: a draft layer is a producer (or keyless) over a source of its own"
+                )
             if any(o.index != "producer" and o.leader == i for o in self.layers):
                 raise ValueError(f"layer {i}: no layer may follow a draft layer")
         for s, src in enumerate(self.sources):

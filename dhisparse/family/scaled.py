@@ -31,10 +31,10 @@ target's as in the released checkpoints.
     experts): V4's model holds dense weights (a checkpoint's FP8 / FP4 is dequantised at
     load), so there is no FP8 / FP4 V4 layer to build into. 83.88 GB (78.12 GiB) of weights
     without the MTP layer, 85.83 GB with it.
-  - KV as the engine's V4 model holds it, in bf16: 9,480 B per token, 6,880 B of it the
-    model's own (CSA rows 256 B and index keys 64 B, HCA rows 8 B); the rest are the rows and
-    keys that the sliding layers' sources and the HCA layers' index keys are sized for and
-    never store. Per session besides: each layer's 128-row window and the compressors' rings.
+  - KV as the engine's V4 model holds it, in bf16: 6,880 B per token, the model's own (CSA
+    rows 256 B and index keys 64 B, HCA rows 8 B), and 1,024 B more with the MTP layer (its
+    lagged source stores its rows). Per session besides: each layer's 128-row window and the
+    compressors' rings.
   - ``bench scaled`` runs this preset on a GPU whose memory holds its weights and, shrunk,
     on the CPU in its tests.
 

@@ -313,12 +313,14 @@ def _rope(params: dict[str, Any], c: dict[str, Any]) -> RopeSpec:
 
 
 def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
-    """The engine's KV topology of a V4 model: one source per layer that computes rows, which
-    that layer owns and runs its own selection over. A sliding layer's source keeps its K=V
-    rows of the last ``sliding_window`` positions (the source's token ring; no row is stored
-    in the payload). A CSA / HCA layer's source stores one compressed row per ``rate`` tokens
-    in the payload, beside the same window; a CSA layer's index keys are its indexer's
-    compressed rows (``index_head_dim`` each). ``d_kv`` is the K=V head (``head_dim``, its tail
+    """The engine's KV topology of a V4 model: one source per layer that computes compressed
+    rows, which that layer owns and runs its own selection over. A sliding layer has no source
+    (``source=-1``, ``index="none"``): its K=V rows of the last ``sliding_window`` positions are
+    a state ring of its own, and no row of it is stored in the payload. A CSA / HCA layer's
+    source stores one compressed row per ``rate`` tokens in the payload, beside the same window
+    (the source's token ring); a CSA layer's index keys are its indexer's compressed rows
+    (``index_head_dim`` each), and an HCA layer, which runs no indexer, holds none
+    (``index="none"``). ``d_kv`` is the K=V head (``head_dim``, its tail
     rotated). ``extra["state_rings"]``: the per-slot rings the cache keeps
     (``v4_state_rings``).
 
@@ -337,10 +339,13 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
     source_of: dict[int, int] = {}  # a layer that computes rows -> its source
     for i, rate in enumerate(cfg.compress):
         owner = share.kv_source[i]
-        if owner < 0 or owner == i:
+        if cfg.attention[i] == "sliding":  # its window is a state ring: no source, no row stored
+            layers.append(LayerSpec(source=-1, index="none"))
+        elif owner < 0 or owner == i:
             source_of[i] = len(sources)
             sources.append(SourceSpec(compress=max(rate, 1), window=cfg.sliding_window))
-            layers.append(LayerSpec(source=source_of[i]))
+            indexed = cfg.attention[i] == "csa"  # an HCA layer runs no indexer
+            layers.append(LayerSpec(source=source_of[i], index="producer" if indexed else "none"))
         elif share.runs_indexer(i):
             layers.append(LayerSpec(source=source_of[owner], keys_from=owner))
         else:
@@ -354,7 +359,7 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
                 "only a sliding-window MTP layer (0, as released) is served"
             )
         sources.append(SourceSpec(compress=1, window=cfg.sliding_window, lag=1))
-        layers.append(LayerSpec(source=len(sources) - 1, draft=True))
+        layers.append(LayerSpec(source=len(sources) - 1, index="none", draft=True))
         extra["carry_width"] = cfg.hc_mult * cfg.hidden_size
     return ModelConfig(
         name=name, vocab_size=cfg.vocab_size, d_model=cfg.hidden_size, n_heads=cfg.num_heads,
@@ -371,14 +376,13 @@ def v4_state_rings(cfg: V4Config) -> tuple[tuple[int, str, int, int], ...]:
     cache's order. Per CSA / HCA layer that computes rows: its attention's compressor's token
     projections (``"kv"``: ``wkv`` then ``wgate``, ``width`` elements), then a CSA layer's
     indexer's (``"index"``); an overlapping (CSA) compressor keeps ``2 * rate`` positions, a
-    row pooling its window and the one before, HCA's keeps ``rate``. Per consumer of a shared
-    source (DeepSeek-V4.1) its own window's K=V rows (``"window"``: ``sliding_window`` rows of
-    ``head_dim``), its source's token ring holding the source layer's."""
+    row pooling its window and the one before, HCA's keeps ``rate``. Per sliding layer, and per
+    consumer of a shared source (DeepSeek-V4.1), its own window's K=V rows (``"window"``:
+    ``sliding_window`` rows of ``head_dim``; a consumer's source's token ring holds the source
+    layer's)."""
     out = []
     for i, (kind, rate) in enumerate(zip(cfg.attention, cfg.compress, strict=True)):
-        if kind == "sliding":
-            continue
-        if not cfg.sharing.owns_rows(i):
+        if kind == "sliding" or not cfg.sharing.owns_rows(i):
             out.append((i, "window", cfg.sliding_window, cfg.head_dim))
             continue
         overlap = kind == "csa"

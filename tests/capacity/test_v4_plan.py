@@ -40,17 +40,20 @@ def test_a_shared_source_and_its_keys_count_once(tmp_path) -> None:
     own = profile_from_model_dir(_dir(tmp_path, "v4", TEN))
     shared = profile_from_model_dir(_dir(tmp_path, "v41", TEN | SHARED))
     row = 512 * 2  # the K=V head in bf16
-    assert _groups(own, "sparse") == [(2, row, 1, 128), (8, row, 4, 128)]
-    assert _groups(shared, "sparse") == [(2, row, 1, 128), (2, row, 4, 128)]
-    # the compressors' rings (index: 2·4 positions of 4·128; KV: 2·4 of 4·512), the
-    # consumers' own windows (128 K=V rows)
-    assert _groups(own, "window") == [(8, 4 * 128 * 2, 1, 8), (8, 4 * 512 * 2, 1, 8)]
-    assert _groups(shared, "window") == [
-        (2, 4 * 128 * 2, 1, 8), (2, 4 * 512 * 2, 1, 8), (6, row, 1, 128),
+    # the sliding layers hold no source: their windows are rings of their own
+    assert _groups(own, "sparse") == [(8, row, 4, 128)]
+    assert _groups(shared, "sparse") == [(2, row, 4, 128)]
+    # the compressors' rings (index: 2·4 positions of 4·128; KV: 2·4 of 4·512), the sliding
+    # layers' and the consumers' own windows (128 K=V rows)
+    assert _groups(own, "window") == [
+        (8, 4 * 128 * 2, 1, 8), (8, 4 * 512 * 2, 1, 8), (2, row, 1, 128),
     ]  # fmt: skip
-    # index keys: the sliding layers' (every layer is a producer) and the KV sources', once
-    assert [(g.count, g.compress) for g in own.indexers] == [(2, 1), (8, 4)]
-    assert [(g.count, g.compress) for g in shared.indexers] == [(2, 1), (2, 4)]
+    assert _groups(shared, "window") == [
+        (2, 4 * 128 * 2, 1, 8), (2, 4 * 512 * 2, 1, 8), (8, row, 1, 128),
+    ]  # fmt: skip
+    # index keys: the KV sources', once (the sliding layers run no indexer)
+    assert [(g.count, g.compress) for g in own.indexers] == [(8, 4)]
+    assert [(g.count, g.compress) for g in shared.indexers] == [(2, 4)]
     assert own.chi == shared.chi == 1
     tokens = 32768
     history = SourceGroup(count=1, row_bytes=row, compress=4)
@@ -64,7 +67,7 @@ def test_plan_prints_a_v41_directory(tmp_path, capsys) -> None:
     assert cli_main(["plan", "--model", str(path), "--context", "8192"]) == 0
     out = capsys.readouterr().out
     assert "2 × sparse 1024 B/row (m=4, window 128)" in out
-    assert "6 × window 1024 B/row (m=1, window 128)" in out
+    assert "8 × window 1024 B/row (m=1, window 128)" in out
 
 
 def test_fp8_rows_and_unsupported_sources_are_refused_by_name(tmp_path) -> None:

@@ -93,9 +93,9 @@ def test_a_reindex_layer_scores_its_sources_keys_stored_once() -> None:
     raw = TEN | {"kv_source_layers": [2, 6], "index_source_layers": [2, 4, 6, 8]}
     cfg = v4_topology(parse_v4_config(raw), "v41")
     cfg.validate()
-    assert [spec.source for spec in cfg.layers] == [0, 1, 2, 2, 2, 2, 3, 3, 3, 3]
+    assert [spec.source for spec in cfg.layers] == [-1, -1, 0, 0, 0, 0, 1, 1, 1, 1]
     assert cfg.key_layer(4) == 2 and cfg.key_layer(8) == 6
-    assert cfg.key_producers == (0, 1, 2, 6)
+    assert cfg.key_producers == (2, 6)  # the sliding layers 0 and 1: no source, no keys
     for layer, keys_from in ((4, 6), (4, 3), (4, 0), (5, 2)):
         layers = list(cfg.layers)
         layers[layer] = replace(layers[layer], keys_from=keys_from)

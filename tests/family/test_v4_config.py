@@ -14,7 +14,7 @@ from transformers import DeepseekV4Config
 
 from dhisparse.family.config import SourceSpec
 from dhisparse.family.hf_config import ConfigError
-from dhisparse.family.v4_config import V4Config, parse_v4_config, v4_topology
+from dhisparse.family.v4_config import V4Config, parse_v4_config, v4_state_rings, v4_topology
 from services.worker.model.v4_decoder import V4Decoder
 from tests.fixtures import CONFIGS
 
@@ -152,10 +152,32 @@ def test_the_released_mtp_layer_is_a_sliding_layer_lagging_by_one() -> None:
     assert hub.mtp_compress == saved.mtp_compress == 0
     topo = v4_topology(hub, "flash", mtp=True)
     topo.validate()
-    n = hub.num_layers
-    assert topo.draft_layers == (n,)
-    assert topo.sources[n] == SourceSpec(compress=1, window=hub.sliding_window, lag=1)
+    n, mtp = hub.num_layers, len(topo.sources) - 1  # the sliding layers have no source
+    assert topo.draft_layers == (n,) and topo.layers[n].source == mtp == 41
+    assert topo.sources[mtp] == SourceSpec(compress=1, window=hub.sliding_window, lag=1)
     assert topo.extra["carry_width"] == hub.hc_mult * hub.hidden_size
-    lagged = replace(topo, sources=(*topo.sources[:n], SourceSpec(compress=4, window=128, lag=1)))
+    lagged = replace(topo, sources=(*topo.sources[:mtp], SourceSpec(compress=4, window=128, lag=1)))
     with pytest.raises(ValueError, match="a lag is >= 0, on an uncompressed source"):
         lagged.validate()
+
+
+def test_a_sliding_layer_has_no_source_and_keyless_layers_no_keys() -> None:
+    """The released Flash topology: its two sliding layers have no source (their windows are
+    rings of their own, ``v4_state_rings``), its HCA layers and the MTP layer hold no index
+    keys; a layer without a source must be keyless and no draft layer."""
+    hub = parse_v4_config(_read(HUB))
+    topo = v4_topology(hub, "flash", mtp=True)
+    assert [topo.layers[i].source for i in (0, 1)] == [-1, -1]
+    assert len(topo.sources) == 21 + 20 + 1  # CSA, HCA, the MTP layer's
+    csa = tuple(i for i, kind in enumerate(hub.attention) if kind == "csa")
+    assert topo.key_producers == csa
+    windows = [layer for layer, part, _, _ in v4_state_rings(hub) if part == "window"]
+    assert windows == [0, 1]
+    layers = list(topo.layers)
+    for i, bad, why in (
+        (0, replace(layers[0], index="producer"), "unknown source -1"),
+        (0, replace(layers[0], draft=True), "must follow every target layer"),
+        (2, replace(layers[2], source=-1, index="none"), "source 0 is read by no layer"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            replace(topo, layers=(*layers[:i], bad, *layers[i + 1 :])).validate()

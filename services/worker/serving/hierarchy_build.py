@@ -27,6 +27,13 @@ def hot_rows(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     return -(-(cfg.hot_cache_rows or 2 * model_cfg.index_topk) // p) * p
 
 
+def session_floor_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
+    """The pool bytes one admitted hierarchy session holds whatever its length: B rows and the
+    tail's rows per source (the index keys, which grow with it, aside)."""
+    rows = hot_rows(model_cfg, cfg) + tail_rows(cfg.page_size, cfg.ring_extra)
+    return len(model_cfg.sources) * rows * _row_codec(model_cfg, cfg).row_bytes
+
+
 def prefill_scratch_tokens(cfg: KVCacheConfig) -> int:
     """Tokens of prefill scratch: a prefill pass's chunks (at most ``max_prefill_tokens``)
     with the computed prefixes of the prefills it continues, and a prompt's whole prefix

@@ -142,25 +142,25 @@ def test_the_released_fp8_fp4_form_gives_the_reference_over_it_dequantised(ref, 
 def test_the_topology_stores_a_shared_source_and_its_keys_once(path) -> None:
     model = load_model(path)
     cfg = model.cfg
-    assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (4, 8)]
+    assert [(s.compress, s.window) for s in cfg.sources] == [(4, 8), (4, 8)]
     assert [(spec.source, spec.index, spec.leader, spec.keys_from) for spec in cfg.layers] == [
-        (0, "producer", -1, -1), (1, "producer", -1, -1), (1, "reuse", 1, -1),
-        (1, "producer", -1, 1), (1, "reuse", 3, -1), (2, "producer", -1, -1),
+        (-1, "none", -1, -1), (0, "producer", -1, -1), (0, "reuse", 1, -1),
+        (0, "producer", -1, 1), (0, "reuse", 3, -1), (1, "producer", -1, -1),
     ]  # fmt: skip
-    assert 3 not in cfg.key_producers and cfg.key_layer(3) == 1
-    # the sources' compressors, the consumers' own windows
+    assert cfg.key_producers == (1, 5) and cfg.key_layer(3) == 1
+    # the sliding layer's window, the sources' compressors, the consumers' own windows
     assert list(v4_state_rings(model.family)) == [
-        (1, "kv", 8, 128), (1, "index", 8, 64), (2, "window", 8, 32), (3, "window", 8, 32),
-        (4, "window", 8, 32), (5, "kv", 8, 128), (5, "index", 8, 64),
+        (0, "window", 8, 32), (1, "kv", 8, 128), (1, "index", 8, 64), (2, "window", 8, 32),
+        (3, "window", 8, 32), (4, "window", 8, 32), (5, "kv", 8, 128), (5, "index", 8, 64),
     ]  # fmt: skip
     kv_cfg = KVCacheConfig(mode="hisparse", max_slots=2, max_model_len=64, dtype=torch.float32)
     kv = KVCache(cfg, kv_cfg)
     assert sorted(kv.index_keys.pools) == sorted(cfg.key_producers)
-    assert sorted(kv.rings) == [0, 1, 2]
+    assert sorted(kv.rings) == [0, 1]
     # a request's host backup: one region per source, the shared one's rows once
     assert kv.admit(1, "r1", 40, 64)
     regions = [r for r in kv.host_backups.regions(1) if r.source >= 0]
-    assert sorted((r.source, r.num_rows) for r in regions) == [(0, 64), (1, 16), (2, 16)]
+    assert sorted((r.source, r.num_rows) for r in regions) == [(0, 16), (1, 16)]
     kv.close()
 
 
@@ -293,7 +293,7 @@ def test_mtp_speculation_over_shared_sources_gives_the_references_greedy(
         hot_cache_rows=8, max_prefill_tokens=16, kv_pool_mib=8, host_arena_mib=16,
         speculation=SpeculationConfig("mtp", 3, "fixed"),
     ))  # fmt: skip
-    assert eng.model_cfg.layers[6].source == 3  # after the three shared sources' owners
+    assert eng.model_cfg.layers[6].source == 2  # after the two shared sources' owners
     prompts = [hf_tiny_v4.token_ids(n, 600 + n).tolist() for n in (45, 21)]
     params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
     reqs = eng.generate(prompts, [params] * len(prompts))

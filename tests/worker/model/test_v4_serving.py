@@ -58,20 +58,26 @@ def test_the_topology_gives_each_layer_its_window_and_compressed_rows(path) -> N
     model = load_model(path)
     assert isinstance(model, V4Model)
     cfg = model.cfg
-    assert [(s.compress, s.window) for s in cfg.sources] == [(1, 8), (4, 8), (8, 8), (4, 8)]
+    assert [(s.compress, s.window) for s in cfg.sources] == [(4, 8), (8, 8), (4, 8)]
     assert cfg.d_kv == 32 and cfg.d_index == 16 and cfg.index_topk == 4
-    assert [spec.source for spec in cfg.layers] == [0, 1, 2, 3]
-    # the compressors' rings: CSA layers 1 and 3 (attention, indexer), HCA layer 2
+    # the sliding layer 0: no source, no keys; the HCA layer 2: no keys
+    assert [(spec.source, spec.index) for spec in cfg.layers] == [
+        (-1, "none"), (0, "producer"), (1, "none"), (2, "producer"),
+    ]  # fmt: skip
+    assert cfg.key_producers == (1, 3)
+    # the sliding layer's window; the compressors' rings: CSA layers 1 and 3 (attention,
+    # indexer), HCA layer 2
     state = list(v4_state_rings(model.family))
     assert state == [
-        (1, "kv", 8, 128), (1, "index", 8, 64), (2, "kv", 8, 64), (3, "kv", 8, 128),
-        (3, "index", 8, 64),
+        (0, "window", 8, 32), (1, "kv", 8, 128), (1, "index", 8, 64), (2, "kv", 8, 64),
+        (3, "kv", 8, 128), (3, "index", 8, 64),
     ]  # fmt: skip
     kv_cfg = KVCacheConfig(mode="hisparse", max_slots=3, max_model_len=64, dtype=torch.float32)
     kv = KVCache(cfg, kv_cfg)
+    assert sorted(kv.index_keys.pools) == [1, 3]
     extra = kv_cfg.token_ring_extra  # a verify block and a page (prefixes leave rings)
     state_bytes = 3 * sum((rows + extra) * width for *_, rows, width in state) * 4
-    source_bytes = 4 * 3 * (8 + extra) * cfg.d_kv * 4
+    source_bytes = 3 * 3 * (8 + extra) * cfg.d_kv * 4
     assert kv.ring_bytes == source_bytes + state_bytes
     bare = replace(cfg, extra={})
     fixed = hierarchy_fixed_bytes(cfg, kv_cfg) - hierarchy_fixed_bytes(bare, kv_cfg)
