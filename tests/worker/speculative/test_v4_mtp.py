@@ -203,10 +203,11 @@ def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
 
 
 def _tight_pool_mib(path: Path) -> float:
-    """A pool of 120 pages beyond the fixed allocations of a speculating adaptive engine:
-    admissions of later requests reclaim optional history of the running ones."""
-    probe = _engine(path, "adaptive", hot_cache_rows=16)
-    page_bytes = 16 * probe.model_cfg.d_kv * 4
+    """A pool of 120 pages (of ``hf_tiny_v4.PAGE`` rows: the compressed sources' few rows fill
+    pages) beyond the fixed allocations of a speculating adaptive engine: admissions of later
+    requests reclaim optional history of the running ones."""
+    probe = _engine(path, "adaptive", hot_cache_rows=16, page_size=hf_tiny_v4.PAGE)
+    page_bytes = hf_tiny_v4.PAGE * probe.model_cfg.d_kv * 4
     fixed = (48 << 20) - probe.kv.payload.store.pages.total * page_bytes
     probe.close()
     return (fixed + 120 * page_bytes) / (1 << 20)
@@ -220,7 +221,8 @@ def test_speculative_greedy_equals_transformers_greedy(family, mode: str) -> Non
     ref, path = family
     kw: dict = {"hot_cache_rows": 16}
     if mode == "adaptive":
-        kw |= dict(kv_pool_mib=_tight_pool_mib(path), residency=ResidencyConfig(populate_pages=4))
+        kw |= dict(kv_pool_mib=_tight_pool_mib(path), page_size=hf_tiny_v4.PAGE,
+                   residency=ResidencyConfig(populate_pages=4))  # fmt: skip
     eng = _engine(path, mode, **kw)
     assert isinstance(eng.speculator.drafter, MTPDrafter)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
