@@ -20,9 +20,9 @@ DeepSeek-V4 (``V4_SCALED``) is built in bf16 (``--weights bf16``: its model hold
 weights; the tensors V4 holds in fp32 stay so) and served with the Triton resolver and sparse
 attention (the heads' sinks in the kernel), its decode passes replayed as CUDA graphs like the
 other families' (a pass completing compressed rows is keyed by how many: a rare key, such as
-an HCA row every 128 tokens, runs eagerly at its first sighting). Settings the engine does not serve V4 with
-(``engine/v4_check``) are refused before the build, named; ``run_context`` on the CPU, with
-the preset shrunk, is the test.
+an HCA row every 128 tokens, runs eagerly at its first sighting). Settings the engine does not
+serve V4 with (``engine/v4_check``) are refused before the build, named; ``run_context`` on the
+CPU, with the preset shrunk, is the test.
 
 With ``--drafter mtp`` the model is built with its MTP layer and every engine speculates
 (``--spec-width``, ``--width-policy``). A random MTP layer's proposals are almost never
@@ -291,7 +291,8 @@ def _engine(
 ) -> Engine:
     """One mode's engine on the model's device; its KV pool holds ``c_max`` resident sessions
     of the context (a hierarchy mode's: ``c_max`` of its own where those take more, at
-    contexts shorter than a hot cache's rows per source). ``variant``: the mode, with ``INLINE`` for followers resolved inline;
+    contexts shorter than a hot cache's rows per source). ``variant``: the mode, with
+    ``INLINE`` for followers resolved inline;
     ``spec``: its speculation (None: plain decoding)."""
     mode = variant.removesuffix(INLINE)
     device = next(model.parameters()).device.type
@@ -315,14 +316,14 @@ def _engine(
             draft_vocab_size=spec.draft_vocab if spec else None,
         ),
     )  # fmt: skip
+    # the pool's fixed parts and a session's floor do not depend on the pool's size
+    kv_cfg = EngineConfig(kv_pool_mib=0, **common).kv_config(dtype)
     session = tokens * per_token
     if mode != "resident":  # B rows and a tail per source, and the index keys' pages
-        probe = EngineConfig(kv_pool_mib=0, **common).kv_config(dtype)
         keys = bytes_per_token(model.cfg, dtype.itemsize, False, key_bytes=codecs.keys.row_bytes)
         pages = len(model.cfg.key_producers) * args.page * codecs.keys.row_bytes
-        session = max(session, session_floor_bytes(model.cfg, probe) + tokens * keys + pages)
+        session = max(session, session_floor_bytes(model.cfg, kv_cfg) + tokens * keys + pages)
     budget = c_max * session * 1.02
-    kv_cfg = EngineConfig(kv_pool_mib=budget / 2**20, **common).kv_config(dtype)
     fixed = workspace_bytes(model.cfg, kv_cfg)  # as bench capacity sizes its pools
     if mode != "resident":
         fixed += hierarchy_fixed_bytes(model.cfg, kv_cfg)
