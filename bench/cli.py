@@ -78,6 +78,7 @@ COMMANDS: dict[str, Command] = {
     "verify-scores": Command("bench.verify_scores",
                              "a verify round's index scores: chunk product vs paged kernel (CUDA)"),
     "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
+    "fp4-moe": Command("bench.fp4_moe", "V4's FP4 routed experts: W4A16 vs FP8 vs bf16 (CUDA)"),
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it
     "defaults": Command("bench.defaults", "make run's defaults end to end, a worker SIGKILLed",
                         torch=False),

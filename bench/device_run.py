@@ -22,10 +22,11 @@ to ``logs.tgz``.
                  transformers (``bench slices``)
     scaled       the real-dimension DeepSeek-V3.2 and GLM-5.2 per mode at 8K (``bench scaled``)
     scaled-32k   the same at 32K, one session
-    scaled-v4    V4's GPU tests (graph replays included), then the real-dimension
-                 DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32 experts, bf16) per mode
-                 at 8K and at 32K, C = 1 and 4, on CUDA graphs, one context per step: an
-                 H200 (78 GiB of weights)
+    scaled-v4    V4's GPU tests (graph replays and FP8 / FP4 weights included), then the
+                 real-dimension DeepSeek-V4-Flash (``v4flash-scaled``, 43 layers, 32 experts)
+                 per mode at 8K and at 32K, C = 1 and 4, on CUDA graphs, one weight format
+                 and context per step (``--only scaled-v4-fp4-8k``): FP8 or FP4 experts on an
+                 H100, bf16 (78 GiB of weights) on an H200
     host-layout  host-row gather GB/s against footprint, miss and region count, per layout
     host-layout-serving  a serving step's host recovery through the engine's resolver launches,
                  256 requests over a >= 32 GiB arena, scattered vs grouped placement
@@ -130,33 +131,39 @@ SCALED_32K_STEPS = tuple(
     )
     for family in FAMILIES
 )
-# DeepSeek-V4-Flash at real dimensions per mode, one context per step (C = 1, 4), decode passes
-# replayed as CUDA graphs (two warm-up runs: a key is captured at its second sighting). Memory:
-# 78.05 GiB of bf16 weights; per session at 32K (``dhisparse plan --model
+# DeepSeek-V4-Flash at real dimensions per mode, one context and weight format per step (C = 1,
+# 4), decode passes replayed as CUDA graphs (two warm-up runs: a key is captured at its second
+# sighting). Weights: FP8 projections with FP8 routed experts (``fp8``, some 43 GB) or FP4 ones
+# (``fp4``, the released form, some 25 GB): either fits an H100 beside the pools; bf16 (78 GiB)
+# needs an H200. Per session at 32K (``dhisparse plan --model
 # tests/fixtures/configs/deepseek-v4-flash --context 32768 --hot-cache-rows 4096``) 0.238 GiB
 # resident, 0.232 GiB in the hierarchy and 0.181 GB of host backups, so the three engines' pools
-# take some 3 GiB and the hierarchy engines' 8 GiB host arenas hold every session: it fits an
-# H200 (about 139 GiB), not an H100.
+# take some 3 GiB and the hierarchy engines' 8 GiB host arenas hold every session.
 # First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, graph
-# replays against eager passes, MTP speculation), tiny-dsv4's graph replays and the sparse
-# attention kernels' sinks at V4's shape.
+# replays against eager passes, MTP speculation, the FP8 / FP4 weights), the fused FP4 MoE's,
+# tiny-dsv4's graph replays and the sparse attention kernels' sinks at V4's shape.
 V4_TESTS = Step(
     "v4-tests",
-    "-m bench gpu-tests tests/worker/model/test_v4_gpu.py tests/worker/ops/test_sparse_attention.py "
-    "tests/worker/ops/test_sparse_attention_onepass.py tests/worker/graphs/test_cuda_graph.py "
-    "-k 'v4 or sink or compressed_windowed' --out {out}/gpu_tests_v4.json",
-    330,
+    "-m bench gpu-tests tests/worker/model/test_v4_gpu.py "
+    "tests/worker/model/test_v4_quantized_gpu.py tests/worker/ops/test_fp4_moe_gpu.py "
+    "tests/worker/ops/test_sparse_attention.py tests/worker/ops/test_sparse_attention_onepass.py "
+    "tests/worker/graphs/test_cuda_graph.py "
+    "-k 'v4 or sink or compressed_windowed or fp4' --out {out}/gpu_tests_v4.json",
+    420,
 )
 SCALED_V4_STEPS = (
     V4_TESTS,
+    # V4-Flash's routed experts held in FP4, FP8 and bf16 side by side (``bench fp4-moe``)
+    Step("fp4-moe", "-m bench fp4-moe --out {out}/fp4_moe.json", 150),
     *(
         Step(
-            f"scaled-v4-{short}",
-            f"-m bench scaled --family v4flash-scaled --weights bf16 --contexts {ctx} "
+            f"scaled-v4-{weights}-{short}",
+            f"-m bench scaled --family v4flash-scaled --weights {weights} --contexts {ctx} "
             f"--concurrency 1,4 --decode-tokens 32 --warmup-runs 2 --host-gib 8 "
-            f"--out {{out}}/scaled_v4flash_{short}.json",
+            f"--out {{out}}/scaled_v4flash_{weights}_{short}.json",
             limit,
         )
+        for weights in ("fp8", "fp4", "bf16")
         for short, ctx, limit in (("8k", 8192, 220), ("32k", 32768, 310))
     ),
 )

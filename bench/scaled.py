@@ -16,9 +16,9 @@ allocator's count after the build), build time; per mode, context and C: decode 
 aggregate and the median step rate), CUDA-graph replays, captures and eager passes during the
 timed requests (steady state: replays > 0, eager = 0), sessions admitted.
 
-DeepSeek-V4 (``V4_SCALED``) is built in bf16 (``--weights bf16``: its model holds dense
-weights; the tensors V4 holds in fp32 stay so) and served with the Triton resolver and sparse
-attention (the heads' sinks in the kernel), its decode passes replayed as CUDA graphs like the
+DeepSeek-V4 (``V4_SCALED``) is built with FP8 projections and FP8 routed experts (``--weights
+fp8``), FP4 routed experts (``--weights fp4``, the released form) or in bf16 (the tensors V4
+holds in fp32 stay so) and served with the Triton resolver and sparse attention (the heads' sinks in the kernel), its decode passes replayed as CUDA graphs like the
 other families' (a pass completing compressed rows is keyed by how many: a rare key, such as
 an HCA row every 128 tokens, runs eagerly at its first sighting). Settings the engine does not
 serve V4 with (``engine/v4_check``) are refused before the build, named; ``run_context`` on the
@@ -99,7 +99,10 @@ FAMILIES = {**SCALED, **V4_SCALED}
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--family", default=",".join(SCALED), help=f"of {', '.join(FAMILIES)}")
-    ap.add_argument("--weights", default="fp8", choices=("fp8", "bf16"))
+    ap.add_argument(
+        "--weights", default="fp8", choices=("fp8", "fp4", "bf16"),
+        help="fp4: FP8 projections and FP4 routed experts (DeepSeek-V4 only)",
+    )  # fmt: skip
     ap.add_argument("--fp8-mode", default="w8a16", choices=FP8_MODES)
     ap.add_argument(
         "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPES,
@@ -235,12 +238,10 @@ def parse(args: argparse.Namespace) -> tuple[list[str], list[int], list[int], li
 
 def v4_refused(args: argparse.Namespace, device: str) -> list[str]:
     """What a DeepSeek-V4 family is not run with on ``device`` as ``args`` ask (empty: it
-    runs): FP8 weights and replayed selections (mapped onto MLA index producers; an HCA layer
-    attends every row it sees), then every setting the engine does not serve V4 with
-    (``v4_refusals`` of the engines' configuration)."""
+    runs): replayed selections (mapped onto MLA index producers; an HCA layer attends every
+    row it sees), then every setting the engine does not serve V4 with (``v4_refusals`` of
+    the engines' configuration)."""
     out = []
-    if args.weights != "bf16":
-        out.append(f"--weights {args.weights} (V4's model holds dense weights: bf16)")
     if args.selections != "random":
         out.append(f"--selections {args.selections}")
     probe = EngineConfig(
@@ -458,7 +459,11 @@ def run(args: argparse.Namespace) -> dict:
         refused = v4_refused(args, "cuda")
         if refused:
             raise UsageError(f"{name}: DeepSeek-V4 is not run with {', '.join(refused)}")
-    fmt = WeightFormat(fp8=args.weights == "fp8", mode=args.fp8_mode)
+    if args.weights == "fp4" and any(f not in V4_SCALED for f in fams):
+        raise UsageError("--weights fp4 (FP4 routed experts) is for DeepSeek-V4 only")
+    fmt = WeightFormat(
+        fp8=args.weights != "bf16", mode=args.fp8_mode, fp4_experts=args.weights == "fp4"
+    )
     families = []
     speculating = any(v.drafter for v in variants)
     for name in fams:
@@ -478,8 +483,8 @@ def run(args: argparse.Namespace) -> dict:
             models[False] = _build(name, args, fmt, False) if own else model
             plain_model = "own" if own else "shared"
         params = sum(p.numel() for p in model.parameters()) + sum(
-            b.numel() for n, b in model.named_buffers() if not n.endswith("_scale_inv")
-            and b.dtype == torch.float8_e4m3fn
+            b.numel() * (2 if b.dtype == torch.uint8 else 1)  # packed FP4: two per byte
+            for b in model.buffers() if b.dtype in (torch.float8_e4m3fn, torch.uint8)
         )  # fmt: skip
         fam = {
             "family": name,

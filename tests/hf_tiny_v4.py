@@ -19,7 +19,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.config import ResidencyConfig
-from services.worker.ops.fp4_e2m1 import E2M1_VALUES, FP4_GROUP
+from services.worker.ops import fp4_quantize
 from services.worker.ops.fp8_blockwise import quantize_blockwise
 from services.worker.request.request import SamplingParams
 
@@ -133,18 +133,10 @@ _FP4 = re.compile(r"\.ffn\.experts\.\d+\.w[123]\.weight$")
 
 
 def quantize_fp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``w [R, C]`` -> (packed int8 [R, C / 2], scale [R, C / 32] float8_e8m0fnu): each group of
-    32 columns scaled by the power of two that brings its amax to at most 6, each value rounded
-    to the nearest e2m1 magnitude (ties to the lower), the lower nibble the even column."""
-    rows, cols = w.shape
-    groups = w.float().view(rows, cols // FP4_GROUP, FP4_GROUP)
-    amax = groups.abs().amax(-1, keepdim=True)
-    scale = torch.where(amax > 0, torch.exp2(torch.ceil(torch.log2(amax / 6))), 1.0)
-    v = (groups / scale).view(rows, cols)
-    magnitudes = torch.tensor(E2M1_VALUES[:8])
-    code = (v.abs().unsqueeze(-1) - magnitudes).abs().argmin(-1) + 8 * (v < 0).long()
-    packed = (code[:, 0::2] | (code[:, 1::2] << 4)).to(torch.uint8).view(torch.int8)
-    return packed, scale.view(rows, -1).to(torch.float8_e8m0fnu)
+    """``w [R, C]`` -> (packed int8 [R, C / 2], scale [R, C / 32] float8_e8m0fnu), as the
+    release stores FP4 experts (``ops.fp4_quantize``, the bytes as int8)."""
+    packed, scale = fp4_quantize.quantize_fp4(w)
+    return packed.view(torch.int8), scale
 
 
 def released_tensors(tensors: dict[str, torch.Tensor], block: int) -> dict[str, torch.Tensor]:

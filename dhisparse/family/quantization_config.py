@@ -21,7 +21,7 @@ FP8_EDGE = 128  # the edge of an FP8 weight's square scale block
 FP8_BLOCK = (FP8_EDGE, FP8_EDGE)  # the block the FP8 kernels take as stored
 SCALE_SUFFIX = "_scale_inv"  # X.weight's block scales are X.weight_scale_inv
 # --weight-dtype: "fp8", the serving dtype ("bf16"), or "auto": FP8 where the checkpoint is
-WEIGHT_DTYPES = ("auto", "fp8", "bf16")
+WEIGHT_DTYPES = ("auto", "fp8", "fp4", "bf16")
 
 
 class CheckpointError(ValueError):
@@ -65,12 +65,13 @@ def fp8_as_stored(quantization: dict | None) -> bool:
 
 
 def serves_fp8(weight_dtype: str, checkpoint_fp8: bool) -> bool:
-    """Whether a load holds the projections and experts in FP8: ``weight_dtype`` "fp8" or
-    "bf16" (the serving dtype, an FP8 checkpoint dequantized at load) as asked, or "auto": FP8
-    exactly when the checkpoint's FP8 can be served as stored (``checkpoint_fp8``)."""
+    """Whether a load holds the projections (and experts) in FP8: ``weight_dtype`` "fp8", "fp4"
+    (FP8 projections, FP4 routed experts: DeepSeek-V4) or "bf16" (the serving dtype, an FP8
+    checkpoint dequantized at load) as asked, or "auto": FP8 exactly when the checkpoint's FP8
+    can be served as stored (``checkpoint_fp8``)."""
     if weight_dtype not in WEIGHT_DTYPES:
         raise ValueError(f"weight dtype {weight_dtype!r} is not one of {WEIGHT_DTYPES}")
-    return checkpoint_fp8 if weight_dtype == "auto" else weight_dtype == "fp8"
+    return checkpoint_fp8 if weight_dtype == "auto" else weight_dtype in ("fp8", "fp4")
 
 
 def modules_not_converted(quantization: dict | None) -> tuple[str, ...]:

@@ -35,21 +35,24 @@ def test_every_step_parses(part: str, tmp_path) -> None:
 
 
 def test_the_v4_steps_test_v4_on_the_gpu_then_run_what_v4_runs_with(tmp_path) -> None:
-    """``scaled-v4``: V4's GPU tests first, then bf16 weights and the random model's own
-    selections at 8K and 32K, nothing the engine does not serve V4 with."""
+    """``scaled-v4``: V4's GPU tests first (the quantized weights' and the FP4 MoE's with them),
+    the FP4 MoE's benchmark, then each weight format with the random model's own selections at
+    8K and 32K, nothing the engine does not serve V4 with."""
     from bench import scaled
 
     _, parser = parser_for("scaled")
-    tests, *runs = PARTS["scaled-v4"]
+    tests, moe, *runs = PARTS["scaled-v4"]
     assert tests.name == "v4-tests" and "test_v4_gpu.py" in tests.command
-    contexts = []
+    assert "test_v4_quantized_gpu.py" in tests.command and "test_fp4_moe_gpu.py" in tests.command
+    assert moe.command.startswith("-m bench fp4-moe")
+    runs_of = []
     for step in runs:
         args = parser.parse_args(step.argv(tmp_path)[4:])
         fams, ctxs, cs, modes = scaled.parse(args)
         assert (fams, cs, modes) == (["v4flash-scaled"], [1, 4], list(scaled.MODES))
         assert scaled.v4_refused(args, "cuda") == []
-        contexts += ctxs
-    assert contexts == [8192, 32768]
+        runs_of += [(args.weights, c) for c in ctxs]
+    assert runs_of == [(w, c) for w in ("fp8", "fp4", "bf16") for c in (8192, 32768)]
 
 
 def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path) -> None:

@@ -69,15 +69,15 @@ def _three_modes(name: str, model, args: argparse.Namespace) -> list[dict]:
 def test_v4_in_lockstep_on_the_cpu() -> None:
     """``--family v4flash-scaled`` (shrunk): the three modes' engines over V4's model, in
     lockstep, each admitting its sessions; on a GPU its passes would be captured as the other
-    families' are (no reason to turn graphs off); FP8 weights, replayed selections and FP8 KV are
-    refused before the build."""
+    families' are (no reason to turn graphs off); replayed selections and FP8 KV are refused
+    before the build, FP8 and FP4 weights are not."""
     args = _args(family="v4flash-scaled", weights="bf16", decode_tokens=4, hot_cache_rows=8,
                  page=16, host_gib=0.05, max_prefill_tokens=32, warmup_runs=1)  # fmt: skip
     assert scaled.parse(args)[0] == ["v4flash-scaled"]
     assert scaled.v4_refused(args, "cpu") == []
     assert scaled.v4_refused(args, "cuda") == []
+    assert scaled.v4_refused(_args(weights="fp4"), "cuda") == []
     assert scaled.v4_refused(_args(selections="replay", kv_cache_dtype="fp8"), "cpu") == [
-        "--weights fp8 (V4's model holds dense weights: bf16)",
         "--selections replay",
         "--kv-cache-dtype fp8",
     ]

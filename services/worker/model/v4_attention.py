@@ -9,7 +9,11 @@ sliding window's rows and the layer's compressed rows, with a learned per-head s
   that takes weight and gives no value.
 - The output's tail is rotated back at the query's position; then the grouped output
   projection: ``wo_a`` maps each of ``o_groups`` head groups to ``o_lora_rank`` channels
-  (block-diagonal), ``wo_b`` mixes them to ``hidden``.
+  (block-diagonal, ``grouped_linear``), ``wo_b`` mixes them to ``hidden``.
+
+In FP8 (``WeightFormat.fp8``) the projections the released checkpoints store in FP8 are held so:
+``wq_a``, ``wq_b``, ``wkv``, ``wo_a``, ``wo_b`` and the indexer's ``wq_b``; the compressors and
+the indexer's ``weights_proj`` stay in the serving dtype, as they ship.
 
 Sliding-only layers rotate with the main RoPE; CSA / HCA layers, their compressor and indexer
 with the compress RoPE.
@@ -28,10 +32,12 @@ import torch
 from torch import nn
 
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.grouped_linear import GroupedLinear
 from services.worker.model.v4_compressor import Compressor, CompressorState, visible_rows
 from services.worker.model.v4_indexer import Indexer
 from services.worker.model.v4_norm import RMSNorm, rms_normalise
 from services.worker.model.v4_rope import rope_tail
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
 @dataclass
@@ -57,7 +63,7 @@ class AttentionState:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int) -> None:
+    def __init__(self, cfg: V4Config, layer: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
         self.kind, rate = cfg.attention[layer], cfg.compress[layer]
         self.heads, self.head_dim, self.rope_dim = cfg.num_heads, cfg.head_dim, cfg.rope_dim
@@ -65,13 +71,13 @@ class Attention(nn.Module):
         self.rope = cfg.main_rope if self.kind == "sliding" else cfg.compress_rope
         self.scale = cfg.softmax_scale
         d, h = cfg.hidden_size, self.heads * self.head_dim
-        self.wq_a = nn.Linear(d, cfg.q_lora_rank, bias=False)
+        self.wq_a = linear(d, cfg.q_lora_rank, fmt)
         self.q_norm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
-        self.wq_b = nn.Linear(cfg.q_lora_rank, h, bias=False)
-        self.wkv = nn.Linear(d, self.head_dim, bias=False)
+        self.wq_b = linear(cfg.q_lora_rank, h, fmt)
+        self.wkv = linear(d, self.head_dim, fmt)
         self.norm = RMSNorm(self.head_dim, cfg.rms_norm_eps)
-        self.wo_a = nn.Linear(h // self.groups, self.groups * cfg.o_lora_rank, bias=False)
-        self.wo_b = nn.Linear(self.groups * cfg.o_lora_rank, d, bias=False)
+        self.wo_a = GroupedLinear(self.groups, h // self.groups, cfg.o_lora_rank, fmt)
+        self.wo_b = linear(self.groups * cfg.o_lora_rank, d, fmt)
         self.attn_sink = nn.Parameter(torch.empty(self.heads))
         self.rate = rate
         self.layer = layer
@@ -86,10 +92,7 @@ class Attention(nn.Module):
             )
         self.indexer = None
         if self.kind == "csa" and self.index_source == layer:
-            self.indexer = Indexer(
-                d, cfg.q_lora_rank, cfg.index_n_heads, cfg.index_head_dim, cfg.index_topk,
-                rate, self.rope, self.rope_dim, self.eps, own_keys=owns_rows,
-            )  # fmt: skip
+            self.indexer = Indexer(cfg, rate, self.rope, owns_rows, fmt)
 
     def project(
         self, x: torch.Tensor, positions: torch.Tensor
@@ -126,9 +129,7 @@ class Attention(nn.Module):
         n = out.shape[0]
         out = rope_tail(out, positions, self.rope, self.rope_dim, inverse=True)
         grouped = out.reshape(n, self.groups, -1)  # [N, groups, heads * head_dim / groups]
-        w = self.wo_a.weight.view(self.groups, -1, grouped.shape[-1])  # [groups, o_lora, in]
-        mixed = torch.einsum("ngi,goi->ngo", grouped, w).reshape(n, -1)
-        return self.wo_b(mixed)
+        return self.wo_b(self.wo_a(grouped))
 
     def forward(
         self, x: torch.Tensor, positions: torch.Tensor, state: AttentionState,

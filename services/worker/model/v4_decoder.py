@@ -23,6 +23,7 @@ from services.worker.model.v4_attention import Attention, AttentionState, Shared
 from services.worker.model.v4_hyper import hyper_head, hyper_merge, hyper_mix
 from services.worker.model.v4_moe import MoE
 from services.worker.model.v4_norm import RMSNorm
+from services.worker.model.weight_format import BF16, WeightFormat
 
 
 @dataclass
@@ -42,11 +43,11 @@ def _hc_params(module: nn.Module, site: str, cfg: V4Config) -> None:
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int) -> None:
+    def __init__(self, cfg: V4Config, layer: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
         self.cfg = cfg
-        self.attn = Attention(cfg, layer)
-        self.ffn = MoE(cfg, layer)
+        self.attn = Attention(cfg, layer, fmt)
+        self.ffn = MoE(cfg, layer, fmt)
         self.attn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.ffn_norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         _hc_params(self, "attn", cfg)
@@ -85,14 +86,17 @@ class Block(nn.Module):
 
 
 class V4Decoder(nn.Module):
-    def __init__(self, cfg: V4Config, mtp: nn.Module | None = None) -> None:
+    def __init__(
+        self, cfg: V4Config, mtp: nn.Module | None = None, fmt: WeightFormat = BF16
+    ) -> None:
         """``mtp``: the MTP layer (``v4_mtp.MTPBlock``), held as ``mtp.0`` (its checkpoint
-        names); None: the target alone."""
+        names); None: the target alone. ``fmt``: how the projections and experts are held
+        (FP8: those the released checkpoints store in FP8 or FP4; ``v4_attention``)."""
         super().__init__()
-        self.cfg = cfg
+        self.cfg, self.fmt = cfg, fmt
         h, d = cfg.hc_mult, cfg.hidden_size
         self.embed = nn.Embedding(cfg.vocab_size, d)
-        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(Block(cfg, i, fmt) for i in range(cfg.num_layers))
         self.norm = RMSNorm(d, cfg.rms_norm_eps)
         self.hc_head_fn = nn.Parameter(torch.empty(h, h * d))
         self.hc_head_base = nn.Parameter(torch.empty(h))

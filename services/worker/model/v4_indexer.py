@@ -14,25 +14,32 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.rope_spec import RopeSpec
+from dhisparse.family.v4_config import V4Config
 from services.worker.model.v4_compressor import Compressor, visible_rows
 from services.worker.model.v4_rope import rope_tail
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
 class Indexer(nn.Module):
-    """``wq_b`` [heads * dim, q_lora_rank], ``weights_proj`` [heads, hidden], and with
-    ``own_keys`` the key ``compressor``."""
+    """``wq_b`` [heads * dim, q_lora_rank] (FP8 with ``fmt.fp8``), ``weights_proj`` [heads,
+    hidden], and with ``own_keys`` the key ``compressor``."""
 
     def __init__(
-        self, hidden: int, q_lora_rank: int, heads: int, dim: int, topk: int, rate: int,
-        rope: RopeSpec, rope_dim: int, eps: float, own_keys: bool = True,
+        self, cfg: V4Config, rate: int, rope: RopeSpec, own_keys: bool = True,
+        fmt: WeightFormat = BF16,
     ) -> None:  # fmt: skip
+        """``cfg``'s indexer (``index_n_heads`` heads of ``index_head_dim``, its top
+        ``index_topk``) over rows compressed ``rate`` to one, rotated by ``rope``."""
         super().__init__()
-        self.heads, self.dim, self.topk, self.rate = heads, dim, topk, rate
-        self.rope, self.rope_dim = rope, rope_dim
-        self.wq_b = nn.Linear(q_lora_rank, heads * dim, bias=False)
-        self.weights_proj = nn.Linear(hidden, heads, bias=False)
+        heads, dim = cfg.index_n_heads, cfg.index_head_dim
+        self.heads, self.dim, self.topk, self.rate = heads, dim, cfg.index_topk, rate
+        self.rope, self.rope_dim = rope, cfg.rope_dim
+        self.wq_b = linear(cfg.q_lora_rank, heads * dim, fmt)
+        self.weights_proj = nn.Linear(cfg.hidden_size, heads, bias=False)
         self.compressor = (
-            Compressor(hidden, dim, rate, True, rope, rope_dim, eps) if own_keys else None
+            Compressor(cfg.hidden_size, dim, rate, True, rope, cfg.rope_dim, cfg.rms_norm_eps)
+            if own_keys
+            else None
         )
 
     def queries(

@@ -8,11 +8,15 @@ times ``routed_scaling``, weight the experts' outputs. Every expert (routed and 
 SwiGLU whose gate is clamped to <= ``swiglu_limit`` and whose up projection to
 [-limit, limit].
 
-The routed experts run as a loop over the experts that any token chose, or, once ``fuse``d
-(the engine's model: ``v4_serving.V4Model``), as one grouped GEMM over the (token, choice)
-pairs (``grouped_experts``): static shapes, no host synchronisation. Fused, each expert's
-``w1`` / ``w3`` / ``w2`` are views into two stacked tensors, so the checkpoint's names and
-the memory stay as they are."""
+In the serving dtype the routed experts run as a loop over the experts that any token chose,
+or, once ``fuse``d (the engine's model: ``v4_serving.V4Model``), as one grouped GEMM over the
+(token, choice) pairs (``grouped_experts``): static shapes, no host synchronisation. Fused,
+each expert's ``w1`` / ``w3`` / ``w2`` are views into two stacked tensors, so the checkpoint's
+names and the memory stay as they are. In FP8 (``WeightFormat.fp8``) the shared expert's
+projections are ``FP8Linear`` and the routed experts one ``FP8Experts`` (or ``FP4Experts``,
+``WeightFormat.fp4_experts``), the fused MoE with the clamped SwiGLU in its epilogue: their
+weights stacked as ``experts.gate_up_proj`` / ``experts.down_proj``, filled from the
+checkpoint's per-expert tensors by ``weights/v4_quantized``."""
 
 from __future__ import annotations
 
@@ -21,7 +25,10 @@ from torch import nn
 from torch.nn import functional as F
 
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.fp4_experts import FP4Experts
+from services.worker.model.fp8_experts import FP8Experts
 from services.worker.model.grouped_experts import Activation, routed_experts
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
 def clamped_swiglu(limit: float) -> Activation:
@@ -36,11 +43,11 @@ def clamped_swiglu(limit: float) -> Activation:
 class Expert(nn.Module):
     """``w1`` (gate) and ``w3`` (up) [inter, hidden], ``w2`` (down) [hidden, inter]."""
 
-    def __init__(self, hidden: int, inter: int, limit: float) -> None:
+    def __init__(self, hidden: int, inter: int, limit: float, fmt: WeightFormat = BF16) -> None:
         super().__init__()
-        self.w1 = nn.Linear(hidden, inter, bias=False)
-        self.w2 = nn.Linear(inter, hidden, bias=False)
-        self.w3 = nn.Linear(hidden, inter, bias=False)
+        self.w1 = linear(hidden, inter, fmt)
+        self.w2 = linear(inter, hidden, fmt)
+        self.w3 = linear(hidden, inter, fmt)
         self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -74,24 +81,42 @@ class Gate(nn.Module):
         return experts, weights * self.scaling
 
 
+def quantized_experts(cfg: V4Config, fmt: WeightFormat) -> FP8Experts | FP4Experts:
+    """The routed experts of one layer held as ``fmt`` says (``fmt.fp8``)."""
+    n, d, i, limit = cfg.n_routed, cfg.hidden_size, cfg.moe_intermediate, cfg.swiglu_limit
+    if fmt.fp4_experts:
+        return FP4Experts(n, d, i, limit=limit)
+    return FP8Experts(n, d, i, fmt.mode, limit=limit)
+
+
 class MoE(nn.Module):
-    def __init__(self, cfg: V4Config, layer: int) -> None:
+    def __init__(self, cfg: V4Config, layer: int, fmt: WeightFormat = BF16) -> None:
         super().__init__()
         inter, limit = cfg.moe_intermediate, cfg.swiglu_limit
         self.gate = Gate(cfg, cfg.mlp[layer] == "hash")
-        self.experts = nn.ModuleList(
-            Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed)
+        self.experts: nn.Module = (
+            quantized_experts(cfg, fmt)
+            if fmt.fp8
+            else nn.ModuleList(Expert(cfg.hidden_size, inter, limit) for _ in range(cfg.n_routed))
         )
-        self.shared_experts = Expert(cfg.hidden_size, inter, limit)
+        self.shared_experts = Expert(cfg.hidden_size, inter, limit, fmt)
         self.act = clamped_swiglu(limit)
         self._stacked: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the routed experts are one quantized module (no ``fuse`` needed)."""
+        return not isinstance(self.experts, nn.ModuleList)
 
     def fuse(self) -> None:
         """Holds the routed experts in ``gate_up`` [E, 2I, hidden] (each expert's ``w1`` rows,
         then ``w3``'s) and ``down`` [E, hidden, I] (its ``w2``), each expert's weights views
         into them, and runs them as one grouped GEMM from now on. Call it once the weights are
         on their device in their dtype: a later move gives the experts storage of their own,
-        and the forward refuses the stale stack."""
+        and the forward refuses the stale stack. Quantized experts are stacked already: a
+        no-op."""
+        if self.quantized:
+            return
         w1 = self.experts[0].w1.weight
         n, (inter, hidden) = len(self.experts), w1.shape
         with torch.no_grad():
@@ -109,6 +134,8 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x: [N, hidden], ids: [N] the tokens' ids (hash routing) -> [N, hidden]."""
         experts, weights = self.gate(x, ids)
+        if self.quantized:
+            return self.experts(x, experts, weights) + self.shared_experts(x)
         if self._stacked is not None:
             gate_up, down = self._stacked
             if self.experts[0].w1.weight.data_ptr() != gate_up.data_ptr():

@@ -22,6 +22,7 @@ from dhisparse.family.v4_config import V4Config
 from services.worker.model.v4_decoder import Block
 from services.worker.model.v4_hyper import hyper_head
 from services.worker.model.v4_norm import RMSNorm
+from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
 def mtp_layer_config(cfg: V4Config) -> V4Config:
@@ -38,11 +39,11 @@ class MTPBlock(Block):
     fusion (``e_proj``, ``h_proj``, ``enorm``, ``hnorm``) and its own ``norm`` and hyper head
     (``hc_head_fn`` / ``_base`` / ``_scale``)."""
 
-    def __init__(self, cfg: V4Config) -> None:
-        super().__init__(mtp_layer_config(cfg), cfg.num_layers)
+    def __init__(self, cfg: V4Config, fmt: WeightFormat = BF16) -> None:
+        super().__init__(mtp_layer_config(cfg), cfg.num_layers, fmt)
         h, d = cfg.hc_mult, cfg.hidden_size
-        self.e_proj = nn.Linear(d, d, bias=False)
-        self.h_proj = nn.Linear(d, d, bias=False)
+        self.e_proj = linear(d, d, fmt)
+        self.h_proj = linear(d, d, fmt)
         self.enorm = RMSNorm(d, cfg.rms_norm_eps)
         self.hnorm = RMSNorm(d, cfg.rms_norm_eps)
         self.norm = RMSNorm(d, cfg.rms_norm_eps)

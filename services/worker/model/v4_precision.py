@@ -3,7 +3,8 @@ transformers keeps in fp32 in any dtype (``_keep_in_fp32_modules_strict``): the
 hyper-connections' ``fn`` / ``base`` / ``scale`` and the hyper head's, the attention sinks, the
 compressors' position biases (``ape``), the routers' correction biases and every RMSNorm's
 weight. The modules read those in fp32 and hand the serving dtype on (``v4_norm.RMSNorm``
-scales in fp32, then casts)."""
+scales in fp32, then casts). Buffers keep their dtypes: a quantized projection's or expert
+stack's bytes and fp32 scales (``WeightFormat.fp8``), the hash routers' ``tid2eid``."""
 
 from __future__ import annotations
 
@@ -23,13 +24,12 @@ def held_in_fp32(name: str) -> bool:
 
 
 def to_serving_dtype(net: nn.Module, dtype: torch.dtype) -> nn.Module:
-    """``net`` with its floating parameters and buffers in ``dtype``, those ``held_in_fp32``
-    in fp32 (integer buffers such as ``tid2eid`` untouched); ValueError for a dtype V4 is not
+    """``net`` with its parameters in ``dtype``, those ``held_in_fp32`` in fp32 (buffers
+    untouched: quantized weights, their scales, ``tid2eid``); ValueError for a dtype V4 is not
     served in."""
     if dtype not in SERVING_DTYPES:
         raise ValueError(f"DeepSeek-V4 is served in float32 or bfloat16, not {dtype}")
     with torch.no_grad():
-        for name, t in [*net.named_parameters(), *net.named_buffers()]:
-            if t.is_floating_point():
-                t.data = t.data.to(torch.float32 if held_in_fp32(name) else dtype)
+        for name, t in net.named_parameters():
+            t.data = t.data.to(torch.float32 if held_in_fp32(name) else dtype)
     return net

@@ -282,18 +282,20 @@ class V4Model(nn.Module):
         """Layer ``i`` computes its source's rows: the compressed rows the pass's chunks
         complete (planned by the pass's state, ``pass_rows``) into the payload and, CSA, their
         index keys."""
-        done = kv.payload.pass_state.completed_rows(attn.rate)
         ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
-        slots = None if done is None else batch.slots[done.reqs]
-        if done is not None:
-            rows_new = pooled_rows(attn.compressor, ext_rows, done.reqs, done.rows)
-            kv.payload.write_rows(self.cfg.layers[i].source, slots, done.rows, rows_new)
-        if attn.kind == "csa":
-            comp = attn.indexer.compressor
-            ext_keys = rings[i, "index"].extend(batch, comp.project(x))
-            if done is not None:
-                keys = pooled_rows(comp, ext_keys, done.reqs, done.rows)
-                kv.index_keys.write(i, slots, done.rows, keys)
+        keys_comp = attn.indexer.compressor if attn.kind == "csa" else None
+        ext_keys = (
+            None if keys_comp is None else rings[i, "index"].extend(batch, keys_comp.project(x))
+        )
+        done = kv.payload.pass_state.completed_rows(attn.rate)
+        if done is None:
+            return
+        slots = batch.slots[done.reqs]
+        rows_new = pooled_rows(attn.compressor, ext_rows, done.reqs, done.rows)
+        kv.payload.write_rows(self.cfg.layers[i].source, slots, done.rows, rows_new)
+        if keys_comp is not None and ext_keys is not None:
+            keys = pooled_rows(keys_comp, ext_keys, done.reqs, done.rows)
+            kv.index_keys.write(i, slots, done.rows, keys)
 
 
 @dataclass(frozen=True)

@@ -27,24 +27,35 @@ ABSORBED = ("kv_b_proj",)
 @dataclass(frozen=True)
 class WeightFormat:
     """``fp8``: projections held as FP8 (``FP8Linear``) and the routed experts as FP8
-    (``FP8Experts``); ``mode``: their activation mode (``ops/fp8_linear.py``)."""
+    (``FP8Experts``); ``mode``: their activation mode (``ops/fp8_linear.py``);
+    ``fp4_experts``: with ``fp8``, the routed experts held as FP4 e2m1 with one power-of-two
+    scale per 32 columns instead (``FP4Experts``: DeepSeek-V4's released form)."""
 
     fp8: bool = False
     mode: Mode = "w8a16"
+    fp4_experts: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"FP8 activation mode {self.mode!r} is not one of {MODES}")
+        if self.fp4_experts and not self.fp8:
+            raise ValueError("FP4 routed experts come with FP8 projections (fp8=True)")
 
 
 BF16 = WeightFormat()
 
 
-def resolve(weight_dtype: str, checkpoint_fp8: bool, mode: Mode = "w8a16") -> WeightFormat:
-    """The format a load serves: ``weight_dtype`` "fp8" or "bf16" (the serving dtype, an FP8
-    checkpoint dequantized at load) as asked, or "auto": FP8 exactly when the checkpoint's
-    FP8 can be served as stored (``checkpoint_fp8``)."""
-    return WeightFormat(fp8=serves_fp8(weight_dtype, checkpoint_fp8), mode=mode)
+def resolve(
+    weight_dtype: str, checkpoint_fp8: bool, mode: Mode = "w8a16", checkpoint_fp4: bool = False
+) -> WeightFormat:
+    """The format a load serves: ``weight_dtype`` "fp8", "fp4" (FP8 projections, FP4 routed
+    experts) or "bf16" (the serving dtype, an FP8 checkpoint dequantized at load) as asked, or
+    "auto": FP8 exactly when the checkpoint's FP8 can be served as stored
+    (``checkpoint_fp8``), its experts FP4 where the checkpoint stores them so
+    (``checkpoint_fp4``)."""
+    fp8 = serves_fp8(weight_dtype, checkpoint_fp8)
+    fp4 = weight_dtype == "fp4" or (weight_dtype == "auto" and fp8 and checkpoint_fp4)
+    return WeightFormat(fp8=fp8, mode=mode, fp4_experts=fp4)
 
 
 def linear(d_in: int, d_out: int, fmt: WeightFormat) -> nn.Module:

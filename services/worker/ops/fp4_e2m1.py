@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from services.worker.ops.fp8_blockwise import scale_to_float
+from services.worker.ops.fp8_blockwise import E8M0_BIAS, scale_to_float
 
 FP4_GROUP = 32  # columns per scale
 E2M1_VALUES = (
@@ -53,3 +53,19 @@ def dequantize_fp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     values = values.view(packed.shape[0], -1)  # [R, C]
     per_col = scale_to_float(scale).to(values.device).repeat_interleave(FP4_GROUP, dim=1)
     return values * per_col
+
+
+def ue8m0_exponents(scale: torch.Tensor) -> torch.Tensor:
+    """A UE8M0 scale grid as its biased exponents, uint8 (``scale = 2 ** (byte - 127)``): the
+    bits of float8_e8m0fnu as stored, or float32 / bfloat16 powers of two in
+    ``[2**-127, 2**127]`` encoded; ValueError for a value that is not one. Reads the values (a
+    load-time conversion, not for a captured pass)."""
+    if scale.dtype == torch.float8_e8m0fnu:
+        return scale.view(torch.uint8)
+    if scale.dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError(f"a UE8M0 scale is float8_e8m0fnu, float32 or bfloat16, not {scale.dtype}")
+    mantissa, exponent = torch.frexp(scale.to(torch.float32))
+    biased = exponent - 1 + E8M0_BIAS  # frexp: scale = mantissa * 2**exponent, mantissa 0.5
+    if not bool(((mantissa == 0.5) & (biased >= 0) & (biased <= 2 * E8M0_BIAS)).all()):
+        raise ValueError("UE8M0 scales must be powers of two in [2**-127, 2**127]")
+    return biased.to(torch.uint8)

@@ -1,6 +1,7 @@
 """The routed experts of DeepSeek-V3.2 / GLM-5 over FP8 block-scaled weights: per (token,
 choice) pair ``p`` with expert ``e``, ``y_p = w_p * down[e](silu(gate[e] x) * up[e] x)``, and
-each token's ``top_k`` outputs summed.
+each token's ``top_k`` outputs summed. With ``limit`` the SwiGLU is DeepSeek-V4's clamped one,
+``silu(min(gate, limit)) * clamp(up, -limit, limit)``; without, the kernel compiles no clamp.
 
 Weights as the checkpoint stores each expert's, stacked over experts (e4m3 values, one fp32
 scale per 128x128 block, ragged last blocks included; ``services/worker/ops/fp8_blockwise.py``):
@@ -13,20 +14,21 @@ scale per 128x128 block, ragged last blocks included; ``services/worker/ops/fp8_
 Modes (``MODES``) as the dense FP8 linear's: "w8a16" keeps activations in x's dtype, "w8a8"
 quantizes them per 1x128 group (``act_quant_ref``) before each GEMM. The SwiGLU output, the
 down projection's input, is held in x's dtype; the down projection, the routing weight and the
-sum over choices are fp32, summed in a fixed pairwise order (``sum_choices``); the result has
-x's dtype.
+sum over choices are fp32, summed in a fixed pairwise order (``moe_pairs.sum_choices``); the
+result has x's dtype.
 
 ``fp8_moe_ref`` is the plain-torch reference (dequantize each used expert, fp32 matmuls);
-``fp8_moe_triton`` aligns the pairs to blocks (``moe_align.py``) and launches the grouped kernel
-of ``fp8_moe_kernel.py`` twice, with static shapes and no host synchronisation. Both agree up to
-fp32 reassociation in each GEMM (``fp8_moe_gemm`` against ``fp8_moe_gemm_ref``), carried
-through SwiGLU, the x-dtype rounding of its output and, for w8a8, its quantization.
+``fp8_moe_triton`` aligns the pairs to blocks (``moe_pairs.plan``) and launches the grouped
+kernel of ``fp8_moe_kernel.py`` twice, with static shapes and no host synchronisation, then the
+combine of ``moe_pairs``. Both agree up to fp32 reassociation in each GEMM (``fp8_moe_gemm``
+against ``fp8_moe_gemm_ref``), carried through SwiGLU, the x-dtype rounding of its output and,
+for w8a8, its quantization.
 
 Batch invariance: a row's output depends only on its own activation row and its expert's
 weight (K blocks in a fixed order, no atomics, no split-K), and the choices are summed in a
 fixed order; so a token's output does not depend on the other tokens of the batch among batches
-that take the same tile (``tiles``: keyed by pairs per expert). Batches that take different
-tiles may differ in the last bits of the fp32 accumulation."""
+that take the same tile (``tiles``: keyed by pairs per expert, ``moe_pairs.block_rows``).
+Batches that take different tiles may differ in the last bits of the fp32 accumulation."""
 
 from __future__ import annotations
 
@@ -35,7 +37,6 @@ from typing import NamedTuple
 import torch
 import triton
 import triton.language as tl
-from torch.nn import functional as F
 
 from services.worker.ops.fp8_blockwise import FP8_DTYPE, dequantize_blockwise
 from services.worker.ops.fp8_linear import (
@@ -47,10 +48,16 @@ from services.worker.ops.fp8_linear import (
     act_quant_ref,
 )
 from services.worker.ops.fp8_moe_kernel import fp8_moe_kernel
-from services.worker.ops.fusion import fused
 from services.worker.ops.moe_align import MoEBlocks
-from services.worker.ops.moe_align_triton import align
-from services.worker.ops.moe_combine_triton import combine_triton, fits
+from services.worker.ops.moe_pairs import (
+    block_rows,
+    check_limit,
+    check_routing,
+    combine,
+    pair_gemm_ref,
+    plan,
+    sum_choices,
+)
 
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
@@ -63,20 +70,12 @@ class Tiles(NamedTuple):
 
 
 def tiles(n_pairs: int, n_experts: int, interpret: bool) -> Tiles:
-    """The kernel's tile for a batch shape, from the average pairs per expert (a shape, not the
-    routing). BLOCK_K is always 128, the scale block. Decode leaves most experts 0-2 pairs: the
-    GEMM is bound by weight bytes, so the fewest padded rows (16, tl.dot's minimum) and more
-    programs over N; larger batches take taller tiles. A fixed table, not autotuned (nothing
-    may tune inside a CUDA graph, and the interpreter cannot); ``python -m bench fp8-moe``
-    measures it."""
+    """The kernel's tile for a batch shape: ``block_rows`` rows (by pairs per expert), 128
+    columns; BLOCK_K is always 128, the scale block. A fixed table, not autotuned;
+    ``python -m bench fp8-moe`` measures it."""
     if interpret:
         return Tiles(16, 128, 1, 1)
-    per_expert = n_pairs / n_experts
-    if per_expert <= 16:
-        return Tiles(16, 128, 4, 3)
-    if per_expert <= 48:
-        return Tiles(32, 128, 4, 3)
-    return Tiles(64, 128, 4, 3)
+    return Tiles(block_rows(n_pairs, n_experts, False), 128, 4, 3)
 
 
 Half = tuple[torch.Tensor, torch.Tensor | None]
@@ -99,15 +98,6 @@ def dequantize_gate_up(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tenso
     return torch.cat(
         [dequantize_blockwise(w, s, (BLOCK, BLOCK)) for w, s in gate_up_halves(weight, scale)]
     )
-
-
-def sum_choices(y: torch.Tensor) -> torch.Tensor:
-    """``y [T, k, D]`` -> ``[T, D]``: pairwise halves, the same order for every token and batch
-    (elementwise adds only, so no reduction kernel chooses an order by the batch's shape)."""
-    while y.shape[1] > 1:
-        h = y.shape[1] // 2
-        y = torch.cat([y[:, :h] + y[:, h : 2 * h], y[:, 2 * h :]], dim=1)
-    return y[:, 0]
 
 
 def _check_gemm(
@@ -149,37 +139,28 @@ def fp8_moe_gemm_ref(
     glu: bool = False,
     pair_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Pair ``p`` (``idx.reshape(-1)[p]`` its expert) takes row ``p // pairs_per_row`` of
     ``a [R, K]`` -> ``[P, N]`` (``N = 2I / 2`` with ``glu``), in fp32 then ``out_dtype`` (a's by
-    default): ``a_row @ W[e]^T`` with W dequantized; ``glu`` gives ``silu(gate) * up``;
-    ``pair_weight [P]`` multiplies each row. W8A8 takes ``act_dequant_ref(*act_quant_ref(a))``.
-    Only the used experts are dequantized; this is not capturable (it reads the routing)."""
+    default): ``a_row @ W[e]^T`` with W dequantized; ``glu`` gives ``silu(gate) * up``, clamped
+    by ``limit`` (``moe_pairs.swiglu_ref``); ``pair_weight [P]`` multiplies each row. W8A8
+    takes ``act_dequant_ref(*act_quant_ref(a))``. Only the used experts are dequantized; this is
+    not capturable (it reads the routing)."""
     n_out = _check_gemm(a, weight, scale, mode, glu)
-    flat = idx.reshape(-1).to(torch.int64)
-    p = flat.numel()
-    rows = a[torch.arange(p, device=a.device) // pairs_per_row]  # [P, K]
+    check_limit(limit, glu)
+    rows = a[torch.arange(idx.numel(), device=a.device) // pairs_per_row]  # [P, K]
     af = act_dequant_ref(*act_quant_ref(rows)) if mode == "w8a8" else rows.to(torch.float32)
-    out = torch.zeros(p, n_out, dtype=torch.float32, device=a.device)
-    for e in flat.unique().tolist():
-        if e >= weight.shape[0]:
-            continue  # an expert held elsewhere: its pairs stay zero
-        sel = (flat == e).nonzero().squeeze(1)
+
+    def expert_weight(e: int) -> torch.Tensor:
         if glu:
-            h = af[sel] @ dequantize_gate_up(weight[e], scale[e]).T
-            out[sel] = F.silu(h[:, :n_out]) * h[:, n_out:]
-        else:
-            out[sel] = af[sel] @ dequantize_blockwise(weight[e], scale[e], (BLOCK, BLOCK)).T
-    if pair_weight is not None:
-        out = out * pair_weight.reshape(-1, 1).to(torch.float32)
-    return out.to(out_dtype or a.dtype)
+            return dequantize_gate_up(weight[e], scale[e])
+        return dequantize_blockwise(weight[e], scale[e], (BLOCK, BLOCK))
 
-
-def plan(idx: torch.Tensor, n_experts: int) -> MoEBlocks:
-    """The kernel's block alignment of ``idx [T, top_k]`` (static shapes, on idx's device):
-    ``align_blocks``' output, by its Triton kernels where ``align`` takes them."""
-    t = tiles(idx.numel(), n_experts, idx.device.type == "cpu")
-    return align(idx, n_experts, t.block_m)
+    return pair_gemm_ref(
+        af, idx, weight.shape[0], expert_weight, n_out, glu, limit, pair_weight,
+        out_dtype or a.dtype,
+    )  # fmt: skip
 
 
 def fp8_moe_gemm(
@@ -192,10 +173,12 @@ def fp8_moe_gemm(
     glu: bool = False,
     pair_weight: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``fp8_moe_gemm_ref``, the pairs given by ``blocks`` (``plan``) instead of
     idx. Allocates only the output; reads nothing back to the host."""
     n_out = _check_gemm(a, weight, scale, mode, glu)
+    check_limit(limit, glu)
     e, _, k = weight.shape
     out = torch.empty(blocks.n_pairs, n_out, dtype=out_dtype or a.dtype, device=a.device)
     n_blocks = blocks.block_expert.numel()
@@ -216,9 +199,9 @@ def fp8_moe_gemm(
         pair_weight if pair_weight is not None else scale,  # unused without WEIGHTED
         out, out.stride(0), out.stride(1),
         blocks.n_pairs, n_out, k, pairs_per_row,
-        n_out if glu else 0, -(-n_out // BLOCK) if glu else 0,
+        n_out if glu else 0, -(-n_out // BLOCK) if glu else 0, limit or 0.0,
         BLOCK_M=t.block_m, BLOCK_N=t.block_n, BLOCK_K=BLOCK,
-        A8=mode == "w8a8", GLU=glu, WEIGHTED=pair_weight is not None,
+        A8=mode == "w8a8", GLU=glu, CLAMP=limit is not None, WEIGHTED=pair_weight is not None,
         DOT_DTYPE=tl.float32 if interpret else _TL_DTYPES[a.dtype],
         # fp32 products, never TF32: fp32 activations then match the reference closely.
         PREC="ieee",
@@ -230,10 +213,7 @@ def fp8_moe_gemm(
 def _check_moe(x: torch.Tensor, idx: torch.Tensor, w: torch.Tensor, mode: str) -> None:
     if mode not in MODES:
         raise ValueError(f"mode {mode!r} is not one of {MODES}")
-    if x.dim() != 2 or idx.dim() != 2 or idx.shape[0] != x.shape[0]:
-        raise ValueError(f"x {tuple(x.shape)} and idx {tuple(idx.shape)}: not [T, D] and [T, k]")
-    if tuple(w.shape) != tuple(idx.shape):
-        raise ValueError(f"routing weights {tuple(w.shape)} do not match idx {tuple(idx.shape)}")
+    check_routing(x, idx, w)
 
 
 def fp8_moe_ref(
@@ -245,16 +225,18 @@ def fp8_moe_ref(
     down: torch.Tensor,
     down_scale: torch.Tensor,
     mode: Mode = "w8a16",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """``x [T, D]``, ``idx [T, k]`` experts (E, one past the last, for an expert held by
     another rank: it adds nothing), ``w [T, k]`` routing weights -> ``[T, D]`` in x's
-    dtype: ``sum_j w[t, j] * down(act)`` with ``act = silu(gate x) * up x`` rounded to x's
-    dtype; every matmul in fp32 on the dequantized weights (see the module docstring)."""
+    dtype: ``sum_j w[t, j] * down(act)`` with ``act = silu(gate x) * up x`` (clamped by
+    ``limit``) rounded to x's dtype; every matmul in fp32 on the dequantized weights (see the
+    module docstring)."""
     _check_moe(x, idx, w, mode)
     t, k = idx.shape
     if t == 0:
         return torch.zeros_like(x)
-    act = fp8_moe_gemm_ref(x, gate_up, gate_up_scale, idx, mode, k, glu=True)  # [P, I]
+    act = fp8_moe_gemm_ref(x, gate_up, gate_up_scale, idx, mode, k, True, limit=limit)  # [P, I]
     y = fp8_moe_gemm_ref(act, down, down_scale, idx, mode, 1, False, w, torch.float32)
     return sum_choices(y.view(t, k, -1)).to(x.dtype)
 
@@ -268,6 +250,7 @@ def fp8_moe_triton(
     down: torch.Tensor,
     down_scale: torch.Tensor,
     mode: Mode = "w8a16",
+    limit: float | None = None,
 ) -> torch.Tensor:
     """Same contract as ``fp8_moe_ref``; every shape depends on (T, k, E, D, I) alone and nothing
     is read back to the host, so it can be captured in a CUDA graph."""
@@ -277,10 +260,6 @@ def fp8_moe_triton(
         return torch.zeros_like(x)
     blocks = plan(idx, gate_up.shape[0])
     pair_w = w.reshape(-1)
-    act = fp8_moe_gemm(x, gate_up, gate_up_scale, blocks, mode, k, glu=True)  # [P, I]
+    act = fp8_moe_gemm(x, gate_up, gate_up_scale, blocks, mode, k, True, limit=limit)  # [P, I]
     y = fp8_moe_gemm(act, down, down_scale, blocks, mode, 1, False, pair_w, torch.float32)
-    if fused(y, "moe_combine") and fits(k):  # the lines below in one kernel, bit for bit
-        return combine_triton(y, idx, gate_up.shape[0], x.dtype)
-    # pairs of experts held elsewhere (id E) are computed by no block: their rows are undefined
-    y = torch.where((idx.reshape(-1, 1) < gate_up.shape[0]), y, 0)
-    return sum_choices(y.view(t, k, -1)).to(x.dtype)
+    return combine(y, idx, gate_up.shape[0], x.dtype)

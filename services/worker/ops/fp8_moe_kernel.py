@@ -13,8 +13,10 @@ K block's partial sum scaled by its block scale(s).
 
 ``GLU``: the weight holds gate rows ``[0, N)`` and up rows ``[up_row, up_row + N)``, whose scale
 rows start at 0 and at ``up_srow``; the program accumulates both tiles and stores
-``silu(gate) * up`` (fp32, then the output's dtype). ``WEIGHTED``: the output row is multiplied
-by ``pair_weight[p]`` (fp32) before the store.
+``silu(gate) * up`` (fp32, then the output's dtype); with ``CLAMP`` (compile-time, so the kernel
+without it is unchanged) the gate is first clamped to <= ``limit`` and up to [-limit, limit],
+DeepSeek-V4's SwiGLU. ``WEIGHTED``: the output row is multiplied by ``pair_weight[p]`` (fp32)
+before the store.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -50,9 +52,9 @@ def fp8_moe_kernel(
     s_ptr, stride_se, stride_sn, stride_sk,
     sorted_ids_ptr, block_expert_ptr, pair_weight_ptr,
     c_ptr, stride_cm, stride_cn,
-    n_pairs, N, K, a_row_div, up_row, up_srow,
+    n_pairs, N, K, a_row_div, up_row, up_srow, limit,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    A8: tl.constexpr, GLU: tl.constexpr, WEIGHTED: tl.constexpr,
+    A8: tl.constexpr, GLU: tl.constexpr, CLAMP: tl.constexpr, WEIGHTED: tl.constexpr,
     DOT_DTYPE: tl.constexpr, PREC: tl.constexpr,
 ):  # fmt: skip
     pid_m = tl.program_id(0)
@@ -101,6 +103,9 @@ def fp8_moe_kernel(
             u_scale = tl.load(up_s_rows + kb * stride_sk, mask=mask_n, other=0.0)
             acc_up += _block_dot(a, a_scale, u, u_scale, A8, DOT_DTYPE, PREC)
     if GLU:
+        if CLAMP:
+            acc = tl.minimum(acc, limit)
+            acc_up = tl.minimum(tl.maximum(acc_up, -limit), limit)
         acc = acc / (1.0 + tl.exp(-acc)) * acc_up
     if WEIGHTED:
         acc = acc * tl.load(pair_weight_ptr + pair, mask=mask_m, other=0.0)[:, None]

@@ -1,5 +1,6 @@
-"""The MoE combine as one Triton kernel (``moe_combine_kernel.py``): the last step of
-``fp8_moe_triton`` (``fp8_moe.py``), whose torch form is its reference.
+"""The MoE combine as one Triton kernel (``moe_combine_kernel.py``): the last step of the grouped
+MoEs (``moe_pairs.combine``, for ``fp8_moe.py`` and ``fp4_moe.py``), whose torch form is its
+reference.
 
 ``combine_triton(y, idx, n_experts, dtype)``: ``y [T * k, D]`` fp32, the down projection's
 weighted output per (token, choice) pair, pair ``t * k + j``; ``idx [T, k]`` the pairs' expert
@@ -7,10 +8,10 @@ ids, ``n_experts`` marking one held elsewhere, whose row is undefined and counts
 ``[T, D]`` in ``dtype``: each token's k rows summed in ``sum_choices``' pairwise halves and
 cast once, bit for bit the torch form's ``sum_choices(torch.where(held, y, 0)).to(dtype)``.
 
-The kernel takes k a power of two (``fits``: the halves are then a reshape; every family
-routes to 8); ``fp8_moe_triton`` gives other k the torch form: a choice by shape, with the same
-output. Static grid
-(T, ceil(D / BLOCK_D)), nothing read back to the host: capturable in a CUDA graph."""
+The kernel takes k a power of two (``fits``: the halves are then a reshape; V3.2 and GLM-5
+route to 8); ``moe_pairs.combine`` gives other k (V4's 6) the torch form: a choice by shape,
+with the same output. Static grid (T, ceil(D / BLOCK_D)), nothing read back to the host:
+capturable in a CUDA graph."""
 
 from __future__ import annotations
 

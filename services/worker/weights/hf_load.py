@@ -100,6 +100,11 @@ def load_hf_model(
         dtype = _DTYPES[cfg.dtype]
     quantization = raw.get("quantization_config")
     fmt = resolve(weight_dtype, fp8_as_stored(quantization), fp8_mode)
+    if fmt.fp4_experts:
+        raise ConfigError(
+            f"{path}: --weight-dtype fp4 holds DeepSeek-V4's FP4 routed experts; this "
+            f"{raw.get('model_type')!r} checkpoint has FP8 or dense experts"
+        )
     shards = Shards.of(parallel, comm, cfg)
     with torch.device("meta"):
         model = MLADecoder(cfg, topology(cfg, model_name(path, raw), mtp=mtp), fmt, shards)

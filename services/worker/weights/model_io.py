@@ -168,14 +168,16 @@ def build_model(
     are therefore the same with or without it.
 
     A DeepSeek-V4 preset (``V4Preset``) is built as the engine's ``V4Model``
-    (``weights/v4_build``), its weights dense in ``dtype``: not FP8, not sharded."""
+    (``weights/v4_build``), in ``dtype`` with its projections and experts held as ``weights``
+    says (FP4 routed experts with ``weights.fp4_experts``), on one rank: not sharded."""
     if isinstance(cfg, V4Preset):
-        if weights.fp8 or shards is not None:
-            raise ValueError(
-                f"{cfg.name}: DeepSeek-V4's model holds dense weights on one rank (no FP8 "
-                "weights, no sharding)"
-            )
-        return build_v4(cfg, seed, device, dtype, in_place, mtp)
+        if shards is not None:
+            raise ValueError(f"{cfg.name}: DeepSeek-V4's model runs on one rank (no sharding)")
+        return build_v4(cfg, seed, device, dtype, in_place, mtp, weights)
+    if weights.fp4_experts:
+        raise ValueError(
+            f"{cfg.name}: FP4 routed experts (--weight-dtype fp4) are DeepSeek-V4's released form"
+        )
     if isinstance(cfg, FamilyPreset):
         family, topo = cfg.parse(mtp=mtp)
         if in_place or weights.fp8:
@@ -298,8 +300,10 @@ def load_model(
             raise no_mtp
         stored = fp8_as_stored(d.config.get("quantization_config")) if family else False
         fmt = resolve(weight_dtype, stored, fp8_mode)
-        if fmt.fp8 and not family:
-            raise ValueError(f"--weight-dtype fp8: {spec!r} is not a DeepSeek-V3.2 / GLM-5 model")
+        if fmt.fp8 and not (family or isinstance(d, V4Preset)):
+            raise ValueError(
+                f"--weight-dtype {weight_dtype}: {spec!r} is not a DeepSeek-V3.2 / GLM-5 / V4 model"
+            )
         shards = Shards.of(parallel, comm, d.parse()[0]) if family else None
         return build_model(
             d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards, mtp=mtp
@@ -311,7 +315,7 @@ def load_model(
             f"directory with {CONFIG_FILE}"
         )
     if is_hf_model_dir(path) and read_config(path).get("model_type") == "deepseek_v4":
-        return load_v4_served(path, device, dtype, mtp, weight_dtype, parallel.world_size)
+        return load_v4_served(path, device, dtype, mtp, weight_dtype, parallel.world_size, fp8_mode)
     if is_hf_model_dir(path):
         return load_hf_model(
             path, device=device, dtype=dtype, mtp=mtp, weight_dtype=weight_dtype,

@@ -13,8 +13,8 @@ The MTP layer (``mtp.0.*``, in the same namings) is read only when asked
 (``v4_mtp.MTPBlock``); otherwise its tensors are left unread and named in one log line. The
 released form is read too: FP8 e4m3 weights with block scales (``X.scale`` or
 ``X.weight_scale_inv``, the block from ``quantization_config``) and FP4 e2m1 routed experts
-(``expert_dtype`` "fp4", packed two per byte, one UE8M0 scale per 32 columns), dequantised on
-load.
+(``expert_dtype`` "fp4", packed two per byte, one UE8M0 scale per 32 columns), held as stored
+or dequantised on load (``load_v4_served``'s ``weight_dtype``).
 
 With DeepSeek-V4.1's shared sources (``V4Config.sharing``) a consumer layer has no compressor
 and a Reuse layer no indexer: a checkpoint may hold them (a V4 checkpoint whose config names
@@ -38,9 +38,10 @@ from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
 from services.worker.model.v4_precision import SERVING_DTYPES, to_serving_dtype
 from services.worker.model.v4_serving import V4Model
-from services.worker.ops.fp4_e2m1 import dequantize_fp4
-from services.worker.ops.fp8_blockwise import dequantize_blockwise
+from services.worker.model.weight_format import BF16, WeightFormat, resolve
+from services.worker.ops.fp8_linear import Mode
 from services.worker.weights.checkpoint import INDEX_FILE, WEIGHTS_FILE
+from services.worker.weights.v4_quantized import Slot, Stored, dense, fill, slots
 
 log = logging.getLogger(__name__)
 
@@ -138,12 +139,14 @@ def read_v4_config(path: str | Path) -> tuple[V4Config, tuple[int, int] | None]:
     return parse_v4_config(raw), block_size(raw.get("quantization_config"))
 
 
-def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
-    """The V4 checkpoint in ``path`` as a ``V4Decoder`` in fp32 on the CPU (every tensor read
-    whole: tiny checkpoints); every parameter must come from the checkpoint and every tensor but
-    the MTP layer's must be used. FP8 e4m3 weights (block scales) and FP4 e2m1 experts (per-32
-    scales) are dequantised here, in fp32. ``mtp``: the MTP layer too (``mtp.0.*``, all of it
-    used); a config with ``num_nextn_predict_layers`` other than 1 is a ConfigError."""
+def load_v4_model(path: str | Path, mtp: bool = False, fmt: WeightFormat = BF16) -> V4Decoder:
+    """The V4 checkpoint in ``path`` as a ``V4Decoder`` on the CPU, its dense tensors in fp32
+    (every tensor read whole: tiny checkpoints); every parameter must come from the checkpoint
+    and every tensor but the MTP layer's must be used. FP8 e4m3 weights (block scales) and FP4
+    e2m1 experts (per-32 scales) are dequantised here, in fp32, or, with ``fmt.fp8``, written
+    into the model's quantized projections and experts (as stored where the formats agree:
+    ``weights/v4_quantized``). ``mtp``: the MTP layer too (``mtp.0.*``, all of it used); a
+    config with ``num_nextn_predict_layers`` other than 1 is a ConfigError."""
     path = Path(path)
     cfg, block = read_v4_config(path)
     if mtp and cfg.mtp_layers != 1:
@@ -151,11 +154,13 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             f"{path}: --drafter mtp needs num_nextn_predict_layers 1, the config has "
             f"{cfg.mtp_layers}"
         )
-    model = V4Decoder(cfg, MTPBlock(cfg) if mtp else None)
-    want = model.state_dict()
+    model = V4Decoder(cfg, MTPBlock(cfg, fmt) if mtp else None, fmt)
+    quantized, owners = slots(model)
+    want = {n: t for n, t in model.state_dict().items() if not n.startswith(owners)}
     names = _stored(path)
     found: dict[str, torch.Tensor] = {}
-    skipped, unshared, used_scales = 0, 0, set()
+    filled: set[str] = set()
+    skipped, unshared, inexact, used_scales = 0, 0, 0, set()
     unbuilt = unbuilt_prefixes(cfg)
     for stored in sorted(names):
         if not mtp and _MTP.match(stored):
@@ -172,17 +177,37 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             if scale is None:
                 raise CheckpointError(f"{path}: {stored} is stored as {t.dtype} without a scale")
             used_scales.add(scale)
-            t = _dequantize(path, stored, t, _read(names, scale), block, cfg)
+            raw = _quantized(path, stored, t, _read(names, scale), block, cfg)
+            slot = quantized.get(native_name(stored))
+            held = _fill(path, stored, slot, raw)
+            if isinstance(held, int):
+                filled.add(native_name(stored))
+                inexact += held
+                continue
+            t = held
         target = want.get(native_name(stored))
         if target is not None and not target.is_floating_point():
             t = t.to(target.dtype)
         elif t.is_floating_point():
             t = t.float()
-        found |= native_tensors(stored, t)
+        for name, tensor in native_tensors(stored, t).items():
+            slot = quantized.get(name)
+            if slot is None:
+                found[name] = tensor
+                continue
+            _fill(path, stored, slot, Stored("dense", tensor))
+            filled.add(name)
     unused = sorted(n for n in names if _is_scale(n) and n not in used_scales)
     unused = [n for n in unused if not native_name(n).startswith(unbuilt)]
     if unused and not all(not mtp and _MTP.match(n) for n in unused):
         raise CheckpointError(f"{path}: scales {unused[:8]} scale no quantized weight")
+    if inexact:
+        log.warning(
+            "%s: %d FP4 expert values held in FP8 rounded (blocks whose scales span more than "
+            "14 binades; --weight-dtype fp4 holds them exactly)",
+            path,
+            inexact,
+        )
     if skipped:
         log.info("%s: %d MTP tensors (mtp.*) not loaded: the MTP layer is not run", path, skipped)
     if unshared:
@@ -192,7 +217,8 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             path,
             unshared,
         )
-    missing, unexpected = sorted(set(want) - set(found)), sorted(set(found) - set(want))
+    missing = sorted((set(want) - set(found)) | (set(quantized) - filled))
+    unexpected = sorted(set(found) - set(want))
     if missing or unexpected:
         raise CheckpointError(
             f"{path}: DeepSeek-V4 tensors missing {missing[:8]}, unexpected {unexpected[:8]}"
@@ -202,7 +228,7 @@ def load_v4_model(path: str | Path, mtp: bool = False) -> V4Decoder:
             raise CheckpointError(
                 f"{path}: {name} has shape {list(t.shape)}, the config gives {list(want[name].shape)}"
             )
-    model.load_state_dict(found, strict=True)
+    model.load_state_dict(found, strict=False)
     return model.eval()
 
 
@@ -229,49 +255,67 @@ def _read(names: dict[str, Path], name: str) -> torch.Tensor:
         return f.get_tensor(name)
 
 
-def _dequantize(
+def _quantized(
     path: Path, name: str, w: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
     cfg: V4Config,
-) -> torch.Tensor:  # fmt: skip
-    """An FP8 block-scaled weight or an FP4 packed expert as float32; CheckpointError naming
-    the tensor when the config does not declare its format or its scales do not fit."""
-    try:
-        if w.dtype == torch.float8_e4m3fn:
-            if block is None:
-                raise CheckpointError("FP8 but config.json has no quantization_config")
-            return dequantize_blockwise(w, scale, block)
-        if cfg.expert_dtype != "fp4":
+) -> Stored:  # fmt: skip
+    """An FP8 block-scaled weight or an FP4 packed expert as stored; CheckpointError naming
+    the tensor when the config does not declare its format."""
+    if w.dtype == torch.float8_e4m3fn:
+        if block is None:
             raise CheckpointError(
-                f"packed FP4 but config.json has expert_dtype {cfg.expert_dtype!r}"
+                f"{path}: {name} {list(w.shape)} is FP8 but config.json has no quantization_config"
             )
-        return dequantize_fp4(w, scale)
-    except (CheckpointError, ValueError) as e:
-        raise CheckpointError(f"{path}: {name} {list(w.shape)} {w.dtype}: {e}") from None
+        return Stored("fp8", w, scale, block)
+    if cfg.expert_dtype != "fp4":
+        raise CheckpointError(
+            f"{path}: {name} {list(w.shape)} {w.dtype}: packed FP4 but config.json has "
+            f"expert_dtype {cfg.expert_dtype!r}"
+        )
+    return Stored("fp4", w, scale)
+
+
+def _fill(path: Path, name: str, slot: Slot | None, raw: Stored) -> torch.Tensor | int:
+    """``fill(slot, raw)`` (-> its count of values held inexactly), or without a slot ``raw``
+    dequantised; a ValueError (a scale grid or shape that does not fit) as a CheckpointError
+    naming the tensor."""
+    try:
+        if slot is None:
+            return dense(raw)
+        return fill(slot, raw)
+    except ValueError as e:
+        raise CheckpointError(
+            f"{path}: {name} {list(raw.weight.shape)} {raw.weight.dtype}: {e}"
+        ) from None
 
 
 def load_v4_served(
     path: str | Path, device: str | torch.device, dtype: torch.dtype | None, mtp: bool,
-    weight_dtype: str, world_size: int,
+    weight_dtype: str, world_size: int, fp8_mode: Mode = "w8a16",
 ) -> V4Model:  # fmt: skip
-    """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``: dense
-    weights (FP8 / FP4 ones dequantised at load) in ``dtype`` (default float32; bfloat16 keeps
-    the tensors transformers keeps in fp32 there, ``v4_precision``), one rank, with its MTP
-    layer when ``mtp``. Anything else asked for (another ``dtype``, ``weight_dtype`` fp8,
-    ``world_size`` > 1) is a ConfigError naming it."""
+    """The V4 checkpoint in ``path`` as the engine's model (``V4Model``) on ``device``, one
+    rank, with its MTP layer when ``mtp``: its tensors in ``dtype`` (default float32; bfloat16
+    keeps the tensors transformers keeps in fp32 there, ``v4_precision``), the projections and
+    routed experts held as ``weight_dtype`` says (``weight_format.resolve``: "auto" holds an
+    FP8 checkpoint of 128x128 blocks in FP8, its experts in the checkpoint's FP8 or FP4; "bf16"
+    dequantises at load; "fp8" / "fp4" the experts in FP8 / FP4 whatever the checkpoint
+    stores). Anything else asked for (another ``dtype``, ``world_size`` > 1) is a ConfigError
+    naming it."""
     unsupported = [
         what
         for what, asked in (
             (f"dtype {dtype}", dtype not in (None, *SERVING_DTYPES)),
-            (f"--weight-dtype {weight_dtype}", weight_dtype not in ("auto", "bf16")),
             (f"{world_size} ranks (tensor / expert parallel)", world_size > 1),
         )
         if asked
     ]
     if unsupported:
         raise ConfigError(
-            f"DeepSeek-V4 ({path}) is served in float32 or bfloat16 on one rank, its FP8 / FP4 "
-            f"weights dequantised at load; not with {', '.join(unsupported)}"
+            f"DeepSeek-V4 ({path}) is served in float32 or bfloat16 on one rank; not with "
+            f"{', '.join(unsupported)}"
         )
     raw = json.loads((Path(path) / "config.json").read_text())
-    net = to_serving_dtype(load_v4_model(path, mtp), dtype or torch.float32)
+    cfg, block = read_v4_config(path)
+    fmt = resolve(weight_dtype, block == (128, 128), fp8_mode, cfg.expert_dtype == "fp4")
+    net = to_serving_dtype(load_v4_model(path, mtp, fmt), dtype or torch.float32)
     return V4Model(net.to(device), model_name(path, raw))

@@ -22,7 +22,6 @@ from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
 from services.worker.model.v4_precision import held_in_fp32, to_serving_dtype
 from services.worker.model.v4_serving import V4Model
-from services.worker.model.weight_format import WeightFormat
 from services.worker.request.request import SamplingParams
 from services.worker.speculative.config import SpeculationConfig
 from services.worker.weights.model_io import build_model
@@ -104,8 +103,6 @@ def test_built_in_place_as_on_the_host_with_tid2eid_into_its_experts() -> None:
         assert table.shape == (VOCAB, 2) and table.dtype == torch.int64
         assert table.unique().tolist() == list(range(8))  # every expert, none past them
         assert bool((table[:, 0] != table[:, 1]).all())
-    with pytest.raises(ValueError, match="dense weights"):
-        build_model(d, weights=WeightFormat(fp8=True))
 
 
 def _prompts() -> list[list[int]]:

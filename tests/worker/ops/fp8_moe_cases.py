@@ -9,7 +9,8 @@ from torch.nn import functional as F
 from services.worker.model.fp8_experts import FP8Experts
 from services.worker.ops.fp8_blockwise import FP8_DTYPE, dequantize_blockwise, quantize_blockwise
 from services.worker.ops.fp8_linear import act_dequant_ref, act_quant_ref
-from services.worker.ops.fp8_moe import dequantize_gate_up, fp8_moe_gemm_ref, sum_choices
+from services.worker.ops.fp8_moe import dequantize_gate_up, fp8_moe_gemm_ref
+from services.worker.ops.moe_pairs import sum_choices
 
 EPS32 = 2.0**-23
 # The spacing of the SwiGLU output's dtype relative to a value: two roundings of nearby values
@@ -106,35 +107,52 @@ def gemm_bound(a, weight, scale, idx, mode, pairs_per_row, rel, pair_weight=None
     return b
 
 
-def glu_bound(x, gate_up, scale, idx, mode, rel, act_ref) -> torch.Tensor:
-    """The bound on ``silu(gate) * up`` [P, I]: gate and up are each within ``rel * (|x| @
-    |W|^T)`` (bg, bu); silu is 1.1-Lipschitz; then silu's own evaluation and the rounding of
-    the product to its dtype (one step)."""
-    k = idx.shape[1]
-    af = _rows(x, idx, mode, k)
-    h = pair_matmul(af, gate_up, scale, idx, gate_up=True)
-    habs = pair_matmul(af.abs(), abs_fp8(gate_up), scale, idx, gate_up=True)
-    i = gate_up.shape[1] // 2
+def swiglu_bound(h, habs, rel, act_ref, limit=None) -> torch.Tensor:
+    """The bound on the SwiGLU output [P, I] from the pre-activations ``h [P, 2I]`` (gate, up)
+    and ``habs = |x| @ |W|^T``: gate and up are each within ``rel * habs`` (bg, bu), and so are
+    their clamps by ``limit`` (1-Lipschitz); silu is 1.1-Lipschitz; then silu's own evaluation
+    and the rounding of the product to its dtype (one step)."""
+    i = h.shape[1] // 2
     gate, up, bg, bu = h[:, :i], h[:, i:], rel * habs[:, :i], rel * habs[:, i:]
+    if limit is not None:
+        gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     sg = F.silu(gate)
     d = SILU_LIP * bg * (up.abs() + bu) + (sg.abs() + SILU_LIP * bg) * bu
     d = d + SILU_REL * (sg * up).abs()
     return d + ULP[act_ref.dtype] * (act_ref.float().abs() + d)
 
 
-def moe_bound(x, idx, w, weights, mode, rel1, rel2, y_ref) -> torch.Tensor:
+def glu_bound(x, gate_up, scale, idx, mode, rel, act_ref, limit=None) -> torch.Tensor:
+    """``swiglu_bound`` of the FP8 gate_up GEMM's pre-activations."""
+    k = idx.shape[1]
+    af = _rows(x, idx, mode, k)
+    h = pair_matmul(af, gate_up, scale, idx, gate_up=True)
+    habs = pair_matmul(af.abs(), abs_fp8(gate_up), scale, idx, gate_up=True)
+    return swiglu_bound(h, habs, rel, act_ref, limit)
+
+
+def sum_bound(dy, y_abs, w, y_ref, x_dtype) -> torch.Tensor:
+    """The end-to-end bound [T, D] from each pair's down-projection bound ``dy [P, D]`` and
+    magnitude ``y_abs [P, D]``: times the routing weights, the k choices summed in the same order
+    on both sides (one fp32 rounding per add, each side), then one step of x's dtype."""
+    t, k = w.shape
+    wp = w.reshape(-1, 1).float().abs()
+    dy, y_abs = (dy * wp).view(t, k, -1), (y_abs * wp).view(t, k, -1)
+    b = sum_choices(dy) + k * EPS32 * sum_choices(y_abs + dy)
+    return b + ULP[x_dtype] * (y_ref.float().abs() + b)
+
+
+def moe_bound(x, idx, w, weights, mode, rel1, rel2, y_ref, limit=None) -> torch.Tensor:
     """The end-to-end bound [T, D]: the SwiGLU output's bound ``dact`` (``glu_bound``) and,
     for w8a8, its quantization (each side within half an e4m3 step of what it quantizes, as
     ``act_quant_ref``'s test states, so the two within ``dact`` plus two half steps), carried
-    through the down projection (``rel2``) and the routing weights; the k choices are summed in
-    the same order on both sides (one fp32 rounding per add, each side), then one step of
-    x's dtype."""
+    through the down projection (``rel2``) and summed over the choices (``sum_bound``)."""
     gate_up, gu_scale, down, d_scale = weights
     t, k = idx.shape
     if t == 0:
         return torch.zeros_like(y_ref, dtype=torch.float32)
-    act = fp8_moe_gemm_ref(x, gate_up, gu_scale, idx, mode, k, glu=True)  # [P, I]
-    dact = glu_bound(x, gate_up, gu_scale, idx, mode, rel1, act)
+    act = fp8_moe_gemm_ref(x, gate_up, gu_scale, idx, mode, k, True, limit=limit)  # [P, I]
+    dact = glu_bound(x, gate_up, gu_scale, idx, mode, rel1, act, limit)
     a = act.float()
     if mode == "w8a8":
         q, s = act_quant_ref(a)
@@ -150,10 +168,7 @@ def moe_bound(x, idx, w, weights, mode, rel1, rel2, y_ref) -> torch.Tensor:
     wabs = abs_fp8(down)
     dy = pair_matmul(rel2 * (q.abs() + dq) + dq, wabs, d_scale, idx, gate_up=False)
     y_abs = pair_matmul(q.abs(), wabs, d_scale, idx, gate_up=False)
-    wp = w.reshape(-1, 1).float().abs()
-    dy, y_abs = (dy * wp).view(t, k, -1), (y_abs * wp).view(t, k, -1)
-    b = sum_choices(dy) + k * EPS32 * sum_choices(y_abs + dy)
-    return b + ULP[x.dtype] * (y_ref.float().abs() + b)
+    return sum_bound(dy, y_abs, w, y_ref, x.dtype)
 
 
 def assert_within(y, y_ref, tol) -> None:

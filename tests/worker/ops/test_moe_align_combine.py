@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.worker.ops.fp8_moe import sum_choices
 from services.worker.ops.moe_align import MoEBlocks, align_blocks
 from services.worker.ops.moe_align_triton import FUSED_MAX_PAIRS, align, align_blocks_triton
 from services.worker.ops.moe_combine_triton import combine_triton, fits
+from services.worker.ops.moe_pairs import sum_choices
 
 
 def _routing(seed: int, t: int, k: int, e: int, kind: str) -> torch.Tensor:

@@ -19,11 +19,11 @@ from services.worker.model.fp8_experts import FP8Experts
 from services.worker.model.mla_moe import MoE, Router
 from services.worker.model.weight_format import WeightFormat
 from services.worker.ops.fp8_blockwise import FP8_DTYPE
-from services.worker.ops.fp8_moe import plan, sum_choices
 from services.worker.ops.fusion import kernel_fusion, unfused_kernels
 from services.worker.ops.moe_align import align_blocks
 from services.worker.ops.moe_align_triton import FUSED_MAX_PAIRS, align_blocks_triton
 from services.worker.ops.moe_combine_triton import combine_triton
+from services.worker.ops.moe_pairs import plan, sum_choices
 from services.worker.ops.silu_mul_triton import silu_mul_triton
 from services.worker.parallel.shards import Shards
 from tests.worker.ops.fp8_moe_cases import make_experts, make_inputs

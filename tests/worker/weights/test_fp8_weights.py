@@ -131,9 +131,11 @@ def test_the_engine_serves_fp8_weights_with_the_dequantized_tokens(checkpoints, 
 
 
 def test_errors_name_what_is_unsupported(checkpoints, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="weight dtype 'fp4'"):
+    with pytest.raises(ValueError, match="weight dtype 'fp2'"):
+        load_model(checkpoints["dense"], weight_dtype="fp2")
+    with pytest.raises(ValueError, match="fp4 holds DeepSeek-V4's FP4 routed experts"):
         load_model(checkpoints["dense"], weight_dtype="fp4")
-    with pytest.raises(ValueError, match=r"not a DeepSeek-V3\.2 / GLM-5 model"):
+    with pytest.raises(ValueError, match=r"not a DeepSeek-V3\.2 / GLM-5 / V4 model"):
         load_model("tiny-indexshare", weight_dtype="fp8")
     with pytest.raises(ValueError, match="FP8 activation mode"):
         load_model(checkpoints["fp8"], fp8_mode="w4a8")  # type: ignore[arg-type]
