@@ -30,7 +30,7 @@ import torch
 from bench.core.model import BENCH_GLM, bench_model_config
 from bench.core.steps import steady_engine
 from bench.load.replay import TRACE, install, load_traces, replay_for
-from dhisparse.family.scaled import SCALED
+from dhisparse.family.scaled import SCALED, V4_SCALED
 from dhisparse.tokenizer import ByteTokenizer
 from services.worker.engine.engine import Engine
 from services.worker.graphs.cuda_graph import GraphConfig
@@ -50,7 +50,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", type=int, default=22)
     ap.add_argument("--model", default=None, help="a checkpoint directory (default: bench-glm)")
     ap.add_argument(
-        "--scaled", default=None, choices=sorted(SCALED),
+        "--scaled", default=None, choices=sorted(SCALED | V4_SCALED),
         help="a real-dimension model built in place with FP8 weights (bench scaled's)",
     )  # fmt: skip
     ap.add_argument(
@@ -98,7 +98,7 @@ def run(args: argparse.Namespace) -> dict:
             torch.cuda.synchronize()
     model = None
     if args.scaled is not None:
-        model = build_model(SCALED[args.scaled], seed=0, device=args.device, dtype=dtype,
+        model = build_model((SCALED | V4_SCALED)[args.scaled], seed=0, device=args.device, dtype=dtype,
                             weights=WeightFormat(fp8=True), in_place=True,
                             mtp=args.drafter == "mtp")  # fmt: skip
     elif args.model is None:

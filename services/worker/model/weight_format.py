@@ -45,17 +45,15 @@ class WeightFormat:
 BF16 = WeightFormat()
 
 
-def resolve(
-    weight_dtype: str, checkpoint_fp8: bool, mode: Mode = "w8a16", checkpoint_fp4: bool = False
-) -> WeightFormat:
+def resolve(weight_dtype: str, checkpoint_fp8: bool, mode: Mode = "w8a16") -> WeightFormat:
     """The format a load serves: ``weight_dtype`` "fp8", "fp4" (FP8 projections, FP4 routed
     experts) or "bf16" (the serving dtype, an FP8 checkpoint dequantized at load) as asked, or
     "auto": FP8 exactly when the checkpoint's FP8 can be served as stored
-    (``checkpoint_fp8``), its experts FP4 where the checkpoint stores them so
-    (``checkpoint_fp4``)."""
+    (``checkpoint_fp8``), the routed experts FP8 whatever the checkpoint stores (DeepSeek-V4's
+    FP4 experts re-held exactly in FP8 blocks: the FP8 MoE decodes faster than the FP4 one,
+    docs/fp8_weights.md)."""
     fp8 = serves_fp8(weight_dtype, checkpoint_fp8)
-    fp4 = weight_dtype == "fp4" or (weight_dtype == "auto" and fp8 and checkpoint_fp4)
-    return WeightFormat(fp8=fp8, mode=mode, fp4_experts=fp4)
+    return WeightFormat(fp8=fp8, mode=mode, fp4_experts=weight_dtype == "fp4")
 
 
 def linear(d_in: int, d_out: int, fmt: WeightFormat) -> nn.Module:

@@ -297,7 +297,7 @@ def load_v4_served(
     rank, with its MTP layer when ``mtp``: its tensors in ``dtype`` (default float32; bfloat16
     keeps the tensors transformers keeps in fp32 there, ``v4_precision``), the projections and
     routed experts held as ``weight_dtype`` says (``weight_format.resolve``: "auto" holds an
-    FP8 checkpoint of 128x128 blocks in FP8, its experts in the checkpoint's FP8 or FP4; "bf16"
+    FP8 checkpoint of 128x128 blocks in FP8, its FP4 experts re-held in FP8 blocks; "bf16"
     dequantises at load; "fp8" / "fp4" the experts in FP8 / FP4 whatever the checkpoint
     stores). Anything else asked for (another ``dtype``, ``world_size`` > 1) is a ConfigError
     naming it."""
@@ -315,7 +315,7 @@ def load_v4_served(
             f"{', '.join(unsupported)}"
         )
     raw = json.loads((Path(path) / "config.json").read_text())
-    cfg, block = read_v4_config(path)
-    fmt = resolve(weight_dtype, block == (128, 128), fp8_mode, cfg.expert_dtype == "fp4")
+    _, block = read_v4_config(path)
+    fmt = resolve(weight_dtype, block == (128, 128), fp8_mode)
     net = to_serving_dtype(load_v4_model(path, mtp, fmt), dtype or torch.float32)
     return V4Model(net.to(device), model_name(path, raw))

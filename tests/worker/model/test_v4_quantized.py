@@ -89,11 +89,12 @@ def test_fp4_experts_held_in_fp8_are_upcast_exactly(released) -> None:
     hf_tiny_v4.assert_close(_logits(held, ids), _logits(fp4, ids), 1e-4)
 
 
-def test_auto_serves_an_fp8_checkpoint_as_stored_and_bf16_dequantizes(released) -> None:
+def test_auto_serves_an_fp8_checkpoint_in_fp8_and_bf16_dequantizes(released) -> None:
     auto = load_v4_served(released, "cpu", None, False, "auto", 1)
-    assert isinstance(auto.net.layers[0].ffn.experts, FP4Experts)
-    as_fp8 = load_v4_served(released, "cpu", None, False, "fp8", 1)
-    assert isinstance(as_fp8.net.layers[0].ffn.experts, FP8Experts)
+    assert isinstance(auto.net.layers[0].attn.wkv, FP8Linear)
+    assert isinstance(auto.net.layers[0].ffn.experts, FP8Experts)  # FP4 re-held: faster
+    as_fp4 = load_v4_served(released, "cpu", None, False, "fp4", 1)
+    assert isinstance(as_fp4.net.layers[0].ffn.experts, FP4Experts)
     dense_model = load_v4_served(released, "cpu", None, False, "bf16", 1)
     assert isinstance(dense_model.net.layers[0].attn.wq_a, torch.nn.Linear)
     assert not dense_model.net.layers[0].ffn.quantized
