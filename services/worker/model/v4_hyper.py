@@ -14,6 +14,8 @@ from __future__ import annotations
 import torch
 
 from services.worker.model.v4_norm import rms_normalise
+from services.worker.ops.fusion import fused
+from services.worker.ops.hyper_mix_triton import hyper_weights_triton
 
 
 def mix_logits(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -22,13 +24,12 @@ def mix_logits(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Ten
     return flat @ fn.float().T
 
 
-def hyper_mix(
-    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
-    iters: int, hc_eps: float, norm_eps: float,
+def hyper_weights_ref(
+    logits: torch.Tensor, base: torch.Tensor, scale: torch.Tensor, h: int, iters: int,
+    hc_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """streams: [N, H, hidden] -> (post [N, H], comb [N, H, H], collapsed [N, hidden])."""
-    h = streams.shape[1]
-    pre_w, post_w, comb_w = mix_logits(streams, fn, norm_eps).split([h, h, h * h], dim=-1)
+    """Mixing logits [N, (2 + H) H] -> (pre [N, H], post [N, H], comb [N, H, H]), fp32."""
+    pre_w, post_w, comb_w = logits.split([h, h, h * h], dim=-1)
     pre_b, post_b, comb_b = base.float().split([h, h, h * h])
     scale = scale.float()
     pre = torch.sigmoid(pre_w * scale[0] + pre_b) + hc_eps
@@ -38,6 +39,19 @@ def hyper_mix(
     for _ in range(iters - 1):
         comb = comb / (comb.sum(dim=-1, keepdim=True) + hc_eps)
         comb = comb / (comb.sum(dim=-2, keepdim=True) + hc_eps)
+    return pre, post, comb
+
+
+def hyper_mix(
+    streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
+    iters: int, hc_eps: float, norm_eps: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """streams: [N, H, hidden] -> (post [N, H], comb [N, H, H], collapsed [N, hidden]). Fused
+    (``fused``: a CUDA pass), the weights come from one kernel (``ops/hyper_mix_triton.py``)."""
+    h = streams.shape[1]
+    logits = mix_logits(streams, fn, norm_eps)
+    weights = hyper_weights_triton if fused(logits, "hyper_mix") else hyper_weights_ref
+    pre, post, comb = weights(logits, base, scale, h, iters, hc_eps)
     collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
     return post, comb, collapsed
 

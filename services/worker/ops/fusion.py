@@ -38,6 +38,7 @@ FUSED_OPS = (
     "fp8_split_sum",  # the FP8 matmul's split-K sum in its kernel (fp8_linear)
     "attention_combine",  # sparse attention's splits combined in its kernel
     "page_locations",  # rows' locations through the page tables (paged)
+    "hyper_mix",  # DeepSeek-V4's hyper-connection weights, Sinkhorn included (v4_hyper)
 )
 _FUSED: ContextVar[bool] = ContextVar("dhisparse_kernel_fusion", default=False)
 _WITHOUT: ContextVar[frozenset[str]] = ContextVar("dhisparse_fused_without", default=frozenset())
