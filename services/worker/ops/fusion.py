@@ -11,7 +11,8 @@ in the thread (and asyncio context) that entered it.
 
 Each fused op has a name (``FUSED_OPS``); ``fused_without(*ops)`` runs the named ones in their
 torch forms while fusion stays on for the rest, so a divergence between the fused and unfused
-passes can be traced to one op."""
+passes can be traced to one op. Outside such a block the ops of ``NOT_YET_ON_GPU`` run their
+torch forms."""
 
 from __future__ import annotations
 
@@ -40,8 +41,12 @@ FUSED_OPS = (
     "page_locations",  # rows' locations through the page tables (paged)
     "hyper_mix",  # DeepSeek-V4's hyper-connection weights, Sinkhorn included (v4_hyper)
 )
+# fused ops whose kernels have passed their torch references under the interpreter but have not
+# yet run on a GPU: left out by default (as if named by ``fused_without``) until their GPU tests
+# pass; a ``fused_without`` block sets its own list, so ``fused_without()`` turns them on
+NOT_YET_ON_GPU = frozenset({"hyper_mix"})
 _FUSED: ContextVar[bool] = ContextVar("dhisparse_kernel_fusion", default=False)
-_WITHOUT: ContextVar[frozenset[str]] = ContextVar("dhisparse_fused_without", default=frozenset())
+_WITHOUT: ContextVar[frozenset[str]] = ContextVar("dhisparse_fused_without", default=NOT_YET_ON_GPU)
 
 
 def fused(t: torch.Tensor, op: str) -> bool:
