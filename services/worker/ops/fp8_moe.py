@@ -54,6 +54,7 @@ from services.worker.ops.moe_pairs import (
     check_limit,
     check_routing,
     combine,
+    gemm_output,
     pair_gemm_ref,
     plan,
     sum_choices,
@@ -180,16 +181,12 @@ def fp8_moe_gemm(
     n_out = _check_gemm(a, weight, scale, mode, glu)
     check_limit(limit, glu)
     e, _, k = weight.shape
-    out = torch.empty(blocks.n_pairs, n_out, dtype=out_dtype or a.dtype, device=a.device)
+    interpret = a.device.type == "cpu"
+    t = tiles(blocks.n_pairs, e, interpret)
+    out, pair_weight = gemm_output(a, blocks, n_out, out_dtype, pair_weight, t.block_m)
     n_blocks = blocks.block_expert.numel()
     if n_blocks == 0:
         return out
-    interpret = a.device.type == "cpu"
-    t = tiles(blocks.n_pairs, e, interpret)
-    if t.block_m != blocks.block_m:
-        raise ValueError(f"blocks of {blocks.block_m} rows, the tile has {t.block_m}: use plan()")
-    if pair_weight is not None:
-        pair_weight = pair_weight.reshape(-1).to(torch.float32).contiguous()  # [P]
     grid = (n_blocks, triton.cdiv(n_out, t.block_n))
     fp8_moe_kernel[grid](
         a, a.stride(0), a.stride(1),

@@ -61,6 +61,21 @@ def plan(idx: torch.Tensor, n_experts: int) -> MoEBlocks:
     return align(idx, n_experts, block_rows(idx.numel(), n_experts, idx.device.type == "cpu"))
 
 
+def gemm_output(
+    a: torch.Tensor, blocks: MoEBlocks, n_out: int, out_dtype: torch.dtype | None,
+    pair_weight: torch.Tensor | None, block_m: int,
+) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """A grouped GEMM's output ``[P, n_out]`` (``out_dtype``, a's by default; uninitialised) and
+    its pairs' routing weights as the kernels read them (fp32, ``[P]``); ValueError when the
+    kernel's tile of ``block_m`` rows is not the one ``blocks`` were aligned to."""
+    if block_m != blocks.block_m:
+        raise ValueError(f"blocks of {blocks.block_m} rows, the tile has {block_m}: use plan()")
+    out = torch.empty(blocks.n_pairs, n_out, dtype=out_dtype or a.dtype, device=a.device)
+    if pair_weight is not None:
+        pair_weight = pair_weight.reshape(-1).to(torch.float32).contiguous()  # [P]
+    return out, pair_weight
+
+
 def swiglu_ref(h: torch.Tensor, limit: float | None = None) -> torch.Tensor:
     """``h [P, 2N]`` (gate columns, then up) -> ``silu(gate) * up`` [P, N]; with ``limit``,
     V4's clamped form ``silu(min(gate, limit)) * clamp(up, -limit, limit)``."""
