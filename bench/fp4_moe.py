@@ -19,7 +19,6 @@ weights (``fp4_moe_ref`` of fp32 x): relative Frobenius, and max |error| / max |
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from collections.abc import Callable
 
@@ -27,9 +26,6 @@ import torch
 
 from bench import fp8_moe
 from bench.core import UsageError
-from bench.core.cuda_timer import graph_timer
-from bench.core.lockstep import alternate
-from bench.fp8_linear import _error
 from services.worker.model.fp4_experts import FP4Experts
 from services.worker.model.fp8_experts import FP8Experts
 from services.worker.model.grouped_experts import routed_experts
@@ -130,40 +126,13 @@ def run_case(t: int, held: Held, args: argparse.Namespace, g: torch.Generator) -
         "w8a16_triton": lambda: fp8_moe_triton(x, idx, w, *fp8_weights, "w8a16", limit),
         "bf16_torch": lambda: routed_experts(x, idx, w, held.gate_up, held.down, act),
     }
-    with torch.no_grad():
-        errors = {v: _error(fn(), y32) for v, fn in fns.items()}
-        timers = {v: graph_timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
-        times = alternate(timers, args.repeats)
     touched = int(idx.unique().numel())  # the experts whose weights are read
     per_expert = held.bytes_per_expert()
-    rows = {}
-    for v in fns:
-        ms = statistics.median(times[v])
-        rows[v] = {
-            "median_us": 1e3 * ms,
-            "min_us": 1e3 * min(times[v]),
-            "weight_gb_per_s": touched * per_expert[v] / (ms * 1e-3) / 1e9,
-            **errors[v],
-        }
+    rows = fp8_moe.timed_variants(fns, y32, args, lambda v: touched * per_expert[v])
     return {
         "experts": e, "tokens": t, "pairs": t * k, "experts_touched": touched,
         "fp4_tile": fp4_tiles(t * k, e, False)._asdict(), "variants": rows,
     }  # fmt: skip
-
-
-def _table(cases: list[dict]) -> str:
-    head = f"{'E':>5}{'T':>6}{'touched':>9}" + "".join(f"{v:>30}" for v in VARIANTS)
-    lines = [head, " " * 20 + "".join(f"{'us  GB/s (rel err)':>30}" for _ in VARIANTS)]
-    for c in cases:
-        cells = [
-            f"{r['median_us']:>9.1f} {r['weight_gb_per_s']:>6.0f} ({r['rel_fro']:.1e})"
-            for r in (c["variants"][v] for v in VARIANTS)
-        ]
-        lines.append(
-            f"{c['experts']:>5}{c['tokens']:>6}{c['experts_touched']:>9}"
-            + "".join(f"{s:>30}" for s in cells)
-        )
-    return "\n".join(lines)
 
 
 def run(args: argparse.Namespace) -> int | dict:
@@ -184,7 +153,7 @@ def run(args: argparse.Namespace) -> int | dict:
         results += [run_case(t, held, args, g) for e2, t in cases if e2 == e]
         del held
         torch.cuda.empty_cache()
-    print(_table(results))
+    print(fp8_moe.table(results, VARIANTS))
     return {
         "bench": "fp4-moe",
         "device": torch.cuda.get_device_name(),

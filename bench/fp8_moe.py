@@ -115,36 +115,49 @@ def run_case(t: int, fp8: FP8Experts, bf16: Experts, args: argparse.Namespace, g
         "w8a8_triton": lambda: fp8_moe_triton(x, idx, w, *weights, "w8a8"),
         "bf16_torch": lambda: bf16(x, idx, w),
     }
-    with torch.no_grad():
-        errors = {v: _error(fn(), y32) for v, fn in fns.items()}
-        timers = {v: graph_timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
-        times = alternate(timers, args.repeats)
     touched = int(idx.unique().numel())  # the experts whose weights are read
     scales = (fp8.gate_up_proj_scale_inv[0].numel() + fp8.down_proj_scale_inv[0].numel()) * 4
     per_expert = {"fp8": 3 * i * d + scales, "bf16": 2 * 3 * i * d}
-    rows = {}
-    for v in fns:
-        ms = statistics.median(times[v])
-        wbytes = touched * per_expert["bf16" if v == "bf16_torch" else "fp8"]
-        rows[v] = {
-            "median_us": 1e3 * ms,
-            "min_us": 1e3 * min(times[v]),
-            "weight_gb_per_s": wbytes / (ms * 1e-3) / 1e9,
-            **errors[v],
-        }
+    rows = timed_variants(
+        fns, y32, args, lambda v: touched * per_expert["bf16" if v == "bf16_torch" else "fp8"]
+    )
     return {
         "experts": e, "tokens": t, "pairs": t * k, "experts_touched": touched,
         "tile": tiles(t * k, e, False)._asdict(), "variants": rows,
     }  # fmt: skip
 
 
-def _table(cases: list[dict]) -> str:
-    head = f"{'E':>5}{'T':>6}{'touched':>9}" + "".join(f"{v:>30}" for v in VARIANTS)
-    lines = [head, " " * 20 + "".join(f"{'us  GB/s (rel err)':>30}" for _ in VARIANTS)]
+def timed_variants(
+    fns: dict[str, Callable[[], torch.Tensor]], y32: torch.Tensor, args: argparse.Namespace,
+    weight_bytes: Callable[[str], int],
+) -> dict[str, dict]:  # fmt: skip
+    """Each variant's error against ``y32`` and its time, the variants alternating in lockstep
+    (``--inner`` calls per graph replay, ``--repeats`` rounds): median and least µs, and GB/s
+    over ``weight_bytes(variant)``."""
+    with torch.no_grad():
+        errors = {v: _error(fn(), y32) for v, fn in fns.items()}
+        timers = {v: graph_timer(fn, args.inner, not args.no_graph) for v, fn in fns.items()}
+        times = alternate(timers, args.repeats)
+    rows = {}
+    for v in fns:
+        ms = statistics.median(times[v])
+        rows[v] = {
+            "median_us": 1e3 * ms,
+            "min_us": 1e3 * min(times[v]),
+            "weight_gb_per_s": weight_bytes(v) / (ms * 1e-3) / 1e9,
+            **errors[v],
+        }
+    return rows
+
+
+def table(cases: list[dict], variants: tuple[str, ...]) -> str:
+    """One line per case: µs, GB/s and relative error of each variant."""
+    head = f"{'E':>5}{'T':>6}{'touched':>9}" + "".join(f"{v:>30}" for v in variants)
+    lines = [head, " " * 20 + "".join(f"{'us  GB/s (rel err)':>30}" for _ in variants)]
     for c in cases:
         cells = [
             f"{r['median_us']:>9.1f} {r['weight_gb_per_s']:>6.0f} ({r['rel_fro']:.1e})"
-            for r in (c["variants"][v] for v in VARIANTS)
+            for r in (c["variants"][v] for v in variants)
         ]
         lines.append(
             f"{c['experts']:>5}{c['tokens']:>6}{c['experts_touched']:>9}"
@@ -170,7 +183,7 @@ def run(args: argparse.Namespace) -> int | dict:
         results += [run_case(t, fp8, bf16, args, g) for e2, t in cases if e2 == e]
         del fp8, bf16
         torch.cuda.empty_cache()
-    print(_table(results))
+    print(table(results, VARIANTS))
     return {
         "bench": "fp8-moe",
         "device": torch.cuda.get_device_name(),
