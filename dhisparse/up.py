@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from typing import BinaryIO
 
 from dhisparse.devices import AUTO, resolve_device
+from dhisparse.family.quantization_config import WEIGHT_DTYPES
 from dhisparse.paths import resolve_path
 from services.kv_host_store.errors import ArenaError
 from services.kv_host_store.fit import check_arena_fits
@@ -138,9 +139,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "rows, half the bytes of bf16; docs/fp8_kv.md)",
     )  # fmt: skip
     p.add_argument(
-        "--weight-dtype", default="auto", choices=["auto", "fp8", "bf16"],
-        help="DeepSeek-V3.2 / GLM-5 projections and experts: auto (FP8 checkpoints stay FP8, "
-        "default), fp8 or bf16 (docs/fp8_weights.md)",
+        "--weight-dtype", default="auto", choices=list(WEIGHT_DTYPES),
+        help="projections and routed experts: auto (FP8 checkpoints stay FP8, default), fp8, "
+        "fp4 (DeepSeek-V4: FP4 routed experts, as released) or bf16 (docs/fp8_weights.md)",
     )  # fmt: skip
     p.add_argument(
         "--workers", type=int, default=1,

@@ -40,8 +40,8 @@ def add_engine_arguments(p: argparse.ArgumentParser) -> None:
     )  # fmt: skip
     p.add_argument(
         "--weight-dtype", choices=list(WEIGHT_DTYPES),
-        help="DeepSeek-V3.2 / GLM-5: projections and experts in fp8 or the serving dtype "
-        "(auto: fp8 where the checkpoint is)",
+        help="projections and routed experts in fp8, fp4 (DeepSeek-V4: FP4 routed experts, as "
+        "released) or the serving dtype (bf16); auto: fp8 where the checkpoint is",
     )  # fmt: skip
     p.add_argument(
         "--fp8-mode", choices=list(MODES),

@@ -49,6 +49,8 @@ def test_weight_and_kv_dtypes_reach_every_worker() -> None:
         assert _flag(argv, "--weight-dtype") == "fp8" and _flag(argv, "--kv-cache-dtype") == "fp8"
     argv = worker_argv(parse(), 0, "cpu")
     assert _flag(argv, "--weight-dtype") == "auto" and _flag(argv, "--kv-cache-dtype") == "auto"
+    # every dtype the worker takes, DeepSeek-V4's FP4 experts included
+    assert _flag(worker_argv(parse("--weight-dtype", "fp4"), 0, "cpu"), "--weight-dtype") == "fp4"
 
 
 def test_auto_device_is_the_gpu_when_cuda_is_available() -> None:
