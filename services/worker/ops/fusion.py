@@ -44,7 +44,7 @@ FUSED_OPS = (
 # fused ops whose kernels have passed their torch references under the interpreter but have not
 # yet run on a GPU: left out by default (as if named by ``fused_without``) until their GPU tests
 # pass; a ``fused_without`` block sets its own list, so ``fused_without()`` turns them on
-NOT_YET_ON_GPU = frozenset({"hyper_mix"})
+NOT_YET_ON_GPU: frozenset[str] = frozenset()
 _FUSED: ContextVar[bool] = ContextVar("dhisparse_kernel_fusion", default=False)
 _WITHOUT: ContextVar[frozenset[str]] = ContextVar("dhisparse_fused_without", default=NOT_YET_ON_GPU)
 

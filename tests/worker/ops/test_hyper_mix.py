@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from services.worker.model.v4_hyper import hyper_mix, hyper_weights_ref
-from services.worker.ops.fusion import fused_without, kernel_fusion
+from services.worker.ops.fusion import kernel_fusion
 from services.worker.ops.hyper_mix_triton import hyper_weights_triton
 
 EPS = 1e-6
@@ -59,7 +59,7 @@ def test_on_the_gpu_fused_and_unfused_mixes_agree() -> None:
     gen = torch.Generator(device="cuda").manual_seed(4)
     streams = torch.randn(n, h, d, generator=gen, device="cuda").to(torch.bfloat16)
     fn = torch.randn((2 + h) * h, h * d, generator=gen, device="cuda") / (h * d) ** 0.5
-    with kernel_fusion(True), fused_without():  # hyper_mix is NOT_YET_ON_GPU
+    with kernel_fusion(True):
         fused_out = hyper_mix(streams, fn, base, scale, 20, EPS, 1e-6)
     with kernel_fusion(False):
         plain = hyper_mix(streams, fn, base, scale, 20, EPS, 1e-6)
