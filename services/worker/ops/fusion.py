@@ -30,7 +30,7 @@ FUSED_OPS = (
     "index_key",  # the indexer's key: LayerNorm and RoPE (mla_indexer)
     "index_scores",  # the decode indexer's scores over paged keys (index_keys)
     "select_topk",  # the indexer's top-k (indexer)
-    "rms_norm",  # RMSNorm (layers)
+    "rms_norm",  # RMSNorm, weighted or not (layers, v4_norm)
     "add_norm",  # the residual join and the norm after it (layers)
     "silu_mul",  # silu(gate) * up (mla_moe)
     "moe_route",  # the MoE router's choice and weights (mla_moe)

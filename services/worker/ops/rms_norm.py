@@ -18,11 +18,12 @@ X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 MAX_D = 8192  # the widest row one program holds (hidden sizes up to 7168)
 
 
-def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """``x [..., D]``, ``weight [D]`` -> ``[..., D]`` in x's dtype: the norm in fp32."""
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``x [..., D]``, ``weight [D]`` -> ``[..., D]`` in x's dtype: the norm in fp32 (``weight``
+    None: unweighted, x over its RMS)."""
     xf = x.float()
     xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (xf * weight.float()).to(x.dtype)
+    return (xf if weight is None else xf * weight.float()).to(x.dtype)
 
 
 def add_rms_norm_ref(
@@ -33,11 +34,11 @@ def add_rms_norm_ref(
     return rms_norm_ref(summed, weight, eps), summed
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor) -> None:
+def _check(x: torch.Tensor, weight: torch.Tensor | None) -> None:
     if x.dtype not in X_DTYPES:
         raise ValueError(f"x must be one of {X_DTYPES}, got {x.dtype}")
     d = x.shape[-1]
-    if tuple(weight.shape) != (d,) or not weight.is_contiguous():
+    if weight is not None and (tuple(weight.shape) != (d,) or not weight.is_contiguous()):
         raise ValueError(f"weight {tuple(weight.shape)} is not a contiguous [{d}]")
     if not 0 < d <= MAX_D:
         raise ValueError(f"rows of {d} elements: at most {MAX_D}")
@@ -50,7 +51,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch(
-    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
+    x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor | None, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check(x, weight)
     d = x.shape[-1]
@@ -73,20 +74,20 @@ def _launch(
         rms_norm_kernel[(m,)](
             x2, x2.stride(0),
             r2, r2.stride(0),
-            weight,
+            x2 if weight is None else weight,  # unread without a weight
             out, out.stride(0),
             s, s.stride(0),
             d, eps,
-            BLOCK_D=block_d, HAS_RESIDUAL=residual is not None,
+            BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
             num_warps=min(max(block_d // 256, 1), 8),
         )  # fmt: skip
     shape = x.shape
     return out.view(shape), None if summed is None else summed.view(shape)
 
 
-def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+def rms_norm_triton(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     """Same contract as ``rms_norm_ref``: ``x [..., D]`` (D <= 8192, unit last stride or
-    copied), ``weight [D]`` of any float dtype -> a new contiguous ``[..., D]``."""
+    copied), ``weight [D]`` of any float dtype or None -> a new contiguous ``[..., D]``."""
     return _launch(x, None, weight, eps)[0]
 
 

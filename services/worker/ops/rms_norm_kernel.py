@@ -3,8 +3,8 @@
 
 With ``HAS_RESIDUAL`` the program first forms ``summed = residual + x`` as torch's ``h + a``
 does (both widened to fp32, added, rounded once to x's dtype), stores it, and normalizes it.
-The norm is in fp32: ``y = (x * rsqrt(mean(x^2) + eps)) * weight``, stored in the output's
-dtype.
+The norm is in fp32: ``y = (x * rsqrt(mean(x^2) + eps)) * weight`` (``HAS_WEIGHT`` False: no
+weight, ``y = x * rsqrt(mean(x^2) + eps)``), stored in the output's dtype.
 
 A Triton kernel takes every pointer, stride and size as a flat argument: this file is exempt
 from the project's argument-count rule (``pyproject.toml``), and holds only the kernel."""
@@ -25,7 +25,7 @@ def rms_norm_kernel(
     out_ptr, stride_om,
     sum_ptr, stride_sm,
     D, eps,
-    BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    BLOCK_D: tl.constexpr, HAS_RESIDUAL: tl.constexpr, HAS_WEIGHT: tl.constexpr,
 ):  # fmt: skip
     row = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, BLOCK_D)
@@ -38,6 +38,7 @@ def rms_norm_kernel(
     xf = x.to(tl.float32)
     mean_sq = tl.sum(xf * xf, axis=0) / D
     rstd = tl.rsqrt(mean_sq + eps)
-    w = tl.load(w_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
-    y = (xf * rstd) * w
+    y = xf * rstd
+    if HAS_WEIGHT:
+        y = y * tl.load(w_ptr + offs_d, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_om + offs_d, round_to(y, out_ptr.dtype.element_ty), mask=mask)

@@ -60,6 +60,22 @@ def test_rms_norm_matches_torch(dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_unweighted_rms_norm_matches_torch(dtype) -> None:
+    """DeepSeek-V4's ``rms_normalise`` (no weight): the kernel against its torch form, which is
+    the line the model runs unfused."""
+    for i, (lead, d) in enumerate(NORM_SHAPES):
+        g = torch.Generator().manual_seed(300 * i + len(str(dtype)))
+        x = randn((*lead, d), g, scale=3.0).to(dtype)
+        ref = rms_norm_ref(x, None, 1e-6)
+        xf = x.float()
+        assert torch.equal(
+            ref, (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+        )
+        y = rms_norm_triton(x, None, 1e-6)
+        assert_within(y, ref, norm_bound(ref, ref.abs(), d), f"{dtype} {lead} {d} unweighted")
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_add_rms_norm_sums_exactly_and_norms_within_the_bound(dtype) -> None:
     for i, (lead, d) in enumerate(NORM_SHAPES):
         g = torch.Generator().manual_seed(200 * i + len(str(dtype)))
