@@ -36,7 +36,7 @@ from services.worker.model.grouped_linear import GroupedLinear
 from services.worker.model.v4_compressor import Compressor, CompressorState, visible_rows
 from services.worker.model.v4_indexer import Indexer
 from services.worker.model.v4_norm import RMSNorm, rms_normalise
-from services.worker.model.v4_rope import rope_tail
+from services.worker.model.v4_rope import PassRope, rope_tail
 from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
@@ -95,9 +95,9 @@ class Attention(nn.Module):
             self.indexer = Indexer(cfg, rate, self.rope, owns_rows, fmt)
 
     def project(
-        self, x: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, positions: torch.Tensor | PassRope
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """x: [N, hidden] at positions [N] -> (q latent [N, q_lora_rank], q [N, heads,
+        """x: [N, hidden] at positions [N] (or a pass's, ``PassRope``) -> (q latent [N, q_lora_rank], q [N, heads,
         head_dim], the tokens' K=V rows [N, head_dim]), q and rows rotated."""
         n = x.shape[0]
         q_latent = self.q_norm(self.wq_a(x))
@@ -105,7 +105,7 @@ class Attention(nn.Module):
         q = rope_tail(q, positions, self.rope, self.rope_dim)
         return q_latent, q, self.kv_rows(x, positions)
 
-    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def kv_rows(self, x: torch.Tensor, positions: torch.Tensor | PassRope) -> torch.Tensor:
         """x: [N, hidden] at positions [N] -> the tokens' K=V rows [N, head_dim], rotated."""
         return rope_tail(self.norm(self.wkv(x)), positions, self.rope, self.rope_dim)
 
@@ -123,7 +123,7 @@ class Attention(nn.Module):
         probs = logits.softmax(dim=-1)[..., :-1].to(keys.dtype)
         return torch.einsum("nhk,kd->nhd" if shared else "nhk,nkd->nhd", probs, keys)
 
-    def output(self, out: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    def output(self, out: torch.Tensor, positions: torch.Tensor | PassRope) -> torch.Tensor:
         """The attention's output [N, heads, head_dim] at the queries' positions -> [N, hidden]:
         de-rotated, then the grouped output projection."""
         n = out.shape[0]

@@ -16,7 +16,7 @@ from torch.nn import functional as F
 from dhisparse.family.rope_spec import RopeSpec
 from dhisparse.family.v4_config import V4Config
 from services.worker.model.v4_compressor import Compressor, visible_rows
-from services.worker.model.v4_rope import rope_tail
+from services.worker.model.v4_rope import PassRope, rope_tail
 from services.worker.model.weight_format import BF16, WeightFormat, linear
 
 
@@ -43,7 +43,7 @@ class Indexer(nn.Module):
         )
 
     def queries(
-        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor
+        self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor | PassRope
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(q [N, heads, dim] rotated, weights [N, heads] = weights_proj(x) * heads^-0.5), both
         fp32."""

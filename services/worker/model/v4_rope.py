@@ -1,7 +1,11 @@
 """DeepSeek-V4's rotary embedding: interleaved pairs ``(2i, 2i + 1)`` of the trailing
 ``rope_dim`` channels of a head rotated in place (the layout stays interleaved, since V4's value
 is its key), the leading channels untouched. Frequencies from ``rotary.inv_freq``, the
-transformers formulas for plain RoPE and YaRN."""
+transformers formulas for plain RoPE and YaRN.
+
+Every layer of a pass rotates at the same positions with one of two ropes (the sliding layers'
+and the compressed layers'), so a ``PassRope`` computes each (rope, width) table once per pass
+and every layer reads it: the same values as a table computed per call, far fewer kernels."""
 
 from __future__ import annotations
 
@@ -11,15 +15,42 @@ from dhisparse.family.rope_spec import RopeSpec
 from services.worker.model.rotary import inv_freq
 
 
-def rope_tail(
-    x: torch.Tensor, positions: torch.Tensor, rope: RopeSpec, rope_dim: int, inverse: bool = False
-) -> torch.Tensor:
-    """x: [N, ..., d] rotated at positions: [N] on its last ``rope_dim`` channels, in fp32 and
-    returned in x's dtype; ``inverse`` rotates by the opposite angle (V4 de-rotates the
-    attention output at the query's position)."""
-    angles = positions.float().unsqueeze(-1) * inv_freq(rope, rope_dim, x.device)  # [N, r/2]
+def rope_tables(
+    positions: torch.Tensor, rope: RopeSpec, rope_dim: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(cos, sin) [N, rope_dim / 2] fp32 at positions [N], scaled by the rope's table factor."""
+    angles = positions.float().unsqueeze(-1) * inv_freq(rope, rope_dim, positions.device)
     f = rope.table_factor
-    cos, sin = angles.cos() * f, angles.sin() * f
+    return angles.cos() * f, angles.sin() * f
+
+
+class PassRope:
+    """One pass's positions [N] with their rotary tables, computed at the first rotation by
+    each (rope, width) and shared by the later ones."""
+
+    def __init__(self, positions: torch.Tensor) -> None:
+        self.positions = positions
+        self._tables: dict[tuple[RopeSpec, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def tables(self, rope: RopeSpec, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        key = (rope, rope_dim)
+        t = self._tables.get(key)
+        if t is None:
+            t = self._tables[key] = rope_tables(self.positions, rope, rope_dim)
+        return t
+
+
+def rope_tail(
+    x: torch.Tensor, positions: torch.Tensor | PassRope, rope: RopeSpec, rope_dim: int,
+    inverse: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """x: [N, ..., d] rotated at positions [N] (or a pass's, with their tables) on its last
+    ``rope_dim`` channels, in fp32 and returned in x's dtype; ``inverse`` rotates by the
+    opposite angle (V4 de-rotates the attention output at the query's position)."""
+    if isinstance(positions, PassRope):
+        cos, sin = positions.tables(rope, rope_dim)
+    else:
+        cos, sin = rope_tables(positions, rope, rope_dim)
     if inverse:
         sin = -sin
     shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)

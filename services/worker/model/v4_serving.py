@@ -48,6 +48,7 @@ from services.worker.model.v4_attention import Attention
 from services.worker.model.v4_compressor import Compressor
 from services.worker.model.v4_decoder import V4Decoder
 from services.worker.model.v4_mtp import MTPBlock
+from services.worker.model.v4_rope import PassRope
 from services.worker.ops import sparse_attention_ref
 from services.worker.serving.cache import STATE_RINGS, KVCache
 
@@ -134,12 +135,13 @@ class V4Model(nn.Module):
             kv.payload.begin(batch)
         rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
         streams, chosen_by = self.net.streams(input_ids), {}
+        at = PassRope(batch.positions)  # every layer's rotary tables, computed once
         for i, block in enumerate(self.net.layers):
             streams = block.run(
                 streams,
                 input_ids,
                 lambda x, i=i, a=block.attn: self._attention(
-                    i, a, x, batch, kv, rings, trace, chosen_by
+                    i, a, x, batch, kv, rings, trace, chosen_by, at
                 ),
             )
         if self.mtp is not None:
@@ -242,14 +244,15 @@ class V4Model(nn.Module):
     def _attention(
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
         rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
-        chosen_by: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+        chosen_by: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], pos: PassRope,
     ) -> torch.Tensor:  # fmt: skip
         """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden]; a CSA /
         HCA layer appends what it read of the payload to ``trace``. A layer that computes
         rows writes them and its index keys; a Reuse consumer attends its leader's selection
         (``chosen_by``: a selecting layer's selection this pass), resolved again in its own
-        layer, a Reindex consumer selects over its KV source's keys."""
-        pos, spec = batch.positions, self.cfg.layers[i]
+        layer, a Reindex consumer selects over its KV source's keys. ``pos``: the pass's
+        positions with their rotary tables."""
+        spec = self.cfg.layers[i]
         s = spec.source
         q_latent, q, rows = attn.project(x, pos)
         window_ring = rings[i, "window"] if (i, "window") in rings else kv.rings[s]
