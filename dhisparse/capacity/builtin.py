@@ -127,8 +127,10 @@ def profile_from_model_config(
     name: str | None = None,
     key_page_rows: int | None = None,
 ) -> Profile:
-    """The profile of an engine model: one sparse source group per distinct (m, window), rows
-    of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
+    """The profile of an engine model: one sparse source group per distinct (m, window) of
+    its stored sources, rows of ``d_kv`` elements, and one window-only group per window of
+    the sources that keep no history (``SourceSpec.stored``: their rows only in a ring of the
+    window); one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
     row for every producer layer that writes keys of its own (a Reindex consumer included,
     unless it scores its source's keys, ``keys_from``: DeepSeek-V4.1's); k = ``index_topk``; B = 2k
     unless given (the paper's ratio); χ = the most distinct sources one selection serves (a
@@ -143,10 +145,14 @@ def profile_from_model_config(
     row, key = row_bytes or row, key_bytes or key
     if row is None or key is None:
         raise ValueError(f"unknown dtype {cfg.dtype!r}: pass kv_dtype_bytes")
-    shapes = Counter((s.compress, s.window) for s in cfg.sources)
+    shapes = Counter((s.compress, s.window) for s in cfg.sources if s.stored)
+    windows = Counter(s.window for s in cfg.sources if not s.stored)
     sources = tuple(
         SourceGroup(count=n, row_bytes=row, compress=m, window=w)
         for (m, w), n in sorted(shapes.items())
+    ) + tuple(
+        SourceGroup(count=n, row_bytes=row, window=w, kind="window")
+        for w, n in sorted(windows.items())
     )
     producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     indexers = tuple(

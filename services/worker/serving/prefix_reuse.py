@@ -202,7 +202,7 @@ class PrefixReuse:
         self.page = salt.page_size
         cfg = kv.model_cfg
         # region source id -> the KV source whose rows it counts: sources, then index keys
-        self._source_of = {s: s for s in range(len(cfg.sources))} | {
+        self._source_of = {s: s for s in cfg.stored_sources} | {
             key_source(layer): s for layer, s in kv.sessions.producers.items()
         }
         self._carry = carry_source(cfg) if kv.carry is not None else None
@@ -331,7 +331,7 @@ class PrefixReuse:
         rings = self._rings(cached, hit.tokens)
         if rings is None:  # a record of rings for another position: admit it as usual
             return None
-        rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
+        rows = [cfg.rows_for_tokens(s, budget) for s in cfg.stored_sources]
         session = kv.sessions.regions(budget, manifest_bytes)
         try:
             regions = self.host.allocate_regions(req.request_id, rows, session)
@@ -409,11 +409,12 @@ class PrefixReuse:
             self.stats.published += 1
 
     def _durable(self, slot: int, tokens: int) -> bool:
-        """Whether every source's rows of the first ``tokens`` tokens are durable on the host."""
+        """Whether every stored source's rows of the first ``tokens`` tokens are durable on the
+        host."""
         cfg = self.kv.model_cfg
         return all(
             self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
-            for s in range(len(cfg.sources))
+            for s in cfg.stored_sources
         )
 
     def _leave(self, slot: int, req: Request, tokens: int, keys: bool) -> bool:
