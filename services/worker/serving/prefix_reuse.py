@@ -21,10 +21,11 @@ numerics, KV dtype, page size) and leading tokens are equal, so the imported row
 this worker would compute for those tokens, up to the rounding of the pass that computed them.
 
 With the MTP layer (a lagged source, ``--drafter mtp``) a cached prefix also holds the MTP
-layer's rows and keys of its tokens, and its page carries (``hierarchy.session``): the target's
-final hidden state at each page's last position. An importer of ``T`` tokens seats the carry of
-position ``T - 1`` in its carry ring, from which its first pass writes MTP row ``T - 1`` as the
-uninterrupted request did; the MTP drafter's context is the KV cache's, so it is whole.
+layer's rows and keys of its tokens (DeepSeek-V4's keeps no history: only its window's ring,
+below), and its page carries (``hierarchy.session``): the target's final hidden state at each
+page's last position. An importer of ``T`` tokens seats the carry of position ``T - 1`` in its
+carry ring, from which its first pass writes MTP row ``T - 1`` as the uninterrupted request did;
+the MTP drafter's context is the KV cache's, so it is whole.
 
 A drafter with a context of its own (DFlash, DSpark, DFlash2: a draft ring of the target's
 features at the last W positions) gets it whole by computation: an importer leaves its last W
