@@ -1,8 +1,9 @@
 """DeepSeek-V4's MTP layer (``mtp.0.*``, ``--drafter mtp``) against its plain-torch reference
 (``mtp_reference.V4MTPReference``, from DeepSeek's ``MTPBlock``) on a tiny random V4 checkpoint
 with an appended MTP layer: loading (DeepSeek's names and transformers' module names), every
-draft step's logits and recycled streams, a verify round's commit of the MTP rows; in the
-engine, speculative greedy output equal to transformers' greedy in every serving mode with
+draft step's logits and recycled streams, a verify round's commit of the MTP rows, the layer's
+rows kept in its window's ring alone (no payload page, host region, manifest or prefix row); in
+the engine, speculative greedy output equal to transformers' greedy in every serving mode with
 chunked prefill, and a speculating durable session resumed after its worker dies."""
 
 from __future__ import annotations
