@@ -92,7 +92,7 @@ def random_history(kv: KVCache, tokens: int, seed: int, scale: float = 1.0) -> H
     device = torch.device(kv.cfg.device)
     g = torch.Generator(device=device).manual_seed(seed)
     rows = {s: _draw(kv.codecs.rows, cfg.rows_for_tokens(s, tokens), scale, g, device)
-            for s in range(len(cfg.sources))}  # fmt: skip
+            for s in cfg.stored_sources}  # fmt: skip
     keys = {
         layer: _draw(kv.codecs.keys, cfg.rows_for_tokens(cfg.layers[layer].source, tokens),
                      scale, g, device)
@@ -122,7 +122,7 @@ def captured_history(eng: Engine, req: Request, tokens: int) -> History:
         return pool.data[locs].view(torch.uint8)[:, :width].cpu().clone()
 
     rows = {s: read(kv.payload.pools, s, s, kv.codecs.rows.row_bytes)
-            for s in range(len(cfg.sources))}  # fmt: skip
+            for s in cfg.stored_sources}  # fmt: skip
     keys = {layer: read(kv.index_keys.pools, layer, cfg.layers[layer].source,
                         kv.codecs.keys.row_bytes)
             for layer in cfg.index_producers}  # fmt: skip
@@ -210,7 +210,7 @@ class HistoryImport:
         kv, cfg = self.kv, self.cfg
         assert kv.sessions is not None and kv.host_backups is not None
         host = kv.host_backups
-        rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
+        rows = [cfg.rows_for_tokens(s, budget) for s in cfg.stored_sources]
         try:
             regions = host.allocate_regions(
                 req.request_id, rows, kv.sessions.regions(budget, manifest)

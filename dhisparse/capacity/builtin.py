@@ -127,8 +127,10 @@ def profile_from_model_config(
     name: str | None = None,
     key_page_rows: int | None = None,
 ) -> Profile:
-    """The profile of an engine model: one sparse source group per distinct (m, window), rows
-    of ``d_kv`` elements; one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
+    """The profile of an engine model: one sparse source group per distinct (m, window) of
+    its stored sources, rows of ``d_kv`` elements, and one window-only group per window of
+    the sources that keep no history (``SourceSpec.stored``: their rows only in a ring of the
+    window); one index key of ``d_index`` elements (+ ``index_scale_bytes``) per
     row for every producer layer that writes keys of its own (a Reindex consumer included,
     unless it scores its source's keys, ``keys_from``: DeepSeek-V4.1's); k = ``index_topk``; B = 2k
     unless given (the paper's ratio); χ = the most distinct sources one selection serves (a
@@ -143,10 +145,14 @@ def profile_from_model_config(
     row, key = row_bytes or row, key_bytes or key
     if row is None or key is None:
         raise ValueError(f"unknown dtype {cfg.dtype!r}: pass kv_dtype_bytes")
-    shapes = Counter((s.compress, s.window) for s in cfg.sources)
+    shapes = Counter((s.compress, s.window) for s in cfg.sources if s.stored)
+    windows = Counter(s.window for s in cfg.sources if not s.stored)
     sources = tuple(
         SourceGroup(count=n, row_bytes=row, compress=m, window=w)
         for (m, w), n in sorted(shapes.items())
+    ) + tuple(
+        SourceGroup(count=n, row_bytes=row, window=w, kind="window")
+        for w, n in sorted(windows.items())
     )
     producer_m = Counter(cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     indexers = tuple(
@@ -214,8 +220,9 @@ def profile_from_model_dir(
 ) -> Profile:
     """The profile of a model directory: a Hugging Face one (DeepSeek-V3.2, GLM-5; its
     topology from ``hf_config``) or one holding the engine's own ``config.json``. ``mtp``: as
-    served with ``--drafter mtp`` — the MTP layer's source and index keys among the model's,
-    and the ``mtp`` drafter (no draft ring) among its drafters."""
+    served with ``--drafter mtp`` — the MTP layer's source and index keys among the model's
+    (DeepSeek-V4's: its window alone), and the ``mtp`` drafter (no draft ring) among its
+    drafters."""
     if mtp and not is_hf_model_dir(path):
         raise ValueError(
             f"{path}: the MTP drafter needs a DeepSeek-V3.2 / GLM-5 / DeepSeek-V4 model directory"
@@ -233,10 +240,11 @@ def profile_from_model_dir(
         )
     if not mtp:
         return profile
+    added = "one more window" if is_v4_model_dir(path) else "one more source and producer"
     return replace(
         profile,
         drafters=(MTP_DRAFTER,),
-        description=f"{profile.description}, with its MTP layer (one more source and producer)",
+        description=f"{profile.description}, with its MTP layer ({added})",
     )
 
 
@@ -253,8 +261,9 @@ def profile_from_v4_dir(
     layer that computes rows, so a shared source counts once; index keys per producer that
     writes keys of its own) and, as window-only groups (no history, never offloaded), the
     per-slot rings beside them (``v4_state_rings``: each compressor's token projections, each
-    sliding layer's and consumer's own window). Rows are held as computed: no FP8 format (``kv_cache_dtype``
-    auto only, as the engine serves V4)."""
+    sliding layer's and consumer's own window) with, ``mtp``, the MTP layer's window (its
+    source keeps no history), a group per ring shape. Rows are held as computed: no FP8 format
+    (``kv_cache_dtype`` auto only, as the engine serves V4)."""
     if kv_cache_dtype != "auto":
         raise ValueError(f"{path}: DeepSeek-V4 rows are held as computed (kv_cache_dtype auto)")
     raw = read_config(path)
@@ -262,12 +271,16 @@ def profile_from_v4_dir(
     topo = v4_topology(cfg, model_name(path, raw), mtp=mtp)
     base = profile_from_model_config(topo, kv_dtype_bytes=kv_dtype_bytes)
     elem = base.sources[0].row_bytes // topo.d_kv
-    rings = Counter((rows, width) for *_, rows, width in v4_state_rings(cfg))
-    state = tuple(
-        SourceGroup(count=n, row_bytes=width * elem, window=rows, kind="window")
-        for (rows, width), n in sorted(rings.items())
+    stored = tuple(g for g in base.sources if g.kind != "window")
+    rings = Counter((rows, width * elem) for *_, rows, width in v4_state_rings(cfg))
+    for g in base.sources:
+        if g.kind == "window":
+            rings[g.window, g.row_bytes] += g.count
+    windows = tuple(
+        SourceGroup(count=n, row_bytes=row, window=rows, kind="window")
+        for (rows, row), n in sorted(rings.items())
     )
-    return replace(base, sources=base.sources + state)
+    return replace(base, sources=stored + windows)
 
 
 # ---- registry -----------------------------------------------------------------------------------

@@ -23,6 +23,11 @@ Topology vocabulary (DESIGN §2):
   in its token ring under the token that completes them (row t at position t + lag), so the
   window of a query at token p is rows p - lag - window + 1 .. p - lag, positions below ``lag``
   holding no row (DeepSeek-V4's MTP layer: a sliding-window layer).
+- A source with ``stored=False`` keeps no history: its rows live only in its token ring's
+  window, so the payload, the host backups, durable sessions and cached prefixes hold nothing
+  of it but the ring (``rows_for_tokens`` is 0). Its one reader attends only that window
+  (DeepSeek-V4's MTP layer). Such sources come after every stored one, so the stored sources
+  are ``0 .. len(stored_sources) - 1`` wherever a list is kept per stored source.
 - A ``draft`` layer is a drafter's layer (the checkpoint's MTP layer): the target's forward
   writes its source's rows but does not run it; its index producer's keys join the index-key
   caches like any producer's.
@@ -46,6 +51,7 @@ class SourceSpec:
     compress: int = 1  # m tokens per stored row (1 = none)
     window: int = 0  # local sliding-window branch over uncompressed tokens (0 = none)
     lag: int = 0  # rows trail tokens: row t needs token t + lag (the MTP source: 1)
+    stored: bool = True  # False: rows only in the token ring's window, no history kept
 
 
 @dataclass(frozen=True)
@@ -120,10 +126,18 @@ class ModelConfig:
         """The drafter's layers (the MTP layer), after every target layer."""
         return tuple(i for i, s in enumerate(self.layers) if s.draft)
 
+    @property
+    def stored_sources(self) -> range:
+        """The sources whose rows are stored (payload, host backups, durable sessions, cached
+        prefixes): the first ones, every source with ``stored=False`` after them."""
+        return range(sum(src.stored for src in self.sources))
+
     def rows_for_tokens(self, source: int, num_tokens: int) -> int:
         """Complete stored rows of ``source`` after ``num_tokens`` tokens (eq. 8; a lagged
-        source's row t needs token t + lag)."""
+        source's row t needs token t + lag; a source that keeps no history stores none)."""
         src = self.sources[source]
+        if not src.stored:
+            return 0
         return max(0, num_tokens - src.lag) // src.compress
 
     def validate(self) -> None:
@@ -142,6 +156,8 @@ class ModelConfig:
             if src.lag < 0 or (src.lag and src.compress > 1):
                 raise ValueError(f"source {s}: a lag is >= 0, on an uncompressed source")
             self.source_owner(s)
+            if not src.stored:
+                self._validate_unstored(s)
         self._validate_draft_layers()
         for i, spec in enumerate(self.layers):
             if spec.source == -1 and spec.index == "none" and not spec.draft:
@@ -182,6 +198,21 @@ class ModelConfig:
                     )
             else:
                 raise ValueError(f"layer {i}: unknown index mode {spec.index!r}")
+
+    def _validate_unstored(self, s: int) -> None:
+        """Source ``s`` keeps no history: a windowed, uncompressed source after every stored
+        source, read by one layer that runs no indexer (it attends only the window)."""
+        src = self.sources[s]
+        readers = [self.layers[i] for i, o in enumerate(self.layers) if o.source == s]
+        if src.window < 1 or src.compress != 1:
+            raise ValueError(f"source {s}: a source that keeps no history is windowed, m = 1")
+        if len(readers) != 1 or readers[0].index != "none":
+            raise ValueError(
+                f"source {s}: a source that keeps no history is read by one layer with index "
+                '"none" (its window alone)'
+            )
+        if any(o.stored for o in self.sources[s + 1 :]):
+            raise ValueError(f"source {s}: a source that keeps no history follows every stored one")
 
     def _validate_keys_from(self, i: int) -> None:
         """Layer ``i`` scores the keys of an earlier producer over its source that writes keys

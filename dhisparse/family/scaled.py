@@ -32,9 +32,9 @@ target's as in the released checkpoints.
     load), so there is no FP8 / FP4 V4 layer to build into. 83.88 GB (78.12 GiB) of weights
     without the MTP layer, 85.83 GB with it.
   - KV as the engine's V4 model holds it, in bf16: 6,880 B per token, the model's own (CSA
-    rows 256 B and index keys 64 B, HCA rows 8 B), and 1,024 B more with the MTP layer (its
-    lagged source stores its rows). Per session besides: each layer's 128-row window and the
-    compressors' rings.
+    rows 256 B and index keys 64 B, HCA rows 8 B), with the MTP layer as without it (its
+    source keeps no history: its rows live in its window's ring). Per session besides: each
+    layer's 128-row window, the MTP layer's, and the compressors' rings.
   - ``bench scaled`` runs this preset on a GPU whose memory holds its weights and, shrunk,
     on the CPU in its tests.
 

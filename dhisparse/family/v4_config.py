@@ -331,7 +331,8 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
 
     ``mtp``: with the MTP layer as layer N, a draft layer over a sliding source of its own that
     lags by one (its row t is from the token at t + 1 and the target's streams at t,
-    docs/mtp.md); ``extra["carry_width"]``: the carry holds the target's last ``hc_mult``
+    docs/mtp.md) and keeps no history (``stored=False``: its rows live in the source's token
+    ring alone, as a sliding layer's in its state ring); ``extra["carry_width"]``: the carry holds the target's last ``hc_mult``
     streams (``hc_mult * hidden``), what the MTP layer reads."""
     share = cfg.sharing
     sources: list[SourceSpec] = []
@@ -358,7 +359,7 @@ def v4_topology(cfg: V4Config, name: str, mtp: bool = False) -> ModelConfig:
                 f"config.json: compress_ratios gives the MTP layer ratio {cfg.mtp_compress}; "
                 "only a sliding-window MTP layer (0, as released) is served"
             )
-        sources.append(SourceSpec(compress=1, window=cfg.sliding_window, lag=1))
+        sources.append(SourceSpec(compress=1, window=cfg.sliding_window, lag=1, stored=False))
         layers.append(LayerSpec(source=len(sources) - 1, index="none", draft=True))
         extra["carry_width"] = cfg.hc_mult * cfg.hidden_size
     return ModelConfig(

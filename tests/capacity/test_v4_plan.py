@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from dhisparse.capacity import profile_from_model_dir
-from dhisparse.capacity.model import host_bytes
+from dhisparse.capacity.model import host_bytes, session_bytes
 from dhisparse.capacity.model_size import model_size_from_dir
 from dhisparse.capacity.profile import SourceGroup
 from dhisparse.cli import main as cli_main
@@ -59,6 +59,30 @@ def test_a_shared_source_and_its_keys_count_once(tmp_path) -> None:
     history = SourceGroup(count=1, row_bytes=row, compress=4)
     per_source = host_bytes(own, tokens) - host_bytes(shared, tokens)
     assert per_source == 6 * host_bytes(replace(own, sources=(history,)), tokens) > 0
+
+
+def test_the_mtp_layer_adds_a_window_and_no_byte_per_token(capsys) -> None:
+    """``--drafter mtp`` on DeepSeek-V4-Flash: the MTP layer's source keeps no history, so a
+    token adds 6,880 B in bf16 with it as without it (docs/capacity.md), host backups are the
+    same, and its 128-row window joins the sliding layers' window group."""
+    flash = CONFIGS / "deepseek-v4-flash"
+    alone, with_mtp = profile_from_model_dir(flash), profile_from_model_dir(flash, mtp=True)
+
+    def grown(profile, tokens: int) -> int:  # history and index keys of one session
+        sb = [session_bytes(profile, n, "resident") for n in (tokens, 2 * tokens)]
+        return sb[1].history + sb[1].index_keys - sb[0].history - sb[0].index_keys
+
+    tokens = 8192  # whole pages of every source's rows and keys
+    assert grown(with_mtp, tokens) == grown(alone, tokens) == 6880 * tokens
+    assert host_bytes(with_mtp, tokens) == host_bytes(alone, tokens)
+    assert _groups(with_mtp, "sparse") == _groups(alone, "sparse")
+    windows = set(_groups(with_mtp, "window")) - set(_groups(alone, "window"))
+    assert windows == {(3, 512 * 2, 1, 128)}  # the two sliding layers' and the MTP layer's
+    assert (2, 512 * 2, 1, 128) in _groups(alone, "window")
+    args = ["plan", "--model", str(flash), "--context", "8192"]
+    assert cli_main([*args, "--drafter", "mtp"]) == 0
+    out = capsys.readouterr().out
+    assert "3 × window 1024 B/row (m=1, window 128)" in out and "one more window" in out
 
 
 def test_plan_prints_a_v41_directory(tmp_path, capsys) -> None:

@@ -146,19 +146,42 @@ def test_rope_that_changes_the_math_is_refused() -> None:
 def test_the_released_mtp_layer_is_a_sliding_layer_lagging_by_one() -> None:
     """The hub config's trailing ``compress_ratios`` entry (the MTP layer's) is 0 in the Flash
     release, so the MTP topology adds a sliding source of the window's width that lags by one
-    — valid — while a lag on a compressed source is not; the config transformers writes has no
-    such entry and gives the same."""
+    and keeps no history (its rows only in its window's ring) — valid — while a lag on a
+    compressed source is not; the config transformers writes has no such entry and gives the
+    same."""
     hub, saved = parse_v4_config(_read(HUB)), parse_v4_config(_read(SAVED))
     assert hub.mtp_compress == saved.mtp_compress == 0
     topo = v4_topology(hub, "flash", mtp=True)
     topo.validate()
     n, mtp = hub.num_layers, len(topo.sources) - 1  # the sliding layers have no source
     assert topo.draft_layers == (n,) and topo.layers[n].source == mtp == 41
-    assert topo.sources[mtp] == SourceSpec(compress=1, window=hub.sliding_window, lag=1)
+    assert topo.sources[mtp] == SourceSpec(
+        compress=1, window=hub.sliding_window, lag=1, stored=False
+    )
+    assert topo.stored_sources == range(mtp) and topo.rows_for_tokens(mtp, 1000) == 0
     assert topo.extra["carry_width"] == hub.hc_mult * hub.hidden_size
     lagged = replace(topo, sources=(*topo.sources[:mtp], SourceSpec(compress=4, window=128, lag=1)))
     with pytest.raises(ValueError, match="a lag is >= 0, on an uncompressed source"):
         lagged.validate()
+
+
+def test_a_source_that_keeps_no_history_is_a_window_one_keyless_layer_reads_last() -> None:
+    """``stored=False`` (the MTP layer's source) is refused on a source without a window, on
+    one a producer reads, and before a stored source."""
+    topo = v4_topology(parse_v4_config(_read(HUB)), "flash", mtp=True)
+    mtp, layer = len(topo.sources) - 1, len(topo.layers) - 1
+    unstored = topo.sources[mtp]
+    layers = list(topo.layers)
+    for bad, why in (
+        (replace(topo, sources=(*topo.sources[:mtp], replace(unstored, window=0))), "windowed"),
+        (
+            replace(topo, layers=(*layers[:layer], replace(layers[layer], index="producer"))),
+            'index "none"',
+        ),
+        (replace(topo, sources=(*topo.sources, SourceSpec())), "follows every stored one"),
+    ):
+        with pytest.raises(ValueError, match=why):
+            bad.validate()
 
 
 def test_a_sliding_layer_has_no_source_and_keyless_layers_no_keys() -> None:

@@ -43,9 +43,7 @@ class Journal:
             output_ids=req.output_ids,
             num_computed=req.num_computed,
             params=manifest.params_dict(req.params),
-            committed_rows=[
-                cfg.rows_for_tokens(s, req.num_computed) for s in range(len(cfg.sources))
-            ],
+            committed_rows=[cfg.rows_for_tokens(s, req.num_computed) for s in cfg.stored_sources],
             generator_state=None if gen is None else gen.get_state().numpy().tobytes(),
             rings=rings,
             ring_dtype=str(self.kv.cfg.dtype),
@@ -67,7 +65,7 @@ class Journal:
             output_ids=[0] * req.params.max_tokens,
             num_computed=total,
             params=manifest.params_dict(req.params),
-            committed_rows=[cfg.rows_for_tokens(s, total) for s in range(len(cfg.sources))],
+            committed_rows=[cfg.rows_for_tokens(s, total) for s in cfg.stored_sources],
             generator_state=bytes(self._gen_state_bytes) if req.params.seed is not None else None,
             rings=ring,
             ring_dtype=str(self.kv.cfg.dtype),

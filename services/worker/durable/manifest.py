@@ -45,7 +45,7 @@ class SessionRecord:
     output_ids: list[int]
     num_computed: int
     params: dict  # SamplingParams fields
-    committed_rows: list[int]  # per KV source: the rows of ``num_computed`` tokens
+    committed_rows: list[int]  # per stored KV source: the rows of ``num_computed`` tokens
     generator_state: bytes | None = None  # the request's own generator (seeded sampling)
     rings: dict[int, bytes] = field(default_factory=dict)  # token-ring snapshots by source
     ring_dtype: str = ""

@@ -75,14 +75,15 @@ class DeviceStore:
         """Lays the store out on the host backups' device, rows as ``codec`` stores them."""
         device = host.device
         page = shape.page
-        scratch = [shape.scratch_tokens // s.compress + shape.max_slots for s in cfg.sources]
+        stored = [cfg.sources[s] for s in cfg.stored_sources]
+        scratch = [shape.scratch_tokens // src.compress + shape.max_slots for src in stored]
         base = shape.num_pages * page
         staging = lay_out_staging(cfg, shape.max_slots, shape.spec_block, base + sum(scratch))
         total = base + sum(scratch) + staging.total_rows
         rows = torch.zeros(total, codec.stored_width, dtype=codec.storage, device=device)
         geo: list[SourceGeometry] = []
         hot: list[HotCache] = []
-        for s, src in enumerate(cfg.sources):
+        for s, src in enumerate(stored):
             max_rows = shape.max_model_len // src.compress
             geo.append(SourceGeometry.create(
                 shape.max_slots, page, shape.hot_cache_rows, shape.tail_rows, base, scratch[s],

@@ -14,10 +14,11 @@ def fixed_bytes(
     scratch_tokens: int,
     row: int,
 ) -> int:
-    """Bytes besides the page pool: prefill scratch and hot-cache metadata for all slots, with
-    stored rows of ``row`` bytes."""
+    """Bytes besides the page pool: prefill scratch and hot-cache metadata of every stored
+    source for all slots, with stored rows of ``row`` bytes."""
     total = 0
-    for src in cfg.sources:
+    for s in cfg.stored_sources:
+        src = cfg.sources[s]
         rows = max_model_len // src.compress
         scratch = scratch_tokens // src.compress + max_slots
         map_bytes = 2 if hot_cache_rows <= 32767 else 4

@@ -41,7 +41,7 @@ def staging_arenas(cfg: ModelConfig) -> tuple[list[int], int]:
         chi = max(chi, len(seen))
         for pos, src in enumerate(seen):
             arena.setdefault(src, pos)
-    return [arena.get(s, 0) for s in range(len(cfg.sources))], chi
+    return [arena.get(s, 0) for s in cfg.stored_sources], chi
 
 
 def staging_bytes(cfg: ModelConfig, max_slots: int, spec_block: int, row_bytes: int) -> int:
@@ -67,7 +67,7 @@ class StagingLayout:
 def lay_out_staging(cfg: ModelConfig, max_slots: int, spec_block: int, base: int) -> StagingLayout:
     """The staging arenas of verification blocks of ``spec_block`` queries (1: no speculation,
     no staging), laid out from store row ``base``."""
-    n = len(cfg.sources)
+    n = len(cfg.stored_sources)
     if spec_block <= 1:
         return StagingLayout(0, 0, (base,) * n, 0)
     arenas, chi = staging_arenas(cfg)

@@ -118,7 +118,8 @@ def bytes_per_token(
     row_bytes: int | None = None,
     key_bytes: int | None = None,
 ) -> float:
-    """Device bytes one token adds: index keys, plus payload rows when they are resident.
+    """Device bytes one token adds: index keys, plus the stored sources' rows when they are
+    resident (a source that keeps no history adds none: its window is a ring).
     ``row_bytes`` / ``key_bytes``: a stored row's and key's bytes when they are not ``d_kv`` /
     ``d_index`` elements of ``elem_bytes`` (FP8: the packed sizes)."""
     key = cfg.d_index * elem_bytes if key_bytes is None else key_bytes
@@ -126,4 +127,4 @@ def bytes_per_token(
     keys = sum(key / cfg.sources[cfg.layers[i].source].compress for i in cfg.key_producers)
     if not payload:
         return keys
-    return keys + sum(row / s.compress for s in cfg.sources)
+    return keys + sum(row / cfg.sources[s].compress for s in cfg.stored_sources)

@@ -25,7 +25,8 @@ A slot's rings hold only positions its earlier passes wrote, and every read of a
 before 0 is masked, so a slot needs no clearing between requests.
 
 Built with the MTP layer (``--drafter mtp``, ``v4_mtp.MTPBlock``), its source is layer N's, a
-sliding window that lags by one: every target pass records its last block's streams in the
+sliding window that lags by one and keeps no history (its rows live in the source's token ring
+alone, nothing in the payload): every target pass records its last block's streams in the
 carry and writes the MTP rows its tokens complete (``_follow_target``); ``mtp_step`` runs one
 MTP-only draft pass (docs/mtp.md)."""
 

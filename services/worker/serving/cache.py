@@ -273,10 +273,8 @@ class KVCache:
         (nothing taken) when the device has no room."""
         if self.sessions is None:
             raise RuntimeError("adoption needs a hierarchy mode with durable sessions")
-        committed = [
-            self.model_cfg.rows_for_tokens(s, num_tokens)
-            for s in range(len(self.model_cfg.sources))
-        ]
+        cfg = self.model_cfg
+        committed = [cfg.rows_for_tokens(s, num_tokens) for s in cfg.stored_sources]
         if shared_keys:
             self.index_keys.seat(slot, shared_keys)
         keys_to = self._keys_reserved(num_tokens, max_tokens or num_tokens)

@@ -29,9 +29,9 @@ def hot_rows(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
 
 def session_floor_bytes(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     """The pool bytes one admitted hierarchy session holds whatever its length: B rows and the
-    tail's rows per source (the index keys, which grow with it, aside)."""
+    tail's rows per stored source (the index keys, which grow with it, aside)."""
     rows = hot_rows(model_cfg, cfg) + tail_rows(cfg.page_size, cfg.ring_extra)
-    return len(model_cfg.sources) * rows * _row_codec(model_cfg, cfg).row_bytes
+    return len(model_cfg.stored_sources) * rows * _row_codec(model_cfg, cfg).row_bytes
 
 
 def prefill_scratch_tokens(cfg: KVCacheConfig) -> int:
@@ -100,7 +100,7 @@ def build_hierarchy(
     )
     page_bytes = p * codec.row_bytes
     num_pages = (cfg.kv_pool_bytes - fixed) // page_bytes
-    per_request = len(model_cfg.sources) * (b + ring) // p
+    per_request = len(model_cfg.stored_sources) * (b + ring) // p
     if num_pages < per_request:
         raise ValueError(
             f"a KV pool of {cfg.kv_pool_bytes} B leaves {max(0, num_pages)} pages after fixed "
@@ -114,8 +114,8 @@ def build_hierarchy(
         host = (local, local.mapping)
     store, mapping = host
     backups = HostBackups(
-        store, mapping, cfg.owner, len(model_cfg.sources), codec.stored_width, codec.storage,
-        cfg.max_slots, cfg.device, writer=cfg.host_writer,
+        store, mapping, cfg.owner, len(model_cfg.stored_sources), codec.stored_width,
+        codec.storage, cfg.max_slots, cfg.device, writer=cfg.host_writer,
     )  # fmt: skip
     shape = StoreShape(
         cfg.max_slots, cfg.max_model_len, p, b, ring, scratch_tokens, int(num_pages),

@@ -1,6 +1,7 @@
 """Serving over the KV hierarchy (modes ``hisparse`` and ``adaptive``).
 
-Per admitted request and source: a tail ring and a fixed hot cache of B rows, both made of
+Per admitted request and stored source (``ModelConfig.stored_sources``: a source that keeps no
+history has its token ring alone): a tail ring and a fixed hot cache of B rows, both made of
 pages from one device page pool (``device_store.py``), and a host backup of every committed
 row. In ``adaptive`` mode the same pool also holds *optional history*: pages of a request's
 imported history kept on the device while memory is spare (``services.worker.residency``).

@@ -29,7 +29,7 @@ def pool_ceiling(model_cfg: ModelConfig, cfg: KVCacheConfig) -> int:
     per_token = bytes_per_token(
         model_cfg, esize, True, codecs.rows.row_bytes, codecs.keys.row_bytes
     )
-    beside = len(model_cfg.sources) * (
+    beside = len(model_cfg.stored_sources) * (
         hot_rows(model_cfg, cfg) + tail_rows(cfg.page_size, cfg.ring_extra)
     )
     per_slot = cfg.max_model_len * per_token + beside * codecs.rows.row_bytes

@@ -21,10 +21,11 @@ numerics, KV dtype, page size) and leading tokens are equal, so the imported row
 this worker would compute for those tokens, up to the rounding of the pass that computed them.
 
 With the MTP layer (a lagged source, ``--drafter mtp``) a cached prefix also holds the MTP
-layer's rows and keys of its tokens, and its page carries (``hierarchy.session``): the target's
-final hidden state at each page's last position. An importer of ``T`` tokens seats the carry of
-position ``T - 1`` in its carry ring, from which its first pass writes MTP row ``T - 1`` as the
-uninterrupted request did; the MTP drafter's context is the KV cache's, so it is whole.
+layer's rows and keys of its tokens (DeepSeek-V4's keeps no history: only its window's ring,
+below), and its page carries (``hierarchy.session``): the target's final hidden state at each
+page's last position. An importer of ``T`` tokens seats the carry of position ``T - 1`` in its
+carry ring, from which its first pass writes MTP row ``T - 1`` as the uninterrupted request did;
+the MTP drafter's context is the KV cache's, so it is whole.
 
 A drafter with a context of its own (DFlash, DSpark, DFlash2: a draft ring of the target's
 features at the last W positions) gets it whole by computation: an importer leaves its last W
@@ -202,7 +203,7 @@ class PrefixReuse:
         self.page = salt.page_size
         cfg = kv.model_cfg
         # region source id -> the KV source whose rows it counts: sources, then index keys
-        self._source_of = {s: s for s in range(len(cfg.sources))} | {
+        self._source_of = {s: s for s in cfg.stored_sources} | {
             key_source(layer): s for layer, s in kv.sessions.producers.items()
         }
         self._carry = carry_source(cfg) if kv.carry is not None else None
@@ -331,7 +332,7 @@ class PrefixReuse:
         rings = self._rings(cached, hit.tokens)
         if rings is None:  # a record of rings for another position: admit it as usual
             return None
-        rows = [cfg.rows_for_tokens(s, budget) for s in range(len(cfg.sources))]
+        rows = [cfg.rows_for_tokens(s, budget) for s in cfg.stored_sources]
         session = kv.sessions.regions(budget, manifest_bytes)
         try:
             regions = self.host.allocate_regions(req.request_id, rows, session)
@@ -409,11 +410,12 @@ class PrefixReuse:
             self.stats.published += 1
 
     def _durable(self, slot: int, tokens: int) -> bool:
-        """Whether every source's rows of the first ``tokens`` tokens are durable on the host."""
+        """Whether every stored source's rows of the first ``tokens`` tokens are durable on the
+        host."""
         cfg = self.kv.model_cfg
         return all(
             self.host.durable(slot, s, 0, cfg.rows_for_tokens(s, tokens))
-            for s in range(len(cfg.sources))
+            for s in cfg.stored_sources
         )
 
     def _leave(self, slot: int, req: Request, tokens: int, keys: bool) -> bool:

@@ -1,5 +1,5 @@
-"""Resident serving: every KV row of every request stays in device page pools (the baseline
-the hierarchy modes are compared against)."""
+"""Resident serving: every stored KV row of every request stays in device page pools (the
+baseline the hierarchy modes are compared against)."""
 
 from __future__ import annotations
 
@@ -31,7 +31,7 @@ class ResidentPayload(PagedGroup):
     ) -> None:
         """``codec``: how rows are stored (default: as computed, in ``dtype``)."""
         self.codec = RowCodec(cfg.d_kv, dtype) if codec is None else codec
-        compress = {s: src.compress for s, src in enumerate(cfg.sources)}
+        compress = {s: cfg.sources[s].compress for s in cfg.stored_sources}
         super().__init__(
             compress, self.codec.stored_width, tokens_capacity, page_size, max_slots,
             max_model_len, self.codec.storage, device,

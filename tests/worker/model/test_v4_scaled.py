@@ -80,6 +80,8 @@ def test_the_docstrings_figures_are_a_meta_builds() -> None:
         if kind != "sliding"
     )
     assert bytes_per_token(topo, 2, True) == own == 6880
+    # the MTP layer keeps only its window: no byte per token more
+    assert bytes_per_token(PRESET.parse(mtp=True)[1], 2, True) == 6880
 
 
 def test_built_in_place_as_on_the_host_with_tid2eid_into_its_experts() -> None:

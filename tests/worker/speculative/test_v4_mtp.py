@@ -1,8 +1,9 @@
 """DeepSeek-V4's MTP layer (``mtp.0.*``, ``--drafter mtp``) against its plain-torch reference
 (``mtp_reference.V4MTPReference``, from DeepSeek's ``MTPBlock``) on a tiny random V4 checkpoint
 with an appended MTP layer: loading (DeepSeek's names and transformers' module names), every
-draft step's logits and recycled streams, a verify round's commit of the MTP rows; in the
-engine, speculative greedy output equal to transformers' greedy in every serving mode with
+draft step's logits and recycled streams, a verify round's commit of the MTP rows, the layer's
+rows kept in its window's ring alone (no payload page, host region, manifest or prefix row); in
+the engine, speculative greedy output equal to transformers' greedy in every serving mode with
 chunked prefill, and a speculating durable session resumed after its worker dies."""
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.v4_config import parse_v4_config, v4_topology
 from services.worker.engine.engine import Engine
 from services.worker.kv.batch import ForwardBatch
-from services.worker.kv.config import KVCacheConfig, ResidencyConfig
+from services.worker.kv.config import KVCacheConfig, ResidencyConfig, bytes_per_token
 from services.worker.model.v4_serving import V4Model
 from services.worker.ops.fp4_e2m1 import dequantize_fp4
 from services.worker.ops.fp8_blockwise import dequantize_blockwise
@@ -78,8 +79,9 @@ def _draft(model: V4Model, kv: KVCache, anchor: int, n: int, tokens: list[int]) 
 
 def test_the_mtp_layer_is_loaded_only_when_asked(family, tmp_path_factory) -> None:
     """Without ``mtp`` the target alone; with it layer 4 is a draft layer over a sliding
-    source of its own lagging by one, the carry as wide as the streams. The same layer stored
-    under transformers' module names loads to the same parameters."""
+    source of its own lagging by one that keeps no history (no stored row: its window is its
+    token ring), the carry as wide as the streams. The same layer stored under transformers'
+    module names loads to the same parameters."""
     _, path = family
     plain = load_model(path)
     assert isinstance(plain, V4Model) and plain.mtp is None and not plain.cfg.draft_layers
@@ -88,8 +90,9 @@ def test_the_mtp_layer_is_loaded_only_when_asked(family, tmp_path_factory) -> No
     cfg = model.cfg
     assert cfg.draft_layers == (4,) and model.mtp_layer == 4
     src = cfg.sources[cfg.layers[4].source]
-    assert (src.compress, src.window, src.lag) == (1, 8, 1)
-    assert cfg.rows_for_tokens(cfg.layers[4].source, 10) == 9
+    assert (src.compress, src.window, src.lag, src.stored) == (1, 8, 1, False)
+    assert cfg.rows_for_tokens(cfg.layers[4].source, 10) == 0
+    assert cfg.layers[4].source not in cfg.stored_sources
     assert cfg.extra["carry_width"] == 4 * 64
     _, modules = v4_mtp_checkpoint(tmp_path_factory, names="modules")
     other = load_model(modules, mtp=True)
@@ -194,6 +197,39 @@ def test_a_verify_round_commits_the_mtp_rows_of_its_accepted_prefix(family, mode
     kv.close()
 
 
+@pytest.mark.parametrize("mode", ["resident", "hisparse"])
+def test_the_mtp_layer_stores_no_row_beyond_its_window(family, mode: str) -> None:
+    """A prompt of 25 windows committed with the MTP layer takes what it takes without it:
+    the same payload pages (resident: no pool of the MTP source; hisparse: no hot cache or
+    tail of it, the same host regions) and bytes per token; the MTP layer's rows are in its
+    window's ring alone."""
+    _, path = family
+    ids = hf_tiny_v4.token_ids(200, 31)
+    held = []
+    for mtp in (True, False):
+        model = load_model(path, mtp=mtp)
+        kv = _kv(model, mode)
+        _prefill(model, kv, ids, [64, 64, 72])
+        regions = [] if kv.host_backups is None else kv.host_backups.regions(0)
+        per_token = bytes_per_token(model.cfg, 4, True)
+        held.append((kv.payload.memory(1), [(r.source, r.num_rows) for r in regions], per_token))
+        if mtp:
+            src, stored = model.mtp_source, model.cfg.stored_sources
+            assert src not in stored and model.cfg.rows_for_tokens(src, len(ids)) == 0
+            if mode == "resident":
+                assert sorted(kv.payload.pools) == list(stored)
+            else:
+                assert kv.payload.store.num_sources == len(stored)
+                assert sorted(r.source for r in regions) == list(stored)
+            # the window's ring positions 193 .. 199 hold MTP rows 192 .. 198 (row t under the
+            # token t + 1 that completes it)
+            ring = kv.rings[src]
+            window = ring.data[0, torch.arange(193, 200) % ring.ring]
+            assert bool((window.abs().sum(-1) > 0).all())
+        kv.close()
+    assert held[0] == held[1]
+
+
 def _ids(n: int, seed: int) -> list[int]:
     return hf_tiny_v4.token_ids(n, seed).tolist()
 
@@ -203,14 +239,14 @@ def _engine(path: Path, mode: str, host: tuple | None = None, **kw) -> Engine:
 
 
 def _tight_pool_mib(path: Path) -> float:
-    """A pool of 120 pages (of ``hf_tiny_v4.PAGE`` rows: the compressed sources' few rows fill
+    """A pool of 80 pages (of ``hf_tiny_v4.PAGE`` rows: the compressed sources' few rows fill
     pages) beyond the fixed allocations of a speculating adaptive engine: admissions of later
     requests reclaim optional history of the running ones."""
     probe = _engine(path, "adaptive", hot_cache_rows=16, page_size=hf_tiny_v4.PAGE)
     page_bytes = hf_tiny_v4.PAGE * probe.model_cfg.d_kv * 4
     fixed = (48 << 20) - probe.kv.payload.store.pages.total * page_bytes
     probe.close()
-    return (fixed + 120 * page_bytes) / (1 << 20)
+    return (fixed + 80 * page_bytes) / (1 << 20)
 
 
 @pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
@@ -259,12 +295,43 @@ def test_a_speculating_session_resumes_without_a_prompt_recompute(family, mode: 
     check_speculating_resume(functools.partial(_engine, path, mode), prompts, 20)
 
 
+def test_a_durable_session_keeps_the_mtp_layer_in_its_ring_snapshot_alone(family) -> None:
+    """A speculating durable session's host regions are the target's sources', its keys',
+    its page carries' and its manifest's, none of the MTP source; its manifest counts the
+    target's sources' committed rows and snapshots the MTP layer's window ring."""
+    from services.worker.durable import manifest
+    from services.worker.durable.host_link import HostLink
+    from services.worker.hierarchy.local_store import LocalHostStore
+
+    _, path = family
+    store = LocalHostStore(64 << 20)
+    eng = _engine(path, "hisparse", (store, store.mapping))
+    HostLink(store, "local", 30.0, eng.kv.host_backups).register()
+    params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
+    req = eng.add_request("r", _ids(150, 700), params)
+    while len(req.output_ids) < 8:
+        eng.step()
+    assert eng.speculator.counters.drafts > 0 and req.slot is not None
+    cfg = eng.model_cfg
+    src = cfg.layers[cfg.draft_layers[0]].source
+    regions = eng.kv.host_backups.regions(req.slot)
+    assert sorted(r.source for r in regions if r.source >= 0) == list(cfg.stored_sources)
+    assert src not in cfg.stored_sources
+    _, raw = manifest.read(eng.kv.sessions.manifest_buffer(req.slot).numpy(), "r")
+    record = manifest.decode(raw)
+    n = record.num_computed
+    assert record.committed_rows == [cfg.rows_for_tokens(s, n) for s in cfg.stored_sources]
+    assert src in record.rings
+    eng.close()
+    store.close()
+
+
 def test_a_speculating_next_turn_imports_its_prefix_and_drafts_as_without(family) -> None:
     """V4 speculating with its MTP layer: a conversation's next turn on another worker of the
-    node imports the first turn's pages — rows, keys, the rings a reader at the prefix's end
-    needs (the MTP layer's window among them) and the page carry of hyper-connection streams —
-    gives transformers' greedy tokens and drafts at every round what a worker with no cache
-    drafts."""
+    node imports the first turn's pages — the target's rows, keys, the rings a reader at the
+    prefix's end needs (the MTP layer's window among them: no row of it besides) and the page
+    carry of hyper-connection streams — gives transformers' greedy tokens and drafts at every
+    round what a worker with no cache drafts."""
     from services.worker.durable.host_link import HostLink
     from services.worker.hierarchy.local_store import LocalHostStore
     from tests.worker.mtp_fixture import record_drafts
@@ -273,6 +340,15 @@ def test_a_speculating_next_turn_imports_its_prefix_and_drafts_as_without(family
     store = LocalHostStore(64 << 20)
     params = SamplingParams(temperature=0.0, max_tokens=20, ignore_eos=True)
     drafts: dict[str, dict] = {}
+    hits: list[set[int]] = []
+    acquire = store.acquire_prefix
+
+    def acquired(*args, **kw):
+        hit = acquire(*args, **kw)
+        hits.append(set() if hit is None else {r.source for r in hit.regions})
+        return hit
+
+    store.acquire_prefix = acquired  # type: ignore[method-assign]
 
     def make(owner: str, prefix_cache: bool = True) -> Engine:
         host = (store, store.mapping)
@@ -292,5 +368,9 @@ def test_a_speculating_next_turn_imports_its_prefix_and_drafts_as_without(family
     hit = turn2.output().cached_prompt_tokens
     assert w1.scheduler.prefix.stats.hits == 1 and hit == (92 + 20 - 1) // 16 * 16
     assert w1.stats.prefill_tokens_computed == len(prompt) - hit
+    # the record holds the target's sources' rows; of the MTP layer only its ring's snapshot
+    cfg = w1.model_cfg
+    assert [set(cfg.stored_sources)] == [{s for s in h if s >= 0} for h in hits if h]
+    assert cfg.layers[cfg.draft_layers[0]].source not in cfg.stored_sources
     assert drafts["w1"] and all(drafts["ref"].get(k) == v for k, v in drafts["w1"].items())
     store.close()
