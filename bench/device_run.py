@@ -141,15 +141,17 @@ SCALED_32K_STEPS = tuple(
 # take some 3 GiB and the hierarchy engines' 8 GiB host arenas hold every session.
 # First V4's GPU tests (every mode against transformers, the hierarchy in bf16 bit for bit, graph
 # replays against eager passes, MTP speculation, the FP8 / FP4 weights), the fused FP4 MoE's,
-# tiny-dsv4's graph replays, the sparse attention kernels' sinks at V4's shape and the
-# hyper-connection kernel's.
+# tiny-dsv4's graph replays, the sparse attention kernels' sinks at V4's shape, the
+# hyper-connection kernel's and the tail RoPE's.
 V4_TESTS = Step(
     "v4-tests",
     "-m bench gpu-tests tests/worker/model/test_v4_gpu.py "
     "tests/worker/model/test_v4_quantized_gpu.py tests/worker/ops/test_fp4_moe_gpu.py "
     "tests/worker/ops/test_sparse_attention.py tests/worker/ops/test_sparse_attention_onepass.py "
     "tests/worker/graphs/test_cuda_graph.py tests/worker/ops/test_hyper_mix.py "
-    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix' --out {out}/gpu_tests_v4.json",
+    "tests/worker/ops/test_rope_tail.py "
+    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix or rope_tail' "
+    "--out {out}/gpu_tests_v4.json",
     420,
 )
 SCALED_V4_STEPS = (

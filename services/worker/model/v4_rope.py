@@ -5,7 +5,8 @@ transformers formulas for plain RoPE and YaRN.
 
 Every layer of a pass rotates at the same positions with one of two ropes (the sliding layers'
 and the compressed layers'), so a ``PassRope`` computes each (rope, width) table once per pass
-and every layer reads it: the same values as a table computed per call, far fewer kernels."""
+and every layer reads it: the same values as a table computed per call, far fewer kernels. The
+rotation itself is one kernel where fused (``ops/rope_tail.py``, bit for bit its torch form)."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ import torch
 
 from dhisparse.family.rope_spec import RopeSpec
 from services.worker.model.rotary import inv_freq
+from services.worker.ops.fusion import fused
+from services.worker.ops.rope_tail import rope_tail_ref, rope_tail_triton
 
 
 def rope_tables(
@@ -51,11 +54,6 @@ def rope_tail(
         cos, sin = positions.tables(rope, rope_dim)
     else:
         cos, sin = rope_tables(positions, rope, rope_dim)
-    if inverse:
-        sin = -sin
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (rope_dim // 2,)
-    cos, sin = cos.view(shape), sin.view(shape)
-    tail = x[..., -rope_dim:].float()
-    even, odd = tail[..., 0::2], tail[..., 1::2]
-    rotated = torch.stack([even * cos - odd * sin, odd * cos + even * sin], dim=-1).flatten(-2)
-    return torch.cat([x[..., :-rope_dim], rotated.to(x.dtype)], dim=-1)
+    if fused(x, "rope_tail") and x.dim() in (2, 3) and x.stride(-1) == 1:
+        return rope_tail_triton(x, cos, sin, inverse)
+    return rope_tail_ref(x, cos, sin, inverse)
