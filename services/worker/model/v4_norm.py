@@ -16,7 +16,7 @@ __all__ = ["RMSNorm", "rms_normalise"]
 
 def rms_normalise(x: torch.Tensor, eps: float) -> torch.Tensor:
     """x / rms(x) over the last dimension, computed in fp32, returned in x's dtype; rows wider
-    than the kernel holds (``MAX_D``: the hyper-connections' flattened streams) in torch."""
+    than the kernel holds (``MAX_D``) in torch."""
     if fused(x, "rms_norm") and x.shape[-1] <= MAX_D:
         return rms_norm_triton(x, None, eps)
     return rms_norm_ref(x, None, eps)

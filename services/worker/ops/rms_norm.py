@@ -15,7 +15,9 @@ import triton
 from services.worker.ops.rms_norm_kernel import rms_norm_kernel
 
 X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MAX_D = 8192  # the widest row one program holds (hidden sizes up to 7168)
+# the widest row one program holds: hidden sizes up to 7168, and DeepSeek-V4's hyper-connection
+# streams flattened (hc_mult 4 x hidden 7168)
+MAX_D = 32768
 
 
 def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
@@ -79,7 +81,8 @@ def _launch(
             s, s.stride(0),
             d, eps,
             BLOCK_D=block_d, HAS_RESIDUAL=residual is not None, HAS_WEIGHT=weight is not None,
-            num_warps=min(max(block_d // 256, 1), 8),
+            # 16 warps only past 8192 elements (narrower rows keep their launch)
+            num_warps=min(max(block_d // 256, 1), 8 if block_d <= 8192 else 16),
         )  # fmt: skip
     shape = x.shape
     return out.view(shape), None if summed is None else summed.view(shape)

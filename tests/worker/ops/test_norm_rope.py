@@ -63,7 +63,8 @@ def test_rms_norm_matches_torch(dtype) -> None:
 def test_unweighted_rms_norm_matches_torch(dtype) -> None:
     """DeepSeek-V4's ``rms_normalise`` (no weight): the kernel against its torch form, which is
     the line the model runs unfused."""
-    for i, (lead, d) in enumerate(NORM_SHAPES):
+    # V4's flattened hyper-connection streams too (Flash 4 x 4096, Pro 4 x 7168)
+    for i, (lead, d) in enumerate([*NORM_SHAPES, ((2,), 16384), ((1,), 28672)]):
         g = torch.Generator().manual_seed(300 * i + len(str(dtype)))
         x = randn((*lead, d), g, scale=3.0).to(dtype)
         ref = rms_norm_ref(x, None, 1e-6)
@@ -105,7 +106,7 @@ def test_norms_take_strided_rows_and_weights_of_another_dtype() -> None:
     with pytest.raises(ValueError):
         add_rms_norm_triton(x, r.float(), w, 1e-6)
     with pytest.raises(ValueError):
-        rms_norm_triton(randn((2, 8200), g), norm_weight(8200, g), 1e-6)
+        rms_norm_triton(randn((1, 32769), g), norm_weight(32769, g), 1e-6)  # past MAX_D
 
 
 @pytest.mark.parametrize("family", sorted(SPECS))
