@@ -13,8 +13,11 @@ It is DeepSeek-V3.2's format (``encoding_dsv32``) with these differences:
   reason, ``</think>`` when not) only where an assistant turn or the end follows it.
 - ``drop_thinking`` (earlier turns' reasoning left out) holds only in a chat without tools; with
   tools every assistant turn shows its reasoning and every user turn opens thinking.
-- ``reasoning_effort`` "max" (Think Max) puts an instruction at the very start of a thinking
-  chat; "high" and None (Think High) add nothing.
+- A reasoning effort puts its instruction at the very start of a thinking chat. The efforts
+  and their texts are the release's (``EffortTable``): DeepSeek-V4-Flash and -Pro take "high"
+  (Think High, the default, no text) and "max" (Think Max); DeepSeek-V4-Flash-0731 takes
+  "low" (the default, no text), "high" (the first release's Think Max text) and "max" (a
+  text of its own).
 - A ``latest_reminder`` message (date, place) is ``<｜latest_reminder｜>{content}``.
 
 Messages are OpenAI-style mappings: ``role`` (system, developer, user, assistant, tool,
@@ -26,10 +29,11 @@ messages ``tool_call_id``. A chat the format cannot express is a ``ChatTemplateE
 
 from __future__ import annotations
 
+import ast
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from dhisparse.tokenizer.chat import ChatTemplateError
 from dhisparse.tokenizer.dsml import (
@@ -46,15 +50,14 @@ from dhisparse.tokenizer.dsml import (
 )
 from dhisparse.tokenizer.encoding_dsv32 import THINK_CLOSE, THINK_OPEN, ThinkingMode
 
-ReasoningEffort = Literal["high", "max"]
 Message = Mapping[str, Any]
 
 LATEST_REMINDER = "<｜latest_reminder｜>"
 RESULT_OPEN = "<tool_result>"
 RESULT_CLOSE = "</tool_result>"
 
-# The prompts the model was trained with, word for word.
-REASONING_EFFORT_MAX = (
+# The effort prompts the models were trained with, word for word.
+ABSOLUTE_MAXIMUM = (
     "Reasoning Effort: Absolute maximum with no shortcuts permitted.\n"
     "You MUST be very thorough in your thinking and comprehensively decompose the problem to "
     "resolve the root cause, rigorously stress-testing your logic against all potential paths, "
@@ -63,6 +66,108 @@ REASONING_EFFORT_MAX = (
     "step, considered alternative, and rejected hypothesis to ensure absolutely no assumption "
     "is left unchecked.\n\n"
 )
+BEYOND_MAXIMUM = (
+    "Reasoning Effort: Beyond maximum \u2014 exhaustive, relentless, and uncompromising.\n"
+    "You MUST reason with the utmost depth and rigor, leaving absolutely nothing to chance: "
+    "exhaustively decompose the problem into its most fundamental components, trace every "
+    "causal chain to its root, and resolve the underlying cause rather than any surface "
+    "symptom.\n"
+    "Do not stop reasoning until you have independently verified the solution from multiple "
+    "angles and are certain that no assumption remains unchecked and no error remains "
+    "undiscovered.\n\n"
+)
+
+
+@dataclass(frozen=True)
+class EffortTable:
+    """A release's reasoning efforts: each one's name and the text it puts at the very start
+    of a thinking chat (``prompts``, least effort first), and the effort of a chat that names
+    none (``default``)."""
+
+    name: str
+    prompts: tuple[tuple[str, str], ...]
+    default: str
+
+    def __post_init__(self) -> None:
+        if self.default not in self.efforts:
+            raise ValueError(f"{self.name}: the default effort {self.default!r} is not one of "
+                             f"{list(self.efforts)}")  # fmt: skip
+
+    @property
+    def efforts(self) -> tuple[str, ...]:
+        return tuple(name for name, _ in self.prompts)
+
+    def text(self, effort: str | None) -> str:
+        """The instruction ``effort`` (None: the default) puts first."""
+        name = self.default if effort is None else effort
+        for key, text in self.prompts:
+            if key == name:
+                return text
+        raise ChatTemplateError(
+            f"reasoning effort must be one of {', '.join(self.efforts)}, got {effort!r}"
+        )
+
+
+# DeepSeek-V4-Flash and -Pro as first released (revision 60d8d70 of V4-Flash).
+PREVIEW_EFFORTS = EffortTable("preview", (("high", ""), ("max", ABSOLUTE_MAXIMUM)), "high")
+# DeepSeek-V4-Flash-0731: ``REASONING_EFFORT_PROMPTS`` and ``DEFAULT_REASONING_EFFORT``.
+EFFORTS_0731 = EffortTable(
+    "0731", (("low", ""), ("high", ABSOLUTE_MAXIMUM), ("max", BEYOND_MAXIMUM)), "low"
+)
+
+
+def release_efforts(encoder: str | None, config: Mapping[str, Any]) -> EffortTable:
+    """The effort table of a V4 checkpoint: the one its own encoder defines
+    (``encoding/encoding_dsv4.py``'s text, read as data and never run:
+    ``REASONING_EFFORT_PROMPTS`` with ``DEFAULT_REASONING_EFFORT``, or the first release's
+    ``REASONING_EFFORT_MAX``); without an encoder, 0731's where ``config.json`` has the
+    ``dspark_*`` fields only 0731 and later releases have, else the first release's. An
+    encoder that defines neither table is a ``ValueError`` naming what is missing."""
+    if encoder is None:
+        dspark = any(str(k).startswith("dspark_") for k in config)
+        return EFFORTS_0731 if dspark else PREVIEW_EFFORTS
+    try:
+        tree = ast.parse(encoder)
+    except SyntaxError as e:
+        raise ValueError(f"the checkpoint's encoder does not parse: {e}") from e
+    found = _literals(tree, ("REASONING_EFFORT_PROMPTS", "DEFAULT_REASONING_EFFORT",
+                             "REASONING_EFFORT_MAX"))  # fmt: skip
+    prompts, default = found.get("REASONING_EFFORT_PROMPTS"), found.get("DEFAULT_REASONING_EFFORT")
+    if isinstance(prompts, dict) and isinstance(default, str):
+        if not all(isinstance(k, str) and isinstance(v, str) for k, v in prompts.items()):
+            raise ValueError("the checkpoint's REASONING_EFFORT_PROMPTS maps names to texts")
+        table = tuple(prompts.items())
+        return EFFORTS_0731 if table == EFFORTS_0731.prompts and default == "low" else (
+            EffortTable("the checkpoint's", table, default))  # fmt: skip
+    if isinstance(found.get("REASONING_EFFORT_MAX"), str):
+        text = found["REASONING_EFFORT_MAX"]
+        return PREVIEW_EFFORTS if text == ABSOLUTE_MAXIMUM else (
+            EffortTable("the checkpoint's", (("high", ""), ("max", text)), "high"))  # fmt: skip
+    raise ValueError(
+        "the checkpoint's encoder defines no effort table (REASONING_EFFORT_PROMPTS with "
+        "DEFAULT_REASONING_EFFORT, or REASONING_EFFORT_MAX, as literals)"
+    )
+
+
+def _literals(tree: ast.Module, names: tuple[str, ...]) -> dict[str, Any]:
+    """The module-level assignments of ``names`` whose values are literals."""
+    out: dict[str, Any] = {}
+    for node in tree.body:
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            targets, value = [node.target], node.value
+        else:
+            continue
+        for target in targets:
+            if isinstance(target, ast.Name) and target.id in names:
+                try:
+                    out[target.id] = ast.literal_eval(value)
+                except (ValueError, TypeError):
+                    continue
+    return out
+
+
 _INVOKE = f"<{DSML}invoke"
 _PARAM = f"<{DSML}parameter"
 _TOOLS_HEADER = f"""## Tools
@@ -234,15 +339,13 @@ def _assistant(m: Message, shows_reasoning: bool) -> str:
 class _Mode:
     thinking: bool
     drop_thinking: bool
-    reasoning_effort: ReasoningEffort | None
+    effort_text: str
 
 
 def _render(i: int, turns: Sequence[_Turn], mode: _Mode, last_user: int) -> str:
     t = turns[i]
     m, role = t.message, t.role
-    out = (
-        REASONING_EFFORT_MAX if i == 0 and mode.thinking and mode.reasoning_effort == "max" else ""
-    )
+    out = mode.effort_text if i == 0 and mode.thinking else ""
     if role == "system":
         out += message_text(m) + _tools_and_format(m)
     elif role == "developer":
@@ -273,7 +376,8 @@ def encode_messages(
     context: Sequence[Message] = (),
     drop_thinking: bool = True,
     add_bos: bool = True,
-    reasoning_effort: ReasoningEffort | None = None,
+    reasoning_effort: str | None = None,
+    efforts: EffortTable = PREVIEW_EFFORTS,
 ) -> str:
     """The text of ``messages`` following ``context`` (already encoded, so not repeated; it
     decides which turn is the last user turn). The BOS leads a chat without context.
@@ -281,11 +385,11 @@ def encode_messages(
     DeepSeek's encoder gives the same text wherever it gives one. Where it fails on a chat,
     this one renders it (content None) or refuses it (arguments that are JSON but not an
     object); where it nests an arguments object given as an object rather than as JSON text
-    (``{"arguments": {...}}``), this one renders what that object's JSON text renders."""
+    (``{"arguments": {...}}``), this one renders what that object's JSON text renders.
+    ``reasoning_effort`` is one of ``efforts``' (the release's table; None its default)."""
     if thinking_mode not in ("chat", "thinking"):
         raise ChatTemplateError(f"thinking mode must be chat or thinking, got {thinking_mode!r}")
-    if reasoning_effort not in (None, "high", "max"):
-        raise ChatTemplateError(f"reasoning effort must be high or max, got {reasoning_effort!r}")
+    effort_text = efforts.text(reasoning_effort)
     if any(not isinstance(m, Mapping) for m in [*context, *messages]):
         raise ChatTemplateError("each message must be an object")
     before = _merge_results(context)
@@ -296,7 +400,7 @@ def encode_messages(
     if thinking and drop:
         turns = _drop_reasoning(turns)
         start = len(_drop_reasoning(before))
-    mode = _Mode(thinking, drop, reasoning_effort)
+    mode = _Mode(thinking, drop, effort_text)
     last_user = _last_user(turns)
     prompt = BOS if add_bos and not context else ""
     for i in range(start, len(turns)):

@@ -13,7 +13,7 @@ from dhisparse.tokenizer import encoding_dsv4
 from dhisparse.tokenizer.base import Tokenizer
 from dhisparse.tokenizer.chat import ChatTemplateError, render_chat
 from dhisparse.tokenizer.encoding_dsv32 import ThinkingMode, encode_messages
-from dhisparse.tokenizer.hf_files import model_type
+from dhisparse.tokenizer.hf_files import MODEL_CONFIG, model_type, read_json
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -21,17 +21,13 @@ Tools = Sequence[Mapping[str, Any]] | None
 # model_type values whose chat format is code rather than a template.
 DEEPSEEK_V32 = "deepseek_v32"
 DEEPSEEK_V4 = "deepseek_v4"
-# OpenAI's reasoning efforts as DeepSeek-V4's (DeepSeek's API maps them so): "none" turns
-# thinking off, "xhigh" (and V4's own "max") is Think Max, the rest Think High.
-_V4_EFFORTS: dict[str, encoding_dsv4.ReasoningEffort | None] = {
-    "none": None,
-    "minimal": "high",
-    "low": "high",
-    "medium": "high",
-    "high": "high",
-    "xhigh": "max",
-    "max": "max",
-}
+# OpenAI's reasoning efforts besides those a V4 release names itself: "none" turns thinking
+# off, "xhigh" is the release's highest effort, the others its lowest (DeepSeek's API maps the
+# first release's so: "low" and "medium" to Think High, "xhigh" to Think Max).
+_OPENAI_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+# The checkpoint's own encoder, read for its effort table; a larger file is not an encoder.
+V4_ENCODER = Path("encoding") / "encoding_dsv4.py"
+_MAX_ENCODER_BYTES = 1 << 20
 
 
 class ChatFormatter(ABC):
@@ -132,12 +128,20 @@ class DeepseekV4Formatter(ChatFormatter):
     """DeepSeek-V4's format (``encoding_dsv4``). Thinking mode is on unless ``thinking`` or
     ``enable_thinking`` is false (DeepSeek's API and vLLM think by default; ``thinking_mode``
     "chat" or "thinking" names it outright), or ``reasoning_effort`` is "none" and neither
-    turns it on. The effort is
-    OpenAI's or V4's own "max" (``_V4_EFFORTS``). ``tools`` join the leading system message
-    (one is added when the chat has none), where the release's own examples carry them.
-    ``drop_thinking`` (earlier turns' reasoning left out of a chat without tools) is on unless
-    the kwarg says otherwise. The format opens the assistant's turn after the last user turn,
-    so ``add_generation_prompt`` changes nothing."""
+    turns it on. The effort is one the release names (``efforts``: "high" / "max" for the first
+    release, "low" / "high" / "max" for 0731) or one of OpenAI's (``_OPENAI_EFFORTS``).
+    ``tools`` join the leading system message (one is added when the chat has none), where the
+    release's own examples carry them. ``drop_thinking`` (earlier turns' reasoning left out of
+    a chat without tools) is on unless the kwarg says otherwise. The format opens the
+    assistant's turn after the last user turn, so ``add_generation_prompt`` changes nothing."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        efforts: encoding_dsv4.EffortTable = encoding_dsv4.PREVIEW_EFFORTS,
+    ) -> None:
+        super().__init__(tokenizer)
+        self.efforts = efforts
 
     def render(
         self,
@@ -150,18 +154,29 @@ class DeepseekV4Formatter(ChatFormatter):
     ) -> str:
         chat = _dsml_chat(messages, tools)
         effort = kwargs.get("reasoning_effort")
-        if effort is not None and effort not in _V4_EFFORTS:
-            raise ChatTemplateError(
-                f"reasoning_effort must be one of {', '.join(_V4_EFFORTS)}, got {effort!r}"
-            )
         mode = _thinking_mode(kwargs, default=effort != "none")
         drop = _flag(kwargs, "drop_thinking")
         return encoding_dsv4.encode_messages(
             chat,
             mode,
             drop_thinking=True if drop is None else drop,
-            reasoning_effort=None if effort is None else _V4_EFFORTS[effort],
+            reasoning_effort=self._effort(effort),
+            efforts=self.efforts,
         )
+
+    def _effort(self, effort: Any) -> str | None:
+        """``effort`` as one of the release's (None: its default)."""
+        names = self.efforts.efforts
+        if effort is None or effort == "none":
+            return None
+        if effort in names:
+            return effort
+        if effort == "xhigh":
+            return names[-1]
+        if effort in _OPENAI_EFFORTS:
+            return names[0]
+        accepted = ", ".join(dict.fromkeys([*_OPENAI_EFFORTS, *names]))
+        raise ChatTemplateError(f"reasoning_effort must be one of {accepted}, got {effort!r}")
 
 
 def _dsml_chat(messages: Messages, tools: Tools) -> list[dict[str, Any]]:
@@ -206,6 +221,21 @@ def _thinking_mode(kwargs: Mapping[str, Any], *, default: bool = False) -> Think
     return "thinking" if thinking else "chat"
 
 
+def v4_efforts(model_dir: Path) -> encoding_dsv4.EffortTable:
+    """The reasoning efforts of the DeepSeek-V4 checkpoint in ``model_dir``
+    (``encoding_dsv4.release_efforts`` over its encoder and ``config.json``)."""
+    path = model_dir / V4_ENCODER
+    encoder = None
+    if path.is_file():
+        if path.stat().st_size > _MAX_ENCODER_BYTES:
+            raise ValueError(f"{path}: over {_MAX_ENCODER_BYTES} bytes, not an encoder")
+        encoder = path.read_text(encoding="utf-8")
+    try:
+        return encoding_dsv4.release_efforts(encoder, read_json(model_dir / MODEL_CONFIG))
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from e
+
+
 def chat_formatter(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> ChatFormatter:
     """The formatter for the model in ``model_dir`` (None: a preset, the tokenizer's own
     template): its chat template when it ships one; DeepSeek-V3.2's or DeepSeek-V4's format
@@ -217,5 +247,5 @@ def chat_formatter(tokenizer: Tokenizer, model_dir: str | Path | None = None) ->
     if kind == DEEPSEEK_V32:
         return DeepseekV32Formatter(tokenizer)
     if kind == DEEPSEEK_V4:
-        return DeepseekV4Formatter(tokenizer)
+        return DeepseekV4Formatter(tokenizer, v4_efforts(Path(model_dir)))
     return TemplateFormatter(tokenizer)

@@ -12,10 +12,13 @@ import pytest
 
 from dhisparse.tokenizer import ChatTemplateError
 from dhisparse.tokenizer.dsml import EOS, V4_BLOCK
-from dhisparse.tokenizer.encoding_dsv4 import encode_messages
+from dhisparse.tokenizer.encoding_dsv4 import EFFORTS_0731, encode_messages
 from dhisparse.tokenizer.parsing_dsv32 import parse_completion
 
 GOLDEN = json.loads((Path(__file__).parent / "dsv4_golden.json").read_text(encoding="utf-8"))
+GOLDEN_0731 = json.loads(
+    (Path(__file__).parent / "dsv4_0731_golden.json").read_text(encoding="utf-8")
+)
 CHATS: dict[str, list[dict[str, Any]]] = GOLDEN["chats"]
 
 
@@ -32,7 +35,7 @@ def _case_id(case: dict[str, Any]) -> str:
     return "-".join(parts)
 
 
-def _encode(case: dict[str, Any]) -> str:
+def _encode(case: dict[str, Any], **kwargs: Any) -> str:
     chat = CHATS[case["chat"]]
     k = case.get("encoded_last", len(chat))
     return encode_messages(
@@ -42,6 +45,7 @@ def _encode(case: dict[str, Any]) -> str:
         drop_thinking=case["drop_thinking"],
         add_bos=case["add_bos"],
         reasoning_effort=case["reasoning_effort"],
+        **kwargs,
     )
 
 
@@ -59,6 +63,22 @@ def test_prompt_equals_the_reference(case: dict[str, Any]) -> None:
 def test_chats_the_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError):
         _encode(case)
+
+
+@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "prompt" in c], ids=_case_id)
+def test_0731_prompt_equals_the_reference(case: dict[str, Any]) -> None:
+    assert _encode(case, efforts=EFFORTS_0731) == case["prompt"]
+
+
+@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "error" in c], ids=_case_id)
+def test_chats_0731s_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
+    with pytest.raises(ChatTemplateError):
+        _encode(case, efforts=EFFORTS_0731)
+
+
+def test_the_first_release_refuses_0731s_low_effort() -> None:
+    with pytest.raises(ChatTemplateError, match="must be one of high, max"):
+        encode_messages(CHATS["user_only"], "thinking", reasoning_effort="low")
 
 
 def test_the_inputs_are_left_as_they_were() -> None:
