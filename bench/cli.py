@@ -77,6 +77,8 @@ COMMANDS: dict[str, Command] = {
                            "the indexer's top-k: torch, bitonic and radix select, lockstep (CUDA)"),
     "verify-scores": Command("bench.verify_scores",
                              "a verify round's index scores: chunk product vs paged kernel (CUDA)"),
+    "index-scores": Command("bench.index_scores",
+                            "V4's fp32 index queries: IEEE dot vs three bf16 parts (CUDA)"),
     "fp8-moe": Command("bench.fp8_moe", "FP8 routed experts (fused MoE) variants at real shapes"),
     "fp4-moe": Command("bench.fp4_moe", "V4's FP4 routed experts: W4A16 vs FP8 vs bf16 (CUDA)"),
     # torch=False: the stack `up` starts inherits the environment as `make run` gives it

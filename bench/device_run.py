@@ -149,8 +149,10 @@ V4_TESTS = Step(
     "tests/worker/model/test_v4_quantized_gpu.py tests/worker/ops/test_fp4_moe_gpu.py "
     "tests/worker/ops/test_sparse_attention.py tests/worker/ops/test_sparse_attention_onepass.py "
     "tests/worker/graphs/test_cuda_graph.py tests/worker/ops/test_hyper_mix.py "
-    "tests/worker/ops/test_rope_tail.py "
-    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix or rope_tail' "
+    "tests/worker/ops/test_rope_tail.py tests/worker/ops/test_index_scores_paged.py "
+    "tests/worker/ops/test_norm_rope_gpu.py "
+    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix or rope_tail or index_scores "
+    "or norm_rope' "
     "--out {out}/gpu_tests_v4.json",
     420,
 )
@@ -158,6 +160,8 @@ SCALED_V4_STEPS = (
     V4_TESTS,
     # V4-Flash's routed experts held in FP4, FP8 and bf16 side by side (``bench fp4-moe``)
     Step("fp4-moe", "-m bench fp4-moe --out {out}/fp4_moe.json", 150),
+    # its indexer's fp32 queries: the IEEE dot against three bf16 parts (``bench index-scores``)
+    Step("index-scores", "-m bench index-scores --out {out}/index_scores.json", 120),
     *(
         Step(
             f"scaled-v4-{weights}-{short}",

@@ -8,7 +8,11 @@ storage. Keys are stored in the serving dtype (``FP8`` False) or in the FP8 inde
 (``FP8`` True: D e4m3 bytes, then one fp32 scale; dequantized exactly, e4m3 times a power of
 two, then rounded to ``DOT_DTYPE`` as the torch form's gather rounds it to the serving dtype).
 The products q . key accumulate in fp32 (``DOT_DTYPE`` bf16 / fp16: exact products; fp32:
-IEEE, never TF32)."""
+IEEE, never TF32). ``SPLIT``: fp32 queries over keys that bf16 holds exactly (bf16 or FP8
+storage) are scored as three tensor-core dots, q = hi + mid + lo with each part rounded to
+bf16 (the three hold fp32's 24 bits, so each product is exact and only the order of the fp32
+sums differs from the IEEE dot); ``DOT_DTYPE`` is then the parts' and keys' dtype (bf16, or
+fp32 under the interpreter, whose bf16 dot is wrong)."""
 
 from __future__ import annotations
 
@@ -28,7 +32,7 @@ def index_scores_kernel(
     out_ptr, stride_out,
     H, D, S,
     PAGE: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr,
-    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr,
+    FP8: tl.constexpr, DOT_DTYPE: tl.constexpr, SPLIT: tl.constexpr,
 ):  # fmt: skip
     r = tl.program_id(0).to(tl.int64)
     offs_s = tl.program_id(1) * BLOCK_S + tl.arange(0, BLOCK_S)
@@ -57,8 +61,17 @@ def index_scores_kernel(
         q_ptr + r * stride_qr + offs_h[:, None] * stride_qh + offs_d[None, :],
         mask=mask_h[:, None] & mask_d[None, :],
         other=0.0,
-    ).to(DOT_DTYPE)  # [BLOCK_H, BLOCK_D]
-    logits = tl.dot(q, tl.trans(keys), input_precision="ieee", out_dtype=tl.float32)
+    )  # [BLOCK_H, BLOCK_D]
+    keys_t = tl.trans(keys)
+    if SPLIT:
+        hi = q.to(tl.bfloat16).to(tl.float32)
+        mid = (q - hi).to(tl.bfloat16).to(tl.float32)
+        lo = (q - hi - mid).to(tl.bfloat16)
+        logits = tl.dot(hi.to(DOT_DTYPE), keys_t, out_dtype=tl.float32)
+        logits = tl.dot(mid.to(DOT_DTYPE), keys_t, logits, out_dtype=tl.float32)
+        logits = tl.dot(lo.to(DOT_DTYPE), keys_t, logits, out_dtype=tl.float32)
+    else:
+        logits = tl.dot(q.to(DOT_DTYPE), keys_t, input_precision="ieee", out_dtype=tl.float32)
     w = tl.load(w_ptr + r * stride_wr + offs_h, mask=mask_h, other=0.0).to(tl.float32)
     scores = tl.sum(tl.maximum(logits, 0.0) * w[:, None], 0)  # [BLOCK_S]
     scores = tl.where(mask_s, scores, 0.0)

@@ -47,12 +47,23 @@ def index_scores_paged(
     visible: torch.Tensor,
     width: int,
     fmt: Fp8RowFormat | None = None,
+    split: bool | None = None,
 ) -> torch.Tensor:
     """q [R, H, D] (one decode token per request), w [R, H] fp32, keys [S, >= D] the key
     storage (uint8 [S, >= row_bytes] in ``fmt``'s FP8 format), table [slots, pages] int64 its
     page table (``page`` rows per page), slots [R], visible [R] -> scores [R, width] fp32,
-    0 beyond ``visible``. Static shapes, no host read: capturable in a CUDA graph."""
+    0 beyond ``visible``. Static shapes, no host read: capturable in a CUDA graph.
+
+    ``split``: fp32 queries scored as three bf16 parts on tensor cores (the kernel's ``SPLIT``)
+    rather than by the IEEE fp32 dot; None: wherever the keys are bf16 or FP8, which bf16
+    holds exactly. The two differ only in the order of the fp32 sums."""
     _check(q, w, keys, fmt)
+    exact_in_bf16 = fmt is not None or keys.dtype == torch.bfloat16
+    if split is None:
+        split = q.dtype == torch.float32 and exact_in_bf16
+    elif split and not (q.dtype == torch.float32 and exact_in_bf16):
+        raise ValueError(f"split scores fp32 queries over bf16 or fp8 keys, not {q.dtype} over "
+                         f"{keys.dtype}")  # fmt: skip
     r, h, d = q.shape
     out = torch.empty(r, width, dtype=torch.float32, device=q.device)
     if r == 0 or width == 0:
@@ -71,6 +82,7 @@ def index_scores_paged(
         BLOCK_D=max(16, triton.next_power_of_2(d)), BLOCK_S=BLOCK_S,
         FP8=fmt is not None,
         # the interpreter's bf16 dot is wrong: fp32 there, the same exact products
-        DOT_DTYPE=tl.float32 if interpret else _DOT[q.dtype],
+        DOT_DTYPE=tl.float32 if interpret else tl.bfloat16 if split else _DOT[q.dtype],
+        SPLIT=split,
     )  # fmt: skip
     return out

@@ -28,7 +28,7 @@ def reference(q, w, keys, table, page, slots, visible, width, fmt):
     return index_scores(q, w, gathered)
 
 
-def case(seed, r, h, d, page, pages, dtype, fp8, device, pad_bytes=32):
+def case(seed, r, h, d, page, pages, dtype, fp8, device, pad_bytes=32, q_dtype=None):
     """R requests with random visible counts over a shuffled page pool; the storage holds
     other rows too (pages no request owns), as a shared pool does."""
     g = torch.Generator().manual_seed(seed)
@@ -55,14 +55,14 @@ def case(seed, r, h, d, page, pages, dtype, fp8, device, pad_bytes=32):
         keys[:, : fmt.row_bytes] = packed
     else:
         keys = values.to(dtype)
-    q = (torch.randn(r, h, d, generator=g) * 0.5).to(dtype)
+    q = (torch.randn(r, h, d, generator=g) * 0.5).to(q_dtype or dtype)
     w = torch.randn(r, h, generator=g).float()
     t = [x.to(device) for x in (q, w, keys, table, slots, visible)]
     return (*t[:4], page, t[4], t[5], width, fmt)
 
 
-def check(args) -> None:
-    got = index_scores_paged(*args)
+def check(args, **kwargs) -> None:
+    got = index_scores_paged(*args, **kwargs)
     want = reference(*args)
     assert got.shape == want.shape and got.dtype == torch.float32
     visible, width = args[6], args[7]
@@ -108,6 +108,22 @@ def test_a_verify_round_scores_each_token_as_a_decode_query(fp8: bool) -> None:
         assert torch.equal(alone[0], got[t])
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("split", [None, True, False])
+def test_fp32_queries_over_bf16_keys(fp8: bool, split: bool | None) -> None:
+    """DeepSeek-V4's indexer queries are fp32 over keys of the serving dtype: scored as three
+    bf16 parts (None: chosen so) or by the IEEE dot, each the torch form's exact products."""
+    check(case(6, 3, 64, 128, 16, 6, torch.bfloat16, fp8, "cpu", q_dtype=torch.float32),
+          split=split)  # fmt: skip
+
+
+def test_split_needs_fp32_queries_over_keys_bf16_holds() -> None:
+    args = case(7, 2, 4, 32, 16, 6, torch.float16, False, "cpu", q_dtype=torch.float32)
+    with pytest.raises(ValueError, match="split scores fp32 queries"):
+        index_scores_paged(*args, split=True)
+    check(args)  # fp16 keys: the IEEE dot
+
+
 def test_rejects_a_format_of_several_tiles() -> None:
     args = list(case(3, 2, 4, 32, 16, 6, torch.float32, True, "cpu"))
     args[8] = Fp8RowFormat(32, 0, 16, -22)
@@ -126,3 +142,18 @@ def test_kernel_matches_torch_form_on_gpu(r, h, page, fp8) -> None:
     # a request's scores do not depend on the rest of the batch
     one = index_scores_paged(*[a[:1] if i in (0, 1, 5, 6) else a for i, a in enumerate(args)])
     assert torch.equal(one[0], index_scores_paged(*args)[0])
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("r", [1, 16])
+def test_fp32_queries_split_on_gpu(r: int, fp8: bool) -> None:
+    """The tensor-core split (three bf16 parts) against the torch form and against the IEEE
+    dot: the same exact products summed in another order."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    args = case(r + 11, r, 64, 128, 64, 6, torch.bfloat16, fp8, "cuda", q_dtype=torch.float32)
+    check(args, split=True)
+    split, ieee = (index_scores_paged(*args, split=s) for s in (True, False))
+    scale = float(ieee.abs().amax().clamp(min=1e-6))
+    torch.testing.assert_close(split, ieee, rtol=1e-5, atol=scale * 2e-6)
