@@ -1,7 +1,7 @@
 """DeepSeek-V4's rotary embedding: interleaved pairs ``(2i, 2i + 1)`` of the trailing
 ``rope_dim`` channels of a head rotated in place (the layout stays interleaved, since V4's value
-is its key), the leading channels untouched. Frequencies from ``rotary.inv_freq``, the
-transformers formulas for plain RoPE and YaRN.
+is its key), the leading channels untouched. Tables from ``rotary.Rotary`` (the transformers
+formulas for plain RoPE and YaRN).
 
 Every layer of a pass rotates at the same positions with one of two ropes (the sliding layers'
 and the compressed layers'), so a ``PassRope`` computes each (rope, width) table once per pass
@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from dhisparse.family.rope_spec import RopeSpec
-from services.worker.model.rotary import inv_freq
+from services.worker.model.rotary import Rotary
 from services.worker.ops.fusion import fused
 from services.worker.ops.rope_tail import rope_tail_ref, rope_tail_triton
 
@@ -22,25 +22,22 @@ def rope_tables(
     positions: torch.Tensor, rope: RopeSpec, rope_dim: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(cos, sin) [N, rope_dim / 2] fp32 at positions [N], scaled by the rope's table factor."""
-    angles = positions.float().unsqueeze(-1) * inv_freq(rope, rope_dim, positions.device)
-    f = rope.table_factor
-    return angles.cos() * f, angles.sin() * f
+    return Rotary(positions, rope).tables(rope_dim)
 
 
 class PassRope:
-    """One pass's positions [N] with their rotary tables, computed at the first rotation by
-    each (rope, width) and shared by the later ones."""
+    """One pass's positions [N] with a ``Rotary`` per rope: each (rope, width) table computed
+    at the first rotation and shared by the later ones."""
 
     def __init__(self, positions: torch.Tensor) -> None:
         self.positions = positions
-        self._tables: dict[tuple[RopeSpec, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        self._ropes: dict[RopeSpec, Rotary] = {}
 
     def tables(self, rope: RopeSpec, rope_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (rope, rope_dim)
-        t = self._tables.get(key)
-        if t is None:
-            t = self._tables[key] = rope_tables(self.positions, rope, rope_dim)
-        return t
+        rotary = self._ropes.get(rope)
+        if rotary is None:
+            rotary = self._ropes[rope] = Rotary(self.positions, rope)
+        return rotary.tables(rope_dim)
 
 
 def rope_tail(

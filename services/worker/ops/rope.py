@@ -34,13 +34,27 @@ def rope_ref(
     return torch.cat([rot, x[..., d:]], dim=-1)
 
 
-def _heads(t: torch.Tensor) -> torch.Tensor:
+def as_heads(t: torch.Tensor) -> torch.Tensor:
     """``[N, D]`` or ``[N, H, D]`` as a ``[N, H, D]`` view."""
     if t.dim() == 2:
         return t.unsqueeze(1)
     if t.dim() != 3:
         raise ValueError(f"expected [N, D] or [N, H, D], got {tuple(t.shape)}")
     return t
+
+
+def check_tables(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:
+    """The rotary kernels' inputs: x of ``X_DTYPES``, and fp32 tables ``[N, half]`` of one
+    layout with unit last stride that fit x (``2 * half <= D``)."""
+    if x.dtype not in X_DTYPES:
+        raise ValueError(f"x must be one of {X_DTYPES}, got {x.dtype}")
+    half = cos.shape[-1]
+    if cos.shape != sin.shape or cos.shape != (x.shape[0], half) or 2 * half > x.shape[-1]:
+        raise ValueError(f"tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
+    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride():
+        raise ValueError("cos and sin must be fp32 tables of one layout")
+    if cos.stride(1) != 1:
+        raise ValueError("the tables need a unit last stride")
 
 
 def rope_triton(
@@ -56,20 +70,14 @@ def rope_triton(
     that is ``d_rope``. ``out``: default a new tensor like x; else of x's leading shape, any
     float dtype (the values are rounded to it), unit last stride, e.g. a column slice of a
     preallocated row. Returns ``out``."""
-    if x.dtype not in X_DTYPES:
-        raise ValueError(f"x must be one of {X_DTYPES}, got {x.dtype}")
+    check_tables(x, cos, sin)
     half = cos.shape[-1]
-    d = x.shape[-1]
     out = torch.empty_like(x, memory_format=torch.contiguous_format) if out is None else out
-    if out.shape[:-1] != x.shape[:-1] or out.shape[-1] not in (d, 2 * half):
+    if out.shape[:-1] != x.shape[:-1] or out.shape[-1] not in (x.shape[-1], 2 * half):
         raise ValueError(f"out {tuple(out.shape)} does not fit x {tuple(x.shape)}")
-    if cos.shape != sin.shape or cos.shape != (x.shape[0], half) or 2 * half > d:
-        raise ValueError(f"tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride():
-        raise ValueError("cos and sin must be fp32 tables of one layout")
-    x3, o3 = _heads(x), _heads(out)
-    if x3.stride(2) != 1 or o3.stride(2) != 1 or cos.stride(1) != 1:
-        raise ValueError("x, out and the tables need a unit last stride")
+    x3, o3 = as_heads(x), as_heads(out)
+    if x3.stride(2) != 1 or o3.stride(2) != 1:
+        raise ValueError("x and out need a unit last stride")
     n, h = x3.shape[0], x3.shape[1]
     rest = out.shape[-1] - 2 * half
     if n == 0 or h == 0:

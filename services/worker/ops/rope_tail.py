@@ -11,9 +11,8 @@ from __future__ import annotations
 import torch
 import triton
 
+from services.worker.ops.rope import as_heads, check_tables
 from services.worker.ops.rope_tail_kernel import rope_tail_kernel
-
-X_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
 def rope_tail_ref(
@@ -38,16 +37,11 @@ def rope_tail_triton(
 ) -> torch.Tensor:
     """Same contract as ``rope_tail_ref`` for ``x [N, D]`` or ``[N, H, D]`` (unit last stride)
     and fp32 tables of one layout with unit last stride: a new contiguous tensor like x."""
-    if x.dtype not in X_DTYPES:
-        raise ValueError(f"x must be one of {X_DTYPES}, got {x.dtype}")
+    check_tables(x, cos, sin)
     half, d = cos.shape[-1], x.shape[-1]
-    if cos.shape != sin.shape or cos.shape != (x.shape[0], half) or 2 * half > d:
-        raise ValueError(f"tables {tuple(cos.shape)} do not fit x {tuple(x.shape)}")
-    if cos.dtype != torch.float32 or sin.dtype != torch.float32 or cos.stride() != sin.stride():
-        raise ValueError("cos and sin must be fp32 tables of one layout")
-    if x.dim() not in (2, 3) or x.stride(-1) != 1 or cos.stride(1) != 1:
-        raise ValueError(f"x {tuple(x.shape)} must be [N, D] or [N, H, D] with unit last strides")
-    x3 = x if x.dim() == 3 else x.unsqueeze(1)
+    x3 = as_heads(x)
+    if x3.stride(2) != 1:
+        raise ValueError("x needs a unit last stride")
     out = torch.empty(x3.shape, dtype=x.dtype, device=x.device)
     n, h = x3.shape[0], x3.shape[1]
     lead = d - 2 * half
