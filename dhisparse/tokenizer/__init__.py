@@ -8,6 +8,7 @@ from dhisparse.tokenizer.formatter import (
     ChatFormatter,
     DeepseekV4Formatter,
     DeepseekV32Formatter,
+    DeepseekV41Formatter,
     TemplateFormatter,
     chat_formatter,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "ChatTemplateError",
     "DeepseekV4Formatter",
     "DeepseekV32Formatter",
+    "DeepseekV41Formatter",
     "HFTokenizer",
     "IncrementalDetokenizer",
     "TemplateFormatter",

@@ -20,6 +20,10 @@ It is DeepSeek-V3.2's format (``encoding_dsv32``) with these differences:
   text of its own).
 - A ``latest_reminder`` message (date, place) is ``<｜latest_reminder｜>{content}``.
 
+DeepSeek-V4.1's format (``encoding_dsv41``) is this one in another ``Dialect``: its own call
+tags, a ``<｜System｜>`` token, system messages past the first that ask like user turns, and
+arguments that must be JSON.
+
 Messages are OpenAI-style mappings: ``role`` (system, developer, user, assistant, tool,
 latest_reminder), ``content`` (a string; None renders as empty), on assistant turns
 ``reasoning_content`` and ``tool_calls`` (``[{"id", "type": "function", "function": {"name",
@@ -39,10 +43,10 @@ from dhisparse.tokenizer.chat import ChatTemplateError
 from dhisparse.tokenizer.dsml import (
     ASSISTANT,
     BOS,
-    DSML,
     EOS,
     USER,
     V4_BLOCK,
+    CallBlock,
     call_block,
     function_of,
     message_text,
@@ -168,21 +172,40 @@ def _literals(tree: ast.Module, names: tuple[str, ...]) -> dict[str, Any]:
     return out
 
 
-_INVOKE = f"<{DSML}invoke"
-_PARAM = f"<{DSML}parameter"
-_TOOLS_HEADER = f"""## Tools
+@dataclass(frozen=True)
+class Dialect:
+    """What sets a release's format apart from V4's. ``block``: the call tags.
+    ``system_token``: what opens the chat's first turn when it is a system message or an
+    effort text stands before it, and every later system message (V4 has none). ``system_asks``:
+    a system message past the first is a user turn (it may open the assistant's turn and counts
+    as the last user turn). ``text_arguments``: arguments text that is not JSON is the one
+    argument ``arguments`` rather than an error. ``keeps_user_fields``: a user turn keeps its
+    first user message's fields (``tools`` there keep the reasoning of earlier turns)."""
 
-You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "{V4_BLOCK.open}" block like the following:
+    block: CallBlock
+    system_token: str = ""
+    system_asks: bool = False
+    text_arguments: bool = True
+    keeps_user_fields: bool = False
 
-{V4_BLOCK.open}
-{_INVOKE} name="$TOOL_NAME">
-{_PARAM} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE</{DSML}parameter>
+
+V4 = Dialect(V4_BLOCK)
+
+
+def _tools_header(block: CallBlock) -> str:
+    return f"""## Tools
+
+You have access to a set of tools to help answer the user's question. You can invoke tools by writing a "{block.open}" block like the following:
+
+{block.open}
+{block.invoke_open} name="$TOOL_NAME">
+{block.param_open} name="$PARAMETER_NAME" string="true|false">$PARAMETER_VALUE{block.param_close}
 ...
-</{DSML}invoke>
-{_INVOKE} name="$TOOL_NAME2">
+{block.invoke_close}>
+{block.invoke_open} name="$TOOL_NAME2">
 ...
-</{DSML}invoke>
-{V4_BLOCK.close}
+{block.invoke_close}>
+{block.close}
 
 String parameters should be specified as is and set `string="true"`. For all other types (numbers, booleans, arrays, objects), pass the value in JSON format and set `string="false"`.
 
@@ -193,6 +216,8 @@ Otherwise, output directly after {THINK_CLOSE} with tool calls or final response
 ### Available Tool Schemas
 
 """
+
+
 _TOOLS_FOOTER = (
     "\n\nYou MUST strictly follow the above defined tool name and parameter schemas to invoke "
     "tool calls.\n"
@@ -221,7 +246,7 @@ class _Turn:
         return self.message.get("role")
 
 
-def _merge_results(messages: Sequence[Message]) -> list[_Turn]:
+def _merge_results(messages: Sequence[Message], dialect: Dialect) -> list[_Turn]:
     """Tool results and user messages in a row as one user turn each."""
     turns: list[_Turn] = []
     for m in messages:
@@ -238,7 +263,8 @@ def _merge_results(messages: Sequence[Message]) -> list[_Turn]:
         if last is not None and last.role == "user":
             turns[-1] = _Turn(last.message, (*last.parts, part), (*last.result_ids, answers))
         else:
-            turns.append(_Turn({"role": "user"}, (part,), (answers,)))
+            kept = m if role == "user" and dialect.keeps_user_fields else {"role": "user"}
+            turns.append(_Turn(kept, (part,), (answers,)))
     return turns
 
 
@@ -273,17 +299,22 @@ def _sort_results(turns: list[_Turn]) -> list[_Turn]:
     return out
 
 
-def _last_user(turns: Sequence[_Turn]) -> int:
+def _asks(i: int, role: Any, dialect: Dialect) -> bool:
+    """Whether turn ``i`` is a user turn: one that may open the assistant's."""
+    return role in _USER_ROLES or (dialect.system_asks and role == "system" and i > 0)
+
+
+def _last_user(turns: Sequence[_Turn], dialect: Dialect) -> int:
     for i in range(len(turns) - 1, -1, -1):
-        if turns[i].role in _USER_ROLES:
+        if _asks(i, turns[i].role, dialect):
             return i
     return -1
 
 
-def _drop_reasoning(turns: Sequence[_Turn]) -> list[_Turn]:
+def _drop_reasoning(turns: Sequence[_Turn], dialect: Dialect) -> list[_Turn]:
     """The turns before the last user turn without assistant reasoning, and without developer
     turns (which the format then leaves out)."""
-    last_user = _last_user(turns)
+    last_user = _last_user(turns, dialect)
     out: list[_Turn] = []
     for i, t in enumerate(turns):
         if t.role in _KEPT or i >= last_user:
@@ -294,45 +325,48 @@ def _drop_reasoning(turns: Sequence[_Turn]) -> list[_Turn]:
     return out
 
 
-def _tools_and_format(message: Message) -> str:
+def _tools_and_format(message: Message, block: CallBlock) -> str:
     out = ""
     tools = message.get("tools")
     if tools:
         schemas = "\n".join(to_json(function_of(t, "tool")) for t in tools)
-        out += "\n\n" + _TOOLS_HEADER + schemas + _TOOLS_FOOTER
+        out += "\n\n" + _tools_header(block) + schemas + _TOOLS_FOOTER
     if message.get("response_format"):
         out += "\n\n" + _RESPONSE_FORMAT + to_json(message["response_format"])
     return out
 
 
-def _arguments(arguments: Any) -> Mapping[str, Any]:
+def _arguments(arguments: Any, dialect: Dialect) -> Mapping[str, Any]:
     """A call's arguments: JSON text of an object (text that is not JSON is the one argument
-    ``arguments``, as DeepSeek's encoder writes it) or the object itself."""
+    ``arguments`` where the dialect says so, as DeepSeek's V4 encoder writes it) or the object
+    itself."""
     if isinstance(arguments, str):
         try:
             arguments = json.loads(arguments)
-        except ValueError:
-            return {"arguments": arguments}
+        except ValueError as e:
+            if dialect.text_arguments:
+                return {"arguments": arguments}
+            raise ChatTemplateError(f"tool call arguments are not JSON: {e}") from e
     if not isinstance(arguments, Mapping):
         raise ChatTemplateError("tool call arguments must be a JSON object")
     return arguments
 
 
-def _tool_calls(calls: Sequence[Any]) -> str:
+def _tool_calls(calls: Sequence[Any], dialect: Dialect) -> str:
     named = []
     for call in calls:
         fn = function_of(call, "tool call")
-        named.append((fn.get("name"), _arguments(fn.get("arguments"))))
-    return call_block(V4_BLOCK, named)
+        named.append((fn.get("name"), _arguments(fn.get("arguments"), dialect)))
+    return call_block(dialect.block, named)
 
 
-def _assistant(m: Message, shows_reasoning: bool) -> str:
+def _assistant(m: Message, shows_reasoning: bool, dialect: Dialect) -> str:
     reasoning = m.get("reasoning_content")
     if reasoning is not None and not isinstance(reasoning, str):
         raise ChatTemplateError("reasoning_content must be a string")
     shown = (reasoning or "") + THINK_CLOSE if shows_reasoning else ""
     calls = m.get("tool_calls")
-    return shown + message_text(m) + (_tool_calls(calls) if calls else "") + EOS
+    return shown + message_text(m) + (_tool_calls(calls, dialect) if calls else "") + EOS
 
 
 @dataclass(frozen=True)
@@ -340,30 +374,42 @@ class _Mode:
     thinking: bool
     drop_thinking: bool
     effort_text: str
+    dialect: Dialect
+
+
+def _lead(i: int, role: Any, mode: _Mode) -> str:
+    """What opens turn ``i``: the first turn's effort text in thinking mode, after the
+    dialect's system token where it is a system message or there is such a text; every later
+    system message's system token."""
+    system = mode.dialect.system_token
+    if i > 0:
+        return system if role == "system" else ""
+    effort = mode.effort_text if mode.thinking else ""
+    return (system if effort or role == "system" else "") + effort
 
 
 def _render(i: int, turns: Sequence[_Turn], mode: _Mode, last_user: int) -> str:
     t = turns[i]
-    m, role = t.message, t.role
-    out = mode.effort_text if i == 0 and mode.thinking else ""
+    m, role, block = t.message, t.role, mode.dialect.block
+    out = _lead(i, role, mode)
     if role == "system":
-        out += message_text(m) + _tools_and_format(m)
+        out += message_text(m) + _tools_and_format(m, block)
     elif role == "developer":
         if not m.get("content"):
             raise ChatTemplateError("a developer message needs content")
-        out += USER + message_text(m) + _tools_and_format(m)
+        out += USER + message_text(m) + _tools_and_format(m, block)
     elif role == "user":
         out += USER + "\n\n".join(t.parts)
     elif role == "latest_reminder":
         out += LATEST_REMINDER + message_text(m)
     elif role == "assistant":
         shows = mode.thinking and (not mode.drop_thinking or i > last_user)
-        out += _assistant(m, shows)
+        out += _assistant(m, shows, mode.dialect)
     else:
         raise ChatTemplateError(f"unsupported role: {role}")
     if i + 1 < len(turns) and turns[i + 1].role not in _OPENERS:
         return out
-    if role in _USER_ROLES:
+    if _asks(i, role, mode.dialect):
         thinks = mode.thinking and (not mode.drop_thinking or i >= last_user)
         out += ASSISTANT + (THINK_OPEN if thinks else THINK_CLOSE)
     return out
@@ -387,21 +433,42 @@ def encode_messages(
     object); where it nests an arguments object given as an object rather than as JSON text
     (``{"arguments": {...}}``), this one renders what that object's JSON text renders.
     ``reasoning_effort`` is one of ``efforts``' (the release's table; None its default)."""
+    return encode_dialect(
+        messages,
+        thinking_mode,
+        context=context,
+        drop_thinking=drop_thinking,
+        add_bos=add_bos,
+        effort_text=efforts.text(reasoning_effort),
+        dialect=V4,
+    )
+
+
+def encode_dialect(
+    messages: Sequence[Message],
+    thinking_mode: ThinkingMode,
+    *,
+    context: Sequence[Message],
+    drop_thinking: bool,
+    add_bos: bool,
+    effort_text: str,
+    dialect: Dialect,
+) -> str:
+    """``encode_messages`` in ``dialect``, ``effort_text`` put first in a thinking chat."""
     if thinking_mode not in ("chat", "thinking"):
         raise ChatTemplateError(f"thinking mode must be chat or thinking, got {thinking_mode!r}")
-    effort_text = efforts.text(reasoning_effort)
     if any(not isinstance(m, Mapping) for m in [*context, *messages]):
         raise ChatTemplateError("each message must be an object")
-    before = _merge_results(context)
-    turns = _sort_results(before + _merge_results(messages))
+    before = _merge_results(context, dialect)
+    turns = _sort_results(before + _merge_results(messages, dialect))
     drop = drop_thinking and not any(t.message.get("tools") for t in turns)
     thinking = thinking_mode == "thinking"
     start = len(before)
     if thinking and drop:
-        turns = _drop_reasoning(turns)
-        start = len(_drop_reasoning(before))
-    mode = _Mode(thinking, drop, effort_text)
-    last_user = _last_user(turns)
+        turns = _drop_reasoning(turns, dialect)
+        start = len(_drop_reasoning(before, dialect))
+    mode = _Mode(thinking, drop, effort_text, dialect)
+    last_user = _last_user(turns, dialect)
     prompt = BOS if add_bos and not context else ""
     for i in range(start, len(turns)):
         prompt += _render(i, turns, mode, last_user)

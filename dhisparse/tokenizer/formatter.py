@@ -1,6 +1,6 @@
 """The chat formatter: messages and template arguments to prompt text and token ids, one
-interface over a model's Jinja chat template and DeepSeek-V3.2's and DeepSeek-V4's Python
-formats, chosen from the model directory by ``chat_formatter``."""
+interface over a model's Jinja chat template and DeepSeek-V3.2's, DeepSeek-V4's and
+DeepSeek-V4.1's Python formats, chosen from the model directory by ``chat_formatter``."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from dhisparse.tokenizer import encoding_dsv4
+from dhisparse.tokenizer import encoding_dsv4, encoding_dsv41
 from dhisparse.tokenizer.base import Tokenizer
 from dhisparse.tokenizer.chat import ChatTemplateError, render_chat
 from dhisparse.tokenizer.encoding_dsv32 import ThinkingMode, encode_messages
-from dhisparse.tokenizer.hf_files import MODEL_CONFIG, model_type, read_json
+from dhisparse.tokenizer.hf_files import DEEPSEEK_V41, MODEL_CONFIG, chat_family, read_json
 
 Messages = Sequence[Mapping[str, Any]]
 Tools = Sequence[Mapping[str, Any]] | None
@@ -124,24 +124,15 @@ class DeepseekV32Formatter(ChatFormatter):
         )
 
 
-class DeepseekV4Formatter(ChatFormatter):
-    """DeepSeek-V4's format (``encoding_dsv4``). Thinking mode is on unless ``thinking`` or
+class _DeepseekV4Family(ChatFormatter):
+    """A format of the DeepSeek-V4 family. Thinking mode is on unless ``thinking`` or
     ``enable_thinking`` is false (DeepSeek's API and vLLM think by default; ``thinking_mode``
     "chat" or "thinking" names it outright), or ``reasoning_effort`` is "none" and neither
-    turns it on. The effort is one the release names (``efforts``: "high" / "max" for the first
-    release, "low" / "high" / "max" for 0731) or one of OpenAI's (``_OPENAI_EFFORTS``).
-    ``tools`` join the leading system message (one is added when the chat has none), where the
-    release's own examples carry them. ``drop_thinking`` (earlier turns' reasoning left out of
-    a chat without tools) is on unless the kwarg says otherwise. The format opens the
-    assistant's turn after the last user turn, so ``add_generation_prompt`` changes nothing."""
-
-    def __init__(
-        self,
-        tokenizer: Tokenizer,
-        efforts: encoding_dsv4.EffortTable = encoding_dsv4.PREVIEW_EFFORTS,
-    ) -> None:
-        super().__init__(tokenizer)
-        self.efforts = efforts
+    turns it on. ``tools`` join the leading system message (one is added when the chat has
+    none), where the release's own examples carry them. ``drop_thinking`` (earlier turns'
+    reasoning left out of a chat without tools) is on unless the kwarg says otherwise. The
+    format opens the assistant's turn after the last user turn, so ``add_generation_prompt``
+    changes nothing."""
 
     def render(
         self,
@@ -156,10 +147,31 @@ class DeepseekV4Formatter(ChatFormatter):
         effort = kwargs.get("reasoning_effort")
         mode = _thinking_mode(kwargs, default=effort != "none")
         drop = _flag(kwargs, "drop_thinking")
+        return self._encode(chat, mode, True if drop is None else drop, effort)
+
+    @abstractmethod
+    def _encode(self, chat: Messages, mode: ThinkingMode, drop: bool, effort: Any) -> str:
+        """The chat in the release's format; ``effort`` as the request gives it."""
+
+
+class DeepseekV4Formatter(_DeepseekV4Family):
+    """DeepSeek-V4's format (``encoding_dsv4``), read as ``_DeepseekV4Family`` says. The effort
+    is one the release names (``efforts``: "high" / "max" for the first release, "low" /
+    "high" / "max" for 0731) or one of OpenAI's (``_OPENAI_EFFORTS``)."""
+
+    def __init__(
+        self,
+        tokenizer: Tokenizer,
+        efforts: encoding_dsv4.EffortTable = encoding_dsv4.PREVIEW_EFFORTS,
+    ) -> None:
+        super().__init__(tokenizer)
+        self.efforts = efforts
+
+    def _encode(self, chat: Messages, mode: ThinkingMode, drop: bool, effort: Any) -> str:
         return encoding_dsv4.encode_messages(
             chat,
             mode,
-            drop_thinking=True if drop is None else drop,
+            drop_thinking=drop,
             reasoning_effort=self._effort(effort),
             efforts=self.efforts,
         )
@@ -177,6 +189,36 @@ class DeepseekV4Formatter(ChatFormatter):
             return names[0]
         accepted = ", ".join(dict.fromkeys([*_OPENAI_EFFORTS, *names]))
         raise ChatTemplateError(f"reasoning_effort must be one of {accepted}, got {effort!r}")
+
+
+class DeepseekV41Formatter(_DeepseekV4Family):
+    """DeepSeek-V4.1's format (``encoding_dsv41``), read as ``_DeepseekV4Family`` says. The
+    effort is V4.1's own (a name of ``NAMED_EFFORTS``: low, high, xhigh, max; or an integer
+    budget from 1 to 100, through ``chat_template_kwargs``) or one of OpenAI's: "none" turns
+    thinking off, "minimal" and "medium", which V4.1 does not name, are its default ("high"),
+    as SGLang's API reads them (``parse_dsv41_reasoning_effort``)."""
+
+    def _encode(self, chat: Messages, mode: ThinkingMode, drop: bool, effort: Any) -> str:
+        return encoding_dsv41.encode_messages(
+            chat, mode, drop_thinking=drop, reasoning_effort=_v41_effort(effort)
+        )
+
+
+def _v41_effort(effort: Any) -> encoding_dsv41.Effort:
+    """``effort`` as V4.1's encoder takes it (None: its default)."""
+    names = [name for name, _ in encoding_dsv41.NAMED_EFFORTS]
+    if effort is None or effort in ("none", "minimal", "medium"):
+        return None
+    budget = isinstance(effort, int) and not isinstance(effort, bool)
+    if effort in names or (
+        budget and encoding_dsv41.MIN_BUDGET <= effort <= encoding_dsv41.MAX_BUDGET
+    ):
+        return effort
+    accepted = ", ".join(dict.fromkeys([*_OPENAI_EFFORTS, *names]))
+    raise ChatTemplateError(
+        f"reasoning_effort must be one of {accepted} or an integer from "
+        f"{encoding_dsv41.MIN_BUDGET} to {encoding_dsv41.MAX_BUDGET}, got {effort!r}"
+    )
 
 
 def _dsml_chat(messages: Messages, tools: Tools) -> list[dict[str, Any]]:
@@ -238,12 +280,15 @@ def v4_efforts(model_dir: Path) -> encoding_dsv4.EffortTable:
 
 def chat_formatter(tokenizer: Tokenizer, model_dir: str | Path | None = None) -> ChatFormatter:
     """The formatter for the model in ``model_dir`` (None: a preset, the tokenizer's own
-    template): its chat template when it ships one; DeepSeek-V3.2's or DeepSeek-V4's format
-    for a ``deepseek_v32`` or ``deepseek_v4`` model without one; else a template formatter that
-    refuses every chat."""
+    template): its chat template when it ships one; DeepSeek-V3.2's, DeepSeek-V4's or
+    DeepSeek-V4.1's format for a ``deepseek_v32``, ``deepseek_v4`` or V4.1 model
+    (``hf_files.is_deepseek_v41``) without one; else a template formatter that refuses every
+    chat."""
     if tokenizer.chat_templates:
         return TemplateFormatter(tokenizer)
-    kind = model_type(Path(model_dir)) if model_dir is not None else None
+    kind = chat_family(Path(model_dir)) if model_dir is not None else None
+    if kind == DEEPSEEK_V41:
+        return DeepseekV41Formatter(tokenizer)
     if kind == DEEPSEEK_V32:
         return DeepseekV32Formatter(tokenizer)
     if kind == DEEPSEEK_V4:

@@ -147,3 +147,26 @@ def model_type(model_dir: Path | None) -> str | None:
         return None
     value = read_json(model_dir / MODEL_CONFIG).get("model_type")
     return value if isinstance(value, str) else None
+
+
+DEEPSEEK_V41 = "deepseek_v41"
+
+
+def is_deepseek_v41(config: dict[str, Any]) -> bool:
+    """Whether ``config.json`` is a DeepSeek-V4.1 checkpoint's: ``model_type`` "deepseek_v41",
+    or a first architecture naming ``DeepseekV41`` (a V4.1 config may keep V4's model_type).
+    SGLang decides so (``chat_encoding.is_deepseek_v41_arch``)."""
+    architectures = config.get("architectures")
+    first = architectures[0] if isinstance(architectures, list) and architectures else ""
+    return config.get("model_type") == DEEPSEEK_V41 or (
+        isinstance(first, str) and "DeepseekV41" in first
+    )
+
+
+def chat_family(model_dir: Path | None) -> str | None:
+    """The model type that picks a checkpoint's chat format and reply parser: ``model_type``,
+    except "deepseek_v41" for a DeepSeek-V4.1 checkpoint (``is_deepseek_v41``)."""
+    if model_dir is None:
+        return None
+    config = read_json(model_dir / MODEL_CONFIG)
+    return DEEPSEEK_V41 if is_deepseek_v41(config) else model_type(model_dir)

@@ -2,8 +2,9 @@
 whole (``parse_reply``) or as a stream of events (``reply_parser``).
 
 The reply formats (``style``) are those of xgrammar's built-in structural tags, so a reply
-constrained by one reads back here: ``"deepseek_v3_2"`` and ``"deepseek_v4"`` (DSML tool calls
-in a ``function_calls`` and a ``tool_calls`` block, ``reply_dsml``) and ``"glm_4_7"`` (GLM-4.7 /
+constrained by one reads back here: ``"deepseek_v3_2"``, ``"deepseek_v4"`` and
+``"deepseek_v4_1"`` (DSML tool calls in a ``function_calls``, a ``tool_calls`` and a spaced
+`` calls`` block, ``reply_dsml``) and ``"glm_4_7"`` (GLM-4.7 /
 GLM-5 tool calls, ``reply_glm``); all reason in a ``<think>`` block (``reasoning``). Text deltas may split any tag anywhere: text that may still be part of a tag
 is held back until it cannot be, and everything else is released at once."""
 
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
-from dhisparse.tokenizer.dsml import V4_BLOCK, V32_BLOCK, CallBlock
+from dhisparse.tokenizer.dsml import V4_BLOCK, V32_BLOCK, V41_BLOCK, CallBlock
 from dhisparse.tokenizer.reasoning import ReasoningSplitter
 from dhisparse.tokenizer.reply_dsml import DsmlAnswer
 from dhisparse.tokenizer.reply_glm import GlmAnswer
@@ -43,7 +44,11 @@ __all__ = [
 ]
 
 # The DSML styles by their call block.
-_DSML_BLOCKS: dict[str, CallBlock] = {"deepseek_v3_2": V32_BLOCK, "deepseek_v4": V4_BLOCK}
+_DSML_BLOCKS: dict[str, CallBlock] = {
+    "deepseek_v3_2": V32_BLOCK,
+    "deepseek_v4": V4_BLOCK,
+    "deepseek_v4_1": V41_BLOCK,
+}
 STYLES = (*_DSML_BLOCKS, "glm_4_7")
 # The most whitespace characters in a row that a constrained reply may write where its grammar
 # allows formatting whitespace (xgrammar's ``max_whitespace_cnt``): enough for indented JSON,
@@ -52,12 +57,15 @@ GRAMMAR_MAX_WHITESPACE = 16
 _STYLE_OF_MODEL = {
     "deepseek_v32": "deepseek_v3_2",
     "deepseek_v4": "deepseek_v4",
+    "deepseek_v41": "deepseek_v4_1",
     "glm_moe_dsa": "glm_4_7",
 }
 
 
 def reply_style(model_type: str | None) -> str | None:
-    """The reply format of a checkpoint's ``model_type``; None for one without a parser."""
+    """The reply format of a checkpoint's chat family (``hf_files.chat_family``: its
+    ``model_type``, ``deepseek_v41`` for a DeepSeek-V4.1 checkpoint); None for one without a
+    parser."""
     return _STYLE_OF_MODEL.get(model_type or "")
 
 

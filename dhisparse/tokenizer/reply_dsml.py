@@ -1,12 +1,13 @@
-"""The answer of a DeepSeek-V3.2 or DeepSeek-V4 reply (after its reasoning): content and DSML
-tool calls, read as the text arrives.
+"""The answer of a DeepSeek-V3.2, DeepSeek-V4 or DeepSeek-V4.1 reply (after its reasoning):
+content and DSML tool calls, read as the text arrives.
 
 A call block (a ``CallBlock``: ``<｜DSML｜function_calls>`` for V3.2, ``<｜DSML｜tool_calls>`` for V4,
-after the two newlines the chat formats put before it, which are not content) holds
+``<｜DSML｜ calls>`` for V4.1, whose element tags are spaced alike, after the two newlines the
+chat formats put before it, which are not content) holds
 ``<｜DSML｜invoke name="NAME">`` elements of
 ``<｜DSML｜parameter name="K" string="true|false">V</｜DSML｜parameter>``; ``string="true"``
 marks a raw text value, ``"false"`` a JSON one. Whitespace between the tags is free, as
-xgrammar's ``deepseek_v3_2`` and ``deepseek_v4`` structural tags allow it. Text after a block is
+xgrammar's ``deepseek_v3_2``, ``deepseek_v4`` and ``deepseek_v4_1`` structural tags allow it. Text after a block is
 content again.
 
 A reply cut inside a block: a call whose name was read stays a call, its arguments closed as
@@ -17,19 +18,22 @@ from __future__ import annotations
 from typing import Literal
 
 from dhisparse.tokenizer.answer_reader import AnswerReader
-from dhisparse.tokenizer.dsml import INVOKE_CLOSE, INVOKE_OPEN, PARAM_CLOSE, PARAM_OPEN, CallBlock
+from dhisparse.tokenizer.dsml import CallBlock
 from dhisparse.tokenizer.reply_types import ContentDelta, ReplyEvent, ToolCallBegin, new_call_id
 from dhisparse.tokenizer.tool_call_body import CallBody, CallSyntax
 
-NAME_OPEN = INVOKE_OPEN + ' name="'
 NAME_CLOSE = '">'
-DSML_CALL = CallSyntax(
-    param_open=PARAM_OPEN + ' name="',
-    key_ends={'" string="true">': True, '" string="false">': False},
-    value_open="",
-    value_close=PARAM_CLOSE,
-    call_close=INVOKE_CLOSE + ">",
-)
+
+
+def call_syntax(block: CallBlock) -> CallSyntax:
+    """The body of an invoke in ``block``'s tags: its parameters, then its closing tag."""
+    return CallSyntax(
+        param_open=block.param_open + ' name="',
+        key_ends={'" string="true">': True, '" string="false">': False},
+        value_open="",
+        value_close=block.param_close,
+        call_close=block.invoke_close + ">",
+    )
 
 
 def _as_written(key: str, is_string: bool | None) -> bool:
@@ -43,6 +47,8 @@ class DsmlAnswer(AnswerReader):
     def __init__(self, block: CallBlock, *, calls: bool) -> None:
         super().__init__()
         self._block = block
+        self._name_open = block.invoke_open + ' name="'
+        self._syntax = call_syntax(block)
         self._opens = ("\n\n" + block.open, block.open)
         self._parse_calls = calls
         self._state: Literal["content", "block", "name"] = "content"
@@ -59,8 +65,8 @@ class DsmlAnswer(AnswerReader):
                 self._state = "block"
             return bool(text) or tag is not None
         if self._state == "block":
-            skipped, tag = self.buf.take_until([NAME_OPEN, self._block.close], final=final)
-            if tag == NAME_OPEN:
+            skipped, tag = self.buf.take_until([self._name_open, self._block.close], final=final)
+            if tag == self._name_open:
                 self._state = "name"
             elif tag == self._block.close:
                 self._state = "content"
@@ -69,7 +75,7 @@ class DsmlAnswer(AnswerReader):
         if found is None:
             return False
         out.append(ToolCallBegin(self.calls, new_call_id(), found[0]))
-        self.open_body(CallBody(DSML_CALL, self.calls, _as_written))
+        self.open_body(CallBody(self._syntax, self.calls, _as_written))
         return True
 
     def body_closed(self) -> None:

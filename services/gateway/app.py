@@ -14,7 +14,7 @@ from pydantic import BaseModel
 from dhisparse.family.generation import GenerationDefaults
 from dhisparse.family.presets import PRESETS
 from dhisparse.tokenizer import chat_formatter, load_tokenizer
-from dhisparse.tokenizer.hf_files import model_type
+from dhisparse.tokenizer.hf_files import chat_family
 from dhisparse.tokenizer.reply import reply_style
 from services.gateway.admission import AdmissionConfig, MemoryAdmission
 from services.gateway.affinity import AffinityConfig, PrefixAffinity, PrefixAffinityRouter
@@ -200,7 +200,7 @@ def create_app(
         metrics,
         formatter=chat_formatter(tokenizer, model_dir),
         generation=GenerationDefaults.read(model_dir),
-        reply_style=reply_style(model_type(model_dir)),
+        reply_style=reply_style(chat_family(model_dir)),
     )
     created = int(time.time())
 

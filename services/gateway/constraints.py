@@ -5,7 +5,7 @@ family's tags from it and compiles it with xgrammar against the model's vocabula
 torch; a spec the worker cannot compile comes back as the client's 400.
 
 A model family writes tool calls in its own format (``dhisparse.tokenizer.reply.reply_style``:
-DeepSeek-V3.2's and DeepSeek-V4's DSML, GLM-4.7/GLM-5's ``<tool_call>`` XML, also xgrammar's
+DeepSeek-V3.2's, DeepSeek-V4's and DeepSeek-V4.1's DSML, GLM-4.7/GLM-5's ``<tool_call>`` XML, also xgrammar's
 names of them). The reasoning follows the prompt: a prompt that ends in an open ``<think>``
 (every family's generation prompt in thinking mode) makes the reply end its reasoning (``</think>``) before the
 constrained part; a prompt that closes the block (``</think>``, thinking off) or has none

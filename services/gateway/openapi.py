@@ -67,7 +67,7 @@ CHAT_RULES = """Rules beyond the schema (each a 400 with the OpenAI error body):
 - A model's own chat template may refuse an order of roles (the built-in one renders any).
 - `chat_template_kwargs` are the chat template's arguments (`enable_thinking`,
   `reasoning_effort`; `thinking` for DeepSeek-V3.2's and V4's formats, the efforts a V4 release names itself:
-  "max", and 0731's "low"),
+  "max", and 0731's "low"; for DeepSeek-V4.1 "max" or an integer budget from 1 to 100),
   which it may refuse; `documents`
   among them must be a list of objects; `messages`, `add_generation_prompt` and `tools` there
   are ignored (`tools` and `reasoning_effort` are fields of their own).

@@ -50,6 +50,9 @@ CASES = {
     "glm_4_7": GLM_REPLY,
     "deepseek_v3_2": DSML_REPLY,
     "deepseek_v4": DSML_REPLY.replace("function_calls>", "tool_calls>"),
+    "deepseek_v4_1": DSML_REPLY.replace("function_calls>", " calls>")
+    .replace("｜invoke", "｜ invoke")
+    .replace("｜parameter", "｜ parameter"),
 }
 
 

@@ -1,7 +1,7 @@
 """The reply's grammar (``constraints``, then the worker's ``grammar_specs`` that builds and
 compiles it) against the real formats: what each family's own chat format renders for an
-assistant turn with tool calls (GLM-4.7's template on the shipped model, DeepSeek-V3.2's and
-DeepSeek-V4's encoders) must be a reply the grammar built from the prompt accepts, as xgrammar matches it; what breaks the choice (another tool, a second call without parallel calls, text
+assistant turn with tool calls (GLM-4.7's template on the shipped model, DeepSeek-V3.2's,
+DeepSeek-V4's and DeepSeek-V4.1's encoders) must be a reply the grammar built from the prompt accepts, as xgrammar matches it; what breaks the choice (another tool, a second call without parallel calls, text
 where a call is required, JSON off the schema) must not be. Whether reasoning is open follows
 the rendered prompts of every family."""
 
@@ -12,6 +12,7 @@ import subprocess
 import sys
 from typing import Any
 
+import jsonschema
 import pytest
 from xgrammar.testing import _is_grammar_accept_string
 
@@ -21,9 +22,11 @@ from dhisparse.tokenizer import (
     ChatFormatter,
     DeepseekV4Formatter,
     DeepseekV32Formatter,
+    DeepseekV41Formatter,
     chat_formatter,
     load_tokenizer,
 )
+from dhisparse.tokenizer.reply import parse_reply
 from dhisparse.tokenizer.reply import reply_style as tool_style
 from services.gateway.constraints import Style, grammar_for, reasoning_open
 from services.gateway.errors import APIError
@@ -37,10 +40,12 @@ SHIPPED = ROOT / "models" / "glm-dsa-mini"
 GLM = chat_formatter(load_tokenizer(SHIPPED), SHIPPED)
 DSV32 = DeepseekV32Formatter(ByteTokenizer())
 DSV4 = DeepseekV4Formatter(ByteTokenizer())
+DSV41 = DeepseekV41Formatter(ByteTokenizer())
 FAMILIES: list[tuple[Style, ChatFormatter, str]] = [
     ("glm_4_7", GLM, "enable_thinking"),
     ("deepseek_v3_2", DSV32, "thinking"),
     ("deepseek_v4", DSV4, "thinking"),
+    ("deepseek_v4_1", DSV41, "thinking"),
 ]
 USER = {"role": "user", "content": "Weather in Paris and Oslo?"}
 
@@ -95,6 +100,7 @@ def test_styles_of_the_families() -> None:
     assert tool_style("glm_moe_dsa") == "glm_4_7"
     assert tool_style("deepseek_v32") == "deepseek_v3_2"
     assert tool_style("deepseek_v4") == "deepseek_v4"
+    assert tool_style("deepseek_v41") == "deepseek_v4_1"
     assert tool_style("llama") is None and tool_style(None) is None
 
 
@@ -142,6 +148,24 @@ def test_the_formats_own_tool_calls_are_what_the_grammar_accepts(
     bad = one.replace(">2<", ">two<")
     assert bad != one and not _accepts(required, bad)  # days is an integer
     assert grammar_for(req(tools=TOOLS, tool_choice="none"), prompt, style) is None
+
+
+@pytest.mark.parametrize(("style", "fmt", "flag"), FAMILIES)
+@pytest.mark.parametrize("thinking", [True, False])
+def test_a_constrained_call_parses_to_arguments_of_the_schema(
+    style: Style, fmt: ChatFormatter, flag: str, thinking: bool
+) -> None:
+    prompt, one = _reply(fmt, flag, thinking, [PARIS])
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in ("required", named):
+        spec = grammar_for(req(tools=TOOLS, tool_choice=choice), prompt, style)
+        assert spec is not None and _accepts(spec, one)
+    reply = parse_reply(style, one, reasoning_open=thinking, tools=TOOLS)
+    [call] = reply.tool_calls
+    assert call.name == "get_weather"
+    arguments = json.loads(call.arguments)
+    assert arguments == {"city": "Paris", "days": 2}
+    jsonschema.validate(arguments, WEATHER["function"]["parameters"])
 
 
 @pytest.mark.parametrize(("style", "fmt", "flag"), FAMILIES)

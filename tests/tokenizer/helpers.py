@@ -48,6 +48,7 @@ DSV32_SPECIALS = (
 )
 # DeepSeek-V4 adds the latest-reminder role's token to V3.2's.
 DSV4_SPECIALS = (*DSV32_SPECIALS, "<｜latest_reminder｜>")
+DSV41_SPECIALS = (*DSV4_SPECIALS, "<｜System｜>", "<｜deepseek_image｜>")
 CORPUS = [
     "Hello, world! The weather in Paris tomorrow is sunny; Beijing: 晴, 多云, 小雨.",
     "You are a helpful assistant. What is 2+2? It is 4. function_calls invoke parameter",

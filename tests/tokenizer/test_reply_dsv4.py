@@ -1,6 +1,7 @@
-"""DeepSeek-V4 replies read back: assistant turns written by our V4 encoder (``encoding_dsv4``,
-itself checked against DeepSeek's reference) parse to the message they encode, whole and
-streamed at random cuts, in thinking and chat mode; V4 calls live in a ``tool_calls`` block, so
+"""DeepSeek-V4 replies read back: assistant turns written by our V4 and V4.1 encoders
+(``encoding_dsv4``, ``encoding_dsv41``, each checked against DeepSeek's reference) parse in
+their style to the message they encode, whole and streamed at random cuts, in thinking and chat
+mode; V4 calls live in a ``tool_calls`` block, so
 V3.2's ``function_calls`` markup in a V4 reply is content."""
 
 from __future__ import annotations
@@ -11,14 +12,15 @@ from typing import Any
 
 import pytest
 
+from dhisparse.tokenizer import encoding_dsv4, encoding_dsv41
 from dhisparse.tokenizer.dsml import EOS
-from dhisparse.tokenizer.encoding_dsv4 import encode_messages
 from dhisparse.tokenizer.encoding_dsv32 import ThinkingMode
 from dhisparse.tokenizer.reply import parse_reply
 
 from .reply_helpers import TOOLS, check_stream_is_whole, random_calls, random_text
 
 STYLE = "deepseek_v4"
+ENCODERS = {STYLE: encoding_dsv4.encode_messages, "deepseek_v4_1": encoding_dsv41.encode_messages}
 CALL = (
     '<｜DSML｜tool_calls>\n<｜DSML｜invoke name="get_weather">\n'
     '<｜DSML｜parameter name="city" string="true">Oslo</｜DSML｜parameter>\n'
@@ -27,17 +29,20 @@ CALL = (
 )
 
 
-def _encode_turn(message: dict[str, Any], mode: ThinkingMode) -> str:
-    """The assistant turn's text as the encoder writes it, without its EOS."""
+def _encode_turn(style: str, message: dict[str, Any], mode: ThinkingMode) -> str:
+    """The assistant turn's text as the style's encoder writes it, without its EOS."""
     context = [{"role": "system", "content": "s", "tools": TOOLS}, {"role": "user", "content": "u"}]
-    text = encode_messages([message], mode, context=context)
+    text = ENCODERS[style]([message], mode, context=context)
     assert text.endswith(EOS)
     return text[: -len(EOS)]
 
 
+@pytest.mark.parametrize("style", sorted(ENCODERS))
 @pytest.mark.parametrize("mode", ["thinking", "chat"])
 @pytest.mark.parametrize("seed", range(30))
-def test_encoded_turns_parse_back_to_their_message(seed: int, mode: ThinkingMode) -> None:
+def test_encoded_turns_parse_back_to_their_message(
+    style: str, seed: int, mode: ThinkingMode
+) -> None:
     rng = random.Random(seed)
     reasoning, content = random_text(rng, 30), random_text(rng, 30)
     calls = random_calls(rng)
@@ -50,9 +55,9 @@ def test_encoded_turns_parse_back_to_their_message(seed: int, mode: ThinkingMode
             for n, a in calls
         ],
     }
-    text = _encode_turn(message, mode)
+    text = _encode_turn(style, message, mode)
     thinking = mode == "thinking"
-    reply = check_stream_is_whole(STYLE, text, rng, reasoning_open=thinking, tools=TOOLS)
+    reply = check_stream_is_whole(style, text, rng, reasoning_open=thinking, tools=TOOLS)
     assert reply.reasoning == (reasoning if thinking else "")
     assert reply.content == content
     assert [(c.name, json.loads(c.arguments)) for c in reply.tool_calls] == calls

@@ -14,25 +14,24 @@ from typing import Any
 import pytest
 import xgrammar as xgr
 
-from dhisparse.tokenizer.dsml import PARAM_CLOSE, V4_BLOCK, V32_BLOCK
+from dhisparse.tokenizer.dsml import V4_BLOCK, V32_BLOCK, V41_BLOCK, CallBlock
 
 from .reply_helpers import TOOLS, TYPES, check_stream_is_whole, random_text, random_value
 
 STOP = "<stop>"
-BLOCKS = {"deepseek_v3_2": V32_BLOCK, "deepseek_v4": V4_BLOCK}
-DSML_MARKERS = [
-    '<｜DSML｜invoke name="',
-    "</｜DSML｜invoke>",
-    '<｜DSML｜parameter name="',
-    PARAM_CLOSE,
-    '" string="true">',
-    '" string="false">',
-]
+BLOCKS = {"deepseek_v3_2": V32_BLOCK, "deepseek_v4": V4_BLOCK, "deepseek_v4_1": V41_BLOCK}
+
+
+def _dsml_markers(block: CallBlock) -> list[str]:
+    return [block.open, block.close, block.invoke_open + ' name="', block.invoke_close + ">",
+            block.param_open + ' name="', block.param_close, '" string="true">',
+            '" string="false">']  # fmt: skip
+
+
 MARKERS = {
     "glm_4_7": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>",
                 "</arg_key>", "<arg_value>", "</arg_value>"],
-    **{style: ["<think>", "</think>", block.open, block.close, *DSML_MARKERS]
-       for style, block in BLOCKS.items()},
+    **{style: ["<think>", "</think>", *_dsml_markers(block)] for style, block in BLOCKS.items()},
 }  # fmt: skip
 WORDS = [*TYPES, *{k for keys in TYPES.values() for k in keys}]
 CHARS = list(string.ascii_letters + string.digits + ' \n"<>/[]{},:.-_=｜\\')
@@ -78,17 +77,17 @@ def _glm(rng: random.Random, name: str, args: dict[str, Any]) -> str:
     return f"<tool_call>{name}{body}{_space(rng)}</tool_call>"
 
 
-def _dsml_invoke(rng: random.Random, name: str, args: dict[str, Any]) -> str:
+def _dsml_invoke(rng: random.Random, tags: CallBlock, name: str, args: dict[str, Any]) -> str:
     body = ""
     for key, value in args.items():
         if TYPES[name][key] == "string":
-            body += f'{_space(rng)}<｜DSML｜parameter name="{key}" string="true">{value}'
+            body += f'{_space(rng)}{tags.param_open} name="{key}" string="true">{value}'
         else:
             written = json.dumps(value, ensure_ascii=False)
-            body += f'{_space(rng)}<｜DSML｜parameter name="{key}" string="false">'
+            body += f'{_space(rng)}{tags.param_open} name="{key}" string="false">'
             body += f"{_space(rng)}{written}{_space(rng)}"
-        body += PARAM_CLOSE
-    return f'<｜DSML｜invoke name="{name}">\n{body}{_space(rng)}</｜DSML｜invoke>\n'
+        body += tags.param_close
+    return f'{tags.invoke_open} name="{name}">\n{body}{_space(rng)}{tags.invoke_close}>\n'
 
 
 def _written(style: str, rng: random.Random) -> tuple[str, str, list[tuple[str, dict[str, Any]]]]:
@@ -116,14 +115,14 @@ def _written(style: str, rng: random.Random) -> tuple[str, str, list[tuple[str, 
     text, content = "", ""
     for part, block in zip(texts, blocks, strict=False):
         lead = rng.choice(["", "\n\n"])
-        invokes = "".join(_dsml_invoke(rng, n, a) for n, a in block)
+        invokes = "".join(_dsml_invoke(rng, tags, n, a) for n, a in block)
         text += part + lead + tags.open + "\n" + invokes + tags.close
         content += part
     tail = texts[len(blocks)] if style == "deepseek_v3_2" else ""  # V4 ends at its block
     return text + tail, content + tail, calls
 
 
-@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2", "deepseek_v4"])
+@pytest.mark.parametrize("style", ["glm_4_7", *BLOCKS])
 def test_written_replies_are_accepted_by_the_grammar_and_parse_back(style: str) -> None:
     grammar, _ = _compiled(style, "enabled")
     rng = random.Random(style)
@@ -165,7 +164,7 @@ def _sample(grammar: xgr.CompiledGrammar, vocab: list[str], rng: random.Random) 
 
 
 @pytest.mark.parametrize("reasoning", ["enabled", "disabled"])
-@pytest.mark.parametrize("style", ["glm_4_7", "deepseek_v3_2", "deepseek_v4"])
+@pytest.mark.parametrize("style", ["glm_4_7", *BLOCKS])
 def test_sampled_replies_parse_to_calls_of_the_tools(style: str, reasoning: str) -> None:
     grammar, vocab = _compiled(style, reasoning)
     rng = random.Random(f"{style}-{reasoning}")

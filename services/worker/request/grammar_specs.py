@@ -6,7 +6,8 @@ here, beside the tokenizer, so the gateway never imports xgrammar (nor torch wit
 - ``json_object`` / ``json_schema``: that JSON; after the rest of the reasoning block and its
   ``</think>`` when the prompt left one open.
 - ``tool_calls``: spec ``{"style", "tools", "tool_choice", "parallel_tool_calls"}`` — xgrammar's
-  built-in format of the family (``style``: ``deepseek_v3_2`` and ``deepseek_v4`` DSML,
+  built-in format of the family (``style``: ``deepseek_v3_2``, ``deepseek_v4`` and
+  ``deepseek_v4_1`` DSML,
   ``glm_4_7`` GLM-4.7/GLM-5)
   under ``tool_choice`` "auto" (free text, a started call constrained), "required" (one call or
   more) or a named function (that call alone).
