@@ -9,11 +9,10 @@ ports quote it).
 - ``index_source_layers``: the layers that run an indexer (an *index source*). A consumer
   that is one (role ``reindex``) scores its own queries over its KV source's index keys; the
   others (role ``reuse``) attend the top-k of the most recent index source at or below them.
-- ``candidate_source_layer`` (with ``candidate_block_size``, ``candidate_topk_blocks``): a
-  candidate block mask built at that layer and consumed by later indexers. How the mask is
-  computed is not among the facts, so a candidate source (a layer >= 0) is refused; without
-  one (absent, null or negative: the reference's ``0 <= src`` test) the block keys change
-  nothing.
+- ``candidate_source_layer`` (with ``candidate_block_size``, ``candidate_topk_blocks``): the
+  candidate blocks that index source selects per query token from its index scores, inside
+  which every later index source scores (``v41_candidates``: the rule, its sources and what
+  it refuses).
 
 What the facts leave undefined is refused by name: a layer before every source, a consumer
 whose source compresses at another rate, a KV source that is not an index source, and V4's
@@ -29,9 +28,6 @@ from dhisparse.family.hf_config import ConfigError
 Role = Literal["sliding", "full", "reindex", "reuse"]
 
 KEYS = frozenset({"kv_source_layers", "index_source_layers"})
-CANDIDATE_KEYS = frozenset({
-    "candidate_source_layer", "candidate_block_size", "candidate_topk_blocks",
-})  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -76,7 +72,6 @@ def parse_shared_sources(
     """The sources ``raw`` (config.json) names over layers of ``kinds`` ("sliding" / "csa" /
     "hca") and compression ``rates``; V4's own sources when it names none. Raises ConfigError
     naming the field for anything the facts do not define."""
-    _refuse_candidates(raw)
     named = sorted(k for k in KEYS if raw.get(k) is not None)
     if not named:
         return own_sources(kinds)
@@ -135,17 +130,3 @@ def _layers(raw: dict[str, Any], key: str, n: int, kinds: tuple[str, ...]) -> tu
             f"config.json: {key} has layer {sliding[0]}, a sliding-only layer: a source compresses"
         )
     return tuple(value)
-
-
-def _refuse_candidates(raw: dict[str, Any]) -> None:
-    src = raw.get("candidate_source_layer")
-    if src is None:
-        return
-    if not isinstance(src, int) or isinstance(src, bool):
-        raise ConfigError(f"config.json: candidate_source_layer={src!r} is not a layer index")
-    if src >= 0:
-        raise ConfigError(
-            f"config.json: candidate_source_layer={src}: the candidate block mask is not "
-            "served (how DeepSeek-V4.1 computes it is not among the facts this engine "
-            "implements); a negative value or none builds no mask"
-        )

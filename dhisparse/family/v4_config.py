@@ -19,7 +19,9 @@ from typing import Any, Literal
 from dhisparse.family.config import LayerSpec, ModelConfig, SourceSpec
 from dhisparse.family.hf_config import ConfigError
 from dhisparse.family.rope_spec import RopeSpec
-from dhisparse.family.v41_sources import CANDIDATE_KEYS, KEYS, SharedSources, parse_shared_sources
+from dhisparse.family.v41_candidates import KEYS as CANDIDATE_KEYS
+from dhisparse.family.v41_candidates import CandidateBlocks, parse_candidates
+from dhisparse.family.v41_sources import KEYS, SharedSources, parse_shared_sources
 
 log = logging.getLogger(__name__)
 
@@ -127,6 +129,9 @@ class V4Config:
     # whose compressed rows, index keys and selection each layer reads: its own (V4), or
     # DeepSeek-V4.1's shared sources where the config names them (``v41_sources``)
     sharing: SharedSources
+    # DeepSeek-V4.1's candidate blocks where the config names a candidate source
+    # (``v41_candidates``); None: every indexer scores every position it sees
+    candidates: CandidateBlocks | None = None
     # the MTP layer's compression ratio: the legacy ``compress_ratios``' trailing entry (0 in
     # the releases, and where the config names none: a sliding-window layer)
     mtp_compress: int = 0
@@ -145,8 +150,7 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
     unknown = sorted(set(raw) - known)
     if unknown:
         raise ConfigError(f"config.json: unsupported field(s) {unknown} for deepseek_v4")
-    # the candidate block keys change nothing without a candidate source (refused with one)
-    ignored = sorted((_INERT | CANDIDATE_KEYS) & set(raw))
+    ignored = sorted(_INERT & set(raw))
     if ignored:
         log.info("config.json: ignored, no effect on inference: %s", ", ".join(ignored))
     for key, allowed in _FIXED.items():
@@ -169,6 +173,12 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
     if expert_dtype not in (None, "fp4", "fp8", "bf16"):
         raise ConfigError(f"config.json: expert_dtype={expert_dtype!r} is not supported")
     eos = c["eos_token_id"]
+    sharing = parse_shared_sources(raw, attention, compress)
+    candidates = parse_candidates(raw, sharing, compress, int(c["index_topk"]))
+    if candidates is None:  # the block keys change nothing without a candidate source
+        inert = sorted(CANDIDATE_KEYS & set(raw))
+        if inert:
+            log.info("config.json: ignored, no candidate source: %s", ", ".join(inert))
     return V4Config(
         vocab_size=int(c["vocab_size"]),
         hidden_size=int(c["hidden_size"]),
@@ -204,7 +214,8 @@ def parse_v4_config(raw: dict[str, Any]) -> V4Config:
         mtp_layers=int(c["num_nextn_predict_layers"] or 0),
         dtype=str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"),
         expert_dtype=expert_dtype,
-        sharing=parse_shared_sources(raw, attention, compress),
+        sharing=sharing,
+        candidates=candidates,
         mtp_compress=_mtp_compress(raw, n),
     )
 

@@ -64,7 +64,7 @@ def test_no_candidate_source_builds_no_mask_and_its_keys_are_named(caplog) -> No
         ({"kv_source_layers": [], "index_source_layers": [2]}, "kv_source_layers must be a non"),
         ({"kv_source_layers": [2], "index_source_layers": ["2"]}, "index_source_layers must be"),
         ({"kv_source_layers": [2], "index_source_layers": [2], "candidate_source_layer": 5},
-         "candidate_source_layer=5: the candidate block mask is not served"),
+         "candidate_source_layer=5 runs no indexer"),
         ({"kv_source_layers": [2], "index_source_layers": [2], "kv_source_layer_ids": [2]},
          r"unsupported field\(s\) \['kv_source_layer_ids'\]"),
     ],

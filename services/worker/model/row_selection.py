@@ -1,6 +1,7 @@
 """A producer layer's selection (eq. 1): each query token's ordered top-k of the rows of its
 source that it sees, scored by the indexer over the index-key cache, the same way for decode
-steps, verify rounds and prefill chunks."""
+steps, verify rounds and prefill chunks (DeepSeek-V4.1: inside the pass's candidate blocks,
+``candidate_blocks``)."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from dhisparse.family.config import ModelConfig
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_rows import key_rows
 from services.worker.kv.workspace import SCORE_BLOCK, SHORT_CHUNK
+from services.worker.model.candidate_blocks import ScoreStep
 from services.worker.ops import index_scores, select_topk
 from services.worker.ops.fusion import fused
 from services.worker.serving.cache import KVCache
@@ -23,9 +25,11 @@ def select_rows(
     batch: ForwardBatch,
     kv: KVCache,
     s: int,
+    step: ScoreStep | None = None,
 ) -> torch.Tensor:
     """[N, k] ordered top-k row positions per query token of producer ``i`` over its visible
-    rows of source ``s``, from the indexer's queries q [N, H, d_index] and weights w [N, H]."""
+    rows of source ``s``, from the indexer's queries q [N, H, d_index] and weights w [N, H].
+    ``step``: applied to the scores before the top-k (a candidate source's or consumer's)."""
     k = cfg.index_topk
     src = cfg.sources[s]
     m, lag = src.compress, src.lag
@@ -35,27 +39,32 @@ def select_rows(
     )
     # the host knows how far each request sees: no read-back
     ends = [cfg.rows_for_tokens(s, e) for e in batch.ends()]
+    n, width = batch.num_tokens, key_rows(max(ends))
+
+    def top(scores: torch.Tensor, a: int, b: int) -> torch.Tensor:
+        if step is not None:
+            scores = step(scores, num_visible[a:b], slice(a, b), n, width)
+        return select_topk(scores, num_visible[a:b], k)
+
     if batch.is_decode:
-        scores = kv.index_keys.decode_scores(i, q, w, batch.slots, num_visible, key_rows(max(ends)))
-        return select_topk(scores, num_visible, k)
+        return top(kv.index_keys.decode_scores(i, q, w, batch.slots, num_visible, width), 0, n)
     if max(batch.lens) <= SHORT_CHUNK:  # verify rounds: every request at once
         # at the bucketed width, as a decode pass: a captured verify pass keeps its shapes
-        width = key_rows(max(ends))
         if fused(q, "index_scores"):
             # each query token scored as a decode query of its request's slot, by the decode
             # pass's kernel: no [R, K, H, S] intermediate, and the scores a decode pass gives
             scores = kv.index_keys.decode_scores(i, q, w, batch.token_slot, num_visible, width)
         else:
             scores = short_chunk_scores(i, q, w, batch, kv, num_visible, width)
-        return select_topk(scores, num_visible, k)
-    out = torch.empty(batch.num_tokens, k, dtype=torch.int64, device=q.device)
+        return top(scores, 0, n)
+    out = torch.empty(n, k, dtype=torch.int64, device=q.device)
     cu = batch.cu
     for r in range(batch.num_requests):
         a, b = cu[r], cu[r + 1]
         keys = kv.index_keys.gather(i, batch.slots[r : r + 1], num_visible[b - 1 : b], ends[r])
         for c in range(a, b, SCORE_BLOCK):
             e = min(b, c + SCORE_BLOCK)
-            out[c:e] = select_topk(index_scores(q[c:e], w[c:e], keys[0]), num_visible[c:e], k)
+            out[c:e] = top(index_scores(q[c:e], w[c:e], keys[0]), c, e)
     return out
 
 

@@ -21,8 +21,9 @@ with the compress RoPE.
 With DeepSeek-V4.1's shared sources (``V4Config.sharing``) a layer that is not a KV source
 has no compressor: it attends its KV source's compressed rows beside its own window; a Reindex
 layer's indexer scores its KV source's index keys, and a Reuse layer has no indexer: it
-attends its index source's selection. A forward pass hands these from layer to layer in a
-``SharedPass``."""
+attends its index source's selection. With V4.1's candidate blocks (``V4Config.candidates``)
+the candidate source's indexer publishes each query's blocks and every later indexer scores
+only inside them. A forward pass hands these from layer to layer in a ``SharedPass``."""
 
 from __future__ import annotations
 
@@ -32,6 +33,7 @@ import torch
 from torch import nn
 
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.candidate_blocks import PassCandidates
 from services.worker.model.grouped_linear import GroupedLinear
 from services.worker.model.v4_compressor import Compressor, CompressorState, visible_rows
 from services.worker.model.v4_indexer import Indexer
@@ -44,11 +46,12 @@ from services.worker.model.weight_format import BF16, WeightFormat, linear
 class SharedPass:
     """What one forward pass's layers publish for later ones, by the publishing layer: a KV
     source's compressed rows so far [rows, head_dim] and index keys [rows, index_head_dim],
-    an index source's selection [N, rows] bool."""
+    an index source's selection [N, rows] bool; the candidate source's blocks (V4.1)."""
 
     rows: dict[int, torch.Tensor] = field(default_factory=dict)
     keys: dict[int, torch.Tensor] = field(default_factory=dict)
     chosen: dict[int, torch.Tensor] = field(default_factory=dict)
+    candidates: PassCandidates | None = None
 
 
 @dataclass
@@ -158,8 +161,11 @@ class Attention(nn.Module):
             rows = shared.rows[self.kv_source]
             if self.kind == "csa":
                 if self.indexer is not None:
+                    blocks = shared.candidates
+                    step = None if blocks is None else blocks.step(self.layer)
+                    keys_of = shared.keys[self.kv_source]
                     shared.chosen[self.layer] = self.indexer.select(
-                        x, q_latent, positions, shared.keys[self.kv_source]
+                        x, q_latent, positions, keys_of, step
                     )
                 chosen = shared.chosen[self.index_source]
             else:

@@ -19,6 +19,7 @@ import torch
 from torch import nn
 
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.candidate_blocks import PassCandidates
 from services.worker.model.v4_attention import Attention, AttentionState, SharedPass
 from services.worker.model.v4_hyper import hyper_head, hyper_merge, hyper_mix
 from services.worker.model.v4_moe import MoE
@@ -126,7 +127,9 @@ class V4Decoder(nn.Module):
         """ids: [N] the sequence's next N tokens -> logits [N, vocab] (fp32); ``state``
         advances by N tokens."""
         positions = torch.arange(state.length, state.length + ids.shape[0], device=ids.device)
-        streams, shared = self.streams(ids), SharedPass()
+        rule = self.cfg.candidates
+        shared = SharedPass(candidates=None if rule is None else PassCandidates(rule))
+        streams = self.streams(ids)
         for block, layer_state in zip(self.layers, state.layers, strict=True):
             streams = block(streams, ids, positions, layer_state, shared)
         state.length += ids.shape[0]

@@ -15,6 +15,7 @@ from torch.nn import functional as F
 
 from dhisparse.family.rope_spec import RopeSpec
 from dhisparse.family.v4_config import V4Config
+from services.worker.model.candidate_blocks import ScoreStep
 from services.worker.model.v4_compressor import Compressor, visible_rows
 from services.worker.model.v4_rope import PassRope, rope_tail
 from services.worker.model.weight_format import BF16, WeightFormat, linear
@@ -53,17 +54,21 @@ class Indexer(nn.Module):
 
     def select(
         self, x: torch.Tensor, q_latent: torch.Tensor, positions: torch.Tensor,
-        keys: torch.Tensor,
+        keys: torch.Tensor, step: ScoreStep | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """x: [N, hidden], q_latent: [N, q_lora_rank] at positions [N] over index ``keys``
         [rows, dim] -> [N, rows] bool, the rows each query attends (its top-k of the visible
-        rows)."""
+        rows). ``step``: applied to the scores before the top-k (DeepSeek-V4.1's candidate
+        source publishes its blocks, a consumer scores inside them)."""
         keys = keys.float()
         q, weights = self.queries(x, q_latent, positions)
         scores = F.relu(torch.einsum("nhd,sd->nhs", q, keys)) * self.dim**-0.5
         scores = (scores * weights.unsqueeze(-1)).sum(dim=1)  # [N, rows]
         visible = visible_rows(positions, keys.shape[0], self.rate)
         scores = scores.masked_fill(~visible, float("-inf"))
+        if step is not None:
+            n, rows = scores.shape
+            scores = step(scores, visible.sum(dim=-1), slice(0, n), n, rows)
         k = min(self.topk, keys.shape[0])
         order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :k]
         chosen = torch.zeros_like(visible)

@@ -14,6 +14,10 @@ Per layer and pass:
   index; a CSA layer's indexer does the same with its own compressor into the index keys;
 - a consumer of a shared source writes nothing of it: a Reindex layer selects over the
   source's index keys, a Reuse layer attends its leader's selection and rows;
+- with DeepSeek-V4.1's candidate blocks (``V4Config.candidates``) the candidate source's
+  indexer publishes each query token's blocks into the pass's ``PassCandidates`` (the pass's
+  own tensors, made anew by every pass: a captured decode pass recomputes them on replay), and
+  every later indexer of the pass scores only inside them;
 - a CSA query attends the rows the indexer's top-k over the index keys selects
   (``row_selection.select_rows``), an HCA query every row it sees (``w < (t + 1) // rate``);
   the payload resolves them to locations, and the sparse attention (``attention_fn``: the
@@ -41,6 +45,7 @@ from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_rows import visible_width
 from services.worker.kv.token_ring import ExtendedRows, TokenRing
+from services.worker.model.candidate_blocks import PassCandidates
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.hot_vocab import HotHead
 from services.worker.model.mla_mtp import MTPStep
@@ -137,12 +142,14 @@ class V4Model(nn.Module):
         rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
         streams, chosen_by = self.net.streams(input_ids), {}
         at = PassRope(batch.positions)  # every layer's rotary tables, computed once
+        rule = self.family.candidates
+        blocks = None if rule is None else PassCandidates(rule)  # this pass's, from its source
         for i, block in enumerate(self.net.layers):
             streams = block.run(
                 streams,
                 input_ids,
                 lambda x, i=i, a=block.attn: self._attention(
-                    i, a, x, batch, kv, rings, trace, chosen_by, at
+                    i, a, x, batch, kv, rings, trace, chosen_by, at, blocks
                 ),
             )
         if self.mtp is not None:
@@ -246,13 +253,15 @@ class V4Model(nn.Module):
         self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
         rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
         chosen_by: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], pos: PassRope,
+        blocks: PassCandidates | None = None,
     ) -> torch.Tensor:  # fmt: skip
         """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden]; a CSA /
         HCA layer appends what it read of the payload to ``trace``. A layer that computes
         rows writes them and its index keys; a Reuse consumer attends its leader's selection
         (``chosen_by``: a selecting layer's selection this pass), resolved again in its own
         layer, a Reindex consumer selects over its KV source's keys. ``pos``: the pass's
-        positions with their rotary tables."""
+        positions with their rotary tables; ``blocks``: the pass's candidate blocks (V4.1),
+        published by the candidate source's indexer, read by later ones."""
         spec = self.cfg.layers[i]
         s = spec.source
         q_latent, q, rows = attn.project(x, pos)
@@ -270,7 +279,10 @@ class V4Model(nn.Module):
                 iq, iw = idx.queries(x, q_latent, pos)
                 # index_scores weighs relu(q . k) by w: the indexer's dim^-0.5 goes into w
                 key_layer = self.cfg.key_layer(i)
-                selection = select_rows(self.cfg, key_layer, iq, iw * idx.dim**-0.5, batch, kv, s)
+                step = None if blocks is None else blocks.step(i)
+                selection = select_rows(
+                    self.cfg, key_layer, iq, iw * idx.dim**-0.5, batch, kv, s, step
+                )
             else:
                 selection = every_visible_row(batch, attn.rate)
             chosen_by[i] = selection
