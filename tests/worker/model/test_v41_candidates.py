@@ -20,6 +20,7 @@ import torch
 from dhisparse.family.v41_candidates import CandidateBlocks
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.graphs.cuda_graph import GraphConfig
 from services.worker.kv.config import KVCacheConfig
 from services.worker.model.candidate_blocks import PassCandidates, select_blocks, within_blocks
 from services.worker.request.request import SamplingParams
@@ -27,6 +28,7 @@ from services.worker.serving.cache import KVCache
 from services.worker.weights.model_io import load_model
 from services.worker.weights.v4_names import load_v4_model
 from tests import hf_tiny_v4, v41_reference
+from tests.worker.model import serving
 from tests.worker.model.test_v41_sources import INDEX, KV, LAYERS, _drive, with_shared_sources
 
 RTOL = 1e-4
@@ -161,3 +163,39 @@ def test_engine_greedy_with_chunked_prefill_is_the_references(ref, path, mode) -
         assert len(out) == 10
         assert out == v41_reference.greedy_under(ref, KV, INDEX, prompt, out, RULE)
     eng.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["resident", "hisparse", "adaptive"])
+def test_on_the_gpu_replayed_passes_equal_the_eager_ones_and_the_reference(ref, path, mode) -> None:
+    """On a GPU (fp32, the Triton resolver, sparse attention and index-score kernels): decode
+    passes replayed from CUDA graphs give the eager passes' tokens and logits bit for bit with
+    the candidate mask inside the graph, and the reference's greedy tokens."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    prompts = [hf_tiny_v4.token_ids(n, 700 + n).tolist() for n in (53, 41, 70)]
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    runs = {}
+    for graphs in (False, True):
+        eng = Engine(EngineConfig(
+            model=str(path), mode=mode, device="cuda", dtype="float32", max_num_seqs=4,
+            max_model_len=256, page_size=4, hot_cache_rows=None if mode == "resident" else 8,
+            max_prefill_tokens=32, kv_pool_mib=16, host_arena_mib=16,
+            graphs=GraphConfig(graphs),
+        ))  # fmt: skip
+        seen = serving.recorded_emits(eng)
+        index = {r.request_id: i for i, r in enumerate(eng.generate(prompts, params))}
+        runs[graphs] = {(index[r], n): logits for r, n, logits in seen}
+        if graphs:
+            assert eng.passes.graphs is not None and eng.passes.graphs.replays > 10
+        eng.close()
+    assert runs[True].keys() == runs[False].keys()
+    for key, logits in runs[False].items():
+        assert torch.equal(runs[True][key], logits), f"{mode} {key}: logits differ"
+    for i, prompt in enumerate(prompts):
+        out = [int(runs[True][(i, n)].argmax()) for n in range(24)]
+        # the reference's slack of each token (0: its argmax; within a near-tie otherwise)
+        want = _logits(ref, torch.tensor(prompt + out[:-1]))[len(prompt) - 1 :]
+        chosen = want.gather(1, torch.tensor(out).unsqueeze(1)).squeeze(1)
+        slack = want.max(-1).values - chosen
+        assert float(slack.max()) <= 1e-3, f"prompt {i}: slacks {slack.tolist()}"
