@@ -21,7 +21,11 @@ from dhisparse.tokenizer.encoding_dsv41 import (
 from dhisparse.tokenizer.parsing_dsv32 import parse_completion
 
 GOLDEN = json.loads((Path(__file__).parent / "dsv41_golden.json").read_text(encoding="utf-8"))
-CHATS: dict[str, list[dict[str, Any]]] = GOLDEN["chats"]
+# V4.1's own chats, beside V4's golden chats it renders too
+CHATS: dict[str, list[dict[str, Any]]] = (
+    json.loads((Path(__file__).parent / "dsv4_golden.json").read_text(encoding="utf-8"))["chats"]
+    | GOLDEN["chats"]
+)
 # Chats the reference renders with an image placeholder for its vision encoder; refused here.
 IMAGE_CHATS = ("image_block",)
 
