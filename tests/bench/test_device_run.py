@@ -35,16 +35,20 @@ def test_every_step_parses(part: str, tmp_path) -> None:
 
 
 def test_the_v4_steps_test_v4_on_the_gpu_then_run_what_v4_runs_with(tmp_path) -> None:
-    """``scaled-v4``: V4's GPU tests first (the quantized weights' and the FP4 MoE's with them),
-    the FP4 MoE's benchmark, then each weight format with the random model's own selections at
-    8K and 32K, nothing the engine does not serve V4 with."""
+    """``scaled-v4``: V4's GPU tests first (the quantized weights', the FP4 MoE's, the index
+    scores' and V4.1's candidate blocks' with them), the FP4 MoE's and the fp32 index scores'
+    benchmarks, then each weight format with the random model's own selections at 8K and 32K,
+    nothing the engine does not serve V4 with."""
     from bench import scaled
 
     _, parser = parser_for("scaled")
-    tests, moe, *runs = PARTS["scaled-v4"]
+    tests, moe, scores, *runs = PARTS["scaled-v4"]
     assert tests.name == "v4-tests" and "test_v4_gpu.py" in tests.command
     assert "test_v4_quantized_gpu.py" in tests.command and "test_fp4_moe_gpu.py" in tests.command
+    assert "test_index_scores_paged.py" in tests.command
+    assert "test_v41_candidates.py" in tests.command
     assert moe.command.startswith("-m bench fp4-moe")
+    assert scores.command.startswith("-m bench index-scores")
     runs_of = []
     for step in runs:
         args = parser.parse_args(step.argv(tmp_path)[4:])
