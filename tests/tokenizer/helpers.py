@@ -142,3 +142,32 @@ def dsv32_tokenizer_config() -> dict[str, Any]:
         "unk_token": None,
         "tokenizer_class": "LlamaTokenizerFast",
     }
+
+
+def golden_id(case: dict[str, Any]) -> str:
+    """A golden case's test id: its chat, mode and whatever it sets besides the defaults."""
+    parts = [case["chat"], case["thinking_mode"]]
+    if "encoded_last" in case:
+        parts.append(f"last{case['encoded_last']}")
+    if not case["drop_thinking"]:
+        parts.append("keep")
+    if not case["add_bos"]:
+        parts.append("nobos")
+    if case.get("reasoning_effort") is not None:
+        parts.append(str(case["reasoning_effort"]))
+    return "-".join(parts)
+
+
+def encode_golden(
+    encode: Any, chats: dict[str, list[dict[str, Any]]], case: dict[str, Any], **kwargs: Any
+) -> str:
+    """A golden case encoded as the reference encoded it: with ``encoded_last`` k, the chat's
+    last k messages after the rest as context; its reasoning effort where it names one."""
+    chat = chats[case["chat"]]
+    k = case.get("encoded_last", len(chat))
+    if "reasoning_effort" in case:
+        kwargs["reasoning_effort"] = case["reasoning_effort"]
+    return encode(
+        chat[len(chat) - k :], case["thinking_mode"], context=chat[: len(chat) - k],
+        drop_thinking=case["drop_thinking"], add_bos=case["add_bos"], **kwargs,
+    )  # fmt: skip

@@ -12,32 +12,10 @@ import pytest
 from dhisparse.tokenizer import ChatTemplateError
 from dhisparse.tokenizer.encoding_dsv32 import EOS, encode_messages
 from dhisparse.tokenizer.parsing_dsv32 import parse_completion
+from tests.tokenizer.helpers import encode_golden, golden_id
 
 GOLDEN = json.loads((Path(__file__).parent / "dsv32_golden.json").read_text(encoding="utf-8"))
 CHATS: dict[str, list[dict[str, Any]]] = GOLDEN["chats"]
-
-
-def _case_id(case: dict[str, Any]) -> str:
-    parts = [case["chat"], case["thinking_mode"]]
-    if "encoded_last" in case:
-        parts.append(f"last{case['encoded_last']}")
-    if not case["drop_thinking"]:
-        parts.append("keep")
-    if not case["add_bos"]:
-        parts.append("nobos")
-    return "-".join(parts)
-
-
-def _encode(case: dict[str, Any]) -> str:
-    chat = CHATS[case["chat"]]
-    k = case.get("encoded_last", len(chat))
-    return encode_messages(
-        chat[len(chat) - k :],
-        case["thinking_mode"],
-        context=chat[: len(chat) - k],
-        drop_thinking=case["drop_thinking"],
-        add_bos=case["add_bos"],
-    )
 
 
 def test_upstream_golden_prompt() -> None:
@@ -45,15 +23,15 @@ def test_upstream_golden_prompt() -> None:
     assert encode_messages(CHATS[g["chat"]], g["thinking_mode"]) == g["prompt"]
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "prompt" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "prompt" in c], ids=golden_id)
 def test_prompt_equals_the_reference(case: dict[str, Any]) -> None:
-    assert _encode(case) == case["prompt"]
+    assert encode_golden(encode_messages, CHATS, case) == case["prompt"]
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "error" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "error" in c], ids=golden_id)
 def test_chats_the_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError):
-        _encode(case)
+        encode_golden(encode_messages, CHATS, case)
 
 
 def test_the_inputs_are_left_as_they_were() -> None:

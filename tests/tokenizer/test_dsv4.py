@@ -14,6 +14,7 @@ from dhisparse.tokenizer import ChatTemplateError
 from dhisparse.tokenizer.dsml import EOS, V4_BLOCK
 from dhisparse.tokenizer.encoding_dsv4 import EFFORTS_0731, encode_messages
 from dhisparse.tokenizer.parsing_dsv32 import parse_completion
+from tests.tokenizer.helpers import encode_golden, golden_id
 
 GOLDEN = json.loads((Path(__file__).parent / "dsv4_golden.json").read_text(encoding="utf-8"))
 GOLDEN_0731 = json.loads(
@@ -22,58 +23,31 @@ GOLDEN_0731 = json.loads(
 CHATS: dict[str, list[dict[str, Any]]] = GOLDEN["chats"]
 
 
-def _case_id(case: dict[str, Any]) -> str:
-    parts = [case["chat"], case["thinking_mode"]]
-    if "encoded_last" in case:
-        parts.append(f"last{case['encoded_last']}")
-    if not case["drop_thinking"]:
-        parts.append("keep")
-    if not case["add_bos"]:
-        parts.append("nobos")
-    if case["reasoning_effort"]:
-        parts.append(case["reasoning_effort"])
-    return "-".join(parts)
-
-
-def _encode(case: dict[str, Any], **kwargs: Any) -> str:
-    chat = CHATS[case["chat"]]
-    k = case.get("encoded_last", len(chat))
-    return encode_messages(
-        chat[len(chat) - k :],
-        case["thinking_mode"],
-        context=chat[: len(chat) - k],
-        drop_thinking=case["drop_thinking"],
-        add_bos=case["add_bos"],
-        reasoning_effort=case["reasoning_effort"],
-        **kwargs,
-    )
-
-
 @pytest.mark.parametrize("case", GOLDEN["upstream_golden"], ids=lambda c: c["chat"])
 def test_the_releases_own_golden_prompts(case: dict[str, Any]) -> None:
     assert encode_messages(CHATS[case["chat"]], case["thinking_mode"]) == case["prompt"]
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "prompt" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "prompt" in c], ids=golden_id)
 def test_prompt_equals_the_reference(case: dict[str, Any]) -> None:
-    assert _encode(case) == case["prompt"]
+    assert encode_golden(encode_messages, CHATS, case) == case["prompt"]
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "error" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN["cases"] if "error" in c], ids=golden_id)
 def test_chats_the_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError):
-        _encode(case)
+        encode_golden(encode_messages, CHATS, case)
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "prompt" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "prompt" in c], ids=golden_id)
 def test_0731_prompt_equals_the_reference(case: dict[str, Any]) -> None:
-    assert _encode(case, efforts=EFFORTS_0731) == case["prompt"]
+    assert encode_golden(encode_messages, CHATS, case, efforts=EFFORTS_0731) == case["prompt"]
 
 
-@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "error" in c], ids=_case_id)
+@pytest.mark.parametrize("case", [c for c in GOLDEN_0731["cases"] if "error" in c], ids=golden_id)
 def test_chats_0731s_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError):
-        _encode(case, efforts=EFFORTS_0731)
+        encode_golden(encode_messages, CHATS, case, efforts=EFFORTS_0731)
 
 
 def test_the_first_release_refuses_0731s_low_effort() -> None:

@@ -19,6 +19,7 @@ from dhisparse.tokenizer.encoding_dsv41 import (
     encode_messages,
 )
 from dhisparse.tokenizer.parsing_dsv32 import parse_completion
+from tests.tokenizer.helpers import encode_golden, golden_id
 
 GOLDEN = json.loads((Path(__file__).parent / "dsv41_golden.json").read_text(encoding="utf-8"))
 # V4.1's own chats, beside V4's golden chats it renders too
@@ -30,45 +31,19 @@ CHATS: dict[str, list[dict[str, Any]]] = (
 IMAGE_CHATS = ("image_block",)
 
 
-def _case_id(case: dict[str, Any]) -> str:
-    parts = [case["chat"], case["thinking_mode"]]
-    if "encoded_last" in case:
-        parts.append(f"last{case['encoded_last']}")
-    if not case["drop_thinking"]:
-        parts.append("keep")
-    if not case["add_bos"]:
-        parts.append("nobos")
-    if case["reasoning_effort"] is not None:
-        parts.append(str(case["reasoning_effort"]))
-    return "-".join(parts)
-
-
-def _encode(case: dict[str, Any]) -> str:
-    chat = CHATS[case["chat"]]
-    k = case.get("encoded_last", len(chat))
-    return encode_messages(
-        chat[len(chat) - k :],
-        case["thinking_mode"],
-        context=chat[: len(chat) - k],
-        drop_thinking=case["drop_thinking"],
-        add_bos=case["add_bos"],
-        reasoning_effort=case["reasoning_effort"],
-    )
-
-
 RENDERED = [c for c in GOLDEN["cases"] if "prompt" in c and c["chat"] not in IMAGE_CHATS]
 REFUSED = [c for c in GOLDEN["cases"] if "error" in c or c["chat"] in IMAGE_CHATS]
 
 
-@pytest.mark.parametrize("case", RENDERED, ids=_case_id)
+@pytest.mark.parametrize("case", RENDERED, ids=golden_id)
 def test_prompt_equals_the_reference(case: dict[str, Any]) -> None:
-    assert _encode(case) == case["prompt"]
+    assert encode_golden(encode_messages, CHATS, case) == case["prompt"]
 
 
-@pytest.mark.parametrize("case", REFUSED, ids=_case_id)
+@pytest.mark.parametrize("case", REFUSED, ids=golden_id)
 def test_chats_the_reference_refuses_are_template_errors(case: dict[str, Any]) -> None:
     with pytest.raises(ChatTemplateError):
-        _encode(case)
+        encode_golden(encode_messages, CHATS, case)
 
 
 def test_the_golden_cases_cover_what_sets_v41_apart() -> None:
