@@ -1,9 +1,12 @@
-"""One pass's grammar masks for its whole batch, filled by another process.
+"""One pass's grammar masks for its whole batch, filled by other processes.
 
-The masks are filled by a process of their own (``mask_filler``, started at the first
-constrained pass, stopped with the engine): it mirrors every constrained request's matcher, advanced by the tokens the
-engine accepted, and writes masks into shared memory, so the engine's thread never fills one
-(a fill holds the interpreter's lock, and a step's host work is the decode step's bottleneck).
+The masks are filled by processes of their own (``mask_filler``, started at the first
+constrained pass, stopped with the engine): each mirrors the matchers of its share of the
+constrained requests (a request's share: its grammar's id modulo the processes), advanced by
+the tokens the engine accepted, and writes masks into shared memory of its own, so the engine's
+thread never fills one (a fill holds the interpreter's lock, and a step's host work is the
+decode step's bottleneck) and a batch's rows are filled side by side (one process fills 64
+rows slower than a small model's decode step takes: ``default_processes``).
 
 - ``prefetch``, after a step's tokens are accepted: the next decode row of every constrained
   request still running is filled while the engine finishes that step and begins the next.
@@ -16,6 +19,7 @@ engine accepted, and writes masks into shared memory, so the engine's thread nev
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 import subprocess
 import sys
@@ -33,7 +37,17 @@ from services.worker.request import mask_filler
 from services.worker.request.grammar_state import GrammarState
 from services.worker.request.request import Request
 
-AHEAD, ON_DEMAND = 0, 1  # the two shared-memory regions
+AHEAD, ON_DEMAND = 0, 1  # the two shared-memory regions of each process
+# a process for every this many of the host's cores, at most MAX_PROCESSES
+CORES_PER_PROCESS, MAX_PROCESSES = 4, 4
+
+
+def default_processes(cores: int | None = None) -> int:
+    """The filler processes a host of ``cores`` (default: this one's) runs: one per
+    ``CORES_PER_PROCESS`` cores, at least one, at most ``MAX_PROCESSES`` (the engine's thread
+    and its device work keep the rest)."""
+    cores = (os.cpu_count() or 1) if cores is None else cores
+    return max(1, min(MAX_PROCESSES, cores // CORES_PER_PROCESS))
 
 
 @dataclass(frozen=True)
@@ -151,55 +165,76 @@ def _stop(conn: Connection, proc: subprocess.Popen, shms: list) -> None:
         shm.unlink()
 
 
+# where a row's mask is: (process, region, row)
+Source = tuple[int, int, int]
+
+
 class GrammarMasks:
     """The masks of one pass at a time."""
 
     def __init__(
-        self, vocab_size: int, device: torch.device, max_rows: int, max_seqs: int | None = None
-    ) -> None:
+        self, vocab_size: int, device: torch.device, max_rows: int, max_seqs: int | None = None,
+        processes: int | None = None,
+    ) -> None:  # fmt: skip
         """``vocab_size``: the logits' width (the compiled grammars' tokenizer info's);
         ``max_rows``: the most rows one pass samples (sequences times the verify width), the
         on-demand region's rows; ``max_seqs``: the most sequences a pass holds, the rows of
-        the region filled ahead (one per decoding sequence; default ``max_rows``)."""
+        the region filled ahead (one per decoding sequence; default ``max_rows``);
+        ``processes``: the filler processes (default ``default_processes()``)."""
         self.vocab_size = vocab_size
         self.device = device
         self.words = xgr.get_bitmask_shape(1, vocab_size)[1]
         self.max_rows = max_rows
         self.max_seqs = min(max_rows, max_seqs or max_rows)
-        self._filler: _Filler | None = None  # started by the first constrained pass
-        self._ahead: dict[int, tuple[int, int]] = {}  # request id -> (row, tokens) filled ahead
-        self._ahead_tag = 0
-        self._pending: tuple[list[int], list[tuple[int, int]], int] | None = None
+        self.processes = default_processes() if processes is None else processes
+        if self.processes < 1:
+            raise ValueError(f"at least one filler process, not {self.processes}")
+        self._fillers: list[_Filler] = []  # started by the first constrained pass
+        self._ahead: dict[int, tuple[int, int, int]] = {}  # id -> (process, row, tokens) ahead
+        self._ahead_tags: list[int] = []  # per process: the fill of its rows ahead
+        self._pending: tuple[list[int], list[Source], list[int]] | None = None
         pinned = device.type == "cuda"
         self._host = torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
 
     @property
     def region_rows(self) -> tuple[int, int] | None:
-        """The filler's shared-memory rows by region (``AHEAD``, ``ON_DEMAND``); None before
-        the first constrained pass starts it."""
-        return None if self._filler is None else self._filler.rows
+        """Each filler's shared-memory rows by region (``AHEAD``, ``ON_DEMAND``); None before
+        the first constrained pass starts them."""
+        return self._fillers[0].rows if self._fillers else None
+
+    def _share(self, st: GrammarState) -> int:
+        return st.id % len(self._fillers)
 
     def prefetch(self, running: Sequence[Request], ahead: bool) -> None:
-        """After a step's tokens are accepted: the process forgets every request but the
+        """After a step's tokens are accepted: the processes forget every request but the
         constrained ones of ``running``, and with ``ahead`` (the next pass decodes one row
         each) their next rows are filled while the engine goes on."""
-        f = self._filler
         self._ahead = {}
-        if f is None:
+        if not self._fillers:
             return
         states = [r.grammar for r in running if r.grammar is not None]
         live = [st for st in states if not st.terminated][: self.max_seqs] if ahead else []
+        ahead_rows: dict[int, tuple[int, int, int]] = {}
         try:
-            f.close_except({st.id for st in states})
+            ids = {st.id for st in states}
+            for f in self._fillers:
+                f.close_except(ids)
+            shares: list[list[GrammarState]] = [[] for _ in self._fillers]
             for st in live:
-                f.sync(st)
-            if live:
-                self._ahead_tag = f.fill(AHEAD, [(st.id, i, 1, []) for i, st in enumerate(live)])
+                shares[self._share(st)].append(st)
+            for k, (f, share) in enumerate(zip(self._fillers, shares, strict=True)):
+                for i, st in enumerate(share):
+                    f.sync(st)
+                    ahead_rows[st.id] = (k, i, len(st.tokens))
+                if share:
+                    self._ahead_tags[k] = f.fill(
+                        AHEAD, [(st.id, i, 1, []) for i, st in enumerate(share)]
+                    )
         except RuntimeError:
-            self.close()  # the next constrained pass starts another
+            self.close()  # the next constrained pass starts others
             raise
-        self._ahead = {st.id: (i, len(st.tokens)) for i, st in enumerate(live)}
+        self._ahead = ahead_rows
 
     def fill(self, blocks: Sequence[Block]) -> None:
         """Asks for the blocks' masks for the next ``apply`` (no block: it does nothing). Row i
@@ -212,43 +247,44 @@ class GrammarMasks:
             return
         if sum(b.rows for b in blocks) > self.max_rows:
             raise ValueError(f"{sum(b.rows for b in blocks)} rows, at most {self.max_rows}")
-        f = self._filler
-        if f is None:
-            f = self._filler = _Filler(
-                # rows by region: AHEAD, then ON_DEMAND
-                blocks[0].grammar.compiled.tokenizer_info, (self.max_seqs, self.max_rows),
-                self.words,
-            )  # fmt: skip
         try:
-            self._pending = self._ask(f, blocks)
+            if not self._fillers:
+                info = blocks[0].grammar.compiled.tokenizer_info
+                for _ in range(self.processes):  # rows by region: AHEAD, then ON_DEMAND
+                    self._fillers.append(_Filler(info, (self.max_seqs, self.max_rows), self.words))
+                self._ahead_tags = [0] * self.processes
+            self._pending = self._ask(blocks)
         except RuntimeError:
-            self.close()  # the next constrained pass starts another
+            self.close()  # the next constrained pass starts others
             raise
 
-    def _ask(
-        self, f: _Filler, blocks: Sequence[Block]
-    ) -> tuple[list[int], list[tuple[int, int]], int]:
+    def _ask(self, blocks: Sequence[Block]) -> tuple[list[int], list[Source], list[int]]:
         """Sends what the blocks' masks need: (the logits' rows, where each row's mask is,
-        the fill to wait for)."""
+        the fill to wait for of each process)."""
         rows: list[int] = []  # the logits' rows that have a mask
-        sources: list[tuple[int, int]] = []  # (region, row) of each
-        entries = []
-        at = 0
+        sources: list[Source] = []
+        entries: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in self._fillers]
+        at = [0] * len(self._fillers)
+        tags = [0] * len(self._fillers)
         for b in blocks:
             st = b.grammar
             ahead = self._ahead.get(st.id)
-            if b.rows == 1 and ahead is not None and ahead[1] == len(st.tokens):
+            if b.rows == 1 and ahead is not None and ahead[2] == len(st.tokens):
                 rows.append(b.first)
-                sources.append((AHEAD, ahead[0]))
+                sources.append((ahead[0], AHEAD, ahead[1]))
+                tags[ahead[0]] = self._ahead_tags[ahead[0]]
                 continue
-            f.sync(st)
-            entries.append((st.id, at, b.rows, list(b.drafts[: b.rows - 1])))
+            k = self._share(st)
+            self._fillers[k].sync(st)
+            entries[k].append((st.id, at[k], b.rows, list(b.drafts[: b.rows - 1])))
             for i in range(b.rows):
                 rows.append(b.first + i)
-                sources.append((ON_DEMAND, at + i))
-            at += b.rows
-        tag = f.fill(ON_DEMAND, entries) if entries else self._ahead_tag
-        return rows, sources, tag
+                sources.append((k, ON_DEMAND, at[k] + i))
+            at[k] += b.rows
+        for k, (f, share) in enumerate(zip(self._fillers, entries, strict=True)):
+            if share:
+                tags[k] = f.fill(ON_DEMAND, share)
+        return rows, sources, tags
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits: the pass's [n, V] fp32 rows, shaped otherwise: every token a row's grammar
@@ -259,23 +295,23 @@ class GrammarMasks:
             return
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits of {logits.shape[-1]} tokens, masks of {self.vocab_size}")
-        rows, sources, tag = pending
-        f = self._filler
-        assert f is not None
+        rows, sources, tags = pending
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
         try:
-            f.wait(tag)
+            for f, tag in zip(self._fillers, tags, strict=True):
+                f.wait(tag)
         except RuntimeError:
-            self.close()  # the next constrained pass starts another
+            self.close()  # the next constrained pass starts others
             raise
         host = self._host[: max(rows) + 1]  # row r masks logits row r (the kernel's indices)
         out = host.numpy()
-        for region in (AHEAD, ON_DEMAND):
-            at = [k for k, (r, _) in enumerate(sources) if r == region]
-            if at:
-                out[[rows[k] for k in at]] = f.views[region][[sources[k][1] for k in at]]
+        for k, f in enumerate(self._fillers):
+            for region in (AHEAD, ON_DEMAND):
+                at = [j for j, (p, r, _) in enumerate(sources) if p == k and r == region]
+                if at:
+                    out[[rows[j] for j in at]] = f.views[region][[sources[j][2] for j in at]]
         mask = host
         if logits.is_cuda:
             mask = host.to(logits.device, non_blocking=True)
@@ -284,13 +320,14 @@ class GrammarMasks:
         xgr.apply_token_bitmask_inplace(logits, mask, indices=rows)
 
     @property
-    def filler_pid(self) -> int | None:
-        """The filler process's id (None: not started)."""
-        return None if self._filler is None else self._filler.proc.pid
+    def filler_pids(self) -> list[int]:
+        """The filler processes' ids (none before the first constrained pass)."""
+        return [f.proc.pid for f in self._fillers]
 
     def close(self) -> None:
-        """Stops the filler process (a later constrained pass starts another)."""
-        if self._filler is not None:
-            self._filler.stop()
-            self._filler = None
-            self._ahead = {}
+        """Stops the filler processes (a later constrained pass starts others)."""
+        fillers, self._fillers = self._fillers, []
+        for f in fillers:
+            f.stop()
+        self._ahead = {}
+        self._ahead_tags = []

@@ -226,13 +226,17 @@ def _schema_requests(
     return compiled, walks, reqs
 
 
-def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on(processes) -> None:
     """After a step, the next decode row of every running constrained request is filled ahead
-    in the process; the next pass uses it when the request's tokens are unchanged, and asks
+    in its process; the next pass uses it when the request's tokens are unchanged, and asks
     again for one that accepted a token since. Both equal the matcher stepped token by token;
-    a request no longer running is forgotten by the process, and a later pass reopens it."""
+    a request no longer running is forgotten by the process, and a later pass reopens it. With
+    two processes each fills its share of the requests."""
     compiled, walks, reqs = _schema_requests(12, 4)
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3)
+    masks = GrammarMasks(
+        MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3, processes=processes
+    )
     try:
         masks.fill(decode_blocks(reqs))  # starts the process and opens the three
         masks.apply(torch.zeros(3, MINI_VOCAB))
@@ -248,17 +252,20 @@ def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on() -> 
         masks.close()
 
 
-def test_the_rows_filled_ahead_take_one_row_per_sequence() -> None:
+@pytest.mark.parametrize("processes", [1, 3])
+def test_the_rows_filled_ahead_take_one_row_per_sequence(processes) -> None:
     """The region filled ahead holds ``max_seqs`` rows (one per decoding sequence), the
     on-demand one ``max_rows`` (sequences times the verify width): with two seats' rows ahead
     and a third request asking, the third is filled on demand, and every mask is the
-    matcher's."""
+    matcher's, whichever process fills it."""
     compiled, walks, reqs = _schema_requests(8, 3)
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2)
+    masks = GrammarMasks(
+        MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2, processes=processes
+    )
     try:
         masks.fill(decode_blocks(reqs))
         masks.apply(torch.zeros(3, MINI_VOCAB))
-        assert masks.region_rows == (2, 12)
+        assert masks.region_rows == (2, 12) and len(masks.filler_pids) == processes
         masks.prefetch(reqs, ahead=True)  # rows ahead for the first two only
         logits = torch.zeros(3, MINI_VOCAB)
         masks.fill(decode_blocks(reqs))
@@ -270,17 +277,19 @@ def test_the_rows_filled_ahead_take_one_row_per_sequence() -> None:
         masks.close()
 
 
-def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another() -> None:
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another(processes) -> None:
     c = compiler("mini")
     req = Request("r", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
     req.grammar = c.state(JSON_OBJECT)
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=processes)
     try:
         masks.fill(decode_blocks([req]))
         masks.apply(torch.zeros(1, MINI_VOCAB))
-        pid = masks.filler_pid
-        assert pid is not None
-        os.kill(pid, signal.SIGKILL)
+        pids = masks.filler_pids
+        assert len(pids) == processes
+        # the process that holds the request's matcher
+        os.kill(pids[req.grammar.id % processes], signal.SIGKILL)
         masks.fill(decode_blocks([req]))
         with pytest.raises(RuntimeError, match="grammar mask process died"):
             masks.apply(torch.zeros(1, MINI_VOCAB))
@@ -300,10 +309,10 @@ from services.worker.request.request import Request, SamplingParams
 from tests.worker.request.grammar_cases import JSON_OBJECT, MINI_VOCAB, compiler
 req = Request("r", [1, 2], SamplingParams(), text=None)
 req.grammar = compiler("mini").state(JSON_OBJECT)
-masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4)
+masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=1)
 masks.fill(decode_blocks([req]))
 masks.apply(torch.zeros(1, MINI_VOCAB))
-print(masks.filler_pid, flush=True)
+print(masks.filler_pids[0], flush=True)
 os._exit(0)  # as a SIGKILLed engine: nothing is closed
 """
 
@@ -327,3 +336,11 @@ def test_the_filler_process_ends_with_an_engine_that_dies() -> None:
         time.sleep(0.1)
     os.kill(pid, signal.SIGKILL)
     raise AssertionError(f"the filler {pid} outlived its engine")
+
+
+def test_a_host_runs_a_filler_per_four_cores_up_to_four() -> None:
+    from services.worker.request.grammar_masks import default_processes
+
+    assert [default_processes(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
+    with pytest.raises(ValueError, match="at least one filler process"):
+        GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=0)
