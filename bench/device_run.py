@@ -151,8 +151,9 @@ V4_TESTS = Step(
     "tests/worker/graphs/test_cuda_graph.py tests/worker/ops/test_hyper_mix.py "
     "tests/worker/ops/test_rope_tail.py tests/worker/ops/test_index_scores_paged.py "
     "tests/worker/ops/test_norm_rope_gpu.py tests/worker/model/test_v41_candidates.py "
-    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix or rope_tail or index_scores "
-    "or norm_rope' "
+    "tests/worker/ops/test_hyper_streams.py "
+    "-k 'v4 or sink or compressed_windowed or fp4 or hyper_mix or hyper_streams or rope_tail "
+    "or index_scores or norm_rope' "
     "--out {out}/gpu_tests_v4.json",
     420,
 )

@@ -7,7 +7,10 @@ added. ``pre = sigmoid(.) + eps`` collapses the streams into the block's input;
 ``post = 2 sigmoid(.)`` places the block's output on each stream; ``comb`` (softmax over the
 rows, then Sinkhorn to doubly stochastic) mixes the streams: new stream k =
 ``post_k * out + sum_j comb[j, k] * stream_j``. All of it in fp32. The head collapses the
-streams once more (``pre`` only) before the final norm."""
+streams once more (``pre`` only) before the final norm.
+
+Fused (``fused``: a CUDA pass), the weights come from one kernel (``ops/hyper_mix_triton.py``)
+and the collapse and the merge from one kernel each (``ops/hyper_streams_triton.py``)."""
 
 from __future__ import annotations
 
@@ -16,6 +19,7 @@ import torch
 from services.worker.model.v4_norm import rms_normalise
 from services.worker.ops.fusion import fused
 from services.worker.ops.hyper_mix_triton import hyper_weights_triton
+from services.worker.ops.hyper_streams_triton import hyper_collapse_triton, hyper_merge_triton
 
 
 def mix_logits(streams: torch.Tensor, fn: torch.Tensor, eps: float) -> torch.Tensor:
@@ -46,14 +50,20 @@ def hyper_mix(
     streams: torch.Tensor, fn: torch.Tensor, base: torch.Tensor, scale: torch.Tensor,
     iters: int, hc_eps: float, norm_eps: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """streams: [N, H, hidden] -> (post [N, H], comb [N, H, H], collapsed [N, hidden]). Fused
-    (``fused``: a CUDA pass), the weights come from one kernel (``ops/hyper_mix_triton.py``)."""
+    """streams: [N, H, hidden] -> (post [N, H], comb [N, H, H], collapsed [N, hidden])."""
     h = streams.shape[1]
     logits = mix_logits(streams, fn, norm_eps)
     weights = hyper_weights_triton if fused(logits, "hyper_mix") else hyper_weights_ref
     pre, post, comb = weights(logits, base, scale, h, iters, hc_eps)
-    collapsed = (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
-    return post, comb, collapsed
+    return post, comb, collapse(streams, pre)
+
+
+def collapse(streams: torch.Tensor, pre: torch.Tensor) -> torch.Tensor:
+    """streams [N, H, hidden] weighed by ``pre`` [N, H] fp32 and summed -> [N, hidden] in the
+    streams' dtype."""
+    if fused(streams, "hyper_streams"):
+        return hyper_collapse_triton(streams, pre)
+    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
 
 
 def hyper_merge(
@@ -61,6 +71,8 @@ def hyper_merge(
 ) -> torch.Tensor:
     """The block's output ``out`` [N, hidden] placed on the streams [N, H, hidden]."""
     dtype = streams.dtype
+    if out.dtype == dtype and fused(streams, "hyper_streams"):
+        return hyper_merge_triton(streams, out, post, comb)
     mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)
     return post.to(dtype).unsqueeze(-1) * out.unsqueeze(-2) + mixed
 
@@ -71,4 +83,4 @@ def hyper_head(
 ) -> torch.Tensor:  # fmt: skip
     """streams: [N, H, hidden] -> [N, hidden]."""
     pre = torch.sigmoid(mix_logits(streams, fn, norm_eps) * scale.float() + base.float()) + hc_eps
-    return (pre.unsqueeze(-1) * streams).sum(dim=1).to(streams.dtype)
+    return collapse(streams, pre)

@@ -44,7 +44,7 @@ from torch import nn
 from dhisparse.family.v4_config import v4_state_rings, v4_topology
 from services.worker.kv.batch import ForwardBatch
 from services.worker.kv.pass_rows import visible_width
-from services.worker.kv.token_ring import ExtendedRows, TokenRing
+from services.worker.kv.token_ring import ExtendedRows, RingIndex, TokenRing
 from services.worker.model.candidate_blocks import PassCandidates
 from services.worker.model.decoder import LayerTrace
 from services.worker.model.hot_vocab import HotHead
@@ -62,20 +62,37 @@ from services.worker.serving.cache import STATE_RINGS, KVCache
 def pooled_rows(
     comp: Compressor, ext: ExtendedRows, reqs: torch.Tensor, rows: torch.Tensor
 ) -> torch.Tensor:
-    """[g, dim] the compressed rows ``rows`` [g] of batch requests ``reqs`` [g], pooled from
-    the projections in ``ext`` (this pass's and the slot ring's before it)."""
+    """[g, dim] the compressed rows ``rows`` [g] of batch requests ``reqs`` [g] (the pass's
+    completed rows of the compressor's rate), pooled from the projections in ``ext`` (this
+    pass's and the slot ring's before it)."""
     m, width = comp.rate, comp.wkv.out_features
-    offs = torch.arange(m, device=rows.device)
-    own = ext.index(reqs[:, None].expand(-1, m), rows[:, None] * m + offs)  # [g, m]
+    own = ext.at.groups(ext.ring, reqs, rows, m, 0)  # [g, m]
     proj = ext.rows[own]
     prev_kv = prev_gate = None
     if comp.overlap:  # the window before: none before row 0 (position < 0: gate -inf)
-        before = ext.index(reqs[:, None].expand(-1, m), (rows[:, None] - 1) * m + offs)
+        before = ext.at.groups(ext.ring, reqs, rows, m, 1)
         prev = ext.rows[before.clamp(min=0)]
         missing = (before < 0).unsqueeze(-1)
         prev_kv = prev[..., :width].masked_fill(missing, 0)
         prev_gate = prev[..., width:].masked_fill(missing, float("-inf"))
     return comp.pool(proj[..., :width], proj[..., width:], prev_kv, prev_gate, rows)
+
+
+@dataclass(frozen=True)
+class V4Pass:
+    """What the layers of one forward pass share: its batch and cache, the compressors'
+    rings, its positions with their rotary tables, its ring addressing (``RingIndex``), its
+    candidate blocks (V4.1), the selections its selecting layers made (``chosen_by``) and the
+    trace of what they read (None: none kept)."""
+
+    batch: ForwardBatch
+    kv: KVCache
+    rings: dict[tuple[int, str], TokenRing]
+    rope: PassRope
+    ring_at: RingIndex
+    blocks: PassCandidates | None
+    trace: list[LayerTrace] | None
+    chosen_by: dict[int, torch.Tensor]
 
 
 class V4Model(nn.Module):
@@ -139,21 +156,24 @@ class V4Model(nn.Module):
             raise ValueError("DeepSeek-V4 gives no drafter features")
         if begin:
             kv.payload.begin(batch)
-        rings = {part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()}
-        streams, chosen_by = self.net.streams(input_ids), {}
-        at = PassRope(batch.positions)  # every layer's rotary tables, computed once
         rule = self.family.candidates
-        blocks = None if rule is None else PassCandidates(rule)  # this pass's, from its source
+        p = V4Pass(
+            batch=batch,
+            kv=kv,
+            rings={part: kv.snapshot_rings[key] for part, key in self.ring_keys.items()},
+            rope=PassRope(batch.positions),  # every layer's rotary tables, computed once
+            ring_at=RingIndex(batch),  # every ring's addressing, once per ring size
+            blocks=None if rule is None else PassCandidates(rule),  # from its source
+            trace=trace,
+            chosen_by={},
+        )
+        streams = self.net.streams(input_ids)
         for i, block in enumerate(self.net.layers):
             streams = block.run(
-                streams,
-                input_ids,
-                lambda x, i=i, a=block.attn: self._attention(
-                    i, a, x, batch, kv, rings, trace, chosen_by, at, blocks
-                ),
+                streams, input_ids, lambda x, i=i, a=block.attn: self._attention(i, a, x, p)
             )
         if self.mtp is not None:
-            self._follow_target(input_ids, streams, batch, kv)
+            self._follow_target(input_ids, streams, p)
         return self.net.final(streams)
 
     @property
@@ -187,21 +207,20 @@ class V4Model(nn.Module):
         """V4's MTP layer has no indexer: no selection to share between draft steps."""
         return False
 
-    def _follow_target(
-        self, input_ids: torch.Tensor, streams: torch.Tensor, batch: ForwardBatch, kv: KVCache
-    ) -> None:
+    def _follow_target(self, input_ids: torch.Tensor, streams: torch.Tensor, p: V4Pass) -> None:
         """The MTP rows the pass's tokens complete: the token at p with the target's last
         streams at p - 1 (this pass's, or the carry's for a request's first token) gives MTP
         row p - 1, stored in the MTP source's ring under p (``SourceSpec.lag``), through the
         layer's fusion, hyper-connection and K=V projection only (its attention and MoE are
         not needed to write its KV). Every pass records its streams in the carry."""
         assert self.mtp is not None
+        batch, kv = p.batch, p.kv
         ext = kv.follow_carry(batch, streams.flatten(1))
         before = ext.index(batch.token_req, batch.positions - 1).clamp(min=0)  # p = 0: no row
         prev = ext.rows[before].view_as(streams)
         x = self.mtp.attention_input(self.mtp.fuse(self.net.embed(input_ids), prev))
         rows = self.mtp.attn.kv_rows(x, (batch.positions - 1).clamp(min=0))
-        kv.rings[self.mtp_source].extend(batch, rows)
+        kv.rings[self.mtp_source].extend(batch, rows, p.ring_at)
 
     @torch.no_grad()
     def mtp_step(
@@ -249,31 +268,27 @@ class V4Model(nn.Module):
         window = ext.window_locs(attn.window, lag=1)
         return attn.output(self._attend(attn, q, None, window, ext.rows), pos)
 
-    def _attention(
-        self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-        rings: dict[tuple[int, str], TokenRing], trace: list[LayerTrace] | None,
-        chosen_by: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]], pos: PassRope,
-        blocks: PassCandidates | None = None,
-    ) -> torch.Tensor:  # fmt: skip
-        """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden]; a CSA /
-        HCA layer appends what it read of the payload to ``trace``. A layer that computes
-        rows writes them and its index keys; a Reuse consumer attends its leader's selection
-        (``chosen_by``: a selecting layer's selection this pass), resolved again in its own
-        layer, a Reindex consumer selects over its KV source's keys. ``pos``: the pass's
-        positions with their rotary tables; ``blocks``: the pass's candidate blocks (V4.1),
-        published by the candidate source's indexer, read by later ones."""
+    def _attention(self, i: int, attn: Attention, x: torch.Tensor, p: V4Pass) -> torch.Tensor:
+        """Layer ``i``'s attention over its source for x [N, hidden] -> [N, hidden] in pass
+        ``p``; a CSA / HCA layer appends what it read of the payload to ``p.trace``. A layer
+        that computes rows writes them and its index keys; a Reuse consumer attends its
+        leader's selection (``p.chosen_by``: a selecting layer's selection this pass), resolved
+        again in its own layer, a Reindex consumer selects over its KV source's keys; the
+        candidate source's indexer publishes the pass's candidate blocks (V4.1) into
+        ``p.blocks``, read by later ones."""
         spec = self.cfg.layers[i]
         s = spec.source
+        batch, kv, rings, pos, blocks = p.batch, p.kv, p.rings, p.rope, p.blocks
         q_latent, q, rows = attn.project(x, pos)
         window_ring = rings[i, "window"] if (i, "window") in rings else kv.rings[s]
-        ext = window_ring.extend(batch, rows)
+        ext = window_ring.extend(batch, rows, p.ring_at)
         window = ext.window_locs(attn.window)  # [N, W] positions t - W + 1 .. t, -1: before 0
         picked = None
         if attn.kind != "sliding":
             if attn.compressor is not None:
-                self._write_rows(i, attn, x, batch, kv, rings)
+                self._write_rows(i, attn, x, p)
             if spec.index == "reuse":
-                selection = chosen_by[spec.leader]
+                selection = p.chosen_by[spec.leader]
             elif attn.kind == "csa":
                 idx = attn.indexer
                 iq, iw = idx.queries(x, q_latent, pos)
@@ -285,24 +300,22 @@ class V4Model(nn.Module):
                 )
             else:
                 selection = every_visible_row(batch, attn.rate)
-            chosen_by[i] = selection
+            p.chosen_by[i] = selection
             picked = pick_rows(i, s, batch, kv, selection)
-            if trace is not None:
-                trace.append(LayerTrace(i, selection, picked.locs, picked.rows()))
+            if p.trace is not None:
+                p.trace.append(LayerTrace(i, selection, picked.locs, picked.rows()))
         return attn.output(self._attend(attn, q, picked, window, ext.rows), pos)
 
-    def _write_rows(
-        self, i: int, attn: Attention, x: torch.Tensor, batch: ForwardBatch, kv: KVCache,
-        rings: dict[tuple[int, str], TokenRing],
-    ) -> None:  # fmt: skip
+    def _write_rows(self, i: int, attn: Attention, x: torch.Tensor, p: V4Pass) -> None:
         """Layer ``i`` computes its source's rows: the compressed rows the pass's chunks
         complete (planned by the pass's state, ``pass_rows``) into the payload and, CSA, their
         index keys."""
-        ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x))
+        batch, kv, rings = p.batch, p.kv, p.rings
+        ext_rows = rings[i, "kv"].extend(batch, attn.compressor.project(x), p.ring_at)
         keys_comp = attn.indexer.compressor if attn.kind == "csa" else None
-        ext_keys = (
-            None if keys_comp is None else rings[i, "index"].extend(batch, keys_comp.project(x))
-        )
+        ext_keys = None
+        if keys_comp is not None:
+            ext_keys = rings[i, "index"].extend(batch, keys_comp.project(x), p.ring_at)
         done = kv.payload.pass_state.completed_rows(attn.rate)
         if done is None:
             return

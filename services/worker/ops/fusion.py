@@ -40,6 +40,7 @@ FUSED_OPS = (
     "attention_combine",  # sparse attention's splits combined in its kernel
     "page_locations",  # rows' locations through the page tables (paged)
     "hyper_mix",  # DeepSeek-V4's hyper-connection weights, Sinkhorn included (v4_hyper)
+    "hyper_streams",  # DeepSeek-V4's streams collapsed and merged (v4_hyper)
     "rope_tail",  # DeepSeek-V4's RoPE of each head's trailing channels (v4_rope)
 )
 # fused ops whose kernels have passed their torch references under the interpreter but have not
