@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -25,7 +26,7 @@ import torch
 from bench.heldout import heldout_prompts
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.request.grammar_masks import decode_blocks
+from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
 from services.worker.request.request import Grammar, SamplingParams
 
 MODEL = "models/glm-dsa-mini"
@@ -82,6 +83,10 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--kv-pool-mib", type=float, default=1024.0)
     ap.add_argument("--seed", type=int, default=5)
+    ap.add_argument(
+        "--processes", type=int, default=None,
+        help="the mask filler processes (default: the engine's, one per four host cores, at most four)",
+    )  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -91,6 +96,13 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 64,
         )
     )  # fmt: skip
+    if args.processes is not None:  # the engine's masks, with another count of processes
+        held = eng.grammar_masks
+        eng.grammar_masks = GrammarMasks(
+            held.vocab_size, held.device, held.max_rows, held.max_seqs, args.processes
+        )
+        held.close()
+    processes = eng.grammar_masks.processes
     prompts = heldout_prompts(args.model, args.batch, args.prompt_len, args.seed)
     variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
     for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and process
@@ -116,6 +128,8 @@ def run(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "model": args.model,
         "batch": args.batch,
+        "processes": processes,
+        "host_cores": os.cpu_count(),
         "prompt_len": args.prompt_len,
         "steps": args.steps,
         "rounds": args.rounds,
