@@ -27,7 +27,7 @@ from services.worker.rank_group.role import RankGroup
 from services.worker.request import prompt_logprobs
 from services.worker.request.emission import append_tokens
 from services.worker.request.grammar import GrammarCompiler
-from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
+from services.worker.request.grammar_masks import GrammarMasks
 from services.worker.request.prompt_check import check_prompt
 from services.worker.request.request import (
     FinishReason,
@@ -364,7 +364,7 @@ class Engine:
             to_device(ids, self.device), batch, done, feats, rows
         )
         sampled = [reqs[i] for i in done]  # row j of logits is sampled[j]'s
-        self.grammar_masks.fill(decode_blocks(sampled))  # while the device runs the forward
+        self.grammar_masks.fill_decode(sampled)  # while the device runs the forward
         if scored is not None:
             prompt_logprobs.score_pass(scoring, scored, self.model.logits)
         self.kv.commit(batch, ends)

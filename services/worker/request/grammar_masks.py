@@ -11,10 +11,16 @@ rows slower than a small model's decode step takes: ``default_processes``).
 - ``prefetch``, after a step's tokens are accepted: the next decode row of every constrained
   request still running is filled while the engine finishes that step and begins the next.
 - ``fill``, after a pass is launched: the rows that were not filled ahead (a prefill's first
-  token, a verify block with its drafts, a request whose tokens changed since) are asked for.
+  token, a verify block with its drafts, a request whose tokens changed since) are asked for
+  (``fill_decode``: a pass that samples one row per request, without building its blocks).
 - ``apply``, once the pass's logits are shaped otherwise: the rows are gathered, copied to the
   device in one transfer and applied by one kernel; rows of unconstrained requests are left
-  alone."""
+  alone.
+
+A decode step's work on the engine's thread is a few operations per constrained request (its
+rows and sources kept by process and region as they are decided, so a gather is one array copy
+per process and region): at C = 64 it is what a step's grammar costs once the processes fill
+in time."""
 
 from __future__ import annotations
 
@@ -165,8 +171,10 @@ def _stop(conn: Connection, proc: subprocess.Popen, shms: list) -> None:
         shm.unlink()
 
 
-# where a row's mask is: (process, region, row)
-Source = tuple[int, int, int]
+# a request's rows of one pass: (its grammar, first row, rows, drafts), as ``Block`` holds them
+Rows = tuple[GrammarState, int, int, Sequence[int]]
+# the rows of one process and region a pass gathers: (process, region, logits' rows, its rows)
+Gather = tuple[int, int, list[int], list[int]]
 
 
 class GrammarMasks:
@@ -192,7 +200,8 @@ class GrammarMasks:
         self._fillers: list[_Filler] = []  # started by the first constrained pass
         self._ahead: dict[int, tuple[int, int, int]] = {}  # id -> (process, row, tokens) ahead
         self._ahead_tags: list[int] = []  # per process: the fill of its rows ahead
-        self._pending: tuple[list[int], list[Source], list[int]] | None = None
+        self._mirrored: set[int] = set()  # the requests the processes mirror
+        self._pending: tuple[list[int], list[Gather], list[int]] | None = None
         pinned = device.type == "cuda"
         self._host = torch.empty((max_rows, self.words), dtype=torch.int32, pin_memory=pinned)
         self._copied: torch.cuda.Event | None = None  # the last copy out of _host
@@ -203,34 +212,39 @@ class GrammarMasks:
         the first constrained pass starts them."""
         return self._fillers[0].rows if self._fillers else None
 
-    def _share(self, st: GrammarState) -> int:
-        return st.id % len(self._fillers)
-
     def prefetch(self, running: Sequence[Request], ahead: bool) -> None:
         """After a step's tokens are accepted: the processes forget every request but the
         constrained ones of ``running``, and with ``ahead`` (the next pass decodes one row
         each) their next rows are filled while the engine goes on."""
         self._ahead = {}
-        if not self._fillers:
+        fillers = self._fillers
+        if not fillers:
             return
+        n = len(fillers)
         states = [r.grammar for r in running if r.grammar is not None]
-        live = [st for st in states if not st.terminated][: self.max_seqs] if ahead else []
         ahead_rows: dict[int, tuple[int, int, int]] = {}
         try:
             ids = {st.id for st in states}
-            for f in self._fillers:
-                f.close_except(ids)
-            shares: list[list[GrammarState]] = [[] for _ in self._fillers]
-            for st in live:
-                shares[self._share(st)].append(st)
-            for k, (f, share) in enumerate(zip(self._fillers, shares, strict=True)):
-                for i, st in enumerate(share):
-                    f.sync(st)
-                    ahead_rows[st.id] = (k, i, len(st.tokens))
+            if ids != self._mirrored:
+                for f in fillers:
+                    f.close_except(ids)
+                self._mirrored = ids
+            if not ahead:
+                return
+            entries: list[list[tuple[int, int, int, Sequence[int]]]] = [[] for _ in fillers]
+            for st in states:
+                if st.terminated:
+                    continue
+                if len(ahead_rows) == self.max_seqs:
+                    break
+                k = st.id % n
+                share = entries[k]
+                fillers[k].sync(st)
+                ahead_rows[st.id] = (k, len(share), len(st.tokens))
+                share.append((st.id, len(share), 1, ()))
+            for k, share in enumerate(entries):
                 if share:
-                    self._ahead_tags[k] = f.fill(
-                        AHEAD, [(st.id, i, 1, []) for i, st in enumerate(share)]
-                    )
+                    self._ahead_tags[k] = fillers[k].fill(AHEAD, share)
         except RuntimeError:
             self.close()  # the next constrained pass starts others
             raise
@@ -242,49 +256,68 @@ class GrammarMasks:
         grammar rejects, or after one that terminates it, allow everything: a verification
         that reaches them has accepted that draft, which the mask of its own row forbids (or
         the output ended at it)."""
+        self._ask([(b.grammar, b.first, b.rows, b.drafts) for b in blocks])
+
+    def fill_decode(self, reqs: Sequence[Request]) -> None:
+        """``fill(decode_blocks(reqs))``, without building the blocks: row j is ``reqs[j]``'s
+        one row."""
+        self._ask([(r.grammar, j, 1, ()) for j, r in enumerate(reqs) if r.grammar is not None])
+
+    def _ask(self, blocks: list[Rows]) -> None:
+        """Sends what the blocks' masks need; the next ``apply`` gathers them."""
         self._pending = None
         if not blocks:
             return
-        if sum(b.rows for b in blocks) > self.max_rows:
-            raise ValueError(f"{sum(b.rows for b in blocks)} rows, at most {self.max_rows}")
+        if sum(b[2] for b in blocks) > self.max_rows:
+            raise ValueError(f"{sum(b[2] for b in blocks)} rows, at most {self.max_rows}")
         try:
             if not self._fillers:
-                info = blocks[0].grammar.compiled.tokenizer_info
+                info = blocks[0][0].compiled.tokenizer_info
                 for _ in range(self.processes):  # rows by region: AHEAD, then ON_DEMAND
                     self._fillers.append(_Filler(info, (self.max_seqs, self.max_rows), self.words))
                 self._ahead_tags = [0] * self.processes
-            self._pending = self._ask(blocks)
+            self._pending = self._send_asks(blocks)
         except RuntimeError:
             self.close()  # the next constrained pass starts others
             raise
 
-    def _ask(self, blocks: Sequence[Block]) -> tuple[list[int], list[Source], list[int]]:
-        """Sends what the blocks' masks need: (the logits' rows, where each row's mask is,
-        the fill to wait for of each process)."""
+    def _send_asks(self, blocks: list[Rows]) -> tuple[list[int], list[Gather], list[int]]:
+        """Asks the processes for the rows not filled ahead: (the logits' rows that have a
+        mask, the gathers that bring them, the fill to wait for of each process)."""
+        fillers = self._fillers
+        n = len(fillers)
         rows: list[int] = []  # the logits' rows that have a mask
-        sources: list[Source] = []
-        entries: list[list[tuple[int, int, int, list[int]]]] = [[] for _ in self._fillers]
-        at = [0] * len(self._fillers)
-        tags = [0] * len(self._fillers)
-        for b in blocks:
-            st = b.grammar
-            ahead = self._ahead.get(st.id)
-            if b.rows == 1 and ahead is not None and ahead[2] == len(st.tokens):
-                rows.append(b.first)
-                sources.append((ahead[0], AHEAD, ahead[1]))
-                tags[ahead[0]] = self._ahead_tags[ahead[0]]
+        # per process: (logits' rows, its rows) of the region filled ahead, then on demand
+        ahead_dst: list[list[int]] = [[] for _ in fillers]
+        ahead_src: list[list[int]] = [[] for _ in fillers]
+        asked_dst: list[list[int]] = [[] for _ in fillers]
+        entries: list[list[tuple[int, int, int, Sequence[int]]]] = [[] for _ in fillers]
+        tags = [0] * n
+        at = [0] * n
+        filled = self._ahead
+        for st, first, count, drafts in blocks:
+            ahead = filled.get(st.id)
+            if count == 1 and ahead is not None and ahead[2] == len(st.tokens):
+                k = ahead[0]
+                rows.append(first)
+                ahead_dst[k].append(first)
+                ahead_src[k].append(ahead[1])
+                tags[k] = self._ahead_tags[k]
                 continue
-            k = self._share(st)
-            self._fillers[k].sync(st)
-            entries[k].append((st.id, at[k], b.rows, list(b.drafts[: b.rows - 1])))
-            for i in range(b.rows):
-                rows.append(b.first + i)
-                sources.append((k, ON_DEMAND, at[k] + i))
-            at[k] += b.rows
-        for k, (f, share) in enumerate(zip(self._fillers, entries, strict=True)):
-            if share:
-                tags[k] = f.fill(ON_DEMAND, share)
-        return rows, sources, tags
+            k = st.id % n
+            fillers[k].sync(st)
+            entries[k].append((st.id, at[k], count, list(drafts[: count - 1])))
+            rows.extend(range(first, first + count))
+            asked_dst[k].extend(range(first, first + count))
+            at[k] += count
+        gathers: list[Gather] = []
+        for k in range(n):
+            if ahead_dst[k]:
+                gathers.append((k, AHEAD, ahead_dst[k], ahead_src[k]))
+            if entries[k]:
+                tags[k] = fillers[k].fill(ON_DEMAND, entries[k])
+                gathers.append((k, ON_DEMAND, asked_dst[k], list(range(at[k]))))
+        return rows, gathers, tags
 
     def apply(self, logits: torch.Tensor) -> None:
         """logits: the pass's [n, V] fp32 rows, shaped otherwise: every token a row's grammar
@@ -295,7 +328,7 @@ class GrammarMasks:
             return
         if logits.shape[-1] != self.vocab_size:
             raise ValueError(f"logits of {logits.shape[-1]} tokens, masks of {self.vocab_size}")
-        rows, sources, tags = pending
+        rows, gathers, tags = pending
         if self._copied is not None:
             self._copied.synchronize()
             self._copied = None
@@ -307,11 +340,8 @@ class GrammarMasks:
             raise
         host = self._host[: max(rows) + 1]  # row r masks logits row r (the kernel's indices)
         out = host.numpy()
-        for k, f in enumerate(self._fillers):
-            for region in (AHEAD, ON_DEMAND):
-                at = [j for j, (p, r, _) in enumerate(sources) if p == k and r == region]
-                if at:
-                    out[[rows[j] for j in at]] = f.views[region][[sources[j][2] for j in at]]
+        for k, region, dst, src in gathers:
+            out[dst] = self._fillers[k].views[region][src]
         mask = host
         if logits.is_cuda:
             mask = host.to(logits.device, non_blocking=True)
@@ -331,3 +361,4 @@ class GrammarMasks:
             f.stop()
         self._ahead = {}
         self._ahead_tags = []
+        self._mirrored = set()

@@ -22,11 +22,9 @@ class GrammarState:
         self.key = key
         self.id = next(_ids)  # unique in the process
         self.tokens: list[int] = []  # every token accepted
-
-    @property
-    def terminated(self) -> bool:
-        """A stop token was accepted: the output is complete."""
-        return self.matcher.is_terminated()
+        self._stops = frozenset(compiled.tokenizer_info.stop_token_ids)
+        # a stop token was accepted: the output is complete (only a stop token ends it)
+        self.terminated = False
 
     def accept(self, token: int) -> bool:
         """Advances past an emitted token; False (nothing changed) when the grammar rejects
@@ -34,4 +32,6 @@ class GrammarState:
         if not self.matcher.accept_token(token):
             return False
         self.tokens.append(token)
+        if token in self._stops:
+            self.terminated = self.matcher.is_terminated()
         return True
