@@ -9,7 +9,7 @@ prefill, then times ``--steps`` decode steps (``Engine.step``, synchronized) and
 The grammar is an array of at least 64 strings (``SCHEMA``), so no request ends inside the
 window (checked). Reported: each variant's median step time over the rounds, the overhead of
 the grammar (constrained / unconstrained - 1) and, apart, what the batch's masks take from
-their process (``GrammarMasks``: asked for, filled there, gathered and applied) at the end of
+their thread (``GrammarMasks``: asked for, filled there, gathered and applied) at the end of
 each round; in a step they are filled ahead, while the engine finishes the step before. The
 issue's goal is an overhead of at most 5% at a batch of 64 on the GPU."""
 
@@ -84,8 +84,8 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-pool-mib", type=float, default=1024.0)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument(
-        "--processes", type=int, default=None,
-        help="the mask filler processes (default: the engine's, one per four host cores, at most four)",
+        "--threads", type=int, default=None,
+        help="the mask filler's threads (default: the engine's, one per four host cores, at most four)",
     )  # fmt: skip
 
 
@@ -96,16 +96,16 @@ def run(args: argparse.Namespace) -> dict:
             max_num_seqs=args.batch, max_model_len=args.prompt_len + args.steps + 64,
         )
     )  # fmt: skip
-    if args.processes is not None:  # the engine's masks, with another count of processes
+    if args.threads is not None:  # the engine's masks, with another count of threads
         held = eng.grammar_masks
         eng.grammar_masks = GrammarMasks(
-            held.vocab_size, held.device, held.max_rows, held.max_seqs, args.processes
+            held.vocab_size, held.device, held.max_rows, held.max_seqs, args.threads
         )
         held.close()
-    processes = eng.grammar_masks.processes
+    threads = eng.grammar_masks.threads
     prompts = heldout_prompts(args.model, args.batch, args.prompt_len, args.seed)
     variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
-    for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and process
+    for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and thread
         one_round(eng, prompts, g, 2)
     rows: dict[str, list[dict]] = {v: [] for v in variants}
     for i in range(args.rounds):
@@ -120,7 +120,7 @@ def run(args: argparse.Namespace) -> dict:
     fill = statistics.median(r["mask_fill_s"] for r in rows["json_schema"])
     print(f"batch {args.batch} on {args.device}: {step['unconstrained'] * 1e3:.2f} ms a step "
           f"unconstrained, {step['json_schema'] * 1e3:.2f} ms with a grammar "
-          f"({overhead:+.1%}); the batch's masks from their process {fill * 1e3:.2f} ms, asked "
+          f"({overhead:+.1%}); the batch's masks from their thread {fill * 1e3:.2f} ms, asked "
           "for and waited on")  # fmt: skip
     return {
         "benchmark": "grammar-cost",
@@ -128,7 +128,7 @@ def run(args: argparse.Namespace) -> dict:
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "model": args.model,
         "batch": args.batch,
-        "processes": processes,
+        "threads": threads,
         "host_cores": os.cpu_count(),
         "prompt_len": args.prompt_len,
         "steps": args.steps,

@@ -13,7 +13,7 @@ def test_grammar_cost_runs_both_variants_in_lockstep(tmp_path) -> None:
     out = tmp_path / "g.json"
     proc = bench(
         "grammar-cost", "--device", "cpu", "--batch", "3", "--steps", "2", "--rounds", "2",
-        "--prompt-len", "32", "--processes", "2", "--out", str(out),
+        "--prompt-len", "32", "--threads", "2", "--out", str(out),
     )  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-2000:]
     doc = json.loads(out.read_text())
@@ -23,7 +23,7 @@ def test_grammar_cost_runs_both_variants_in_lockstep(tmp_path) -> None:
     assert steps["unconstrained"] > 0 and steps["json_schema"] > 0
     assert doc["overhead"] == steps["json_schema"] / steps["unconstrained"] - 1
     assert doc["median_mask_fill_s"] > 0 and not doc["goal_applies"]
-    assert doc["processes"] == 2 and doc["host_cores"] >= 1
+    assert doc["threads"] == 2 and doc["host_cores"] >= 1
     files = doc["provenance"]["files"]
     assert "services/worker/request/grammar_masks.py" in files
     assert "bench/grammar_cost.py" in files

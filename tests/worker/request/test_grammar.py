@@ -4,18 +4,19 @@ reference would; the vocabulary as xgrammar reads it; bad specs refused."""
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
-import time
-from pathlib import Path
+import threading
 
 import pytest
 import torch
 import xgrammar as xgr
 
-from services.worker.request.grammar_masks import Block, GrammarMasks, decode_blocks
+from services.worker.request import mask_filler
+from services.worker.request.grammar_masks import (
+    Block,
+    GrammarMasks,
+    decode_blocks,
+    default_threads,
+)
 from services.worker.request.grammar_vocab import tokenizer_info
 from services.worker.request.request import Grammar, Request, SamplingParams
 from tests.worker.request.grammar_cases import (
@@ -226,24 +227,28 @@ def _schema_requests(
     return compiled, walks, reqs
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on(processes) -> None:
+@pytest.mark.parametrize("threads", [1, 2])
+def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on(threads) -> None:
     """After a step, the next decode row of every running constrained request is filled ahead
-    in its process; the next pass uses it when the request's tokens are unchanged, and asks
-    again for one that accepted a token since. Both equal the matcher stepped token by token;
-    a request no longer running is forgotten by the process, and a later pass reopens it. With
-    two processes each fills its share of the requests."""
+    by the filling thread; the next pass uses it when the request's tokens are unchanged, and
+    asks again for one that accepted a token since (once the thread's job is done: a matcher is
+    the thread's while it fills). Both equal the matcher stepped token by token; a request no
+    longer running gets no row ahead, and a later pass asks for it on demand."""
     compiled, walks, reqs = _schema_requests(12, 4)
-    masks = GrammarMasks(
-        MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3, processes=processes
-    )
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=8, max_seqs=3, threads=threads)
     try:
-        masks.fill(decode_blocks(reqs))  # starts the process and opens the three
+        masks.fill(decode_blocks(reqs))  # starts the thread
         masks.apply(torch.zeros(3, MINI_VOCAB))
-        masks.prefetch(reqs[:2], ahead=True)  # r2 is no longer running: forgotten
+        masks.prefetch(reqs[:2], ahead=True)  # r2 is no longer running: nothing ahead
+        masks.fill(decode_blocks(reqs[:2]))
+        masks.apply(torch.zeros(2, MINI_VOCAB))  # waits for the rows ahead
+        masks.prefetch(reqs[:2], ahead=True)
+        logits = torch.zeros(3, MINI_VOCAB)
+        masks.fill_decode(reqs)
+        masks.apply(logits)  # the thread's jobs done: the matchers are the engine's again
         assert reqs[1].grammar is not None and reqs[1].grammar.accept(walks[1][4])
         logits = torch.zeros(3, MINI_VOCAB)
-        masks.fill(decode_blocks(reqs))
+        masks.fill_decode(reqs)
         masks.apply(logits)
         for i, (w, at) in enumerate(zip(walks, (4, 5, 4), strict=True)):
             want = allowed(reference_mask(compiled, w[:at], MINI_VOCAB), MINI_VOCAB)
@@ -252,20 +257,18 @@ def test_rows_filled_ahead_serve_the_next_pass_unless_the_request_moved_on(proce
         masks.close()
 
 
-@pytest.mark.parametrize("processes", [1, 3])
-def test_the_rows_filled_ahead_take_one_row_per_sequence(processes) -> None:
-    """The region filled ahead holds ``max_seqs`` rows (one per decoding sequence), the
-    on-demand one ``max_rows`` (sequences times the verify width): with two seats' rows ahead
-    and a third request asking, the third is filled on demand, and every mask is the
-    matcher's, whichever process fills it."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_the_rows_filled_ahead_take_one_row_per_sequence(threads) -> None:
+    """The rows filled ahead are ``max_seqs`` (one per decoding sequence), those filled on
+    demand ``max_rows`` (sequences times the verify width): with two seats' rows ahead and a
+    third request asking, the third is filled on demand, and every mask is the matcher's."""
     compiled, walks, reqs = _schema_requests(8, 3)
-    masks = GrammarMasks(
-        MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2, processes=processes
-    )
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=12, max_seqs=2, threads=threads)
     try:
+        assert not masks.started
         masks.fill(decode_blocks(reqs))
         masks.apply(torch.zeros(3, MINI_VOCAB))
-        assert masks.region_rows == (2, 12) and len(masks.filler_pids) == processes
+        assert masks.started
         masks.prefetch(reqs, ahead=True)  # rows ahead for the first two only
         logits = torch.zeros(3, MINI_VOCAB)
         masks.fill(decode_blocks(reqs))
@@ -277,22 +280,25 @@ def test_the_rows_filled_ahead_take_one_row_per_sequence(processes) -> None:
         masks.close()
 
 
-@pytest.mark.parametrize("processes", [1, 2])
-def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another(processes) -> None:
+class _Broken(xgr.BatchGrammarMatcher):
+    """A batch matcher whose fills fail, as a fault inside xgrammar would."""
+
+    def batch_fill_next_token_bitmask(self, *args, **kwargs) -> None:
+        raise MemoryError("no memory for the masks")
+
+
+def test_a_failed_fill_is_an_error_and_the_next_pass_starts_another_thread(monkeypatch) -> None:
     c = compiler("mini")
     req = Request("r", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
     req.grammar = c.state(JSON_OBJECT)
-    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=processes)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, threads=1)
     try:
-        masks.fill(decode_blocks([req]))
-        masks.apply(torch.zeros(1, MINI_VOCAB))
-        pids = masks.filler_pids
-        assert len(pids) == processes
-        # the process that holds the request's matcher
-        os.kill(pids[req.grammar.id % processes], signal.SIGKILL)
-        masks.fill(decode_blocks([req]))
-        with pytest.raises(RuntimeError, match="grammar mask process died"):
-            masks.apply(torch.zeros(1, MINI_VOCAB))
+        with monkeypatch.context() as m:
+            m.setattr(mask_filler.xgr, "BatchGrammarMatcher", _Broken)
+            masks.fill(decode_blocks([req]))
+            with pytest.raises(RuntimeError, match=r"filling grammar masks failed.*no memory"):
+                masks.apply(torch.zeros(1, MINI_VOCAB))
+        assert not masks.started
         masks.fill(decode_blocks([req]))
         logits = torch.zeros(1, MINI_VOCAB)
         masks.apply(logits)
@@ -302,45 +308,21 @@ def test_a_dead_filler_process_is_an_error_and_the_next_pass_starts_another(proc
         masks.close()
 
 
-ENGINE_DIES = """
-import os, sys, torch
-from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
-from services.worker.request.request import Request, SamplingParams
-from tests.worker.request.grammar_cases import JSON_OBJECT, MINI_VOCAB, compiler
-req = Request("r", [1, 2], SamplingParams(), text=None)
-req.grammar = compiler("mini").state(JSON_OBJECT)
-masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=1)
-masks.fill(decode_blocks([req]))
-masks.apply(torch.zeros(1, MINI_VOCAB))
-print(masks.filler_pids[0], flush=True)
-os._exit(0)  # as a SIGKILLed engine: nothing is closed
-"""
+def test_closing_ends_the_thread() -> None:
+    c = compiler("mini")
+    req = Request("r", [1, 2], SamplingParams(), text=None)  # type: ignore[arg-type]
+    req.grammar = c.state(JSON_OBJECT)
+    masks = GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, threads=1)
+    before = set(threading.enumerate())
+    masks.fill(decode_blocks([req]))
+    masks.apply(torch.zeros(1, MINI_VOCAB))
+    started = [t for t in threading.enumerate() if t not in before]
+    assert [t.name for t in started] == ["grammar-masks"]
+    masks.close()
+    assert not masks.started and not started[0].is_alive()
 
 
-def test_the_filler_process_ends_with_an_engine_that_dies() -> None:
-    """An engine process that dies without closing anything leaves no filler behind: the
-    filler reads the end of its socket and exits."""
-    root = Path(__file__).resolve().parents[3]
-    proc = subprocess.run(
-        [sys.executable, "-c", ENGINE_DIES], cwd=root, capture_output=True, text=True,
-        timeout=120, env={**os.environ, "PYTHONPATH": str(root)},
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    pid = int(proc.stdout.split()[-1])
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return
-        time.sleep(0.1)
-    os.kill(pid, signal.SIGKILL)
-    raise AssertionError(f"the filler {pid} outlived its engine")
-
-
-def test_a_host_runs_a_filler_per_four_cores_up_to_four() -> None:
-    from services.worker.request.grammar_masks import default_processes
-
-    assert [default_processes(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
-    with pytest.raises(ValueError, match="at least one filler process"):
-        GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, processes=0)
+def test_a_host_fills_on_a_thread_per_four_cores_up_to_four() -> None:
+    assert [default_threads(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
+    with pytest.raises(ValueError, match="at least one thread"):
+        GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, threads=0)
