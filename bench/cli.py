@@ -90,6 +90,8 @@ COMMANDS: dict[str, Command] = {
                      torch=False),
     "grammar-cost": Command("bench.grammar_cost",
                             "constrained decoding's cost per decode step, lockstep"),
+    "grammar-host": Command("bench.grammar_host",
+                            "a decode step's grammar work on the engine's thread, no model"),
     "gpu-tests": Command("bench.gpu_tests", "the GPU test suite, each test's outcome (CUDA)"),
     "slices": Command("bench.slices", "real-dimension slices vs transformers: errors (CUDA)"),
     "roofline": Command("bench.roofline", "decode step and prefill kernels vs the roofline"),
