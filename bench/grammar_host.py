@@ -84,7 +84,11 @@ def run(args: argparse.Namespace) -> dict:
             for p, dt in zip(PHASES, (t1 - t0, t2 - t1, t4 - t3, t5 - t4), strict=True):
                 times[p].append(dt)
     masks.close()
+    # the kernel alone, on the masks the requests have now (as the loop's were)
     mask = torch.zeros(args.batch, xgr.get_bitmask_shape(1, vocab)[1], dtype=torch.int32)
+    xgr.BatchGrammarMatcher(1).batch_fill_next_token_bitmask(
+        [r.grammar.matcher for r in reqs if r.grammar is not None], mask
+    )
     rows = list(range(args.batch))
     kernel = []
     for _ in range(args.steps):
