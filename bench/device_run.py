@@ -6,7 +6,7 @@ status and the ratios of the results written) go to ``--out`` (default $OUT); th
 to ``logs.tgz``.
 
     main         ``make run``'s defaults end to end on the GPU (``bench defaults``); resolver;
-                 constrained decoding's cost (``bench grammar-cost``);
+                 constrained decoding's cost (``bench grammar-cost``) and its host share (``grammar-host``);
                  capacity (resident / hisparse / adaptive in lockstep)
     spec         speculation against plain decoding on CUDA graphs: the shipped model's MTP
                  layer, then DFlash2
@@ -304,6 +304,8 @@ DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
 GRAMMAR_COST = Step(
     "grammar-cost", "-m bench grammar-cost --rounds 5 --out {out}/grammar_cost_gpu.json", 150
 )
+# its host share on the GPU machine's cores: the engine thread's grammar work, no model
+GRAMMAR_HOST = Step("grammar-host", "-m bench grammar-host --out {out}/grammar_host_gpu.json", 60)
 BUILD_CORPUS = Step("corpus", f"-m training.target.corpus --out {CORPUS}", 60)
 SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
 SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
@@ -315,6 +317,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
             "resolver", "-m bench resolver --out {out}/resolver.json --plot {out}/resolver.png", 100
         ),
         GRAMMAR_COST,
+        GRAMMAR_HOST,
         Step(
             "capacity",
             "-m bench capacity --host-gib 12 --probe-sessions 64 --trace "
