@@ -13,7 +13,9 @@ kernels instead of a dozen per layer.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -39,16 +41,16 @@ class RingIndex:
     captured pass computes it inside its graph), never kept beyond it."""
 
     batch: ForwardBatch
-    _address: dict[int, RingAddress] = field(default_factory=dict)
-    _windows: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
-    _groups: dict[tuple[int, int, int], torch.Tensor] = field(default_factory=dict)
+    _memo: dict[tuple, Any] = field(default_factory=dict)  # each piece by what it is of
+
+    def _once(self, key: tuple, compute: Callable[[], Any]) -> Any:
+        if key not in self._memo:
+            self._memo[key] = compute()
+        return self._memo[key]
 
     def address(self, ring: int) -> RingAddress:
         """The rows a ring of ``ring`` rows per slot is read and written at."""
-        got = self._address.get(ring)
-        if got is None:
-            got = self._address[ring] = self._locate(ring)
-        return got
+        return self._once(("address", ring), lambda: self._locate(ring))
 
     def _locate(self, r: int) -> RingAddress:
         b = self.batch
@@ -68,17 +70,15 @@ class RingIndex:
 
     def window_locs(self, ring: int, window: int, lag: int) -> torch.Tensor:
         """``ExtendedRows.window_locs`` of a ring of ``ring`` rows."""
-        key = (ring, window, lag)
-        got = self._windows.get(key)
-        if got is None:
+
+        def compute() -> torch.Tensor:
             b = self.batch
             offs = torch.arange(window - 1, -1, -1, device=b.positions.device)
             pos = b.positions.unsqueeze(1) - offs.unsqueeze(0)
-            got = extended_index(b, ring, b.token_req.unsqueeze(1).expand_as(pos), pos)
-            if lag:
-                got = torch.where(pos >= lag, got, torch.full_like(got, -1))
-            self._windows[key] = got
-        return got
+            idx = extended_index(b, ring, b.token_req.unsqueeze(1).expand_as(pos), pos)
+            return torch.where(pos >= lag, idx, torch.full_like(idx, -1)) if lag else idx
+
+        return self._once(("window", ring, window, lag), compute)
 
     def groups(
         self, ring: int, reqs: torch.Tensor, rows: torch.Tensor, rate: int, back: int
@@ -87,14 +87,12 @@ class RingIndex:
         [g] of batch requests ``reqs`` [g] (``rate`` positions a row). A pass completes one set
         of rows of a rate (``PassState.completed_rows``), so these are computed once per
         (ring, rate, back) and every later call of the pass must ask of the same rows."""
-        key = (ring, rate, back)
-        got = self._groups.get(key)
-        if got is None:
-            offs = torch.arange(rate, device=rows.device)
-            pos = (rows[:, None] - back) * rate + offs
-            got = extended_index(self.batch, ring, reqs[:, None].expand(-1, rate), pos)
-            self._groups[key] = got
-        return got
+
+        def compute() -> torch.Tensor:
+            pos = (rows[:, None] - back) * rate + torch.arange(rate, device=rows.device)
+            return extended_index(self.batch, ring, reqs[:, None].expand(-1, rate), pos)
+
+        return self._once(("groups", ring, rate, back), compute)
 
 
 def extended_index(

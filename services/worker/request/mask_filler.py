@@ -65,11 +65,6 @@ class MaskFiller:
         self._thread = threading.Thread(target=self._run, name="grammar-masks", daemon=True)
         self._thread.start()
 
-    @property
-    def alive(self) -> bool:
-        """The thread runs and no job has failed."""
-        return self._thread.is_alive() and self._error is None
-
     def submit(self, out: np.ndarray, blocks: list[FillBlock]) -> int:
         """Queues a job; the tag ``wait`` takes."""
         with self._cv:
