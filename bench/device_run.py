@@ -438,6 +438,16 @@ PARTS: dict[str, tuple[Step, ...]] = {
             220,
             corpus=True,
         ),
+        # the same conversation in resident mode (device pages shared, nothing read from host):
+        # beside adaptive's, it tells a turn's host reads from its first compilations
+        Step(
+            "prefix-turns-resident",
+            "-m bench prefix-turns --device cuda --drafter none --mode resident --history 30000 "
+            "--question 256 --new-tokens 64 --turns 3 --max-model-len 32768 --kv-pool-mib 8192 "
+            "--out {out}/prefix_turns_gpu_resident.json",
+            220,
+            corpus=True,
+        ),
     ),
 }
 

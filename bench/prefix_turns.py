@@ -55,13 +55,18 @@ WORKER_COUNTERS = {
     },
     **{f"prefix_{op}_s": (names.PREFIX_CACHE_SECONDS, "op", op) for op in ("import", "leave")},
     **{f"passes_{p}": (names.DECODE_PASSES, "path", p) for p in ("graph", "capture", "eager")},
+    # how the selected rows resolved (a row read from host went through the hot cache's miss),
+    # the bytes read from host, and the optional pages refilled from host (adaptive)
+    **{f"rows_{p}": (names.RESOLVER_ROWS, "path", p) for p in ("direct", "hot", "host")},
+    "host_read_bytes": (names.HOST_READ_BYTES, None, None),
+    "repopulated_pages": (names.REPOPULATED_PAGES, None, None),
 }
 
 
 def worker_counters(samples: dict) -> dict[str, float]:
     """``WORKER_COUNTERS`` in the worker's metric ``samples`` (``samples_of``)."""
     return {
-        k: total(samples, name + "_total", **{label: value})
+        k: total(samples, name + "_total", **({label: value} if label else {}))
         for k, (name, label, value) in WORKER_COUNTERS.items()
     }
 
