@@ -182,12 +182,29 @@ def glm_10m() -> ModelConfig:
     )
 
 
+def _scaled(name: str) -> Callable[[], Definition]:
+    """The real-dimension preset ``name`` of ``family.scaled`` (which imports this module's
+    classes, so it is read when one is asked for)."""
+
+    def definition() -> Definition:
+        from dhisparse.family.scaled import SCALED, V4_SCALED
+
+        return {**SCALED, **V4_SCALED}[name]
+
+    return definition
+
+
 PRESETS: dict[str, Callable[[], Definition]] = {
     "tiny-glm": tiny_glm,
     "tiny-indexshare": tiny_indexshare,
     "tiny-dsv4": tiny_dsv4,
     "glm-10m": glm_10m,
+    # real dimensions, tens of GB of random weights built on the GPU in place (vLLM's
+    # ``--load-format dummy``): speed runs of the whole stack where no checkpoint is at hand
+    **{name: _scaled(name) for name in ("v32-scaled", "glm5-scaled", "v4flash-scaled")},
 }
+# the presets of real dimensions: built on their device in place, never on the host first
+REAL_DIMENSION = frozenset({"v32-scaled", "glm5-scaled", "v4flash-scaled"})
 
 
 def preset(name: str) -> Definition:

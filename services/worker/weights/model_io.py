@@ -15,7 +15,14 @@ from safetensors.torch import load_file, save_file
 from dhisparse.family.config import ModelConfig
 from dhisparse.family.hf_dir import read_config
 from dhisparse.family.parallel_layout import SINGLE, Cut, ParallelConfig
-from dhisparse.family.presets import PRESETS, Definition, FamilyPreset, V4Preset, preset
+from dhisparse.family.presets import (
+    PRESETS,
+    REAL_DIMENSION,
+    Definition,
+    FamilyPreset,
+    V4Preset,
+    preset,
+)
 from dhisparse.family.quantization_config import SCALE_SUFFIX, fp8_as_stored
 from dhisparse.paths import resolve_path
 from services.worker.model.decoder import SparseDecoder
@@ -306,8 +313,9 @@ def load_model(
             )
         shards = Shards.of(parallel, comm, d.parse()[0]) if family else None
         return build_model(
-            d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards, mtp=mtp
-        )
+            d, seed=seed, device=device, dtype=dtype, weights=fmt, shards=shards, mtp=mtp,
+            in_place=str(spec) in REAL_DIMENSION,
+        )  # fmt: skip
     path = resolve_path(spec)
     if not (path / CONFIG_FILE).exists():
         raise FileNotFoundError(
