@@ -34,6 +34,7 @@ from pathlib import Path
 
 import httpx
 
+from bench.cpu_stream import MODEL as SHIPPED
 from bench.heldout import heldout_prompts
 from bench.prefix_turns import (
     WORKER_COUNTERS,
@@ -45,6 +46,7 @@ from bench.prefix_turns import (
 from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
+from dhisparse.family.presets import PRESETS
 from dhisparse.tokenizer import load_tokenizer
 
 WITH, WITHOUT = "prefix cache", "no prefix cache"
@@ -61,11 +63,12 @@ class Trace:
     questions: list[list[list[int]]]  # [session][turn - 1]
 
     @classmethod
-    def draw(cls, model: str, args: argparse.Namespace, seed: int) -> Trace:
+    def draw(cls, source: str, args: argparse.Namespace, seed: int) -> Trace:
+        """Messages of held-out ids of ``source`` (a model directory)."""
         n, later = args.sessions, args.turns - 1
-        system = heldout_prompts(model, 1, args.system, seed)[0]
-        firsts = heldout_prompts(model, n, args.first, seed + 1)
-        flat = heldout_prompts(model, n * later, args.question, seed + 2) if later else []
+        system = heldout_prompts(source, 1, args.system, seed)[0]
+        firsts = heldout_prompts(source, n, args.first, seed + 1)
+        flat = heldout_prompts(source, n * later, args.question, seed + 2) if later else []
         return cls(system, firsts, [flat[s * later : (s + 1) * later] for s in range(n)])
 
 
@@ -112,11 +115,12 @@ def run_trace(stack: Stack, model: str, trace: Trace, args, encode) -> dict:
         prompt = trace.system + trace.firsts[s]
         with httpx.Client(base_url=stack.base, timeout=3600) as client:
             for t in range(args.turns):
-                text, ttft, wall = stream_turn(client, model, prompt, args.new_tokens)
+                a = stream_turn(client, model, prompt, args.new_tokens)
                 with lock:
-                    turns.append(Turn(s, t, len(prompt), ttft, wall, text))
+                    turns.append(Turn(s, t, len(prompt), a.ttft_s, a.wall_s, a.text))
                 if t + 1 < args.turns:
-                    prompt = prompt + encode(text) + trace.questions[s][t]
+                    answer = a.ids if args.answers == "ids" else encode(a.text)
+                    prompt = prompt + answer + trace.questions[s][t]
 
     before = counters(stack.worker_metrics)
     t0 = time.perf_counter()
@@ -179,6 +183,22 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         "--warmup-traces", type=int, default=1,
         help="untimed traces of the same shape each stack runs first (compilations, graphs)",
     )  # fmt: skip
+    ap.add_argument(
+        "--answers", default="text", choices=("text", "ids"),
+        help="what a client sends back of an answer: its text encoded again (as agents do) or "
+        "its ids as the server returned them (a model with random weights, whose ids the "
+        "byte tokenizer cannot write as text)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prompts-from", default=None,
+        help="the model directory whose held-out ids the messages are (default --model, or "
+        f"{SHIPPED} for a preset)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--one-stack", action="store_true",
+        help="one variant's stack up at a time (a device that holds one copy of the model): "
+        "each variant's warm-up and repeats in turn, not alternating",
+    )  # fmt: skip
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--out", default="docs/results/agent_trace.json")
 
@@ -193,36 +213,53 @@ def run(args: argparse.Namespace) -> dict:
     variants = {WITH: base, WITHOUT: replace(base, prefix_cache=False)}
     encode = load_tokenizer(args.model).encode
     name = Path(args.model).name
+    source = args.prompts_from or (SHIPPED if args.model in PRESETS else args.model)
+    warm = heldout_prompts(source, 1, 64, args.seed - 1)[0]
+    warmups = [
+        Trace.draw(source, args, args.seed - 100 * (w + 1)) for w in range(args.warmup_traces)
+    ]
+    traces = [Trace.draw(source, args, args.seed + 10 * r) for r in range(args.repeats)]
     runs: dict[str, list[dict]] = {v: [] for v in variants}
-    order = list(variants)
-    with tempfile.TemporaryDirectory() as logs, contextlib.ExitStack() as up:
-        stacks = {
-            v: up.enter_context(Stack(cfg, args.model, 4 << 30, logs))
-            for v, cfg in variants.items()
+
+    def warm_up(v: str, stack: Stack) -> None:
+        """The first requests compile and map; then traces of the timed ones' shape capture
+        the graphs and compile the prefill shapes the timed traces meet (their prompts are
+        their own: none of the timed traces' pages is cached by them but what every trace's
+        shape shares)."""
+        with httpx.Client(base_url=stack.base, timeout=600) as c:
+            stream_turn(c, name, warm, 8)
+        for w, trace in enumerate(warmups):
+            got = run_trace(stack, name, trace, args, encode)
+            print(f"warm-up {w + 1} {v}: {got['wall_s']:.1f} s", flush=True)
+
+    def timed(v: str, stack: Stack, r: int) -> None:
+        got = run_trace(stack, name, traces[r], args, encode)
+        runs[v].append(got)
+        shown = {
+            k: round(got[k], 3)
+            for k in ("wall_s", "output_tok_per_s", "computed_share", "first_ttft_p50_s")
         }
-        warm = heldout_prompts(args.model, 1, 64, args.seed - 1)[0]
-        for s in stacks.values():  # the first requests compile and map
-            with httpx.Client(base_url=s.base, timeout=600) as c:
-                stream_turn(c, name, warm, 8)
-        # then traces of the timed ones' shape, whose passes capture the graphs and compile
-        # the prefill shapes the timed traces meet (their prompts are their own: none of the
-        # timed traces' pages is cached by them but what every trace's shape shares)
-        for w in range(args.warmup_traces):
-            trace = Trace.draw(args.model, args, args.seed - 100 * (w + 1))
-            for v, s in stacks.items():
-                got = run_trace(s, name, trace, args, encode)
-                print(f"warm-up {w + 1} {v}: {got['wall_s']:.1f} s", flush=True)
-        for r in range(args.repeats):
-            trace = Trace.draw(args.model, args, args.seed + 10 * r)
-            for v in order if r % 2 == 0 else order[::-1]:
-                got = run_trace(stacks[v], name, trace, args, encode)
-                runs[v].append(got)
-                shown = {
-                    k: round(got[k], 3)
-                    for k in ("wall_s", "output_tok_per_s", "computed_share", "first_ttft_p50_s")
+        print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
+        print(f"  worker: {json.dumps(got['worker'])}", flush=True)
+
+    with tempfile.TemporaryDirectory() as logs:
+        if args.one_stack:  # each variant whole while its stack is up
+            for v, cfg in variants.items():
+                with Stack(cfg, args.model, 4 << 30, logs) as stack:
+                    warm_up(v, stack)
+                    for r in range(args.repeats):
+                        timed(v, stack, r)
+        else:  # both up; the variants alternate which goes first (A B, B A, ...)
+            with contextlib.ExitStack() as up:
+                stacks = {
+                    v: up.enter_context(Stack(cfg, args.model, 4 << 30, logs))
+                    for v, cfg in variants.items()
                 }
-                print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
-                print(f"  worker: {json.dumps(got['worker'])}", flush=True)
+                for v, stack in stacks.items():
+                    warm_up(v, stack)
+                for r in range(args.repeats):
+                    for v in list(variants) if r % 2 == 0 else list(variants)[::-1]:
+                        timed(v, stacks[v], r)
     summary = _summary(runs)
     ratio = summary["throughput_with_over_without"]
     noise = summary["noise"]
@@ -240,7 +277,8 @@ def run(args: argparse.Namespace) -> dict:
         "drafter": args.drafter,
         "trace": {k: getattr(args, k) for k in ("sessions", "concurrency", "system", "first",
                                                 "question", "new_tokens", "turns", "repeats",
-                                                "warmup_traces")},
+                                                "warmup_traces", "answers", "one_stack")},
+        "prompts_from": source,
         "goal_throughput_ratio": GOAL_THROUGHPUT_RATIO,
         "meets_goal": ratio >= GOAL_THROUGHPUT_RATIO,
         "summary": summary,

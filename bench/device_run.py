@@ -430,6 +430,18 @@ PARTS: dict[str, tuple[Step, ...]] = {
             330,
             corpus=True,
         ),
+        # the same kind of trace on DeepSeek-V3.2 at real dimensions (the v32-scaled preset,
+        # FP8, random weights built in place), whose prefill costs what a real model's does;
+        # one stack at a time (one copy of the model on the device), answers sent back as ids
+        Step(
+            "agent-trace-v32",
+            "-m bench agent-trace --model v32-scaled --device cuda --drafter none --answers ids "
+            "--one-stack --kv-pool-mib 16384 --max-model-len 8192 --sessions 32 "
+            "--concurrency 32 --system 2048 --first 256 --question 128 --new-tokens 32 "
+            "--turns 3 --repeats 1 --out {out}/agent_trace_v32_gpu.json",
+            420,
+            corpus=True,
+        ),
         Step(
             "prefix-turns",
             "-m bench prefix-turns --device cuda --drafter none --history 30000 --question 256 "

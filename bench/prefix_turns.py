@@ -27,7 +27,7 @@ import platform
 import statistics
 import tempfile
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import httpx
@@ -80,27 +80,40 @@ def worker_delta(metrics_url: str, before: dict[str, float] | None = None) -> di
     return now if before is None else {k: round(now[k] - before[k], 4) for k in now}
 
 
-def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int):
-    """(text, time to first token, wall time) of one streamed greedy completion of
-    ``new_tokens`` tokens (``ignore_eos``) through ``client`` (a client of the gateway)."""
+@dataclass(frozen=True)
+class Answer:
+    """One streamed completion: its text, its tokens' ids, the time to its first token and
+    its wall time (s)."""
+
+    text: str
+    ids: list[int]
+    ttft_s: float
+    wall_s: float
+
+
+def stream_turn(client: httpx.Client, model: str, prompt: list[int], new_tokens: int) -> Answer:
+    """One streamed greedy completion of ``new_tokens`` tokens (``ignore_eos``) through
+    ``client`` (a client of the gateway), with its ids (``return_token_ids``): its first token
+    is the first chunk that carries one, readable text or not."""
     body = {
         "model": model, "prompt": prompt, "max_tokens": new_tokens, "temperature": 0.0,
-        "stream": True, "ignore_eos": True,
+        "stream": True, "ignore_eos": True, "return_token_ids": True,
     }  # fmt: skip
     t0 = time.perf_counter()
-    first, text = None, []
+    first, text, ids = None, [], []
     with client.stream("POST", "/v1/completions", json=body) as r:
         r.raise_for_status()
         for line in r.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             for ch in json.loads(line[6:]).get("choices") or ():
-                if ch.get("text"):
+                if ch.get("token_ids"):
                     first = first or time.perf_counter()
-                    text.append(ch["text"])
+                    ids += ch["token_ids"]
+                text.append(ch.get("text") or "")
     if first is None:
         raise RuntimeError("no tokens came back")
-    return "".join(text), first - t0, time.perf_counter() - t0
+    return Answer("".join(text), ids, first - t0, time.perf_counter() - t0)
 
 
 def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> dict:
@@ -108,18 +121,18 @@ def one_turn(stack: Stack, model: str, prompt: list[int], new_tokens: int) -> di
     prompt tokens the worker computed for it."""
     before = worker_delta(stack.worker_metrics)
     with httpx.Client(base_url=stack.base, timeout=600) as c:
-        text, ttft, wall = stream_turn(c, model, prompt, new_tokens)
+        answer = stream_turn(c, model, prompt, new_tokens)
     worker = worker_delta(stack.worker_metrics, before)
     computed = worker.pop("computed")
     return {
         "prompt_tokens": len(prompt),
         "computed_tokens": int(computed),
         "computed_share": computed / len(prompt),
-        "ttft_s": ttft,
-        "wall_s": wall,
+        "ttft_s": answer.ttft_s,
+        "wall_s": answer.wall_s,
         # the worker's wall seconds by phase, and its decode passes by path, over the turn
         "worker": worker,
-        "text": text,
+        "text": answer.text,
     }
 
 

@@ -23,6 +23,7 @@ from services.gateway.preprocess import (
 )
 from services.gateway.protocol import CompletionRequest
 from services.gateway.responses import (
+    TOKEN_IDS,
     CompletionChoice,
     CompletionResponse,
     Usage,
@@ -52,6 +53,7 @@ async def create_completion(
     response_id = new_id("cmpl")
     inputs: list[GenerationInput] = []
     echoes: list[str] = []  # by choice: the prompt it echoes
+    prompt_ids: list[tuple[int, ...]] = []  # by choice: its prompt's ids
     prompt_tokens = 0
     for p in prompts:
         ids = completion_prompt_ids(ctx.tokenizer, p, limits.vocab_size)
@@ -60,6 +62,7 @@ async def create_completion(
         sampling = completion_sampling(req, max_tokens, limits)
         if req.echo:
             echoes += [echo_text(ctx.tokenizer, p, ids)] * req.n
+        prompt_ids += [tuple(ids)] * req.n
         for i in range(req.n):
             inputs.append(
                 GenerationInput(
@@ -72,6 +75,7 @@ async def create_completion(
         chunks = completion_chunks(
             response_id, model, streams, prompt_tokens, prompt, req.n,
             include_usage=req.include_usage,
+            prompt_ids=prompt_ids if req.return_token_ids else None,
         )  # fmt: skip
         return sse_response(chunks)
     # One wait for the first tokens and the rest alike (one disconnect watch, not two).
@@ -87,6 +91,8 @@ async def create_completion(
                 finish_reason=r.finish_reason or "abort",
                 stop_reason=r.stop_reason,
                 prompt_logprobs=scored,
+                prompt_token_ids=list(prompt_ids[r.index]),
+                token_ids=r.token_ids,
             )
         )
     body = CompletionResponse(
@@ -100,7 +106,7 @@ async def create_completion(
             cached_tokens=cached_tokens([r.cached_prompt_tokens for r in results], req.n),
         ),
     )
-    return JSONResponse(body.model_dump())
+    return JSONResponse(body.model_dump(exclude=None if req.return_token_ids else TOKEN_IDS))
 
 
 async def completion_chunks(
@@ -112,18 +118,24 @@ async def completion_chunks(
     n: int,
     *,
     include_usage: bool,
+    prompt_ids: Sequence[tuple[int, ...]] | None = None,
 ) -> AsyncIterator[str]:
     """Text deltas per choice; the one that ends a choice carries its ``finish_reason``. A
     choice's first chunk begins with its prompt when ``prompt`` echoes it (its text, and its
     tokens' logprobs) and carries vLLM's ``prompt_logprobs`` when asked. With
     ``include_usage`` a last chunk with no choices carries the totals (each prompt ran as ``n``
-    choices)."""
+    choices). With ``prompt_ids`` (by choice: ``return_token_ids``) every token comes in a
+    chunk with its id, readable text or not, and a choice's first chunk carries its prompt's
+    ids."""
     created = now()
-    exclude = None if include_usage else {"usage"}
+    exclude: dict = {} if include_usage else {"usage": True}
+    if prompt_ids is None:
+        exclude |= TOKEN_IDS
     completion_tokens = [0] * len(streams)
     cached = [0] * len(streams)
     text_len = [0] * len(streams)  # for the logprobs' text_offset
     opening = [prompt.opens] * len(streams)  # the choice's next chunk carries its prompt
+    first = [True] * len(streams)  # the choice's next chunk is its first
     async for i, delta in merge(streams):
         completion_tokens[i] = max(completion_tokens[i], delta.completion_tokens)
         cached[i] = max(cached[i], delta.cached_prompt_tokens)
@@ -133,7 +145,12 @@ async def completion_chunks(
             text, logprobs, scored = prompt.begin(
                 i, delta.text, delta.prompt_logprobs, delta.logprobs
             )
-        elif not delta.text and delta.finish_reason is None and not delta.logprobs:
+        elif (
+            not delta.text
+            and delta.finish_reason is None
+            and not delta.logprobs
+            and (prompt_ids is None or not delta.token_ids)
+        ):
             continue  # a token that is not yet readable text
         elif prompt.top is not None:
             logprobs = completion_logprobs(delta.logprobs, prompt.top, text_len[i])
@@ -150,10 +167,13 @@ async def completion_chunks(
                     finish_reason=delta.finish_reason,
                     stop_reason=delta.stop_reason,
                     prompt_logprobs=scored,
+                    prompt_token_ids=list(prompt_ids[i]) if prompt_ids and first[i] else None,
+                    token_ids=list(delta.token_ids),
                 )
             ],
         )
-        yield chunk.model_dump_json(exclude=exclude)
+        first[i] = False
+        yield chunk.model_dump_json(exclude=exclude or None)
     if include_usage:
         final = CompletionResponse(
             id=response_id,

@@ -295,6 +295,12 @@ class CompletionRequest(_GenerationRequest):
         description="vLLM's extra: each prompt token's logprob and this many alternatives, "
         "as choices[i].prompt_logprobs.",
     )
+    return_token_ids: bool = Field(
+        False,
+        description="vLLM's extra: each choice carries its prompt's ids (prompt_token_ids) and "
+        "its tokens' (token_ids); streamed, a choice's first chunk the prompt's and every chunk "
+        "its new tokens', a token that is not yet readable text included.",
+    )
     suffix: str | None = Field(
         None, description=_NEUTRAL_ONLY, json_schema_extra=stating(string={"maxLength": 0})
     )

@@ -237,6 +237,13 @@ class CompletionChoice(BaseModel):
     stop_reason: str | None = None
     # vLLM's extra (``prompt_logprobs``): null first, then per prompt token id -> its entry
     prompt_logprobs: list[dict[int, PromptLogprob] | None] | None = None
+    # vLLM's extras (``return_token_ids``): in a response only when asked for
+    prompt_token_ids: list[int] | None = None
+    token_ids: list[int] | None = None
+
+
+# what a completion's body leaves out unless ``return_token_ids`` asks for it
+TOKEN_IDS = {"choices": {"__all__": {"prompt_token_ids", "token_ids"}}}
 
 
 class CompletionResponse(BaseModel):
