@@ -60,6 +60,9 @@ WORKER_COUNTERS = {
     **{f"rows_{p}": (names.RESOLVER_ROWS, "path", p) for p in ("direct", "hot", "host")},
     "host_read_bytes": (names.HOST_READ_BYTES, None, None),
     "repopulated_pages": (names.REPOPULATED_PAGES, None, None),
+    # Triton kernels the worker built (a first launch of a specialization) and their seconds
+    "kernel_builds": (names.KERNEL_BUILDS, None, None),
+    "kernel_build_s": (names.KERNEL_BUILD_SECONDS, None, None),
 }
 
 

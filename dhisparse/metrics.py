@@ -196,6 +196,10 @@ PREFIX_CACHE_SECONDS = PREFIX + "prefix_cache_seconds"
 # collection can stall a decode step: services/worker/engine/heap.py)
 GC_PAUSE_SECONDS = PREFIX + "gc_pause_seconds"
 GC_PAUSE_MAX_SECONDS = PREFIX + "gc_pause_max_seconds"  # gauge: the longest one pause so far
+# counter: Triton kernels the worker process built (a new specialization met first), and the
+# seconds the launches that asked for them waited (services/worker/engine/kernel_builds.py)
+KERNEL_BUILDS = PREFIX + "kernel_builds"
+KERNEL_BUILD_SECONDS = PREFIX + "kernel_build_seconds"
 
 # --- worker: speculative decoding (vLLM conventions) ----------------------------------------
 SPEC_DRAFTS = PREFIX + "spec_decode_num_drafts"

@@ -263,6 +263,25 @@ OVERVIEW = Dashboard(
                     width=8,
                 ),
                 Panel(
+                    "Kernel builds while serving",
+                    "Triton kernels each worker built (a launch that met a new specialization"
+                    " first waits for its build) per second, and the share of the worker's time"
+                    " those launches waited. After start-up and the first requests of each"
+                    " shape both stay at zero.",
+                    [
+                        Target(
+                            f"sum by (instance) (rate(dhisparse:kernel_builds_total{{{WK}}}{RI}))",
+                            "{{instance}} builds/s",
+                        ),
+                        Target(
+                            "sum by (instance) "
+                            f"(rate(dhisparse:kernel_build_seconds_total{{{WK}}}{RI}))",
+                            "{{instance}} share waiting",
+                        ),
+                    ],
+                    width=8,
+                ),
+                Panel(
                     "Workers by configuration",
                     "Workers per configuration they chose at start-up: device, serving mode,"
                     " CUDA graphs and why they are off (a CPU, a model with compressed or"

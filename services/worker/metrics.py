@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from dhisparse import metrics as m
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import GcPauses
+from services.worker.engine.kernel_builds import KernelBuilds
 from services.worker.prefix_metrics import PrefixMetrics
 from services.worker.request.request import RequestOutput
 
@@ -124,6 +125,17 @@ class WorkerMetrics:
         self.gc_pause_max = Gauge(
             m.GC_PAUSE_MAX_SECONDS, "The longest single collector pause so far", lbl, registry=r
         )
+        self.kernel_builds = Counter(m.KERNEL_BUILDS, "Triton kernels built", lbl, registry=r)
+        self.kernel_build_seconds = Counter(
+            m.KERNEL_BUILD_SECONDS,
+            "Seconds launches waited for Triton kernels to be built",
+            lbl,
+            registry=r,
+        )
+        self.kernel_builds.labels(model_name)
+        self.kernel_build_seconds.labels(model_name)
+        self._builds = KernelBuilds.process()
+        self._builds_seen = (0, 0.0)
         self._gc = GcPauses.process()
         self._gc_seen = list(self._gc.seconds)
         for gen in range(3):
@@ -218,6 +230,7 @@ class WorkerMetrics:
         self._count_passes(engine)
         self._count_seconds(engine)
         self._count_gc()
+        self._count_builds()
         self.waiting.labels(md).set(engine.num_waiting)
         for rank, load in enumerate(engine.group.loads.reported()):
             self.rank_running.labels(md, str(rank)).set(load.running)
@@ -303,6 +316,14 @@ class WorkerMetrics:
             counter, label = self._phase(phase)
             counter.labels(self.model, label).inc(max(0.0, value - self._seconds_seen[phase]))
         self._seconds_seen = now
+
+    def _count_builds(self) -> None:
+        count, seconds = self._builds.totals()
+        seen_count, seen_seconds = self._builds_seen
+        if count > seen_count:
+            self.kernel_builds.labels(self.model).inc(count - seen_count)
+            self.kernel_build_seconds.labels(self.model).inc(max(seconds - seen_seconds, 0.0))
+            self._builds_seen = (count, seconds)
 
     def _count_gc(self) -> None:
         now = list(self._gc.seconds)

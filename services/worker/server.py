@@ -24,6 +24,7 @@ from services.worker.durable.adoption import AdoptFrom, NotAdopted, adopt_sessio
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
+from services.worker.engine.kernel_builds import KernelBuilds
 from services.worker.engine.prefix_setup import prefix_salt
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
@@ -314,7 +315,9 @@ async def start_server(
 
 async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     """Serves until SIGTERM/SIGINT, then drains (and releases the group's other ranks)."""
+    builds = KernelBuilds.process()  # from the start: start-up's builds are counted too
     server, async_engine = await start_server(settings, comm=comm)
+    log.info("%d Triton kernels built during start-up", builds.total)
     if settings.gc_freeze:  # the process's own heap: not in start_server, which tests call
         log.info("froze %d objects of the start-up heap", freeze_heap())
     stop = asyncio.Event()

@@ -51,6 +51,8 @@ TYPES: dict[str, str] = {
     metrics.PREFIX_CACHE_SECONDS: "counter",
     metrics.GC_PAUSE_SECONDS: "counter",
     metrics.GC_PAUSE_MAX_SECONDS: "gauge",
+    metrics.KERNEL_BUILDS: "counter",
+    metrics.KERNEL_BUILD_SECONDS: "counter",
     metrics.STREAMS_RESUMED: "counter",
     metrics.ADOPTIONS: "counter",
     metrics.ADOPTION_LATENCY: "histogram",
