@@ -199,6 +199,7 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
         help="one variant's stack up at a time (a device that holds one copy of the model): "
         "each variant's warm-up and repeats in turn, not alternating",
     )  # fmt: skip
+    ap.add_argument("--host-gib", type=float, default=4.0, help="the node's host KV store")
     ap.add_argument("--seed", type=int, default=29)
     ap.add_argument("--out", default="docs/results/agent_trace.json")
 
@@ -245,14 +246,14 @@ def run(args: argparse.Namespace) -> dict:
     with tempfile.TemporaryDirectory() as logs:
         if args.one_stack:  # each variant whole while its stack is up
             for v, cfg in variants.items():
-                with Stack(cfg, args.model, 4 << 30, logs) as stack:
+                with Stack(cfg, args.model, int(args.host_gib * 2**30), logs) as stack:
                     warm_up(v, stack)
                     for r in range(args.repeats):
                         timed(v, stack, r)
         else:  # both up; the variants alternate which goes first (A B, B A, ...)
             with contextlib.ExitStack() as up:
                 stacks = {
-                    v: up.enter_context(Stack(cfg, args.model, 4 << 30, logs))
+                    v: up.enter_context(Stack(cfg, args.model, int(args.host_gib * 2**30), logs))
                     for v, cfg in variants.items()
                 }
                 for v, stack in stacks.items():
@@ -277,7 +278,7 @@ def run(args: argparse.Namespace) -> dict:
         "drafter": args.drafter,
         "trace": {k: getattr(args, k) for k in ("sessions", "concurrency", "system", "first",
                                                 "question", "new_tokens", "turns", "repeats",
-                                                "warmup_traces", "answers", "one_stack")},
+                                                "warmup_traces", "answers", "one_stack", "host_gib")},
         "prompts_from": source,
         "goal_throughput_ratio": GOAL_THROUGHPUT_RATIO,
         "meets_goal": ratio >= GOAL_THROUGHPUT_RATIO,
