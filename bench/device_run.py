@@ -306,6 +306,14 @@ GRAMMAR_COST = Step(
 )
 # its host share on the GPU machine's cores: the engine thread's grammar work, no model
 GRAMMAR_HOST = Step("grammar-host", "-m bench grammar-host --out {out}/grammar_host_gpu.json", 60)
+# the same at real dimensions: DeepSeek-V3.2 (v32-scaled, FP8, random weights built in place),
+# whose step costs what a served model's does
+GRAMMAR_COST_V32 = Step(
+    "grammar-cost-v32",
+    "-m bench grammar-cost --model v32-scaled --rounds 5 --kv-pool-mib 4096 "
+    "--out {out}/grammar_cost_v32_gpu.json",
+    200,
+)
 BUILD_CORPUS = Step("corpus", f"-m training.target.corpus --out {CORPUS}", 60)
 SERVE = "-m bench serving --modes resident,hisparse,adaptive --quiet"
 SERVE_8K = f"{SERVE} --output-len 32 --duration-s 4 --warmup-s 1.5 --input-lens 8192"
@@ -318,6 +326,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
         ),
         GRAMMAR_COST,
         GRAMMAR_HOST,
+        GRAMMAR_COST_V32,
         Step(
             "capacity",
             "-m bench capacity --host-gib 12 --probe-sessions 64 --trace "

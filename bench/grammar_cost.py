@@ -24,6 +24,7 @@ import time
 import torch
 
 from bench.heldout import heldout_prompts
+from dhisparse.family.presets import PRESETS
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
 from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
@@ -75,7 +76,16 @@ def one_round(eng: Engine, prompts: list[list[int]], grammar: Grammar | None, st
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--model", default=MODEL)
+    ap.add_argument(
+        "--model", default=MODEL,
+        help="a model directory or a preset (v32-scaled: DeepSeek-V3.2 at real dimensions, "
+        "random weights built on the GPU, the byte tokenizer)",
+    )  # fmt: skip
+    ap.add_argument(
+        "--prompts-from", default=None,
+        help=f"the model directory whose held-out ids the prompts are (default --model, or {MODEL} "
+        "for a preset)",
+    )  # fmt: skip
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--batch", type=int, default=64)
     ap.add_argument("--prompt-len", type=int, default=256)
@@ -103,7 +113,8 @@ def run(args: argparse.Namespace) -> dict:
         )
         held.close()
     threads = eng.grammar_masks.threads
-    prompts = heldout_prompts(args.model, args.batch, args.prompt_len, args.seed)
+    source = args.prompts_from or (MODEL if args.model in PRESETS else args.model)
+    prompts = heldout_prompts(source, args.batch, args.prompt_len, args.seed)
     variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
     for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and thread
         one_round(eng, prompts, g, 2)
@@ -127,6 +138,7 @@ def run(args: argparse.Namespace) -> dict:
         "device": args.device,
         "gpu": torch.cuda.get_device_name() if args.device == "cuda" else None,
         "model": args.model,
+        "prompts_from": source,
         "batch": args.batch,
         "threads": threads,
         "host_cores": os.cpu_count(),
