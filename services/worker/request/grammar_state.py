@@ -1,6 +1,6 @@
 """One request's place in its grammar: the tokens it has emitted (a wrapper of
-``xgrammar.GrammarMatcher``). The masks of its next rows are filled by another process, whose
-mirror of this matcher follows ``tokens`` (``grammar_masks``)."""
+``xgrammar.GrammarMatcher``). The masks of its next rows are filled from this matcher by the
+mask filler's thread, which holds it while a fill is queued or running (``grammar_masks``)."""
 
 from __future__ import annotations
 
