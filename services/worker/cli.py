@@ -149,6 +149,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     for flag, (typ, help_text) in _FLAGS.items():
         p.add_argument(f"--{flag}", type=typ, help=help_text)
     add_switch(p, "gc-freeze", "freeze the Python heap after start-up: collections skip it (on)")
+    add_switch(
+        p, "warmup", "run a short synthetic conversation before serving, so the kernels and "
+        "graphs the first requests meet are built at start-up (default: on a GPU)",
+    )  # fmt: skip
     add_engine_arguments(p)
     p.add_argument("--log-level", default="INFO")
 

@@ -7,6 +7,7 @@ pools change slowly next to a scrape interval. Counters stay exact, only later."
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -204,6 +205,27 @@ class WorkerMetrics:
         self.host_read_bytes.labels(model_name)
         self._prefill_seen = 0
         self._census_seen = (0, 0, 0, 0)
+        self._counting = True  # False while ``start_after`` takes stock
+
+    def start_after(self, engine: Engine) -> None:
+        """Takes what ``engine``'s requests did before now (a start-up warm-up's: never a
+        client's) as done before serving: the counters of the requests' work (tokens, passes,
+        seconds, prefix reuse, residency, speculation, the census, latencies) count from here.
+        Sessions resumed, kernel builds and collector pauses count from the process's start."""
+        self._counting = False
+        try:
+            self.on_step(engine, [])  # an idle engine: its pools and census are sampled too
+        finally:
+            self._counting = True
+
+    def _add(self, child: Any, amount: float) -> None:
+        """Adds ``amount`` to a counter's child unless ``start_after`` is taking stock."""
+        if self._counting:
+            child.inc(amount)
+
+    def _observe(self, child: Any, value: float) -> None:
+        if self._counting:
+            child.observe(value)
 
     def describe(self, engine: Engine) -> None:
         """Exports the worker's configuration (``config_labels``) as an info gauge."""
@@ -218,14 +240,14 @@ class WorkerMetrics:
     def on_step(self, engine: Engine, outputs: list[RequestOutput]) -> None:
         md = self.model
         computed = engine.prefill_tokens_computed
-        self.prefill_computed.labels(md).inc(computed - self._prefill_seen)
+        self._add(self.prefill_computed.labels(md), computed - self._prefill_seen)
         self._prefill_seen = computed
         resumed = engine.sessions_resumed
         self.sessions_resumed.labels(md).inc(resumed - self._resumed_seen)
         self._resumed_seen = resumed
         prefix = engine.scheduler.prefix
         others = engine.group.loads.others_prefix()
-        self.prefix.update(None if prefix is None else prefix.stats.plus(others))
+        self.prefix.update(None if prefix is None else prefix.stats.plus(others), self._counting)
         self.running.labels(md).set(engine.num_running)
         self._count_passes(engine)
         self._count_seconds(engine)
@@ -249,10 +271,10 @@ class WorkerMetrics:
                 self._residency_seen,
                 strict=True,
             ):
-                metric.labels(md).inc(new - old)
+                self._add(metric.labels(md), new - old)
             self._residency_seen = now3
             for seconds in st.reclaim_latency:
-                self.reclaim_latency.labels(md).observe(seconds)
+                self._observe(self.reclaim_latency.labels(md), seconds)
             st.reclaim_latency.clear()
         spec = engine.speculator
         if spec is not None:
@@ -264,11 +286,11 @@ class WorkerMetrics:
                 self._spec_seen,
                 strict=True,
             ):
-                metric.labels(md).inc(new - old)
+                self._add(metric.labels(md), new - old)
             self._spec_seen = now_spec
             seen = self._spec_pos_seen or [0] * len(c.per_position)
             for i, (new, old) in enumerate(zip(c.per_position, seen, strict=True)):
-                self.spec_accepted_pos.labels(md, str(i)).inc(new - old)
+                self._add(self.spec_accepted_pos.labels(md, str(i)), new - old)
             self._spec_pos_seen = list(c.per_position)
             self.spec_width.labels(md).set(c.width)
         for out in outputs:
@@ -281,10 +303,10 @@ class WorkerMetrics:
                 self.success.labels(md, out.finish_reason.value).inc()  # type: ignore[union-attr]
         for arrival, first, done, ntok in engine.stats.drain_finished():
             if first is not None:
-                self.ttft.labels(md).observe(first - arrival)
+                self._observe(self.ttft.labels(md), first - arrival)
                 if ntok > 1:
-                    self.tpot.labels(md).observe((done - first) / (ntok - 1))
-            self.e2e.labels(md).observe(done - arrival)
+                    self._observe(self.tpot.labels(md), (done - first) / (ntok - 1))
+            self._observe(self.e2e.labels(md), done - arrival)
 
     def _count_passes(self, engine: Engine) -> None:
         """Decode passes by path since the last step: every decode step runs one pass (a
@@ -295,7 +317,7 @@ class WorkerMetrics:
         for path, new, old in zip(
             ("graph", "capture", "eager"), now, self._passes_seen, strict=True
         ):
-            self.decode_passes.labels(self.model, path).inc(new - old)
+            self._add(self.decode_passes.labels(self.model, path), new - old)
         self._passes_seen = now
         self.cuda_graphs.labels(self.model).set(len(graphs) if graphs is not None else 0)
 
@@ -314,7 +336,9 @@ class WorkerMetrics:
         }  # fmt: skip
         for phase, value in now.items():
             counter, label = self._phase(phase)
-            counter.labels(self.model, label).inc(max(0.0, value - self._seconds_seen[phase]))
+            self._add(
+                counter.labels(self.model, label), max(0.0, value - self._seconds_seen[phase])
+            )
         self._seconds_seen = now
 
     def _count_builds(self) -> None:
@@ -344,6 +368,8 @@ class WorkerMetrics:
             return
         now = (census.direct, census.hot, census.host, census.copied)
         for path, new, old in zip(("direct", "hot", "host"), now, self._census_seen, strict=False):
-            self.resolver_rows.labels(md, path).inc(new - old)
-        self.host_read_bytes.labels(md).inc((now[3] - self._census_seen[3]) * engine.kv.row_bytes)
+            self._add(self.resolver_rows.labels(md, path), new - old)
+        self._add(
+            self.host_read_bytes.labels(md), (now[3] - self._census_seen[3]) * engine.kv.row_bytes
+        )
         self._census_seen = now

@@ -39,10 +39,13 @@ class PrefixMetrics:
             self.left.labels(model, outcome)
         self._seen = PrefixStats()
 
-    def update(self, stats: PrefixStats | None) -> None:
+    def update(self, stats: PrefixStats | None, count: bool = True) -> None:
         """Counts what ``stats`` (the engine's; None: prefix reuse is off) gained since the
-        last call."""
+        last call; with ``count`` False only takes them as seen."""
         if stats is None:
+            return
+        if not count:
+            self._seen = PrefixStats(**vars(stats))
             return
         md, seen = self.model, self._seen
         self.queries.labels(md).inc(stats.queries - seen.queries)

@@ -26,6 +26,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
 from services.worker.engine.kernel_builds import KernelBuilds
 from services.worker.engine.prefix_setup import prefix_salt
+from services.worker.engine.warm_up import warm_up
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
@@ -257,6 +258,23 @@ def _log_config(engine: Engine) -> None:
         )
 
 
+def _warm_up(engine: Engine, comm: Comm) -> None:
+    """Runs the start-up warm-up (``engine.warm_up``) where it can run, and logs what it did
+    or why it did not."""
+    if comm.size > 1:
+        log.info("warm-up skipped: it runs on a worker of one rank (this one has %d)", comm.size)
+        return
+    done = warm_up(engine)
+    if done is None:
+        why = "sessions resumed" if engine.request_ids() else "the context is too short"
+        log.info("warm-up skipped: %s", why)
+        return
+    log.info(
+        "warmed up in %.1f s: %d requests, %d prompt tokens, %d Triton kernels built",
+        done.seconds, done.requests, done.prompt_tokens, done.kernel_builds,
+    )  # fmt: skip
+
+
 async def start_server(
     settings: WorkerSettings, engine: Engine | None = None, comm: Comm = LOCAL
 ) -> tuple[grpc.aio.Server, AsyncEngine]:
@@ -279,9 +297,12 @@ async def start_server(
                 engine.group.data_parallel
             ):  # every rank has taken over its own: rank 0 learns theirs
                 engine.group.share_resumed(engine)
+    if settings.warms_up(str(engine.device)):
+        _warm_up(engine, comm)
     model_name = settings.served_model_name or engine.model_cfg.name
     startup_s = startup_seconds()
     metrics = WorkerMetrics(model_name)
+    metrics.start_after(engine)  # the warm-up's requests are not the clients'
     metrics.describe(engine)
     _log_config(engine)
     async_engine = AsyncEngine(

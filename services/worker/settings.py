@@ -34,6 +34,9 @@ class WorkerSettings(BaseSettings):
     # Freeze the Python heap once the engine is built: later collections skip what start-up
     # made (``services/worker/engine/heap.py``).
     gc_freeze: bool = True
+    # Before serving, run a short synthetic conversation so the kernels and CUDA graphs the
+    # first requests meet are built at start-up (``engine/warm_up.py``); None: on a GPU.
+    warmup: bool | None = None
     # Test-only fault injection (the adoption tests): a file path; while nothing is there, the
     # worker creates it and SIGKILLs itself right after the store moved a peer's session to it
     # in ``Adopt``, before streaming any of it — a kill inside the adoption, once across
@@ -79,6 +82,10 @@ class WorkerSettings(BaseSettings):
     tensor_parallel_size: int = 1
     expert_parallel: bool = False
     data_parallel_attention: bool = False
+
+    def warms_up(self, device: str) -> bool:
+        """Whether the worker warms its engine up before serving, on ``device`` (its engine's)."""
+        return self.warmup if self.warmup is not None else device.startswith("cuda")
 
     @field_validator("drafter")
     @classmethod
