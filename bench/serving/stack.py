@@ -10,6 +10,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from bench.core import provenance
 from bench.core.processes import HOST, free_port, port_open, wait_ready
 from bench.core.processes import stop as stop_processes
 from dhisparse.up import http_ok
@@ -72,6 +73,7 @@ class Stack:
         return [store, worker, gateway]
 
     def __enter__(self) -> Stack:
+        provenance.include_modules(provenance.STACK_MODULES)  # the code the processes run
         env = dict(os.environ)
         if not self.cfg.device.startswith("cuda"):
             env.setdefault("TRITON_INTERPRET", "1")
