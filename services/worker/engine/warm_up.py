@@ -49,9 +49,9 @@ class WarmUp:
 
 def turn_lengths(engine: Engine) -> tuple[int, int] | None:
     """(first turn's prompt, tokens the next turn adds after the answer), or None when the
-    context (or the KV pool) is too short for a conversation of two pages a turn. The first turn spans a prefill
-    chunk and three pages more, where the context allows; the next adds two pages and a bit
-    (a prefill past a page boundary)."""
+    context (or the KV pool) is too short for a conversation of two pages a turn. The first
+    turn spans a prefill chunk and three pages more, where the context allows; the next adds
+    two pages and a bit (a prefill past a page boundary)."""
     cfg = engine.cfg
     page = cfg.page_size
     chunk = cfg.pass_prefill_tokens
