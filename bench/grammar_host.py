@@ -6,8 +6,8 @@ constrained requests, without a model, so that it is measured apart from a step 
 
 The requests are the shipped model's, under ``grammar_cost.SCHEMA`` (an array of strings), each
 inside a string, every step appending a token that keeps it there. A step: every request's
-matcher accepts its token (``emission``'s call), the next rows are filled ahead (``prefetch``),
-the engine's own work while the filler runs (``--torch-ops`` small torch ops, which let the
+matcher accepts its token (one batch call, as ``emission.decoded_tokens`` makes it), the next
+rows are filled ahead (``prefetch``), the engine's own work while the filler runs (``--torch-ops`` small torch ops, which let the
 interpreter's lock go as a pass's do; not counted), the pass's rows asked for
 (``fill_decode``) and applied (``apply``). Reported: each phase's median over ``--steps`` steps
 after ``--warmup`` and their sum; ``apply`` includes xgrammar's kernel, which on a CPU is a
@@ -30,6 +30,7 @@ from services.worker.engine.config import EngineConfig
 from services.worker.engine.loading import tokenizer_and_ends
 from services.worker.request.grammar import GrammarCompiler
 from services.worker.request.grammar_masks import GrammarMasks
+from services.worker.request.grammar_state import GrammarState
 from services.worker.request.request import Grammar, Request, SamplingParams
 from services.worker.weights.model_io import load_model
 
@@ -68,9 +69,9 @@ def run(args: argparse.Namespace) -> dict:
     for step in range(args.warmup + args.steps):
         token = inside[step % len(inside)]
         t0 = time.perf_counter()
-        for r in reqs:
-            assert r.grammar is not None and r.grammar.accept(token), "the walk left the string"
+        taken = GrammarState.accept_each([r.grammar for r in reqs], [token] * len(reqs))
         t1 = time.perf_counter()
+        assert all(taken), "the walk left the string"
         masks.prefetch(reqs, ahead=True)
         t2 = time.perf_counter()
         for _ in range(args.torch_ops):

@@ -25,7 +25,7 @@ from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.rank_group.placement import RankLoad
 from services.worker.rank_group.role import RankGroup
 from services.worker.request import prompt_logprobs
-from services.worker.request.emission import append_tokens
+from services.worker.request.emission import append_tokens, decoded_tokens
 from services.worker.request.grammar import GrammarCompiler
 from services.worker.request.grammar_masks import GrammarMasks
 from services.worker.request.prompt_check import check_prompt
@@ -37,7 +37,6 @@ from services.worker.request.request import (
     SamplingParams,
     Status,
 )
-from services.worker.request.sampling import sample_token
 from services.worker.serving.cache import KVCache
 from services.worker.serving.pool_size import pool_bounds
 from services.worker.speculative.speculator import Speculator, make_drafter
@@ -385,21 +384,23 @@ class Engine:
             # after the tokens' copy, so it does not delay them.
             self.kv.payload.residency.maintain()
             self._maintained = True
-        greedy = greedy_ids()
-        outs = []
-        for j, r in enumerate(sampled):
-            row, gen = logits[j : j + 1], self.generator(r)
-            token = greedy[j] if r.params.greedy else sample_token(row[0], r.params, gen)
-            outs.append(self.emit(r, [token], row))
+        tokens, taken = decoded_tokens(sampled, logits, greedy_ids(), self.generator)
+        outs = [
+            self.emit(r, [t], logits[j : j + 1], ok)
+            for j, (r, t, ok) in enumerate(zip(sampled, tokens, taken, strict=True))
+        ]
         for r in prefilled:
             self._finish(r, FinishReason.LENGTH, None)
             outs.append(r.output(text=r.text.finish(), prompt_logprobs=prompt_logprobs.take(r)))
         return outs
 
-    def emit(self, req: Request, tokens: list[int], logits: torch.Tensor) -> RequestOutput:
+    def emit(
+        self, req: Request, tokens: list[int], logits: torch.Tensor, taken: bool = False
+    ) -> RequestOutput:
         """Appends ``tokens`` (chosen from ``logits`` [len(tokens), V]) to ``req`` up to its
-        first stop condition (``emission.append_tokens``); one output for them."""
-        got = append_tokens(req, tokens, logits, self.eos_token_ids, self.cfg.max_model_len)
+        first stop (``emission.append_tokens``, ``taken`` as there); one output for them."""
+        cfg = self.cfg
+        got = append_tokens(req, tokens, logits, self.eos_token_ids, cfg.max_model_len, taken)
         if got.finish is not None:
             self._finish(req, got.finish, got.stop_reason)
         return req.output(got.tokens, got.text, got.logprobs, prompt_logprobs.take(req))

@@ -4,13 +4,14 @@ scored, and the stop conditions checked after each, up to the first that ends it
 from __future__ import annotations
 
 import time
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import torch
 
+from services.worker.request.grammar_state import GrammarState
 from services.worker.request.request import FinishReason, Request, RequestError, TokenLogprob
-from services.worker.request.sampling import token_logprob
+from services.worker.request.sampling import sample_token, token_logprob
 
 
 @dataclass(frozen=True)
@@ -31,11 +32,14 @@ def append_tokens(
     logits: torch.Tensor,
     eos_token_ids: Collection[int],
     max_model_len: int,
+    taken: bool = False,
 ) -> Emitted:
     """Appends ``tokens`` (logits [len(tokens), V] they were chosen from) to ``req`` one by one,
     stopping at the first stop condition; a request's grammar, advanced by each, ends it once
-    complete. A token its grammar rejects appends nothing and ends it with an internal error
-    (its mask forbade the token: a sampling bug, not the client's fault)."""
+    complete (``taken``: its grammar has already taken the first token,
+    ``decoded_tokens``). A token its grammar rejects appends nothing and ends it
+    with an internal error (its mask forbade the token: a sampling bug, not the client's
+    fault)."""
     p = req.params
     if req.first_token_time is None:
         req.first_token_time = time.monotonic()
@@ -43,7 +47,7 @@ def append_tokens(
     lps: list[TokenLogprob] = []
     text = ""
     for i, token in enumerate(tokens):
-        if req.grammar is not None and not req.grammar.accept(token):
+        if req.grammar is not None and not (taken and i == 0) and not req.grammar.accept(token):
             req.error = RequestError("internal", f"token {token} breaks the grammar")
             return Emitted(tuple(emitted), text, tuple(lps), FinishReason.ABORT, None)
         if p.logprobs is not None:
@@ -57,3 +61,20 @@ def append_tokens(
         if finish is not None:
             return Emitted(tuple(emitted), text, tuple(lps), finish, stop_reason)
     return Emitted(tuple(emitted), text, tuple(lps), None, None)
+
+
+def decoded_tokens(
+    reqs: list[Request],
+    logits: torch.Tensor,
+    greedy: list[int],
+    generator: Callable[[Request], torch.Generator | None],
+) -> tuple[list[int], list[bool]]:
+    """Each request's token of a pass that samples one per request (row j of ``logits`` is
+    ``reqs[j]``'s; ``greedy``: the rows' argmax, read back), and whether its grammar has taken
+    it: every constrained request's grammar advanced in one call
+    (``GrammarState.accept_each``), before ``append_tokens`` appends the tokens."""
+    tokens = [
+        greedy[j] if r.params.greedy else sample_token(logits[j], r.params, generator(r))
+        for j, r in enumerate(reqs)
+    ]
+    return tokens, GrammarState.accept_each([r.grammar for r in reqs], tokens)

@@ -5,6 +5,7 @@ mask filler's thread, which holds it while a fill is queued or running (``gramma
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 
 import xgrammar as xgr
 
@@ -31,7 +32,30 @@ class GrammarState:
         it."""
         if not self.matcher.accept_token(token):
             return False
+        self.took(token)
+        return True
+
+    def took(self, token: int) -> None:
+        """Records ``token``, which its matcher has accepted."""
         self.tokens.append(token)
         if token in self._stops:
             self.terminated = self.matcher.is_terminated()
-        return True
+
+    @staticmethod
+    def accept_each(states: Sequence[GrammarState | None], tokens: Sequence[int]) -> list[bool]:
+        """Advances every state past its token in one call (xgrammar's batch matcher: one
+        crossing into its library for a step's requests, not one each); True where it did,
+        False where the state is None or its grammar rejects the token (that one unchanged)."""
+        held = [i for i, st in enumerate(states) if st is not None]
+        done = [False] * len(states)
+        if not held:
+            return done
+        oks = xgr.BatchGrammarMatcher.batch_accept_token(
+            [states[i].matcher for i in held],  # type: ignore[union-attr]
+            [tokens[i] for i in held],
+        )
+        for i, ok in zip(held, oks, strict=True):
+            if ok:
+                states[i].took(tokens[i])  # type: ignore[union-attr]
+                done[i] = True
+        return done

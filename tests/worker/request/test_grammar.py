@@ -17,6 +17,7 @@ from services.worker.request.grammar_masks import (
     decode_blocks,
     default_threads,
 )
+from services.worker.request.grammar_state import GrammarState
 from services.worker.request.grammar_vocab import tokenizer_info
 from services.worker.request.request import Grammar, Request, SamplingParams
 from tests.worker.request.grammar_cases import (
@@ -326,3 +327,32 @@ def test_a_host_fills_on_a_thread_per_four_cores_up_to_four() -> None:
     assert [default_threads(n) for n in (1, 2, 4, 7, 8, 16, 64)] == [1, 1, 1, 1, 2, 4, 4]
     with pytest.raises(ValueError, match="at least one thread"):
         GrammarMasks(MINI_VOCAB, torch.device("cpu"), max_rows=4, threads=0)
+
+
+def test_accept_each_advances_as_one_by_one() -> None:
+    """One batch call over a step's requests: each constrained one advanced as its own
+    ``accept`` would (walks of several grammars, a stop token terminating one), a rejected
+    token leaving its state as it was, an unconstrained request (None) untouched."""
+    c = compiler("mini")
+    names = ["json_object", "json_schema", "any_text", "dsml"]
+    walks = [
+        random_walk(c.compile(GRAMMARS[n]), 12, MINI_VOCAB, MINI_EOS, seed=i)
+        for i, n in enumerate(names)
+    ]
+    batch = [c.state(GRAMMARS[n]) for n in names]
+    alone = [c.state(GRAMMARS[n]) for n in names]
+    for step in range(min(len(w) for w in walks)):
+        tokens = [w[step] for w in walks]
+        assert GrammarState.accept_each([*batch, None], [*tokens, 5]) == [True] * 4 + [False]
+        for st, t in zip(alone, tokens, strict=True):
+            assert st.accept(t)
+        assert [st.tokens for st in batch] == [st.tokens for st in alone]
+    # a token the grammar forbids: nothing changes
+    st = c.state(JSON_OBJECT)
+    mask = xgr.allocate_token_bitmask(1, MINI_VOCAB)
+    st.matcher.fill_next_token_bitmask(mask)
+    banned = int((~allowed(mask[0], MINI_VOCAB)).nonzero()[0, 0])
+    assert GrammarState.accept_each([st], [banned]) == [False] and st.tokens == []
+    # the stop token after a complete output terminates the grammar
+    done = c.state(ANY_TEXT)
+    assert GrammarState.accept_each([done], [MINI_EOS[0]]) == [True] and done.terminated
