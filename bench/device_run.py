@@ -447,8 +447,8 @@ PARTS: dict[str, tuple[Step, ...]] = {
             "-m bench agent-trace --model v32-scaled --device cuda --drafter none --answers ids "
             "--one-stack --kv-pool-mib 16384 --max-model-len 8192 --sessions 32 "
             "--concurrency 32 --system 2048 --first 256 --question 128 --new-tokens 32 "
-            "--turns 3 --repeats 1 --host-gib 16 --out {out}/agent_trace_v32_gpu.json",
-            420,
+            "--turns 3 --repeats 2 --host-gib 16 --out {out}/agent_trace_v32_gpu.json",
+            560,
             corpus=True,
         ),
         Step(
