@@ -302,7 +302,7 @@ SELECT_TOPK_STEPS = (
 DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
 # constrained decoding's cost per decode step at C = 64, beside the same batch unconstrained
 GRAMMAR_COST = Step(
-    "grammar-cost", "-m bench grammar-cost --rounds 5 --out {out}/grammar_cost_gpu.json", 150
+    "grammar-cost", "-m bench grammar-cost --rounds 5 --timeline --out {out}/grammar_cost_gpu.json", 150
 )
 # its host share on the GPU machine's cores: the engine thread's grammar work, no model
 GRAMMAR_HOST = Step("grammar-host", "-m bench grammar-host --out {out}/grammar_host_gpu.json", 60)
@@ -310,7 +310,7 @@ GRAMMAR_HOST = Step("grammar-host", "-m bench grammar-host --out {out}/grammar_h
 # whose step costs what a served model's does
 GRAMMAR_COST_V32 = Step(
     "grammar-cost-v32",
-    "-m bench grammar-cost --model v32-scaled --rounds 5 --kv-pool-mib 4096 "
+    "-m bench grammar-cost --model v32-scaled --rounds 5 --kv-pool-mib 4096 --timeline "
     "--out {out}/grammar_cost_v32_gpu.json",
     200,
 )

@@ -19,15 +19,20 @@ import argparse
 import json
 import os
 import statistics
+import sys
 import time
 
 import torch
 
+from bench.core.timeline import Timeline, medians
 from bench.heldout import heldout_prompts
 from dhisparse.family.presets import PRESETS
+from services.worker.engine import engine as engine_module
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
+from services.worker.request import mask_filler
 from services.worker.request.grammar_masks import GrammarMasks, decode_blocks
+from services.worker.request.mask_filler import MaskFiller
 from services.worker.request.request import Grammar, SamplingParams
 
 MODEL = "models/glm-dsa-mini"
@@ -41,22 +46,66 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_round(eng: Engine, prompts: list[list[int]], grammar: Grammar | None, steps: int) -> dict:
+def watch(eng: Engine) -> Timeline:
+    """Stamps of a step's phases on the engine's thread (schedule; the pass launched, up to
+    ``sampled_logits``' return; the masks applied, with the wait for their thread inside;
+    the tokens decoded, after the greedy read-back; the next rows asked for ahead), the mask
+    thread's fills, and a replayed graph's device events."""
+    tl = Timeline()
+    tl.wrap(eng.scheduler, "schedule", "schedule")
+    tl.wrap(eng.passes, "sampled_logits", "launch")
+    tl.wrap(eng.grammar_masks, "apply", "apply")
+    tl.wrap(eng.grammar_masks, "prefetch", "prefetch")
+    tl.wrap(MaskFiller, "wait", "wait")
+    tl.wrap(mask_filler, "fill_blocks", "fill")
+    tl.wrap(engine_module, "decoded_tokens", "tokens")
+    if eng.device.type == "cuda":
+        tl.wrap_replay()
+    return tl
+
+
+def step_marks(tl: Timeline, t0: float, start: torch.cuda.Event | None) -> dict[str, float]:
+    """One step's stamps in ms from its start ``t0`` (a mask fill stamped before it, after
+    the step before, is negative), and with a replayed graph the ms at which its device
+    work ended (``graph done``) and its device time (``graph``)."""
+    row = tl.since(t0)
+    if start is not None and tl.events is not None:
+        row["graph done"] = start.elapsed_time(tl.events[1])
+        row["graph"] = tl.events[0].elapsed_time(tl.events[1])
+    tl.marks.clear()
+    tl.events = None
+    return row
+
+
+def one_round(
+    eng: Engine, prompts: list[list[int]], grammar: Grammar | None, steps: int,
+    tl: Timeline | None = None,
+) -> dict:  # fmt: skip
     """Decode step times (s) of one batch, and the host time of its mask fill at the end (the
-    engine's ``grammar_masks``, at the states the batch reached)."""
+    engine's ``grammar_masks``, at the states the batch reached); with ``tl`` each step's
+    phases (``step_marks``)."""
     params = SamplingParams(temperature=0.0, max_tokens=steps + 8, ignore_eos=True, grammar=grammar)
     tag = "g" if grammar else "f"
     reqs = [eng.add_request(f"{tag}-{i}-{time.monotonic_ns()}", p, params)
             for i, p in enumerate(prompts)]  # fmt: skip
     while any(r.prefilling for r in reqs):
         eng.step()
-    times = []
+    times, marks = [], []
+    cuda = eng.device.type == "cuda"
+    if tl is not None:
+        tl.marks.clear()
     for _ in range(steps):
         _sync(eng.device)
+        start = torch.cuda.Event(enable_timing=True) if cuda and tl is not None else None
+        if start is not None:
+            start.record()
         t0 = time.perf_counter()
         eng.step()
         _sync(eng.device)
         times.append(time.perf_counter() - t0)
+        if tl is not None:
+            tl.stamp("<step")
+            marks.append(step_marks(tl, t0, start))
     done = [r.request_id for r in reqs if r.finish_reason is not None]
     assert not done, f"requests ended inside the timed window: {done}"
     fill = 0.0
@@ -72,7 +121,10 @@ def one_round(eng: Engine, prompts: list[list[int]], grammar: Grammar | None, st
         fill = time.perf_counter() - t0
     for r in reqs:
         eng.abort(r.request_id)
-    return {"step_s": statistics.median(times), "mask_fill_s": fill}
+    out = {"step_s": statistics.median(times), "mask_fill_s": fill}
+    if tl is not None:
+        out["marks_ms"] = medians(marks)
+    return out
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -94,6 +146,15 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--kv-pool-mib", type=float, default=1024.0)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument(
+        "--timeline", action="store_true",
+        help="also stamp each step's phases (watch) and report their medians per variant",
+    )  # fmt: skip
+    ap.add_argument(
+        "--switch-interval", type=float, default=None,
+        help="Python's thread switch interval (s; sys.setswitchinterval) while it runs: how "
+        "long a thread waiting for the interpreter lock waits for one that holds it",
+    )  # fmt: skip
+    ap.add_argument(
         "--threads", type=int, default=None,
         help="the mask filler's threads (default: the engine's, one per four host cores, at most four)",
     )  # fmt: skip
@@ -113,18 +174,27 @@ def run(args: argparse.Namespace) -> dict:
         )
         held.close()
     threads = eng.grammar_masks.threads
+    if args.switch_interval is not None:
+        sys.setswitchinterval(args.switch_interval)
     source = args.prompts_from or (MODEL if args.model in PRESETS else args.model)
     prompts = heldout_prompts(source, args.batch, args.prompt_len, args.seed)
     variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
     for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and thread
         one_round(eng, prompts, g, 2)
     rows: dict[str, list[dict]] = {v: [] for v in variants}
+    tl = watch(eng) if args.timeline else None
     for i in range(args.rounds):
         for v, g in variants.items():
-            row = one_round(eng, prompts, g, args.steps)
+            row = one_round(eng, prompts, g, args.steps, tl)
             rows[v].append(row)
             print(f"round {i} {v}: step {row['step_s'] * 1e3:.2f} ms", flush=True)
     eng.close()
+    timeline = None
+    if tl is not None:
+        timeline = {v: medians([r["marks_ms"] for r in rs]) for v, rs in rows.items()}
+        for v, m in timeline.items():
+            order = sorted(m.items(), key=lambda kv: kv[1] if kv[0] != "graph" else -1e9)
+            print(f"{v} (ms from the step's start): " + "  ".join(f"{k} {t:.2f}" for k, t in order))
     step = {v: statistics.median(r["step_s"] for r in rs) for v, rs in rows.items()}
     overhead = step["json_schema"] / step["unconstrained"] - 1
     spread = [r["step_s"] for r in rows["unconstrained"]]
@@ -153,5 +223,7 @@ def run(args: argparse.Namespace) -> dict:
         "goal_overhead": GOAL,
         "goal_applies": args.device == "cuda" and args.batch == 64,
         "meets_goal": overhead <= GOAL,
+        "switch_interval_s": sys.getswitchinterval(),
+        "timeline_ms": timeline,
         "per_round": rows,
     }

@@ -15,67 +15,16 @@ the medians as a result JSON.
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 
 import torch
 
 from bench.core.model import bench_model_config
 from bench.core.output import write_result
 from bench.core.steps import steady_engine
+from bench.core.timeline import Timeline, medians
 from dhisparse.tokenizer import ByteTokenizer
-from services.worker.kv.batch import ForwardBatch
 from services.worker.weights.model_io import build_model
-
-
-class Timeline:
-    """Stamps (name, perf_counter) of the wrapped calls; the last replay's device events."""
-
-    def __init__(self) -> None:
-        self.marks: list[tuple[str, float]] = []
-        self.events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-
-    def stamp(self, name: str) -> None:
-        self.marks.append((name, time.perf_counter()))
-
-    def wrap(self, owner, attr: str, name: str) -> None:
-        fn = getattr(owner, attr)
-
-        def timed(*a, **kw):
-            self.stamp(name + ">")
-            try:
-                return fn(*a, **kw)
-            finally:
-                self.stamp("<" + name)
-
-        setattr(owner, attr, timed)
-
-    def wrap_replay(self) -> None:
-        replay = torch.cuda.CUDAGraph.replay
-
-        def timed(graph) -> None:
-            e0, e1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            e0.record()
-            self.stamp("replay>")
-            replay(graph)
-            self.stamp("<replay")
-            e1.record()
-            self.events = (e0, e1)
-
-        torch.cuda.CUDAGraph.replay = timed  # type: ignore[method-assign]
-
-    def wrap_build(self) -> None:
-        build = ForwardBatch.build
-
-        def timed(*a, **kw):
-            self.stamp("batch>")
-            try:
-                return build(*a, **kw)
-            finally:
-                self.stamp("<batch")
-
-        ForwardBatch.build = staticmethod(timed)  # type: ignore[method-assign]
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
@@ -129,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
                 assert tl.events is not None, "no replay: the step ran eagerly"
                 row["graph on device"] = tl.events[0].elapsed_time(tl.events[1])
                 rows.append(row)
-            med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+            med = medians(rows)
             device = med.pop("graph on device")
             order = sorted(med.items(), key=lambda kv: kv[1])
             print(
