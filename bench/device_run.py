@@ -302,7 +302,9 @@ SELECT_TOPK_STEPS = (
 DEFAULTS = Step("defaults", "-m bench defaults --out {out}/defaults.json", 200)
 # constrained decoding's cost per decode step at C = 64, beside the same batch unconstrained
 GRAMMAR_COST = Step(
-    "grammar-cost", "-m bench grammar-cost --rounds 5 --timeline --out {out}/grammar_cost_gpu.json", 150
+    "grammar-cost",
+    "-m bench grammar-cost --rounds 5 --timeline --out {out}/grammar_cost_gpu.json",
+    150,
 )
 # its host share on the GPU machine's cores: the engine thread's grammar work, no model
 GRAMMAR_HOST = Step("grammar-host", "-m bench grammar-host --out {out}/grammar_host_gpu.json", 60)
@@ -448,7 +450,7 @@ PARTS: dict[str, tuple[Step, ...]] = {
             "--one-stack --kv-pool-mib 16384 --max-model-len 8192 --sessions 32 "
             "--concurrency 32 --system 2048 --first 256 --question 128 --new-tokens 32 "
             "--turns 3 --repeats 2 --host-gib 16 --out {out}/agent_trace_v32_gpu.json",
-            560,
+            540,
             corpus=True,
         ),
         Step(
