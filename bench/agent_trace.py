@@ -35,7 +35,7 @@ from pathlib import Path
 import httpx
 
 from bench.cpu_stream import MODEL as SHIPPED
-from bench.heldout import heldout_prompts
+from bench.heldout import heldout_prompts, prompt_source
 from bench.prefix_turns import (
     WORKER_COUNTERS,
     add_stack_arguments,
@@ -46,7 +46,6 @@ from bench.prefix_turns import (
 from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
-from dhisparse.family.presets import PRESETS
 from dhisparse.tokenizer import load_tokenizer
 
 WITH, WITHOUT = "prefix cache", "no prefix cache"
@@ -214,7 +213,7 @@ def run(args: argparse.Namespace) -> dict:
     variants = {WITH: base, WITHOUT: replace(base, prefix_cache=False)}
     encode = load_tokenizer(args.model).encode
     name = Path(args.model).name
-    source = args.prompts_from or (SHIPPED if args.model in PRESETS else args.model)
+    source = prompt_source(args.model, args.prompts_from)
     warm = heldout_prompts(source, 1, 64, args.seed - 1)[0]
     warmups = [
         Trace.draw(source, args, args.seed - 100 * (w + 1)) for w in range(args.warmup_traces)

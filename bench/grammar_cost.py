@@ -25,8 +25,7 @@ import time
 import torch
 
 from bench.core.timeline import Timeline, medians
-from bench.heldout import heldout_prompts
-from dhisparse.family.presets import PRESETS
+from bench.heldout import heldout_prompts, prompt_source
 from services.worker.engine import engine as engine_module
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
@@ -176,7 +175,7 @@ def run(args: argparse.Namespace) -> dict:
     threads = eng.grammar_masks.threads
     if args.switch_interval is not None:
         sys.setswitchinterval(args.switch_interval)
-    source = args.prompts_from or (MODEL if args.model in PRESETS else args.model)
+    source = prompt_source(args.model, args.prompts_from)
     prompts = heldout_prompts(source, args.batch, args.prompt_len, args.seed)
     variants = {"unconstrained": None, "json_schema": Grammar("json_schema", SCHEMA)}
     for g in variants.values():  # warm-up: compiles, graphs, the grammar's cache and thread

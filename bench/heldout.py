@@ -18,11 +18,14 @@ from pathlib import Path
 
 import torch
 
+from dhisparse.family.presets import PRESETS
 from training.corpus.bpe import corpus_encoder, eos_id, token_byte_lengths
 from training.corpus.chunks import cut
 from training.corpus.documents import document_text
 
 CORPUS_META = "corpus.json"
+# the shipped model: its held-out ids are the prompts of a model without a corpus (a preset)
+SHIPPED = "models/glm-dsa-mini"
 
 
 @dataclass(frozen=True)
@@ -74,3 +77,9 @@ def heldout_prompts(model_dir: str | Path, n: int, length: int, seed: int) -> li
     g = torch.Generator().manual_seed(seed)
     starts = torch.randint(0, len(held) - length, (n,), generator=g).tolist()
     return [held[s : s + length].tolist() for s in starts]
+
+
+def prompt_source(model: str, asked: str | None) -> str:
+    """The model directory whose held-out ids a benchmark's prompts are: ``asked``, else
+    ``model``, else (``model`` a preset, random weights without a corpus) the shipped model."""
+    return asked or (SHIPPED if model in PRESETS else model)
