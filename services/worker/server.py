@@ -26,7 +26,7 @@ from services.worker.engine.engine import Engine
 from services.worker.engine.heap import freeze_heap
 from services.worker.engine.kernel_builds import KernelBuilds
 from services.worker.engine.prefix_setup import prefix_salt
-from services.worker.engine.warm_up import warm_up
+from services.worker.engine.warm_up import skip_reason, warm_up
 from services.worker.metrics import WorkerMetrics, config_labels
 from services.worker.parallel.comm import LOCAL, Comm
 from services.worker.settings import WorkerSettings
@@ -264,9 +264,9 @@ def _warm_up(engine: Engine, comm: Comm) -> None:
     if comm.size > 1:
         log.info("warm-up skipped: it runs on a worker of one rank (this one has %d)", comm.size)
         return
-    done = warm_up(engine)
-    if done is None:
-        why = "sessions resumed" if engine.request_ids() else "the context is too short"
+    why = skip_reason(engine)
+    done = warm_up(engine) if why is None else None
+    if done is None:  # warm_up runs wherever skip_reason gives none
         log.info("warm-up skipped: %s", why)
         return
     log.info(

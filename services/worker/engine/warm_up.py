@@ -11,7 +11,9 @@ The warm-up runs what those requests run:
    then a few greedy decode steps (a decode key seen twice: captured);
 2. the same conversation's next turn: its prompt, answer and a few pages more, which imports
    the first turn's pages where prefix reuse is on (from the host store in the hierarchy
-   modes, shared device pages in resident mode) and prefills only the rest, then decodes.
+   modes, shared device pages in resident mode) and prefills only the rest, then decodes
+   under a grammar (``json_object``): the grammar compiler's tokenizer tables, the mask
+   thread and the masks' kernel are built before a client's structured output needs them.
 
 The requests are the engine's own, with a drafter where one is configured (its rounds warm
 too). Their ids are seeded pseudo-random tokens: nothing a client sends is a hit for the
@@ -31,7 +33,7 @@ import torch
 
 from services.worker.engine.engine import Engine
 from services.worker.engine.kernel_builds import KernelBuilds
-from services.worker.request.request import SamplingParams
+from services.worker.request.request import Grammar, SamplingParams
 
 DECODE_TOKENS = 4  # per turn: a decode key's second sighting is captured
 SEED = 20261207
@@ -63,11 +65,20 @@ def turn_lengths(engine: Engine) -> tuple[int, int] | None:
     return first, added
 
 
+def skip_reason(engine: Engine) -> str | None:
+    """Why the warm-up cannot run on ``engine`` (None: it can)."""
+    if engine.request_ids():
+        return "sessions resumed"
+    if turn_lengths(engine) is None:
+        return "the context is too short"
+    return None
+
+
 def warm_up(engine: Engine) -> WarmUp | None:
-    """Runs the conversation through ``engine`` (idle: no request in it) to completion; None
-    when it cannot (requests in the engine, or a context too short)."""
+    """Runs the conversation through ``engine`` to completion; None when it cannot
+    (``skip_reason``)."""
     lengths = turn_lengths(engine)
-    if engine.request_ids() or lengths is None:
+    if skip_reason(engine) is not None or lengths is None:
         return None
     first, added = lengths
     builds = KernelBuilds.process()
@@ -75,11 +86,14 @@ def warm_up(engine: Engine) -> WarmUp | None:
     g = torch.Generator().manual_seed(SEED)
     vocab = engine.model_cfg.vocab_size
     ids = torch.randint(0, vocab, (first + added,), generator=g).tolist()
-    params = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    plain = SamplingParams(temperature=0.0, max_tokens=DECODE_TOKENS, ignore_eos=True)
+    constrained = SamplingParams(
+        temperature=0.0, max_tokens=DECODE_TOKENS, grammar=Grammar("json_object")
+    )
     t0 = time.perf_counter()
     prompt = ids[:first]
     sent = 0
-    for turn in range(2):
+    for turn, params in enumerate((plain, constrained)):
         req = engine.add_request(f"warm-up-{turn}-{time.monotonic_ns()}", prompt, params)
         sent += len(prompt)
         while engine.has_work():

@@ -2,8 +2,8 @@
 engine, its second turn importing the first's pages where prefix reuse is on (the node's host
 store in the hierarchy modes, shared device pages in resident mode) and computing only the
 rest; nothing of it left running; a client's greedy tokens afterwards those of a fresh engine;
-an engine with requests, or too short a context, left alone; the worker's metrics counting from
-after it; the setting's default (on a GPU)."""
+an engine with requests, or too short a context, left alone (and why); the second turn under
+a grammar; the worker's metrics counting from after it; the setting's default (on a GPU)."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ from dhisparse import metrics as m
 from services.worker.durable.host_link import HostLink
 from services.worker.engine.config import EngineConfig
 from services.worker.engine.engine import Engine
-from services.worker.engine.warm_up import DECODE_TOKENS, turn_lengths, warm_up
+from services.worker.engine.warm_up import DECODE_TOKENS, skip_reason, turn_lengths, warm_up
 from services.worker.hierarchy.local_store import LocalHostStore
 from services.worker.metrics import WorkerMetrics
 from services.worker.request.request import SamplingParams
@@ -54,6 +54,7 @@ def test_the_second_turn_imports_the_first_and_nothing_stays(mode: str, store) -
     computed = engine.prefill_tokens_computed
     assert first < computed < first + DECODE_TOKENS + added + 16
     assert engine.scheduler.prefix.stats.hits == 1
+    assert engine.grammar_masks.started  # the second turn decoded under a grammar
     assert not engine.has_work() and engine.request_ids() == []
     engine.close()
 
@@ -74,11 +75,12 @@ def test_a_client_after_it_gets_a_fresh_engines_tokens(mode: str, store) -> None
 def test_an_engine_with_requests_or_a_short_context_is_left_alone(store) -> None:
     engine = make("adaptive", store)
     req = engine.add_request("client", PROMPT, GREEDY)
-    assert warm_up(engine) is None
+    assert skip_reason(engine) == "sessions resumed" and warm_up(engine) is None
     assert engine.request_ids() == ["client"] and req.output_ids == []
     engine.close()
     short = make("resident", None, max_model_len=32)
     assert turn_lengths(short) is None and warm_up(short) is None
+    assert skip_reason(short) == "the context is too short"
     short.close()
 
 
