@@ -47,6 +47,7 @@ from bench.serving.http_loop import samples_of, total
 from bench.serving.stack import Stack
 from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
+from services.worker.engine.kernel_builds import WHILE_SERVING
 
 WITH, WITHOUT = "prefix cache", "no prefix cache"
 GOAL_THROUGHPUT_RATIO = 2.0
@@ -242,6 +243,7 @@ def run(args: argparse.Namespace) -> dict:
         print(f"repeat {r + 1} {v}: {json.dumps(shown)}", flush=True)
         print(f"  worker: {json.dumps(got['worker'])}", flush=True)
 
+    built: dict[str, list[str]] = {}  # the kernels each worker built once it served
     with tempfile.TemporaryDirectory() as logs:
         if args.one_stack:  # each variant whole while its stack is up
             for v, cfg in variants.items():
@@ -249,6 +251,7 @@ def run(args: argparse.Namespace) -> dict:
                     warm_up(v, stack)
                     for r in range(args.repeats):
                         timed(v, stack, r)
+                    built[v] = stack.log_lines(WHILE_SERVING)
         else:  # both up; the variants alternate which goes first (A B, B A, ...)
             with contextlib.ExitStack() as up:
                 stacks = {
@@ -260,6 +263,7 @@ def run(args: argparse.Namespace) -> dict:
                 for r in range(args.repeats):
                     for v in list(variants) if r % 2 == 0 else list(variants)[::-1]:
                         timed(v, stacks[v], r)
+                built.update({v: stack.log_lines(WHILE_SERVING) for v, stack in stacks.items()})
     summary = _summary(runs)
     ratio = summary["throughput_with_over_without"]
     noise = summary["noise"]
@@ -284,6 +288,7 @@ def run(args: argparse.Namespace) -> dict:
         "summary": summary,
         "runs": {v: [{k: x for k, x in r.items() if k != "texts"} for r in rs]
                  for v, rs in runs.items()},
+        "kernels_built_while_serving": built,
     }  # fmt: skip
 
 

@@ -40,6 +40,7 @@ from dhisparse import metrics as names
 from dhisparse.tokenizer import load_tokenizer
 from dhisparse.up import DEFAULT_DRAFTER
 from services.worker.engine.config import EngineConfig
+from services.worker.engine.kernel_builds import WHILE_SERVING
 from services.worker.speculative.width_policy import WIDTH_POLICIES
 
 WITH, WITHOUT = "prefix cache (make run)", "no prefix cache"
@@ -215,6 +216,8 @@ def run(args: argparse.Namespace) -> dict:
                     prompts[v] += tok.encode(row["text"]) + questions[turn]
                 shown = {k: row[k] for k in ("prompt_tokens", "computed_tokens", "ttft_s")}
                 print(f"turn {turn + 1} {v}: {json.dumps(shown)}", flush=True)
+        # what a turn's kernel builds were (the worker warns of each once it serves)
+        built = {v: s.log_lines(WHILE_SERVING) for v, s in stacks.items()}
     later = {v: rs[1:] for v, rs in rows.items()}
     summary = {
         v: {
@@ -250,4 +253,5 @@ def run(args: argparse.Namespace) -> dict:
         "same_text": same_text,
         "summary": summary,
         "per_turn": rows,
+        "kernels_built_while_serving": built,
     }

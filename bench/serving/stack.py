@@ -97,6 +97,13 @@ class Stack:
             out.close()
         return self
 
+    def log_lines(self, contains: str) -> list[str]:
+        """The lines of the stack's log (its processes' output) that contain ``contains``."""
+        if not self.log.exists():
+            return []
+        text = self.log.read_text(errors="replace")
+        return [line for line in text.splitlines() if contains in line]
+
     def __exit__(self, *exc: object) -> None:
         self.stop()
 

@@ -339,6 +339,7 @@ async def serve(settings: WorkerSettings, comm: Comm = LOCAL) -> None:
     builds = KernelBuilds.process()  # from the start: start-up's builds are counted too
     server, async_engine = await start_server(settings, comm=comm)
     log.info("%d Triton kernels built during start-up", builds.total)
+    builds.serving()
     if settings.gc_freeze:  # the process's own heap: not in start_server, which tests call
         log.info("froze %d objects of the start-up heap", freeze_heap())
     stop = asyncio.Event()

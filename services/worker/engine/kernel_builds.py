@@ -9,8 +9,10 @@ shape first: ``dhisparse:kernel_builds`` tells how often that happens.
 Triton calls ``knobs.runtime.jit_cache_hook`` before it builds a kernel the process has not
 built (the hook may not return true: that would skip the build) and
 ``jit_post_compile_hook`` once it is built; a recorder keeps the hooks it found and calls
-them too. Each build is logged (INFO) with its kernel; the worker's metrics export the totals.
-Under the Triton interpreter (the CPU) nothing is built."""
+them too. Each build is logged with its kernel: at INFO during start-up, and once the worker
+serves (``serving``) at WARNING with the specialization built (a request waited for it: a
+shape the start-up warm-up did not meet). The worker's metrics export the totals. Under the
+Triton interpreter (the CPU) nothing is built."""
 
 from __future__ import annotations
 
@@ -23,6 +25,8 @@ from typing import Any
 import triton
 
 log = logging.getLogger(__name__)
+REPR_CHARS = 600  # of a build's specialization (Triton's repr: the kernel's argument types)
+WHILE_SERVING = "while serving"  # in the warning of a build once the worker serves
 
 
 def kernel_name(info: Any) -> str:
@@ -45,6 +49,7 @@ class KernelBuilds:
         self.seconds: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._started = threading.local()
+        self._serving = False
         rt = triton.knobs.runtime
         self._chained = (rt.jit_cache_hook, rt.jit_post_compile_hook)
         rt.jit_cache_hook, rt.jit_post_compile_hook = self._before, self._after
@@ -62,10 +67,20 @@ class KernelBuilds:
         with self._lock:
             self.count[name] += 1
             self.seconds[name] += dt
-        log.info("built Triton kernel %s in %.3f s", name, dt)
+        if self._serving:
+            log.warning(
+                "built Triton kernel %s in %.3f s %s (a request waited): %s",
+                name, dt, WHILE_SERVING, str(kw.get("repr", ""))[:REPR_CHARS],
+            )  # fmt: skip
+        else:
+            log.info("built Triton kernel %s in %.3f s", name, dt)
         hook = self._chained[1]
         if hook is not None:
             hook(*args, **kw)
+
+    def serving(self) -> None:
+        """From now on each build is logged as a warning, with its specialization."""
+        self._serving = True
 
     def snapshot(self) -> tuple[dict[str, int], dict[str, float]]:
         """(builds, seconds) by kernel so far."""

@@ -1,6 +1,7 @@
 """The Triton kernels a process builds (``engine.kernel_builds``): counted and timed by kernel
-from Triton's JIT hooks, hooks that were there before kept and called, given back on close; the
-worker's metrics export the totals from zero. On the GPU a real first launch of a kernel
+from Triton's JIT hooks (a build once the worker serves warned, with its specialization), hooks
+that were there before kept and called, given back on close; the worker's metrics export the
+totals from zero. On the GPU a real first launch of a kernel
 specialization is one build, and a second launch of it none."""
 
 from __future__ import annotations
@@ -48,6 +49,20 @@ def test_builds_are_counted_by_kernel(fresh: KernelBuilds) -> None:
     assert count == {"some_kernel._gather": 2, "other._scatter": 1}
     assert all(s >= 0.0 for s in seconds.values())
     assert fresh.totals()[0] == 3 == fresh.total
+
+
+def test_builds_while_serving_are_warned_with_their_specialization(
+    fresh: KernelBuilds, caplog
+) -> None:
+    caplog.set_level("INFO", logger="services.worker.engine.kernel_builds")
+    _build("_start_up")
+    fresh.serving()
+    _build("_gather[num_warps=4](x: *fp32, n: i32)")
+    levels = [(r.levelname, r.getMessage()) for r in caplog.records]
+    assert levels[0][0] == "INFO" and "_start_up" in levels[0][1]
+    assert levels[1][0] == "WARNING" and "while serving" in levels[1][1]
+    assert "(x: *fp32, n: i32)" in levels[1][1]  # the specialization built
+    assert fresh.total == 2
 
 
 def test_hooks_found_are_kept_and_called() -> None:
