@@ -6,10 +6,10 @@ constrained requests, without a model, so that it is measured apart from a step 
 
 The requests are the shipped model's, under ``grammar_cost.SCHEMA`` (an array of strings), each
 inside a string, every step appending a token that keeps it there. A step: every request's
-matcher accepts its token (one batch call, as ``emission.decoded_tokens`` makes it), the next
-rows are filled ahead (``prefetch``), the engine's own work while the filler runs (``--torch-ops`` small torch ops, which let the
-interpreter's lock go as a pass's do; not counted), the pass's rows asked for
-(``fill_decode``) and applied (``apply``). Reported: each phase's median over ``--steps`` steps
+matcher accepts its token (``GrammarState.accept_each``, as ``emission.decoded_tokens`` calls
+it), the next rows are filled ahead (``prefetch``), the engine's own work while the filler runs
+(``--torch-ops`` small torch ops, which let the interpreter's lock go as a pass's do; not
+counted), the pass's rows asked for (``fill_decode``) and applied (``apply``). Reported: each phase's median over ``--steps`` steps
 after ``--warmup`` and their sum; ``apply`` includes xgrammar's kernel, which on a CPU is a
 computation and on a GPU a launch, so the kernel alone on the same rows is reported too and the
 sum without it is what the thread keeps on a GPU. ``grammar-cost`` measures the whole step on

@@ -43,19 +43,8 @@ class GrammarState:
 
     @staticmethod
     def accept_each(states: Sequence[GrammarState | None], tokens: Sequence[int]) -> list[bool]:
-        """Advances every state past its token in one call (xgrammar's batch matcher: one
-        crossing into its library for a step's requests, not one each); True where it did,
-        False where the state is None or its grammar rejects the token (that one unchanged)."""
-        held = [i for i, st in enumerate(states) if st is not None]
-        done = [False] * len(states)
-        if not held:
-            return done
-        oks = xgr.BatchGrammarMatcher.batch_accept_token(
-            [states[i].matcher for i in held],  # type: ignore[union-attr]
-            [tokens[i] for i in held],
-        )
-        for i, ok in zip(held, oks, strict=True):
-            if ok:
-                states[i].took(tokens[i])  # type: ignore[union-attr]
-                done[i] = True
-        return done
+        """Advances every state past its token; True where it did, False where the state is
+        None or its grammar rejects the token (that one unchanged). One matcher at a time:
+        xgrammar's batch call (``BatchGrammarMatcher.batch_accept_token``) takes longer for a
+        step's requests than their accepts one by one (``bench grammar-host``)."""
+        return [st is not None and st.accept(t) for st, t in zip(states, tokens, strict=True)]

@@ -330,8 +330,8 @@ def test_a_host_fills_on_a_thread_per_four_cores_up_to_four() -> None:
 
 
 def test_accept_each_advances_as_one_by_one() -> None:
-    """One batch call over a step's requests: each constrained one advanced as its own
-    ``accept`` would (walks of several grammars, a stop token terminating one), a rejected
+    """One call over a step's requests: each constrained one advanced as its own ``accept``
+    would (walks of several grammars, a stop token terminating one), a rejected
     token leaving its state as it was, an unconstrained request (None) untouched."""
     c = compiler("mini")
     names = ["json_object", "json_schema", "any_text", "dsml"]
